@@ -1,0 +1,25 @@
+"""undercurrent: live activation probing of language models while they generate.
+
+Importing this package is cheap: torch, transformers and vllm are imported only
+when a model is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["ProbedModel", "GenerationOutput", "__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from undercurrent.api import GenerationOutput, ProbedModel
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import undercurrent` never imports torch.
+    if name in ("ProbedModel", "GenerationOutput", "StreamEvent"):
+        from undercurrent import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'undercurrent' has no attribute {name!r}")

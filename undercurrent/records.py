@@ -1,0 +1,121 @@
+"""What flows through undercurrent: activation records in, probe signals and results out.
+
+No torch import here: ``tensor`` is whatever array the adapter captured (a detached
+CPU ``torch.Tensor`` from the shipped adapters, or a numpy array in tests).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True, eq=False)
+class ActivationRecord:
+    """One captured activation: one (request, extraction point, layer, token).
+
+    ``token_index`` is absolute within the request's own prompt + generated
+    sequence (padding never counts); ``generated_index`` counts generated tokens
+    from 0 and is None for prompt tokens. ``tensor`` is detached, on the CPU, in the
+    model's dtype; its shape is ``(hidden,)`` for most tensor types and
+    ``(2, num_kv_heads, head_dim)`` for ``kv``.
+    """
+
+    request_id: str
+    extraction_point_name: str
+    layer: int
+    tensor_type: str
+    token_index: int
+    is_generated: bool
+    generated_index: int | None
+    token_id: int | None
+    tensor: Any
+    timestamp: float = field(default_factory=_now)
+
+    def key(self) -> tuple[str, str, int, int]:
+        """(request, point, layer, token): unique per record within a generation."""
+        return (self.request_id, self.extraction_point_name, self.layer, self.token_index)
+
+
+class SignalAction(str, enum.Enum):
+    """What a probe asks of generation."""
+
+    CONTINUE = "continue"
+    FLAG = "flag"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class ProbeSignal:
+    """A probe's judgement on one activation."""
+
+    action: SignalAction = SignalAction.CONTINUE
+    score: float | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    timestamp: float = field(default_factory=_now)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", SignalAction(self.action))
+        if self.score is not None:
+            object.__setattr__(self, "score", float(self.score))
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    """Accounting for one binding (one probe instance on one request and point).
+
+    Always ``received == processed + dropped``.
+    """
+
+    received: int = 0
+    processed: int = 0
+    dropped: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    mean_latency_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "received": self.received,
+            "processed": self.processed,
+            "dropped": self.dropped,
+            "errors": self.errors,
+            "timeouts": self.timeouts,
+            "mean_latency_s": self.mean_latency_s,
+        }
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one probe concluded about one request at one extraction point.
+
+    ``verdict`` is whatever the probe's ``on_end`` returned; ``signals`` are the
+    signals it emitted, in order; ``error`` describes the first failure, if any.
+    """
+
+    request_id: str
+    extraction_point_name: str
+    verdict: Any
+    signals: tuple[ProbeSignal, ...]
+    stats: ProbeStats
+    error: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signals", tuple(self.signals))
+
+    @property
+    def flagged(self) -> bool:
+        """True when any signal was a flag or an abort."""
+        return any(s.action is not SignalAction.CONTINUE for s in self.signals)
+
+    @property
+    def scores(self) -> list[float | None]:
+        return [s.score for s in self.signals]

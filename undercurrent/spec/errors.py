@@ -1,0 +1,66 @@
+"""The one error type every invalid spec raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One thing wrong with a spec.
+
+    ``point_index``/``point_name`` locate the extraction point (both ``None`` for
+    problems at the top level of the file); ``field`` names the key at fault.
+    """
+
+    message: str
+    field: str | None = None
+    point_index: int | None = None
+    point_name: str | None = None
+
+    def location(self) -> str:
+        parts: list[str] = []
+        if self.point_index is not None:
+            where = f"extraction_points[{self.point_index}]"
+            if self.point_name:
+                where += f" (name {self.point_name!r})"
+            parts.append(where)
+        if self.field:
+            parts.append(f"field {self.field!r}")
+        return ", ".join(parts) if parts else "spec"
+
+    def __str__(self) -> str:
+        return f"{self.location()}: {self.message}"
+
+
+class SpecValidationError(ValueError):
+    """An invalid spec. ``problems`` lists every problem found, not only the first.
+
+    The message names, for each problem, the extraction point (by index and name)
+    and the field at fault.
+    """
+
+    def __init__(
+        self,
+        problems: list[SpecProblem] | str,
+        *,
+        source: str | None = None,
+    ) -> None:
+        if isinstance(problems, str):
+            problems = [SpecProblem(problems)]
+        self.problems: list[SpecProblem] = list(problems)
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f" in {self.source}" if self.source else ""
+        count = len(self.problems)
+        if count == 1:
+            return f"invalid spec{where}: {self.problems[0]}"
+        lines = [f"invalid spec{where}: {count} problems"]
+        lines += [f"  - {problem}" for problem in self.problems]
+        return "\n".join(lines)
+
+    def one_line(self) -> str:
+        """The message folded onto a single line (for CLI output)."""
+        return "; ".join(str(problem) for problem in self.problems)

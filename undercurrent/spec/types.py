@@ -1,0 +1,173 @@
+"""Resolved spec types: what the loaders return and what adapters and the router read.
+
+These are plain frozen dataclasses and enums; they never import torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from undercurrent.spec.position import PositionSelector
+
+
+class TensorType(str, enum.Enum):
+    """Which tensor an extraction point captures."""
+
+    RESIDUAL_STREAM = "residual_stream"
+    ATTN_OUT = "attn_out"
+    MLP_OUT = "mlp_out"
+    KV = "kv"
+    FINAL_NORM = "final_norm"
+
+
+class ProbeKind(str, enum.Enum):
+    """``single_shot`` probes judge each activation alone; ``trajectory`` probes
+    carry state across a request's activations."""
+
+    SINGLE_SHOT = "single_shot"
+    TRAJECTORY = "trajectory"
+
+
+class ExecutionMode(str, enum.Enum):
+    """``inline`` runs the probe on the generation path; ``async`` off it."""
+
+    INLINE = "inline"
+    ASYNC = "async"
+
+
+class InterventionMode(str, enum.Enum):
+    """``reject``: never hold generation on a deadline. ``block_until_signal``:
+    generation waits at most ``timeout_ms`` for the probe's signal."""
+
+    REJECT = "reject"
+    BLOCK_UNTIL_SIGNAL = "block_until_signal"
+
+
+class OnTimeout(str, enum.Enum):
+    """What happens when a blocking probe misses its deadline (or raises)."""
+
+    CONTINUE = "continue"
+    ABORT = "abort"
+
+
+class UntilKind(str, enum.Enum):
+    """Validated and round-tripped; not enforced by the shipped adapters."""
+
+    GENERATION_END = "generation_end"
+    FIXED_COUNT = "fixed_count"
+    STOP_TOKEN = "stop_token"
+
+
+@dataclass(frozen=True)
+class InterventionPolicy:
+    """How generation waits on an inline probe."""
+
+    mode: InterventionMode = InterventionMode.REJECT
+    timeout_ms: int | None = None
+    on_timeout: OnTimeout = OnTimeout.CONTINUE
+
+
+def _frozen_mapping(data: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return types.MappingProxyType(copy.deepcopy(dict(data or {})))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractionPoint:
+    """What to capture, where, and which probe receives it.
+
+    ``layers`` is always a tuple; ``position`` is a parsed selector; ``intervention``
+    is None unless the spec set one (None means "the router's default", not "no
+    policy"); ``probe_args`` is read-only.
+    """
+
+    name: str
+    layers: tuple[int, ...]
+    tensor_type: TensorType
+    position: PositionSelector
+    stride: int = 1
+    until: UntilKind | None = None
+    probe_type: str
+    probe_kind: ProbeKind
+    probe_args: Mapping[str, Any] = field(default_factory=dict)
+    execution_mode: ExecutionMode = ExecutionMode.INLINE
+    queue_depth: int | None = None
+    intervention: InterventionPolicy | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise what hand-built points commonly pass (a list, an int, a str
+        # enum value) so every consumer can rely on the declared types.
+        layers = self.layers
+        if isinstance(layers, int):
+            layers = (layers,)
+        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
+        object.__setattr__(self, "probe_kind", ProbeKind(self.probe_kind))
+        object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))
+        if self.until is not None:
+            object.__setattr__(self, "until", UntilKind(self.until))
+        if not isinstance(self.position, PositionSelector):
+            from undercurrent.spec.position import parse_position
+
+            object.__setattr__(self, "position", parse_position(self.position))
+        if not isinstance(self.probe_args, types.MappingProxyType):
+            object.__setattr__(self, "probe_args", _frozen_mapping(self.probe_args))
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.layers, self.tensor_type, self.position, self.probe_type))
+
+    def matches(
+        self,
+        token_index: int,
+        is_generated: bool,
+        prompt_len: int,
+        generated_index: int | None = None,
+    ) -> bool:
+        """Whether this point fires for a token: the position selector and stride.
+
+        >>> from undercurrent.spec import parse_position
+        >>> p = ExtractionPoint(name="t", layers=(0,), tensor_type="mlp_out",
+        ...     position=parse_position("generated[*]"), stride=2,
+        ...     probe_type="norm_probe", probe_kind="trajectory")
+        >>> p.matches(token_index=12, is_generated=True, prompt_len=10, generated_index=2)
+        True
+        """
+        return self.position.matches(
+            token_index, is_generated, prompt_len, generated_index, stride=self.stride
+        )
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """A named list of extraction points: iterable, ``len()``, ``.get(name)``, ``.names``."""
+
+    extraction_points: tuple[ExtractionPoint, ...] = ()
+    version: str = "1"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extraction_points", tuple(self.extraction_points))
+
+    def __iter__(self) -> Iterator[ExtractionPoint]:
+        return iter(self.extraction_points)
+
+    def __len__(self) -> int:
+        return len(self.extraction_points)
+
+    def __getitem__(self, index: int) -> ExtractionPoint:
+        return self.extraction_points[index]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The extraction point names, in spec order."""
+        return tuple(point.name for point in self.extraction_points)
+
+    def get(self, name: str, default: ExtractionPoint | None = None) -> ExtractionPoint | None:
+        """The point called ``name``, or ``default`` when there is none."""
+        for point in self.extraction_points:
+            if point.name == name:
+                return point
+        return default
