@@ -1,0 +1,156 @@
+"""The backend protocol every engine adapter implements, and backend lookup.
+
+:class:`~undercurrent.api.ProbedModel` is backend-agnostic: it builds a router and
+a :class:`~undercurrent.adapters.session.CaptureSession` per call and hands them
+to a :class:`Backend`. A backend tokenizes, runs the engine with its hooks, feeds
+the session (``open_request`` / ``StepPlan`` / ``deliver`` / ``add_token`` /
+``close_request``) and returns one
+:class:`~undercurrent.adapters.outputs.GenerationOutput` per prompt.
+
+Contract (what the tests of every backend check):
+
+- ``capabilities()`` says which tensor types are captured at which layers;
+  ``check_points`` rejects anything else before generation starts.
+- One record per matching (token, layer); ``token_index`` is absolute in that
+  request's own prompt + generated sequence (padding never counts).
+- Every prompt is its own request; an ``abort`` from an inline probe stops that
+  request before its next token, the others continue.
+- ``close()`` (and an exception or KeyboardInterrupt mid-generation) leaves no
+  hook behind.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.session import CaptureSession
+
+
+class BackendError(RuntimeError):
+    """A backend cannot be loaded or used (missing extra, unknown name, closed)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample, shared by every backend.
+
+    ``temperature == 0`` is greedy decoding; ``seed`` makes sampling reproducible;
+    ``stop`` strings end a request (its text ends before the stop string);
+    ``capture_last_token`` runs one extra forward step so the last sampled token,
+    which generation never feeds back to the model, gets activations too.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    capture_last_token: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What :class:`~undercurrent.api.ProbedModel` needs from an engine adapter.
+
+    Constructors are backend-specific (``from_pretrained(path, device=..., **kw)``
+    classmethods); everything after construction goes through these methods.
+    """
+
+    name: str
+
+    @property
+    def model_name(self) -> str:
+        """A name for the loaded model (path or hub id), passed to probes."""
+        ...
+
+    def capabilities(self) -> Capabilities:
+        """Tensor types and valid layer indices on the loaded model."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        request_ids: Sequence[str],
+        params: SamplingParams,
+        session: CaptureSession,
+        *,
+        batch_size: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (batched), one output per prompt, in order."""
+        ...
+
+    def stream(
+        self,
+        prompt: str,
+        request_id: str,
+        params: SamplingParams,
+        session: CaptureSession,
+    ) -> Iterator[StreamEvent]:
+        """Generate for one prompt, yielding a :class:`StreamEvent` per token and a
+        final one with the complete output. Closing the iterator early stops
+        generation and cleans up."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's hooks (and the engine, where the backend owns it)."""
+        ...
+
+
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    # name: (module, class, extra that provides the engine)
+    "hf": ("undercurrent.adapters.hf.backend", "HFBackend", "hf"),
+    "vllm": ("undercurrent.adapters.vllm.backend", "VLLMBackend", "vllm"),
+}
+
+_ENGINE_MODULES = {"hf": ("torch", "transformers"), "vllm": ("torch", "vllm")}
+
+
+def known_backends() -> tuple[str, ...]:
+    """Names accepted by ``ProbedModel.from_pretrained(..., backend=...)``."""
+    return tuple(_BACKENDS)
+
+
+def backend_class(name: str) -> Any:
+    """The backend class registered under ``name``, imported on demand.
+
+    Raises :class:`BackendError` naming the known backends for an unknown name,
+    and the extra to install when the engine is missing.
+    """
+    try:
+        module_name, class_name, extra = _BACKENDS[name]
+    except KeyError:
+        raise BackendError(
+            f"unknown backend {name!r}; known backends: {', '.join(_BACKENDS)}"
+        ) from None
+    for engine in _ENGINE_MODULES.get(name, ()):
+        if importlib.util.find_spec(engine) is None:
+            raise BackendError(
+                f"the {name!r} backend needs {engine!r}, which is not installed; "
+                f"install it with: pip install 'undercurrent[{extra}]'"
+            )
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name)

@@ -1,0 +1,116 @@
+"""What a generation returns, shared by every backend: per-prompt outputs, the
+abort that stopped a request, and the per-token events of a stream."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
+
+
+@dataclass(frozen=True)
+class TokenSignal:
+    """A signal an inline probe returned, with where it came from.
+
+    ``token_index`` is absolute in the request's prompt + generated sequence;
+    ``generated_index`` is None for prompt tokens.
+    """
+
+    extraction_point_name: str
+    layer: int
+    token_index: int
+    generated_index: int | None
+    signal: ProbeSignal
+
+    @property
+    def action(self) -> SignalAction:
+        return self.signal.action
+
+    @property
+    def score(self) -> float | None:
+        return self.signal.score
+
+
+@dataclass(frozen=True)
+class AbortInfo:
+    """Which point's signal stopped a request, and at which token.
+
+    The request produced no token after ``token_index``'s activations were probed:
+    with an abort on generated token ``g``, the output ends with token ``g``; an
+    abort on a prompt token leaves the output empty.
+    """
+
+    extraction_point_name: str
+    layer: int
+    token_index: int
+    generated_index: int | None
+    signal: ProbeSignal
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One prompt's generation: text, tokens, abort and each point's ``ProbeResult``.
+
+    ``token_ids`` are the generated tokens only (the prompt's are
+    ``prompt_token_ids``); ``finish_reason`` is ``"length"``, ``"eos"``,
+    ``"stop"`` (a stop string; ``text`` ends before it) or ``"abort"``.
+    ``records`` holds the captured ``ActivationRecord``s only when the generation
+    was asked for ``records=True``.
+    """
+
+    request_id: str
+    prompt: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_len: int
+    prompt_token_ids: tuple[int, ...] = ()
+    finish_reason: str = "length"
+    abort: AbortInfo | None = None
+    results: Mapping[str, ProbeResult] = field(default_factory=dict)
+    signals: tuple[TokenSignal, ...] = ()
+    records: list[ActivationRecord] | None = None
+
+    @property
+    def aborted(self) -> bool:
+        """True when a probe's abort stopped this request."""
+        return self.abort is not None
+
+    def summary(self) -> dict[str, Any]:
+        """A compact, printable view: text, abort and each point's verdict."""
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "aborted": self.aborted,
+            "abort": None if self.abort is None else {
+                "point": self.abort.extraction_point_name,
+                "layer": self.abort.layer,
+                "token_index": self.abort.token_index,
+                "score": self.abort.signal.score,
+            },
+            "verdicts": {name: result.verdict for name, result in self.results.items()},
+        }
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a stream.
+
+    Token events carry ``token_id`` / ``text`` (the decoded piece) and their
+    indices; ``signals`` are the inline signals that arrived since the previous
+    event (a generated token's own activations are probed on the step after it is
+    sampled, so its signals come with the next event). The last event has
+    ``finished=True``, ``token_id=None`` and the complete ``output``.
+    """
+
+    request_id: str
+    token_id: int | None
+    text: str
+    token_index: int | None
+    generated_index: int | None
+    signals: tuple[TokenSignal, ...] = ()
+    aborted: bool = False
+    finished: bool = False
+    output: GenerationOutput | None = None

@@ -1,0 +1,339 @@
+"""Backend-neutral capture bookkeeping: which tokens each request's points want,
+records built and routed, aborts, and the per-prompt output at the end.
+
+A backend drives one :class:`CaptureSession` per ``generate()``/``stream()`` call:
+
+1. ``open_request(id, prompt, prompt_token_ids)`` when a prompt is tokenized
+   (registers it with the router);
+2. before each forward, a :class:`StepPlan` says which (layer, tensor type) pairs
+   anything wants and where in the engine's batch the wanted tokens sit
+   (``plan.add_window(state, start, stop, slot_of)``);
+3. after the forward, ``deliver(targets, rows)`` turns the captured rows into
+   ``ActivationRecord``s and routes them; an ``abort`` signal stops that request;
+4. ``add_token`` as tokens are sampled, ``close_request`` at the end.
+
+Matching is arithmetic on the position selectors (no loop over tokens), and a
+point stops costing anything once it can match no later token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, TokenSignal
+from undercurrent.records import ActivationRecord, ProbeResult, SignalAction
+from undercurrent.spec.types import ExtractionPoint, TensorType
+
+PairKey = tuple[int, TensorType]
+
+
+def _tokens_in_window(point: ExtractionPoint, prompt_len: int, start: int, stop: int) -> range:
+    """Absolute token indices in ``[start, stop)`` that ``point`` selects."""
+    selector = point.position
+    if not selector.is_continuous:
+        target = selector.target_index(prompt_len)
+        if target is None or not start <= target < stop:
+            return range(0)
+        return range(target, target + 1)
+    # Continuous selectors match generated tokens only: generated index g sits at
+    # absolute index prompt_len + g.
+    first_g = max(start - prompt_len, selector.start, 0)
+    stop_g = stop - prompt_len
+    if selector.stop is not None:
+        stop_g = min(stop_g, selector.stop)
+    if first_g >= stop_g:
+        return range(0)
+    stride = point.stride
+    first_g += (-(first_g - selector.start)) % stride
+    return range(prompt_len + first_g, prompt_len + stop_g, stride)
+
+
+def stop_position(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    found = [index for index in (text.find(stop) for stop in stops if stop) if index >= 0]
+    return min(found) if found else None
+
+
+class RequestState:
+    """One request's bookkeeping: prompt, points still able to match, generated
+    tokens, signals, records, abort and finish reason."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str,
+        prompt_token_ids: Sequence[int],
+        points: Sequence[ExtractionPoint],
+        keep_records: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
+        self.prompt_len = len(self.prompt_token_ids)
+        self.points = tuple(points)
+        self._live_points = list(self.points)
+        self.generated: list[int] = []
+        self.abort: AbortInfo | None = None
+        self.finish_reason: str | None = None
+        self.records: list[ActivationRecord] | None = [] if keep_records else None
+        self.signals: list[TokenSignal] = []
+        self.signals_read = 0
+
+    @property
+    def live(self) -> bool:
+        """Still generating: neither finished nor aborted."""
+        return self.finish_reason is None
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort is not None
+
+    def token_id_at(self, token_index: int) -> int | None:
+        """The token at an absolute index (prompt or generated), if known yet."""
+        if token_index < self.prompt_len:
+            return self.prompt_token_ids[token_index]
+        generated_index = token_index - self.prompt_len
+        if generated_index < len(self.generated):
+            return self.generated[generated_index]
+        return None
+
+    def wanted_pairs(self) -> set[PairKey]:
+        """(layer, tensor type) pairs the points still able to match ask for."""
+        return {(layer, point.tensor_type) for point in self._live_points for layer in point.layers}
+
+    def matches_in_window(self, start: int, stop: int) -> list[tuple[int, ExtractionPoint]]:
+        """(token index, point) for every token in ``[start, stop)`` a live point
+        selects; then retires the points that cannot match at or after ``stop``."""
+        found: list[tuple[int, ExtractionPoint]] = []
+        if not self.live:
+            return found
+        for point in self._live_points:
+            found.extend((index, point) for index in _tokens_in_window(
+                point, self.prompt_len, start, stop))
+        self._live_points = [
+            point for point in self._live_points
+            if (last := point.position.last_index(self.prompt_len)) is None or last >= stop
+        ]
+        found.sort(key=lambda item: item[0])
+        return found
+
+    def unread_signals(self) -> tuple[TokenSignal, ...]:
+        """Signals that arrived since the last call (what a stream event carries)."""
+        fresh = tuple(self.signals[self.signals_read:])
+        self.signals_read = len(self.signals)
+        return fresh
+
+
+@dataclass
+class CaptureTarget:
+    """One record to build: a request's point wants ``layer`` at ``token_index``,
+    found at row ``slot_index`` of the group's gathered tensor."""
+
+    state: RequestState
+    point: ExtractionPoint
+    layer: int
+    token_index: int
+    slot_index: int
+
+
+@dataclass
+class CaptureGroup:
+    """Everything one (layer, tensor type) hook must capture in one forward.
+
+    ``slots`` are engine-specific locations (e.g. ``(row, column)`` in a padded
+    batch, or a flat token position), unique; gather them in this order with one
+    device-to-host copy, then :meth:`CaptureSession.deliver` slices per target.
+    """
+
+    slots: list[Hashable] = field(default_factory=list)
+    targets: list[CaptureTarget] = field(default_factory=list)
+    _slot_index: dict[Hashable, int] = field(default_factory=dict)
+
+    def add(self, state: RequestState, point: ExtractionPoint, layer: int,
+            token_index: int, slot: Hashable) -> None:
+        index = self._slot_index.get(slot)
+        if index is None:
+            index = self._slot_index[slot] = len(self.slots)
+            self.slots.append(slot)
+        self.targets.append(CaptureTarget(state, point, layer, token_index, index))
+
+
+class StepPlan:
+    """What one forward pass must capture, grouped by (layer, tensor type)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[PairKey, CaptureGroup] = {}
+
+    def add_window(self, state: RequestState, start: int, stop: int,
+                   slot_of: Callable[[int], Hashable]) -> None:
+        """Plan the tokens ``[start, stop)`` of ``state`` this forward feeds;
+        ``slot_of(token_index)`` says where each sits in the engine's tensors."""
+        for token_index, point in state.matches_in_window(start, stop):
+            slot = slot_of(token_index)
+            for layer in point.layers:
+                key = (layer, point.tensor_type)
+                group = self.groups.get(key)
+                if group is None:
+                    group = self.groups[key] = CaptureGroup()
+                group.add(state, point, layer, token_index, slot)
+
+    def get(self, layer: int, tensor_type: TensorType) -> CaptureGroup | None:
+        return self.groups.get((layer, tensor_type))
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+
+class CaptureSession:
+    """Bookkeeping for one generation call, shared by every backend.
+
+    ``router`` may be None when no point is declared. ``on_result`` is called with
+    each ``ProbeResult`` as its request ends.
+    """
+
+    def __init__(
+        self,
+        router: Any,
+        points: Sequence[ExtractionPoint],
+        *,
+        model_name: str = "",
+        keep_records: bool = False,
+        on_result: Callable[[ProbeResult], Any] | None = None,
+    ) -> None:
+        self.router = router
+        self.points = tuple(points)
+        self.model_name = model_name
+        self.keep_records = keep_records
+        self.on_result = on_result
+        self.requests: dict[str, RequestState] = {}
+        self._registered: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------
+    def open_request(self, request_id: str, prompt: str, prompt_token_ids: Sequence[int],
+                     points: Sequence[ExtractionPoint] | None = None) -> RequestState:
+        """Start tracking a request and register its points with the router."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already open in this generation")
+        chosen = self.points if points is None else tuple(points)
+        state = RequestState(request_id, prompt, prompt_token_ids, chosen, self.keep_records)
+        if chosen and self.router is not None:
+            self.router.register_request(request_id, list(chosen), self._context(state))
+            self._registered.add(request_id)
+        self.requests[request_id] = state
+        return state
+
+    def _context(self, state: RequestState) -> Any:
+        try:
+            from undercurrent.probes import RequestContext
+        except ImportError:  # the probes package is optional for a bare session
+            return None
+        return RequestContext(request_id=state.request_id, prompt=state.prompt,
+                              prompt_len=state.prompt_len, model_name=self.model_name)
+
+    def close_request(self, request_id: str, text: str,
+                      finish_reason: str | None = None) -> GenerationOutput:
+        """End a request: collect its probe results and build its output."""
+        state = self.requests[request_id]
+        if state.finish_reason is None:
+            state.finish_reason = finish_reason or "length"
+        results = self._end(request_id)
+        return GenerationOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            text=text,
+            token_ids=tuple(state.generated),
+            prompt_len=state.prompt_len,
+            prompt_token_ids=state.prompt_token_ids,
+            finish_reason=state.finish_reason,
+            abort=state.abort,
+            results=results,
+            signals=tuple(state.signals),
+            records=state.records,
+        )
+
+    def _end(self, request_id: str) -> dict[str, ProbeResult]:
+        if request_id not in self._registered:
+            return {}
+        self._registered.discard(request_id)
+        results = dict(self.router.end_request(request_id))
+        if self.on_result is not None:
+            for result in results.values():
+                self.on_result(result)
+        return results
+
+    def abandon(self) -> None:
+        """End every request still registered (after an error or interrupt), so the
+        router holds no live request and no worker keeps waiting."""
+        for request_id in list(self._registered):
+            self._registered.discard(request_id)
+            try:
+                self.router.end_request(request_id)
+            except Exception:  # noqa: BLE001 - cleanup must reach every request
+                pass
+
+    # -- per step --------------------------------------------------------
+    def live_requests(self) -> list[RequestState]:
+        return [state for state in self.requests.values() if state.live]
+
+    def wanted_pairs(self) -> set[PairKey]:
+        """(layer, tensor type) pairs any live request can still match."""
+        wanted: set[PairKey] = set()
+        for state in self.live_requests():
+            wanted |= state.wanted_pairs()
+        return wanted
+
+    def add_token(self, state: RequestState, token_id: int) -> None:
+        """Record a sampled token for a live request."""
+        state.generated.append(int(token_id))
+
+    def deliver(self, batches: Iterable[tuple[TensorType, Sequence[CaptureTarget], Any]]) -> None:
+        """Build and route the records of one forward pass.
+
+        ``batches`` yields (tensor type, targets, rows) with ``rows[t.slot_index]``
+        the captured tensor of target ``t`` (already on the CPU). Records are
+        routed in token order, then layer order, so trajectory probes see a
+        request's tokens in sequence.
+        """
+        pending: list[tuple[int, int, int, TensorType, CaptureTarget, Any]] = []
+        for tensor_type, targets, rows in batches:
+            for target in targets:
+                pending.append((target.token_index, target.layer, len(pending), tensor_type,
+                                target, rows[target.slot_index]))
+        pending.sort(key=lambda item: item[:3])
+        for _, _, _, tensor_type, target, tensor in pending:
+            self.route_one(target, tensor_type, tensor)
+
+    def route_one(self, target: CaptureTarget, tensor_type: TensorType | str,
+                  tensor: Any) -> None:
+        """Build one record, keep it if asked, route it, apply an abort."""
+        state = target.state
+        if not state.live:
+            return  # nothing is routed after a request stopped
+        is_generated = target.token_index >= state.prompt_len
+        generated_index = target.token_index - state.prompt_len if is_generated else None
+        record = ActivationRecord(
+            request_id=state.request_id,
+            extraction_point_name=target.point.name,
+            layer=target.layer,
+            tensor_type=TensorType(tensor_type).value,
+            token_index=target.token_index,
+            is_generated=is_generated,
+            generated_index=generated_index,
+            token_id=state.token_id_at(target.token_index),
+            tensor=tensor,
+        )
+        if state.records is not None:
+            state.records.append(record)
+        if self.router is None or state.request_id not in self._registered:
+            return
+        signal = self.router.route(record)
+        if signal is None:
+            return
+        state.signals.append(TokenSignal(target.point.name, target.layer, target.token_index,
+                                         generated_index, signal))
+        if signal.action is SignalAction.ABORT:
+            state.abort = AbortInfo(target.point.name, target.layer, target.token_index,
+                                    generated_index, signal)
+            state.finish_reason = "abort"
