@@ -1,0 +1,159 @@
+"""fit_linear_probe: scikit-learn's fit, folded into one affine map, saved in the agreed format."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from nb_builders import make_records
+from safetensors import safe_open
+from safetensors.numpy import load_file
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from undercurrent.notebook import fit_linear_probe, records_frame
+from undercurrent.probes.fitting import LINEAR_PROBE_FORMAT
+
+
+def _blobs(n: int = 300, hidden: int = 12, classes: int = 2, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, size=n)
+    centres = rng.normal(scale=1.5, size=(classes, hidden))
+    # Features on very different scales and offsets, so the folded standardisation matters.
+    X = (centres[labels] + rng.normal(size=(n, hidden))) * np.linspace(0.1, 30, hidden) + 7.0
+    return X, labels
+
+
+def _sigmoid(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def test_saved_safetensors_reproduces_sklearns_pipeline_probabilities(tmp_path):
+    X, y = _blobs()
+    fit = fit_linear_probe(X, y, test_size=0, save_to=tmp_path / "probe.safetensors")
+    oracle = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=2000))
+    oracle.fit(X, y)
+    arrays = load_file(str(tmp_path / "probe.safetensors"))
+    assert arrays["weight"].shape == (12,) and arrays["weight"].dtype == np.float32
+    assert arrays["bias"].shape == () and arrays["bias"].dtype == np.float32
+    from_file = _sigmoid(X @ arrays["weight"].astype(np.float64) + float(arrays["bias"]))
+    np.testing.assert_allclose(from_file, oracle.predict_proba(X)[:, 1], atol=2e-4)
+    np.testing.assert_allclose(fit.predict_proba(X), oracle.predict_proba(X), atol=2e-4)
+
+
+def test_safetensors_metadata_follows_the_agreed_format(tmp_path):
+    X, y = _blobs()
+    labels = np.array(["benign", "harmful"])[y]
+    fit_linear_probe(
+        X, labels, threshold=0.7, layer=3, tensor_type="residual_stream",
+        save_to=tmp_path / "p.safetensors",
+    )
+    with safe_open(str(tmp_path / "p.safetensors"), framework="numpy") as handle:
+        metadata = handle.metadata()
+    assert metadata["format"] == LINEAR_PROBE_FORMAT
+    assert metadata["link"] == "sigmoid"
+    assert float(metadata["threshold"]) == 0.7
+    assert metadata["layer"] == "3"
+    assert metadata["tensor_type"] == "residual_stream"
+    assert json.loads(metadata["label_names"]) == ["benign", "harmful"]
+    assert json.loads(metadata["metrics"])["n_test"] == 75
+
+
+def test_multiclass_npz_holds_softmax_weights_matching_sklearn(tmp_path):
+    X, y = _blobs(classes=3)
+    fit_linear_probe(X, y, test_size=0, C=0.5, save_to=tmp_path / "p.npz")
+    oracle = make_pipeline(StandardScaler(), LogisticRegression(C=0.5, max_iter=2000)).fit(X, y)
+    saved = np.load(tmp_path / "p.npz", allow_pickle=False)
+    assert saved["weight"].shape == (3, 12) and saved["bias"].shape == (3,)
+    assert str(saved["format"]) == LINEAR_PROBE_FORMAT and str(saved["link"]) == "softmax"
+    logits = X @ saved["weight"].astype(np.float64).T + saved["bias"]
+    softmax = np.exp(logits - logits.max(1, keepdims=True))
+    softmax /= softmax.sum(1, keepdims=True)
+    np.testing.assert_allclose(softmax, oracle.predict_proba(X), atol=2e-4)
+
+
+def test_metrics_report_train_and_held_out_quality():
+    X, y = _blobs(n=400)
+    metrics = fit_linear_probe(X, y).metrics
+    assert metrics["n_train"] == 300 and metrics["n_test"] == 100
+    assert metrics["test_accuracy"] > 0.9 and metrics["test_auc"] > 0.95
+    assert metrics["chance_accuracy"] < 0.7
+    assert metrics["split"] == "row"
+
+
+def test_random_labels_give_chance_held_out_accuracy():
+    X, _ = _blobs(n=400)
+    y = np.random.default_rng(5).integers(0, 2, size=400)
+    metrics = fit_linear_probe(X, y, seed=3).metrics
+    assert 0.3 < metrics["test_accuracy"] < 0.7
+
+
+def _copied_token_records(requests: int, tokens: int, hidden: int, seed: int):
+    """Each request repeats one random vector with tiny noise: rows of a request are near-twins."""
+    rng = np.random.default_rng(seed)
+    template = make_records(requests=requests, layers=(2,), prompt_len=0, generated=tokens,
+                            hidden=hidden)
+    centres = rng.normal(size=(requests, hidden))
+    out = []
+    for record in template:
+        r = int(record.request_id.removeprefix("req"))
+        noise = rng.normal(scale=0.01, size=hidden)
+        out.append(replace(record, tensor=(centres[r] + noise).astype(np.float32)))
+    labels = {f"req{r}": int(rng.integers(0, 2)) for r in range(requests)}
+    return out, labels
+
+
+def test_frame_split_keeps_each_request_on_one_side_so_leakage_cannot_inflate_accuracy():
+    records, labels = _copied_token_records(requests=60, tokens=8, hidden=40, seed=2)
+    frame = records_frame(records)
+    by_request = fit_linear_probe(frame, labels, C=100.0).metrics
+    by_row = fit_linear_probe(frame, labels, C=100.0, group_by=None).metrics
+    assert by_request["split"] == "request" and by_row["split"] == "row"
+    # Labels are random per request: only leaked twins of training rows can be "predicted".
+    assert by_row["test_accuracy"] > 0.95
+    assert by_request["test_accuracy"] < 0.8
+
+
+def test_frame_input_records_layer_and_tensor_type_and_needs_a_layer_choice(tmp_path):
+    records = make_records(requests=8, layers=(0, 1), hidden=4)
+    labels = {f"req{r}": r % 2 for r in range(8)}
+    frame = records_frame(records)
+    with pytest.raises(ValueError, match=r"mixes layers \[0, 1\].*layer=0"):
+        fit_linear_probe(frame, labels)
+    fit = fit_linear_probe(frame, labels, layer=1)
+    assert (fit.layer, fit.tensor_type) == (1, "residual_stream")
+    assert fit.metrics["n_train"] + fit.metrics["n_test"] == 8 * 7
+
+
+def test_labels_may_be_a_column_or_one_per_row_of_the_unfiltered_frame():
+    records = make_records(requests=6, layers=(0, 1), hidden=4)
+    frame = records_frame(records)
+    frame["label"] = frame["request"].map(lambda r: int(r[-1]) % 2)
+    by_column = fit_linear_probe(frame, "label", layer=0)
+    by_array = fit_linear_probe(frame, frame["label"].to_numpy(), layer=0)
+    np.testing.assert_array_equal(by_column.weight, by_array.weight)
+
+
+def test_bad_inputs_say_what_is_wrong():
+    X, y = _blobs(n=40)
+    with pytest.raises(ValueError, match="40 activation rows but 39 labels"):
+        fit_linear_probe(X, y[:39])
+    with pytest.raises(ValueError, match="at least two distinct labels"):
+        fit_linear_probe(X, np.zeros(40))
+    with pytest.raises(ValueError, match=r"must end in \.safetensors or \.npz"):
+        fit_linear_probe(X, y, save_to="probe.pt")
+    with pytest.raises(ValueError, match="2-D"):
+        fit_linear_probe(X[0], y)
+
+
+def test_probe_args_point_at_the_saved_file(tmp_path):
+    X, y = _blobs(n=80)
+    fit = fit_linear_probe(X, y, save_to=tmp_path / "p.safetensors", threshold=0.8)
+    assert fit.probe_args(action="abort") == {
+        "path": str(tmp_path / "p.safetensors"), "threshold": 0.8, "action": "abort",
+    }
+    assert not math.isnan(fit.metrics["test_auc"])

@@ -1,0 +1,151 @@
+"""Frames: one row per record / signal / result, with the documented columns and values."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from nb_builders import make_records, make_result
+
+from undercurrent.notebook import (
+    RECORD_COLUMNS,
+    RESULT_COLUMNS,
+    SIGNAL_COLUMNS,
+    activation_matrix,
+    records_frame,
+    results_frame,
+    signals_frame,
+)
+
+
+class CountingTokenizer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decode(self, ids: list[int]) -> str:
+        self.calls += 1
+        return f"<{ids[0]}>"
+
+
+def test_records_frame_has_one_row_per_record_with_documented_columns(records):
+    frame = records_frame(records)
+    assert tuple(frame.columns) == RECORD_COLUMNS
+    assert len(frame) == len(records)
+    for row, record in zip(frame.itertuples(index=False), records, strict=True):
+        assert row.request == record.request_id
+        assert row.point == record.extraction_point_name
+        assert row.layer == record.layer
+        assert row.token_index == record.token_index
+        assert row.is_generated == record.is_generated
+        np.testing.assert_array_equal(row.tensor, record.tensor)
+        assert row.shape == (6,)
+        assert row.dtype == "float32"
+
+
+def test_records_frame_prompt_tokens_have_missing_generated_index(records):
+    frame = records_frame(records)
+    prompt = frame[~frame["is_generated"]]
+    generated = frame[frame["is_generated"]]
+    assert prompt["generated_index"].isna().all()
+    assert generated["generated_index"].notna().all()
+    assert (generated["token_index"] - generated["generated_index"] == 3).all()
+
+
+def test_records_frame_decodes_each_distinct_token_once():
+    tokenizer = CountingTokenizer()
+    frame = records_frame(make_records(requests=2, layers=(0, 1)), tokenizer=tokenizer)
+    assert frame["token_text"].iloc[0] == "<10>"
+    assert tokenizer.calls == frame["token_id"].nunique()
+
+
+def test_records_frame_accepts_generation_outputs_and_lists_of_them(records):
+    outputs = [SimpleNamespace(records=records[:5]), SimpleNamespace(records=records[5:])]
+    assert len(records_frame(outputs)) == len(records)
+    assert len(records_frame(outputs[0])) == 5
+    assert len(records_frame(SimpleNamespace(records=None))) == 0
+
+
+def test_records_frame_rejects_results_with_a_message_naming_the_input():
+    with pytest.raises(TypeError, match=r"records\[0\].*ActivationRecord"):
+        records_frame([3])
+
+
+def test_records_frame_keeps_torch_bfloat16_dtype_name():
+    torch = pytest.importorskip("torch")
+    record = make_records(requests=1, layers=(0,), prompt_len=1, generated=0)[0]
+    tensor = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    frame = records_frame([_with_tensor(record, tensor)])
+    assert frame["dtype"].iloc[0] == "bfloat16"
+    np.testing.assert_array_equal(frame["tensor"].iloc[0], np.array([1.5, -2.25], np.float32))
+
+
+def _with_tensor(record, tensor):
+    from dataclasses import replace
+
+    return replace(record, tensor=tensor)
+
+
+def test_activation_matrix_stacks_the_selected_layer_in_frame_order(records):
+    frame = records_frame(records)
+    matrix = activation_matrix(frame, layer=1)
+    expected = np.stack([r.tensor for r in records if r.layer == 1])
+    np.testing.assert_array_equal(matrix, expected)
+    assert matrix.dtype == np.float32
+
+
+def test_activation_matrix_flattens_kv_tensors():
+    record = make_records(requests=1, layers=(0,), prompt_len=1, generated=0)[0]
+    kv = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)
+    matrix = activation_matrix([_with_tensor(record, kv)])
+    np.testing.assert_array_equal(matrix, kv.reshape(1, -1))
+
+
+def test_activation_matrix_refuses_mixed_sizes_and_empty_selections(records):
+    frame = records_frame(records + make_records(requests=1, hidden=4, point="other"))
+    with pytest.raises(ValueError, match="different sizes"):
+        activation_matrix(frame)
+    with pytest.raises(ValueError, match="layers \\[0, 1\\]"):
+        activation_matrix(frame, layer=7)
+
+
+def test_signals_frame_one_row_per_signal_with_locations_from_metadata():
+    results = {
+        "p": make_result("r0", "p", [0.1, 0.7, None], ["continue", "flag", "abort"]),
+        "q": make_result("r0", "q", [0.2], with_location=False),
+    }
+    frame = signals_frame(results)
+    assert tuple(frame.columns) == SIGNAL_COLUMNS
+    assert len(frame) == 4
+    p_rows = frame[frame["point"] == "p"]
+    assert p_rows["signal_index"].tolist() == [0, 1, 2]
+    assert p_rows["generated_index"].tolist() == [0, 1, 2]
+    assert p_rows["action"].tolist() == ["continue", "flag", "abort"]
+    assert p_rows["flagged"].tolist() == [False, True, True]
+    assert math.isnan(p_rows["score"].iloc[2])
+    q_row = frame[frame["point"] == "q"].iloc[0]
+    assert q_row["generated_index"] is pd_na()
+
+
+def pd_na():
+    import pandas as pd
+
+    return pd.NA
+
+
+def test_results_frame_summarises_each_result():
+    outputs = [
+        SimpleNamespace(results={"p": make_result("r0", "p", [0.1, 0.9], ["continue", "abort"])}),
+        SimpleNamespace(results={"p": make_result("r1", "p", [], verdict={"max": None})}),
+    ]
+    frame = results_frame(outputs)
+    assert tuple(frame.columns) == RESULT_COLUMNS
+    first, second = frame.iloc[0], frame.iloc[1]
+    assert (first["request"], first["aborted"], first["flagged"]) == ("r0", True, True)
+    assert first["max_score"] == pytest.approx(0.9)
+    assert first["mean_score"] == pytest.approx(0.5)
+    assert first["last_score"] == pytest.approx(0.9)
+    assert (first["n_signals"], first["n_flags"], first["received"]) == (2, 1, 2)
+    assert not second["flagged"] and math.isnan(second["max_score"])
+    assert second["verdict"] == {"max": None}

@@ -1,0 +1,99 @@
+"""Normalise what users hand the notebook layer into flat lists of records or results.
+
+Frames and plots accept whatever a researcher has at hand: a list of
+``ActivationRecord``s, one ``GenerationOutput`` or a list of them (anything with
+``.records`` / ``.results``), a ``{point name: ProbeResult}`` dict, or a list of
+those. These helpers flatten all of that, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from undercurrent.records import ActivationRecord, ProbeResult
+
+
+def flatten_records(source: Any) -> list[ActivationRecord]:
+    """Every ``ActivationRecord`` in ``source``, in order.
+
+    Accepts a record, an iterable of records, an object with a ``records``
+    attribute (a ``GenerationOutput``), or an iterable of such objects.
+    """
+    found: list[ActivationRecord] = []
+    _collect_records(source, found, where="records")
+    return found
+
+
+def _collect_records(source: Any, found: list[ActivationRecord], where: str) -> None:
+    if source is None:
+        return
+    if isinstance(source, ActivationRecord):
+        found.append(source)
+        return
+    if hasattr(source, "records") and not isinstance(source, (str, bytes, Mapping)):
+        _collect_records(source.records, found, where=f"{where}.records")
+        return
+    if isinstance(source, Iterable) and not isinstance(source, (str, bytes, Mapping)):
+        for index, item in enumerate(source):
+            _collect_records(item, found, where=f"{where}[{index}]")
+        return
+    raise TypeError(
+        f"{where}: expected ActivationRecord objects (or GenerationOutputs carrying "
+        f"them in .records, generated with records=True), got {type(source).__name__}"
+    )
+
+
+def flatten_results(source: Any) -> list[ProbeResult]:
+    """Every ``ProbeResult`` in ``source``, in order.
+
+    Accepts a result, a ``{point name: ProbeResult}`` mapping, an object with a
+    ``results`` attribute (a ``GenerationOutput``), or an iterable of any of these.
+    """
+    found: list[ProbeResult] = []
+    _collect_results(source, found, where="results")
+    return found
+
+
+def _collect_results(source: Any, found: list[ProbeResult], where: str) -> None:
+    if source is None:
+        return
+    if isinstance(source, ProbeResult):
+        found.append(source)
+        return
+    if isinstance(source, Mapping):
+        for key, item in source.items():
+            _collect_results(item, found, where=f"{where}[{key!r}]")
+        return
+    if hasattr(source, "results") and not isinstance(source, (str, bytes)):
+        _collect_results(source.results, found, where=f"{where}.results")
+        return
+    if isinstance(source, Iterable) and not isinstance(source, (str, bytes)):
+        for index, item in enumerate(source):
+            _collect_results(item, found, where=f"{where}[{index}]")
+        return
+    raise TypeError(
+        f"{where}: expected ProbeResult objects, {{point name: ProbeResult}} dicts or "
+        f"GenerationOutputs (with .results), got {type(source).__name__}"
+    )
+
+
+def tensor_to_numpy(tensor: Any) -> tuple[Any, str]:
+    """``(numpy array, original dtype name)`` for a torch tensor or array-like.
+
+    Torch dtypes numpy cannot hold (bfloat16, float8) are widened to float32; the
+    returned name is always the original one (``"bfloat16"``), so nothing is lost
+    about what the model produced. Torch is never imported here.
+    """
+    import numpy as np
+
+    if hasattr(tensor, "detach"):
+        detached = tensor.detach().cpu()
+        dtype_name = str(detached.dtype).removeprefix("torch.")
+        try:
+            array = detached.numpy()
+        except TypeError:
+            array = detached.float().numpy()
+        return array, dtype_name
+    array = np.asarray(tensor)
+    return array, array.dtype.name

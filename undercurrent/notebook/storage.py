@@ -1,0 +1,150 @@
+"""Save captured records to parquet and load them back, tensors included.
+
+The file is a plain parquet table with the columns of ``RECORD_COLUMNS``:
+``shape`` is a list of ints, ``tensor`` the flattened values (a fixed-size list
+when every row has the same size, which is the usual case, else a list) in the
+array's own numpy dtype, and ``dtype`` the original dtype name. Loading
+reshapes each tensor back, so ``load_records(save_records(...))`` round-trips
+values, dtypes and shapes (dtypes numpy lacks, such as bfloat16, come back as
+float32 with ``dtype`` still saying ``"bfloat16"``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from undercurrent.notebook.frames import RECORD_COLUMNS, _typed_record_frame, records_frame
+from undercurrent.records import ActivationRecord
+
+FORMAT_NAME = "undercurrent.records/1"
+_FORMAT_KEY = b"undercurrent.format"
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "saving records to parquet needs pyarrow: pip install 'undercurrent[notebook]'"
+        ) from error
+    return pyarrow
+
+
+def save_records(records: Any, path: str | os.PathLike[str]) -> Path:
+    """Write records (a list, ``GenerationOutput``s or a records frame) to parquet.
+
+    Returns the path written. The frame's extra columns, if any, are kept.
+    """
+    import numpy as np
+
+    pa = _pyarrow()
+    import pandas as pd
+
+    frame = records if isinstance(records, pd.DataFrame) else records_frame(records)
+    missing = [column for column in RECORD_COLUMNS if column not in frame.columns]
+    if missing:
+        raise ValueError(f"save_records: the frame lacks record columns {missing}")
+    plain = frame.drop(columns=["tensor", "shape"])
+    table = pa.Table.from_pandas(plain, preserve_index=False)
+    shapes = pa.array([list(shape) for shape in frame["shape"]], type=pa.list_(pa.int64()))
+    table = table.append_column("shape", shapes)
+    table = table.append_column("tensor", _tensor_column(pa, np, list(frame["tensor"])))
+    metadata = dict(table.schema.metadata or {})
+    metadata[_FORMAT_KEY] = FORMAT_NAME.encode()
+    table = table.replace_schema_metadata(metadata)
+    target = Path(path)
+    pa.parquet.write_table(table, target)
+    return target
+
+
+def _tensor_column(pa: Any, np: Any, tensors: list[Any]) -> Any:
+    present = [np.asarray(t) for t in tensors if t is not None]
+    if not present:
+        return pa.nulls(len(tensors), type=pa.list_(pa.float32()))
+    dtype = np.result_type(*[array.dtype for array in present])
+    sizes = {array.size for array in present}
+    value_type = pa.from_numpy_dtype(dtype)
+    if len(sizes) == 1 and len(present) == len(tensors):
+        size = sizes.pop()
+        flat = np.concatenate([array.reshape(-1).astype(dtype) for array in present])
+        return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=value_type), size)
+    values = [None if t is None else np.asarray(t).reshape(-1).astype(dtype) for t in tensors]
+    return pa.array(values, type=pa.list_(value_type))
+
+
+def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> Any:
+    """Read a file written by :func:`save_records`.
+
+    Returns a records frame (columns ``RECORD_COLUMNS``, tensors as numpy arrays of
+    their saved shape), or with ``as_records=True`` a list of ``ActivationRecord``.
+    """
+    import numpy as np
+
+    pa = _pyarrow()
+    source = Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"load_records: no such file {str(source)!r}")
+    table = pa.parquet.read_table(source)
+    metadata = table.schema.metadata or {}
+    if metadata.get(_FORMAT_KEY) != FORMAT_NAME.encode():
+        raise ValueError(
+            f"load_records: {str(source)!r} is not an undercurrent records file "
+            f"(expected parquet metadata {_FORMAT_KEY.decode()}={FORMAT_NAME!r}; "
+            "write it with undercurrent.notebook.save_records)"
+        )
+    shapes = [tuple(shape) for shape in table.column("shape").to_pylist()]
+    tensors = _read_tensors(np, table.column("tensor").combine_chunks(), shapes)
+    frame = table.drop_columns(["shape", "tensor"]).to_pandas()
+    frame["shape"] = shapes
+    frame["tensor"] = tensors
+    frame = _typed_record_frame(frame)
+    extra = [column for column in frame.columns if column not in RECORD_COLUMNS]
+    frame = frame[list(RECORD_COLUMNS) + extra]
+    if as_records:
+        return frame_to_records(frame)
+    return frame
+
+
+def _read_tensors(np: Any, column: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
+    import pyarrow as pa
+
+    if pa.types.is_fixed_size_list(column.type) and column.null_count == 0:
+        flat = column.flatten().to_numpy(zero_copy_only=False)
+        block = flat.reshape(len(column), column.type.list_size)
+        return [block[row].reshape(shape).copy() for row, shape in enumerate(shapes)]
+    value_dtype = column.type.value_type.to_pandas_dtype()
+    tensors: list[Any] = []
+    for values, shape in zip(column.to_pylist(), shapes, strict=True):
+        if values is None:
+            tensors.append(None)
+        else:
+            tensors.append(np.asarray(values, dtype=value_dtype).reshape(shape))
+    return tensors
+
+
+def frame_to_records(frame: Any) -> list[ActivationRecord]:
+    """``ActivationRecord``s (numpy tensors) from a records frame's rows."""
+
+    def optional_int(value: Any) -> int | None:
+        import pandas as pd
+
+        return None if value is None or pd.isna(value) else int(value)
+
+    return [
+        ActivationRecord(
+            request_id=row.request,
+            extraction_point_name=row.point,
+            layer=int(row.layer),
+            tensor_type=row.tensor_type,
+            token_index=int(row.token_index),
+            is_generated=bool(row.is_generated),
+            generated_index=optional_int(row.generated_index),
+            token_id=optional_int(row.token_id),
+            tensor=row.tensor,
+            timestamp=float(row.timestamp),
+        )
+        for row in frame.itertuples(index=False)
+    ]

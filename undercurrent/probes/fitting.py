@@ -1,0 +1,420 @@
+"""Fit a linear probe on captured activations and save it where ``linear_probe`` loads it.
+
+This closes the notebook loop: capture -> label -> fit -> run live. The fit is
+scikit-learn's ``StandardScaler`` + L2-regularised ``LogisticRegression`` with a
+held-out split; the standardisation is folded into the saved weight and bias,
+so the file holds one plain affine map over raw activations.
+
+Saved format (``undercurrent.linear_probe/1``), ``.safetensors`` or ``.npz``:
+
+- arrays ``weight``: ``(hidden,)`` float32 for two classes, ``(classes, hidden)``
+  for more; ``bias``: ``()`` or ``(classes,)`` float32;
+- string metadata (safetensors metadata, or 0-d string arrays in ``.npz``):
+  ``format``, ``link`` (``sigmoid`` for two classes, scoring the second label;
+  ``softmax`` for more), ``threshold``, ``layer`` and ``tensor_type`` (when
+  known), ``label_names`` (a JSON list, in the model's class order) and
+  ``metrics`` (JSON of the fit's metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LINEAR_PROBE_FORMAT = "undercurrent.linear_probe/1"
+
+
+@dataclass(frozen=True)
+class LinearProbeFit:
+    """A fitted linear probe, in raw activation space.
+
+    ``weight``/``bias`` already include the standardisation, so
+    ``sigmoid(weight @ x + bias)`` (two classes) or ``softmax(weight @ x + bias)``
+    is the probability of ``label_names[1]`` (or of each label). ``metrics``
+    holds ``train_accuracy``, ``test_accuracy``, ``test_auc``, ``chance_accuracy``
+    (majority-class rate on the held-out rows), ``n_train``, ``n_test``,
+    ``n_features``, ``n_classes`` and ``split`` (``"request"`` or ``"row"``).
+    """
+
+    weight: Any
+    bias: Any
+    link: str
+    classes: tuple[Any, ...]
+    label_names: tuple[str, ...]
+    threshold: float
+    layer: int | None
+    tensor_type: str | None
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    def decision_function(self, X: Any) -> Any:
+        """The logits ``X @ weight.T + bias``: ``(n,)`` for two classes, else ``(n, classes)``."""
+        import numpy as np
+
+        matrix = np.asarray(X, dtype=np.float64)
+        return matrix @ np.asarray(self.weight, dtype=np.float64).T + np.asarray(
+            self.bias, dtype=np.float64
+        )
+
+    def predict_proba(self, X: Any) -> Any:
+        """Class probabilities ``(n, classes)``, as scikit-learn's ``predict_proba``."""
+        import numpy as np
+
+        logits = self.decision_function(X)
+        if self.link == "sigmoid":
+            positive = 1.0 / (1.0 + np.exp(-logits))
+            return np.stack([1.0 - positive, positive], axis=1)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        exp = np.exp(shifted)
+        return exp / exp.sum(axis=1, keepdims=True)
+
+    def predict(self, X: Any) -> Any:
+        """The most probable class label for each row."""
+        import numpy as np
+
+        return np.asarray(self.classes, dtype=object)[self.predict_proba(X).argmax(axis=1)]
+
+    def probe_args(self, **overrides: Any) -> dict[str, Any]:
+        """``probe_args`` for a ``linear_probe`` extraction point using this fit.
+
+        Points at the saved file when there is one, else carries the weights inline.
+        ``overrides`` (e.g. ``action="abort"``) are added last.
+        """
+        args: dict[str, Any]
+        if self.path is not None:
+            args = {"path": str(self.path)}
+        else:
+            args = {"weight": self.weight.tolist(), "bias": self.bias.tolist(), "link": self.link}
+        args["threshold"] = self.threshold
+        args.update(overrides)
+        return args
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the probe as ``.safetensors`` or ``.npz`` (chosen by the suffix)."""
+        return save_linear_probe(self, path)
+
+
+def fit_linear_probe(
+    data: Any,
+    y: Any = None,
+    *,
+    layer: int | None = None,
+    point: str | None = None,
+    tensor_type: str | None = None,
+    test_size: float = 0.25,
+    C: float = 1.0,
+    seed: int = 0,
+    save_to: str | os.PathLike[str] | None = None,
+    threshold: float = 0.5,
+    group_by: str | Sequence[Any] | None = "auto",
+    max_iter: int = 2000,
+    class_weight: str | Mapping[Any, float] | None = None,
+) -> LinearProbeFit:
+    """Fit a logistic-regression probe on activations and (optionally) save it.
+
+    ``data`` is a records frame (from ``records_frame``/``load_records``), records
+    or ``GenerationOutput``s, or an ``(n, features)`` array. ``y`` gives the labels:
+    an array-like (one per row, of the frame or of the rows left after filtering),
+    the name of a frame column, or a mapping from request id to label (each row
+    takes its request's label).
+
+    Frames are filtered by ``point``/``layer``/``tensor_type``; a frame with several
+    layers needs ``layer``. The held-out split keeps every request on one side
+    (``group_by="auto"`` groups rows by request when a frame has several rows per
+    request), so held-out accuracy measures unseen generations, not neighbouring
+    tokens of seen ones; pass ``group_by=None`` to split rows, or a column name or
+    a sequence of group ids. ``C`` is the inverse L2 strength; ``test_size=0``
+    trains on everything (held-out metrics are then NaN).
+
+    >>> fit = fit_linear_probe(frame, {"r0": "benign", "r1": "harmful"},
+    ...                        layer=2, save_to="probe.safetensors")  # doctest: +SKIP
+    >>> fit.metrics["test_accuracy"]                                  # doctest: +SKIP
+    """
+    import numpy as np
+
+    X, labels, groups, layer, tensor_type = _design(data, y, layer, point, tensor_type, group_by)
+    if len(X) != len(labels):
+        raise ValueError(
+            f"fit_linear_probe: {len(X)} activation rows but {len(labels)} labels; give one "
+            "label per row (or a {request: label} mapping)"
+        )
+    classes = _sorted_classes(labels)
+    if len(classes) < 2:
+        raise ValueError(
+            f"fit_linear_probe: need at least two distinct labels, got only {classes!r}"
+        )
+    train_rows, test_rows = _split(labels, groups, test_size, seed)
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    scaler = StandardScaler().fit(X[train_rows])
+    model = LogisticRegression(
+        C=C, max_iter=max_iter, random_state=seed, class_weight=class_weight
+    )
+    model.fit(scaler.transform(X[train_rows]), labels[train_rows])
+    if len(model.classes_) < len(classes):
+        raise ValueError(
+            "fit_linear_probe: the training split lacks some labels "
+            f"(has {list(model.classes_)}, all labels {classes}); lower test_size or add data"
+        )
+    scale = scaler.scale_
+    weight = model.coef_ / scale
+    bias = model.intercept_ - (model.coef_ * (scaler.mean_ / scale)).sum(axis=1)
+    binary = len(model.classes_) == 2
+    fit = LinearProbeFit(
+        weight=(weight[0] if binary else weight).astype(np.float32),
+        bias=np.asarray(bias[0] if binary else bias, dtype=np.float32),
+        link="sigmoid" if binary else "softmax",
+        classes=tuple(model.classes_.tolist()),
+        label_names=tuple(str(c) for c in model.classes_),
+        threshold=float(threshold),
+        layer=layer,
+        tensor_type=tensor_type,
+        metrics={},
+    )
+    metrics = _metrics(fit, X, labels, train_rows, test_rows, groups is not None)
+    fit = dataclasses.replace(fit, metrics=metrics)
+    if save_to is not None:
+        path = save_linear_probe(fit, save_to)
+        fit = dataclasses.replace(fit, path=path)
+    return fit
+
+
+def _design(
+    data: Any,
+    y: Any,
+    layer: int | None,
+    point: str | None,
+    tensor_type: str | None,
+    group_by: Any,
+) -> tuple[Any, Any, Any, int | None, str | None]:
+    """``(X, labels, groups, layer, tensor_type)`` from whatever the caller passed."""
+    import numpy as np
+
+    frame = _as_frame(data)
+    if frame is None:
+        X = np.asarray(data, dtype=np.float64)
+        if X.ndim != 2:
+            raise ValueError(
+                f"fit_linear_probe: an activation array must be 2-D (rows, features), got "
+                f"shape {X.shape}; use activation_matrix(frame) to build one"
+            )
+        if y is None or isinstance(y, (str, Mapping)):
+            raise ValueError(
+                "fit_linear_probe: with an array, y must be one label per row "
+                "(column names and {request: label} mappings need a records frame)"
+            )
+        groups = None if group_by in (None, "auto") else np.asarray(group_by)
+        return X, np.asarray(y), groups, layer, tensor_type
+
+    from undercurrent.notebook.frames import activation_matrix, label_rows, select_rows
+
+    selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
+    if selected.empty:
+        raise ValueError(
+            f"fit_linear_probe: no rows for point={point!r}, layer={layer!r}, "
+            f"tensor_type={tensor_type!r}; the frame has layers "
+            f"{sorted(frame['layer'].unique().tolist())}"
+        )
+    for column, chosen, argument in (
+        ("layer", layer, "layer"),
+        ("point", point, "point"),
+        ("tensor_type", tensor_type, "tensor_type"),
+    ):
+        values = selected[column].unique().tolist()
+        if chosen is None and len(values) > 1:
+            raise ValueError(
+                f"fit_linear_probe: the frame mixes {column}s {sorted(values)}; a probe reads "
+                f"one, so pass {argument}=... (e.g. {argument}={sorted(values)[0]!r})"
+            )
+    layer = int(selected["layer"].iloc[0])
+    tensor_type = str(selected["tensor_type"].iloc[0])
+    X = activation_matrix(selected, dtype="float64")
+    labels = _frame_labels(frame, selected, y, label_rows)
+    if group_by == "auto":
+        counts = selected["request"].value_counts()
+        groups = selected["request"].to_numpy() if (counts > 1).any() else None
+    elif group_by is None:
+        groups = None
+    elif isinstance(group_by, str):
+        groups = selected[group_by].to_numpy()
+    else:
+        groups = np.asarray(group_by)
+    return X, labels, groups, layer, tensor_type
+
+
+def _as_frame(data: Any) -> Any:
+    """A records frame for frame-like input, None for plain arrays."""
+    try:
+        import pandas as pd
+    except ImportError:  # pragma: no cover - notebook extra missing
+        pd = None
+    if pd is not None and isinstance(data, pd.DataFrame):
+        return data
+    from undercurrent.records import ActivationRecord
+
+    if hasattr(data, "records") or (
+        isinstance(data, (list, tuple)) and data and isinstance(data[0], ActivationRecord)
+    ):
+        from undercurrent.notebook.frames import records_frame
+
+        return records_frame(data)
+    return None
+
+
+def _frame_labels(frame: Any, selected: Any, y: Any, label_rows: Any) -> Any:
+    import numpy as np
+
+    if y is None:
+        raise ValueError(
+            "fit_linear_probe: give labels y (per row, a column name, or {request: label})"
+        )
+    if isinstance(y, str):
+        if y not in selected.columns:
+            raise ValueError(f"fit_linear_probe: the frame has no label column {y!r}")
+        return selected[y].to_numpy()
+    if isinstance(y, Mapping):
+        return np.asarray(label_rows(selected, y))
+    labels = np.asarray(y)
+    if len(labels) == len(selected):
+        return labels
+    if len(labels) == len(frame):
+        return labels[frame.index.get_indexer(selected.index)]
+    raise ValueError(
+        f"fit_linear_probe: {len(labels)} labels, but the frame has {len(frame)} rows and "
+        f"{len(selected)} after filtering; give one label per row"
+    )
+
+
+def _sorted_classes(labels: Any) -> list[Any]:
+    return sorted(set(labels.tolist()), key=lambda value: (str(type(value)), value))
+
+
+def _split(labels: Any, groups: Any, test_size: float, seed: int) -> tuple[Any, Any]:
+    """Train and held-out row indices; stratified, and by group when groups are given."""
+    import numpy as np
+
+    rows = np.arange(len(labels))
+    if not 0 <= test_size < 1:
+        raise ValueError(f"fit_linear_probe: test_size must be in [0, 1), got {test_size}")
+    if test_size == 0:
+        return rows, rows[:0]
+    if groups is None:
+        from sklearn.model_selection import train_test_split
+
+        _, counts = np.unique(labels, return_counts=True)
+        stratify = labels if counts.min() >= 2 else None
+        train, test = train_test_split(
+            rows, test_size=test_size, random_state=seed, stratify=stratify
+        )
+        return np.sort(train), np.sort(test)
+    import warnings
+
+    from sklearn.model_selection import StratifiedGroupKFold
+
+    n_groups = len(np.unique(groups))
+    n_splits = min(max(2, round(1 / test_size)), n_groups)
+    if n_splits < 2:
+        raise ValueError(
+            "fit_linear_probe: a held-out split by request needs at least two requests; "
+            "pass test_size=0 or group_by=None"
+        )
+    folds = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
+    with warnings.catch_warnings():
+        # A class with fewer groups than folds only makes the split less balanced.
+        warnings.simplefilter("ignore", UserWarning)
+        train, test = next(folds.split(rows, labels, groups))
+    return train, test
+
+
+def _metrics(
+    fit: LinearProbeFit, X: Any, labels: Any, train: Any, test: Any, grouped: bool
+) -> dict[str, Any]:
+    import numpy as np
+
+    def accuracy(rows: Any) -> float:
+        if len(rows) == 0:
+            return math.nan
+        return float(np.mean(fit.predict(X[rows]) == labels[rows]))
+
+    test_auc = math.nan
+    chance = math.nan
+    if len(test):
+        from sklearn.metrics import roc_auc_score
+
+        present = set(labels[test].tolist())
+        chance = max(np.mean(labels[test] == value) for value in present)
+        if len(present) == len(fit.classes):
+            proba = fit.predict_proba(X[test])
+            if fit.link == "sigmoid":
+                positive = labels[test] == fit.classes[1]
+                test_auc = float(roc_auc_score(positive, proba[:, 1]))
+            else:
+                test_auc = float(
+                    roc_auc_score(labels[test], proba, multi_class="ovr", labels=list(fit.classes))
+                )
+    return {
+        "train_accuracy": accuracy(train),
+        "test_accuracy": accuracy(test),
+        "test_auc": test_auc,
+        "chance_accuracy": float(chance),
+        "n_train": int(len(train)),
+        "n_test": int(len(test)),
+        "n_features": int(X.shape[1]),
+        "n_classes": len(fit.classes),
+        "split": "request" if grouped else "row",
+    }
+
+
+def save_linear_probe(fit: LinearProbeFit, path: str | os.PathLike[str]) -> Path:
+    """Write ``fit`` in the ``undercurrent.linear_probe/1`` format; returns the path."""
+    import numpy as np
+
+    target = Path(path)
+    arrays = {
+        "weight": np.array(fit.weight, dtype=np.float32, order="C"),
+        "bias": np.array(fit.bias, dtype=np.float32, order="C"),  # 0-d stays 0-d
+    }
+    metadata = {
+        "format": LINEAR_PROBE_FORMAT,
+        "link": fit.link,
+        "threshold": repr(float(fit.threshold)),
+        "label_names": json.dumps(list(fit.label_names)),
+        "metrics": json.dumps(_json_safe(fit.metrics)),
+    }
+    if fit.layer is not None:
+        metadata["layer"] = str(int(fit.layer))
+    if fit.tensor_type is not None:
+        metadata["tensor_type"] = str(fit.tensor_type)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.suffix == ".safetensors":
+        from safetensors.numpy import save_file
+
+        save_file(arrays, str(target), metadata=metadata)
+    elif target.suffix == ".npz":
+        strings = {key: np.array(value) for key, value in metadata.items()}
+        with open(target, "wb") as handle:  # a handle stops numpy renaming the file
+            np.savez(handle, **arrays, **strings)
+    else:
+        raise ValueError(
+            f"save_linear_probe: {str(target)!r} must end in .safetensors or .npz"
+        )
+    return target
+
+
+def _json_safe(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    safe: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, float) and math.isnan(value):
+            safe[key] = None
+        elif hasattr(value, "item"):
+            safe[key] = value.item()
+        else:
+            safe[key] = value
+    return safe
