@@ -19,6 +19,7 @@ class SpecProblem:
     point_name: str | None = None
 
     def location(self) -> str:
+        """Where the problem is: ``extraction_points[0] (name 'p'), field 'layers'``."""
         parts: list[str] = []
         if self.point_index is not None:
             where = f"extraction_points[{self.point_index}]"
@@ -30,6 +31,8 @@ class SpecProblem:
         return ", ".join(parts) if parts else "spec"
 
     def __str__(self) -> str:
+        if self.point_index is None and not self.field:
+            return self.message  # a problem with the document as a whole
         return f"{self.location()}: {self.message}"
 
 

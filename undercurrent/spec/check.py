@@ -1,0 +1,60 @@
+"""Checking hand-built extraction points against the spec's rules.
+
+Points built in Python skip the parser. :func:`check_extraction_points` holds them
+to exactly the rules a YAML spec is held to (it runs the parser's own checks on
+their serialized form); the router calls it when a request is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from undercurrent.spec.errors import SpecProblem, SpecValidationError
+from undercurrent.spec.loader import point_problems
+from undercurrent.spec.serialize import extraction_point_to_dict
+from undercurrent.spec.types import ExtractionPoint
+
+
+def extraction_point_problems(point: ExtractionPoint, index: int = 0) -> list[SpecProblem]:
+    """Every rule ``point`` breaks (empty when it is valid)."""
+    return point_problems(extraction_point_to_dict(point), index)
+
+
+def check_extraction_points(points: Iterable[ExtractionPoint]) -> None:
+    """Raise :class:`SpecValidationError` listing every problem of ``points``,
+    including duplicate names; return None when they are all valid.
+
+    >>> from undercurrent.spec import ExtractionPoint
+    >>> bad = ExtractionPoint(name="p", layers=(0,), tensor_type="mlp_out",
+    ...     position="prompt[-1]", probe_type="norm_probe", probe_kind="single_shot",
+    ...     execution_mode="async")
+    >>> check_extraction_points([bad])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    undercurrent.spec.errors.SpecValidationError: invalid spec: extraction_points[0] ...
+    """
+    problems: list[SpecProblem] = []
+    first_index: dict[str, int] = {}
+    for index, point in enumerate(points):
+        if not isinstance(point, ExtractionPoint):
+            problems.append(
+                SpecProblem(
+                    f"expected an ExtractionPoint, got {type(point).__name__}", point_index=index
+                )
+            )
+            continue
+        problems += extraction_point_problems(point, index)
+        if point.name in first_index:
+            problems.append(
+                SpecProblem(
+                    f"duplicate name {point.name!r}: already used by "
+                    f"extraction_points[{first_index[point.name]}]; names must be unique",
+                    "name",
+                    index,
+                    point.name,
+                )
+            )
+        else:
+            first_index.setdefault(point.name, index)
+    if problems:
+        raise SpecValidationError(problems)

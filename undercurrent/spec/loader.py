@@ -1,0 +1,326 @@
+"""The three loaders: :func:`parse_dict`, :func:`parse_yaml`, :func:`load_yaml_file`.
+
+Raw data is checked key by key against the pydantic schema in
+:mod:`undercurrent.spec.schema`, then against the cross-field rules in
+:mod:`undercurrent.spec.rules`. Every problem is collected; if there is any, one
+:class:`SpecValidationError` lists them all. Otherwise the valid values become
+the frozen dataclasses of :mod:`undercurrent.spec.types`.
+
+Older key names (``layer``, ``tensor``) are mapped to the new ones and reported
+as :class:`SpecDeprecationWarning` once the spec has been checked.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from undercurrent.spec.errors import SpecProblem, SpecValidationError
+from undercurrent.spec.messages import describe_value, did_you_mean, pydantic_problem
+from undercurrent.spec.rules import point_rule_problems
+from undercurrent.spec.schema import (
+    ALIAS_POINT_KEYS,
+    DEPRECATED_POINT_KEYS,
+    FIELD_ENUMS,
+    INTERVENTION_FIELD_ADAPTERS,
+    NULLABLE_KEYS,
+    POINT_FIELD_ADAPTERS,
+    REQUIRED_POINT_KEYS,
+    SPEC_VERSIONS,
+    ExtractionPointFields,
+    InterventionFields,
+    SpecDocument,
+)
+from undercurrent.spec.types import ExtractionPoint, InterventionPolicy, ProbeSpec
+from undercurrent.spec.yaml_source import load_yaml_data, read_spec_file
+
+_TOP_LEVEL_KEYS = tuple(SpecDocument.model_fields)
+_POINT_KEYS = tuple(ExtractionPointFields.model_fields)
+_INTERVENTION_KEYS = tuple(InterventionFields.model_fields)
+
+
+class SpecDeprecationWarning(DeprecationWarning):
+    """A spec used an older key name. ``problem`` locates it like an error would."""
+
+    def __init__(self, problem: SpecProblem) -> None:
+        super().__init__(str(problem))
+        self.problem = problem
+
+
+@dataclass
+class _PointCheck:
+    """What checking one raw extraction point found."""
+
+    index: int
+    name: str | None
+    problems: list[SpecProblem] = field(default_factory=list)
+    deprecations: list[SpecProblem] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    given: set[str] = field(default_factory=set)
+    written: dict[str, str] = field(default_factory=dict)
+
+    def add(self, key: str | None, message: str) -> None:
+        shown = self.written.get(key, key) if key is not None else None
+        self.problems.append(SpecProblem(message, shown, self.index, self.name))
+
+
+def _unknown_key_message(key: object, allowed: Sequence[str], where: str) -> str:
+    if not isinstance(key, str):
+        return f"key {describe_value(key)} is not a string; {where} keys are: {', '.join(allowed)}"
+    return f"unknown key {key!r}{did_you_mean(key, allowed)}; {where} keys are: " + ", ".join(
+        allowed
+    )
+
+
+def _check_fields(
+    check: _PointCheck,
+    raw: Mapping[Any, Any],
+    adapters: Mapping[str, TypeAdapter[Any]],
+    prefix: str,
+) -> None:
+    """Validate each known key of ``raw`` on its own, recording values and problems."""
+    for key, value in raw.items():
+        if key not in adapters:
+            continue
+        flat = prefix + key
+        if value is None and key in NULLABLE_KEYS:
+            continue  # ``null`` means "not set"
+        check.given.add(flat)
+        if key == "intervention":
+            _check_intervention(check, value)
+            continue
+        try:
+            check.values[flat] = adapters[key].validate_python(value)
+        except ValidationError as error:
+            allowed = FIELD_ENUMS.get(key)
+            for entry in error.errors(include_url=False):
+                check.add(flat, pydantic_problem(entry, allowed))
+
+
+def _check_intervention(check: _PointCheck, raw: Any) -> None:
+    if not isinstance(raw, Mapping):
+        check.add(
+            "intervention",
+            f"must be a mapping with keys {', '.join(_INTERVENTION_KEYS)}, "
+            f"got {describe_value(raw)}",
+        )
+        return
+    for key in raw:
+        if key not in INTERVENTION_FIELD_ADAPTERS:
+            shown = f"intervention.{key}" if isinstance(key, str) else "intervention"
+            check.add(shown, _unknown_key_message(key, _INTERVENTION_KEYS, "intervention"))
+    before = len(check.problems)
+    _check_fields(check, raw, INTERVENTION_FIELD_ADAPTERS, "intervention.")
+    if len(check.problems) == before and all(
+        isinstance(key, str) and key in INTERVENTION_FIELD_ADAPTERS for key in raw
+    ):
+        parts = {
+            key.removeprefix("intervention."): value
+            for key, value in check.values.items()
+            if key.startswith("intervention.")
+        }
+        check.values["intervention"] = InterventionPolicy(**parts)
+
+
+def _check_point(raw: Mapping[Any, Any], index: int) -> _PointCheck:
+    name = raw.get("name")
+    check = _PointCheck(index=index, name=name if isinstance(name, str) else None)
+    for key in raw:
+        if key not in POINT_FIELD_ADAPTERS:
+            check.add(
+                key if isinstance(key, str) else None,
+                _unknown_key_message(key, _POINT_KEYS, "extraction point"),
+            )
+    data = {key: value for key, value in raw.items() if key in POINT_FIELD_ADAPTERS}
+    renames = {**DEPRECATED_POINT_KEYS, **ALIAS_POINT_KEYS}
+    for old, new in renames.items():
+        if old not in data:
+            continue
+        if new in data:
+            check.add(old, f"{old!r} and {new!r} are both set; they mean the same, keep {new!r}")
+            del data[old]
+            continue
+        data[new] = data.pop(old)
+        check.written[new] = old
+        if old in DEPRECATED_POINT_KEYS:
+            check.deprecations.append(
+                SpecProblem(
+                    f"key {old!r} is deprecated; write {new!r} instead", old, index, check.name
+                )
+            )
+    _check_fields(check, data, POINT_FIELD_ADAPTERS, "")
+    for key in REQUIRED_POINT_KEYS:
+        if key not in data:
+            check.add(key, "is required but missing")
+    for key, message in point_rule_problems(check.values, check.given):
+        check.add(key, message)
+    return check
+
+
+def point_problems(raw: Mapping[Any, Any], index: int = 0) -> list[SpecProblem]:
+    """Every problem of one raw extraction point (a mapping), without building it."""
+    return _check_point(raw, index).problems
+
+
+def _build_point(check: _PointCheck) -> ExtractionPoint:
+    arguments = {
+        key: value
+        for key, value in check.values.items()
+        if "." not in key and key in ExtractionPoint.__dataclass_fields__
+    }
+    return ExtractionPoint(**arguments)
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
+
+
+def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], list[SpecProblem]]:
+    problems: list[SpecProblem] = []
+    if not isinstance(data, Mapping):
+        empty = " (the document is empty)" if data is None else ""
+        problems.append(
+            SpecProblem(
+                "a spec must be a mapping with the keys 'version' and 'extraction_points', "
+                f"got {describe_value(data)}{empty}"
+            )
+        )
+        return None, problems, []
+    for key in data:
+        if key not in _TOP_LEVEL_KEYS:
+            problems.append(
+                SpecProblem(
+                    _unknown_key_message(key, _TOP_LEVEL_KEYS, "top-level"),
+                    key if isinstance(key, str) else None,
+                )
+            )
+    version = data.get("version", "1")
+    if not isinstance(version, str):
+        problems.append(
+            SpecProblem(
+                f"must be a string, got {describe_value(version)}; write version: \"1\" "
+                "(quoted)",
+                "version",
+            )
+        )
+    elif version.strip() not in SPEC_VERSIONS:
+        problems.append(
+            SpecProblem(
+                f"unsupported spec version {version!r}; this release of undercurrent reads "
+                f"version {', '.join(repr(known) for known in SPEC_VERSIONS)}",
+                "version",
+            )
+        )
+    raw_points: Any = data.get("extraction_points")
+    if "extraction_points" not in data:
+        problems.append(SpecProblem("is required but missing", "extraction_points"))
+        raw_points = []
+    elif not _is_list(raw_points):
+        problems.append(
+            SpecProblem(
+                f"must be a list of extraction points, got {describe_value(raw_points)}",
+                "extraction_points",
+            )
+        )
+        raw_points = []
+    points: list[ExtractionPoint] = []
+    deprecations: list[SpecProblem] = []
+    first_index: dict[str, int] = {}
+    for index, raw in enumerate(raw_points):
+        if not isinstance(raw, Mapping):
+            problems.append(
+                SpecProblem(
+                    f"an extraction point must be a mapping, got {describe_value(raw)}",
+                    point_index=index,
+                )
+            )
+            continue
+        check = _check_point(raw, index)
+        if check.name is not None and "name" in check.values:
+            if check.name in first_index:
+                check.add(
+                    "name",
+                    f"duplicate name {check.name!r}: already used by "
+                    f"extraction_points[{first_index[check.name]}]; names must be unique",
+                )
+            else:
+                first_index[check.name] = index
+        problems += check.problems
+        deprecations += check.deprecations
+        if not check.problems:
+            points.append(_build_point(check))
+    if problems:
+        return None, problems, deprecations
+    return ProbeSpec(tuple(points), version=str(version).strip()), problems, deprecations
+
+
+def _warning_stacklevel() -> int:
+    """Stack level of the first frame outside undercurrent.spec (where the user called)."""
+    level = 1
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("undercurrent.spec"):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def parse_dict(data: Any, *, source: str | None = None) -> ProbeSpec:
+    """Validate already-loaded spec data (a mapping) and resolve it into a ProbeSpec.
+
+    Raises :class:`SpecValidationError` listing every problem. Older key names emit
+    a :class:`SpecDeprecationWarning` (a DeprecationWarning).
+
+    >>> spec = parse_dict({"extraction_points": [{"name": "p", "layers": 2,
+    ...     "tensor_type": "residual_stream", "position": "prompt[-1]",
+    ...     "probe_type": "norm_probe", "probe_kind": "single_shot"}]})
+    >>> spec.get("p").layers
+    (2,)
+    """
+    try:
+        spec, problems, deprecations = _parse_document(data)
+    except SpecValidationError:
+        raise
+    except RecursionError:
+        problems = [SpecProblem("the spec data is nested too deeply to check")]
+        spec, deprecations = None, []
+    except Exception as error:  # a safety net: the loaders never leak a raw error
+        problems = [SpecProblem(f"could not check the spec: {type(error).__name__}: {error}")]
+        spec, deprecations = None, []
+    for problem in deprecations:
+        where = f"{source}: " if source else ""
+        warnings.warn(
+            SpecDeprecationWarning(SpecProblem(where + problem.message, *_location(problem))),
+            stacklevel=_warning_stacklevel(),
+        )
+    if spec is None:
+        raise SpecValidationError(problems, source=source)
+    return spec
+
+
+def _location(problem: SpecProblem) -> tuple[str | None, int | None, str | None]:
+    return problem.field, problem.point_index, problem.point_name
+
+
+def parse_yaml(text: str | bytes, *, source: str | None = None) -> ProbeSpec:
+    """Parse a spec from YAML text (str, or UTF-8 bytes) into a ProbeSpec.
+
+    Only safe YAML loading is used; duplicate keys, excessive nesting and alias
+    bombs are rejected. Raises :class:`SpecValidationError`.
+    """
+    return parse_dict(load_yaml_data(text, source), source=source)
+
+
+def load_yaml_file(path: str | Path) -> ProbeSpec:
+    """Load a spec from a YAML file. A missing or unreadable file raises
+    :class:`SpecValidationError` naming the path.
+
+    >>> spec = load_yaml_file("specs/classic_single_token.yaml")  # doctest: +SKIP
+    """
+    source = str(path)
+    return parse_yaml(read_spec_file(path), source=source)

@@ -1,0 +1,125 @@
+"""Resolved specs back to spec-shaped data and YAML.
+
+The output always uses the current key names, omits optional fields left at their
+defaults and spells positions canonically, so ``parse_dict(probe_spec_to_dict(spec))
+== spec`` holds for every valid spec.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from undercurrent.spec.errors import SpecProblem, SpecValidationError
+from undercurrent.spec.position import format_position
+from undercurrent.spec.types import (
+    ExecutionMode,
+    ExtractionPoint,
+    InterventionMode,
+    InterventionPolicy,
+    OnTimeout,
+    ProbeSpec,
+)
+
+
+def _intervention_to_dict(policy: InterventionPolicy) -> dict[str, Any]:
+    # ``mode`` is always written: an explicit policy differs from an omitted one.
+    data: dict[str, Any] = {"mode": InterventionMode(policy.mode).value}
+    if policy.timeout_ms is not None:
+        data["timeout_ms"] = policy.timeout_ms
+    if policy.on_timeout != OnTimeout.CONTINUE:
+        data["on_timeout"] = OnTimeout(policy.on_timeout).value
+    return data
+
+
+def extraction_point_to_dict(point: ExtractionPoint) -> dict[str, Any]:
+    """One point as a plain dict in spec form (handy for logging what a probe ran with).
+
+    >>> from undercurrent.spec import ExtractionPoint
+    >>> extraction_point_to_dict(ExtractionPoint(name="p", layers=(3,),
+    ...     tensor_type="mlp_out", position=" prompt[-1] ", probe_type="norm_probe",
+    ...     probe_kind="single_shot"))["position"]
+    'prompt[-1]'
+    """
+    layers = list(point.layers)
+    data: dict[str, Any] = {
+        "name": point.name,
+        "layers": layers[0] if len(layers) == 1 else layers,
+        "tensor_type": point.tensor_type.value,
+        "position": format_position(point.position),
+    }
+    if point.stride != 1:
+        data["stride"] = point.stride
+    if point.until is not None:
+        data["until"] = point.until.value
+    data["probe_type"] = point.probe_type
+    data["probe_kind"] = point.probe_kind.value
+    if point.probe_args:
+        data["probe_args"] = copy.deepcopy(dict(point.probe_args))
+    if point.execution_mode is not ExecutionMode.INLINE:
+        data["execution_mode"] = point.execution_mode.value
+    if point.queue_depth is not None:
+        data["queue_depth"] = point.queue_depth
+    if point.intervention is not None:
+        data["intervention"] = _intervention_to_dict(point.intervention)
+    return data
+
+
+def probe_spec_to_dict(spec: ProbeSpec) -> dict[str, Any]:
+    """A whole spec as plain data: ``{"version": ..., "extraction_points": [...]}``.
+
+    ``version`` is always written, so a saved file says which format it uses.
+    """
+    return {
+        "version": spec.version,
+        "extraction_points": [extraction_point_to_dict(point) for point in spec],
+    }
+
+
+def _plain(value: Any) -> Any:
+    """Mappings -> dicts and tuples -> lists, so the safe YAML dumper accepts them."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+class _SpecDumper(yaml.SafeDumper):
+    """Block style throughout, except flat lists of scalars (``layers: [4, 8]``)."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, items: list[Any]) -> yaml.Node:
+    flat = all(not isinstance(item, dict | list) for item in items)
+    return dumper.represent_sequence(
+        "tag:yaml.org,2002:seq", items, flow_style=flat
+    )
+
+
+_SpecDumper.add_representer(list, _represent_list)
+
+
+def to_yaml(spec: ProbeSpec) -> str:
+    """The spec as YAML text, which :func:`parse_yaml` reads back to an equal spec.
+
+    Raises :class:`SpecValidationError` naming the point when its ``probe_args``
+    hold a value YAML cannot represent (an arbitrary Python object).
+    """
+    data = probe_spec_to_dict(spec)
+    for index, point in enumerate(data["extraction_points"]):
+        if "probe_args" not in point:
+            continue
+        try:
+            point["probe_args"] = _plain(point["probe_args"])
+            yaml.dump(point["probe_args"], Dumper=_SpecDumper)
+        except (yaml.YAMLError, RecursionError) as error:
+            problem = SpecProblem(
+                f"cannot be written as YAML: {error}", "probe_args", index, point["name"]
+            )
+            raise SpecValidationError([problem]) from None
+    return yaml.dump(
+        data, Dumper=_SpecDumper, sort_keys=False, allow_unicode=True, default_flow_style=False
+    )

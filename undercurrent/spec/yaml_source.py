@@ -1,0 +1,191 @@
+"""Reading spec text into plain data, safely and within bounds.
+
+Only PyYAML's safe loader family is used. On top of it, :class:`BoundedSafeLoader`
+rejects duplicate mapping keys (YAML allows them silently; a spec with two
+``layers`` keys is almost certainly a mistake) and refuses documents that nest
+too deeply or whose aliases expand to a huge number of nodes (the "billion
+laughs" attack), so a spec can never exhaust memory or the interpreter stack.
+
+Every failure becomes a :class:`SpecValidationError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.constructor import ConstructorError
+from yaml.error import Mark, MarkedYAMLError
+from yaml.nodes import MappingNode, Node, SequenceNode
+
+from undercurrent.spec.errors import SpecProblem, SpecValidationError
+
+MAX_DEPTH = 100
+"""Deepest nesting of collections a spec document may have (after alias expansion)."""
+
+MAX_EXPANDED_NODES = 1_000_000
+"""Most YAML nodes a document may contain once every alias is expanded."""
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class SpecLimitError(MarkedYAMLError):
+    """A document that breaks one of the size or nesting bounds."""
+
+
+class BoundedSafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that rejects duplicate keys, deep nesting and alias bombs."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
+        # Bound nesting while composing, before PyYAML's own recursion gets deep.
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise SpecLimitError(
+                    problem=f"the document nests deeper than {MAX_DEPTH} levels",
+                    problem_mark=self.peek_event().start_mark,  # type: ignore[no-untyped-call]
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self) -> Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _measure_expansion(node, {}, set())
+        return node
+
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_seen: dict[Any, Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                earlier = first_seen.get(key)
+            except TypeError:
+                continue  # unhashable key: the base constructor reports it
+            if earlier is not None:
+                raise ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r} (first defined on line {earlier.line + 1}); "
+                    "each key may appear only once",
+                    key_node.start_mark,
+                )
+            first_seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _measure_expansion(node: Node, memo: dict[int, tuple[int, int]], active: set[int]) -> int:
+    """Count nodes and depth with every alias expanded; raise past the bounds.
+
+    Aliased nodes are the same objects, so ``memo`` makes this linear in the size of
+    the document however much the aliases multiply it. Anchors precede their
+    aliases in document order, so the recursion only follows unmeasured nodes and
+    is no deeper than the document itself (already bounded by ``compose_node``).
+    """
+    key = id(node)
+    if key in memo:
+        return memo[key][0]
+    if key in active:
+        raise SpecLimitError(
+            problem="an alias refers to a node that contains it (a recursive structure)",
+            problem_mark=node.start_mark,
+        )
+    children: list[Node] = []
+    if isinstance(node, SequenceNode):
+        children = list(node.value)
+    elif isinstance(node, MappingNode):
+        children = [part for pair in node.value for part in pair]
+    active.add(key)
+    count, depth = 1, 1
+    for child in children:
+        count += _measure_expansion(child, memo, active)
+        depth = max(depth, 1 + memo[id(child)][1])
+    active.discard(key)
+    if count > MAX_EXPANDED_NODES:
+        raise SpecLimitError(
+            problem=f"the document expands to more than {MAX_EXPANDED_NODES} nodes "
+            "once its aliases are resolved",
+            problem_mark=node.start_mark,
+        )
+    if depth > MAX_DEPTH:
+        raise SpecLimitError(
+            problem=f"the document nests deeper than {MAX_DEPTH} levels "
+            "once its aliases are resolved",
+            problem_mark=node.start_mark,
+        )
+    memo[key] = (count, depth)
+    return count
+
+
+def _yaml_problem(error: yaml.YAMLError) -> SpecProblem:
+    if isinstance(error, MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        problem = error.problem or error.context or "malformed YAML"
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        message = f"YAML error at {where}{problem}"
+    else:
+        message = f"YAML error: {error}"
+    if "'\\t'" in message:
+        message += " (YAML indentation must use spaces, not tabs)"
+    return SpecProblem(message)
+
+
+def decode_spec_bytes(data: bytes, source: str | None = None) -> str:
+    """Decode spec bytes as UTF-8 (a leading byte-order mark is allowed)."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        bad = data[error.start : error.start + 1].hex()
+        raise SpecValidationError(
+            [SpecProblem(f"the spec is not UTF-8 text (byte 0x{bad} at offset {error.start})")],
+            source=source,
+        ) from None
+
+
+def load_yaml_data(text: str | bytes, source: str | None = None) -> Any:
+    """Parse one YAML document with :class:`BoundedSafeLoader` into plain data."""
+    if isinstance(text, bytes | bytearray):
+        text = decode_spec_bytes(bytes(text), source)
+    if not isinstance(text, str):
+        raise SpecValidationError(
+            [SpecProblem(f"expected YAML text (str or bytes), got {type(text).__name__}")],
+            source=source,
+        )
+    try:
+        return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:
+        raise SpecValidationError([_yaml_problem(error)], source=source) from None
+    except RecursionError:
+        raise SpecValidationError(
+            [SpecProblem(f"the document nests too deeply (more than {MAX_DEPTH} levels)")],
+            source=source,
+        ) from None
+
+
+def read_spec_file(path: str | Path) -> str:
+    """Read a spec file's text, turning every I/O or decoding failure into an error
+    that names the path."""
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        reason = "no such file"
+    except IsADirectoryError:
+        reason = "it is a directory, not a file"
+    except PermissionError:
+        reason = "permission denied"
+    except (OSError, ValueError) as error:
+        reason = str(error) or type(error).__name__
+    else:
+        return decode_spec_bytes(data, source)
+    raise SpecValidationError(
+        [SpecProblem(f"cannot read spec file {source!r}: {reason}")], source=source
+    )
