@@ -149,3 +149,21 @@ def test_results_frame_summarises_each_result():
     assert (first["n_signals"], first["n_flags"], first["received"]) == (2, 1, 2)
     assert not second["flagged"] and math.isnan(second["max_score"])
     assert second["verdict"] == {"max": None}
+
+
+def test_signals_frame_locates_inline_signals_through_the_generation_output():
+    from undercurrent.adapters.outputs import GenerationOutput, TokenSignal
+
+    result = make_result("r0", "p", [0.2, 0.9], with_location=False)
+    located = tuple(
+        TokenSignal("p", layer=3, token_index=7 + i, generated_index=i, signal=signal)
+        for i, signal in enumerate(result.signals)
+    )
+    output = GenerationOutput(
+        request_id="r0", prompt="x", text="ab", token_ids=(1, 2), prompt_len=7,
+        results={"p": result}, signals=located,
+    )
+    frame = signals_frame([output])
+    assert frame["layer"].tolist() == [3, 3]
+    assert frame["token_index"].tolist() == [7, 8]
+    assert frame["generated_index"].tolist() == [0, 1]

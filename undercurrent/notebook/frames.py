@@ -15,7 +15,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from undercurrent.notebook._inputs import flatten_records, flatten_results, tensor_to_numpy
+from undercurrent.notebook._inputs import (
+    flatten_records,
+    flatten_results,
+    signal_locations,
+    tensor_to_numpy,
+)
 from undercurrent.records import ActivationRecord, ProbeResult, SignalAction
 
 RECORD_COLUMNS: tuple[str, ...] = (
@@ -60,8 +65,9 @@ SIGNAL_COLUMNS: tuple[str, ...] = (
 """Columns of :func:`signals_frame`, in order.
 
 ``signal_index`` counts a result's signals from 0 in emission order; ``layer``,
-``token_index`` and ``generated_index`` come from the signal's metadata when the
-router or probe put them there (nullable otherwise); ``action`` is
+``token_index`` and ``generated_index`` say which activation the signal judged:
+from the ``GenerationOutput``'s located signals (inline points) or from the
+signal's metadata keys of the same names (nullable when neither knows); ``action`` is
 ``"continue"``, ``"flag"`` or ``"abort"``; ``score`` is a float (NaN when the probe
 gave none); ``flagged`` is True for flag and abort; ``metadata`` is the signal's
 metadata as a dict.
@@ -184,10 +190,12 @@ def _token_decoder(tokenizer: Any) -> Any:
 def signals_frame(results: Any) -> Any:
     """One row per ``ProbeSignal``, with the columns in ``SIGNAL_COLUMNS``.
 
-    ``results`` is a ``{point name: ProbeResult}`` dict, a ``GenerationOutput``, a
-    list of either, or a list of ``ProbeResult``s.
+    ``results`` is a ``GenerationOutput`` or a list of them (best: signals of
+    inline points are then located on the token axis), a ``{point name:
+    ProbeResult}`` dict, a list of those, or a list of ``ProbeResult``s.
     """
     pd = _pandas()
+    located = signal_locations(results)
     rows: list[dict[str, Any]] = []
     for result in flatten_results(results):
         for index, signal in enumerate(result.signals):
@@ -197,8 +205,9 @@ def signals_frame(results: Any) -> Any:
                 "point": result.extraction_point_name,
                 "signal_index": index,
             }
+            where = located.get(id(signal))
             for key in _LOCATION_KEYS:
-                value = metadata.get(key)
+                value = getattr(where, key, None) if where is not None else metadata.get(key)
                 row[key] = int(value) if isinstance(value, (int, float)) else None
             row.update(
                 action=SignalAction(signal.action).value,

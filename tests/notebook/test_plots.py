@@ -1,0 +1,102 @@
+"""Plots return plotly figures whose data is exactly what the frames say."""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+from nb_builders import make_records, make_result
+
+from undercurrent.notebook import (
+    heatmap_figure,
+    projection_figure,
+    records_frame,
+    trajectory_figure,
+    verdict_figure,
+)
+
+
+def test_trajectory_has_one_line_per_request_point_layer_and_marks_aborts():
+    results = [
+        {"p": make_result("r0", "p", [0.1, 0.4, 0.95], ["continue", "flag", "abort"])},
+        {"p": make_result("r1", "p", [0.2, 0.3])},
+    ]
+    figure = trajectory_figure(results, threshold=0.9)
+    assert isinstance(figure, go.Figure)
+    lines = [t for t in figure.data if t.mode == "lines+markers"]
+    assert [t.name for t in lines] == ["r0 · p · L1", "r1 · p · L1"]
+    assert list(lines[0].x) == [0, 1, 2] and list(lines[0].y) == pytest.approx([0.1, 0.4, 0.95])
+    aborts = [t for t in figure.data if t.name == "r0 · p · L1 abort"]
+    assert len(aborts) == 1 and list(aborts[0].x) == [2]
+    assert figure.layout.shapes[0].y0 == 0.9
+
+
+def test_trajectory_falls_back_to_signal_order_when_tokens_are_unknown():
+    figure = trajectory_figure({"q": make_result("r0", "q", [0.5, None, 0.7],
+                                                 with_location=False)})
+    (line,) = figure.data
+    assert list(line.x) == [0, 2] and list(line.y) == pytest.approx([0.5, 0.7])
+    assert line.name == "r0 · q"
+
+
+def test_heatmap_is_layer_by_token_of_the_chosen_value():
+    records = make_records(requests=2, layers=(0, 1, 2), prompt_len=2, generated=3)
+    figure = heatmap_figure(records, request="req1")
+    (heat,) = figure.data
+    z = np.asarray(heat.z)
+    assert z.shape == (3, 5)
+    expected = {
+        (r.layer, r.token_index): np.linalg.norm(r.tensor) for r in records
+        if r.request_id == "req1"
+    }
+    for (layer, token), norm in expected.items():
+        assert z[layer, token] == pytest.approx(norm, rel=1e-6)
+    assert list(heat.y) == ["L0", "L1", "L2"]
+
+
+def test_heatmap_accepts_a_score_function_and_labels_tokens_with_text():
+    class Tok:
+        def decode(self, ids):
+            return f"w{ids[0]}"
+
+    frame = records_frame(make_records(requests=1, layers=(0,), prompt_len=1, generated=1),
+                          tokenizer=Tok())
+    figure = heatmap_figure(frame, value=lambda a: a[0])
+    assert list(figure.data[0].x) == ["0 'w10'", "1* 'w11'"]
+    assert np.asarray(figure.data[0].z)[0, 0] == pytest.approx(frame["tensor"].iloc[0][0])
+
+
+def test_heatmap_names_the_available_requests_when_one_is_missing():
+    with pytest.raises(ValueError, match="req0"):
+        heatmap_figure(make_records(requests=1), request="nope")
+
+
+def test_projection_separates_labelled_clusters_along_the_first_component():
+    rng = np.random.default_rng(0)
+    X = np.concatenate([rng.normal(-5, 1, (30, 8)), rng.normal(5, 1, (30, 8))])
+    labels = ["a"] * 30 + ["b"] * 30
+    figure = projection_figure(X, labels)
+    a, b = figure.data
+    assert (a.name, b.name) == ("a", "b")
+    assert np.sign(np.mean(a.x)) != np.sign(np.mean(b.x))
+    assert "of variance" in figure.layout.xaxis.title.text
+
+
+def test_projection_takes_request_labels_for_a_records_frame():
+    records = make_records(requests=4, layers=(0, 1), hidden=5)
+    figure = projection_figure(records, {"req0": 0, "req1": 1, "req2": 0, "req3": 1}, layer=0)
+    assert sum(len(t.x) for t in figure.data) == 4 * 7
+
+
+def test_verdict_counts_each_request_once_per_point_by_outcome():
+    results = [
+        {"p": make_result("r0", "p", [0.9], ["abort"]), "q": make_result("r0", "q", [0.1])},
+        {"p": make_result("r1", "p", [0.6], ["flag"]), "q": make_result("r1", "q", [0.2])},
+        {"p": make_result("r2", "p", [0.1]), "q": make_result("r2", "q", [0.7], ["flag"])},
+    ]
+    figure = verdict_figure(results)
+    counts = {t.name: dict(zip(t.x, t.y, strict=True)) for t in figure.data}
+    assert counts["aborted"] == {"p": 1, "q": 0}
+    assert counts["flagged"] == {"p": 1, "q": 1}
+    assert counts["clean"] == {"p": 1, "q": 2}
+    assert counts["error"] == {"p": 0, "q": 0}

@@ -1,0 +1,310 @@
+"""Plotly views of probe scores and activations. Every function returns a figure.
+
+Figures are plain ``plotly.graph_objects.Figure`` objects: show them, save them
+with ``write_html(..., include_plotlyjs=True)`` for an offline page, or export a
+PNG with kaleido. Nothing here reaches the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from undercurrent.notebook.frames import (
+    activation_matrix,
+    label_rows,
+    records_frame,
+    results_frame,
+    select_rows,
+    signals_frame,
+)
+
+ValueFunction = Callable[[Any], float]
+
+
+def _graph_objects() -> Any:
+    try:
+        import plotly.graph_objects as go
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "undercurrent's plots need plotly: pip install 'undercurrent[notebook]'"
+        ) from error
+    return go
+
+
+def _as_frame(data: Any, convert: Callable[[Any], Any]) -> Any:
+    import pandas as pd
+
+    return data if isinstance(data, pd.DataFrame) else convert(data)
+
+
+def trajectory_figure(
+    signals: Any,
+    *,
+    x: str = "generated_index",
+    threshold: float | None = None,
+    requests: list[str] | None = None,
+    points: list[str] | None = None,
+    title: str = "Probe score per token",
+) -> Any:
+    """Score per token: one line per (request, point, layer).
+
+    ``signals`` is a signals frame or anything :func:`signals_frame` accepts
+    (``GenerationOutput``s are best: their inline signals carry token indices).
+    ``x`` is the frame column on the token axis; rows where it is missing fall
+    back to ``signal_index``. Flags are drawn as open circles, aborts as red
+    crosses; ``threshold`` adds a dashed line.
+    """
+    go = _graph_objects()
+    frame = _as_frame(signals, signals_frame)
+    if requests is not None:
+        frame = frame[frame["request"].isin(requests)]
+    if points is not None:
+        frame = frame[frame["point"].isin(points)]
+    frame = frame[frame["score"].notna()]
+    figure = go.Figure()
+    keys = ["request", "point", "layer"]
+    for (request, point, layer), group in frame.groupby(keys, sort=False, dropna=False):
+        positions = group[x].astype("Float64").fillna(group["signal_index"].astype("Float64"))
+        xs = positions.astype(float).tolist()
+        name = f"{request} · {point}" + ("" if _missing(layer) else f" · L{int(layer)}")
+        figure.add_trace(
+            go.Scatter(
+                x=xs,
+                y=group["score"].tolist(),
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                hovertemplate=f"{name}<br>{x}=%{{x}}<br>score=%{{y:.3f}}<extra></extra>",
+            )
+        )
+        for action, symbol, color in (("flag", "circle-open", "orange"), ("abort", "x", "red")):
+            marked = group["action"] == action
+            if marked.any():
+                figure.add_trace(
+                    go.Scatter(
+                        x=[xs[i] for i, hit in enumerate(marked.tolist()) if hit],
+                        y=group["score"][marked].tolist(),
+                        mode="markers",
+                        marker={"symbol": symbol, "size": 14, "color": color,
+                                "line": {"width": 2, "color": color}},
+                        name=f"{name} {action}",
+                        legendgroup=name,
+                        showlegend=False,
+                        hovertemplate=f"{action}<br>score=%{{y:.3f}}<extra></extra>",
+                    )
+                )
+    if threshold is not None:
+        figure.add_hline(y=threshold, line_dash="dash", line_color="grey",
+                         annotation_text=f"threshold {threshold:g}")
+    figure.update_layout(title=title, xaxis_title=x.replace("_", " "), yaxis_title="score",
+                         template="plotly_white", legend_title="request · point · layer")
+    return figure
+
+
+def _missing(value: Any) -> bool:
+    import pandas as pd
+
+    return value is None or bool(pd.isna(value))
+
+
+def heatmap_figure(
+    records: Any,
+    *,
+    request: str | None = None,
+    point: str | None = None,
+    value: str | ValueFunction = "norm",
+    title: str | None = None,
+) -> Any:
+    """Layer x token heatmap of one request's activations.
+
+    ``records`` is a records frame or anything :func:`records_frame` accepts;
+    ``request`` defaults to the first one in the frame. ``value`` turns each
+    activation into one number: ``"norm"`` (L2 norm), ``"mean"``, or any function
+    of the numpy array, e.g. a fitted probe's score
+    ``lambda a: fit.predict_proba(a[None])[0, 1]``. Token texts label the x axis
+    when the frame has them.
+    """
+    import numpy as np
+
+    go = _graph_objects()
+    frame = _as_frame(records, records_frame)
+    if frame.empty:
+        raise ValueError("heatmap_figure: no records to draw")
+    if request is None:
+        request = frame["request"].iloc[0]
+    selected = select_rows(frame, request=request, point=point)
+    if selected.empty:
+        raise ValueError(
+            f"heatmap_figure: no records for request={request!r}, point={point!r}; "
+            f"requests are {sorted(frame['request'].unique().tolist())[:10]}"
+        )
+    compute = _value_function(value)
+    tokens = sorted(selected["token_index"].unique().tolist())
+    layers = sorted(selected["layer"].unique().tolist())
+    grid = np.full((len(layers), len(tokens)), np.nan)
+    for row in selected.itertuples(index=False):
+        grid[layers.index(row.layer), tokens.index(row.token_index)] = compute(row.tensor)
+    labels = _token_labels(selected, tokens)
+    label = value if isinstance(value, str) else getattr(value, "__name__", "value")
+    figure = go.Figure(
+        go.Heatmap(
+            z=grid,
+            x=labels,
+            y=[f"L{layer}" for layer in layers],
+            colorscale="Viridis",
+            colorbar={"title": label},
+            hovertemplate="token %{x}<br>layer %{y}<br>" + label + "=%{z:.3f}<extra></extra>",
+        )
+    )
+    figure.update_layout(
+        title=title or f"{label} by layer and token ({request})",
+        xaxis_title="token",
+        yaxis_title="layer",
+        template="plotly_white",
+    )
+    figure.update_xaxes(type="category")
+    return figure
+
+
+def _value_function(value: str | ValueFunction) -> ValueFunction:
+    import numpy as np
+
+    if callable(value):
+        return lambda tensor: float(value(np.asarray(tensor, dtype=np.float64)))
+    if value == "norm":
+        return lambda tensor: float(np.linalg.norm(np.asarray(tensor, dtype=np.float64)))
+    if value == "mean":
+        return lambda tensor: float(np.asarray(tensor, dtype=np.float64).mean())
+    raise ValueError(f"heatmap_figure: value must be 'norm', 'mean' or a function, got {value!r}")
+
+
+def _token_labels(frame: Any, tokens: list[int]) -> list[str]:
+    texts: dict[int, str] = {}
+    for row in frame.itertuples(index=False):
+        if row.token_text is not None and row.token_index not in texts:
+            texts[row.token_index] = str(row.token_text)
+    marker = {
+        int(row.token_index): "*" if row.is_generated else ""
+        for row in frame.itertuples(index=False)
+    }
+    return [
+        f"{index}{marker.get(index, '')} {texts[index]!r}" if index in texts else f"{index}"
+        for index in tokens
+    ]
+
+
+def projection_figure(
+    data: Any,
+    labels: Any = None,
+    *,
+    layer: int | None = None,
+    point: str | None = None,
+    title: str | None = None,
+) -> Any:
+    """PCA of activations to 2-D, coloured by label.
+
+    ``data`` is a records frame (filtered by ``layer``/``point``), records, or an
+    ``(n, features)`` array; ``labels`` is one label per row, a frame column
+    name, or ``{request: label}``. Axis titles give each component's share of
+    the variance.
+    """
+    import numpy as np
+    import pandas as pd
+    from sklearn.decomposition import PCA
+
+    go = _graph_objects()
+    hover: list[str] | None = None
+    if isinstance(data, pd.DataFrame) or hasattr(data, "records") or _is_record_list(data):
+        frame = _as_frame(data, records_frame)
+        frame = select_rows(frame, point=point, layer=layer)
+        matrix = activation_matrix(frame, dtype="float64")
+        if isinstance(labels, str):
+            labels = frame[labels].tolist()
+        elif isinstance(labels, Mapping):
+            labels = label_rows(frame, labels)
+        hover = [f"{r.request} · token {r.token_index}" for r in frame.itertuples(index=False)]
+    else:
+        matrix = np.asarray(data, dtype=np.float64)
+    if matrix.ndim != 2 or matrix.shape[0] < 2:
+        raise ValueError(
+            f"projection_figure: need at least two rows of activations, got shape {matrix.shape}"
+        )
+    pca = PCA(n_components=2, random_state=0)
+    coords = pca.fit_transform(matrix)
+    labels_list = ["all"] * len(coords) if labels is None else [str(v) for v in labels]
+    if len(labels_list) != len(coords):
+        raise ValueError(
+            f"projection_figure: {len(coords)} rows but {len(labels_list)} labels"
+        )
+    figure = go.Figure()
+    for label in sorted(set(labels_list)):
+        rows = [i for i, value in enumerate(labels_list) if value == label]
+        figure.add_trace(
+            go.Scatter(
+                x=coords[rows, 0],
+                y=coords[rows, 1],
+                mode="markers",
+                name=label,
+                text=None if hover is None else [hover[i] for i in rows],
+                hovertemplate="%{text}<extra>" + label + "</extra>" if hover else None,
+                marker={"size": 7, "opacity": 0.8},
+            )
+        )
+    share = pca.explained_variance_ratio_
+    figure.update_layout(
+        title=title or "PCA of activations" + ("" if layer is None else f" (layer {layer})"),
+        xaxis_title=f"PC1 ({share[0]:.0%} of variance)",
+        yaxis_title=f"PC2 ({share[1]:.0%} of variance)",
+        template="plotly_white",
+        legend_title="label",
+    )
+    return figure
+
+
+def _is_record_list(data: Any) -> bool:
+    from undercurrent.records import ActivationRecord
+
+    return isinstance(data, (list, tuple)) and bool(data) and isinstance(
+        data[0], ActivationRecord
+    )
+
+
+def verdict_figure(results: Any, *, title: str = "Verdicts per extraction point") -> Any:
+    """Per point, how many requests ended clean, flagged, aborted or with a probe error.
+
+    ``results`` is a results frame or anything :func:`results_frame` accepts.
+    Each request counts once per point, in the first matching category of
+    error, aborted, flagged, clean.
+    """
+    go = _graph_objects()
+    frame = _as_frame(results, results_frame)
+    categories = (
+        ("error", "#7f7f7f"),
+        ("aborted", "#d62728"),
+        ("flagged", "#ff7f0e"),
+        ("clean", "#2ca02c"),
+    )
+    points = list(dict.fromkeys(frame["point"].tolist()))
+    outcome = [_outcome(row) for row in frame.itertuples(index=False)]
+    figure = go.Figure()
+    for name, color in categories:
+        counts = [
+            sum(1 for p, o in zip(frame["point"], outcome, strict=True) if p == point and o == name)
+            for point in points
+        ]
+        figure.add_trace(go.Bar(x=points, y=counts, name=name, marker_color=color,
+                                hovertemplate="%{x}: %{y} " + name + "<extra></extra>"))
+    figure.update_layout(barmode="stack", title=title, xaxis_title="extraction point",
+                         yaxis_title="requests", template="plotly_white")
+    return figure
+
+
+def _outcome(row: Any) -> str:
+    if row.error is not None and not _missing(row.error):
+        return "error"
+    if row.aborted:
+        return "aborted"
+    if row.flagged:
+        return "flagged"
+    return "clean"
