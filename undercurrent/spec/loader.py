@@ -46,11 +46,13 @@ _INTERVENTION_KEYS = tuple(InterventionFields.model_fields)
 
 
 class SpecDeprecationWarning(DeprecationWarning):
-    """A spec used an older key name. ``problem`` locates it like an error would."""
+    """A spec used an older key name. ``problem`` locates it like an error would;
+    ``source`` is the file it came from, when known."""
 
-    def __init__(self, problem: SpecProblem) -> None:
-        super().__init__(str(problem))
+    def __init__(self, problem: SpecProblem, source: str | None = None) -> None:
+        super().__init__(f"{source}: {problem}" if source else str(problem))
         self.problem = problem
+        self.source = source
 
 
 @dataclass
@@ -293,18 +295,10 @@ def parse_dict(data: Any, *, source: str | None = None) -> ProbeSpec:
         problems = [SpecProblem(f"could not check the spec: {type(error).__name__}: {error}")]
         spec, deprecations = None, []
     for problem in deprecations:
-        where = f"{source}: " if source else ""
-        warnings.warn(
-            SpecDeprecationWarning(SpecProblem(where + problem.message, *_location(problem))),
-            stacklevel=_warning_stacklevel(),
-        )
+        warnings.warn(SpecDeprecationWarning(problem, source), stacklevel=_warning_stacklevel())
     if spec is None:
         raise SpecValidationError(problems, source=source)
     return spec
-
-
-def _location(problem: SpecProblem) -> tuple[str | None, int | None, str | None]:
-    return problem.field, problem.point_index, problem.point_name
 
 
 def parse_yaml(text: str | bytes, *, source: str | None = None) -> ProbeSpec:

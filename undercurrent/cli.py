@@ -1,0 +1,206 @@
+"""The ``undercurrent`` command.
+
+Each subcommand is one ``_add_<name>_command(subparsers)`` function that declares
+its arguments and sets ``handler`` to a function ``(args) -> exit code``. To add a
+command, write those two functions and list the first in ``COMMANDS``. Handlers
+import heavy modules (torch, transformers, vllm) inside their body, so
+``undercurrent validate`` and ``--help`` stay instant.
+
+Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
+2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+_DESCRIPTION = "Live activation probing of language models while they generate."
+_EPILOG = """\
+examples:
+  undercurrent validate specs/*.yaml          check specs without loading a model
+  undercurrent validate --strict --format json probes.yaml
+  undercurrent schema > undercurrent-spec.schema.json
+
+exit codes: 0 success, 1 failure (e.g. an invalid spec), 2 usage error.
+Run 'undercurrent COMMAND --help' for a command's options.
+"""
+
+
+# --- validate ---------------------------------------------------------------------------
+
+
+def _add_validate_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "validate",
+        help="check spec files without loading a model",
+        description=(
+            "Check one or more YAML spec files without loading a model. Prints one line "
+            "per file: 'PATH: OK (N extraction points)' or every problem found. Exits 0 "
+            "when all files are valid, 1 when any is invalid or unreadable."
+        ),
+    )
+    parser.add_argument("specs", nargs="+", metavar="SPEC", help="YAML spec file(s)")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat deprecation warnings (older key names such as 'layer') as errors",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="output format: one line per file (text, default) or a JSON list (json)",
+    )
+    parser.set_defaults(handler=_run_validate)
+
+
+def _validate_one(path: str, strict: bool) -> dict[str, Any]:
+    from undercurrent.spec import SpecDeprecationWarning, SpecValidationError, load_yaml_file
+
+    report: dict[str, Any] = {
+        "path": path,
+        "valid": False,
+        "extraction_points": None,
+        "problems": [],
+        "warnings": [],
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SpecDeprecationWarning)
+        try:
+            spec = load_yaml_file(path)
+        except SpecValidationError as error:
+            report["problems"] = [_problem_dict(problem) for problem in error.problems]
+            spec = None
+    deprecations = [w.message for w in caught if isinstance(w.message, SpecDeprecationWarning)]
+    notes = [_problem_dict(message.problem) for message in deprecations]
+    if strict:
+        suffix = " (an error under --strict)"
+        report["problems"] += [
+            {**note, "message": note["message"] + suffix, "text": note["text"] + suffix}
+            for note in notes
+        ]
+    else:
+        report["warnings"] = notes
+    if spec is not None and not report["problems"]:
+        report["valid"] = True
+        report["extraction_points"] = len(spec)
+    return report
+
+
+def _problem_dict(problem: Any) -> dict[str, Any]:
+    return {
+        "message": problem.message,
+        "field": problem.field,
+        "point_index": problem.point_index,
+        "point_name": problem.point_name,
+        "text": str(problem),
+    }
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    reports = [_validate_one(path, args.strict) for path in args.specs]
+    if args.format == "json":
+        print(json.dumps(reports, indent=2))
+    else:
+        for report in reports:
+            print(_report_line(report))
+            for note in report["warnings"]:
+                print(f"{report['path']}: warning: {note['text']}", file=sys.stderr)
+    return EXIT_OK if all(report["valid"] for report in reports) else EXIT_FAILURE
+
+
+def _report_line(report: dict[str, Any]) -> str:
+    if report["valid"]:
+        count = report["extraction_points"]
+        noun = "extraction point" if count == 1 else "extraction points"
+        return f"{report['path']}: OK ({count} {noun})"
+    problems = report["problems"]
+    label = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
+    # One line per file: fold any multi-line text.
+    texts = " ".join("; ".join(problem["text"] for problem in problems).split())
+    return f"{report['path']}: INVALID ({label}): {texts}"
+
+
+# --- schema -----------------------------------------------------------------------------
+
+
+def _add_schema_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "schema",
+        help="print the JSON Schema of spec files (for editors)",
+        description=(
+            "Print the JSON Schema of undercurrent spec files. Point your editor's "
+            "YAML language server at it for completion, hover docs and checks."
+        ),
+    )
+    parser.add_argument(
+        "--indent", type=int, default=2, help="JSON indentation (default 2; 0 for compact)"
+    )
+    parser.set_defaults(handler=_run_schema)
+
+
+def _run_schema(args: argparse.Namespace) -> int:
+    from undercurrent.spec import json_schema
+
+    print(json.dumps(json_schema(), indent=args.indent or None))
+    return EXIT_OK
+
+
+# --- wiring -----------------------------------------------------------------------------
+
+COMMANDS: tuple[Callable[[Any], None], ...] = (
+    _add_validate_command,
+    _add_schema_command,
+)
+"""Each adds one subcommand; their order is the order ``--help`` lists them in."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand registered."""
+    from undercurrent import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="undercurrent",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"undercurrent {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add_command in COMMANDS:
+        add_command(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # argparse exits on --help, --version and errors
+        code = exit_request.code
+        return code if isinstance(code, int) else EXIT_USAGE
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        result: int = handler(args)
+    except BrokenPipeError:  # output piped into e.g. `head`, which stopped reading
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        return EXIT_FAILURE
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
