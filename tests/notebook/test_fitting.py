@@ -157,3 +157,37 @@ def test_probe_args_point_at_the_saved_file(tmp_path):
         "path": str(tmp_path / "p.safetensors"), "threshold": 0.8, "action": "abort",
     }
     assert not math.isnan(fit.metrics["test_auc"])
+
+
+def _probe_scores(path, X, **args):
+    """Scores of the registered ``linear_probe`` (loaded from ``path``) on each row of X."""
+    from undercurrent.probes import get_probe
+    from undercurrent.records import ActivationRecord
+
+    probe = get_probe("linear_probe")(path=str(path), **args)
+    scores = []
+    for index, row in enumerate(X.astype(np.float32)):
+        record = ActivationRecord("r", "p", 0, "residual_stream", index, True, index, 1, row)
+        scores.append(probe.on_activation(record).score)
+    return np.array(scores)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_registered_linear_probe_loads_the_file_and_matches_sklearn(tmp_path, suffix):
+    X, y = _blobs()
+    labels = np.array(["safe", "unsafe"])[y]
+    fit_linear_probe(X, labels, test_size=0, save_to=tmp_path / f"p{suffix}")
+    oracle = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(X, labels)
+    np.testing.assert_allclose(
+        _probe_scores(tmp_path / f"p{suffix}", X), oracle.predict_proba(X)[:, 1], atol=1e-3
+    )
+
+
+def test_registered_linear_probe_reads_a_multiclass_fit_by_label_name(tmp_path):
+    X, y = _blobs(classes=3)
+    labels = np.array(["low", "mid", "high"])[y]
+    fit_linear_probe(X, labels, test_size=0, save_to=tmp_path / "p.safetensors")
+    oracle = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(X, labels)
+    column = list(oracle.classes_).index("mid")
+    scores = _probe_scores(tmp_path / "p.safetensors", X, class_index="mid")
+    np.testing.assert_allclose(scores, oracle.predict_proba(X)[:, column], atol=1e-3)
