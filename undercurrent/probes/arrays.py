@@ -1,0 +1,44 @@
+"""Turn whatever tensor an adapter captured into a float64 numpy array.
+
+numpy is imported lazily (it comes with the ``hf`` extra, not the core install),
+and torch is never imported: a torch tensor is recognised by its ``detach``
+method and converted through ``.float()`` so that bfloat16 works too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def numpy_module() -> Any:
+    """The numpy module, or an ImportError saying which extra provides it."""
+    try:
+        import numpy
+    except ImportError as exc:  # pragma: no cover - numpy ships with every extra we test
+        raise ImportError(
+            "the built-in probes need numpy; install it with `pip install undercurrent[hf]` "
+            "or `pip install numpy`"
+        ) from exc
+    return numpy
+
+
+def as_float_array(tensor: Any) -> Any:
+    """A float64 numpy view or copy of ``tensor`` (numpy array, torch tensor, or list).
+
+    >>> as_float_array([1, 2]).dtype.name
+    'float64'
+    """
+    np = numpy_module()
+    if hasattr(tensor, "detach"):
+        tensor = tensor.detach()
+        if hasattr(tensor, "float"):
+            tensor = tensor.float()
+        if hasattr(tensor, "cpu"):
+            tensor = tensor.cpu()
+        tensor = tensor.numpy()
+    return np.asarray(tensor, dtype=np.float64)
+
+
+def as_flat_vector(tensor: Any) -> Any:
+    """``as_float_array`` flattened to one dimension (``kv`` records are 3-D)."""
+    return as_float_array(tensor).reshape(-1)

@@ -1,0 +1,104 @@
+"""The probe contract: what the router calls, and the context it passes.
+
+A probe instance serves one (request, extraction point) pair. The router calls
+``on_start(ctx)`` once, ``on_activation(record)`` for each matching activation
+(in token order, never two at once), then ``on_end(ctx)`` once; it wraps what
+``on_end`` returns (the *verdict*) into a :class:`~undercurrent.records.ProbeResult`.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from undercurrent.spec.types import ProbeKind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from undercurrent.records import ActivationRecord, ProbeSignal
+    from undercurrent.spec.types import ExtractionPoint
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a probe knows about the request it serves.
+
+    The adapter fills ``prompt``, ``prompt_len``, ``model_name`` and, when it has
+    them, ``prompt_token_ids``; the router sets ``extraction_point`` to the point
+    the probe instance is bound to. ``metadata`` is free-form (e.g. sampling
+    parameters) and read-only.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    prompt_len: int | None = None
+    model_name: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    extraction_point: ExtractionPoint | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prompt_token_ids is not None:
+            object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if not isinstance(self.metadata, types.MappingProxyType):
+            object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata)))
+
+
+class Probe:
+    """Base class for probes. Subclass it and implement :meth:`on_activation`.
+
+    ``probe_kind`` declares which spec ``probe_kind`` the class serves: one
+    :class:`~undercurrent.spec.types.ProbeKind` or a tuple of them (a probe that
+    scores each activation alone can serve both). The router refuses a point whose
+    ``probe_kind`` the class does not declare. Constructor keyword arguments are
+    the point's ``probe_args`` (merged over the router's ``probe_defaults``).
+
+    >>> from undercurrent.records import ProbeSignal
+    >>> class LastValue(Probe):
+    ...     probe_kind = ProbeKind.TRAJECTORY
+    ...     def on_start(self, ctx):
+    ...         self.last = None
+    ...     def on_activation(self, record):
+    ...         self.last = float(record.tensor[0])
+    ...         return ProbeSignal(score=self.last)
+    ...     def on_end(self, ctx):
+    ...         return {"last": self.last}
+    """
+
+    probe_kind: ClassVar[ProbeKind | tuple[ProbeKind, ...]] = ProbeKind.SINGLE_SHOT
+
+    def on_start(self, ctx: RequestContext) -> None:
+        """Called once, before the first activation of the request."""
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+        """Judge one activation; return a signal, or None for "nothing to say"."""
+        raise NotImplementedError(f"{type(self).__name__} must implement on_activation(record)")
+
+    def on_end(self, ctx: RequestContext) -> Any:
+        """Called once after the last activation; the return value is the verdict."""
+        return None
+
+    @classmethod
+    def supported_kinds(cls) -> tuple[ProbeKind, ...]:
+        """The probe kinds this class declares, as a tuple."""
+        return supported_kinds(cls)
+
+
+def supported_kinds(cls: type) -> tuple[ProbeKind, ...]:
+    """The ``probe_kind`` a probe class declares, normalised to a tuple of enums.
+
+    Raises TypeError when the class declares something that is not a probe kind.
+    """
+    declared = getattr(cls, "probe_kind", None)
+    if declared is None:
+        raise TypeError(f"probe class {cls.__name__} declares no probe_kind")
+    items = declared if isinstance(declared, (tuple, list, frozenset, set)) else (declared,)
+    try:
+        return tuple(ProbeKind(item) for item in items)
+    except ValueError as exc:
+        allowed = ", ".join(kind.value for kind in ProbeKind)
+        raise TypeError(
+            f"probe class {cls.__name__} declares probe_kind {declared!r}; expected one of "
+            f"{allowed} (or a tuple of them)"
+        ) from exc

@@ -1,0 +1,134 @@
+"""``@probe``: turn a plain function into a single-shot probe class."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.registry import ProbeRegistry, default_registry
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
+from undercurrent.spec.types import ProbeKind
+
+_RULE_OPTIONS = ("threshold", "action")
+
+
+def probe(
+    function: Callable[..., Any] | str | None = None,
+    *,
+    name: str | None = None,
+    registry: ProbeRegistry | None = None,
+    register: bool = True,
+) -> Any:
+    """Make a single-shot probe class from ``function(record, *, options...)``.
+
+    The function returns ``bool`` (True = ``action``), a number (the score),
+    a :class:`~undercurrent.records.ProbeSignal`, or None. Its keyword-only
+    parameters become probe_args; two more are always accepted: ``threshold``
+    (a score at or above it triggers ``action``) and ``action`` (``flag`` default,
+    or ``abort``). The class is registered under ``name`` (default: the
+    function's name) in ``registry`` (default: the global one) unless
+    ``register=False``. The verdict is a
+    :class:`~undercurrent.probes.scoring.ScoreSummary` dict.
+
+    >>> @probe(register=False)
+    ... def first_value(record, *, scale=1.0):
+    ...     return scale * float(record.tensor[0])
+    >>> first_value.probe_kind.value
+    'single_shot'
+    """
+    if isinstance(function, str):
+        return probe(name=function, registry=registry, register=register)
+    if function is None:
+        return lambda fn: probe(fn, name=name, registry=registry, register=register)
+    cls = _build_class(function, name or function.__name__)
+    if register:
+        target = registry if registry is not None else default_registry
+        probe_name = name or function.__name__
+        replace = _is_redefinition(target, probe_name, function)
+        target.register(probe_name, cls, replace=replace)
+    return cls
+
+
+def _is_redefinition(registry: ProbeRegistry, name: str, function: Callable[..., Any]) -> bool:
+    # Re-running a notebook cell redefines the same function: let it replace itself.
+    if name not in registry:
+        return False
+    previous = getattr(registry.get(name), "function", None)
+    return previous is not None and (
+        getattr(previous, "__module__", None),
+        getattr(previous, "__qualname__", None),
+    ) == (function.__module__, function.__qualname__)
+
+
+def _function_options(function: Callable[..., Any]) -> tuple[set[str], set[str]]:
+    """(all keyword-only option names, the required ones)."""
+    params = inspect.signature(function).parameters.values()
+    keyword_only = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    names = {p.name for p in keyword_only}
+    required = {p.name for p in keyword_only if p.default is inspect.Parameter.empty}
+    return names, required
+
+
+def _build_class(function: Callable[..., Any], probe_name: str) -> type[Probe]:
+    options, required = _function_options(function)
+
+    class FunctionProbe(Probe):
+        probe_kind = ProbeKind.SINGLE_SHOT
+
+        def __init__(self, **probe_args: Any) -> None:
+            allowed = options | set(_RULE_OPTIONS)
+            unknown = sorted(set(probe_args) - allowed)
+            if unknown:
+                raise TypeError(
+                    f"probe {probe_name!r} got unknown probe_args {unknown}; "
+                    f"it accepts {sorted(allowed)}"
+                )
+            missing = sorted(required - set(probe_args))
+            if missing:
+                raise TypeError(f"probe {probe_name!r} needs probe_args {missing}")
+            self.rule = ThresholdRule.from_options(
+                probe_args.get("threshold"), probe_args.get("action", "flag")
+            )
+            # Options the function declares itself are passed through, rule ones included.
+            self.options = {k: v for k, v in probe_args.items() if k in options}
+            self.summary = ScoreSummary(self.rule.threshold)
+
+        def on_start(self, ctx: RequestContext) -> None:
+            self.summary = ScoreSummary(self.rule.threshold)
+
+        def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+            signal = self._to_signal(function(record, **self.options))
+            if signal is None:
+                self.summary.add(None, record, False)
+            else:
+                crossed = signal.action is not SignalAction.CONTINUE
+                self.summary.add(signal.score, record, crossed)
+            return signal
+
+        def _to_signal(self, value: Any) -> ProbeSignal | None:
+            if value is None or isinstance(value, ProbeSignal):
+                return value
+            if isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b":
+                hit = bool(value)
+                action = self.rule.action if hit else SignalAction.CONTINUE
+                return ProbeSignal(action=action, score=1.0 if hit else 0.0)
+            try:
+                score = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"probe function {function.__qualname__} returned {type(value).__name__}; "
+                    "expected bool, a number, ProbeSignal or None"
+                ) from None
+            return self.rule.signal(score)
+
+        def on_end(self, ctx: RequestContext) -> Any:
+            return self.summary.verdict()
+
+    FunctionProbe.function = staticmethod(function)  # type: ignore[attr-defined]
+    FunctionProbe.__name__ = FunctionProbe.__qualname__ = f"{function.__name__}_probe"
+    FunctionProbe.__module__ = function.__module__
+    FunctionProbe.__doc__ = function.__doc__ or f"Single-shot probe from {function.__qualname__}."
+    return FunctionProbe

@@ -1,0 +1,293 @@
+"""Linear readouts: ``linear_probe`` and ``dual_position_probe``.
+
+Both compute ``z = W . x + b`` on the flattened activation and map it through a
+link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from undercurrent.probes.arrays import as_flat_vector, numpy_module
+from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.probes.weights import (
+    LINKS,
+    LinearWeights,
+    ProbeFileError,
+    linear_weights,
+    load_linear_weights,
+)
+from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.spec.types import ProbeKind
+
+
+class LinearReadout:
+    """``link(W . x + b)`` reduced to one score, from a file or inline arrays.
+
+    Give either ``path`` (``.safetensors``/``.npz``) or both ``weight`` and
+    ``bias``. ``link`` defaults to the file's ``link`` metadata, else ``sigmoid``
+    for a ``(hidden,)`` weight and ``softmax`` for ``(classes, hidden)``.
+    ``class_index`` (an int, or a name from the file's ``label_names``) picks the
+    class whose value is the score; it defaults to 0 for one class and 1 for two,
+    and is required beyond that.
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        weight: Any = None,
+        bias: Any = None,
+        link: str | None = None,
+        class_index: int | str | None = None,
+    ) -> None:
+        self.weights = _resolve_weights(path, weight, bias)
+        source = self.weights.source
+        classes = self.weights.classes
+        chosen = link if link is not None else self.weights.metadata.get("link")
+        if chosen is None:
+            chosen = "sigmoid" if classes is None else "softmax"
+        if chosen not in LINKS:
+            raise ValueError(f"{source}: link must be one of {', '.join(LINKS)}, got {chosen!r}")
+        if chosen == "softmax" and classes is None:
+            raise ValueError(
+                f"{source}: link 'softmax' needs a (classes, hidden) weight; this one is "
+                f"({self.weights.hidden},), use 'sigmoid' or 'identity'"
+            )
+        self.link: str = chosen
+        self.label_names = self.weights.label_names
+        names = self.label_names
+        if names is not None and classes is not None and len(names) != classes:
+            raise ProbeFileError(
+                f"{source}: label_names has {len(self.label_names)} names for {classes} classes"
+            )
+        self.class_index = self._resolve_class_index(class_index)
+
+    @property
+    def source(self) -> str:
+        """Where the weights came from (for messages and verdicts)."""
+        return self.weights.source
+
+    def _resolve_class_index(self, class_index: int | str | None) -> int | None:
+        classes = self.weights.classes
+        source = self.weights.source
+        if classes is None:
+            if class_index not in (None, 0):
+                raise ValueError(f"{source}: class_index {class_index!r} given for a binary probe")
+            return None
+        if isinstance(class_index, str):
+            if not self.label_names or class_index not in self.label_names:
+                known = ", ".join(self.label_names or ()) or "none in the file"
+                raise ValueError(
+                    f"{source}: class_index {class_index!r} is not a label name (labels: {known})"
+                )
+            return self.label_names.index(class_index)
+        if class_index is None:
+            if classes <= 2:
+                return classes - 1
+            raise ValueError(
+                f"{source}: a {classes}-class probe needs class_index (0..{classes - 1}"
+                + (f" or one of {', '.join(self.label_names)})" if self.label_names else ")")
+            )
+        if isinstance(class_index, bool) or not isinstance(class_index, int):
+            raise ValueError(f"{source}: class_index must be an int or a label name")
+        if not 0 <= class_index < classes:
+            raise ValueError(
+                f"{source}: class_index {class_index} out of range for {classes} classes"
+            )
+        return class_index
+
+    def score(self, tensor: Any) -> tuple[float, dict[str, Any]]:
+        """The score of one activation, and metadata describing it."""
+        np = numpy_module()
+        x = as_flat_vector(tensor)
+        if x.shape[0] != self.weights.hidden:
+            raise ValueError(
+                f"{self.source}: expects activations of size {self.weights.hidden}, got a "
+                f"tensor of shape {tuple(getattr(tensor, 'shape', x.shape))} "
+                f"({x.shape[0]} values once flattened)"
+            )
+        z = self.weights.weight @ x + self.weights.bias
+        if self.weights.classes is None:
+            logit = float(z)
+            return _apply_link(self.link, logit), {"logit": logit}
+        logits = np.asarray(z, dtype=np.float64)
+        index = self.class_index
+        assert index is not None
+        if self.link == "softmax":
+            shifted = np.exp(logits - logits.max())
+            values = shifted / shifted.sum()
+        elif self.link == "sigmoid":
+            values = np.array([_apply_link("sigmoid", float(v)) for v in logits])
+        else:
+            values = logits
+        top = int(np.argmax(logits))
+        meta: dict[str, Any] = {"class_index": index, "top_class": top}
+        if self.label_names:
+            meta["label"] = self.label_names[index]
+            meta["top_label"] = self.label_names[top]
+        return float(values[index]), meta
+
+
+def _apply_link(link: str, logit: float) -> float:
+    if link == "identity":
+        return logit
+    # Split by sign so neither branch overflows for large |logit|.
+    if logit >= 0:
+        return 1.0 / (1.0 + math.exp(-logit))
+    exp = math.exp(logit)
+    return exp / (1.0 + exp)
+
+
+def _resolve_weights(
+    path: str | os.PathLike[str] | None, weight: Any, bias: Any
+) -> LinearWeights:
+    if path is not None:
+        if weight is not None or bias is not None:
+            raise ValueError("give either path or weight/bias, not both")
+        return load_linear_weights(path)
+    if weight is None or bias is None:
+        raise ValueError(
+            "a linear readout needs path (a .safetensors/.npz file) or both weight and bias"
+        )
+    return linear_weights(weight, bias)
+
+
+class LinearProbe(Probe):
+    """``linear_probe``: score each activation with ``link(W . x + b)``.
+
+    probe_args:
+
+    - ``path``: ``.safetensors``/``.npz`` probe file, or inline ``weight`` and ``bias``;
+    - ``link``: ``sigmoid`` | ``softmax`` | ``identity`` (default: the file's, else
+      sigmoid for a binary probe, softmax for a multi-class one);
+    - ``class_index``: which class is the score (int or label name; see
+      :class:`LinearReadout`);
+    - ``threshold``: a score at or above it triggers ``action`` (default: the file's
+      ``threshold`` metadata, else none: signals only carry the score);
+    - ``action``: ``flag`` (default) or ``abort``;
+    - ``check_metadata``: when true (default) and the file names a ``layer`` or
+      ``tensor_type``, ``on_start`` fails if the extraction point does not match.
+
+    Each activation gets a signal whose score is the probe's value (metadata:
+    ``logit``, or ``class_index``/``top_class``/``label``). The verdict is a
+    :class:`~undercurrent.probes.scoring.ScoreSummary` dict plus ``link`` and ``source``.
+    Serves both probe kinds: it judges each activation alone, and its verdict
+    summarises the request.
+    """
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        weight: Any = None,
+        bias: Any = None,
+        link: str | None = None,
+        class_index: int | str | None = None,
+        threshold: float | None = None,
+        action: str = "flag",
+        check_metadata: bool = True,
+    ) -> None:
+        self.readout = LinearReadout(
+            path=path, weight=weight, bias=bias, link=link, class_index=class_index
+        )
+        if threshold is None:
+            threshold = self.readout.weights.metadata.get("threshold")  # type: ignore[assignment]
+        self.rule = ThresholdRule.from_options(threshold, action)
+        self.check_metadata = check_metadata
+        self.summary = ScoreSummary(self.rule.threshold)
+
+    def on_start(self, ctx: RequestContext) -> None:
+        self.summary = ScoreSummary(self.rule.threshold)
+        if self.check_metadata and ctx.extraction_point is not None:
+            _check_point_matches_file(self.readout.weights, ctx)
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+        score, meta = self.readout.score(record.tensor)
+        signal = self.rule.signal(score, meta)
+        self.summary.add(score, record, self.rule.crossed(score))
+        return signal
+
+    def on_end(self, ctx: RequestContext) -> Any:
+        verdict = self.summary.verdict()
+        verdict.update(link=self.readout.link, source=self.readout.source)
+        return verdict
+
+
+def _check_point_matches_file(weights: LinearWeights, ctx: RequestContext) -> None:
+    point = ctx.extraction_point
+    assert point is not None
+    file_layer = weights.metadata.get("layer")
+    if file_layer is not None and file_layer.lstrip("-").isdigit():
+        if int(file_layer) not in point.layers:
+            raise ValueError(
+                f"{weights.source} was fitted on layer {file_layer}, but extraction point "
+                f"{point.name!r} captures layers {list(point.layers)}; fix the spec or pass "
+                "check_metadata: false"
+            )
+    file_type = weights.metadata.get("tensor_type")
+    if file_type is not None and file_type != point.tensor_type.value:
+        raise ValueError(
+            f"{weights.source} was fitted on {file_type}, but extraction point {point.name!r} "
+            f"captures {point.tensor_type.value}; fix the spec or pass check_metadata: false"
+        )
+
+
+class DualPositionProbe(LinearProbe):
+    """``dual_position_probe``: a linear readout, taken at token b+1, of token b.
+
+    The activation at one position often encodes a property of an earlier token
+    (the classic case: the previous token's identity). This probe reads the
+    activation at ``token_index`` and reports the score as a statement about token
+    ``token_index - read_offset``. Same probe_args and file format as
+    ``linear_probe``, plus ``read_offset`` (default 1).
+
+    Signals carry ``about_token_index`` in their metadata. The verdict is the
+    ``linear_probe`` verdict plus ``readings``: one dict per activation with
+    ``read_at_token_index``, ``about_token_index``, ``layer``, ``score`` and, for
+    multi-class probes, ``label`` (or ``class_index``) of the top class.
+    """
+
+    probe_kind = ProbeKind.SINGLE_SHOT
+
+    def __init__(self, *, read_offset: int = 1, **linear_args: Any) -> None:
+        if isinstance(read_offset, bool) or not isinstance(read_offset, int) or read_offset < 1:
+            raise ValueError(f"read_offset must be an int >= 1, got {read_offset!r}")
+        super().__init__(**linear_args)
+        self.read_offset = read_offset
+        self.readings: list[dict[str, Any]] = []
+
+    def on_start(self, ctx: RequestContext) -> None:
+        super().on_start(ctx)
+        self.readings = []
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+        signal = super().on_activation(record)
+        assert signal is not None
+        about = record.token_index - self.read_offset
+        reading: dict[str, Any] = {
+            "read_at_token_index": record.token_index,
+            "about_token_index": about,
+            "layer": record.layer,
+            "score": signal.score,
+        }
+        if "top_label" in signal.metadata:
+            reading["label"] = signal.metadata["top_label"]
+        elif "top_class" in signal.metadata:
+            reading["class_index"] = signal.metadata["top_class"]
+        self.readings.append(reading)
+        return ProbeSignal(
+            action=signal.action,
+            score=signal.score,
+            metadata={**signal.metadata, "about_token_index": about},
+        )
+
+    def on_end(self, ctx: RequestContext) -> Any:
+        verdict = super().on_end(ctx)
+        verdict["readings"] = list(self.readings)
+        return verdict

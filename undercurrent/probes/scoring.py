@@ -1,0 +1,119 @@
+"""Shared by the built-in probes: thresholds to signals, and score summaries.
+
+Every built-in turns a per-activation score into a signal the same way
+(:class:`ThresholdRule`) and summarises a request the same way
+(:class:`ScoreSummary`), so their verdicts share one documented shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
+
+_ACTIONS_ON_CROSSING = (SignalAction.FLAG, SignalAction.ABORT)
+
+
+def parse_action(value: Any, *, option: str = "action") -> SignalAction:
+    """``"flag"`` or ``"abort"`` (string or enum) -> SignalAction, else ValueError."""
+    try:
+        action = SignalAction(value)
+    except ValueError:
+        action = None
+    if action not in _ACTIONS_ON_CROSSING:
+        raise ValueError(f"{option} must be 'flag' or 'abort', got {value!r}")
+    return action  # type: ignore[return-value]
+
+
+def parse_threshold(value: Any, *, option: str = "threshold") -> float | None:
+    """None, or a finite float; strings from file metadata are accepted."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option} must be a number, got {value!r}") from None
+    if math.isnan(number):
+        raise ValueError(f"{option} must be a number, got NaN")
+    return number
+
+
+@dataclass(frozen=True)
+class ThresholdRule:
+    """``score >= threshold`` -> ``action`` (flag or abort); otherwise continue.
+
+    With no threshold every signal is ``continue`` and only carries the score.
+    """
+
+    threshold: float | None = None
+    action: SignalAction = SignalAction.FLAG
+
+    @classmethod
+    def from_options(cls, threshold: Any = None, action: Any = "flag") -> ThresholdRule:
+        """Validate the ``threshold``/``action`` probe_args."""
+        return cls(parse_threshold(threshold), parse_action(action))
+
+    def crossed(self, score: float) -> bool:
+        """Whether ``score`` is at or above the threshold."""
+        return self.threshold is not None and score >= self.threshold
+
+    def signal(self, score: float, metadata: Mapping[str, Any] | None = None) -> ProbeSignal:
+        """The signal for one score."""
+        action = self.action if self.crossed(score) else SignalAction.CONTINUE
+        return ProbeSignal(action=action, score=score, metadata=dict(metadata or {}))
+
+
+@dataclass
+class ScoreSummary:
+    """Running summary of a request's scores, the verdict of most built-ins.
+
+    :meth:`verdict` returns a dict with ``count`` (activations seen),
+    ``max_score``, ``min_score``, ``mean_score``, ``last_score`` (None when no
+    activation had a score), ``flagged`` (some activation crossed: flagged or
+    aborted), ``first_crossing_token_index`` and ``first_crossing_layer`` (None
+    when nothing crossed), and ``threshold``.
+    """
+
+    threshold: float | None = None
+    count: int = 0
+    scored: int = 0
+    total: float = 0.0
+    max_score: float | None = None
+    min_score: float | None = None
+    last_score: float | None = None
+    first_crossing: tuple[int, int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, score: float | None, record: ActivationRecord, crossed: bool) -> bool:
+        """Add one activation's score; returns True when it is the first crossing."""
+        self.count += 1
+        if score is not None:
+            self.scored += 1
+            self.total += score
+            self.last_score = score
+            self.max_score = score if self.max_score is None else max(self.max_score, score)
+            self.min_score = score if self.min_score is None else min(self.min_score, score)
+        if crossed and self.first_crossing is None:
+            self.first_crossing = (record.token_index, record.layer)
+            return True
+        return False
+
+    def verdict(self) -> dict[str, Any]:
+        """The summary as a plain dict (see the class docstring for the keys)."""
+        crossing = self.first_crossing
+        result: dict[str, Any] = {
+            "count": self.count,
+            "max_score": self.max_score,
+            "min_score": self.min_score,
+            "mean_score": self.total / self.scored if self.scored else None,
+            "last_score": self.last_score,
+            "flagged": crossing is not None,
+            "first_crossing_token_index": crossing[0] if crossing else None,
+            "first_crossing_layer": crossing[1] if crossing else None,
+            "threshold": self.threshold,
+        }
+        result.update(self.extra)
+        return result

@@ -1,0 +1,242 @@
+"""The linear probe file format: load (and save) ``weight`` and ``bias`` safely.
+
+A probe file is ``.safetensors`` or ``.npz`` (never pickle) holding:
+
+- ``weight``: shape ``(hidden,)`` for a binary probe, or ``(classes, hidden)``;
+- ``bias``: shape ``()`` or ``(1,)`` for a binary probe, ``(classes,)`` otherwise;
+- optional string metadata (safetensors header metadata, or 0-d string arrays in
+  an ``.npz``): ``format`` (``"undercurrent.linear_probe/1"``), ``link``
+  (``sigmoid``/``softmax``/``identity``), ``threshold``, ``layer``,
+  ``tensor_type``, ``label_names`` (a JSON list).
+
+Standardisation is never applied at read time: a fitter that standardised its
+inputs folds ``mean``/``scale`` into ``weight``/``bias`` before saving, and a file
+that still carries ``mean`` or ``scale`` arrays is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from undercurrent.probes.arrays import numpy_module
+
+LINEAR_PROBE_FORMAT = "undercurrent.linear_probe/1"
+LINKS = ("sigmoid", "softmax", "identity")
+SUFFIXES = (".safetensors", ".npz")
+_UNFOLDED = ("mean", "scale")
+
+
+class ProbeFileError(ValueError):
+    """A probe file that is missing, unreadable, or not what it claims to be."""
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """A validated ``weight``/``bias`` pair (float64, read-only) and its metadata.
+
+    ``weight`` is ``(hidden,)`` (binary) or ``(classes, hidden)``; ``bias`` is a
+    0-d array (binary) or ``(classes,)``. ``source`` names where they came from
+    (a path, or ``"inline probe_args"``) so errors can say so.
+    """
+
+    weight: Any
+    bias: Any
+    source: str
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def hidden(self) -> int:
+        """The activation size the probe expects."""
+        return int(self.weight.shape[-1])
+
+    @property
+    def classes(self) -> int | None:
+        """Number of output classes; None for a binary ``(hidden,)`` probe."""
+        return None if self.weight.ndim == 1 else int(self.weight.shape[0])
+
+    @property
+    def label_names(self) -> tuple[str, ...] | None:
+        """Class names from the ``label_names`` metadata, when present."""
+        raw = self.metadata.get("label_names")
+        if raw is None:
+            return None
+        try:
+            names = json.loads(raw)
+        except ValueError:
+            names = None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ProbeFileError(
+                f"{self.source}: metadata 'label_names' must be a JSON list of strings, "
+                f"got {raw!r}"
+            )
+        return tuple(names)
+
+
+def linear_weights(weight: Any, bias: Any, *, source: str = "inline probe_args",
+                   metadata: Mapping[str, str] | None = None) -> LinearWeights:
+    """Validate a weight/bias pair (any array-like) into :class:`LinearWeights`.
+
+    >>> linear_weights([0.5, -1.0], 0.25).hidden
+    2
+    """
+    np = numpy_module()
+    try:
+        w = np.array(weight, dtype=np.float64)
+        b = np.array(bias, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ProbeFileError(f"{source}: weight and bias must be numeric arrays ({exc})") from None
+    if w.ndim not in (1, 2) or w.shape[-1] == 0 or (w.ndim == 2 and w.shape[0] == 0):
+        raise ProbeFileError(
+            f"{source}: weight must have shape (hidden,) or (classes, hidden), got {w.shape}"
+        )
+    expected_bias = () if w.ndim == 1 else (w.shape[0],)
+    if b.shape != expected_bias:
+        if b.size == 1 and (w.ndim == 1 or w.shape[0] == 1):
+            b = b.reshape(expected_bias)
+        else:
+            shape_text = "() or (1,)" if w.ndim == 1 else f"({w.shape[0]},)"
+            raise ProbeFileError(
+                f"{source}: bias shape {b.shape} does not match weight shape {w.shape}; "
+                f"expected {shape_text}"
+            )
+    if not (np.isfinite(w).all() and np.isfinite(b).all()):
+        raise ProbeFileError(f"{source}: weight and bias must be finite (found NaN or inf)")
+    w.setflags(write=False)
+    b.setflags(write=False)
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    declared = meta.get("format")
+    if declared is not None and declared != LINEAR_PROBE_FORMAT:
+        raise ProbeFileError(
+            f"{source}: declares format {declared!r}; expected {LINEAR_PROBE_FORMAT!r}"
+        )
+    return LinearWeights(weight=w, bias=b, source=source, metadata=meta)
+
+
+def load_linear_weights(path: str | os.PathLike[str]) -> LinearWeights:
+    """Read a ``.safetensors`` or ``.npz`` linear probe file (cached by path and mtime).
+
+    Raises :class:`ProbeFileError` naming the path when the file is missing, is
+    not the format its suffix says, lacks ``weight``/``bias``, or has shapes that
+    do not fit together.
+    """
+    resolved = Path(path).expanduser().resolve()
+    if resolved.suffix not in SUFFIXES:
+        raise ProbeFileError(
+            f"linear probe file {str(path)!r}: unsupported suffix {resolved.suffix!r}; "
+            f"expected one of {', '.join(SUFFIXES)} (pickled files are never loaded)"
+        )
+    try:
+        stat = resolved.stat()
+    except OSError:
+        raise ProbeFileError(f"linear probe file {str(path)!r} does not exist") from None
+    return _load_cached(str(resolved), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_cached(path: str, mtime_ns: int, size: int) -> LinearWeights:
+    source = f"linear probe file {path!r}"
+    if path.endswith(".safetensors"):
+        arrays, metadata = _read_safetensors(path, source)
+    else:
+        arrays, metadata = _read_npz(path, source)
+    unfolded = [name for name in _UNFOLDED if name in arrays or name in metadata]
+    if unfolded:
+        raise ProbeFileError(
+            f"{source}: holds {', '.join(unfolded)}; standardisation is not applied at read "
+            "time, fold it into weight and bias (w' = w / scale, b' = b - w' . mean)"
+        )
+    missing = [name for name in ("weight", "bias") if name not in arrays]
+    if missing:
+        raise ProbeFileError(
+            f"{source}: missing array(s) {', '.join(missing)}; found {sorted(arrays) or 'none'}"
+        )
+    return linear_weights(arrays["weight"], arrays["bias"], source=source, metadata=metadata)
+
+
+def _read_safetensors(path: str, source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    try:
+        from safetensors import safe_open
+        from safetensors.numpy import load_file
+    except ImportError as exc:  # pragma: no cover - safetensors ships with the hf extra
+        raise ImportError(
+            f"{source}: reading .safetensors needs the safetensors package; "
+            "install it with `pip install undercurrent[hf]`"
+        ) from exc
+    try:
+        arrays = load_file(path)
+        with safe_open(path, framework="numpy") as handle:
+            metadata = dict(handle.metadata() or {})
+    except Exception as exc:  # safetensors raises its own error types
+        raise ProbeFileError(f"{source} is not a valid safetensors file ({exc})") from None
+    return arrays, metadata
+
+
+def _read_npz(path: str, source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    np = numpy_module()
+    arrays: dict[str, Any] = {}
+    metadata: dict[str, str] = {}
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if not hasattr(archive, "files"):
+                raise ProbeFileError(f"{source} is a single .npy array, not an .npz archive")
+            for name in archive.files:
+                value = archive[name]
+                if name not in ("weight", "bias") and value.ndim == 0:
+                    item = value[()]
+                    metadata[name] = item.decode() if isinstance(item, bytes) else str(item)
+                else:
+                    arrays[name] = value
+    except ProbeFileError:
+        raise
+    except Exception as exc:  # zipfile / numpy format errors, pickled objects
+        raise ProbeFileError(f"{source} is not a valid .npz archive ({exc})") from None
+    return arrays, metadata
+
+
+def save_linear_weights(
+    path: str | os.PathLike[str],
+    weight: Any,
+    bias: Any,
+    *,
+    link: str | None = None,
+    threshold: float | None = None,
+    layer: int | None = None,
+    tensor_type: str | None = None,
+    label_names: list[str] | tuple[str, ...] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a probe file that :func:`load_linear_weights` reads (suffix picks the format).
+
+    Returns the path written. Use it from fitting code so the format lives in one place.
+    """
+    np = numpy_module()
+    target = Path(path)
+    checked = linear_weights(weight, bias, source=f"probe to save at {str(path)!r}")
+    if link is not None and link not in LINKS:
+        raise ValueError(f"link must be one of {', '.join(LINKS)}, got {link!r}")
+    meta: dict[str, str] = {"format": LINEAR_PROBE_FORMAT}
+    optional = {"link": link, "threshold": threshold, "layer": layer, "tensor_type": tensor_type}
+    meta.update({key: str(value) for key, value in optional.items() if value is not None})
+    if label_names is not None:
+        meta["label_names"] = json.dumps([str(name) for name in label_names])
+    meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+    w = np.ascontiguousarray(checked.weight)
+    b = np.ascontiguousarray(checked.bias)
+    if target.suffix == ".safetensors":
+        from safetensors.numpy import save_file
+
+        save_file({"weight": w, "bias": b}, str(target), metadata=meta)
+    elif target.suffix == ".npz":
+        np.savez(target, weight=w, bias=b, **{k: np.array(v) for k, v in meta.items()})
+    else:
+        raise ProbeFileError(
+            f"cannot save a linear probe to {str(path)!r}: suffix must be one of "
+            f"{', '.join(SUFFIXES)}"
+        )
+    return target

@@ -1,0 +1,289 @@
+"""One probe instance bound to one (request, extraction point), with its accounting.
+
+Every field below is guarded by ``cond``; user code (the probe's methods) is
+always called with ``cond`` released. ``busy`` marks an ``on_activation`` in
+flight: at most one runs per binding, and ``on_end`` never runs while one does.
+
+Accounting: each received record ends up exactly once in ``processed`` (the
+probe returned or raised) or ``dropped`` (the probe never saw it, or it was
+still running when the result was finalised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from undercurrent.probes.base import RequestContext
+from undercurrent.records import (
+    ActivationRecord,
+    ProbeResult,
+    ProbeSignal,
+    ProbeStats,
+    SignalAction,
+)
+from undercurrent.router.errors import OverflowPolicy
+from undercurrent.spec.types import ExecutionMode, ExtractionPoint, InterventionPolicy
+
+logger = logging.getLogger("undercurrent.router")
+
+
+def describe_error(exc: BaseException) -> str:
+    """``TypeName: message`` for an exception, as results and metrics show it."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def observed_only(signal: ProbeSignal) -> ProbeSignal:
+    """An async (or unwaited) signal: an ``abort`` is recorded as ``flag``."""
+    if signal.action is not SignalAction.ABORT:
+        return signal
+    return dataclasses.replace(
+        signal,
+        action=SignalAction.FLAG,
+        metadata={**signal.metadata, "requested_action": "abort"},
+    )
+
+
+class Binding:
+    """The router's state for one probe instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        point: ExtractionPoint,
+        probe: Any,
+        probe_type: str,
+        ctx: RequestContext,
+        policy: InterventionPolicy,
+        queue_capacity: int | None,
+        overflow: OverflowPolicy,
+        breaker_threshold: int | None,
+    ) -> None:
+        self.point = point
+        self.name = point.name
+        self.probe = probe
+        self.probe_type = probe_type
+        self.ctx = ctx
+        self.policy = policy
+        self.is_async = point.execution_mode is ExecutionMode.ASYNC
+        self.queue_capacity = queue_capacity
+        self.overflow = overflow
+        self.breaker_threshold = breaker_threshold
+        self.cond = threading.Condition()
+        self.received = 0
+        self.processed = 0
+        self.dropped = 0
+        self.errors = 0
+        self.timeouts = 0
+        self.latency_total = 0.0
+        self.latency_max = 0.0
+        self.late_results = 0
+        self.signals: list[ProbeSignal] = []
+        self.error_notes: list[str] = []
+        self._logged_error = False
+        self.busy = False
+        self.closed = False
+        self.finalised = False
+        self.queue: deque[ActivationRecord] = deque()
+        self.scheduled = False
+        self.consecutive_failures = 0
+        self.breaker_open = False
+        # block_until_signal: the call handed to this binding's helper thread.
+        self.pending: Any = None
+        self.helper: threading.Thread | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.ctx.request_id
+
+    # -- user code, called without the lock ---------------------------------------
+
+    def invoke(self, record: ActivationRecord) -> tuple[ProbeSignal | None, str | None, float]:
+        """Run ``on_activation``: (signal, error description or None, seconds taken)."""
+        started = time.perf_counter()
+        try:
+            signal = self.probe.on_activation(record)
+            if signal is not None and not isinstance(signal, ProbeSignal):
+                raise TypeError(
+                    f"on_activation returned {type(signal).__name__}; expected ProbeSignal or None"
+                )
+            error = None
+        except Exception as exc:
+            signal = None
+            error = describe_error(exc)
+            self._log_first_error(
+                f"on_activation (token {record.token_index}, layer {record.layer})", exc
+            )
+        return signal, error, time.perf_counter() - started
+
+    def _log_first_error(self, where: str, exc: BaseException) -> None:
+        if self._logged_error:
+            return
+        self._logged_error = True
+        logger.warning(
+            "probe %r (%s) on request %r raised in %s; generation continues",
+            self.name, self.probe_type, self.request_id, where, exc_info=exc,
+        )
+
+    def start(self) -> None:
+        """Call ``on_start``; a failure is recorded, never raised."""
+        try:
+            self.probe.on_start(self.ctx)
+        except Exception as exc:
+            self._log_first_error("on_start", exc)
+            with self.cond:
+                self.errors += 1
+                self.error_notes.append(f"on_start: {describe_error(exc)}")
+
+    # -- accounting, called with the lock held -------------------------------------
+
+    def account(self, latency: float, error: str | None, record: ActivationRecord) -> None:
+        """Count one record the probe finished (returned or raised)."""
+        self.processed += 1
+        self.latency_total += latency
+        self.latency_max = max(self.latency_max, latency)
+        if error is not None:
+            self.errors += 1
+            if not any(note.startswith("on_activation") for note in self.error_notes):
+                self.error_notes.append(
+                    f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
+                )
+
+    def enqueue(self, record: ActivationRecord) -> bool:
+        """Put a record on this async binding's queue, applying the overflow policy.
+
+        Returns True when the binding must be handed to the scheduler.
+        """
+        with self.cond:
+            self.received += 1
+            capacity = self.queue_capacity or 1
+            if not self.closed and len(self.queue) >= capacity:
+                if self.overflow is OverflowPolicy.DROP_OLDEST:
+                    self.queue.popleft()
+                    self.dropped += 1
+                elif self.overflow is OverflowPolicy.DROP_NEWEST:
+                    self.dropped += 1
+                    return False
+                else:
+                    while len(self.queue) >= capacity and not self.closed:
+                        self.cond.wait()
+            if self.closed:
+                self.dropped += 1
+                return False
+            self.queue.append(record)
+            if self.scheduled:
+                return False
+            self.scheduled = True
+            return True
+
+    # -- end of the request -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Accept no more records; wake producers blocked on a full queue."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until the queue is empty and nothing is in flight, or the deadline."""
+        with self.cond:
+            while self.queue or self.busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.cond.wait(remaining)
+            return True
+
+    def finalise(self, drain_timeout_s: float) -> bool:
+        """Freeze the accounting; returns True when ``on_end`` may run now.
+
+        Records still queued, and one still in flight, count as dropped; a late
+        completion is then discarded.
+        """
+        with self.cond:
+            self.closed = True
+            self.finalised = True
+            queued = len(self.queue)
+            self.queue.clear()
+            in_flight = self.busy
+            self.dropped += queued + (1 if in_flight else 0)
+            if queued or in_flight:
+                what = f"{queued} queued record(s)" + (" and one in flight" if in_flight else "")
+                self.error_notes.append(
+                    f"drain timed out after {drain_timeout_s:g}s with {what}, counted as dropped"
+                )
+            if in_flight:
+                self.error_notes.append(
+                    "on_activation was still running, so on_end was not called"
+                )
+            self.cond.notify_all()
+            return not in_flight
+
+    def result(self, verdict: Any) -> ProbeResult:
+        """The ProbeResult, from the current (final) accounting."""
+        with self.cond:
+            stats = ProbeStats(
+                received=self.received,
+                processed=self.processed,
+                dropped=self.dropped,
+                errors=self.errors,
+                timeouts=self.timeouts,
+                mean_latency_s=self.latency_total / self.processed if self.processed else 0.0,
+            )
+            metadata = {
+                "probe_type": self.probe_type,
+                "execution_mode": self.point.execution_mode.value,
+                "intervention": self.policy.mode.value,
+                "max_latency_s": self.latency_max,
+                "late_results": self.late_results,
+                "breaker_open": self.breaker_open,
+            }
+            return ProbeResult(
+                request_id=self.request_id,
+                extraction_point_name=self.name,
+                verdict=verdict,
+                signals=tuple(self.signals),
+                stats=stats,
+                error="; ".join(self.error_notes) or None,
+                metadata=metadata,
+            )
+
+    def end(self, drain_timeout_s: float) -> ProbeResult:
+        """Finalise, call ``on_end`` (unless an activation is still running), build the result."""
+        may_end = self.finalise(drain_timeout_s)
+        verdict = None
+        if may_end:
+            try:
+                verdict = self.probe.on_end(self.ctx)
+            except Exception as exc:
+                self._log_first_error("on_end", exc)
+                with self.cond:
+                    self.errors += 1
+                    self.error_notes.append(f"on_end: {describe_error(exc)}")
+        return self.result(verdict)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Live metrics for this binding."""
+        with self.cond:
+            return {
+                "request_id": self.request_id,
+                "point": self.name,
+                "probe_type": self.probe_type,
+                "execution_mode": self.point.execution_mode.value,
+                "intervention": self.policy.mode.value,
+                "received": self.received,
+                "processed": self.processed,
+                "dropped": self.dropped,
+                "errors": self.errors,
+                "timeouts": self.timeouts,
+                "queue_depth": len(self.queue),
+                "queue_capacity": self.queue_capacity,
+                "mean_latency_s": self.latency_total / self.processed if self.processed else 0.0,
+                "max_latency_s": self.latency_max,
+                "breaker_open": self.breaker_open,
+            }

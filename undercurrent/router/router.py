@@ -1,0 +1,401 @@
+"""The Router: binds probes to requests and dispatches activation records to them."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from undercurrent.probes.base import RequestContext
+from undercurrent.probes.registry import ProbeRegistry, default_registry
+from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
+from undercurrent.router.binding import Binding, describe_error, logger
+from undercurrent.router.errors import OverflowPolicy, RouterError
+from undercurrent.router.inline import run_inline
+from undercurrent.router.scheduler import AsyncScheduler
+from undercurrent.router.validation import check_points, merged_probe_args, where
+from undercurrent.spec.types import InterventionPolicy
+
+_RECENTLY_ENDED = 4096
+_COUNTERS = ("received", "processed", "dropped", "errors", "timeouts")
+
+
+class _Request:
+    __slots__ = ("request_id", "bindings", "abort_requested")
+
+    def __init__(self, request_id: str, bindings: dict[str, Binding]) -> None:
+        self.request_id = request_id
+        self.bindings = bindings
+        self.abort_requested = False
+
+
+class RequestHandle:
+    """What :meth:`Router.request` yields: route records, then read ``results``."""
+
+    def __init__(self, router: Router, request_id: str) -> None:
+        self.router = router
+        self.request_id = request_id
+        self.results: dict[str, ProbeResult] = {}
+
+    def route(self, record: ActivationRecord) -> ProbeSignal | None:
+        """Same as :meth:`Router.route`."""
+        return self.router.route(record)
+
+    @property
+    def abort_requested(self) -> bool:
+        """True once an inline probe (or its fallback) asked to abort this request."""
+        return self.router.abort_requested(self.request_id)
+
+
+def _resolve_registry(probes: Any) -> ProbeRegistry:
+    if probes is None:
+        return default_registry
+    if isinstance(probes, ProbeRegistry):
+        return probes
+    if isinstance(probes, Mapping):
+        registry = default_registry.copy()
+        for name, cls in probes.items():
+            registry.register(name, cls, replace=True)
+        return registry
+    raise TypeError(
+        "probes must be None, a ProbeRegistry, or a mapping of probe_type names to probe "
+        f"classes; got {type(probes).__name__}"
+    )
+
+
+def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class Router:
+    """Dispatches :class:`~undercurrent.records.ActivationRecord` s to probes.
+
+    One probe instance is built per (request, extraction point) at
+    :meth:`register_request`. Inline points run on the caller's thread under their
+    intervention policy; async points go through a bounded queue to a shared pool
+    of ``workers`` threads. :meth:`end_request` drains, calls every probe's
+    ``on_end`` and returns ``{point name: ProbeResult}``.
+
+    ``probes``: None (the default registry), a :class:`ProbeRegistry`, or a mapping
+    ``name -> class`` added on top of the default registry. ``probe_defaults``:
+    ``{probe_type: kwargs}`` that a point's ``probe_args`` override.
+    ``breaker_threshold``: after that many consecutive fallbacks, a
+    ``block_until_signal`` point stops being waited on for the rest of its request.
+
+    >>> from undercurrent.spec.types import ExtractionPoint
+    >>> point = ExtractionPoint(name="n", layers=(0,), tensor_type="mlp_out",
+    ...     position="generated[*]", probe_type="norm_probe", probe_kind="trajectory")
+    >>> with Router() as router:
+    ...     with router.request([point], request_id="r") as handle:
+    ...         _ = handle.route(ActivationRecord("r", "n", 0, "mlp_out", 3, True, 0, 7,
+    ...                                           [3.0, 4.0]))
+    >>> handle.results["n"].verdict["max_score"]
+    5.0
+    """
+
+    def __init__(
+        self,
+        probes: ProbeRegistry | Mapping[str, type] | None = None,
+        *,
+        probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
+        default_queue_depth: int = 32,
+        default_overflow: OverflowPolicy | str = OverflowPolicy.DROP_OLDEST,
+        default_intervention_policy: InterventionPolicy | Mapping[str, Any] | None = None,
+        workers: int | None = None,
+        breaker_threshold: int | None = None,
+        drain_timeout_s: float = 10.0,
+        stall_timeout_s: float = 1.0,
+    ) -> None:
+        self.registry = _resolve_registry(probes)
+        defaults = dict(probe_defaults or {})
+        for probe_type, kwargs in defaults.items():
+            if not isinstance(kwargs, Mapping):
+                raise TypeError(
+                    f"probe_defaults[{probe_type!r}] must be a mapping of probe_args, "
+                    f"got {type(kwargs).__name__}"
+                )
+        self.probe_defaults = {name: dict(kwargs) for name, kwargs in defaults.items()}
+        self.default_queue_depth = _positive_int("default_queue_depth", default_queue_depth)
+        self.default_overflow = OverflowPolicy.parse(default_overflow)
+        if isinstance(default_intervention_policy, Mapping):
+            default_intervention_policy = InterventionPolicy(**default_intervention_policy)
+        self.default_intervention_policy = default_intervention_policy or InterventionPolicy()
+        self.breaker_threshold = _positive_int(
+            "breaker_threshold", breaker_threshold, optional=True
+        )
+        if workers is None:
+            workers = max(1, min(4, os.cpu_count() or 1))
+        self.workers = _positive_int("workers", workers)
+        if not drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s!r}")
+        self.drain_timeout_s = float(drain_timeout_s)
+        self._scheduler = AsyncScheduler(self.workers or 1, stall_timeout_s=stall_timeout_s)
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._results_after_shutdown: dict[str, dict[str, ProbeResult]] = {}
+        self._totals = dict.fromkeys(_COUNTERS, 0)
+        self._late_records = 0
+        self._closed = False
+
+    # -- requests -------------------------------------------------------------------
+
+    def register_request(
+        self,
+        request_id: str,
+        points: Iterable[Any],
+        ctx: RequestContext | None = None,
+    ) -> None:
+        """Bind a fresh probe instance to each point for this request (all or nothing).
+
+        Raises :class:`RouterError` listing every problem: async single_shot points,
+        async points whose (possibly inherited) intervention is not ``reject``,
+        invalid interventions, unknown ``probe_type`` (with the known names and the
+        closest match), a ``probe_kind`` the probe class does not serve, a probe
+        constructor that fails, or a ``request_id`` that is already live.
+        """
+        label = f"cannot register request {request_id!r}"
+        if self._closed:
+            raise RouterError(f"{label}: the router is shut down")
+        if ctx is None:
+            ctx = RequestContext(request_id=request_id)
+        elif ctx.request_id != request_id:
+            raise RouterError(
+                f"{label}: ctx.request_id is {ctx.request_id!r}; it must equal the request_id"
+            )
+        with self._lock:
+            if request_id in self._requests:
+                raise RouterError(f"{label}: a request with this id is already live")
+        checked, problems = check_points(
+            list(points),
+            self.registry,
+            self.default_intervention_policy,
+            self.default_queue_depth,
+        )
+        bindings: dict[str, Binding] = {}
+        for item in checked:
+            args = merged_probe_args(self.probe_defaults, item.point)
+            try:
+                instance = item.probe_class(**args)
+            except Exception as exc:
+                problems.append(
+                    f"{where(item.index, item.point)}: could not build probe_type "
+                    f"{item.point.probe_type!r} with probe_args {sorted(args)}: "
+                    f"{describe_error(exc)}"
+                )
+                continue
+            bindings[item.point.name] = Binding(
+                point=item.point,
+                probe=instance,
+                probe_type=item.point.probe_type,
+                ctx=dataclasses.replace(ctx, extraction_point=item.point),
+                policy=item.policy,
+                queue_capacity=item.queue_capacity,
+                overflow=self.default_overflow,
+                breaker_threshold=self.breaker_threshold,
+            )
+        if problems:
+            raise RouterError(label, problems)
+        for binding in bindings.values():
+            binding.start()
+        with self._lock:
+            if self._closed:
+                raise RouterError(f"{label}: the router is shut down")
+            if request_id in self._requests:
+                raise RouterError(f"{label}: a request with this id is already live")
+            self._requests[request_id] = _Request(request_id, bindings)
+            self._ended.pop(request_id, None)
+
+    def wants(self, request_id: str, point_name: str | None = None) -> bool:
+        """Whether the request is live (and, given ``point_name``, has that point)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        return point_name is None or point_name in request.bindings
+
+    def abort_requested(self, request_id: str) -> bool:
+        """True once an inline probe (or its fallback) returned ``abort`` for the request."""
+        request = self._requests.get(request_id)
+        return request is not None and request.abort_requested
+
+    def live_requests(self) -> tuple[str, ...]:
+        """The ids of the registered, not yet ended requests."""
+        with self._lock:
+            return tuple(self._requests)
+
+    # -- the hot path -------------------------------------------------------------
+
+    def route(self, record: ActivationRecord) -> ProbeSignal | None:
+        """Hand one record to its binding.
+
+        Inline points: returns the signal that applies to generation (the probe's,
+        or the intervention's fallback), None when the probe has nothing to say or
+        raised under ``reject``. Async points: queues the record and returns None.
+        A record for a request that ended moments ago is ignored (counted in
+        ``metrics()["late_records"]``); one for a request never registered raises
+        :class:`RouterError`.
+        """
+        request = self._requests.get(record.request_id)
+        if request is None:
+            return self._route_unknown(record)
+        binding = request.bindings.get(record.extraction_point_name)
+        if binding is None:
+            raise RouterError(
+                f"route: request {record.request_id!r} has no extraction point named "
+                f"{record.extraction_point_name!r}; its points are {sorted(request.bindings)}"
+            )
+        if binding.is_async:
+            if binding.enqueue(record):
+                self._scheduler.schedule(binding)
+            return None
+        signal = run_inline(binding, record)
+        if signal is not None and signal.action is SignalAction.ABORT:
+            request.abort_requested = True
+        return signal
+
+    def _route_unknown(self, record: ActivationRecord) -> None:
+        with self._lock:
+            if record.request_id in self._ended:
+                self._late_records += 1
+                return None
+            live = sorted(self._requests)
+        raise RouterError(
+            f"route: no live request {record.request_id!r} (live requests: {live[:10]}); "
+            "call register_request first"
+        )
+
+    # -- ending ---------------------------------------------------------------------
+
+    def end_request(
+        self, request_id: str, *, timeout_s: float | None = None
+    ) -> dict[str, ProbeResult]:
+        """Drain the request's async queues (at most ``timeout_s``, default the router's
+        ``drain_timeout_s``), call every probe's ``on_end``, return ``{point: result}``.
+
+        Records still queued at the deadline count as dropped and the result's
+        ``error`` says so. A probe still inside ``on_activation`` at the deadline
+        is not sent ``on_end`` (its verdict is None).
+        """
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                stored = self._results_after_shutdown.pop(request_id, None)
+                if stored is not None:
+                    return stored
+                raise RouterError(
+                    f"end_request: no live request {request_id!r}; it was never registered "
+                    "or has already ended"
+                )
+            self._ended[request_id] = None
+            while len(self._ended) > _RECENTLY_ENDED:
+                self._ended.popitem(last=False)
+        timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
+        return self._finish(request, timeout)
+
+    def _finish(self, request: _Request, timeout: float) -> dict[str, ProbeResult]:
+        bindings = list(request.bindings.values())
+        for binding in bindings:
+            binding.close()
+        deadline = time.monotonic() + timeout
+        for binding in bindings:
+            binding.wait_idle(deadline)
+        results = {binding.name: binding.end(timeout) for binding in bindings}
+        with self._lock:
+            for result in results.values():
+                for counter in _COUNTERS:
+                    self._totals[counter] += getattr(result.stats, counter)
+        return results
+
+    @contextmanager
+    def request(
+        self,
+        points: Iterable[Any],
+        ctx: RequestContext | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Iterator[RequestHandle]:
+        """Register a request for the ``with`` block; its results land on the handle.
+
+        The id is ``request_id``, else ``ctx.request_id``, else a fresh uuid.
+        """
+        if request_id is None:
+            request_id = ctx.request_id if ctx is not None else uuid.uuid4().hex
+        self.register_request(request_id, points, ctx)
+        handle = RequestHandle(self, request_id)
+        try:
+            yield handle
+        finally:
+            handle.results = self.end_request(request_id)
+
+    def shutdown(
+        self, wait: bool = True, *, timeout_s: float | None = None
+    ) -> dict[str, dict[str, ProbeResult]]:
+        """Stop the router; end every live request and return their results by id.
+
+        ``wait=True`` drains async queues first (within ``timeout_s``, default the
+        router's ``drain_timeout_s``); ``wait=False`` discards queued records
+        (counted as dropped). Later ``route`` calls for those requests are ignored,
+        and ``end_request`` on them returns the results computed here. Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return {}
+            self._closed = True
+            live = list(self._requests.values())
+            self._requests.clear()
+            for request in live:
+                self._ended[request.request_id] = None
+        timeout = (self.drain_timeout_s if timeout_s is None else timeout_s) if wait else 0.0
+        results = {request.request_id: self._finish(request, timeout) for request in live}
+        if live:
+            logger.info("router shut down with %d live request(s) ended", len(live))
+        with self._lock:
+            self._results_after_shutdown.update(results)
+        self._scheduler.stop(wait=wait, timeout_s=timeout)
+        return results
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # -- observability ----------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot: per live binding, and totals over every request so far.
+
+        ``bindings`` is a list of dicts with ``request_id``, ``point``,
+        ``probe_type``, ``execution_mode``, ``intervention``, ``received``,
+        ``processed``, ``dropped``, ``errors``, ``timeouts``, ``queue_depth``
+        (records waiting now), ``queue_capacity``, ``mean_latency_s``,
+        ``max_latency_s``, ``breaker_open``. ``totals`` sums the counters over
+        ended and live bindings. Also ``live_requests``, ``workers``,
+        ``ready_bindings`` and ``late_records``.
+        """
+        with self._lock:
+            live = list(self._requests.values())
+            totals = dict(self._totals)
+            late = self._late_records
+        bindings = [b.snapshot() for request in live for b in request.bindings.values()]
+        for snapshot in bindings:
+            for counter in _COUNTERS:
+                totals[counter] += snapshot[counter]
+        return {
+            "live_requests": len(live),
+            "workers": self._scheduler.worker_count(),
+            "ready_bindings": self._scheduler.ready_count(),
+            "late_records": late,
+            "totals": totals,
+            "bindings": bindings,
+        }

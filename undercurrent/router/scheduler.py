@@ -1,0 +1,177 @@
+"""The async scheduler: a shared pool of worker threads serving async bindings.
+
+A binding with queued records sits (once) on a FIFO ready line. A worker takes
+it, processes at most ``batch_size`` records in order, and puts it back at the
+end of the line if records remain, so every binding makes progress however many
+bindings share however few workers. Only one worker holds a binding at a time,
+which keeps each binding's records strictly ordered.
+
+A probe that hangs would pin its worker. A supervisor notices workers stuck in
+one call for longer than ``stall_timeout_s`` and starts replacements (up to
+``max_workers`` threads), so the other bindings keep moving; surplus workers
+retire once the stuck call returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from undercurrent.router.binding import Binding, observed_only
+
+
+class _Worker:
+    __slots__ = ("thread", "call_started")
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.call_started: float | None = None
+
+
+class AsyncScheduler:
+    """Runs async bindings' queued records on ``workers`` shared threads."""
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        batch_size: int = 16,
+        stall_timeout_s: float = 1.0,
+        max_workers: int | None = None,
+    ) -> None:
+        self.target = workers
+        self.batch_size = batch_size
+        self.stall_timeout_s = stall_timeout_s
+        self.max_workers = max_workers if max_workers is not None else 4 * workers + 8
+        self._cond = threading.Condition()
+        self._ready: deque[Binding] = deque()
+        self._workers: list[_Worker] = []
+        self._stopping = False
+        self._supervisor: threading.Thread | None = None
+        self._supervisor_stop = threading.Event()
+
+    # -- public ---------------------------------------------------------------------
+
+    def schedule(self, binding: Binding) -> None:
+        """Put a binding with queued records on the ready line."""
+        with self._cond:
+            self._ready.append(binding)
+            if not self._workers and not self._stopping:
+                for _ in range(self.target):
+                    self._spawn_locked()
+                self._start_supervisor_locked()
+            self._cond.notify()
+
+    def worker_count(self) -> int:
+        """Worker threads alive now (more than ``workers`` while some are stalled)."""
+        with self._cond:
+            return len(self._workers)
+
+    def ready_count(self) -> int:
+        """Bindings waiting for a worker."""
+        with self._cond:
+            return len(self._ready)
+
+    def stop(self, wait: bool = True, timeout_s: float | None = None) -> None:
+        """Stop the workers once the ready line is empty; optionally join them."""
+        with self._cond:
+            self._stopping = True
+            workers = [w.thread for w in self._workers if w.thread is not None]
+            self._cond.notify_all()
+        self._supervisor_stop.set()
+        if wait:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            for thread in workers:
+                if thread is threading.current_thread():
+                    continue
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                thread.join(remaining)
+
+    # -- workers --------------------------------------------------------------------
+
+    def _spawn_locked(self) -> None:
+        worker = _Worker()
+        thread = threading.Thread(
+            target=self._work, args=(worker,), name="undercurrent-async-worker", daemon=True
+        )
+        worker.thread = thread
+        self._workers.append(worker)
+        thread.start()
+
+    def _stalled_locked(self, now: float) -> int:
+        return sum(
+            1
+            for w in self._workers
+            if w.call_started is not None and now - w.call_started > self.stall_timeout_s
+        )
+
+    def _work(self, worker: _Worker) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._stopping:
+                    self._cond.wait()
+                if not self._ready:
+                    self._workers.remove(worker)
+                    return
+                binding = self._ready.popleft()
+            more = self._run_batch(binding, worker)
+            if more:
+                self.schedule(binding)
+            with self._cond:
+                healthy = len(self._workers) - self._stalled_locked(time.monotonic())
+                if healthy > self.target:
+                    self._workers.remove(worker)
+                    return
+
+    def _run_batch(self, binding: Binding, worker: _Worker) -> bool:
+        """Process up to ``batch_size`` records; True when the binding still has work."""
+        for _ in range(self.batch_size):
+            with binding.cond:
+                if not binding.queue or binding.finalised:
+                    binding.scheduled = False
+                    binding.cond.notify_all()
+                    return False
+                record = binding.queue.popleft()
+                binding.busy = True
+                binding.cond.notify_all()  # room for a producer blocked on a full queue
+            worker.call_started = time.monotonic()
+            signal, error, latency = binding.invoke(record)
+            worker.call_started = None
+            with binding.cond:
+                binding.busy = False
+                if not binding.finalised:
+                    binding.account(latency, error, record)
+                    if signal is not None:
+                        binding.signals.append(observed_only(signal))
+                binding.cond.notify_all()
+        with binding.cond:
+            if binding.queue and not binding.finalised:
+                return True
+            binding.scheduled = False
+            binding.cond.notify_all()
+            return False
+
+    # -- stall compensation -------------------------------------------------------------
+
+    def _start_supervisor_locked(self) -> None:
+        if self._supervisor is not None:
+            return
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="undercurrent-async-supervisor", daemon=True
+        )
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        interval = max(0.01, self.stall_timeout_s / 4)
+        while not self._supervisor_stop.wait(interval):
+            with self._cond:
+                if self._stopping and not self._ready:
+                    return
+                if not self._ready:
+                    continue
+                healthy = len(self._workers) - self._stalled_locked(time.monotonic())
+                while healthy < self.target and len(self._workers) < self.max_workers:
+                    self._spawn_locked()
+                    healthy += 1
+                self._cond.notify_all()

@@ -1,0 +1,133 @@
+"""Registration-time checks: what the router re-verifies on every request.
+
+Hand-built :class:`~undercurrent.spec.types.ExtractionPoint` objects skip the
+spec parser, so the router checks again everything that would let a point
+misbehave at run time, and reports every problem at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from undercurrent.probes.base import supported_kinds
+from undercurrent.probes.registry import ProbeRegistry, UnknownProbeError
+from undercurrent.spec.types import (
+    ExecutionMode,
+    ExtractionPoint,
+    InterventionMode,
+    InterventionPolicy,
+    OnTimeout,
+    ProbeKind,
+)
+
+
+@dataclass(frozen=True)
+class CheckedPoint:
+    """A point that passed the checks, with what the router resolved for it."""
+
+    index: int
+    point: ExtractionPoint
+    probe_class: type
+    policy: InterventionPolicy
+    queue_capacity: int | None
+
+
+def where(index: int, point: Any) -> str:
+    """How messages name a point: ``extraction point 'name' (index i)``."""
+    name = getattr(point, "name", None)
+    return f"extraction point {name!r} (index {index})" if name else f"extraction point {index}"
+
+
+def _policy_problems(label: str, policy: InterventionPolicy, inherited: bool) -> list[str]:
+    origin = " (inherited from the router's default_intervention_policy)" if inherited else ""
+    problems: list[str] = []
+    if policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
+        timeout = policy.timeout_ms
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+            problems.append(
+                f"{label}: intervention block_until_signal{origin} needs timeout_ms, an int "
+                f">= 1 (got {timeout!r})"
+            )
+    else:
+        if policy.timeout_ms is not None:
+            problems.append(
+                f"{label}: intervention reject{origin} takes no timeout_ms "
+                f"(got {policy.timeout_ms!r}); use mode block_until_signal to wait on the probe"
+            )
+        if policy.on_timeout is not OnTimeout.CONTINUE:
+            problems.append(
+                f"{label}: intervention reject{origin} only allows on_timeout 'continue'"
+            )
+    return problems
+
+
+def check_points(
+    points: Iterable[Any],
+    registry: ProbeRegistry,
+    default_policy: InterventionPolicy,
+    default_queue_depth: int,
+) -> tuple[list[CheckedPoint], list[str]]:
+    """Check a request's points; returns (the points that passed, every problem)."""
+    checked: list[CheckedPoint] = []
+    problems: list[str] = []
+    seen: dict[str, int] = {}
+    for index, point in enumerate(points):
+        label = where(index, point)
+        if not isinstance(point, ExtractionPoint):
+            problems.append(
+                f"{label}: expected an ExtractionPoint, got {type(point).__name__}"
+            )
+            continue
+        before = len(problems)
+        if point.name in seen:
+            problems.append(f"{label}: duplicate name, also used by index {seen[point.name]}")
+        seen.setdefault(point.name, index)
+        is_async = point.execution_mode is ExecutionMode.ASYNC
+        if is_async and point.probe_kind is ProbeKind.SINGLE_SHOT:
+            problems.append(
+                f"{label}: execution_mode async needs probe_kind trajectory; a single_shot "
+                "probe has no state to carry off the hot path (use execution_mode inline)"
+            )
+        inherited = point.intervention is None
+        policy = default_policy if inherited else point.intervention
+        assert policy is not None
+        problems += _policy_problems(label, policy, inherited)
+        if is_async and policy.mode is not InterventionMode.REJECT:
+            origin = " (inherited from the router's default)" if inherited else ""
+            problems.append(
+                f"{label}: execution_mode async cannot use intervention "
+                f"{policy.mode.value}{origin}; async points never hold up generation, "
+                "set intervention mode reject"
+            )
+        depth = point.queue_depth
+        if depth is not None:
+            if not is_async:
+                problems.append(f"{label}: queue_depth is only valid with execution_mode async")
+            elif isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+                problems.append(f"{label}: queue_depth must be an int >= 1, got {depth!r}")
+        cls: type | None = None
+        try:
+            cls = registry.get(point.probe_type)
+        except UnknownProbeError as exc:
+            problems.append(f"{label}: {exc}")
+        if cls is not None:
+            kinds = supported_kinds(cls)
+            if point.probe_kind not in kinds:
+                declared = " or ".join(kind.value for kind in kinds)
+                problems.append(
+                    f"{label}: probe_kind {point.probe_kind.value} does not match probe_type "
+                    f"{point.probe_type!r}, whose class {cls.__name__} is {declared}"
+                )
+        if len(problems) == before and cls is not None:
+            capacity = (depth or default_queue_depth) if is_async else None
+            checked.append(CheckedPoint(index, point, cls, policy, capacity))
+    return checked, problems
+
+
+def merged_probe_args(
+    probe_defaults: Mapping[str, Mapping[str, Any]], point: ExtractionPoint
+) -> dict[str, Any]:
+    """Router-level defaults for the point's probe_type, overridden by its probe_args."""
+    return {**probe_defaults.get(point.probe_type, {}), **point.probe_args}
