@@ -1,0 +1,217 @@
+"""SpecEditor: set widget values as a user would, check the YAML, the errors and the spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.notebook import SpecEditor
+from undercurrent.spec import SpecValidationError, load_yaml_file, parse_yaml
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+
+
+def _shown(editor: SpecEditor, field: str) -> bool:
+    return editor.rows[field].layout.display != "none"
+
+
+def test_new_editor_with_a_model_starts_valid_on_its_last_layer():
+    editor = SpecEditor(model=4)
+    assert editor.valid
+    point = editor.spec[0]
+    assert point.layers == (3,) and point.tensor_type.value == "residual_stream"
+    assert parse_yaml(editor.to_yaml()) == editor.spec
+
+
+def test_changing_a_field_changes_the_yaml_view_and_the_spec():
+    editor = SpecEditor(model=4)
+    before = editor.yaml_view.value
+    editor.fields["name"].value = "harm_watch"
+    editor.fields["layers"].value = (1, 2)
+    editor.fields["tensor_type"].value = "mlp_out"
+    assert editor.yaml_view.value != before
+    assert "harm_watch" in editor.yaml_view.value
+    data = yaml.safe_load(editor.to_yaml())
+    assert data["extraction_points"][0] == {
+        "name": "harm_watch", "layers": [1, 2], "tensor_type": "mlp_out",
+        "position": "prompt[-1]", "probe_type": "norm_probe", "probe_kind": "single_shot",
+    }
+
+
+def test_invalid_position_shows_the_parsers_message_next_to_the_field_and_never_raises():
+    editor = SpecEditor(model=4)
+    editor.fields["position"].value = "generated[*"
+    assert "is not valid; expected an int N" in editor.errors["position"].value
+    assert "generated[*]" in editor.errors["position"].value  # the accepted forms
+    assert not editor.valid
+    assert "not valid yet" in editor.yaml_view.value
+    with pytest.raises(SpecValidationError, match="position"):
+        _ = editor.spec
+    editor.fields["position"].value = "generated[*]"
+    assert editor.errors["position"].value == "" and editor.valid
+
+
+def test_stride_and_until_appear_only_for_continuous_positions_and_vanish_from_the_yaml():
+    editor = SpecEditor(model=4)
+    assert not _shown(editor, "stride") and not _shown(editor, "until")
+    editor.fields["position"].value = "generated[2:]"
+    assert _shown(editor, "stride") and _shown(editor, "until")
+    editor.fields["stride"].value = 3
+    editor.fields["until"].value = "generation_end"
+    assert editor.spec[0].stride == 3 and editor.spec[0].until.value == "generation_end"
+    editor.fields["position"].value = "prompt[-1]"
+    assert not _shown(editor, "stride")
+    assert editor.valid and editor.spec[0].stride == 1 and editor.spec[0].until is None
+
+
+def test_queue_depth_only_for_async_and_the_async_rules_show_on_their_fields():
+    editor = SpecEditor(model=4)
+    assert not _shown(editor, "queue_depth")
+    editor.fields["execution_mode"].value = "async"
+    assert _shown(editor, "queue_depth")
+    assert "needs probe_kind 'trajectory'" in editor.errors["execution_mode"].value
+    editor.fields["probe_kind"].value = "trajectory"
+    editor.fields["queue_depth"].value = "eight"
+    assert "not a whole number" in editor.errors["queue_depth"].value
+    editor.fields["queue_depth"].value = "8"
+    assert editor.valid and editor.spec[0].queue_depth == 8
+
+
+def test_timeout_fields_only_under_block_until_signal():
+    editor = SpecEditor(model=4)
+    assert not _shown(editor, "timeout_ms") and not _shown(editor, "on_timeout")
+    editor.fields["intervention_mode"].value = "reject"
+    assert not _shown(editor, "timeout_ms")
+    assert editor.spec[0].intervention.mode.value == "reject"
+    editor.fields["intervention_mode"].value = "block_until_signal"
+    assert _shown(editor, "timeout_ms") and _shown(editor, "on_timeout")
+    editor.fields["timeout_ms"].value = 25
+    editor.fields["on_timeout"].value = "abort"
+    policy = editor.spec[0].intervention
+    assert (policy.timeout_ms, policy.on_timeout.value) == (25, "abort")
+    editor.fields["intervention_mode"].value = ""
+    assert editor.spec[0].intervention is None
+
+
+def test_block_until_signal_on_an_async_point_is_reported_on_the_intervention_field():
+    editor = SpecEditor(model=4)
+    editor.fields["probe_kind"].value = "trajectory"
+    editor.fields["execution_mode"].value = "async"
+    editor.fields["intervention_mode"].value = "block_until_signal"
+    assert "not allowed with execution_mode 'async'" in editor.errors["intervention_mode"].value
+
+
+def test_layer_picker_is_bounded_by_the_model_and_final_norm_sits_at_layer_n():
+    editor = SpecEditor(model=3)
+    assert [value for _, value in editor.fields["layers"].options] == [0, 1, 2]
+    editor.fields["tensor_type"].value = "final_norm"
+    labels = dict((v, k) for k, v in editor.fields["layers"].options)
+    assert labels == {2: "2 (out of range)", 3: "3 (final norm)"}
+    assert "out of range" in editor.errors["layers"].value
+    editor.fields["layers"].value = (3,)
+    assert editor.valid and editor.spec[0].layers == (3,)
+
+
+def test_tensor_types_offered_are_the_backends():
+    caps = Capabilities.standard("hf", "llama", 2, tensor_types=("residual_stream", "mlp_out"))
+    editor = SpecEditor(model=caps)
+    assert list(editor.fields["tensor_type"].options) == ["residual_stream", "mlp_out"]
+
+
+def test_without_a_model_layers_are_typed_and_checked():
+    editor = SpecEditor()
+    editor.fields["layers"].value = "0, 2,5"
+    assert editor.spec[0].layers == (0, 2, 5)
+    editor.fields["layers"].value = "0, two"
+    assert "'two' is not a layer index" in editor.errors["layers"].value
+    editor.fields["layers"].value = ""
+    assert "empty list" in editor.errors["layers"].value
+
+
+def test_probe_types_come_from_the_registry_and_kinds_are_checked_against_the_probe():
+    from undercurrent.probes import list_probes
+
+    editor = SpecEditor(model=2)
+    assert tuple(editor.fields["probe_type"].options) == list_probes()
+    editor.fields["probe_type"].value = "trajectory_probe"
+    assert "does not run as 'single_shot'" in editor.errors["probe_kind"].value
+    editor.fields["probe_kind"].value = "trajectory"
+    assert editor.valid
+
+
+def test_probe_args_are_yaml_and_bad_yaml_is_shown():
+    editor = SpecEditor(model=2)
+    editor.fields["probe_args"].value = "threshold: 3.5\naction: flag"
+    assert dict(editor.spec[0].probe_args) == {"threshold": 3.5, "action": "flag"}
+    editor.fields["probe_args"].value = "threshold: [1"
+    assert "not valid YAML" in editor.errors["probe_args"].value
+    editor.fields["probe_args"].value = "- 1"
+    assert "must be a mapping" in editor.errors["probe_args"].value
+
+
+def test_add_duplicate_remove_and_duplicate_names():
+    editor = SpecEditor(model=2)
+    editor.fields["name"].value = "a"
+    editor.duplicate_point()
+    assert [label for label, _ in editor.point_list.options] == ["a", "a_copy"]
+    assert editor.current == 1
+    editor.fields["name"].value = "a"
+    assert "duplicate name 'a'" in editor.errors["name"].value
+    assert editor.point_list.options[1][0].startswith("⚠")
+    editor.remove_point()
+    assert editor.valid and editor.spec.names == ("a",)
+    editor.add_button.click()
+    assert editor.spec.names == ("a", "point_1")
+    editor.select("a")
+    assert editor.fields["name"].value == "a"
+
+
+def test_selecting_a_point_loads_its_values_into_the_form():
+    editor = SpecEditor(model=4)
+    editor.fields["position"].value = "generated[*]"
+    editor.add_point()
+    assert editor.fields["position"].value == "prompt[-1]"
+    editor.point_list.value = 0
+    assert editor.fields["position"].value == "generated[*]"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SPECS.glob("*.yaml")))
+def test_from_spec_round_trips_every_example_spec(name):
+    original = load_yaml_file(SPECS / name)
+    editor = SpecEditor.from_spec(SPECS / name)
+    assert editor.valid, editor.problems
+    assert editor.spec == original
+    assert SpecEditor.from_spec(original).spec == original
+
+
+def test_from_spec_reports_model_problems_for_a_loaded_spec():
+    editor = SpecEditor.from_spec(SPECS / "continuous_trajectory.yaml", model=4)
+    assert not editor.valid
+    assert "out of range" in editor.errors["layers"].value
+
+
+def test_save_writes_yaml_the_loader_reads_back(tmp_path):
+    editor = SpecEditor(model=4)
+    editor.fields["name"].value = "saved"
+    path = editor.save(tmp_path / "spec.yaml")
+    assert load_yaml_file(path) == editor.spec
+
+
+def test_save_button_reports_an_invalid_spec_instead_of_raising(tmp_path):
+    editor = SpecEditor(model=4)
+    editor.fields["name"].value = ""
+    editor.save_path.value = str(tmp_path / "x.yaml")
+    editor.save_button.click()
+    assert "not saved" in editor.save_message.value
+    assert not (tmp_path / "x.yaml").exists()
+    editor.fields["name"].value = "ok"
+    editor.save_button.click()
+    assert "saved to" in editor.save_message.value and (tmp_path / "x.yaml").exists()
+
+
+def test_editor_displays_as_a_widget():
+    bundle = SpecEditor(model=2)._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
