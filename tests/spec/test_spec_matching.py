@@ -1,0 +1,133 @@
+"""Resolved points in Python: the seed's matches() examples, stride, None semantics, and
+the rule checks hand-built points get."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from undercurrent.spec import (
+    ExecutionMode,
+    ExtractionPoint,
+    InterventionMode,
+    InterventionPolicy,
+    ProbeKind,
+    SpecValidationError,
+    TensorType,
+    check_extraction_points,
+    parse_position,
+)
+
+
+def trajectory_point(position: str = "generated[*]", stride: int = 2) -> ExtractionPoint:
+    return ExtractionPoint(
+        name="generation_trajectory",
+        layers=(4, 8, 12),
+        tensor_type=TensorType.MLP_OUT,
+        position=parse_position(position),
+        stride=stride,
+        until=None,
+        probe_type="trajectory_probe",
+        probe_kind=ProbeKind.TRAJECTORY,
+        execution_mode=ExecutionMode.ASYNC,
+        queue_depth=8,
+    )
+
+
+def test_seed_example_stride_2_over_generated_tokens() -> None:
+    point = trajectory_point()
+    # Prompt of 10 tokens; generated tokens 0, 2, 4, ... match because of stride=2.
+    assert point.matches(token_index=10, is_generated=True, prompt_len=10, generated_index=0)
+    assert not point.matches(token_index=11, is_generated=True, prompt_len=10, generated_index=1)
+    assert point.matches(token_index=12, is_generated=True, prompt_len=10, generated_index=2)
+    assert not point.matches(token_index=3, is_generated=False, prompt_len=10)
+
+
+def test_stride_counts_from_the_start_of_the_selector() -> None:
+    point = trajectory_point("generated[5:]", stride=2)
+    hits = [g for g in range(15) if point.matches(20 + g, True, 20, g)]
+    assert hits == [5, 7, 9, 11, 13]
+
+
+def test_stride_inside_a_bounded_slice() -> None:
+    point = trajectory_point("generated[3:10]", stride=3)
+    assert [g for g in range(20) if point.matches(5 + g, True, 5, g)] == [3, 6, 9]
+
+
+@pytest.mark.parametrize(
+    "position,prompt_len,expected",
+    [
+        ("prompt[-1]", 10, 9),
+        ("prompt[0]", 10, 0),
+        ("prompt[-1]+1", 10, 10),
+        ("generated[0]", 10, 10),
+        ("generated[2]-1", 10, 11),
+        ("4", 10, 4),
+    ],
+)
+def test_single_token_positions_match_exactly_one_token(
+    position: str, prompt_len: int, expected: int
+) -> None:
+    point = trajectory_point(position, stride=1)
+    hits = []
+    for index in range(prompt_len + 5):
+        generated = index >= prompt_len
+        generated_index = index - prompt_len if generated else None
+        if point.matches(index, generated, prompt_len, generated_index):
+            hits.append(index)
+    assert hits == [expected]
+
+
+def test_intervention_is_none_unless_set_meaning_the_routers_default() -> None:
+    assert trajectory_point().intervention is None
+    explicit = InterventionPolicy()
+    assert explicit.mode is InterventionMode.REJECT and explicit != None  # noqa: E711
+
+
+def test_hand_built_points_normalise_common_inputs() -> None:
+    point = ExtractionPoint(
+        name="p", layers=3, tensor_type="kv", position=" prompt[-1] ",  # type: ignore[arg-type]
+        probe_type="x", probe_kind="single_shot",  # type: ignore[arg-type]
+    )
+    assert point.layers == (3,)
+    assert point.tensor_type is TensorType.KV
+    assert point.position == parse_position("prompt[-1]")
+
+
+def test_check_accepts_valid_hand_built_points() -> None:
+    window = dataclasses.replace(trajectory_point("generated[1:4]", 1), name="window")
+    assert check_extraction_points([trajectory_point(), window]) is None
+
+
+def test_check_rejects_async_single_shot_built_by_hand() -> None:
+    point = ExtractionPoint(
+        name="bypass", layers=(0,), tensor_type="mlp_out", position="prompt[-1]",  # type: ignore[arg-type]
+        probe_type="x", probe_kind="single_shot", execution_mode="async",  # type: ignore[arg-type]
+    )
+    with pytest.raises(SpecValidationError) as caught:
+        check_extraction_points([point])
+    assert [(p.point_index, p.point_name, p.field) for p in caught.value.problems] == [
+        (0, "bypass", "execution_mode")
+    ]
+
+
+def test_check_rejects_a_blocking_intervention_on_an_async_point() -> None:
+    point = dataclasses.replace(
+        trajectory_point(), intervention=InterventionPolicy(InterventionMode.BLOCK_UNTIL_SIGNAL, 10)
+    )
+    with pytest.raises(SpecValidationError, match="intervention.mode"):
+        check_extraction_points([point])
+
+
+def test_check_rejects_bad_values_and_duplicate_names() -> None:
+    bad = dataclasses.replace(trajectory_point(), layers=(-1,), stride=0)
+    with pytest.raises(SpecValidationError) as caught:
+        check_extraction_points([trajectory_point(), bad])
+    fields = [(p.point_index, p.field) for p in caught.value.problems]
+    assert (1, "layers") in fields and (1, "stride") in fields and (1, "name") in fields
+
+
+def test_check_rejects_things_that_are_not_points() -> None:
+    with pytest.raises(SpecValidationError, match="expected an ExtractionPoint"):
+        check_extraction_points(["generation_trajectory"])  # type: ignore[list-item]
