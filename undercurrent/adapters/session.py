@@ -80,6 +80,7 @@ class RequestState:
         self.records: list[ActivationRecord] | None = [] if keep_records else None
         self.signals: list[TokenSignal] = []
         self.signals_read = 0
+        self.closed = False
 
     @property
     def live(self) -> bool:
@@ -104,10 +105,14 @@ class RequestState:
         return {(layer, point.tensor_type) for point in self._live_points for layer in point.layers}
 
     def matches_in_window(self, start: int, stop: int) -> list[tuple[int, ExtractionPoint]]:
-        """(token index, point) for every token in ``[start, stop)`` a live point
-        selects; then retires the points that cannot match at or after ``stop``."""
+        """(token index, point) for every token in ``[start, stop)`` a point
+        selects; then retires the points that cannot match at or after ``stop``.
+
+        The backend decides which requests to plan (usually the live ones); an
+        aborted or closed request matches nothing.
+        """
         found: list[tuple[int, ExtractionPoint]] = []
-        if not self.live:
+        if self.aborted or self.closed:
             return found
         for point in self._live_points:
             found.extend((index, point) for index in _tokens_in_window(
@@ -239,6 +244,7 @@ class CaptureSession:
         if state.finish_reason is None:
             state.finish_reason = finish_reason or "length"
         results = self._end(request_id)
+        state.closed = True
         return GenerationOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -309,8 +315,8 @@ class CaptureSession:
                   tensor: Any) -> None:
         """Build one record, keep it if asked, route it, apply an abort."""
         state = target.state
-        if not state.live:
-            return  # nothing is routed after a request stopped
+        if state.aborted or state.closed:
+            return  # nothing is routed after an abort or after the request ended
         is_generated = target.token_index >= state.prompt_len
         generated_index = target.token_index - state.prompt_len if is_generated else None
         record = ActivationRecord(

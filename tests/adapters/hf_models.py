@@ -1,0 +1,84 @@
+"""Tiny random models of every architecture in the table, built from configs
+(no download), and a word-level tokenizer built locally."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+VOCAB = 64
+WORDS = [f"w{i}" for i in range(VOCAB - 4)]
+
+_ATTN = dict(num_attention_heads=4)
+_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_key_value_heads=2,
+              **_ATTN)
+
+# config.model_type -> config kwargs (3 layers, hidden 32, vocab 64)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "mixtral": dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2": _LLAMA,
+    "qwen2_moe": dict(_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=32),
+    "qwen3": dict(_LLAMA, head_dim=8),
+    "qwen3_moe": dict(_LLAMA, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32),
+    "gemma": dict(_LLAMA, head_dim=8),
+    "gemma2": dict(_LLAMA, head_dim=8),
+    "gemma3_text": dict(_LLAMA, head_dim=8),
+    "phi3": _LLAMA,
+    "granite": _LLAMA,
+    "olmo2": _LLAMA,
+    "phi": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, **_ATTN),
+    "gpt2": dict(n_embd=32, n_layer=3, n_head=4),
+    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, **_ATTN),
+    "gptj": dict(n_embd=32, n_layer=3, n_head=4, rotary_dim=4),
+    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=3, word_embed_proj_dim=32, **_ATTN),
+    "falcon": dict(hidden_size=32, num_hidden_layers=3, **_ATTN),
+}
+
+SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def build_tokenizer() -> Any:
+    """A word-level ``PreTrainedTokenizerFast``: <pad>=0, <bos>=1, <eos>=2, <unk>=3,
+    then w0..w59; encoding prepends <bos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>",
+                                   eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+@cache
+def build_model(model_type: str, eos: bool = False) -> Any:
+    """A tiny random ``*ForCausalLM`` in eval mode, seeded so it is the same every time.
+
+    ``eos=False`` gives the model no eos token, so generations always run to
+    ``max_new_tokens`` (what the equivalence tests want).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    special = dict(SPECIAL)
+    if not eos:
+        special["eos_token_id"] = None
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **special,
+                                  **CONFIGS[model_type])
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = special["eos_token_id"]
+    model.generation_config.pad_token_id = 0
+    model.generation_config.bos_token_id = 1
+    return model
+
+
+def prompt(*indices: int) -> str:
+    return " ".join(WORDS[i] for i in indices)

@@ -1,0 +1,394 @@
+"""The Hugging Face backend: batched ``model.generate()`` with live capture.
+
+Why ``generate()`` and not an own decode loop: it already handles every cache
+layout, position-id scheme and sampling option of the architectures in the
+table, and probing must not change what it produces. Two small callbacks plug
+into it:
+
+- a logits processor, which runs after each forward: it routes the records that
+  forward captured (so an inline probe sees token ``t`` before token ``t+1`` is
+  sampled) and pads out rows that stopped (an abort forces the pad token, so the
+  row produces nothing after the aborted token);
+- a stopping criterion, which runs after each sampled token: it records the
+  token for its request, applies ``eos`` / stop strings / ``max_new_tokens`` per
+  row, emits stream events, and marks finished or aborted rows done.
+
+Each row of a left-padded batch is its own request; the plan for each forward
+maps a request's absolute token indices to (row, column) of the batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from undercurrent.adapters.base import BackendError, SamplingParams
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.hooks import ModelHooks
+from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.session import CaptureSession, RequestState, StepPlan, stop_position
+
+EventSink = Callable[[StreamEvent], None]
+
+
+class _RowDriver:
+    """Per-batch generation state shared by the generate() callbacks."""
+
+    def __init__(self, backend: HFBackend, states: list[RequestState], width: int,
+                 params: SamplingParams, session: CaptureSession,
+                 on_event: EventSink | None, cancel: threading.Event | None) -> None:
+        self.backend = backend
+        self.states = states
+        self.width = width
+        self.params = params
+        self.session = session
+        self.on_event = on_event
+        self.cancel = cancel
+        self.forwards = 0
+        self.texts = [""] * len(states)
+        self.track_text = bool(params.stop) or on_event is not None
+
+    # called by ModelHooks before every forward
+    def plan_forward(self, width: int) -> StepPlan | None:
+        index = self.forwards
+        self.forwards += 1
+        if not self.session.points:
+            return None
+        plan = StepPlan()
+        if index == 0:
+            if width != self.width:
+                raise BackendError(
+                    f"expected the prefill forward to see {self.width} tokens, it saw {width}")
+            for row, state in enumerate(self.states):
+                pad = self.width - state.prompt_len
+                plan.add_window(state, 0, state.prompt_len,
+                                lambda t, row=row, pad=pad: (row, pad + t))
+            return plan
+        if width != 1:
+            raise BackendError(
+                f"expected decode step {index} to feed one token per row, it fed {width}; "
+                "run generation with use_cache=True")
+        for row, state in enumerate(self.states):
+            if state.live and state.generated:
+                fed = state.prompt_len + len(state.generated) - 1
+                plan.add_window(state, fed, fed + 1, lambda t, row=row: (row, 0))
+        return plan
+
+    def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
+        self.backend.hooks.flush(self.session)
+        stopped = [row for row, state in enumerate(self.states) if not state.live]
+        if stopped:
+            # A stopped row produces nothing more: force the pad token.
+            pad = self.backend.pad_token_id
+            rows = torch.tensor(stopped, device=scores.device)
+            scores = scores.clone()
+            scores[rows] = float("-inf")
+            scores[rows, pad] = 0.0
+        return scores
+
+    def after_token(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cancelled = self.cancel is not None and self.cancel.is_set()
+        tokens = input_ids[:, -1].tolist()
+        eos = self.backend.eos_token_ids
+        for row, state in enumerate(self.states):
+            if not state.live:
+                continue
+            if cancelled:
+                state.finish_reason = "cancelled"
+                continue
+            token = int(tokens[row])
+            self.session.add_token(state, token)
+            piece = ""
+            if self.track_text:
+                text = self.backend.decode(state.generated)
+                piece, self.texts[row] = text[len(self.texts[row]):], text
+            if token in eos:
+                state.finish_reason = "eos"
+            elif self.params.stop and stop_position(self.texts[row], self.params.stop) is not None:
+                state.finish_reason = "stop"
+            elif len(state.generated) >= self.params.max_new_tokens:
+                state.finish_reason = "length"
+            if self.on_event is not None:
+                generated_index = len(state.generated) - 1
+                self.on_event(StreamEvent(
+                    request_id=state.request_id, token_id=token, text=piece,
+                    token_index=state.prompt_len + generated_index,
+                    generated_index=generated_index, signals=state.unread_signals()))
+        done = [not state.live for state in self.states]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class _AfterForward:
+    """LogitsProcessor shape: ``(input_ids, scores) -> scores``."""
+
+    def __init__(self, driver: _RowDriver) -> None:
+        self.driver = driver
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.driver.after_forward(scores)
+
+
+class _AfterToken:
+    """StoppingCriteria shape: ``(input_ids, scores) -> bool per row``."""
+
+    def __init__(self, driver: _RowDriver) -> None:
+        self.driver = driver
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return self.driver.after_token(input_ids)
+
+
+class HFBackend:
+    """Live capture on a transformers ``*ForCausalLM`` model and its tokenizer.
+
+    >>> backend = HFBackend(model, tokenizer)          # doctest: +SKIP
+    >>> backend.capabilities().num_layers              # doctest: +SKIP
+    """
+
+    name = "hf"
+
+    def __init__(self, model: Any, tokenizer: Any, *, model_name: str | None = None,
+                 batch_size: int = 8) -> None:
+        if tokenizer is None:
+            raise BackendError("the hf backend needs a tokenizer: ProbedModel(model, tokenizer)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self._model_name = model_name or str(
+            getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self.hooks = ModelHooks(model)
+        self._closed = False
+        pad = getattr(tokenizer, "pad_token_id", None)
+        eos = self._eos_ids()
+        if pad is None:
+            pad = getattr(model.generation_config, "pad_token_id", None)
+        if pad is None:
+            pad = eos[0] if eos else 0
+        self.pad_token_id = int(pad)
+        self.eos_token_ids = frozenset(eos)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, device: str | None = None, dtype: Any = None,
+                        batch_size: int = 8, **model_kwargs: Any) -> HFBackend:
+        """Load a model and tokenizer from a local path (or a reachable hub id)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **model_kwargs)
+        if device is not None:
+            model = model.to(device)
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, model_name=str(path), batch_size=batch_size)
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def capabilities(self) -> Capabilities:
+        return self.hooks.capabilities()
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def encode(self, prompt: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- generation --------------------------------------------------------
+    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+                 params: SamplingParams, session: CaptureSession, *,
+                 batch_size: int | None = None) -> list[GenerationOutput]:
+        """Batched generation (``batch_size`` prompts per ``generate()`` call)."""
+        size = batch_size or self.batch_size
+        outputs: list[GenerationOutput] = []
+        for start in range(0, len(prompts), size):
+            outputs.extend(self._run_batch(list(prompts[start:start + size]),
+                                           list(request_ids[start:start + size]),
+                                           params, session, None, None))
+        return outputs
+
+    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+               session: CaptureSession) -> Iterator[StreamEvent]:
+        """One prompt, one event per token, then a final event with the output.
+
+        Generation runs in a worker thread; closing the iterator early (or an
+        interrupt in the consumer) cancels it and waits for its cleanup.
+        """
+        events: queue.Queue[Any] = queue.Queue()
+        cancel = threading.Event()
+        done = object()
+
+        def work() -> None:
+            try:
+                (output,) = self._run_batch([prompt], [request_id], params, session,
+                                            events.put, cancel)
+                events.put(StreamEvent(
+                    request_id=request_id, token_id=None, text="", token_index=None,
+                    generated_index=None, signals=session.requests[request_id].unread_signals(),
+                    aborted=output.aborted, finished=True, output=output))
+            except BaseException as error:  # noqa: BLE001 - handed to the consumer
+                events.put(error)
+            finally:
+                events.put(done)
+
+        worker = threading.Thread(target=work, name=f"undercurrent-stream-{request_id}",
+                                  daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = events.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+            worker.join()
+
+    def _encode_batch(self, prompts: list[str]) -> tuple[list[list[int]], torch.Tensor,
+                                                         torch.Tensor]:
+        encoded = [self.encode(prompt) for prompt in prompts]
+        for prompt, ids in zip(prompts, encoded, strict=True):
+            if not ids:
+                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        return encoded, input_ids.to(self.device), attention_mask.to(self.device)
+
+    def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """The ``generate()`` keyword arguments for ``params`` (tests reuse them
+        to run plain ``generate()`` as the oracle)."""
+        kwargs: dict[str, Any] = {"max_new_tokens": params.max_new_tokens,
+                                  "pad_token_id": self.pad_token_id,
+                                  "eos_token_id": sorted(self.eos_token_ids) or None}
+        if params.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or 0)
+        return kwargs
+
+    def _run_batch(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+                   session: CaptureSession, on_event: EventSink | None,
+                   cancel: threading.Event | None) -> list[GenerationOutput]:
+        if self._closed:
+            raise BackendError("this HFBackend is closed; load the model again")
+        if not self._lock.acquire(blocking=False):
+            raise BackendError("this model is already generating (one call at a time per "
+                               "ProbedModel; hooks are per model)")
+        try:
+            encoded, input_ids, attention_mask = self._encode_batch(prompts)
+            states: list[RequestState] = []
+            try:
+                for prompt, request_id, ids in zip(prompts, request_ids, encoded, strict=True):
+                    states.append(session.open_request(request_id, prompt, ids))
+                driver = _RowDriver(self, states, input_ids.shape[1], params, session,
+                                    on_event, cancel)
+                self.hooks.install(session.wanted_pairs())
+                self.hooks.on_forward = driver.plan_forward
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                with torch.no_grad():
+                    self.model.generate(
+                        input_ids=input_ids, attention_mask=attention_mask,
+                        logits_processor=[_AfterForward(driver)],
+                        stopping_criteria=[_AfterToken(driver)],
+                        use_cache=True, **self.sampling_kwargs(params))
+                    self.hooks.flush(session)
+                    if params.capture_last_token:
+                        self._capture_last_tokens(states, session)
+            except BaseException:
+                session.abandon()
+                raise
+            finally:
+                self.hooks.on_forward = None
+                self.hooks.remove()
+            outputs = []
+            for state in states:
+                if state.finish_reason is None:
+                    state.finish_reason = "length"
+                outputs.append(session.close_request(state.request_id, self._final_text(
+                    state, params)))
+            return outputs
+        finally:
+            self._lock.release()
+
+    def _final_text(self, state: RequestState, params: SamplingParams) -> str:
+        text = self.decode(state.generated)
+        if state.finish_reason == "stop":
+            cut = stop_position(text, params.stop)
+            if cut is not None:
+                text = text[:cut]
+        return text
+
+    def _capture_last_tokens(self, states: list[RequestState], session: CaptureSession) -> None:
+        """One extra forward over each request's whole sequence to capture the last
+        sampled token, which generation never feeds back to the model."""
+        rows = [s for s in states if s.generated and not s.aborted]
+        if not rows:
+            return
+        sequences = [list(s.prompt_token_ids) + s.generated for s in rows]
+        width = max(len(seq) for seq in sequences)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            input_ids[row, width - len(seq):] = torch.tensor(seq)
+            attention_mask[row, width - len(seq):] = 1
+        plan = StepPlan()
+        for row, (state, seq) in enumerate(zip(rows, sequences, strict=True)):
+            last = len(seq) - 1
+            plan.add_window(state, last, last + 1, lambda t, row=row: (row, width - 1))
+        if not plan:
+            return
+        self.hooks.install(session.wanted_pairs() | {key for key in plan.groups})
+        self.hooks.on_forward = None
+        self.hooks.set_plan(plan, width)
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.device),
+                                  "use_cache": True}
+        if "position_ids" in _forward_parameters(self.model):
+            kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0).to(self.device)
+        self.hooks.plan = plan
+        self.model(input_ids=input_ids.to(self.device), **kwargs)
+        self.hooks.flush(session)
+
+    def close(self) -> None:
+        """Remove every hook; the model behaves exactly as before."""
+        self.hooks.remove()
+        self._closed = True
+
+
+_FORWARD_PARAMS: dict[type, frozenset[str]] = {}
+
+
+def _forward_parameters(model: Any) -> frozenset[str]:
+    import inspect
+
+    cls = type(model)
+    if cls not in _FORWARD_PARAMS:
+        _FORWARD_PARAMS[cls] = frozenset(inspect.signature(model.forward).parameters)
+    return _FORWARD_PARAMS[cls]
+
+

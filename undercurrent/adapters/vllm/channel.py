@@ -1,0 +1,160 @@
+"""The driver end of the worker connection: receive each step's batch, route it, reply.
+
+A thread accepts the capturing worker's connection and serves one
+:class:`~undercurrent.adapters.vllm.wire.StepBatch` at a time: it turns the rows into
+records through the generation's :class:`~undercurrent.adapters.session.CaptureSession`
+(the same code every backend uses), lets the router run inline probes, hands aborts to
+the engine and answers the worker, which has been waiting so that the step's tokens
+are sampled only after the probes have spoken.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Listener
+from typing import Any
+
+from undercurrent.adapters.session import CaptureSession, CaptureTarget, RequestState
+from undercurrent.adapters.vllm import wire
+from undercurrent.spec.types import TensorType
+
+logger = logging.getLogger("undercurrent.vllm")
+
+AbortSink = Callable[[list[str]], None]
+
+
+class StepServer:
+    """Listens for the capturing worker and routes its step batches.
+
+    ``on_abort`` receives the engine request ids an inline probe aborted in a step,
+    before the worker is answered (so the engine can drop them before sampling).
+    """
+
+    def __init__(self, on_abort: AbortSink) -> None:
+        self._directory = tempfile.mkdtemp(prefix="undercurrent-")
+        self.address = os.path.join(self._directory, "steps.sock")
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        self._on_abort = on_abort
+        self.lock = threading.RLock()
+        self._session: CaptureSession | None = None
+        self._states: dict[str, RequestState] = {}
+        self._connection: Any = None
+        self.error: BaseException | None = None
+        self.steps = 0
+        self.rows = 0
+        self._thread = threading.Thread(target=self._serve, name="undercurrent-vllm-steps",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- generation bookkeeping (main thread) ----------------------------------
+    def begin(self, session: CaptureSession) -> None:
+        with self.lock:
+            self._session = session
+            self._states = {}
+            self.error = None
+
+    def track(self, engine_id: str, state: RequestState) -> None:
+        with self.lock:
+            self._states[engine_id] = state
+
+    def end(self) -> None:
+        with self.lock:
+            self._session = None
+            self._states = {}
+
+    def take_error(self) -> BaseException | None:
+        with self.lock:
+            error, self.error = self.error, None
+            return error
+
+    # -- serving (channel thread) ----------------------------------------------
+    def _serve(self) -> None:
+        try:
+            self._connection = self._listener.accept()
+        except OSError:
+            return  # closed before a worker connected
+        connection = self._connection
+        while True:
+            try:
+                payload = connection.recv_bytes()
+            except (EOFError, OSError):
+                return
+            batch = wire.decode(payload)
+            assert isinstance(batch, wire.StepBatch)
+            reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
+            try:
+                connection.send_bytes(wire.encode(reply))
+            except OSError:
+                return
+
+    def _handle(self, batch: wire.StepBatch) -> list[str]:
+        with self.lock:
+            session = self._session
+            if session is None:
+                return []
+            try:
+                return self._route(session, batch)
+            except BaseException as error:  # noqa: BLE001 - surfaced on the main thread
+                logger.exception("undercurrent: routing a vLLM step failed")
+                if self.error is None:
+                    self.error = error
+                return []
+
+    def _route(self, session: CaptureSession, batch: wire.StepBatch) -> list[str]:
+        self.steps += 1
+        self.rows += batch.num_rows
+        states = self._states
+        for engine_id, first, token_ids in batch.tokens:
+            state = states.get(engine_id)
+            if state is None:
+                continue
+            generated = state.generated
+            for offset, token_id in enumerate(token_ids):
+                index = first + offset
+                if index < len(generated):
+                    generated[index] = token_id
+                elif index == len(generated):
+                    generated.append(token_id)
+        live_before = {engine_id for engine_id, state in states.items() if state.live}
+        deliveries: list[tuple[TensorType, list[CaptureTarget], Any]] = []
+        for group in batch.groups:
+            rows = batch.rows(group)
+            targets = []
+            for engine_id, point_index, token_index, slot in group.targets:
+                state = states.get(engine_id)
+                if state is None:
+                    continue
+                targets.append(CaptureTarget(state, state.points[point_index], group.layer,
+                                             token_index, slot))
+            deliveries.append((TensorType(group.tensor_type), targets, rows))
+        session.deliver(deliveries)
+        aborted = [engine_id for engine_id in live_before if states[engine_id].aborted]
+        if aborted:
+            self._on_abort(aborted)
+        return aborted
+
+    def close(self) -> None:
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        if self._connection is not None:
+            try:
+                self._connection.close()
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+        try:
+            os.unlink(self.address)
+        except OSError:
+            pass
+        try:
+            os.rmdir(self._directory)
+        except OSError:
+            pass

@@ -1,0 +1,111 @@
+"""Where the capture sites sit on vLLM's native model classes.
+
+One table names, per model family, the decoder-layer list, the attention and MLP
+attributes of a layer and the final norm. Native vLLM decoder layers return
+``(hidden, residual)``: the residual stream after the layer is their sum; a few
+(GPT-2, GPT-J style) return the hidden state alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_LAYER_LISTS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
+                "transformer.layers", "model.language_model.layers")
+_ATTENTION = ("self_attn", "attn", "attention", "self_attention")
+_MLP = ("mlp", "feed_forward", "ffn")
+_FINAL_NORMS = ("model.norm", "model.decoder.final_layer_norm", "transformer.ln_f",
+                "gpt_neox.final_layer_norm", "transformer.norm_f", "model.language_model.norm")
+
+
+class LayoutError(RuntimeError):
+    """The loaded vLLM model does not have a layout undercurrent knows how to hook."""
+
+
+@dataclass
+class ModelLayout:
+    """The modules each tensor type is captured from."""
+
+    model_class: str
+    layers: list[Any]
+    attention: list[Any]
+    mlp: list[Any]
+    final_norm: Any | None
+    kv_attention: list[Any | None]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def _resolve(root: Any, dotted: str) -> Any | None:
+    node = root
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def _first_attr(module: Any, names: tuple[str, ...]) -> Any | None:
+    for name in names:
+        child = getattr(module, name, None)
+        if child is not None:
+            return child
+    return None
+
+
+def _kv_module(attention: Any) -> Any | None:
+    """vLLM's ``Attention`` layer inside an attention block: it receives the rotated
+    keys and the values that it writes to the KV cache."""
+    child = getattr(attention, "attn", None)
+    if child is not None and type(child).__name__ == "Attention":
+        return child
+    return None
+
+
+def locate(model: Any) -> ModelLayout:
+    """Find the capture sites on a loaded vLLM model, or raise :class:`LayoutError`."""
+    class_name = type(model).__name__
+    layers = next((found for path in _LAYER_LISTS
+                   if (found := _resolve(model, path)) is not None), None)
+    if layers is None or len(layers) == 0:
+        raise LayoutError(
+            f"cannot find the decoder layers of vLLM model class {class_name!r} (looked for "
+            f"{', '.join(_LAYER_LISTS)}); vLLM's Transformers-backend fallback models are not "
+            "supported by the vLLM adapter: use backend='hf' for this model"
+        )
+    attention = [_first_attr(layer, _ATTENTION) for layer in layers]
+    mlp = [_first_attr(layer, _MLP) for layer in layers]
+    missing = [f"layer {i} has no {what} block" for i, layer in enumerate(layers)
+               for what, found in (("attention", attention[i]), ("MLP", mlp[i]))
+               if found is None]
+    if missing:
+        raise LayoutError(f"vLLM model class {class_name!r}: " + "; ".join(missing[:4]))
+    final_norm = next((found for path in _FINAL_NORMS
+                       if (found := _resolve(model, path)) is not None), None)
+    return ModelLayout(
+        model_class=class_name,
+        layers=list(layers),
+        attention=attention,
+        mlp=mlp,
+        final_norm=final_norm,
+        kv_attention=[_kv_module(block) for block in attention],
+    )
+
+
+def residual_stream(output: Any) -> Any:
+    """The residual stream after a decoder layer, from the layer's output."""
+    if isinstance(output, tuple):
+        hidden = output[0]
+        residual = output[1] if len(output) > 1 else None
+        if residual is not None and hasattr(residual, "shape") and residual.shape == hidden.shape:
+            return hidden + residual
+        return hidden
+    return output
+
+
+def first_tensor(output: Any) -> Any:
+    """A block's output tensor (vLLM norms called with a residual return a pair)."""
+    return output[0] if isinstance(output, tuple) else output

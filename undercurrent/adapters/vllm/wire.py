@@ -1,0 +1,116 @@
+"""What crosses from the vLLM worker to the driver: one message per engine step.
+
+A :class:`StepBatch` carries every captured row of one step: the rows of all
+(layer, tensor type) groups are concatenated into a few tensors (one per row shape,
+one device-to-host copy each), with compact integer targets saying which request,
+point, layer and token each row belongs to. The driver answers every batch with a
+:class:`StepReply` naming the requests its inline probes aborted; the worker waits for
+that reply, so an abort is applied before the engine samples the next token.
+
+The connection is a local ``multiprocessing.connection`` socket with a random key,
+set up by the driver; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass
+class GroupRows:
+    """Rows of one (layer, tensor type) in a step.
+
+    ``targets`` holds ``(engine request id, point index, token index, row)`` with
+    ``row`` counted from ``offset`` in ``StepBatch.banks[bank]``.
+    """
+
+    layer: int
+    tensor_type: str
+    bank: int
+    offset: int
+    count: int
+    targets: list[tuple[str, int, int, int]]
+
+
+@dataclass
+class StepBatch:
+    """Everything one engine step captured, for every request in it.
+
+    ``tokens`` holds ``(engine request id, first generated index, token ids)``: the
+    generated tokens fed to the model since the previous batch, so the driver
+    knows each record's token id before the step's output reaches it.
+    """
+
+    step: int
+    groups: list[GroupRows] = field(default_factory=list)
+    banks: list[Any] = field(default_factory=list)
+    tokens: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    version: int = PROTOCOL_VERSION
+
+    def rows(self, group: GroupRows) -> Any:
+        """The tensor rows of ``group`` (a view into its bank)."""
+        return self.banks[group.bank][group.offset:group.offset + group.count]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(group.count for group in self.groups)
+
+
+@dataclass
+class StepReply:
+    """The driver's answer to a step: requests to stop capturing (aborted)."""
+
+    step: int
+    aborted: list[str] = field(default_factory=list)
+
+
+def encode(message: StepBatch | StepReply) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(payload: bytes) -> StepBatch | StepReply:
+    message = pickle.loads(payload)  # noqa: S301 - a local socket authenticated by a random key
+    if not isinstance(message, (StepBatch, StepReply)):
+        raise TypeError(f"unexpected message on the undercurrent channel: {type(message)!r}")
+    if isinstance(message, StepBatch) and message.version != PROTOCOL_VERSION:
+        raise RuntimeError(
+            f"undercurrent worker speaks protocol {message.version}, the driver "
+            f"{PROTOCOL_VERSION}: the engine and the driver import different undercurrent versions"
+        )
+    return message
+
+
+def point_to_wire(point: Any) -> dict[str, Any]:
+    """The fields of an ``ExtractionPoint`` the worker needs to match tokens, as plain
+    data (vLLM's RPC layer carries msgpack-able values only)."""
+    from undercurrent.spec.position import format_position
+
+    return {
+        "name": point.name,
+        "layers": list(point.layers),
+        "tensor_type": point.tensor_type.value,
+        "position": format_position(point.position),
+        "stride": point.stride,
+        "probe_type": point.probe_type,
+        "probe_kind": point.probe_kind.value,
+    }
+
+
+def point_from_wire(data: dict[str, Any]) -> Any:
+    """Rebuild the matching-relevant ``ExtractionPoint`` in the worker."""
+    from undercurrent.spec.position import parse_position
+    from undercurrent.spec.types import ExtractionPoint
+
+    return ExtractionPoint(
+        name=data["name"],
+        layers=tuple(data["layers"]),
+        tensor_type=data["tensor_type"],
+        position=parse_position(data["position"]),
+        stride=int(data["stride"]),
+        probe_type=data["probe_type"],
+        probe_kind=data["probe_kind"],
+    )

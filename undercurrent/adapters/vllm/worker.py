@@ -1,0 +1,277 @@
+"""The worker extension vLLM mixes into its worker class (``worker_extension_cls``).
+
+It installs forward hooks on the decoder layers, their attention and MLP blocks, the
+final norm and (for ``kv``) vLLM's ``Attention`` layers. At the start of each forward
+it maps the step's flat token batch to (request, token index) from the runner's
+input batch (:func:`~undercurrent.adapters.vllm.rows.step_windows`) and plans, with the
+same matching code as every backend (:class:`~undercurrent.adapters.session.StepPlan`),
+which rows each hook keeps. At the end of the forward it sends one
+:class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
+reply, so inline probes run (and can abort) before the step's tokens are sampled.
+
+Only the capturing rank (tensor-parallel rank 0) hooks anything; the tensors it
+captures are the full, all-reduced ones, identical on every rank. Every method the
+driver calls is prefixed ``undercurrent_`` so it cannot clash with vLLM's own.
+"""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Client
+from typing import Any
+
+import torch
+
+from undercurrent.adapters.session import RequestState, StepPlan
+from undercurrent.adapters.vllm import layout as layouts
+from undercurrent.adapters.vllm import wire
+from undercurrent.adapters.vllm.rows import TokenWindow, engine_request_id, step_windows
+from undercurrent.spec.types import TensorType
+
+logger = logging.getLogger("undercurrent.vllm.worker")
+
+
+class _MirrorState(RequestState):
+    """The worker's copy of a request: its points, where capture has reached (so
+    recomputed tokens after a preemption are not captured twice) and how many
+    generated token ids the driver already has."""
+
+    def __init__(self, engine_id: str, prompt_len: int, points: list[Any]) -> None:
+        super().__init__(engine_id, "", range(prompt_len), points)
+        self.point_index = {point.name: index for index, point in enumerate(self.points)}
+        self.next_token = 0
+        self.generated_sent = 0
+
+
+class _Capture:
+    """Hooks, per-request plans and the driver connection of one worker."""
+
+    def __init__(self, worker: Any, address: str, authkey: bytes) -> None:
+        self.worker = worker
+        self.runner = worker.model_runner
+        self.model = self.runner.get_model()
+        self.layout = layouts.locate(self.model)
+        self.connection = Client(address, family="AF_UNIX", authkey=authkey)
+        self.handles: list[Any] = []
+        self.states: dict[str, _MirrorState] = {}
+        self.plan: StepPlan | None = None
+        self.pending_tokens: list[tuple[_MirrorState, int, int, int]] = []
+        self.captured: list[tuple[int, TensorType, Any]] = []
+        self.indices: dict[tuple[int, TensorType], Any] = {}
+        self.step = 0
+        self._install()
+
+    # -- hooks -------------------------------------------------------------
+    def _install(self) -> None:
+        lay = self.layout
+        self.handles.append(self.model.register_forward_pre_hook(self._begin_step))
+        self.handles.append(self.model.register_forward_hook(self._end_step))
+        for index, layer in enumerate(lay.layers):
+            self.handles.append(layer.register_forward_hook(
+                self._output_hook(index, TensorType.RESIDUAL_STREAM, layouts.residual_stream)))
+            self.handles.append(lay.attention[index].register_forward_hook(
+                self._output_hook(index, TensorType.ATTN_OUT, layouts.first_tensor)))
+            self.handles.append(lay.mlp[index].register_forward_hook(
+                self._output_hook(index, TensorType.MLP_OUT, layouts.first_tensor)))
+            kv_module = lay.kv_attention[index]
+            if kv_module is not None:
+                self.handles.append(kv_module.register_forward_pre_hook(
+                    self._kv_hook(index, kv_module), with_kwargs=True))
+        if lay.final_norm is not None:
+            self.handles.append(lay.final_norm.register_forward_hook(
+                self._output_hook(lay.num_layers, TensorType.FINAL_NORM, layouts.first_tensor)))
+
+    def _rows(self, layer: int, tensor_type: TensorType) -> Any | None:
+        if self.plan is None:
+            return None
+        return self.indices.get((layer, tensor_type))
+
+    def _output_hook(self, layer: int, tensor_type: TensorType, pick: Any) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            rows = self._rows(layer, tensor_type)
+            if rows is None:
+                return
+            if tensor_type is TensorType.RESIDUAL_STREAM and isinstance(output, tuple) \
+                    and len(output) > 1 and output[1] is not None:
+                # Select first, then add: the next layer's fused add-norm rewrites
+                # both tensors in place, and only a few rows are wanted.
+                hidden, residual = output[0], output[1]
+                kept = hidden.index_select(0, rows) + residual.index_select(0, rows)
+            else:
+                kept = pick(output).index_select(0, rows)
+            self.captured.append((layer, tensor_type, kept))
+        return hook
+
+    def _kv_hook(self, layer: int, module: Any) -> Any:
+        num_kv_heads = int(module.num_kv_heads)
+        head_size = int(module.head_size)
+
+        def hook(mod: Any, args: Any, kwargs: Any) -> None:
+            rows = self._rows(layer, TensorType.KV)
+            if rows is None:
+                return
+            key = args[1] if len(args) > 1 else kwargs["key"]
+            value = args[2] if len(args) > 2 else kwargs["value"]
+            keys = key.index_select(0, rows).reshape(-1, num_kv_heads, head_size)
+            values = value.index_select(0, rows).reshape(-1, num_kv_heads, head_size)
+            self.captured.append((layer, TensorType.KV, torch.stack((keys, values), dim=1)))
+        return hook
+
+    # -- per step ----------------------------------------------------------
+    def _windows(self) -> list[TokenWindow]:
+        batch = self.runner.input_batch
+        count = batch.num_reqs
+        return step_windows(batch.req_ids[:count], batch.num_computed_tokens_cpu[:count],
+                            self.runner.query_start_loc.np[:count + 1], count)
+
+    def _begin_step(self, module: Any, args: Any) -> None:
+        self.plan = None
+        self.captured = []
+        self.pending_tokens = []
+        if not self.states:
+            return
+        plan = StepPlan()
+        for window in self._windows():
+            state = self.states.get(engine_request_id(window.request_id))
+            if state is None or not state.live:
+                continue
+            start = max(window.token_start, state.next_token)
+            if start >= window.token_stop:
+                continue  # recomputed after a preemption: captured already
+            state.next_token = window.token_stop
+            plan.add_window(state, start, window.token_stop, window.row_of)
+            fed_generated = window.token_stop - state.prompt_len
+            if fed_generated > state.generated_sent:
+                self.pending_tokens.append((state, window.slot, state.generated_sent,
+                                            fed_generated))
+        if not plan:
+            return
+        device = self.runner.device
+        self.indices = {key: torch.tensor(group.slots, dtype=torch.long, device=device)
+                        for key, group in plan.groups.items()}
+        self.plan = plan
+
+    def _end_step(self, module: Any, args: Any, output: Any) -> None:
+        plan, self.plan = self.plan, None
+        if plan is None or not self.captured:
+            return
+        self.step += 1
+        batch = wire.StepBatch(step=self.step)
+        by_shape: dict[tuple[int, ...], list[Any]] = {}
+        bank_of: dict[tuple[int, ...], int] = {}
+        offsets: dict[tuple[int, ...], int] = {}
+        for layer, tensor_type, rows in self.captured:
+            shape = tuple(rows.shape[1:])
+            if shape not in bank_of:
+                bank_of[shape] = len(bank_of)
+                by_shape[shape] = []
+                offsets[shape] = 0
+            group = plan.get(layer, tensor_type)
+            assert group is not None
+            targets = [(t.state.request_id, t.state.point_index[t.point.name], t.token_index,
+                        t.slot_index) for t in group.targets]
+            batch.groups.append(wire.GroupRows(layer, tensor_type.value, bank_of[shape],
+                                               offsets[shape], rows.shape[0], targets))
+            by_shape[shape].append(rows)
+            offsets[shape] += rows.shape[0]
+        # One device-to-host copy per row shape (hidden-size rows, kv rows).
+        batch.banks = [torch.cat(parts).cpu() for parts in by_shape.values()]
+        token_ids = self.runner.input_batch.token_ids_cpu
+        for state, slot, first, stop in self.pending_tokens:
+            ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
+            batch.tokens.append((state.request_id, first, [int(t) for t in ids]))
+            state.generated_sent = stop
+        self.captured = []
+        self.connection.send_bytes(wire.encode(batch))
+        reply = wire.decode(self.connection.recv_bytes())
+        assert isinstance(reply, wire.StepReply)
+        for engine_id in reply.aborted:
+            state = self.states.get(engine_id)
+            if state is not None:
+                state.finish_reason = "abort"
+
+    # -- requests ----------------------------------------------------------
+    def open(self, points: list[dict[str, Any]], requests: list[list[Any]]) -> None:
+        resolved = [wire.point_from_wire(point) for point in points]
+        for engine_id, prompt_len, point_indices, first_token in requests:
+            chosen = [resolved[int(i)] for i in point_indices]
+            state = _MirrorState(str(engine_id), int(prompt_len), chosen)
+            # A replay (capture of the last token) starts capture past tokens seen before.
+            state.next_token = int(first_token)
+            state.generated_sent = max(0, int(first_token) - int(prompt_len))
+            self.states[str(engine_id)] = state
+
+    def release(self, engine_ids: list[str]) -> None:
+        for engine_id in engine_ids:
+            self.states.pop(engine_id, None)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.states.clear()
+        self.plan = None
+        try:
+            self.connection.close()
+        except OSError:
+            pass
+
+
+def _tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return int(get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - no distributed state means a single worker
+        return 0
+
+
+class UndercurrentWorkerExtension:
+    """Mixed into vLLM's worker: the driver calls these through ``collective_rpc``."""
+
+    def undercurrent_describe(self) -> dict[str, Any]:
+        """The model's shape as this worker sees it (per-rank head counts)."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        lay = layouts.locate(model)
+        kv = next((m for m in lay.kv_attention if m is not None), None)
+        parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
+        return {
+            "model_class": lay.model_class,
+            "num_layers": lay.num_layers,
+            "has_final_norm": lay.final_norm is not None,
+            "kv_heads_per_rank": None if kv is None else int(kv.num_kv_heads),
+            "head_dim": None if kv is None else int(kv.head_size),
+            "tensor_parallel_size": int(parallel.tensor_parallel_size),
+            "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
+            "tensor_parallel_rank": _tensor_parallel_rank(),
+        }
+
+    def undercurrent_attach(self, address: str, authkey: bytes) -> bool:
+        """Install the hooks and connect to the driver on the capturing rank (rank 0).
+
+        Returns whether this worker captures."""
+        self.undercurrent_detach()
+        if _tensor_parallel_rank() != 0:
+            return False
+        self._undercurrent = _Capture(self, address, bytes(authkey))  # type: ignore[attr-defined]
+        return True
+
+    def undercurrent_open(self, points: list[dict[str, Any]], requests: list[list[Any]]) -> None:
+        """Start capturing for ``requests``: ``[engine id, prompt length, point indices,
+        first token index to capture]``."""
+        capture = getattr(self, "_undercurrent", None)
+        if capture is not None:
+            capture.open(points, requests)
+
+    def undercurrent_release(self, engine_ids: list[str]) -> None:
+        """Forget finished requests."""
+        capture = getattr(self, "_undercurrent", None)
+        if capture is not None:
+            capture.release(list(engine_ids))
+
+    def undercurrent_detach(self) -> None:
+        """Remove every hook and close the driver connection."""
+        capture = getattr(self, "_undercurrent", None)
+        if capture is not None:
+            capture.close()
+            self._undercurrent = None  # type: ignore[attr-defined]
