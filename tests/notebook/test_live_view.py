@@ -1,0 +1,118 @@
+"""LiveView: stream events in, coloured tokens, score lines and abort markers out.
+
+A scripted model yields real ``StreamEvent``s (the adapters' own types), so the
+view is checked against known scores; the end-to-end run on the bundled model
+lives in ``test_live_view_model.py``.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
+from undercurrent.notebook import LiveView
+from undercurrent.records import ProbeSignal, SignalAction
+
+
+class ScriptedModel:
+    """``stream(prompt)`` yields one event per token; token g's signal comes with event g+1."""
+
+    def __init__(self, scores: dict[str, list[float]], abort_at: dict[str, int] | None = None):
+        self.scores = scores
+        self.abort_at = abort_at or {}
+        self.calls: list[tuple[str, dict]] = []
+
+    def stream(self, prompt: str, **kwargs):
+        self.calls.append((prompt, kwargs))
+        request = f"req-{prompt}"
+        scores = self.scores[prompt]
+        stop = self.abort_at.get(prompt)
+        prompt_len = 3
+        located = []
+        pending: tuple = ()
+        for g, score in enumerate(scores):
+            yield StreamEvent(request, token_id=100 + g, text=f" w{g}", token_index=prompt_len + g,
+                              generated_index=g, signals=pending)
+            action = SignalAction.ABORT if g == stop else SignalAction.CONTINUE
+            signal = TokenSignal("watch", 2, prompt_len + g, g, ProbeSignal(action, score))
+            located.append(signal)
+            pending = (signal,)
+            if g == stop:
+                break
+        abort = None
+        if stop is not None:
+            abort = AbortInfo("watch", 2, prompt_len + stop, stop, located[-1].signal)
+        output = GenerationOutput(
+            request_id=request, prompt=prompt, text="", token_ids=tuple(range(len(located))),
+            prompt_len=prompt_len, finish_reason="abort" if abort else "length", abort=abort,
+            signals=tuple(located),
+        )
+        yield StreamEvent(request, None, "", None, None, signals=pending, aborted=bool(abort),
+                          finished=True, output=output)
+
+
+def _token_scores(view: LiveView) -> list[str]:
+    return re.findall(r'data-score="([^"]*)"', view.text.value)
+
+
+def test_every_token_is_coloured_by_its_score_with_the_score_on_hover():
+    model = ScriptedModel({"a": [0.1, 0.5, 0.9]})
+    view = LiveView(model)
+    outputs = view.run("a", display=False, max_new_tokens=3)
+    assert model.calls == [("a", {"max_new_tokens": 3})]
+    assert len(outputs) == 1 and outputs[0].request_id == "req-a"
+    assert _token_scores(view) == ["0.100000", "0.500000", "0.900000"]
+    text = html.unescape(view.text.value)
+    assert 'title="token 2: score 0.900"' in text
+    assert "rgba(214,39,40,0.80)" in text  # 0.9 on the default 0..1 scale
+    assert "req-a" in text and ">a<" in text  # request id and prompt
+
+
+def test_plot_has_one_line_per_request_and_point_with_each_score():
+    view = LiveView(ScriptedModel({"a": [0.1, 0.5], "b": [0.7, 0.2, 0.3]}), threshold=0.6)
+    view.run(["a", "b"], display=False)
+    lines = {t.name: (list(t.x), list(t.y)) for t in view.figure.data}
+    assert lines == {
+        "req-a · watch · L2": ([0, 1], [0.1, 0.5]),
+        "req-b · watch · L2": ([0, 1, 2], [0.7, 0.2, 0.3]),
+    }
+    assert view.figure.layout.shapes[0].y0 == 0.6
+
+
+def test_the_view_updates_while_tokens_arrive():
+    model = ScriptedModel({"a": [0.2, 0.4, 0.6]})
+    view = LiveView(model)
+    seen = []
+    for event in model.stream("a"):
+        view.update(event)
+        seen.append(len(re.findall('class="uc-token"', view.text.value)))
+    assert seen == [1, 2, 3, 3]
+    assert "…" not in view.text.value  # finished requests lose the "still running" mark
+
+
+def test_an_abort_is_marked_in_the_text_the_plot_and_a_message():
+    view = LiveView(ScriptedModel({"a": [0.1, 0.95, 0.2], "b": [0.1, 0.2]}, abort_at={"a": 1}))
+    view.run(["a", "b"], display=False)
+    text = html.unescape(view.text.value)
+    assert text.count("⛔ aborted") == 1
+    assert "outline:2px solid #b00020" in text and "token 1: score 0.950 (abort)" in text
+    message = html.unescape(view.message.value)
+    assert "req-a" in message and "aborted by 'watch' (layer 2) at generated token 1" in message
+    assert "score 0.950" in message and "req-b" not in message
+    (marker,) = [t for t in view.figure.data if t.name == "req-a abort"]
+    assert list(marker.x) == [1] and list(marker.y) == [0.95]
+
+
+def test_scores_outside_zero_one_use_the_range_seen():
+    view = LiveView(ScriptedModel({"a": [2.0, 4.0, 6.0]}))
+    view.run("a", display=False)
+    text = view.text.value
+    assert "rgba(214,39,40,0.08)" in text and "rgba(214,39,40,0.88)" in text
+
+
+def test_clear_empties_everything():
+    view = LiveView(ScriptedModel({"a": [0.3]}))
+    view.run("a", display=False)
+    view.clear()
+    assert view.text.value == "" and len(view.figure.data) == 0 and view.outputs == []

@@ -1,0 +1,108 @@
+"""What the live view has seen so far, per request: tokens, scores and aborts.
+
+Kept apart from the widgets so the bookkeeping is testable on its own. Events
+are ``StreamEvent``s: a token event carries the decoded piece, and the inline
+signals that arrived since the previous event (a generated token's own signals
+come with the next event), each located by a ``TokenSignal``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestTrace:
+    """One request's stream so far.
+
+    ``pieces`` are the generated token texts in order; ``scores`` maps
+    ``(point, layer)`` to ``{x: score}`` where ``x`` is the generated index
+    (negative for prompt tokens: ``prompt[-1]`` is -1); ``actions`` maps the same
+    keys to ``{x: action}`` for flags and aborts.
+    """
+
+    request_id: str
+    prompt: str = ""
+    pieces: list[str] = field(default_factory=list)
+    scores: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)
+    actions: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)
+    abort: Any = None
+    finished: bool = False
+    output: Any = None
+
+    def score_of(self, generated_index: int, point: str | None = None) -> float | None:
+        """The score a point gave generated token ``generated_index`` (first point by default;
+        the highest layer's when the point reads several)."""
+        for (name, _layer), by_token in sorted(self.scores.items(),
+                                               key=lambda item: (item[0][0], -item[0][1])):
+            if point is not None and name != point:
+                continue
+            if generated_index in by_token:
+                return by_token[generated_index]
+        return None
+
+    def abort_message(self) -> str | None:
+        """A sentence saying which point stopped the request, where, and with what score."""
+        if self.abort is None:
+            return None
+        abort = self.abort
+        where = (f"generated token {abort.generated_index}" if abort.generated_index is not None
+                 else f"prompt token {abort.token_index}")
+        score = abort.signal.score
+        return (
+            f"aborted by {abort.extraction_point_name!r} (layer {abort.layer}) at {where}"
+            + ("" if score is None else f", score {score:.3f}")
+        )
+
+
+class LiveState:
+    """Accumulates stream events for any number of interleaved requests."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RequestTrace] = {}
+
+    def trace(self, request_id: str) -> RequestTrace:
+        """The trace of ``request_id`` (created on first sight)."""
+        if request_id not in self.requests:
+            self.requests[request_id] = RequestTrace(request_id)
+        return self.requests[request_id]
+
+    def add(self, event: Any) -> RequestTrace:
+        """Fold one ``StreamEvent`` into its request's trace and return the trace."""
+        trace = self.trace(event.request_id)
+        for located in event.signals:
+            self._add_signal(trace, located)
+        if event.token_id is not None and event.generated_index is not None:
+            while len(trace.pieces) <= event.generated_index:
+                trace.pieces.append("")
+            trace.pieces[event.generated_index] = event.text
+        if event.finished:
+            trace.finished = True
+            trace.output = event.output
+            if event.output is not None:
+                trace.prompt = event.output.prompt
+                trace.abort = event.output.abort
+                # Signals the stream may not have delivered one by one (e.g. the last token's).
+                for located in event.output.signals:
+                    self._add_signal(trace, located)
+                text_tokens = len(event.output.token_ids)
+                if text_tokens and len(trace.pieces) < text_tokens:
+                    trace.pieces.extend([""] * (text_tokens - len(trace.pieces)))
+        return trace
+
+    @staticmethod
+    def _add_signal(trace: RequestTrace, located: Any) -> None:
+        key = (located.extraction_point_name, located.layer)
+        if located.generated_index is not None:
+            x = located.generated_index
+        elif trace.output is not None:
+            x = located.token_index - trace.output.prompt_len
+        else:
+            return  # a prompt token's signal: placed from the final output, which knows prompt_len
+        signal = located.signal
+        if signal.score is not None:
+            trace.scores.setdefault(key, {})[x] = float(signal.score)
+        action = getattr(signal.action, "value", signal.action)
+        if action != "continue":
+            trace.actions.setdefault(key, {})[x] = action
