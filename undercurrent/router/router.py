@@ -19,7 +19,12 @@ from undercurrent.router.binding import Binding, describe_error, logger
 from undercurrent.router.errors import OverflowPolicy, RouterError
 from undercurrent.router.inline import run_inline
 from undercurrent.router.scheduler import AsyncScheduler
-from undercurrent.router.validation import check_points, merged_probe_args, where
+from undercurrent.router.validation import (
+    check_points,
+    merged_probe_args,
+    normalise_policy,
+    where,
+)
 from undercurrent.spec.types import InterventionPolicy
 
 _RECENTLY_ENDED = 4096
@@ -129,7 +134,9 @@ class Router:
         self.default_overflow = OverflowPolicy.parse(default_overflow)
         if isinstance(default_intervention_policy, Mapping):
             default_intervention_policy = InterventionPolicy(**default_intervention_policy)
-        self.default_intervention_policy = default_intervention_policy or InterventionPolicy()
+        self.default_intervention_policy = normalise_policy(
+            default_intervention_policy or InterventionPolicy()
+        )
         self.breaker_threshold = _positive_int(
             "breaker_threshold", breaker_threshold, optional=True
         )

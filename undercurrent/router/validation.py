@@ -40,6 +40,28 @@ def where(index: int, point: Any) -> str:
     return f"extraction point {name!r} (index {index})" if name else f"extraction point {index}"
 
 
+def normalise_policy(policy: InterventionPolicy) -> InterventionPolicy:
+    """The same policy with enum fields (hand-built ones may hold plain strings).
+
+    Raises ValueError naming the allowed values for an unknown mode or on_timeout.
+    """
+    try:
+        mode = InterventionMode(policy.mode)
+    except ValueError:
+        allowed = ", ".join(m.value for m in InterventionMode)
+        raise ValueError(
+            f"intervention mode must be one of {allowed}, got {policy.mode!r}"
+        ) from None
+    try:
+        on_timeout = OnTimeout(policy.on_timeout)
+    except ValueError:
+        allowed = ", ".join(o.value for o in OnTimeout)
+        raise ValueError(
+            f"intervention on_timeout must be one of {allowed}, got {policy.on_timeout!r}"
+        ) from None
+    return InterventionPolicy(mode=mode, timeout_ms=policy.timeout_ms, on_timeout=on_timeout)
+
+
 def _policy_problems(label: str, policy: InterventionPolicy, inherited: bool) -> list[str]:
     origin = " (inherited from the router's default_intervention_policy)" if inherited else ""
     problems: list[str] = []
@@ -91,8 +113,11 @@ def check_points(
                 "probe has no state to carry off the hot path (use execution_mode inline)"
             )
         inherited = point.intervention is None
-        policy = default_policy if inherited else point.intervention
-        assert policy is not None
+        try:
+            policy = default_policy if inherited else normalise_policy(point.intervention)
+        except ValueError as exc:
+            problems.append(f"{label}: {exc}")
+            policy = InterventionPolicy()
         problems += _policy_problems(label, policy, inherited)
         if is_async and policy.mode is not InterventionMode.REJECT:
             origin = " (inherited from the router's default)" if inherited else ""

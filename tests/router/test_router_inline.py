@@ -1,0 +1,182 @@
+"""Inline points: run on the caller's thread; reject vs block_until_signal; the breaker."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from router_helpers import Recorder, block, event, point, record
+
+from undercurrent.probes import Probe
+from undercurrent.records import SignalAction
+
+SLACK_S = 0.25  # scheduling noise on a busy 2-core machine; the probes below sleep far longer
+
+
+def test_reject_runs_the_probe_to_completion_and_its_abort_applies(make_router):
+    router = make_router()
+    router.register_request("r", [point("p", probe_args={"abort_at": 2, "sleep_s": 0.05})])
+    started = time.monotonic()
+    signals = [router.route(record("r", "p", t)) for t in range(3)]
+    assert time.monotonic() - started >= 0.15  # no deadline: every call ran in full
+    assert [s.action for s in signals] == ["continue", "continue", SignalAction.ABORT]
+    assert router.abort_requested("r")
+    result = router.end_request("r")["p"]
+    assert result.verdict == {"seen": [0, 1, 2]}
+    assert result.stats.processed == 3 and result.stats.timeouts == 0
+
+
+def test_a_raising_probe_is_isolated_and_on_end_still_runs(make_router):
+    router = make_router()
+    router.register_request("r", [point("bad", probe_args={"fail_at": 1}), point("good")])
+    for t in range(3):
+        assert router.route(record("r", "bad", t)) is None or t != 1
+        assert router.route(record("r", "good", t)).score == t
+    results = router.end_request("r")
+    bad = results["bad"]
+    assert bad.stats.errors == 1 and bad.stats.processed == 3
+    assert "RuntimeError: boom at 1" in bad.error and "token 1" in bad.error
+    assert bad.verdict == {"seen": [0, 2]}
+    assert results["good"].error is None and results["good"].verdict == {"seen": [0, 1, 2]}
+
+
+def test_on_end_that_raises_still_yields_a_result_with_the_error(make_router):
+    class BadEnd(Probe):
+        probe_kind = "single_shot"
+
+        def on_activation(self, record):
+            return None
+
+        def on_end(self, ctx):
+            raise ValueError("cannot conclude")
+
+    router = make_router(probes={"bad_end": BadEnd, "recorder": Recorder})
+    router.register_request("r", [point("x", probe_type="bad_end", kind="single_shot"),
+                                  point("y")])
+    router.route(record("r", "x", 0))
+    results = router.end_request("r")
+    assert results["x"].verdict is None
+    assert results["x"].error == "on_end: ValueError: cannot conclude"
+    assert results["x"].stats.errors == 1 and results["x"].stats.processed == 1
+    assert results["y"].error is None
+
+
+def test_block_until_signal_returns_within_the_deadline_while_the_probe_sleeps(make_router):
+    gate = event("gate")
+    router = make_router()
+    router.register_request("r", [point("p", intervention=block(50), probe_args={"gate": "gate"})])
+    started = time.monotonic()
+    signal = router.route(record("r", "p", 0))
+    elapsed = time.monotonic() - started
+    gate.set()
+    assert 0.045 <= elapsed < 0.05 + SLACK_S
+    assert signal.action is SignalAction.CONTINUE
+    assert signal.metadata["reason"] == "timeout" and signal.metadata["fallback"] is True
+    result = router.end_request("r")["p"]
+    assert result.stats.timeouts == 1
+    assert result.signals[0].metadata["reason"] == "timeout"  # the fallback is visible
+
+
+def test_on_timeout_abort_aborts_the_request(make_router):
+    gate = event("gate")
+    router = make_router()
+    router.register_request("r", [point("p", intervention=block(20, "abort"),
+                                        probe_args={"gate": "gate"})])
+    signal = router.route(record("r", "p", 0))
+    gate.set()
+    assert signal.action is SignalAction.ABORT and signal.metadata["reason"] == "timeout"
+    assert router.abort_requested("r")
+
+
+def test_a_fast_probe_under_block_until_signal_gives_its_own_signal(make_router):
+    router = make_router()
+    router.register_request("r", [point("p", intervention=block(2000),
+                                        probe_args={"abort_at": 1})])
+    first, second = (router.route(record("r", "p", t)) for t in range(2))
+    assert first.score == 0.0 and first.action is SignalAction.CONTINUE
+    assert second.action is SignalAction.ABORT and "fallback" not in second.metadata
+    result = router.end_request("r")["p"]
+    assert result.stats.timeouts == 0 and result.stats.processed == 2
+
+
+def test_late_answer_is_discarded_and_never_overlaps_the_next_activation(make_router):
+    gate = event("gate")
+    entered = event("entered")
+    router = make_router()
+    router.register_request("r", [point("p", intervention=block(30),
+                                        probe_args={"gate": "gate", "entered": "entered"})])
+    assert router.route(record("r", "p", 0)).metadata["reason"] == "timeout"
+    assert entered.wait(5)
+    # The first call is still running: the next activation waits for it, then falls back.
+    busy = router.route(record("r", "p", 1))
+    assert busy.metadata["reason"] == "busy"
+    gate.set()
+    deadline = time.monotonic() + 5
+    while Recorder.instances[0].seen != [0] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    third = router.route(record("r", "p", 2))
+    assert third.score == 2.0 and "fallback" not in third.metadata
+    result = router.end_request("r")["p"]
+    probe = Recorder.instances[0]
+    assert not probe.overlapped and not probe.ended_while_active
+    assert probe.seen == [0, 2]  # token 1 never reached the probe
+    stats = result.stats
+    assert (stats.received, stats.processed, stats.dropped, stats.timeouts) == (3, 2, 1, 2)
+    assert result.metadata["late_results"] == 1
+    assert [s.score for s in result.signals if s.score is not None] == [2.0]  # late one discarded
+
+
+def test_an_exception_under_block_until_signal_falls_back_with_the_reason(make_router):
+    router = make_router()
+    router.register_request("r", [point("p", intervention=block(2000, "abort"),
+                                        probe_args={"fail_at": 0})])
+    signal = router.route(record("r", "p", 0))
+    assert signal.action is SignalAction.ABORT
+    assert signal.metadata["reason"] == "error" and "boom at 0" in signal.metadata["error"]
+    result = router.end_request("r")["p"]
+    assert result.stats.errors == 1 and result.stats.timeouts == 1
+    assert "boom at 0" in result.error
+
+
+def test_breaker_stops_waiting_visibly_after_consecutive_failures(make_router, caplog):
+    gate = event("gate")
+    router = make_router(breaker_threshold=2)
+    router.register_request("r", [point("p", intervention=block(30),
+                                        probe_args={"gate": "gate", "abort_at": 5})])
+    with caplog.at_level(logging.WARNING, logger="undercurrent.router"):
+        assert router.route(record("r", "p", 0)).metadata["reason"] == "timeout"
+        tripped = router.route(record("r", "p", 1))
+    assert tripped.action is SignalAction.FLAG and tripped.metadata["reason"] == "circuit_open"
+    assert any("circuit breaker open" in message for message in caplog.messages)
+    started = time.monotonic()
+    assert router.route(record("r", "p", 2)) is None  # not waited on: returns at once
+    assert time.monotonic() - started < 0.03 + SLACK_S
+    gate.set()
+    time.sleep(0.05)
+    assert router.route(record("r", "p", 5)) is None  # runs unwaited; its abort only flags
+    result = router.end_request("r")["p"]
+    assert result.metadata["breaker_open"] is True
+    assert not router.abort_requested("r")
+    observed = [s for s in result.signals if s.score == 5.0]
+    assert observed and observed[0].action is SignalAction.FLAG
+    assert observed[0].metadata["requested_action"] == "abort"
+    stats = result.stats
+    assert stats.received == stats.processed + stats.dropped == 4
+
+
+def test_concurrent_routes_to_one_inline_binding_never_overlap(make_router):
+    router = make_router()
+    router.register_request("r", [point("p", probe_args={"sleep_s": 0.002})])
+    threads = [
+        threading.Thread(target=lambda base=base: [router.route(record("r", "p", base + i))
+                                                   for i in range(20)])
+        for base in (0, 100, 200)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result = router.end_request("r")["p"]
+    assert not Recorder.instances[0].overlapped
+    assert result.stats.processed == 60

@@ -1,0 +1,155 @@
+"""register_request: all-or-nothing, and it re-checks what hand-built points can skip."""
+
+from __future__ import annotations
+
+import pytest
+from router_helpers import Recorder, block, point, record
+
+from undercurrent.probes import Probe, RequestContext
+from undercurrent.router import RouterError
+from undercurrent.spec.types import InterventionPolicy
+
+
+def test_every_problem_is_reported_at_once_and_names_its_point(make_router):
+    router = make_router()
+    points = [
+        point("single_async", kind="single_shot", mode="async"),
+        point("blocking_async", mode="async", intervention=block(50)),
+        point("typo", probe_type="linaer_probe"),
+        point("fine"),
+        point("fine"),
+    ]
+    with pytest.raises(RouterError) as info:
+        router.register_request("r", points)
+    text = str(info.value)
+    assert len(info.value.problems) == 4
+    assert "'single_async' (index 0)" in text and "probe_kind trajectory" in text
+    assert "'blocking_async' (index 1)" in text and "block_until_signal" in text
+    assert "'typo' (index 2)" in text and "did you mean 'linear_probe'" in text
+    assert "norm_probe" in text  # the known names are listed
+    assert "(index 4): duplicate name" in text
+
+
+def test_nothing_is_started_or_registered_when_one_point_is_bad(make_router):
+    router = make_router()
+    with pytest.raises(RouterError):
+        router.register_request("r", [point("good"), point("bad", probe_type="nope")])
+    assert all(probe.started == 0 for probe in Recorder.instances)
+    assert not router.wants("r")
+    router.register_request("r", [point("good")])  # the id is still free
+    assert router.wants("r", "good") and not router.wants("r", "bad")
+
+
+def test_async_point_inheriting_a_blocking_router_default_is_refused(make_router):
+    router = make_router(default_intervention_policy=block(20))
+    with pytest.raises(RouterError, match="inherited from the router's default"):
+        router.register_request("r", [point("a", mode="async")])
+    explicit_reject = InterventionPolicy()
+    router.register_request("r", [point("a", mode="async", intervention=explicit_reject)])
+
+
+def test_invalid_hand_built_interventions_are_refused(make_router):
+    router = make_router()
+    bad = [
+        point("no_timeout", intervention=InterventionPolicy(mode="block_until_signal")),
+        point("reject_timeout", intervention=InterventionPolicy(timeout_ms=5)),
+        point("reject_abort", intervention=InterventionPolicy(on_timeout="abort")),
+        point("inline_depth", queue_depth=4),
+    ]
+    with pytest.raises(RouterError) as info:
+        router.register_request("r", bad)
+    assert len(info.value.problems) == 4
+    assert "needs timeout_ms" in str(info.value)
+    assert "queue_depth is only valid with execution_mode async" in str(info.value)
+
+
+def test_probe_kind_must_match_the_registered_class(make_router):
+    router = make_router()
+    with pytest.raises(RouterError, match="probe_kind single_shot does not match.*trajectory"):
+        router.register_request("r", [point("t", probe_type="trajectory_probe",
+                                            kind="single_shot")])
+
+
+def test_duplicate_live_request_id_is_refused_until_it_ends(make_router):
+    router = make_router()
+    router.register_request("r", [point()])
+    with pytest.raises(RouterError, match="already live"):
+        router.register_request("r", [point()])
+    router.end_request("r")
+    router.register_request("r", [point()])
+
+
+def test_probe_args_override_probe_defaults_for_the_same_type(make_router):
+    router = make_router(probe_defaults={"norm_probe": {"threshold": 1.0, "action": "abort"},
+                                         "recorder": {"tag": "from-defaults"}})
+    router.register_request("r", [
+        point("defaults_only", probe_type="norm_probe"),
+        point("overridden", probe_type="norm_probe", probe_args={"threshold": 100.0}),
+        point("rec"),
+    ])
+    # tensor of four 1.0s: norm 2.0
+    assert router.route(record("r", "defaults_only", 0)).action.value == "abort"
+    assert router.route(record("r", "overridden", 0)).action.value == "continue"
+    assert Recorder.instances[-1].tag == "from-defaults"
+    results = router.end_request("r")
+    assert results["overridden"].verdict["threshold"] == 100.0
+
+
+def test_probe_constructor_errors_name_the_point(make_router):
+    router = make_router()
+    with pytest.raises(RouterError) as info:
+        router.register_request("r", [
+            point("lin", probe_type="linear_probe", kind="single_shot"),
+            point("rec", probe_args={"no_such_option": 1}),
+        ])
+    text = str(info.value)
+    assert "'lin' (index 0): could not build probe_type 'linear_probe'" in text
+    assert "needs path" in text
+    assert "'rec' (index 1)" in text and "no_such_option" in text
+
+
+def test_each_request_gets_its_own_probe_instances_with_the_context(make_router):
+    seen = []
+
+    class ContextProbe(Probe):
+        probe_kind = "single_shot"
+
+        def on_start(self, ctx):
+            seen.append((ctx.request_id, ctx.prompt_len, ctx.extraction_point.name, id(self)))
+
+        def on_activation(self, record):
+            return None
+
+    router = make_router(probes={"ctx": ContextProbe})
+    for rid in ("a", "b"):
+        ctx = RequestContext(request_id=rid, prompt="hi", prompt_len=2, model_name="tiny")
+        router.register_request(rid, [point("x", probe_type="ctx", kind="single_shot")], ctx)
+    assert [s[:3] for s in seen] == [("a", 2, "x"), ("b", 2, "x")]
+    assert seen[0][3] != seen[1][3]
+    with pytest.raises(RouterError, match="ctx.request_id"):
+        router.register_request("c", [], RequestContext(request_id="other"))
+
+
+def test_unknown_requests_and_points_are_clear_errors(make_router):
+    router = make_router()
+    with pytest.raises(RouterError, match="no live request 'ghost'"):
+        router.route(record("ghost", "p", 0))
+    router.register_request("r", [point("p")])
+    with pytest.raises(RouterError, match="no extraction point named 'q'.*\\['p'\\]"):
+        router.route(record("r", "q", 0))
+    router.end_request("r")
+    assert router.route(record("r", "p", 1)) is None  # a straggler after the end is ignored
+    assert router.metrics()["late_records"] == 1
+    with pytest.raises(RouterError, match="already ended"):
+        router.end_request("r")
+
+
+def test_router_arguments_are_validated():
+    from undercurrent.router import Router
+
+    with pytest.raises(ValueError, match="overflow policy must be one of drop_oldest"):
+        Router(default_overflow="drop_random")
+    with pytest.raises(ValueError, match="default_queue_depth must be an int >= 1"):
+        Router(default_queue_depth=0)
+    with pytest.raises(TypeError, match="probes must be None, a ProbeRegistry"):
+        Router(probes=["norm_probe"])
