@@ -160,7 +160,7 @@ def test_drain_timeout_counts_leftovers_as_dropped_and_skips_on_end_of_a_busy_pr
     stats = result.stats
     assert (stats.received, stats.processed, stats.dropped) == (4, 0, 4)
     assert result.verdict is None and "on_end was not called" in result.error
-    assert "3 queued record(s) and one in flight" in result.error
+    assert "3 unprocessed record(s) and one in flight" in result.error
     event("gate").set()
     time.sleep(0.05)
     assert Recorder.instances[0].ended == 0  # never called, even after the probe returned

@@ -87,6 +87,7 @@ class Binding:
         self.error_notes: list[str] = []
         self._logged_error = False
         self.busy = False
+        self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self.closed = False
         self.finalised = False
         self.queue: deque[ActivationRecord] = deque()
@@ -170,8 +171,12 @@ class Binding:
                     self.dropped += 1
                     return False
                 else:
+                    self.waiting += 1
                     while len(self.queue) >= capacity and not self.closed:
                         self.cond.wait()
+                    self.waiting -= 1
+                    if self.finalised:  # counted as dropped by finalise()
+                        return False
             if self.closed:
                 self.dropped += 1
                 return False
@@ -202,18 +207,21 @@ class Binding:
     def finalise(self, drain_timeout_s: float) -> bool:
         """Freeze the accounting; returns True when ``on_end`` may run now.
 
-        Records still queued, and one still in flight, count as dropped; a late
-        completion is then discarded.
+        Records still queued, one still in flight, and those whose callers are
+        still waiting for their turn count as dropped; a late completion is then
+        discarded.
         """
         with self.cond:
             self.closed = True
             self.finalised = True
-            queued = len(self.queue)
+            queued = len(self.queue) + self.waiting
             self.queue.clear()
             in_flight = self.busy
             self.dropped += queued + (1 if in_flight else 0)
             if queued or in_flight:
-                what = f"{queued} queued record(s)" + (" and one in flight" if in_flight else "")
+                what = f"{queued} unprocessed record(s)"
+                if in_flight:
+                    what += " and one in flight"
                 self.error_notes.append(
                     f"drain timed out after {drain_timeout_s:g}s with {what}, counted as dropped"
                 )

@@ -30,8 +30,12 @@ def run_inline(binding: Binding, record: ActivationRecord) -> ProbeSignal | None
 def _run_to_completion(binding: Binding, record: ActivationRecord) -> ProbeSignal | None:
     with binding.cond:
         binding.received += 1
+        binding.waiting += 1
         while binding.busy and not binding.closed:
             binding.cond.wait()
+        binding.waiting -= 1
+        if binding.finalised:  # counted as dropped by finalise()
+            return None
         if binding.closed:
             binding.dropped += 1
             return None
@@ -71,11 +75,15 @@ def _run_blocking(binding: Binding, record: ActivationRecord) -> ProbeSignal | N
         if binding.breaker_open:
             _submit_unwaited(binding, record)
             return None
+        binding.waiting += 1
         while binding.busy and not binding.closed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             binding.cond.wait(remaining)
+        binding.waiting -= 1
+        if binding.finalised:  # counted as dropped by finalise()
+            return None
         if binding.closed:
             binding.dropped += 1
             return None

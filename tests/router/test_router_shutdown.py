@@ -1,0 +1,106 @@
+"""shutdown with live requests, metrics, and the request() context manager."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from router_helpers import Recorder, event, point, record
+
+from undercurrent.router import Router, RouterError
+
+
+def test_shutdown_ends_live_requests_and_returns_their_results(make_router):
+    router = make_router(workers=1)
+    router.register_request("a", [point("inline"), point("async", mode="async",
+                                                           probe_args={"sleep_s": 0.001})])
+    router.register_request("b", [point("inline")])
+    for t in range(20):
+        router.route(record("a", "async", t))
+    router.route(record("a", "inline", 0))
+    results = router.shutdown()
+    assert set(results) == {"a", "b"}
+    drained = results["a"]["async"]
+    assert drained.stats.processed == 20 and drained.verdict == {"seen": list(range(20))}
+    assert results["a"]["inline"].verdict == {"seen": [0]}
+    assert all(probe.ended == 1 for probe in Recorder.instances)
+    # Stragglers from generation still running are ignored, not errors.
+    assert router.route(record("a", "inline", 1)) is None
+    assert router.end_request("a") is results["a"]
+    with pytest.raises(RouterError, match="shut down"):
+        router.register_request("c", [point()])
+    assert router.shutdown() == {}  # idempotent
+
+
+def test_shutdown_without_waiting_discards_queues_even_with_a_hung_probe(make_router):
+    router = make_router(workers=1, default_overflow="drop_newest")
+    router.register_request("r", [point("a", mode="async", queue_depth=10,
+                                        probe_args={"gate": "gate", "entered": "entered"})])
+    for t in range(6):
+        router.route(record("r", "a", t))
+    assert event("entered").wait(5)
+    started = time.monotonic()
+    result = router.shutdown(wait=False)["r"]["a"]
+    assert time.monotonic() - started < 1.0
+    stats = result.stats
+    assert (stats.received, stats.processed, stats.dropped) == (6, 0, 6)
+    assert result.verdict is None and "on_end was not called" in result.error
+
+
+def test_shutdown_releases_a_producer_blocked_on_a_full_queue(make_router):
+    router = make_router(workers=1, default_overflow="block")
+    router.register_request("r", [point("a", mode="async", queue_depth=1,
+                                        probe_args={"gate": "gate", "entered": "entered"})])
+    router.route(record("r", "a", 0))
+    assert event("entered").wait(5)
+    router.route(record("r", "a", 1))  # fills the queue
+    producer = threading.Thread(target=router.route, args=(record("r", "a", 2),))
+    producer.start()
+    time.sleep(0.05)
+    assert producer.is_alive()
+    result = router.shutdown(wait=False)["r"]["a"]
+    producer.join(5)
+    assert not producer.is_alive()
+    assert result.stats.received == 3 == result.stats.dropped + result.stats.processed
+
+
+def test_shutdown_stops_the_worker_threads():
+    router = Router(workers=2)
+    router.register_request("r", [point("n", probe_type="norm_probe", mode="async")])
+    router.route(record("r", "n", 0))
+    assert router.metrics()["workers"] == 2
+    router.shutdown()
+    deadline = time.monotonic() + 5
+    while router.metrics()["workers"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert router.metrics()["workers"] == 0
+
+
+def test_metrics_report_each_live_binding_and_running_totals(make_router):
+    router = make_router()
+    router.register_request("r", [point("p", probe_args={"fail_at": 1}),
+                                  point("q", mode="async", queue_depth=7)])
+    for t in range(3):
+        router.route(record("r", "p", t))
+    snapshot = {b["point"]: b for b in router.metrics()["bindings"]}
+    p = snapshot["p"]
+    assert (p["received"], p["processed"], p["errors"], p["execution_mode"]) == (3, 3, 1, "inline")
+    assert p["mean_latency_s"] >= 0 and p["max_latency_s"] >= p["mean_latency_s"]
+    assert snapshot["q"]["queue_capacity"] == 7 and snapshot["q"]["queue_depth"] == 0
+    router.end_request("r")
+    metrics = router.metrics()
+    assert metrics["bindings"] == [] and metrics["totals"]["received"] == 3
+    assert metrics["totals"]["errors"] == 1
+
+
+def test_request_context_manager_registers_and_collects_results(make_router):
+    router = make_router()
+    with router.request([point("p", probe_args={"abort_at": 1})], request_id="r") as handle:
+        assert router.wants("r", "p")
+        handle.route(record("r", "p", 0))
+        handle.route(record("r", "p", 1))
+        assert handle.abort_requested
+    assert not router.wants("r")
+    assert handle.results["p"].verdict == {"seen": [0, 1]}
+    assert handle.results["p"].flagged
