@@ -235,7 +235,8 @@ class CaptureSession:
         except ImportError:  # the probes package is optional for a bare session
             return None
         return RequestContext(request_id=state.request_id, prompt=state.prompt,
-                              prompt_len=state.prompt_len, model_name=self.model_name)
+                              prompt_len=state.prompt_len, model_name=self.model_name,
+                              prompt_token_ids=state.prompt_token_ids)
 
     def close_request(self, request_id: str, text: str,
                       finish_reason: str | None = None) -> GenerationOutput:

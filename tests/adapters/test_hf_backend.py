@@ -1,0 +1,266 @@
+"""HF backend behaviour: per-row aborts, stop strings, eos, hooks that do work
+only where asked, and no hook left behind after close, errors or interrupts."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+
+from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
+from undercurrent.adapters.capabilities import CapabilityError  # noqa: E402
+from undercurrent.adapters.hf.architectures import UnsupportedArchitectureError  # noqa: E402
+from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
+from undercurrent.probes import Probe  # noqa: E402
+from undercurrent.records import ProbeSignal, SignalAction  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
+
+PROMPTS = [prompt(3, 1, 4, 1, 5), prompt(2, 6), prompt(5, 3, 5, 8)]
+
+
+class AbortAt(Probe):
+    """Aborts the request whose prompt starts with ``word`` at generated token ``at``
+    (or at prompt token ``prompt_at``); scores every activation with its token index."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def __init__(self, word: str, at: int | None = None, prompt_at: int | None = None):
+        self.word, self.at, self.prompt_at = word, at, prompt_at
+
+    def on_start(self, ctx):
+        self.mine = ctx.prompt.split()[0] == self.word
+        self.seen = []
+
+    def on_activation(self, record):
+        self.seen.append(record.token_index)
+        hit = (record.generated_index == self.at) if record.is_generated else (
+            record.token_index == self.prompt_at)
+        action = SignalAction.ABORT if (self.mine and hit) else SignalAction.CONTINUE
+        return ProbeSignal(action=action, score=float(record.token_index))
+
+    def on_end(self, ctx):
+        return list(self.seen)
+
+
+def all_hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def plain_tokens(backend, prompts, params):
+    _, ids, mask = backend._encode_batch(prompts)
+    with torch.no_grad():
+        out = backend.model.generate(input_ids=ids, attention_mask=mask,
+                                     **backend.sampling_kwargs(params))
+    return out[:, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _abort_spec(**args):
+    return [ExtractionPoint(name="watch", layers=(1,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="abort_at",
+                            probe_kind="trajectory", probe_args=args),
+            ExtractionPoint(name="first", layers=(0,), tensor_type="mlp_out",
+                            position="prompt[-1]", probe_type="abort_at",
+                            probe_kind="single_shot", probe_args=args)]
+
+
+def test_an_abort_stops_only_its_row_before_the_next_token(tokenizer):
+    model = build_model("llama")
+    pm = ProbedModel(model, tokenizer, spec=_abort_spec(word="w2", at=2),
+                     probes={"abort_at": AbortAt})
+    params = SamplingParams(max_new_tokens=8)
+    expected = plain_tokens(pm.backend, PROMPTS, params)
+    outs = pm.generate(PROMPTS, max_new_tokens=8, records=True)
+    aborted = outs[1]
+    assert aborted.aborted and aborted.finish_reason == "abort"
+    assert aborted.abort.extraction_point_name == "watch"
+    assert aborted.abort.generated_index == 2
+    assert aborted.abort.token_index == aborted.prompt_len + 2
+    assert aborted.abort.signal.action is SignalAction.ABORT
+    # g2's activations were probed and aborted: nothing after g2 was produced
+    assert list(aborted.token_ids) == expected[1][:3]
+    assert max(r.token_index for r in aborted.records) == aborted.prompt_len + 2
+    assert aborted.results["watch"].verdict == [aborted.prompt_len + i for i in range(3)]
+    for row in (0, 2):  # the other rows ran to the end, unchanged
+        assert not outs[row].aborted
+        assert list(outs[row].token_ids) == expected[row]
+        assert outs[row].results["watch"].verdict == [
+            outs[row].prompt_len + i for i in range(7)]
+    pm.close()
+
+
+def test_an_abort_on_a_prompt_token_produces_nothing(tokenizer):
+    pm = ProbedModel(build_model("gpt2"), tokenizer, spec=_abort_spec(word="w5", prompt_at=4),
+                     probes={"abort_at": AbortAt})
+    outs = pm.generate(PROMPTS, max_new_tokens=4)
+    assert outs[2].aborted and outs[2].token_ids == () and outs[2].text == ""
+    assert outs[2].abort.extraction_point_name == "first" and outs[2].abort.token_index == 4
+    assert outs[2].abort.generated_index is None
+    assert len(outs[0].token_ids) == 4 and len(outs[1].token_ids) == 4
+    pm.close()
+
+
+def test_stop_strings_end_a_row_and_are_cut_from_the_text(tokenizer):
+    model = build_model("llama")
+    backend = HFBackend(model, tokenizer)
+    params = SamplingParams(max_new_tokens=8)
+    full = plain_tokens(backend, PROMPTS, params)
+    row0 = [tokenizer.decode([t]) for t in full[0]]
+    stop_word = row0[3]
+    first = row0.index(stop_word)
+    outs = backend.generate(PROMPTS, ["a", "b", "c"],
+                            SamplingParams(max_new_tokens=8, stop=(stop_word,)),
+                            CaptureSession(None, []))
+    assert outs[0].finish_reason == "stop"
+    assert list(outs[0].token_ids) == full[0][:first + 1]
+    assert outs[0].text == " ".join(row0[:first]) + (" " if first else "")
+    assert stop_word not in outs[0].text
+
+
+def test_eos_ends_a_row_and_stays_in_its_tokens(tokenizer):
+    model = build_model("gpt2")
+    params = SamplingParams(max_new_tokens=6)
+    full = plain_tokens(HFBackend(model, tokenizer), PROMPTS, params)
+    eos = full[0][2]  # make the third token of row 0 the model's eos
+    model.generation_config.eos_token_id = eos
+    try:
+        backend = HFBackend(model, tokenizer)
+        outs = backend.generate(PROMPTS, ["a", "b", "c"], params, CaptureSession(None, []))
+    finally:
+        model.generation_config.eos_token_id = None
+    assert outs[0].finish_reason == "eos"
+    for row, out in enumerate(outs):
+        if eos in full[row]:
+            assert list(out.token_ids) == full[row][: full[row].index(eos) + 1]
+        else:
+            assert out.finish_reason == "length" and list(out.token_ids) == full[row]
+
+
+def test_hooks_are_installed_only_for_wanted_pairs_and_do_work_only_when_matching(tokenizer):
+    model = build_model("llama")
+    backend = HFBackend(model, tokenizer)
+    point = ExtractionPoint(name="p", layers=(1,), tensor_type="attn_out", position="prompt[-1]",
+                            probe_type="none", probe_kind="single_shot")
+    installed, gathers = [], []
+    original_queue = backend.hooks._queue
+
+    def counting_queue(tensor_type, targets, gathered):
+        installed.append(set(backend.hooks.installed))
+        gathers.append(gathered.shape[0])
+        return original_queue(tensor_type, targets, gathered)
+
+    backend.hooks._queue = counting_queue
+    session = CaptureSession(None, [point], keep_records=True)
+    outs = backend.generate(PROMPTS, ["a", "b", "c"], SamplingParams(max_new_tokens=6), session)
+    # one hook for (1, attn_out) plus the per-forward pre-hook; one gather for all
+    # three rows at prefill; no work at the five decode steps
+    assert installed == [{(1, point.tensor_type)}]
+    assert gathers == [3]
+    assert [len(o.records) for o in outs] == [1, 1, 1]
+
+
+def test_close_and_interrupts_leave_no_hook_behind(tokenizer):
+    model = build_model("qwen2")
+    baseline = all_hooks(model)
+    points = [ExtractionPoint(name=f"p{i}", layers=(0, 1, 2), tensor_type=t,
+                              position="generated[*]", probe_type="none",
+                              probe_kind="trajectory")
+              for i, t in enumerate(("residual_stream", "attn_out", "mlp_out", "kv"))]
+
+    class InterruptingRouter:
+        def __init__(self, exc):
+            self.exc, self.live, self.routed = exc, set(), 0
+
+        def register_request(self, request_id, points, ctx=None):
+            self.live.add(request_id)
+
+        def route(self, record):
+            self.routed += 1
+            assert all_hooks(model) > baseline  # hooks are live during generation
+            if self.routed == 5:
+                raise self.exc
+
+        def end_request(self, request_id):
+            self.live.discard(request_id)
+            return {}
+
+    for exc in (KeyboardInterrupt(), RuntimeError("boom")):
+        router = InterruptingRouter(exc)
+        backend = HFBackend(model, tokenizer)
+        with pytest.raises(type(exc)):
+            backend.generate(PROMPTS, ["a", "b", "c"], SamplingParams(max_new_tokens=5),
+                             CaptureSession(router, points))
+        assert all_hooks(model) == baseline
+        assert router.live == set()  # every request ended with the router
+        backend.close()
+    # an early-closed stream cleans up too
+    backend = HFBackend(model, tokenizer)
+    router = InterruptingRouter(RuntimeError("unused"))
+    router.routed = -10**6
+    stream = backend.stream(PROMPTS[0], "s", SamplingParams(max_new_tokens=6),
+                            CaptureSession(router, points))
+    next(stream)
+    stream.close()
+    assert all_hooks(model) == baseline and router.live == set()
+    # and the model behaves exactly as before
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        before = model(ids).logits
+    pm = ProbedModel(model, tokenizer, spec=points[:1],
+                     probe_defaults={}, probes={"none": AbortAt}, )
+    pm.close()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    assert all_hooks(model) == baseline
+
+
+def test_capability_errors_are_clear(tokenizer):
+    model = build_model("llama")
+    caps = HFBackend(model, tokenizer).capabilities()
+    assert caps.num_layers == 3 and caps.valid_layers("final_norm") == (3,)
+    assert caps.valid_layers("kv") == (0, 1, 2)
+    assert (caps.num_kv_heads, caps.head_dim, caps.hidden_size) == (2, 8, 32)
+    bad = [ExtractionPoint(name="too_deep", layers=(1, 3), tensor_type="mlp_out",
+                           position="prompt[-1]", probe_type="none", probe_kind="single_shot"),
+           ExtractionPoint(name="norm", layers=(2,), tensor_type="final_norm",
+                           position="prompt[-1]", probe_type="none", probe_kind="single_shot")]
+    with pytest.raises(CapabilityError) as info:
+        ProbedModel(model, tokenizer, spec=bad)
+    message = str(info.value)
+    assert "'too_deep'" in message and "[3]" in message and "valid: 0..2" in message
+    assert "'final_norm'" in message  # layer 3 is the final norm: the hint says so
+    assert "'norm'" in message and "layer N = 3" in message
+
+    class MambaForCausalLM:
+        class config:  # noqa: N801
+            model_type = "mamba"
+
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        HFBackend(MambaForCausalLM(), tokenizer)
+    assert "MambaForCausalLM" in str(info.value) and "'mamba'" in str(info.value)
+    assert "llama" in str(info.value)
+
+
+def test_stream_yields_tokens_with_signals_then_the_output(tokenizer):
+    pm = ProbedModel(build_model("llama"), tokenizer, spec=_abort_spec(word="none"),
+                     probes={"abort_at": AbortAt})
+    events = list(pm.stream(PROMPTS[0], max_new_tokens=5))
+    tokens, final = events[:-1], events[-1]
+    assert final.finished and final.output is not None and final.token_id is None
+    assert [e.token_id for e in tokens] == list(final.output.token_ids)
+    assert "".join(e.text for e in tokens).strip() == final.output.text.strip()
+    assert [e.generated_index for e in tokens] == [0, 1, 2, 3, 4]
+    # generated token g is probed on the step after it is sampled: its signal comes
+    # with the event of g + 1
+    streamed = [s.token_index for e in events for s in e.signals if s.extraction_point_name
+                == "watch"]
+    assert streamed == [final.output.prompt_len + i for i in range(4)]
+    pm.close()

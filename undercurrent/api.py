@@ -1,0 +1,283 @@
+"""The high-level API: :class:`ProbedModel`, backend-agnostic.
+
+>>> from undercurrent import ProbedModel                       # doctest: +SKIP
+>>> pm = ProbedModel.from_pretrained("undercurrent/tiny", spec="probes.yaml")  # doctest: +SKIP
+>>> outs = pm.generate(["prompt a", "prompt b"], max_new_tokens=16)   # doctest: +SKIP
+>>> outs[0].text, outs[0].aborted, outs[0].results            # doctest: +SKIP
+
+``ProbedModel`` owns a router (unless you bring one) and a backend (``"hf"`` or
+``"vllm"``); each ``generate``/``stream`` call opens a
+:class:`~undercurrent.adapters.session.CaptureSession` that the backend feeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from undercurrent.adapters.base import BackendError, SamplingParams, backend_class
+from undercurrent.adapters.capabilities import Capabilities, check_points
+from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
+from undercurrent.adapters.session import CaptureSession
+from undercurrent.records import ProbeResult
+from undercurrent.spec.types import ExtractionPoint, ProbeSpec
+
+__all__ = ["AbortInfo", "GenerationOutput", "ProbedModel", "StreamEvent", "TokenSignal",
+           "load_spec"]
+
+SpecLike = ProbeSpec | str | os.PathLike[str] | Mapping[str, Any] | Iterable[ExtractionPoint]
+
+
+def load_spec(spec: SpecLike | None) -> ProbeSpec:
+    """Accept a ``ProbeSpec``, a YAML file path, YAML text, a spec dict, a list of
+    ``ExtractionPoint``s or None (no points)."""
+    from undercurrent.spec import load_yaml_file, parse_dict, parse_yaml
+
+    if spec is None:
+        return ProbeSpec(())
+    if isinstance(spec, ProbeSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return parse_dict(spec)
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if "\n" in text or "extraction_points" in text:
+            return parse_yaml(text)
+        if not Path(text).is_file():
+            raise FileNotFoundError(
+                f"spec {text!r} is not a file; pass a YAML file path, YAML text, a dict, "
+                "a ProbeSpec or a list of ExtractionPoint")
+        return load_yaml_file(text)
+    points = list(spec)
+    bad = [type(p).__name__ for p in points if not isinstance(p, ExtractionPoint)]
+    if bad:
+        raise TypeError(f"spec list must hold ExtractionPoint objects, got {bad[:3]}")
+    return ProbeSpec(tuple(points))
+
+
+def _is_backend(obj: Any) -> bool:
+    return all(callable(getattr(obj, name, None))
+               for name in ("capabilities", "generate", "stream", "close"))
+
+
+class ProbedModel:
+    """A model with probes attached: generate text and probe it live.
+
+    ``model`` is an already-loaded transformers model (with ``tokenizer``) or an
+    already-built backend object. ``spec`` is anything :func:`load_spec` takes.
+    ``probes`` adds probe classes by name; ``probe_defaults`` gives router-level
+    ``probe_args`` per probe type; ``router`` brings your own
+    :class:`~undercurrent.router.Router` (it is not shut down by :meth:`close`);
+    ``on_result`` is called with every ``ProbeResult`` as its request ends.
+
+    Registration-time checks: a spec asking for a tensor type or layer the
+    backend cannot capture raises ``CapabilityError`` here, before any
+    generation.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        spec: SpecLike | None = None,
+        backend: str = "hf",
+        probes: Any = None,
+        probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
+        router: Any = None,
+        on_result: Callable[[ProbeResult], Any] | None = None,
+        batch_size: int = 8,
+        capture_last_token: bool = False,
+        model_name: str | None = None,
+    ) -> None:
+        if _is_backend(model):
+            self.backend = model
+        elif backend == "hf":
+            cls = backend_class("hf")
+            self.backend = cls(model, tokenizer, model_name=model_name, batch_size=batch_size)
+        else:
+            raise BackendError(
+                f"backend={backend!r} loads its engine itself: use "
+                f"ProbedModel.from_pretrained(path, backend={backend!r})")
+        self.spec = load_spec(spec)
+        check_points(self.backend.capabilities(), self.spec)
+        self._probes = probes
+        self._probe_defaults = probe_defaults
+        self._router = router
+        self._owns_router = router is None
+        self.on_result = on_result
+        self.batch_size = batch_size
+        self.capture_last_token = capture_last_token
+        self._ids = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_or_path: Any,
+        *,
+        spec: SpecLike | None = None,
+        backend: str = "hf",
+        device: str | None = None,
+        dtype: Any = None,
+        probes: Any = None,
+        probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
+        router: Any = None,
+        on_result: Callable[[ProbeResult], Any] | None = None,
+        batch_size: int = 8,
+        capture_last_token: bool = False,
+        **backend_kwargs: Any,
+    ) -> ProbedModel:
+        """Load a model by path or hub id (``"undercurrent/tiny"`` / ``"tiny"`` is the
+        bundled model) with the chosen backend; extra keyword arguments go to the
+        backend's loader (for ``"hf"``: ``AutoModelForCausalLM.from_pretrained``)."""
+        if not isinstance(model_or_path, (str, os.PathLike)):
+            return cls(model_or_path, backend_kwargs.pop("tokenizer", None), spec=spec,
+                       backend=backend, probes=probes, probe_defaults=probe_defaults,
+                       router=router, on_result=on_result, batch_size=batch_size,
+                       capture_last_token=capture_last_token)
+        path = resolve_model_path(os.fspath(model_or_path))
+        if backend == "hf":
+            backend_kwargs.setdefault("batch_size", batch_size)
+        loaded = backend_class(backend).from_pretrained(path, device=device, dtype=dtype,
+                                                        **backend_kwargs)
+        try:
+            return cls(loaded, spec=spec, backend=backend, probes=probes,
+                       probe_defaults=probe_defaults, router=router, on_result=on_result,
+                       batch_size=batch_size, capture_last_token=capture_last_token)
+        except BaseException:
+            loaded.close()
+            raise
+
+    # -- introspection -----------------------------------------------------
+    @property
+    def points(self) -> tuple[ExtractionPoint, ...]:
+        return tuple(self.spec)
+
+    @property
+    def router(self) -> Any:
+        """The router (built on first use when none was given)."""
+        if self._router is None:
+            from undercurrent.router import Router
+
+            self._router = Router(self._probes, probe_defaults=self._probe_defaults)
+        return self._router
+
+    def capabilities(self) -> Capabilities:
+        """Tensor types this backend captures and the valid layers for each."""
+        return self.backend.capabilities()
+
+    def __repr__(self) -> str:
+        caps = self.capabilities()
+        return (f"ProbedModel({self.backend.model_name!r}, backend={self.backend.name!r}, "
+                f"layers={caps.num_layers}, points={list(self.spec.names)})")
+
+    # -- generation --------------------------------------------------------
+    def _session(self, records: bool) -> CaptureSession:
+        if self._closed:
+            raise BackendError("this ProbedModel is closed")
+        router = self.router if self.spec else self._router
+        return CaptureSession(router, self.points, model_name=self.backend.model_name,
+                              keep_records=records, on_result=self.on_result)
+
+    def _params(self, max_new_tokens: int, temperature: float, top_p: float,
+                top_k: int | None, seed: int | None, stop: str | Sequence[str] | None,
+                capture_last_token: bool | None) -> SamplingParams:
+        if capture_last_token is None:
+            capture_last_token = self.capture_last_token
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stops,
+                              capture_last_token=capture_last_token)
+
+    def _new_id(self) -> str:
+        return f"req-{id(self):x}-{next(self._ids)}"
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        records: bool = False,
+        capture_last_token: bool | None = None,
+        batch_size: int | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for each prompt (batched) with the probes attached.
+
+        Returns one :class:`GenerationOutput` per prompt, in order (a single
+        string prompt gives a list of one). ``temperature=0`` is greedy; ``seed``
+        makes sampling reproducible; ``stop`` strings end a prompt's generation;
+        ``records=True`` keeps the captured ``ActivationRecord``s on each output;
+        ``capture_last_token=True`` runs one extra forward step so the last sampled
+        token (never fed back to the model) is captured too.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        ids = list(request_ids) if request_ids is not None else [self._new_id() for _ in prompts]
+        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+            raise ValueError("request_ids must be unique and one per prompt")
+        params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
+                              capture_last_token)
+        session = self._session(records)
+        return self.backend.generate(prompts, ids, params, session,
+                                     batch_size=batch_size or self.batch_size)
+
+    def stream(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        records: bool = False,
+        capture_last_token: bool | None = None,
+        request_id: str | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Yield a :class:`StreamEvent` per generated token (its id, its text piece
+        and the inline probe signals that arrived since the previous event), then
+        a final event (``finished=True``) carrying the complete output."""
+        params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
+                              capture_last_token)
+        session = self._session(records)
+        return self.backend.stream(prompt, request_id or self._new_id(), params, session)
+
+    # -- lifecycle ---------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook (the model behaves exactly as before) and shut down the
+        router this object built. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.backend.close()
+        finally:
+            if self._owns_router and self._router is not None:
+                self._router.shutdown()
+
+    def __enter__(self) -> ProbedModel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """``"undercurrent/tiny"`` / ``"tiny"`` -> the bundled model's directory."""
+    if name_or_path in ("undercurrent/tiny", "tiny", "undercurrent-tiny"):
+        from undercurrent.models import tiny_model_path
+
+        return str(tiny_model_path())
+    return name_or_path
