@@ -1,0 +1,112 @@
+"""Measurement helpers: memory from /proc, a first-token clock, and summary statistics.
+
+Nothing here imports torch at module level, so the orchestrating process stays
+light; the clock touches the model only through ``register_forward_hook``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+@dataclass
+class GenerationRun:
+    """What one scenario's generation returns to the harness.
+
+    ``token_ids`` holds the generated ids per prompt (prompt excluded), used to
+    check that every scenario generated exactly the baseline's tokens;
+    ``records`` counts captured activation vectors (one per token and layer);
+    ``captured_bytes`` is the size of the captured tensors the scenario holds.
+    """
+
+    token_ids: list[list[int]]
+    records: int = 0
+    captured_bytes: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _status_kib(key: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{key} missing from {_STATUS}; memory figures need Linux /proc")
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident set size (since the last reset)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class FirstForwardClock:
+    """Times the first forward of the model's output head after ``start()``.
+
+    Every scenario's timing goes through the same one-hook clock on the output
+    embedding (``lm_head``), so time to first token means the same thing for
+    the baseline and for every capture method: generate called -> logits of the
+    first new token computed.
+    """
+
+    def __init__(self, model: Any) -> None:
+        head = model.get_output_embeddings()
+        self._handle = head.register_forward_hook(self._on_forward)
+        self._start: float | None = None
+        self._first: float | None = None
+
+    def _on_forward(self, module: Any, args: Any, output: Any) -> None:
+        if self._first is None and self._start is not None:
+            self._first = time.perf_counter()
+
+    def start(self) -> float:
+        """Arm the clock; returns the start time (``time.perf_counter``)."""
+        self._first = None
+        self._start = time.perf_counter()
+        return self._start
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from ``start()`` to the end of the first head forward, if any."""
+        if self._start is None or self._first is None:
+            return None
+        return self._first - self._start
+
+    def close(self) -> None:
+        """Remove the hook."""
+        self._handle.remove()
+
+
+def spread(values: Sequence[float]) -> dict[str, float | None]:
+    """Median, min, max and relative spread ((max - min) / median) of repeats."""
+    clean = [v for v in values if v is not None]
+    if not clean:
+        return {"median": None, "min": None, "max": None, "spread_pct": None}
+    median = statistics.median(clean)
+    low, high = min(clean), max(clean)
+    relative = (high - low) / median * 100 if median else None
+    return {"median": median, "min": low, "max": high, "spread_pct": relative}
+
+
+def tensor_bytes(tensors: Sequence[Any]) -> int:
+    """Total bytes of a sequence of torch tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,84 @@
+"""The overhead plot: median overhead ratio per scenario with its min–max range.
+
+Drawn with plotly and written with kaleido (headless Chromium); where no
+browser is available the PNG is drawn with Pillow instead, so the run always
+leaves a picture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, float, float, float]]]:
+    groups: dict[str, list[tuple[str, float, float, float]]] = {}
+    for row in rows:
+        ratio = row.get("overhead_ratio")
+        if row.get("status") != "ok" or not ratio or ratio.get("median") is None:
+            continue
+        size = (f"batch {row['batch_size']}" if row["concurrency"] is None
+                else f"{row['concurrency']} concurrent")
+        label = f"{row['backend']} {row['model']}, {size}"
+        groups.setdefault(label, []).append(
+            (row["scenario"], ratio["median"], ratio["min"], ratio["max"]))
+    return groups
+
+
+def write_plot(rows: list[dict[str, Any]], path: Path) -> str:
+    """Write the PNG; returns which renderer drew it."""
+    groups = _series(rows)
+    try:
+        _plotly(groups, path)
+        return "plotly+kaleido"
+    except Exception as error:  # no Chromium for kaleido: fall back to Pillow
+        _pillow(groups, path)
+        return f"pillow (kaleido failed: {type(error).__name__})"
+
+
+def _plotly(groups: dict[str, list[tuple[str, float, float, float]]], path: Path) -> None:
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    for label, points in groups.items():
+        names = [p[0] for p in points]
+        medians = [p[1] for p in points]
+        figure.add_trace(go.Bar(
+            name=label, x=names, y=medians,
+            error_y={"type": "data", "symmetric": False,
+                     "array": [p[3] - p[1] for p in points],
+                     "arrayminus": [p[1] - p[2] for p in points]},
+        ))
+    figure.add_hline(y=1.0, line_dash="dot", annotation_text="plain generate()")
+    figure.update_layout(
+        barmode="group", title="Wall time relative to plain generate() (median, min–max)",
+        yaxis_title="overhead ratio (x)", xaxis_tickangle=-30, template="plotly_white",
+        legend={"orientation": "h", "y": -0.45},
+    )
+    figure.write_image(str(path), width=1200, height=650)
+
+
+def _pillow(groups: dict[str, list[tuple[str, float, float, float]]], path: Path) -> None:
+    from PIL import Image, ImageDraw
+
+    width, row_height = 1100, 18
+    lines = sum(len(points) + 2 for points in groups.values()) + 2
+    image = Image.new("RGB", (width, max(200, lines * row_height)), "white")
+    draw = ImageDraw.Draw(image)
+    top = max((p[3] for points in groups.values() for p in points), default=1.0)
+    scale = (width - 420) / max(top, 1.0)
+    y = 10
+    draw.text((10, y), "Wall time relative to plain generate() (median, min-max)", fill="black")
+    y += 2 * row_height
+    for label, points in groups.items():
+        draw.text((10, y), label, fill="black")
+        y += row_height
+        for name, median, low, high in points:
+            draw.text((20, y), name[:44], fill="black")
+            draw.rectangle([380, y + 3, 380 + median * scale, y + row_height - 3], fill="#4c78a8")
+            draw.line([380 + low * scale, y + 9, 380 + high * scale, y + 9], fill="black")
+            draw.text((390 + high * scale, y), f"{median:.2f}x", fill="black")
+            y += row_height
+        y += row_height
+    draw.line([380 + scale, 30, 380 + scale, y], fill="red")
+    image.save(path)

@@ -1,0 +1,236 @@
+"""Run the benchmarks: ``python -m benchmarks.run [--quick] [--out DIR] [--update-docs]``.
+
+Every job runs in a fresh child process forked from a server that has torch and
+transformers imported already: one timing job per model (all scenarios
+interleaved), one memory job per (model, batch size, scenario), and the vLLM
+jobs in processes of their own. Writes ``results.jsonl``, ``environment.json``,
+``summary.md`` and ``overhead.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.environment import describe
+from benchmarks.plot import write_plot
+from benchmarks.report import attach_memory, capture_table, results_table, timing_rows, write_jsonl
+from benchmarks.scenarios import SCENARIOS
+from benchmarks.targets import evaluate, targets_table
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DOCS_START, DOCS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; ``--quick`` shrinks every dimension for the CI smoke run."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="CI smoke mode: tiny model, few tokens, 2 repeats, no vLLM")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"),
+                        help="output directory (default benchmarks/out)")
+    parser.add_argument("--models", nargs="+", choices=["tiny", "large"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int)
+    parser.add_argument("--scenarios", nargs="+", choices=[s.name for s in SCENARIOS])
+    parser.add_argument("--repeats", type=int, help="timed repeats per scenario")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS jobs")
+    parser.add_argument("--vllm", dest="vllm", action="store_true", default=None,
+                        help="run the vLLM scenarios (default: on unless --quick)")
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false")
+    parser.add_argument("--update-docs", action="store_true",
+                        help=f"write the summary into {DOCS.name} between its result markers")
+    parser.add_argument("--job-timeout", type=float, default=None,
+                        help="seconds before a stuck child job is killed")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.models = args.models or (["tiny"] if quick else ["tiny", "large"])
+    args.batch_sizes = args.batch_sizes or [1, 8]
+    args.scenarios = args.scenarios or [s.name for s in SCENARIOS]
+    args.repeats = args.repeats or (2 if quick else 5)
+    args.max_new_tokens = args.max_new_tokens or (8 if quick else 32)
+    args.vllm = (not quick) if args.vllm is None else args.vllm
+    args.job_timeout = args.job_timeout or (300.0 if quick else 1800.0)
+    if args.max_new_tokens < 2:
+        parser.error("--max-new-tokens must be at least 2 (one prefill, one decode step)")
+    return args
+
+
+class ChildRunner:
+    """Runs one job per fresh child process, with a timeout and crash reporting."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["benchmarks.preload"])
+        self.spawn = multiprocessing.get_context("spawn")
+
+    def run(self, job: str, isolated: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """Run ``job`` in a child; ``isolated`` uses a spawned (not forked) process."""
+        from benchmarks.worker import child_main
+
+        context = self.spawn if isolated else self.context
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=child_main, args=(send, job, kwargs))
+        process.start()
+        send.close()
+        try:
+            if receive.poll(self.timeout):
+                outcome = receive.recv()
+            else:
+                process.kill()
+                outcome = {"ok": False, "error": f"timed out after {self.timeout:.0f} s"}
+        except EOFError:
+            outcome = {"ok": False, "error": "child process died without a result"}
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+        if process.exitcode not in (0, None) and outcome.get("ok"):
+            outcome["exit_code"] = process.exitcode
+        return outcome
+
+
+def log(message: str) -> None:
+    """Progress on stderr, with the time since the run started."""
+    print(f"[bench {time.perf_counter() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+START = time.perf_counter()
+
+
+def run_hf(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[str, Any]], list]:
+    """Timing and memory jobs for every model; returns rows and job errors."""
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for model in args.models:
+        log(f"timing {model}: {len(args.scenarios)} scenarios x batch {args.batch_sizes}, "
+            f"{args.repeats} repeats")
+        outcome = runner.run("timing", model_key=model, batch_sizes=args.batch_sizes,
+                             scenarios=args.scenarios, repeats=args.repeats, warmup=1,
+                             max_new_tokens=args.max_new_tokens)
+        if not outcome["ok"]:
+            errors.append(f"timing job for {model} failed: {outcome['error']}")
+            log(errors[-1])
+            continue
+        model_rows = timing_rows(outcome["result"], args.max_new_tokens)
+        if not args.no_memory:
+            memory = {}
+            for batch in args.batch_sizes:
+                for scenario in args.scenarios:
+                    if not any(r["scenario"] == scenario and r["status"] == "ok"
+                               for r in model_rows):
+                        continue
+                    log(f"memory {model} batch {batch} {scenario}")
+                    memory[(model, batch, scenario)] = runner.run(
+                        "memory", model_key=model, batch_size=batch, scenario=scenario,
+                        max_new_tokens=args.max_new_tokens)
+            attach_memory(model_rows, memory)
+        rows += model_rows
+    return rows, errors
+
+
+def run_vllm(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[str, Any]], list]:
+    """The vLLM scenarios, each in a spawned process, when the backend is there."""
+    from benchmarks.vllm_jobs import (
+        VLLM_CONCURRENCY,
+        VLLM_SCENARIOS,
+        vllm_rows,
+        vllm_unavailable_reason,
+    )
+
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        log(f"vLLM skipped: {reason}")
+        return vllm_rows(None, f"skipped: {reason}", args.max_new_tokens), []
+    results, errors = {}, []
+    for scenario in VLLM_SCENARIOS:
+        log(f"vLLM {scenario}: {VLLM_CONCURRENCY} concurrent requests")
+        results[scenario] = runner.run("vllm", isolated=True, scenario=scenario,
+                                       repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+        if not results[scenario]["ok"]:
+            errors.append(f"vLLM job {scenario} failed: {results[scenario]['error']}")
+    return vllm_rows(results, None, args.max_new_tokens), errors
+
+
+def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
+                     rows: list[dict[str, Any]], checks: list[dict[str, Any]],
+                     errors: list[str], plot_renderer: str) -> str:
+    """The summary: machine and versions, result tables, targets, capture table."""
+    versions = ", ".join(f"{k} {v}" for k, v in environment["versions"].items())
+    mode = "quick (smoke)" if args.quick else "full"
+    lines = [
+        "## Machine and versions",
+        "",
+        f"- Run: {environment['date']}, mode {mode}, commit {environment['git_commit']}",
+        f"- CPU: {environment['cpu']}, {environment['cpu_count']} cores, "
+        f"{environment['memory_gib']} GiB; Python {environment['python']}",
+        f"- Load average at start {tuple(round(x, 2) for x in environment['load_average_start'])}"
+        f", at end {tuple(round(x, 2) for x in environment['load_average_end'])}",
+        f"- Versions: {versions}",
+        f"- Plot: overhead.png ({plot_renderer})",
+        "",
+        "## Results",
+        "",
+        *results_table(rows),
+        "## Targets (reported, not asserted)",
+        "",
+        *targets_table(checks),
+        "",
+        "## What each scenario captured",
+        "",
+        *capture_table(rows),
+        "",
+    ]
+    if errors:
+        lines += ["## Job errors", "", *(f"- {e.strip().splitlines()[-1]}" for e in errors), ""]
+    return "\n".join(lines)
+
+
+def update_docs(summary: str) -> None:
+    """Replace the text between the result markers of docs/benchmarks.md."""
+    text = DOCS.read_text()
+    if DOCS_START not in text or DOCS_END not in text:
+        raise SystemExit(f"{DOCS} lacks the {DOCS_START} / {DOCS_END} markers")
+    head, rest = text.split(DOCS_START, 1)
+    _, tail = rest.split(DOCS_END, 1)
+    DOCS.write_text(f"{head}{DOCS_START}\n{summary}\n{DOCS_END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run everything and write the outputs; exit 1 when a token check failed."""
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    environment = describe()
+    runner = ChildRunner(args.job_timeout)
+    rows, errors = run_hf(args, runner)
+    if args.vllm:
+        vllm, vllm_errors = run_vllm(args, runner)
+        rows += vllm
+        errors += vllm_errors
+    environment["load_average_end"] = os.getloadavg()
+    checks = evaluate(rows)
+    write_jsonl(args.out / "results.jsonl", rows)
+    (args.out / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
+    (args.out / "targets.json").write_text(json.dumps(checks, indent=2) + "\n")
+    renderer = write_plot(rows, args.out / "overhead.png")
+    summary = summary_markdown(environment, args, rows, checks, errors, renderer)
+    (args.out / "summary.md").write_text(summary)
+    if args.update_docs:
+        update_docs(summary)
+    log(f"wrote {args.out}/results.jsonl, summary.md, overhead.png")
+    for error in errors:
+        log(error)
+    mismatched = [r["scenario"] for r in rows if r.get("tokens_match") is False]
+    if mismatched:
+        log(f"token check FAILED for: {', '.join(mismatched)}")
+    return 1 if mismatched or errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""Benchmark scenarios: one class per way of generating (and capturing) on a model.
+
+``SCENARIOS`` lists them in table order; the plain ``generate()`` baseline is
+first, and every overhead ratio is relative to it.
+"""
+
+from __future__ import annotations
+
+from benchmarks.scenarios.alternatives import NnsightCapture, TransformerLensCapture
+from benchmarks.scenarios.base import Batch, Scenario
+from benchmarks.scenarios.baselines import HiddenStatesCapture, PlainGenerate, RawHooksCapture
+from benchmarks.scenarios.probed import (
+    ProbedAllLayers,
+    ProbedAsyncTrajectory,
+    ProbedBlockUntilSignal,
+    ProbedEmptySpec,
+    ProbedInlineNorm,
+)
+
+SCENARIOS: tuple[type[Scenario], ...] = (
+    PlainGenerate,
+    HiddenStatesCapture,
+    RawHooksCapture,
+    NnsightCapture,
+    TransformerLensCapture,
+    ProbedEmptySpec,
+    ProbedInlineNorm,
+    ProbedAsyncTrajectory,
+    ProbedAllLayers,
+    ProbedBlockUntilSignal,
+)
+BASELINE = PlainGenerate.name
+
+
+def scenario_by_name(name: str) -> type[Scenario]:
+    """The scenario class registered under ``name``."""
+    for scenario in SCENARIOS:
+        if scenario.name == name:
+            return scenario
+    known = ", ".join(s.name for s in SCENARIOS)
+    raise KeyError(f"unknown benchmark scenario {name!r}; known: {known}")
+
+
+__all__ = ["BASELINE", "SCENARIOS", "Batch", "Scenario", "scenario_by_name"]

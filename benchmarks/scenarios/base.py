@@ -1,0 +1,83 @@
+"""The scenario interface the harness drives, and the prompt batch it passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from benchmarks.measure import GenerationRun
+from benchmarks.models import ModelBundle
+
+
+@dataclass
+class Batch:
+    """Prompts as strings (for APIs that tokenize) and as encoded tensors."""
+
+    prompts: list[str]
+    input_ids: Any
+    attention_mask: Any
+
+    @property
+    def size(self) -> int:
+        """Number of prompts."""
+        return len(self.prompts)
+
+    @property
+    def prompt_length(self) -> int:
+        """Padded prompt length in tokens."""
+        return int(self.input_ids.shape[1])
+
+
+def make_batch(bundle: ModelBundle, prompts: list[str]) -> Batch:
+    """Tokenize ``prompts`` with left padding, the way every scenario sees them."""
+    encoded = bundle.tokenizer(prompts, return_tensors="pt", padding=True)
+    return Batch(list(prompts), encoded["input_ids"], encoded["attention_mask"])
+
+
+def new_tokens(sequences: Any, prompt_length: int) -> list[list[int]]:
+    """Generated ids per row of a ``(batch, prompt + new)`` id tensor."""
+    return [row[prompt_length:].tolist() for row in sequences]
+
+
+class Scenario:
+    """One way of generating on a model, optionally capturing activations.
+
+    The harness calls ``setup`` once per process (untimed), then ``generate``
+    for each timed repeat, then ``close``. ``captures`` and ``limits`` end up in
+    the report: what the scenario captured and what it could not.
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[str]
+    captures: ClassVar[str]
+    limits: ClassVar[str] = ""
+    #: Scenarios that wrap or hook the model permanently get their own copy so
+    #: they cannot slow down or change the others run in the same process.
+    own_model: ClassVar[bool] = False
+
+    def unavailable_reason(self) -> str | None:
+        """Why this scenario cannot run here (missing package, ...), or None."""
+        return None
+
+    def setup(self, bundle: ModelBundle, model: Any, layers: tuple[int, ...]) -> None:
+        """Prepare to generate on ``model`` capturing ``layers`` (untimed)."""
+        self.bundle = bundle
+        self.model = model
+        self.layers = layers
+
+    def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
+        """Generate greedily (timed by the harness) and return tokens and captures."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release whatever ``setup`` installed."""
+
+
+def hf_generate_kwargs(bundle: ModelBundle, max_new_tokens: int) -> dict[str, Any]:
+    """Greedy, fixed-length generation arguments shared by every HF-driven scenario."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "pad_token_id": bundle.tokenizer.pad_token_id,
+    }

