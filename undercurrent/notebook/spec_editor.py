@@ -475,7 +475,8 @@ class SpecEditor:
                 + (f"<ul>{listing}</ul>" if listing else "")
             )
         self.yaml_view.value = (
-            '<pre style="background:#f6f8fa;padding:8px;border-radius:4px;margin:0">'
+            '<pre style="background:#f6f8fa;padding:8px;border-radius:4px;margin:0;'
+            'line-height:1.35;font-size:12px;white-space:pre">'
             f"{html.escape(text)}</pre>"
         )
 
