@@ -156,11 +156,123 @@ def _run_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- inspect-model ------------------------------------------------------------------------
+
+
+def _add_inspect_model_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "inspect-model",
+        help="show layers and capturable tensor types of a model",
+        description=(
+            "Show a model's layer count, sizes and, for each backend, which tensor types "
+            "can be captured at which layer indices. Reads the config only: the HF model "
+            "is built on the meta device, without weights."
+        ),
+    )
+    parser.add_argument("model", metavar="MODEL", help="local path, hub id, or 'tiny'")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--emit-spec", metavar="FILE", help="write a starter spec to FILE")
+    parser.set_defaults(handler=_run_inspect_model)
+
+
+def _run_inspect_model(args: argparse.Namespace) -> int:
+    from undercurrent.adapters.inspect import format_report, inspect_model, starter_spec
+
+    try:
+        report = inspect_model(args.model)
+    except (OSError, ValueError) as error:
+        print(f"inspect-model: cannot read {args.model!r}: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    if args.emit_spec:
+        from undercurrent.spec import to_yaml
+
+        with open(args.emit_spec, "w", encoding="utf-8") as handle:
+            handle.write(to_yaml(starter_spec(int(report["num_layers"]))))
+        report["emitted_spec"] = args.emit_spec
+    if args.format == "json":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        if args.emit_spec:
+            print(f"starter spec written to {args.emit_spec}")
+    return EXIT_OK if "error" not in report["backends"].get("hf", {}) else EXIT_FAILURE
+
+
+# --- run ----------------------------------------------------------------------------------
+
+
+def _add_run_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="generate with probes and print each prompt's text and verdicts",
+        description="Load MODEL, attach the probes of SPEC, generate for each --prompt.",
+    )
+    parser.add_argument("spec", metavar="SPEC", help="YAML spec file")
+    parser.add_argument("--model", required=True, help="local path, hub id, or 'tiny'")
+    parser.add_argument("--prompt", action="append", required=True, dest="prompts",
+                        metavar="TEXT", help="a prompt (repeat for several)")
+    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string")
+    parser.add_argument("--records", metavar="FILE.parquet",
+                        help="save the captured records (needs the notebook extra)")
+    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.set_defaults(handler=_run_run)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from undercurrent.api import ProbedModel
+
+    if args.records:
+        try:
+            from undercurrent.notebook.storage import save_records
+        except ImportError as error:
+            print(f"run: --records needs pandas and pyarrow ({error}); install them with "
+                  "pip install 'undercurrent[notebook]'", file=sys.stderr)
+            return EXIT_USAGE
+    from undercurrent.adapters.capabilities import CapabilityError
+    from undercurrent.spec import SpecValidationError
+
+    try:
+        model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
+                                            device=args.device)
+    except (SpecValidationError, CapabilityError, OSError) as error:
+        print(f"run: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    with model:
+        outputs = model.generate(args.prompts, max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature, seed=args.seed, stop=args.stop,
+                                 records=bool(args.records))
+    if args.format == "json":
+        print(json.dumps([output.summary() for output in outputs], indent=2, default=str))
+    else:
+        for output in outputs:
+            print(f"--- {output.prompt!r}")
+            print(f"text: {output.text!r} ({output.finish_reason}, "
+                  f"{len(output.token_ids)} tokens)")
+            if output.abort is not None:
+                print(f"aborted by {output.abort.extraction_point_name!r} at token "
+                      f"{output.abort.token_index} (layer {output.abort.layer})")
+            for name, result in output.results.items():
+                error = f"  error: {result.error}" if result.error else ""
+                print(f"  {name}: {result.verdict!r}{error}")
+    if args.records:
+        path = save_records(outputs, args.records)
+        count = sum(len(output.records or ()) for output in outputs)
+        print(f"{count} records saved to {path}", file=sys.stderr)
+    return EXIT_OK
+
+
 # --- wiring -----------------------------------------------------------------------------
 
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_validate_command,
     _add_schema_command,
+    _add_inspect_model_command,
+    _add_run_command,
 )
 """Each adds one subcommand; their order is the order ``--help`` lists them in."""
 
