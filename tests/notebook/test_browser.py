@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,12 +16,10 @@ import pytest
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+from voila_page import CHROMIUM, launch_chromium, serve_notebook  # noqa: E402
+
 NOTEBOOK = REPO / "notebooks" / "02_spec_editor.ipynb"
-CHROMIUM = Path(os.environ.get("UNDERCURRENT_CHROMIUM", "/usr/bin/chromium"))
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 PAGE_TIMEOUT_MS = 180_000
 
 
@@ -38,44 +32,11 @@ def _need_chromium() -> None:
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def voila_url(tmp_path):
     _need_chromium()
-    port = _free_port()
-    log = open(tmp_path / "voila.log", "wb")  # noqa: SIM115 - closed in the teardown
-    process = subprocess.Popen(
-        [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser", f"--port={port}",
-         "--Voila.ip=127.0.0.1", "--show_tracebacks=True"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                # A bare connect: a GET of the page would execute the notebook once more.
-                socket.create_connection(("127.0.0.1", port), timeout=2).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    pytest.fail("voila did not start:\n"
-                                + (tmp_path / "voila.log").read_text(errors="replace")[-3000:])
-                time.sleep(0.3)
+    with serve_notebook(NOTEBOOK, tmp_path / "voila.log") as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        log.close()
 
 
 def test_editing_a_field_in_chromium_changes_the_yaml_shown(voila_url, tmp_path):
@@ -83,9 +44,7 @@ def test_editing_a_field_in_chromium_changes_the_yaml_shown(voila_url, tmp_path)
 
     yaml_selector = ".undercurrent-yaml pre"
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
+        browser = launch_chromium(playwright)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             page.goto(voila_url, timeout=PAGE_TIMEOUT_MS)
