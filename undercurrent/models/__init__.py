@@ -1,0 +1,28 @@
+"""The bundled tiny model: a small Llama trained on a synthetic corpus, with its probe.
+
+``tiny_model_path()`` is the directory holding the weights, configs, tokenizer
+and the trained linear probe (``probe.safetensors``). Importing this module
+does not import torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_MODEL_NAME = "undercurrent/tiny"
+"""Short name that ``ProbedModel.from_pretrained`` resolves to ``tiny_model_path()``."""
+
+
+def tiny_model_path() -> Path:
+    """Directory of the bundled tiny model (package data, no download needed).
+
+    >>> (tiny_model_path() / "config.json").name
+    'config.json'
+    """
+    return Path(__file__).resolve().parent / "tiny"
+
+
+def tiny_probe_path() -> Path:
+    """The bundled model's trained linear probe (``linear_probe`` format)."""
+    return tiny_model_path() / "probe.safetensors"
+
