@@ -124,16 +124,16 @@ def test_every_binding_progresses_with_many_more_bindings_than_workers(make_rout
     router = make_router(workers=1)
     router.register_request("big", [point("a", mode="async", queue_depth=5000,
                                           probe_args={"sleep_s": 0.0005})])
-    for t in range(2000):
+    for t in range(600):
         router.route(record("big", "a", t))
     for i in range(30):
         router.register_request(f"small{i}", [point("a", mode="async")])
         router.route(record(f"small{i}", "a", 0))
     small = [probe for probe in Recorder.instances[1:]]
     _wait_for(lambda: all(p.seen == [0] for p in small))
-    assert len(Recorder.instances[0].seen) < 2000  # the big backlog was still being worked on
+    assert len(Recorder.instances[0].seen) < 600  # the big backlog was still being worked on
     result = router.end_request("big")["a"]
-    assert result.stats.processed == 2000 and result.verdict["seen"] == list(range(2000))
+    assert result.stats.processed == 600 and result.verdict["seen"] == list(range(600))
 
 
 def test_a_hanging_async_probe_does_not_stall_other_bindings(make_router):
