@@ -120,6 +120,19 @@ def to_yaml(spec: ProbeSpec) -> str:
                 f"cannot be written as YAML: {error}", "probe_args", index, point["name"]
             )
             raise SpecValidationError([problem]) from None
+    text = _dump(data, allow_unicode=True)
+    # PyYAML writes a few code points (NEL, line and paragraph separators) unescaped
+    # that its reader then folds into line breaks; escape everything when that bites.
+    if yaml.safe_load(text) != data:
+        text = _dump(data, allow_unicode=False)
+    return text
+
+
+def _dump(data: Any, allow_unicode: bool) -> str:
     return yaml.dump(
-        data, Dumper=_SpecDumper, sort_keys=False, allow_unicode=True, default_flow_style=False
+        data,
+        Dumper=_SpecDumper,
+        sort_keys=False,
+        allow_unicode=allow_unicode,
+        default_flow_style=False,
     )
