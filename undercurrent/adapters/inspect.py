@@ -62,8 +62,9 @@ def inspect_model(name_or_path: str) -> dict[str, Any]:
     except Exception as error:  # noqa: BLE001
         report["backends"]["vllm"] = {"error": str(error)}
     else:
-        report["backends"]["vllm"] = (vllm.as_dict() if vllm is not None else
-                                      {"error": "the vLLM adapter is not installed here"})
+        unreported = {"error": "not reported from the config alone; load the model with "
+                               "backend='vllm' and call capabilities()"}
+        report["backends"]["vllm"] = vllm.as_dict() if vllm is not None else unreported
     return report
 
 
