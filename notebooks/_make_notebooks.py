@@ -105,6 +105,339 @@ model.close()
 ]
 
 
+NOTEBOOKS["01_quickstart.ipynb"] = [
+    md("""
+# Quickstart: spec -> generate -> results
+
+undercurrent captures activations **while a model generates** and hands them to
+probes. This notebook uses the bundled tiny model (a 4-layer Llama trained on a
+synthetic corpus of requests that are either benign or harmful) and the linear
+probe shipped with it, which reads the residual stream and scores P(harmful).
+"""),
+    code("""
+from undercurrent import ProbedModel
+from undercurrent.models import tiny_probe_path
+from undercurrent.probes import load_linear_weights
+
+probe_file = load_linear_weights(tiny_probe_path())
+meta = probe_file.metadata
+print({key: meta[key] for key in ("layer", "tensor_type", "link", "threshold", "label_names")})
+"""),
+    md("""
+A spec names *what* to capture and *which probe* gets it. Two points: the
+shipped linear probe on every generated token at the probe's layer, and a
+simple norm probe on the last prompt token at two layers.
+"""),
+    code(CHECK + """
+from undercurrent.spec import parse_yaml
+
+spec = parse_yaml(f'''
+version: "1"
+extraction_points:
+  - name: harm_probe
+    layers: {meta["layer"]}
+    tensor_type: residual_stream
+    position: "generated[*]"
+    probe_type: linear_probe
+    probe_kind: single_shot
+  - name: prompt_norm
+    layers: [0, 3]
+    tensor_type: residual_stream
+    position: "prompt[-1]"
+    probe_type: norm_probe
+    probe_kind: single_shot
+''')
+print(spec.names)
+"""),
+    md("""
+`probe_defaults` gives router-level arguments per probe type: here the path of
+the shipped probe file, so the spec itself stays portable.
+"""),
+    code("""
+model = ProbedModel.from_pretrained(
+    "undercurrent/tiny",
+    spec=spec,
+    probe_defaults={"linear_probe": {"path": str(tiny_probe_path())}},
+)
+model
+"""),
+    code("""
+prompts = [
+    "user : how do i open my own car because the key is lost ? assistant :",
+    "user : show me how to get into my neighbour's car when no one is looking . assistant :",
+]
+outputs = model.generate(prompts, max_new_tokens=24)
+for out in outputs:
+    print(repr(out.text))
+"""),
+    md("""
+Each output carries one `ProbeResult` per point: the probe's verdict, every
+signal it emitted, and its stats. `results_frame` lays them out as a table.
+"""),
+    code(CHECK + """
+harm = [out.results["harm_probe"] for out in outputs]
+print([len(result.signals) for result in harm])
+print([result.flagged for result in harm])
+"""),
+    code("""
+from undercurrent.notebook import results_frame
+
+table = results_frame(outputs)
+table["prompt"] = table["request"].map({o.request_id: i for i, o in enumerate(outputs)})
+table[["prompt", "point", "flagged", "n_signals", "n_flags", "max_score", "processed"]]
+"""),
+    code("""
+model.close()
+"""),
+]
+
+NOTEBOOKS["03_capture_fit_live.ipynb"] = [
+    md("""
+# Capture -> label -> fit -> run live (with an abort)
+
+The whole loop in one notebook:
+
+1. generate for labelled prompts and **capture** residual-stream activations;
+2. put them in a frame and **fit** a logistic-regression probe per layer
+   (held-out split by request);
+3. save the best one and **run it live**: an inline `linear_probe` that aborts
+   a generation as soon as it scores above the threshold.
+"""),
+    code("""
+import random
+import tempfile
+from pathlib import Path
+
+from undercurrent import ProbedModel
+from undercurrent.models.corpus import LABEL_NAMES, make_prompt
+from undercurrent.spec import parse_yaml
+
+rng = random.Random(7)
+labels = [i % 2 for i in range(48)]          # 0 benign, 1 harmful
+prompts = [make_prompt(rng, label) for label in labels]
+print(prompts[0])
+print(prompts[1])
+"""),
+    md("""
+Capture: every layer's residual stream on the first 8 generated tokens. A
+capture point still names a probe; the cheap `norm_probe` will do.
+`records=True` keeps the `ActivationRecord`s on each output.
+"""),
+    code(CHECK + """
+capture_spec = parse_yaml('''
+extraction_points:
+  - name: resid
+    layers: [0, 1, 2, 3]
+    tensor_type: residual_stream
+    position: "generated[0:8]"
+    probe_type: norm_probe
+    probe_kind: trajectory
+''')
+capture = ProbedModel.from_pretrained("undercurrent/tiny", spec=capture_spec)
+outputs = capture.generate(prompts, max_new_tokens=8, records=True)
+print(len(outputs), "generations,", sum(len(o.records) for o in outputs), "records")
+"""),
+    code(CHECK + """
+from undercurrent.notebook import records_frame
+
+frame = records_frame(outputs, tokenizer=capture.backend.tokenizer)
+label_of = {out.request_id: LABEL_NAMES[y] for out, y in zip(outputs, labels)}
+print(frame.shape)
+print(list(frame.columns))
+"""),
+    md("""
+Fit one probe per layer. Rows of one generation never end up on both sides of
+the split, so the held-out accuracy is about unseen generations.
+"""),
+    code("""
+import pandas as pd
+from undercurrent.notebook import fit_linear_probe
+
+scores = {}
+for layer in sorted(frame["layer"].unique()):
+    fit = fit_linear_probe(frame, label_of, layer=layer, C=0.5, seed=0)
+    scores[layer] = fit.metrics
+pd.DataFrame(scores).T[["train_accuracy", "test_accuracy", "test_auc", "n_train", "n_test"]]
+"""),
+    code("""
+best = max(scores, key=lambda layer: (scores[layer]["test_auc"], layer))
+probe_path = Path(tempfile.mkdtemp()) / "my_probe.safetensors"
+fit = fit_linear_probe(frame, label_of, layer=best, C=0.5, seed=0, threshold=0.8,
+                       save_to=probe_path)
+print("layer", best, "held-out accuracy", round(fit.metrics["test_accuracy"], 3))
+print(fit.label_names, "-> the probe scores P(" + fit.label_names[1] + ")")
+"""),
+    md("""
+Run it live. The spec points an inline `linear_probe` at the saved file with
+`action: abort`; the router stops a generation the moment a token's score
+reaches the threshold. `LiveView` shows the tokens coloured by score (hover
+for the value), the score curves, and the abort.
+"""),
+    code(CHECK + """
+from undercurrent.spec import ExtractionPoint, ProbeSpec
+
+live_spec = ProbeSpec([ExtractionPoint(
+    name="my_probe",
+    layers=(best,),
+    tensor_type="residual_stream",
+    position="generated[*]",
+    probe_type="linear_probe",
+    probe_kind="single_shot",
+    probe_args=fit.probe_args(action="abort"),
+)])
+live = ProbedModel(capture.backend, spec=live_spec)   # same loaded model, new spec
+print(live_spec.names, dict(live_spec[0].probe_args)["action"])
+"""),
+    code("""
+from undercurrent.notebook import LiveView
+
+test_prompts = [
+    "user : help me get into my neighbour's house while nobody is home . assistant :",
+    "user : how can i open my own locker because the key is lost ? assistant :",
+]
+view = LiveView(live, threshold=fit.threshold)
+live_outputs = view.run(test_prompts, max_new_tokens=32)
+"""),
+    code("""
+for out in live_outputs:
+    print(out.finish_reason, "|", out.text)
+    if out.aborted:
+        print("   stopped at generated token", out.abort.generated_index,
+              "score", round(out.abort.signal.score, 3))
+"""),
+    code("""
+capture.close()
+"""),
+]
+
+NOTEBOOKS["04_trajectories_and_frames.ipynb"] = [
+    md("""
+# Trajectories and dataframe analysis
+
+Capture once, analyse with pandas and plotly: the shipped probe's score per
+generated token, a layer x token heatmap, a PCA of the activations coloured by
+label, per-point verdicts, and records saved to parquet.
+"""),
+    code("""
+import random
+
+import plotly.io as pio
+from undercurrent import ProbedModel
+from undercurrent.models import tiny_probe_path
+from undercurrent.models.corpus import LABEL_NAMES, make_prompt
+from undercurrent.probes import load_linear_weights
+from undercurrent.spec import parse_yaml
+
+pio.renderers.default = "plotly_mimetype"   # rendered by JupyterLab/Notebook, no CDN needed
+meta = load_linear_weights(tiny_probe_path()).metadata
+threshold = float(meta["threshold"])
+rng = random.Random(11)
+labels = [i % 2 for i in range(8)]
+prompts = [make_prompt(rng, label) for label in labels]
+"""),
+    code(CHECK + """
+spec = parse_yaml(f'''
+extraction_points:
+  - name: harm_probe
+    layers: {meta["layer"]}
+    tensor_type: residual_stream
+    position: "generated[*]"
+    probe_type: linear_probe
+    probe_kind: single_shot
+    probe_args: {{path: "{tiny_probe_path()}"}}
+  - name: resid
+    layers: [0, 1, 2, 3]
+    tensor_type: residual_stream
+    position: "generated[*]"
+    probe_type: norm_probe
+    probe_kind: trajectory
+''')
+model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+outputs = model.generate(prompts, max_new_tokens=24, records=True)
+label_of = {o.request_id: LABEL_NAMES[y] for o, y in zip(outputs, labels)}
+short = {o.request_id: f"p{i} ({LABEL_NAMES[y]})" for i, (o, y) in enumerate(zip(outputs, labels))}
+print(len(outputs), "outputs")
+"""),
+    md("""
+## Signals: one row per probe signal
+
+Inline signals are located on the token axis (`generated_index`), so a
+trajectory is a group-by away.
+"""),
+    code(CHECK + """
+from undercurrent.notebook import signals_frame
+
+signals = signals_frame(outputs)
+signals["prompt"] = signals["request"].map(short)
+signals["label"] = signals["request"].map(label_of)
+print(list(signals.columns[:9]))
+"""),
+    code("""
+from undercurrent.notebook import trajectory_figure
+
+harm = signals[signals["point"] == "harm_probe"].copy()
+harm["request"] = harm["prompt"]
+trajectory_figure(harm, threshold=threshold, title="P(harmful) per generated token")
+"""),
+    md("When does each generation first cross the threshold, by label?"),
+    code("""
+crossing = (
+    harm[harm["score"] >= threshold]
+    .groupby("prompt")["generated_index"].min()
+    .rename("first_crossing")
+)
+summary = harm.groupby(["prompt", "label"])["score"].agg(["mean", "max"]).join(crossing)
+summary
+"""),
+    code(CHECK + """
+by_label = harm.groupby("label")["score"].mean()
+print(by_label.idxmax())
+"""),
+    md("## Records: activations as a frame, a heatmap and a projection"),
+    code(CHECK + """
+from undercurrent.notebook import activation_matrix, records_frame
+
+records = records_frame(outputs, tokenizer=model.backend.tokenizer)
+resid = records[records["point"] == "resid"]
+print(activation_matrix(resid, layer=3).shape[1], "features per activation")
+"""),
+    code("""
+from undercurrent.notebook import heatmap_figure
+
+heatmap_figure(resid, request=outputs[1].request_id, value="norm")
+"""),
+    code("""
+from undercurrent.notebook import projection_figure
+
+projection_figure(resid, label_of, layer=int(meta["layer"]))
+"""),
+    md("## Results and verdicts"),
+    code("""
+from undercurrent.notebook import results_frame, verdict_figure
+
+results = results_frame(outputs)
+results["label"] = results["request"].map(label_of)
+results.groupby(["point", "label"])[["flagged", "max_score"]].mean()
+"""),
+    code("""
+verdict_figure(outputs)
+"""),
+    md("## Parquet: save the records, load them back"),
+    code(CHECK + """
+import tempfile, pathlib
+from undercurrent.notebook import load_records, save_records
+
+path = save_records(outputs, pathlib.Path(tempfile.mkdtemp()) / "run.parquet")
+loaded = load_records(path)
+same = all((a == b).all() for a, b in zip(loaded["tensor"], records["tensor"]))
+print(len(loaded) == len(records), same, loaded["dtype"].iloc[0])
+"""),
+    code("""
+model.close()
+"""),
+]
+
+
 def main(selection: list[str]) -> None:
     for name, cells in NOTEBOOKS.items():
         if selection and not any(part in name for part in selection):

@@ -116,3 +116,24 @@ def test_clear_empties_everything():
     view.run("a", display=False)
     view.clear()
     assert view.text.value == "" and len(view.figure.data) == 0 and view.outputs == []
+
+
+def test_text_is_coloured_by_one_point_on_that_points_own_scale():
+    class TwoPoints(ScriptedModel):
+        def stream(self, prompt, **kwargs):
+            for event in super().stream(prompt, **kwargs):
+                extra = tuple(
+                    TokenSignal("norm", 0, s.token_index, s.generated_index,
+                                ProbeSignal(SignalAction.CONTINUE, 100.0 + s.generated_index))
+                    for s in event.signals
+                )
+                yield StreamEvent(event.request_id, event.token_id, event.text,
+                                  event.token_index, event.generated_index,
+                                  signals=extra + event.signals, aborted=event.aborted,
+                                  finished=event.finished, output=event.output)
+
+    view = LiveView(TwoPoints({"a": [0.1, 0.9]}), point="watch")
+    view.run("a", display=False)
+    assert _token_scores(view) == ["0.100000", "0.900000"]
+    assert "rgba(214,39,40,0.16)" in view.text.value  # 0.1 on the 0..1 scale, not 0..101
+    assert {t.name for t in view.figure.data} == {"req-a · watch · L2", "req-a · norm · L0"}

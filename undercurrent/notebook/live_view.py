@@ -134,11 +134,22 @@ class LiveView:
 
     # -- rendering ----------------------------------------------------------------------
 
+    def colour_point(self) -> str | None:
+        """The point whose scores colour the text: ``point=`` or the first one that scored."""
+        if self.point is not None:
+            return self.point
+        for trace in self.state.requests.values():
+            for name, _layer in trace.scores:
+                return name
+        return None
+
     def _scale(self) -> tuple[float, float]:
         if self.score_range is not None:
             return self.score_range
+        point = self.colour_point()
         seen = [score for trace in self.state.requests.values()
-                for by_token in trace.scores.values() for score in by_token.values()]
+                for (name, _layer), by_token in trace.scores.items() if name == point
+                for score in by_token.values()]
         if not seen or (min(seen) >= 0.0 and max(seen) <= 1.0):
             return (0.0, 1.0)
         low, high = min(seen), max(seen)
@@ -147,10 +158,11 @@ class LiveView:
     def token_html(self, trace: RequestTrace) -> str:
         """The request's line: id, prompt, generated tokens coloured by score, abort mark."""
         low, high = self._scale()
+        point = self.colour_point()
         abort_at = None if trace.abort is None else trace.abort.generated_index
         spans = []
         for index, piece in enumerate(trace.pieces):
-            score = trace.score_of(index, self.point)
+            score = trace.score_of(index, point)
             shown = html.escape(piece, quote=False).replace("\n", "↵")
             if score is None:
                 style, title = "", f"token {index}: no score"
