@@ -180,3 +180,15 @@ def test_concurrent_routes_to_one_inline_binding_never_overlap(make_router):
     result = router.end_request("r")["p"]
     assert not Recorder.instances[0].overlapped
     assert result.stats.processed == 60
+
+
+def test_ending_a_request_waits_only_a_short_grace_for_a_hung_blocking_probe(make_router):
+    router = make_router(drain_timeout_s=30)
+    router.register_request("r", [point("p", intervention=block(20), probe_args={"gate": "gate"})])
+    assert router.route(record("r", "p", 0)).metadata["reason"] == "timeout"
+    started = time.monotonic()
+    result = router.end_request("r")["p"]
+    assert time.monotonic() - started < 1.0 + 2 * SLACK_S  # not the 30 s drain timeout
+    assert result.verdict is None and "on_end was not called" in result.error
+    stats = result.stats
+    assert (stats.received, stats.processed, stats.dropped, stats.timeouts) == (1, 0, 1, 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_flat_vector, numpy_module
 from undercurrent.probes.base import Probe, RequestContext
@@ -62,7 +62,7 @@ class LinearReadout:
         names = self.label_names
         if names is not None and classes is not None and len(names) != classes:
             raise ProbeFileError(
-                f"{source}: label_names has {len(self.label_names)} names for {classes} classes"
+                f"{source}: label_names has {len(names)} names for {classes} classes"
             )
         self.class_index = self._resolve_class_index(class_index)
 
@@ -179,7 +179,10 @@ class LinearProbe(Probe):
     summarises the request.
     """
 
-    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+    probe_kind: ClassVar[ProbeKind | tuple[ProbeKind, ...]] = (
+        ProbeKind.SINGLE_SHOT,
+        ProbeKind.TRAJECTORY,
+    )
 
     def __init__(
         self,
@@ -253,7 +256,7 @@ class DualPositionProbe(LinearProbe):
     multi-class probes, ``label`` (or ``class_index``) of the top class.
     """
 
-    probe_kind = ProbeKind.SINGLE_SHOT
+    probe_kind: ClassVar[ProbeKind | tuple[ProbeKind, ...]] = ProbeKind.SINGLE_SHOT
 
     def __init__(self, *, read_offset: int = 1, **linear_args: Any) -> None:
         if isinstance(read_offset, bool) or not isinstance(read_offset, int) or read_offset < 1:

@@ -146,6 +146,7 @@ class ProbeRegistry:
                 return
             self._entry_points_loaded = True
             group = self._entry_point_group
+        assert group is not None
         from importlib.metadata import entry_points
 
         for entry in entry_points(group=group):

@@ -25,7 +25,8 @@ def parse_action(value: Any, *, option: str = "action") -> SignalAction:
         action = None
     if action not in _ACTIONS_ON_CROSSING:
         raise ValueError(f"{option} must be 'flag' or 'abort', got {value!r}")
-    return action  # type: ignore[return-value]
+    assert action is not None
+    return action
 
 
 def parse_threshold(value: Any, *, option: str = "threshold") -> float | None:

@@ -74,9 +74,20 @@ def _resolve_registry(probes: Any) -> ProbeRegistry:
     )
 
 
-def _positive_int(name: str, value: Any, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
+def _inline_grace_s(binding: Binding) -> float:
+    """How long ending a request waits for a binding to go idle.
+
+    Async bindings get the whole drain timeout. An inline binding can only be
+    busy with a ``block_until_signal`` call that already missed its deadline;
+    its late answer is discarded anyway, so waiting is only worth a short grace
+    (so that ``on_end`` can still run), not the full drain timeout.
+    """
+    if binding.is_async or binding.policy.timeout_ms is None:
+        return float("inf")
+    return max(1.0, 2 * binding.policy.timeout_ms / 1000.0)
+
+
+def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
@@ -130,23 +141,24 @@ class Router:
                     f"got {type(kwargs).__name__}"
                 )
         self.probe_defaults = {name: dict(kwargs) for name, kwargs in defaults.items()}
-        self.default_queue_depth = _positive_int("default_queue_depth", default_queue_depth)
+        self.default_queue_depth: int = _positive_int("default_queue_depth", default_queue_depth)
         self.default_overflow = OverflowPolicy.parse(default_overflow)
         if isinstance(default_intervention_policy, Mapping):
             default_intervention_policy = InterventionPolicy(**default_intervention_policy)
         self.default_intervention_policy = normalise_policy(
             default_intervention_policy or InterventionPolicy()
         )
-        self.breaker_threshold = _positive_int(
-            "breaker_threshold", breaker_threshold, optional=True
+        self.breaker_threshold = (
+            None if breaker_threshold is None
+            else _positive_int("breaker_threshold", breaker_threshold)
         )
         if workers is None:
             workers = max(1, min(4, os.cpu_count() or 1))
-        self.workers = _positive_int("workers", workers)
+        self.workers: int = _positive_int("workers", workers)
         if not drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s!r}")
         self.drain_timeout_s = float(drain_timeout_s)
-        self._scheduler = AsyncScheduler(self.workers or 1, stall_timeout_s=stall_timeout_s)
+        self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -254,7 +266,8 @@ class Router:
         """
         request = self._requests.get(record.request_id)
         if request is None:
-            return self._route_unknown(record)
+            self._route_unknown(record)
+            return None
         binding = request.bindings.get(record.extraction_point_name)
         if binding is None:
             raise RouterError(
@@ -274,7 +287,7 @@ class Router:
         with self._lock:
             if record.request_id in self._ended:
                 self._late_records += 1
-                return None
+                return
             live = sorted(self._requests)
         raise RouterError(
             f"route: no live request {record.request_id!r} (live requests: {live[:10]}); "
@@ -313,9 +326,10 @@ class Router:
         bindings = list(request.bindings.values())
         for binding in bindings:
             binding.close()
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
         for binding in bindings:
-            binding.wait_idle(deadline)
+            binding.wait_idle(min(deadline, now + _inline_grace_s(binding)))
         results = {binding.name: binding.end(timeout) for binding in bindings}
         with self._lock:
             for result in results.values():

@@ -114,7 +114,11 @@ def check_points(
             )
         inherited = point.intervention is None
         try:
-            policy = default_policy if inherited else normalise_policy(point.intervention)
+            policy = (
+                default_policy
+                if point.intervention is None
+                else normalise_policy(point.intervention)
+            )
         except ValueError as exc:
             problems.append(f"{label}: {exc}")
             policy = InterventionPolicy()
