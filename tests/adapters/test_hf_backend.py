@@ -264,3 +264,22 @@ def test_stream_yields_tokens_with_signals_then_the_output(tokenizer):
                 == "watch"]
     assert streamed == [final.output.prompt_len + i for i in range(4)]
     pm.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_placement_is_honoured_and_records_land_on_the_cpu(tokenizer):
+    import copy
+
+    model = copy.deepcopy(build_model("llama")).to("cuda")
+    point = ExtractionPoint(name="p", layers=(0, 2), tensor_type="kv", position="generated[*]",
+                            probe_type="none", probe_kind="trajectory")
+    gpu = HFBackend(model, tokenizer)
+    cpu = HFBackend(build_model("llama"), tokenizer)
+    params = SamplingParams(max_new_tokens=4)
+    outs = [b.generate(PROMPTS, ["a", "b", "c"], params,
+                       CaptureSession(None, [point], keep_records=True)) for b in (gpu, cpu)]
+    for on_gpu, on_cpu in zip(*outs, strict=True):
+        assert on_gpu.token_ids == on_cpu.token_ids
+        for a, b in zip(on_gpu.records, on_cpu.records, strict=True):
+            assert a.tensor.device.type == "cpu" and a.key() == b.key()
+            torch.testing.assert_close(a.tensor, b.tensor, rtol=1e-3, atol=1e-4)
