@@ -45,8 +45,15 @@ test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -p no:cacheprovider tests
 	$(BIN)/python -m pytest -p no:cacheprovider --nbval-lax notebooks
 
-bench: $(STAMP)
-	$(BIN)/python -m benchmarks.run
+# Benchmark-only extras (nnsight, TransformerLens), pinned to the same torch and vLLM.
+BENCH_STAMP := $(VENV)/.undercurrent-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -e ".[bench]" "$(TORCH_PACKAGE)" "$(VLLM_PACKAGE)"
+	-$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.run --update-docs
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick

@@ -25,6 +25,7 @@ from benchmarks.scenarios import SCENARIOS
 from benchmarks.targets import evaluate, targets_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+QUICK_MEMORY_SCENARIOS = ("plain_generate", "raw_forward_hooks", "uc_3_layers_inline_norm")
 DOCS_START, DOCS_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="timed repeats per scenario")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-RSS jobs")
+    parser.add_argument("--threads", type=int,
+                        help="torch intra-op threads in each job (default: 1 with --quick, "
+                        "else torch's default, one per core)")
     parser.add_argument("--vllm", dest="vllm", action="store_true", default=None,
                         help="run the vLLM scenarios (default: on unless --quick)")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false")
@@ -56,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (2 if quick else 5)
     args.max_new_tokens = args.max_new_tokens or (8 if quick else 32)
     args.vllm = (not quick) if args.vllm is None else args.vllm
+    # Quick mode must stay fast on a busy CI machine: one thread per job (OpenMP
+    # barriers on an oversubscribed machine cost more than a tiny model's compute),
+    # and peak RSS only for the largest batch and the scenarios the targets use.
+    args.threads = args.threads or (1 if quick else None)
+    args.memory_batch_sizes = [max(args.batch_sizes)] if quick else args.batch_sizes
+    args.memory_scenarios = (
+        [s for s in QUICK_MEMORY_SCENARIOS if s in args.scenarios] if quick else args.scenarios
+    )
     args.job_timeout = args.job_timeout or (300.0 if quick else 1800.0)
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill, one decode step)")
@@ -113,7 +125,7 @@ def run_hf(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[str
             f"{args.repeats} repeats")
         outcome = runner.run("timing", model_key=model, batch_sizes=args.batch_sizes,
                              scenarios=args.scenarios, repeats=args.repeats, warmup=1,
-                             max_new_tokens=args.max_new_tokens)
+                             max_new_tokens=args.max_new_tokens, threads=args.threads)
         if not outcome["ok"]:
             errors.append(f"timing job for {model} failed: {outcome['error']}")
             log(errors[-1])
@@ -121,15 +133,15 @@ def run_hf(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[str
         model_rows = timing_rows(outcome["result"], args.max_new_tokens)
         if not args.no_memory:
             memory = {}
-            for batch in args.batch_sizes:
-                for scenario in args.scenarios:
+            for batch in args.memory_batch_sizes:
+                for scenario in args.memory_scenarios:
                     if not any(r["scenario"] == scenario and r["status"] == "ok"
                                for r in model_rows):
                         continue
                     log(f"memory {model} batch {batch} {scenario}")
                     memory[(model, batch, scenario)] = runner.run(
                         "memory", model_key=model, batch_size=batch, scenario=scenario,
-                        max_new_tokens=args.max_new_tokens)
+                        max_new_tokens=args.max_new_tokens, threads=args.threads)
             attach_memory(model_rows, memory)
         rows += model_rows
     return rows, errors
@@ -152,7 +164,8 @@ def run_vllm(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[s
     for scenario in VLLM_SCENARIOS:
         log(f"vLLM {scenario}: {VLLM_CONCURRENCY} concurrent requests")
         results[scenario] = runner.run("vllm", isolated=True, scenario=scenario,
-                                       repeats=args.repeats, max_new_tokens=args.max_new_tokens)
+                                       repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+                                       threads=args.threads)
         if not results[scenario]["ok"]:
             errors.append(f"vLLM job {scenario} failed: {results[scenario]['error']}")
     return vllm_rows(results, None, args.max_new_tokens), errors
@@ -173,6 +186,7 @@ def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
         f"- Load average at start {tuple(round(x, 2) for x in environment['load_average_start'])}"
         f", at end {tuple(round(x, 2) for x in environment['load_average_end'])}",
         f"- Versions: {versions}",
+        f"- torch threads per job: {environment['torch_threads']}",
         f"- Plot: overhead.png ({plot_renderer})",
         "",
         "## Results",
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     environment = describe()
+    environment["torch_threads"] = args.threads or "default (one per core)"
     runner = ChildRunner(args.job_timeout)
     rows, errors = run_hf(args, runner)
     if args.vllm:

@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss, spread
 from benchmarks.report import _token_check
-from benchmarks.worker import MIB, prompts_for
+from benchmarks.worker import MIB, prompts_for, set_threads
 
 VLLM_CONCURRENCY = (1, 16)
 PLAIN = "vllm_plain_eager"
@@ -77,8 +77,10 @@ def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
     return [tokens[rid] for rid in ordered], first
 
 
-def vllm_job(scenario: str, repeats: int, max_new_tokens: int) -> dict[str, Any]:
+def vllm_job(scenario: str, repeats: int, max_new_tokens: int,
+             threads: int | None = None) -> dict[str, Any]:
     """Warm-up plus ``repeats`` timed generations at each concurrency, with peak RSS."""
+    set_threads(threads)
     from undercurrent.models import tiny_model_path
 
     path = str(tiny_model_path())

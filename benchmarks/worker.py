@@ -76,9 +76,18 @@ def _prepare(names: list[str], bundle: ModelBundle) -> tuple[dict[str, Any], dic
     return ready, skipped
 
 
+def set_threads(threads: int | None) -> None:
+    """Pin torch's intra-op threads (None keeps torch's default)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], repeats: int,
-               warmup: int, max_new_tokens: int) -> dict[str, Any]:
+               warmup: int, max_new_tokens: int, threads: int | None = None) -> dict[str, Any]:
     """Time every scenario on one model: ``warmup`` + ``repeats`` interleaved rounds."""
+    set_threads(threads)
     bundle = load_model(model_key)
     ready, skipped = _prepare(scenarios, bundle)
     cases: list[dict[str, Any]] = []
@@ -134,9 +143,10 @@ def _release_free_memory() -> None:
         pass
 
 
-def memory_job(model_key: str, batch_size: int, scenario: str,
-               max_new_tokens: int) -> dict[str, Any]:
+def memory_job(model_key: str, batch_size: int, scenario: str, max_new_tokens: int,
+               threads: int | None = None) -> dict[str, Any]:
     """Peak RSS of one scenario in this (fresh) process, and its growth while generating."""
+    set_threads(threads)
     bundle = load_model(model_key)
     instance = scenario_by_name(scenario)()
     reason = instance.unavailable_reason()

@@ -1,0 +1,111 @@
+"""The benchmark harness in --quick mode (a smoke test: no timing assertions).
+
+Runs ``python -m benchmarks.run --quick`` end to end and checks what it must
+leave behind: the results, the summary, the plot, and every scenario having
+generated exactly the baseline's tokens with the captured data it claims.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.measure import spread
+from benchmarks.report import _token_check
+from benchmarks.targets import evaluate
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("bench")
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return out, rows
+
+
+@pytest.mark.timeout(900)
+def test_quick_run_writes_results_summary_and_plot(quick_run):
+    out, rows = quick_run
+    assert rows, "results.jsonl is empty"
+    summary = (out / "summary.md").read_text()
+    assert "## Results" in summary and "| plain_generate |" in summary
+    assert (out / "overhead.png").read_bytes()[:8] == PNG_MAGIC
+    environment = json.loads((out / "environment.json").read_text())
+    assert environment["versions"]["torch"].startswith("2.")
+
+
+@pytest.mark.timeout(900)
+def test_every_measured_scenario_generated_the_baseline_tokens(quick_run):
+    _, rows = quick_run
+    measured = [r for r in rows if r["status"] == "ok"]
+    names = {r["scenario"] for r in measured}
+    assert {"plain_generate", "raw_forward_hooks", "uc_3_layers_inline_norm"} <= names
+    for row in measured:
+        assert row["tokens_match"] is True, (row["scenario"], row.get("token_check"))
+        assert row["new_tokens"] == row["batch_size"] * row["max_new_tokens"]
+    for row in rows:
+        if row["status"] != "ok":  # an alternative missing here must say why
+            assert row["reason"], row["scenario"]
+
+
+@pytest.mark.timeout(900)
+def test_three_layer_scenarios_capture_the_same_data_as_raw_hooks(quick_run):
+    _, rows = quick_run
+    for batch in {r["batch_size"] for r in rows}:
+        by_name = {r["scenario"]: r for r in rows
+                   if r["batch_size"] == batch and r["status"] == "ok"}
+        floor = by_name["raw_forward_hooks"]["records"]
+        # one record per (generated token fed back through the model, layer)
+        assert floor == batch * (by_name["raw_forward_hooks"]["max_new_tokens"] - 1) * 3
+        for name in ("uc_3_layers_inline_norm", "uc_3_layers_async_trajectory",
+                     "uc_3_layers_block_until_signal", "nnsight", "transformer_lens"):
+            if name in by_name:
+                assert by_name[name]["records"] == floor, name
+        if "uc_3_layers_async_trajectory" in by_name:
+            assert by_name["uc_3_layers_async_trajectory"]["notes"]["dropped"] == 0
+
+
+@pytest.mark.timeout(900)
+def test_memory_rows_come_from_fresh_processes(quick_run):
+    _, rows = quick_run
+    with_memory = [r for r in rows if r.get("peak_rss_mb") is not None]
+    assert with_memory
+    for row in with_memory:
+        assert row["peak_rss_mb"] > 0
+        assert row["memory_run_tokens_match"] is True
+
+
+def test_spread_reports_median_range_and_relative_spread():
+    assert spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0,
+                                        "spread_pct": 100.0}
+    assert spread([])["median"] is None
+
+
+def test_token_check_names_the_first_difference():
+    assert _token_check([[1, 2, 3]], [[1, 2, 3]])[0] is True
+    match, message = _token_check([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
+    assert match is False and "prompt 1" in message and "token 1" in message
+
+
+def test_targets_flag_a_missed_overhead_and_pass_a_met_one():
+    def row(scenario: str, ratio: float) -> dict:
+        return {"backend": "hf", "model": "large", "batch_size": 1, "scenario": scenario,
+                "status": "ok", "overhead_ratio": {"median": ratio},
+                "wall_s": {"median": ratio}}
+
+    checks = evaluate([row("plain_generate", 1.0), row("raw_forward_hooks", 1.02),
+                       row("uc_3_layers_inline_norm", 1.08)])
+    by_target = {c["target"]: c for c in checks}
+    assert by_target["3-layer capture adds <= 5% wall over plain generate()"]["met"] is False
+    assert by_target["3-layer capture within 1.1x of raw hooks"]["met"] is True
