@@ -173,6 +173,10 @@ class VLLMBackend:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # On CPU, vLLM moves a single worker into a process of its own when this is "1";
+        # "0" keeps it with the engine core (in this process, or in the core's own
+        # process when ``multiprocess``), which saves a process start.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from transformers import AutoTokenizer
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
