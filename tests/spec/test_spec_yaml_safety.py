@@ -3,7 +3,6 @@ YAML, pydantic or Python error, and never spends unbounded time or memory."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -175,18 +174,30 @@ def test_a_missing_file_names_the_path(tmp_path: Path) -> None:
     assert caught.value.source == str(path)
 
 
+@pytest.mark.parametrize("path", [None, 5, b"specs/x.yaml", "bad\x00name.yaml"])
+def test_odd_paths_give_a_spec_error(path: object) -> None:
+    with pytest.raises(SpecValidationError):
+        load_yaml_file(path)  # type: ignore[arg-type]
+
+
 def test_a_directory_is_not_a_spec_file(tmp_path: Path) -> None:
     with pytest.raises(SpecValidationError, match="directory"):
         load_yaml_file(tmp_path)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read any file")
-def test_an_unreadable_file_names_the_path(tmp_path: Path) -> None:
+def test_an_unreadable_file_names_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "secret.yaml"
     path.write_text(VALID, encoding="utf-8")
-    path.chmod(0)
-    with pytest.raises(SpecValidationError, match="permission denied"):
+
+    def refuse(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)  # root could read a chmod 0 file
+    with pytest.raises(SpecValidationError, match="permission denied") as caught:
         load_yaml_file(path)
+    assert str(path) in str(caught.value)
 
 
 def test_a_non_utf8_file_names_the_path(tmp_path: Path) -> None:

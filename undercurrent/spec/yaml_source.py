@@ -174,6 +174,11 @@ def read_spec_file(path: str | Path) -> str:
     """Read a spec file's text, turning every I/O or decoding failure into an error
     that names the path."""
     source = str(path)
+    if not isinstance(path, str | Path):
+        raise SpecValidationError(
+            [SpecProblem(f"expected a file path (str or Path), got {type(path).__name__}")],
+            source=source,
+        )
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
