@@ -39,7 +39,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check undercurrent tests benchmarks tools
-	$(BIN)/mypy undercurrent/spec
+	$(BIN)/mypy --follow-imports=silent undercurrent/spec
 
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -p no:cacheprovider tests
