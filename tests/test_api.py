@@ -1,0 +1,133 @@
+"""``ProbedModel``: loading, spec forms, the router it builds (or the one you
+bring), results and records per prompt, callbacks, and lifecycle."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent / "adapters"))
+from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+
+from undercurrent import GenerationOutput, ProbedModel  # noqa: E402
+from undercurrent.adapters import BackendError  # noqa: E402
+from undercurrent.records import ProbeResult  # noqa: E402
+from undercurrent.router import Router  # noqa: E402
+
+SPEC = """
+version: "1"
+extraction_points:
+  - name: last_prompt
+    layers: [0, 2]
+    tensor_type: residual_stream
+    position: "prompt[-1]"
+    probe_type: norm_probe
+    probe_kind: single_shot
+  - name: trajectory
+    layers: 1
+    tensor_type: mlp_out
+    position: "generated[1:]"
+    stride: 2
+    probe_type: norm_probe
+    probe_kind: trajectory
+    execution_mode: async
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    build_model("qwen2").save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def spec_file(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(SPEC)
+    return path
+
+
+def test_from_pretrained_generates_with_results_and_records(saved_model, spec_file):
+    seen: list[ProbeResult] = []
+    with ProbedModel.from_pretrained(str(saved_model), spec=spec_file, device="cpu",
+                                     on_result=seen.append) as pm:
+        assert pm.capabilities().num_layers == 3
+        outs = pm.generate([prompt(1, 2, 3), prompt(4)], max_new_tokens=7, records=True)
+    assert [type(o) for o in outs] == [GenerationOutput, GenerationOutput]
+    for out in outs:
+        assert len(out.token_ids) == 7 and not out.aborted
+        assert set(out.results) == {"last_prompt", "trajectory"}
+        last = [r for r in out.records if r.extraction_point_name == "last_prompt"]
+        assert sorted(r.layer for r in last) == [0, 2]
+        assert all(r.token_index == out.prompt_len - 1 for r in last)
+        # generated[1:] stride 2 over fed tokens g0..g5 -> g1, g3, g5
+        traj = [r.generated_index for r in out.records if r.extraction_point_name == "trajectory"]
+        assert traj == [1, 3, 5]
+        assert out.results["trajectory"].stats.received == 3
+        assert out.results["last_prompt"].verdict["count"] == 2
+    assert len(seen) == 4 and {r.request_id for r in seen} == {o.request_id for o in outs}
+    assert outs[0].request_id != outs[1].request_id
+
+
+def test_records_are_not_kept_unless_asked_and_a_string_prompt_works(saved_model):
+    pm = ProbedModel.from_pretrained(saved_model, spec=SPEC)
+    (out,) = pm.generate(prompt(5, 6), max_new_tokens=3)
+    assert out.records is None and out.results["last_prompt"].stats.received == 2
+    pm.close()
+    pm.close()  # idempotent
+    with pytest.raises(BackendError, match="closed"):
+        pm.generate("x")
+
+
+def test_tiny_name_resolves_to_the_bundled_model_path(saved_model, monkeypatch):
+    import undercurrent.models as models
+
+    monkeypatch.setattr(models, "tiny_model_path", lambda: Path(saved_model))
+    for name in ("tiny", "undercurrent/tiny"):
+        pm = ProbedModel.from_pretrained(name)
+        assert pm.backend.model_name == str(saved_model)
+        pm.close()
+
+
+def test_a_router_you_bring_is_used_and_left_running():
+    router = Router()
+    pm = ProbedModel(build_model("llama"), build_tokenizer(), spec=SPEC, router=router)
+    out = pm.generate([prompt(1)], max_new_tokens=3)[0]
+    assert set(out.results) == {"last_prompt", "trajectory"}
+    assert router.metrics()  # it saw the traffic
+    pm.close()
+    assert router.live_requests() == ()
+    with router.request(list(pm.spec), request_id="still-alive"):
+        pass  # not shut down by close()
+    router.shutdown()
+
+
+def test_no_spec_means_no_router_and_plain_generation():
+    pm = ProbedModel(build_model("gpt2"), build_tokenizer())
+    out = pm.generate([prompt(1, 2)], max_new_tokens=4, seed=3, temperature=0.7)[0]
+    assert out.results == {} and len(out.token_ids) == 4 and out.signals == ()
+    assert pm._router is None
+    pm.close()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(BackendError, match="unknown backend 'nope'"):
+        ProbedModel.from_pretrained("/nonexistent", backend="nope")
+    with pytest.raises(BackendError, match="needs a tokenizer"):
+        ProbedModel(build_model("llama"))
+    with pytest.raises(BackendError, match="from_pretrained"):
+        ProbedModel(build_model("llama"), build_tokenizer(), backend="vllm")
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        ProbedModel(build_model("llama"), build_tokenizer(), spec="missing.yaml")
+    pm = ProbedModel(build_model("llama"), build_tokenizer())
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        pm.generate("x", max_new_tokens=0)
+    with pytest.raises(ValueError, match="request_ids"):
+        pm.generate(["a", "b"], request_ids=["same", "same"])
