@@ -71,6 +71,11 @@ class InterventionPolicy:
     timeout_ms: int | None = None
     on_timeout: OnTimeout = OnTimeout.CONTINUE
 
+    def __post_init__(self) -> None:
+        # Hand-built policies often pass plain strings; normalise at the source.
+        object.__setattr__(self, "mode", InterventionMode(self.mode))
+        object.__setattr__(self, "on_timeout", OnTimeout(self.on_timeout))
+
 
 def _frozen_mapping(data: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return types.MappingProxyType(copy.deepcopy(dict(data or {})))
