@@ -13,9 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-
 
 @dataclass
 class GenerationRun:
@@ -33,27 +30,49 @@ class GenerationRun:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def _status_kib(key: str) -> int:
-    for line in _STATUS.read_text().splitlines():
+def _status_kib(key: str, pid: int | str = "self") -> int:
+    path = Path(f"/proc/{pid}/status")
+    for line in path.read_text().splitlines():
         if line.startswith(key + ":"):
             return int(line.split()[1])
-    raise RuntimeError(f"{key} missing from {_STATUS}; memory figures need Linux /proc")
+    raise RuntimeError(f"{key} missing from {path}; memory figures need Linux /proc")
+
+
+def _tree() -> list[int | str]:
+    """This process and its live descendants (vLLM runs its model in a worker process)."""
+    try:
+        import psutil
+    except ImportError:
+        return ["self"]
+    return ["self", *(child.pid for child in psutil.Process().children(recursive=True))]
+
+
+def _sum_over_tree(key: str) -> int:
+    total = 0
+    for pid in _tree():
+        try:
+            total += _status_kib(key, pid)
+        except (OSError, RuntimeError):  # a child that exited or is a zombie
+            continue
+    return total * 1024
 
 
 def current_rss_bytes() -> int:
-    """Resident set size of this process now."""
-    return _status_kib("VmRSS") * 1024
+    """Resident set size now, summed over this process and its descendants."""
+    return _sum_over_tree("VmRSS")
 
 
 def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident set size (since the last reset)."""
-    return _status_kib("VmHWM") * 1024
+    """RSS high-water marks (since the last reset), summed over this process and its
+    descendants: an upper bound on their peak together, exact for one process."""
+    return _sum_over_tree("VmHWM")
 
 
 def reset_peak_rss() -> bool:
-    """Reset the RSS high-water mark (Linux >= 4.0); False where the kernel refuses."""
+    """Reset the RSS high-water marks (Linux >= 4.0); False where the kernel refuses."""
     try:
-        _CLEAR_REFS.write_text("5")
+        for pid in _tree():
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
     except OSError:
         return False
     return True

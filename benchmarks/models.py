@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 MODEL_SEED = 1234
@@ -130,6 +131,23 @@ def bundled_model() -> ModelBundle:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     layers = model.config.num_hidden_layers
     return ModelBundle("tiny", f"bundled tiny model ({path.name})", model, tokenizer, layers)
+
+
+def model_directory(key: str, root: Path) -> Path:
+    """A directory vLLM can load for ``key``: the bundled model's own, or the seeded
+    random model and its tokenizer saved under ``root / key``."""
+    if key == "tiny":
+        from undercurrent.models import tiny_model_path
+
+        path = tiny_model_path()
+        if (path / "config.json").is_file():
+            return path
+    target = root / key
+    if not (target / "config.json").is_file():
+        bundle = load_model(key)
+        bundle.model.save_pretrained(target)
+        bundle.tokenizer.save_pretrained(target)
+    return target
 
 
 def load_model(key: str) -> ModelBundle:

@@ -138,12 +138,13 @@ def results_table(rows: Iterable[dict[str, Any]]) -> list[str]:
         groups.setdefault(key, []).append(row)
     for (backend, _model, batch, concurrency), members in groups.items():
         first = members[0]
+        layers = next((m["layers"] for m in members if m.get("layers")), None)
         size = f"batch {batch}" if concurrency is None else f"{concurrency} concurrent requests"
         lines += [
             f"### {backend}: {first['model_description']}, {size}",
             "",
             f"{first['max_new_tokens']} new tokens per prompt, prompt {first['prompt_length']} "
-            f"tokens, capture layers {first.get('layers')}. Medians of "
+            f"tokens, capture layers {layers}. Medians of "
             f"{first.get('repeats', '—')} interleaved repeats, ±spread = (max−min)/median.",
             "",
             "| scenario | tokens/s | wall s | TTFT ms | records/s | overhead × plain "

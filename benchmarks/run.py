@@ -157,18 +157,24 @@ def run_vllm(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[s
     )
 
     reason = vllm_unavailable_reason()
-    if reason is not None:
-        log(f"vLLM skipped: {reason}")
-        return vllm_rows(None, f"skipped: {reason}", args.max_new_tokens), []
-    results, errors = {}, []
-    for scenario in VLLM_SCENARIOS:
-        log(f"vLLM {scenario}: {VLLM_CONCURRENCY} concurrent requests")
-        results[scenario] = runner.run("vllm", isolated=True, scenario=scenario,
-                                       repeats=args.repeats, max_new_tokens=args.max_new_tokens,
-                                       threads=args.threads)
-        if not results[scenario]["ok"]:
-            errors.append(f"vLLM job {scenario} failed: {results[scenario]['error']}")
-    return vllm_rows(results, None, args.max_new_tokens), errors
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for model in args.models:
+        if reason is not None:
+            log(f"vLLM skipped: {reason}")
+            rows += vllm_rows(model, None, f"skipped: {reason}", args.max_new_tokens)
+            continue
+        results = {}
+        for scenario in VLLM_SCENARIOS:
+            log(f"vLLM {model} {scenario}: {VLLM_CONCURRENCY} concurrent requests")
+            results[scenario] = runner.run(
+                "vllm", isolated=True, scenario=scenario, model_key=model,
+                model_root=str(args.out / "models"), repeats=args.repeats,
+                max_new_tokens=args.max_new_tokens, threads=args.threads)
+            if not results[scenario]["ok"]:
+                errors.append(f"vLLM job {model} {scenario} failed: {results[scenario]['error']}")
+        rows += vllm_rows(model, results, None, args.max_new_tokens)
+    return rows, errors
 
 
 def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,

@@ -1,5 +1,5 @@
 """vLLM on CPU: plain eager vLLM versus ``ProbedModel(backend="vllm")``, 1 and 16
-concurrent requests, on the bundled model.
+concurrent requests, on each benchmark model (saved to a directory vLLM loads).
 
 Each scenario runs in a spawned process of its own (two vLLM engines do not
 share a process). The plain baseline drives an ``LLMEngine`` configured like
@@ -34,10 +34,6 @@ def vllm_unavailable_reason() -> str | None:
         from undercurrent.api import ProbedModel  # noqa: F401
     except ImportError as error:
         return f"undercurrent's vLLM backend is not importable: {error}"
-    from undercurrent.models import tiny_model_path
-
-    if not (tiny_model_path() / "config.json").is_file():
-        return "the bundled tiny model is not built yet"
     return None
 
 
@@ -77,13 +73,18 @@ def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
     return [tokens[rid] for rid in ordered], first
 
 
-def vllm_job(scenario: str, repeats: int, max_new_tokens: int,
+def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_new_tokens: int,
              threads: int | None = None) -> dict[str, Any]:
     """Warm-up plus ``repeats`` timed generations at each concurrency, with peak RSS."""
-    set_threads(threads)
-    from undercurrent.models import tiny_model_path
+    import json
+    from pathlib import Path
 
-    path = str(tiny_model_path())
+    from benchmarks.models import model_directory
+
+    set_threads(threads)
+    path = str(model_directory(model_key, Path(model_root)))
+    num_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+    layers = tuple(sorted({0, num_layers // 2, num_layers - 1}))
     if scenario == PLAIN:
         engine, tokenizer = _plain_engine(path)
 
@@ -96,7 +97,7 @@ def vllm_job(scenario: str, repeats: int, max_new_tokens: int,
         from undercurrent.spec import parse_dict
 
         spec = parse_dict({"version": "1", "extraction_points": [
-            three_layer_point((0, 1, 2))]})
+            three_layer_point(layers)]})
         probed = ProbedModel.from_pretrained(path, spec=spec, backend="vllm")
 
         def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
@@ -104,6 +105,9 @@ def vllm_job(scenario: str, repeats: int, max_new_tokens: int,
             records = sum(r.stats.received for o in outputs for r in o.results.values())
             return [list(o.token_ids) for o in outputs], None, records
 
+    from transformers import AutoTokenizer
+
+    prompt_length = len(AutoTokenizer.from_pretrained(path).encode(prompts_for(1)[0]))
     cases = []
     for concurrency in VLLM_CONCURRENCY:
         prompts = prompts_for(concurrency)
@@ -121,12 +125,13 @@ def vllm_job(scenario: str, repeats: int, max_new_tokens: int,
         cases.append({"concurrency": concurrency, "samples": samples, "token_ids": token_ids,
                       "peak_rss_mb": peak_rss_bytes() / MIB,
                       "rss_growth_mb": (peak_rss_bytes() - before) / MIB if reset_ok else None})
-    return {"scenario": scenario, "model_path": path, "cases": cases}
+    return {"scenario": scenario, "model_path": path, "layers": list(layers), "cases": cases,
+            "prompt_length": prompt_length}
 
 
-def vllm_rows(results: dict[str, Any] | None, reason: str | None,
+def vllm_rows(model_key: str, results: dict[str, Any] | None, reason: str | None,
               max_new_tokens: int) -> list[dict[str, Any]]:
-    """Rows for the vLLM scenarios (``results`` maps scenario -> job outcome)."""
+    """Rows for one model's vLLM scenarios (``results`` maps scenario -> job outcome)."""
     rows = []
     plain = {}
     if results and results.get(PLAIN, {}).get("ok"):
@@ -135,13 +140,17 @@ def vllm_rows(results: dict[str, Any] | None, reason: str | None,
         outcome = (results or {}).get(scenario)
         for concurrency in VLLM_CONCURRENCY:
             row: dict[str, Any] = {
-                "backend": "vllm", "model": "tiny", "model_description": "bundled tiny model",
+                "backend": "vllm", "model": model_key,
+                "model_description": f"{model_key} model, eager vLLM on CPU (vLLM casts "
+                "float32 to bfloat16 on CPU; RSS summed over the engine's processes)",
                 "batch_size": concurrency, "concurrency": concurrency, "scenario": scenario,
                 "family": "baseline" if scenario == PLAIN else "undercurrent",
                 "captures": "nothing" if scenario == PLAIN else
                 "residual stream at 3 layers for every generated token, inline norm_probe",
-                "limits": "", "max_new_tokens": max_new_tokens, "prompt_length": None,
-                "layers": None if scenario == PLAIN else [0, 1, 2],
+                "limits": "", "max_new_tokens": max_new_tokens,
+                "prompt_length": (outcome or {}).get("result", {}).get("prompt_length"),
+                "layers": None if scenario == PLAIN else
+                (outcome or {}).get("result", {}).get("layers"),
             }
             if outcome is None or not outcome.get("ok"):
                 row.update(status="skipped" if outcome is None else "error",

@@ -20,14 +20,12 @@ class PlainGenerate(Scenario):
     captures: ClassVar[str] = "nothing"
 
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
-        import torch
-
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                **hf_generate_kwargs(self.bundle, max_new_tokens),
-            )
+        # generate() runs under torch.no_grad() itself: called as a researcher would.
+        out = self.model.generate(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            **hf_generate_kwargs(self.bundle, max_new_tokens),
+        )
         return GenerationRun(new_tokens(out, batch.prompt_length))
 
 
@@ -47,16 +45,13 @@ class HiddenStatesCapture(Scenario):
     )
 
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
-        import torch
-
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                output_hidden_states=True,
-                return_dict_in_generate=True,
-                **hf_generate_kwargs(self.bundle, max_new_tokens),
-            )
+        out = self.model.generate(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+            **hf_generate_kwargs(self.bundle, max_new_tokens),
+        )
         tensors = [layer for step in out.hidden_states for layer in step]
         records = sum(t.shape[0] * t.shape[1] for t in tensors)
         return GenerationRun(
@@ -83,8 +78,6 @@ class RawHooksCapture(Scenario):
     )
 
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
-        import torch
-
         captured: list[Any] = []
 
         def keep_new_token(module: Any, args: Any, output: Any) -> None:
@@ -95,12 +88,11 @@ class RawHooksCapture(Scenario):
         layers = decoder_layers(self.model)
         handles = [layers[i].register_forward_hook(keep_new_token) for i in self.layers]
         try:
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=batch.input_ids,
-                    attention_mask=batch.attention_mask,
-                    **hf_generate_kwargs(self.bundle, max_new_tokens),
-                )
+            out = self.model.generate(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                **hf_generate_kwargs(self.bundle, max_new_tokens),
+            )
         finally:
             for handle in handles:
                 handle.remove()
