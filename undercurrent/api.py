@@ -58,6 +58,29 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
     return ProbeSpec(tuple(points))
 
 
+def check_prompts(prompts: Any) -> list[str]:
+    """``prompts`` as a list of strings (a single string gives a list of one).
+
+    Raises ``TypeError`` naming the first offending prompt: bytes, token-id lists,
+    None or numbers are not prompts, and a mapping (whose keys would silently
+    become the prompts) is refused too.
+    """
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
+        raise TypeError(
+            f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
+        )
+    items = list(prompts)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(
+                f"prompts[{index}] is {type(item).__name__} ({item!r:.60}); every prompt "
+                "must be a string (decode bytes and token ids to text first)"
+            )
+    return items
+
+
 def _is_backend(obj: Any) -> bool:
     return all(callable(getattr(obj, name, None))
                for name in ("capabilities", "generate", "stream", "close"))
@@ -93,6 +116,11 @@ class ProbedModel:
         capture_last_token: bool = False,
         model_name: str | None = None,
     ) -> None:
+        if isinstance(model, (str, os.PathLike)):
+            raise TypeError(
+                f"ProbedModel(model) takes a loaded model or backend, got the path {model!r}; "
+                "load it with ProbedModel.from_pretrained(path, spec=...)"
+            )
         if _is_backend(model):
             self.backend = model
         elif backend == "hf":
@@ -220,9 +248,7 @@ class ProbedModel:
         ``capture_last_token=True`` runs one extra forward step so the last sampled
         token (never fed back to the model) is captured too.
         """
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = check_prompts(prompts)
         ids = list(request_ids) if request_ids is not None else [self._new_id() for _ in prompts]
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
@@ -249,6 +275,9 @@ class ProbedModel:
         """Yield a :class:`StreamEvent` per generated token (its id, its text piece
         and the inline probe signals that arrived since the previous event), then
         a final event (``finished=True``) carrying the complete output."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"stream() takes one prompt string, got {type(prompt).__name__}; "
+                            "use generate() for a list of prompts")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
         session = self._session(records)

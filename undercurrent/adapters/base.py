@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -58,6 +59,16 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        _check_number("max_new_tokens", self.max_new_tokens, integer=True)
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        if self.top_k is not None:
+            _check_number("top_k", self.top_k, integer=True)
+        if self.seed is not None:
+            _check_number("seed", self.seed, integer=True)
+        bad_stops = [type(s).__name__ for s in self.stop if not isinstance(s, str)]
+        if bad_stops:
+            raise TypeError(f"stop must be a string or a list of strings, got {bad_stops[0]}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -70,6 +81,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
+    """A sampling parameter of the right type (``bool`` is refused: ``True`` is not 1 token)."""
+    allowed = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        kind = "an integer" if integer else "a number"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
 
 
 @runtime_checkable

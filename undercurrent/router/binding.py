@@ -104,8 +104,17 @@ class Binding:
 
     # -- user code, called without the lock ---------------------------------------
 
-    def invoke(self, record: ActivationRecord) -> tuple[ProbeSignal | None, str | None, float]:
-        """Run ``on_activation``: (signal, error description or None, seconds taken)."""
+    def invoke(
+        self, record: ActivationRecord, *, propagate_interrupts: bool = False
+    ) -> tuple[ProbeSignal | None, str | None, float]:
+        """Run ``on_activation``: (signal, error description or None, seconds taken).
+
+        ``KeyboardInterrupt`` / ``SystemExit`` raised by the probe are recorded like
+        any error; with ``propagate_interrupts`` (the generation thread, where
+        Ctrl-C must stop generation) they are re-raised after the binding has
+        been marked idle and the record counted as processed, so ending the
+        request neither waits for a call that is over nor loses the record.
+        """
         started = time.perf_counter()
         try:
             signal = self.probe.on_activation(record)
@@ -115,6 +124,19 @@ class Binding:
                 )
             error = None
         except Exception as exc:
+            signal = None
+            error = describe_error(exc)
+            self._log_first_error(
+                f"on_activation (token {record.token_index}, layer {record.layer})", exc
+            )
+        except BaseException as exc:
+            if propagate_interrupts:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+                    if not self.finalised:
+                        self.account(time.perf_counter() - started, describe_error(exc), record)
+                raise
             signal = None
             error = describe_error(exc)
             self._log_first_error(

@@ -40,7 +40,7 @@ def _run_to_completion(binding: Binding, record: ActivationRecord) -> ProbeSigna
             binding.dropped += 1
             return None
         binding.busy = True
-    signal, error, latency = binding.invoke(record)
+    signal, error, latency = binding.invoke(record, propagate_interrupts=True)
     with binding.cond:
         binding.busy = False
         binding.cond.notify_all()

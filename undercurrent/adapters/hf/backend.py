@@ -170,6 +170,7 @@ class HFBackend:
             pad = eos[0] if eos else 0
         self.pad_token_id = int(pad)
         self.eos_token_ids = frozenset(eos)
+        self.context_length = context_length(model.config)
         self._lock = threading.Lock()
 
     @classmethod
@@ -301,6 +302,7 @@ class HFBackend:
                                "ProbedModel; hooks are per model)")
         try:
             encoded, input_ids, attention_mask = self._encode_batch(prompts)
+            self._check_context(encoded, params)
             states: list[RequestState] = []
             try:
                 for prompt, request_id, ids in zip(prompts, request_ids, encoded, strict=True):
@@ -335,6 +337,23 @@ class HFBackend:
             return outputs
         finally:
             self._lock.release()
+
+    def _check_context(self, encoded: list[list[int]], params: SamplingParams) -> None:
+        """Refuse, before anything runs, a prompt that cannot fit the model's context
+        with ``max_new_tokens`` after it (past it, learned position embeddings fail
+        with an index error and rotary ones silently degrade)."""
+        limit = self.context_length
+        if limit is None:
+            return
+        for index, ids in enumerate(encoded):
+            if len(ids) + params.max_new_tokens > limit:
+                room = limit - len(ids)
+                fix = (f"use max_new_tokens <= {room}" if room >= 1
+                       else f"shorten the prompt to at most {limit - 1} tokens")
+                raise ValueError(
+                    f"prompt {index} has {len(ids)} tokens; with max_new_tokens="
+                    f"{params.max_new_tokens} it needs {len(ids) + params.max_new_tokens} "
+                    f"positions but the model's context is {limit}: {fix}")
 
     def _final_text(self, state: RequestState, params: SamplingParams) -> str:
         text = self.decode(state.generated)
@@ -378,6 +397,21 @@ class HFBackend:
         """Remove every hook; the model behaves exactly as before."""
         self.hooks.remove()
         self._closed = True
+
+
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+
+
+def context_length(config: Any) -> int | None:
+    """The model's context length (positions it was built for), when its config says."""
+    from undercurrent.adapters.hf.architectures import text_config
+
+    config = text_config(config)
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 _FORWARD_PARAMS: dict[type, frozenset[str]] = {}
