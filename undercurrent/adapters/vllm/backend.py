@@ -109,6 +109,9 @@ class VLLMBackend:
         self._input_lock = threading.Lock()
         self._aborted: list[str] = []
         self._internal_ids: dict[str, str] = {}
+        self.engine_token_counts: dict[str, int] = {}
+        """Tokens the engine itself produced per request in the last call, before an
+        abort's truncation: how far past an abort the engine ran (tests read it)."""
         described = engine.collective_rpc("undercurrent_describe")
         self.shape: dict[str, Any] = dict(described[0])
         if self.shape["pipeline_parallel_size"] > 1:
@@ -301,11 +304,10 @@ class VLLMBackend:
     def _sampling(self, params: SamplingParams) -> Any:
         from vllm import SamplingParams as VllmSampling
 
-        extra = 1 if params.capture_last_token else 0
         if params.greedy:
-            return VllmSampling(max_tokens=params.max_new_tokens + extra, temperature=0.0,
+            return VllmSampling(max_tokens=params.max_new_tokens, temperature=0.0,
                                 stop=list(params.stop) or None, seed=params.seed)
-        return VllmSampling(max_tokens=params.max_new_tokens + extra,
+        return VllmSampling(max_tokens=params.max_new_tokens,
                             temperature=params.temperature, top_p=params.top_p,
                             top_k=params.top_k or 0, seed=params.seed,
                             stop=list(params.stop) or None)
@@ -342,6 +344,7 @@ class VLLMBackend:
             raise BackendError("this vLLM engine is already generating (one call at a time "
                                "per ProbedModel)")
         engine_ids: dict[str, str] = {}
+        self.engine_token_counts = {}
         try:
             self.check(session.points)
             self.server.begin(session)
@@ -408,13 +411,15 @@ class VLLMBackend:
                     reasons[engine_id] = "abort"
             for output in outputs:
                 engine_id = output.request_id
-                if engine_id in done or engine_id not in states:
+                if engine_id not in states:
                     continue
                 completion = output.outputs[0]
+                self.engine_token_counts[states[engine_id].request_id] = len(
+                    completion.token_ids)
+                if engine_id in done:
+                    continue
                 fresh = list(completion.token_ids)[len(tokens[engine_id]):]
                 state = states[engine_id]
-                if params.capture_last_token:
-                    fresh = fresh[:max(0, params.max_new_tokens - len(tokens[engine_id]))]
                 for token_id in fresh:
                     tokens[engine_id].append(int(token_id))
                     if emit_tokens:
@@ -429,10 +434,7 @@ class VLLMBackend:
                                           generated_index=generated_index, signals=signals)
                 if output.finished:
                     done.add(engine_id)
-                    reason = _finish_reason(completion, self.eos_token_ids)
-                    if params.capture_last_token and reason == "length":
-                        reason = "length"
-                    reasons[engine_id] = reason
+                    reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():

@@ -1,0 +1,213 @@
+"""The vLLM backend with the engine core in this process: records equal the HF
+backend's under continuous batching, aborts stop a request before its next token,
+streams, registration errors. One engine for the whole file."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_engine_helpers import (
+    CHUNK_BUDGET,
+    MAX_NEW_TOKENS,
+    compare,
+    hf_reference,
+    model_for_tests,
+    prompts,
+    spec_points,
+)
+
+from undercurrent.adapters.base import BackendError, SamplingParams
+from undercurrent.adapters.capabilities import CapabilityError
+from undercurrent.adapters.session import CaptureSession
+from undercurrent.api import ProbedModel
+from undercurrent.probes import probe
+from undercurrent.records import ProbeSignal
+from undercurrent.router import Router
+
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+
+
+@probe(register=False)
+def stop_at(record, *, request_ids=(), generated_index=2):
+    """Aborts the listed requests at one generated index (None: at the prompt)."""
+    if record.request_id in request_ids and record.generated_index == generated_index:
+        return ProbeSignal(action="abort", score=1.0)
+    return ProbeSignal(action="continue", score=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return model_for_tests(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def num_layers(model_dir):
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, num_layers):
+    # The oracle runs before vLLM is imported in this process.
+    texts = prompts()
+    return texts, hf_reference(model_dir, texts, spec_points(num_layers), GREEDY)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, reference):
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    loaded = VLLMBackend.from_pretrained(model_dir, dtype="float32", max_model_len=512,
+                                         max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=32)
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(backend, reference):
+    texts, _ = reference
+    session = CaptureSession(None, [])
+    return backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY, session)
+
+
+def test_concurrent_requests_give_the_hf_records_and_tokens(backend, reference, num_layers):
+    texts, hf_outputs = reference
+    assert len(texts) >= 16
+    lengths = [len(backend.encode(text)) for text in texts]
+    assert max(lengths) > CHUNK_BUDGET, "a prompt must be split across steps"
+    assert len(set(lengths)) > 8
+    session = CaptureSession(None, spec_points(num_layers), keep_records=True)
+    outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY, session)
+    worst = compare(outputs, hf_outputs)
+    assert worst <= 1e-4
+    tensor_types = {record.tensor_type for output in outputs for record in output.records}
+    assert tensor_types == {"residual_stream", "attn_out", "mlp_out", "final_norm", "kv"}
+    # One message per engine step, not one per record.
+    records = sum(len(output.records) for output in outputs)
+    assert backend.server.steps < records / 4
+
+
+def test_capture_last_token_adds_the_last_tokens_records_like_hf(backend, model_dir,
+                                                                 num_layers):
+    texts = prompts()[:5]
+    params = SamplingParams(max_new_tokens=4, capture_last_token=True)
+    points = spec_points(num_layers)
+    expected = hf_reference(model_dir, texts, points, params)
+    session = CaptureSession(None, points, keep_records=True)
+    outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], params, session)
+    compare(outputs, expected)
+    for output in outputs:
+        if output.finish_reason == "length":
+            last = output.prompt_len + len(output.token_ids) - 1
+            assert any(r.token_index == last for r in output.records), output.request_id
+
+
+def _stopping_model(backend, marked, generated_index, records=True):
+    router = Router(probes={"stop_at": stop_at})
+    spec = {"version": "1", "extraction_points": [{
+        "name": "guard", "layers": 1, "tensor_type": "residual_stream",
+        "position": "generated[*]" if generated_index is not None else "prompt[-1]",
+        "probe_type": "stop_at", "probe_kind": "single_shot",
+        "probe_args": {"request_ids": list(marked), "generated_index": generated_index},
+    }]}
+    return ProbedModel(backend, spec=spec, router=router), router
+
+
+def test_inline_abort_stops_only_that_request_before_its_next_token(backend, reference,
+                                                                    baseline):
+    texts, _ = reference
+    ids = [f"r{i}" for i in range(len(texts))]
+    marked = {"r1", "r6", "r11", "r17"}
+    model, router = _stopping_model(backend, marked, 2)
+    try:
+        outputs = model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS,
+                                 records=True)
+    finally:
+        router.shutdown()
+    for output, plain in zip(outputs, baseline, strict=True):
+        if output.request_id in marked and len(plain.token_ids) > 3:
+            assert output.aborted and output.finish_reason == "abort"
+            assert output.abort.generated_index == 2
+            assert output.token_ids == plain.token_ids[:3]
+            # The engine itself committed no token after the aborting step.
+            assert backend.engine_token_counts[output.request_id] == 3
+            assert max(r.generated_index for r in output.records) == 2
+            assert output.results["guard"].flagged
+        else:
+            assert not output.aborted
+            assert output.token_ids == plain.token_ids
+            assert output.text == plain.text
+
+
+def test_abort_on_a_prompt_token_leaves_the_output_empty(backend, reference, baseline):
+    texts, _ = reference
+    model, router = _stopping_model(backend, {"r3"}, None)
+    try:
+        outputs = model.generate(texts[:6], request_ids=[f"r{i}" for i in range(6)],
+                                 max_new_tokens=MAX_NEW_TOKENS)
+    finally:
+        router.shutdown()
+    assert outputs[3].aborted and outputs[3].token_ids == () and outputs[3].text == ""
+    assert backend.engine_token_counts.get("r3", 0) == 0
+    assert [o.token_ids for i, o in enumerate(outputs) if i != 3] == [
+        o.token_ids for i, o in enumerate(baseline[:6]) if i != 3]
+
+
+def test_stream_yields_each_token_with_its_signals_then_the_output(backend, reference,
+                                                                   baseline):
+    texts, _ = reference
+    model, router = _stopping_model(backend, set(), 2)
+    try:
+        events = list(model.stream(texts[4], max_new_tokens=MAX_NEW_TOKENS))
+    finally:
+        router.shutdown()
+    tokens = [event.token_id for event in events if not event.finished]
+    assert tokens == list(baseline[4].token_ids)
+    assert [event.generated_index for event in events[:-1]] == list(range(len(tokens)))
+    assert events[-1].finished and events[-1].output.token_ids == baseline[4].token_ids
+    signals = [s for event in events for s in event.signals]
+    # Generated tokens 0..n-2 are fed back to the model, and each got one signal.
+    assert [s.generated_index for s in signals] == list(range(len(tokens) - 1))
+
+
+def test_stop_strings_end_the_text_before_the_stop_string(backend, reference, baseline):
+    texts, _ = reference
+    candidates = []
+    for position, output in enumerate(baseline):
+        words = output.text.split()
+        candidates += [(position, words[j]) for j in range(1, len(words) - 1)
+                       if words[j] not in words[:j]]
+    if not candidates:
+        pytest.skip("no baseline text has a new word before its last one")
+    index, stop = candidates[0]
+    plain = baseline[index]
+    (output,) = backend.generate([texts[index]], ["s"], SamplingParams(
+        max_new_tokens=MAX_NEW_TOKENS, stop=(stop,)), CaptureSession(None, []))
+    assert output.finish_reason == "stop"
+    assert output.text == plain.text[:plain.text.find(stop)]
+    assert output.token_ids == plain.token_ids[:len(output.token_ids)]
+
+
+def test_registration_errors_name_the_problem(backend, num_layers):
+    with pytest.raises(CapabilityError, match="layer\\(s\\) \\[99\\] out of range"):
+        ProbedModel(backend, spec={"extraction_points": [{
+            "name": "far", "layers": 99, "tensor_type": "mlp_out", "position": "prompt[-1]",
+            "probe_type": "norm_probe", "probe_kind": "single_shot"}]})
+    points = spec_points(num_layers)
+    backend.prefix_caching = True
+    try:
+        with pytest.raises(CapabilityError, match="prefix caching on"):
+            backend.generate(["a cat"], ["x"], GREEDY, CaptureSession(None, points))
+    finally:
+        backend.prefix_caching = False
+    assert backend.capabilities().valid_layers("final_norm") == (num_layers,)
+
+
+def test_eager_mode_and_pipeline_parallelism_are_refused_before_any_engine_starts(model_dir):
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    with pytest.raises(BackendError, match="enforce_eager=True"):
+        VLLMBackend.from_pretrained(model_dir, enforce_eager=False)
+    with pytest.raises(BackendError, match="pipeline_parallel_size > 1"):
+        VLLMBackend.from_pretrained(model_dir, pipeline_parallel_size=2)

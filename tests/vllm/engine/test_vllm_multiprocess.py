@@ -1,0 +1,101 @@
+"""The vLLM backend with the engine core in its own process (vLLM's production
+layout): the same records as the HF backend, aborts within one engine step."""
+
+from __future__ import annotations
+
+import pytest
+from vllm_engine_helpers import (
+    CHUNK_BUDGET,
+    MAX_NEW_TOKENS,
+    compare,
+    hf_reference,
+    model_for_tests,
+    prompts,
+    spec_points,
+)
+
+from undercurrent.adapters.base import SamplingParams
+from undercurrent.adapters.session import CaptureSession
+from undercurrent.api import ProbedModel
+from undercurrent.probes import probe
+from undercurrent.records import ProbeSignal
+from undercurrent.router import Router
+
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+
+
+@probe(register=False)
+def stop_at(record, *, request_ids=(), generated_index=2):
+    """Aborts the listed requests at one generated index."""
+    if record.request_id in request_ids and record.generated_index == generated_index:
+        return ProbeSignal(action="abort", score=1.0)
+    return None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return model_for_tests(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def num_layers(model_dir):
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, num_layers):
+    texts = prompts()
+    return texts, hf_reference(model_dir, texts, spec_points(num_layers), GREEDY)
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, reference):
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    loaded = VLLMBackend.from_pretrained(model_dir, dtype="float32", multiprocess=True,
+                                         max_model_len=512, max_num_batched_tokens=CHUNK_BUDGET,
+                                         max_num_seqs=32)
+    yield loaded
+    loaded.close()
+
+
+def test_engine_core_runs_in_another_process(backend):
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    assert isinstance(backend.engine.engine_core, SyncMPClient)
+
+
+def test_concurrent_requests_give_the_hf_records_and_tokens(backend, reference, num_layers):
+    texts, hf_outputs = reference
+    session = CaptureSession(None, spec_points(num_layers), keep_records=True)
+    outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY, session)
+    assert compare(outputs, hf_outputs) <= 1e-4
+
+
+def test_inline_abort_stops_the_request_within_one_engine_step(backend, reference):
+    texts, hf_outputs = reference
+    ids = [f"r{i}" for i in range(len(texts))]
+    marked = {f"r{i}" for i in range(0, len(texts), 3)}
+    router = Router(probes={"stop_at": stop_at})
+    model = ProbedModel(backend, router=router, spec={"extraction_points": [{
+        "name": "guard", "layers": 0, "tensor_type": "mlp_out", "position": "generated[*]",
+        "probe_type": "stop_at", "probe_kind": "single_shot",
+        "probe_args": {"request_ids": sorted(marked), "generated_index": 2}}]})
+    try:
+        outputs = model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS)
+    finally:
+        router.shutdown()
+    stopped = 0
+    for output, plain in zip(outputs, hf_outputs, strict=True):
+        if output.request_id in marked and len(plain.token_ids) > 3:
+            stopped += 1
+            assert output.aborted and output.token_ids == plain.token_ids[:3]
+            # The worker waits for the probe, so the engine commits at most the
+            # token of the step that fed the aborting token.
+            assert backend.engine_token_counts[output.request_id] <= 4
+        else:
+            assert not output.aborted and output.token_ids == plain.token_ids
+    assert stopped >= 3

@@ -1,0 +1,142 @@
+"""Shared pieces of the engine tests: the model, prompts, spec, the HF oracle and the
+record comparison."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat and ran far away into deep "
+         "dark wood where owls sing at night").split()
+
+CHUNK_BUDGET = 48
+"""max_num_batched_tokens of the test engines: long prompts are split across steps."""
+
+MAX_NEW_TOKENS = 10
+
+
+def bundled_model() -> Path | None:
+    """The bundled tiny model, once it has been trained into the package."""
+    from undercurrent.models import tiny_model_path
+
+    path = tiny_model_path()
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return path
+    return None
+
+
+def build_random_llama(directory: Path) -> Path:
+    """A tiny random Llama (head_dim 64, float32) with a word-level tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, max_position_embeddings=512, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+    return directory
+
+
+def model_for_tests(tmp_path_factory: Any) -> str:
+    bundled = bundled_model()
+    if bundled is not None:
+        return str(bundled)
+    return str(build_random_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def prompts(count: int = 18) -> list[str]:
+    """Prompts of many lengths; the last ones are longer than one step's token budget."""
+    out = []
+    for i in range(count):
+        length = 2 + (i * 7) % 23
+        if i >= count - 2:
+            length = 3 * CHUNK_BUDGET // 2 + i
+        out.append(" ".join(WORDS[(i + k) % len(WORDS)] for k in range(length)))
+    return out
+
+
+def spec_points(num_layers: int, kv: bool = True) -> list[Any]:
+    """Every tensor type, prompt and generated positions, slices with a stride."""
+    from undercurrent.spec.types import ExtractionPoint
+
+    last = num_layers - 1
+
+    def point(name: str, layers: Any, tensor_type: str, position: Any, stride: int = 1) -> Any:
+        from undercurrent.spec.position import parse_position
+
+        kind = "trajectory" if parse_position(position).is_continuous else "single_shot"
+        return ExtractionPoint(name=name, layers=layers, tensor_type=tensor_type,
+                               position=position, stride=stride, probe_type="norm_probe",
+                               probe_kind=kind)
+
+    points = [
+        point("residual_all", tuple(range(num_layers)), "residual_stream", "generated[*]"),
+        point("attn_last_prompt", (0, last), "attn_out", "prompt[-1]"),
+        point("mlp_window", (last,), "mlp_out", "generated[1:7]", stride=2),
+        point("final_norm", (num_layers,), "final_norm", "generated[*]"),
+        point("residual_abs", (1,), "residual_stream", 3),
+        point("attn_first_generated", (1,), "attn_out", "prompt[-1]+1"),
+    ]
+    if kv:
+        points += [point("kv_prompt", (0, last), "kv", "prompt[0]"),
+                   point("kv_generated", (last,), "kv", "generated[2]")]
+    return points
+
+
+def hf_reference(model_dir: str, texts: list[str], points: list[Any],
+                 params: Any) -> list[Any]:
+    """The HF backend's outputs (with records) for the same prompts: the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from undercurrent.adapters.hf.backend import HFBackend
+    from undercurrent.adapters.session import CaptureSession
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    backend = HFBackend(model, AutoTokenizer.from_pretrained(model_dir), batch_size=32)
+    try:
+        session = CaptureSession(None, points, keep_records=True)
+        return backend.generate(texts, [f"r{i}" for i in range(len(texts))], params, session)
+    finally:
+        backend.close()
+
+
+def compare(vllm_outputs: list[Any], hf_outputs: list[Any], atol: float = 1e-4) -> float:
+    """Assert tokens identical, records one per key, same keys, tensors close, and
+    every record attributed to its own request; return the largest difference."""
+    worst = 0.0
+    for ours, theirs in zip(vllm_outputs, hf_outputs, strict=True):
+        assert ours.request_id == theirs.request_id
+        assert ours.token_ids == theirs.token_ids, ours.request_id
+        assert ours.finish_reason == theirs.finish_reason, ours.request_id
+        keys = [record.key() for record in ours.records]
+        assert len(keys) == len(set(keys)), f"duplicate records for {ours.request_id}"
+        ours_by_key = {record.key(): record for record in ours.records}
+        theirs_by_key = {record.key(): record for record in theirs.records}
+        assert set(ours_by_key) == set(theirs_by_key), (
+            ours.request_id, sorted(set(ours_by_key) ^ set(theirs_by_key))[:6])
+        sequence = list(ours.prompt_token_ids) + list(ours.token_ids)
+        for key, record in ours_by_key.items():
+            other = theirs_by_key[key]
+            assert record.request_id == ours.request_id
+            assert record.token_id == sequence[record.token_index] == other.token_id, key
+            assert record.is_generated == other.is_generated
+            assert record.generated_index == other.generated_index
+            assert tuple(record.tensor.shape) == tuple(other.tensor.shape), key
+            difference = float((record.tensor - other.tensor).abs().max())
+            worst = max(worst, difference)
+            assert difference <= atol, (key, difference)
+    return worst
