@@ -53,14 +53,21 @@ def timing_rows(timing: dict[str, Any], max_new_tokens: int) -> list[dict[str, A
             row.update(aggregate(case["samples"]))
             base = baselines.get(case["batch_size"])
             if base is not None:
-                by_round = {s["round"]: s["wall_s"] for s in base["samples"]}
-                ratios = [s["wall_s"] / by_round[s["round"]] for s in case["samples"]
-                          if s["round"] in by_round]
-                row["overhead_ratio"] = spread(ratios)
+                row["overhead_ratio"] = _paired_ratio(case["samples"], base["samples"], "wall_s")
+                row["cpu_overhead_ratio"] = _paired_ratio(case["samples"], base["samples"],
+                                                          "cpu_s")
                 row["tokens_match"], row["token_check"] = _token_check(
                     case["token_ids"], base["token_ids"])
         rows.append(row)
     return rows
+
+
+def _paired_ratio(samples: list[dict[str, Any]], baseline: list[dict[str, Any]],
+                  key: str) -> dict[str, float | None]:
+    """Per-round ratio to the baseline's sample of the same round, summarised."""
+    by_round = {s["round"]: s[key] for s in baseline}
+    return spread([s[key] / by_round[s["round"]] for s in samples
+                   if by_round.get(s["round"])])
 
 
 def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -71,6 +78,7 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "repeats": len(samples),
         "wall_s": spread(walls),
+        "cpu_s": spread([s["cpu_s"] for s in samples]),
         "ttft_s": spread([s["ttft_s"] for s in samples]),
         "tokens_per_s": spread([s["new_tokens"] / s["wall_s"] for s in samples]),
         "new_tokens": samples[0]["new_tokens"] if samples else 0,
@@ -148,19 +156,21 @@ def results_table(rows: Iterable[dict[str, Any]]) -> list[str]:
             f"{first.get('repeats', '—')} interleaved repeats, ±spread = (max−min)/median.",
             "",
             "| scenario | tokens/s | wall s | TTFT ms | records/s | overhead × plain "
-            "(min–max) | peak RSS MB | RSS growth MB | captured MB | tokens match |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "(min–max) | CPU-time × plain | peak RSS MB | RSS growth MB | captured MB "
+            "| tokens match |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in members:
             if row["status"] != "ok":
                 lines.append(f"| {row['scenario']} | {row['status']}: {row['reason']} "
-                             "| | | | | | | | |")
+                             "| | | | | | | | | |")
                 continue
             lines.append(
                 f"| {row['scenario']} | {_stat(row['tokens_per_s'], digits=1)} "
                 f"| {_stat(row['wall_s'], digits=3)} | {_stat(row['ttft_s'], 1000, 1)} "
                 f"| {_stat(row.get('records_per_s'), digits=0)} "
-                f"| {_ratio(row.get('overhead_ratio'))} | {_fmt(row.get('peak_rss_mb'), 0)} "
+                f"| {_ratio(row.get('overhead_ratio'))} "
+                f"| {_ratio(row.get('cpu_overhead_ratio'))} | {_fmt(row.get('peak_rss_mb'), 0)} "
                 f"| {_fmt(row.get('rss_growth_mb'), 1)} | {_fmt(row.get('captured_mb'), 2)} "
                 f"| {_match(row)} |"
             )

@@ -36,16 +36,18 @@ def prompts_for(batch_size: int) -> list[str]:
 
 
 def _timed(scenario: Scenario, clock: FirstForwardClock, batch: Batch,
-           max_new_tokens: int) -> tuple[GenerationRun, float, float | None]:
+           max_new_tokens: int) -> tuple[GenerationRun, float, float, float | None]:
+    cpu_start = time.process_time()
     start = clock.start()
     run = scenario.generate(batch, max_new_tokens)
     wall = time.perf_counter() - start
-    return run, wall, clock.time_to_first_token
+    return run, wall, time.process_time() - cpu_start, clock.time_to_first_token
 
 
-def _sample(run: GenerationRun, wall: float, ttft: float | None) -> dict[str, Any]:
+def _sample(run: GenerationRun, wall: float, cpu: float, ttft: float | None) -> dict[str, Any]:
     return {
         "wall_s": wall,
+        "cpu_s": cpu,
         "ttft_s": ttft,
         "new_tokens": sum(len(ids) for ids in run.token_ids),
         "records": run.records,
@@ -104,13 +106,13 @@ def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], rep
                     continue
                 scenario, clock = ready[name]
                 try:
-                    run, wall, ttft = _timed(scenario, clock, batch, max_new_tokens)
+                    run, wall, cpu, ttft = _timed(scenario, clock, batch, max_new_tokens)
                 except Exception as error:
                     failed[name] = f"error: {type(error).__name__}: {error}"
                     continue
                 tokens.setdefault(name, run.token_ids)
                 if round_index >= warmup:
-                    sample = _sample(run, wall, ttft)
+                    sample = _sample(run, wall, cpu, ttft)
                     sample["round"] = round_index - warmup
                     samples[name].append(sample)
         for name in scenarios:

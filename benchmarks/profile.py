@@ -1,0 +1,87 @@
+"""Where a scenario's time goes: ``python -m benchmarks.profile --model large --batch 8
+--scenario uc_3_layers_inline_norm``.
+
+Runs one scenario under cProfile (after a warm-up) and splits the main thread's
+time into the model's own work and undercurrent's: the callbacks that torch and
+transformers call into undercurrent (forward hooks, logits processor, stopping
+criterion) plus what ``ProbedModel.generate`` does around ``model.generate``.
+Async probe workers run on other threads and are not in this profile; the
+timing table's CPU-time column counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+from typing import Any
+
+from benchmarks.models import load_model
+from benchmarks.scenarios import SCENARIOS, scenario_by_name
+from benchmarks.scenarios.base import make_batch
+from benchmarks.worker import prompts_for, set_threads
+
+OURS = "/undercurrent/"
+ENGINE = ("/torch/", "/transformers/")
+
+
+def undercurrent_share(stats: pstats.Stats) -> dict[str, Any]:
+    """Seconds spent in undercurrent code entered from torch/transformers, by function,
+    and around ``model.generate`` inside ``ProbedModel.generate``."""
+    callbacks: dict[str, float] = {}
+    around = 0.0
+    generate_total = model_generate = 0.0
+    for (path, line, name), (_, _, _, cumulative, callers) in stats.stats.items():
+        if OURS in path:
+            for (caller_path, _, _), (_, _, _, caller_cumulative) in callers.items():
+                if any(part in caller_path for part in ENGINE):
+                    label = f"{path.split(OURS)[-1]}:{line}({name})"
+                    callbacks[label] = callbacks.get(label, 0.0) + caller_cumulative
+            if path.endswith("undercurrent/api.py") and name == "generate":
+                generate_total = max(generate_total, cumulative)
+        if path.endswith("transformers/generation/utils.py") and name == "generate":
+            model_generate = max(model_generate, cumulative)
+    if generate_total:
+        around = generate_total - model_generate
+    return {"callbacks_s": sum(callbacks.values()), "around_generate_s": around,
+            "by_callback": dict(sorted(callbacks.items(), key=lambda kv: -kv[1]))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Profile one scenario and print undercurrent's share and the top functions."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
+    parser.add_argument("--model", default="large", choices=["tiny", "large"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--scenario", default="uc_3_layers_inline_norm",
+                        choices=[s.name for s in SCENARIOS])
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    bundle = load_model(args.model)
+    batch = make_batch(bundle, prompts_for(args.batch))
+    scenario = scenario_by_name(args.scenario)()
+    scenario.setup(bundle, bundle.model, bundle.three_layers)
+    scenario.generate(batch, args.max_new_tokens)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    scenario.generate(batch, args.max_new_tokens)
+    profiler.disable()
+    scenario.close()
+    stats = pstats.Stats(profiler)
+    total = max(row[3] for row in stats.stats.values())
+    share = undercurrent_share(stats)
+    ours = share["callbacks_s"] + share["around_generate_s"]
+    print(f"{args.scenario} on {args.model}, batch {args.batch}, {args.max_new_tokens} tokens: "
+          f"{total:.3f} s profiled (main thread)")
+    print(f"  undercurrent: {ours:.3f} s ({ours / total:.1%}): callbacks from torch/transformers "
+          f"{share['callbacks_s']:.3f} s, around model.generate {share['around_generate_s']:.3f} s")
+    for label, seconds in list(share["by_callback"].items())[:8]:
+        print(f"    {seconds:8.4f} s  {label}")
+    stats.sort_stats("tottime").print_stats(args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
