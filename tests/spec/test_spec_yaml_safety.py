@@ -191,10 +191,10 @@ def test_an_unreadable_file_names_the_path(
     path = tmp_path / "secret.yaml"
     path.write_text(VALID, encoding="utf-8")
 
-    def refuse(self: Path) -> bytes:
+    def refuse(self: Path, *args: object, **kwargs: object) -> bytes:
         raise PermissionError(13, "Permission denied", str(self))
 
-    monkeypatch.setattr(Path, "read_bytes", refuse)  # root could read a chmod 0 file
+    monkeypatch.setattr(Path, "open", refuse)  # root could read a chmod 0 file
     with pytest.raises(SpecValidationError, match="permission denied") as caught:
         load_yaml_file(path)
     assert str(path) in str(caught.value)

@@ -27,6 +27,10 @@ MAX_DEPTH = 100
 MAX_EXPANDED_NODES = 1_000_000
 """Most YAML nodes a document may contain once every alias is expanded."""
 
+MAX_SPEC_BYTES = 1 << 18
+"""Largest spec accepted, in bytes of UTF-8 (256 KiB; real specs are a few KiB).
+PyYAML's safe loader is pure Python, so this also bounds the time a parse takes."""
+
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -138,8 +142,18 @@ def _yaml_problem(error: yaml.YAMLError) -> SpecProblem:
     return SpecProblem(message)
 
 
+def _too_large(source: str | None) -> SpecValidationError:
+    return SpecValidationError(
+        [SpecProblem(f"the spec is larger than 256 KiB ({MAX_SPEC_BYTES} bytes); real specs "
+                     "are a few KiB, so check that this is the file you meant")],
+        source=source,
+    )
+
+
 def decode_spec_bytes(data: bytes, source: str | None = None) -> str:
     """Decode spec bytes as UTF-8 (a leading byte-order mark is allowed)."""
+    if len(data) > MAX_SPEC_BYTES:
+        raise _too_large(source)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
@@ -159,10 +173,22 @@ def load_yaml_data(text: str | bytes, source: str | None = None) -> Any:
             [SpecProblem(f"expected YAML text (str or bytes), got {type(text).__name__}")],
             source=source,
         )
+    # A str is at most 4 UTF-8 bytes per character: only count bytes when it could matter.
+    if len(text) * 4 > MAX_SPEC_BYTES and len(text.encode("utf-8", "surrogatepass")) > (
+        MAX_SPEC_BYTES
+    ):
+        raise _too_large(source)
     try:
         return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         raise SpecValidationError([_yaml_problem(error)], source=source) from None
+    except (ValueError, TypeError, OverflowError) as error:
+        # Explicit tags on bad scalars (`!!int abc`, `!!timestamp 2001-13-45`) and
+        # integers past Python's digit limit fail inside PyYAML's constructors with
+        # plain Python errors, not YAMLError.
+        raise SpecValidationError(
+            [SpecProblem(f"YAML error: a value cannot be read: {error}")], source=source
+        ) from None
     except RecursionError:
         raise SpecValidationError(
             [SpecProblem(f"the document nests too deeply (more than {MAX_DEPTH} levels)")],
@@ -180,7 +206,8 @@ def read_spec_file(path: str | Path) -> str:
             source=source,
         )
     try:
-        data = Path(path).read_bytes()
+        with Path(path).open("rb") as handle:
+            data = handle.read(MAX_SPEC_BYTES + 1)  # never read a huge file whole
     except FileNotFoundError:
         reason = "no such file"
     except IsADirectoryError:
