@@ -1,0 +1,53 @@
+"""Fixtures of the reliability suite.
+
+``figures`` collects the numbers each test measured (inputs tried, faults
+injected, records lost, time and memory). With ``UNDERCURRENT_RELIABILITY_REPORT=PATH``
+they are written there as JSON at the end of the session; ``docs/reliability.md``
+quotes such a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_FIGURES: dict[str, dict[str, Any]] = {}
+
+
+class Figures:
+    """``figures.add("item", key=value, ...)``: numbers for the report."""
+
+    def add(self, item: str, **values: Any) -> None:
+        bucket = _FIGURES.setdefault(item, {})
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and isinstance(bucket.get(key), (int, float)):
+                bucket[key] = bucket[key] + value if key.endswith("_count") else value
+            else:
+                bucket[key] = value
+
+
+@pytest.fixture(scope="session")
+def figures() -> Iterator[Figures]:
+    yield Figures()
+    target = os.environ.get("UNDERCURRENT_RELIABILITY_REPORT")
+    if target:
+        path = Path(target)
+        existing = json.loads(path.read_text()) if path.exists() else {}
+        for item, values in _FIGURES.items():
+            existing.setdefault(item, {}).update(values)
+        path.write_text(json.dumps(existing, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="session")
+def tiny() -> tuple[Any, Any]:
+    """The seeded tiny random Llama and its tokenizer (built once per session)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from reliability_support import tiny_model, tiny_tokenizer
+
+    return tiny_model(), tiny_tokenizer()
