@@ -58,7 +58,7 @@ def reference(model_dir, num_layers):
 def backend(model_dir, reference):
     from undercurrent.adapters.vllm.backend import VLLMBackend
 
-    loaded = VLLMBackend.from_pretrained(model_dir, dtype="float32", max_model_len=512,
+    loaded = VLLMBackend.from_pretrained(model_dir, dtype="float32", max_model_len=256,
                                          max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=32)
     yield loaded
     loaded.close()

@@ -56,7 +56,7 @@ def backend(model_dir, reference):
     from undercurrent.adapters.vllm.backend import VLLMBackend
 
     loaded = VLLMBackend.from_pretrained(model_dir, dtype="float32", multiprocess=True,
-                                         max_model_len=512, max_num_batched_tokens=CHUNK_BUDGET,
+                                         max_model_len=256, max_num_batched_tokens=CHUNK_BUDGET,
                                          max_num_seqs=32)
     yield loaded
     loaded.close()

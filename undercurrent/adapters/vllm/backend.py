@@ -33,6 +33,7 @@ from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.session import CaptureSession, RequestState, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
+from undercurrent.adapters.vllm.loading import loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
@@ -105,6 +106,7 @@ class VLLMBackend:
         self.prefix_caching = prefix_caching
         self._model_name = model_name
         self._closed = False
+        self._staging: str | None = None
         self._busy = threading.Lock()
         self._input_lock = threading.Lock()
         self._aborted: list[str] = []
@@ -189,8 +191,9 @@ class VLLMBackend:
             dtype = str(dtype).replace("torch.", "")
         if batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
+        model_directory, staging = loadable_directory(str(path))
         args = EngineArgs(
-            model=str(path),
+            model=model_directory,
             dtype=dtype or "auto",
             enforce_eager=True,
             enable_prefix_caching=enable_prefix_caching,
@@ -201,16 +204,23 @@ class VLLMBackend:
             seed=seed,
             **engine_kwargs,
         )
-        config = args.create_engine_config()
-        engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
-                           log_stats=False, multiprocess_mode=multiprocess)
+        try:
+            config = args.create_engine_config()
+            engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                               log_stats=False, multiprocess_mode=multiprocess)
+        except BaseException:
+            remove_staging(staging)
+            raise
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         try:
-            return cls(engine, tokenizer, model_name=str(path), multiprocess=multiprocess,
-                       prefix_caching=enable_prefix_caching)
+            backend = cls(engine, tokenizer, model_name=str(path), multiprocess=multiprocess,
+                          prefix_caching=enable_prefix_caching)
         except BaseException:
             engine.engine_core.shutdown()
+            remove_staging(staging)
             raise
+        backend._staging = staging
+        return backend
 
     # -- description -------------------------------------------------------
     @property
@@ -506,3 +516,4 @@ class VLLMBackend:
             self.engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001
             logger.debug("undercurrent: vLLM engine shutdown failed", exc_info=True)
+        remove_staging(self._staging)

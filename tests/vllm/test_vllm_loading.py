@@ -1,0 +1,46 @@
+"""Model directories with extra safetensors files (saved probes) load in vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from undercurrent.adapters.vllm.loading import (
+    extra_safetensors,
+    loadable_directory,
+    remove_staging,
+)
+
+
+def _model_dir(root: Path, *names: str) -> Path:
+    root.mkdir()
+    for name in ("config.json", "tokenizer.json", *names):
+        (root / name).write_text(name)
+    return root
+
+
+def test_a_probe_next_to_the_weights_is_hidden_from_vllm(tmp_path):
+    directory = _model_dir(tmp_path / "m", "model.safetensors", "probe.safetensors")
+    assert [p.name for p in extra_safetensors(directory)] == ["probe.safetensors"]
+    staged, staging = loadable_directory(str(directory))
+    try:
+        assert staging is not None and staged != str(directory)
+        assert sorted(p.name for p in Path(staged).iterdir()) == [
+            "config.json", "model.safetensors", "tokenizer.json"]
+        assert (Path(staged) / "model.safetensors").read_text() == "model.safetensors"
+    finally:
+        remove_staging(staging)
+    assert not Path(staging).exists()
+    assert (directory / "probe.safetensors").exists()
+
+
+def test_sharded_weights_are_kept_and_plain_directories_are_used_as_they_are(tmp_path):
+    sharded = _model_dir(tmp_path / "s", "model-00001-of-00002.safetensors",
+                         "model-00002-of-00002.safetensors")
+    assert extra_safetensors(sharded) == []
+    assert loadable_directory(str(sharded)) == (str(sharded), None)
+
+
+def test_an_index_file_already_tells_vllm_which_files_hold_weights(tmp_path):
+    indexed = _model_dir(tmp_path / "i", "model.safetensors", "probe.safetensors",
+                         "model.safetensors.index.json")
+    assert loadable_directory(str(indexed)) == (str(indexed), None)
