@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import random
 
 import numpy as np
@@ -53,10 +54,11 @@ def test_records_frame_matches_the_outputs_token_by_token(captured):
     model, outputs, _ = captured
     frame = records_frame(outputs, tokenizer=model.backend.tokenizer)
     layers = model.capabilities().num_layers
-    assert len(frame) == sum(len(o.token_ids[:GENERATED]) for o in outputs) * min(layers, 4)
+    # The last sampled token is never fed back to the model, so it has no activations.
+    assert len(frame) == sum(len(o.token_ids[:GENERATED]) - 1 for o in outputs) * min(layers, 4)
     for output in outputs[:5]:
         rows = frame[(frame["request"] == output.request_id) & (frame["layer"] == 0)]
-        assert rows["token_id"].tolist() == list(output.token_ids[:GENERATED])
+        assert rows["token_id"].tolist() == list(output.token_ids[:GENERATED - 1])
         assert (rows["token_index"] - rows["generated_index"] == output.prompt_len).all()
         assert rows["token_text"].iloc[0] == model.backend.tokenizer.decode(
             [output.token_ids[0]])
@@ -105,7 +107,7 @@ def test_fitted_probe_runs_live_and_aborts_in_the_live_view(captured, tmp_path):
     results = view.run(prompts, max_new_tokens=8, display=False)
     assert [r.aborted for r in results] == [True, True]
     assert all(r.abort.generated_index == 0 and len(r.token_ids) == 1 for r in results)
-    assert view.message.value.count("aborted by 'mine' (layer 2) at generated token 0") == 2
+    assert html.unescape(view.message.value).count("aborted by 'mine' (layer 2) at generated token 0") == 2
     assert len([t for t in view.figure.data if t.name.endswith(" abort")]) == 2
     expected = fit.predict_proba(np.stack(
         frame[(frame["request"] == outputs[0].request_id) & (frame["layer"] == 2)]["tensor"]
