@@ -107,7 +107,8 @@ def test_fitted_probe_runs_live_and_aborts_in_the_live_view(captured, tmp_path):
     results = view.run(prompts, max_new_tokens=8, display=False)
     assert [r.aborted for r in results] == [True, True]
     assert all(r.abort.generated_index == 0 and len(r.token_ids) == 1 for r in results)
-    assert html.unescape(view.message.value).count("aborted by 'mine' (layer 2) at generated token 0") == 2
+    message = html.unescape(view.message.value)
+    assert message.count("aborted by 'mine' (layer 2) at generated token 0") == 2
     assert len([t for t in view.figure.data if t.name.endswith(" abort")]) == 2
     expected = fit.predict_proba(np.stack(
         frame[(frame["request"] == outputs[0].request_id) & (frame["layer"] == 2)]["tensor"]

@@ -195,7 +195,8 @@ class LiveView:
 
     def _render_message(self) -> None:
         lines = [
-            f"<b>{html.escape(t.request_id)}</b>: {html.escape(t.abort_message() or '', quote=False)}"
+            f"<b>{html.escape(t.request_id)}</b>: "
+            + html.escape(t.abort_message() or "", quote=False)
             for t in self.state.requests.values() if t.abort is not None
         ]
         self.message.value = (
