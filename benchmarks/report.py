@@ -145,15 +145,17 @@ def results_table(rows: Iterable[dict[str, Any]]) -> list[str]:
         key = (row["backend"], row["model"], row["batch_size"], row["concurrency"])
         groups.setdefault(key, []).append(row)
     for (backend, _model, batch, concurrency), members in groups.items():
-        first = members[0]
+        measured = [m for m in members if m["status"] == "ok"]
+        first = measured[0] if measured else members[0]
         layers = next((m["layers"] for m in members if m.get("layers")), None)
+        how = "interleaved repeats" if backend == "hf" else "repeats (one process per scenario)"
         size = f"batch {batch}" if concurrency is None else f"{concurrency} concurrent requests"
         lines += [
             f"### {backend}: {first['model_description']}, {size}",
             "",
             f"{first['max_new_tokens']} new tokens per prompt, prompt {first['prompt_length']} "
             f"tokens, capture layers {layers}. Medians of "
-            f"{first.get('repeats', '—')} interleaved repeats, ±spread = (max−min)/median.",
+            f"{first.get('repeats', '—')} {how}, ±spread = (max−min)/median.",
             "",
             "| scenario | tokens/s | wall s | TTFT ms | records/s | overhead × plain "
             "(min–max) | CPU-time × plain | peak RSS MB | RSS growth MB | captured MB "

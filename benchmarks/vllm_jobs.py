@@ -37,19 +37,26 @@ def vllm_unavailable_reason() -> str | None:
     return None
 
 
-def _plain_engine(path: str) -> tuple[Any, Any]:
+def _plain_engine(path: str) -> tuple[Any, Any, str | None]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     from transformers import AutoTokenizer
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
 
+    staging = None
+    try:  # the bundled model ships probe.safetensors beside its weights: hide it from vLLM
+        from undercurrent.adapters.vllm.loading import loadable_directory
+
+        path, staging = loadable_directory(path)
+    except ImportError:
+        pass
     args = EngineArgs(model=path, enforce_eager=True, enable_prefix_caching=False,
                       async_scheduling=False, seed=0)
     config = args.create_engine_config()
     engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
                        log_stats=False, multiprocess_mode=False)
-    return engine, AutoTokenizer.from_pretrained(path)
+    return engine, AutoTokenizer.from_pretrained(path), staging
 
 
 def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
@@ -85,8 +92,9 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
     path = str(model_directory(model_key, Path(model_root)))
     num_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
     layers = tuple(sorted({0, num_layers // 2, num_layers - 1}))
+    staging: str | None = None
     if scenario == PLAIN:
-        engine, tokenizer = _plain_engine(path)
+        engine, tokenizer, staging = _plain_engine(path)
 
         def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
             ids, first = _plain_generate(engine, tokenizer, prompts, max_new_tokens)
@@ -125,6 +133,10 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
         cases.append({"concurrency": concurrency, "samples": samples, "token_ids": token_ids,
                       "peak_rss_mb": peak_rss_bytes() / MIB,
                       "rss_growth_mb": (peak_rss_bytes() - before) / MIB if reset_ok else None})
+    if staging is not None:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
     return {"scenario": scenario, "model_path": path, "layers": list(layers), "cases": cases,
             "prompt_length": prompt_length}
 
