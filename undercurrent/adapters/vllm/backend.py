@@ -77,6 +77,39 @@ def reads_prompt_tokens(point: ExtractionPoint) -> bool:
     return True
 
 
+def cpu_thread_binding(ranks: int, cpus: Sequence[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` workers sharing ``cpus``: contiguous,
+    equal groups (``"0|1"``, ``"0-3|4-7"``); leftover cores go unused.
+
+    >>> cpu_thread_binding(2, [0, 1, 2, 3, 4])
+    '0-1|2-3'
+    """
+    cpus = sorted(cpus)
+    per_rank = len(cpus) // ranks
+    if per_rank < 1:
+        raise BackendError(
+            f"tensor_parallel_size={ranks} needs at least {ranks} CPU cores on the CPU "
+            f"backend, this process may use {len(cpus)}"
+        )
+    groups = []
+    for rank in range(ranks):
+        part = cpus[rank * per_rank:(rank + 1) * per_rank]
+        groups.append(str(part[0]) if len(part) == 1 else f"{part[0]}-{part[-1]}")
+    return "|".join(groups)
+
+
+def _bind_cpu_threads(ranks: int) -> None:
+    """On vLLM's CPU platform every tensor-parallel rank needs its own cores; the
+    automatic binding wants one NUMA node per rank, which small machines lack."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(
+            ranks, sorted(os.sched_getaffinity(0)))
+
+
 def _finish_reason(completion: Any, eos_ids: frozenset[int]) -> str:
     reason = completion.finish_reason
     if reason == "length":
@@ -182,6 +215,8 @@ class VLLMBackend:
         # "0" keeps it with the engine core (in this process, or in the core's own
         # process when ``multiprocess``), which saves a process start.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if tensor_parallel_size > 1:
+            _bind_cpu_threads(tensor_parallel_size)
         from transformers import AutoTokenizer
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
