@@ -3,8 +3,8 @@ concurrent requests, on each benchmark model (saved to a directory vLLM loads).
 
 Each scenario runs in a spawned process of its own (two vLLM engines do not
 share a process). The plain baseline drives an ``LLMEngine`` configured like
-undercurrent's (eager, in-process engine core, synchronous scheduling, no prefix
-caching, same KV cache size) step by step, without the worker extension.
+undercurrent's (eager, engine core and its single worker in-process, synchronous
+scheduling, no prefix caching, same KV cache size) step by step, without the worker extension.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def vllm_unavailable_reason() -> str | None:
 
 def _plain_engine(path: str) -> tuple[Any, Any, str | None]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    # The same process layout as undercurrent's backend: the single CPU worker stays
+    # with the engine core instead of moving into a process of its own.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -125,10 +128,11 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
         samples = []
         token_ids: list[list[int]] = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            cpu_start, start = time.process_time(), time.perf_counter()
             token_ids, first, records = generate(prompts)
             wall = time.perf_counter() - start
-            samples.append({"wall_s": wall, "ttft_s": first, "records": records,
+            samples.append({"wall_s": wall, "cpu_s": time.process_time() - cpu_start,
+                            "ttft_s": first, "records": records,
                             "new_tokens": sum(len(t) for t in token_ids)})
         cases.append({"concurrency": concurrency, "samples": samples, "token_ids": token_ids,
                       "peak_rss_mb": peak_rss_bytes() / MIB,
@@ -187,6 +191,9 @@ def vllm_rows(model_key: str, results: dict[str, Any] | None, reason: str | None
                 base_walls = [s["wall_s"] for s in base["samples"]]
                 pairs = zip(walls, base_walls, strict=False)
                 row["overhead_ratio"] = spread([w / b for w, b in pairs])
+                cpu_pairs = zip(case["samples"], base["samples"], strict=False)
+                row["cpu_overhead_ratio"] = spread(
+                    [c["cpu_s"] / b["cpu_s"] for c, b in cpu_pairs if b.get("cpu_s")])
                 row["tokens_match"], row["token_check"] = _token_check(
                     case["token_ids"], base["token_ids"])
             rows.append(row)
