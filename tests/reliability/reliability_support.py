@@ -184,15 +184,19 @@ class Hangs(Recorder):
 
 
 class Interrupts(Recorder):
-    """Raises ``KeyboardInterrupt`` at generated index ``at`` (as Ctrl-C would,
-    arriving while the probe runs on the generation thread)."""
+    """Raises ``KeyboardInterrupt`` (or ``SystemExit``) at generated index ``at``, as
+    Ctrl-C would while the probe runs on the generation thread; only while ``armed``
+    is set, and only once (it clears ``armed``)."""
+
+    armed = threading.Event()
 
     def __init__(self, at: int = 2, error: str = "keyboard") -> None:
         self.at = at
         self.error = error
 
     def on_activation(self, record: Any) -> ProbeSignal:
-        if record.generated_index == self.at:
+        if record.generated_index == self.at and type(self).armed.is_set():
+            type(self).armed.clear()
             if self.error == "keyboard":
                 raise KeyboardInterrupt
             raise SystemExit("probe called sys.exit")

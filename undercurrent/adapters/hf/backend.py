@@ -329,11 +329,17 @@ class HFBackend:
                 self.hooks.on_forward = None
                 self.hooks.remove()
             outputs = []
-            for state in states:
-                if state.finish_reason is None:
-                    state.finish_reason = "length"
-                outputs.append(session.close_request(state.request_id, self._final_text(
-                    state, params)))
+            try:
+                for state in states:
+                    if state.finish_reason is None:
+                        state.finish_reason = "length"
+                    outputs.append(session.close_request(state.request_id, self._final_text(
+                        state, params)))
+            except BaseException:
+                # An on_result callback (or an interrupt) failed part-way: end the
+                # requests not closed yet, so the router holds no live request.
+                session.abandon()
+                raise
             return outputs
         finally:
             self._lock.release()

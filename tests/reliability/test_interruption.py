@@ -1,0 +1,233 @@
+"""Item 4 (HF backend): interruption mid-generation. A KeyboardInterrupt or an
+exception from a probe, from the main thread at a random moment, from a streaming
+consumer or from a result callback: it reaches the caller at once, every hook is
+removed, the router holds no live request and its accounting balances, and the
+same ``ProbedModel`` then generates exactly what it generated before.
+
+The vLLM backend's interruption tests run in their own process:
+``tests/reliability/vllm/``."""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from reliability_support import (  # noqa: E402
+    TEST_PROBES,
+    Interrupts,
+    Recorder,
+    live_hooks,
+    point,
+    prompt,
+)
+
+from undercurrent import ProbedModel  # noqa: E402
+
+PROMPTS = [prompt(1, 2, 3), prompt(4, 5), prompt(6, 7, 8, 9)]
+NEW = 12
+SPEC = [point("inline", probe_type="recorder"),
+        point("async", probe_type="recorder", execution_mode="async"),
+        point("blocking", probe_type="recorder", layers=(1,),
+              intervention={"mode": "block_until_signal", "timeout_ms": 5000}),
+        point("interrupts", probe_type="interrupts", probe_args={"at": 3})]
+
+
+@pytest.fixture(autouse=True)
+def _disarmed(caplog: pytest.LogCaptureFixture) -> Any:
+    caplog.set_level(logging.CRITICAL, logger="undercurrent.router")
+    Interrupts.armed.clear()
+    yield
+    Interrupts.armed.clear()
+
+
+@pytest.fixture(scope="module")
+def probed(tiny: tuple[Any, Any]) -> Any:
+    model, tokenizer = tiny
+    with ProbedModel(model, tokenizer, spec=SPEC, probes=TEST_PROBES) as pm:
+        yield pm
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny: tuple[Any, Any]) -> list[Any]:
+    """A fresh ProbedModel's outputs for the same prompts (the oracle)."""
+    model, tokenizer = tiny
+    with ProbedModel(model, tokenizer, spec=SPEC, probes=TEST_PROBES) as pm:
+        return pm.generate(PROMPTS, max_new_tokens=NEW)
+
+
+def _verdicts(outputs: list[Any]) -> list[dict[str, Any]]:
+    return [{name: result.verdict for name, result in output.results.items()}
+            for output in outputs]
+
+
+def assert_clean_and_healthy(pm: Any, baseline: list[Any]) -> None:
+    """No hook, no live request, balanced totals, and the next generation equals the
+    oracle's tokens and every probe's verdict."""
+    assert live_hooks(pm.backend.model) == 0
+    assert pm.router.live_requests() == ()
+    totals = pm.router.metrics()["totals"]
+    assert totals["received"] == totals["processed"] + totals["dropped"], totals
+    assert not [t for t in threading.enumerate() if t.name.startswith("undercurrent-stream")]
+    again = pm.generate(PROMPTS, max_new_tokens=NEW)
+    assert [o.token_ids for o in again] == [o.token_ids for o in baseline]
+    assert _verdicts(again) == _verdicts(baseline)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("error", ["keyboard", "exit"])
+def test_an_interrupt_raised_by_an_inline_probe_reaches_the_caller_at_once(
+        tiny, probed, baseline, error, figures) -> None:
+    expected = KeyboardInterrupt if error == "keyboard" else SystemExit
+    model, tokenizer = tiny
+    Interrupts.armed.set()
+    with ProbedModel(model, tokenizer, spec=[*SPEC[:3], point(
+            "interrupts", probe_type="interrupts", probe_args={"at": 3, "error": error})],
+                     router=probed.router) as pm:
+        started = time.perf_counter()
+        with pytest.raises(expected):
+            pm.generate(PROMPTS, max_new_tokens=NEW)
+        elapsed = time.perf_counter() - started
+    # Before the fix this waited out the router's 10 s drain timeout for a binding
+    # left marked busy by the interrupted call.
+    assert elapsed < 5.0, elapsed
+    assert_clean_and_healthy(probed, baseline)
+    figures.add("interruption", **{f"probe_{error}_to_caller_s": round(elapsed, 3)})
+
+
+class CtrlCSoon(Recorder):
+    """At generated index ``plan[0]`` (while ``armed``), schedules a Ctrl-C
+    (``_thread.interrupt_main``) ``plan[1]`` seconds later: it lands wherever the
+    main thread happens to be (a forward pass, a hook, the router, sampling)."""
+
+    armed = threading.Event()
+    plan = (0, 0.0)
+
+    def on_activation(self, record: Any) -> Any:
+        at, delay = type(self).plan
+        if record.generated_index == at and type(self).armed.is_set():
+            type(self).armed.clear()
+            threading.Timer(delay, _thread.interrupt_main).start()
+        return super().on_activation(record)
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
+                                                                       figures) -> None:
+    model, tokenizer = tiny
+    spec = [*SPEC[:3], point("ctrl_c", probe_type="ctrl_c_soon", execution_mode="async")]
+    with ProbedModel(model, tokenizer, spec=spec,
+                     probes={**TEST_PROBES, "ctrl_c_soon": CtrlCSoon}) as pm:
+        reference = pm.generate(PROMPTS, max_new_tokens=NEW)
+        assert [o.token_ids for o in reference] == [o.token_ids for o in baseline]
+        rng = random.Random(2024)
+        landed = 0
+        trials = 12
+        for _ in range(trials):
+            CtrlCSoon.plan = (rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
+            CtrlCSoon.armed.set()
+            finished = False
+            try:
+                pm.generate(PROMPTS, max_new_tokens=NEW)
+                finished = True
+                time.sleep(1.0)  # an interrupt that comes after generation lands here
+            except KeyboardInterrupt:
+                pass
+            landed += not finished
+            assert live_hooks(model) == 0 and pm.router.live_requests() == ()
+            totals = pm.router.metrics()["totals"]
+            assert totals["received"] == totals["processed"] + totals["dropped"], totals
+            again = pm.generate(PROMPTS, max_new_tokens=NEW)
+            assert [o.token_ids for o in again] == [o.token_ids for o in baseline]
+            assert [o.results["inline"].verdict for o in again] == [
+                o.results["inline"].verdict for o in baseline]
+    assert landed >= trials - 2, f"only {landed} of {trials} interrupts hit a generation"
+    assert_clean_and_healthy(probed, baseline)
+    figures.add("interruption", random_ctrl_c_trials=trials, random_ctrl_c_mid_generation=landed)
+
+
+def _consume(pm: Any, how: str) -> list[int]:
+    """Iterate a stream and stop after three tokens in the way ``how`` says. The
+    stream is referenced by the loop alone, as in ``for event in pm.stream(...)``."""
+    seen: list[int] = []
+    if how == "close":
+        stream = pm.stream(PROMPTS[0], max_new_tokens=NEW)
+        for event in stream:
+            seen.append(event.token_id)
+            if len(seen) == 3:
+                stream.close()
+        return seen
+    for event in pm.stream(PROMPTS[0], max_new_tokens=NEW):
+        seen.append(event.token_id)
+        if len(seen) == 3:
+            if how == "RuntimeError":
+                raise RuntimeError("consumer failed")
+            if how == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            break  # "break": the generator is dropped with the loop
+    return seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["RuntimeError", "KeyboardInterrupt", "close", "break"])
+def test_a_streaming_consumer_that_fails_or_stops_early_leaves_nothing_behind(
+        probed, baseline, how) -> None:
+    if how in ("RuntimeError", "KeyboardInterrupt"):
+        with pytest.raises((RuntimeError, KeyboardInterrupt)):
+            _consume(probed, how)
+    else:
+        assert _consume(probed, how) == list(baseline[0].token_ids[:3])
+    assert_clean_and_healthy(probed, baseline)
+    events = list(probed.stream(PROMPTS[0], max_new_tokens=NEW))
+    assert [e.token_id for e in events[:-1]] == list(baseline[0].token_ids)
+    assert events[-1].finished and events[-1].output.token_ids == baseline[0].token_ids
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_consuming_a_stream_leaves_nothing_behind(probed, baseline,
+                                                               figures) -> None:
+    rng = random.Random(7)
+    landed = 0
+    for _ in range(6):
+        timer = threading.Timer(rng.uniform(0.0, 0.3), _thread.interrupt_main)
+        finished = False
+        try:
+            timer.start()
+            _consume(probed, "all")
+            finished = True
+            timer.join()
+            time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            timer.cancel()
+        landed += not finished
+        assert_clean_and_healthy(probed, baseline)
+    figures.add("interruption", stream_ctrl_c_trials=6, stream_ctrl_c_mid_stream=landed)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_result_callback_propagates_and_ends_every_request(tiny, probed,
+                                                                    baseline) -> None:
+    calls = []
+
+    def on_result(result: Any) -> None:
+        calls.append(result.request_id)
+        raise RuntimeError("callback failed")
+
+    model, tokenizer = tiny
+    with ProbedModel(model, tokenizer, spec=SPEC, router=probed.router,
+                     on_result=on_result) as pm:
+        with pytest.raises(RuntimeError, match="callback failed"):
+            pm.generate(PROMPTS, max_new_tokens=NEW)
+    assert len(calls) == 1
+    # Before the fix the other two requests of the batch stayed live in the router.
+    assert_clean_and_healthy(probed, baseline)
