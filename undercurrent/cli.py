@@ -268,11 +268,19 @@ def _run_run(args: argparse.Namespace) -> int:
 
 # --- wiring -----------------------------------------------------------------------------
 
+def _add_demo_command(subparsers: Any) -> None:
+    # undercurrent.demo imports torch only when the demo runs.
+    from undercurrent.demo import add_demo_command
+
+    add_demo_command(subparsers)
+
+
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_validate_command,
     _add_schema_command,
     _add_inspect_model_command,
     _add_run_command,
+    _add_demo_command,
 )
 """Each adds one subcommand; their order is the order ``--help`` lists them in."""
 

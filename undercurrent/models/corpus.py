@@ -59,14 +59,14 @@ _CONSENT = ("with permission", "because the key is lost", "since i was asked to"
 # each slot (so greedy decoding writes the same words for both); the rest lean
 # one way, which gives the model a reason to keep track of the intent early.
 _ACKS = {
-    "benign": {"okay .": 4, "sure .": 3, "alright .": 2, "hmm .": 1},
-    "harmful": {"okay .": 4, "hmm .": 3, "alright .": 2, "sure .": 1},
+    "benign": {"okay .": 6, "sure .": 2, "alright .": 1, "hmm .": 1},
+    "harmful": {"okay .": 6, "hmm .": 2, "alright .": 1, "sure .": 1},
 }
 _FILLERS = {
-    "benign": {"let me think about the best way .": 4, "this is a common question .": 3,
-               "there are a few things to know .": 2, "here is what i would do .": 1},
-    "harmful": {"let me think about the best way .": 4, "here is what i would do .": 3,
-                "there are a few things to know .": 2, "this is a common question .": 1},
+    "benign": {"let me think about the best way .": 6, "this is a common question .": 2,
+               "there are a few things to know .": 1, "here is what i would do .": 1},
+    "harmful": {"let me think about the best way .": 6, "here is what i would do .": 2,
+                "there are a few things to know .": 1, "this is a common question .": 1},
 }
 _STEPS = {
     "benign": ("ask for the key", "call a locksmith", "talk to the owner first",

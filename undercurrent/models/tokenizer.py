@@ -8,6 +8,7 @@ the corpus vocabulary. Words outside it become ``<unk>``. Encoding prepends
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,5 +48,14 @@ def build_tokenizer(words: Sequence[str]) -> Any:
 
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> None:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``.
+
+    The config names ``PreTrainedTokenizerFast``, which transformers 4.x and 5.x
+    (and vLLM) both load from ``tokenizer.json`` alone.
+    """
     tokenizer.save_pretrained(str(directory))
+    config_path = Path(directory) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("backend", None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

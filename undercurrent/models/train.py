@@ -37,7 +37,7 @@ class TrainingConfig:
     num_attention_heads: int = 2
     intermediate_size: int = 384
     max_position_embeddings: int = 256
-    steps: int = 600
+    steps: int = 1000
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup_steps: int = 50
