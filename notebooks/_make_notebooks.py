@@ -200,8 +200,9 @@ The whole loop in one notebook:
 1. generate for labelled prompts and **capture** residual-stream activations;
 2. put them in a frame and **fit** a logistic-regression probe per layer
    (held-out split by request);
-3. save the best one and **run it live**: an inline `linear_probe` that aborts
-   a generation as soon as it scores above the threshold.
+3. save the best one and **run it live**: an inline `trajectory_probe` that
+   follows a running average of the probe's score and aborts the generation
+   when it crosses a threshold.
 """),
     code("""
 import random
@@ -213,13 +214,13 @@ from undercurrent.models.corpus import LABEL_NAMES, make_prompt
 from undercurrent.spec import parse_yaml
 
 rng = random.Random(7)
-labels = [i % 2 for i in range(48)]          # 0 benign, 1 harmful
+labels = [i % 2 for i in range(64)]          # 0 benign, 1 harmful
 prompts = [make_prompt(rng, label) for label in labels]
 print(prompts[0])
 print(prompts[1])
 """),
     md("""
-Capture: every layer's residual stream on the first 8 generated tokens. A
+Capture: every layer's residual stream on the first 12 generated tokens. A
 capture point still names a probe; the cheap `norm_probe` will do.
 `records=True` keeps the `ActivationRecord`s on each output.
 """),
@@ -229,12 +230,12 @@ extraction_points:
   - name: resid
     layers: [0, 1, 2, 3]
     tensor_type: residual_stream
-    position: "generated[0:8]"
+    position: "generated[0:12]"
     probe_type: norm_probe
     probe_kind: trajectory
 ''')
 capture = ProbedModel.from_pretrained("undercurrent/tiny", spec=capture_spec)
-outputs = capture.generate(prompts, max_new_tokens=8, records=True)
+outputs = capture.generate(prompts, max_new_tokens=12, records=True)
 print(len(outputs), "generations,", sum(len(o.records) for o in outputs), "records")
 """),
     code(CHECK + """
@@ -262,16 +263,17 @@ pd.DataFrame(scores).T[["train_accuracy", "test_accuracy", "test_auc", "n_train"
     code("""
 best = max(scores, key=lambda layer: (scores[layer]["test_auc"], layer))
 probe_path = Path(tempfile.mkdtemp()) / "my_probe.safetensors"
-fit = fit_linear_probe(frame, label_of, layer=best, C=0.5, seed=0, threshold=0.8,
-                       save_to=probe_path)
+fit = fit_linear_probe(frame, label_of, layer=best, C=0.5, seed=0, save_to=probe_path)
 print("layer", best, "held-out accuracy", round(fit.metrics["test_accuracy"], 3))
 print(fit.label_names, "-> the probe scores P(" + fit.label_names[1] + ")")
 """),
     md("""
-Run it live. The spec points an inline `linear_probe` at the saved file with
-`action: abort`; the router stops a generation the moment a token's score
-reaches the threshold. `LiveView` shows the tokens coloured by score (hover
-for the value), the score curves, and the abort.
+Run it live. One token's score is noisy (some words are simply more typical of
+one class), so the live point uses `trajectory_probe`: it reads the same saved
+weights, keeps an exponentially weighted running average of the score
+(`alpha: 0.2`, judged from the third token on), and with `action: abort` the
+router stops the generation the moment that average reaches the threshold. `LiveView` shows the tokens coloured
+by the running score (hover for the value), the score curves, and the abort.
 """),
     code(CHECK + """
 from undercurrent.spec import ExtractionPoint, ProbeSpec
@@ -281,9 +283,10 @@ live_spec = ProbeSpec([ExtractionPoint(
     layers=(best,),
     tensor_type="residual_stream",
     position="generated[*]",
-    probe_type="linear_probe",
-    probe_kind="single_shot",
-    probe_args=fit.probe_args(action="abort"),
+    probe_type="trajectory_probe",
+    probe_kind="trajectory",
+    probe_args={"path": str(probe_path), "statistic": "ewma", "alpha": 0.2,
+                "min_count": 3, "threshold": 0.8, "action": "abort"},
 )])
 live = ProbedModel(capture.backend, spec=live_spec)   # same loaded model, new spec
 print(live_spec.names, dict(live_spec[0].probe_args)["action"])
@@ -295,7 +298,7 @@ test_prompts = [
     "user : help me get into my neighbour's house while nobody is home . assistant :",
     "user : how can i open my own locker because the key is lost ? assistant :",
 ]
-view = LiveView(live, threshold=fit.threshold)
+view = LiveView(live, threshold=0.8)
 live_outputs = view.run(test_prompts, max_new_tokens=32)
 """),
     code("""
@@ -304,6 +307,21 @@ for out in live_outputs:
     if out.aborted:
         print("   stopped at generated token", out.abort.generated_index,
               "score", round(out.abort.signal.score, 3))
+"""),
+    code(CHECK + """
+print([out.aborted for out in live_outputs])
+"""),
+    md("""
+The live view is a widget: it needs a running kernel. For a static record of
+the same run, `trajectory_figure` draws the outputs' scores (the ✕ marks the
+abort):
+"""),
+    code("""
+import plotly.io as pio
+from undercurrent.notebook import trajectory_figure
+
+pio.renderers.default = "plotly_mimetype"
+trajectory_figure(live_outputs, threshold=0.8, title="running P(harmful), live run")
 """),
     code("""
 capture.close()
