@@ -64,8 +64,9 @@ class ModelBundle:
 def character_tokenizer() -> Any:
     """A character-level fast tokenizer built in code (no hub, no files).
 
-    Every printable ASCII character is one token, plus ``<pad>``, ``<eos>`` and
-    ``<unk>``; it is enough to drive a random-init model with real strings.
+    Every printable ASCII character is one token, plus ``<pad>``, ``<unk>`` and an
+    ``<eos>`` that is deliberately not declared as EOS (benchmarks generate fixed
+    lengths); it is enough to drive a random-init model with real strings.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -76,11 +77,20 @@ def character_tokenizer() -> Any:
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>",
+                                        unk_token="<unk>")
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def fixed_length(model: Any, tokenizer: Any) -> None:
+    """Take EOS away from the model and the tokenizer, so every scenario (whatever
+    it reads EOS from) generates exactly ``max_new_tokens``: equal work per scenario
+    and equal-length outputs for the token check, as vLLM's ``ignore_eos`` does."""
+    tokenizer.eos_token = None
+    model.config.eos_token_id = None
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 def random_llama(key: str, sizes: dict[str, int], description: str) -> ModelBundle:
@@ -101,8 +111,7 @@ def random_llama(key: str, sizes: dict[str, int], description: str) -> ModelBund
     )
     torch.manual_seed(MODEL_SEED)
     model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    fixed_length(model, tokenizer)
     return ModelBundle(key, description, model, tokenizer, config.num_hidden_layers)
 
 
@@ -126,9 +135,7 @@ def bundled_model() -> ModelBundle:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    # Fixed-length generation: the token check compares equal-length outputs.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    fixed_length(model, tokenizer)
     layers = model.config.num_hidden_layers
     return ModelBundle("tiny", f"bundled tiny model ({path.name})", model, tokenizer, layers)
 
