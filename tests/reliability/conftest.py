@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 
+if os.environ.get("UNDERCURRENT_VLLM_ENGINE_TESTS") != "1":
+    # Engine tests run in a process of their own (test_vllm_reliability.py starts it):
+    # vLLM patches libraries and initialises process-wide state.
+    collect_ignore = ["vllm_engine_reliability.py"]
+
 _FIGURES: dict[str, dict[str, Any]] = {}
 
 

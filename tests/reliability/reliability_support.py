@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from functools import cache
 from typing import Any
@@ -234,3 +235,52 @@ def soak_seconds(default: float) -> float:
     """``UNDERCURRENT_SOAK_SECONDS`` when set (the long mode), else ``default``."""
     raw = os.environ.get("UNDERCURRENT_SOAK_SECONDS")
     return float(raw) if raw else default
+
+
+# -- soak bookkeeping -----------------------------------------------------------------------
+
+
+class SoakLedger:
+    """What every generation thread of a soak saw, merged under a lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.records: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self.failures: list[str] = []
+
+
+def expected_seen(output: Any, name: str) -> list[int]:
+    """The token indices a ``recorder`` point of the soak specs must have seen."""
+    prompt_len = len(output.prompt_token_ids)
+    fed = len(output.token_ids) - 1  # the last sampled token is never fed back
+    if name == "inline_prompt":
+        return [prompt_len - 1] * 2  # layers 0 and 1
+    if name == "async_kv":
+        return [prompt_len + g for g in range(min(fed, 8))]
+    return [prompt_len + g for g in range(fed)]
+
+
+def check_soak_output(output: Any, ledger: SoakLedger, drop_policy: str,
+                      may_drop: set[str]) -> None:
+    """Exact accounting on every result; drops only where the policy allows them;
+    every binding that may not drop saw exactly its tokens (records lost = 0)."""
+    for name, result in output.results.items():
+        stats = result.stats
+        problems = []
+        if stats.received != stats.processed + stats.dropped:
+            problems.append(f"received {stats.received} != processed {stats.processed} + "
+                            f"dropped {stats.dropped}")
+        if stats.errors or stats.timeouts or result.error:
+            problems.append(f"errors {stats.errors}, timeouts {stats.timeouts}: {result.error}")
+        allowed = name in may_drop and drop_policy != "block"
+        if stats.dropped and not allowed:
+            problems.append(f"dropped {stats.dropped} under {drop_policy}")
+        if not allowed and result.verdict["seen"] != expected_seen(output, name):
+            problems.append(f"saw {result.verdict['seen']}, expected "
+                            f"{expected_seen(output, name)}")
+        with ledger.lock:
+            ledger.records[name] += stats.received
+            ledger.dropped[name] += stats.dropped
+            ledger.failures += [f"{output.request_id}/{name}: {p}" for p in problems]

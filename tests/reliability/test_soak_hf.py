@@ -19,7 +19,6 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -30,6 +29,8 @@ psutil = pytest.importorskip("psutil")
 
 from reliability_support import (  # noqa: E402
     TEST_PROBES,
+    SoakLedger,
+    check_soak_output,
     live_hooks,
     point,
     prompt,
@@ -56,49 +57,7 @@ SPEC = [
 MAY_DROP = {"async_slow"}
 
 
-class Ledger:
-    """What every generation thread saw, merged under a lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests = 0
-        self.records = Counter[str]()
-        self.dropped = Counter[str]()
-        self.failures: list[str] = []
-
-
-def _expected_seen(output: Any, name: str) -> list[int]:
-    prompt_len = len(output.prompt_token_ids)
-    fed = len(output.token_ids) - 1  # the last sampled token is never fed back
-    if name == "inline_prompt":
-        return [prompt_len - 1] * 2  # two layers
-    if name == "async_kv":
-        return [prompt_len + g for g in range(min(fed, 8))]
-    return [prompt_len + g for g in range(fed)]
-
-
-def _check(output: Any, ledger: Ledger, drop_policy: str) -> None:
-    for name, result in output.results.items():
-        stats = result.stats
-        problems = []
-        if stats.received != stats.processed + stats.dropped:
-            problems.append(f"received {stats.received} != processed {stats.processed} + "
-                            f"dropped {stats.dropped}")
-        if stats.errors or stats.timeouts or result.error:
-            problems.append(f"errors {stats.errors}, timeouts {stats.timeouts}: {result.error}")
-        allowed = name in MAY_DROP and drop_policy != "block"
-        if stats.dropped and not allowed:
-            problems.append(f"dropped {stats.dropped} under {drop_policy}")
-        if not allowed and result.verdict["seen"] != _expected_seen(output, name):
-            problems.append(f"saw {result.verdict['seen']}, expected "
-                            f"{_expected_seen(output, name)}")
-        with ledger.lock:
-            ledger.records[name] += stats.received
-            ledger.dropped[name] += stats.dropped
-            ledger.failures += [f"{output.request_id}/{name}: {p}" for p in problems]
-
-
-def _worker(pm: Any, seed: int, deadline: float, ledger: Ledger, drop_policy: str) -> None:
+def _worker(pm: Any, seed: int, deadline: float, ledger: SoakLedger, drop_policy: str) -> None:
     rng = random.Random(seed)
     try:
         while time.monotonic() < deadline:
@@ -109,7 +68,7 @@ def _worker(pm: Any, seed: int, deadline: float, ledger: Ledger, drop_policy: st
                                   temperature=0.8 if sampling else 0.0,
                                   seed=rng.randrange(1000) if sampling else None)
             for output in outputs:
-                _check(output, ledger, drop_policy)
+                check_soak_output(output, ledger, drop_policy, MAY_DROP)
             with ledger.lock:
                 ledger.requests += len(outputs)
     except BaseException as error:  # noqa: BLE001 - reported by the test
@@ -132,7 +91,7 @@ def test_soak_hf_batched_concurrent_requests(tiny, figures, caplog) -> None:
     plans = [(blocking, "block", 1), (blocking, "block", 2), (dropping, "drop_oldest", 3)]
     models = [ProbedModel(copy.deepcopy(model), tokenizer, spec=SPEC, router=router,
                           batch_size=8) for router, _, _ in plans]
-    ledger = Ledger()
+    ledger = SoakLedger()
     # Warm up (allocator pools, lazy imports), then measure from a steady state.
     for pm in models:
         pm.generate([prompt(1, 2), prompt(3)], max_new_tokens=4)

@@ -1,0 +1,245 @@
+"""Items 4 and 5 on the vLLM backend (one in-process engine for the whole file).
+
+Run by ``test_vllm_reliability.py`` in a pytest process of its own with
+UNDERCURRENT_VLLM_ENGINE_TESTS=1. By hand::
+
+    UNDERCURRENT_VLLM_ENGINE_TESTS=1 .venv/bin/python -m pytest \\
+        tests/reliability/vllm_engine_reliability.py
+"""
+
+from __future__ import annotations
+
+import _thread
+import gc
+import logging
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm" / "engine"))
+from reliability_support import (  # noqa: E402
+    TEST_PROBES,
+    Interrupts,
+    Recorder,
+    SoakLedger,
+    check_soak_output,
+    point,
+    soak_seconds,
+)
+from vllm_engine_helpers import model_for_tests  # noqa: E402
+
+from undercurrent.api import ProbedModel  # noqa: E402
+from undercurrent.router import Router  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat and ran far away into "
+         "deep dark wood where owls sing at night").split()
+NEW = 8
+SOAK_S = soak_seconds(10.0)
+
+
+def text(rng: random.Random, length: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(length))
+
+
+PROMPTS = [text(random.Random(i), 3 + (5 * i) % 17) for i in range(12)]
+
+
+class CtrlCSoon(Recorder):
+    """At generated index ``plan[0]`` (while armed) schedules a Ctrl-C ``plan[1]`` s later."""
+
+    armed = threading.Event()
+    plan = (0, 0.0)
+
+    def on_activation(self, record: Any) -> Any:
+        at, delay = type(self).plan
+        if record.generated_index == at and type(self).armed.is_set():
+            type(self).armed.clear()
+            threading.Timer(delay, _thread.interrupt_main).start()
+        return super().on_activation(record)
+
+
+PROBES = {**TEST_PROBES, "ctrl_c_soon": CtrlCSoon}
+SPEC = [point("inline", probe_type="recorder"),
+        point("blocking", probe_type="recorder", layers=(1,),
+              intervention={"mode": "block_until_signal", "timeout_ms": 10_000}),
+        point("async", probe_type="recorder", execution_mode="async", queue_depth=256),
+        point("interrupts", probe_type="interrupts", probe_args={"at": 3}),
+        point("ctrl_c", probe_type="ctrl_c_soon", execution_mode="async", queue_depth=256)]
+
+
+@pytest.fixture(autouse=True)
+def _quiet(caplog: pytest.LogCaptureFixture) -> Any:
+    caplog.set_level(logging.CRITICAL, logger="undercurrent.router")
+    Interrupts.armed.clear()
+    CtrlCSoon.armed.clear()
+    yield
+    Interrupts.armed.clear()
+    CtrlCSoon.armed.clear()
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    loaded = VLLMBackend.from_pretrained(model_for_tests(tmp_path_factory), dtype="float32",
+                                         max_model_len=512, max_num_seqs=32)
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="module")
+def router() -> Any:
+    with Router(PROBES) as shared:
+        yield shared
+
+
+@pytest.fixture(scope="module")
+def probed(backend: Any, router: Any) -> Any:
+    return ProbedModel(backend, spec=SPEC, router=router)
+
+
+@pytest.fixture(scope="module")
+def baseline(probed: Any) -> list[Any]:
+    return probed.generate(PROMPTS, max_new_tokens=NEW)
+
+
+def _verdicts(outputs: list[Any]) -> list[Any]:
+    return [output.results["inline"].verdict for output in outputs]
+
+
+def assert_clean_and_healthy(pm: Any, baseline: list[Any]) -> None:
+    backend = pm.backend
+    assert pm.router.live_requests() == ()
+    assert not backend.engine.has_unfinished_requests()
+    assert not backend._busy.locked()
+    totals = pm.router.metrics()["totals"]
+    assert totals["received"] == totals["processed"] + totals["dropped"], totals
+    again = pm.generate(PROMPTS, max_new_tokens=NEW)
+    assert [o.token_ids for o in again] == [o.token_ids for o in baseline]
+    assert _verdicts(again) == _verdicts(baseline)
+
+
+def test_baseline_probes_see_every_fed_back_token(baseline) -> None:
+    for output in baseline:
+        assert len(output.token_ids) == NEW
+        start = len(output.prompt_token_ids)
+        assert output.results["inline"].verdict["seen"] == list(range(start, start + NEW - 1))
+        assert output.results["async"].verdict == output.results["inline"].verdict
+
+
+@pytest.mark.parametrize("error", ["keyboard", "exit"])
+def test_an_interrupt_raised_by_an_inline_probe_reaches_the_caller(probed, baseline, error,
+                                                                   figures) -> None:
+    pm = ProbedModel(probed.backend, router=probed.router, spec=[*SPEC[:3], point(
+        "interrupts", probe_type="interrupts", probe_args={"at": 3, "error": error})])
+    Interrupts.armed.set()
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt if error == "keyboard" else SystemExit):
+        pm.generate(PROMPTS, max_new_tokens=NEW)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10.0, elapsed
+    assert_clean_and_healthy(probed, baseline)
+    figures.add("interruption_vllm", **{f"probe_{error}_to_caller_s": round(elapsed, 3)})
+
+
+@pytest.mark.parametrize("how", ["RuntimeError", "KeyboardInterrupt", "break"])
+def test_a_streaming_consumer_that_fails_or_stops_early_leaves_nothing_behind(
+        probed, baseline, how) -> None:
+    def consume() -> list[int]:
+        seen = []
+        for event in probed.stream(PROMPTS[0], max_new_tokens=NEW):
+            seen.append(event.token_id)
+            if len(seen) == 3:
+                if how == "RuntimeError":
+                    raise RuntimeError("consumer failed")
+                if how == "KeyboardInterrupt":
+                    raise KeyboardInterrupt
+                break
+        return seen
+
+    if how == "break":
+        assert consume() == list(baseline[0].token_ids[:3])
+    else:
+        with pytest.raises((RuntimeError, KeyboardInterrupt)):
+            consume()
+    gc.collect()
+    assert_clean_and_healthy(probed, baseline)
+
+
+def test_ctrl_c_at_random_moments_leaves_a_clean_reusable_engine(probed, baseline,
+                                                                 figures) -> None:
+    rng = random.Random(11)
+    trials, landed = 5, 0
+    for _ in range(trials):
+        CtrlCSoon.plan = (rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
+        CtrlCSoon.armed.set()
+        finished = False
+        try:
+            probed.generate(PROMPTS, max_new_tokens=NEW)
+            finished = True
+            time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+        landed += not finished
+        assert_clean_and_healthy(probed, baseline)
+    assert landed >= trials - 1
+    figures.add("interruption_vllm", random_ctrl_c_trials=trials,
+                random_ctrl_c_mid_generation=landed)
+
+
+SOAK_SPEC = [
+    point("inline", probe_type="recorder"),
+    point("inline_prompt", probe_type="recorder", position="prompt[-1]", layers=(0, 1)),
+    point("blocking", probe_type="recorder", layers=(1,),
+          intervention={"mode": "block_until_signal", "timeout_ms": 10_000}),
+    point("async", probe_type="recorder", execution_mode="async", queue_depth=256),
+    point("async_slow", probe_type="sleeps", probe_args={"seconds": 0.004},
+          execution_mode="async", queue_depth=2),
+]
+
+
+@pytest.mark.parametrize("policy", ["block", "drop_oldest"])
+def test_soak_continuous_batching(backend, policy, figures) -> None:
+    import psutil
+
+    process = psutil.Process()
+    rng = random.Random(5)
+    ledger = SoakLedger()
+    with Router(PROBES, default_overflow=policy) as router:
+        pm = ProbedModel(backend, spec=SOAK_SPEC, router=router)
+        pm.generate(PROMPTS[:4], max_new_tokens=4)  # warm up
+        gc.collect()
+        rss_start = process.memory_info().rss / 2**20
+        samples = [rss_start]
+        started = time.monotonic()
+        while time.monotonic() < started + SOAK_S / 2:
+            prompts = [text(rng, rng.randint(1, 40)) for _ in range(rng.randint(8, 32))]
+            sampling = rng.random() < 0.5
+            outputs = pm.generate(prompts, max_new_tokens=rng.randint(2, 16),
+                                  temperature=0.8 if sampling else 0.0,
+                                  seed=rng.randrange(1000) if sampling else None)
+            for output in outputs:
+                check_soak_output(output, ledger, policy, {"async_slow"})
+            ledger.requests += len(outputs)
+            gc.collect()
+            samples.append(process.memory_info().rss / 2**20)
+        elapsed = time.monotonic() - started
+        assert router.live_requests() == ()
+        totals = router.metrics()["totals"]
+        assert totals["received"] == totals["processed"] + totals["dropped"]
+    assert ledger.failures == [], "\n".join(ledger.failures[:20])
+    assert not backend.engine.has_unfinished_requests()
+    middle = samples[len(samples) // 2]
+    assert samples[-1] - middle < 32, samples
+    records = sum(ledger.records.values())
+    figures.add(f"soak_vllm_{policy}", seconds=round(elapsed, 1), requests=ledger.requests,
+                records_routed=records, records_per_s=round(records / elapsed),
+                dropped_by_policy={k: v for k, v in ledger.dropped.items() if v},
+                records_lost=0, rss_start_mb=round(rss_start, 1),
+                rss_end_mb=round(samples[-1], 1),
+                rss_growth_second_half_mb=round(samples[-1] - middle, 1))
