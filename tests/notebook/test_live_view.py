@@ -95,7 +95,7 @@ def test_an_abort_is_marked_in_the_text_the_plot_and_a_message():
     view = LiveView(ScriptedModel({"a": [0.1, 0.95, 0.2], "b": [0.1, 0.2]}, abort_at={"a": 1}))
     view.run(["a", "b"], display=False)
     text = html.unescape(view.text.value)
-    assert text.count("⛔ aborted") == 1
+    assert text.count("✖ aborted") == 1
     assert "outline:2px solid #b00020" in text and "token 1: score 0.950 (abort)" in text
     message = html.unescape(view.message.value)
     assert "req-a" in message and "aborted by 'watch' (layer 2) at generated token 1" in message
@@ -137,3 +137,12 @@ def test_text_is_coloured_by_one_point_on_that_points_own_scale():
     assert _token_scores(view) == ["0.100000", "0.900000"]
     assert "rgba(214,39,40,0.16)" in view.text.value  # 0.1 on the 0..1 scale, not 0..101
     assert {t.name for t in view.figure.data} == {"req-a · watch · L2", "req-a · norm · L0"}
+
+
+def test_finished_plot_carries_its_traces_in_the_widget_state():
+    # A page that connects after the run (Voila, a reload) draws from the state alone.
+    view = LiveView(ScriptedModel({"a": [0.1, 0.5]}))
+    view.run("a", display=False)
+    state = view.figure.get_state()["_widget_data"]
+    assert [list(trace["y"]) for trace in state] == [[0.1, 0.5]]
+    assert view.widget.children[-1] is view.figure

@@ -121,6 +121,22 @@ class LiveView:
         self._render_text()
         self._render_plot(trace)
         self._render_message()
+        if event.finished:
+            self._settle_figure()
+
+    def _settle_figure(self) -> None:
+        """Replace the figure by a fresh copy built from its current data.
+
+        Traces added to a displayed ``FigureWidget`` reach the browser as messages
+        only, not as widget state, so a page that connects later (Voila, a
+        reloaded notebook) would show an empty plot; a widget constructed with
+        the data carries it in its state.
+        """
+        _, go = _modules()
+        fresh = go.FigureWidget(self.figure)
+        old, self.figure = self.figure, fresh
+        self.widget.children = (self.text, self.message, fresh)
+        old.close()
 
     def clear(self) -> None:
         """Forget every request and empty the views."""
@@ -180,7 +196,7 @@ class LiveView:
         marker = ""
         if trace.abort is not None:
             marker = (' <span class="uc-abort" style="color:#b00020;font-weight:bold">'
-                      "⛔ aborted</span>")
+                      "✖ aborted</span>")
         elif not trace.finished:
             marker = ' <span style="color:#999">…</span>'
         prompt = html.escape(trace.prompt, quote=False)
@@ -200,7 +216,7 @@ class LiveView:
             for t in self.state.requests.values() if t.abort is not None
         ]
         self.message.value = (
-            '<div class="uc-abort-message" style="color:#b00020">⛔ ' + "<br>⛔ ".join(lines)
+            '<div class="uc-abort-message" style="color:#b00020">✖ ' + "<br>✖ ".join(lines)
             + "</div>" if lines else ""
         )
 
