@@ -56,11 +56,13 @@ def reference(model_dir, num_layers):
 
 @pytest.fixture(scope="module")
 def backend(model_dir, reference):
-    from undercurrent.adapters.vllm.backend import VLLMBackend
-
-    loaded = VLLMBackend.from_pretrained(model_dir, dtype="float32", max_model_len=256,
-                                         max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=32)
-    yield loaded
+    # Loaded the way users load it; the tests then wrap the same engine in
+    # ProbedModels with different specs.
+    loaded = ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                         max_model_len=256, max_num_batched_tokens=CHUNK_BUDGET,
+                                         max_num_seqs=32)
+    assert loaded.backend.name == "vllm"
+    yield loaded.backend
     loaded.close()
 
 
