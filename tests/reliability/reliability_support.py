@@ -4,6 +4,7 @@ purpose, and the accounting checks every test applies to every result."""
 
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 import time
@@ -217,6 +218,46 @@ class AbortsAt(Recorder):
         return ProbeSignal(score=0.0)
 
 
+class CtrlCSoon(Recorder):
+    """At generated index ``plan[0]`` (while ``armed``) schedules a Ctrl-C
+    (``_thread.interrupt_main``) ``plan[1]`` seconds later: it lands wherever the
+    main thread happens to be (a forward pass, a hook, the router, sampling)."""
+
+    armed = threading.Event()
+    plan = (0, 0.0)
+    timers: list[threading.Timer] = []
+
+    def on_activation(self, record: Any) -> ProbeSignal:
+        at, delay = type(self).plan
+        if record.generated_index == at and type(self).armed.is_set():
+            type(self).armed.clear()
+            timer = threading.Timer(delay, _thread.interrupt_main)
+            type(self).timers.append(timer)
+            timer.start()
+        return super().on_activation(record)
+
+
+def interrupted_by_ctrl_c(action: Any, at: int, delay: float) -> bool:
+    """Run ``action()`` with a :class:`CtrlCSoon` armed; True when the Ctrl-C landed
+    inside it. A Ctrl-C that comes after ``action`` returned is absorbed here, so it
+    can never hit the caller's next statement."""
+    CtrlCSoon.plan = (at, delay)
+    CtrlCSoon.armed.set()
+    finished = False
+    try:
+        try:
+            action()
+            finished = True
+        finally:
+            CtrlCSoon.armed.clear()
+            while CtrlCSoon.timers:
+                CtrlCSoon.timers.pop().join()
+            time.sleep(0.2)  # a simulated signal is acted on at the next bytecode
+    except KeyboardInterrupt:
+        pass
+    return not finished
+
+
 TEST_PROBES = {
     "recorder": Recorder,
     "raises_in_init": RaisesInInit,
@@ -228,6 +269,7 @@ TEST_PROBES = {
     "hangs": Hangs,
     "interrupts": Interrupts,
     "aborts_at": AbortsAt,
+    "ctrl_c_soon": CtrlCSoon,
 }
 
 

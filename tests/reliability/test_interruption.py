@@ -9,7 +9,6 @@ The vLLM backend's interruption tests run in their own process:
 
 from __future__ import annotations
 
-import _thread
 import logging
 import random
 import threading
@@ -24,7 +23,7 @@ pytest.importorskip("transformers")
 from reliability_support import (  # noqa: E402
     TEST_PROBES,
     Interrupts,
-    Recorder,
+    interrupted_by_ctrl_c,
     live_hooks,
     point,
     prompt,
@@ -103,45 +102,21 @@ def test_an_interrupt_raised_by_an_inline_probe_reaches_the_caller_at_once(
     figures.add("interruption", **{f"probe_{error}_to_caller_s": round(elapsed, 3)})
 
 
-class CtrlCSoon(Recorder):
-    """At generated index ``plan[0]`` (while ``armed``), schedules a Ctrl-C
-    (``_thread.interrupt_main``) ``plan[1]`` seconds later: it lands wherever the
-    main thread happens to be (a forward pass, a hook, the router, sampling)."""
-
-    armed = threading.Event()
-    plan = (0, 0.0)
-
-    def on_activation(self, record: Any) -> Any:
-        at, delay = type(self).plan
-        if record.generated_index == at and type(self).armed.is_set():
-            type(self).armed.clear()
-            threading.Timer(delay, _thread.interrupt_main).start()
-        return super().on_activation(record)
-
-
 @pytest.mark.timeout(240)
 def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
                                                                        figures) -> None:
     model, tokenizer = tiny
     spec = [*SPEC[:3], point("ctrl_c", probe_type="ctrl_c_soon", execution_mode="async")]
-    with ProbedModel(model, tokenizer, spec=spec,
-                     probes={**TEST_PROBES, "ctrl_c_soon": CtrlCSoon}) as pm:
+    with ProbedModel(model, tokenizer, spec=spec, probes=TEST_PROBES) as pm:
         reference = pm.generate(PROMPTS, max_new_tokens=NEW)
         assert [o.token_ids for o in reference] == [o.token_ids for o in baseline]
         rng = random.Random(2024)
         landed = 0
         trials = 12
         for _ in range(trials):
-            CtrlCSoon.plan = (rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
-            CtrlCSoon.armed.set()
-            finished = False
-            try:
-                pm.generate(PROMPTS, max_new_tokens=NEW)
-                finished = True
-                time.sleep(1.0)  # an interrupt that comes after generation lands here
-            except KeyboardInterrupt:
-                pass
-            landed += not finished
+            landed += interrupted_by_ctrl_c(
+                lambda: pm.generate(PROMPTS, max_new_tokens=NEW),
+                rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
             assert live_hooks(model) == 0 and pm.router.live_requests() == ()
             totals = pm.router.metrics()["totals"]
             assert totals["received"] == totals["processed"] + totals["dropped"], totals
@@ -167,7 +142,7 @@ def _consume(pm: Any, how: str) -> list[int]:
         return seen
     for event in pm.stream(PROMPTS[0], max_new_tokens=NEW):
         seen.append(event.token_id)
-        if len(seen) == 3:
+        if len(seen) == 3 and how != "all":
             if how == "RuntimeError":
                 raise RuntimeError("consumer failed")
             if how == "KeyboardInterrupt":
@@ -192,26 +167,24 @@ def test_a_streaming_consumer_that_fails_or_stops_early_leaves_nothing_behind(
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_while_consuming_a_stream_leaves_nothing_behind(probed, baseline,
+def test_ctrl_c_while_consuming_a_stream_leaves_nothing_behind(tiny, probed, baseline,
                                                                figures) -> None:
+    model, tokenizer = tiny
+    spec = [*SPEC[:3], point("ctrl_c", probe_type="ctrl_c_soon", execution_mode="async")]
     rng = random.Random(7)
-    landed = 0
-    for _ in range(6):
-        timer = threading.Timer(rng.uniform(0.0, 0.3), _thread.interrupt_main)
-        finished = False
-        try:
-            timer.start()
-            _consume(probed, "all")
-            finished = True
-            timer.join()
-            time.sleep(1.0)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            timer.cancel()
-        landed += not finished
-        assert_clean_and_healthy(probed, baseline)
-    figures.add("interruption", stream_ctrl_c_trials=6, stream_ctrl_c_mid_stream=landed)
+    trials, landed = 6, 0
+    with ProbedModel(model, tokenizer, spec=spec, probes=TEST_PROBES) as pm:
+        for _ in range(trials):
+            landed += interrupted_by_ctrl_c(lambda: _consume(pm, "all"),
+                                            rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
+            assert live_hooks(model) == 0 and pm.router.live_requests() == ()
+            assert not [t for t in threading.enumerate()
+                        if t.name.startswith("undercurrent-stream")]
+            events = list(pm.stream(PROMPTS[0], max_new_tokens=NEW))
+            assert events[-1].output.token_ids == baseline[0].token_ids
+    assert landed >= trials - 2
+    assert_clean_and_healthy(probed, baseline)
+    figures.add("interruption", stream_ctrl_c_trials=trials, stream_ctrl_c_mid_stream=landed)
 
 
 @pytest.mark.timeout(60)

@@ -9,12 +9,10 @@ UNDERCURRENT_VLLM_ENGINE_TESTS=1. By hand::
 
 from __future__ import annotations
 
-import _thread
 import gc
 import logging
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,10 +22,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm" / "engine"))
 from reliability_support import (  # noqa: E402
     TEST_PROBES,
+    CtrlCSoon,
     Interrupts,
-    Recorder,
     SoakLedger,
     check_soak_output,
+    interrupted_by_ctrl_c,
     point,
     soak_seconds,
 )
@@ -49,21 +48,7 @@ def text(rng: random.Random, length: int) -> str:
 PROMPTS = [text(random.Random(i), 3 + (5 * i) % 17) for i in range(12)]
 
 
-class CtrlCSoon(Recorder):
-    """At generated index ``plan[0]`` (while armed) schedules a Ctrl-C ``plan[1]`` s later."""
-
-    armed = threading.Event()
-    plan = (0, 0.0)
-
-    def on_activation(self, record: Any) -> Any:
-        at, delay = type(self).plan
-        if record.generated_index == at and type(self).armed.is_set():
-            type(self).armed.clear()
-            threading.Timer(delay, _thread.interrupt_main).start()
-        return super().on_activation(record)
-
-
-PROBES = {**TEST_PROBES, "ctrl_c_soon": CtrlCSoon}
+PROBES = TEST_PROBES
 SPEC = [point("inline", probe_type="recorder"),
         point("blocking", probe_type="recorder", layers=(1,),
               intervention={"mode": "block_until_signal", "timeout_ms": 10_000}),
@@ -87,7 +72,7 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from undercurrent.adapters.vllm.backend import VLLMBackend
 
     loaded = VLLMBackend.from_pretrained(model_for_tests(tmp_path_factory), dtype="float32",
-                                         max_model_len=512, max_num_seqs=32)
+                                         max_num_seqs=32)
     yield loaded
     loaded.close()
 
@@ -176,16 +161,8 @@ def test_ctrl_c_at_random_moments_leaves_a_clean_reusable_engine(probed, baselin
     rng = random.Random(11)
     trials, landed = 5, 0
     for _ in range(trials):
-        CtrlCSoon.plan = (rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
-        CtrlCSoon.armed.set()
-        finished = False
-        try:
-            probed.generate(PROMPTS, max_new_tokens=NEW)
-            finished = True
-            time.sleep(1.0)
-        except KeyboardInterrupt:
-            pass
-        landed += not finished
+        landed += interrupted_by_ctrl_c(lambda: probed.generate(PROMPTS, max_new_tokens=NEW),
+                                        rng.randrange(0, NEW - 3), rng.uniform(0.0, 0.03))
         assert_clean_and_healthy(probed, baseline)
     assert landed >= trials - 1
     figures.add("interruption_vllm", random_ctrl_c_trials=trials,
