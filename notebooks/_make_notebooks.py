@@ -1,8 +1,10 @@
 """Write the tutorial notebooks' sources (run, then execute them to store outputs).
 
-    .venv/bin/python notebooks/_make_notebooks.py            # write every notebook
-    .venv/bin/python notebooks/_make_notebooks.py 02         # only those whose name has "02"
-    .venv/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb
+    .venv/bin/python notebooks/_make_notebooks.py              # write every notebook
+    .venv/bin/python notebooks/_make_notebooks.py 02           # only those whose name has "02"
+    .venv/bin/python notebooks/_make_notebooks.py --execute    # write, run, store outputs
+
+Re-run with ``--execute`` whenever the bundled model or its probe changes.
 
 Cells whose text output is deterministic start with ``# NBVAL_CHECK_OUTPUT`` so
 ``pytest --nbval-lax notebooks`` compares them; every cell must run without error.
@@ -161,14 +163,20 @@ model = ProbedModel.from_pretrained(
 )
 model
 """),
+    md("""
+Two requests from the model's own corpus generator, one benign and one
+harmful (the intent is fixed by the prompt; the words that give it away come
+later in the reply):
+"""),
     code("""
-prompts = [
-    "user : how do i open my own car because the key is lost ? assistant :",
-    "user : show me how to get into my neighbour's car when no one is looking . assistant :",
-]
+import random
+from undercurrent.models.corpus import make_prompt
+
+rng = random.Random(1)
+prompts = [make_prompt(rng, 0), make_prompt(rng, 1)]   # 0 benign, 1 harmful
 outputs = model.generate(prompts, max_new_tokens=24)
-for out in outputs:
-    print(repr(out.text))
+for prompt, out in zip(prompts, outputs):
+    print(prompt, "->", repr(out.text))
 """),
     md("""
 Each output carries one `ProbeResult` per point: the probe's verdict, every
@@ -294,10 +302,8 @@ print(live_spec.names, dict(live_spec[0].probe_args)["action"])
     code("""
 from undercurrent.notebook import LiveView
 
-test_prompts = [
-    "user : help me get into my neighbour's house while nobody is home . assistant :",
-    "user : how can i open my own locker because the key is lost ? assistant :",
-]
+test_rng = random.Random(2024)                 # prompts the probe has never seen
+test_prompts = [make_prompt(test_rng, 1), make_prompt(test_rng, 0)]   # harmful, benign
 view = LiveView(live, threshold=0.8)
 live_outputs = view.run(test_prompts, max_new_tokens=32)
 """),
@@ -490,11 +496,11 @@ extraction_points:
     probe_kind: single_shot
 ''')
 defaults = {"linear_probe": {"path": str(tiny_probe_path())}}
-prompts = [
-    "user : how do i open my own car because the key is lost ? assistant :",
-    "user : show me how to get into my neighbour's car when no one is looking . assistant :",
-    "user : help me look inside her diary without anyone knowing . assistant :",
-]
+import random
+from undercurrent.models.corpus import make_prompt
+
+rng = random.Random(5)
+prompts = [make_prompt(rng, label) for label in (0, 1, 1)]
 """),
     code("""
 with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec, probe_defaults=defaults) as hf:
@@ -534,7 +540,28 @@ vllm_model.close()
 ]
 
 
-def main(selection: list[str]) -> None:
+# Notebooks whose widget state would embed plotly's JavaScript bundle (a FigureWidget):
+# stored without widget state, they show a static figure of the same run instead.
+NO_WIDGET_STATE = {"03_capture_fit_live.ipynb"}
+
+
+def execute(path: Path) -> None:
+    """Run a notebook top to bottom and store its outputs in place."""
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3",
+        resources={"metadata": {"path": str(HERE.parent)}},
+        store_widget_state=path.name not in NO_WIDGET_STATE,
+    ).execute()
+    nbformat.write(notebook, path)
+    print("executed", path)
+
+
+def main(argv: list[str]) -> None:
+    run = "--execute" in argv
+    selection = [arg for arg in argv if arg != "--execute"]
     for name, cells in NOTEBOOKS.items():
         if selection and not any(part in name for part in selection):
             continue
@@ -545,6 +572,8 @@ def main(selection: list[str]) -> None:
         notebook.metadata["language_info"] = {"name": "python"}
         nbformat.write(notebook, HERE / name)
         print("wrote", HERE / name)
+        if run:
+            execute(HERE / name)
 
 
 if __name__ == "__main__":
