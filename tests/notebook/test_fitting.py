@@ -191,3 +191,16 @@ def test_registered_linear_probe_reads_a_multiclass_fit_by_label_name(tmp_path):
     column = list(oracle.classes_).index("mid")
     scores = _probe_scores(tmp_path / "p.safetensors", X, class_index="mid")
     np.testing.assert_allclose(scores, oracle.predict_proba(X)[:, column], atol=1e-3)
+
+
+def test_generation_outputs_can_be_passed_directly():
+    from types import SimpleNamespace
+
+    records = make_records(requests=8, layers=(1,), hidden=4)
+    outputs = [SimpleNamespace(records=[r for r in records if r.request_id == f"req{i}"])
+               for i in range(8)]
+    labels = {f"req{i}": i % 2 for i in range(8)}
+    direct = fit_linear_probe(outputs, labels, test_size=0)
+    via_frame = fit_linear_probe(records_frame(records), labels, test_size=0)
+    np.testing.assert_array_equal(direct.weight, via_frame.weight)
+    assert direct.layer == 1

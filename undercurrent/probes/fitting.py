@@ -260,7 +260,8 @@ def _as_frame(data: Any) -> Any:
     from undercurrent.records import ActivationRecord
 
     if hasattr(data, "records") or (
-        isinstance(data, (list, tuple)) and data and isinstance(data[0], ActivationRecord)
+        isinstance(data, (list, tuple)) and data
+        and (isinstance(data[0], ActivationRecord) or hasattr(data[0], "records"))
     ):
         from undercurrent.notebook.frames import records_frame
 
