@@ -265,8 +265,8 @@ def projection_figure(
 def _is_record_list(data: Any) -> bool:
     from undercurrent.records import ActivationRecord
 
-    return isinstance(data, (list, tuple)) and bool(data) and isinstance(
-        data[0], ActivationRecord
+    return isinstance(data, (list, tuple)) and bool(data) and (
+        isinstance(data[0], ActivationRecord) or hasattr(data[0], "records")
     )
 
 
