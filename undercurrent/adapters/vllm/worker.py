@@ -182,8 +182,15 @@ class _Capture:
             batch.tokens.append((state.request_id, first, [int(t) for t in ids]))
             state.generated_sent = stop
         self.captured = []
-        self.connection.send_bytes(wire.encode(batch))
-        reply = wire.decode(self.connection.recv_bytes())
+        try:
+            self.connection.send_bytes(wire.encode(batch))
+            reply = wire.decode(self.connection.recv_bytes())
+        except (EOFError, OSError) as error:
+            # The driver went away: stop capturing rather than take the engine down.
+            logger.warning("undercurrent: lost the driver connection (%s); capture stops",
+                           error)
+            self.states.clear()
+            return
         assert isinstance(reply, wire.StepReply)
         for engine_id in reply.aborted:
             state = self.states.get(engine_id)
