@@ -16,7 +16,11 @@ driver calls is prefixed ``undercurrent_`` so it cannot clash with vLLM's own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from multiprocessing.connection import Client
 from typing import Any
 
@@ -29,6 +33,39 @@ from undercurrent.adapters.vllm.rows import TokenWindow, engine_request_id, step
 from undercurrent.spec.types import TensorType
 
 logger = logging.getLogger("undercurrent.vllm.worker")
+
+
+@contextlib.contextmanager
+def _interrupt_held() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives while a step is exchanged with the driver and raise
+    it once the exchange is complete.
+
+    A send or receive cut in half leaves the worker and the driver out of step for
+    good (every later reply one step late, or a torn message that ends capture),
+    so the engine would keep generating with its probes silently blind. Only the
+    first Ctrl-C is held: a second one interrupts at once (an escape from a driver
+    that stopped answering). Applies where the worker runs on the main thread with
+    Python's default SIGINT handler (the in-process engine); elsewhere it does
+    nothing.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 class _MirrorState(RequestState):
@@ -183,8 +220,9 @@ class _Capture:
             state.generated_sent = stop
         self.captured = []
         try:
-            self.connection.send_bytes(wire.encode(batch))
-            reply = wire.decode(self.connection.recv_bytes())
+            with _interrupt_held():
+                self.connection.send_bytes(wire.encode(batch))
+                reply = wire.decode(self.connection.recv_bytes())
         except (EOFError, OSError) as error:
             # The driver went away: stop capturing rather than take the engine down.
             logger.warning("undercurrent: lost the driver connection (%s); capture stops",
