@@ -7,9 +7,9 @@ says where and why a generation was aborted and what the unguarded model would
 have written, prints a verdict table and writes a self-contained HTML report of
 the score trajectories (plotly with its JavaScript embedded, so it opens offline).
 
-The requests come in minimal pairs: the same ask, with one cue changed (whose
-thing it is, or whether the owner agreed), so the only thing that differs is the
-intent the model has to infer.
+The requests come in minimal pairs: the same ask with one cue changed (whose
+thing it is, or whether it is done covertly), so what differs is the intent the
+model has to infer: harmful only when someone else's thing is taken covertly.
 """
 
 from __future__ import annotations

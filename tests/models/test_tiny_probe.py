@@ -70,9 +70,11 @@ def test_probe_file_is_in_the_linear_probe_format(weights, report) -> None:
 
 def test_best_layer_clearly_beats_the_random_init_control(report) -> None:
     best = report["layers"][str(report["best_layer"])]
-    assert best["trained"]["accuracy_all_tokens"] >= 0.9
-    assert (best["trained"]["accuracy_before_reveal"]
-            >= best["random_init"]["accuracy_before_reveal"] + 0.1)
+    trained, control = best["trained"], best["random_init"]
+    assert trained["accuracy_all_tokens"] >= 0.9
+    assert trained["accuracy_all_tokens"] >= control["accuracy_all_tokens"] + 0.08
+    assert trained["accuracy_before_reveal"] >= control["accuracy_before_reveal"] + 0.05
+    assert trained["auc_before_reveal"] > control["auc_before_reveal"]
 
 
 def test_documented_accuracy_holds_on_fresh_prompts(fresh, report) -> None:

@@ -224,6 +224,22 @@ def choose_threshold(captured: Captured, scores: Any, max_false_aborts: float = 
     return THRESHOLD_GRID[-1]
 
 
+def bag_of_words_accuracy(train: Sequence[Example], heldout: Sequence[Example]) -> float:
+    """Held-out accuracy of logistic regression on the prompts' word counts.
+
+    The reference for "can the intent be read off the words alone": the corpus
+    is built so that it cannot, much (see :mod:`undercurrent.models.corpus`).
+    """
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    vectorizer = CountVectorizer(token_pattern=r"\S+")
+    features = vectorizer.fit_transform([e.prompt for e in train])
+    model = LogisticRegression(max_iter=5000).fit(features, [e.label for e in train])
+    return float(model.score(vectorizer.transform([e.prompt for e in heldout]),
+                             [e.label for e in heldout]))
+
+
 def random_init_model(reference: Any, seed: int = 0) -> Any:
     """A freshly initialised model with ``reference``'s config (the control)."""
     import torch
@@ -257,6 +273,7 @@ def fit_and_report(model_dir: Path, train_count: int = 300, heldout_count: int =
     report: dict[str, Any] = {
         "train_requests": train_count, "heldout_requests": heldout_count,
         "layers": {}, "max_new_tokens": MAX_NEW_TOKENS,
+        "bag_of_words_accuracy": bag_of_words_accuracy(train_examples, heldout_examples),
     }
     fits: dict[int, Any] = {}
     for name, model in (("trained", trained), ("random_init", random_init_model(trained))):
@@ -307,7 +324,8 @@ def report_markdown(report: dict[str, Any]) -> str:
 
     lines = [
         "| layer | trained, all generated tokens | trained, before the words show it "
-        "| random-init, all tokens | random-init, before the words | trained AUC before |",
+        "| random-init, all tokens | random-init, before the words "
+        "| AUC before the words: trained / random-init |",
         "|---|---|---|---|---|---|",
     ]
     for layer, entry in sorted(report["layers"].items(), key=lambda item: int(item[0])):
@@ -316,7 +334,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {layer}{best} | {pct(trained['accuracy_all_tokens'])} "
             f"| {pct(trained['accuracy_before_reveal'])} | {pct(control['accuracy_all_tokens'])} "
-            f"| {pct(control['accuracy_before_reveal'])} | {trained['auc_before_reveal']:.3f} |"
+            f"| {pct(control['accuracy_before_reveal'])} "
+            f"| {trained['auc_before_reveal']:.3f} / {control['auc_before_reveal']:.3f} |"
         )
     abort = report["layers"][str(report["best_layer"])]["trained"]["abort"]
     lines += [
@@ -328,6 +347,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"| {pct(abort['harmful_aborted_before_reveal'])} | {pct(abort['benign_aborted'])} "
         f"| {abort['median_crossing_token']} | {abort['median_reveal_token']} "
         f"| {abort['median_lead_tokens']} |",
+        "",
+        f"Logistic regression on the prompts' word counts (no model at all): "
+        f"{pct(report['bag_of_words_accuracy'])} held-out.",
     ]
     return "\n".join(lines) + "\n"
 
