@@ -20,6 +20,7 @@ from undercurrent.models.probe_fit import (  # noqa: E402
     capture,
     probe_prompts,
     probe_scores,
+    report_markdown,
 )
 from undercurrent.models.train import TRAIN_SEED, TrainingConfig  # noqa: E402
 from undercurrent.probes.weights import LINEAR_PROBE_FORMAT, load_linear_weights  # noqa: E402
@@ -75,6 +76,18 @@ def test_best_layer_clearly_beats_the_random_init_control(report) -> None:
     assert trained["accuracy_all_tokens"] >= control["accuracy_all_tokens"] + 0.08
     assert trained["accuracy_before_reveal"] >= control["accuracy_before_reveal"] + 0.05
     assert trained["auc_before_reveal"] > control["auc_before_reveal"]
+
+
+def test_docs_quote_the_report_tables(report) -> None:
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "model.md"
+    if not docs.is_file():
+        pytest.skip("docs/ is not part of an installed package")
+    text = docs.read_text()
+    for line in report_markdown(report).splitlines():
+        if line.startswith("|"):
+            assert line in text, line
 
 
 def test_documented_accuracy_holds_on_fresh_prompts(fresh, report) -> None:
