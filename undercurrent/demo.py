@@ -149,19 +149,18 @@ def _describe_abort(run: DemoRun, painter: _Painter, threshold: float) -> str:
     return "\n".join(lines)
 
 
-def _unguarded(probed_model_dir: str, runs: list[DemoRun], max_new_tokens: int) -> None:
+def _unguarded(model: Any, tokenizer: Any, runs: list[DemoRun], max_new_tokens: int) -> None:
     from undercurrent.api import ProbedModel
     from undercurrent.models.corpus import LABEL_NAMES, chat_prompt, first_revealing_index
 
-    with ProbedModel.from_pretrained(probed_model_dir) as plain:
+    with ProbedModel(model, tokenizer) as plain:
         outputs = plain.generate([chat_prompt(r.request) for r in runs],
                                  max_new_tokens=max_new_tokens)
-        tokenizer = plain.backend.tokenizer
-        for run, output in zip(runs, outputs, strict=True):
-            run.unguarded_words = [str(w) for w in
-                                   tokenizer.convert_ids_to_tokens(list(output.token_ids))]
-            run.unguarded_reveal = first_revealing_index(
-                run.unguarded_words, LABEL_NAMES.index(run.expected))
+    for run, output in zip(runs, outputs, strict=True):
+        run.unguarded_words = [str(w) for w in
+                               tokenizer.convert_ids_to_tokens(list(output.token_ids))]
+        run.unguarded_reveal = first_revealing_index(
+            run.unguarded_words, LABEL_NAMES.index(run.expected))
 
 
 def verdict_rows(runs: Sequence[DemoRun]) -> list[dict[str, Any]]:
@@ -232,11 +231,17 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
         raise FileNotFoundError(
             f"demo spec {str(spec_path)!r} not found; pass --spec PATH (the repository ships "
             "specs/demo.yaml)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model_dir = str(tiny_model_path())
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     runs = [DemoRun(request=r, expected=e, output=None) for r, e in requests]
-    _unguarded(model_dir, runs, max_new_tokens)
-    with ProbedModel.from_pretrained(model_dir, spec=str(spec_path),
-                                     probe_defaults=_probe_defaults()) as probed:
+    # First without probes (hooks are removed on close), to know what the
+    # unguarded model would have written; then the same weights, guarded.
+    _unguarded(model, tokenizer, runs, max_new_tokens)
+    with ProbedModel(model, tokenizer, spec=str(spec_path), probe_defaults=_probe_defaults(),
+                     model_name=model_dir) as probed:
         threshold = _guard_threshold(probed)
         painter = _Painter(color, threshold)
         out_stream.write(f"undercurrent demo: bundled model {model_dir}\n"
