@@ -13,6 +13,8 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ from benchmarks.targets import evaluate, targets_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 QUICK_MEMORY_SCENARIOS = ("plain_generate", "raw_forward_hooks", "uc_3_layers_inline_norm")
+DOCS_PLOT = "benchmarks-overhead.png"
 DOCS_START, DOCS_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
@@ -50,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-vllm", dest="vllm", action="store_false")
     parser.add_argument("--update-docs", action="store_true",
                         help=f"write the summary into {DOCS.name} between its result markers")
+    parser.add_argument("--report-only", action="store_true",
+                        help="measure nothing: rebuild summary, targets and plot from "
+                        "--out's results.jsonl and environment.json")
     parser.add_argument("--job-timeout", type=float, default=None,
                         help="seconds before a stuck child job is killed")
     args = parser.parse_args(argv)
@@ -182,7 +188,7 @@ def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
                      errors: list[str], plot_renderer: str) -> str:
     """The summary: machine and versions, result tables, targets, capture table."""
     versions = ", ".join(f"{k} {v}" for k, v in environment["versions"].items())
-    mode = "quick (smoke)" if args.quick else "full"
+    mode = environment.get("mode", "quick (smoke)" if args.quick else "full")
     lines = [
         "## Machine and versions",
         "",
@@ -195,6 +201,7 @@ def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
         f"- torch threads per job: {environment['torch_threads']}",
         f"- Plot: overhead.png ({plot_renderer})",
         "",
+        *busy_warning(environment),
         "## Results",
         "",
         *results_table(rows),
@@ -212,8 +219,27 @@ def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
     return "\n".join(lines)
 
 
-def update_docs(summary: str) -> None:
-    """Replace the text between the result markers of docs/benchmarks.md."""
+def busy_warning(environment: dict[str, Any]) -> list[str]:
+    """A warning when other processes loaded the machine during the run."""
+    cores = environment.get("cpu_count") or 1
+    loads = [*environment["load_average_start"][:1], *environment["load_average_end"][:1]]
+    if max(loads) <= cores:
+        return []
+    return [
+        f"**The machine was busy during this run** (1-minute load average up to "
+        f"{max(loads):.1f} on {cores} cores): wall times and their spread mostly measure "
+        "other processes. Read the CPU-time column, and rerun on a quiet machine for the "
+        "wall-time targets.",
+        "",
+    ]
+
+
+def update_docs(summary: str, plot: Path) -> None:
+    """Replace the text between the result markers of docs/benchmarks.md (headings one
+    level down, under the page's own) and copy the plot beside it."""
+    shutil.copyfile(plot, DOCS.parent / DOCS_PLOT)
+    summary = re.sub(r"^(#+) ", r"\1# ", summary, flags=re.MULTILINE)
+    summary += f"\n![Overhead relative to plain generate()]({DOCS_PLOT})\n"
     text = DOCS.read_text()
     if DOCS_START not in text or DOCS_END not in text:
         raise SystemExit(f"{DOCS} lacks the {DOCS_START} / {DOCS_END} markers")
@@ -222,12 +248,11 @@ def update_docs(summary: str) -> None:
     DOCS.write_text(f"{head}{DOCS_START}\n{summary}\n{DOCS_END}{tail}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run everything and write the outputs; exit 1 when a token check failed."""
-    args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
+    """Run every job; returns the environment, the rows and the job errors."""
     environment = describe()
     environment["torch_threads"] = args.threads or "default (one per core)"
+    environment["mode"] = "quick (smoke)" if args.quick else "full"
     runner = ChildRunner(args.job_timeout)
     rows, errors = run_hf(args, runner)
     if args.vllm:
@@ -235,15 +260,30 @@ def main(argv: list[str] | None = None) -> int:
         rows += vllm
         errors += vllm_errors
     environment["load_average_end"] = os.getloadavg()
-    checks = evaluate(rows)
+    environment["errors"] = errors
     write_jsonl(args.out / "results.jsonl", rows)
     (args.out / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
+    return environment, rows, errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run everything and write the outputs; exit 1 when a token check failed."""
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        environment = json.loads((args.out / "environment.json").read_text())
+        rows = [json.loads(line) for line in
+                (args.out / "results.jsonl").read_text().splitlines() if line.strip()]
+        errors = environment.get("errors", [])
+    else:
+        environment, rows, errors = measure(args)
+    checks = evaluate(rows)
     (args.out / "targets.json").write_text(json.dumps(checks, indent=2) + "\n")
     renderer = write_plot(rows, args.out / "overhead.png")
     summary = summary_markdown(environment, args, rows, checks, errors, renderer)
     (args.out / "summary.md").write_text(summary)
     if args.update_docs:
-        update_docs(summary)
+        update_docs(summary, args.out / "overhead.png")
     log(f"wrote {args.out}/results.jsonl, summary.md, overhead.png")
     for error in errors:
         log(error)

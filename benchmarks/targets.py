@@ -46,9 +46,10 @@ def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         add("async probe adds no more than inline capture", model, batch, versus, 1.0,
             f"async {asynchronous:.3f}x vs inline {inline:.3f}x" if versus else "not measured")
         for other in ("nnsight", "transformer_lens"):
-            theirs = _median(row(other), "wall_s")
-            ours = _median(row(INLINE), "wall_s")
-            ratio = ours / theirs if ours and theirs else None
+            # Paired overhead ratios, not raw wall medians: both are relative to the
+            # same rounds' baseline, so machine-load drift cancels.
+            theirs = _median(row(other), "overhead_ratio")
+            ratio = inline / theirs if inline and theirs else None
             add(f"faster than {other} at equal captured data", model, batch, ratio, 1.0,
                 f"{ratio:.3f}x {other}'s wall time" if ratio else "not measured")
         ours_row, plain_row = row(INLINE), row("plain_generate")
@@ -58,7 +59,7 @@ def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             captured = ours_row.get("captured_mb") or 0.0
             # 1 MiB of slack: RSS moves in pages and allocator arenas.
             add("peak memory grows only by the captured data", model, batch, extra,
-                captured + 1.0, f"+{extra:.1f} MB over plain vs {captured:.2f} MB captured")
+                captured + 1.0, f"{extra:+.1f} MB over plain vs {captured:.2f} MB captured")
     return checks
 
 
