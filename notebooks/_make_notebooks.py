@@ -478,7 +478,7 @@ exact up to float noise.
     code("""
 import os
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")   # keep the engine's start-up log short
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # keep the engine quiet
 
 from undercurrent import ProbedModel
 from undercurrent.models import tiny_probe_path
