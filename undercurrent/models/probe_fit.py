@@ -120,7 +120,7 @@ def capture(model: Any, tokenizer: Any, examples: Sequence[Example],
     reveal: list[int | None] = []
     texts: list[list[str]] = []
     for index, (example, output) in enumerate(zip(examples, outputs, strict=True)):
-        words = [probed_token(tokenizer, output, token_id) for token_id in output.token_ids]
+        words = [str(w) for w in tokenizer.convert_ids_to_tokens(list(output.token_ids))]
         texts.append(words)
         reveal.append(first_revealing_index(words, example.label))
         by_token: dict[int, dict[int, Any]] = {}
@@ -142,11 +142,6 @@ def capture(model: Any, tokenizer: Any, examples: Sequence[Example],
         reveal=reveal,
         texts=texts,
     )
-
-
-def probed_token(tokenizer: Any, output: Any, token_id: int) -> str:
-    """The word a generated token id stands for."""
-    return str(tokenizer.convert_ids_to_tokens(int(token_id)))
 
 
 def probe_scores(weight: Any, bias: Any, matrix: Any) -> Any:
