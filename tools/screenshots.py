@@ -136,7 +136,8 @@ extraction_points:
 """)
     with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
         outputs = model.generate(_prompts(), max_new_tokens=28)
-    names = {o.request_id: f"prompt {i}" for i, o in enumerate(outputs)}
+    kinds = ("harmful", "benign", "harmful", "benign")  # the labels _prompts() drew
+    names = {o.request_id: f"prompt {i} ({kinds[i]})" for i, o in enumerate(outputs)}
     from undercurrent.notebook import signals_frame
 
     signals = signals_frame(outputs)
