@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from undercurrent.cli import main
 from undercurrent.spec import json_schema
@@ -56,7 +57,12 @@ def test_validate_valid_specs_prints_one_ok_line_each_and_exits_0(
     assert len(paths) >= 4
     assert main(["validate", *map(str, paths)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"{path}: OK (1 extraction point)" for path in paths]
+    expected = []
+    for path in paths:
+        count = len(yaml.safe_load(path.read_text())["extraction_points"])
+        noun = "extraction point" if count == 1 else "extraction points"
+        expected.append(f"{path}: OK ({count} {noun})")
+    assert lines == expected
 
 
 def test_validate_invalid_spec_prints_all_problems_on_one_line_and_exits_1(

@@ -78,7 +78,7 @@ class _Router:
         return {}
 
 
-def test_deliver_routes_in_token_then_layer_order_and_stops_at_an_abort():
+def test_deliver_routes_in_token_then_layer_order_and_stops_after_the_aborting_token():
     router = _Router(abort_at=4)
     session = CaptureSession(router, [point("generated[*]")], keep_records=True)
     state = session.open_request("r", "x", [7, 8, 9])
@@ -91,8 +91,9 @@ def test_deliver_routes_in_token_then_layer_order_and_stops_at_an_abort():
                for (_, tensor_type), group in sorted(plan.groups.items(),
                                                      key=lambda item: -item[0][0])]
     session.deliver(batches)
-    assert router.routed == [(3, 0), (3, 2), (4, 0)]  # nothing after the abort
+    # the aborting token still reaches every point and layer; nothing after it does
+    assert router.routed == [(3, 0), (3, 2), (4, 0), (4, 2)]
     assert state.abort.token_index == 4 and state.abort.generated_index == 1
-    assert not state.live and [r.token_id for r in state.records] == [10, 10, 11]
+    assert not state.live and [r.token_id for r in state.records] == [10, 10, 11, 11]
     out = session.close_request("r", "text")
     assert out.aborted and out.finish_reason == "abort" and router.ended == ["r"]

@@ -316,8 +316,12 @@ class CaptureSession:
                   tensor: Any) -> None:
         """Build one record, keep it if asked, route it, apply an abort."""
         state = target.state
-        if state.aborted or state.closed:
-            return  # nothing is routed after an abort or after the request ended
+        if state.closed:
+            return  # nothing is routed after the request ended
+        if state.abort is not None and target.token_index > state.abort.token_index:
+            # Tokens after the abort are never probed; the aborting token's other
+            # records still reach every point, so observers see what the guard saw.
+            return
         is_generated = target.token_index >= state.prompt_len
         generated_index = target.token_index - state.prompt_len if is_generated else None
         record = ActivationRecord(
@@ -340,7 +344,7 @@ class CaptureSession:
             return
         state.signals.append(TokenSignal(target.point.name, target.layer, target.token_index,
                                          generated_index, signal))
-        if signal.action is SignalAction.ABORT:
+        if signal.action is SignalAction.ABORT and state.abort is None:
             state.abort = AbortInfo(target.point.name, target.layer, target.token_index,
                                     generated_index, signal)
             state.finish_reason = "abort"
