@@ -118,6 +118,21 @@ def linear_weights(weight: Any, bias: Any, *, source: str = "inline probe_args",
     return LinearWeights(weight=w, bias=b, source=source, metadata=meta)
 
 
+PACKAGE_PREFIX = "undercurrent:"
+
+
+def resolve_probe_path(path: str | os.PathLike[str]) -> Path:
+    """Where a probe file lives. ``undercurrent:REL`` names a file shipped inside the
+    package (``undercurrent:models/tiny/probe.safetensors`` is the bundled probe), so
+    a spec can point at it wherever the package is installed; anything else is an
+    ordinary path (``~`` expanded)."""
+    text = os.fspath(path)
+    if isinstance(text, str) and text.startswith(PACKAGE_PREFIX):
+        package_root = Path(__file__).resolve().parent.parent
+        return (package_root / text[len(PACKAGE_PREFIX):]).resolve()
+    return Path(text).expanduser().resolve()
+
+
 def load_linear_weights(path: str | os.PathLike[str]) -> LinearWeights:
     """Read a ``.safetensors`` or ``.npz`` linear probe file (cached by path and mtime).
 
@@ -125,7 +140,7 @@ def load_linear_weights(path: str | os.PathLike[str]) -> LinearWeights:
     not the format its suffix says, lacks ``weight``/``bias``, or has shapes that
     do not fit together.
     """
-    resolved = Path(path).expanduser().resolve()
+    resolved = resolve_probe_path(path)
     if resolved.suffix not in SUFFIXES:
         raise ProbeFileError(
             f"linear probe file {str(path)!r}: unsupported suffix {resolved.suffix!r}; "
