@@ -144,7 +144,7 @@ def test_bad_inputs_say_what_is_wrong():
         fit_linear_probe(X, y[:39])
     with pytest.raises(ValueError, match="at least two distinct labels"):
         fit_linear_probe(X, np.zeros(40))
-    with pytest.raises(ValueError, match=r"must end in \.safetensors or \.npz"):
+    with pytest.raises(ValueError, match=r"suffix must be one of \.safetensors, \.npz"):
         fit_linear_probe(X, y, save_to="probe.pt")
     with pytest.raises(ValueError, match="2-D"):
         fit_linear_probe(X[0], y)

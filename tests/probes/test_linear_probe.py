@@ -156,8 +156,9 @@ def test_save_then_load_round_trips_arrays_and_metadata(tmp_path):
         path = save_linear_weights(tmp_path / f"p{suffix}", W, B, link="sigmoid", threshold=0.7,
                                    layer=3, tensor_type="mlp_out", label_names=["no", "yes"])
         loaded = load_linear_weights(path)
-        np.testing.assert_array_equal(loaded.weight, W)
-        assert float(loaded.bias) == B and loaded.bias.shape == ()
+        # the format stores float32
+        np.testing.assert_array_equal(loaded.weight, np.asarray(W, dtype=np.float32))
+        assert float(loaded.bias) == float(np.float32(B)) and loaded.bias.shape == ()
         assert loaded.metadata["format"] == LINEAR_PROBE_FORMAT
         assert loaded.metadata["layer"] == "3" and loaded.label_names == ("no", "yes")
         assert json.loads(loaded.metadata["label_names"]) == ["no", "yes"]

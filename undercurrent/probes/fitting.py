@@ -375,38 +375,19 @@ def _metrics(
 
 def save_linear_probe(fit: LinearProbeFit, path: str | os.PathLike[str]) -> Path:
     """Write ``fit`` in the ``undercurrent.linear_probe/1`` format; returns the path."""
-    import numpy as np
+    from undercurrent.probes.weights import save_linear_weights
 
-    target = Path(path)
-    arrays = {
-        "weight": np.array(fit.weight, dtype=np.float32, order="C"),
-        "bias": np.array(fit.bias, dtype=np.float32, order="C"),  # 0-d stays 0-d
-    }
-    metadata = {
-        "format": LINEAR_PROBE_FORMAT,
-        "link": fit.link,
-        "threshold": repr(float(fit.threshold)),
-        "label_names": json.dumps(list(fit.label_names)),
-        "metrics": json.dumps(_json_safe(fit.metrics)),
-    }
-    if fit.layer is not None:
-        metadata["layer"] = str(int(fit.layer))
-    if fit.tensor_type is not None:
-        metadata["tensor_type"] = str(fit.tensor_type)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.suffix == ".safetensors":
-        from safetensors.numpy import save_file
-
-        save_file(arrays, str(target), metadata=metadata)
-    elif target.suffix == ".npz":
-        strings = {key: np.array(value) for key, value in metadata.items()}
-        with open(target, "wb") as handle:  # a handle stops numpy renaming the file
-            np.savez(handle, **arrays, **strings)
-    else:
-        raise ValueError(
-            f"save_linear_probe: {str(target)!r} must end in .safetensors or .npz"
-        )
-    return target
+    return save_linear_weights(
+        path,
+        fit.weight,
+        fit.bias,
+        link=fit.link,
+        threshold=float(fit.threshold),
+        layer=None if fit.layer is None else int(fit.layer),
+        tensor_type=None if fit.tensor_type is None else str(fit.tensor_type),
+        label_names=list(fit.label_names),
+        metadata={"metrics": json.dumps(_json_safe(fit.metrics))},
+    )
 
 
 def _json_safe(metrics: Mapping[str, Any]) -> dict[str, Any]:

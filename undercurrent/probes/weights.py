@@ -236,22 +236,28 @@ def save_linear_weights(
     if link is not None and link not in LINKS:
         raise ValueError(f"link must be one of {', '.join(LINKS)}, got {link!r}")
     meta: dict[str, str] = {"format": LINEAR_PROBE_FORMAT}
-    optional = {"link": link, "threshold": threshold, "layer": layer, "tensor_type": tensor_type}
+    optional = {"link": link, "layer": layer, "tensor_type": tensor_type}
     meta.update({key: str(value) for key, value in optional.items() if value is not None})
+    if threshold is not None:
+        meta["threshold"] = repr(float(threshold))
     if label_names is not None:
         meta["label_names"] = json.dumps([str(name) for name in label_names])
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    w = np.ascontiguousarray(checked.weight)
-    b = np.ascontiguousarray(checked.bias)
-    if target.suffix == ".safetensors":
-        from safetensors.numpy import save_file
-
-        save_file({"weight": w, "bias": b}, str(target), metadata=meta)
-    elif target.suffix == ".npz":
-        np.savez(target, weight=w, bias=b, **{k: np.array(v) for k, v in meta.items()})
-    else:
+    if target.suffix not in SUFFIXES:
         raise ProbeFileError(
             f"cannot save a linear probe to {str(path)!r}: suffix must be one of "
             f"{', '.join(SUFFIXES)}"
         )
+    # float32 on disk, and a binary probe's bias stays 0-d, as the format says.
+    w = np.array(checked.weight, dtype=np.float32, order="C")
+    b = np.array(checked.bias, dtype=np.float32, order="C")  # ascontiguousarray would make 0-d 1-d
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.suffix == ".safetensors":
+        from safetensors.numpy import save_file
+
+        save_file({"weight": w, "bias": b}, str(target), metadata=meta)
+    else:
+        strings = {key: np.array(value) for key, value in meta.items()}
+        with open(target, "wb") as handle:  # a handle stops numpy renaming the file
+            np.savez(handle, weight=w, bias=b, **strings)
     return target
