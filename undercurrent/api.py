@@ -132,6 +132,11 @@ class ProbedModel:
                 f"ProbedModel.from_pretrained(path, backend={backend!r})")
         self.spec = load_spec(spec)
         check_points(self.backend.capabilities(), self.spec)
+        backend_check = getattr(self.backend, "check", None)
+        if backend_check is not None:
+            # Engine-specific refusals (e.g. prompt positions under vLLM prefix
+            # caching) surface here, at registration, not at the first generate().
+            backend_check(list(self.spec))
         self._probes = probes
         self._probe_defaults = probe_defaults
         self._router = router

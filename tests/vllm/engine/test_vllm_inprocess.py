@@ -234,6 +234,8 @@ def test_registration_errors_name_the_problem(backend, num_layers):
     try:
         with pytest.raises(CapabilityError, match="prefix caching on"):
             backend.generate(["a cat"], ["x"], GREEDY, CaptureSession(None, points))
+        with pytest.raises(CapabilityError, match="prefix caching on"):
+            ProbedModel(backend, spec=list(points))  # refused at registration too
     finally:
         backend.prefix_caching = False
     assert backend.capabilities().valid_layers("final_norm") == (num_layers,)
