@@ -7,10 +7,12 @@ process."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -274,6 +276,7 @@ def _mutate(text: str, edits: list[tuple[int, int, str]]) -> str:
 _YAML_CHARS = st.sampled_from(list(":-[]{},&*!|>'\"#%@` \t\n?0123456789abcxyz") + ["\u0085",
                                                                                      "\ufeff"])
 _FUZZ_DIR = tempfile.mkdtemp(prefix="uc-cli-fuzz-")
+atexit.register(shutil.rmtree, _FUZZ_DIR, True)
 _FUZZ_COUNT = {"examples": 0, "invalid": 0}
 
 
