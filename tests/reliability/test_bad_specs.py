@@ -7,7 +7,6 @@ process."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
 import os
@@ -17,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -276,7 +276,12 @@ def _mutate(text: str, edits: list[tuple[int, int, str]]) -> str:
 _YAML_CHARS = st.sampled_from(list(":-[]{},&*!|>'\"#%@` \t\n?0123456789abcxyz") + ["\u0085",
                                                                                      "\ufeff"])
 _FUZZ_DIR = tempfile.mkdtemp(prefix="uc-cli-fuzz-")
-atexit.register(shutil.rmtree, _FUZZ_DIR, True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_fuzz_dir() -> Iterator[None]:
+    yield
+    shutil.rmtree(_FUZZ_DIR, ignore_errors=True)
 _FUZZ_COUNT = {"examples": 0, "invalid": 0}
 
 
