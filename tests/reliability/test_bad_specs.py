@@ -282,6 +282,8 @@ _FUZZ_DIR = tempfile.mkdtemp(prefix="uc-cli-fuzz-")
 def _remove_fuzz_dir() -> Iterator[None]:
     yield
     shutil.rmtree(_FUZZ_DIR, ignore_errors=True)
+
+
 _FUZZ_COUNT = {"examples": 0, "invalid": 0}
 
 
@@ -294,7 +296,9 @@ _FUZZ_COUNT = {"examples": 0, "invalid": 0}
                                                                        "surrogatepass")),
 ))
 def test_cli_fuzz_never_crashes_and_prints_one_line(data: bytes) -> None:
-    path = Path(_FUZZ_DIR) / "spec.yaml"
+    folder = Path(_FUZZ_DIR)
+    folder.mkdir(parents=True, exist_ok=True)  # never rely on the folder made at import
+    path = folder / "spec.yaml"
     path.write_bytes(data)
     code, out, err = _run_cli("validate", str(path))
     assert code in (0, 1)
