@@ -21,4 +21,15 @@ WORKER_EXTENSION = "undercurrent.adapters.vllm.worker.UndercurrentWorkerExtensio
 SUPPORTED_VLLM = (">=0.32", "<0.34")
 """vLLM versions this adapter is written and tested against."""
 
-__all__ = ["SUPPORTED_VLLM", "WORKER_EXTENSION"]
+
+
+def capabilities_from_config(config: object) -> object:
+    """What a single-worker vLLM engine would capture for ``config`` (see
+    :func:`undercurrent.adapters.vllm.inspect.capabilities_from_config`); imports
+    vLLM only when called."""
+    from undercurrent.adapters.vllm.inspect import capabilities_from_config as describe
+
+    return describe(config)
+
+
+__all__ = ["SUPPORTED_VLLM", "WORKER_EXTENSION", "capabilities_from_config"]

@@ -1,0 +1,52 @@
+"""`undercurrent inspect-model` reports the vLLM backend from the config alone,
+without importing vLLM (each check runs in a subprocess to prove it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def needs_vllm() -> None:
+    # find_spec, not importorskip: importing vLLM here would patch transformers
+    # in the main test process.
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+
+
+@pytest.mark.timeout(180)
+def test_inspect_model_reports_vllm_layers_per_tensor_type_without_an_engine():
+    needs_vllm()
+    done = subprocess.run(
+        [sys.executable, "-m", "undercurrent", "inspect-model", "tiny", "--format", "json"],
+        capture_output=True, text=True, timeout=170, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    vllm = report["backends"]["vllm"]
+    assert "error" not in vllm, vllm
+    layers = vllm["tensor_types"]
+    n = report["num_layers"]
+    for tensor_type in ("residual_stream", "attn_out", "mlp_out", "kv"):
+        assert layers[tensor_type] == list(range(n))
+    assert layers["final_norm"] == [n]
+    # the same answer the HF backend gives for this Llama
+    assert layers == report["backends"]["hf"]["tensor_types"]
+
+
+def test_the_config_answer_never_imports_vllm():
+    needs_vllm()
+    code = (
+        "import sys\n"
+        "from undercurrent.adapters.inspect import inspect_model\n"
+        "report = inspect_model('tiny')\n"
+        "assert report['backends']['vllm']['tensor_types']['final_norm'] == [4]\n"
+        "print('vllm imported:', 'vllm' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=170, check=False)
+    assert "vllm imported: False" in done.stdout, done.stderr[-2000:]

