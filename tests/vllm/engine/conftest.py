@@ -12,5 +12,23 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 if os.environ.get("UNDERCURRENT_VLLM_ENGINE_TESTS") != "1":
     collect_ignore_glob = ["test_*.py"]
+
+
+# Shared by every engine test file (each file starts its own engine).
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from vllm_engine_helpers import model_for_tests
+
+    return model_for_tests(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def num_layers(model_dir):
+    import json
+    from pathlib import Path
+
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])

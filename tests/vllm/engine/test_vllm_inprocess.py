@@ -10,7 +10,6 @@ from vllm_engine_helpers import (
     MAX_NEW_TOKENS,
     compare,
     hf_reference,
-    model_for_tests,
     prompts,
     spec_points,
 )
@@ -32,19 +31,6 @@ def stop_at(record, *, request_ids=(), generated_index=2):
     if record.request_id in request_ids and record.generated_index == generated_index:
         return ProbeSignal(action="abort", score=1.0)
     return ProbeSignal(action="continue", score=0.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return model_for_tests(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def num_layers(model_dir):
-    import json
-    from pathlib import Path
-
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
 @pytest.fixture(scope="module")

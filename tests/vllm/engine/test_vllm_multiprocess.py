@@ -9,40 +9,17 @@ from vllm_engine_helpers import (
     MAX_NEW_TOKENS,
     compare,
     hf_reference,
-    model_for_tests,
     prompts,
     spec_points,
+    stop_at,
 )
 
 from undercurrent.adapters.base import SamplingParams
 from undercurrent.adapters.session import CaptureSession
 from undercurrent.api import ProbedModel
-from undercurrent.probes import probe
-from undercurrent.records import ProbeSignal
 from undercurrent.router import Router
 
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
-
-
-@probe(register=False)
-def stop_at(record, *, request_ids=(), generated_index=2):
-    """Aborts the listed requests at one generated index."""
-    if record.request_id in request_ids and record.generated_index == generated_index:
-        return ProbeSignal(action="abort", score=1.0)
-    return None
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return model_for_tests(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def num_layers(model_dir):
-    import json
-    from pathlib import Path
-
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from undercurrent.probes import probe
+from undercurrent.records import ProbeSignal
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat and ran far away into deep "
@@ -140,3 +143,12 @@ def compare(vllm_outputs: list[Any], hf_outputs: list[Any], atol: float = 1e-4) 
             worst = max(worst, difference)
             assert difference <= atol, (key, difference)
     return worst
+
+
+
+@probe(register=False)
+def stop_at(record: Any, *, request_ids: Any = (), generated_index: int = 2) -> Any:
+    """Aborts the listed requests at one generated index."""
+    if record.request_id in request_ids and record.generated_index == generated_index:
+        return ProbeSignal(action="abort", score=1.0)
+    return None
