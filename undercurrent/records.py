@@ -17,7 +17,7 @@ def _now() -> float:
     return time.time()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class ActivationRecord:
     """One captured activation: one (request, extraction point, layer, token).
 
@@ -39,6 +39,34 @@ class ActivationRecord:
     tensor: Any
     timestamp: float = field(default_factory=_now)
 
+    def __init__(
+        self,
+        request_id: str,
+        extraction_point_name: str,
+        layer: int,
+        tensor_type: str,
+        token_index: int,
+        is_generated: bool,
+        generated_index: int | None,
+        token_id: int | None,
+        tensor: Any,
+        timestamp: float | None = None,
+    ) -> None:
+        # One record per captured activation, built on the generation thread: one
+        # dict update instead of a frozen dataclass's setattr call per field.
+        self.__dict__.update(
+            request_id=request_id,
+            extraction_point_name=extraction_point_name,
+            layer=layer,
+            tensor_type=tensor_type,
+            token_index=token_index,
+            is_generated=is_generated,
+            generated_index=generated_index,
+            token_id=token_id,
+            tensor=tensor,
+            timestamp=_now() if timestamp is None else timestamp,
+        )
+
     def key(self) -> tuple[str, str, int, int]:
         """(request, point, layer, token): unique per record within a generation."""
         return (self.request_id, self.extraction_point_name, self.layer, self.token_index)
@@ -52,19 +80,33 @@ class SignalAction(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ProbeSignal:
-    """A probe's judgement on one activation."""
+    """A probe's judgement on one activation.
+
+    ``action`` accepts the enum or its string value; ``score`` is stored as a
+    float; ``metadata`` defaults to an empty dict and ``timestamp`` to now.
+    """
 
     action: SignalAction = SignalAction.CONTINUE
     score: float | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     timestamp: float = field(default_factory=_now)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "action", SignalAction(self.action))
-        if self.score is not None:
-            object.__setattr__(self, "score", float(self.score))
+    def __init__(
+        self,
+        action: SignalAction | str = SignalAction.CONTINUE,
+        score: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        timestamp: float | None = None,
+    ) -> None:
+        # Built per activation on the generation path, like ActivationRecord.
+        self.__dict__.update(
+            action=action if type(action) is SignalAction else SignalAction(action),
+            score=None if score is None else float(score),
+            metadata={} if metadata is None else metadata,
+            timestamp=_now() if timestamp is None else timestamp,
+        )
 
 
 @dataclass(frozen=True)

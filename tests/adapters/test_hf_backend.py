@@ -182,6 +182,9 @@ def test_close_and_interrupts_leave_no_hook_behind(tokenizer):
         def register_request(self, request_id, points, ctx=None):
             self.live.add(request_id)
 
+        def route_batch(self, records):  # what CaptureSession calls
+            return [self.route(record) for record in records]
+
         def route(self, record):
             self.routed += 1
             assert all_hooks(model) > baseline  # hooks are live during generation

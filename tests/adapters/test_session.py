@@ -67,6 +67,9 @@ class _Router:
     def register_request(self, request_id, points, ctx=None):
         self.ctx = ctx
 
+    def route_batch(self, records):  # what CaptureSession calls
+        return [self.route(record) for record in records]
+
     def route(self, record):
         self.routed.append((record.token_index, record.layer))
         if record.token_index == self.abort_at:

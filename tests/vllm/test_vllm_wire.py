@@ -79,6 +79,9 @@ class _AbortOnGenerated:
     def register_request(self, request_id, points, ctx):
         pass
 
+    def route_batch(self, records):  # what CaptureSession calls
+        return [self.route(record) for record in records]
+
     def route(self, record):
         self.routed.append(record.key())
         if (record.request_id, record.generated_index) == (self.request_id,

@@ -9,7 +9,8 @@ A backend drives one :class:`CaptureSession` per ``generate()``/``stream()`` cal
    anything wants and where in the engine's batch the wanted tokens sit
    (``plan.add_window(state, start, stop, slot_of)``);
 3. after the forward, ``deliver(targets, rows)`` turns the captured rows into
-   ``ActivationRecord``s and routes them; an ``abort`` signal stops that request;
+   ``ActivationRecord``s and routes them (one batch per request, token and
+   point); an ``abort`` signal stops that request;
 4. ``add_token`` as tokens are sampled, ``close_request`` at the end.
 
 Matching is arithmetic on the position selectors (no loop over tokens), and a
@@ -18,12 +19,13 @@ point stops costing anything once it can match no later token.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, TokenSignal
-from undercurrent.records import ActivationRecord, ProbeResult, SignalAction
+from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
 PairKey = tuple[int, TensorType]
@@ -299,52 +301,76 @@ class CaptureSession:
         """Build and route the records of one forward pass.
 
         ``batches`` yields (tensor type, targets, rows) with ``rows[t.slot_index]``
-        the captured tensor of target ``t`` (already on the CPU). Records are
-        routed in token order, then layer order, so trajectory probes see a
-        request's tokens in sequence.
+        the captured tensor of target ``t`` (already on the CPU). Each request's
+        tokens are routed in order; a token's records for one point go to the
+        router as one batch (its layers, in order), so trajectory probes see a
+        request's tokens in sequence and a probe can score a token's layers at once.
         """
-        pending: list[tuple[int, int, int, TensorType, CaptureTarget, Any]] = []
+        tokens: dict[tuple[str, int], list[tuple[int, int, str, CaptureTarget, Any]]] = {}
+        order = 0
         for tensor_type, targets, rows in batches:
+            kind = TensorType(tensor_type).value
             for target in targets:
-                pending.append((target.token_index, target.layer, len(pending), tensor_type,
-                                target, rows[target.slot_index]))
-        pending.sort(key=lambda item: item[:3])
-        for _, _, _, tensor_type, target, tensor in pending:
-            self.route_one(target, tensor_type, tensor)
+                key = (target.state.request_id, target.token_index)
+                captured = tokens.get(key)
+                if captured is None:
+                    captured = tokens[key] = []
+                captured.append((target.layer, order, kind, target, rows[target.slot_index]))
+                order += 1
+        step = getattr(self.router, "step", None)
+        with step() if step is not None else contextlib.nullcontext():
+            for key in sorted(tokens, key=lambda key: key[1]):
+                captured = sorted(tokens[key], key=lambda item: item[:2])
+                self.route_token([(kind, target, tensor)
+                                  for _, _, kind, target, tensor in captured])
 
-    def route_one(self, target: CaptureTarget, tensor_type: TensorType | str,
-                  tensor: Any) -> None:
-        """Build one record, keep it if asked, route it, apply an abort."""
-        state = target.state
+    def route_token(self, captured: Sequence[tuple[str, CaptureTarget, Any]]) -> None:
+        """Build the records of one request's token from (tensor type value,
+        target, tensor) in layer order (every point and layer that captured it),
+        keep them if asked, route them, apply an abort."""
+        first = captured[0][1]
+        state, token_index = first.state, first.token_index
         if state.closed:
             return  # nothing is routed after the request ended
-        if state.abort is not None and target.token_index > state.abort.token_index:
+        if state.abort is not None and token_index > state.abort.token_index:
             # Tokens after the abort are never probed; the aborting token's other
             # records still reach every point, so observers see what the guard saw.
             return
-        is_generated = target.token_index >= state.prompt_len
-        generated_index = target.token_index - state.prompt_len if is_generated else None
-        record = ActivationRecord(
-            request_id=state.request_id,
-            extraction_point_name=target.point.name,
-            layer=target.layer,
-            tensor_type=TensorType(tensor_type).value,
-            token_index=target.token_index,
-            is_generated=is_generated,
-            generated_index=generated_index,
-            token_id=state.token_id_at(target.token_index),
-            tensor=tensor,
-        )
+        is_generated = token_index >= state.prompt_len
+        generated_index = token_index - state.prompt_len if is_generated else None
+        token_id = state.token_id_at(token_index)
+        records = [
+            ActivationRecord(
+                request_id=state.request_id,
+                extraction_point_name=target.point.name,
+                layer=target.layer,
+                tensor_type=tensor_type,
+                token_index=token_index,
+                is_generated=is_generated,
+                generated_index=generated_index,
+                token_id=token_id,
+                tensor=tensor,
+            )
+            for tensor_type, target, tensor in captured
+        ]
         if state.records is not None:
-            state.records.append(record)
+            state.records.extend(records)
         if self.router is None or state.request_id not in self._registered:
             return
-        signal = self.router.route(record)
-        if signal is None:
-            return
-        state.signals.append(TokenSignal(target.point.name, target.layer, target.token_index,
-                                         generated_index, signal))
-        if signal.action is SignalAction.ABORT and state.abort is None:
-            state.abort = AbortInfo(target.point.name, target.layer, target.token_index,
-                                    generated_index, signal)
-            state.finish_reason = "abort"
+        by_point: dict[str, list[int]] = {}
+        for index, record in enumerate(records):
+            by_point.setdefault(record.extraction_point_name, []).append(index)
+        signals: list[ProbeSignal | None] = [None] * len(records)
+        for indices in by_point.values():
+            routed = self.router.route_batch([records[index] for index in indices])
+            for index, signal in zip(indices, routed, strict=True):
+                signals[index] = signal
+        for record, signal in zip(records, signals, strict=True):
+            if signal is None:
+                continue
+            state.signals.append(TokenSignal(record.extraction_point_name, record.layer,
+                                             token_index, generated_index, signal))
+            if signal.action is SignalAction.ABORT and state.abort is None:
+                state.abort = AbortInfo(record.extraction_point_name, record.layer, token_index,
+                                        generated_index, signal)
+                state.finish_reason = "abort"

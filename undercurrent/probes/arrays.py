@@ -7,6 +7,8 @@ method and converted through ``.float()`` so that bfloat16 works too.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -42,3 +44,23 @@ def as_float_array(tensor: Any) -> Any:
 def as_flat_vector(tensor: Any) -> Any:
     """``as_float_array`` flattened to one dimension (``kv`` records are 3-D)."""
     return as_float_array(tensor).reshape(-1)
+
+
+def as_float_matrix(tensors: Sequence[Any]) -> Any:
+    """The tensors, each flattened, as the rows of one float64 numpy matrix.
+
+    Torch tensors are stacked by torch first, so a batch costs one conversion,
+    not one per tensor. Every tensor must have the same number of elements.
+
+    >>> as_float_matrix([[1, 2], [3, 4]]).shape
+    (2, 2)
+    """
+    np = numpy_module()
+    first = tensors[0]
+    if hasattr(first, "detach"):
+        torch = sys.modules["torch"]  # a tensor with ``detach`` comes from an imported torch
+        stacked = torch.stack(list(tensors)).detach()
+        if stacked.dim() != 2:  # kv records are (2, heads, head_dim)
+            stacked = stacked.reshape(len(tensors), -1)
+        return stacked.to("cpu", torch.float64).numpy()
+    return np.stack([as_flat_vector(tensor) for tensor in tensors])

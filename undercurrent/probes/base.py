@@ -4,12 +4,14 @@ A probe instance serves one (request, extraction point) pair. The router calls
 ``on_start(ctx)`` once, ``on_activation(record)`` for each matching activation
 (in token order, never two at once), then ``on_end(ctx)`` once; it wraps what
 ``on_end`` returns (the *verdict*) into a :class:`~undercurrent.records.ProbeResult`.
+A probe that can score several activations more cheaply at once (one matrix
+product instead of many) also overrides ``on_activations(records)``.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -74,6 +76,19 @@ class Probe:
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
         """Judge one activation; return a signal, or None for "nothing to say"."""
         raise NotImplementedError(f"{type(self).__name__} must implement on_activation(record)")
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> Sequence[ProbeSignal | None]:
+        """Judge several activations at once: one signal (or None) per record, in order.
+
+        Inline, the router passes one token's records for this point (its layers,
+        in layer order); async, whatever is queued (up to the scheduler's batch).
+        Override it only to do the same work faster: it must return what calling
+        :meth:`on_activation` on each record in order would, and leave the same
+        state. The router calls it only on classes that override it (others get
+        ``on_activation`` per record, so an exception costs one record); an
+        exception raised here counts as an error for every record of the batch.
+        """
+        return [self.on_activation(record) for record in records]
 
     def on_end(self, ctx: RequestContext) -> Any:
         """Called once after the last activation; the return value is the verdict."""

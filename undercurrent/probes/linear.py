@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import as_flat_vector, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, numpy_module
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.weights import (
@@ -102,34 +103,40 @@ class LinearReadout:
 
     def score(self, tensor: Any) -> tuple[float, dict[str, Any]]:
         """The score of one activation, and metadata describing it."""
+        return self.score_many([tensor])[0]
+
+    def score_many(self, tensors: Sequence[Any]) -> list[tuple[float, dict[str, Any]]]:
+        """:meth:`score` for several activations, with one matrix product."""
         np = numpy_module()
-        x = as_flat_vector(tensor)
-        if x.shape[0] != self.weights.hidden:
+        matrix = as_float_matrix(tensors)
+        if matrix.shape[1] != self.weights.hidden:
             raise ValueError(
                 f"{self.source}: expects activations of size {self.weights.hidden}, got a "
-                f"tensor of shape {tuple(getattr(tensor, 'shape', x.shape))} "
-                f"({x.shape[0]} values once flattened)"
+                f"tensor of shape {tuple(getattr(tensors[0], 'shape', matrix.shape[1:]))} "
+                f"({matrix.shape[1]} values once flattened)"
             )
-        z = self.weights.weight @ x + self.weights.bias
+        z = matrix @ self.weights.weight.T + self.weights.bias
         if self.weights.classes is None:
-            logit = float(z)
-            return _apply_link(self.link, logit), {"logit": logit}
-        logits = np.asarray(z, dtype=np.float64)
+            return [(_apply_link(self.link, logit), {"logit": logit}) for logit in z.tolist()]
         index = self.class_index
         assert index is not None
+        logits = np.asarray(z, dtype=np.float64)
         if self.link == "softmax":
-            shifted = np.exp(logits - logits.max())
-            values = shifted / shifted.sum()
+            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+            values = shifted / shifted.sum(axis=1, keepdims=True)
         elif self.link == "sigmoid":
-            values = np.array([_apply_link("sigmoid", float(v)) for v in logits])
+            values = np.vectorize(lambda v: _apply_link("sigmoid", v), otypes=[float])(logits)
         else:
             values = logits
-        top = int(np.argmax(logits))
-        meta: dict[str, Any] = {"class_index": index, "top_class": top}
-        if self.label_names:
-            meta["label"] = self.label_names[index]
-            meta["top_label"] = self.label_names[top]
-        return float(values[index]), meta
+        scored = []
+        tops = np.argmax(logits, axis=1).tolist()
+        for row, top in zip(values[:, index].tolist(), tops, strict=True):
+            meta: dict[str, Any] = {"class_index": index, "top_class": top}
+            if self.label_names:
+                meta["label"] = self.label_names[index]
+                meta["top_label"] = self.label_names[top]
+            scored.append((row, meta))
+        return scored
 
 
 def _apply_link(link: str, logit: float) -> float:
@@ -211,7 +218,15 @@ class LinearProbe(Probe):
             _check_point_matches_file(self.readout.weights, ctx)
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        score, meta = self.readout.score(record.tensor)
+        return self.on_activations((record,))[0]
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
+        scored = self.readout.score_many([record.tensor for record in records])
+        return [self.judge(record, score, meta)
+                for record, (score, meta) in zip(records, scored, strict=True)]
+
+    def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
+        """The signal for one scored activation (and the summary updated)."""
         signal = self.rule.signal(score, meta)
         self.summary.add(score, record, self.rule.crossed(score))
         return signal
@@ -269,9 +284,8 @@ class DualPositionProbe(LinearProbe):
         super().on_start(ctx)
         self.readings = []
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        signal = super().on_activation(record)
-        assert signal is not None
+    def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
+        signal = super().judge(record, score, meta)
         about = record.token_index - self.read_offset
         reading: dict[str, Any] = {
             "read_at_token_index": record.token_index,

@@ -9,23 +9,34 @@ dict plus ``statistic`` (``"l2_norm"`` or ``"mean"``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.arrays import as_flat_vector, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, numpy_module
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.records import ActivationRecord, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
 
+def l2_norms(matrix: Any) -> Any:
+    """Euclidean norm of each row of a float64 matrix."""
+    return numpy_module().linalg.norm(matrix, axis=1)
+
+
 def l2_norm(tensor: Any) -> float:
     """Euclidean norm of the flattened tensor, in float64."""
-    return float(numpy_module().linalg.norm(as_flat_vector(tensor)))
+    return float(l2_norms(as_float_matrix([tensor]))[0])
+
+
+def element_means(matrix: Any) -> Any:
+    """Mean of each row of a float64 matrix."""
+    return matrix.mean(axis=1)
 
 
 def element_mean(tensor: Any) -> float:
     """Mean of all elements of the tensor, in float64."""
-    return float(as_flat_vector(tensor).mean())
+    return float(element_means(as_float_matrix([tensor]))[0])
 
 
 class _StatisticProbe(Probe):
@@ -36,16 +47,23 @@ class _StatisticProbe(Probe):
         self.rule = ThresholdRule.from_options(threshold, action)
         self.summary = ScoreSummary(self.rule.threshold)
 
-    def statistic(self, tensor: Any) -> float:
+    def statistics(self, matrix: Any) -> Any:
+        """One score per row of a float64 matrix (one flattened activation per row)."""
         raise NotImplementedError
 
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold, extra={"statistic": self.statistic_name})
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        score = self.statistic(record.tensor)
-        self.summary.add(score, record, self.rule.crossed(score))
-        return self.rule.signal(score)
+        return self.on_activations((record,))[0]
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
+        scores = self.statistics(as_float_matrix([record.tensor for record in records]))
+        signals: list[ProbeSignal | None] = []
+        for record, value in zip(records, scores.tolist(), strict=True):
+            self.summary.add(value, record, self.rule.crossed(value))
+            signals.append(self.rule.signal(value))
+        return signals
 
     def on_end(self, ctx: RequestContext) -> Any:
         return self.summary.verdict()
@@ -56,8 +74,8 @@ class NormProbe(_StatisticProbe):
 
     statistic_name = "l2_norm"
 
-    def statistic(self, tensor: Any) -> float:
-        return l2_norm(tensor)
+    def statistics(self, matrix: Any) -> Any:
+        return l2_norms(matrix)
 
 
 class MeanProbe(_StatisticProbe):
@@ -65,5 +83,5 @@ class MeanProbe(_StatisticProbe):
 
     statistic_name = "mean"
 
-    def statistic(self, tensor: Any) -> float:
-        return element_mean(tensor)
+    def statistics(self, matrix: Any) -> Any:
+        return element_means(matrix)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from undercurrent.probes.arrays import as_float_matrix
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
-from undercurrent.probes.statistics import l2_norm
+from undercurrent.probes.statistics import l2_norms
 from undercurrent.records import ActivationRecord, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
@@ -101,9 +103,14 @@ class TrajectoryProbe(Probe):
 
     def value(self, record: ActivationRecord) -> float:
         """This token's own value: the linear score or the norm."""
+        return self.values((record,))[0]
+
+    def values(self, records: Sequence[ActivationRecord]) -> list[float]:
+        """:meth:`value` for several records, with one matrix operation."""
+        tensors = [record.tensor for record in records]
         if self.readout is not None:
-            return self.readout.score(record.tensor)[0]
-        return l2_norm(record.tensor)
+            return [score for score, _ in self.readout.score_many(tensors)]
+        return list(l2_norms(as_float_matrix(tensors)).tolist())
 
     def _update(self, running: _Running, value: float) -> float:
         running.count += 1
@@ -121,7 +128,13 @@ class TrajectoryProbe(Probe):
         self._reset()
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        value = self.value(record)
+        return self.on_activations((record,))[0]
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
+        return [self._judge(record, value)
+                for record, value in zip(records, self.values(records), strict=True)]
+
+    def _judge(self, record: ActivationRecord, value: float) -> ProbeSignal:
         running = self.running.setdefault(record.layer, _Running())
         statistic = self._update(running, value)
         crossed = running.count >= self.min_count and self.rule.crossed(statistic)

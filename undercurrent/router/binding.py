@@ -16,9 +16,10 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.base import RequestContext
+from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.records import (
     ActivationRecord,
     ProbeResult,
@@ -30,6 +31,22 @@ from undercurrent.router.errors import OverflowPolicy
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, InterventionPolicy
 
 logger = logging.getLogger("undercurrent.router")
+
+Outcome = tuple[ProbeSignal | None, str | None, float]
+"""What one record's probe call came to: (signal, error description or None, seconds)."""
+
+
+def batches_natively(probe: Any) -> bool:
+    """Whether the probe's class overrides :meth:`Probe.on_activations`."""
+    method = getattr(type(probe), "on_activations", None)
+    return method is not None and method is not Probe.on_activations
+
+
+def _check_signal(signal: Any, method: str) -> None:
+    if signal is not None and not isinstance(signal, ProbeSignal):
+        raise TypeError(
+            f"{method} returned {type(signal).__name__}; expected ProbeSignal or None"
+        )
 
 
 def describe_error(exc: BaseException) -> str:
@@ -87,6 +104,8 @@ class Binding:
         self.error_notes: list[str] = []
         self._logged_error = False
         self.busy = False
+        self.in_flight = 0  # records in the call that ``busy`` marks
+        self.batched = batches_natively(probe)
         self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self.closed = False
         self.finalised = False
@@ -104,45 +123,87 @@ class Binding:
 
     # -- user code, called without the lock ---------------------------------------
 
-    def invoke(
-        self, record: ActivationRecord, *, propagate_interrupts: bool = False
-    ) -> tuple[ProbeSignal | None, str | None, float]:
-        """Run ``on_activation``: (signal, error description or None, seconds taken).
+    def invoke_many(
+        self, records: Sequence[ActivationRecord], *, propagate_interrupts: bool = False
+    ) -> list[Outcome]:
+        """Run the probe on ``records`` (in order): one (signal, error or None,
+        seconds) per record.
+
+        A probe that overrides ``on_activations`` gets the records in one call
+        (its time is shared evenly among them, and an exception marks all of them
+        as errors); any other probe gets ``on_activation`` once per record, so an
+        exception costs only that record.
 
         ``KeyboardInterrupt`` / ``SystemExit`` raised by the probe are recorded like
         any error; with ``propagate_interrupts`` (the generation thread, where
         Ctrl-C must stop generation) they are re-raised after the binding has
-        been marked idle and the record counted as processed, so ending the
-        request neither waits for a call that is over nor loses the record.
+        been marked idle and the records settled (finished ones processed, the
+        one that raised an error, unseen ones dropped), so ending the request
+        neither waits for a call that is over nor loses a record.
         """
+        catch: type[BaseException] = Exception if propagate_interrupts else BaseException
+        outcomes: list[Outcome] = []
+        batched = self.batched and len(records) > 1
+        try:
+            if batched:
+                outcomes = self._call_batch(records, catch)
+            else:
+                for record in records:
+                    outcomes.append(self._call_one(record, catch))
+        except BaseException as exc:  # an interrupt on the generation thread
+            failing = records[len(outcomes)]
+            self._log_first_error(
+                f"on_activation (token {failing.token_index}, layer {failing.layer})", exc
+            )
+            failed = len(records) if batched else 1
+            outcomes.extend([(None, describe_error(exc), 0.0)] * failed)
+            with self.cond:
+                self.busy = False
+                self.in_flight = 0
+                self.cond.notify_all()
+                if not self.finalised:
+                    self.settle(records[: len(outcomes)], outcomes)
+                    self.dropped += len(records) - len(outcomes)
+            raise
+        return outcomes
+
+    def _call_one(self, record: ActivationRecord, catch: type[BaseException]) -> Outcome:
         started = time.perf_counter()
         try:
             signal = self.probe.on_activation(record)
-            if signal is not None and not isinstance(signal, ProbeSignal):
-                raise TypeError(
-                    f"on_activation returned {type(signal).__name__}; expected ProbeSignal or None"
-                )
+            _check_signal(signal, "on_activation")
             error = None
-        except Exception as exc:
-            signal = None
-            error = describe_error(exc)
-            self._log_first_error(
-                f"on_activation (token {record.token_index}, layer {record.layer})", exc
-            )
-        except BaseException as exc:
-            if propagate_interrupts:
-                with self.cond:
-                    self.busy = False
-                    self.cond.notify_all()
-                    if not self.finalised:
-                        self.account(time.perf_counter() - started, describe_error(exc), record)
-                raise
+        except catch as exc:
             signal = None
             error = describe_error(exc)
             self._log_first_error(
                 f"on_activation (token {record.token_index}, layer {record.layer})", exc
             )
         return signal, error, time.perf_counter() - started
+
+    def _call_batch(
+        self, records: Sequence[ActivationRecord], catch: type[BaseException]
+    ) -> list[Outcome]:
+        started = time.perf_counter()
+        error = None
+        try:
+            signals = list(self.probe.on_activations(records))
+            if len(signals) != len(records):
+                raise TypeError(
+                    f"on_activations returned {len(signals)} signals for {len(records)} records; "
+                    "it must return one (ProbeSignal or None) per record"
+                )
+            for signal in signals:
+                _check_signal(signal, "on_activations")
+        except catch as exc:
+            signals = [None] * len(records)
+            error = describe_error(exc)
+            first = records[0]
+            self._log_first_error(
+                f"on_activations (token {first.token_index}, {len(records)} records)", exc
+            )
+        share = (time.perf_counter() - started) / len(records)
+        return [(signal, error, share) for signal in signals]
 
     def _log_first_error(self, where: str, exc: BaseException) -> None:
         if self._logged_error:
@@ -176,6 +237,15 @@ class Binding:
                 self.error_notes.append(
                     f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
                 )
+
+    def settle(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome], *,
+               observed: bool = False) -> None:
+        """Count finished records and keep their signals (``observed``: async or
+        unwaited calls, whose ``abort`` is recorded as ``flag``)."""
+        for record, (signal, error, latency) in zip(records, outcomes, strict=True):
+            self.account(latency, error, record)
+            if signal is not None:
+                self.signals.append(observed_only(signal) if observed else signal)
 
     def enqueue(self, record: ActivationRecord) -> bool:
         """Put a record on this async binding's queue, applying the overflow policy.
@@ -229,7 +299,7 @@ class Binding:
     def finalise(self, drain_timeout_s: float) -> bool:
         """Freeze the accounting; returns True when ``on_end`` may run now.
 
-        Records still queued, one still in flight, and those whose callers are
+        Records still queued, those still in flight, and those whose callers are
         still waiting for their turn count as dropped; a late completion is then
         discarded.
         """
@@ -238,12 +308,12 @@ class Binding:
             self.finalised = True
             queued = len(self.queue) + self.waiting
             self.queue.clear()
-            in_flight = self.busy
-            self.dropped += queued + (1 if in_flight else 0)
+            in_flight = self.in_flight if self.busy else 0
+            self.dropped += queued + in_flight
             if queued or in_flight:
                 what = f"{queued} unprocessed record(s)"
                 if in_flight:
-                    what += " and one in flight"
+                    what += f" and {'one' if in_flight == 1 else in_flight} in flight"
                 self.error_notes.append(
                     f"drain timed out after {drain_timeout_s:g}s with {what}, counted as dropped"
                 )

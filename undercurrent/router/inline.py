@@ -7,90 +7,105 @@ still running yields a *fallback* signal whose action is ``on_timeout`` and whos
 ``metadata["reason"]`` says why. The helper thread runs one call at a time, so a
 late answer never overlaps the next activation: the next caller waits for it
 (inside its own deadline) and falls back with reason ``"busy"`` if it must.
+
+Records arrive in batches: one token's records for one binding (its layers, in
+order). A batch is one call, one wait and one deadline; a fallback yields one
+fallback signal per record, so the counts match routing the records one by one.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
-from undercurrent.router.binding import Binding, logger, observed_only
+from undercurrent.router.binding import Binding, Outcome, logger
 from undercurrent.spec.types import InterventionMode, OnTimeout
 
 
-def run_inline(binding: Binding, record: ActivationRecord) -> ProbeSignal | None:
-    """Run an inline binding on one record; returns the signal that applies to generation."""
+def run_inline(
+    binding: Binding, records: Sequence[ActivationRecord]
+) -> list[ProbeSignal | None]:
+    """Run an inline binding on a batch of records; per record, the signal that
+    applies to generation (None when there is nothing to apply)."""
     if binding.policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
-        return _run_blocking(binding, record)
-    return _run_to_completion(binding, record)
+        return _run_blocking(binding, records)
+    return _run_to_completion(binding, records)
 
 
-def _run_to_completion(binding: Binding, record: ActivationRecord) -> ProbeSignal | None:
+def _run_to_completion(
+    binding: Binding, records: Sequence[ActivationRecord]
+) -> list[ProbeSignal | None]:
+    count = len(records)
+    nothing: list[ProbeSignal | None] = [None] * count
     with binding.cond:
-        binding.received += 1
-        binding.waiting += 1
+        binding.received += count
+        binding.waiting += count
         while binding.busy and not binding.closed:
             binding.cond.wait()
-        binding.waiting -= 1
+        binding.waiting -= count
         if binding.finalised:  # counted as dropped by finalise()
-            return None
+            return nothing
         if binding.closed:
-            binding.dropped += 1
-            return None
+            binding.dropped += count
+            return nothing
         binding.busy = True
-    signal, error, latency = binding.invoke(record, propagate_interrupts=True)
+        binding.in_flight = count
+    outcomes = binding.invoke_many(records, propagate_interrupts=True)
     with binding.cond:
         binding.busy = False
+        binding.in_flight = 0
         binding.cond.notify_all()
         if binding.finalised:  # counted as dropped when the result was frozen
-            return None
-        binding.account(latency, error, record)
-        if signal is not None:
-            binding.signals.append(signal)
-    return signal
+            return nothing
+        binding.settle(records, outcomes)
+    return [signal for signal, _, _ in outcomes]
 
 
 @dataclass
 class _Call:
-    """One activation handed to a binding's helper thread."""
+    """A batch of activations handed to a binding's helper thread."""
 
-    record: ActivationRecord
+    records: Sequence[ActivationRecord]
     waited: bool = True
     abandoned: bool = False
     done: bool = False
-    signal: ProbeSignal | None = None
-    error: str | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
 
 
-def _run_blocking(binding: Binding, record: ActivationRecord) -> ProbeSignal | None:
+def _run_blocking(
+    binding: Binding, records: Sequence[ActivationRecord]
+) -> list[ProbeSignal | None]:
+    count = len(records)
+    nothing: list[ProbeSignal | None] = [None] * count
     timeout_ms = binding.policy.timeout_ms or 1
     deadline = time.monotonic() + timeout_ms / 1000.0
     with binding.cond:
-        binding.received += 1
+        binding.received += count
         if binding.closed:
-            binding.dropped += 1
-            return None
+            binding.dropped += count
+            return nothing
         if binding.breaker_open:
-            _submit_unwaited(binding, record)
-            return None
-        binding.waiting += 1
+            _submit_unwaited(binding, records)
+            return nothing
+        binding.waiting += count
         while binding.busy and not binding.closed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             binding.cond.wait(remaining)
-        binding.waiting -= 1
+        binding.waiting -= count
         if binding.finalised:  # counted as dropped by finalise()
-            return None
+            return nothing
         if binding.closed:
-            binding.dropped += 1
-            return None
+            binding.dropped += count
+            return nothing
         if binding.busy:
-            binding.dropped += 1
-            return _fallback(binding, "busy", None)
-        call = _Call(record)
+            binding.dropped += count
+            return [_fallback(binding, "busy", None) for _ in records]
+        call = _Call(records)
         _hand_to_helper(binding, call)
         while not call.done and not binding.finalised:
             remaining = deadline - time.monotonic()
@@ -98,28 +113,33 @@ def _run_blocking(binding: Binding, record: ActivationRecord) -> ProbeSignal | N
                 break
             binding.cond.wait(remaining)
         if binding.finalised and not call.done:
-            return None
+            return nothing
         if not call.done:
             call.abandoned = True
-            return _fallback(binding, "timeout", None)
-        if call.error is not None:
-            return _fallback(binding, "error", call.error)
-        binding.consecutive_failures = 0
-        if call.signal is not None:
-            binding.signals.append(call.signal)
-        return call.signal
+            return [_fallback(binding, "timeout", None) for _ in records]
+        signals: list[ProbeSignal | None] = []
+        for signal, error, _ in call.outcomes:
+            if error is not None:
+                signals.append(_fallback(binding, "error", error))
+                continue
+            binding.consecutive_failures = 0
+            if signal is not None:
+                binding.signals.append(signal)
+            signals.append(signal)
+        return signals
 
 
-def _submit_unwaited(binding: Binding, record: ActivationRecord) -> None:
+def _submit_unwaited(binding: Binding, records: Sequence[ActivationRecord]) -> None:
     """Breaker open: run the probe if it is free, but nobody waits (lock held)."""
     if binding.busy:
-        binding.dropped += 1
+        binding.dropped += len(records)
         return
-    _hand_to_helper(binding, _Call(record, waited=False))
+    _hand_to_helper(binding, _Call(records, waited=False))
 
 
 def _hand_to_helper(binding: Binding, call: _Call) -> None:
     binding.busy = True
+    binding.in_flight = len(call.records)
     binding.pending = call
     if binding.helper is None:
         binding.helper = threading.Thread(
@@ -142,24 +162,27 @@ def _helper_loop(binding: Binding) -> None:
             if call is None or binding.finalised:
                 # Finalised: a call not yet started never runs (it was counted dropped).
                 binding.busy = False
+                binding.in_flight = 0
                 binding.helper = None
                 if call is not None:
                     call.done = True
                 binding.cond.notify_all()
                 return
-        signal, error, latency = binding.invoke(call.record)
+        outcomes = binding.invoke_many(call.records)
         with binding.cond:
             binding.busy = False
+            binding.in_flight = 0
             call.done = True
             if not binding.finalised:
-                binding.account(latency, error, call.record)
                 if not call.waited:
-                    if signal is not None:
-                        binding.signals.append(observed_only(signal))
-                elif call.abandoned:
-                    binding.late_results += 1
+                    binding.settle(call.records, outcomes, observed=True)
                 else:
-                    call.signal, call.error = signal, error
+                    for record, (_, error, latency) in zip(call.records, outcomes, strict=True):
+                        binding.account(latency, error, record)
+                    if call.abandoned:
+                        binding.late_results += len(call.records)
+                    else:
+                        call.outcomes = outcomes
             binding.cond.notify_all()
 
 
@@ -180,7 +203,8 @@ def _fallback(binding: Binding, reason: str, error: str | None) -> ProbeSignal:
     signal = ProbeSignal(action=action, metadata=metadata)
     binding.signals.append(signal)
     threshold = binding.breaker_threshold
-    if threshold is not None and binding.consecutive_failures >= threshold:
+    if (threshold is not None and not binding.breaker_open
+            and binding.consecutive_failures >= threshold):
         binding.breaker_open = True
         logger.warning(
             "circuit breaker open: probe %r on request %r failed %d times in a row "

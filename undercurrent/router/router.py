@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -166,6 +166,7 @@ class Router:
         self._totals = dict.fromkeys(_COUNTERS, 0)
         self._late_records = 0
         self._closed = False
+        self._step = threading.local()  # bindings whose wake-up waits for the step's end
 
     # -- requests -------------------------------------------------------------------
 
@@ -264,29 +265,79 @@ class Router:
         ``metrics()["late_records"]``); one for a request never registered raises
         :class:`RouterError`.
         """
-        request = self._requests.get(record.request_id)
+        return self.route_batch((record,))[0]
+
+    def route_batch(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
+        """Hand several records of one request and one extraction point to its
+        binding at once; returns one entry per record, as :meth:`route` would.
+
+        The adapters route each token's records this way (that point's layers, in
+        layer order): the binding is looked up and locked once, and a probe that
+        overrides ``on_activations`` scores them in one call. Inline, the batch
+        is one call under the point's intervention (``block_until_signal``: one
+        wait, one deadline). Records of different requests or points raise
+        :class:`RouterError`.
+        """
+        if not records:
+            return []
+        first = records[0]
+        request = self._requests.get(first.request_id)
         if request is None:
-            self._route_unknown(record)
-            return None
-        binding = request.bindings.get(record.extraction_point_name)
+            self._route_unknown(first, len(records))
+            return [None] * len(records)
+        for record in records:
+            if (record.request_id != first.request_id
+                    or record.extraction_point_name != first.extraction_point_name):
+                raise RouterError(
+                    "route_batch: every record must belong to one request and one extraction "
+                    f"point; got ({first.request_id!r}, {first.extraction_point_name!r}) and "
+                    f"({record.request_id!r}, {record.extraction_point_name!r})"
+                )
+        binding = request.bindings.get(first.extraction_point_name)
         if binding is None:
             raise RouterError(
-                f"route: request {record.request_id!r} has no extraction point named "
-                f"{record.extraction_point_name!r}; its points are {sorted(request.bindings)}"
+                f"route: request {first.request_id!r} has no extraction point named "
+                f"{first.extraction_point_name!r}; its points are {sorted(request.bindings)}"
             )
         if binding.is_async:
-            if binding.enqueue(record):
-                self._scheduler.schedule(binding)
-            return None
-        signal = run_inline(binding, record)
-        if signal is not None and signal.action is SignalAction.ABORT:
+            wake = False
+            for record in records:
+                wake = binding.enqueue(record) or wake
+            if wake:
+                deferred = getattr(self._step, "bindings", None)
+                if deferred is None or binding.overflow is OverflowPolicy.BLOCK:
+                    # A producer may block on a full queue: its worker must be awake.
+                    self._scheduler.schedule(binding)
+                else:
+                    deferred.append(binding)
+            return [None] * len(records)
+        signals = run_inline(binding, records)
+        if any(signal is not None and signal.action is SignalAction.ABORT for signal in signals):
             request.abort_requested = True
-        return signal
+        return signals
 
-    def _route_unknown(self, record: ActivationRecord) -> None:
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Route one engine step's records inside this block: async bindings that
+        get records wake the workers once, at the end, instead of once each, so
+        the worker threads do not contend with the generation thread mid-step.
+        Inline routing is unaffected. The adapters wrap each forward's delivery
+        in it; nesting is allowed (the outermost block wakes the workers).
+        """
+        if getattr(self._step, "bindings", None) is not None:
+            yield
+            return
+        self._step.bindings = []
+        try:
+            yield
+        finally:
+            bindings, self._step.bindings = self._step.bindings, None
+            self._scheduler.schedule_many(bindings)
+
+    def _route_unknown(self, record: ActivationRecord, count: int = 1) -> None:
         with self._lock:
             if record.request_id in self._ended:
-                self._late_records += 1
+                self._late_records += count
                 return
             live = sorted(self._requests)
         raise RouterError(

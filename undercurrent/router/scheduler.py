@@ -17,8 +17,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
-from undercurrent.router.binding import Binding, observed_only
+from undercurrent.router.binding import Binding
 
 
 class _Worker:
@@ -55,13 +56,20 @@ class AsyncScheduler:
 
     def schedule(self, binding: Binding) -> None:
         """Put a binding with queued records on the ready line."""
+        self.schedule_many((binding,))
+
+    def schedule_many(self, bindings: Sequence[Binding]) -> None:
+        """Put bindings with queued records on the ready line, waking one worker
+        per binding (at most every worker) in one go."""
+        if not bindings:
+            return
         with self._cond:
-            self._ready.append(binding)
+            self._ready.extend(bindings)
             if not self._workers and not self._stopping:
                 for _ in range(self.target):
                     self._spawn_locked()
                 self._start_supervisor_locked()
-            self._cond.notify()
+            self._cond.notify(len(bindings))
 
     def worker_count(self) -> int:
         """Worker threads alive now (more than ``workers`` while some are stalled)."""
@@ -125,26 +133,34 @@ class AsyncScheduler:
                     return
 
     def _run_batch(self, binding: Binding, worker: _Worker) -> bool:
-        """Process up to ``batch_size`` records; True when the binding still has work."""
-        for _ in range(self.batch_size):
+        """Process up to ``batch_size`` records; True when the binding still has work.
+
+        A probe that scores batches natively gets every record taken in one call;
+        any other probe gets one record per call, so a drain deadline drops only
+        records that have not started.
+        """
+        done = 0
+        while done < self.batch_size:
             with binding.cond:
                 if not binding.queue or binding.finalised:
                     binding.scheduled = False
                     binding.cond.notify_all()
                     return False
-                record = binding.queue.popleft()
+                take = min(len(binding.queue), self.batch_size - done) if binding.batched else 1
+                records = [binding.queue.popleft() for _ in range(take)]
                 binding.busy = True
+                binding.in_flight = take
                 binding.cond.notify_all()  # room for a producer blocked on a full queue
             worker.call_started = time.monotonic()
-            signal, error, latency = binding.invoke(record)
+            outcomes = binding.invoke_many(records)
             worker.call_started = None
             with binding.cond:
                 binding.busy = False
+                binding.in_flight = 0
                 if not binding.finalised:
-                    binding.account(latency, error, record)
-                    if signal is not None:
-                        binding.signals.append(observed_only(signal))
+                    binding.settle(records, outcomes, observed=True)
                 binding.cond.notify_all()
+            done += take
         with binding.cond:
             if binding.queue and not binding.finalised:
                 return True

@@ -25,6 +25,8 @@ from undercurrent.adapters.hf.architectures import (
 from undercurrent.adapters.session import CaptureGroup, CaptureSession, PairKey, StepPlan
 from undercurrent.spec.types import TensorType
 
+_INDEX_CACHE_SIZE = 64
+
 try:  # the cache base class moved between releases; the hook only needs isinstance
     from transformers.cache_utils import Cache as _CacheBase
 except ImportError:  # pragma: no cover - very old transformers
@@ -74,7 +76,9 @@ class ModelHooks:
         self.session: CaptureSession | None = None
         self.width = 0
         self._pending: list[tuple[TensorType, list[Any], Any]] = []
-        self._indices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Gather indices by (slots, device), kept across forwards: decode steps
+        # capture the same (row, 0) slots again and again.
+        self._indices: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._needs_sync = False
 
     # -- capability ------------------------------------------------------
@@ -135,6 +139,7 @@ class ModelHooks:
             self._handles.pop().remove()
         self._installed.clear()
         self._pending.clear()
+        self._indices.clear()
         self.plan = None
         self.session = None
 
@@ -148,7 +153,6 @@ class ModelHooks:
             self.width = int(embeds.shape[1]) if embeds is not None else 0
         else:
             self.width = int(input_ids.shape[1])
-        self._indices.clear()
         if self.on_forward is not None:
             self.plan = self.on_forward(self.width)
 
@@ -156,16 +160,18 @@ class ModelHooks:
         """Use ``plan`` for the next forward (when no generation driver is attached)."""
         self.plan = plan
         self.width = width
-        self._indices.clear()
 
     def _index(self, group: CaptureGroup,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self._indices.get(id(group))
+        key = (device, *group.slots)
+        cached = self._indices.get(key)
         if cached is None:
+            if len(self._indices) >= _INDEX_CACHE_SIZE:
+                self._indices.clear()
             rows = torch.tensor([slot[0] for slot in group.slots], dtype=torch.long)
             cols = torch.tensor([slot[1] for slot in group.slots], dtype=torch.long)
             cached = (rows.to(device), cols.to(device))
-            self._indices[id(group)] = cached
+            self._indices[key] = cached
         return cached
 
     def _queue(self, tensor_type: TensorType, targets: list[Any], gathered: torch.Tensor) -> None:
