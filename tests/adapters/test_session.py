@@ -4,6 +4,7 @@ aborts. No torch needed."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -100,3 +101,111 @@ def test_deliver_routes_in_token_then_layer_order_and_stops_after_the_aborting_t
     assert not state.live and [r.token_id for r in state.records] == [10, 10, 11, 11]
     out = session.close_request("r", "text")
     assert out.aborted and out.finish_reason == "abort" and router.ended == ["r"]
+
+
+def _layered_point(name, position, tensor_type, layers=(0, 1, 2), **extra):
+    continuous = "*" in position or ":" in position
+    return ExtractionPoint(name=name, layers=layers, tensor_type=tensor_type, position=position,
+                           probe_kind="trajectory" if continuous else "single_shot", **extra)
+
+
+class _BatchRouter:
+    """Records every route_batch call, and whether it came inside step()."""
+
+    def __init__(self):
+        self.calls, self.steps, self.in_step = [], 0, False
+
+    def register_request(self, request_id, points, ctx=None):
+        pass
+
+    @contextlib.contextmanager
+    def step(self):
+        self.steps += 1
+        self.in_step = True
+        try:
+            yield
+        finally:
+            self.in_step = False
+
+    def route_batch(self, records):
+        self.calls.append((self.in_step, list(records)))
+        return [None] * len(records)
+
+    def end_request(self, request_id):
+        return {}
+
+
+def test_one_decode_forward_routes_one_batch_per_request_and_point_with_its_layers_in_order():
+    router = _BatchRouter()
+    points = [_layered_point("m", "generated[*]", "mlp_out", probe_type="none"),
+              _layered_point("s", "generated[*]", "residual_stream", probe_type="none")]
+    session = CaptureSession(router, points, keep_records=True)
+    first = session.open_request("r1", "x", [1, 2, 3])
+    second = session.open_request("r2", "y", [4, 5])
+    first.generated.append(10)
+    second.generated.append(20)
+    plan = StepPlan()
+    plan.add_window(first, 3, 4, lambda t: ("r1", t))  # decode: one token per request
+    plan.add_window(second, 2, 3, lambda t: ("r2", t))
+    # hooks fire from the last layer to the first here; each row names what it holds
+    batches = [(tensor_type, group.targets,
+                [f"{tensor_type.value}/{layer}/{slot[0]}" for slot in group.slots])
+               for (layer, tensor_type), group in sorted(plan.groups.items(),
+                                                         key=lambda item: -item[0][0])]
+    session.deliver(batches)
+    assert router.steps == 1
+    assert len(router.calls) == 4
+    routed = set()
+    for in_step, records in router.calls:
+        assert in_step  # the whole forward is delivered inside one router.step()
+        request_id, name = records[0].request_id, records[0].extraction_point_name
+        assert all(r.request_id == request_id and r.extraction_point_name == name
+                   for r in records)
+        assert [r.layer for r in records] == [0, 1, 2]
+        kind = "mlp_out" if name == "m" else "residual_stream"
+        assert [r.tensor for r in records] == [f"{kind}/{layer}/{request_id}"
+                                               for layer in (0, 1, 2)]
+        assert all(r.tensor_type == kind for r in records)
+        token = 3 if request_id == "r1" else 2
+        assert {(r.token_index, r.generated_index, r.token_id) for r in records} == {
+            (token, 0, 10 if request_id == "r1" else 20)}
+        routed.add((request_id, name))
+    assert routed == {("r1", "m"), ("r1", "s"), ("r2", "m"), ("r2", "s")}
+    for state, token in ((first, 3), (second, 2)):
+        kept = [(r.token_index, r.layer) for r in state.records]
+        assert kept == [(token, 0), (token, 0), (token, 1), (token, 1), (token, 2), (token, 2)]
+        assert {r.request_id for r in state.records} == {state.request_id}
+
+
+def test_an_inline_abort_at_one_prefill_token_stops_the_later_tokens_records_being_routed():
+    np = pytest.importorskip("numpy")
+    from undercurrent.router import Router
+
+    points = [_layered_point("first", "prompt[0]", "mlp_out", layers=(0, 1),
+                             probe_type="norm_probe",
+                             probe_args={"threshold": 0.0, "action": "abort"}),
+              _layered_point("last", "prompt[-1]", "mlp_out", layers=(0, 1),
+                             probe_type="norm_probe")]
+    with Router() as router:
+        session = CaptureSession(router, points, keep_records=True)
+        state = session.open_request("r", "a b c d", [7, 8, 9, 6])
+        plan = StepPlan()
+        plan.add_window(state, 0, 4, lambda t: t)  # prefill: both tokens in one forward
+        assert sorted({t.token_index for g in plan.groups.values() for t in g.targets}) == [0, 3]
+        batches = [(tensor_type, group.targets,
+                    [np.full(4, 1.0 + slot, dtype=np.float32) for slot in group.slots])
+                   for (_, tensor_type), group in sorted(plan.groups.items(),
+                                                         key=lambda item: -item[0][0])]
+        session.deliver(batches)
+        assert state.abort is not None and state.abort.token_index == 0
+        assert (state.abort.extraction_point_name, state.abort.layer) == ("first", 0)
+        assert not state.live and state.finish_reason == "abort"
+        assert [(r.token_index, r.layer) for r in state.records] == [(0, 0), (0, 1)]
+        assert [(s.token_index, s.layer) for s in state.signals] == [(0, 0), (0, 1)]
+        out = session.close_request("r", "")
+    first, last = out.results["first"], out.results["last"]
+    assert (first.stats.received, first.stats.processed) == (2, 2)
+    assert [s.action for s in first.signals] == [SignalAction.ABORT, SignalAction.ABORT]
+    assert first.signals[0].score == pytest.approx(2.0)  # |(1, 1, 1, 1)| at slot 0
+    assert last.stats.received == 0  # token 3 was never routed
+    assert last.verdict["count"] == 0
