@@ -112,9 +112,24 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
         probed = ProbedModel.from_pretrained(path, spec=spec, backend="vllm")
 
         def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
-            outputs = probed.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+            if len(prompts) == 1:
+                # One request: stream() shows when its first token arrives.
+                start = time.perf_counter()
+                first: float | None = None
+                output = None
+                for event in probed.stream(prompts[0], max_new_tokens=max_new_tokens,
+                                           temperature=0.0):
+                    if first is None and event.token_id is not None:
+                        first = time.perf_counter() - start
+                    output = event.output or output
+                assert output is not None
+                outputs = [output]
+            else:
+                first = None
+                outputs = probed.generate(prompts, max_new_tokens=max_new_tokens,
+                                          temperature=0.0)
             records = sum(r.stats.received for o in outputs for r in o.results.values())
-            return [list(o.token_ids) for o in outputs], None, records
+            return [list(o.token_ids) for o in outputs], first, records
 
     from transformers import AutoTokenizer
 

@@ -13,6 +13,7 @@ from benchmarks.scenarios.probed import (
     ProbedAllLayers,
     ProbedAsyncTrajectory,
     ProbedBlockUntilSignal,
+    ProbedCaptureOnly,
     ProbedEmptySpec,
     ProbedInlineNorm,
 )
@@ -25,6 +26,7 @@ SCENARIOS: tuple[type[Scenario], ...] = (
     TransformerLensCapture,
     ProbedEmptySpec,
     ProbedInlineNorm,
+    ProbedCaptureOnly,
     ProbedAsyncTrajectory,
     ProbedAllLayers,
     ProbedBlockUntilSignal,

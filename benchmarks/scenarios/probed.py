@@ -45,6 +45,12 @@ class _Probed(Scenario):
         """The spec's extraction points for the chosen layers."""
         raise NotImplementedError
 
+    keep_records: ClassVar[bool] = False
+
+    def probe_classes(self) -> dict[str, type] | None:
+        """Probe classes to register on top of the built-ins (by probe_type name)."""
+        return None
+
     def setup(self, bundle: Any, model: Any, layers: tuple[int, ...]) -> None:
         super().setup(bundle, model, layers)
         from undercurrent.api import ProbedModel
@@ -54,11 +60,12 @@ class _Probed(Scenario):
         spec = (
             parse_dict({"version": "1", "extraction_points": points}) if points else ProbeSpec()
         )
-        self.probed = ProbedModel(model, bundle.tokenizer, spec=spec, backend="hf")
+        self.probed = ProbedModel(model, bundle.tokenizer, spec=spec, backend="hf",
+                                  probes=self.probe_classes())
 
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
         outputs = self.probed.generate(batch.prompts, max_new_tokens=max_new_tokens,
-                                       temperature=0.0)
+                                       temperature=0.0, records=self.keep_records)
         records = dropped = errors = timeouts = 0
         for output in outputs:
             for result in output.results.values():
@@ -66,6 +73,8 @@ class _Probed(Scenario):
                 dropped += result.stats.dropped
                 errors += result.stats.errors
                 timeouts += result.stats.timeouts
+        if self.keep_records:  # the product is the records on the outputs: count those
+            records = sum(len(output.records or ()) for output in outputs)
         hidden = self.model.config.hidden_size
         element = next(self.model.parameters()).element_size()
         return GenerationRun(
@@ -103,6 +112,37 @@ class ProbedInlineNorm(_Probed):
 
     def points(self) -> list[dict[str, Any]]:
         return [three_layer_point(self.layers)]
+
+
+class ProbedCaptureOnly(_Probed):
+    """The same capture kept as records on each output, with no probe work:
+    what raw hooks, nnsight and TransformerLens deliver (the tensors in hand)."""
+
+    name: ClassVar[str] = "uc_3_layers_capture_only"
+    captures: ClassVar[str] = (
+        "residual stream at 3 layers for every generated token, returned as "
+        "ActivationRecords (records=True) to a probe that does nothing"
+    )
+    keep_records: ClassVar[bool] = True
+
+    def probe_classes(self) -> dict[str, type] | None:
+        from undercurrent.probes import Probe
+
+        class KeepOnly(Probe):
+            """Judges nothing: the records on the outputs are the product."""
+
+            probe_kind = "single_shot"
+
+            def on_activation(self, record: Any) -> None:
+                return None
+
+            def on_activations(self, records: Any) -> list[None]:
+                return [None] * len(records)
+
+        return {"keep_only": KeepOnly}
+
+    def points(self) -> list[dict[str, Any]]:
+        return [three_layer_point(self.layers, probe_type="keep_only")]
 
 
 class ProbedAsyncTrajectory(_Probed):

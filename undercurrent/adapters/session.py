@@ -310,6 +310,9 @@ class CaptureSession:
         order = 0
         for tensor_type, targets, rows in batches:
             kind = TensorType(tensor_type).value
+            unbind = getattr(rows, "unbind", None)  # torch: every row view in one call
+            if unbind is not None:
+                rows = unbind(0)
             for target in targets:
                 key = (target.state.request_id, target.token_index)
                 captured = tokens.get(key)
