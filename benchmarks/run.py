@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = args.models or (["tiny"] if quick else ["tiny", "large"])
     args.batch_sizes = args.batch_sizes or [1, 8]
     args.scenarios = args.scenarios or [s.name for s in SCENARIOS]
-    args.repeats = args.repeats or (2 if quick else 5)
+    args.repeats = args.repeats or (2 if quick else 9)
     args.max_new_tokens = args.max_new_tokens or (8 if quick else 32)
     args.vllm = (not quick) if args.vllm is None else args.vllm
     # Quick mode must stay fast on a busy CI machine: one thread per job (OpenMP
