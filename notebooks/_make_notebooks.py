@@ -477,8 +477,11 @@ exact up to float noise.
 """),
     code("""
 import os
+import warnings
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # keep the engine quiet
+# vLLM's own modules trip a torch deprecation warning on import; it is not ours.
+warnings.filterwarnings("ignore", message=".*torch.distributed.reduce_op.*")
 
 from undercurrent import ProbedModel
 from undercurrent.models import tiny_probe_path

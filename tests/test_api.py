@@ -86,14 +86,19 @@ def test_records_are_not_kept_unless_asked_and_a_string_prompt_works(saved_model
         pm.generate("x")
 
 
-def test_tiny_name_resolves_to_the_bundled_model_path(saved_model, monkeypatch):
+def test_tiny_name_loads_the_bundled_model_and_keeps_its_short_name(saved_model, monkeypatch):
     import undercurrent.models as models
 
     monkeypatch.setattr(models, "tiny_model_path", lambda: Path(saved_model))
     for name in ("tiny", "undercurrent/tiny"):
         pm = ProbedModel.from_pretrained(name)
-        assert pm.backend.model_name == str(saved_model)
+        assert pm.backend.model.config._name_or_path == str(saved_model)  # loaded from there
+        assert pm.backend.model_name == "undercurrent/tiny"  # shown by its short name
+        assert repr(pm).startswith("ProbedModel('undercurrent/tiny', backend='hf'")
         pm.close()
+    pm = ProbedModel.from_pretrained(str(saved_model))
+    assert pm.backend.model_name == str(saved_model)  # any other path names itself
+    pm.close()
 
 
 def test_a_router_you_bring_is_used_and_left_running():

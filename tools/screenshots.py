@@ -50,7 +50,7 @@ extraction_points:
     position: "generated[*]"
     probe_type: linear_probe
     probe_kind: single_shot
-    probe_args: {{{{path: "{{tiny_probe_path()}}", action: abort}}}}
+    probe_args: {{{{path: "undercurrent:models/tiny/probe.safetensors", action: abort}}}}
 """)
 model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
 PROMPTS = {_prompts()!r}
@@ -132,7 +132,7 @@ extraction_points:
     position: "generated[*]"
     probe_type: linear_probe
     probe_kind: single_shot
-    probe_args: {{path: "{tiny_probe_path()}"}}
+    probe_args: {{path: "undercurrent:models/tiny/probe.safetensors"}}
 """)
     with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
         outputs = model.generate(_prompts(), max_new_tokens=28)

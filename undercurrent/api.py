@@ -22,6 +22,7 @@ from undercurrent.adapters.base import BackendError, SamplingParams, backend_cla
 from undercurrent.adapters.capabilities import Capabilities, check_points
 from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
 from undercurrent.adapters.session import CaptureSession
+from undercurrent.models import TINY_MODEL_NAME
 from undercurrent.records import ProbeResult
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
@@ -172,9 +173,12 @@ class ProbedModel:
                        backend=backend, probes=probes, probe_defaults=probe_defaults,
                        router=router, on_result=on_result, batch_size=batch_size,
                        capture_last_token=capture_last_token)
-        path = resolve_model_path(os.fspath(model_or_path))
+        name = os.fspath(model_or_path)
+        path = resolve_model_path(name)
         if backend == "hf":
             backend_kwargs.setdefault("batch_size", batch_size)
+        # The bundled model keeps its short name (reprs, results), not this machine's path.
+        backend_kwargs.setdefault("model_name", TINY_MODEL_NAME if path != name else path)
         loaded = backend_class(backend).from_pretrained(path, device=device, dtype=dtype,
                                                         **backend_kwargs)
         try:
@@ -310,7 +314,7 @@ class ProbedModel:
 
 def resolve_model_path(name_or_path: str) -> str:
     """``"undercurrent/tiny"`` / ``"tiny"`` -> the bundled model's directory."""
-    if name_or_path in ("undercurrent/tiny", "tiny", "undercurrent-tiny"):
+    if name_or_path in (TINY_MODEL_NAME, "tiny", "undercurrent-tiny"):
         from undercurrent.models import tiny_model_path
 
         return str(tiny_model_path())

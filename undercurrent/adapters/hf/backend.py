@@ -175,8 +175,10 @@ class HFBackend:
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | None = None, dtype: Any = None,
-                        batch_size: int = 8, **model_kwargs: Any) -> HFBackend:
-        """Load a model and tokenizer from a local path (or a reachable hub id)."""
+                        batch_size: int = 8, model_name: str | None = None,
+                        **model_kwargs: Any) -> HFBackend:
+        """Load a model and tokenizer from a local path (or a reachable hub id);
+        ``model_name`` (default: the path) is what reprs and probe contexts show."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(dtype, str) and dtype != "auto":
@@ -186,7 +188,7 @@ class HFBackend:
             model = model.to(device)
         model.eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, model_name=str(path), batch_size=batch_size)
+        return cls(model, tokenizer, model_name=model_name or str(path), batch_size=batch_size)
 
     @property
     def model_name(self) -> str:

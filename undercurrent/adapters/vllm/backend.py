@@ -188,6 +188,7 @@ class VLLMBackend:
         max_model_len: int | None = None,
         seed: int = 0,
         batch_size: int | None = None,
+        model_name: str | None = None,
         **engine_kwargs: Any,
     ) -> VLLMBackend:
         """Start a vLLM engine on ``path`` with undercurrent's worker extension.
@@ -197,7 +198,8 @@ class VLLMBackend:
         unset, instead of vLLM's ~10 GiB). ``enable_prefix_caching=True`` is accepted
         only for specs whose points select generated tokens alone. Other keyword
         arguments go to ``vllm.EngineArgs``. ``batch_size`` caps concurrent requests
-        (vLLM's ``max_num_seqs``).
+        (vLLM's ``max_num_seqs``). ``model_name`` (default: the path) is what reprs
+        and probe contexts show.
         """
         if not enforce_eager:
             raise BackendError(
@@ -251,8 +253,8 @@ class VLLMBackend:
             raise
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         try:
-            backend = cls(engine, tokenizer, model_name=str(path), multiprocess=multiprocess,
-                          prefix_caching=enable_prefix_caching)
+            backend = cls(engine, tokenizer, model_name=model_name or str(path),
+                          multiprocess=multiprocess, prefix_caching=enable_prefix_caching)
         except BaseException:
             engine.engine_core.shutdown()
             remove_staging(staging)
