@@ -1,8 +1,9 @@
-"""Turn whatever tensor an adapter captured into a float64 numpy array.
+"""Turn whatever tensors an adapter captured into float64 numpy arrays.
 
 numpy is imported lazily (it comes with the ``hf`` extra, not the core install),
-and torch is never imported: a torch tensor is recognised by its ``detach``
-method and converted through ``.float()`` so that bfloat16 works too.
+and torch is never imported here: a torch tensor is recognised by its ``detach``
+method and converted by torch itself (so bfloat16 works too); a batch of them
+is stacked by torch first and converted once.
 """
 
 from __future__ import annotations
