@@ -1,6 +1,7 @@
 """``sae_probe``'s feature activations equal SAELens's own ``encode``.
 
-Each SAE is built with SAELens's classes and written with SAELens's ``save_model``;
+Each SAE is built with SAELens's classes and written with SAELens's ``save_model``
+(plus the bundled SAE, written by ``undercurrent.models.sae_fit``);
 the bundled model generates through ``ProbedModel`` (HF backend, float32) with one
 ``sae_probe`` point per SAE watching every feature; SAELens then loads the same
 folder and encodes the records' tensors. SAELens is the oracle here, so the test
@@ -21,7 +22,7 @@ with warnings.catch_warnings():
     from sae_lens.saes.sae import SAEMetadata
 
 from undercurrent.api import ProbedModel
-from undercurrent.probes.sae_files import load_sae
+from undercurrent.probes.sae_files import load_sae, resolve_sae_folder
 
 D_IN, D_SAE, LAYER = 128, 48, 3
 PROMPTS = ["user : how do i open my own door ? assistant :",
@@ -67,10 +68,11 @@ def generated(tmp_path_factory):
     root = tmp_path_factory.mktemp("saes")
     folders = {name: build_sae(root / name, config, cls, fields, seed)
                for seed, (name, config, cls, fields) in enumerate(CASES)}
+    folders["bundled"] = resolve_sae_folder("undercurrent:models/tiny/sae")
     spec = {"version": "1", "extraction_points": [{
         "name": name, "layers": LAYER, "tensor_type": "residual_stream",
         "position": "generated[*]", "probe_type": "sae_probe", "probe_kind": "trajectory",
-        "probe_args": {"path": str(folder), "features": list(range(D_SAE))},
+        "probe_args": {"path": str(folder), "features": list(range(load_sae(folder).d_sae))},
     } for name, folder in folders.items()]}
     with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
         outputs = model.generate(PROMPTS, max_new_tokens=12, records=True)
@@ -92,7 +94,7 @@ def probe_and_records(outputs, name):
     return np.array(acts), torch.stack(tensors)
 
 
-@pytest.mark.parametrize("case", [case[0] for case in CASES])
+@pytest.mark.parametrize("case", [case[0] for case in CASES] + ["bundled"])
 def test_sae_probe_features_equal_sae_lens_encode_on_the_records(generated, case):
     folders, outputs = generated
     acts, tensors = probe_and_records(outputs, case)

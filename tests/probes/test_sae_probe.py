@@ -250,3 +250,37 @@ def test_clamp_delta_undoes_the_input_normalisation(tmp_path):
     delta = sae.clamp_delta(X, 1, 0.0)
     std = (X - X.mean(axis=1, keepdims=True)).std(axis=1, ddof=1, keepdims=True)
     np.testing.assert_allclose(delta, -acts[:, 1:2] * std * w["W_dec"][1], atol=1e-12)
+
+
+def test_the_bundled_sae_is_small_topk_on_layer_3_and_watches_live(tmp_path):
+    from pathlib import Path
+
+    import undercurrent
+
+    folder = Path(undercurrent.__file__).parent / "models" / "tiny" / "sae"
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 2 * 1024 * 1024
+    sae = load_sae("undercurrent:models/tiny/sae")
+    assert (sae.architecture, sae.d_in, sae.k) == ("topk", 128, 16)
+    assert hook_site(sae.hook_name) == (3, "residual_stream")
+    report = json.loads((folder / "report.json").read_text())
+    assert report["heldout"]["explained_variance"] > 0.9 and report["heldout"]["l0"] == 16.0
+
+
+def test_sae_training_is_seeded_and_reconstructs(tmp_path):
+    from safetensors.numpy import save_file
+
+    from undercurrent.models.sae_fit import sae_config, train_topk_sae
+
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(400, 3)) @ rng.normal(size=(3, 8))).astype(np.float32)
+    first = train_topk_sae(data, d_sae=16, k=3, steps=150, batch=64, lr=1e-2, seed=1)
+    again = train_topk_sae(data, d_sae=16, k=3, steps=150, batch=64, lr=1e-2, seed=1)
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name])
+    assert np.allclose(np.linalg.norm(first["W_dec"], axis=1), 1.0, atol=1e-5)
+    (tmp_path / "cfg.json").write_text(json.dumps(sae_config(8, d_sae=16, k=3)))
+    save_file(first, str(tmp_path / "sae_weights.safetensors"))
+    sae = load_sae(tmp_path)
+    recon = sae.encode(data) @ sae.W_dec + sae.b_dec
+    explained = 1 - ((data - recon) ** 2).sum() / ((data - data.mean(axis=0)) ** 2).sum()
+    assert explained > 0.9
