@@ -220,6 +220,9 @@ def test_clear_errors_for_bad_folders_and_arguments(tmp_path):
         SaeProbe(path=tmp_path / "ok", features=[6])
     with pytest.raises(ValueError, match="either features .* or top_k"):
         SaeProbe(path=tmp_path / "ok", features=[1], top_k=2)
+    assert SaeProbe(path=tmp_path / "ok", features=3).features == (3,)
+    with pytest.raises(ValueError, match="features must be a list"):
+        SaeProbe(path=tmp_path / "ok", features="3")
     with pytest.raises(ValueError, match="top_k must be an int >= 1"):
         SaeProbe(path=tmp_path / "ok", top_k=0)
     probe = SaeProbe(path=tmp_path / "ok")

@@ -101,7 +101,7 @@ class SaeProbe(Probe):
 
     - ``path``: the SAE folder (``cfg.json`` + ``sae_weights.safetensors``, as
       SAELens saves it); ``undercurrent:models/tiny/sae`` is the bundled one;
-    - ``features``: the feature ids to watch; or ``top_k``: report the k most
+    - ``features``: the feature ids to watch (a list, or one id); or ``top_k``: report the k most
       active features of each activation (default 5 when neither is given);
     - ``threshold``: a watched feature (any feature, under ``top_k``) at or above
       it triggers ``action``; default none;
@@ -132,7 +132,7 @@ class SaeProbe(Probe):
         self,
         *,
         path: str | os.PathLike[str],
-        features: Sequence[int] | None = None,
+        features: Sequence[int] | int | None = None,
         top_k: int | None = None,
         threshold: float | None = None,
         action: str = "flag",
@@ -141,6 +141,8 @@ class SaeProbe(Probe):
         self.sae = load_sae(path)
         if features is not None and top_k is not None:
             raise ValueError("give either features (ids to watch) or top_k, not both")
+        if isinstance(features, int) and not isinstance(features, bool):
+            features = [features]
         if features is not None:
             if isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
                 raise ValueError(f"features must be a list of feature ids, got {features!r}")

@@ -79,6 +79,11 @@ class SparseAutoencoder:
     hook_name: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
+    @functools.cached_property
+    def decoder_norms(self) -> Any:
+        """The L2 norm of each decoder row, ``(d_sae,)`` (computed once)."""
+        return numpy_module().linalg.norm(self.W_dec, axis=1)
+
     @property
     def d_in(self) -> int:
         """The activation size the SAE reads."""
@@ -131,7 +136,7 @@ class SparseAutoencoder:
         if self.architecture == "jumprelu":
             return np.where(pre > self.threshold, np.maximum(pre, 0.0), 0.0), out_scale
         if self.rescale_acts_by_decoder_norm:
-            pre = pre * np.linalg.norm(self.W_dec, axis=1)
+            pre = pre * self.decoder_norms
         assert self.k is not None
         k = min(self.k, self.d_sae)
         top = np.argpartition(-pre, k - 1, axis=1)[:, :k]
@@ -147,7 +152,7 @@ class SparseAutoencoder:
         index = self.feature_index(feature)
         row = np.array(self.W_dec[index], dtype=np.float64)
         if self.rescale_acts_by_decoder_norm:
-            row = row / np.linalg.norm(row)
+            row = row / self.decoder_norms[index]
         return row
 
     def clamp_delta(self, activations: Any, feature: int, value: float) -> Any:
