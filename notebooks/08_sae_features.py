@@ -1,11 +1,10 @@
 # ---
 # jupyter:
 #   jupytext:
+#     formats: ipynb,py:percent
 #     text_representation:
 #       extension: .py
 #       format_name: percent
-#       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -152,9 +151,11 @@ for output, label in zip(guarded.generate(prompts, max_new_tokens=40), labels, s
 # activations.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 capture = ProbedModel.from_pretrained("undercurrent/tiny", spec=GUARD.replace("abort", "flag"))
 (run,) = capture.generate([harmful.prompt], max_new_tokens=40, records=True)
+
+# %%
+# NBVAL_CHECK_OUTPUT
 h = np.stack([r.tensor.double().numpy() for r in run.records])
 f = sae.encode(h)
 h_clamped = h + sae_clamp_delta(sae, h, feature=2, value=0.0)
