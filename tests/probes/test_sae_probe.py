@@ -308,3 +308,26 @@ def test_the_example_spec_aborts_harmful_replies_before_their_harmful_step():
     top = benign.results["top_features"]
     assert top.error is None and top.stats.dropped == 0
     assert all(len(s.metadata["features"]) <= 8 for s in top.signals)
+
+
+def test_check_point_is_the_refusal_and_check_hook_false_turns_it_off(tmp_path):
+    write_sae(tmp_path, hook_name="blocks.3.hook_resid_post")
+    with pytest.raises(ValueError, match="trained on layer 3"):
+        SaeProbe(path=tmp_path).check_point(point(layers=1))
+    SaeProbe(path=tmp_path, check_hook=False).check_point(point(layers=1))
+    SaeProbe(path=tmp_path).check_point(point(layers=3))
+
+
+def test_a_contradicting_point_is_refused_before_generation():
+    from undercurrent.api import ProbedModel
+    from undercurrent.probes import Probe
+
+    if not hasattr(Probe, "check_point"):
+        pytest.skip("the router calls Probe.check_point at registration from issue 21 on")
+    spec = {"version": "1", "extraction_points": [{
+        "name": "wrong_layer", "layers": 1, "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "sae_probe", "probe_kind": "single_shot",
+        "probe_args": {"path": "undercurrent:models/tiny/sae", "top_k": 3}}]}
+    with pytest.raises(Exception, match=r"trained on layer 3 .* captures layers \[1\]"):
+        with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
+            model.generate(["user : hello . assistant :"], max_new_tokens=2)

@@ -106,8 +106,8 @@ class SaeProbe(Probe):
     - ``threshold``: a watched feature (any feature, under ``top_k``) at or above
       it triggers ``action``; default none;
     - ``action``: ``flag`` (default) or ``abort``;
-    - ``check_hook``: when true (default), ``on_start`` refuses a point whose
-      layer or tensor type contradicts the SAE's ``hook_name``.
+    - ``check_hook``: when true (default), :meth:`check_point` (and ``on_start``)
+      refuses a point whose layer or tensor type contradicts the SAE's ``hook_name``.
 
     Each activation gets a signal whose score is the largest watched (or top)
     activation; its metadata holds ``features`` and ``activations`` (parallel
@@ -174,12 +174,15 @@ class SaeProbe(Probe):
         self._first_active = np.full((2, d_sae), -1, dtype=np.int64)
 
     def check_point(self, point: Any) -> None:
-        """Raise ValueError when ``point`` contradicts the SAE's ``hook_name``."""
-        check_point_matches_hook(self.sae, point)
+        """With ``check_hook``, raise ValueError when ``point`` contradicts the SAE's
+        ``hook_name`` (its layer or tensor type). A router that calls ``check_point``
+        at registration refuses such a point before generation starts."""
+        if self.check_hook:
+            check_point_matches_hook(self.sae, point)
 
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
-        if self.check_hook and ctx.extraction_point is not None:
+        if ctx.extraction_point is not None:  # for callers that did not check the point
             self.check_point(ctx.extraction_point)
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
