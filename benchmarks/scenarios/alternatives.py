@@ -17,7 +17,7 @@ from benchmarks.scenarios.base import Batch, Scenario, hf_generate_kwargs, new_t
 
 def _missing(module: str, package: str) -> str | None:
     if importlib.util.find_spec(module) is None:
-        return f"{package} is not installed (pip install -e '.[bench]')"
+        return f"{package} is not installed (make bench installs it in .venv-bench)"
     return None
 
 
