@@ -300,21 +300,32 @@ class Router:
                 f"{first.extraction_point_name!r}; its points are {sorted(request.bindings)}"
             )
         if binding.is_async:
-            wake = False
-            for record in records:
-                wake = binding.enqueue(record) or wake
-            if wake:
-                deferred = getattr(self._step, "bindings", None)
-                if deferred is None or binding.overflow is OverflowPolicy.BLOCK:
-                    # A producer may block on a full queue: its worker must be awake.
-                    self._scheduler.schedule(binding)
-                else:
-                    deferred.append(binding)
+            self._enqueue(binding, records)
             return [None] * len(records)
         signals = run_inline(binding, records)
         if any(signal is not None and signal.action is SignalAction.ABORT for signal in signals):
             request.abort_requested = True
         return signals
+
+    def _enqueue(self, binding: Binding, records: Sequence[ActivationRecord]) -> None:
+        """Queue records on an async binding, handing it to the workers as needed.
+
+        Under ``block`` the hand-over happens as soon as a record is queued, before
+        the next one is offered: that next record may have to wait for room, and
+        only a worker that already holds the binding can make it. (Handing over
+        once, after the whole batch, left the generation thread waiting on a queue
+        no worker would ever drain.) The other policies never wait, so inside a
+        :meth:`step` their hand-over waits for the end of the step.
+        """
+        deferred = getattr(self._step, "bindings", None)
+        if binding.overflow is OverflowPolicy.BLOCK:
+            deferred = None
+        for record in records:
+            if binding.enqueue(record):
+                if deferred is None:
+                    self._scheduler.schedule(binding)
+                else:
+                    deferred.append(binding)
 
     @contextmanager
     def step(self) -> Iterator[None]:

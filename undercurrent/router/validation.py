@@ -150,9 +150,21 @@ def check_points(
                     f"{point.probe_type!r}, whose class {cls.__name__} is {declared}"
                 )
         if len(problems) == before and cls is not None:
-            capacity = (depth or default_queue_depth) if is_async else None
+            capacity = queue_capacity(point, default_queue_depth) if is_async else None
             checked.append(CheckedPoint(index, point, cls, policy, capacity))
     return checked, problems
+
+
+def queue_capacity(point: ExtractionPoint, default_queue_depth: int) -> int:
+    """How many records an async point's queue holds: its ``queue_depth`` (else the
+    router's default), but never fewer than one token's records for the point.
+
+    Depth counts records, and one token brings one record per layer, all queued
+    in one go before a worker wakes (once per engine step). A queue smaller than
+    that would drop part of every token (or, under ``block``, wait inside a single
+    token) however fast the probe is.
+    """
+    return max(point.queue_depth or default_queue_depth, len(point.layers))
 
 
 def merged_probe_args(
