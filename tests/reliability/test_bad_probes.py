@@ -129,15 +129,13 @@ def test_a_probe_raising_in_its_constructor_is_refused_before_generation(tiny) -
             started.append(ctx.request_id)
 
     spec = [point("good", probe_type="watched"), point("broken", probe_type="raises_in_init")]
-    with ProbedModel(model, tokenizer, spec=spec,
-                     probes={**TEST_PROBES, "watched": Watched}) as pm:
-        with pytest.raises(RouterError) as caught:
-            pm.generate(PROMPTS, max_new_tokens=NEW)
-        message = str(caught.value)
-        assert "'broken'" in message and "raises_in_init" in message
-        assert "RuntimeError: broken constructor" in message
-        assert started == []  # all or nothing: no probe of that request was started
-        _clean(pm, model)
+    with pytest.raises(RouterError) as caught:  # refused when the ProbedModel is built
+        ProbedModel(model, tokenizer, spec=spec, probes={**TEST_PROBES, "watched": Watched})
+    message = str(caught.value)
+    assert "'broken'" in message and "raises_in_init" in message
+    assert "RuntimeError: broken constructor" in message
+    assert started == []  # all or nothing: no probe was started
+    assert live_hooks(model) == 0
 
 
 def _timed_generate(pm: ProbedModel, prompts: list[str], new: int) -> tuple[list[Any], float]:
