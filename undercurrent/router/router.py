@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from undercurrent.probes.base import RequestContext, probe_args_problem
+from undercurrent.probes.base import RequestContext
 from undercurrent.probes.registry import ProbeRegistry, default_registry
 from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
 from undercurrent.router.binding import Binding, describe_error, logger
@@ -250,16 +250,13 @@ class Router:
             self.registry,
             self.default_intervention_policy,
             self.default_queue_depth,
+            self.probe_defaults,
         )
         built: list[tuple[CheckedPoint, Any]] = []
         for item in checked:
             label = where(item.index, item.point)
             probe_type = item.point.probe_type
             args = merged_probe_args(self.probe_defaults, item.point)
-            mismatch = probe_args_problem(item.probe_class, args)
-            if mismatch is not None:
-                problems.append(f"{label}: probe_args for probe_type {probe_type!r}: {mismatch}")
-                continue
             try:
                 instance = item.probe_class(**args)
             except Exception as exc:
