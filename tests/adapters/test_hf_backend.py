@@ -218,7 +218,7 @@ def test_close_and_interrupts_leave_no_hook_behind(tokenizer):
     with torch.no_grad():
         before = model(ids).logits
     pm = ProbedModel(model, tokenizer, spec=points[:1],
-                     probe_defaults={}, probes={"none": AbortAt}, )
+                     probe_defaults={"none": {"word": "the"}}, probes={"none": AbortAt})
     pm.close()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
