@@ -334,8 +334,8 @@ def _run_run(args: argparse.Namespace) -> int:
                 print(f"aborted by {output.abort.extraction_point_name!r} at token "
                       f"{output.abort.token_index} (layer {output.abort.layer})")
             for name, result in output.results.items():
-                error = f"  error: {result.error}" if result.error else ""
-                print(f"  {name}: {result.verdict!r}{error}")
+                note = f"  error: {result.error}" if result.error else ""
+                print(f"  {name}: {result.verdict!r}{note}")
     if args.records:
         path = save_records(outputs, args.records)
         count = sum(len(output.records or ()) for output in outputs)
