@@ -160,7 +160,7 @@ class VLLMBackend:
             )
         self.server = StepServer(self._abort_in_engine)
         captures = engine.collective_rpc(
-            "undercurrent_attach", args=(self.server.address, self.server.authkey))
+            "undercurrent_attach", args=(self.server.address, self.server.authkey, os.getpid()))
         if sum(bool(c) for c in captures) != 1:
             raise BackendError(f"expected exactly one capturing vLLM worker, got {captures}")
         eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
