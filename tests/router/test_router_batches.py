@@ -394,7 +394,7 @@ def test_overflow_block_inside_a_step_wakes_the_worker_at_once_so_routing_never_
 
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
-    producer.join(5)
+    producer.join(60)
     assert not producer.is_alive(), f"routing deadlocked after {len(routed)} records"
     result = router.end_request("r")["a"]
     assert result.verdict == {"seen": list(range(10))}

@@ -38,7 +38,7 @@ def test_shutdown_without_waiting_discards_queues_even_with_a_hung_probe(make_ro
                                         probe_args={"gate": "gate", "entered": "entered"})])
     for t in range(6):
         router.route(record("r", "a", t))
-    assert event("entered").wait(5)
+    assert event("entered").wait(60)
     # The probe stays hung (its gate opens only at teardown): a shutdown that waited
     # for it would never return.
     result = router.shutdown(wait=False)["r"]["a"]
@@ -52,7 +52,7 @@ def test_shutdown_releases_a_producer_blocked_on_a_full_queue(make_router):
     router.register_request("r", [point("a", mode="async", queue_depth=1,
                                         probe_args={"gate": "gate", "entered": "entered"})])
     router.route(record("r", "a", 0))
-    assert event("entered").wait(5)
+    assert event("entered").wait(60)
     router.route(record("r", "a", 1))  # fills the queue
     binding = binding_of(router, "r", "a")
     producer = threading.Thread(target=router.route, args=(record("r", "a", 2),))
@@ -60,7 +60,7 @@ def test_shutdown_releases_a_producer_blocked_on_a_full_queue(make_router):
     assert wait_until(lambda: binding.waiting == 1)  # blocked, waiting for room
     assert producer.is_alive()
     result = router.shutdown(wait=False)["r"]["a"]
-    producer.join(5)
+    producer.join(60)
     assert not producer.is_alive()
     assert result.stats.received == 3 == result.stats.dropped + result.stats.processed
 
