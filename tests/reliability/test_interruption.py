@@ -4,8 +4,10 @@ consumer or from a result callback: it reaches the caller at once, every hook is
 removed, the router holds no live request and its accounting balances, and the
 same ``ProbedModel`` then generates exactly what it generated before.
 
-The vLLM backend's interruption tests run in their own process:
-``tests/reliability/vllm/``."""
+Every Ctrl-C trial must land inside the call it targets, on any machine: the
+probe that schedules it holds generation until it has been sent (see
+``CtrlCSoon``). The vLLM backend's interruption tests run in their own process:
+``vllm_engine_reliability.py``, started by ``test_vllm_reliability.py``."""
 
 from __future__ import annotations
 

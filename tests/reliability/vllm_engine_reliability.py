@@ -1,4 +1,6 @@
-"""Items 4 and 5 on the vLLM backend (one in-process engine for the whole file).
+"""Items 4 and 5 on the vLLM backend: an in-process engine for the whole file, and
+for Ctrl-C also an engine whose core runs in its own process (vLLM's production
+layout), checked against the in-process engine's outputs.
 
 Run by ``test_vllm_reliability.py`` in a pytest process of its own with
 UNDERCURRENT_VLLM_ENGINE_TESTS=1. By hand::
