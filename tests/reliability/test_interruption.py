@@ -84,7 +84,7 @@ def assert_clean_and_healthy(pm: Any, baseline: list[Any]) -> None:
     assert _verdicts(again) == _verdicts(baseline)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("error", ["keyboard", "exit"])
 def test_an_interrupt_raised_by_an_inline_probe_reaches_the_caller_at_once(
         tiny, probed, baseline, error, figures, monkeypatch) -> None:
@@ -106,7 +106,7 @@ def test_an_interrupt_raised_by_an_inline_probe_reaches_the_caller_at_once(
     figures.add("interruption", **{f"probe_{error}_to_caller_s": round(elapsed, 3)})
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
                                                                        figures) -> None:
     model, tokenizer = tiny
@@ -157,7 +157,7 @@ def _consume(pm: Any, how: str) -> list[int]:
     return seen
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["RuntimeError", "KeyboardInterrupt", "close", "break"])
 def test_a_streaming_consumer_that_fails_or_stops_early_leaves_nothing_behind(
         probed, baseline, how) -> None:
@@ -172,7 +172,7 @@ def test_a_streaming_consumer_that_fails_or_stops_early_leaves_nothing_behind(
     assert events[-1].finished and events[-1].output.token_ids == baseline[0].token_ids
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(360)
 def test_ctrl_c_while_consuming_a_stream_leaves_nothing_behind(tiny, probed, baseline,
                                                                figures) -> None:
     model, tokenizer = tiny
@@ -195,7 +195,7 @@ def test_ctrl_c_while_consuming_a_stream_leaves_nothing_behind(tiny, probed, bas
     figures.add("interruption", stream_ctrl_c_trials=trials, stream_ctrl_c_mid_stream=landed)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_a_failing_result_callback_propagates_and_ends_every_request(tiny, probed,
                                                                     baseline) -> None:
     calls = []
