@@ -76,7 +76,7 @@ def _terminated(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Run the test suite with one CPU burner per core.",
+        description="Run the test suite with one CPU burner per core.", allow_abbrev=False,
         epilog="Arguments after the options go to pytest (default: the whole suite).")
     parser.add_argument("--record", type=Path, help="append the summary to this JSON-lines file")
     options, pytest_args = parser.parse_known_args(argv)
