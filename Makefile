@@ -14,7 +14,7 @@ EXTRAS ?= hf,notebook,dev,sae
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.undercurrent-installed
 
-.PHONY: demo test venv lint typecheck system-deps clean bench bench-quick
+.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ lint: $(STAMP)
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -p no:cacheprovider tests
 	$(BIN)/python -m pytest -p no:cacheprovider --nbval-lax notebooks
+
+# The suite again, with one CPU burner per core keeping the machine busy (started and
+# stopped by the script, also on failure); TESTS="tests/router ..." runs only those.
+test-under-load: $(STAMP) system-deps
+	$(BIN)/python tools/test_under_load.py $(TESTS)
 
 # Benchmark-only extras (nnsight, TransformerLens 4), pinned to the same torch and vLLM, in
 # an environment of their own: sae-lens (the sae extra, in .venv) pins transformer-lens<4.

@@ -99,7 +99,8 @@ class ProbedModel:
 
     Registration-time checks: a spec asking for a tensor type or layer the
     backend cannot capture raises ``CapabilityError`` here, before any
-    generation.
+    generation; an unknown ``probe_type``, ``probe_args`` the probe does not
+    accept, or a point the probe refuses raise ``RouterError`` here too.
     """
 
     def __init__(
@@ -147,6 +148,11 @@ class ProbedModel:
         self.capture_last_token = capture_last_token
         self._ids = itertools.count()
         self._closed = False
+        router_check = getattr(self.router, "check", None) if self.spec else None
+        if router_check is not None:
+            # Unknown probe types, bad probe_args and points a probe refuses (a probe
+            # file fitted on another layer) are refused here, not at generate().
+            router_check(list(self.spec))
 
     @classmethod
     def from_pretrained(

@@ -6,6 +6,7 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from undercurrent.probes.weights import (
     load_linear_weights,
 )
 from undercurrent.records import ActivationRecord, ProbeSignal
-from undercurrent.spec.types import ProbeKind
+from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 
 class LinearReadout:
@@ -212,10 +213,16 @@ class LinearProbe(Probe):
         self.check_metadata = check_metadata
         self.summary = ScoreSummary(self.rule.threshold)
 
+    def check_point(self, point: ExtractionPoint) -> None:
+        """With ``check_metadata``, refuse a point whose layers or tensor type differ
+        from the ``layer`` / ``tensor_type`` the probe file was fitted on."""
+        if self.check_metadata:
+            _check_point_matches_file(self.readout.weights, point)
+
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold)
-        if self.check_metadata and ctx.extraction_point is not None:
-            _check_point_matches_file(self.readout.weights, ctx)
+        if ctx.extraction_point is not None:  # the router checked; direct callers may not
+            self.check_point(ctx.extraction_point)
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
         return self.on_activations((record,))[0]
@@ -237,9 +244,7 @@ class LinearProbe(Probe):
         return verdict
 
 
-def _check_point_matches_file(weights: LinearWeights, ctx: RequestContext) -> None:
-    point = ctx.extraction_point
-    assert point is not None
+def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:
     file_layer = weights.metadata.get("layer")
     if file_layer is not None and file_layer.lstrip("-").isdigit():
         if int(file_layer) not in point.layers:
@@ -308,3 +313,10 @@ class DualPositionProbe(LinearProbe):
         verdict = super().on_end(ctx)
         verdict["readings"] = list(self.readings)
         return verdict
+
+
+# The constructor passes **linear_args on; name them for probe_args checks.
+DualPositionProbe.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter("read_offset", inspect.Parameter.KEYWORD_ONLY, default=1),
+    *inspect.signature(LinearProbe).parameters.values(),
+])

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,12 @@ from undercurrent.records import (
     SignalAction,
 )
 from undercurrent.router.errors import OverflowPolicy
-from undercurrent.spec.types import ExecutionMode, ExtractionPoint, InterventionPolicy
+from undercurrent.spec.types import (
+    ExecutionMode,
+    ExtractionPoint,
+    InterventionMode,
+    InterventionPolicy,
+)
 
 logger = logging.getLogger("undercurrent.router")
 
@@ -103,11 +109,13 @@ class Binding:
         self.signals: list[ProbeSignal] = []
         self.error_notes: list[str] = []
         self._logged_error = False
+        self.traceback: str | None = None  # of the first exception the probe raised
         self.busy = False
         self.in_flight = 0  # records in the call that ``busy`` marks
         self.batched = batches_natively(probe)
         self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self.closed = False
+        self.start_failed = False  # on_start raised: the binding never opened
         self.finalised = False
         self.queue: deque[ActivationRecord] = deque()
         self.scheduled = False
@@ -206,23 +214,40 @@ class Binding:
         return [(signal, error, share) for signal in signals]
 
     def _log_first_error(self, where: str, exc: BaseException) -> None:
+        """Log a binding's first exception: one warning line, the traceback at DEBUG
+        level (and kept for ``ProbeResult.metadata["traceback"]``)."""
         if self._logged_error:
             return
         self._logged_error = True
+        self.traceback = "".join(traceback.format_exception(exc))
         logger.warning(
-            "probe %r (%s) on request %r raised in %s; generation continues",
-            self.name, self.probe_type, self.request_id, where, exc_info=exc,
+            "probe %r (%s) on request %r raised in %s: %s; generation continues "
+            "(traceback: ProbeResult.metadata['traceback'], or DEBUG logging)",
+            self.name, self.probe_type, self.request_id, where, describe_error(exc),
         )
+        logger.debug("traceback of probe %r on request %r", self.name, self.request_id,
+                     exc_info=exc)
 
     def start(self) -> None:
-        """Call ``on_start``; a failure is recorded, never raised."""
+        """Call ``on_start``; a failure is recorded, never raised.
+
+        A probe whose ``on_start`` failed is not ready to judge anything: the
+        binding is closed at once, so the request's records count as dropped,
+        never reach the probe and give no signal (not even a fallback), and
+        ``on_end`` is not called.
+        """
         try:
             self.probe.on_start(self.ctx)
         except Exception as exc:
             self._log_first_error("on_start", exc)
             with self.cond:
                 self.errors += 1
-                self.error_notes.append(f"on_start: {describe_error(exc)}")
+                self.start_failed = True
+                self.closed = True
+                self.error_notes.append(
+                    f"on_start: {describe_error(exc)} (the probe got no activations and "
+                    "on_end was not called)"
+                )
 
     # -- accounting, called with the lock held -------------------------------------
 
@@ -296,12 +321,13 @@ class Binding:
                 self.cond.wait(remaining)
             return True
 
-    def finalise(self, drain_timeout_s: float) -> bool:
+    def finalise(self, waited_s: float) -> bool:
         """Freeze the accounting; returns True when ``on_end`` may run now.
 
         Records still queued, those still in flight, and those whose callers are
         still waiting for their turn count as dropped; a late completion is then
-        discarded.
+        discarded. ``waited_s``: how long ending the request waited for this
+        binding to go idle (the error note reports it).
         """
         with self.cond:
             self.closed = True
@@ -315,7 +341,7 @@ class Binding:
                 if in_flight:
                     what += f" and {'one' if in_flight == 1 else in_flight} in flight"
                 self.error_notes.append(
-                    f"drain timed out after {drain_timeout_s:g}s with {what}, counted as dropped"
+                    f"{self._gave_up(waited_s)} with {what}, counted as dropped"
                 )
             if in_flight:
                 self.error_notes.append(
@@ -323,6 +349,16 @@ class Binding:
                 )
             self.cond.notify_all()
             return not in_flight
+
+    def _gave_up(self, waited_s: float) -> str:
+        """Why records were left when the request ended, for the error note."""
+        if not self.is_async and self.policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
+            return (f"a block_until_signal call that missed its deadline was still running "
+                    f"{waited_s:g}s after the request ended (ending waits "
+                    "max(1 s, 2 x timeout_ms) for it)")
+        if waited_s <= 0:
+            return "the request ended without waiting for its queue (no drain time)"
+        return f"drain timed out after {waited_s:g}s"
 
     def result(self, verdict: Any) -> ProbeResult:
         """The ProbeResult, from the current (final) accounting."""
@@ -343,6 +379,8 @@ class Binding:
                 "late_results": self.late_results,
                 "breaker_open": self.breaker_open,
             }
+            if self.traceback is not None:
+                metadata["traceback"] = self.traceback
             return ProbeResult(
                 request_id=self.request_id,
                 extraction_point_name=self.name,
@@ -353,9 +391,10 @@ class Binding:
                 metadata=metadata,
             )
 
-    def end(self, drain_timeout_s: float) -> ProbeResult:
-        """Finalise, call ``on_end`` (unless an activation is still running), build the result."""
-        may_end = self.finalise(drain_timeout_s)
+    def end(self, waited_s: float) -> ProbeResult:
+        """Finalise, call ``on_end`` (unless an activation is still running), build the
+        result; ``waited_s`` is how long ending the request waited for this binding."""
+        may_end = self.finalise(waited_s) and not self.start_failed
         verdict = None
         if may_end:
             try:

@@ -27,7 +27,9 @@ class OverflowPolicy(str, enum.Enum):
 
     ``drop_oldest`` (default) evicts the oldest queued record, ``drop_newest``
     discards the arriving one, ``block`` makes the caller (the generation
-    thread) wait for room. Every discarded record is counted in ``dropped``.
+    thread) wait until the binding's worker takes a record off the queue (as
+    long as the probe takes; docs/router.md says why it never deadlocks). Every
+    discarded record is counted in ``dropped``.
     """
 
     DROP_OLDEST = "drop_oldest"

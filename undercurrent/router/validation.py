@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.probes.base import supported_kinds
+from undercurrent.probes.base import probe_args_problem, supported_kinds
 from undercurrent.probes.registry import ProbeRegistry, UnknownProbeError
 from undercurrent.spec.types import (
     ExecutionMode,
@@ -90,8 +90,13 @@ def check_points(
     registry: ProbeRegistry,
     default_policy: InterventionPolicy,
     default_queue_depth: int,
+    probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[list[CheckedPoint], list[str]]:
-    """Check a request's points; returns (the points that passed, every problem)."""
+    """Check a request's points; returns (the points that passed, every problem).
+
+    ``probe_defaults`` (the router's) are merged under each point's probe_args
+    before those are checked against the probe's constructor.
+    """
     checked: list[CheckedPoint] = []
     problems: list[str] = []
     seen: dict[str, int] = {}
@@ -136,23 +141,55 @@ def check_points(
                 problems.append(f"{label}: queue_depth is only valid with execution_mode async")
             elif isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
                 problems.append(f"{label}: queue_depth must be an int >= 1, got {depth!r}")
-        cls: type | None = None
-        try:
-            cls = registry.get(point.probe_type)
-        except UnknownProbeError as exc:
-            problems.append(f"{label}: {exc}")
-        if cls is not None:
-            kinds = supported_kinds(cls)
-            if point.probe_kind not in kinds:
-                declared = " or ".join(kind.value for kind in kinds)
-                problems.append(
-                    f"{label}: probe_kind {point.probe_kind.value} does not match probe_type "
-                    f"{point.probe_type!r}, whose class {cls.__name__} is {declared}"
-                )
+        args = merged_probe_args(probe_defaults or {}, point)
+        cls, probe_faults = probe_problems(point, registry, args)
+        problems += [f"{label}: {message}" for _, message in probe_faults]
         if len(problems) == before and cls is not None:
-            capacity = (depth or default_queue_depth) if is_async else None
+            capacity = queue_capacity(point, default_queue_depth) if is_async else None
             checked.append(CheckedPoint(index, point, cls, policy, capacity))
     return checked, problems
+
+
+def probe_problems(
+    point: ExtractionPoint, registry: ProbeRegistry, args: Mapping[str, Any]
+) -> tuple[type | None, list[tuple[str, str]]]:
+    """The probe class ``point.probe_type`` names, and what is wrong with the point's
+    probe as (field, message) pairs: an unknown ``probe_type`` (with the closest
+    known name), a ``probe_kind`` the class does not declare, or ``args`` (its
+    probe_args) that the constructor does not take. Builds nothing, so
+    ``undercurrent validate`` uses it as well as the router.
+    """
+    try:
+        cls = registry.get(point.probe_type)
+    except UnknownProbeError as exc:
+        return None, [("probe_type", str(exc))]
+    problems: list[tuple[str, str]] = []
+    kinds = supported_kinds(cls)
+    if point.probe_kind not in kinds:
+        declared = " or ".join(kind.value for kind in kinds)
+        problems.append((
+            "probe_kind",
+            f"probe_kind {point.probe_kind.value} does not match probe_type "
+            f"{point.probe_type!r}, whose class {cls.__name__} is {declared}",
+        ))
+    mismatch = probe_args_problem(cls, args)
+    if mismatch is not None:
+        problems.append((
+            "probe_args", f"probe_args for probe_type {point.probe_type!r}: {mismatch}"
+        ))
+    return cls, problems
+
+
+def queue_capacity(point: ExtractionPoint, default_queue_depth: int) -> int:
+    """How many records an async point's queue holds: its ``queue_depth`` (else the
+    router's default), but never fewer than one token's records for the point.
+
+    Depth counts records, and one token brings one record per layer, all queued
+    in one go before a worker wakes (once per engine step). A queue smaller than
+    that would drop part of every token (or, under ``block``, wait inside a single
+    token) however fast the probe is.
+    """
+    return max(point.queue_depth or default_queue_depth, len(point.layers))
 
 
 def merged_probe_args(

@@ -160,7 +160,7 @@ class VLLMBackend:
             )
         self.server = StepServer(self._abort_in_engine)
         captures = engine.collective_rpc(
-            "undercurrent_attach", args=(self.server.address, self.server.authkey))
+            "undercurrent_attach", args=(self.server.address, self.server.authkey, os.getpid()))
         if sum(bool(c) for c in captures) != 1:
             raise BackendError(f"expected exactly one capturing vLLM worker, got {captures}")
         eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
@@ -463,19 +463,21 @@ class VLLMBackend:
         texts: dict[str, str] = dict.fromkeys(states, "")
         reasons: dict[str, str] = {}
         done: set[str] = set()
+        # Requests an inline probe aborted, with how many tokens their output keeps.
+        # With the engine core in its own process, the core runs ahead of this loop:
+        # the abort can arrive while the outputs carrying the tokens up to the
+        # aborting one are still on their way. Such a request is dropped from the
+        # engine's output processor only once those tokens are in, or they are lost.
+        stopping: dict[str, int] = {}
         engine = self.engine
         while engine.has_unfinished_requests():
             outputs = engine.step()
             error = self.server.take_error()
             if error is not None:
                 raise error
-            aborted = self._take_aborted()
-            if aborted:
-                with self._input_lock:
-                    engine.abort_request(aborted)
-                for engine_id in aborted:
-                    done.add(engine_id)
-                    reasons[engine_id] = "abort"
+            for engine_id in self._take_aborted():
+                if engine_id not in done:
+                    stopping[engine_id] = self._tokens_to_keep(states[engine_id])
             for output in outputs:
                 engine_id = output.request_id
                 if engine_id not in states:
@@ -486,6 +488,8 @@ class VLLMBackend:
                 if engine_id in done:
                     continue
                 fresh = list(completion.token_ids)[len(tokens[engine_id]):]
+                if engine_id in stopping:
+                    fresh = fresh[:max(0, stopping[engine_id] - len(tokens[engine_id]))]
                 state = states[engine_id]
                 for token_id in fresh:
                     tokens[engine_id].append(int(token_id))
@@ -502,11 +506,29 @@ class VLLMBackend:
                 if output.finished:
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
+            complete = [engine_id for engine_id, keep in stopping.items()
+                        if engine_id in done or len(tokens[engine_id]) >= keep]
+            if complete:
+                with self._input_lock:
+                    engine.abort_request([e for e in complete if e not in done])
+                for engine_id in complete:
+                    del stopping[engine_id]
+                    done.add(engine_id)
+                    reasons[engine_id] = "abort"
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():
             yield self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
                                params, session)
+
+    def _tokens_to_keep(self, state: RequestState) -> int:
+        """How many generated tokens an aborted request's output holds: those up to and
+        including the one whose record fired (none for an abort on a prompt token)."""
+        with self.server.lock:
+            abort = state.abort
+        if abort is None or abort.generated_index is None:
+            return 0
+        return abort.generated_index + 1
 
     def _capture_last_tokens(self, states: dict[str, RequestState],
                              tokens: dict[str, list[int]]) -> None:
@@ -542,11 +564,10 @@ class VLLMBackend:
 
     def _finish(self, state: RequestState, generated: list[int], reason: str,
                 params: SamplingParams, session: CaptureSession) -> StreamEvent:
+        if state.aborted:
+            generated = generated[:self._tokens_to_keep(state)]
+            reason = "abort"
         with self.server.lock:
-            if state.abort is not None:
-                keep = 0 if state.abort.generated_index is None else state.abort.generated_index + 1
-                generated = generated[:keep]
-                reason = "abort"
             state.generated[:] = generated
             text = self.decode(generated)
             if reason == "stop":
