@@ -225,9 +225,8 @@ class ProbedModel:
                 capture_last_token: bool | None) -> SamplingParams:
         if capture_last_token is None:
             capture_last_token = self.capture_last_token
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, stop=stops,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                               capture_last_token=capture_last_token)
 
     def _new_id(self) -> str:

@@ -354,14 +354,10 @@ class HFBackend:
         if limit is None:
             return
         for index, ids in enumerate(encoded):
-            if len(ids) + params.max_new_tokens > limit:
-                room = limit - len(ids)
-                fix = (f"use max_new_tokens <= {room}" if room >= 1
-                       else f"shorten the prompt to at most {limit - 1} tokens")
-                raise ValueError(
-                    f"prompt {index} has {len(ids)} tokens; with max_new_tokens="
-                    f"{params.max_new_tokens} it needs {len(ids) + params.max_new_tokens} "
-                    f"positions but the model's context is {limit}: {fix}")
+            problem = context_problem(len(ids), params.max_new_tokens, limit,
+                                      params.capture_last_token)
+            if problem is not None:
+                raise ValueError(f"prompt {index} {problem}")
 
     def _final_text(self, state: RequestState, params: SamplingParams) -> str:
         text = self.decode(state.generated)
@@ -420,6 +416,34 @@ def context_length(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int, capture_last_token: bool) -> int:
+    """Positions the model is fed for a prompt and ``max_new_tokens``: the prompt, then
+    every generated token but the last (which is sampled and never fed back), unless
+    ``capture_last_token`` runs the extra forward that feeds it too."""
+    return prompt_len + max_new_tokens - (0 if capture_last_token else 1)
+
+
+def context_problem(prompt_len: int, max_new_tokens: int, limit: int,
+                    capture_last_token: bool = False) -> str | None:
+    """Why a ``prompt_len``-token prompt with ``max_new_tokens`` cannot run in a
+    ``limit``-position context (None when it can), with advice that works."""
+    needed = positions_needed(prompt_len, max_new_tokens, capture_last_token)
+    if needed <= limit:
+        return None
+    room = limit - positions_needed(prompt_len, 1, capture_last_token) + 1
+    if room >= 1:
+        fix = f"use max_new_tokens <= {room}"
+    else:
+        longest = limit - positions_needed(0, max_new_tokens, capture_last_token)
+        fix = (f"shorten the prompt to at most {longest} tokens" if longest >= 1 else
+               f"shorten the prompt to at most {limit - positions_needed(0, 1, capture_last_token)}"
+               " tokens and use max_new_tokens=1")
+    extra = " and the extra capture_last_token forward" if capture_last_token else ""
+    return (f"has {prompt_len} tokens; with max_new_tokens={max_new_tokens}{extra} the model "
+            f"is fed {needed} positions (the last generated token is never fed back) but "
+            f"the model's context is {limit}: {fix}")
 
 
 _FORWARD_PARAMS: dict[type, frozenset[str]] = {}
