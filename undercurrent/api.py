@@ -173,8 +173,12 @@ class ProbedModel:
                        backend=backend, probes=probes, probe_defaults=probe_defaults,
                        router=router, on_result=on_result, batch_size=batch_size,
                        capture_last_token=capture_last_token)
+        from undercurrent.adapters.arguments import check_model_path, dtype_name
+
         name = os.fspath(model_or_path)
         path = resolve_model_path(name)
+        check_model_path(path)
+        dtype = dtype_name(dtype)
         if backend == "hf":
             backend_kwargs.setdefault("batch_size", batch_size)
         # The bundled model keeps its short name (reprs, results), not this machine's path.

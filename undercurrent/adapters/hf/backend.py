@@ -19,6 +19,7 @@ maps a request's absolute token indices to (row, column) of the batch.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -181,9 +182,21 @@ class HFBackend:
         ``model_name`` (default: the path) is what reprs and probe contexts show."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if isinstance(dtype, str) and dtype != "auto":
-            dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **model_kwargs)
+        from undercurrent.adapters.arguments import check_model_path, dtype_name
+
+        check_model_path(path)
+        name = dtype_name(dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, name) if name not in (None, "auto") else "auto",
+                **model_kwargs)
+        except OSError as error:
+            if os.path.exists(path):
+                raise
+            raise FileNotFoundError(
+                f"model path {path!r} is not a directory on this machine, and loading it as a "
+                f"hub id failed ({error}); pass a directory holding config.json and the weights, "
+                "or 'undercurrent/tiny' for the bundled model") from error
         if device is not None:
             model = model.to(device)
         model.eval()

@@ -33,7 +33,7 @@ from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.session import CaptureSession, RequestState, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
-from undercurrent.adapters.vllm.loading import loadable_directory, remove_staging
+from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
@@ -227,14 +227,13 @@ class VLLMBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
 
-        if isinstance(dtype, str) is False and dtype is not None:
-            dtype = str(dtype).replace("torch.", "")
+        dtype = engine_dtype(str(path), dtype)
         if batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
         model_directory, staging = loadable_directory(str(path))
         args = EngineArgs(
             model=model_directory,
-            dtype=dtype or "auto",
+            dtype=dtype,
             enforce_eager=True,
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=False,
