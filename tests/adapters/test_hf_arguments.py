@@ -132,3 +132,48 @@ def test_capture_last_token_counts_its_extra_forward(probed) -> None:
         probed.generate([words(60)], max_new_tokens=5, capture_last_token=True)
     out = probed.generate([words(60)], max_new_tokens=4, capture_last_token=True)[0]
     assert len(out.token_ids) == 4
+
+
+# -- from_pretrained --------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/tmp/undercurrent-no-such/model", "./no-such-model",
+                                  "~/no-such-model", "a/b/c"])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_missing_model_path_is_named(tmp_path, path, backend) -> None:
+    """Before any engine loads (transformers said "Repo id must be in the form ...")."""
+    with pytest.raises(FileNotFoundError) as caught:
+        ProbedModel.from_pretrained(path, backend=backend)
+    message = str(caught.value)
+    assert message.startswith(f"model path {path!r} does not exist"), message
+    assert "config.json" in message and "undercurrent/tiny" in message
+
+
+def test_the_hf_backend_names_a_missing_model_path_too() -> None:
+    from undercurrent.adapters.hf.backend import HFBackend
+
+    with pytest.raises(FileNotFoundError, match="model path '/tmp/undercurrent-no-such'"):
+        HFBackend.from_pretrained("/tmp/undercurrent-no-such")
+
+
+@pytest.mark.parametrize(("dtype", "error", "fragment"), [
+    ("float33", ValueError, "dtype='float33' is not a torch dtype"),
+    ("int8", ValueError, "dtype='int8' is not a floating-point dtype"),
+    ("Tensor", ValueError, "dtype='Tensor' is not a torch dtype"),
+    (3, TypeError, "dtype must be a string or a torch.dtype, got int"),
+])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_wrong_dtype_is_named_with_what_would_be_right(dtype, error, fragment,
+                                                         backend) -> None:
+    with pytest.raises(error) as caught:
+        ProbedModel.from_pretrained("undercurrent/tiny", backend=backend, dtype=dtype)
+    message = str(caught.value)
+    assert fragment in message
+    assert "'auto' (the dtype in the model's config.json), 'float32', 'bfloat16'" in message
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "torch.bfloat16", torch.bfloat16])
+def test_dtype_spellings_load_the_model_in_that_dtype(dtype) -> None:
+    with ProbedModel.from_pretrained("undercurrent/tiny", dtype=dtype) as pm:
+        assert pm.backend.model.dtype == torch.bfloat16
+    with ProbedModel.from_pretrained("undercurrent/tiny") as pm:
+        assert pm.backend.model.dtype == torch.float32
