@@ -167,7 +167,12 @@ class ProbedModel:
     ) -> ProbedModel:
         """Load a model by path or hub id (``"undercurrent/tiny"`` / ``"tiny"`` is the
         bundled model) with the chosen backend; extra keyword arguments go to the
-        backend's loader (for ``"hf"``: ``AutoModelForCausalLM.from_pretrained``)."""
+        backend's loader (for ``"hf"``: ``AutoModelForCausalLM.from_pretrained``).
+
+        ``dtype`` (None or ``"auto"``: the dtype the model's ``config.json`` declares,
+        on every backend) may be a torch dtype or its name (``"bfloat16"``). A path
+        that does not exist, or a dtype torch does not know, is refused here with an
+        error naming the argument, before any engine loads."""
         if not isinstance(model_or_path, (str, os.PathLike)):
             return cls(model_or_path, backend_kwargs.pop("tokenizer", None), spec=spec,
                        backend=backend, probes=probes, probe_defaults=probe_defaults,

@@ -58,7 +58,7 @@ def remove_staging(staging: str | None) -> None:
 
 def engine_dtype(path: str, dtype: Any) -> str:
     """The dtype to give vLLM: ``dtype`` when one is named (``"bfloat16"`` runs a
-    float32 model in half precision, faster on CPU, with records off by ~1e-2), else
+    float32 model in half precision, faster on CPU, records off by ~2e-2 relative), else
     the dtype the model's ``config.json`` declares, else vLLM's own ``"auto"``."""
     name = dtype_name(dtype)
     if name not in (None, "auto"):
