@@ -103,6 +103,12 @@ class StreamEvent:
     event (a generated token's own activations are probed on the step after it is
     sampled, so its signals come with the next event). The last event has
     ``finished=True``, ``token_id=None`` and the complete ``output``.
+
+    The ``text`` of all events joined, the last one's included, equals
+    ``output.text``: a stop string is never streamed (``output.text`` ends before
+    it too), and text that could begin one is held back until the next token
+    settles it; what was held back and never became a stop string comes with the
+    last event.
     """
 
     request_id: str

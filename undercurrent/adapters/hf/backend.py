@@ -31,7 +31,13 @@ from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.session import CaptureSession, RequestState, StepPlan, stop_position
+from undercurrent.adapters.session import (
+    CaptureSession,
+    RequestState,
+    StepPlan,
+    StreamText,
+    stop_position,
+)
 
 EventSink = Callable[[StreamEvent], None]
 
@@ -52,6 +58,9 @@ class _RowDriver:
         self.forwards = 0
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
+        if on_event is not None:
+            for state in states:
+                state.stream_text = StreamText(params.stop)
 
     # called by ModelHooks before every forward
     def plan_forward(self, width: int) -> StepPlan | None:
@@ -103,20 +112,19 @@ class _RowDriver:
                 continue
             token = int(tokens[row])
             self.session.add_token(state, token)
-            piece = ""
             if self.track_text:
-                text = self.backend.decode(state.generated)
-                piece, self.texts[row] = text[len(self.texts[row]):], text
+                self.texts[row] = self.backend.decode(state.generated)
             if token in eos:
                 state.finish_reason = "eos"
             elif self.params.stop and stop_position(self.texts[row], self.params.stop) is not None:
                 state.finish_reason = "stop"
             elif len(state.generated) >= self.params.max_new_tokens:
                 state.finish_reason = "length"
-            if self.on_event is not None:
+            if self.on_event is not None and state.stream_text is not None:
                 generated_index = len(state.generated) - 1
                 self.on_event(StreamEvent(
-                    request_id=state.request_id, token_id=token, text=piece,
+                    request_id=state.request_id, token_id=token,
+                    text=state.stream_text.piece(self.texts[row]),
                     token_index=state.prompt_len + generated_index,
                     generated_index=generated_index, signals=state.unread_signals()))
         done = [not state.live for state in self.states]
@@ -256,9 +264,11 @@ class HFBackend:
             try:
                 (output,) = self._run_batch([prompt], [request_id], params, session,
                                             events.put, cancel)
+                state = session.requests[request_id]
+                rest = state.stream_text.rest(output.text) if state.stream_text else ""
                 events.put(StreamEvent(
-                    request_id=request_id, token_id=None, text="", token_index=None,
-                    generated_index=None, signals=session.requests[request_id].unread_signals(),
+                    request_id=request_id, token_id=None, text=rest, token_index=None,
+                    generated_index=None, signals=state.unread_signals(),
                     aborted=output.aborted, finished=True, output=output))
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 events.put(error)

@@ -20,6 +20,7 @@ would silently be missing).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Any
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.session import CaptureSession, RequestState, stop_position
+from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
@@ -459,7 +460,8 @@ class VLLMBackend:
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool) -> Iterator[StreamEvent]:
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
-        texts: dict[str, str] = dict.fromkeys(states, "")
+        for state in states.values():
+            state.stream_text = StreamText(params.stop) if emit_tokens else None
         reasons: dict[str, str] = {}
         done: set[str] = set()
         engine = self.engine
@@ -488,9 +490,8 @@ class VLLMBackend:
                 state = states[engine_id]
                 for token_id in fresh:
                     tokens[engine_id].append(int(token_id))
-                    if emit_tokens:
-                        text = self.decode(tokens[engine_id])
-                        piece, texts[engine_id] = text[len(texts[engine_id]):], text
+                    if state.stream_text is not None:
+                        piece = state.stream_text.piece(self.decode(tokens[engine_id]))
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()
@@ -504,8 +505,11 @@ class VLLMBackend:
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():
-            yield self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
-                               params, session)
+            final = self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
+                                 params, session)
+            if state.stream_text is not None and final.output is not None:
+                final = dataclasses.replace(final, text=state.stream_text.rest(final.output.text))
+            yield final
 
     def _capture_last_tokens(self, states: dict[str, RequestState],
                              tokens: dict[str, list[int]]) -> None:

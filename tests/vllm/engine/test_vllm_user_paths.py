@@ -1,7 +1,10 @@
-"""Loaded with no ``dtype``, the vLLM backend runs the model in the dtype its
-config.json declares (float32 for the bundled model), so tokens equal the HF
-backend's and records agree to float32 rounding. vLLM's own ``dtype="auto"`` would
-run a float32 checkpoint in bfloat16 on CPU (different tokens, records off by ~1e-2)."""
+"""What a newcomer does first with the vLLM backend, checked against the HF backend.
+
+Loaded with no ``dtype``, it runs the model in the dtype its config.json declares
+(float32 for the bundled model), so tokens equal the HF backend's and records agree
+to float32 rounding; vLLM's own ``dtype="auto"`` would run a float32 checkpoint in
+bfloat16 on CPU (different tokens, records off by ~2e-2). A stream's pieces joined
+equal the output's text, with stop strings as with the HF backend."""
 
 from __future__ import annotations
 
@@ -75,3 +78,16 @@ def test_default_dtype_tokens_and_records_equal_hf(probed, reference):
             # float32 rounding, relative to the activation's size (bfloat16: ~1e-2)
             assert float((record.tensor - other.tensor).abs().max()) <= 1e-5 * max(scale, 1.0)
 
+
+
+@pytest.mark.parametrize("words", [1, 2])
+def test_stream_pieces_with_a_stop_string_equal_the_output_text(probed, reference, words):
+    texts, hf_outputs = reference
+    plain = hf_outputs[0].text.split()
+    stop = " ".join(plain[3:3 + words])
+    events = list(probed.stream(texts[0], max_new_tokens=MAX_NEW_TOKENS, stop=stop))
+    output = events[-1].output
+    joined = "".join(event.text for event in events)
+    assert output.finish_reason == "stop"
+    assert joined == output.text == " ".join(plain[:3]) + " "
+    assert stop not in joined
