@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.prompts import PromptInput
 from undercurrent.adapters.session import CaptureSession
 
 
@@ -126,19 +127,21 @@ class Backend(Protocol):
 
     def generate(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[PromptInput],
         request_ids: Sequence[str],
         params: SamplingParams,
         session: CaptureSession,
         *,
         batch_size: int | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (batched), one output per prompt, in order."""
+        """Generate for every prompt (batched), one output per prompt, in order. A
+        prompt is its text, or a tuple of token ids fed as they are
+        (:func:`~undercurrent.adapters.prompts.tokenized`)."""
         ...
 
     def stream(
         self,
-        prompt: str,
+        prompt: PromptInput,
         request_id: str,
         params: SamplingParams,
         session: CaptureSession,

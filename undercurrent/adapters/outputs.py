@@ -55,7 +55,10 @@ class GenerationOutput:
 
     ``token_ids`` are the generated tokens only (the prompt's are
     ``prompt_token_ids``); ``finish_reason`` is ``"length"``, ``"eos"``,
-    ``"stop"`` (a stop string; ``text`` ends before it) or ``"abort"``.
+    ``"stop"`` (a stop string; ``text`` ends before it), ``"abort"``, or
+    ``"forward"`` for ``ProbedModel.prompt_activations`` (nothing generated).
+    ``prompt`` is the prompt's text (decoded from the token ids when the call
+    was given ``input_ids``).
     ``records`` holds the captured ``ActivationRecord``s only when the generation
     was asked for ``records=True``.
     """

@@ -1,13 +1,15 @@
 """Probes: the base class, the registry, ``@probe``, and the built-in probes.
 
 Built-ins (registered by default): ``linear_probe``, ``trajectory_probe``,
-``dual_position_probe``, ``norm_probe``, ``mean_probe``; see ``docs/probes.md``.
+``dual_position_probe``, ``norm_probe``, ``mean_probe``, and ``capture`` for
+capture-only points; see ``docs/probes.md``.
 Nothing here imports torch; numpy is imported only when a built-in runs.
 """
 
 from __future__ import annotations
 
 from undercurrent.probes.base import Probe, RequestContext, supported_kinds
+from undercurrent.probes.capture import CaptureProbe
 from undercurrent.probes.decorator import probe
 from undercurrent.probes.linear import DualPositionProbe, LinearProbe, LinearReadout
 from undercurrent.probes.registry import (
@@ -34,6 +36,7 @@ from undercurrent.probes.weights import (
 
 __all__ = [
     "BUILTIN_PROBE_TYPES",
+    "CaptureProbe",
     "DualPositionProbe",
     "ENTRY_POINT_GROUP",
     "LINEAR_PROBE_FORMAT",

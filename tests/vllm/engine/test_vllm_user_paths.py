@@ -91,3 +91,25 @@ def test_stream_pieces_with_a_stop_string_equal_the_output_text(probed, referenc
     assert output.finish_reason == "stop"
     assert joined == output.text == " ".join(plain[:3]) + " "
     assert stop not in joined
+
+
+def test_prompt_activations_equal_hf_prompt_records_without_generating(probed, reference):
+    texts, hf_outputs = reference
+    ids = [f"r{i}" for i in range(len(texts))]
+    outputs = probed.prompt_activations(texts, request_ids=ids)
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        assert ours.token_ids == () and ours.text == "" and ours.finish_reason == "forward"
+        prompt_records = {r.key(): r for r in theirs.records if not r.is_generated}
+        assert {r.key() for r in ours.records} == set(prompt_records)
+        for record in ours.records:
+            other = prompt_records[record.key()]
+            scale = float(other.tensor.abs().max())
+            assert float((record.tensor - other.tensor).abs().max()) <= 1e-5 * max(scale, 1.0)
+
+
+def test_input_ids_give_what_the_same_prompts_as_text_give(probed, reference):
+    texts, hf_outputs = reference
+    token_ids = [list(output.prompt_token_ids) for output in hf_outputs[:3]]
+    by_ids = probed.generate(input_ids=token_ids, max_new_tokens=MAX_NEW_TOKENS)
+    assert [o.token_ids for o in by_ids] == [o.token_ids for o in hf_outputs[:3]]
+    assert [o.prompt_token_ids for o in by_ids] == [o.prompt_token_ids for o in hf_outputs[:3]]

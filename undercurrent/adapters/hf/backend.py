@@ -31,6 +31,7 @@ from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.prompts import PromptInput, tokenized
 from undercurrent.adapters.session import (
     CaptureSession,
     RequestState,
@@ -233,11 +234,16 @@ class HFBackend:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: token ids must be below it."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     # -- generation --------------------------------------------------------
-    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+    def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
                  params: SamplingParams, session: CaptureSession, *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """Batched generation (``batch_size`` prompts per ``generate()`` call)."""
@@ -249,7 +255,7 @@ class HFBackend:
                                            params, session, None, None))
         return outputs
 
-    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+    def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One prompt, one event per token, then a final event with the output.
 
@@ -290,19 +296,22 @@ class HFBackend:
             cancel.set()
             worker.join()
 
-    def _encode_batch(self, prompts: list[str]) -> tuple[list[list[int]], torch.Tensor,
-                                                         torch.Tensor]:
-        encoded = [self.encode(prompt) for prompt in prompts]
-        for prompt, ids in zip(prompts, encoded, strict=True):
+    def _encode_batch(self, prompts: list[PromptInput]) -> tuple[
+            list[str], list[list[int]], torch.Tensor, torch.Tensor]:
+        texts, encoded = [], []
+        for prompt in prompts:
+            text, ids = tokenized(prompt, self.encode, self.tokenizer.decode)
             if not ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+            texts.append(text)
+            encoded.append(ids)
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
         for row, ids in enumerate(encoded):
             input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
-        return encoded, input_ids.to(self.device), attention_mask.to(self.device)
+        return texts, encoded, input_ids.to(self.device), attention_mask.to(self.device)
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
@@ -317,7 +326,8 @@ class HFBackend:
                           top_k=params.top_k or 0)
         return kwargs
 
-    def _run_batch(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+    def _run_batch(self, prompts: list[PromptInput], request_ids: list[str],
+                   params: SamplingParams,
                    session: CaptureSession, on_event: EventSink | None,
                    cancel: threading.Event | None) -> list[GenerationOutput]:
         if self._closed:
@@ -326,12 +336,12 @@ class HFBackend:
             raise BackendError("this model is already generating (one call at a time per "
                                "ProbedModel; hooks are per model)")
         try:
-            encoded, input_ids, attention_mask = self._encode_batch(prompts)
+            texts, encoded, input_ids, attention_mask = self._encode_batch(prompts)
             self._check_context(encoded, params)
             states: list[RequestState] = []
             try:
-                for prompt, request_id, ids in zip(prompts, request_ids, encoded, strict=True):
-                    states.append(session.open_request(request_id, prompt, ids))
+                for text, request_id, ids in zip(texts, request_ids, encoded, strict=True):
+                    states.append(session.open_request(request_id, text, ids))
                 driver = _RowDriver(self, states, input_ids.shape[1], params, session,
                                     on_event, cancel)
                 self.hooks.install(session.wanted_pairs())

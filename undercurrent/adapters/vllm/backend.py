@@ -31,6 +31,7 @@ from typing import Any
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.prompts import PromptInput, tokenized
 from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
@@ -299,6 +300,11 @@ class VLLMBackend:
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids must be below it."""
+        return int(self.engine.model_config.get_vocab_size())
+
     # -- checks ------------------------------------------------------------
     def check(self, points: Sequence[ExtractionPoint]) -> None:
         """Registration-time errors: unsupported tensor types, layers out of range, and
@@ -351,7 +357,7 @@ class VLLMBackend:
         return aborted
 
     # -- generation --------------------------------------------------------
-    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+    def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
                  params: SamplingParams, session: CaptureSession, *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """All prompts go to the engine at once; vLLM batches them continuously."""
@@ -362,7 +368,7 @@ class VLLMBackend:
                 outputs[event.request_id] = event.output
         return [outputs[request_id] for request_id in request_ids]
 
-    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+    def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One event per generated token, then a final one with the output."""
         yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
@@ -402,7 +408,7 @@ class VLLMBackend:
                                                sampling)
         self._internal_ids[engine_id] = internal
 
-    def _run(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+    def _run(self, prompts: list[PromptInput], request_ids: list[str], params: SamplingParams,
              session: CaptureSession, *, emit_tokens: bool) -> Iterator[StreamEvent]:
         if self._closed:
             raise BackendError("this VLLMBackend is closed; load the model again")
@@ -418,10 +424,10 @@ class VLLMBackend:
             try:
                 entries = []
                 for prompt, request_id in zip(prompts, request_ids, strict=True):
-                    token_ids = self.encode(prompt)
+                    text, token_ids = tokenized(prompt, self.encode, self.tokenizer.decode)
                     if not token_ids:
                         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-                    state = session.open_request(request_id, prompt, token_ids)
+                    state = session.open_request(request_id, text, token_ids)
                     engine_id = f"uc{next(_ENGINE_IDS)}"
                     self.check(state.points)
                     engine_ids[engine_id] = request_id
