@@ -142,7 +142,8 @@ def test_input_ids_are_fed_as_given_without_a_bos(probed, tokenizer):
 @pytest.mark.parametrize(("kwargs", "error", "fragment"), [
     ({"prompts": PROMPTS[:1], "input_ids": [[1, 5]]}, TypeError,
      "pass either prompts or input_ids, not both"),
-    ({}, TypeError, "give the prompts: prompts=['text', ...] or input_ids="),
+    ({}, TypeError, "prompts must be a string or a list of strings, got None; or give "
+                    "token ids as input_ids="),
     ({"input_ids": [[1, 5], []]}, ValueError, "input_ids[1] is empty"),
     ({"input_ids": [[1, 5.0]]}, TypeError, "input_ids[0][1] is float"),
     ({"input_ids": [[1, -2]]}, ValueError, "input_ids[0][1] is -2"),
@@ -163,7 +164,7 @@ def test_bad_prompt_arguments_are_named(probed, kwargs, error, fragment, call):
 def test_stream_takes_one_prompt_or_one_row_of_input_ids(probed):
     with pytest.raises(TypeError, match="pass either prompts or input_ids, not both"):
         list(probed.stream(PROMPTS[0], input_ids=[1, 5]))
-    with pytest.raises(TypeError, match="give the prompts"):
+    with pytest.raises(TypeError, match="stream\\(\\) takes one prompt string, got NoneType"):
         list(probed.stream())
     with pytest.raises(ValueError, match="stream\\(\\) takes one prompt, got 2 rows"):
         list(probed.stream(input_ids=[[1, 5], [1, 6]]))

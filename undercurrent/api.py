@@ -160,6 +160,7 @@ class ProbedModel:
         from undercurrent.adapters.arguments import check_model_path, dtype_name
 
         name = os.fspath(model_or_path)
+        loader = backend_class(backend)
         path = resolve_model_path(name)
         check_model_path(path)
         dtype = dtype_name(dtype)
@@ -167,8 +168,7 @@ class ProbedModel:
             backend_kwargs.setdefault("batch_size", batch_size)
         # The bundled model keeps its short name (reprs, results), not this machine's path.
         backend_kwargs.setdefault("model_name", TINY_MODEL_NAME if path != name else path)
-        loaded = backend_class(backend).from_pretrained(path, device=device, dtype=dtype,
-                                                        **backend_kwargs)
+        loaded = loader.from_pretrained(path, device=device, dtype=dtype, **backend_kwargs)
         try:
             return cls(loaded, spec=spec, backend=backend, probes=probes,
                        probe_defaults=probe_defaults, router=router, on_result=on_result,
@@ -286,9 +286,10 @@ class ProbedModel:
         a final event (``finished=True``) carrying the complete output. The pieces
         joined equal ``output.text`` (a stop string is never streamed).
         ``input_ids`` (one prompt's token ids) replaces ``prompt``."""
-        if prompt is not None and not isinstance(prompt, str):
+        if (prompt is not None or input_ids is None) and not isinstance(prompt, str):
             raise TypeError(f"stream() takes one prompt string, got {type(prompt).__name__}; "
-                            "use generate() for a list of prompts")
+                            "use generate() for a list of prompts, or input_ids= for one "
+                            "prompt's token ids")
         inputs = self._prompts(prompt, input_ids)
         if len(inputs) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(inputs)} rows of input_ids; "

@@ -100,7 +100,8 @@ def prompt_inputs(prompts: Any, input_ids: Any, vocab_size: int | None = None
     if input_ids is not None:
         return list(check_input_ids(input_ids, vocab_size))
     if prompts is None:
-        raise TypeError("give the prompts: prompts=['text', ...] or input_ids=[[token ids], ...]")
+        raise TypeError("prompts must be a string or a list of strings, got None; or give "
+                        "token ids as input_ids=[[token ids], ...]")
     return list(check_prompts(prompts))
 
 

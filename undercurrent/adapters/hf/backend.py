@@ -296,8 +296,8 @@ class HFBackend:
             cancel.set()
             worker.join()
 
-    def _encode_batch(self, prompts: list[PromptInput]) -> tuple[
-            list[str], list[list[int]], torch.Tensor, torch.Tensor]:
+    def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[list[int]]]:
+        """Each prompt's text and token ids (token-id prompts are kept as given)."""
         texts, encoded = [], []
         for prompt in prompts:
             text, ids = tokenized(prompt, self.encode, self.tokenizer.decode)
@@ -305,13 +305,22 @@ class HFBackend:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
             texts.append(text)
             encoded.append(ids)
+        return texts, encoded
+
+    def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
         for row, ids in enumerate(encoded):
             input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
-        return texts, encoded, input_ids.to(self.device), attention_mask.to(self.device)
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _encode_batch(self, prompts: list[PromptInput]) -> tuple[list[list[int]], torch.Tensor,
+                                                                 torch.Tensor]:
+        """Token ids, left-padded ``input_ids`` and ``attention_mask`` of a batch."""
+        _, encoded = self._tokenize(prompts)
+        return (encoded, *self._left_padded(encoded))
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
@@ -336,7 +345,8 @@ class HFBackend:
             raise BackendError("this model is already generating (one call at a time per "
                                "ProbedModel; hooks are per model)")
         try:
-            texts, encoded, input_ids, attention_mask = self._encode_batch(prompts)
+            texts, encoded = self._tokenize(prompts)
+            input_ids, attention_mask = self._left_padded(encoded)
             self._check_context(encoded, params)
             states: list[RequestState] = []
             try:
