@@ -125,13 +125,21 @@ def test_context_advice_works_when_followed(probed, prompt_len, max_new_tokens) 
         assert not plain_generate_runs(prompt_len + 1, max_new_tokens)
 
 
-def test_capture_last_token_counts_its_extra_forward(probed) -> None:
-    """capture_last_token feeds the last sampled token too: one position more."""
-    assert probed.generate([words(60)], max_new_tokens=5)[0].token_ids
-    with pytest.raises(ValueError, match="use max_new_tokens <= 4"):
-        probed.generate([words(60)], max_new_tokens=5, capture_last_token=True)
-    out = probed.generate([words(60)], max_new_tokens=4, capture_last_token=True)[0]
-    assert len(out.token_ids) == 4
+def test_capture_last_token_counts_its_extra_forward() -> None:
+    """capture_last_token feeds the last sampled token too: one position more (past
+    it, the extra forward would index past the position table)."""
+    from undercurrent.spec.types import ExtractionPoint
+
+    point = ExtractionPoint(name="every", layers=(0,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="capture",
+                            probe_kind="trajectory")
+    with ProbedModel(gpt2_with_short_context(), build_tokenizer(), spec=[point]) as pm:
+        assert pm.generate([words(60)], max_new_tokens=5)[0].token_ids
+        with pytest.raises(ValueError, match="use max_new_tokens <= 4"):
+            pm.generate([words(60)], max_new_tokens=5, capture_last_token=True)
+        out = pm.generate([words(60)], max_new_tokens=4, capture_last_token=True,
+                          records=True)[0]
+    assert [r.generated_index for r in out.records] == [0, 1, 2, 3]
 
 
 # -- from_pretrained --------------------------------------------------------------

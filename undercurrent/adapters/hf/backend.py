@@ -483,10 +483,10 @@ def context_problem(prompt_len: int, max_new_tokens: int, limit: int,
         fix = (f"shorten the prompt to at most {longest} tokens" if longest >= 1 else
                f"shorten the prompt to at most {limit - positions_needed(0, 1, capture_last_token)}"
                " tokens and use max_new_tokens=1")
-    extra = " and the extra capture_last_token forward" if capture_last_token else ""
-    return (f"has {prompt_len} tokens; with max_new_tokens={max_new_tokens}{extra} the model "
-            f"is fed {needed} positions (the last generated token is never fed back) but "
-            f"the model's context is {limit}: {fix}")
+    why = ("capture_last_token feeds the last generated token too" if capture_last_token
+           else "the last generated token is never fed back")
+    return (f"has {prompt_len} tokens; with max_new_tokens={max_new_tokens} the model is fed "
+            f"{needed} positions ({why}) but the model's context is {limit}: {fix}")
 
 
 _FORWARD_PARAMS: dict[type, frozenset[str]] = {}
