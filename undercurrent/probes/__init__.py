@@ -1,14 +1,15 @@
 """Probes: the base class, the registry, ``@probe``, and the built-in probes.
 
 Built-ins (registered by default): ``linear_probe``, ``trajectory_probe``,
-``dual_position_probe``, ``norm_probe``, ``mean_probe``, ``sae_probe``; see
-``docs/probes.md`` and ``docs/sae.md``.
+``dual_position_probe``, ``norm_probe``, ``mean_probe``, ``sae_probe``, and
+``capture`` for capture-only points; see ``docs/probes.md`` and ``docs/sae.md``.
 Nothing here imports torch; numpy is imported only when a built-in runs.
 """
 
 from __future__ import annotations
 
 from undercurrent.probes.base import Probe, RequestContext, supported_kinds
+from undercurrent.probes.capture import CaptureProbe
 from undercurrent.probes.decorator import probe
 from undercurrent.probes.linear import DualPositionProbe, LinearProbe, LinearReadout
 from undercurrent.probes.registry import (
@@ -43,6 +44,7 @@ from undercurrent.probes.weights import (
 
 __all__ = [
     "BUILTIN_PROBE_TYPES",
+    "CaptureProbe",
     "DualPositionProbe",
     "ENTRY_POINT_GROUP",
     "LINEAR_PROBE_FORMAT",

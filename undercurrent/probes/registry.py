@@ -163,6 +163,7 @@ class ProbeRegistry:
 
 
 def _builtin_probes() -> dict[str, type]:
+    from undercurrent.probes.capture import CaptureProbe
     from undercurrent.probes.linear import DualPositionProbe, LinearProbe
     from undercurrent.probes.sae import SaeProbe
     from undercurrent.probes.statistics import MeanProbe, NormProbe
@@ -175,11 +176,12 @@ def _builtin_probes() -> dict[str, type]:
         "norm_probe": NormProbe,
         "mean_probe": MeanProbe,
         "sae_probe": SaeProbe,
+        "capture": CaptureProbe,
     }
 
 
 BUILTIN_PROBE_TYPES = ("linear_probe", "trajectory_probe", "dual_position_probe",
-                       "norm_probe", "mean_probe", "sae_probe")
+                       "norm_probe", "mean_probe", "sae_probe", "capture")
 
 default_registry = ProbeRegistry(_builtin_probes(), entry_point_group=ENTRY_POINT_GROUP)
 
