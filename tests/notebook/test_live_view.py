@@ -137,7 +137,8 @@ def test_text_is_coloured_by_one_point_on_that_points_own_scale():
     view.run("a", display=False)
     assert _token_scores(view) == ["0.100000", "0.900000"]
     assert "rgba(214,39,40,0.16)" in view.text.value  # 0.1 on the 0..1 scale, not 0..101
-    assert {t.name for t in view.figure.data} == {"prompt 1: a · watch · L2", "prompt 1: a · norm · L0"}
+    names = {t.name for t in view.figure.data}
+    assert names == {"prompt 1: a · watch · L2", "prompt 1: a · norm · L0"}
 
 
 def test_finished_plot_carries_its_traces_in_the_widget_state():

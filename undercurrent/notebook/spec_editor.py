@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from undercurrent.notebook.spec_draft import (
     DEFAULT_INTERVENTION,
     PointDraft,
@@ -42,6 +40,7 @@ from undercurrent.spec import (
     parse_yaml,
     to_yaml,
 )
+from undercurrent.spec.serialize import _dump as dump_spec_yaml
 
 FIELDS: tuple[str, ...] = (
     "name",
@@ -60,6 +59,18 @@ FIELDS: tuple[str, ...] = (
     "on_timeout",
 )
 """The editor's fields, in display order (``editor.fields[name]`` is the control)."""
+
+LABELS: dict[str, str] = {
+    "intervention_mode": "intervention.mode",
+    "timeout_ms": "intervention.timeout_ms",
+    "on_timeout": "intervention.on_timeout",
+}
+"""Field labels that differ from the field name: the key's path in the YAML."""
+
+LAYERS_HINT = "Ctrl-click (⌘-click on a Mac) or Shift-click to pick several layers"
+
+# Loader messages that start with a verb lean on the location for their subject.
+_SUBJECTLESS = ("is ", "are ", "must ", "should ", "has ", "have ", "cannot ", "needs ", "may ")
 
 # Which editor field shows a loader problem reported on a spec field.
 _PROBLEM_FIELD = {
@@ -166,7 +177,7 @@ class SpecEditor:
 
     def _build(self) -> None:
         w = _widgets()
-        wide = w.Layout(width="320px")
+        wide = w.Layout(width="380px")
         self.fields: dict[str, Any] = {}
         self.errors: dict[str, Any] = {}
         self.rows: dict[str, Any] = {}
@@ -197,23 +208,23 @@ class SpecEditor:
                                      options=[k.value for k in ProbeKind], layout=wide),
             "probe_args": w.Textarea(description="probe_args",
                                      placeholder="key: value (YAML), e.g.\nthreshold: 0.5",
-                                     layout=w.Layout(width="320px", height="70px")),
-            "execution_mode": w.Dropdown(description="execution",
+                                     layout=w.Layout(width="380px", height="70px")),
+            "execution_mode": w.Dropdown(description="execution_mode",
                                          options=[m.value for m in ExecutionMode], layout=wide),
             "queue_depth": w.Text(description="queue_depth", placeholder="32 (router default)",
                                   layout=wide),
             "intervention_mode": w.Dropdown(
-                description="intervention",
+                description=LABELS["intervention_mode"],
                 options=[("(router default)", DEFAULT_INTERVENTION)]
                 + [(m.value, m.value) for m in InterventionMode],
                 layout=wide,
             ),
-            "timeout_ms": w.BoundedIntText(description="timeout_ms", min=1, max=3_600_000,
+            "timeout_ms": w.BoundedIntText(description=LABELS["timeout_ms"], min=1, max=3_600_000,
                                            layout=wide),
-            "on_timeout": w.Dropdown(description="on_timeout",
+            "on_timeout": w.Dropdown(description=LABELS["on_timeout"],
                                      options=[o.value for o in OnTimeout], layout=wide),
         }
-        style = {"description_width": "96px"}
+        style = {"description_width": "150px"}
         for field in FIELDS:
             control = controls[field]
             control.style = style
@@ -224,6 +235,11 @@ class SpecEditor:
             self.fields[field] = control
             self.errors[field] = error
             self.rows[field] = w.HBox([control, error])
+        if self.capabilities is not None:
+            hint = w.HTML(f'<span style="color:#777;font-size:90%">{LAYERS_HINT}</span>')
+            hint.add_class("undercurrent-layers-hint")
+            self.rows["layers"].children = (self.fields["layers"],
+                                            w.VBox([hint, self.errors["layers"]]))
 
         self.point_list = w.Select(description="points", rows=6, layout=w.Layout(width="260px"))
         self.point_list.style = {"description_width": "50px"}
@@ -247,6 +263,7 @@ class SpecEditor:
                                 layout=w.Layout(width="260px"))
         self.save_button = w.Button(description="Save YAML", icon="save")
         self.save_message = w.HTML()
+        self._saved: tuple[Path, ProbeSpec] | None = None
         self.save_button.on_click(_ignore_argument(self._save_clicked))
 
         sidebar = w.VBox([
@@ -267,7 +284,38 @@ class SpecEditor:
     # -- display --------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs))
+        bundle["text/html"] = self.snapshot_html()
+        bundle["text/plain"] = self._yaml_text()
+        return bundle
+
+    def snapshot_html(self) -> str:
+        """The editor as static HTML: the selected point's form, the problems and the YAML,
+        for readers without a running kernel (GitHub, nbconvert, an unrun notebook)."""
+        problems = self.field_problems()
+        rows = []
+        for field in FIELDS:
+            if self.rows[field].layout.display == "none":
+                continue
+            value = self.fields[field].value
+            if isinstance(value, tuple):
+                value = ", ".join(str(item) for item in value)
+            messages = "".join(
+                f'<div style="color:#b00020">⚠ {html.escape(m, quote=False)}</div>'
+                for m in problems.get(field, [])
+            )
+            rows.append(
+                f'<tr><td style="text-align:right;padding-right:8px;color:#555">'
+                f"{html.escape(LABELS.get(field, field))}</td>"
+                f"<td><code>{html.escape(str(value))}</code>{messages}</td></tr>"
+            )
+        names = ", ".join(html.escape(d.name or "(unnamed)") for d in self.drafts)
+        return (
+            '<div class="undercurrent-spec-editor-snapshot">'
+            f"<div><b>points:</b> {names}</div>"
+            f'<table style="border-collapse:collapse">{"".join(rows)}</table>'
+            f"{self.status.value}<div><b>YAML</b></div>{self.yaml_view.value}</div>"
+        )
 
     # -- editing --------------------------------------------------------------------
 
@@ -317,10 +365,27 @@ class SpecEditor:
     def _on_field_change(self, change: dict[str, Any]) -> None:
         if self._loading or not self.drafts:
             return
-        self.drafts[self.current] = self._read_form()
+        draft = self._read_form()
         if change["owner"] is self.fields["tensor_type"]:
+            draft = self._valid_layers_for(draft)
+            self.drafts[self.current] = draft
             self._load_form()
+        self.drafts[self.current] = draft
         self.refresh()
+
+    def _valid_layers_for(self, draft: PointDraft) -> PointDraft:
+        """Keep the selected layers the new tensor type allows; with none left, take the
+        closest valid one (``final_norm`` only exists at layer N)."""
+        if self.capabilities is None:
+            return draft
+        valid = tuple(self.capabilities.valid_layers(draft.tensor_type))
+        if not valid:
+            return draft
+        kept = tuple(layer for layer in draft.layers if layer in valid)
+        if not kept:
+            wanted = max(draft.layers) if draft.layers else valid[-1]
+            kept = (min(valid, key=lambda layer: (abs(layer - wanted), -layer)),)
+        return draft.copy(layers=kept)
 
     def _read_form(self) -> PointDraft:
         f = self.fields
@@ -437,7 +502,8 @@ class SpecEditor:
             if problem.point_index != index or problem.field is None:
                 continue
             field = _PROBLEM_FIELD.get(problem.field, problem.field)
-            found.setdefault(field if field in FIELDS else "name", []).append(problem.message)
+            found.setdefault(field if field in FIELDS else "name", []).append(
+                _with_subject(problem))
         if self.drafts and 0 <= index < len(self.drafts):
             live = self.drafts[index].position_problem()
             if live and live not in found.get("position", []):
@@ -454,6 +520,24 @@ class SpecEditor:
                 for message in messages
             )
 
+    def _describe(self, problem: SpecProblem) -> str:
+        """``point 'name' · field: message``, the point named as the user named it."""
+        if problem.point_index is None:
+            where = "spec"
+        else:
+            name = problem.point_name or (
+                self.drafts[problem.point_index].name
+                if 0 <= problem.point_index < len(self.drafts) else "")
+            where = f"point {name!r}" if name else f"point {problem.point_index + 1} (unnamed)"
+        field = "" if problem.field is None else f" · {problem.field}"
+        return f"{where}{field}: {_with_subject(problem)}"
+
+    def _yaml_text(self) -> str:
+        if self._spec is not None:
+            return to_yaml(self._spec)
+        raw, _ = drafts_to_raw_spec(self.drafts)
+        return "# not valid yet\n" + dump_spec_yaml(raw, allow_unicode=True)
+
     def _update_views(self) -> None:
         if self._spec is not None:
             text = to_yaml(self._spec)
@@ -464,16 +548,22 @@ class SpecEditor:
             )
         else:
             raw, _ = drafts_to_raw_spec(self.drafts)
-            text = "# not valid yet: fix the fields marked ⚠\n" + yaml.safe_dump(
-                raw, sort_keys=False, default_flow_style=None
-            )
+            text = "# not valid yet: fix the fields marked ⚠\n" + dump_spec_yaml(
+                raw, allow_unicode=True)
             others = [p for p in self._problems if p.point_index != self.current]
-            listing = "".join(f"<li>{html.escape(str(p))}</li>" for p in others[:20])
-            self.status.value = (
-                f'<span style="color:#b00020">⚠ {len(self._problems)} problem'
-                f'{"s" if len(self._problems) != 1 else ""}</span>'
-                + (f"<ul>{listing}</ul>" if listing else "")
+            listing = "".join(
+                f'<div style="margin-left:1em">{html.escape(self._describe(p), quote=False)}</div>'
+                for p in others[:20]
             )
+            self.status.value = (
+                f'<div style="color:#b00020">⚠ {len(self._problems)} problem'
+                f'{"s" if len(self._problems) != 1 else ""}'
+                + (" (this point's are shown next to its fields; other points:)"
+                   if listing else "") + f"{listing}</div>"
+            )
+        if self._saved is not None and self._saved[1] != self._spec:
+            self._saved = None
+            self.save_message.value = ""  # the file no longer holds what is on screen
         self.yaml_view.value = (
             '<pre style="background:#f6f8fa;padding:8px;border-radius:4px;margin:0;'
             'line-height:1.35;font-size:12px;white-space:pre">'
@@ -504,9 +594,12 @@ class SpecEditor:
         return to_yaml(self.spec)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the spec's YAML to ``path`` and return it (raises if the spec is invalid)."""
-        target = Path(path)
-        target.write_text(self.to_yaml(), encoding="utf-8")
+        """Write the spec's YAML to ``path`` and return its absolute path (raises if the
+        spec is invalid)."""
+        target = Path(path).expanduser().resolve()
+        spec = self.spec
+        target.write_text(to_yaml(spec), encoding="utf-8")
+        self._saved = (target, spec)
         return target
 
     def _save_clicked(self) -> None:
@@ -518,6 +611,15 @@ class SpecEditor:
             )
         else:
             self.save_message.value = f"saved to <code>{html.escape(str(target))}</code>"
+
+
+def _with_subject(problem: SpecProblem) -> str:
+    """The problem's message, led by its field when it starts with a bare verb
+    (the loader's "is an empty list" reads "layers is an empty list")."""
+    message = problem.message
+    if problem.field and message.startswith(_SUBJECTLESS):
+        return f"{problem.field} {message}"
+    return message
 
 
 def _ensure_option(dropdown: Any, value: str) -> None:
