@@ -253,3 +253,21 @@ def test_the_display_carries_a_static_snapshot_beside_the_widget(monkeypatch):
     assert snapshot.count('class="uc-token"') == 2 and "done: 1 prompt" in snapshot
     assert "VBox" not in bundle["text/plain"]
     assert drawn == [view.figure] and 'src="data:image/png;base64,UE5H"' in snapshot
+
+
+def test_a_run_shows_the_live_widget_then_a_snapshot_that_widget_frontends_hide(monkeypatch):
+    from undercurrent.notebook import live_view, static
+
+    shown: list[dict] = []
+    monkeypatch.setattr(live_view, "_display", lambda: lambda bundle, raw: shown.append(bundle))
+    monkeypatch.setattr(static, "figure_png", lambda figure, **kw: None)
+    view = LiveView(ScriptedModel({"a": [0.1, 0.9]}))
+    view.run("a", labels=["harmful"])
+    live, snapshot = shown
+    widget_id = live["application/vnd.jupyter.widget-view+json"]["model_id"]
+    assert widget_id == view.widget.model_id and "text/html" not in live
+    # An empty model id: JupyterLab and Voila hide this output; GitHub and nbconvert show it.
+    assert snapshot["application/vnd.jupyter.widget-view+json"]["model_id"] == ""
+    assert "harmful" in snapshot["text/html"] and "done: 1 prompt" in snapshot["text/html"]
+    view.run("a", labels=["again"])
+    assert len(shown) == 3  # the widget is not shown twice; the new run adds its snapshot

@@ -23,6 +23,8 @@ from undercurrent.notebook.live_state import LiveState, RequestTrace
 SHADE = "214,39,40"
 """RGB of the token shading; the alpha grows with the score."""
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
 PREVIEW_CHARS = 24
 """How much of a prompt a default label shows."""
 
@@ -36,6 +38,16 @@ def _modules() -> tuple[Any, Any]:
             "LiveView needs ipywidgets and plotly: pip install 'undercurrent[notebook]'"
         ) from error
     return ipywidgets, go
+
+
+def _display() -> Any:
+    """IPython's ``display`` when running under IPython, else None."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return None
+    return display if get_ipython() is not None else None
 
 
 def default_label(number: int, prompt: str) -> str:
@@ -103,7 +115,7 @@ class LiveView:
                              layout=w.Layout(width="100%"))
         self.widget.add_class("undercurrent-live-view")
         self._displayed = False
-        self._handle: Any = None
+        self._shown_by_run = False
         self._sized = False
         self._prompt = ""
         self._label: str | None = None
@@ -124,13 +136,32 @@ class LiveView:
         return bundle
 
     def _show(self) -> None:
-        try:
-            from IPython import get_ipython
-            from IPython.display import display
-        except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        """Show the live widget for a run (its snapshot comes after the run, see below)."""
+        display = _display()
+        if display is None:
             return
-        if get_ipython() is not None:
-            self._handle = display(self, display_id=True)
+        self._displayed = True
+        bundle = dict(self.widget._repr_mimebundle_())
+        bundle["text/plain"] = "LiveView: a live widget; a snapshot of the run follows it"
+        display(bundle, raw=True)
+        self._shown_by_run = True
+
+    def _show_snapshot(self) -> None:
+        """Add the finished run's snapshot under the live widget, hidden where widgets run.
+
+        A widget view with an empty model id is the widget manager's sign to hide
+        an output, so JupyterLab, Notebook and Voila show only the live widget
+        (never redrawn, so nothing flashes), while GitHub, nbconvert and other
+        readers without widgets show the HTML: progress, tokens, messages, plot.
+        """
+        display = _display()
+        if display is None:
+            return
+        display({
+            WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": ""},
+            "text/html": self.snapshot_html(),
+            "text/plain": self.summary(),
+        }, raw=True)
 
     def summary(self) -> str:
         """Plain text: progress, then one line per request (label, text, abort)."""
@@ -169,8 +200,8 @@ class LiveView:
         ``prompt N: <start of the prompt>``). ``stream_kwargs`` go to
         ``model.stream`` (``max_new_tokens``, sampling options). With
         ``display=True`` the view shows itself first when it is not on screen yet,
-        so the updates can be watched; when the run ends that display is refreshed,
-        so a stored notebook keeps a snapshot of the finished run.
+        so the updates can be watched, and adds a static snapshot of the finished
+        run for readers of the stored notebook (hidden where widgets run).
         """
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         label_list = None if labels is None else [str(label) for label in (
@@ -200,8 +231,8 @@ class LiveView:
             self._prompt, self._label = "", None
             self._render_header()
             self._store_figure_state()
-            if self._handle is not None:
-                self._handle.update(self)
+            if self._shown_by_run:
+                self._show_snapshot()
         return list(self.outputs)
 
     def update(self, event: Any) -> None:
