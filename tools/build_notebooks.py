@@ -32,8 +32,9 @@ SOURCE_PATTERN = "[0-9][0-9]_*.py"
 PAIRING = "ipynb,py:percent"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
-# A tqdm bar as text: "Loading weights:  40%|####      | 15/38 [00:00<...]".
-_PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+")
+# A tqdm bar as text: "Loading weights:  40%|####      | 15/38 [00:00<...]", or vLLM's
+# "Loading safetensors checkpoint shards:   0% Completed | 0/1 [00:00<?, ?it/s]".
+_PROGRESS = re.compile(r"\d+%[^\n|]*\|[^\n]*\d+/\d+")
 # stderr lines that engines print on their own and that say nothing about the tutorial.
 _ENGINE_NOISE = (
     re.compile(r"^Triton is installed, but doesn't include CPU backend"),
@@ -138,12 +139,12 @@ def clean_outputs(notebook) -> list[str]:
                 output["text"] = "".join(lines)
                 kept_stderr.append(f"cell {index}: {output['text'][:200]!r}")
             data = output.get("data")
-            if data is not None and WIDGET_VIEW in data:
+            if data is not None:
                 plain = data.get("text/plain", "")
                 plain = plain if isinstance(plain, str) else "".join(plain)
                 if _PROGRESS.search(plain):
-                    continue  # a tqdm bar widget
-                del data[WIDGET_VIEW]
+                    continue  # a tqdm bar (a widget, shown as text without one)
+                data.pop(WIDGET_VIEW, None)
                 if not data:
                     continue
             outputs.append(output)

@@ -64,8 +64,10 @@ def test_cleaning_drops_progress_bars_engine_noise_and_widget_views_but_keeps_wa
         nbformat.v4.new_output("stream", name="stderr", text="UserWarning: look at me\n"),
         nbformat.v4.new_output("display_data", data={
             view: {"model_id": "b"}, "text/html": "<b>snapshot</b>", "text/plain": "editor"}),
+        nbformat.v4.new_output("display_data", data={view: {"model_id": "c"}, "text/plain":
+            "Loading safetensors checkpoint shards:   0% Completed | 0/1 [00:00<?, ?it/s]"}),
     ]
-    assert len(build_notebooks.output_problems(notebook)) == 5
+    assert len(build_notebooks.output_problems(notebook)) == 7
     kept = build_notebooks.clean_outputs(notebook)
     outputs = notebook.cells[0].outputs
     assert [o.get("text") or o.data for o in outputs] == [
