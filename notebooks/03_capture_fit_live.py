@@ -46,7 +46,6 @@ print(prompts[1])
 # `records=True` keeps the `ActivationRecord`s on each output.
 
 # %%
-# NBVAL_CHECK_OUTPUT
 capture_spec = parse_yaml('''
 extraction_points:
   - name: resid
@@ -57,6 +56,9 @@ extraction_points:
     probe_kind: trajectory
 ''')
 capture = ProbedModel.from_pretrained("undercurrent/tiny", spec=capture_spec)
+
+# %%
+# NBVAL_CHECK_OUTPUT
 outputs = capture.generate(prompts, max_new_tokens=12, records=True)
 print(len(outputs), "generations,", sum(len(o.records) for o in outputs), "records")
 

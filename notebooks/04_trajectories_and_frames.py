@@ -36,7 +36,6 @@ labels = [i % 2 for i in range(8)]
 prompts = [make_prompt(rng, label) for label in labels]
 
 # %%
-# NBVAL_CHECK_OUTPUT
 spec = parse_yaml(f'''
 extraction_points:
   - name: harm_probe
@@ -54,6 +53,9 @@ extraction_points:
     probe_kind: trajectory
 ''')
 model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+
+# %%
+# NBVAL_CHECK_OUTPUT
 outputs = model.generate(prompts, max_new_tokens=24, records=True)
 label_of = {o.request_id: LABEL_NAMES[y] for o, y in zip(outputs, labels)}
 short = {o.request_id: f"p{i} ({LABEL_NAMES[y]})" for i, (o, y) in enumerate(zip(outputs, labels))}
