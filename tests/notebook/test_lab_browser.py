@@ -103,7 +103,8 @@ def test_tutorial_runs_in_jupyterlab_with_live_widgets_and_figures(lab, notebook
         shot = scratch / f"tutorial_{notebook.stem}.png"
         target = page.locator(expected["screenshot"]).first
         target.scroll_into_view_if_needed()
-        cell = target.locator("xpath=ancestor::div[contains(@class, 'jp-Cell')][1]")
+        cell = target.locator(
+            "xpath=ancestor::div[contains(concat(' ', normalize-space(@class), ' '), ' jp-Cell ')]")
         cell.screenshot(path=str(shot))
         assert shot.stat().st_size > 5_000
         directory = os.environ.get("UNDERCURRENT_SCREENSHOT_DIR")

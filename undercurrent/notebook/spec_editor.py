@@ -270,7 +270,7 @@ class SpecEditor:
             self.point_list,
             w.HBox([self.add_button, self.duplicate_button]),
             self.remove_button,
-        ])
+        ], layout=w.Layout(flex="0 0 auto"))  # the wide form must not squeeze the list
         form = w.VBox([self.rows[field] for field in FIELDS])
         yaml_panel = w.VBox([
             w.HTML("<b>YAML</b>"),
