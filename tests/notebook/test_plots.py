@@ -116,7 +116,7 @@ def test_trajectory_coloured_by_label_has_one_colour_and_one_legend_entry_per_la
     assert colours["p0 (benign)"] == colours["p2 (benign)"]
     assert colours["p1 (harmful)"] == colours["p3 (harmful)"] != colours["p0 (benign)"]
     assert [t.name for t in figure.data if t.showlegend is not False] == ["benign", "harmful"]
-    assert figure.layout.legend.title.text == "group"
+    assert figure.layout.legend.title.text == "label"
     (abort,) = [t for t in figure.data if t.name.endswith("abort")]
     assert abort.legendgroup == "harmful"
 

@@ -58,9 +58,9 @@ def trajectory_figure(
     crosses; ``threshold`` adds a dashed line.
 
     ``names`` (``{request: name}``) names the lines in the legend and on hover.
-    ``color_by`` (a frame column, or ``{request: group}`` such as a label) gives
-    every line of a group one colour and the legend one entry per group, which
-    reads better than a colour per request once there are more than a few.
+    ``color_by`` (a frame column, or ``{request: label}``) gives every line of a
+    label one colour and the legend one entry per label, which reads better than
+    a colour per request once there are more than a few.
     """
     go = _graph_objects()
     frame = _as_frame(signals, signals_frame)
@@ -118,7 +118,7 @@ def trajectory_figure(
         figure.add_hline(y=threshold, line_dash="dash", line_color="grey",
                          annotation_text=f"threshold {threshold:g}")
     legend = "request · point · layer" if groups is None else (
-        color_by if isinstance(color_by, str) else "group")
+        color_by if isinstance(color_by, str) else "label")
     figure.update_layout(title=title, xaxis_title=x.replace("_", " "), yaxis_title="score",
                          template="plotly_white", legend_title=legend)
     return figure
