@@ -135,3 +135,19 @@ CELL_OUTPUTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
                  outputs: cell.model.outputs.toJSON().map(o => ({
                    type: o.output_type, name: o.ename || o.name || '',
                    mimes: Object.keys(o.data || {})}))}))"""
+
+# Runs in the page: run the first code cell whose source contains the text again.
+RERUN_CELL = """async (text) => {
+  const app = window.jupyterapp;
+  const panel = app.shell.currentWidget;
+  const index = panel.content.widgets.findIndex(
+    cell => cell.model.type === 'code' && cell.model.sharedModel.getSource().includes(text));
+  if (index < 0) throw new Error('no code cell contains ' + text);
+  panel.content.activeCellIndex = index;
+  await app.commands.execute('notebook:run-cell');
+  const kernel = panel.sessionContext.session.kernel;
+  while (kernel.status !== 'idle') {
+    await new Promise(resolve => kernel.statusChanged.connect(resolve));
+  }
+  return index;
+}"""

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from build_notebooks import sources  # noqa: E402
-from lab_page import CELL_OUTPUTS, RUN_ALL, WATCH_PROGRESS, serve_lab  # noqa: E402
+from lab_page import CELL_OUTPUTS, RERUN_CELL, RUN_ALL, WATCH_PROGRESS, serve_lab  # noqa: E402
 from voila_page import CHROMIUM, launch_chromium  # noqa: E402
 
 TUTORIALS = [path.with_suffix(".ipynb") for path in sources()]
@@ -36,7 +36,8 @@ OPEN_TIMEOUT_MS = 120_000
 EXPECTED = {
     "01_quickstart": {"screenshot": ".jp-OutputArea-output table"},
     "02_spec_editor": {"editors": 2, "screenshot": ".undercurrent-spec-editor"},
-    "03_capture_fit_live": {"live_views": 1, "figures": 2, "screenshot": ".undercurrent-live-view"},
+    "03_capture_fit_live": {"live_views": 1, "figures": 2, "screenshot": ".undercurrent-live-view",
+                            "rerun": "LiveView(live"},
     "04_trajectories_and_frames": {"figures": 4, "screenshot": ".js-plotly-plot"},
     "05_vllm_backend": {"screenshot": ".jp-OutputArea-output table"},
 }
@@ -100,6 +101,12 @@ def test_tutorial_runs_in_jupyterlab_with_live_widgets_and_figures(lab, notebook
 
         if live_views:
             _check_live_view(page)
+        if "rerun" in expected:  # after Run All, the cell still runs (nothing was closed)
+            index = page.evaluate(RERUN_CELL, expected["rerun"])
+            rerun = page.evaluate(CELL_OUTPUTS)
+            errors = [out["name"] for cell in rerun for out in cell["outputs"]
+                      if out["type"] == "error"]
+            assert errors == [], f"running cell {index} again failed: {errors}"
         shot = scratch / f"tutorial_{notebook.stem}.png"
         target = page.locator(expected["screenshot"]).first
         target.scroll_into_view_if_needed()
