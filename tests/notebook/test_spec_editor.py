@@ -318,4 +318,6 @@ def test_editor_displays_as_a_widget_with_a_static_snapshot_of_form_and_yaml():
     snapshot = bundle["text/html"]
     assert "<code>harm_watch</code>" in snapshot and "name: harm_watch" in snapshot
     assert "queue_depth" not in snapshot  # hidden fields stay hidden
+    assert "<code>(router default)</code>" in snapshot  # a dropdown's label, not its value
+    assert "(empty)" in snapshot  # probe_args
     assert "✔ valid spec" in snapshot

@@ -297,9 +297,14 @@ class SpecEditor:
         for field in FIELDS:
             if self.rows[field].layout.display == "none":
                 continue
-            value = self.fields[field].value
+            control = self.fields[field]
+            value = control.value
             if isinstance(value, tuple):
                 value = ", ".join(str(item) for item in value)
+            elif isinstance(getattr(control, "label", None), str):
+                value = control.label  # what a dropdown shows: "(router default)"
+            shown = (f"<code>{html.escape(str(value))}</code>" if str(value).strip()
+                     else '<span style="color:#999">(empty)</span>')
             messages = "".join(
                 f'<div style="color:#b00020">⚠ {html.escape(m, quote=False)}</div>'
                 for m in problems.get(field, [])
@@ -307,7 +312,7 @@ class SpecEditor:
             rows.append(
                 f'<tr><td style="text-align:right;padding-right:8px;color:#555">'
                 f"{html.escape(LABELS.get(field, field))}</td>"
-                f"<td><code>{html.escape(str(value))}</code>{messages}</td></tr>"
+                f'<td style="text-align:left">{shown}{messages}</td></tr>'
             )
         names = ", ".join(html.escape(d.name or "(unnamed)") for d in self.drafts)
         return (
