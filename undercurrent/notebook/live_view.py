@@ -18,10 +18,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace
-
-SHADE = "214,39,40"
-"""RGB of the token shading; the alpha grows with the score."""
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -58,10 +56,6 @@ def default_label(number: int, prompt: str) -> str:
         cut = flat[:PREVIEW_CHARS + 1]
         preview = (cut.rsplit(" ", 1)[0] if " " in cut else cut[:PREVIEW_CHARS]).rstrip() + "…"
     return f"prompt {number}: {preview}" if preview else f"prompt {number}"
-
-
-def _shade(level: float) -> str:
-    return f"rgba({SHADE},{0.08 + 0.8 * level:.2f})"
 
 
 class LiveView:
@@ -357,79 +351,18 @@ class LiveView:
             return None
         return list(self.state.requests.values())[-1]
 
-    def _key_html(self) -> str:
-        low, high = self._scale()
-        point = self.colour_point()
-        name = "" if point is None else f" of <code>{html.escape(point)}</code>"
-        return (
-            '<span style="color:#555">token colour = score' + name + ": "
-            f'<span style="font-family:monospace">{low:g}</span> '
-            f'<span style="display:inline-block;width:120px;height:0.9em;vertical-align:middle;'
-            f'border-radius:3px;background:linear-gradient(to right,{_shade(0)},{_shade(1)})">'
-            f'</span> <span style="font-family:monospace">{high:g}</span>'
-            ' · <span style="outline:2px solid #b00020;border-radius:3px;padding:0 2px">token'
-            "</span> = where a probe aborted</span>"
-        )
-
     def _render_header(self) -> None:
-        self.header.value = (
-            '<div style="display:flex;flex-wrap:wrap;gap:4px 24px;align-items:center;'
-            'margin-bottom:4px"><b class="uc-progress">'
-            f"{html.escape(self.progress_text())}</b>{self._key_html()}</div>"
-        )
+        self.header.value = header_html(self.progress_text(), self._scale(), self.colour_point())
 
     def token_html(self, trace: RequestTrace) -> str:
         """The request's line: label, prompt, generated tokens coloured by score, abort mark."""
-        low, high = self._scale()
-        point = self.colour_point()
-        abort_at = None if trace.abort is None else trace.abort.generated_index
-        spans = []
-        for index, piece in enumerate(trace.pieces):
-            score = trace.score_of(index, point)
-            shown = html.escape(piece, quote=False).replace("\n", "↵")
-            if score is None:
-                style, title = "", f"token {index}: no score"
-            else:
-                level = min(max((score - low) / (high - low), 0.0), 1.0)
-                style = f"background:{_shade(level)};"
-                title = f"token {index}: score {score:.3f}"
-            if index == abort_at:
-                style += "outline:2px solid #b00020;"
-                title += " (abort)"
-            spans.append(
-                f'<span class="uc-token" data-score="{"" if score is None else f"{score:.6f}"}" '
-                f'title="{html.escape(title)}" style="{style}border-radius:3px">{shown}</span>'
-            )
-        marker = ""
-        if trace.abort is not None:
-            marker = ('&nbsp;<span class="uc-abort" style="color:#b00020;font-weight:bold;'
-                      'white-space:nowrap">✖&nbsp;aborted</span>')
-        elif not trace.finished:
-            marker = ' <span style="color:#999">…</span>'
-        prompt = html.escape(trace.prompt, quote=False)
-        first = trace.pieces[0] if trace.pieces else ""
-        # Token pieces carry their own leading spaces; the prompt's end and the first
-        # piece may have none ("assistant :" + "okay"), which must not read as one word.
-        gap = " " if prompt and first and not (prompt[-1].isspace() or first[0].isspace()) else ""
-        return (
-            f'<div class="uc-request" style="margin:4px 0;white-space:pre-wrap;'
-            f'font-family:monospace"><b>{html.escape(trace.label or trace.request_id)}</b> '
-            f'<span style="color:#777">{prompt}</span>{gap}{"".join(spans)}{marker}</div>'
-        )
+        return request_line_html(trace, self._scale(), self.colour_point())
 
     def _render_text(self) -> None:
         self.text.value = "".join(self.token_html(t) for t in self.state.requests.values())
 
     def _render_message(self) -> None:
-        lines = [
-            f"<b>{html.escape(t.label or t.request_id)}</b>: "
-            + html.escape(t.abort_message() or "", quote=False)
-            for t in self.state.requests.values() if t.abort is not None
-        ]
-        self.message.value = (
-            '<div class="uc-abort-message" style="color:#b00020">✖ ' + "<br>✖ ".join(lines)
-            + "</div>" if lines else ""
-        )
+        self.message.value = abort_messages_html(self.state.requests.values())
 
     def _trace_name(self, trace: RequestTrace, point: str, layer: int) -> str:
         """The request's label, with point and layer once the request has several lines."""
