@@ -26,6 +26,16 @@ from undercurrent.notebook.spec_draft import (
     drafts_to_raw_spec,
     validate_drafts,
 )
+from undercurrent.notebook.spec_editor_text import (
+    LABELS,
+    LAYERS_HINT,
+    describe_problem,
+    field_messages_html,
+    form_snapshot_html,
+    status_html,
+    with_subject,
+    yaml_html,
+)
 from undercurrent.spec import (
     ExecutionMode,
     InterventionMode,
@@ -60,17 +70,6 @@ FIELDS: tuple[str, ...] = (
 )
 """The editor's fields, in display order (``editor.fields[name]`` is the control)."""
 
-LABELS: dict[str, str] = {
-    "intervention_mode": "intervention.mode",
-    "timeout_ms": "intervention.timeout_ms",
-    "on_timeout": "intervention.on_timeout",
-}
-"""Field labels that differ from the field name: the key's path in the YAML."""
-
-LAYERS_HINT = "Ctrl-click (⌘-click on a Mac) or Shift-click to pick several layers"
-
-# Loader messages that start with a verb lean on the location for their subject.
-_SUBJECTLESS = ("is ", "are ", "must ", "should ", "has ", "have ", "cannot ", "needs ", "may ")
 
 # Which editor field shows a loader problem reported on a spec field.
 _PROBLEM_FIELD = {
@@ -303,24 +302,9 @@ class SpecEditor:
                 value = ", ".join(str(item) for item in value)
             elif isinstance(getattr(control, "label", None), str):
                 value = control.label  # what a dropdown shows: "(router default)"
-            shown = (f"<code>{html.escape(str(value))}</code>" if str(value).strip()
-                     else '<span style="color:#999">(empty)</span>')
-            messages = "".join(
-                f'<div style="color:#b00020">⚠ {html.escape(m, quote=False)}</div>'
-                for m in problems.get(field, [])
-            )
-            rows.append(
-                f'<tr><td style="text-align:right;padding-right:8px;color:#555">'
-                f"{html.escape(LABELS.get(field, field))}</td>"
-                f'<td style="text-align:left">{shown}{messages}</td></tr>'
-            )
-        names = ", ".join(html.escape(d.name or "(unnamed)") for d in self.drafts)
-        return (
-            '<div class="undercurrent-spec-editor-snapshot">'
-            f"<div><b>points:</b> {names}</div>"
-            f'<table style="border-collapse:collapse">{"".join(rows)}</table>'
-            f"{self.status.value}<div><b>YAML</b></div>{self.yaml_view.value}</div>"
-        )
+            rows.append((LABELS.get(field, field), str(value), problems.get(field, [])))
+        return form_snapshot_html(rows, [d.name for d in self.drafts], self.status.value,
+                                  self.yaml_view.value)
 
     # -- editing --------------------------------------------------------------------
 
@@ -508,7 +492,7 @@ class SpecEditor:
                 continue
             field = _PROBLEM_FIELD.get(problem.field, problem.field)
             found.setdefault(field if field in FIELDS else "name", []).append(
-                _with_subject(problem))
+                with_subject(problem))
         if self.drafts and 0 <= index < len(self.drafts):
             live = self.drafts[index].position_problem()
             if live and live not in found.get("position", []):
@@ -518,62 +502,27 @@ class SpecEditor:
     def _update_errors(self) -> None:
         problems = self.field_problems()
         for field in FIELDS:
-            messages = problems.get(field, [])
-            self.errors[field].value = "".join(
-                f'<div style="color:#b00020;font-size:90%;line-height:1.3">⚠ '
-                f"{html.escape(message, quote=False)}</div>"
-                for message in messages
-            )
-
-    def _describe(self, problem: SpecProblem) -> str:
-        """``point 'name' · field: message``, the point named as the user named it."""
-        if problem.point_index is None:
-            where = "spec"
-        else:
-            name = problem.point_name or (
-                self.drafts[problem.point_index].name
-                if 0 <= problem.point_index < len(self.drafts) else "")
-            where = f"point {name!r}" if name else f"point {problem.point_index + 1} (unnamed)"
-        field = "" if problem.field is None else f" · {problem.field}"
-        return f"{where}{field}: {_with_subject(problem)}"
+            self.errors[field].value = field_messages_html(problems.get(field, []))
 
     def _yaml_text(self) -> str:
+        """The spec's YAML, or the draft's in the same style, marked as not valid yet."""
         if self._spec is not None:
             return to_yaml(self._spec)
         raw, _ = drafts_to_raw_spec(self.drafts)
-        return "# not valid yet\n" + dump_spec_yaml(raw, allow_unicode=True)
+        return "# not valid yet: fix the fields marked ⚠\n" + dump_spec_yaml(
+            raw, allow_unicode=True)
 
     def _update_views(self) -> None:
-        if self._spec is not None:
-            text = to_yaml(self._spec)
-            points = len(self._spec)
-            self.status.value = (
-                f'<span style="color:#1b7f3b">✔ valid spec: {points} extraction '
-                f'point{"s" if points != 1 else ""}</span>'
-            )
-        else:
-            raw, _ = drafts_to_raw_spec(self.drafts)
-            text = "# not valid yet: fix the fields marked ⚠\n" + dump_spec_yaml(
-                raw, allow_unicode=True)
-            others = [p for p in self._problems if p.point_index != self.current]
-            listing = "".join(
-                f'<div style="margin-left:1em">{html.escape(self._describe(p), quote=False)}</div>'
-                for p in others[:20]
-            )
-            self.status.value = (
-                f'<div style="color:#b00020">⚠ {len(self._problems)} problem'
-                f'{"s" if len(self._problems) != 1 else ""}'
-                + (" (this point's are shown next to its fields; other points:)"
-                   if listing else "") + f"{listing}</div>"
-            )
+        others = [p for p in self._problems if p.point_index != self.current]
+        names = [draft.name for draft in self.drafts]
+        self.status.value = status_html(
+            None if self._spec is None else len(self._spec), len(self._problems),
+            [describe_problem(problem, names) for problem in others[:20]],
+        )
         if self._saved is not None and self._saved[1] != self._spec:
             self._saved = None
             self.save_message.value = ""  # the file no longer holds what is on screen
-        self.yaml_view.value = (
-            '<pre style="background:#f6f8fa;padding:8px;border-radius:4px;margin:0;'
-            'line-height:1.35;font-size:12px;white-space:pre">'
-            f"{html.escape(text)}</pre>"
-        )
+        self.yaml_view.value = yaml_html(self._yaml_text())
 
     # -- results ----------------------------------------------------------------------
 
@@ -616,15 +565,6 @@ class SpecEditor:
             )
         else:
             self.save_message.value = f"saved to <code>{html.escape(str(target))}</code>"
-
-
-def _with_subject(problem: SpecProblem) -> str:
-    """The problem's message, led by its field when it starts with a bare verb
-    (the loader's "is an empty list" reads "layers is an empty list")."""
-    message = problem.message
-    if problem.field and message.startswith(_SUBJECTLESS):
-        return f"{problem.field} {message}"
-    return message
 
 
 def _ensure_option(dropdown: Any, value: str) -> None:
