@@ -1,6 +1,8 @@
 # undercurrent — two commands do everything on a fresh machine:
 #   make demo   live probing on the bundled model
 #   make test   create .venv, install everything the suite needs, run the whole suite
+# and for the tutorials:
+#   make lab    open notebooks/ in JupyterLab from .venv
 #
 # On this CPU-only machine kind torch comes from the local CPU build; on a GPU
 # machine run e.g. `make test TORCH_PACKAGE=torch VLLM_PACKAGE=vllm` to get the
@@ -14,7 +16,7 @@ EXTRAS ?= hf,notebook,dev,sae
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.undercurrent-installed
 
-.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick
+.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick lab notebooks
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +39,16 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/undercurrent demo
 
+# The tutorials in JupyterLab, from this project's .venv (the notebook extra brings JupyterLab).
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks
+
+# Rebuild the stored tutorial notebooks from their sources (notebooks/NN_*.py): runs them on CPU.
+notebooks: $(STAMP)
+	$(BIN)/python tools/build_notebooks.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check undercurrent tests benchmarks tools
+	$(BIN)/ruff check undercurrent tests benchmarks tools notebooks
 	$(BIN)/mypy --follow-imports=silent undercurrent/spec
 
 test: $(STAMP) system-deps lint
