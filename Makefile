@@ -41,7 +41,7 @@ demo: $(STAMP)
 
 # The tutorials in JupyterLab, from this project's .venv (the notebook extra brings JupyterLab).
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks
+	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Rebuild the stored tutorial notebooks from their sources (notebooks/NN_*.py): runs them on CPU.
 notebooks: $(STAMP)
