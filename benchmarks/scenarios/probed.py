@@ -64,8 +64,11 @@ class _Probed(Scenario):
                                   probes=self.probe_classes())
 
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
+        # One generate() call for the whole batch, like the baselines (ProbedModel's
+        # default batch_size of 8 would split a larger batch into sequential calls).
         outputs = self.probed.generate(batch.prompts, max_new_tokens=max_new_tokens,
-                                       temperature=0.0, records=self.keep_records)
+                                       temperature=0.0, records=self.keep_records,
+                                       batch_size=batch.size)
         records = dropped = errors = timeouts = 0
         for output in outputs:
             for result in output.results.values():
