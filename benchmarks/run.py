@@ -4,7 +4,9 @@ Every job runs in a fresh child process forked from a server that has torch and
 transformers imported already: one timing job per model (all scenarios
 interleaved), one memory job per (model, batch size, scenario), and the vLLM
 jobs in processes of their own. Writes ``results.jsonl``, ``environment.json``,
-``summary.md`` and ``overhead.png`` to ``--out``.
+``summary.md`` and ``overhead.png`` to ``--out``; the scaling set (``benchmarks.scaling``,
+skipped by ``--no-scaling``, alone with ``--scaling-only``) adds ``scaling.jsonl``,
+``scaling.md``, ``scaling_targets.json`` and ``scaling.png``.
 """
 
 from __future__ import annotations
