@@ -125,6 +125,8 @@ def vllm_rows(model: str, outcomes: dict[tuple[str, str], dict[str, Any]],
             if mode != VLLM_PLAIN:
                 row["ratio_plain"] = _paired(samples, reference,
                                              lambda s, b: s["wall_s"] / b["wall_s"])
+                row["cpu_ratio_plain"] = _paired(samples, reference,
+                                                 lambda s, b: s["cpu_s"] / b["cpu_s"])
                 row["us_per_vector"] = _paired(samples, reference, _per_vector_us)
                 row["tokens_match"], row["token_check"] = _token_check(
                     case["token_ids"], base["token_ids"] if base else None)

@@ -160,3 +160,24 @@ def test_targets_flag_a_missed_overhead_and_pass_a_met_one():
     by_target = {c["target"]: c for c in checks}
     assert by_target["3-layer capture adds <= 5% wall over plain generate()"]["met"] is False
     assert by_target["3-layer capture, inline norm probe, within 1.1x of raw hooks"]["met"] is True
+
+
+def test_scaling_vllm_rows_pair_repeats_with_the_plain_engine_and_keep_errors():
+    def case(concurrency: int, walls: list[float], records: int, tokens: list[list[int]]):
+        samples = [{"wall_s": w, "cpu_s": w, "records": records} for w in walls]
+        return {"concurrency": concurrency, "samples": samples, "token_ids": tokens}
+
+    plain = {"ok": True, "result": {"cases": [case(8, [1.0, 2.0], 0, [[1, 2]])]}}
+    probed = {"ok": True, "result": {"layers": [0, 1],
+                                     "cases": [case(8, [1.5, 2.0], 1000, [[1, 2]])]}}
+    failed = {"ok": False, "error": "Traceback ...\nRuntimeError: engine died"}
+    rows = scaling.vllm_rows("tiny", {("vllm_plain_eager", "-"): plain,
+                                      ("inline linear", "all"): probed,
+                                      ("capture only", "3"): failed}, 4)
+    inline = next(r for r in rows if r["mode"] == "inline linear")
+    assert inline["ratio_plain"]["min"] == 1.0 and inline["ratio_plain"]["max"] == 1.5
+    assert inline["us_per_vector"]["max"] == 500.0  # (1.5 - 1.0) s / 1000 vectors
+    assert inline["tokens_match"] is True and inline["capture_layers"] == [0, 1]
+    broken = next(r for r in rows if r["mode"] == "capture only")
+    assert broken["status"] == "error" and "engine died" in broken["reason"]
+    assert any("engine died" in line for line in scaling.table(rows))
