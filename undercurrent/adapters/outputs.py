@@ -55,7 +55,10 @@ class GenerationOutput:
 
     ``token_ids`` are the generated tokens only (the prompt's are
     ``prompt_token_ids``); ``finish_reason`` is ``"length"``, ``"eos"``,
-    ``"stop"`` (a stop string; ``text`` ends before it) or ``"abort"``.
+    ``"stop"`` (a stop string; ``text`` ends before it), ``"abort"``, or
+    ``"forward"`` for ``ProbedModel.prompt_activations`` (nothing generated).
+    ``prompt`` is the prompt's text (decoded from the token ids when the call
+    was given ``input_ids``).
     ``records`` holds the captured ``ActivationRecord``s only when the generation
     was asked for ``records=True``.
     """
@@ -103,6 +106,12 @@ class StreamEvent:
     event (a generated token's own activations are probed on the step after it is
     sampled, so its signals come with the next event). The last event has
     ``finished=True``, ``token_id=None`` and the complete ``output``.
+
+    The ``text`` of all events joined, the last one's included, equals
+    ``output.text``: a stop string is never streamed (``output.text`` ends before
+    it too), and text that could begin one is held back until the next token
+    settles it; what was held back and never became a stop string comes with the
+    last event.
     """
 
     request_id: str

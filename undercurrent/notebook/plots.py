@@ -308,3 +308,120 @@ def _outcome(row: Any) -> str:
     if row.flagged:
         return "flagged"
     return "clean"
+
+
+def _features_input(features: Any) -> Any:
+    from undercurrent.notebook.frames import features_frame
+
+    return _as_frame(features, features_frame)
+
+
+def feature_heatmap_figure(
+    features: Any,
+    *,
+    request: str | None = None,
+    point: str | None = None,
+    layer: int | None = None,
+    feature_ids: list[int] | None = None,
+    top: int = 20,
+    title: str | None = None,
+) -> Any:
+    """Feature x token heatmap of one request's SAE feature activations.
+
+    ``features`` is a :func:`~undercurrent.notebook.frames.features_frame` or
+    anything it accepts (``GenerationOutput``s from a run with ``sae_probe``).
+    ``request`` defaults to the first in the frame, ``layer`` to the lowest of the
+    selection. Rows are ``feature_ids`` or the ``top`` features by peak activation
+    in that request. A feature the probe did not report at a token (outside that
+    token's ``top_k``) is left blank, not drawn as 0.
+    """
+    import numpy as np
+
+    go = _graph_objects()
+    frame = _features_input(features)
+    if frame.empty:
+        raise ValueError("feature_heatmap_figure: no SAE features to draw (was sae_probe run?)")
+    if request is None:
+        request = frame["request"].iloc[0]
+    selected = select_rows(frame, request=request, point=point)
+    if layer is None and not selected.empty:
+        layer = int(selected["layer"].min())
+    selected = selected[selected["layer"] == layer] if layer is not None else selected
+    if selected.empty:
+        raise ValueError(
+            f"feature_heatmap_figure: nothing for request={request!r}, point={point!r}, "
+            f"layer={layer!r}; requests are {sorted(frame['request'].unique().tolist())[:10]}"
+        )
+    if feature_ids is None:
+        peaks = selected.groupby("feature")["activation"].max().sort_values(ascending=False)
+        feature_ids = [int(f) for f in peaks.index[:top]]
+    tokens = sorted(int(t) for t in selected["token"].dropna().unique())
+    grid = np.full((len(feature_ids), len(tokens)), np.nan)
+    for row in selected.itertuples(index=False):
+        if row.feature in feature_ids and not _missing(row.token):
+            grid[feature_ids.index(row.feature), tokens.index(int(row.token))] = row.activation
+    texts = {int(r.token): r.token_text for r in selected.itertuples(index=False)
+             if not _missing(r.token)}
+    labels = [f"{t}:{texts[t]}" if texts.get(t) else str(t) for t in tokens]
+    figure = go.Figure(go.Heatmap(
+        z=grid, x=labels, y=[f"f{feature}" for feature in feature_ids],
+        colorscale="Viridis", colorbar={"title": "activation"},
+        hovertemplate="token %{x}<br>feature %{y}<br>activation=%{z:.3f}<extra></extra>",
+    ))
+    figure.update_layout(
+        title=title or f"SAE features by token ({request}, layer {layer})",
+        xaxis_title="token", yaxis_title="feature", template="plotly_white",
+    )
+    figure.update_xaxes(type="category")
+    figure.update_yaxes(type="category", autorange="reversed")
+    return figure
+
+
+def top_features_by_label_figure(
+    features: Any,
+    labels: Mapping[str, Any],
+    *,
+    top: int = 8,
+    title: str = "Top SAE features by label",
+) -> Any:
+    """Bar view: for each label, its ``top`` features by mean per-request peak.
+
+    Each request is summarised by every feature's peak activation over its tokens
+    (0 where the probe never reported the feature); the bars are the mean of those
+    peaks over the requests with each label (``labels`` maps request id to label),
+    for the union of every label's top features, one bar group per feature.
+    Raises ``KeyError`` naming requests that have no label.
+    """
+    go = _graph_objects()
+    frame = _features_input(features)
+    if frame.empty:
+        raise ValueError("top_features_by_label_figure: no SAE features (was sae_probe run?)")
+    table = mean_peaks_by_label(frame, labels)
+    chosen: list[int] = []
+    for label in table.columns:
+        for feature in table[label].sort_values(ascending=False).index[:top]:
+            if int(feature) not in chosen:
+                chosen.append(int(feature))
+    figure = go.Figure([
+        go.Bar(name=str(label), x=[f"f{f}" for f in chosen],
+               y=[float(table.loc[f, label]) for f in chosen],
+               hovertemplate="feature %{x}<br>mean peak=%{y:.3f}<extra>" + str(label)
+               + "</extra>")
+        for label in table.columns
+    ])
+    figure.update_layout(
+        title=title, barmode="group", xaxis_title="feature",
+        yaxis_title="mean peak activation per request", template="plotly_white",
+    )
+    figure.update_xaxes(type="category")
+    return figure
+
+
+def mean_peaks_by_label(features: Any, labels: Mapping[str, Any]) -> Any:
+    """``feature x label`` table: the mean, over each label's requests, of the
+    feature's peak activation in the request (0 where it was never reported)."""
+    frame = _features_input(features)
+    peaks = frame.pivot_table(index="request", columns="feature", values="activation",
+                              aggfunc="max", fill_value=0.0)
+    peaks["__label__"] = label_rows(peaks.reset_index(), labels, by="request")
+    return peaks.groupby("__label__").mean().T.rename_axis(index="feature", columns="label")

@@ -20,6 +20,7 @@ would silently be missing).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -30,10 +31,11 @@ from typing import Any
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.session import CaptureSession, RequestState, stop_position
+from undercurrent.adapters.prompts import PromptInput, tokenized
+from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
-from undercurrent.adapters.vllm.loading import loadable_directory, remove_staging
+from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
@@ -227,14 +229,13 @@ class VLLMBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
 
-        if isinstance(dtype, str) is False and dtype is not None:
-            dtype = str(dtype).replace("torch.", "")
+        dtype = engine_dtype(str(path), dtype)
         if batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
         model_directory, staging = loadable_directory(str(path))
         args = EngineArgs(
             model=model_directory,
-            dtype=dtype or "auto",
+            dtype=dtype,
             enforce_eager=True,
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=False,
@@ -299,6 +300,11 @@ class VLLMBackend:
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids must be below it."""
+        return int(self.engine.model_config.get_vocab_size())
+
     # -- checks ------------------------------------------------------------
     def check(self, points: Sequence[ExtractionPoint]) -> None:
         """Registration-time errors: unsupported tensor types, layers out of range, and
@@ -351,7 +357,7 @@ class VLLMBackend:
         return aborted
 
     # -- generation --------------------------------------------------------
-    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+    def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
                  params: SamplingParams, session: CaptureSession, *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """All prompts go to the engine at once; vLLM batches them continuously."""
@@ -362,7 +368,7 @@ class VLLMBackend:
                 outputs[event.request_id] = event.output
         return [outputs[request_id] for request_id in request_ids]
 
-    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+    def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One event per generated token, then a final one with the output."""
         yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
@@ -402,7 +408,7 @@ class VLLMBackend:
                                                sampling)
         self._internal_ids[engine_id] = internal
 
-    def _run(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+    def _run(self, prompts: list[PromptInput], request_ids: list[str], params: SamplingParams,
              session: CaptureSession, *, emit_tokens: bool) -> Iterator[StreamEvent]:
         if self._closed:
             raise BackendError("this VLLMBackend is closed; load the model again")
@@ -418,10 +424,10 @@ class VLLMBackend:
             try:
                 entries = []
                 for prompt, request_id in zip(prompts, request_ids, strict=True):
-                    token_ids = self.encode(prompt)
+                    text, token_ids = tokenized(prompt, self.encode, self.tokenizer.decode)
                     if not token_ids:
                         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-                    state = session.open_request(request_id, prompt, token_ids)
+                    state = session.open_request(request_id, text, token_ids)
                     engine_id = f"uc{next(_ENGINE_IDS)}"
                     self.check(state.points)
                     engine_ids[engine_id] = request_id
@@ -460,7 +466,8 @@ class VLLMBackend:
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool) -> Iterator[StreamEvent]:
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
-        texts: dict[str, str] = dict.fromkeys(states, "")
+        for state in states.values():
+            state.stream_text = StreamText(params.stop) if emit_tokens else None
         reasons: dict[str, str] = {}
         done: set[str] = set()
         # Requests an inline probe aborted, with how many tokens their output keeps.
@@ -493,9 +500,8 @@ class VLLMBackend:
                 state = states[engine_id]
                 for token_id in fresh:
                     tokens[engine_id].append(int(token_id))
-                    if emit_tokens:
-                        text = self.decode(tokens[engine_id])
-                        piece, texts[engine_id] = text[len(texts[engine_id]):], text
+                    if state.stream_text is not None:
+                        piece = state.stream_text.piece(self.decode(tokens[engine_id]))
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()
@@ -518,8 +524,11 @@ class VLLMBackend:
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():
-            yield self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
-                               params, session)
+            final = self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
+                                 params, session)
+            if state.stream_text is not None and final.output is not None:
+                final = dataclasses.replace(final, text=state.stream_text.rest(final.output.text))
+            yield final
 
     def _tokens_to_keep(self, state: RequestState) -> int:
         """How many generated tokens an aborted request's output holds: those up to and
