@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 from typing import Any
 
+import undercurrent
 from benchmarks.models import load_model
 from benchmarks.scenarios import SCALING_ONLY, SCENARIOS, scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
 
-OURS = "/undercurrent/"
+#: undercurrent's package directory: a file is "ours" when its path starts with it
+#: (a bare "/undercurrent/" would also match a checkout or venv of that name).
+OURS = os.path.dirname(os.path.abspath(undercurrent.__file__)) + os.sep
 ENGINE = ("/torch/", "/transformers/")
 
 

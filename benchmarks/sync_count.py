@@ -21,11 +21,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from benchmarks.models import load_model
+from benchmarks.profile import OURS
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
 
-OURS = "/undercurrent/"
 #: Tensor methods that copy to the host (and so wait for a device) when called.
 SYNCING = ("cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__")
 
@@ -39,7 +39,7 @@ def _caller_in_undercurrent() -> tuple[str, str] | None:
     direct = True
     while frame is not None:
         path = frame.f_code.co_filename
-        if OURS in path and "/benchmarks/" not in path:
+        if path.startswith(OURS):
             who = "undercurrent" if direct else "engine under undercurrent"
             return who, f"{path.split(OURS)[-1]}:{frame.f_lineno}({frame.f_code.co_name})"
         direct = False
