@@ -299,3 +299,48 @@ def test_as_float_matrix_turns_torch_float32_bfloat16_and_kv_tensors_into_float6
 
     kv_half = [row.to(torch.bfloat16) for row in kv]
     assert as_float_matrix(kv_half).shape == (3, HIDDEN)
+
+
+class _JudgedOneByOne(LinearProbe):
+    """The per-activation path of ``LinearProbe``: a subclass that overrides ``judge``
+    makes ``on_activations`` call it per record (the code before the one-pass path)."""
+
+    def judge(self, record, score, meta):
+        return super().judge(record, score, meta)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PROBES if n.startswith("linear_")))
+def test_linear_probe_one_pass_judging_equals_judge_per_activation(name, tmp_path):
+    records = _records("numpy_float32")
+    probe = PROBES[name](tmp_path)
+    oracle = _JudgedOneByOne.__new__(_JudgedOneByOne)
+    oracle.__dict__.update(PROBES[name](tmp_path).__dict__)
+    signals, verdict = _in_batches(probe, records)
+    expected, expected_verdict = _in_batches(oracle, records)
+    assert [s.action for s in signals] == [s.action for s in expected]
+    assert [s.score for s in signals] == [s.score for s in expected]  # exactly equal
+    assert [dict(s.metadata) for s in signals] == [dict(s.metadata) for s in expected]
+    assert verdict == expected_verdict
+
+
+def test_score_summary_add_many_equals_add_in_order_with_gaps_and_ties():
+    from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+
+    scores = [0.3, None, 0.9, 0.1, 0.9, None, 0.30000000000000004, 1e-17]
+    records = [activation(np.zeros(2), token=t, layer=t % 2) for t in range(len(scores))]
+    rule = ThresholdRule(threshold=0.85)
+    crossed = [s is not None and rule.crossed(s) for s in scores]
+    one_by_one, many = ScoreSummary(0.85), ScoreSummary(0.85)
+    for score, record, hit in zip(scores, records, crossed, strict=True):
+        one_by_one.add(score, record, hit)
+    many.add_many(scores[:3], records[:3], crossed[:3])
+    many.add_many(scores[3:], records[3:], crossed[3:])
+    assert many.verdict() == one_by_one.verdict()
+    assert (many.total, many.scored) == (one_by_one.total, one_by_one.scored)
+    assert many.verdict()["first_crossing_token_index"] == 2
+    present = [s for s in scores if s is not None]
+    signals = rule.signals(present, [{"i": i} for i in range(len(present))])
+    for signal, score, index in zip(signals, present, range(len(present)), strict=True):
+        single = rule.signal(score, {"i": index})
+        assert (signal.action, signal.score, signal.metadata) == \
+            (single.action, single.score, single.metadata)

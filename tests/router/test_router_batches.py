@@ -154,6 +154,8 @@ def test_route_batch_gives_one_entry_per_record_and_the_same_results_as_routing_
         point("batcher", probe_type="batcher", layers=LAYERS),
         point("async_traj", probe_type="trajectory_probe", layers=LAYERS, mode="async",
               queue_depth=64, probe_args={"statistic": "max", "threshold": 4.0}),
+        point("linear", probe_type="linear_probe", layers=LAYERS,
+              probe_args={"weight": [0.4, -0.1, 0.3, 0.2], "bias": -0.9, "threshold": 0.7}),
     ]
     router.register_request("one", points)
     router.register_request("batched", points)
@@ -180,6 +182,8 @@ def test_route_batch_gives_one_entry_per_record_and_the_same_results_as_routing_
         flagged += sum(s.action is SignalAction.FLAG for s in got.signals)
     assert returned["batched"]["async_traj"] == [None] * 18  # async: queued, nothing to apply
     assert flagged > 0  # the thresholds above really produced flags to compare
+    linear = [s.action for s in batched_results["linear"].signals]
+    assert SignalAction.FLAG in linear and SignalAction.CONTINUE in linear
     # the batching probe got one call per token (its three layers), not one per record
     assert [len(call) for call in Batcher.instances[1].calls] == [3] * 6
 

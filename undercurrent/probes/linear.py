@@ -22,7 +22,7 @@ from undercurrent.probes.weights import (
     linear_weights,
     load_linear_weights,
 )
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 
@@ -118,7 +118,10 @@ class LinearReadout:
             )
         z = matrix @ self.weights.weight.T + self.weights.bias
         if self.weights.classes is None:
-            return [(_apply_link(self.link, logit), {"logit": logit}) for logit in z.tolist()]
+            logits = z.tolist()
+            if self.link == "identity":
+                return [(logit, {"logit": logit}) for logit in logits]
+            return [(_sigmoid(logit), {"logit": logit}) for logit in logits]
         index = self.class_index
         assert index is not None
         logits = np.asarray(z, dtype=np.float64)
@@ -143,6 +146,10 @@ class LinearReadout:
 def _apply_link(link: str, logit: float) -> float:
     if link == "identity":
         return logit
+    return _sigmoid(logit)
+
+
+def _sigmoid(logit: float) -> float:
     # Split by sign so neither branch overflows for large |logit|.
     if logit >= 0:
         return 1.0 / (1.0 + math.exp(-logit))
@@ -229,8 +236,16 @@ class LinearProbe(Probe):
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
         scored = self.readout.score_many([record.tensor for record in records])
-        return [self.judge(record, score, meta)
-                for record, (score, meta) in zip(records, scored, strict=True)]
+        if type(self).judge is not LinearProbe.judge:  # a subclass judges each activation
+            return [self.judge(record, score, meta)
+                    for record, (score, meta) in zip(records, scored, strict=True)]
+        # judge() for the whole batch at once: the same signals and summary.
+        scores = [score for score, _ in scored]
+        signals = self.rule.signals(scores, [meta for _, meta in scored])
+        keep_going = SignalAction.CONTINUE
+        self.summary.add_many(scores, records,
+                              [signal.action is not keep_going for signal in signals])
+        return list(signals)
 
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
         """The signal for one scored activation (and the summary updated)."""

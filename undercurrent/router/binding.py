@@ -201,8 +201,9 @@ class Binding:
                     f"on_activations returned {len(signals)} signals for {len(records)} records; "
                     "it must return one (ProbeSignal or None) per record"
                 )
-            for signal in signals:
-                _check_signal(signal, "on_activations")
+            for signal in signals:  # the check of _check_signal, without a call per record
+                if signal is not None and type(signal) is not ProbeSignal:
+                    _check_signal(signal, "on_activations")
         except catch as exc:
             signals = [None] * len(records)
             error = describe_error(exc)
@@ -257,20 +258,33 @@ class Binding:
         self.latency_total += latency
         self.latency_max = max(self.latency_max, latency)
         if error is not None:
-            self.errors += 1
-            if not any(note.startswith("on_activation") for note in self.error_notes):
-                self.error_notes.append(
-                    f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
-                )
+            self._count_error(error, record)
+
+    def _count_error(self, error: str, record: ActivationRecord) -> None:
+        self.errors += 1
+        if not any(note.startswith("on_activation") for note in self.error_notes):
+            self.error_notes.append(
+                f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
+            )
 
     def settle(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome], *,
                observed: bool = False) -> None:
         """Count finished records and keep their signals (``observed``: async or
         unwaited calls, whose ``abort`` is recorded as ``flag``)."""
+        # account() for each record, in one pass: the same counts, latency sum (added
+        # in the same order) and maximum, error notes and signals.
+        total, longest = self.latency_total, self.latency_max
+        keep = self.signals.append
         for record, (signal, error, latency) in zip(records, outcomes, strict=True):
-            self.account(latency, error, record)
+            total += latency
+            if latency > longest:  # max(a, b) keeps a unless b > a
+                longest = latency
+            if error is not None:
+                self._count_error(error, record)
             if signal is not None:
-                self.signals.append(observed_only(signal) if observed else signal)
+                keep(observed_only(signal) if observed else signal)
+        self.processed += len(records)
+        self.latency_total, self.latency_max = total, longest
 
     def enqueue(self, record: ActivationRecord) -> bool:
         """Put a record on this async binding's queue, applying the overflow policy.
