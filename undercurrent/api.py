@@ -24,6 +24,7 @@ from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEve
 from undercurrent.adapters.session import CaptureSession
 from undercurrent.models import TINY_MODEL_NAME
 from undercurrent.records import ProbeResult
+from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
 __all__ = ["AbortInfo", "GenerationOutput", "ProbedModel", "StreamEvent", "TokenSignal",
@@ -34,12 +35,12 @@ SpecLike = ProbeSpec | str | os.PathLike[str] | Mapping[str, Any] | Iterable[Ext
 
 def load_spec(spec: SpecLike | None) -> ProbeSpec:
     """Accept a ``ProbeSpec``, a YAML file path, YAML text, a spec dict, a list of
-    ``ExtractionPoint``s or None (no points)."""
-    from undercurrent.spec import load_yaml_file, parse_dict, parse_yaml
-
+    ``ExtractionPoint``s or None (no points). Hand-built points (a list, or a
+    ``ProbeSpec`` of them) are held to the YAML rules by :func:`check_extraction_points`."""
     if spec is None:
         return ProbeSpec(())
     if isinstance(spec, ProbeSpec):
+        check_extraction_points(spec)
         return spec
     if isinstance(spec, Mapping):
         return parse_dict(spec)
@@ -56,6 +57,7 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
     bad = [type(p).__name__ for p in points if not isinstance(p, ExtractionPoint)]
     if bad:
         raise TypeError(f"spec list must hold ExtractionPoint objects, got {bad[:3]}")
+    check_extraction_points(points)
     return ProbeSpec(tuple(points))
 
 

@@ -12,14 +12,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from undercurrent.errors import ProblemsError, plain_details
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
 
-class CapabilityError(ValueError):
+class CapabilityError(ProblemsError):
     """A spec asks for something the loaded backend/model cannot capture.
 
-    ``problems`` lists every problem found (one line each).
+    ``problems`` lists every problem found (one line each); :meth:`errors` gives
+    them as pydantic-shaped dicts.
     """
+
+    error_type = "capability"
 
     def __init__(self, problems: list[str] | str) -> None:
         if isinstance(problems, str):
@@ -31,7 +35,7 @@ class CapabilityError(ValueError):
             message = f"{len(self.problems)} problems:\n" + "\n".join(
                 f"  - {problem}" for problem in self.problems
             )
-        super().__init__(message)
+        super().__init__(message, plain_details(self.problems, self.error_type))
 
 
 def _layer_ranges(layers: tuple[int, ...]) -> str:
