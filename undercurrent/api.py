@@ -22,7 +22,7 @@ from undercurrent.adapters.base import BackendError, SamplingParams, backend_cla
 from undercurrent.adapters.capabilities import Capabilities, check_points
 from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
 from undercurrent.adapters.session import CaptureSession
-from undercurrent.models import TINY_MODEL_NAME
+from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
@@ -318,12 +318,3 @@ class ProbedModel:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """``"undercurrent/tiny"`` / ``"tiny"`` -> the bundled model's directory."""
-    if name_or_path in (TINY_MODEL_NAME, "tiny", "undercurrent-tiny"):
-        from undercurrent.models import tiny_model_path
-
-        return str(tiny_model_path())
-    return name_or_path

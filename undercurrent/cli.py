@@ -13,6 +13,8 @@ Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -83,8 +85,6 @@ def _add_probes_option(parser: argparse.ArgumentParser) -> None:
 def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
     """Import each ``--probes`` module (a name, or a path to a .py file); print one
     line and return the usage exit code for the first that fails, else None."""
-    import importlib
-    import importlib.util
     from pathlib import Path
 
     if modules and os.getcwd() not in sys.path:
@@ -242,7 +242,7 @@ def _add_inspect_model_command(subparsers: Any) -> None:
 
 
 def _run_inspect_model(args: argparse.Namespace) -> int:
-    from undercurrent.adapters.inspect import format_report, inspect_model, starter_spec
+    from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
 
     try:
         report = inspect_model(args.model)
@@ -299,11 +299,13 @@ def _run_run(args: argparse.Namespace) -> int:
         return failed_import
 
     if args.records:
-        try:
-            from undercurrent.notebook.storage import save_records
-        except ImportError as error:
-            print(f"run: --records needs pandas and pyarrow ({error}); install them with "
-                  "pip install 'undercurrent[notebook]'", file=sys.stderr)
+        from undercurrent.notebook.storage import save_records
+
+        missing = [name for name in ("pandas", "pyarrow")
+                   if importlib.util.find_spec(name) is None]
+        if missing:
+            print(f"run: --records needs pandas and pyarrow ({', '.join(missing)} missing); "
+                  "install them with pip install 'undercurrent[notebook]'", file=sys.stderr)
             return EXIT_USAGE
     # What a user can get wrong (the spec, its probes, the model, the options) is
     # one message and exit 1; a traceback is left for real bugs. ValueError covers

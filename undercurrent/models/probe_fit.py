@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.models.corpus import Example, first_revealing_index, make_example
+from undercurrent.probes.weights import apply_link
 
 PROBE_FIT_SEED = 7_000
 """Seeds the probe's training prompts; held-out prompts use ``PROBE_FIT_SEED + 1``."""
@@ -149,7 +150,7 @@ def probe_scores(weight: Any, bias: Any, matrix: Any) -> Any:
     import numpy as np
 
     logits = np.asarray(matrix, dtype=np.float64) @ np.asarray(weight, np.float64) + float(bias)
-    return 1.0 / (1.0 + np.exp(-logits))
+    return apply_link("sigmoid", logits)
 
 
 def first_crossings(captured: Captured, scores: Any, threshold: float) -> list[int | None]:
