@@ -40,6 +40,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check undercurrent tests benchmarks tools
 	$(BIN)/mypy --follow-imports=silent undercurrent/spec
+	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -p no:cacheprovider tests
