@@ -39,7 +39,8 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check undercurrent tests benchmarks tools
-	$(BIN)/mypy --follow-imports=silent undercurrent/spec
+	$(BIN)/mypy --follow-imports=silent undercurrent/spec undercurrent/records.py \
+		undercurrent/errors.py undercurrent/router
 	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint
