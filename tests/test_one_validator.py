@@ -188,4 +188,7 @@ def test_every_refusal_is_a_problems_error_with_pydantic_shaped_errors():
         details = error.errors()
         assert details and all(set(d) == {"loc", "msg", "type"} for d in details)
     assert [d["msg"] for d in errors[1].errors()] == ["one", "two"]
-    assert "layer(s) [7] out of range" in capability.value.errors()[0]["msg"]
+    (located,) = capability.value.errors()
+    assert "layer(s) [7] out of range" in located["msg"]
+    assert located["loc"] == ("extraction_points", 0, "layers")
+    assert located["type"] == "capability"

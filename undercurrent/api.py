@@ -24,6 +24,7 @@ from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEve
 from undercurrent.adapters.session import CaptureSession
 from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
+from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
@@ -206,8 +207,6 @@ class ProbedModel:
     def router(self) -> Any:
         """The router (built on first use when none was given)."""
         if self._router is None:
-            from undercurrent.router import Router
-
             self._router = Router(self._probes, probe_defaults=self._probe_defaults)
         return self._router
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import config_dimensions, find_architecture
 from undercurrent.adapters.vllm import capabilities_from_config
 from undercurrent.models import resolve_model_path
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec, TensorType
@@ -22,6 +23,7 @@ def load_config(name_or_path: str) -> Any:
 def hf_capabilities(config: Any) -> Capabilities:
     """HF capabilities from a config: the model is built on the meta device (no
     weights, no memory) so the architecture table's paths are really checked."""
+    # torch and transformers (and hooks.py, which imports torch) only when a model is inspected
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -40,7 +42,6 @@ def vllm_capabilities(config: Any) -> Capabilities | None:
 
 def inspect_model(name_or_path: str) -> dict[str, Any]:
     """Layer count, sizes and, per backend, the tensor types and valid layers."""
-    from undercurrent.adapters.hf.architectures import config_dimensions, find_architecture
 
     config = load_config(name_or_path)
     report: dict[str, Any] = {"model": name_or_path,

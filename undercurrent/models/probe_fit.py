@@ -26,7 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from undercurrent.models.corpus import Example, first_revealing_index, make_example
+from undercurrent.api import ProbedModel
+from undercurrent.models import tiny_model_path
+from undercurrent.models.corpus import (
+    Example,
+    first_revealing_index,
+    generate_examples,
+    make_example,
+)
+from undercurrent.models.train import TRAIN_SEED, TrainingConfig
+from undercurrent.probes.fitting import fit_linear_probe, save_linear_probe
 from undercurrent.probes.weights import apply_link
 
 PROBE_FIT_SEED = 7_000
@@ -104,7 +113,6 @@ def capture(model: Any, tokenizer: Any, examples: Sequence[Example],
     """
     import numpy as np
 
-    from undercurrent.api import ProbedModel
 
     if isinstance(model, (str, Path)):
         probed = ProbedModel.from_pretrained(str(model), spec=capture_spec(layers))
@@ -254,9 +262,6 @@ def fit_and_report(model_dir: Path, train_count: int = 300, heldout_count: int =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from undercurrent.models.corpus import generate_examples
-    from undercurrent.models.train import TRAIN_SEED, TrainingConfig
-    from undercurrent.probes.fitting import fit_linear_probe
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -305,7 +310,6 @@ def fit_and_report(model_dir: Path, train_count: int = 300, heldout_count: int =
     if out_probe is not None:
         import dataclasses
 
-        from undercurrent.probes.fitting import save_linear_probe
 
         shipped = dataclasses.replace(fit, threshold=threshold, label_names=("benign", "harmful"))
         save_linear_probe(shipped, out_probe)
@@ -352,7 +356,6 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    from undercurrent.models import tiny_model_path
 
     parser = argparse.ArgumentParser(prog="python -m undercurrent.models.probe_fit",
                                      description="Fit and ship the bundled model's probe.")

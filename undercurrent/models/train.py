@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from undercurrent.models import tiny_model_path
 from undercurrent.models.corpus import generate_examples, vocabulary
 from undercurrent.models.tokenizer import build_tokenizer, save_tokenizer
 
@@ -165,7 +166,6 @@ def train(out: Path, config: TrainingConfig | None = None, log_every: int = 50) 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    from undercurrent.models import tiny_model_path
 
     parser = argparse.ArgumentParser(prog="python -m undercurrent.models.train",
                                      description="Train the bundled tiny model.")
