@@ -1,6 +1,6 @@
 """Fit, evaluate and ship the bundled model's linear probe, through undercurrent itself.
 
-``python -m undercurrent.models.probe_fit`` runs the loop a researcher would:
+``python -m tools.tiny_model.probe_fit`` runs the loop a researcher would:
 
 1. **capture**: generate greedily for fresh corpus prompts with a spec that
    captures ``residual_stream`` at every layer for every generated token
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.tiny_model.train import TRAIN_SEED, TrainingConfig
 from undercurrent.api import ProbedModel
 from undercurrent.models import tiny_model_path
 from undercurrent.models.corpus import (
@@ -34,7 +35,6 @@ from undercurrent.models.corpus import (
     generate_examples,
     make_example,
 )
-from undercurrent.models.train import TRAIN_SEED, TrainingConfig
 from undercurrent.probes.fitting import fit_linear_probe, save_linear_probe
 from undercurrent.probes.weights import apply_link
 
@@ -357,7 +357,7 @@ def report_markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
 
-    parser = argparse.ArgumentParser(prog="python -m undercurrent.models.probe_fit",
+    parser = argparse.ArgumentParser(prog="python -m tools.tiny_model.probe_fit",
                                      description="Fit and ship the bundled model's probe.")
     parser.add_argument("--model", type=Path, default=tiny_model_path())
     parser.add_argument("--train", type=int, default=300, help="training prompts")
