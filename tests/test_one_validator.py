@@ -170,6 +170,20 @@ def test_probed_model_refuses_a_list_of_bad_points_with_the_spec_messages(case):
     assert [str(p) for p in refused.value.problems] == spec_messages(points)
 
 
+def test_numpy_integer_layers_are_plain_layer_indices():
+    np = pytest.importorskip("numpy")
+    point = _point(layers=(np.int64(3), np.int32(0)), stride=np.int64(2),
+                   execution_mode="async", queue_depth=np.int16(4))
+    assert point.layers == (3, 0) and all(type(layer) is int for layer in point.layers)
+    assert type(point.stride) is int and type(point.queue_depth) is int
+    assert spec_messages([point]) is None
+    policy = InterventionPolicy(mode="block_until_signal", timeout_ms=np.int64(5))
+    assert type(policy.timeout_ms) is int
+    assert spec_messages([_point(intervention=policy)]) is None
+    assert _point(layers=(True,)).layers == (True,)  # still refused by the check
+    assert spec_messages([_point(layers=(True,))])
+
+
 def test_probed_model_accepts_the_points_the_spec_check_accepts():
     from undercurrent.api import ProbedModel
 
