@@ -112,6 +112,16 @@ def test_the_issue_example_is_refused_by_the_router_naming_the_field(router):
     assert detail["type"] == "router"
 
 
+def test_router_problems_come_point_by_point(router):
+    points = [_point("a", probe_type="nrom_probe"), _point("b", stride=0)]
+    with pytest.raises(RouterError) as refused:
+        router.check(points)
+    assert [d["loc"][:2] for d in refused.value.errors()] == [
+        ("extraction_points", 0), ("extraction_points", 1)
+    ]
+    assert "did you mean 'norm_probe'" in refused.value.problems[0]
+
+
 _policies = st.one_of(
     st.none(),
     st.builds(InterventionPolicy,

@@ -129,6 +129,8 @@ def check_request_points(
         if len(problems) == before and cls is not None and index not in refused:
             capacity = queue_capacity(point, default_queue_depth) if is_async else None
             checked.append(CheckedPoint(index, point, cls, normalise_policy(policy), capacity))
+    # point by point (a stable sort: the spec's problems of a point come first)
+    problems.sort(key=lambda problem: -1 if problem.point_index is None else problem.point_index)
     return checked, problems
 
 
