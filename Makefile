@@ -49,7 +49,9 @@ notebooks: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check undercurrent tests benchmarks tools notebooks
-	$(BIN)/mypy --follow-imports=silent undercurrent/spec
+	$(BIN)/mypy --follow-imports=silent undercurrent/spec undercurrent/records.py \
+		undercurrent/errors.py undercurrent/router
+	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -p no:cacheprovider tests

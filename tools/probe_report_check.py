@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/probe_report_check.py
 
-``python -m undercurrent.models.probe_fit`` writes ``probe.safetensors`` and
+``python -m tools.tiny_model.probe_fit`` writes ``probe.safetensors`` and
 ``probe_report.json`` in one run, and ``docs/model.md`` quotes the report. Checking
 one of these against another cannot catch a bug in that run (they are its own
 output), so the test suite measures the probe instead (``tests/models/
@@ -19,12 +19,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run as a script: tools.tiny_model is importable
 
 
 def problems() -> list[str]:
     """Every disagreement between the probe file, its report and docs/model.md."""
+    from tools.tiny_model.probe_fit import report_markdown
     from undercurrent.models import tiny_model_path, tiny_probe_path
-    from undercurrent.models.probe_fit import report_markdown
     from undercurrent.probes.weights import load_linear_weights
 
     report = json.loads((tiny_model_path() / "probe_report.json").read_text())

@@ -24,8 +24,10 @@ from undercurrent.adapters.capabilities import Capabilities, check_points
 from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
 from undercurrent.adapters.prompts import check_prompts, prompt_inputs
 from undercurrent.adapters.session import CaptureSession
-from undercurrent.models import TINY_MODEL_NAME
+from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
+from undercurrent.router import Router
+from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
 __all__ = ["AbortInfo", "GenerationOutput", "ProbedModel", "StreamEvent", "TokenSignal",
@@ -36,12 +38,12 @@ SpecLike = ProbeSpec | str | os.PathLike[str] | Mapping[str, Any] | Iterable[Ext
 
 def load_spec(spec: SpecLike | None) -> ProbeSpec:
     """Accept a ``ProbeSpec``, a YAML file path, YAML text, a spec dict, a list of
-    ``ExtractionPoint``s or None (no points)."""
-    from undercurrent.spec import load_yaml_file, parse_dict, parse_yaml
-
+    ``ExtractionPoint``s or None (no points). Hand-built points (a list, or a
+    ``ProbeSpec`` of them) are held to the YAML rules by :func:`check_extraction_points`."""
     if spec is None:
         return ProbeSpec(())
     if isinstance(spec, ProbeSpec):
+        check_extraction_points(spec)
         return spec
     if isinstance(spec, Mapping):
         return parse_dict(spec)
@@ -58,6 +60,7 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
     bad = [type(p).__name__ for p in points if not isinstance(p, ExtractionPoint)]
     if bad:
         raise TypeError(f"spec list must hold ExtractionPoint objects, got {bad[:3]}")
+    check_extraction_points(points)
     return ProbeSpec(tuple(points))
 
 
@@ -192,8 +195,6 @@ class ProbedModel:
     def router(self) -> Any:
         """The router (built on first use when none was given)."""
         if self._router is None:
-            from undercurrent.router import Router
-
             self._router = Router(self._probes, probe_defaults=self._probe_defaults)
         return self._router
 
@@ -356,12 +357,3 @@ class ProbedModel:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """``"undercurrent/tiny"`` / ``"tiny"`` -> the bundled model's directory."""
-    if name_or_path in (TINY_MODEL_NAME, "tiny", "undercurrent-tiny"):
-        from undercurrent.models import tiny_model_path
-
-        return str(tiny_model_path())
-    return name_or_path

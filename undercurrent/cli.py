@@ -3,8 +3,9 @@
 Each subcommand is one ``_add_<name>_command(subparsers)`` function that declares
 its arguments and sets ``handler`` to a function ``(args) -> exit code``. To add a
 command, write those two functions and list the first in ``COMMANDS``. Handlers
-import heavy modules (torch, transformers, vllm) inside their body, so
-``undercurrent validate`` and ``--help`` stay instant.
+import heavy modules (torch, transformers, vllm) inside their body (through
+the backends, which load them when a model is loaded), so ``undercurrent
+validate`` and ``--help`` stay quick.
 
 Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
 2 a usage error.
@@ -13,12 +14,31 @@ Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from undercurrent import __version__
+from undercurrent.adapters.base import BackendError
+from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
+from undercurrent.api import ProbedModel
+from undercurrent.demo import add_demo_command
+from undercurrent.notebook.storage import save_records
+from undercurrent.probes.registry import default_registry
+from undercurrent.router.validation import probe_problems
+from undercurrent.spec import (
+    SpecDeprecationWarning,
+    SpecProblem,
+    SpecValidationError,
+    json_schema,
+    load_yaml_file,
+    to_yaml,
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -83,8 +103,6 @@ def _add_probes_option(parser: argparse.ArgumentParser) -> None:
 def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
     """Import each ``--probes`` module (a name, or a path to a .py file); print one
     line and return the usage exit code for the first that fails, else None."""
-    import importlib
-    import importlib.util
     from pathlib import Path
 
     if modules and os.getcwd() not in sys.path:
@@ -110,8 +128,6 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
 
 
 def _validate_one(path: str, strict: bool) -> dict[str, Any]:
-    from undercurrent.spec import SpecDeprecationWarning, SpecValidationError, load_yaml_file
-
     report: dict[str, Any] = {
         "path": path,
         "valid": False,
@@ -148,9 +164,6 @@ def _probe_problems(spec: Any) -> list[dict[str, Any]]:
     """Each point's probe checked against the probe registry (built-ins, entry
     points, ``--probes`` modules): its ``probe_type``, ``probe_kind`` and the
     names of its ``probe_args``. No probe is built (that needs its files)."""
-    from undercurrent.probes.registry import default_registry
-    from undercurrent.router.validation import probe_problems
-    from undercurrent.spec import SpecProblem
 
     problems = []
     for index, point in enumerate(spec):
@@ -216,8 +229,6 @@ def _add_schema_command(subparsers: Any) -> None:
 
 
 def _run_schema(args: argparse.Namespace) -> int:
-    from undercurrent.spec import json_schema
-
     print(json.dumps(json_schema(), indent=args.indent or None))
     return EXIT_OK
 
@@ -242,16 +253,12 @@ def _add_inspect_model_command(subparsers: Any) -> None:
 
 
 def _run_inspect_model(args: argparse.Namespace) -> int:
-    from undercurrent.adapters.inspect import format_report, inspect_model, starter_spec
-
     try:
         report = inspect_model(args.model)
     except (OSError, ValueError) as error:
         print(f"inspect-model: cannot read {args.model!r}: {error}", file=sys.stderr)
         return EXIT_FAILURE
     if args.emit_spec:
-        from undercurrent.spec import to_yaml
-
         with open(args.emit_spec, "w", encoding="utf-8") as handle:
             handle.write(to_yaml(starter_spec(int(report["num_layers"]))))
         report["emitted_spec"] = args.emit_spec
@@ -291,19 +298,16 @@ def _add_run_command(subparsers: Any) -> None:
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from undercurrent.adapters.base import BackendError
-    from undercurrent.api import ProbedModel
-
     failed_import = _import_probe_modules("run", args.probes)
     if failed_import is not None:
         return failed_import
 
     if args.records:
-        try:
-            from undercurrent.notebook.storage import save_records
-        except ImportError as error:
-            print(f"run: --records needs pandas and pyarrow ({error}); install them with "
-                  "pip install 'undercurrent[notebook]'", file=sys.stderr)
+        missing = [name for name in ("pandas", "pyarrow")
+                   if importlib.util.find_spec(name) is None]
+        if missing:
+            print(f"run: --records needs pandas and pyarrow ({', '.join(missing)} missing); "
+                  "install them with pip install 'undercurrent[notebook]'", file=sys.stderr)
             return EXIT_USAGE
     # What a user can get wrong (the spec, its probes, the model, the options) is
     # one message and exit 1; a traceback is left for real bugs. ValueError covers
@@ -348,7 +352,6 @@ def _run_run(args: argparse.Namespace) -> int:
 
 def _add_demo_command(subparsers: Any) -> None:
     # undercurrent.demo imports torch only when the demo runs.
-    from undercurrent.demo import add_demo_command
 
     add_demo_command(subparsers)
 
@@ -365,7 +368,6 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
-    from undercurrent import __version__
 
     parser = argparse.ArgumentParser(
         prog="undercurrent",

@@ -12,9 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
 
-from undercurrent.models import tiny_model_path, tiny_probe_path  # noqa: E402
-from undercurrent.models.corpus import generate_examples  # noqa: E402
-from undercurrent.models.probe_fit import (  # noqa: E402
+from tools.tiny_model.probe_fit import (  # noqa: E402
     PROBE_FIT_SEED,
     abort_summary,
     accuracy_summary,
@@ -22,7 +20,9 @@ from undercurrent.models.probe_fit import (  # noqa: E402
     probe_prompts,
     probe_scores,
 )
-from undercurrent.models.train import TRAIN_SEED, TrainingConfig  # noqa: E402
+from tools.tiny_model.train import TRAIN_SEED, TrainingConfig  # noqa: E402
+from undercurrent.models import tiny_model_path, tiny_probe_path  # noqa: E402
+from undercurrent.models.corpus import generate_examples  # noqa: E402
 from undercurrent.probes.weights import LINEAR_PROBE_FORMAT, load_linear_weights  # noqa: E402
 
 FRESH_SEED = PROBE_FIT_SEED + 99  # neither the probe's training nor its held-out prompts

@@ -1,7 +1,7 @@
 """``sae_probe``'s feature activations equal SAELens's own ``encode``.
 
 Each SAE is built with SAELens's classes and written with SAELens's ``save_model``
-(plus the bundled SAE, written by ``undercurrent.models.sae_fit``);
+(plus the bundled SAE, written by ``tools.tiny_model.sae_fit``);
 the bundled model generates through ``ProbedModel`` (HF backend, float32) with one
 ``sae_probe`` point per SAE watching every feature; SAELens then loads the same
 folder and encodes the records' tensors. SAELens is the oracle here, so the test

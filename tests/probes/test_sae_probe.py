@@ -272,7 +272,7 @@ def test_the_bundled_sae_is_small_topk_on_layer_3_and_watches_live(tmp_path):
 def test_sae_training_is_seeded_and_reconstructs(tmp_path):
     from safetensors.numpy import save_file
 
-    from undercurrent.models.sae_fit import sae_config, train_topk_sae
+    from tools.tiny_model.sae_fit import sae_config, train_topk_sae
 
     rng = np.random.default_rng(0)
     data = (rng.normal(size=(400, 3)) @ rng.normal(size=(3, 8))).astype(np.float32)

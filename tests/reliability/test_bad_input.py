@@ -146,7 +146,6 @@ def test_a_prompt_that_encodes_to_no_tokens_is_a_clear_error(tiny, reference) ->
 
 REGISTRATION_ERRORS = [
     ("layer past the last", {"layers": (2,)}, "layer(s) [2] out of range", "valid: 0..1"),
-    ("negative layer", {"layers": (-1,)}, "layer(s) [-1] out of range", "valid: 0..1"),
     ("final_norm not at N", {"tensor_type": "final_norm", "layers": (0,)},
      "out of range for final_norm", "layer N = 2"),
     ("residual at N", {"layers": (2,), "tensor_type": "mlp_out"}, "[2] out of range",
@@ -162,6 +161,14 @@ def test_unknown_layers_are_refused_at_registration(tiny, fields, fragment, hint
         ProbedModel(model, tokenizer, spec=[point("bad", **fields)])
     assert "'bad'" in str(caught.value) and fragment in str(caught.value)
     assert hint in str(caught.value)
+    assert live_hooks(model) == 0
+
+
+def test_a_negative_layer_in_a_list_of_points_is_refused_as_in_a_yaml_spec(tiny) -> None:
+    model, tokenizer = tiny
+    with pytest.raises(SpecValidationError, match="extraction_points\\[0\\] \\(name 'bad'\\), "
+                       "field 'layers': is -1; layer indices start at 0"):
+        ProbedModel(model, tokenizer, spec=[point("bad", layers=(-1,))])
     assert live_hooks(model) == 0
 
 

@@ -92,10 +92,10 @@ def test_a_failed_on_start_leaves_the_requests_other_probes_running(make_router)
 
 def test_a_probe_that_refuses_its_point_refuses_the_registration(make_router):
     router = make_router(probes={"refusing": Refusing})
-    with pytest.raises(RouterError, match="'p' \\(index 0\\): probe_type 'refusing' refuses "
+    with pytest.raises(RouterError, match="\\[0\\] \\(name 'p'\\): probe_type 'refusing' refuses "
                                           "it: cannot serve 'p': wrong layer"):
         router.register_request("r", [point("p", probe_type="refusing", kind="single_shot")])
-    assert not router.wants("r") and Refusing.started == 0
+    assert router.live_requests() == () and Refusing.started == 0
     with pytest.raises(RouterError, match="cannot serve 'p'"):
         router.check([point("p", probe_type="refusing", kind="single_shot")])
 
@@ -111,7 +111,7 @@ def test_the_bundled_layer_3_probe_on_layer_1_is_refused_at_registration(make_ro
                "fix the spec or pass check_metadata: false")
     with pytest.raises(RouterError) as refused:
         router.register_request("r", [_guard((1,))])
-    assert message in str(refused.value) and not router.wants("r")
+    assert message in str(refused.value) and router.live_requests() == ()
     with pytest.raises(RouterError) as checked:
         router.check([_guard((1,))])
     assert message in str(checked.value)
@@ -129,9 +129,11 @@ def test_check_reports_unknown_probe_types_and_probe_args_without_registering(ma
     with pytest.raises(RouterError) as refused:
         router.check(points)
     assert refused.value.problems == [
-        "extraction point 'a' (index 0): unknown probe_type 'nrom_probe'; did you mean "
-        "'norm_probe'? Known probe types: " + ", ".join(router.registry.names()),
-        "extraction point 'b' (index 1): probe_args for probe_type 'norm_probe': unknown "
-        "probe_arg 'treshold' (did you mean 'threshold'?); NormProbe takes action, threshold",
+        "extraction_points[0] (name 'a'), field 'probe_type': unknown probe_type "
+        "'nrom_probe'; did you mean 'norm_probe'? Known probe types: "
+        + ", ".join(router.registry.names()),
+        "extraction_points[1] (name 'b'), field 'probe_args': probe_args for probe_type "
+        "'norm_probe': unknown probe_arg 'treshold' (did you mean 'threshold'?); NormProbe "
+        "takes action, threshold",
     ]
     assert router.live_requests() == ()

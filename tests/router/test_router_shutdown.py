@@ -94,10 +94,10 @@ def test_metrics_report_each_live_binding_and_running_totals(make_router):
 def test_request_context_manager_registers_and_collects_results(make_router):
     router = make_router()
     with router.request([point("p", probe_args={"abort_at": 1})], request_id="r") as handle:
-        assert router.wants("r", "p")
+        assert router.live_requests() == ("r",)
         handle.route(record("r", "p", 0))
         handle.route(record("r", "p", 1))
         assert handle.abort_requested
-    assert not router.wants("r")
+    assert router.live_requests() == ()
     assert handle.results["p"].verdict == {"seen": [0, 1]}
     assert handle.results["p"].flagged

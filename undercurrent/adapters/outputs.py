@@ -34,19 +34,14 @@ class TokenSignal:
 
 
 @dataclass(frozen=True)
-class AbortInfo:
-    """Which point's signal stopped a request, and at which token.
+class AbortInfo(TokenSignal):
+    """The located signal that stopped a request: a :class:`TokenSignal` (same
+    fields, no new ones) whose name says what it did.
 
     The request produced no token after ``token_index``'s activations were probed:
     with an abort on generated token ``g``, the output ends with token ``g``; an
     abort on a prompt token leaves the output empty.
     """
-
-    extraction_point_name: str
-    layer: int
-    token_index: int
-    generated_index: int | None
-    signal: ProbeSignal
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LINEAR_PROBE_FORMAT = "undercurrent.linear_probe/1"
+from undercurrent.probes.weights import apply_link
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,9 @@ class LinearProbeFit:
 
         logits = self.decision_function(X)
         if self.link == "sigmoid":
-            positive = 1.0 / (1.0 + np.exp(-logits))
+            positive = apply_link("sigmoid", logits)
             return np.stack([1.0 - positive, positive], axis=1)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        exp = np.exp(shifted)
-        return exp / exp.sum(axis=1, keepdims=True)
+        return apply_link("softmax", logits)
 
     def predict(self, X: Any) -> Any:
         """The most probable class label for each row."""

@@ -7,7 +7,6 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -19,6 +18,7 @@ from undercurrent.probes.weights import (
     LINKS,
     LinearWeights,
     ProbeFileError,
+    apply_link,
     linear_weights,
     load_linear_weights,
 )
@@ -116,22 +116,15 @@ class LinearReadout:
                 f"tensor of shape {tuple(getattr(tensors[0], 'shape', matrix.shape[1:]))} "
                 f"({matrix.shape[1]} values once flattened)"
             )
-        z = matrix @ self.weights.weight.T + self.weights.bias
+        logits = np.asarray(matrix @ self.weights.weight.T + self.weights.bias, np.float64)
+        values = apply_link(self.link, logits)
         if self.weights.classes is None:
-            logits = z.tolist()
-            if self.link == "identity":
-                return [(logit, {"logit": logit}) for logit in logits]
-            return [(_sigmoid(logit), {"logit": logit}) for logit in logits]
+            return [
+                (value, {"logit": logit})
+                for value, logit in zip(values.tolist(), logits.tolist(), strict=True)
+            ]
         index = self.class_index
         assert index is not None
-        logits = np.asarray(z, dtype=np.float64)
-        if self.link == "softmax":
-            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-            values = shifted / shifted.sum(axis=1, keepdims=True)
-        elif self.link == "sigmoid":
-            values = np.vectorize(lambda v: _apply_link("sigmoid", v), otypes=[float])(logits)
-        else:
-            values = logits
         scored = []
         tops = np.argmax(logits, axis=1).tolist()
         for row, top in zip(values[:, index].tolist(), tops, strict=True):
@@ -141,20 +134,6 @@ class LinearReadout:
                 meta["top_label"] = self.label_names[top]
             scored.append((row, meta))
         return scored
-
-
-def _apply_link(link: str, logit: float) -> float:
-    if link == "identity":
-        return logit
-    return _sigmoid(logit)
-
-
-def _sigmoid(logit: float) -> float:
-    # Split by sign so neither branch overflows for large |logit|.
-    if logit >= 0:
-        return 1.0 / (1.0 + math.exp(-logit))
-    exp = math.exp(logit)
-    return exp / (1.0 + exp)
 
 
 def _resolve_weights(
@@ -277,12 +256,16 @@ def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) ->
 
 
 class DualPositionProbe(LinearProbe):
-    """``dual_position_probe``: a linear readout, taken at token b+1, of token b.
+    """``dual_position_probe``: a linear readout of one position, reported as being
+    about an earlier one.
 
-    The activation at one position often encodes a property of an earlier token
-    (the classic case: the previous token's identity). This probe reads the
-    activation at ``token_index`` and reports the score as a statement about token
-    ``token_index - read_offset``. Same probe_args and file format as
+    It reads a single activation per record, the one at ``token_index`` (the
+    point's position, e.g. ``prompt[-1]+1``), exactly as ``linear_probe`` does;
+    nothing is captured or read at the earlier token. The two positions of the
+    name are where it reads (b+1) and what the score is about (b): the activation
+    at one position often encodes a property of an earlier token (the classic
+    case: the previous token's identity), so the score is reported as a
+    statement about token ``token_index - read_offset``. Same probe_args and file format as
     ``linear_probe``, plus ``read_offset`` (default 1).
 
     Signals carry ``about_token_index`` in their metadata. The verdict is the

@@ -317,6 +317,68 @@ class Binding:
             self.scheduled = True
             return True
 
+    # -- transitions of a call (each takes the lock itself) ------------------------------
+
+    def admit_inline(self, count: int) -> bool:
+        """An inline caller brings ``count`` records: count them received, wait for
+        the probe to be free, and mark it busy with them. False when the binding
+        closed meanwhile (the records are then counted dropped, here or by
+        :meth:`finalise`) and the caller must not run the probe."""
+        with self.cond:
+            self.received += count
+            self.waiting += count
+            while self.busy and not self.closed:
+                self.cond.wait()
+            self.waiting -= count
+            if self.finalised:  # counted as dropped by finalise()
+                return False
+            if self.closed:
+                self.dropped += count
+                return False
+            self.busy = True
+            self.in_flight = count
+            return True
+
+    def take_queued(self, limit: int) -> list[ActivationRecord]:
+        """An async worker takes up to ``limit`` queued records (one for a probe that
+        does not batch) and marks the probe busy with them. Empty when there is
+        nothing to do: the binding is then no longer scheduled."""
+        with self.cond:
+            if not self.queue or self.finalised:
+                self.scheduled = False
+                self.cond.notify_all()
+                return []
+            take = min(len(self.queue), limit) if self.batched else 1
+            records = [self.queue.popleft() for _ in range(take)]
+            self.busy = True
+            self.in_flight = take
+            self.cond.notify_all()  # room for a producer blocked on a full queue
+            return records
+
+    def finish_call(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome],
+                    *, observed: bool) -> bool:
+        """The call marked by :meth:`admit_inline` / :meth:`take_queued` returned:
+        the probe is free again and the records are settled. False (nothing
+        settled) when the result was frozen meanwhile, so they counted as dropped."""
+        with self.cond:
+            self.busy = False
+            self.in_flight = 0
+            self.cond.notify_all()
+            if self.finalised:
+                return False
+            self.settle(records, outcomes, observed=observed)
+            return True
+
+    def keep_scheduled(self) -> bool:
+        """After a worker's turn: True when queued records remain (the binding stays
+        scheduled), else it is unscheduled."""
+        with self.cond:
+            if self.queue and not self.finalised:
+                return True
+            self.scheduled = False
+            self.cond.notify_all()
+            return False
+
     # -- end of the request -----------------------------------------------------------
 
     def close(self) -> None:

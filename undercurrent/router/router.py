@@ -21,11 +21,13 @@ from undercurrent.router.inline import run_inline
 from undercurrent.router.scheduler import AsyncScheduler
 from undercurrent.router.validation import (
     CheckedPoint,
-    check_points,
+    check_request_points,
+    default_policy_problems,
     merged_probe_args,
     normalise_policy,
-    where,
+    point_problem,
 )
+from undercurrent.spec.errors import SpecProblem
 from undercurrent.spec.types import InterventionPolicy
 
 _RECENTLY_ENDED = 4096
@@ -149,6 +151,9 @@ class Router:
         self.default_intervention_policy = normalise_policy(
             default_intervention_policy or InterventionPolicy()
         )
+        policy_problems = default_policy_problems(self.default_intervention_policy)
+        if policy_problems:
+            raise ValueError("default_intervention_policy: " + "; ".join(policy_problems))
         self.breaker_threshold = (
             None if breaker_threshold is None
             else _positive_int("breaker_threshold", breaker_threshold)
@@ -179,10 +184,11 @@ class Router:
     ) -> None:
         """Bind a fresh probe instance to each point for this request (all or nothing).
 
-        Raises :class:`RouterError` listing every problem: async single_shot points,
-        async points whose (possibly inherited) intervention is not ``reject``,
-        invalid interventions, unknown ``probe_type`` (with the known names and the
-        closest match), a ``probe_kind`` the probe class does not serve,
+        Raises :class:`RouterError` listing every problem: every rule
+        :func:`~undercurrent.spec.check_extraction_points` enforces (with the same
+        messages), an async point inheriting a blocking default policy, an unknown
+        ``probe_type`` (with the known names and the closest match), a
+        ``probe_kind`` the probe class does not serve,
         ``probe_args`` the probe's constructor does not accept (or one that
         raises), a probe whose ``check_point`` refuses its point, or a
         ``request_id`` that is already live. Then every probe's ``on_start`` runs;
@@ -242,10 +248,10 @@ class Router:
 
     def _build_probes(
         self, points: Iterable[Any]
-    ) -> tuple[list[tuple[CheckedPoint, Any]], list[str]]:
+    ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
         """Check the points and build one probe per point that passes; returns
         (each checked point with its probe, every problem found)."""
-        checked, problems = check_points(
+        checked, problems = check_request_points(
             list(points),
             self.registry,
             self.default_intervention_policy,
@@ -254,33 +260,29 @@ class Router:
         )
         built: list[tuple[CheckedPoint, Any]] = []
         for item in checked:
-            label = where(item.index, item.point)
             probe_type = item.point.probe_type
             args = merged_probe_args(self.probe_defaults, item.point)
             try:
                 instance = item.probe_class(**args)
             except Exception as exc:
-                problems.append(
-                    f"{label}: could not build probe_type {probe_type!r} with probe_args "
-                    f"{sorted(args)}: {describe_error(exc)}"
-                )
+                problems.append(point_problem(
+                    item.index, item.point,
+                    f"could not build probe_type {probe_type!r} with probe_args "
+                    f"{sorted(args)}: {describe_error(exc)}",
+                    "probe_args",
+                ))
                 continue
             check_point = getattr(instance, "check_point", None)
             if check_point is not None:
                 try:
                     check_point(item.point)
                 except Exception as exc:  # a refusal, or a check that failed: both refuse
-                    problems.append(f"{label}: probe_type {probe_type!r} refuses it: {exc}")
+                    problems.append(point_problem(
+                        item.index, item.point, f"probe_type {probe_type!r} refuses it: {exc}"
+                    ))
                     continue
             built.append((item, instance))
         return built, problems
-
-    def wants(self, request_id: str, point_name: str | None = None) -> bool:
-        """Whether the request is live (and, given ``point_name``, has that point)."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        return point_name is None or point_name in request.bindings
 
     def abort_requested(self, request_id: str) -> bool:
         """True once an inline probe (or its fallback) returned ``abort`` for the request."""

@@ -1,9 +1,9 @@
 """Train, evaluate and ship the bundled model's sparse autoencoder (SAELens format).
 
-``python -m undercurrent.models.sae_fit`` (a few seconds to a minute of CPU):
+``python -m tools.tiny_model.sae_fit`` (a few seconds to a minute of CPU):
 
 1. **capture** layer 3's ``residual_stream`` for every generated token of fresh
-   corpus prompts, through ``ProbedModel`` (as :mod:`undercurrent.models.probe_fit`
+   corpus prompts, through ``ProbedModel`` (as :mod:`tools.tiny_model.probe_fit`
    does), on training prompts and on the probe's held-out prompts;
 2. **train** a TopK SAE (``k`` active features of ``d_sae``) with a short,
    seeded torch loop: Adam on the reconstruction error, decoder rows kept at unit
@@ -44,7 +44,7 @@ def sae_config(d_in: int, d_sae: int = D_SAE, k: int = K) -> dict[str, Any]:
         "metadata": {
             "sae_lens_version": "6.54.12", "sae_lens_training_version": "6.54.12",
             "model_name": "undercurrent/tiny", "hook_name": f"blocks.{LAYER}.hook_resid_post",
-            "trained_by": "undercurrent.models.sae_fit",
+            "trained_by": "tools.tiny_model.sae_fit",
         },
         "k": k, "rescale_acts_by_decoder_norm": False, "architecture": "topk",
     }
@@ -196,9 +196,9 @@ def fit_and_report(model_dir: Path, out_dir: Path | None, train_count: int = 600
     from safetensors.numpy import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tools.tiny_model.probe_fit import PROBE_FIT_SEED, capture, probe_prompts
+    from tools.tiny_model.train import TRAIN_SEED, TrainingConfig
     from undercurrent.models.corpus import generate_examples
-    from undercurrent.models.probe_fit import PROBE_FIT_SEED, capture, probe_prompts
-    from undercurrent.models.train import TRAIN_SEED, TrainingConfig
     from undercurrent.probes.sae_files import load_sae
 
     torch.set_num_threads(1)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
     from undercurrent.models import tiny_model_path
 
-    parser = argparse.ArgumentParser(prog="python -m undercurrent.models.sae_fit",
+    parser = argparse.ArgumentParser(prog="python -m tools.tiny_model.sae_fit",
                                      description="Train and ship the bundled model's SAE.")
     parser.add_argument("--model", type=Path, default=tiny_model_path())
     parser.add_argument("--train", type=int, default=600, help="training prompts")
