@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.probes.weights import apply_link
+from undercurrent.probes.weights import apply_link, save_linear_weights
 
 
 @dataclass(frozen=True)
@@ -405,8 +405,6 @@ def _metrics(
 
 def save_linear_probe(fit: LinearProbeFit, path: str | os.PathLike[str]) -> Path:
     """Write ``fit`` in the ``undercurrent.linear_probe/1`` format; returns the path."""
-    from undercurrent.probes.weights import save_linear_weights
-
     return save_linear_weights(
         path,
         fit.weight,
