@@ -79,7 +79,8 @@ class ActivationStore:
     def index(self) -> Any:
         """One row per vector; see ``undercurrent.store.INDEX_COLUMNS``."""
         if self._index is None:
-            self._index = self._concat("index.parquet", _empty_index)
+            index = self._concat("index.parquet", _empty_index)
+            self._index = index.astype({"generated_index": "Int64", "token_id": "Int64"})
             self._index["shard"] = self._index["shard"].astype("category")
         return self._index
 

@@ -87,6 +87,8 @@ class StoreWriter:
     def add(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> int:
         """Append one batch of generations (with ``records``); returns vectors written.
 
+        The records are taken out of the outputs (their ``records`` lists are
+        emptied) so memory is released point by point as they are written.
         Commits the open shard when it reaches ``shard_prompts`` prompts.
         """
         if self._open is None:
@@ -95,15 +97,19 @@ class StoreWriter:
         written = 0
         entries = _point_entries(outputs, prompt_indices)
         for name in self.point_order:
-            found = entries.get(name)
+            # Popped, so each point's records (and the captured tensors they view)
+            # are freed once written: the batch's peak is one point, not all.
+            found = entries.pop(name, None)
             if not found:
                 continue
             rows, array = self._vectors(name, found)
+            del found
             if not rows:
                 continue
             shard.append(self.point_order.index(name), name, rows, array)
             written += len(rows)
             self.bytes += array.nbytes
+            del rows, array
         shard.add_outputs(outputs, prompt_indices)
         self.vectors += written
         self.requests += len(outputs)
@@ -178,6 +184,7 @@ def _point_entries(outputs: Sequence[Any], prompt_indices: Sequence[int]
         for record in output.records:
             entries.setdefault(record.extraction_point_name, []).append(
                 (record.layer, prompt_index, record.token_index, record))
+        output.records.clear()
     return entries
 
 
@@ -210,6 +217,56 @@ def _stack(tensors: list[Any]) -> tuple[Any, str]:
     return array, array.dtype.name
 
 
+class _ParquetAppender:
+    """A parquet file written one row group per call, with a fixed schema, so the
+    open shard keeps none of its rows in memory."""
+
+    def __init__(self, path: Path, columns: Sequence[tuple[str, str]]) -> None:
+        self.path = path
+        self.columns = columns
+        self.writer: Any = None
+
+    def write(self, data: Mapping[str, Sequence[Any]]) -> int:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = _arrow_schema(pa, self.columns)
+        table = pa.table({name: pa.array(data[name], type=schema.field(name).type)
+                          for name, _ in self.columns}, schema=schema)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, schema)
+        self.writer.write_table(table)
+        return len(table)
+
+    def close(self) -> None:
+        if self.writer is None:
+            self.write({name: [] for name, _ in self.columns})
+        self.writer.close()
+        self.writer = None
+
+
+def _arrow_schema(pa: Any, columns: Sequence[tuple[str, str]]) -> Any:
+    types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(),
+             "bool": pa.bool_(), "ints": pa.list_(pa.int64())}
+    return pa.schema([(name, types[kind]) for name, kind in columns])
+
+
+_INDEX_TYPES = {"request_id": "str", "extraction_point_name": "str", "tensor_type": "str",
+                "shard": "str", "is_generated": "bool"}
+_INDEX_SCHEMA = [(name, _INDEX_TYPES.get(name, "int")) for name in INDEX_COLUMNS]
+_OUTPUT_TYPES = {"prompt_index": "int", "token_ids": "ints", "prompt_token_ids": "ints",
+                 "aborted": "bool", "abort_layer": "int", "abort_token_index": "int",
+                 "abort_score": "float"}
+_OUTPUT_SCHEMA = [(name, _OUTPUT_TYPES.get(name, "str")) for name in OUTPUT_COLUMNS]
+_RESULT_SCHEMA = [
+    ("prompt_index", "int"), ("request", "str"), ("point", "str"), ("verdict", "str"),
+    ("flagged", "bool"), ("aborted", "bool"), ("n_signals", "int"), ("n_flags", "int"),
+    ("max_score", "float"), ("mean_score", "float"), ("last_score", "float"),
+    ("error", "str"), ("received", "int"), ("processed", "int"), ("dropped", "int"),
+    ("errors", "int"), ("timeouts", "int"), ("mean_latency_s", "float"),
+]
+
+
 class _OpenShard:
     """A shard being written in its temporary directory."""
 
@@ -221,10 +278,10 @@ class _OpenShard:
         self.tmp.mkdir()
         self.files: dict[str, Any] = {}
         self.points: dict[str, dict[str, Any]] = {}
-        self.index: dict[str, list[Any]] = {
-            column: [] for column in INDEX_COLUMNS if column != "shard"}
-        self.outputs: list[dict[str, Any]] = []
-        self.results: list[Any] = []
+        self.index = _ParquetAppender(self.tmp / "index.parquet", _INDEX_SCHEMA)
+        self.outputs = _ParquetAppender(self.tmp / "outputs.parquet", _OUTPUT_SCHEMA)
+        self.results = _ParquetAppender(self.tmp / "results.parquet", _RESULT_SCHEMA)
+        self.vectors = 0
         self.prompt_indices: list[int] = []
 
     def append(self, point_number: int, name: str, entries: list[tuple[Any, ...]],
@@ -242,69 +299,58 @@ class _OpenShard:
         self.files[name].write(memoryview(array).cast("B"))
         first = info["rows"]
         info["rows"] += len(entries)
-        index = self.index
-        for offset, (_, prompt_index, _, record) in enumerate(entries):
-            index["request_id"].append(record.request_id)
-            index["prompt_index"].append(prompt_index)
-            index["extraction_point_name"].append(name)
-            index["layer"].append(record.layer)
-            index["tensor_type"].append(str(getattr(record.tensor_type, "value",
-                                                    record.tensor_type)))
-            index["token_index"].append(record.token_index)
-            index["is_generated"].append(record.is_generated)
-            index["generated_index"].append(record.generated_index)
-            index["token_id"].append(record.token_id)
-            index["row"].append(first + offset)
+        records = [entry[3] for entry in entries]
+        kind = str(getattr(records[0].tensor_type, "value", records[0].tensor_type))
+        self.vectors += self.index.write({
+            "request_id": [record.request_id for record in records],
+            "prompt_index": [entry[1] for entry in entries],
+            "extraction_point_name": [name] * len(records),
+            "layer": [record.layer for record in records],
+            "tensor_type": [kind] * len(records),
+            "token_index": [record.token_index for record in records],
+            "is_generated": [record.is_generated for record in records],
+            "generated_index": [record.generated_index for record in records],
+            "token_id": [record.token_id for record in records],
+            "shard": [self.name] * len(records),
+            "row": range(first, first + len(records)),
+        })
 
     def add_outputs(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> None:
         from undercurrent.notebook.frames import results_frame
 
-        for output, prompt_index in zip(outputs, prompt_indices, strict=True):
-            abort = output.abort
-            self.outputs.append({
-                "prompt_index": int(prompt_index),
-                "request_id": output.request_id,
-                "prompt": output.prompt,
-                "text": output.text,
-                "token_ids": list(output.token_ids),
-                "prompt_token_ids": list(output.prompt_token_ids),
-                "finish_reason": output.finish_reason,
-                "aborted": abort is not None,
-                "abort_point": None if abort is None else abort.extraction_point_name,
-                "abort_layer": None if abort is None else abort.layer,
-                "abort_token_index": None if abort is None else abort.token_index,
-                "abort_score": None if abort is None else abort.signal.score,
-            })
+        aborts = [output.abort for output in outputs]
+        self.outputs.write({
+            "prompt_index": [int(index) for index in prompt_indices],
+            "request_id": [output.request_id for output in outputs],
+            "prompt": [output.prompt for output in outputs],
+            "text": [output.text for output in outputs],
+            "token_ids": [list(output.token_ids) for output in outputs],
+            "prompt_token_ids": [list(output.prompt_token_ids) for output in outputs],
+            "finish_reason": [output.finish_reason for output in outputs],
+            "aborted": [abort is not None for abort in aborts],
+            "abort_point": [None if a is None else a.extraction_point_name for a in aborts],
+            "abort_layer": [None if a is None else a.layer for a in aborts],
+            "abort_token_index": [None if a is None else a.token_index for a in aborts],
+            "abort_score": [None if a is None else a.signal.score for a in aborts],
+        })
         frame = results_frame(list(outputs))
-        if len(frame):
-            frame.insert(0, "prompt_index", frame["request"].map(
-                dict(zip((o.request_id for o in outputs), prompt_indices, strict=True))))
-            frame["verdict"] = [json.dumps(v, default=_plain) for v in frame["verdict"]]
-            self.results.append(frame)
+        prompt_of = dict(zip((o.request_id for o in outputs), prompt_indices, strict=True))
+        columns = {name: frame[name].tolist() for name, _ in _RESULT_SCHEMA[1:]}
+        columns["prompt_index"] = [int(prompt_of[request]) for request in frame["request"]]
+        columns["verdict"] = [json.dumps(v, default=_plain) for v in frame["verdict"]]
+        columns["error"] = [None if e is None else str(e) for e in frame["error"]]
+        self.results.write(columns)
         self.prompt_indices.extend(int(index) for index in prompt_indices)
 
     def commit(self, storage_dtype: str | None) -> None:
-        import pandas as pd
-
         for handle in self.files.values():
             handle.close()
         self.files.clear()
-        index = pd.DataFrame(self.index, columns=list(INDEX_COLUMNS))
-        index["shard"] = self.name
-        index = index.astype({"layer": "int64", "token_index": "int64", "row": "int64",
-                              "prompt_index": "int64", "is_generated": "bool",
-                              "generated_index": "Int64", "token_id": "Int64"})
-        index.to_parquet(self.tmp / "index.parquet", index=False)
-        outputs = pd.DataFrame(self.outputs, columns=list(OUTPUT_COLUMNS))
-        outputs = outputs.astype({"abort_layer": "Int64", "abort_token_index": "Int64",
-                                  "abort_score": "float64"})
-        outputs.to_parquet(self.tmp / "outputs.parquet", index=False)
-        if self.results:
-            pd.concat(self.results, ignore_index=True).to_parquet(
-                self.tmp / "results.parquet", index=False)
+        for table in (self.index, self.outputs, self.results):
+            table.close()
         write_json(self.tmp / "meta.json", {
             "format": STORE_FORMAT, "shard": self.name, "points": self.points,
-            "prompt_indices": self.prompt_indices, "vectors": int(len(index)),
+            "prompt_indices": self.prompt_indices, "vectors": self.vectors,
             "storage_dtype": storage_dtype})
         fsync_dir(self.tmp)
         os.rename(self.tmp, self.root / SHARDS / self.name)
@@ -313,6 +359,9 @@ class _OpenShard:
     def discard(self) -> None:
         for handle in self.files.values():
             handle.close()
+        for table in (self.index, self.outputs, self.results):
+            if table.writer is not None:
+                table.writer.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
