@@ -54,6 +54,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run --update-docs
+	$(BIN)/python -m benchmarks.store --out benchmarks/out/store.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
