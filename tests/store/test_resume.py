@@ -143,3 +143,33 @@ def test_a_finished_store_resumes_to_nothing_and_refuses_other_captures(tiny, pr
     with pytest.raises(StoreError, match="sampling"):
         tiny.capture(prompts[:4], tmp_path, progress=False, **dict(OPTIONS, max_new_tokens=3))
     assert len(open_activations(tmp_path).outputs) == 4
+
+
+def test_an_interrupt_commits_whole_batches_and_a_failed_write_commits_nothing(
+        tiny, prompts, tmp_path, monkeypatch):
+    from undercurrent.store import writer
+
+    calls = {"n": 0}
+    generate = type(tiny).generate
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny), "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.capture(prompts, tmp_path / "a", progress=False, **dict(OPTIONS, shard_prompts=50))
+    assert sorted(open_activations(tmp_path / "a").outputs["prompt_index"]) == [0, 1]
+    monkeypatch.setattr(type(tiny), "generate", generate)
+
+    def broken(self, outputs, indices):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(writer._OpenShard, "add_outputs", broken)
+    with pytest.raises(OSError, match="disk full"):
+        tiny.capture(prompts, tmp_path / "b", progress=False, **OPTIONS)
+    store = open_activations(tmp_path / "b")
+    assert len(store) == 0 and store.n_prompts == 0
+    assert not list((tmp_path / "b" / "shards").glob(".tmp-*"))

@@ -96,8 +96,8 @@ class Reduction:
     request's last captured token, per layer) or ``"mean_generated"`` (the mean over
     the request's captured generated tokens, per layer). ``project``: a number of
     dimensions ``k`` for a fixed random projection (Gaussian, scaled by
-    ``1/sqrt(k)``, drawn from ``seed``; the matrix is saved in the store's
-    ``store.json`` seed, so it can be rebuilt with :meth:`projection`).
+    ``1/sqrt(k)``, drawn from ``seed``; ``store.json`` records the seed, and
+    :meth:`projection` rebuilds the matrix).
 
     As a string: ``"last_token"``, ``"mean_generated"``, ``"project:64"`` or a
     combination joined by ``+`` (``"mean_generated+project:64"``).

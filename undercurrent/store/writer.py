@@ -94,6 +94,7 @@ class StoreWriter:
         if self._open is None:
             self._open = _OpenShard(self.root, f"{self.part}-{self._seq:06d}")
         shard = self._open
+        shard.whole = False  # until this batch is fully in: a failure now discards it
         written = 0
         entries = _point_entries(outputs, prompt_indices)
         for name in self.point_order:
@@ -111,6 +112,7 @@ class StoreWriter:
             self.bytes += array.nbytes
             del rows, array
         shard.add_outputs(outputs, prompt_indices)
+        shard.whole = True
         self.vectors += written
         self.requests += len(outputs)
         if len(shard.prompt_indices) >= self.shard_prompts:
@@ -165,11 +167,15 @@ class StoreWriter:
             self._lock.close()
 
     def abandon(self) -> None:
-        """Drop the open shard (after an error) and release the lock."""
+        """After an error or interrupt: commit the open shard if it holds only whole
+        batches (they are complete prompts), else drop it; release the lock."""
         try:
             if self._open is not None:
-                self._open.discard()
-                self._open = None
+                if self._open.whole and self._open.prompt_indices:
+                    self.commit()
+                else:
+                    self._open.discard()
+                    self._open = None
         finally:
             self._lock.close()
 
@@ -283,6 +289,7 @@ class _OpenShard:
         self.results = _ParquetAppender(self.tmp / "results.parquet", _RESULT_SCHEMA)
         self.vectors = 0
         self.prompt_indices: list[int] = []
+        self.whole = True
 
     def append(self, point_number: int, name: str, entries: list[tuple[Any, ...]],
                array: Any) -> None:
