@@ -134,16 +134,20 @@ def read_layer(folder: Path) -> dict[str, Any]:
         assert array.shape[0] == len(rows)
         return time.perf_counter() - started
 
+    # The same rows read straight from numpy.memmap, run by contiguous run (the
+    # runs are found outside the timing: this is the floor the store can reach).
+    plan = []
+    for shard, meta in store._shards.items():
+        info = meta["points"]["resid"]
+        data = np.memmap(folder / "shards" / shard / info["file"], dtype=info["dtype"],
+                         mode="r", shape=(info["rows"], *info["shape"]))
+        numbers = np.sort(rows[rows["shard"] == shard]["row"].to_numpy())
+        breaks = np.flatnonzero(np.diff(numbers) != 1) + 1
+        plan += [(data, run[0], run[-1] + 1) for run in np.split(numbers, breaks)]
+
     def raw() -> float:
         started = time.perf_counter()
-        parts = []
-        for shard, meta in store._shards.items():
-            info = meta["points"]["resid"]
-            data = np.memmap(folder / "shards" / shard / info["file"], dtype=info["dtype"],
-                             mode="r", shape=(info["rows"], *info["shape"]))
-            block = rows[rows["shard"] == shard]["row"]
-            parts.append(np.array(data[block.min():block.max() + 1]))
-        array = np.concatenate(parts)
+        array = np.concatenate([np.array(data[start:stop]) for data, start, stop in plan])
         assert array.shape[0] == len(rows)
         return time.perf_counter() - started
 

@@ -15,8 +15,9 @@ A shard becomes visible only through the atomic rename of its finished
 directory, so a reader (or a resumed writer) never sees a partial one. Each
 writer (one per ``--shard i/N`` part) names its shards after its part, so
 several processes can write into one directory without touching each other's
-files. Inside a ``.bin`` file the rows are ordered by (layer, prompt, token), so
-one layer of one point is a contiguous block of every shard.
+files. A ``.bin`` file is appended batch by batch, and each batch's rows are
+ordered by (layer, prompt, token), so one layer of one point is one contiguous
+run per batch (the reader copies run by run).
 
 Vectors are stored in the model's dtype or in ``storage_dtype``; numpy has no
 bfloat16, so bfloat16 vectors are stored as their raw 16-bit patterns (``uint16``

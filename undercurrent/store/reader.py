@@ -129,11 +129,10 @@ class ActivationStore:
         frame = self._rows_frame(rows)
         if frame.empty:
             raise ValueError("vectors(): no rows selected")
-        keys = list(zip(frame["shard"].astype(str), frame["extraction_point_name"],
-                        strict=True))
-        groups: dict[tuple[str, str], list[int]] = {}
-        for position, key in enumerate(keys):
-            groups.setdefault(key, []).append(position)
+        # Positions of the rows of each (shard, point) file, grouped in C by pandas.
+        groups = {(str(shard), str(point)): positions for (shard, point), positions in
+                  frame.groupby(["shard", "extraction_point_name"], observed=True,
+                                sort=False).indices.items()}
         shapes = {tuple(self._point_meta(*key)["shape"]) for key in groups}
         if len(shapes) > 1:
             raise ValueError(f"vectors(): the rows hold vectors of different shapes "
