@@ -93,6 +93,9 @@ def write_overhead(repeats: int, prompts_count: int, max_new_tokens: int) -> dic
         "vectors": summary.vectors, "bytes": summary.bytes,
         "capture_only_s": statistics.median(only), "store_s": statistics.median(store),
         "ratio": statistics.median(store) / statistics.median(only),
+        # Each store run follows its capture-only run: pairs share the machine's load.
+        "ratio_pairwise_median": statistics.median(b / a for a, b in zip(only, store,
+                                                                         strict=True)),
         "capture_only_runs": only, "store_runs": store,
         "store_write_mb_s": summary.bytes / writer_seconds / 1e6,
         "store_end_to_end_mb_s": summary.bytes / statistics.median(store) / 1e6,
