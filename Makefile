@@ -77,6 +77,7 @@ $(BENCH_STAMP): pyproject.toml Makefile
 
 bench: $(BENCH_STAMP)
 	$(BENCH_BIN)/python -m benchmarks.run --update-docs
+	$(BENCH_BIN)/python -m benchmarks.store --out benchmarks/out/store.json
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick

@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["ProbedModel", "GenerationOutput", "__version__"]
+__all__ = ["ActivationStore", "ProbedModel", "GenerationOutput", "open_activations",
+           "__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from undercurrent.api import GenerationOutput, ProbedModel
+    from undercurrent.store.reader import ActivationStore, open_activations
 
 
 def __getattr__(name: str) -> Any:
@@ -22,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from undercurrent import api
 
         return getattr(api, name)
+    if name in ("open_activations", "ActivationStore"):
+        from undercurrent.store import reader
+
+        return getattr(reader, name)
     raise AttributeError(f"module 'undercurrent' has no attribute {name!r}")

@@ -339,6 +339,41 @@ class ProbedModel:
                                     finish_reason="abort" if output.aborted else "forward")
                 for output in outputs]
 
+    def capture(
+        self,
+        prompts: Sequence[str],
+        out_dir: str | os.PathLike[str],
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        batch_size: int | None = None,
+        storage_dtype: str | None = None,
+        resume: bool = True,
+        progress: bool = True,
+        **options: Any,
+    ) -> Any:
+        """Generate for every prompt and write every record of the spec's points to
+        an activation store in ``out_dir``, as generation runs; returns a
+        :class:`~undercurrent.store.CaptureSummary` (path, requests, vectors, bytes).
+
+        Memory stays flat in the number of prompts (one batch of records at a
+        time); a killed run started again with ``resume=True`` skips the prompts
+        already committed. ``storage_dtype`` (``"float16"``, ``"bfloat16"``,
+        ``"float32"``; default the model's) sets what is stored. ``options``:
+        ``reduce={point: "last_token" | "mean_generated" | "project:K"}``,
+        ``shard="i/N"`` (write part i of N of the prompt list, so N processes can
+        share one directory), ``shard_prompts`` (prompts per committed shard),
+        ``top_p``, ``top_k`` and ``stop``. Read it with
+        :func:`undercurrent.open_activations`; see ``docs/store.md``.
+        """
+        from undercurrent.store.capture import capture_activations
+
+        return capture_activations(
+            self, prompts, out_dir, max_new_tokens=max_new_tokens, temperature=temperature,
+            seed=seed, batch_size=batch_size, storage_dtype=storage_dtype, resume=resume,
+            progress=progress, **options)
+
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         """Remove every hook (the model behaves exactly as before) and shut down the

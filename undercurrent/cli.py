@@ -50,6 +50,7 @@ examples:
   undercurrent validate specs/*.yaml          check specs without loading a model
   undercurrent validate --strict --format json probes.yaml
   undercurrent schema > undercurrent-spec.schema.json
+  undercurrent capture --spec probes.yaml --prompts prompts.jsonl --out acts/
 
 exit codes: 0 success, 1 failure (e.g. an invalid spec), 2 usage error.
 Run 'undercurrent COMMAND --help' for a command's options.
@@ -356,12 +357,19 @@ def _add_demo_command(subparsers: Any) -> None:
     add_demo_command(subparsers)
 
 
+def _add_capture_command(subparsers: Any) -> None:
+    from undercurrent.store.cli import add_capture_command
+
+    add_capture_command(subparsers)
+
+
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_validate_command,
     _add_schema_command,
     _add_inspect_model_command,
     _add_run_command,
     _add_demo_command,
+    _add_capture_command,
 )
 """Each adds one subcommand; their order is the order ``--help`` lists them in."""
 

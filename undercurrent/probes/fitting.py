@@ -124,6 +124,11 @@ def fit_linear_probe(
     the name of a frame column, or a mapping from request id to label (each row
     takes its request's label).
 
+    ``data`` may also be an activation store (``undercurrent.open_activations``,
+    or a ``store.select(...)`` view): only the chosen point and layer are read
+    from disk, and ``y`` may also map prompt indices to labels or give one label
+    per prompt.
+
     Frames are filtered by ``point``/``layer``/``tensor_type``; a frame with several
     layers needs ``layer``. The held-out split keeps every request on one side
     (``group_by="auto"`` groups rows by request when a frame has several rows per
@@ -145,6 +150,11 @@ def fit_linear_probe(
     """
     import numpy as np
 
+    if hasattr(data, "probe_design"):
+        # An ActivationStore: read one point and layer from disk, split by request.
+        data, y, group_by, layer, tensor_type = data.probe_design(
+            y, point=point, layer=layer, tensor_type=tensor_type, group_by=group_by)
+        point = None
     X, labels, groups, layer, tensor_type = _design(data, y, layer, point, tensor_type, group_by)
     if len(X) != len(labels):
         raise ValueError(

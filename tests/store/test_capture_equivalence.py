@@ -1,0 +1,189 @@
+"""A store holds exactly what ``generate(records=True)`` returns: same keys, same
+float32 values, same outputs and results; float16/bfloat16 storage to their
+precision; reductions equal to the same reduction done on the oracle's records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from store_helpers import corpus_prompts, oracle_vectors, request_ids, store_vectors
+
+from undercurrent import open_activations
+
+pytest.importorskip("torch")
+pytest.importorskip("pyarrow")
+
+SAMPLING = dict(max_new_tokens=8, temperature=0.8, seed=3, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return corpus_prompts(10)[0]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny, prompts):
+    return tiny.generate(prompts, request_ids=request_ids(len(prompts)), records=True,
+                         **SAMPLING)
+
+
+@pytest.fixture(scope="module")
+def store(tiny, prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("store")
+    summary = tiny.capture(prompts, out, progress=False, shard_prompts=3, **SAMPLING)
+    assert summary.requests == len(prompts) and summary.skipped == 0
+    return open_activations(out)
+
+
+def test_float32_store_has_the_same_keys_and_values_as_generate(store, oracle):
+    expected = oracle_vectors(oracle)
+    found = store_vectors(store)
+    assert len(expected) > 300
+    assert found.keys() == expected.keys()
+    for key, vector in expected.items():
+        assert found[key].dtype == np.float32
+        np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
+    assert len(store) == len(expected) == len(store.index)
+    assert store.index.duplicated(["request_id", "extraction_point_name", "layer",
+                                   "token_index"]).sum() == 0
+
+
+def test_index_rows_describe_their_records(store, oracle):
+    records = {record.key(): record for output in oracle for record in output.records}
+    for row in store.index.itertuples(index=False):
+        record = records[(row.request_id, row.extraction_point_name, row.layer,
+                          row.token_index)]
+        assert row.tensor_type == record.tensor_type
+        assert row.is_generated == record.is_generated
+        generated_index = None if pd.isna(row.generated_index) else int(row.generated_index)
+        assert generated_index == record.generated_index
+        assert int(row.token_id) == record.token_id
+        assert row.prompt_index == int(row.request_id[1:])
+
+
+def test_outputs_and_results_are_stored(store, oracle):
+    outputs = store.outputs
+    assert outputs["prompt_index"].tolist() == list(range(len(oracle)))
+    for row, output in zip(outputs.itertuples(index=False), oracle, strict=True):
+        assert row.request_id == output.request_id
+        assert row.prompt == output.prompt
+        assert row.text == output.text
+        assert list(row.token_ids) == list(output.token_ids)
+        assert list(row.prompt_token_ids) == list(output.prompt_token_ids)
+        assert row.finish_reason == output.finish_reason
+        assert bool(row.aborted) is output.aborted
+    from undercurrent.notebook import results_frame
+
+    expected = results_frame(oracle)
+    found = store.results.sort_values(["prompt_index", "point"], ignore_index=True)
+    expected = expected.sort_values(["request", "point"], ignore_index=True)
+    assert found["request"].tolist() == expected["request"].tolist()
+    assert found["received"].tolist() == expected["received"].tolist()
+    assert found["verdict"].tolist() == [
+        pytest.approx(v) if isinstance(v, float) else v for v in expected["verdict"]]
+
+
+def test_vectors_memory_maps_a_block_and_gathers_any_subset(store, oracle):
+    expected = oracle_vectors(oracle)
+    index = store.index
+    # One layer of one point is one contiguous block per shard: a memmap view.
+    one_shard = index[(index["shard"] == index["shard"].iloc[0])
+                      & (index["extraction_point_name"] == "resid") & (index["layer"] == 2)]
+    block = store.vectors(one_shard)
+    assert isinstance(block, np.memmap)
+    assert not block.flags.writeable
+    # Any subset, in any order, across shards and layers comes back aligned.
+    rows = index[index["extraction_point_name"] == "resid"].sample(frac=0.5, random_state=1)
+    gathered = store.vectors(rows)
+    for row, vector in zip(rows.itertuples(index=False), gathered, strict=True):
+        key = (row.request_id, row.extraction_point_name, row.layer, row.token_index)
+        np.testing.assert_array_equal(vector, expected[key])
+    # Positions and masks over the index work too.
+    mask = (index["extraction_point_name"] == "kv_last_prompt").to_numpy()
+    np.testing.assert_array_equal(store.vectors(mask), store.vectors(np.flatnonzero(mask)))
+    assert store.vectors(mask).shape[1:] == (2, 2, 64)
+    with pytest.raises(ValueError, match="different shapes"):
+        store.vectors(index)
+
+
+def test_records_frame_feeds_the_notebook_helpers(store, oracle):
+    from undercurrent.notebook import activation_matrix, records_frame
+
+    frame = store.records_frame(store.select(point="resid", layer=1).index)
+    expected = records_frame(oracle)
+    expected = expected[(expected["point"] == "resid") & (expected["layer"] == 1)]
+    merged = frame.merge(expected, on=["request", "point", "layer", "token_index"],
+                         suffixes=("", "_oracle"))
+    assert len(merged) == len(expected) == len(frame)
+    np.testing.assert_array_equal(activation_matrix(merged), np.stack(merged["tensor_oracle"]))
+    joined = frame.merge(store.outputs, left_on="prompt_index", right_on="prompt_index")
+    assert (joined["request"] == joined["request_id"]).all()
+
+
+def test_select_positions(store):
+    last = store.select(point="resid", positions="last").index
+    assert len(last) == store.index.query("extraction_point_name == 'resid'").groupby(
+        ["request_id", "layer"]).ngroups
+    assert store.select(positions="prompt").index["is_generated"].sum() == 0
+    assert store.select(positions="generated").index["is_generated"].all()
+    with pytest.raises(ValueError, match="positions="):
+        store.select(positions="middle")
+
+
+@pytest.mark.parametrize("storage_dtype", ["float16", "bfloat16"])
+def test_half_precision_storage_matches_to_its_precision(tiny, prompts, oracle, tmp_path,
+                                                         storage_dtype):
+    import torch
+
+    summary = tiny.capture(prompts, tmp_path, progress=False, storage_dtype=storage_dtype,
+                           **SAMPLING)
+    store = open_activations(tmp_path)
+    expected = oracle_vectors(oracle)
+    found = store_vectors(store)
+    assert found.keys() == expected.keys()
+    for key, vector in expected.items():
+        # The oracle: torch's own rounding of the float32 value.
+        rounded = torch.from_numpy(vector).to(getattr(torch, storage_dtype)).float().numpy()
+        np.testing.assert_array_equal(np.asarray(found[key], dtype=np.float32), rounded)
+    assert summary.bytes * 2 == sum(v.nbytes for v in expected.values())
+    assert store.nbytes == summary.bytes
+
+
+def test_reductions_equal_the_reduced_oracle(tiny, prompts, oracle, tmp_path):
+    reduce = {"resid": "mean_generated", "kv_last_prompt": "project:16",
+              "mlp": "last_token"}
+    tiny.capture(prompts, tmp_path, progress=False, reduce=reduce, **SAMPLING)
+    store = open_activations(tmp_path)
+    index = store.index
+    for output in oracle:
+        by_layer: dict[tuple[str, int], list] = {}
+        for record in output.records:
+            by_layer.setdefault((record.extraction_point_name, record.layer), []).append(record)
+        for (point, layer), records in by_layer.items():
+            rows = index[(index["request_id"] == output.request_id)
+                         & (index["extraction_point_name"] == point) & (index["layer"] == layer)]
+            stored = store.vectors(rows)
+            if point == "resid":
+                generated = [r for r in records if r.is_generated]
+                mean = np.mean([r.tensor.float().numpy() for r in generated], axis=0)
+                assert len(rows) == 1
+                assert int(rows["token_index"].iloc[0]) == max(r.token_index for r in generated)
+                np.testing.assert_allclose(stored[0], mean, rtol=1e-5, atol=1e-6)
+            elif point == "kv_last_prompt":
+                rng = np.random.default_rng(0)
+                matrix = rng.standard_normal((2 * 2 * 64, 16)) / np.sqrt(16)
+                flat = np.stack([r.tensor.float().numpy().reshape(-1) for r in records])
+                np.testing.assert_allclose(stored, flat @ matrix, rtol=1e-4, atol=1e-4)
+                assert stored.shape == (len(records), 16)
+            else:
+                last = max(records, key=lambda r: r.token_index)
+                assert rows["token_index"].tolist() == [last.token_index]
+                np.testing.assert_array_equal(stored[0], last.tensor.float().numpy())
+    assert store.reductions["resid"].tokens == "mean_generated"
+
+
+def test_repr_and_len(store):
+    text = repr(store)
+    assert "prompts=10/10" in text and f"vectors={len(store)}" in text
+    assert "'resid'" in text

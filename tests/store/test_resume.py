@@ -1,0 +1,175 @@
+"""A capture killed with SIGKILL at any moment and started again with resume=True
+skips the committed prompts and ends with every prompt exactly once: no partial
+and no duplicate vectors, values equal to an uninterrupted generation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from store_helpers import SPEC, corpus_prompts, oracle_vectors, request_ids, store_vectors
+
+from undercurrent import open_activations
+from undercurrent.store import StoreError
+
+pytest.importorskip("torch")
+pytest.importorskip("pyarrow")
+
+N_PROMPTS = 12
+OPTIONS = dict(max_new_tokens=6, batch_size=1, shard_prompts=3)
+
+# The child parks (blocks reading stdin) at a chosen moment and says so on stdout;
+# the parent kills it there. No sleeps: the line is the event.
+CHILD = textwrap.dedent("""
+    import json, os, sys
+    from undercurrent import ProbedModel
+    from undercurrent.store import writer
+
+    spec, out, where, at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    prompts = json.loads(sys.stdin.readline())
+    options = json.loads(sys.stdin.readline())
+    counts = {"add": 0, "rename": 0}
+
+    def park(event):
+        counts[event] += 1
+        print(f"{event} {counts[event]}", flush=True)
+        if event == where and counts[event] == at:
+            sys.stdin.readline()  # parked until killed
+
+    add, rename = writer.StoreWriter.add, os.rename
+
+    def parked_add(self, *args):
+        written = add(self, *args)
+        park("add")
+        return written
+
+    def parked_rename(source, target):
+        park("rename")
+        rename(source, target)
+
+    writer.StoreWriter.add = parked_add
+    writer.os.rename = parked_rename
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    model.capture(prompts, out, progress=False, **options)
+    print("finished", flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return corpus_prompts(N_PROMPTS, seed=11)[0]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny, prompts):
+    return tiny.generate(prompts, request_ids=request_ids(N_PROMPTS), records=True,
+                         max_new_tokens=OPTIONS["max_new_tokens"], batch_size=1)
+
+
+def _kill_at(tmp_path: Path, prompts: list[str], where: str, at: int) -> Path:
+    import json
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    out = tmp_path / "store"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(spec), str(out), where, str(at)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env)
+    try:
+        child.stdin.write(json.dumps(prompts) + "\n" + json.dumps(OPTIONS) + "\n")
+        child.stdin.flush()
+        for line in child.stdout:
+            if line.strip() == f"{where} {at}":
+                break
+            assert line.strip() != "finished", "the child finished before the kill point"
+        else:
+            raise AssertionError(f"child exited early: {child.stderr.read()[-2000:]}")
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    return out
+
+
+@pytest.mark.parametrize(("where", "at", "committed"), [
+    ("add", 1, 0),      # mid first shard: nothing committed yet
+    ("add", 5, 3),      # one shard committed, the next half-written
+    ("rename", 2, 3),   # second shard fully written but not yet renamed
+])
+def test_sigkill_then_resume_leaves_every_prompt_once(tiny, prompts, oracle, tmp_path,
+                                                      where, at, committed):
+    out = _kill_at(tmp_path, prompts, where, at)
+    leftovers = [p.name for p in (out / "shards").iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers, "the kill should land while a shard is being written"
+    killed = open_activations(out)
+    assert killed.n_prompts == committed
+    assert sorted(killed.outputs["prompt_index"]) == list(range(committed))
+    assert set(killed.index["prompt_index"]) <= set(range(committed))
+
+    summary = tiny.capture(prompts, out, progress=False, resume=True, **OPTIONS)
+    assert summary.skipped == committed
+    assert summary.requests == N_PROMPTS - committed
+    assert not [p for p in (out / "shards").iterdir() if p.name.startswith(".tmp-")]
+
+    store = open_activations(out)
+    assert sorted(store.outputs["prompt_index"]) == list(range(N_PROMPTS))
+    keys = ["request_id", "extraction_point_name", "layer", "token_index"]
+    assert not store.index.duplicated(keys).any()
+    expected = oracle_vectors(oracle)
+    found = store_vectors(store)
+    assert found.keys() == expected.keys()
+    for key, vector in expected.items():
+        np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
+
+
+def test_a_finished_store_resumes_to_nothing_and_refuses_other_captures(tiny, prompts,
+                                                                        tmp_path):
+    first = tiny.capture(prompts[:4], tmp_path, progress=False, **OPTIONS)
+    assert first.requests == 4
+    again = tiny.capture(prompts[:4], tmp_path, progress=False, **OPTIONS)
+    assert (again.requests, again.skipped, again.vectors) == (0, 4, 0)
+    with pytest.raises(StoreError, match="resume=True"):
+        tiny.capture(prompts[:4], tmp_path, progress=False, resume=False, **OPTIONS)
+    with pytest.raises(StoreError, match="prompts"):
+        tiny.capture(prompts[:5], tmp_path, progress=False, **OPTIONS)
+    with pytest.raises(StoreError, match="sampling"):
+        tiny.capture(prompts[:4], tmp_path, progress=False, **dict(OPTIONS, max_new_tokens=3))
+    assert len(open_activations(tmp_path).outputs) == 4
+
+
+def test_an_interrupt_commits_whole_batches_and_a_failed_write_commits_nothing(
+        tiny, prompts, tmp_path, monkeypatch):
+    from undercurrent.store import writer
+
+    calls = {"n": 0}
+    generate = type(tiny).generate
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny), "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.capture(prompts, tmp_path / "a", progress=False, **dict(OPTIONS, shard_prompts=50))
+    assert sorted(open_activations(tmp_path / "a").outputs["prompt_index"]) == [0, 1]
+    monkeypatch.setattr(type(tiny), "generate", generate)
+
+    def broken(self, outputs, indices):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(writer._OpenShard, "add_outputs", broken)
+    with pytest.raises(OSError, match="disk full"):
+        tiny.capture(prompts, tmp_path / "b", progress=False, **OPTIONS)
+    store = open_activations(tmp_path / "b")
+    assert len(store) == 0 and store.n_prompts == 0
+    assert not list((tmp_path / "b" / "shards").glob(".tmp-*"))

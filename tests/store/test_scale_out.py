@@ -1,0 +1,104 @@
+"""``--shard i/N``: parts written by concurrent processes into one directory form
+one store equal to a single capture; a part has one writer at a time; the CLI
+reads .txt and .jsonl prompt files and names bad arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from store_helpers import SPEC, corpus_prompts, oracle_vectors, request_ids, store_vectors
+
+from undercurrent import open_activations
+from undercurrent.store import StoreError
+from undercurrent.store.format import parse_part, part_range
+from undercurrent.store.writer import StoreWriter
+
+pytest.importorskip("torch")
+pytest.importorskip("pyarrow")
+
+ROOT = Path(__file__).parents[2]
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "undercurrent", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_parts_are_disjoint_and_cover_the_prompts():
+    for n_prompts in (0, 1, 7, 100):
+        for count in (1, 2, 3, 8):
+            parts = [list(part_range(i, count, n_prompts)) for i in range(count)]
+            assert sorted(sum(parts, [])) == list(range(n_prompts))
+    assert parse_part("2/4") == (2, 4)
+    for bad in ("4/4", "1", "a/b", "-1/2"):
+        with pytest.raises(ValueError, match="i/N|0 <= i < N"):
+            parse_part(bad)
+
+
+def test_two_cli_processes_write_one_store(tiny, tmp_path):
+    prompts = corpus_prompts(9, seed=21)[0]
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    as_jsonl = tmp_path / "prompts.jsonl"
+    as_jsonl.write_text("".join(json.dumps({"prompt": p, "label": 0}) + "\n" for p in prompts))
+    as_txt = tmp_path / "prompts.txt"
+    as_txt.write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "store"
+    common = ["--spec", str(spec), "--out", str(out), "--model", "tiny", "--max-new-tokens",
+              "5", "--batch-size", "1", "--no-progress"]
+    workers = [_cli("capture", "--prompts", str(as_jsonl), "--shard", "0/2", *common),
+               _cli("capture", "--prompts", str(as_txt), "--shard", "1/2", *common)]
+    for worker in workers:
+        stdout, stderr = worker.communicate(timeout=300)
+        assert worker.returncode == 0, stderr[-2000:]
+        assert "vectors" in stdout
+    store = open_activations(out)
+    assert sorted(store.outputs["prompt_index"]) == list(range(9))
+    shards = {str(s).split("-")[0] for s in store.index["shard"].unique()}
+    assert shards == {"part0000of0002", "part0001of0002"}
+    oracle = tiny.generate(prompts, request_ids=request_ids(9), records=True,
+                           max_new_tokens=5, batch_size=1)
+    expected = oracle_vectors(oracle)
+    found = store_vectors(store)
+    assert found.keys() == expected.keys()
+    for key, vector in expected.items():
+        np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
+
+
+def test_cli_names_bad_input(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('"fine"\n{"text": "no prompt key"}\n')
+    from undercurrent.cli import main
+
+    base = ["capture", "--spec", str(spec), "--out", str(tmp_path / "o")]
+    assert main([*base, "--prompts", str(bad)]) == 2
+    assert main([*base, "--prompts", str(tmp_path / "p.csv")]) == 2
+    good = tmp_path / "prompts.txt"
+    good.write_text("hello\n")
+    assert main([*base, "--prompts", str(good), "--shard", "2/2"]) == 2
+    assert main([*base, "--prompts", str(good), "--reduce", "resid"]) == 2
+
+
+def test_one_writer_per_part_and_one_capture_per_directory(tmp_path):
+    identity = {"model": "m", "points": [{"name": "a"}], "reductions": {"a": None},
+                "storage_dtype": None, "sampling": {}, "prompts": {"count": 1}}
+    first = StoreWriter(tmp_path, identity, "part0000of0001")
+    try:
+        with pytest.raises(StoreError, match="another writer"):
+            StoreWriter(tmp_path, identity, "part0000of0001")
+        other = StoreWriter(tmp_path, identity, "part0000of0002")  # another part: fine
+        other.close()
+        with pytest.raises(StoreError, match="model"):
+            StoreWriter(tmp_path, dict(identity, model="other"), "part0001of0002")
+    finally:
+        first.close()
+    StoreWriter(tmp_path, identity, "part0000of0001").close()  # the lock was released

@@ -1,0 +1,77 @@
+"""Probes over a store: ``fit_linear_probe(store, ...)`` equals the fit on the
+same activations taken from ``generate(records=True)``; ``sweep_linear_probes``
+gives one row per layer with held-out metrics split by request; the figure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from store_helpers import corpus_prompts, request_ids
+
+from undercurrent import open_activations
+from undercurrent.store import SWEEP_COLUMNS, sweep_figure, sweep_linear_probes
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+
+OPTIONS = dict(max_new_tokens=6, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def labelled(tiny, tmp_path_factory):
+    prompts, labels = corpus_prompts(40, seed=3)
+    out = tmp_path_factory.mktemp("sweep")
+    tiny.capture(prompts, out, progress=False, **OPTIONS)
+    return open_activations(out), prompts, labels
+
+
+def test_fit_on_a_store_equals_the_fit_on_records(tiny, labelled):
+    from undercurrent.notebook import fit_linear_probe, records_frame
+
+    store, prompts, labels = labelled
+    outputs = tiny.generate(prompts, request_ids=request_ids(len(prompts)), records=True,
+                            **OPTIONS)
+    frame = records_frame(outputs)
+    by_request = {rid: label for rid, label in zip(request_ids(len(prompts)), labels,
+                                                   strict=True)}
+    # The frame's rows follow the store's order (layer, prompt, token) for one point.
+    frame = frame[frame["point"] == "resid"].sort_values(["layer", "request", "token_index"])
+    oracle = fit_linear_probe(frame, by_request, layer=2, seed=0)
+    for y in (by_request, labels, dict(enumerate(labels))):  # per request, per prompt
+        fit = fit_linear_probe(store, y, point="resid", layer=2, seed=0)
+        assert fit.metrics == oracle.metrics
+        np.testing.assert_allclose(fit.weight, oracle.weight, rtol=1e-4, atol=1e-6)
+        assert (fit.layer, fit.tensor_type) == (2, "residual_stream")
+    assert oracle.metrics["split"] == "request"
+    with pytest.raises(ValueError, match="mixes layers"):
+        fit_linear_probe(store, labels, point="resid")
+
+
+def test_sweep_has_one_row_per_layer_with_held_out_metrics(labelled):
+    store, _, labels = labelled
+    frame = sweep_linear_probes(store, labels, point="resid", positions="generated", seed=0)
+    assert list(frame.columns) == list(SWEEP_COLUMNS)
+    assert frame["layer"].tolist() == [0, 1, 2, 3]
+    resid = store.index[store.index["extraction_point_name"] == "resid"]
+    for row in frame.itertuples(index=False):
+        layer_rows = resid[resid["layer"] == row.layer]
+        assert row.n == len(layer_rows) == row.n_train + row.n_test
+        assert row.n_requests == 40
+        assert 0 <= row.accuracy <= 1 and 0 <= row.auc <= 1
+    # The bundled model carries the intent: some layer beats chance clearly.
+    assert frame["auc"].max() > 0.8
+    last = sweep_linear_probes(store, labels, point="resid", layers=[3], positions="last")
+    assert last["n"].tolist() == [40]
+    with pytest.raises(ValueError, match="pick one"):
+        sweep_linear_probes(store, labels)
+
+
+def test_sweep_figure_draws_accuracy_auc_and_chance(labelled):
+    store, _, labels = labelled
+    frame = sweep_linear_probes(store, labels, point="resid", layers=[1, 3])
+    figure = sweep_figure(frame)
+    assert [trace.name for trace in figure.data] == ["held-out accuracy", "held-out AUC",
+                                                     "chance"]
+    assert list(figure.data[1].y) == frame["auc"].tolist()
+    with pytest.raises(ValueError, match="empty"):
+        sweep_figure(frame.iloc[:0])

@@ -1,0 +1,194 @@
+"""``ProbedModel.capture``: generate over a prompt list and write every record to a store.
+
+The seam: capture drives the model's own ``generate(records=True)`` over chunks
+of the prompt list (``batch_size`` prompts for Hugging Face, one ``generate()``
+batch; a larger chunk of concurrent requests for vLLM) and hands each chunk's
+outputs to the :class:`~undercurrent.store.writer.StoreWriter`, which writes
+them before the next chunk starts. The records of one chunk are the only ones in
+memory, so memory is flat in the number of prompts, and the stored values are by
+construction those ``generate(records=True)`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from undercurrent.store.format import (
+    STORAGE_DTYPES,
+    parse_part,
+    parse_reductions,
+    part_name,
+    part_range,
+    prompts_digest,
+)
+from undercurrent.store.writer import StoreWriter
+
+VLLM_CHUNK = 256
+"""Prompts per ``generate()`` call under vLLM (all concurrent in the engine)."""
+
+
+@dataclass(frozen=True)
+class CaptureSummary:
+    """What one ``capture()`` call wrote.
+
+    ``requests``, ``vectors`` and ``bytes`` (vector bytes) count this call's
+    writing only; ``skipped`` counts prompts of this part a previous run had
+    already committed (``resume=True``).
+    """
+
+    path: Path
+    requests: int
+    vectors: int
+    bytes: int
+    skipped: int = 0
+    seconds: float = 0.0
+
+
+def request_id_for(prompt_index: int) -> str:
+    """The request id a store gives prompt ``prompt_index`` (stable across runs and parts)."""
+    return f"p{prompt_index:06d}"
+
+
+def capture_activations(
+    model: Any,
+    prompts: Sequence[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    max_new_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    batch_size: int | None = None,
+    storage_dtype: str | None = None,
+    reduce: Mapping[str, Any] | None = None,
+    shard: str | tuple[int, int] | None = None,
+    shard_prompts: int = 256,
+    resume: bool = True,
+    progress: bool = True,
+) -> CaptureSummary:
+    """Implementation of :meth:`undercurrent.api.ProbedModel.capture` (see there)."""
+    from undercurrent.api import check_prompts
+    from undercurrent.spec import extraction_point_to_dict
+
+    prompts = check_prompts(prompts)
+    if not model.points:
+        raise ValueError("capture needs a spec with at least one extraction point")
+    if storage_dtype is not None:
+        storage_dtype = str(storage_dtype).removeprefix("torch.")
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype={storage_dtype!r}: use one of "
+                             f"{list(STORAGE_DTYPES)} or None (the model's dtype)")
+    index, count = parse_part(shard)
+    names = [point.name for point in model.points]
+    reductions = parse_reductions(reduce, names)
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    identity = {
+        "model": model.backend.model_name,
+        "points": [extraction_point_to_dict(point) for point in model.points],
+        "reductions": {name: r.as_dict() for name, r in reductions.items()},
+        "storage_dtype": storage_dtype,
+        "sampling": {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                     "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stops},
+        "prompts": {"count": len(prompts), "sha256": prompts_digest(prompts)},
+    }
+    if batch_size is None:
+        batch_size = VLLM_CHUNK if model.backend.name == "vllm" else model.batch_size
+    started = time.perf_counter()
+    writer = StoreWriter(out_dir, identity, part_name(index, count), resume=resume,
+                         shard_prompts=shard_prompts)
+    mine = part_range(index, count, len(prompts))
+    todo = [k for k in mine if k not in writer.completed]
+    bar = _progress(len(todo), len(mine) - len(todo), progress)
+    try:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
+            outputs = model.generate(
+                [prompts[k] for k in chunk], request_ids=[request_id_for(k) for k in chunk],
+                records=True, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_p=top_p, top_k=top_k, seed=seed, stop=stop, batch_size=len(chunk))
+            tokens = sum(len(output.token_ids) for output in outputs)
+            vectors = writer.add(outputs, chunk)
+            del outputs
+            release_freed_memory()
+            if bar is not None:
+                bar.advance(len(chunk), tokens, vectors)
+        writer.close()
+    except BaseException:
+        writer.abandon()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return CaptureSummary(path=Path(out_dir), requests=writer.requests, vectors=writer.vectors,
+                          bytes=writer.bytes, skipped=len(mine) - len(todo),
+                          seconds=time.perf_counter() - started)
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the last batch back to the OS (glibc's ``malloc_trim``).
+
+    Each batch allocates and frees many mid-sized tensors and record objects;
+    glibc keeps the freed pages in its arenas, where fragmentation lets RSS creep
+    up batch after batch although nothing is alive. Trimming after each batch
+    keeps RSS flat. A no-op where glibc is not the allocator.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+_TRIM: list[Any] = []
+
+
+def _malloc_trim() -> Any:
+    if not _TRIM:
+        function = None
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                function = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                function = None
+        _TRIM.append(function)
+    return _TRIM[0]
+
+
+class _Progress:
+    """A tqdm bar (terminal or notebook) counting prompts, with tokens/s and vectors/s."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.tokens = 0
+        self.vectors = 0
+
+    def advance(self, prompts: int, tokens: int, vectors: int) -> None:
+        self.tokens += tokens
+        self.vectors += vectors
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s, "
+                                 f"{self.vectors / elapsed:,.0f} vectors/s", refresh=False)
+        self.bar.update(prompts)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int, done: int, enabled: bool) -> _Progress | None:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="prompt", desc="capture", dynamic_ncols=True)
+    if done:
+        bar.set_description(f"capture (resumed: {done} done)")
+    return _Progress(bar)

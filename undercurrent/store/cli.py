@@ -1,0 +1,119 @@
+"""``undercurrent capture``: write a prompt file's generations to an activation store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def add_capture_command(subparsers: Any) -> None:
+    """Register ``capture`` (its handler imports torch only when it runs)."""
+    parser = subparsers.add_parser(
+        "capture",
+        help="generate over a prompt file and store every captured activation",
+        description=(
+            "Load MODEL, attach the points of SPEC, generate for every prompt of PROMPTS "
+            "and write every captured vector to the activation store OUT (see "
+            "docs/store.md). A killed run started again continues where it stopped. With "
+            "--shard i/N, N processes (or machines sharing a filesystem) each capture a "
+            "disjoint part of the prompts into the same OUT."),
+    )
+    parser.add_argument("--spec", required=True, help="YAML spec file")
+    parser.add_argument("--prompts", required=True, metavar="FILE",
+                        help="prompts: .txt (one per line) or .jsonl (a string, or an object "
+                             "with a 'prompt' key, per line)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="store directory")
+    parser.add_argument("--model", default="tiny", help="local path, hub id, or 'tiny'")
+    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1")
+    parser.add_argument("--shard", default=None, metavar="i/N",
+                        help="capture part i (0-based) of N disjoint parts of the prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--storage-dtype", default=None,
+                        choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--reduce", action="append", default=[], metavar="POINT=REDUCTION",
+                        help="e.g. resid=last_token, resid=mean_generated, resid=project:64 "
+                             "(repeat per point)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="refuse a directory that already holds this part's shards")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=run_capture)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a ``.txt`` (one per non-empty line) or ``.jsonl`` file."""
+    source = Path(path)
+    text = source.read_text(encoding="utf-8")
+    if source.suffix == ".txt":
+        return [line for line in text.splitlines() if line.strip()]
+    if source.suffix != ".jsonl":
+        raise ValueError(f"{str(source)!r}: prompts must be a .txt or .jsonl file")
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{source}:{number}: not JSON ({error.msg})") from None
+        if isinstance(item, dict):
+            item = item.get("prompt")
+        if not isinstance(item, str):
+            raise ValueError(f"{source}:{number}: expected a JSON string or an object with a "
+                             "string 'prompt'")
+        prompts.append(item)
+    return prompts
+
+
+def _reductions(items: list[str]) -> dict[str, str]:
+    found = {}
+    for item in items:
+        point, sep, reduction = item.partition("=")
+        if not sep or not point or not reduction:
+            raise ValueError(f"--reduce {item!r}: use POINT=REDUCTION, e.g. resid=last_token")
+        found[point] = reduction
+    return found
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    from undercurrent.store.format import StoreError, parse_part
+
+    try:
+        prompts = read_prompts(args.prompts)
+        reductions = _reductions(args.reduce)
+        parse_part(args.shard)
+    except (OSError, ValueError) as error:
+        print(f"capture: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    from undercurrent.adapters.capabilities import CapabilityError
+    from undercurrent.api import ProbedModel
+    from undercurrent.spec import SpecValidationError
+
+    try:
+        model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
+                                            device=args.device)
+    except (SpecValidationError, CapabilityError, OSError) as error:
+        print(f"capture: {error}", file=sys.stderr)
+        return EXIT_FAILURE
+    with model:
+        try:
+            summary = model.capture(
+                prompts, args.out, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
+                storage_dtype=args.storage_dtype, resume=not args.no_resume,
+                progress=not args.no_progress, reduce=reductions, shard=args.shard)
+        except (StoreError, ValueError) as error:
+            print(f"capture: {error}", file=sys.stderr)
+            return EXIT_FAILURE
+    print(f"{summary.requests} prompts ({summary.skipped} already done), {summary.vectors} "
+          f"vectors, {summary.bytes / 2**20:.1f} MiB written to {summary.path} in "
+          f"{summary.seconds:.1f} s")
+    return EXIT_OK

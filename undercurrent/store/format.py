@@ -1,0 +1,284 @@
+"""The on-disk layout of an activation store, shared by the writer and the reader.
+
+A store is a directory::
+
+    store.json                    what was captured: model, spec, sampling, prompts hash
+    shards/<part>-<seq>/          one committed shard (written whole, then renamed)
+        meta.json                 prompt indices, and per point: file, rows, shape, dtype
+        p<k>.bin                  point k's vectors: C-contiguous (rows, *shape), no header
+        index.parquet             one row per vector (``INDEX_COLUMNS``)
+        outputs.parquet           one row per prompt (``OUTPUT_COLUMNS``)
+        results.parquet           the results frame of the shard's prompts
+    shards/.tmp-<part>-<seq>/     a shard being written (ignored by readers)
+
+A shard becomes visible only through the atomic rename of its finished
+directory, so a reader (or a resumed writer) never sees a partial one. Each
+writer (one per ``--shard i/N`` part) names its shards after its part, so
+several processes can write into one directory without touching each other's
+files. A ``.bin`` file is appended batch by batch, and each batch's rows are
+ordered by (layer, prompt, token), so one layer of one point is one contiguous
+run per batch (the reader copies run by run).
+
+Vectors are stored in the model's dtype or in ``storage_dtype``; numpy has no
+bfloat16, so bfloat16 vectors are stored as their raw 16-bit patterns (``uint16``
+on disk) and widened to float32 when read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STORE_FORMAT = "undercurrent.activation_store/1"
+MANIFEST = "store.json"
+SHARDS = "shards"
+TMP_PREFIX = ".tmp-"
+
+INDEX_COLUMNS: tuple[str, ...] = (
+    "request_id",
+    "prompt_index",
+    "extraction_point_name",
+    "layer",
+    "tensor_type",
+    "token_index",
+    "is_generated",
+    "generated_index",
+    "token_id",
+    "shard",
+    "row",
+)
+"""Columns of ``ActivationStore.index``: one row per stored vector.
+
+``row`` is the vector's row in its shard's file for its point; ``generated_index``
+and ``token_id`` are nullable (``<NA>`` for prompt tokens / unknown ids). For a
+point stored with a token reduction (``last_token`` or ``mean_generated``) the
+token columns describe the last token the row covers.
+"""
+
+OUTPUT_COLUMNS: tuple[str, ...] = (
+    "prompt_index",
+    "request_id",
+    "prompt",
+    "text",
+    "token_ids",
+    "prompt_token_ids",
+    "finish_reason",
+    "aborted",
+    "abort_point",
+    "abort_layer",
+    "abort_token_index",
+    "abort_score",
+)
+"""Columns of ``ActivationStore.outputs``: one row per prompt."""
+
+STORAGE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class StoreError(RuntimeError):
+    """A store directory cannot be written or read as asked (wrong layout, another
+    capture's directory, a second writer on the same part)."""
+
+
+# -- reductions ----------------------------------------------------------------------------
+
+_TOKEN_REDUCTIONS = ("all", "last_token", "mean_generated")
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What to keep of one point's vectors.
+
+    ``tokens``: ``"all"`` (every captured token), ``"last_token"`` (only each
+    request's last captured token, per layer) or ``"mean_generated"`` (the mean over
+    the request's captured generated tokens, per layer). ``project``: a number of
+    dimensions ``k`` for a fixed random projection (Gaussian, scaled by
+    ``1/sqrt(k)``, drawn from ``seed``; ``store.json`` records the seed, and
+    :meth:`projection` rebuilds the matrix).
+
+    As a string: ``"last_token"``, ``"mean_generated"``, ``"project:64"`` or a
+    combination joined by ``+`` (``"mean_generated+project:64"``).
+    """
+
+    tokens: str = "all"
+    project: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens not in _TOKEN_REDUCTIONS:
+            raise ValueError(
+                f"reduction tokens={self.tokens!r} is not one of {list(_TOKEN_REDUCTIONS)}")
+        if self.project is not None and (isinstance(self.project, bool)
+                                         or not isinstance(self.project, int)
+                                         or self.project < 1):
+            raise ValueError(f"reduction project={self.project!r}: give a number of "
+                             "dimensions >= 1 (or None for no projection)")
+
+    @classmethod
+    def parse(cls, value: Reduction | str | Mapping[str, Any] | None) -> Reduction:
+        """A ``Reduction`` from itself, None, a dict of its fields or its string form."""
+        if value is None:
+            return cls()
+        if isinstance(value, Reduction):
+            return value
+        if isinstance(value, Mapping):
+            return cls(**dict(value))
+        if not isinstance(value, str):
+            raise TypeError(f"a reduction is a string such as 'last_token' or "
+                            f"'project:64', got {type(value).__name__}")
+        tokens, project = "all", None
+        for part in (p.strip() for p in value.split("+")):
+            if part in _TOKEN_REDUCTIONS:
+                tokens = part
+            elif part.startswith("project:") and part[len("project:"):].isdigit():
+                project = int(part[len("project:"):])
+            else:
+                raise ValueError(
+                    f"unknown reduction {part!r} in {value!r}; use 'last_token', "
+                    "'mean_generated', 'project:K' or several joined by '+'")
+        return cls(tokens=tokens, project=project)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.tokens == "all" and self.project is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "project": self.project, "seed": self.seed}
+
+    def projection(self, features: int) -> Any:
+        """The ``(features, project)`` float32 projection matrix (deterministic)."""
+        import numpy as np
+
+        if self.project is None:
+            raise ValueError("this reduction has no projection")
+        rng = np.random.default_rng(self.seed)
+        matrix = rng.standard_normal((features, self.project), dtype=np.float64)
+        return (matrix / np.sqrt(self.project)).astype(np.float32)
+
+
+def parse_reductions(reduce: Mapping[str, Any] | None,
+                     point_names: Sequence[str]) -> dict[str, Reduction]:
+    """``{point name: Reduction}`` for every point (identity where none was asked)."""
+    chosen = dict(reduce or {})
+    unknown = sorted(set(chosen) - set(point_names))
+    if unknown:
+        raise ValueError(f"reduce names unknown point(s) {unknown}; the spec's points are "
+                         f"{list(point_names)}")
+    return {name: Reduction.parse(chosen.get(name)) for name in point_names}
+
+
+# -- parts (scale-out) ----------------------------------------------------------------------
+
+def parse_part(shard: str | tuple[int, int] | None) -> tuple[int, int]:
+    """``"i/N"`` (or ``(i, N)``, or None for ``0/1``) as ``(i, N)``, checked."""
+    if shard is None:
+        return 0, 1
+    if isinstance(shard, str):
+        pieces = shard.split("/")
+        if len(pieces) != 2 or not all(p.strip().isdigit() for p in pieces):
+            raise ValueError(f"shard {shard!r} must look like 'i/N' (e.g. '0/4'), "
+                             "with 0 <= i < N")
+        index, count = int(pieces[0]), int(pieces[1])
+    else:
+        index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: need 0 <= i < N")
+    return index, count
+
+
+def part_range(index: int, count: int, n_prompts: int) -> range:
+    """The prompt indices of part ``index`` of ``count``: contiguous, disjoint, covering."""
+    return range(index * n_prompts // count, (index + 1) * n_prompts // count)
+
+
+def part_name(index: int, count: int) -> str:
+    return f"part{index:04d}of{count:04d}"
+
+
+# -- files ---------------------------------------------------------------------------------
+
+def prompts_digest(prompts: Sequence[str]) -> str:
+    """A hash of the whole prompt list (every part of a store must share it)."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        encoded = prompt.encode()
+        digest.update(len(encoded).to_bytes(8, "little"))
+        digest.update(encoded)
+    return digest.hexdigest()
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{str(path)!r} is missing: is this an activation store?") from None
+    except json.JSONDecodeError as error:
+        raise StoreError(f"{str(path)!r} is not valid JSON ({error})") from None
+
+
+def committed_shards(root: Path) -> list[Path]:
+    """The committed shard directories of a store, in name order."""
+    folder = root / SHARDS
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (best effort where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# -- dtypes --------------------------------------------------------------------------------
+
+def to_storage(array: Any, dtype_name: str) -> Any:
+    """``array`` (numpy, float) converted to the stored representation of ``dtype_name``."""
+    import numpy as np
+
+    if dtype_name == "bfloat16":
+        return float32_to_bfloat16_bits(np.asarray(array, dtype=np.float32))
+    return np.ascontiguousarray(array, dtype=np.dtype(dtype_name))
+
+
+def disk_dtype(dtype_name: str) -> Any:
+    """The numpy dtype of the bytes on disk for a stored dtype name."""
+    import numpy as np
+
+    return np.dtype(np.uint16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+
+
+def float32_to_bfloat16_bits(array: Any) -> Any:
+    """Round float32 to bfloat16 (nearest, ties to even) and return the 16-bit patterns."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))
+    nan = np.isnan(array)
+    out = (rounded >> 16).astype(np.uint16)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def bfloat16_bits_to_float32(bits: Any) -> Any:
+    """Widen stored bfloat16 patterns to float32 (exact)."""
+    import numpy as np
+
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,399 @@
+"""Read an activation store: the index, memory-mapped vectors, outputs and results.
+
+>>> store = open_activations("acts/")                       # doctest: +SKIP
+>>> rows = store.index.query("layer == 2 and is_generated")  # doctest: +SKIP
+>>> X = store.vectors(rows)                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from undercurrent.store.format import (
+    MANIFEST,
+    OUTPUT_COLUMNS,
+    STORE_FORMAT,
+    Reduction,
+    StoreError,
+    bfloat16_bits_to_float32,
+    committed_shards,
+    disk_dtype,
+    read_json,
+)
+
+POSITIONS = ("all", "prompt", "generated", "last", "last_prompt")
+"""Row filters of :meth:`ActivationStore.select`: every row, prompt or generated tokens
+only, each request's last captured token, or its last captured prompt token (per
+point and layer)."""
+
+
+def open_activations(path: str | os.PathLike[str]) -> ActivationStore:
+    """Open the store at ``path`` (every part written into it, committed shards only)."""
+    return ActivationStore(path)
+
+
+class ActivationStore:
+    """A captured activation dataset on disk.
+
+    ``index`` is a pandas frame with one row per vector (``INDEX_COLUMNS``);
+    :meth:`vectors` gives the vectors of any subset of its rows, memory-mapped
+    from the shard files (nothing else is read); ``outputs`` has one row per
+    prompt; ``results`` is the results frame (``RESULT_COLUMNS`` plus
+    ``prompt_index``). Join them on ``prompt_index`` (or ``request_id`` /
+    ``request``). :meth:`select` narrows the store to a point, layers or
+    positions; :meth:`records_frame` gives a frame in ``records_frame`` form for
+    the notebook helpers.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, _index: Any = None,
+                 _parent: ActivationStore | None = None) -> None:
+        self.path = Path(path)
+        if _parent is not None:
+            self.manifest = _parent.manifest
+            self._shards = _parent._shards
+            self._maps = _parent._maps
+            self._outputs = _parent._outputs
+            self._results = _parent._results
+            self._index = _index
+            return
+        if not (self.path / MANIFEST).is_file():
+            raise StoreError(f"{str(self.path)!r} is not an activation store (no {MANIFEST}); "
+                             "write one with ProbedModel.capture(prompts, out_dir)")
+        self.manifest = read_json(self.path / MANIFEST)
+        if self.manifest.get("format") != STORE_FORMAT:
+            raise StoreError(f"{str(self.path / MANIFEST)!r} has format "
+                             f"{self.manifest.get('format')!r}, expected {STORE_FORMAT!r}")
+        self._shards = {shard.name: read_json(shard / "meta.json")
+                        for shard in committed_shards(self.path)}
+        self._maps: dict[tuple[str, str], Any] = {}
+        self._outputs: Any = None
+        self._results: Any = None
+        self._index = None
+
+    # -- frames ------------------------------------------------------------------------
+    @property
+    def index(self) -> Any:
+        """One row per vector; see ``undercurrent.store.INDEX_COLUMNS``."""
+        if self._index is None:
+            index = self._concat("index.parquet", _empty_index)
+            self._index = index.astype({"generated_index": "Int64", "token_id": "Int64"})
+            self._index["shard"] = self._index["shard"].astype("category")
+        return self._index
+
+    @property
+    def outputs(self) -> Any:
+        """One row per prompt (``OUTPUT_COLUMNS``), ordered by ``prompt_index``."""
+        if self._outputs is None:
+            frame = self._concat("outputs.parquet", _empty_outputs)
+            self._outputs = frame.sort_values("prompt_index", ignore_index=True)
+        return self._outputs
+
+    @property
+    def results(self) -> Any:
+        """The probes' results frame, one row per (prompt, point), with ``prompt_index``;
+        ``verdict`` is decoded from the JSON it was stored as."""
+        if self._results is None:
+            frame = self._concat("results.parquet", None)
+            if "verdict" in frame.columns:
+                frame["verdict"] = [json.loads(v) for v in frame["verdict"]]
+            self._results = frame
+        return self._results
+
+    def _concat(self, name: str, empty: Any) -> Any:
+        import pandas as pd
+
+        frames = [pd.read_parquet(self.path / "shards" / shard / name)
+                  for shard in self._shards if (self.path / "shards" / shard / name).exists()]
+        if not frames:
+            return empty() if empty is not None else pd.DataFrame()
+        return pd.concat(frames, ignore_index=True)
+
+    # -- vectors -----------------------------------------------------------------------
+    def vectors(self, rows: Any = None, *, dtype: Any = None) -> Any:
+        """The vectors of ``rows``, in their order, as an ndarray ``(len(rows), *shape)``.
+
+        ``rows`` is a frame whose rows come from :attr:`index` (any filter, sort or
+        join of it that keeps the ``shard``, ``extraction_point_name`` and ``row``
+        columns), a boolean mask or positions over :attr:`index`, or None for every
+        row (of a store narrowed by :meth:`select`). Only the asked rows are read:
+        a selection that is one contiguous block of one shard file comes back as a
+        read-only ``numpy.memmap`` view (no copy); anything else is gathered block by
+        block. bfloat16 vectors are widened to float32; ``dtype`` converts.
+        """
+        import numpy as np
+
+        frame = self._rows_frame(rows)
+        if frame.empty:
+            raise ValueError("vectors(): no rows selected")
+        # Positions of the rows of each (shard, point) file, grouped in C by pandas.
+        groups = {(str(shard), str(point)): positions for (shard, point), positions in
+                  frame.groupby(["shard", "extraction_point_name"], observed=True,
+                                sort=False).indices.items()}
+        shapes = {tuple(self._point_meta(*key)["shape"]) for key in groups}
+        if len(shapes) > 1:
+            raise ValueError(f"vectors(): the rows hold vectors of different shapes "
+                             f"{sorted(shapes)}; select one point (and tensor type) first")
+        (shape,) = shapes
+        stored = {self._point_meta(*key)["dtype"] for key in groups}
+        wanted = np.dtype("float32") if "bfloat16" in stored else np.result_type(
+            *[np.dtype(s) for s in stored])
+        row_numbers = frame["row"].to_numpy(dtype=np.int64)
+        if len(groups) == 1 and dtype is None:
+            key = next(iter(groups))
+            first, last = int(row_numbers[0]), int(row_numbers[-1])
+            if (last - first + 1 == len(row_numbers)
+                    and (len(row_numbers) == 1 or (np.diff(row_numbers) == 1).all())):
+                block = self._memmap(key)[first:last + 1]
+                return self._decode(block, self._point_meta(*key)["dtype"])
+        out = np.empty((len(frame), *shape), dtype=np.dtype(dtype) if dtype else wanted)
+        for key, positions in groups.items():
+            where = np.asarray(positions, dtype=np.int64)
+            self._gather(key, row_numbers[where], where, out)
+        return out
+
+    def _gather(self, key: tuple[str, str], rows: Any, where: Any, out: Any) -> None:
+        """Copy ``rows`` of one file into ``out[where]``, one slice per contiguous run."""
+        import numpy as np
+
+        data = self._memmap(key)
+        stored = self._point_meta(*key)["dtype"]
+        order = np.argsort(rows, kind="stable")
+        rows, where = rows[order], where[order]
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        for run_rows, run_where in zip(np.split(rows, breaks), np.split(where, breaks),
+                                       strict=True):
+            block = data[run_rows[0]:run_rows[-1] + 1]
+            out[run_where] = self._decode(block, stored)
+
+    @staticmethod
+    def _decode(block: Any, stored: str) -> Any:
+        return bfloat16_bits_to_float32(block) if stored == "bfloat16" else block
+
+    def _point_meta(self, shard: str, point: str) -> Mapping[str, Any]:
+        try:
+            return self._shards[shard]["points"][point]
+        except KeyError:
+            raise KeyError(f"no vectors of point {point!r} in shard {shard!r} of "
+                           f"{str(self.path)!r}") from None
+
+    def _memmap(self, key: tuple[str, str]) -> Any:
+        import numpy as np
+
+        data = self._maps.get(key)
+        if data is None:
+            meta = self._point_meta(*key)
+            path = self.path / "shards" / key[0] / meta["file"]
+            dtype = disk_dtype(meta["dtype"])
+            expected = meta["rows"] * dtype.itemsize * int(np.prod(meta["shape"], dtype=np.int64))
+            if path.stat().st_size != expected:
+                raise StoreError(f"{str(path)!r} has {path.stat().st_size} bytes, its shard "
+                                 f"says {expected}: the shard is damaged")
+            data = np.memmap(path, dtype=dtype, mode="r", shape=(meta["rows"], *meta["shape"]))
+            self._maps[key] = data
+        return data
+
+    def _rows_frame(self, rows: Any) -> Any:
+        import numpy as np
+        import pandas as pd
+
+        if rows is None:
+            return self.index
+        if isinstance(rows, pd.DataFrame):
+            missing = [c for c in ("shard", "extraction_point_name", "row") if c not in rows]
+            if missing:
+                raise ValueError(f"vectors(): the frame lacks index columns {missing}; pass "
+                                 "rows of store.index (filtered, sorted or joined)")
+            return rows
+        selector = np.asarray(rows)
+        if selector.dtype == bool:
+            return self.index[selector]
+        return self.index.iloc[selector]
+
+    # -- narrowing ---------------------------------------------------------------------
+    def select(self, *, point: str | None = None, layer: int | Sequence[int] | None = None,
+               tensor_type: str | None = None, positions: str = "all",
+               rows: Any = None) -> ActivationStore:
+        """A view of this store restricted to some rows (the files are shared).
+
+        ``positions`` is one of ``POSITIONS``; ``"last"``/``"last_prompt"`` keep each
+        request's last captured (prompt) token per point and layer.
+        """
+        index = self._rows_frame(rows)
+        if point is not None:
+            index = index[index["extraction_point_name"] == point]
+        if layer is not None:
+            layers = [layer] if isinstance(layer, int) else list(layer)
+            index = index[index["layer"].isin(layers)]
+        if tensor_type is not None:
+            index = index[index["tensor_type"] == tensor_type]
+        index = _positions(index, positions)
+        return ActivationStore(self.path, _index=index, _parent=self)
+
+    def records_frame(self, rows: Any = None, *, tensors: bool = True) -> Any:
+        """The rows in ``records_frame`` form (``request``, ``point``, ... ``tensor``),
+        plus ``prompt_index``; ``activation_matrix``, ``select_rows``, ``label_rows``
+        and ``fit_linear_probe`` take it as they take a records frame."""
+        from undercurrent.notebook.frames import RECORD_COLUMNS
+
+        frame = self._rows_frame(rows)
+        out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
+        out = out.reset_index(drop=True)
+        out["token_text"] = None
+        out["timestamp"] = float("nan")
+        out["dtype"] = [self._point_meta(s, p)["dtype"] for s, p in
+                        zip(frame["shard"].astype(str), frame["extraction_point_name"],
+                            strict=True)]
+        out["shape"] = [tuple(self._point_meta(s, p)["shape"]) for s, p in
+                        zip(frame["shard"].astype(str), frame["extraction_point_name"],
+                            strict=True)]
+        out["tensor"] = None
+        if tensors and len(frame):
+            column: list[Any] = [None] * len(frame)
+            points = frame["extraction_point_name"].to_numpy()
+            for name in set(points.tolist()):  # one shape per point
+                where = (points == name).nonzero()[0]
+                for position, vector in zip(where, self.vectors(frame.iloc[where]),
+                                            strict=True):
+                    column[position] = vector
+            out["tensor"] = column
+        return out[list(RECORD_COLUMNS) + ["prompt_index"]]
+
+    # -- analysis ----------------------------------------------------------------------
+    def probe_design(self, y: Any, *, point: str | None = None, layer: int | None = None,
+                     tensor_type: str | None = None, group_by: Any = "auto"
+                     ) -> tuple[Any, Any, Any, int, str]:
+        """``(X, labels, groups, layer, tensor_type)`` for ``fit_linear_probe``.
+
+        Reads only the vectors of one point and layer (float32). ``y`` maps request
+        ids or prompt indices to labels, or gives one label per prompt (indexed by
+        ``prompt_index``) or one per selected row. Groups are request ids, so the
+        held-out split keeps each generation on one side.
+        """
+        import numpy as np
+
+        index = self.select(point=point, layer=layer, tensor_type=tensor_type).index
+        if index.empty:
+            raise ValueError(f"fit_linear_probe: the store has no rows for point={point!r}, "
+                             f"layer={layer!r}, tensor_type={tensor_type!r}; it has points "
+                             f"{self.points} and layers {self.layers}")
+        for column, argument in (("extraction_point_name", "point"), ("layer", "layer"),
+                                 ("tensor_type", "tensor_type")):
+            values = sorted(index[column].unique().tolist())
+            if len(values) > 1:
+                raise ValueError(f"fit_linear_probe: the store mixes {argument}s {values}; a "
+                                 f"probe reads one, so pass {argument}=... (e.g. "
+                                 f"{argument}={values[0]!r})")
+        labels = self.row_labels(y, index)
+        X = np.asarray(self.vectors(index), dtype=np.float32).reshape(len(index), -1)
+        # A list, not an array: fit_linear_probe compares group_by with None/"auto".
+        if isinstance(group_by, str):
+            column = "request_id" if group_by == "auto" else group_by
+            groups = index[column].tolist()
+        else:
+            groups = None if group_by is None else list(group_by)
+        return X, labels, groups, int(index["layer"].iloc[0]), str(index["tensor_type"].iloc[0])
+
+    def row_labels(self, y: Any, index: Any = None) -> Any:
+        """One label per row of ``index`` (default: this store's) from per-request,
+        per-prompt or per-row labels (see :meth:`probe_design`)."""
+        import numpy as np
+
+        index = self.index if index is None else index
+        if y is None:
+            raise ValueError("give labels: {request_id or prompt_index: label}, one per "
+                             "prompt, or one per row")
+        if isinstance(y, str):
+            if y not in self.outputs.columns:
+                raise ValueError(f"no outputs column {y!r} to take labels from")
+            y = dict(zip(self.outputs["prompt_index"], self.outputs[y], strict=True))
+        if isinstance(y, Mapping):
+            keys = list(y)
+            column = "request_id" if keys and isinstance(keys[0], str) else "prompt_index"
+            values = index[column].tolist()
+            missing = sorted({str(v) for v in values if v not in y})
+            if missing:
+                raise KeyError(f"no label for {column} value(s) {missing[:5]}"
+                               + (" ..." if len(missing) > 5 else ""))
+            return np.asarray([y[v] for v in values])
+        labels = np.asarray(y)
+        if len(labels) == len(index):
+            return labels
+        n_prompts = self.manifest["prompts"]["count"]
+        if len(labels) == n_prompts:
+            return labels[index["prompt_index"].to_numpy()]
+        raise ValueError(f"{len(labels)} labels: give one per prompt ({n_prompts}), one per "
+                         f"row ({len(index)}), or a {{request_id: label}} mapping")
+
+    # -- summary -----------------------------------------------------------------------
+    @property
+    def points(self) -> list[str]:
+        """Point names in the spec's order."""
+        return [point["name"] for point in self.manifest["points"]]
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(int(v) for v in self.index["layer"].unique())
+
+    @property
+    def reductions(self) -> dict[str, Reduction]:
+        return {name: Reduction.parse(value)
+                for name, value in self.manifest["reductions"].items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Vector bytes of the whole store on disk."""
+        import numpy as np
+
+        return sum(meta["rows"] * disk_dtype(meta["dtype"]).itemsize
+                   * int(np.prod(meta["shape"], dtype=np.int64))
+                   for shard in self._shards.values() for meta in shard["points"].values())
+
+    @property
+    def n_prompts(self) -> int:
+        """Prompts committed in this store (all parts)."""
+        return sum(len(shard["prompt_indices"]) for shard in self._shards.values())
+
+    def __len__(self) -> int:
+        if self._index is None:
+            return sum(int(shard["vectors"]) for shard in self._shards.values())
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return (f"ActivationStore({str(self.path)!r}, model={self.manifest['model']!r}, "
+                f"prompts={self.n_prompts}/{self.manifest['prompts']['count']}, "
+                f"vectors={len(self)}, points={self.points}, shards={len(self._shards)}, "
+                f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+def _positions(index: Any, positions: str) -> Any:
+    if positions not in POSITIONS:
+        raise ValueError(f"positions={positions!r} is not one of {list(POSITIONS)}")
+    if positions == "all":
+        return index
+    if positions == "prompt":
+        return index[~index["is_generated"]]
+    if positions == "generated":
+        return index[index["is_generated"]]
+    if positions == "last_prompt":
+        index = index[~index["is_generated"]]
+    keys = ["request_id", "extraction_point_name", "layer"]
+    last = index.groupby(keys, observed=True, sort=False)["token_index"].transform("max")
+    return index[index["token_index"] == last]
+
+
+def _empty_index() -> Any:
+    import pandas as pd
+
+    from undercurrent.store.format import INDEX_COLUMNS
+
+    return pd.DataFrame({column: [] for column in INDEX_COLUMNS})
+
+
+def _empty_outputs() -> Any:
+    import pandas as pd
+
+    return pd.DataFrame({column: [] for column in OUTPUT_COLUMNS})

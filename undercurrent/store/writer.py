@@ -1,0 +1,441 @@
+"""Write captured generations into a store, one committed shard at a time.
+
+:class:`StoreWriter` is fed whole generations (``GenerationOutput``s with their
+records) batch by batch. Each batch's vectors are converted, reduced and
+appended to the open shard's ``.bin`` files right away, so memory holds one batch
+of records plus the small index rows of the open shard, however many prompts the
+capture has. After ``shard_prompts`` prompts the shard's index, outputs and
+results are written and its directory is renamed into place (the commit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from undercurrent.store.format import (
+    INDEX_COLUMNS,
+    MANIFEST,
+    OUTPUT_COLUMNS,
+    SHARDS,
+    STORE_FORMAT,
+    TMP_PREFIX,
+    Reduction,
+    StoreError,
+    committed_shards,
+    fsync_dir,
+    read_json,
+    to_storage,
+    write_json,
+)
+
+# What must agree between the parts of one store (and between a run and its resume).
+IDENTITY_KEYS = ("model", "points", "reductions", "storage_dtype", "sampling", "prompts")
+
+
+class StoreWriter:
+    """One writer (one part of the prompt list) of a store directory.
+
+    ``identity`` describes the capture (see ``IDENTITY_KEYS``); the first writer
+    creates ``store.json`` from it and every later writer (another part, or a
+    resumed run) must match it. ``resume=False`` refuses a directory that already
+    holds shards of this part. A lock file keeps a second live writer off the
+    same part.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], identity: Mapping[str, Any], part: str,
+                 *, resume: bool = True, shard_prompts: int = 256) -> None:
+        if shard_prompts < 1:
+            raise ValueError(f"shard_prompts must be >= 1, got {shard_prompts}")
+        self.root = Path(root)
+        self.part = part
+        self.shard_prompts = shard_prompts
+        self.reductions = {name: Reduction.parse(value)
+                           for name, value in identity["reductions"].items()}
+        self.storage_dtype: str | None = identity["storage_dtype"]
+        self.point_order = [point["name"] for point in identity["points"]]
+        (self.root / SHARDS).mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_part(self.root / SHARDS / f".lock-{part}", part)
+        try:
+            _ensure_manifest(self.root, {"format": STORE_FORMAT, **identity})
+            mine = [p for p in committed_shards(self.root) if p.name.startswith(part + "-")]
+            if mine and not resume:
+                raise StoreError(
+                    f"{str(self.root)!r} already holds {len(mine)} shard(s) of {part}; pass "
+                    "resume=True to continue that capture, or use an empty directory")
+            for stale in (self.root / SHARDS).glob(f"{TMP_PREFIX}{part}-*"):
+                # A shard a killed run left half-written: never committed, so dropped.
+                shutil.rmtree(stale, ignore_errors=True)
+            self.completed = _completed_prompts(self.root)
+            self._seq = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in mine), default=-1)
+        except BaseException:
+            self._lock.close()
+            raise
+        self._open: _OpenShard | None = None
+        self.requests = 0
+        self.vectors = 0
+        self.bytes = 0
+        self._projections: dict[tuple[str, int], Any] = {}
+
+    # -- writing -----------------------------------------------------------------------
+    def add(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> int:
+        """Append one batch of generations (with ``records``); returns vectors written.
+
+        The records are taken out of the outputs (their ``records`` lists are
+        emptied) so memory is released point by point as they are written.
+        Commits the open shard when it reaches ``shard_prompts`` prompts.
+        """
+        if self._open is None:
+            self._open = _OpenShard(self.root, f"{self.part}-{self._seq:06d}")
+        shard = self._open
+        shard.whole = False  # until this batch is fully in: a failure now discards it
+        written = 0
+        entries = _point_entries(outputs, prompt_indices)
+        for name in self.point_order:
+            # Popped, so each point's records (and the captured tensors they view)
+            # are freed once written: the batch's peak is one point, not all.
+            found = entries.pop(name, None)
+            if not found:
+                continue
+            rows, array = self._vectors(name, found)
+            del found
+            if not rows:
+                continue
+            shard.append(self.point_order.index(name), name, rows, array)
+            written += len(rows)
+            self.bytes += array.nbytes
+            del rows, array
+        shard.add_outputs(outputs, prompt_indices)
+        shard.whole = True
+        self.vectors += written
+        self.requests += len(outputs)
+        if len(shard.prompt_indices) >= self.shard_prompts:
+            self.commit()
+        return written
+
+    def _vectors(self, name: str, found: list[tuple[Any, ...]]) -> tuple[list[Any], Any]:
+        """The entries the stored rows describe, and their stored array, for one
+        point's entries ``(layer, prompt index, token index, record)`` in one batch."""
+        import numpy as np
+
+        reduction = self.reductions[name]
+        found.sort(key=lambda entry: entry[:3])
+        groups = None
+        if reduction.tokens == "mean_generated":
+            found = [entry for entry in found if entry[3].is_generated]
+        if reduction.tokens != "all":
+            groups = _group_runs(found)
+        if reduction.tokens == "last_token":
+            found = [found[stop - 1] for _, stop in groups]
+            groups = None
+        if not found:
+            return [], None
+        array, dtype = _stack([entry[3].tensor for entry in found])
+        if groups is not None:  # mean over each (layer, prompt) run of generated tokens
+            starts = np.array([start for start, _ in groups], dtype=np.intp)
+            counts = np.array([stop - start for start, stop in groups], dtype=np.float32)
+            sums = np.add.reduceat(array.astype(np.float32), starts, axis=0)
+            array = sums / counts.reshape((-1,) + (1,) * (array.ndim - 1))
+            found = [found[stop - 1] for _, stop in groups]
+        if reduction.project is not None:
+            flat = np.asarray(array, dtype=np.float32).reshape(len(array), -1)
+            key = (name, flat.shape[1])
+            if key not in self._projections:
+                self._projections[key] = reduction.projection(flat.shape[1])
+            array = flat @ self._projections[key]
+        return found, to_storage(array, self.storage_dtype or dtype)
+
+    def commit(self) -> None:
+        """Finish the open shard and make it visible (an atomic rename)."""
+        if self._open is None:
+            return
+        shard, self._open = self._open, None
+        shard.commit(self.storage_dtype)
+        self._seq += 1
+
+    def close(self) -> None:
+        """Commit what is open and release this part's lock."""
+        try:
+            self.commit()
+        finally:
+            self._lock.close()
+
+    def abandon(self) -> None:
+        """After an error or interrupt: commit the open shard if it holds only whole
+        batches (they are complete prompts), else drop it; release the lock."""
+        try:
+            if self._open is not None:
+                if self._open.whole and self._open.prompt_indices:
+                    self.commit()
+                else:
+                    self._open.discard()
+                    self._open = None
+        finally:
+            self._lock.close()
+
+
+def _point_entries(outputs: Sequence[Any], prompt_indices: Sequence[int]
+                   ) -> dict[str, list[tuple[Any, ...]]]:
+    """Per point: ``(layer, prompt index, token index, record)`` of every record."""
+    entries: dict[str, list[tuple[Any, ...]]] = {}
+    for output, prompt_index in zip(outputs, prompt_indices, strict=True):
+        if output.records is None:
+            raise StoreError("the writer needs outputs generated with records=True")
+        for record in output.records:
+            entries.setdefault(record.extraction_point_name, []).append(
+                (record.layer, prompt_index, record.token_index, record))
+        output.records.clear()
+    return entries
+
+
+def _group_runs(found: list[tuple[Any, ...]]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of entries sharing (layer, prompt) (``found`` is sorted)."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    for position in range(1, len(found) + 1):
+        if position == len(found) or found[position][:2] != found[start][:2]:
+            runs.append((start, position))
+            start = position
+    return runs
+
+
+def _stack(tensors: list[Any]) -> tuple[Any, str]:
+    """One numpy array ``(n, *shape)`` from torch tensors or arrays, and the source
+    dtype name (dtypes numpy lacks, such as bfloat16, come back as float32)."""
+    import numpy as np
+
+    first = tensors[0]
+    if hasattr(first, "detach"):
+        import torch
+
+        stacked = torch.stack([t.detach() for t in tensors]).cpu()
+        name = str(stacked.dtype).removeprefix("torch.")
+        if name not in ("float32", "float16", "float64"):
+            stacked = stacked.float()
+        return stacked.numpy(), name
+    array = np.stack([np.asarray(t) for t in tensors])
+    return array, array.dtype.name
+
+
+class _ParquetAppender:
+    """A parquet file written one row group per call, with a fixed schema, so the
+    open shard keeps none of its rows in memory."""
+
+    def __init__(self, path: Path, columns: Sequence[tuple[str, str]]) -> None:
+        self.path = path
+        self.columns = columns
+        self.writer: Any = None
+
+    def write(self, data: Mapping[str, Sequence[Any]]) -> int:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = _arrow_schema(pa, self.columns)
+        table = pa.table({name: pa.array(data[name], type=schema.field(name).type)
+                          for name, _ in self.columns}, schema=schema)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, schema)
+        self.writer.write_table(table)
+        return len(table)
+
+    def close(self) -> None:
+        if self.writer is None:
+            self.write({name: [] for name, _ in self.columns})
+        self.writer.close()
+        self.writer = None
+
+
+def _arrow_schema(pa: Any, columns: Sequence[tuple[str, str]]) -> Any:
+    types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(),
+             "bool": pa.bool_(), "ints": pa.list_(pa.int64())}
+    return pa.schema([(name, types[kind]) for name, kind in columns])
+
+
+_INDEX_TYPES = {"request_id": "str", "extraction_point_name": "str", "tensor_type": "str",
+                "shard": "str", "is_generated": "bool"}
+_INDEX_SCHEMA = [(name, _INDEX_TYPES.get(name, "int")) for name in INDEX_COLUMNS]
+_OUTPUT_TYPES = {"prompt_index": "int", "token_ids": "ints", "prompt_token_ids": "ints",
+                 "aborted": "bool", "abort_layer": "int", "abort_token_index": "int",
+                 "abort_score": "float"}
+_OUTPUT_SCHEMA = [(name, _OUTPUT_TYPES.get(name, "str")) for name in OUTPUT_COLUMNS]
+_RESULT_SCHEMA = [
+    ("prompt_index", "int"), ("request", "str"), ("point", "str"), ("verdict", "str"),
+    ("flagged", "bool"), ("aborted", "bool"), ("n_signals", "int"), ("n_flags", "int"),
+    ("max_score", "float"), ("mean_score", "float"), ("last_score", "float"),
+    ("error", "str"), ("received", "int"), ("processed", "int"), ("dropped", "int"),
+    ("errors", "int"), ("timeouts", "int"), ("mean_latency_s", "float"),
+]
+
+
+class _OpenShard:
+    """A shard being written in its temporary directory."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root = root
+        self.name = name
+        self.tmp = root / SHARDS / f"{TMP_PREFIX}{name}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir()
+        self.files: dict[str, Any] = {}
+        self.points: dict[str, dict[str, Any]] = {}
+        self.index = _ParquetAppender(self.tmp / "index.parquet", _INDEX_SCHEMA)
+        self.outputs = _ParquetAppender(self.tmp / "outputs.parquet", _OUTPUT_SCHEMA)
+        self.results = _ParquetAppender(self.tmp / "results.parquet", _RESULT_SCHEMA)
+        self.vectors = 0
+        self.prompt_indices: list[int] = []
+        self.whole = True
+
+    def append(self, point_number: int, name: str, entries: list[tuple[Any, ...]],
+               array: Any) -> None:
+        info = self.points.get(name)
+        shape = list(array.shape[1:])
+        dtype = "bfloat16" if array.dtype.name == "uint16" else array.dtype.name
+        if info is None:
+            info = self.points[name] = {"file": f"p{point_number}.bin", "rows": 0,
+                                        "shape": shape, "dtype": dtype}
+            self.files[name] = open(self.tmp / info["file"], "wb")  # noqa: SIM115
+        elif info["shape"] != shape or info["dtype"] != dtype:
+            raise StoreError(f"point {name!r} captured vectors of shape {shape} ({dtype}) "
+                             f"after {info['shape']} ({info['dtype']}) in one shard")
+        self.files[name].write(memoryview(array).cast("B"))
+        first = info["rows"]
+        info["rows"] += len(entries)
+        records = [entry[3] for entry in entries]
+        kind = str(getattr(records[0].tensor_type, "value", records[0].tensor_type))
+        self.vectors += self.index.write({
+            "request_id": [record.request_id for record in records],
+            "prompt_index": [entry[1] for entry in entries],
+            "extraction_point_name": [name] * len(records),
+            "layer": [record.layer for record in records],
+            "tensor_type": [kind] * len(records),
+            "token_index": [record.token_index for record in records],
+            "is_generated": [record.is_generated for record in records],
+            "generated_index": [record.generated_index for record in records],
+            "token_id": [record.token_id for record in records],
+            "shard": [self.name] * len(records),
+            "row": range(first, first + len(records)),
+        })
+
+    def add_outputs(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> None:
+        from undercurrent.notebook.frames import results_frame
+
+        aborts = [output.abort for output in outputs]
+        self.outputs.write({
+            "prompt_index": [int(index) for index in prompt_indices],
+            "request_id": [output.request_id for output in outputs],
+            "prompt": [output.prompt for output in outputs],
+            "text": [output.text for output in outputs],
+            "token_ids": [list(output.token_ids) for output in outputs],
+            "prompt_token_ids": [list(output.prompt_token_ids) for output in outputs],
+            "finish_reason": [output.finish_reason for output in outputs],
+            "aborted": [abort is not None for abort in aborts],
+            "abort_point": [None if a is None else a.extraction_point_name for a in aborts],
+            "abort_layer": [None if a is None else a.layer for a in aborts],
+            "abort_token_index": [None if a is None else a.token_index for a in aborts],
+            "abort_score": [None if a is None else a.signal.score for a in aborts],
+        })
+        frame = results_frame(list(outputs))
+        prompt_of = dict(zip((o.request_id for o in outputs), prompt_indices, strict=True))
+        columns = {name: frame[name].tolist() for name, _ in _RESULT_SCHEMA[1:]}
+        columns["prompt_index"] = [int(prompt_of[request]) for request in frame["request"]]
+        columns["verdict"] = [json.dumps(v, default=_plain) for v in frame["verdict"]]
+        columns["error"] = [None if e is None else str(e) for e in frame["error"]]
+        self.results.write(columns)
+        self.prompt_indices.extend(int(index) for index in prompt_indices)
+
+    def commit(self, storage_dtype: str | None) -> None:
+        for handle in self.files.values():
+            handle.close()
+        self.files.clear()
+        for table in (self.index, self.outputs, self.results):
+            table.close()
+        write_json(self.tmp / "meta.json", {
+            "format": STORE_FORMAT, "shard": self.name, "points": self.points,
+            "prompt_indices": self.prompt_indices, "vectors": self.vectors,
+            "storage_dtype": storage_dtype})
+        fsync_dir(self.tmp)
+        os.rename(self.tmp, self.root / SHARDS / self.name)
+        fsync_dir(self.root / SHARDS)
+
+    def discard(self) -> None:
+        for handle in self.files.values():
+            handle.close()
+        for table in (self.index, self.outputs, self.results):
+            if table.writer is not None:
+                table.writer.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _plain(value: Any) -> Any:
+    """JSON for verdicts that are not plain JSON (numpy scalars, arrays, objects)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return repr(value)
+
+
+class _PartLock:
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing the file releases the flock
+            self.handle = None
+
+
+def _lock_part(path: Path, part: str) -> _PartLock:
+    """An exclusive, non-blocking lock on one part's lock file."""
+    handle = open(path, "a+")  # noqa: SIM115 - held for the writer's life
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock on this platform
+        return _PartLock(handle)
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise StoreError(
+            f"another writer is capturing {part} into {str(path.parent.parent)!r}; "
+            "each --shard i/N part needs its own process") from None
+    return _PartLock(handle)
+
+
+def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
+    """Create ``store.json`` atomically, or check that the existing one matches."""
+    target = root / MANIFEST
+    if not target.exists():
+        tmp = root / f"{TMP_PREFIX}{MANIFEST}.{os.getpid()}"
+        write_json(tmp, dict(manifest))
+        try:
+            os.link(tmp, target)  # fails if another writer created it first
+        except FileExistsError:
+            pass
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+    existing = read_json(target)
+    if existing.get("format") != STORE_FORMAT:
+        raise StoreError(f"{str(target)!r} is not an activation store manifest "
+                         f"(format {existing.get('format')!r}, expected {STORE_FORMAT!r})")
+    wanted = json.loads(json.dumps(dict(manifest)))
+    differ = [key for key in IDENTITY_KEYS if existing.get(key) != wanted.get(key)]
+    if differ:
+        raise StoreError(
+            f"{str(root)!r} holds a capture with a different {', '.join(differ)}; a store "
+            "(every --shard part, every resume) needs the same model, spec, reductions, "
+            "storage dtype, sampling settings and prompt list. Use another directory.")
+
+
+def _completed_prompts(root: Path) -> set[int]:
+    done: set[int] = set()
+    for shard in committed_shards(root):
+        done.update(read_json(shard / "meta.json")["prompt_indices"])
+    return done
