@@ -20,14 +20,20 @@ from typing import Any
 
 from undercurrent.adapters.base import BackendError, SamplingParams, backend_class
 from undercurrent.adapters.capabilities import Capabilities, check_points
-from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
+from undercurrent.adapters.outputs import (
+    AbortInfo,
+    AppliedEdit,
+    GenerationOutput,
+    StreamEvent,
+    TokenSignal,
+)
 from undercurrent.adapters.session import CaptureSession
 from undercurrent.models import TINY_MODEL_NAME
 from undercurrent.records import ProbeResult
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
-__all__ = ["AbortInfo", "GenerationOutput", "ProbedModel", "StreamEvent", "TokenSignal",
-           "load_spec"]
+__all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
+           "TokenSignal", "load_spec"]
 
 SpecLike = ProbeSpec | str | os.PathLike[str] | Mapping[str, Any] | Iterable[ExtractionPoint]
 
@@ -133,6 +139,7 @@ class ProbedModel:
                 f"ProbedModel.from_pretrained(path, backend={backend!r})")
         self.spec = load_spec(spec)
         check_points(self.backend.capabilities(), self.spec)
+        self._spec_edits = self._register_edits((), self.spec.edits)
         backend_check = getattr(self.backend, "check", None)
         if backend_check is not None:
             # Engine-specific refusals (e.g. prompt positions under vLLM prefix
@@ -213,12 +220,42 @@ class ProbedModel:
                 f"layers={caps.num_layers}, points={list(self.spec.names)})")
 
     # -- generation --------------------------------------------------------
-    def _session(self, records: bool) -> CaptureSession:
+    def _register_edits(self, registered: Sequence[Any], more: Sequence[Any]) -> list[Any]:
+        """Resolve the ``more`` edits on this model, checked next to the ``registered``
+        ones (names unique) and the spec's points; no edits, nothing imported."""
+        if not more:
+            return []
+        from undercurrent.steering.registration import as_edits, register_edits
+
+        combined = [*as_edits(registered), *as_edits(more)]
+        resolved = register_edits(combined, list(self.spec), self.backend.capabilities())
+        return resolved[len(registered):]
+
+    def _call_edits(self, edits: Sequence[Any] | None, prompt_edits: Sequence[Any] | None,
+                    request_ids: Sequence[str]) -> tuple[list[Any], dict[str, list[Any]]]:
+        """Resolved edits for every prompt of a call, and per request id."""
+        spec_edits = [resolved.edit for resolved in self._spec_edits]
+        shared = self._register_edits(spec_edits, edits or ())
+        if prompt_edits is None:
+            return shared, {}
+        if isinstance(prompt_edits, (str, Mapping)) or len(prompt_edits) != len(request_ids):
+            raise ValueError(
+                f"prompt_edits must be a list with one entry per prompt ({len(request_ids)}), "
+                "each a list of edits or None")
+        shared_edits = [*spec_edits, *(resolved.edit for resolved in shared)]
+        per_request = {request_id: self._register_edits(shared_edits, extra)
+                       for request_id, extra in zip(request_ids, prompt_edits, strict=True)
+                       if extra}
+        return shared, per_request
+
+    def _session(self, records: bool, edits: Sequence[Any] = (),
+                 request_edits: Mapping[str, Sequence[Any]] | None = None) -> CaptureSession:
         if self._closed:
             raise BackendError("this ProbedModel is closed")
         router = self.router if self.spec else self._router
         return CaptureSession(router, self.points, model_name=self.backend.model_name,
-                              keep_records=records, on_result=self.on_result)
+                              keep_records=records, on_result=self.on_result,
+                              edits=[*self._spec_edits, *edits], request_edits=request_edits)
 
     def _params(self, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int | None, seed: int | None, stop: str | Sequence[str] | None,
@@ -247,6 +284,8 @@ class ProbedModel:
         capture_last_token: bool | None = None,
         batch_size: int | None = None,
         request_ids: Sequence[str] | None = None,
+        edits: Sequence[Any] | None = None,
+        prompt_edits: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for each prompt (batched) with the probes attached.
 
@@ -256,6 +295,11 @@ class ProbedModel:
         ``records=True`` keeps the captured ``ActivationRecord``s on each output;
         ``capture_last_token=True`` runs one extra forward step so the last sampled
         token (never fed back to the model) is captured too.
+
+        ``edits`` (``Edit`` objects or spec-form mappings) apply to every prompt of
+        this call, after the spec's own; ``prompt_edits`` gives one entry per
+        prompt (a list of edits, or None), so one request can be steered while
+        another in the same batch is untouched. See ``docs/steering.md``.
         """
         prompts = check_prompts(prompts)
         ids = list(request_ids) if request_ids is not None else [self._new_id() for _ in prompts]
@@ -263,7 +307,8 @@ class ProbedModel:
             raise ValueError("request_ids must be unique and one per prompt")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
-        session = self._session(records)
+        shared, per_request = self._call_edits(edits, prompt_edits, ids)
+        session = self._session(records, shared, per_request)
         return self.backend.generate(prompts, ids, params, session,
                                      batch_size=batch_size or self.batch_size)
 
@@ -280,16 +325,19 @@ class ProbedModel:
         records: bool = False,
         capture_last_token: bool | None = None,
         request_id: str | None = None,
+        edits: Sequence[Any] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield a :class:`StreamEvent` per generated token (its id, its text piece
         and the inline probe signals that arrived since the previous event), then
-        a final event (``finished=True``) carrying the complete output."""
+        a final event (``finished=True``) carrying the complete output. ``edits``
+        apply to this prompt, after the spec's own."""
         if not isinstance(prompt, str):
             raise TypeError(f"stream() takes one prompt string, got {type(prompt).__name__}; "
                             "use generate() for a list of prompts")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
-        session = self._session(records)
+        shared, _ = self._call_edits(edits, None, ())
+        session = self._session(records, shared)
         return self.backend.stream(prompt, request_id or self._new_id(), params, session)
 
     # -- lifecycle ---------------------------------------------------------

@@ -50,6 +50,22 @@ class AbortInfo:
 
 
 @dataclass(frozen=True)
+class AppliedEdit:
+    """One live edit applied to one token at one site.
+
+    ``token_index`` is absolute in the request's prompt + generated sequence (the
+    token whose activation was changed, in the forward pass that fed it);
+    ``generated_index`` is None for prompt tokens. ``tensor_type`` is the site.
+    """
+
+    edit_name: str
+    layer: int
+    token_index: int
+    generated_index: int | None
+    tensor_type: str
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
     """One prompt's generation: text, tokens, abort and each point's ``ProbeResult``.
 
@@ -57,7 +73,8 @@ class GenerationOutput:
     ``prompt_token_ids``); ``finish_reason`` is ``"length"``, ``"eos"``,
     ``"stop"`` (a stop string; ``text`` ends before it) or ``"abort"``.
     ``records`` holds the captured ``ActivationRecord``s only when the generation
-    was asked for ``records=True``.
+    was asked for ``records=True``. ``edits`` lists every live edit applied, one
+    :class:`AppliedEdit` per (edit, layer, token), in the order they ran.
     """
 
     request_id: str
@@ -71,11 +88,18 @@ class GenerationOutput:
     results: Mapping[str, ProbeResult] = field(default_factory=dict)
     signals: tuple[TokenSignal, ...] = ()
     records: list[ActivationRecord] | None = None
+    edits: tuple[AppliedEdit, ...] = ()
 
     @property
     def aborted(self) -> bool:
         """True when a probe's abort stopped this request."""
         return self.abort is not None
+
+    @property
+    def steered_tokens(self) -> tuple[int, ...]:
+        """Generated indices of the fed tokens any edit changed, in order."""
+        return tuple(sorted({edit.generated_index for edit in self.edits
+                             if edit.generated_index is not None}))
 
     def summary(self) -> dict[str, Any]:
         """A compact, printable view: text, abort and each point's verdict."""

@@ -214,6 +214,27 @@ def edit_problems(raw: Mapping[Any, Any], index: int = 0) -> list[SpecProblem]:
     return _check_edit(raw, index).problems
 
 
+def parse_edit(raw: Any, index: int = 0) -> Edit:
+    """One edit from raw data (a mapping in spec form), checked on its own; an
+    :class:`Edit` is returned as it is. References to extraction points are
+    checked with the points they run next to (see ``check_edits``).
+
+    >>> parse_edit({"name": "e", "layers": 1, "tensor_type": "residual_stream",
+    ...     "position": "generated[*]", "op": "add", "vector": [1, 0]}).vector
+    (1.0, 0.0)
+    """
+    if isinstance(raw, Edit):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise SpecValidationError([SpecProblem(
+            f"an edit must be an Edit or a mapping, got {describe_value(raw)}",
+            point_index=index, section="edits")])
+    check = _check_edit(raw, index)
+    if check.problems:
+        raise SpecValidationError(check.problems)
+    return _build_edit(check)
+
+
 def _build_edit(check: _PointCheck) -> Edit:
     arguments = {
         key: value
