@@ -10,6 +10,7 @@ Nothing here imports torch at import time (the ops on tensors live in
 from __future__ import annotations
 
 from undercurrent.steering.fitting import SteeringVector, fit_steering_vector, probe_direction
+from undercurrent.steering.frames import EDIT_COLUMNS, edits_frame
 from undercurrent.steering.registration import as_edits, register_edits
 from undercurrent.steering.vectors import (
     ResolvedEdit,
@@ -21,10 +22,12 @@ from undercurrent.steering.vectors import (
 )
 
 __all__ = [
+    "EDIT_COLUMNS",
     "ResolvedEdit",
     "SteeringVector",
     "VectorSource",
     "as_edits",
+    "edits_frame",
     "fit_steering_vector",
     "probe_direction",
     "register_edits",
