@@ -167,12 +167,14 @@ with ProbedModel.from_pretrained("undercurrent/tiny", spec=loop_spec) as loop:
 for output, label in zip(looped, labels, strict=True):
     flags = [s.generated_index for s in output.signals if s.action.value == "flag"]
     first = flags[0] if flags else None
-    start = output.steered_tokens[0] if output.steered_tokens else None
-    print(f"{label:8} first flag {first!s:4} edit from {start!s:4} aborted {output.aborted}")
+    start = output.edited_tokens[0] if output.edited_tokens else None
+    sampled = output.steered_tokens[0] if output.steered_tokens else None
+    print(f"{label:8} first flag {first!s:4} edit from fed token {start!s:4} "
+          f"first steered token {sampled!s:4} aborted {output.aborted}")
 
 # %%
 for output in looped:
-    if output.steered_tokens:
+    if output.edits:
         print(output.text)
 
 # %%

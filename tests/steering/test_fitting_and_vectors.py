@@ -105,7 +105,7 @@ def test_a_linear_probe_file_means_its_weight_direction_end_to_end(tiny_guard) -
     for output in outputs:
         scores = [s.score for s in output.signals]
         assert scores and all(s == pytest.approx(bias_only, abs=1e-5) for s in scores)
-        assert output.steered_tokens == tuple(range(len(output.token_ids) - 1))
+        assert output.edited_tokens == tuple(range(len(output.token_ids) - 1))
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,8 @@ def test_the_bundled_guard_switches_steering_on_instead_of_aborting() -> None:
             continue
         first_flag = min(s.generated_index for s in output.signals
                          if s.action.value == "flag")
-        assert output.steered_tokens[0] == first_flag + 1
+        assert output.edited_tokens[0] == first_flag + 1
+        assert output.steered_tokens[0] == first_flag + 2
         assert output.token_ids[:first_flag + 2] == before.token_ids[:first_flag + 2]
         assert output.text != before.text
         assert output.text.endswith(("have a nice day", "have a nice"))

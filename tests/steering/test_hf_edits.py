@@ -186,7 +186,8 @@ def test_a_triggered_edit_applies_from_the_pass_after_the_flagging_token(tiny):
     assert tokens[1] == expected[1] and tokens[1][4:] != plain[1][4:]
     assert tokens[0] == plain[0] and tokens[2] == plain[2]
     assert outputs[0].edits == () and outputs[2].edits == ()
-    assert outputs[1].steered_tokens == tuple(range(3, len(tokens[1]) - 1))
+    assert outputs[1].edited_tokens == tuple(range(3, len(tokens[1]) - 1))
+    assert outputs[1].steered_tokens == tuple(range(4, len(tokens[1])))
     assert {e.generated_index for e in outputs[1].edits} == set(range(3, len(tokens[1]) - 1))
 
 
@@ -204,6 +205,10 @@ def test_spec_edits_apply_to_every_request_and_stream_takes_edits(tiny):
     streamed = [event for event in tiny.stream(PROMPTS[0], max_new_tokens=NEW,
                                                 edits=[edit("add", v, 4.0)])]
     assert list(streamed[-1].output.token_ids) == expected[0]
+    # Token 0 comes from the prefill (unedited); every later token is sampled under
+    # the edit of the token fed before it.
+    assert [bool(e.edits) for e in streamed[:-1]] == [False] + [True] * (NEW - 1)
+    assert streamed[-1].output.steered_tokens == tuple(range(1, NEW))
 
 
 def test_registration_refuses_a_wrong_size_an_unknown_point_and_an_async_trigger(tiny):

@@ -99,6 +99,7 @@ class RequestState:
         self.armed: dict[str, int] = {}
         self.retire_edits = True
         self.applied: list[AppliedEdit] = []
+        self.edits_read = 0
         self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
 
     @property
@@ -195,6 +196,12 @@ class RequestState:
         ]
         found.sort(key=lambda item: item[0])
         return found
+
+    def unread_edits(self) -> tuple[AppliedEdit, ...]:
+        """Edits applied since the last call (what a stream event carries)."""
+        fresh = tuple(self.applied[self.edits_read:])
+        self.edits_read = len(self.applied)
+        return fresh
 
     def unread_signals(self) -> tuple[TokenSignal, ...]:
         """Signals that arrived since the last call (what a stream event carries)."""

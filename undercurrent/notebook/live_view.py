@@ -189,6 +189,9 @@ class LiveView:
             if index == abort_at:
                 style += "outline:2px solid #b00020;"
                 title += " (abort)"
+            if index in trace.steered:
+                style += "border-bottom:2px solid #1f77b4;"
+                title += " (steered)"
             spans.append(
                 f'<span class="uc-token" data-score="{"" if score is None else f"{score:.6f}"}" '
                 f'title="{html.escape(title)}" style="{style}border-radius:3px">{shown}</span>'

@@ -113,7 +113,7 @@ def reference(model_dir):
     assert len(changed) >= COUNT // 4  # the edits matter, so the comparison can fail
     for request in TRIGGERED:
         index = int(request[1:])
-        assert outputs[index].steered_tokens[0] == 3
+        assert outputs[index].edited_tokens[0] == 3
         assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
     return outputs
 

@@ -117,7 +117,8 @@ class _RowDriver:
                 self.on_event(StreamEvent(
                     request_id=state.request_id, token_id=token, text=piece,
                     token_index=state.prompt_len + generated_index,
-                    generated_index=generated_index, signals=state.unread_signals()))
+                    generated_index=generated_index, signals=state.unread_signals(),
+                    edits=state.unread_edits()))
         done = [not state.live for state in self.states]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 

@@ -521,10 +521,12 @@ class VLLMBackend:
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()
+                            edits = state.unread_edits()
                         yield StreamEvent(request_id=state.request_id, token_id=int(token_id),
                                           text=piece,
                                           token_index=state.prompt_len + generated_index,
-                                          generated_index=generated_index, signals=signals)
+                                          generated_index=generated_index, signals=signals,
+                                          edits=edits)
                 if output.finished:
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
