@@ -234,3 +234,35 @@ def test_registration_refuses_a_wrong_size_an_unknown_point_and_an_async_trigger
         tiny.generate(PROMPTS[0], edits=[edit(), edit()])
     with pytest.raises(ValueError, match="one entry per prompt"):
         tiny.generate(PROMPTS, prompt_edits=[None])
+
+
+def test_capture_last_token_replays_the_edits_so_every_record_matches_a_full_forward(tiny):
+    v = direction(seed=17)
+    point = ExtractionPoint(name="after", layers=(2,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="norm_probe",
+                            probe_kind="trajectory")
+    with ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=[point]) as probed:
+        (output,) = probed.generate(PROMPTS[2], max_new_tokens=NEW, records=True,
+                                    capture_last_token=True,
+                                    edits=[edit("add", v, 3.0, layer=1)])
+    assert [r.generated_index for r in output.records] == list(range(NEW))
+    # Oracle: one forward over prompt + reply, the addition on every generated position.
+    model = tiny.backend.model
+    ids = torch.tensor([list(output.prompt_token_ids) + list(output.token_ids)])
+    start = output.prompt_len
+
+    def add(module, args, hidden):
+        hidden = hidden.clone()
+        hidden[:, start:] += 3.0 * v
+        return hidden
+
+    handle = model.model.layers[1].register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            states = model(input_ids=ids, output_hidden_states=True).hidden_states[3][0]
+    finally:
+        handle.remove()
+    for record in output.records:
+        torch.testing.assert_close(record.tensor, states[record.token_index],
+                                   rtol=1e-4, atol=1e-4)
+    assert output.edited_tokens == tuple(range(NEW))  # the replay edits the last token too
