@@ -104,9 +104,15 @@ def vllm_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         bundle.model.save_pretrained(directory)
         bundle.tokenizer.save_pretrained(directory)
-        backend = VLLMBackend.from_pretrained(directory, dtype="float32", max_model_len=512)
+        backend = VLLMBackend.from_pretrained(
+            directory, dtype="float32",
+            max_model_len=min(512, bundle.model.config.max_position_embeddings))
     probed = ProbedModel(backend)
     edit = _edit(layer, vector)
+
+    # The in-process engine runs the worker in this process, so the hook reads this
+    # switch directly: installing it once keeps RPCs out of the timed runs.
+    switch = {"on": False}
 
     def install(worker: Any) -> None:
         import torch
@@ -115,27 +121,29 @@ def vllm_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
         added = COEFFICIENT * torch.as_tensor(vector, dtype=torch.float32)
 
         def hook(module: Any, args: Any, output: Any) -> None:
-            output[0].add_(added)
+            if switch["on"]:
+                output[0].add_(added)
 
-        worker._steering_bench = model.model.layers[layer].register_forward_hook(hook)
+        model.model.layers[layer].register_forward_hook(hook)
 
-    def remove(worker: Any) -> None:
-        worker._steering_bench.remove()
+    backend.engine.collective_rpc(install)
 
     def plain() -> Any:
         return probed.generate(list(PROMPTS), max_new_tokens=new_tokens)
 
     def raw() -> Any:
-        backend.engine.collective_rpc(install)
+        switch["on"] = True
         try:
             return plain()
         finally:
-            backend.engine.collective_rpc(remove)
+            switch["on"] = False
 
     def steered() -> Any:
         return probed.generate(list(PROMPTS), max_new_tokens=new_tokens, edits=[edit])
 
     try:
+        if [o.token_ids for o in raw()] == [o.token_ids for o in plain()]:
+            raise AssertionError("the raw hook did not change the tokens: it did not run")
         return _median_times({"plain": plain, "raw hook": raw, "undercurrent edit": steered},
                              repeats)
     finally:

@@ -530,11 +530,23 @@ class VLLMBackend:
                 if output.finished:
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
+        if any(state.edits for state in states.values()):
+            self._take_edits(states)
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():
             yield self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
                                params, session)
+
+    def _take_edits(self, states: dict[str, RequestState]) -> None:
+        """Collect the edits applied in steps that captured nothing (the worker reports
+        those without a round trip per step)."""
+        for applied in self.engine.collective_rpc("undercurrent_take_edits"):
+            for engine_id, name, tensor_type, layer, token_index in applied or ():
+                state = states.get(engine_id)
+                if state is not None:
+                    with self.server.lock:
+                        state.log_applied(name, TensorType(tensor_type), layer, token_index)
 
     def _capture_last_tokens(self, states: dict[str, RequestState],
                              tokens: dict[str, list[int]]) -> None:

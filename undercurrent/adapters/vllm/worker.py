@@ -266,11 +266,12 @@ class _Capture:
             for state in self.states.values():
                 state.applied.clear()  # only rank 0 reports what was applied
             return
-        edits = self._applied_edits() if plan.edits else []
-        if not self.captured and not edits:
+        if not self.captured:
+            # Edits alone need no round trip: what they changed rides with the next
+            # batch (before its records are built) or is taken at the end.
             return
         self.step += 1
-        batch = wire.StepBatch(step=self.step, edits=edits)
+        batch = wire.StepBatch(step=self.step, edits=self._applied_edits())
         by_shape: dict[tuple[int, ...], list[Any]] = {}
         bank_of: dict[tuple[int, ...], int] = {}
         offsets: dict[tuple[int, ...], int] = {}
@@ -399,6 +400,13 @@ class UndercurrentWorkerExtension:
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
             capture.open(points, requests, edits)
+
+    def undercurrent_take_edits(self) -> list[tuple[str, str, str, int, int]]:
+        """The edits applied since the last batch (capturing rank; others return [])."""
+        capture = getattr(self, "_undercurrent", None)
+        if capture is None or not capture.capturing:
+            return []
+        return capture._applied_edits()
 
     def undercurrent_release(self, engine_ids: list[str]) -> None:
         """Forget finished requests."""
