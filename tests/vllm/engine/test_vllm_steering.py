@@ -83,6 +83,17 @@ def run(model) -> list:
                           prompt_edits=[edits_for(i) for i in range(COUNT)])
 
 
+def untriggered(index: int) -> list[dict] | None:
+    """The always-on edits alone (no point to trigger them in a spec-less model)."""
+    return None if f"r{index}" in TRIGGERED else edits_for(index)
+
+
+def run_edits_only(model) -> list:
+    return model.generate(texts(), max_new_tokens=NEW,
+                          request_ids=[f"r{i}" for i in range(COUNT)],
+                          prompt_edits=[untriggered(i) for i in range(COUNT)])
+
+
 def check_same(outputs, reference) -> None:
     compare(outputs, reference)
     for ours, theirs in zip(outputs, reference, strict=True):
@@ -100,6 +111,8 @@ def reference(model_dir):
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=SPEC,
                      probes={"flag_at": flag_at}, batch_size=COUNT) as hf:
         outputs = run(hf)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), batch_size=COUNT) as hf:
+        edits_only = run_edits_only(hf)
         plain = hf.generate(texts(), max_new_tokens=NEW,
                             request_ids=[f"r{i}" for i in range(COUNT)])
     steered = [i for i in range(COUNT) if edits_for(i)]
@@ -115,7 +128,7 @@ def reference(model_dir):
         index = int(request[1:])
         assert outputs[index].edited_tokens[0] == 3
         assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
-    return outputs
+    return outputs, edits_only
 
 
 def _engine(model_dir, ranks):
@@ -128,10 +141,17 @@ def _engine(model_dir, ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
+    with_points, edits_only = reference
     backend = _engine(model_dir, ranks)
     try:
+        # Steps that capture nothing report their edits at the end of the call.
+        alone = run_edits_only(ProbedModel(backend))
+        for ours, theirs in zip(alone, edits_only, strict=True):
+            assert ours.token_ids == theirs.token_ids, ours.request_id
+            assert sorted(ours.edits, key=repr) == sorted(theirs.edits, key=repr)
+        assert sum(bool(o.edits) for o in alone) == COUNT // 2 - len(TRIGGERED)
         with ProbedModel(backend, spec=SPEC, probes={"flag_at": flag_at}) as model:
-            check_same(run(model), reference)
+            check_same(run(model), with_points)
             with pytest.raises(Exception, match="capture_last_token"):
                 model.generate(texts()[:1], max_new_tokens=2, capture_last_token=True,
                                edits=edits_for(0))
