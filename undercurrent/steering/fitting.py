@@ -49,13 +49,17 @@ class SteeringVector:
 
         >>> sv.edit("away_from_harm", coefficient=-4.0)   # doctest: +SKIP
         """
+        from undercurrent.spec.loader import parse_edit
+
         layers = self.layer if layers is None else layers
         if layers is None:
             raise ValueError("this vector was fitted on a bare array: pass layers=...")
-        return Edit(name=name, layers=layers, tensor_type=tensor_type or self.tensor_type
-                    or "residual_stream", position=position, op=op,
-                    vector=tuple(float(x) for x in self.vector), coefficient=coefficient,
-                    **fields)
+        return parse_edit({
+            "name": name, "layers": layers if isinstance(layers, int) else list(layers),
+            "tensor_type": tensor_type or self.tensor_type or "residual_stream",
+            "position": position, "op": EditOp(op).value,
+            "vector": [float(x) for x in self.vector], "coefficient": coefficient, **fields,
+        })
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the vector to a ``.safetensors`` or ``.npz`` file as the single array

@@ -66,7 +66,8 @@ def edit_delta(op: EditOp, rows: torch.Tensor, vector: torch.Tensor, unit: torch
     value); ``unit`` is ``vector`` normalised."""
     if op is EditOp.ADD:
         if norm_match:
-            return coefficient * rows.norm(dim=-1, keepdim=True) * unit
+            scaled: torch.Tensor = coefficient * rows.norm(dim=-1, keepdim=True) * unit
+            return scaled
         return (coefficient * vector).expand_as(rows)
     along = rows @ unit  # (n,)
     if op is EditOp.PROJECT_OUT:
