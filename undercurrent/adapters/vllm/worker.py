@@ -102,8 +102,8 @@ class _Capture:
         self.layout = layouts.locate(self.model)
         # Ranks other than 0 only edit: no connection, no points.
         self.capturing = address is not None
-        self.connection = (Client(address, family="AF_UNIX", authkey=authkey)
-                           if address is not None else None)
+        self.connection: Any = (Client(address, family="AF_UNIX", authkey=authkey)
+                                if address is not None else None)
         self.tensor_parallel_size = tensor_parallel_size
         self.kernels = EditKernels()
         self.armed_outbox: list[tuple[str, str, int]] = []
@@ -362,6 +362,8 @@ def _tensor_parallel_rank() -> int:
 class UndercurrentWorkerExtension:
     """Mixed into vLLM's worker: the driver calls these through ``collective_rpc``."""
 
+    _undercurrent: _Capture | None = None
+
     def undercurrent_describe(self) -> dict[str, Any]:
         """The model's shape as this worker sees it (per-rank head counts)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -387,9 +389,9 @@ class UndercurrentWorkerExtension:
         self.undercurrent_detach()
         ranks = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
         if _tensor_parallel_rank() != 0:
-            self._undercurrent = _Capture(self, None, None, ranks)  # type: ignore[attr-defined]
+            self._undercurrent = _Capture(self, None, None, ranks)
             return False
-        self._undercurrent = _Capture(self, address, bytes(authkey), ranks)  # type: ignore[attr-defined]
+        self._undercurrent = _Capture(self, address, bytes(authkey), ranks)
         return True
 
     def undercurrent_open(self, points: list[dict[str, Any]], requests: list[list[Any]],
@@ -403,7 +405,7 @@ class UndercurrentWorkerExtension:
 
     def undercurrent_take_edits(self) -> list[tuple[str, str, str, int, int]]:
         """The edits applied since the last batch (capturing rank; others return [])."""
-        capture = getattr(self, "_undercurrent", None)
+        capture = self._undercurrent
         if capture is None or not capture.capturing:
             return []
         return capture._applied_edits()
@@ -419,4 +421,4 @@ class UndercurrentWorkerExtension:
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
             capture.close()
-            self._undercurrent = None  # type: ignore[attr-defined]
+            self._undercurrent = None
