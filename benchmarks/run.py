@@ -4,7 +4,9 @@ Every job runs in a fresh child process forked from a server that has torch and
 transformers imported already: one timing job per model (all scenarios
 interleaved), one memory job per (model, batch size, scenario), and the vLLM
 jobs in processes of their own. Writes ``results.jsonl``, ``environment.json``,
-``summary.md`` and ``overhead.png`` to ``--out``.
+``summary.md`` and ``overhead.png`` to ``--out``; the scaling set (``benchmarks.scaling``,
+skipped by ``--no-scaling``, alone with ``--scaling-only``) adds ``scaling.jsonl``,
+``scaling.md``, ``scaling_targets.json`` and ``scaling.png``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import scaling
 from benchmarks.environment import describe
-from benchmarks.plot import write_plot
+from benchmarks.plot import write_plot, write_scaling_plot
 from benchmarks.report import attach_memory, capture_table, results_table, timing_rows, write_jsonl
 from benchmarks.scenarios import SCENARIOS
 from benchmarks.targets import evaluate, targets_table
@@ -30,6 +33,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 QUICK_MEMORY_SCENARIOS = ("plain_generate", "raw_forward_hooks", "uc_3_layers_inline_norm")
 DOCS_PLOT = "benchmarks-overhead.png"
 DOCS_START, DOCS_END = "<!-- results:start -->", "<!-- results:end -->"
+SCALING_PLOT = "benchmarks-scaling.png"
+SCALING_START, SCALING_END = "<!-- scaling:start -->", "<!-- scaling:end -->"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,6 +63,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--out's results.jsonl and environment.json")
     parser.add_argument("--job-timeout", type=float, default=None,
                         help="seconds before a stuck child job is killed")
+    scaling_choice = parser.add_mutually_exclusive_group()
+    scaling_choice.add_argument("--scaling-only", action="store_true",
+                                help="run only the scaling set (batch x layers x probe mode)")
+    scaling_choice.add_argument("--no-scaling", action="store_true", help="skip the scaling set")
+    parser.add_argument("--scaling-batch-sizes", nargs="+", type=int,
+                        help="HF batch sizes of the scaling set (default 1 8 32 64; "
+                        "2 with --quick)")
+    parser.add_argument("--scaling-concurrency", nargs="+", type=int,
+                        help="vLLM concurrent requests of the scaling set (default 1 8 64)")
+    parser.add_argument("--scaling-models", nargs="+", choices=["tiny", "large"],
+                        help="models of the scaling set (default: the bundled tiny model)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.models = args.models or (["tiny"] if quick else ["tiny", "large"])
@@ -75,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         [s for s in QUICK_MEMORY_SCENARIOS if s in args.scenarios] if quick else args.scenarios
     )
     args.job_timeout = args.job_timeout or (300.0 if quick else 1800.0)
+    args.scaling_batch_sizes = args.scaling_batch_sizes or list(
+        scaling.QUICK_BATCH_SIZES if quick else scaling.BATCH_SIZES)
+    args.scaling_concurrency = args.scaling_concurrency or list(scaling.VLLM_CONCURRENCY)
+    args.scaling_models = args.scaling_models or ["tiny"]
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill, one decode step)")
     return args
@@ -183,6 +203,61 @@ def run_vllm(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[s
     return rows, errors
 
 
+def run_scaling(args: argparse.Namespace,
+                runner: ChildRunner) -> tuple[list[dict[str, Any]], list[str]]:
+    """The scaling set: one HF job per model (every layer set, batch and scenario
+    interleaved per batch), and with ``--vllm`` one spawned job per (mode, layer set)
+    plus the plain engine."""
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for model in args.scaling_models:
+        log(f"scaling {model}: batch {args.scaling_batch_sizes} x layers "
+            f"{list(scaling.LAYER_SETS)} x {len(scaling.SCENARIOS)} scenarios, "
+            f"{args.repeats} repeats")
+        outcome = runner.run("scaling", model_key=model, batch_sizes=args.scaling_batch_sizes,
+                             layer_sets=list(scaling.LAYER_SETS),
+                             scenarios=list(scaling.SCENARIOS), repeats=args.repeats, warmup=1,
+                             max_new_tokens=args.max_new_tokens, threads=args.threads)
+        if not outcome["ok"]:
+            errors.append(f"scaling job for {model} failed: {outcome['error']}")
+            log(errors[-1])
+        else:
+            rows += scaling.hf_rows(outcome["result"], args.max_new_tokens)
+        if args.vllm:
+            vllm, vllm_errors = _run_scaling_vllm(args, runner, model)
+            rows += vllm
+            errors += vllm_errors
+    return rows, errors
+
+
+def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
+                      model: str) -> tuple[list[dict[str, Any]], list[str]]:
+    from benchmarks.vllm_jobs import PLAIN, PROBED, vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        log(f"vLLM scaling skipped: {reason}")
+        return [], []
+    jobs = [(scaling.VLLM_PLAIN, "-", PLAIN, None)] + [
+        (mode, layer_set, PROBED, mode)
+        for layer_set in scaling.LAYER_SETS for mode in scaling.MODES]
+    outcomes = {}
+    errors = []
+    for label, layer_set, scenario, mode in jobs:
+        log(f"vLLM scaling {model} {label} ({layer_set} layers): "
+            f"{args.scaling_concurrency} concurrent requests")
+        outcomes[(label, layer_set)] = runner.run(
+            "vllm", isolated=True, scenario=scenario, model_key=model,
+            model_root=str(args.out / "models"), repeats=args.repeats,
+            max_new_tokens=args.max_new_tokens, threads=args.threads,
+            concurrencies=args.scaling_concurrency, mode=mode,
+            layer_set="3" if layer_set == "-" else layer_set)
+        if not outcomes[(label, layer_set)]["ok"]:
+            errors.append(f"vLLM scaling job {model} {label} {layer_set} failed: "
+                          f"{outcomes[(label, layer_set)]['error']}")
+    return scaling.vllm_rows(model, outcomes, args.max_new_tokens), errors
+
+
 def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
                      rows: list[dict[str, Any]], checks: list[dict[str, Any]],
                      errors: list[str], plot_renderer: str) -> str:
@@ -240,30 +315,56 @@ def update_docs(summary: str, plot: Path) -> None:
     shutil.copyfile(plot, DOCS.parent / DOCS_PLOT)
     summary = re.sub(r"^(#+) ", r"\1# ", summary, flags=re.MULTILINE)
     summary += f"\n![Overhead relative to plain generate()]({DOCS_PLOT})\n"
+    _replace_between(DOCS_START, DOCS_END, summary)
+
+
+def update_scaling_docs(summary: str, plot: Path) -> None:
+    """Replace the scaling section's generated part and copy its plot beside the page."""
+    shutil.copyfile(plot, DOCS.parent / SCALING_PLOT)
+    summary += f"\n![Overhead against batch size]({SCALING_PLOT})\n"
+    _replace_between(SCALING_START, SCALING_END, summary)
+
+
+def _replace_between(start: str, end: str, summary: str) -> None:
     text = DOCS.read_text()
-    if DOCS_START not in text or DOCS_END not in text:
-        raise SystemExit(f"{DOCS} lacks the {DOCS_START} / {DOCS_END} markers")
-    head, rest = text.split(DOCS_START, 1)
-    _, tail = rest.split(DOCS_END, 1)
-    DOCS.write_text(f"{head}{DOCS_START}\n{summary}\n{DOCS_END}{tail}")
+    if start not in text or end not in text:
+        raise SystemExit(f"{DOCS} lacks the {start} / {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    DOCS.write_text(f"{head}{start}\n{summary}\n{end}{tail}")
 
 
-def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
-    """Run every job; returns the environment, the rows and the job errors."""
+def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                               list[dict[str, Any]], list[str]]:
+    """Run every job; returns the environment, the main and scaling rows, the job errors."""
     environment = describe()
     environment["torch_threads"] = args.threads or "default (one per core)"
     environment["mode"] = "quick (smoke)" if args.quick else "full"
     runner = ChildRunner(args.job_timeout)
-    rows, errors = run_hf(args, runner)
-    if args.vllm:
-        vllm, vllm_errors = run_vllm(args, runner)
-        rows += vllm
-        errors += vllm_errors
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    if not args.scaling_only:
+        rows, errors = run_hf(args, runner)
+        if args.vllm:
+            vllm, vllm_errors = run_vllm(args, runner)
+            rows += vllm
+            errors += vllm_errors
+    scaling_rows: list[dict[str, Any]] = []
+    if not args.no_scaling:
+        scaling_rows, scaling_errors = run_scaling(args, runner)
+        errors += scaling_errors
     environment["load_average_end"] = os.getloadavg()
     environment["errors"] = errors
     write_jsonl(args.out / "results.jsonl", rows)
+    write_jsonl(args.out / "scaling.jsonl", scaling_rows)
     (args.out / "environment.json").write_text(json.dumps(environment, indent=2) + "\n")
-    return environment, rows, errors
+    return environment, rows, scaling_rows, errors
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,22 +373,37 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         environment = json.loads((args.out / "environment.json").read_text())
-        rows = [json.loads(line) for line in
-                (args.out / "results.jsonl").read_text().splitlines() if line.strip()]
+        rows = _read_jsonl(args.out / "results.jsonl")
+        scaling_rows = _read_jsonl(args.out / "scaling.jsonl")
         errors = environment.get("errors", [])
     else:
-        environment, rows, errors = measure(args)
-    checks = evaluate(rows)
-    (args.out / "targets.json").write_text(json.dumps(checks, indent=2) + "\n")
-    renderer = write_plot(rows, args.out / "overhead.png")
-    summary = summary_markdown(environment, args, rows, checks, errors, renderer)
-    (args.out / "summary.md").write_text(summary)
-    if args.update_docs:
-        update_docs(summary, args.out / "overhead.png")
-    log(f"wrote {args.out}/results.jsonl, summary.md, overhead.png")
+        environment, rows, scaling_rows, errors = measure(args)
+    written = []
+    if rows:
+        checks = evaluate(rows)
+        (args.out / "targets.json").write_text(json.dumps(checks, indent=2) + "\n")
+        renderer = write_plot(rows, args.out / "overhead.png")
+        summary = summary_markdown(environment, args, rows, checks, errors, renderer)
+        (args.out / "summary.md").write_text(summary)
+        written += ["results.jsonl", "summary.md", "overhead.png"]
+        if args.update_docs:
+            update_docs(summary, args.out / "overhead.png")
+    if scaling_rows:
+        scaling_checks = scaling.evaluate(scaling_rows)
+        (args.out / "scaling_targets.json").write_text(
+            json.dumps(scaling_checks, indent=2) + "\n")
+        renderer = write_scaling_plot(scaling_rows, args.out / "scaling.png")
+        scaling_summary = scaling.summary(environment, scaling_rows, scaling_checks,
+                                          [e for e in errors if "scaling" in e], renderer)
+        (args.out / "scaling.md").write_text(scaling_summary)
+        written += ["scaling.jsonl", "scaling.md", "scaling.png"]
+        if args.update_docs:
+            update_scaling_docs(scaling_summary, args.out / "scaling.png")
+    log(f"wrote {', '.join(f'{args.out}/{name}' for name in written)}")
     for error in errors:
         log(error)
-    mismatched = [r["scenario"] for r in rows if r.get("tokens_match") is False]
+    mismatched = [f"{r['scenario']} ({r.get('layer_set', '3')} layers, batch {r['batch_size']})"
+                  for r in (*rows, *scaling_rows) if r.get("tokens_match") is False]
     if mismatched:
         log(f"token check FAILED for: {', '.join(mismatched)}")
     return 1 if mismatched or errors else 0

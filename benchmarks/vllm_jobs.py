@@ -83,9 +83,31 @@ def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
     return [tokens[rid] for rid in ordered], first
 
 
+def _probed_setup(layers: tuple[int, ...], mode: str | None) -> tuple[Any, Any, bool]:
+    """Spec, extra probe classes and ``records`` flag: the main table's three-layer
+    inline norm probe, or a scaling mode's scenario on ``layers``."""
+    from benchmarks.scenarios.probed import three_layer_point
+    from undercurrent.spec import parse_dict
+
+    if mode is None:
+        points, probes, keep = [three_layer_point(layers)], None, False
+    else:
+        from benchmarks.scaling import MODES
+        from benchmarks.scenarios import scenario_by_name
+
+        scenario = scenario_by_name(MODES[mode])()
+        scenario.layers = layers
+        points, probes, keep = scenario.points(), scenario.probe_classes(), scenario.keep_records
+    return parse_dict({"version": "1", "extraction_points": points}), probes, keep
+
+
 def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_new_tokens: int,
-             threads: int | None = None) -> dict[str, Any]:
-    """Warm-up plus ``repeats`` timed generations at each concurrency, with peak RSS."""
+             threads: int | None = None, concurrencies: list[int] | None = None,
+             mode: str | None = None, layer_set: str = "3") -> dict[str, Any]:
+    """Warm-up plus ``repeats`` timed generations at each concurrency, with peak RSS.
+
+    ``mode`` (a key of ``benchmarks.scaling.MODES``) and ``layer_set`` (``"3"`` or
+    ``"all"``) pick a scaling spec for the probed engine instead of the main table's."""
     import json
     from pathlib import Path
 
@@ -94,7 +116,8 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
     set_threads(threads)
     path = str(model_directory(model_key, Path(model_root)))
     num_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-    layers = tuple(sorted({0, num_layers // 2, num_layers - 1}))
+    layers = (tuple(range(num_layers)) if layer_set == "all"
+              else tuple(sorted({0, num_layers // 2, num_layers - 1})))
     staging: str | None = None
     if scenario == PLAIN:
         engine, tokenizer, staging = _plain_engine(path)
@@ -103,16 +126,13 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
             ids, first = _plain_generate(engine, tokenizer, prompts, max_new_tokens)
             return ids, first, 0
     else:
-        from benchmarks.scenarios.probed import three_layer_point
         from undercurrent.api import ProbedModel
-        from undercurrent.spec import parse_dict
 
-        spec = parse_dict({"version": "1", "extraction_points": [
-            three_layer_point(layers)]})
-        probed = ProbedModel.from_pretrained(path, spec=spec, backend="vllm")
+        spec, probes, keep = _probed_setup(layers, mode)
+        probed = ProbedModel.from_pretrained(path, spec=spec, backend="vllm", probes=probes)
 
         def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
-            if len(prompts) == 1:
+            if len(prompts) == 1 and not keep:
                 # One request: stream() shows when its first token arrives.
                 start = time.perf_counter()
                 first: float | None = None
@@ -127,15 +147,17 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
             else:
                 first = None
                 outputs = probed.generate(prompts, max_new_tokens=max_new_tokens,
-                                          temperature=0.0)
+                                          temperature=0.0, records=keep)
             records = sum(r.stats.received for o in outputs for r in o.results.values())
+            if keep:
+                records = sum(len(o.records or ()) for o in outputs)
             return [list(o.token_ids) for o in outputs], first, records
 
     from transformers import AutoTokenizer
 
     prompt_length = len(AutoTokenizer.from_pretrained(path).encode(prompts_for(1)[0]))
     cases = []
-    for concurrency in VLLM_CONCURRENCY:
+    for concurrency in concurrencies or VLLM_CONCURRENCY:
         prompts = prompts_for(concurrency)
         generate(prompts)  # warm-up
         reset_ok = reset_peak_rss()

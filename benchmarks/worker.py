@@ -56,8 +56,10 @@ def _sample(run: GenerationRun, wall: float, cpu: float, ttft: float | None) -> 
     }
 
 
-def _prepare(names: list[str], bundle: ModelBundle) -> tuple[dict[str, Any], dict[str, str]]:
-    """Set up every runnable scenario; returns {name: (scenario, clock)} and {name: reason}."""
+def _prepare(names: list[str], bundle: ModelBundle, layers: tuple[int, ...] | None = None,
+             ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Set up every runnable scenario capturing ``layers`` (default: the bundle's three);
+    returns {name: (scenario, clock)} and {name: reason}."""
     ready: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     clocks: dict[int, FirstForwardClock] = {}
@@ -69,7 +71,7 @@ def _prepare(names: list[str], bundle: ModelBundle) -> tuple[dict[str, Any], dic
             continue
         model = copy.deepcopy(bundle.model) if scenario.own_model else bundle.model
         try:
-            scenario.setup(bundle, model, bundle.three_layers)
+            scenario.setup(bundle, model, layers or bundle.three_layers)
         except Exception as error:  # a broken alternative must not sink the run
             skipped[name] = f"error in setup: {type(error).__name__}: {error}"
             continue
@@ -86,6 +88,54 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def _time_cases(ready: dict[str, Any], skipped: dict[str, str], scenarios: list[str],
+                batch: Batch, warmup: int, repeats: int,
+                max_new_tokens: int) -> list[dict[str, Any]]:
+    """``warmup`` + ``repeats`` interleaved rounds of every ready scenario on ``batch``
+    (rotating the order each round); one case per scenario."""
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in ready}
+    tokens: dict[str, list[list[int]]] = {}
+    failed: dict[str, str] = {}
+    order = list(ready)
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(order) if order else 0
+        for name in order[shift:] + order[:shift]:
+            if name in failed:
+                continue
+            scenario, clock = ready[name]
+            try:
+                run, wall, cpu, ttft = _timed(scenario, clock, batch, max_new_tokens)
+            except Exception as error:
+                failed[name] = f"error: {type(error).__name__}: {error}"
+                continue
+            tokens.setdefault(name, run.token_ids)
+            if round_index >= warmup:
+                sample = _sample(run, wall, cpu, ttft)
+                sample["round"] = round_index - warmup
+                samples[name].append(sample)
+    cases: list[dict[str, Any]] = []
+    for name in scenarios:
+        case: dict[str, Any] = {"scenario": name, "batch_size": batch.size,
+                                "prompt_length": batch.prompt_length}
+        if name in skipped or name in failed:
+            case["status"] = "skipped" if name in skipped else "error"
+            case["reason"] = skipped.get(name) or failed[name]
+        else:
+            case.update(status="ok", samples=samples[name], token_ids=tokens.get(name))
+        cases.append(case)
+    return cases
+
+
+def _model_facts(bundle: ModelBundle) -> dict[str, Any]:
+    return {
+        "model_description": bundle.description,
+        "num_layers": bundle.num_layers,
+        "layers": list(bundle.three_layers),
+        "hidden_size": bundle.model.config.hidden_size,
+        "parameters": sum(p.numel() for p in bundle.model.parameters()),
+    }
+
+
 def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], repeats: int,
                warmup: int, max_new_tokens: int, threads: int | None = None) -> dict[str, Any]:
     """Time every scenario on one model: ``warmup`` + ``repeats`` interleaved rounds."""
@@ -95,46 +145,41 @@ def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], rep
     cases: list[dict[str, Any]] = []
     for batch_size in batch_sizes:
         batch = make_batch(bundle, prompts_for(batch_size))
-        samples: dict[str, list[dict[str, Any]]] = {name: [] for name in ready}
-        tokens: dict[str, list[list[int]]] = {}
-        failed: dict[str, str] = {}
-        order = list(ready)
-        for round_index in range(warmup + repeats):
-            shift = round_index % len(order) if order else 0
-            for name in order[shift:] + order[:shift]:
-                if name in failed:
-                    continue
-                scenario, clock = ready[name]
-                try:
-                    run, wall, cpu, ttft = _timed(scenario, clock, batch, max_new_tokens)
-                except Exception as error:
-                    failed[name] = f"error: {type(error).__name__}: {error}"
-                    continue
-                tokens.setdefault(name, run.token_ids)
-                if round_index >= warmup:
-                    sample = _sample(run, wall, cpu, ttft)
-                    sample["round"] = round_index - warmup
-                    samples[name].append(sample)
-        for name in scenarios:
-            case: dict[str, Any] = {"scenario": name, "batch_size": batch_size,
-                                    "prompt_length": batch.prompt_length}
-            if name in skipped or name in failed:
-                case["status"] = "skipped" if name in skipped else "error"
-                case["reason"] = skipped.get(name) or failed[name]
-            else:
-                case.update(status="ok", samples=samples[name], token_ids=tokens.get(name))
-            cases.append(case)
+        cases += _time_cases(ready, skipped, scenarios, batch, warmup, repeats, max_new_tokens)
     for scenario, _clock in ready.values():
         scenario.close()
-    return {
-        "model": model_key,
-        "model_description": bundle.description,
-        "num_layers": bundle.num_layers,
-        "layers": list(bundle.three_layers),
-        "hidden_size": bundle.model.config.hidden_size,
-        "parameters": sum(p.numel() for p in bundle.model.parameters()),
-        "cases": cases,
-    }
+    return {"model": model_key, **_model_facts(bundle), "cases": cases}
+
+
+def scaling_job(model_key: str, batch_sizes: list[int], layer_sets: list[str],
+                scenarios: list[str], repeats: int, warmup: int, max_new_tokens: int,
+                threads: int | None = None) -> dict[str, Any]:
+    """The scaling set: for each layer set (``"3"`` or ``"all"``) set every scenario up
+    on those layers, then time it at every batch size (interleaved rounds)."""
+    set_threads(threads)
+    bundle = load_model(model_key)
+    cases: list[dict[str, Any]] = []
+    for layer_set in layer_sets:
+        layers = layers_for(bundle, layer_set)
+        ready, skipped = _prepare(scenarios, bundle, layers)
+        for batch_size in batch_sizes:
+            batch = make_batch(bundle, prompts_for(batch_size))
+            for case in _time_cases(ready, skipped, scenarios, batch, warmup, repeats,
+                                    max_new_tokens):
+                case.update(layer_set=layer_set, capture_layers=list(layers))
+                cases.append(case)
+        for scenario, _clock in ready.values():
+            scenario.close()
+    return {"model": model_key, **_model_facts(bundle), "cases": cases}
+
+
+def layers_for(bundle: ModelBundle, layer_set: str) -> tuple[int, ...]:
+    """The decoder layers of a layer set: ``"3"`` (first, middle, last) or ``"all"``."""
+    if layer_set == "all":
+        return tuple(range(bundle.num_layers))
+    if layer_set == "3":
+        return bundle.three_layers
+    raise ValueError(f"unknown layer set {layer_set!r}; expected '3' or 'all'")
 
 
 def _release_free_memory() -> None:
@@ -176,7 +221,7 @@ def memory_job(model_key: str, batch_size: int, scenario: str, max_new_tokens: i
 
 def child_main(connection: Any, job: str, kwargs: dict[str, Any]) -> None:
     """Entry point of a child process: run ``job`` and send its result (or traceback)."""
-    jobs = {"timing": timing_job, "memory": memory_job}
+    jobs = {"timing": timing_job, "memory": memory_job, "scaling": scaling_job}
     try:
         if job == "vllm":
             from benchmarks.vllm_jobs import vllm_job

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import scaling
 from benchmarks.measure import spread
 from benchmarks.report import _token_check
 from benchmarks.targets import evaluate
@@ -32,6 +33,10 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict
     assert completed.returncode == 0, completed.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     return out, rows
+
+
+def _scaling_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "scaling.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.timeout(900)
@@ -87,6 +92,51 @@ def test_memory_rows_come_from_fresh_processes(quick_run):
         assert row["memory_run_tokens_match"] is True
 
 
+@pytest.mark.timeout(900)
+def test_scaling_set_captures_every_layer_set_like_raw_hooks(quick_run):
+    out, _ = quick_run
+    rows = _scaling_rows(out)
+    assert (out / "scaling.md").read_text().count("| capture only |") == 2
+    assert (out / "scaling.png").read_bytes()[:8] == PNG_MAGIC
+    tokens = rows[0]["max_new_tokens"]
+    for layer_set in scaling.LAYER_SETS:
+        by_mode = {r["mode"]: r for r in rows
+                   if r["layer_set"] == layer_set and r["status"] == "ok"}
+        assert set(scaling.MODES) | {"plain_generate", "raw_forward_hooks"} <= set(by_mode)
+        raw = by_mode["raw_forward_hooks"]
+        layers = raw["capture_layers"]
+        if layer_set == "all":
+            assert layers == list(range(len(layers))) and len(layers) > 3
+        else:
+            assert len(layers) == 3
+        assert raw["records"] == raw["batch_size"] * (tokens - 1) * len(layers)
+        for mode in (*scaling.MODES, "nnsight"):
+            if mode in by_mode:
+                row = by_mode[mode]
+                assert row["records"] == raw["records"], (layer_set, mode)
+                assert row["tokens_match"] is True, (layer_set, mode, row["token_check"])
+                assert row["capture_layers"] == layers
+        assert by_mode["async trajectory"]["notes"]["dropped"] == 0
+        assert by_mode["inline linear"]["us_per_vector"]["median"] is not None
+
+
+def test_scaling_targets_report_a_miss_as_a_miss():
+    def row(mode: str, ratio: float, us: float | None = None) -> dict:
+        return {"backend": "hf", "layer_set": "all", "batch_size": 64, "mode": mode,
+                "status": "ok", "ratio_plain": {"median": ratio},
+                "us_per_vector": None if us is None else {"median": us}}
+
+    checks = scaling.evaluate([row("plain_generate", 1.0), row("nnsight", 1.03),
+                               row("inline linear", 1.8, 21.0),
+                               row("async trajectory", 1.5)])
+    met = {c["target"].split(": ", 1)[-1]: c["met"] for c in checks}
+    assert met["extra cost per captured vector over raw hooks <= 1 µs"] is False
+    assert met["<= 1.05x plain generate()"] is False
+    assert met["inline linear no slower than nnsight's capture alone"] is False
+    assert met["async no more expensive than inline"] is True
+    assert [c["met"] for c in checks if c["target"].startswith("vLLM")] == [None, None]
+
+
 def test_spread_reports_median_range_and_relative_spread():
     assert spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0,
                                         "spread_pct": 100.0}
@@ -110,3 +160,24 @@ def test_targets_flag_a_missed_overhead_and_pass_a_met_one():
     by_target = {c["target"]: c for c in checks}
     assert by_target["3-layer capture adds <= 5% wall over plain generate()"]["met"] is False
     assert by_target["3-layer capture, inline norm probe, within 1.1x of raw hooks"]["met"] is True
+
+
+def test_scaling_vllm_rows_pair_repeats_with_the_plain_engine_and_keep_errors():
+    def case(concurrency: int, walls: list[float], records: int, tokens: list[list[int]]):
+        samples = [{"wall_s": w, "cpu_s": w, "records": records} for w in walls]
+        return {"concurrency": concurrency, "samples": samples, "token_ids": tokens}
+
+    plain = {"ok": True, "result": {"cases": [case(8, [1.0, 2.0], 0, [[1, 2]])]}}
+    probed = {"ok": True, "result": {"layers": [0, 1],
+                                     "cases": [case(8, [1.5, 2.0], 1000, [[1, 2]])]}}
+    failed = {"ok": False, "error": "Traceback ...\nRuntimeError: engine died"}
+    rows = scaling.vllm_rows("tiny", {("vllm_plain_eager", "-"): plain,
+                                      ("inline linear", "all"): probed,
+                                      ("capture only", "3"): failed}, 4)
+    inline = next(r for r in rows if r["mode"] == "inline linear")
+    assert inline["ratio_plain"]["min"] == 1.0 and inline["ratio_plain"]["max"] == 1.5
+    assert inline["us_per_vector"]["max"] == 500.0  # (1.5 - 1.0) s / 1000 vectors
+    assert inline["tokens_match"] is True and inline["capture_layers"] == [0, 1]
+    broken = next(r for r in rows if r["mode"] == "capture only")
+    assert broken["status"] == "error" and "engine died" in broken["reason"]
+    assert any("engine died" in line for line in scaling.table(rows))

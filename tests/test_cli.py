@@ -21,7 +21,7 @@ extraction_points:
     layer: 1
     tensor_type: kv
     position: 0
-    probe_type: x
+    probe_type: norm_probe
     probe_kind: single_shot
 """
 

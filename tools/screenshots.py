@@ -70,7 +70,8 @@ editor
 
 LIVE = '''
 view = LiveView(model, threshold=float(meta.get("threshold", 0.5)))
-view.run(PROMPTS[:3], max_new_tokens=28, display=False)
+view.run(PROMPTS[:3], labels=["harmful 1", "benign 2", "harmful 3"], max_new_tokens=28,
+         display=False)
 view
 '''
 
@@ -138,11 +139,9 @@ extraction_points:
         outputs = model.generate(_prompts(), max_new_tokens=28)
     kinds = ("harmful", "benign", "harmful", "benign")  # the labels _prompts() drew
     names = {o.request_id: f"prompt {i} ({kinds[i]})" for i, o in enumerate(outputs)}
-    from undercurrent.notebook import signals_frame
-
-    signals = signals_frame(outputs)
-    signals["request"] = signals["request"].map(names)
-    figure = trajectory_figure(signals, threshold=float(meta.get("threshold", 0.5)),
+    figure = trajectory_figure(outputs, threshold=float(meta.get("threshold", 0.5)),
+                               names=names,
+                               color_by={o.request_id: kinds[i] for i, o in enumerate(outputs)},
                                title="P(harmful) per generated token, bundled model")
     target = out / "trajectory.png"
     figure.write_image(str(target), width=900, height=420, scale=1)

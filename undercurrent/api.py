@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -27,25 +28,28 @@ from undercurrent.adapters.outputs import (
     StreamEvent,
     TokenSignal,
 )
+from undercurrent.adapters.prompts import check_prompts, prompt_inputs
 from undercurrent.adapters.session import CaptureSession
-from undercurrent.models import TINY_MODEL_NAME
+from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
+from undercurrent.router import Router
+from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
 __all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
-           "TokenSignal", "load_spec"]
+           "TokenSignal", "check_prompts", "load_spec"]
 
 SpecLike = ProbeSpec | str | os.PathLike[str] | Mapping[str, Any] | Iterable[ExtractionPoint]
 
 
 def load_spec(spec: SpecLike | None) -> ProbeSpec:
     """Accept a ``ProbeSpec``, a YAML file path, YAML text, a spec dict, a list of
-    ``ExtractionPoint``s or None (no points)."""
-    from undercurrent.spec import load_yaml_file, parse_dict, parse_yaml
-
+    ``ExtractionPoint``s or None (no points). Hand-built points (a list, or a
+    ``ProbeSpec`` of them) are held to the YAML rules by :func:`check_extraction_points`."""
     if spec is None:
         return ProbeSpec(())
     if isinstance(spec, ProbeSpec):
+        check_extraction_points(spec)
         return spec
     if isinstance(spec, Mapping):
         return parse_dict(spec)
@@ -62,30 +66,8 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
     bad = [type(p).__name__ for p in points if not isinstance(p, ExtractionPoint)]
     if bad:
         raise TypeError(f"spec list must hold ExtractionPoint objects, got {bad[:3]}")
+    check_extraction_points(points)
     return ProbeSpec(tuple(points))
-
-
-def check_prompts(prompts: Any) -> list[str]:
-    """``prompts`` as a list of strings (a single string gives a list of one).
-
-    Raises ``TypeError`` naming the first offending prompt: bytes, token-id lists,
-    None or numbers are not prompts, and a mapping (whose keys would silently
-    become the prompts) is refused too.
-    """
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
-        raise TypeError(
-            f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
-        )
-    items = list(prompts)
-    for index, item in enumerate(items):
-        if not isinstance(item, str):
-            raise TypeError(
-                f"prompts[{index}] is {type(item).__name__} ({item!r:.60}); every prompt "
-                "must be a string (decode bytes and token ids to text first)"
-            )
-    return items
 
 
 def _is_backend(obj: Any) -> bool:
@@ -105,7 +87,8 @@ class ProbedModel:
 
     Registration-time checks: a spec asking for a tensor type or layer the
     backend cannot capture raises ``CapabilityError`` here, before any
-    generation.
+    generation; an unknown ``probe_type``, ``probe_args`` the probe does not
+    accept, or a point the probe refuses raise ``RouterError`` here too.
     """
 
     def __init__(
@@ -154,6 +137,11 @@ class ProbedModel:
         self.capture_last_token = capture_last_token
         self._ids = itertools.count()
         self._closed = False
+        router_check = getattr(self.router, "check", None) if self.spec else None
+        if router_check is not None:
+            # Unknown probe types, bad probe_args and points a probe refuses (a probe
+            # file fitted on another layer) are refused here, not at generate().
+            router_check(list(self.spec))
 
     @classmethod
     def from_pretrained(
@@ -174,20 +162,29 @@ class ProbedModel:
     ) -> ProbedModel:
         """Load a model by path or hub id (``"undercurrent/tiny"`` / ``"tiny"`` is the
         bundled model) with the chosen backend; extra keyword arguments go to the
-        backend's loader (for ``"hf"``: ``AutoModelForCausalLM.from_pretrained``)."""
+        backend's loader (for ``"hf"``: ``AutoModelForCausalLM.from_pretrained``).
+
+        ``dtype`` (None or ``"auto"``: the dtype the model's ``config.json`` declares,
+        on every backend) may be a torch dtype or its name (``"bfloat16"``). A path
+        that does not exist, or a dtype torch does not know, is refused here with an
+        error naming the argument, before any engine loads."""
         if not isinstance(model_or_path, (str, os.PathLike)):
             return cls(model_or_path, backend_kwargs.pop("tokenizer", None), spec=spec,
                        backend=backend, probes=probes, probe_defaults=probe_defaults,
                        router=router, on_result=on_result, batch_size=batch_size,
                        capture_last_token=capture_last_token)
+        from undercurrent.adapters.arguments import check_model_path, dtype_name
+
         name = os.fspath(model_or_path)
+        loader = backend_class(backend)
         path = resolve_model_path(name)
+        check_model_path(path)
+        dtype = dtype_name(dtype)
         if backend == "hf":
             backend_kwargs.setdefault("batch_size", batch_size)
         # The bundled model keeps its short name (reprs, results), not this machine's path.
         backend_kwargs.setdefault("model_name", TINY_MODEL_NAME if path != name else path)
-        loaded = backend_class(backend).from_pretrained(path, device=device, dtype=dtype,
-                                                        **backend_kwargs)
+        loaded = loader.from_pretrained(path, device=device, dtype=dtype, **backend_kwargs)
         try:
             return cls(loaded, spec=spec, backend=backend, probes=probes,
                        probe_defaults=probe_defaults, router=router, on_result=on_result,
@@ -205,8 +202,6 @@ class ProbedModel:
     def router(self) -> Any:
         """The router (built on first use when none was given)."""
         if self._router is None:
-            from undercurrent.router import Router
-
             self._router = Router(self._probes, probe_defaults=self._probe_defaults)
         return self._router
 
@@ -262,18 +257,28 @@ class ProbedModel:
                 capture_last_token: bool | None) -> SamplingParams:
         if capture_last_token is None:
             capture_last_token = self.capture_last_token
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, stop=stops,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                               capture_last_token=capture_last_token)
 
     def _new_id(self) -> str:
         return f"req-{id(self):x}-{next(self._ids)}"
 
+    def _prompts(self, prompts: Any, input_ids: Any) -> list[Any]:
+        return prompt_inputs(prompts, input_ids, getattr(self.backend, "vocab_size", None))
+
+    def _request_ids(self, count: int, request_ids: Sequence[str] | None) -> list[str]:
+        ids = list(request_ids) if request_ids is not None else [self._new_id()
+                                                                 for _ in range(count)]
+        if len(ids) != count or len(set(ids)) != len(ids):
+            raise ValueError("request_ids must be unique and one per prompt")
+        return ids
+
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[str] | None = None,
         *,
+        input_ids: Any = None,
         max_new_tokens: int = 16,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -290,8 +295,11 @@ class ProbedModel:
         """Generate for each prompt (batched) with the probes attached.
 
         Returns one :class:`GenerationOutput` per prompt, in order (a single
-        string prompt gives a list of one). ``temperature=0`` is greedy; ``seed``
-        makes sampling reproducible; ``stop`` strings end a prompt's generation;
+        string prompt gives a list of one). ``input_ids`` replaces ``prompts`` with
+        token ids already encoded (a list of token-id lists, one list for one
+        prompt, or a 1-D/2-D tensor without padding), fed to the model as they are;
+        give exactly one of the two. ``temperature=0`` is greedy; ``seed`` makes
+        sampling reproducible; ``stop`` strings end a prompt's generation;
         ``records=True`` keeps the captured ``ActivationRecord``s on each output;
         ``capture_last_token=True`` runs one extra forward step so the last sampled
         token (never fed back to the model) is captured too.
@@ -301,21 +309,20 @@ class ProbedModel:
         prompt (a list of edits, or None), so one request can be steered while
         another in the same batch is untouched. See ``docs/steering.md``.
         """
-        prompts = check_prompts(prompts)
-        ids = list(request_ids) if request_ids is not None else [self._new_id() for _ in prompts]
-        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
-            raise ValueError("request_ids must be unique and one per prompt")
+        inputs = self._prompts(prompts, input_ids)
+        ids = self._request_ids(len(inputs), request_ids)
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
         shared, per_request = self._call_edits(edits, prompt_edits, ids)
         session = self._session(records, shared, per_request)
-        return self.backend.generate(prompts, ids, params, session,
+        return self.backend.generate(inputs, ids, params, session,
                                      batch_size=batch_size or self.batch_size)
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | None = None,
         *,
+        input_ids: Any = None,
         max_new_tokens: int = 16,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -329,16 +336,56 @@ class ProbedModel:
     ) -> Iterator[StreamEvent]:
         """Yield a :class:`StreamEvent` per generated token (its id, its text piece
         and the inline probe signals that arrived since the previous event), then
-        a final event (``finished=True``) carrying the complete output. ``edits``
-        apply to this prompt, after the spec's own."""
-        if not isinstance(prompt, str):
+        a final event (``finished=True``) carrying the complete output. The pieces
+        joined equal ``output.text`` (a stop string is never streamed).
+        ``input_ids`` (one prompt's token ids) replaces ``prompt``. ``edits`` apply to
+        this prompt, after the spec's own."""
+        if (prompt is not None or input_ids is None) and not isinstance(prompt, str):
             raise TypeError(f"stream() takes one prompt string, got {type(prompt).__name__}; "
-                            "use generate() for a list of prompts")
+                            "use generate() for a list of prompts, or input_ids= for one "
+                            "prompt's token ids")
+        inputs = self._prompts(prompt, input_ids)
+        if len(inputs) != 1:
+            raise ValueError(f"stream() takes one prompt, got {len(inputs)} rows of input_ids; "
+                             "use generate() for several")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
         shared, _ = self._call_edits(edits, None, ())
         session = self._session(records, shared)
-        return self.backend.stream(prompt, request_id or self._new_id(), params, session)
+        return self.backend.stream(inputs[0], request_id or self._new_id(), params, session)
+
+    def prompt_activations(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        *,
+        input_ids: Any = None,
+        batch_size: int | None = None,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[GenerationOutput]:
+        """The spec's activations for each prompt, from one forward pass, without
+        generating: undercurrent's ``run_with_cache``.
+
+        Returns one :class:`GenerationOutput` per prompt with ``records`` (every
+        record the spec's points select among the prompt tokens; positions of
+        generated tokens match nothing), the probes' ``results`` and ``signals``,
+        ``text=""``, ``token_ids=()`` and ``finish_reason="forward"`` (``"abort"``
+        when an inline probe aborted on a prompt token). ``records_frame`` and
+        ``fit_linear_probe`` take the outputs directly.
+
+        >>> outs = pm.prompt_activations(["a prompt", "another"])      # doctest: +SKIP
+        >>> frame = records_frame(outs)                                # doctest: +SKIP
+        """
+        inputs = self._prompts(prompts, input_ids)
+        ids = self._request_ids(len(inputs), request_ids)
+        # One token with nothing fed back is exactly the prefill forward: every
+        # backend captures the prompt there, and the sampled token is dropped.
+        params = SamplingParams(max_new_tokens=1)
+        session = self._session(True)
+        outputs = self.backend.generate(inputs, ids, params, session,
+                                        batch_size=batch_size or self.batch_size)
+        return [dataclasses.replace(output, text="", token_ids=(),
+                                    finish_reason="abort" if output.aborted else "forward")
+                for output in outputs]
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -358,12 +405,3 @@ class ProbedModel:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """``"undercurrent/tiny"`` / ``"tiny"`` -> the bundled model's directory."""
-    if name_or_path in (TINY_MODEL_NAME, "tiny", "undercurrent-tiny"):
-        from undercurrent.models import tiny_model_path
-
-        return str(tiny_model_path())
-    return name_or_path

@@ -3,8 +3,9 @@
 Each subcommand is one ``_add_<name>_command(subparsers)`` function that declares
 its arguments and sets ``handler`` to a function ``(args) -> exit code``. To add a
 command, write those two functions and list the first in ``COMMANDS``. Handlers
-import heavy modules (torch, transformers, vllm) inside their body, so
-``undercurrent validate`` and ``--help`` stay instant.
+import heavy modules (torch, transformers, vllm) inside their body (through
+the backends, which load them when a model is loaded), so ``undercurrent
+validate`` and ``--help`` stay quick.
 
 Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
 2 a usage error.
@@ -13,12 +14,31 @@ Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from undercurrent import __version__
+from undercurrent.adapters.base import BackendError
+from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
+from undercurrent.api import ProbedModel
+from undercurrent.demo import add_demo_command
+from undercurrent.notebook.storage import save_records
+from undercurrent.probes.registry import default_registry
+from undercurrent.router.validation import probe_problems
+from undercurrent.spec import (
+    SpecDeprecationWarning,
+    SpecProblem,
+    SpecValidationError,
+    json_schema,
+    load_yaml_file,
+    to_yaml,
+)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -44,9 +64,13 @@ def _add_validate_command(subparsers: Any) -> None:
         "validate",
         help="check spec files without loading a model",
         description=(
-            "Check one or more YAML spec files without loading a model. Prints one line "
-            "per file: 'PATH: OK (N extraction points)' or every problem found. Exits 0 "
-            "when all files are valid, 1 when any is invalid or unreadable."
+            "Check one or more YAML spec files without loading a model: the spec itself, "
+            "and each point's probe against the probe registry (built-in probe types, "
+            "those installed packages publish, and those of --probes modules): its "
+            "probe_type, probe_kind and probe_args names. Prints one line per file: "
+            "'PATH: OK (N extraction points)' or every problem found. Exits 0 when all "
+            "files are valid, 1 when any is invalid or unreadable, 2 on a usage error "
+            "(including a --probes module that cannot be imported)."
         ),
     )
     parser.add_argument("specs", nargs="+", metavar="SPEC", help="YAML spec file(s)")
@@ -61,12 +85,49 @@ def _add_validate_command(subparsers: Any) -> None:
         default="text",
         help="output format: one line per file (text, default) or a JSON list (json)",
     )
+    _add_probes_option(parser)
     parser.set_defaults(handler=_run_validate)
 
 
-def _validate_one(path: str, strict: bool) -> dict[str, Any]:
-    from undercurrent.spec import SpecDeprecationWarning, SpecValidationError, load_yaml_file
+def _add_probes_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--probes",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (a module name, or a .py file) so that the probe types it "
+        "registers are known; repeat for several",
+    )
 
+
+def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
+    """Import each ``--probes`` module (a name, or a path to a .py file); print one
+    line and return the usage exit code for the first that fails, else None."""
+    from pathlib import Path
+
+    if modules and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module next to the spec, as python -m would
+    for module in modules:
+        try:
+            if module.endswith(".py"):
+                path = Path(module)
+                if not path.is_file():
+                    raise FileNotFoundError(f"no such file: {module}")
+                spec = importlib.util.spec_from_file_location(path.stem, path)
+                assert spec is not None and spec.loader is not None
+                loaded = importlib.util.module_from_spec(spec)
+                sys.modules[path.stem] = loaded
+                spec.loader.exec_module(loaded)
+            else:
+                importlib.import_module(module)
+        except Exception as error:  # any failure of user code is reported, not raised
+            print(f"{command}: cannot import --probes {module!r}: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr)
+            return EXIT_USAGE
+    return None
+
+
+def _validate_one(path: str, strict: bool) -> dict[str, Any]:
     report: dict[str, Any] = {
         "path": path,
         "valid": False,
@@ -92,11 +153,26 @@ def _validate_one(path: str, strict: bool) -> dict[str, Any]:
         ]
     else:
         report["warnings"] = notes
+    if spec is not None:
+        report["problems"] += _probe_problems(spec)
     if spec is not None and not report["problems"]:
         report["valid"] = True
         report["extraction_points"] = len(spec)
         report["edits"] = len(spec.edits)
     return report
+
+
+def _probe_problems(spec: Any) -> list[dict[str, Any]]:
+    """Each point's probe checked against the probe registry (built-ins, entry
+    points, ``--probes`` modules): its ``probe_type``, ``probe_kind`` and the
+    names of its ``probe_args``. No probe is built (that needs its files)."""
+
+    problems = []
+    for index, point in enumerate(spec):
+        _, faults = probe_problems(point, default_registry, point.probe_args)
+        problems += [_problem_dict(SpecProblem(message, field, index, point.name))
+                     for field, message in faults]
+    return problems
 
 
 def _problem_dict(problem: Any) -> dict[str, Any]:
@@ -111,6 +187,9 @@ def _problem_dict(problem: Any) -> dict[str, Any]:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
+    failed_import = _import_probe_modules("validate", args.probes)
+    if failed_import is not None:
+        return failed_import
     reports = [_validate_one(path, args.strict) for path in args.specs]
     if args.format == "json":
         print(json.dumps(reports, indent=2))
@@ -155,8 +234,6 @@ def _add_schema_command(subparsers: Any) -> None:
 
 
 def _run_schema(args: argparse.Namespace) -> int:
-    from undercurrent.spec import json_schema
-
     print(json.dumps(json_schema(), indent=args.indent or None))
     return EXIT_OK
 
@@ -181,16 +258,12 @@ def _add_inspect_model_command(subparsers: Any) -> None:
 
 
 def _run_inspect_model(args: argparse.Namespace) -> int:
-    from undercurrent.adapters.inspect import format_report, inspect_model, starter_spec
-
     try:
         report = inspect_model(args.model)
     except (OSError, ValueError) as error:
         print(f"inspect-model: cannot read {args.model!r}: {error}", file=sys.stderr)
         return EXIT_FAILURE
     if args.emit_spec:
-        from undercurrent.spec import to_yaml
-
         with open(args.emit_spec, "w", encoding="utf-8") as handle:
             handle.write(to_yaml(starter_spec(int(report["num_layers"]))))
         report["emitted_spec"] = args.emit_spec
@@ -225,32 +298,40 @@ def _add_run_command(subparsers: Any) -> None:
     parser.add_argument("--records", metavar="FILE.parquet",
                         help="save the captured records (needs the notebook extra)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
+    _add_probes_option(parser)
     parser.set_defaults(handler=_run_run)
 
 
 def _run_run(args: argparse.Namespace) -> int:
-    from undercurrent.api import ProbedModel
+    failed_import = _import_probe_modules("run", args.probes)
+    if failed_import is not None:
+        return failed_import
 
     if args.records:
-        try:
-            from undercurrent.notebook.storage import save_records
-        except ImportError as error:
-            print(f"run: --records needs pandas and pyarrow ({error}); install them with "
-                  "pip install 'undercurrent[notebook]'", file=sys.stderr)
+        missing = [name for name in ("pandas", "pyarrow")
+                   if importlib.util.find_spec(name) is None]
+        if missing:
+            print(f"run: --records needs pandas and pyarrow ({', '.join(missing)} missing); "
+                  "install them with pip install 'undercurrent[notebook]'", file=sys.stderr)
             return EXIT_USAGE
-    from undercurrent.adapters.capabilities import CapabilityError
-    from undercurrent.spec import SpecValidationError
-
+    # What a user can get wrong (the spec, its probes, the model, the options) is
+    # one message and exit 1; a traceback is left for real bugs. ValueError covers
+    # SpecValidationError, CapabilityError, RouterError and ProbeFileError.
+    user_errors = (ValueError, OSError, BackendError)
     try:
         model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
                                             device=args.device)
-    except (SpecValidationError, CapabilityError, OSError) as error:
+    except user_errors as error:
         print(f"run: {error}", file=sys.stderr)
         return EXIT_FAILURE
     with model:
-        outputs = model.generate(args.prompts, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, seed=args.seed, stop=args.stop,
-                                 records=bool(args.records))
+        try:
+            outputs = model.generate(args.prompts, max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, seed=args.seed,
+                                     stop=args.stop, records=bool(args.records))
+        except user_errors as error:
+            print(f"run: {error}", file=sys.stderr)
+            return EXIT_FAILURE
     if args.format == "json":
         print(json.dumps([output.summary() for output in outputs], indent=2, default=str))
     else:
@@ -262,10 +343,11 @@ def _run_run(args: argparse.Namespace) -> int:
                 print(f"aborted by {output.abort.extraction_point_name!r} at token "
                       f"{output.abort.token_index} (layer {output.abort.layer})")
             for name, result in output.results.items():
-                error = f"  error: {result.error}" if result.error else ""
-                print(f"  {name}: {result.verdict!r}{error}")
+                note = f"  error: {result.error}" if result.error else ""
+                print(f"  {name}: {result.verdict!r}{note}")
     if args.records:
-        path = save_records(outputs, args.records)
+        path = save_records(outputs, args.records,
+                            tokenizer=getattr(model.backend, "tokenizer", None))
         count = sum(len(output.records or ()) for output in outputs)
         print(f"{count} records saved to {path}", file=sys.stderr)
     return EXIT_OK
@@ -275,7 +357,6 @@ def _run_run(args: argparse.Namespace) -> int:
 
 def _add_demo_command(subparsers: Any) -> None:
     # undercurrent.demo imports torch only when the demo runs.
-    from undercurrent.demo import add_demo_command
 
     add_demo_command(subparsers)
 
@@ -292,7 +373,6 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
-    from undercurrent import __version__
 
     parser = argparse.ArgumentParser(
         prog="undercurrent",

@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from undercurrent.api import ProbedModel
+from undercurrent.models import tiny_model_path, tiny_probe_path
+from undercurrent.models.corpus import LABEL_NAMES, chat_prompt, first_revealing_index
+from undercurrent.notebook.plots import trajectory_figure
+from undercurrent.probes.weights import load_linear_weights
+
 DEFAULT_REPORT = "undercurrent-demo.html"
 GUARD_POINT = "harm_guard"
 TRAJECTORY_POINT = "harm_trajectory"
@@ -94,8 +100,6 @@ class _Painter:
 
 
 def _guard_threshold(probed: Any) -> float:
-    from undercurrent.probes.weights import load_linear_weights
-
     point = probed.spec.get(GUARD_POINT)
     args = dict(point.probe_args)
     if "threshold" in args:
@@ -107,7 +111,6 @@ def _guard_threshold(probed: Any) -> float:
 def _probe_defaults() -> dict[str, dict[str, Any]]:
     # The spec names no file: the bundled probe comes in as router-level defaults,
     # which a spec's own probe_args (e.g. a path) still override.
-    from undercurrent.models import tiny_probe_path
 
     path = str(tiny_probe_path())
     return {"linear_probe": {"path": path}, "trajectory_probe": {"path": path}}
@@ -115,7 +118,6 @@ def _probe_defaults() -> dict[str, dict[str, Any]]:
 
 def _stream_one(probed: Any, run: DemoRun, painter: _Painter, out: TextIO,
                 max_new_tokens: int) -> None:
-    from undercurrent.models.corpus import chat_prompt
 
     pending: list[tuple[int, str]] = []
 
@@ -178,9 +180,6 @@ def _describe_steering(run: DemoRun, painter: Any) -> str:
 
 
 def _unguarded(model: Any, tokenizer: Any, runs: list[DemoRun], max_new_tokens: int) -> None:
-    from undercurrent.api import ProbedModel
-    from undercurrent.models.corpus import LABEL_NAMES, chat_prompt, first_revealing_index
-
     with ProbedModel(model, tokenizer) as plain:
         outputs = plain.generate([chat_prompt(r.request) for r in runs],
                                  max_new_tokens=max_new_tokens)
@@ -239,7 +238,6 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def write_report(runs: Sequence[DemoRun], threshold: float, path: Path) -> Path:
     """Write the score trajectories as a self-contained HTML page (plotly JS embedded)."""
-    from undercurrent.notebook.plots import trajectory_figure
 
     figure = trajectory_figure([run.output for run in runs], threshold=threshold,
                                title="undercurrent demo: P(harmful) per generated token")
@@ -255,8 +253,6 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
              steer: bool = False) -> list[DemoRun]:
     """Run the demo, printing to ``stream`` (default stdout); returns each request's run.
     ``steer=True`` runs the closed loop of ``specs/demo_steer.yaml``."""
-    from undercurrent.api import ProbedModel
-    from undercurrent.models import tiny_model_path
 
     out_stream = stream if stream is not None else sys.stdout
     if color is None:

@@ -15,6 +15,7 @@ from benchmarks.scenarios.probed import (
     ProbedBlockUntilSignal,
     ProbedCaptureOnly,
     ProbedEmptySpec,
+    ProbedInlineLinear,
     ProbedInlineNorm,
 )
 
@@ -32,15 +33,17 @@ SCENARIOS: tuple[type[Scenario], ...] = (
     ProbedBlockUntilSignal,
 )
 BASELINE = PlainGenerate.name
+#: Scenarios only the scaling set runs (``benchmarks.scaling``), not the main tables.
+SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear,)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:
     """The scenario class registered under ``name``."""
-    for scenario in SCENARIOS:
+    for scenario in (*SCENARIOS, *SCALING_ONLY):
         if scenario.name == name:
             return scenario
-    known = ", ".join(s.name for s in SCENARIOS)
+    known = ", ".join(s.name for s in (*SCENARIOS, *SCALING_ONLY))
     raise KeyError(f"unknown benchmark scenario {name!r}; known: {known}")
 
 
-__all__ = ["BASELINE", "SCENARIOS", "Batch", "Scenario", "scenario_by_name"]
+__all__ = ["BASELINE", "SCALING_ONLY", "SCENARIOS", "Batch", "Scenario", "scenario_by_name"]

@@ -17,7 +17,25 @@ from benchmarks.scenarios.base import Batch, Scenario, hf_generate_kwargs, new_t
 
 def _missing(module: str, package: str) -> str | None:
     if importlib.util.find_spec(module) is None:
-        return f"{package} is not installed (pip install -e '.[bench]')"
+        return f"{package} is not installed (make bench installs it in .venv-bench)"
+    return None
+
+
+TRANSFORMER_LENS_COMPARED = (4, 3)
+"""The TransformerLens release the comparison is written for (the bench extra's pin).
+sae-lens (the sae extra) pins transformer-lens<4, so the main environment may hold
+an older one; `make bench` installs the bench extra in its own environment."""
+
+
+def _too_old(package: str, wanted: tuple[int, ...]) -> str | None:
+    from importlib.metadata import version
+
+    installed = version(package)
+    parts = tuple(int(p) for p in installed.split(".")[:len(wanted)] if p.isdigit())
+    if parts < wanted:
+        needed = ".".join(map(str, wanted))
+        return (f"{package} {installed} is installed (sae-lens pins <4); the comparison "
+                f"needs >={needed}: run `make bench`, which uses its own environment")
     return None
 
 
@@ -78,7 +96,10 @@ class TransformerLensCapture(Scenario):
     own_model: ClassVar[bool] = True
 
     def unavailable_reason(self) -> str | None:
-        return _missing("transformer_lens", "transformer-lens")
+        missing = _missing("transformer_lens", "transformer-lens")
+        if missing is not None:
+            return missing
+        return _too_old("transformer-lens", TRANSFORMER_LENS_COMPARED)
 
     def setup(self, bundle: Any, model: Any, layers: tuple[int, ...]) -> None:
         super().setup(bundle, model, layers)

@@ -64,8 +64,11 @@ class _Probed(Scenario):
                                   probes=self.probe_classes())
 
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
+        # One generate() call for the whole batch, like the baselines (ProbedModel's
+        # default batch_size of 8 would split a larger batch into sequential calls).
         outputs = self.probed.generate(batch.prompts, max_new_tokens=max_new_tokens,
-                                       temperature=0.0, records=self.keep_records)
+                                       temperature=0.0, records=self.keep_records,
+                                       batch_size=batch.size)
         records = dropped = errors = timeouts = 0
         for output in outputs:
             for result in output.results.values():
@@ -164,6 +167,30 @@ class ProbedAsyncTrajectory(_Probed):
                 probe_args={"source": "norm"},
             )
         ]
+
+
+class ProbedInlineLinear(_Probed):
+    """The capture to an inline ``linear_probe`` reading the bundled probe file
+    (its metadata check off, so any layer set may use it; the file's threshold
+    only flags, it never aborts)."""
+
+    name: ClassVar[str] = "uc_inline_linear"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe (the bundled probe.safetensors) while generating"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [three_layer_point(self.layers, probe_type="linear_probe",
+                                  probe_args=dict(LINEAR_PROBE_ARGS))]
+
+
+#: The bundled probe file, usable at any layer: the scaling scenarios put it on
+#: every layer, which its layer metadata (layer 3) would otherwise refuse.
+LINEAR_PROBE_ARGS: dict[str, Any] = {
+    "path": "undercurrent:models/tiny/probe.safetensors",
+    "check_metadata": False,
+}
 
 
 class ProbedAllLayers(_Probed):

@@ -82,3 +82,36 @@ def build_model(model_type: str, eos: bool = False) -> Any:
 
 def prompt(*indices: int) -> str:
     return " ".join(WORDS[i] for i in indices)
+
+
+def transformers_generate(model: Any, tokenizer: Any, prompts: list[str], *,
+                          max_new_tokens: int, temperature: float | None = None,
+                          top_k: int | None = None, top_p: float = 1.0,
+                          seed: int | None = None, **outputs: Any) -> tuple[Any, Any]:
+    """The oracle for the HF backend, built from transformers alone (no undercurrent
+    code): the tokenizer's own left-padded batch and ``model.generate()`` with every
+    argument written out here. Greedy unless ``temperature`` is given. The eos is the
+    model's generation config's, else the tokenizer's (what a user of plain
+    transformers would pass); a seed is set right before ``generate()``.
+
+    Returns ``(batch, generate's output)``; ``outputs`` are extra ``generate()``
+    arguments such as ``output_hidden_states=True``.
+    """
+    import torch
+
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    kwargs: dict[str, Any] = dict(max_new_tokens=max_new_tokens,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
+    if temperature is None:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=top_k or 0, top_p=top_p)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=batch["input_ids"],
+                             attention_mask=batch["attention_mask"], **kwargs, **outputs)
+    return batch, out

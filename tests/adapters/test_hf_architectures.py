@@ -9,7 +9,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import CONFIGS, build_model, build_tokenizer, prompt  # noqa: E402
+from hf_models import (  # noqa: E402
+    CONFIGS,
+    build_model,
+    build_tokenizer,
+    prompt,
+    transformers_generate,
+)
 
 from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
 from undercurrent.adapters.hf.architectures import (  # noqa: E402
@@ -47,10 +53,10 @@ def test_every_tensor_type_at_every_layer(model_type):
     session = CaptureSession(None, points, keep_records=True)
     params = SamplingParams(max_new_tokens=3)
     outs = backend.generate(prompts, ["a", "b"], params, session)
-    _, ids, mask = backend._encode_batch(prompts)
-    with torch.no_grad():
-        plain = model.generate(input_ids=ids, attention_mask=mask,
-                               **backend.sampling_kwargs(params))[:, ids.shape[1]:].tolist()
+    batch, generated = transformers_generate(model, backend.tokenizer, prompts,
+                                             max_new_tokens=params.max_new_tokens)
+    ids = batch["input_ids"]
+    plain = generated[:, ids.shape[1]:].tolist()
     for row, out in enumerate(outs):
         assert list(out.token_ids) == plain[row][: len(out.token_ids)]
         fed = 1 + len(out.token_ids) - 1  # last prompt token + fed generated tokens

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+from hf_models import build_model, build_tokenizer, prompt, transformers_generate  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
@@ -51,11 +51,11 @@ def all_hooks(model) -> int:
 
 
 def plain_tokens(backend, prompts, params):
-    _, ids, mask = backend._encode_batch(prompts)
-    with torch.no_grad():
-        out = backend.model.generate(input_ids=ids, attention_mask=mask,
-                                     **backend.sampling_kwargs(params))
-    return out[:, ids.shape[1]:].tolist()
+    """Greedy tokens from transformers alone (``hf_models.transformers_generate``)."""
+    assert params.greedy and params.seed is None
+    batch, out = transformers_generate(backend.model, backend.tokenizer, prompts,
+                                       max_new_tokens=params.max_new_tokens)
+    return out[:, batch["input_ids"].shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -218,7 +218,7 @@ def test_close_and_interrupts_leave_no_hook_behind(tokenizer):
     with torch.no_grad():
         before = model(ids).logits
     pm = ProbedModel(model, tokenizer, spec=points[:1],
-                     probe_defaults={}, probes={"none": AbortAt}, )
+                     probe_defaults={"none": {"word": "the"}}, probes={"none": AbortAt})
     pm.close()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)

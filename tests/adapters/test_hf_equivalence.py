@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+from hf_models import build_model, build_tokenizer, prompt, transformers_generate  # noqa: E402
 
 from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
@@ -59,8 +59,9 @@ def _first(output):
     return output[0] if isinstance(output, tuple) else output
 
 
-def _oracle(model, backend, params):
-    """Plain generate() with output_hidden_states and hand-placed forward hooks."""
+def _oracle(model, tokenizer, params):
+    """Plain generate() with output_hidden_states and hand-placed forward hooks, on
+    the tokenizer's own left-padded batch (no undercurrent code builds its input)."""
     layers_path, attn_name, mlp_name = ORACLE_PATHS[model.config.model_type]
     layers = model.get_submodule(layers_path)
     captured = {"attn_out": {}, "mlp_out": {}, "last_residual": []}
@@ -75,18 +76,17 @@ def _oracle(model, backend, params):
             handles.append(getattr(layer, name).register_forward_hook(hook))
     handles.append(layers[N_LAYERS - 1].register_forward_hook(
         lambda m, a, o: captured["last_residual"].append(_first(o).detach().clone())))
-    _, input_ids, attention_mask = backend._encode_batch(PROMPTS)
+    sampling = {} if params.greedy else dict(temperature=params.temperature,
+                                             top_k=params.top_k, top_p=params.top_p)
     try:
-        if params.seed is not None:
-            torch.manual_seed(params.seed)
-        with torch.no_grad():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                 return_dict_in_generate=True, output_hidden_states=True,
-                                 use_cache=True, **backend.sampling_kwargs(params))
+        batch, out = transformers_generate(
+            model, tokenizer, PROMPTS, max_new_tokens=params.max_new_tokens, seed=params.seed,
+            return_dict_in_generate=True, output_hidden_states=True, use_cache=True,
+            **sampling)
     finally:
         for handle in handles:
             handle.remove()
-    return out, captured, input_ids.shape[1]
+    return out, captured, batch["input_ids"].shape[1]
 
 
 def _expected(record, row, out, captured, width, prompt_len):
@@ -116,8 +116,9 @@ def _expected(record, row, out, captured, width, prompt_len):
 
 def _check(model_type, params):
     model = build_model(model_type)
-    backend = HFBackend(model, build_tokenizer())
-    out, captured, width = _oracle(model, backend, params)
+    tokenizer = build_tokenizer()
+    backend = HFBackend(model, tokenizer)
+    out, captured, width = _oracle(model, tokenizer, params)
     session = CaptureSession(None, _points(), keep_records=True)
     outputs = backend.generate(PROMPTS, ["a", "b", "c"], params, session)
     checked = 0

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tools.tiny_model.train import TRAIN_SEED, TrainingConfig  # noqa: E402
 from undercurrent.models import tiny_model_path, tiny_probe_path  # noqa: E402
 from undercurrent.models.corpus import (  # noqa: E402
     first_revealing_index,
@@ -17,7 +18,6 @@ from undercurrent.models.corpus import (  # noqa: E402
     make_example,
     vocabulary,
 )
-from undercurrent.models.train import TRAIN_SEED, TrainingConfig  # noqa: E402
 
 SHIPPED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
            "tokenizer_config.json", "probe.safetensors", "probe_report.json")

@@ -1,4 +1,5 @@
-"""The shipped probe: its file, its documented accuracy on fresh prompts, and live scoring."""
+"""The shipped probe, measured: its file's format, its documented accuracy and abort
+threshold on fresh prompts, and live scores against a plain forward hook."""
 
 from __future__ import annotations
 
@@ -11,18 +12,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
 
-from undercurrent.models import tiny_model_path, tiny_probe_path  # noqa: E402
-from undercurrent.models.corpus import generate_examples  # noqa: E402
-from undercurrent.models.probe_fit import (  # noqa: E402
+from tools.tiny_model.probe_fit import (  # noqa: E402
     PROBE_FIT_SEED,
     abort_summary,
     accuracy_summary,
     capture,
     probe_prompts,
     probe_scores,
-    report_markdown,
 )
-from undercurrent.models.train import TRAIN_SEED, TrainingConfig  # noqa: E402
+from tools.tiny_model.train import TRAIN_SEED, TrainingConfig  # noqa: E402
+from undercurrent.models import tiny_model_path, tiny_probe_path  # noqa: E402
+from undercurrent.models.corpus import generate_examples  # noqa: E402
 from undercurrent.probes.weights import LINEAR_PROBE_FORMAT, load_linear_weights  # noqa: E402
 
 FRESH_SEED = PROBE_FIT_SEED + 99  # neither the probe's training nor its held-out prompts
@@ -56,38 +56,19 @@ def fresh(loaded, weights):
     return captured, probe_scores(weights.weight, weights.bias, captured.layers[layer])
 
 
-def test_probe_file_is_in_the_linear_probe_format(weights, report) -> None:
+def test_probe_file_is_in_the_linear_probe_format_of_the_bundled_model(weights) -> None:
+    # Whether it agrees with probe_report.json and docs/model.md (written by the same
+    # run) is a report, not a test: tools/probe_report_check.py.
     meta = weights.metadata
     assert meta["format"] == LINEAR_PROBE_FORMAT
     assert meta["link"] == "sigmoid"
     assert meta["tensor_type"] == "residual_stream"
     assert json.loads(meta["label_names"]) == ["benign", "harmful"]
-    assert int(meta["layer"]) == report["best_layer"]
-    assert float(meta["threshold"]) == pytest.approx(report["threshold"])
     config = json.loads((tiny_model_path() / "config.json").read_text())
+    assert 0 <= int(meta["layer"]) < config["num_hidden_layers"]
+    assert 0.0 < float(meta["threshold"]) < 1.0
     assert weights.weight.shape == (config["hidden_size"],)
     assert weights.bias.shape == ()
-
-
-def test_best_layer_clearly_beats_the_random_init_control(report) -> None:
-    best = report["layers"][str(report["best_layer"])]
-    trained, control = best["trained"], best["random_init"]
-    assert trained["accuracy_all_tokens"] >= 0.9
-    assert trained["accuracy_all_tokens"] >= control["accuracy_all_tokens"] + 0.08
-    assert trained["accuracy_before_reveal"] >= control["accuracy_before_reveal"] + 0.05
-    assert trained["auc_before_reveal"] > control["auc_before_reveal"]
-
-
-def test_docs_quote_the_report_tables(report) -> None:
-    from pathlib import Path
-
-    docs = Path(__file__).resolve().parents[2] / "docs" / "model.md"
-    if not docs.is_file():
-        pytest.skip("docs/ is not part of an installed package")
-    text = docs.read_text()
-    for line in report_markdown(report).splitlines():
-        if line.startswith("|"):
-            assert line in text, line
 
 
 def test_documented_accuracy_holds_on_fresh_prompts(fresh, report) -> None:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from undercurrent.models.train import TrainingConfig, train  # noqa: E402
+from tools.tiny_model.train import TrainingConfig, train  # noqa: E402
 
 TINY_RUN = TrainingConfig(steps=3, batch_size=4, examples=64, warmup_steps=1)
 

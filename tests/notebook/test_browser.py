@@ -52,7 +52,7 @@ def test_editing_a_field_in_chromium_changes_the_yaml_shown(voila_url, tmp_path)
             before = page.inner_text(yaml_selector)
             assert "from_the_browser" not in before
 
-            name = page.locator(".undercurrent-field-name input")
+            name = page.locator(".undercurrent-field-name input").first
             name.fill("from_the_browser")
             page.wait_for_function(
                 "s => document.querySelector(s).innerText.includes('name: from_the_browser')",
@@ -67,7 +67,7 @@ def test_editing_a_field_in_chromium_changes_the_yaml_shown(voila_url, tmp_path)
             assert after != before
             assert "name: from_the_browser" in after and "tensor_type: mlp_out" in after
 
-            position = page.locator(".undercurrent-field-position input")
+            position = page.locator(".undercurrent-field-position input").first
             position.fill("generated[oops]")
             page.wait_for_function(
                 "() => [...document.querySelectorAll('.undercurrent-field-error')]"

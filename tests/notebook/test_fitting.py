@@ -16,7 +16,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from undercurrent.notebook import fit_linear_probe, records_frame
-from undercurrent.probes.fitting import LINEAR_PROBE_FORMAT
+from undercurrent.probes.weights import LINEAR_PROBE_FORMAT
 
 
 def _blobs(n: int = 300, hidden: int = 12, classes: int = 2, seed: int = 1):

@@ -66,7 +66,7 @@ def test_every_token_is_coloured_by_its_score_with_the_score_on_hover():
     text = html.unescape(view.text.value)
     assert 'title="token 2: score 0.900"' in text
     assert "rgba(214,39,40,0.80)" in text  # 0.9 on the default 0..1 scale
-    assert "req-a" in text and ">a<" in text  # request id and prompt
+    assert "prompt 1: a" in text and ">a<" in text  # default label and prompt
 
 
 def test_plot_has_one_line_per_request_and_point_with_each_score():
@@ -74,8 +74,8 @@ def test_plot_has_one_line_per_request_and_point_with_each_score():
     view.run(["a", "b"], display=False)
     lines = {t.name: (list(t.x), list(t.y)) for t in view.figure.data}
     assert lines == {
-        "req-a · watch · L2": ([0, 1], [0.1, 0.5]),
-        "req-b · watch · L2": ([0, 1, 2], [0.7, 0.2, 0.3]),
+        "prompt 1: a": ([0, 1], [0.1, 0.5]),
+        "prompt 2: b": ([0, 1, 2], [0.7, 0.2, 0.3]),
     }
     assert view.figure.layout.shapes[0].y0 == 0.6
 
@@ -95,12 +95,13 @@ def test_an_abort_is_marked_in_the_text_the_plot_and_a_message():
     view = LiveView(ScriptedModel({"a": [0.1, 0.95, 0.2], "b": [0.1, 0.2]}, abort_at={"a": 1}))
     view.run(["a", "b"], display=False)
     text = html.unescape(view.text.value)
-    assert text.count("✖ aborted") == 1
+    assert text.count("✖\xa0aborted") == 1
     assert "outline:2px solid #b00020" in text and "token 1: score 0.950 (abort)" in text
     message = html.unescape(view.message.value)
-    assert "req-a" in message and "aborted by 'watch' (layer 2) at generated token 1" in message
-    assert "score 0.950" in message and "req-b" not in message
-    (marker,) = [t for t in view.figure.data if t.name == "req-a abort"]
+    assert "prompt 1: a" in message
+    assert "aborted by 'watch' (layer 2) at generated token 1" in message
+    assert "score 0.950" in message and "prompt 2" not in message
+    (marker,) = [t for t in view.figure.data if t.name == "prompt 1: a: abort"]
     assert list(marker.x) == [1] and list(marker.y) == [0.95]
 
 
@@ -136,7 +137,8 @@ def test_text_is_coloured_by_one_point_on_that_points_own_scale():
     view.run("a", display=False)
     assert _token_scores(view) == ["0.100000", "0.900000"]
     assert "rgba(214,39,40,0.16)" in view.text.value  # 0.1 on the 0..1 scale, not 0..101
-    assert {t.name for t in view.figure.data} == {"req-a · watch · L2", "req-a · norm · L0"}
+    names = {t.name for t in view.figure.data}
+    assert names == {"prompt 1: a · watch · L2", "prompt 1: a · norm · L0"}
 
 
 def test_finished_plot_carries_its_traces_in_the_widget_state():
@@ -146,3 +148,126 @@ def test_finished_plot_carries_its_traces_in_the_widget_state():
     state = view.figure.get_state()["_widget_data"]
     assert [list(trace["y"]) for trace in state] == [[0.1, 0.5]]
     assert view.widget.children[-1] is view.figure
+
+
+def test_labels_name_the_requests_in_the_text_the_legend_and_the_messages():
+    model = ScriptedModel({"a": [0.1, 0.95], "b": [0.2]}, abort_at={"a": 1})
+    view = LiveView(model)
+    view.run(["a", "b"], labels=["harmful", "benign"], display=False)
+    assert [t.name for t in view.figure.data if t.showlegend is not False] == ["harmful", "benign"]
+    text = view.text.value
+    assert "<b>harmful</b>" in text and "<b>benign</b>" in text and "req-a" not in text
+    assert "<b>harmful</b>: aborted by" in view.message.value
+
+
+def test_default_labels_number_the_prompts_and_preview_them():
+    long_prompt = "user : how do i bake a loaf of bread at home ? assistant :"
+    model = ScriptedModel({long_prompt: [0.1], "b": [0.2]})
+    view = LiveView(model)
+    view.run([long_prompt, "b"], display=False)
+    labels = [trace.label for trace in view.state.requests.values()]
+    assert labels == ["prompt 1: user : how do i bake a…", "prompt 2: b"]
+
+
+def test_one_label_per_prompt_is_required():
+    view = LiveView(ScriptedModel({"a": [0.1], "b": [0.2]}))
+    try:
+        view.run(["a", "b"], labels=["only one"], display=False)
+    except ValueError as error:
+        assert "2 prompts but 1 labels" in str(error)
+    else:  # pragma: no cover - the test fails here
+        raise AssertionError("a missing label was accepted")
+
+
+def test_the_header_counts_prompts_tokens_and_aborts_while_running():
+    model = ScriptedModel({"a": [0.1, 0.95, 0.3], "b": [0.2, 0.3]}, abort_at={"a": 1})
+    view = LiveView(model)
+    seen: list[str] = []
+    original = view.update
+
+    def spy(event):
+        original(event)
+        seen.append(view.progress_text())
+
+    view.update = spy
+    view.run(["a", "b"], display=False, max_new_tokens=4)
+    assert seen[0] == "prompt 1/2 · token 1/4"
+    assert "prompt 1/2 · token 2/4 · 1 aborted" in seen
+    assert seen[-1] == "prompt 2/2 · token 2/4 · 1 aborted"
+    assert view.progress_text() == "done: 2 prompts · 4 tokens · 1 aborted"
+    assert "done: 2 prompts" in view.header.value
+    assert "token colour = score of <code>watch</code>" in view.header.value  # the key
+
+
+def test_probabilities_fix_the_score_axis_and_other_scores_autoscale():
+    empty = LiveView(ScriptedModel({}))
+    assert tuple(empty.figure.layout.yaxis.range) == (-0.03, 1.03)
+    assert tuple(empty.figure.layout.xaxis.range) == (-0.5, 15.5)  # not plotly's -1..4
+    probabilities = LiveView(ScriptedModel({"a": [0.1, 0.9]}))
+    probabilities.run("a", display=False, max_new_tokens=8)
+    assert tuple(probabilities.figure.layout.yaxis.range) == (-0.03, 1.03)
+    assert tuple(probabilities.figure.layout.xaxis.range) == (-0.5, 7.5)
+    raw = LiveView(ScriptedModel({"a": [2.0, 6.0]}))
+    raw.run("a", display=False)
+    assert raw.figure.layout.yaxis.autorange is True and raw.figure.layout.yaxis.range is None
+
+
+def test_updates_change_the_same_figure_and_traces_without_rebuilding():
+    model = ScriptedModel({"a": [0.1, 0.5, 0.7], "b": [0.2, 0.4]})
+    view = LiveView(model)
+    figure = view.figure
+    view.run("a", display=False)
+    first_trace = view.figure.data[0]
+    view.run("b", display=False)
+    assert view.figure is figure and view.widget.children[-1] is figure
+    assert view.figure.data[0] is first_trace and list(first_trace.y) == [0.1, 0.5, 0.7]
+
+
+def test_abort_mark_does_not_wrap_and_the_reply_is_spaced_from_the_prompt():
+    class NoSpace(ScriptedModel):
+        def stream(self, prompt, **kwargs):
+            for event in super().stream(prompt, **kwargs):
+                if event.generated_index == 0:
+                    event = StreamEvent(event.request_id, event.token_id, "okay",
+                                        event.token_index, 0, signals=event.signals)
+                yield event
+
+    view = LiveView(NoSpace({"assistant :": [0.9, 0.9]}, abort_at={"assistant :": 1}))
+    view.run("assistant :", display=False)
+    text = view.text.value
+    assert 'assistant :</span> <span class="uc-token"' in text
+    assert "white-space:nowrap\">✖&nbsp;aborted" in text
+
+
+def test_the_display_carries_a_static_snapshot_beside_the_widget(monkeypatch):
+    from undercurrent.notebook import static
+
+    drawn = []
+    monkeypatch.setattr(static, "figure_png", lambda figure, **kw: drawn.append(figure) or b"PNG")
+    view = LiveView(ScriptedModel({"a": [0.1, 0.9]}))
+    view.run("a", labels=["harmful"], display=False)
+    bundle = view._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "harmful" in bundle["text/plain"] and "done: 1 prompt" in bundle["text/plain"]
+    snapshot = bundle["text/html"]
+    assert snapshot.count('class="uc-token"') == 2 and "done: 1 prompt" in snapshot
+    assert "VBox" not in bundle["text/plain"]
+    assert drawn == [view.figure] and 'src="data:image/png;base64,UE5H"' in snapshot
+
+
+def test_a_run_shows_the_live_widget_then_a_snapshot_that_widget_frontends_hide(monkeypatch):
+    from undercurrent.notebook import live_view, static
+
+    shown: list[dict] = []
+    monkeypatch.setattr(live_view, "_display", lambda: lambda bundle, raw: shown.append(bundle))
+    monkeypatch.setattr(static, "figure_png", lambda figure, **kw: None)
+    view = LiveView(ScriptedModel({"a": [0.1, 0.9]}))
+    view.run("a", labels=["harmful"])
+    live, snapshot = shown
+    widget_id = live["application/vnd.jupyter.widget-view+json"]["model_id"]
+    assert widget_id == view.widget.model_id and "text/html" not in live
+    # An empty model id: JupyterLab and Voila hide this output; GitHub and nbconvert show it.
+    assert snapshot["application/vnd.jupyter.widget-view+json"]["model_id"] == ""
+    assert "harmful" in snapshot["text/html"] and "done: 1 prompt" in snapshot["text/html"]
+    view.run("a", labels=["again"])
+    assert len(shown) == 3  # the widget is not shown twice; the new run adds its snapshot

@@ -100,3 +100,40 @@ def test_verdict_counts_each_request_once_per_point_by_outcome():
     assert counts["flagged"] == {"p": 1, "q": 1}
     assert counts["clean"] == {"p": 1, "q": 2}
     assert counts["error"] == {"p": 0, "q": 0}
+
+
+def test_trajectory_coloured_by_label_has_one_colour_and_one_legend_entry_per_label():
+    results = [
+        {"p": make_result(f"r{i}", "p", [0.1 * i, 0.2], ["continue", "abort" if i == 1 else
+                                                        "continue"])}
+        for i in range(4)
+    ]
+    label = {"r0": "benign", "r1": "harmful", "r2": "benign", "r3": "harmful"}
+    names = {f"r{i}": f"p{i} ({label[f'r{i}']})" for i in range(4)}
+    figure = trajectory_figure(results, color_by=label, names=names)
+    lines = [t for t in figure.data if t.mode == "lines+markers"]
+    colours = {t.hovertemplate.split("<br>")[0]: t.line.color for t in lines}
+    assert colours["p0 (benign)"] == colours["p2 (benign)"]
+    assert colours["p1 (harmful)"] == colours["p3 (harmful)"] != colours["p0 (benign)"]
+    assert [t.name for t in figure.data if t.showlegend is not False] == ["benign", "harmful"]
+    assert figure.layout.legend.title.text == "label"
+    (abort,) = [t for t in figure.data if t.name.endswith("abort")]
+    assert abort.legendgroup == "harmful"
+
+
+def test_trajectory_color_by_names_the_missing_groups():
+    results = {"p": make_result("r0", "p", [0.5])}
+    with pytest.raises(ValueError, match="r0"):
+        trajectory_figure(results, color_by={"other": "x"})
+    with pytest.raises(ValueError, match="not a column"):
+        trajectory_figure(results, color_by="label")
+
+
+def test_heatmap_and_projection_use_the_names_given_for_requests():
+    records = make_records(requests=2, layers=(0,), hidden=5)
+    names = {"req0": "p0 (benign)", "req1": "p1 (harmful)"}
+    heat = heatmap_figure(records, request="req1", names=names)
+    assert "p1 (harmful)" in heat.layout.title.text
+    projection = projection_figure(records, {"req0": 0, "req1": 1}, layer=0, names=names)
+    hover = [text for trace in projection.data for text in trace.text]
+    assert hover and all(text.startswith(("p0 (benign) ·", "p1 (harmful) ·")) for text in hover)

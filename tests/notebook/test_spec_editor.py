@@ -109,10 +109,20 @@ def test_layer_picker_is_bounded_by_the_model_and_final_norm_sits_at_layer_n():
     assert [value for _, value in editor.fields["layers"].options] == [0, 1, 2]
     editor.fields["tensor_type"].value = "final_norm"
     labels = dict((v, k) for k, v in editor.fields["layers"].options)
-    assert labels == {2: "2 (out of range)", 3: "3 (final norm)"}
-    assert "out of range" in editor.errors["layers"].value
-    editor.fields["layers"].value = (3,)
+    assert labels == {3: "3 (final norm)"}
+    # The invalid selection moved to the one valid layer: the spec stays valid.
+    assert editor.fields["layers"].value == (3,)
     assert editor.valid and editor.spec[0].layers == (3,)
+    editor.fields["tensor_type"].value = "mlp_out"
+    assert editor.fields["layers"].value == (2,) and editor.valid
+
+
+def test_switching_tensor_type_keeps_the_layers_the_new_type_allows():
+    caps = Capabilities.standard("hf", "llama", 4)
+    editor = SpecEditor(model=caps)
+    editor.fields["layers"].value = (1, 3)
+    editor.fields["tensor_type"].value = "attn_out"
+    assert editor.fields["layers"].value == (1, 3) and editor.valid
 
 
 def test_tensor_types_offered_are_the_backends():
@@ -128,7 +138,82 @@ def test_without_a_model_layers_are_typed_and_checked():
     editor.fields["layers"].value = "0, two"
     assert "'two' is not a layer index" in editor.errors["layers"].value
     editor.fields["layers"].value = ""
-    assert "empty list" in editor.errors["layers"].value
+    assert "layers is empty" in editor.errors["layers"].value
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("banana", "layers: 'banana' is not a layer index"),
+    ("1,,2", "layers '1,,2' has an empty entry at place 2"),
+    ("1,", "layers '1,' has an empty entry at place 2"),
+])
+def test_unreadable_layer_text_gets_one_message_with_its_subject(text, expected):
+    editor = SpecEditor()
+    editor.fields["layers"].value = text
+    messages = editor.field_problems()["layers"]
+    assert len(messages) == 1 and messages[0].startswith(expected)
+    assert not editor.valid
+
+
+def test_an_empty_layer_selection_is_reported_with_its_subject():
+    editor = SpecEditor(model=4)
+    editor.fields["layers"].value = ()
+    assert editor.field_problems()["layers"][0].startswith("layers is an empty list")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("-3", "queue_depth must be at least 1, got -3"),
+    ("0", "queue_depth must be at least 1, got 0"),
+    ("eight", "queue_depth 'eight' is not a whole number"),
+])
+def test_queue_depth_messages_say_what_is_wrong(text, expected):
+    editor = SpecEditor(model=4)
+    editor.fields["probe_kind"].value = "trajectory"
+    editor.fields["execution_mode"].value = "async"
+    editor.fields["queue_depth"].value = text
+    assert editor.field_problems()["queue_depth"][0].startswith(expected)
+
+
+def test_other_points_problems_are_listed_by_name_one_per_line():
+    editor = SpecEditor(model=4)
+    editor.fields["name"].value = "watch"
+    editor.fields["position"].value = "generated[oops]"
+    editor.fields["layers"].value = ()
+    editor.add_point()
+    status = editor.status.value
+    assert "extraction_points[" not in status
+    assert status.count("<div style=\"margin-left:1em\">point 'watch' · ") == 2
+    assert "point 'watch' · layers: layers is an empty list" in status
+
+
+def test_labels_are_the_yaml_keys_and_layers_have_a_multi_select_hint():
+    editor = SpecEditor(model=4)
+    labels = {field: control.description for field, control in editor.fields.items()}
+    assert labels["execution_mode"] == "execution_mode"
+    assert labels["intervention_mode"] == "intervention.mode"
+    assert labels["timeout_ms"] == "intervention.timeout_ms"
+    assert labels["on_timeout"] == "intervention.on_timeout"
+    assert all(label == field for field, label in labels.items()
+               if field not in ("intervention_mode", "timeout_ms", "on_timeout"))
+    assert "Shift-click" in editor.rows["layers"].children[1].children[0].value
+
+
+def test_yaml_keeps_its_style_when_the_spec_becomes_invalid():
+    editor = SpecEditor(model=4)
+    editor.fields["probe_args"].value = "path: probe.safetensors\nlabels: [a, b]"
+    valid = yaml_lines(editor)
+    editor.fields["position"].value = "generated[oops]"
+    invalid = yaml_lines(editor)
+    assert invalid[0].startswith("# not valid yet")
+    changed = [(a, b) for a, b in zip(valid, invalid[1:], strict=True) if a != b]
+    assert changed == [("  position: prompt[-1]", "  position: generated[oops]")]
+
+
+def yaml_lines(editor: SpecEditor) -> list[str]:
+    import html as html_module
+    import re
+
+    text = re.sub(r"<[^>]+>", "", editor.yaml_view.value)
+    return html_module.unescape(text).strip().splitlines()
 
 
 def test_probe_types_come_from_the_registry_and_kinds_are_checked_against_the_probe():
@@ -212,6 +297,27 @@ def test_save_button_reports_an_invalid_spec_instead_of_raising(tmp_path):
     assert "saved to" in editor.save_message.value and (tmp_path / "x.yaml").exists()
 
 
-def test_editor_displays_as_a_widget():
-    bundle = SpecEditor(model=2)._repr_mimebundle_()
+def test_save_gives_the_absolute_path_and_the_message_goes_when_the_spec_changes(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    editor = SpecEditor(model=4)
+    editor.save_path.value = "spec.yaml"
+    editor.save_button.click()
+    assert f"saved to <code>{tmp_path / 'spec.yaml'}</code>" in editor.save_message.value
+    assert editor.save(Path("again.yaml")) == tmp_path / "again.yaml"
+    editor.fields["position"].value = "generated[oops]"
+    assert editor.save_message.value == ""
+
+
+def test_editor_displays_as_a_widget_with_a_static_snapshot_of_form_and_yaml():
+    editor = SpecEditor(model=2)
+    editor.fields["name"].value = "harm_watch"
+    bundle = editor._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "name: harm_watch" in bundle["text/plain"] and "VBox" not in bundle["text/plain"]
+    snapshot = bundle["text/html"]
+    assert "<code>harm_watch</code>" in snapshot and "name: harm_watch" in snapshot
+    assert "queue_depth" not in snapshot  # hidden fields stay hidden
+    assert "<code>(router default)</code>" in snapshot  # a dropdown's label, not its value
+    assert "(empty)" in snapshot  # probe_args
+    assert "✔ valid spec" in snapshot

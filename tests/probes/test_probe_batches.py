@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from probe_helpers import activation
+from sae_helpers import write_sae
 
 from undercurrent.probes import (
     DualPositionProbe,
@@ -22,7 +23,9 @@ from undercurrent.probes import (
     NormProbe,
     Probe,
     RequestContext,
+    SaeProbe,
     TrajectoryProbe,
+    load_sae,
     save_linear_weights,
 )
 from undercurrent.probes.arrays import as_float_matrix
@@ -46,6 +49,16 @@ B3 = np.array([0.2, -0.1, 0.0])
 def _labelled_file(tmp_path):
     return save_linear_weights(tmp_path / "labelled.safetensors", W3, B3,
                                label_names=["low", "mid", "high"])
+
+
+def _sae_probe(tmp_path, architecture: str, **probe_args: Any) -> SaeProbe:
+    """An SAE over the HIDDEN values, its threshold at the median score of VALUES."""
+    folder = tmp_path / f"sae_{architecture}"
+    write_sae(folder, architecture=architecture, d_in=HIDDEN, d_sae=16, seed=5)
+    acts = load_sae(folder).encode(VALUES)
+    watched = probe_args.get("features")
+    scores = acts[:, watched].max(axis=1) if watched else acts.max(axis=1)
+    return SaeProbe(path=folder, threshold=float(np.median(scores)), **probe_args)
 
 
 # Each factory builds a fresh, configured probe; thresholds sit inside the range of
@@ -82,6 +95,9 @@ PROBES: dict[str, Callable[[Any], Probe]] = {
                                                               threshold=0.3, read_offset=2),
     "dual_position_labelled": lambda tmp: DualPositionProbe(path=_labelled_file(tmp),
                                                             class_index="mid", threshold=0.3),
+    "sae_standard_watched": lambda tmp: _sae_probe(tmp, "standard", features=[0, 3, 7]),
+    "sae_jumprelu_top_k": lambda tmp: _sae_probe(tmp, "jumprelu", top_k=4, action="abort"),
+    "sae_topk_top_k": lambda tmp: _sae_probe(tmp, "topk", top_k=2),
 }
 
 
@@ -283,3 +299,48 @@ def test_as_float_matrix_turns_torch_float32_bfloat16_and_kv_tensors_into_float6
 
     kv_half = [row.to(torch.bfloat16) for row in kv]
     assert as_float_matrix(kv_half).shape == (3, HIDDEN)
+
+
+class _JudgedOneByOne(LinearProbe):
+    """The per-activation path of ``LinearProbe``: a subclass that overrides ``judge``
+    makes ``on_activations`` call it per record (the code before the one-pass path)."""
+
+    def judge(self, record, score, meta):
+        return super().judge(record, score, meta)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PROBES if n.startswith("linear_")))
+def test_linear_probe_one_pass_judging_equals_judge_per_activation(name, tmp_path):
+    records = _records("numpy_float32")
+    probe = PROBES[name](tmp_path)
+    oracle = _JudgedOneByOne.__new__(_JudgedOneByOne)
+    oracle.__dict__.update(PROBES[name](tmp_path).__dict__)
+    signals, verdict = _in_batches(probe, records)
+    expected, expected_verdict = _in_batches(oracle, records)
+    assert [s.action for s in signals] == [s.action for s in expected]
+    assert [s.score for s in signals] == [s.score for s in expected]  # exactly equal
+    assert [dict(s.metadata) for s in signals] == [dict(s.metadata) for s in expected]
+    assert verdict == expected_verdict
+
+
+def test_score_summary_add_many_equals_add_in_order_with_gaps_and_ties():
+    from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+
+    scores = [0.3, None, 0.9, 0.1, 0.9, None, 0.30000000000000004, 1e-17]
+    records = [activation(np.zeros(2), token=t, layer=t % 2) for t in range(len(scores))]
+    rule = ThresholdRule(threshold=0.85)
+    crossed = [s is not None and rule.crossed(s) for s in scores]
+    one_by_one, many = ScoreSummary(0.85), ScoreSummary(0.85)
+    for score, record, hit in zip(scores, records, crossed, strict=True):
+        one_by_one.add(score, record, hit)
+    many.add_many(scores[:3], records[:3], crossed[:3])
+    many.add_many(scores[3:], records[3:], crossed[3:])
+    assert many.verdict() == one_by_one.verdict()
+    assert (many.total, many.scored) == (one_by_one.total, one_by_one.scored)
+    assert many.verdict()["first_crossing_token_index"] == 2
+    present = [s for s in scores if s is not None]
+    signals = rule.signals(present, [{"i": i} for i in range(len(present))])
+    for signal, score, index in zip(signals, present, range(len(present)), strict=True):
+        single = rule.signal(score, {"i": index})
+        assert (signal.action, signal.score, signal.metadata) == \
+            (single.action, single.score, single.metadata)

@@ -99,6 +99,24 @@ def check_accounting(result: ProbeResult) -> None:
     assert stats.errors <= stats.processed + 2  # on_start and on_end may add one each
 
 
+def record_idle_waits(monkeypatch: Any) -> list[bool]:
+    """Whether each binding was found idle when its request ended (False: ending the
+    request gave up waiting for a binding still marked busy, or a queue that never
+    drained), appended as requests end."""
+    from undercurrent.router.binding import Binding
+
+    seen: list[bool] = []
+    wait_idle = Binding.wait_idle
+
+    def recording(self: Any, deadline: float) -> bool:
+        idle = wait_idle(self, deadline)
+        seen.append(idle)
+        return idle
+
+    monkeypatch.setattr(Binding, "wait_idle", recording)
+    return seen
+
+
 def live_hooks(model: Any) -> int:
     """Forward hooks (plain and with kwargs) and pre-hooks still on any module."""
     return sum(len(module._forward_hooks) + len(module._forward_pre_hooks)
@@ -219,29 +237,53 @@ class AbortsAt(Recorder):
 
 
 class CtrlCSoon(Recorder):
-    """At generated index ``plan[0]`` (while ``armed``) schedules a Ctrl-C
-    (``_thread.interrupt_main``) ``plan[1]`` seconds later: it lands wherever the
-    main thread happens to be (a forward pass, a hook, the router, sampling)."""
+    """A Ctrl-C at a random moment that always lands inside the generation.
+
+    At generated index ``plan[0]`` (while ``armed``) it starts a thread that, ``plan[1]``
+    seconds later, simulates a Ctrl-C (``_thread.interrupt_main``): it lands wherever the
+    main thread happens to be (a forward pass, a hook, the router, sampling, a stream's
+    consumer). From generated index ``plan[2]`` on, the probe (inline, so generation
+    waits for it) holds generation until that Ctrl-C has been sent: however slow or busy
+    the machine, the interrupt reaches the main thread before the generation can end.
+    """
 
     armed = threading.Event()
-    plan = (0, 0.0)
+    sent = threading.Event()
+    plan = (0, 0.0, 2)
     timers: list[threading.Timer] = []
+    fence_limit_s = 120.0
+    deliver: Any = staticmethod(_thread.interrupt_main)
+    """How the Ctrl-C is delivered (a test may send a real SIGINT to several processes,
+    as a terminal does to its foreground process group)."""
 
     def on_activation(self, record: Any) -> ProbeSignal:
-        at, delay = type(self).plan
-        if record.generated_index == at and type(self).armed.is_set():
-            type(self).armed.clear()
-            timer = threading.Timer(delay, _thread.interrupt_main)
-            type(self).timers.append(timer)
+        cls = type(self)
+        at, delay, fence = cls.plan
+        index = record.generated_index
+        if index == at and cls.armed.is_set():
+            cls.armed.clear()
+            timer = threading.Timer(delay, _ctrl_c)
+            cls.timers.append(timer)
             timer.start()
+        elif index is not None and index >= fence and cls.timers:
+            cls.sent.wait(cls.fence_limit_s)
         return super().on_activation(record)
 
 
-def interrupted_by_ctrl_c(action: Any, at: int, delay: float) -> bool:
-    """Run ``action()`` with a :class:`CtrlCSoon` armed; True when the Ctrl-C landed
-    inside it. A Ctrl-C that comes after ``action`` returned is absorbed here, so it
-    can never hit the caller's next statement."""
-    CtrlCSoon.plan = (at, delay)
+def _ctrl_c() -> None:
+    CtrlCSoon.deliver()
+    CtrlCSoon.sent.set()
+
+
+def interrupted_by_ctrl_c(action: Any, at: int, delay: float, fence: int) -> bool:
+    """Run ``action()`` with a :class:`CtrlCSoon` armed (fence at generated index
+    ``fence``); True when the Ctrl-C landed inside it. A Ctrl-C that comes after
+    ``action`` returned is absorbed here, so it can never hit the caller's next
+    statement."""
+    if not at < fence:
+        raise ValueError(f"the fence ({fence}) must come after the Ctrl-C is armed ({at})")
+    CtrlCSoon.plan = (at, delay, fence)
+    CtrlCSoon.sent.clear()
     CtrlCSoon.armed.set()
     finished = False
     try:
@@ -251,8 +293,9 @@ def interrupted_by_ctrl_c(action: Any, at: int, delay: float) -> bool:
         finally:
             CtrlCSoon.armed.clear()
             while CtrlCSoon.timers:
+                # interrupt_main has run once join returns; the loop's next backward
+                # jump in this (main) thread raises the pending KeyboardInterrupt here.
                 CtrlCSoon.timers.pop().join()
-            time.sleep(0.2)  # a simulated signal is acted on at the next bytecode
     except KeyboardInterrupt:
         pass
     return not finished

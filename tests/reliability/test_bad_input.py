@@ -71,14 +71,17 @@ CALL_ERRORS = [
     ("temperature str", {"temperature": "hot"}, TypeError, "temperature must be a number"),
     ("top_p=0", {"top_p": 0.0}, ValueError, "top_p must be in (0, 1]"),
     ("top_k=0", {"top_k": 0}, ValueError, "top_k must be >= 1"),
-    ("stop=int", {"stop": [3]}, TypeError, "stop must be a string"),
+    ("stop=[int]", {"stop": [3]}, TypeError, "stop must be a string or a list of strings"),
+    ("stop=int", {"stop": 5}, TypeError, "stop must be a string or a list of strings, got int"),
+    ("stop=bytes", {"stop": b"you"}, TypeError,
+     "stop must be a string or a list of strings, got bytes"),
     ("duplicate ids", {"prompts": ["t1", "t2"], "request_ids": ["a", "a"]}, ValueError,
      "request_ids must be unique"),
     ("too long prompt", {"prompts": [prompt(*range(MAX_POSITIONS + 10))]}, ValueError,
      f"the model's context is {MAX_POSITIONS}: shorten the prompt"),
     ("prompt + new tokens too long", {"prompts": [prompt(*range(MAX_POSITIONS - 3))],
                                       "max_new_tokens": 8}, ValueError,
-     "use max_new_tokens <= 2"),
+     "use max_new_tokens <= 3"),
     ("second prompt too long", {"prompts": ["t1", prompt(*range(MAX_POSITIONS))]}, ValueError,
      "prompt 1 has"),
 ]
@@ -143,7 +146,6 @@ def test_a_prompt_that_encodes_to_no_tokens_is_a_clear_error(tiny, reference) ->
 
 REGISTRATION_ERRORS = [
     ("layer past the last", {"layers": (2,)}, "layer(s) [2] out of range", "valid: 0..1"),
-    ("negative layer", {"layers": (-1,)}, "layer(s) [-1] out of range", "valid: 0..1"),
     ("final_norm not at N", {"tensor_type": "final_norm", "layers": (0,)},
      "out of range for final_norm", "layer N = 2"),
     ("residual at N", {"layers": (2,), "tensor_type": "mlp_out"}, "[2] out of range",
@@ -159,6 +161,14 @@ def test_unknown_layers_are_refused_at_registration(tiny, fields, fragment, hint
         ProbedModel(model, tokenizer, spec=[point("bad", **fields)])
     assert "'bad'" in str(caught.value) and fragment in str(caught.value)
     assert hint in str(caught.value)
+    assert live_hooks(model) == 0
+
+
+def test_a_negative_layer_in_a_list_of_points_is_refused_as_in_a_yaml_spec(tiny) -> None:
+    model, tokenizer = tiny
+    with pytest.raises(SpecValidationError, match="extraction_points\\[0\\] \\(name 'bad'\\), "
+                       "field 'layers': is -1; layer indices start at 0"):
+        ProbedModel(model, tokenizer, spec=[point("bad", layers=(-1,))])
     assert live_hooks(model) == 0
 
 

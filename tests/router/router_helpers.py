@@ -124,5 +124,23 @@ class Recorder(Probe):
         return {"seen": list(self.seen)}
 
 
+def binding_of(router: Any, request_id: str, name: str) -> Any:
+    """The router's binding for (request, point). White-box, so that a test can wait on
+    the binding's own state (its condition) instead of sleeping and hoping."""
+    return router._requests[request_id].bindings[name]
+
+
+def wait_until(condition: Any, limit_s: float = 30.0) -> bool:
+    """Wait until ``condition()`` holds; False if it still does not after ``limit_s``
+    (a guard against a hang, not an assumption about the machine's speed)."""
+    pause = threading.Event()
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        pause.wait(0.001)
+    return True
+
+
 def recorder_registry_entries() -> dict[str, type]:
     return {"recorder": Recorder}

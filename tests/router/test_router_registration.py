@@ -23,11 +23,11 @@ def test_every_problem_is_reported_at_once_and_names_its_point(make_router):
         router.register_request("r", points)
     text = str(info.value)
     assert len(info.value.problems) == 4
-    assert "'single_async' (index 0)" in text and "probe_kind trajectory" in text
-    assert "'blocking_async' (index 1)" in text and "block_until_signal" in text
-    assert "'typo' (index 2)" in text and "did you mean 'linear_probe'" in text
+    assert "[0] (name 'single_async')" in text and "needs probe_kind 'trajectory'" in text
+    assert "[1] (name 'blocking_async')" in text and "'block_until_signal'" in text
+    assert "[2] (name 'typo')" in text and "did you mean 'linear_probe'" in text
     assert "norm_probe" in text  # the known names are listed
-    assert "(index 4): duplicate name" in text
+    assert "[4] (name 'fine'), field 'name': duplicate name" in text
 
 
 def test_nothing_is_started_or_registered_when_one_point_is_bad(make_router):
@@ -35,15 +35,17 @@ def test_nothing_is_started_or_registered_when_one_point_is_bad(make_router):
     with pytest.raises(RouterError):
         router.register_request("r", [point("good"), point("bad", probe_type="nope")])
     assert all(probe.started == 0 for probe in Recorder.instances)
-    assert not router.wants("r")
+    assert router.live_requests() == ()
     router.register_request("r", [point("good")])  # the id is still free
-    assert router.wants("r", "good") and not router.wants("r", "bad")
+    assert router.live_requests() == ("r",)
+    assert set(router.end_request("r")) == {"good"}
 
 
 def test_async_point_inheriting_a_blocking_router_default_is_refused(make_router):
     router = make_router(default_intervention_policy=block(20))
-    with pytest.raises(RouterError, match="inherited from the router's default"):
+    with pytest.raises(RouterError, match="inherited from the router's default") as info:
         router.register_request("r", [point("a", mode="async")])
+    assert info.value.errors()[0]["loc"] == ("extraction_points", 0, "intervention")
     explicit_reject = InterventionPolicy()
     router.register_request("r", [point("a", mode="async", intervention=explicit_reject)])
 
@@ -59,8 +61,8 @@ def test_invalid_hand_built_interventions_are_refused(make_router):
     with pytest.raises(RouterError) as info:
         router.register_request("r", bad)
     assert len(info.value.problems) == 4
-    assert "needs timeout_ms" in str(info.value)
-    assert "queue_depth is only valid with execution_mode async" in str(info.value)
+    assert "is required with mode 'block_until_signal'" in str(info.value)
+    assert "queue_depth only applies with execution_mode 'async'" in str(info.value)
 
 
 def test_probe_kind_must_match_the_registered_class(make_router):
@@ -103,9 +105,9 @@ def test_probe_constructor_errors_name_the_point(make_router):
             point("rec", probe_args={"no_such_option": 1}),
         ])
     text = str(info.value)
-    assert "'lin' (index 0): could not build probe_type 'linear_probe'" in text
+    assert "[0] (name 'lin'), field 'probe_args': could not build probe_type 'linear_probe'" in text
     assert "needs path" in text
-    assert "'rec' (index 1)" in text and "no_such_option" in text
+    assert "[1] (name 'rec')" in text and "no_such_option" in text
 
 
 def test_each_request_gets_its_own_probe_instances_with_the_context(make_router):

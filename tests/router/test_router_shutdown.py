@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from router_helpers import Recorder, event, point, record
+from router_helpers import Recorder, binding_of, event, point, record, wait_until
 
 from undercurrent.router import Router, RouterError
 
@@ -39,10 +38,10 @@ def test_shutdown_without_waiting_discards_queues_even_with_a_hung_probe(make_ro
                                         probe_args={"gate": "gate", "entered": "entered"})])
     for t in range(6):
         router.route(record("r", "a", t))
-    assert event("entered").wait(5)
-    started = time.monotonic()
+    assert event("entered").wait(60)
+    # The probe stays hung (its gate opens only at teardown): a shutdown that waited
+    # for it would never return.
     result = router.shutdown(wait=False)["r"]["a"]
-    assert time.monotonic() - started < 1.0
     stats = result.stats
     assert (stats.received, stats.processed, stats.dropped) == (6, 0, 6)
     assert result.verdict is None and "on_end was not called" in result.error
@@ -53,14 +52,15 @@ def test_shutdown_releases_a_producer_blocked_on_a_full_queue(make_router):
     router.register_request("r", [point("a", mode="async", queue_depth=1,
                                         probe_args={"gate": "gate", "entered": "entered"})])
     router.route(record("r", "a", 0))
-    assert event("entered").wait(5)
+    assert event("entered").wait(60)
     router.route(record("r", "a", 1))  # fills the queue
+    binding = binding_of(router, "r", "a")
     producer = threading.Thread(target=router.route, args=(record("r", "a", 2),))
     producer.start()
-    time.sleep(0.05)
+    assert wait_until(lambda: binding.waiting == 1)  # blocked, waiting for room
     assert producer.is_alive()
     result = router.shutdown(wait=False)["r"]["a"]
-    producer.join(5)
+    producer.join(60)
     assert not producer.is_alive()
     assert result.stats.received == 3 == result.stats.dropped + result.stats.processed
 
@@ -71,10 +71,7 @@ def test_shutdown_stops_the_worker_threads():
     router.route(record("r", "n", 0))
     assert router.metrics()["workers"] == 2
     router.shutdown()
-    deadline = time.monotonic() + 5
-    while router.metrics()["workers"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert router.metrics()["workers"] == 0
+    assert wait_until(lambda: router.metrics()["workers"] == 0)
 
 
 def test_metrics_report_each_live_binding_and_running_totals(make_router):
@@ -97,10 +94,10 @@ def test_metrics_report_each_live_binding_and_running_totals(make_router):
 def test_request_context_manager_registers_and_collects_results(make_router):
     router = make_router()
     with router.request([point("p", probe_args={"abort_at": 1})], request_id="r") as handle:
-        assert router.wants("r", "p")
+        assert router.live_requests() == ("r",)
         handle.route(record("r", "p", 0))
         handle.route(record("r", "p", 1))
         assert handle.abort_requested
-    assert not router.wants("r")
+    assert router.live_requests() == ()
     assert handle.results["p"].verdict == {"seen": [0, 1]}
     assert handle.results["p"].flagged

@@ -42,7 +42,7 @@ def test_the_config_answer_never_imports_vllm():
     needs_vllm()
     code = (
         "import sys\n"
-        "from undercurrent.adapters.inspect import inspect_model\n"
+        "from undercurrent.adapters.model_inspection import inspect_model\n"
         "report = inspect_model('tiny')\n"
         "assert report['backends']['vllm']['tensor_types']['final_norm'] == [4]\n"
         "print('vllm imported:', 'vllm' in sys.modules)\n"

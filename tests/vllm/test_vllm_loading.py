@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from undercurrent.adapters.vllm.loading import (
     extra_safetensors,
     loadable_directory,
@@ -44,3 +46,34 @@ def test_an_index_file_already_tells_vllm_which_files_hold_weights(tmp_path):
     indexed = _model_dir(tmp_path / "i", "model.safetensors", "probe.safetensors",
                          "model.safetensors.index.json")
     assert loadable_directory(str(indexed)) == (str(indexed), None)
+
+
+def _config(root: Path, **fields) -> Path:
+    import json
+
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(fields))
+    return root
+
+
+def test_auto_dtype_is_the_one_config_json_declares(tmp_path):
+    pytest.importorskip("torch")
+    from undercurrent.adapters.vllm.loading import engine_dtype
+
+    assert engine_dtype(str(_config(tmp_path / "a", dtype="float32")), None) == "float32"
+    assert engine_dtype(str(_config(tmp_path / "b", torch_dtype="bfloat16")), "auto") == "bfloat16"
+    nested = _config(tmp_path / "c", text_config={"dtype": "float16"})
+    assert engine_dtype(str(nested), None) == "float16"
+    # no declared dtype: vLLM's own choice
+    assert engine_dtype(str(_config(tmp_path / "d")), None) == "auto"
+
+
+def test_an_explicit_dtype_wins_and_a_wrong_one_names_the_argument(tmp_path):
+    torch = pytest.importorskip("torch")
+    from undercurrent.adapters.vllm.loading import engine_dtype
+
+    directory = str(_config(tmp_path / "m", dtype="float32"))
+    assert engine_dtype(directory, "bfloat16") == "bfloat16"
+    assert engine_dtype(directory, torch.float16) == "float16"
+    with pytest.raises(ValueError, match=r"dtype='float33' is not a torch dtype; use 'auto'"):
+        engine_dtype(directory, "float33")

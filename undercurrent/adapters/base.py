@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
+from undercurrent.adapters.prompts import PromptInput
 from undercurrent.adapters.session import CaptureSession
 
 
@@ -56,9 +57,7 @@ class SamplingParams:
     capture_last_token: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop", stop_strings(self.stop))
         _check_number("max_new_tokens", self.max_new_tokens, integer=True)
         _check_number("temperature", self.temperature)
         _check_number("top_p", self.top_p)
@@ -66,9 +65,6 @@ class SamplingParams:
             _check_number("top_k", self.top_k, integer=True)
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
-        bad_stops = [type(s).__name__ for s in self.stop if not isinstance(s, str)]
-        if bad_stops:
-            raise TypeError(f"stop must be a string or a list of strings, got {bad_stops[0]}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -81,6 +77,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    """``stop`` as a tuple of strings: None, a string, or a list/tuple of strings.
+
+    Anything else is a ``TypeError`` naming the ``stop`` parameter and the accepted
+    types (bytes and numbers are not iterated into characters or codes).
+    """
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    accepted = "stop must be a string or a list of strings"
+    if not isinstance(stop, (list, tuple)):
+        raise TypeError(f"{accepted}, got {type(stop).__name__} ({stop!r:.40})")
+    for index, item in enumerate(stop):
+        if not isinstance(item, str):
+            raise TypeError(f"{accepted}; stop[{index}] is {type(item).__name__} ({item!r:.40})")
+    return tuple(stop)
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
@@ -112,19 +127,21 @@ class Backend(Protocol):
 
     def generate(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[PromptInput],
         request_ids: Sequence[str],
         params: SamplingParams,
         session: CaptureSession,
         *,
         batch_size: int | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (batched), one output per prompt, in order."""
+        """Generate for every prompt (batched), one output per prompt, in order. A
+        prompt is its text, or a tuple of token ids fed as they are
+        (:func:`~undercurrent.adapters.prompts.tokenized`)."""
         ...
 
     def stream(
         self,
-        prompt: str,
+        prompt: PromptInput,
         request_id: str,
         params: SamplingParams,
         session: CaptureSession,

@@ -12,16 +12,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from undercurrent.errors import ErrorDetail, ProblemsError, plain_details
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
 
-class CapabilityError(ValueError):
+class CapabilityError(ProblemsError):
     """A spec asks for something the loaded backend/model cannot capture.
 
-    ``problems`` lists every problem found (one line each).
+    ``problems`` lists every problem found (one line each); :meth:`errors` gives
+    them as pydantic-shaped dicts (located at the point and field when the
+    problems came from :func:`check_points`).
     """
 
-    def __init__(self, problems: list[str] | str) -> None:
+    error_type = "capability"
+
+    def __init__(
+        self, problems: list[str] | str, details: list[ErrorDetail] | None = None
+    ) -> None:
         if isinstance(problems, str):
             problems = [problems]
         self.problems = list(problems)
@@ -31,7 +38,9 @@ class CapabilityError(ValueError):
             message = f"{len(self.problems)} problems:\n" + "\n".join(
                 f"  - {problem}" for problem in self.problems
             )
-        super().__init__(message)
+        if details is None or len(details) != len(self.problems):
+            details = plain_details(self.problems, self.error_type)
+        super().__init__(message, details)
 
 
 def _layer_ranges(layers: tuple[int, ...]) -> str:
@@ -102,18 +111,25 @@ class Capabilities:
 
     def problems(self, points: Iterable[ExtractionPoint]) -> list[str]:
         """Every reason these points cannot be captured (empty when all is fine)."""
-        found: list[str] = []
+        return [detail["msg"] for detail in self.problem_details(points)]
+
+    def problem_details(self, points: Iterable[ExtractionPoint]) -> list[ErrorDetail]:
+        """:meth:`problems`, each located: ``loc`` is ``("extraction_points", index,
+        "tensor_type" or "layers")``."""
+        found: list[ErrorDetail] = []
         supported = ", ".join(t.value for t in self.tensor_types) or "none"
-        for point in points:
+        for index, point in enumerate(points):
+            where: tuple[str | int, ...] = ("extraction_points", index)
             tensor_type = TensorType(point.tensor_type)
             valid = self.valid_layers(tensor_type)
             if not valid:
                 note = self.notes.get(tensor_type.value)
-                found.append(
-                    f"extraction point {point.name!r}: tensor_type {tensor_type.value!r} is not "
-                    f"captured by the {self.backend} backend on {self.model_type!r} "
-                    f"(supported: {supported})" + (f"; {note}" if note else "")
-                )
+                found.append(ErrorDetail(
+                    loc=(*where, "tensor_type"), type=CapabilityError.error_type,
+                    msg=f"extraction point {point.name!r}: tensor_type {tensor_type.value!r} is "
+                    f"not captured by the {self.backend} backend on {self.model_type!r} "
+                    f"(supported: {supported})" + (f"; {note}" if note else ""),
+                ))
                 continue
             bad = [layer for layer in point.layers if layer not in valid]
             if bad:
@@ -123,11 +139,12 @@ class Capabilities:
                 elif self.num_layers in bad and self.supports(TensorType.FINAL_NORM):
                     hint = (f"; layer {self.num_layers} is the final norm, use tensor_type "
                             "'final_norm' for it")
-                found.append(
-                    f"extraction point {point.name!r}: layer(s) {bad} out of range for "
+                found.append(ErrorDetail(
+                    loc=(*where, "layers"), type=CapabilityError.error_type,
+                    msg=f"extraction point {point.name!r}: layer(s) {bad} out of range for "
                     f"{tensor_type.value} on {self.model_type!r} with {self.num_layers} decoder "
-                    f"layers (valid: {_layer_ranges(valid)}){hint}"
-                )
+                    f"layers (valid: {_layer_ranges(valid)}){hint}",
+                ))
         return found
 
     def as_dict(self) -> dict[str, Any]:
@@ -146,6 +163,6 @@ class Capabilities:
 
 def check_points(capabilities: Capabilities, points: Iterable[ExtractionPoint]) -> None:
     """Raise :class:`CapabilityError` listing every point the backend cannot serve."""
-    problems = capabilities.problems(points)
-    if problems:
-        raise CapabilityError(problems)
+    details = capabilities.problem_details(points)
+    if details:
+        raise CapabilityError([detail["msg"] for detail in details], details)

@@ -34,19 +34,14 @@ class TokenSignal:
 
 
 @dataclass(frozen=True)
-class AbortInfo:
-    """Which point's signal stopped a request, and at which token.
+class AbortInfo(TokenSignal):
+    """The located signal that stopped a request: a :class:`TokenSignal` (same
+    fields, no new ones) whose name says what it did.
 
     The request produced no token after ``token_index``'s activations were probed:
     with an abort on generated token ``g``, the output ends with token ``g``; an
     abort on a prompt token leaves the output empty.
     """
-
-    extraction_point_name: str
-    layer: int
-    token_index: int
-    generated_index: int | None
-    signal: ProbeSignal
 
 
 @dataclass(frozen=True)
@@ -78,7 +73,10 @@ class GenerationOutput:
 
     ``token_ids`` are the generated tokens only (the prompt's are
     ``prompt_token_ids``); ``finish_reason`` is ``"length"``, ``"eos"``,
-    ``"stop"`` (a stop string; ``text`` ends before it) or ``"abort"``.
+    ``"stop"`` (a stop string; ``text`` ends before it), ``"abort"``, or
+    ``"forward"`` for ``ProbedModel.prompt_activations`` (nothing generated).
+    ``prompt`` is the prompt's text (decoded from the token ids when the call
+    was given ``input_ids``).
     ``records`` holds the captured ``ActivationRecord``s only when the generation
     was asked for ``records=True``. ``edits`` lists every live edit applied, one
     :class:`AppliedEdit` per (edit, layer, token), in the order they ran.
@@ -142,6 +140,12 @@ class StreamEvent:
     applied since the previous event: those of the forward pass that sampled this
     token (non-empty means the token was sampled under an edit). The last event has
     ``finished=True``, ``token_id=None`` and the complete ``output``.
+
+    The ``text`` of all events joined, the last one's included, equals
+    ``output.text``: a stop string is never streamed (``output.text`` ends before
+    it too), and text that could begin one is held back until the next token
+    settles it; what was held back and never became a stop string comes with the
+    last event.
     """
 
     request_id: str

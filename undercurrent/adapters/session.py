@@ -65,6 +65,48 @@ def stop_position(text: str, stops: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that could begin a stop string (a proper
+    prefix of one): a stream holds it back until the next token says whether the
+    stop string completes."""
+    longest = max((len(stop) for stop in stops), default=0) - 1
+    for size in range(min(longest, len(text)), 0, -1):
+        tail = text[-size:]
+        if any(stop.startswith(tail) and len(stop) > size for stop in stops):
+            return size
+    return 0
+
+
+class StreamText:
+    """The text pieces of one request's stream, so that the pieces joined (the final
+    event's included) equal ``GenerationOutput.text``: a stop string, and a partial
+    one before it, are never sent (vLLM and OpenAI streams behave the same way)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.sent = ""
+
+    def piece(self, text: str) -> str:
+        """The new piece for the decoded generated text so far."""
+        cut = stop_position(text, self.stops) if self.stops else None
+        if cut is not None:
+            text = text[:cut]
+        elif self.stops:
+            text = text[:len(text) - held_back(text, self.stops)]
+        return self._advance(text)
+
+    def rest(self, final_text: str) -> str:
+        """What the final event carries: the part of the output's text not sent yet
+        (a held-back partial stop string that never completed)."""
+        return self._advance(final_text)
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+
 class RequestState:
     """One request's bookkeeping: prompt, points still able to match, generated
     tokens, signals, records, abort and finish reason."""
@@ -101,6 +143,8 @@ class RequestState:
         self.applied: list[AppliedEdit] = []
         self.edits_read = 0
         self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
+        self.stream_text: StreamText | None = None
+        """The pieces a stream has sent (set by a streaming backend)."""
 
     @property
     def live(self) -> bool:

@@ -22,6 +22,14 @@ def tiny_model_path() -> Path:
     return Path(__file__).resolve().parent / "tiny"
 
 
+def resolve_model_path(name_or_path: str) -> str:
+    """``"undercurrent/tiny"`` / ``"tiny"`` -> the bundled model's directory; any other
+    name or path is returned unchanged."""
+    if name_or_path in (TINY_MODEL_NAME, "tiny", "undercurrent-tiny"):
+        return str(tiny_model_path())
+    return name_or_path
+
+
 def tiny_probe_path() -> Path:
     """The bundled model's trained linear probe (``linear_probe`` format)."""
     return tiny_model_path() / "probe.safetensors"

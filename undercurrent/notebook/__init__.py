@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "verdict_figure": "undercurrent.notebook.plots",
     "SpecEditor": "undercurrent.notebook.spec_editor",
     "LiveView": "undercurrent.notebook.live_view",
+    "png_fallback": "undercurrent.notebook.static",
 }
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "heatmap_figure",
     "label_rows",
     "load_records",
+    "png_fallback",
     "projection_figure",
     "records_frame",
     "results_frame",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover
         verdict_figure,
     )
     from undercurrent.notebook.spec_editor import SpecEditor
+    from undercurrent.notebook.static import png_fallback
     from undercurrent.notebook.storage import frame_to_records, load_records, save_records
     from undercurrent.probes.fitting import LinearProbeFit, fit_linear_probe
 

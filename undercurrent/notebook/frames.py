@@ -373,3 +373,86 @@ def label_rows(frame: Any, labels: Mapping[str, Any] | Any, *, by: str = "reques
             + (" ..." if len(missing) > 5 else "")
         )
     return [labels[key] for key in keys]
+
+
+FEATURE_COLUMNS: tuple[str, ...] = (
+    "request",
+    "point",
+    "layer",
+    "token",
+    "feature",
+    "activation",
+    "generated_index",
+    "token_text",
+)
+"""Columns of :func:`features_frame`, in order.
+
+``token`` is the absolute token index (prompt + generated) of the activation the
+SAE read; ``feature`` the SAE feature id; ``activation`` its value (float64);
+``generated_index`` is nullable (<NA> for prompt tokens); ``token_text`` is the
+decoded token when a tokenizer was given and the results came as
+``GenerationOutput``s (which hold the token ids), else None.
+"""
+
+
+def features_frame(results: Any, *, tokenizer: Any = None) -> Any:
+    """One row per (activation, reported SAE feature): ``sae_probe``'s signals in
+    long format, with the columns in ``FEATURE_COLUMNS``.
+
+    ``results`` is anything :func:`signals_frame` accepts. Each ``sae_probe``
+    signal contributes its ``features`` / ``activations`` (all watched features, or
+    the active ones among the top ``top_k``); other probes' signals are skipped.
+
+    >>> frame = features_frame(outputs, tokenizer=model.backend.tokenizer)  # doctest: +SKIP
+    >>> frame.pivot_table("activation", "feature", "token")           # doctest: +SKIP
+    """
+    pd = _pandas()
+    signals = signals_frame(results)
+    token_ids = _token_ids_by_request(results)
+    decode = _token_decoder(tokenizer)
+    rows: list[dict[str, Any]] = []
+    for signal in signals.itertuples(index=False):
+        metadata = signal.metadata
+        features = metadata.get("features")
+        activations = metadata.get("activations")
+        if features is None or activations is None:
+            continue
+        token = None if pd.isna(signal.token_index) else int(signal.token_index)
+        generated = None if pd.isna(signal.generated_index) else int(signal.generated_index)
+        ids = token_ids.get(signal.request)
+        text = decode(ids[token]) if ids is not None and token is not None and token < len(
+            ids) else None
+        for feature, value in zip(features, activations, strict=True):
+            rows.append({
+                "request": signal.request,
+                "point": signal.point,
+                "layer": None if pd.isna(signal.layer) else int(signal.layer),
+                "token": token,
+                "feature": int(feature),
+                "activation": float(value),
+                "generated_index": generated,
+                "token_text": text,
+            })
+    frame = pd.DataFrame(rows, columns=list(FEATURE_COLUMNS))
+    return frame.astype({
+        "request": "object",
+        "point": "object",
+        "layer": "Int64",
+        "token": "Int64",
+        "feature": "int64",
+        "activation": "float64",
+        "generated_index": "Int64",
+        "token_text": "object",
+    })
+
+
+def _token_ids_by_request(results: Any) -> dict[str, list[int]]:
+    """``{request id: prompt + generated token ids}`` for the GenerationOutputs in
+    ``results`` (a ``ProbeResult`` alone does not know its tokens)."""
+    found: dict[str, list[int]] = {}
+    outputs = [results] if hasattr(results, "token_ids") else results
+    if isinstance(outputs, (list, tuple)):
+        for output in outputs:
+            if hasattr(output, "token_ids") and hasattr(output, "prompt_token_ids"):
+                found[output.request_id] = [*output.prompt_token_ids, *output.token_ids]
+    return found

@@ -16,7 +16,8 @@ from typing import Any
 class RequestTrace:
     """One request's stream so far.
 
-    ``pieces`` are the generated token texts in order; ``scores`` maps
+    ``label`` is what the live view calls the request. ``pieces`` are the
+    generated token texts in order; ``scores`` maps
     ``(point, layer)`` to ``{x: score}`` where ``x`` is the generated index
     (negative for prompt tokens: ``prompt[-1]`` is -1); ``actions`` maps the same
     keys to ``{x: action}`` for flags and aborts; ``steered`` holds the generated
@@ -25,6 +26,7 @@ class RequestTrace:
 
     request_id: str
     prompt: str = ""
+    label: str = ""
     pieces: list[str] = field(default_factory=list)
     scores: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)
     actions: dict[tuple[str, int], dict[int, str]] = field(default_factory=dict)

@@ -2,20 +2,29 @@
 
 For each prompt it shows the generated text with every token coloured by its
 probe score (hover a token for the score), a plotly ``FigureWidget`` with one
-line of score per generated token per (request, point, layer), and a red
-marker and message where a probe aborted the generation.
+line of score per generated token per (request, point, layer), a progress
+header, and a red marker and message where a probe aborted the generation.
+Requests are named by ``labels=`` (default ``prompt N`` and the prompt's start).
 
 >>> view = LiveView(probed_model, threshold=0.8)                   # doctest: +SKIP
->>> outputs = view.run(["Once upon", "The assistant"], max_new_tokens=24)  # doctest: +SKIP
+>>> outputs = view.run(["Once upon", "The assistant"], labels=["story", "chat"],
+...                    max_new_tokens=24)                          # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import copy
 import html
 from collections.abc import Sequence
 from typing import Any
 
+from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+PREVIEW_CHARS = 24
+"""How much of a prompt a default label shows."""
 
 
 def _modules() -> tuple[Any, Any]:
@@ -29,6 +38,26 @@ def _modules() -> tuple[Any, Any]:
     return ipywidgets, go
 
 
+def _display() -> Any:
+    """IPython's ``display`` when running under IPython, else None."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # pragma: no cover - IPython comes with ipywidgets
+        return None
+    return display if get_ipython() is not None else None
+
+
+def default_label(number: int, prompt: str) -> str:
+    """``prompt N: <the prompt's first words>…``, the name of a request given no label."""
+    flat = " ".join(prompt.split())
+    preview = flat
+    if len(flat) > PREVIEW_CHARS:  # cut at a word boundary when there is one
+        cut = flat[:PREVIEW_CHARS + 1]
+        preview = (cut.rsplit(" ", 1)[0] if " " in cut else cut[:PREVIEW_CHARS]).rstrip() + "…"
+    return f"prompt {number}: {preview}" if preview else f"prompt {number}"
+
+
 class LiveView:
     """Runs ``ProbedModel.stream`` and updates a text view and a score plot as tokens arrive.
 
@@ -36,7 +65,12 @@ class LiveView:
     yields ``StreamEvent``s). ``point`` picks which extraction point colours the
     text (default: the first that scored the token). ``score_range`` fixes the
     colour scale (default ``(0, 1)`` while every score is a probability, else the
-    range seen). ``threshold`` draws a dashed line on the plot.
+    range seen); probabilities also fix the plot's score axis to [0, 1].
+    ``threshold`` draws a dashed line on the plot.
+
+    Displayed, the view is a widget; stored notebooks and readers without a
+    kernel get an HTML snapshot (progress, coloured tokens, messages and a PNG
+    of the plot) from the same display.
     """
 
     def __init__(
@@ -55,27 +89,94 @@ class LiveView:
         self.threshold = threshold
         self.state = LiveState()
         self.outputs: list[Any] = []
-        self.text = w.HTML()
+        self.header = w.HTML()
+        self.header.add_class("undercurrent-live-progress")
+        self.text = w.HTML(layout=w.Layout(width="100%"))
         self.text.add_class("undercurrent-live-text")
         self.message = w.HTML()
         self.figure = go.FigureWidget()
         self.figure.update_layout(
             title=title, xaxis_title="generated token", yaxis_title="score",
             template="plotly_white", height=360, margin={"t": 50, "b": 40, "l": 50, "r": 10},
+            legend={"title": {"text": "request"}},
         )
         if threshold is not None:
             self.figure.add_hline(y=threshold, line_dash="dash", line_color="grey",
                                   annotation_text=f"threshold {threshold:g}")
         self._traces: dict[tuple[str, str, int], int] = {}
         self._abort_traces: dict[str, int] = {}
-        self.widget = w.VBox([self.text, self.message, self.figure])
+        self.widget = w.VBox([self.header, self.text, self.message, self.figure],
+                             layout=w.Layout(width="100%"))
         self.widget.add_class("undercurrent-live-view")
         self._displayed = False
+        self._shown_by_run = False
+        self._sized = False
         self._prompt = ""
+        self._label: str | None = None
+        self._run_total = 0
+        self._run_index = 0
+        self._max_new_tokens: int | None = None
+        self._running = False
+        self._set_axes()
+        self._render_header()
+
+    # -- display ------------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         self._displayed = True
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs))
+        bundle["text/html"] = self.snapshot_html()
+        bundle["text/plain"] = self.summary()
+        return bundle
+
+    def _show(self) -> None:
+        """Show the live widget for a run (its snapshot comes after the run, see below)."""
+        display = _display()
+        if display is None:
+            return
+        self._displayed = True
+        bundle = dict(self.widget._repr_mimebundle_())
+        bundle["text/plain"] = "LiveView: a live widget; a snapshot of the run follows it"
+        display(bundle, raw=True)
+        self._shown_by_run = True
+
+    def _show_snapshot(self) -> None:
+        """Add the finished run's snapshot under the live widget, hidden where widgets run.
+
+        A widget view with an empty model id is the widget manager's sign to hide
+        an output, so JupyterLab, Notebook and Voila show only the live widget
+        (never redrawn, so nothing flashes), while GitHub, nbconvert and other
+        readers without widgets show the HTML: progress, tokens, messages, plot.
+        """
+        display = _display()
+        if display is None:
+            return
+        display({
+            WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": ""},
+            "text/html": self.snapshot_html(),
+            "text/plain": self.summary(),
+        }, raw=True)
+
+    def summary(self) -> str:
+        """Plain text: progress, then one line per request (label, text, abort)."""
+        lines = [self.progress_text()]
+        for trace in self.state.requests.values():
+            text = "".join(trace.pieces).replace("\n", "↵")
+            lines.append(f"{trace.label}: {text!r}" + (" ✖ aborted" if trace.abort else ""))
+        return "\n".join(lines)
+
+    def snapshot_html(self, *, picture: bool = True) -> str:
+        """The view as static HTML: header, coloured tokens, abort messages and (with
+        ``picture``) a PNG of the plot, for readers without a running kernel."""
+        from undercurrent.notebook.static import figure_png, png_html
+
+        image = ""
+        if picture and self.figure.data:
+            image = png_html(figure_png(self.figure, width=900), alt="probe scores per token")
+        return (
+            '<div class="undercurrent-live-snapshot">'
+            + self.header.value + self.text.value + self.message.value + image + "</div>"
+        )
 
     # -- running ----------------------------------------------------------------------
 
@@ -83,60 +184,94 @@ class LiveView:
         self,
         prompts: str | Sequence[str],
         *,
+        labels: Sequence[str] | None = None,
         display: bool = True,
         **stream_kwargs: Any,
     ) -> list[Any]:
         """Stream each prompt in turn, updating the view per token; return the outputs.
 
-        ``stream_kwargs`` go to ``model.stream`` (``max_new_tokens``, sampling
-        options). With ``display=True`` the view shows itself first when it is
-        not on screen yet, so the updates can be watched.
+        ``labels`` names each prompt's request in the text and the legend (default
+        ``prompt N: <start of the prompt>``). ``stream_kwargs`` go to
+        ``model.stream`` (``max_new_tokens``, sampling options). With
+        ``display=True`` the view shows itself first when it is not on screen yet,
+        so the updates can be watched, and adds a static snapshot of the finished
+        run for readers of the stored notebook (hidden where widgets run).
         """
+        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        label_list = None if labels is None else [str(label) for label in (
+            [labels] if isinstance(labels, str) else labels)]
+        if label_list is not None and len(label_list) != len(prompt_list):
+            raise ValueError(
+                f"LiveView.run: {len(prompt_list)} prompts but {len(label_list)} labels; "
+                "give one label per prompt"
+            )
+        self._run_total, self._run_index = len(prompt_list), 0
+        self._max_new_tokens = stream_kwargs.get("max_new_tokens")
+        if self._max_new_tokens is not None:
+            # A fixed token axis: the plot does not rescale with every token.
+            self.figure.update_xaxes(range=[-0.5, self._max_new_tokens - 0.5], autorange=False)
+        self._running = True
         if display and not self._displayed:
             self._show()
-        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
-        for prompt in prompt_list:
-            self._prompt = prompt
-            for event in self.model.stream(prompt, **stream_kwargs):
-                self.update(event)
-        self._prompt = ""
+        try:
+            for index, prompt in enumerate(prompt_list):
+                self._run_index = index + 1
+                self._prompt = prompt
+                self._label = None if label_list is None else label_list[index]
+                for event in self.model.stream(prompt, **stream_kwargs):
+                    self.update(event)
+        finally:
+            self._running = False
+            self._prompt, self._label = "", None
+            self._render_header()
+            self._store_figure_state()
+            if self._shown_by_run:
+                self._show_snapshot()
         return list(self.outputs)
 
-    def _show(self) -> None:
-        try:
-            from IPython import get_ipython
-            from IPython.display import display
-        except ImportError:  # pragma: no cover - IPython comes with ipywidgets
-            return
-        if get_ipython() is not None:
-            display(self)
-
     def update(self, event: Any) -> None:
-        """Apply one ``StreamEvent`` to the text, the plot and the abort message."""
+        """Apply one ``StreamEvent`` to the header, the text, the plot and the abort message."""
+        new = event.request_id not in self.state.requests
         trace = self.state.add(event)
-        if not trace.prompt:
-            trace.prompt = self._prompt
+        if new:
+            if not trace.prompt:
+                trace.prompt = self._prompt
+            trace.label = self._label or default_label(len(self.state.requests), trace.prompt)
         if event.finished and event.output is not None:
             self.outputs.append(event.output)
+        self._fit_width()
+        self._render_header()
         self._render_text()
         self._render_plot(trace)
         self._render_message()
         if event.finished:
-            self._settle_figure()
+            self._store_figure_state()
 
-    def _settle_figure(self) -> None:
-        """Replace the figure by a fresh copy built from its current data.
+    def _fit_width(self) -> None:
+        """Ask the displayed figure to fill its cell once it is on the page.
+
+        plotly's widget sizes itself when first drawn, before the browser has laid
+        out the cell, and falls back to 700 px; a relayout with ``autosize`` once
+        tokens flow makes it measure the cell again.
+        """
+        if self._sized or not self._displayed:
+            return
+        self._sized = True
+        send = getattr(self.figure, "_send_relayout_msg", None)
+        if send is not None:
+            send({"autosize": True})
+
+    def _store_figure_state(self) -> None:
+        """Copy the figure's data into its widget state, without redrawing anything.
 
         Traces added to a displayed ``FigureWidget`` reach the browser as messages
-        only, not as widget state, so a page that connects later (Voila, a
-        reloaded notebook) would show an empty plot; a widget constructed with
-        the data carries it in its state.
+        only; a page that connects later (Voila, a reloaded notebook) draws from
+        the state, which plotly fills only when the figure is created or shown.
         """
-        _, go = _modules()
-        fresh = go.FigureWidget(self.figure)
-        old, self.figure = self.figure, fresh
-        self.widget.children = (self.text, self.message, fresh)
-        old.close()
+        figure = self.figure
+        if hasattr(figure, "_widget_data") and hasattr(figure, "_layout_obj"):
+            figure._widget_data = copy.deepcopy(figure._data)
+            figure._widget_layout = copy.deepcopy(figure._layout_obj._props)
 
     def clear(self) -> None:
         """Forget every request and empty the views."""
@@ -147,6 +282,9 @@ class LiveView:
         self._abort_traces.clear()
         self.text.value = ""
         self.message.value = ""
+        self._run_total = self._run_index = 0
+        self._set_axes()
+        self._render_header()
 
     # -- rendering ----------------------------------------------------------------------
 
@@ -171,73 +309,88 @@ class LiveView:
         low, high = min(seen), max(seen)
         return (low, high if high > low else low + 1.0)
 
+    def _probabilities(self) -> bool:
+        """Whether every score seen so far (on any point) lies in [0, 1]."""
+        return all(0.0 <= score <= 1.0 for trace in self.state.requests.values()
+                   for by_token in trace.scores.values() for score in by_token.values())
+
+    def _set_axes(self) -> None:
+        """Fixed axes for an empty view and for probabilities; autorange otherwise."""
+        if self.score_range is not None:
+            low, high = self.score_range
+            pad = 0.03 * (high - low)
+            wanted: dict[str, Any] = {"range": [low - pad, high + pad], "autorange": False}
+        elif self._probabilities():
+            wanted = {"range": [-0.03, 1.03], "autorange": False}
+        else:
+            wanted = {"range": None, "autorange": True}
+        yaxis = self.figure.layout.yaxis
+        if (yaxis.autorange, yaxis.range) != (
+                wanted["autorange"], None if wanted["range"] is None else tuple(wanted["range"])):
+            self.figure.update_yaxes(**wanted)
+        if not self.figure.data and self._max_new_tokens is None:
+            self.figure.update_xaxes(range=[-0.5, 15.5], autorange=False)
+
+    def progress_text(self) -> str:
+        """``prompt 2/6 · token 17/32 · 1 aborted`` while running; a summary when done."""
+        aborted = sum(1 for trace in self.state.requests.values() if trace.abort is not None)
+        tail = f" · {aborted} aborted" if aborted else ""
+        if self._running and self._run_total:
+            current = self._current_trace()
+            tokens = 0 if current is None else len(current.pieces)
+            limit = "" if self._max_new_tokens is None else f"/{self._max_new_tokens}"
+            return f"prompt {self._run_index}/{self._run_total} · token {tokens}{limit}{tail}"
+        requests = len(self.state.requests)
+        if not requests:
+            return "no prompts run yet"
+        tokens = sum(len(trace.pieces) for trace in self.state.requests.values())
+        return f"done: {requests} prompt{'s' if requests != 1 else ''} · {tokens} tokens{tail}"
+
+    def _current_trace(self) -> RequestTrace | None:
+        if not self.state.requests:
+            return None
+        return list(self.state.requests.values())[-1]
+
+    def _render_header(self) -> None:
+        self.header.value = header_html(self.progress_text(), self._scale(), self.colour_point())
+
     def token_html(self, trace: RequestTrace) -> str:
-        """The request's line: id, prompt, generated tokens coloured by score, abort mark."""
-        low, high = self._scale()
-        point = self.colour_point()
-        abort_at = None if trace.abort is None else trace.abort.generated_index
-        spans = []
-        for index, piece in enumerate(trace.pieces):
-            score = trace.score_of(index, point)
-            shown = html.escape(piece, quote=False).replace("\n", "↵")
-            if score is None:
-                style, title = "", f"token {index}: no score"
-            else:
-                level = min(max((score - low) / (high - low), 0.0), 1.0)
-                style = f"background:rgba(214,39,40,{0.08 + 0.8 * level:.2f});"
-                title = f"token {index}: score {score:.3f}"
-            if index == abort_at:
-                style += "outline:2px solid #b00020;"
-                title += " (abort)"
-            if index in trace.steered:
-                style += "border-bottom:2px solid #1f77b4;"
-                title += " (steered)"
-            spans.append(
-                f'<span class="uc-token" data-score="{"" if score is None else f"{score:.6f}"}" '
-                f'title="{html.escape(title)}" style="{style}border-radius:3px">{shown}</span>'
-            )
-        marker = ""
-        if trace.abort is not None:
-            marker = (' <span class="uc-abort" style="color:#b00020;font-weight:bold">'
-                      "✖ aborted</span>")
-        elif not trace.finished:
-            marker = ' <span style="color:#999">…</span>'
-        prompt = html.escape(trace.prompt, quote=False)
-        return (
-            f'<div class="uc-request" style="margin:4px 0;white-space:pre-wrap;'
-            f'font-family:monospace"><b>{html.escape(trace.request_id)}</b> '
-            f'<span style="color:#777">{prompt}</span>{"".join(spans)}{marker}</div>'
-        )
+        """The request's line: label, prompt, generated tokens coloured by score, abort mark."""
+        return request_line_html(trace, self._scale(), self.colour_point())
 
     def _render_text(self) -> None:
         self.text.value = "".join(self.token_html(t) for t in self.state.requests.values())
 
     def _render_message(self) -> None:
-        lines = [
-            f"<b>{html.escape(t.request_id)}</b>: "
-            + html.escape(t.abort_message() or "", quote=False)
-            for t in self.state.requests.values() if t.abort is not None
-        ]
-        self.message.value = (
-            '<div class="uc-abort-message" style="color:#b00020">✖ ' + "<br>✖ ".join(lines)
-            + "</div>" if lines else ""
-        )
+        self.message.value = abort_messages_html(self.state.requests.values())
+
+    def _trace_name(self, trace: RequestTrace, point: str, layer: int) -> str:
+        """The request's label, with point and layer once the request has several lines."""
+        label = trace.label or trace.request_id
+        return label if len(trace.scores) == 1 else f"{label} · {point} · L{layer}"
 
     def _render_plot(self, trace: RequestTrace) -> None:
         with self.figure.batch_update():
+            self._set_axes()
             for (point, layer), by_token in trace.scores.items():
                 key = (trace.request_id, point, layer)
                 xs = sorted(by_token)
                 ys = [by_token[x] for x in xs]
                 if key not in self._traces:
+                    name = self._trace_name(trace, point, layer)
                     self.figure.add_scatter(
-                        x=xs, y=ys, mode="lines+markers",
-                        name=f"{trace.request_id} · {point} · L{layer}",
+                        x=xs, y=ys, mode="lines+markers", name=name,
+                        legendgroup=trace.request_id,
+                        hovertemplate=html.escape(name) + "<br>token %{x}<br>score %{y:.3f}"
+                        "<extra></extra>",
                     )
                     self._traces[key] = len(self.figure.data) - 1
                 else:
                     scatter = self.figure.data[self._traces[key]]
                     scatter.x, scatter.y = xs, ys
+                    name = self._trace_name(trace, point, layer)
+                    if scatter.name != name:  # a second line appeared for this request
+                        scatter.name = name
             if trace.abort is not None and trace.request_id not in self._abort_traces:
                 abort = trace.abort
                 x = abort.generated_index
@@ -246,7 +399,8 @@ class LiveView:
                 self.figure.add_scatter(
                     x=[x], y=[abort.signal.score], mode="markers",
                     marker={"symbol": "x", "size": 16, "color": "#b00020"},
-                    name=f"{trace.request_id} abort",
+                    name=f"{trace.label or trace.request_id}: abort",
+                    legendgroup=trace.request_id, showlegend=False,
                     hovertemplate=html.escape(trace.abort_message() or "") + "<extra></extra>",
                 )
                 self._abort_traces[trace.request_id] = len(self.figure.data) - 1

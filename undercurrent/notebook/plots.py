@@ -45,6 +45,8 @@ def trajectory_figure(
     threshold: float | None = None,
     requests: list[str] | None = None,
     points: list[str] | None = None,
+    names: Mapping[str, str] | None = None,
+    color_by: str | Mapping[str, Any] | None = None,
     title: str = "Probe score per token",
 ) -> Any:
     """Score per token: one line per (request, point, layer).
@@ -54,6 +56,11 @@ def trajectory_figure(
     ``x`` is the frame column on the token axis; rows where it is missing fall
     back to ``signal_index``. Flags are drawn as open circles, aborts as red
     crosses; ``threshold`` adds a dashed line.
+
+    ``names`` (``{request: name}``) names the lines in the legend and on hover.
+    ``color_by`` (a frame column, or ``{request: label}``) gives every line of a
+    label one colour and the legend one entry per label, which reads better than
+    a colour per request once there are more than a few.
     """
     go = _graph_objects()
     frame = _as_frame(signals, signals_frame)
@@ -62,20 +69,33 @@ def trajectory_figure(
     if points is not None:
         frame = frame[frame["point"].isin(points)]
     frame = frame[frame["score"].notna()]
+    groups = _groups(frame, color_by)
+    palette = _palette(groups)
     figure = go.Figure()
     keys = ["request", "point", "layer"]
+    several = frame[["point", "layer"]].drop_duplicates().shape[0] > 1
     for (request, point, layer), group in frame.groupby(keys, sort=False, dropna=False):
         positions = group[x].astype("Float64").fillna(group["signal_index"].astype("Float64"))
         xs = positions.astype(float).tolist()
-        name = f"{request} · {point}" + ("" if _missing(layer) else f" · L{int(layer)}")
+        shown = str((names or {}).get(request, request))
+        name = shown
+        if several or groups is None:
+            name += f" · {point}" + ("" if _missing(layer) else f" · L{int(layer)}")
+        style: dict[str, Any] = {"name": name, "legendgroup": name}
+        if groups is not None:
+            key = groups[group.index[0]]
+            style = {"name": str(key), "legendgroup": str(key),
+                     "showlegend": key not in palette.shown,
+                     "line": {"color": palette.colour[key]},
+                     "marker": {"color": palette.colour[key]}}
+            palette.shown.add(key)
         figure.add_trace(
             go.Scatter(
                 x=xs,
                 y=group["score"].tolist(),
                 mode="lines+markers",
-                name=name,
-                legendgroup=name,
                 hovertemplate=f"{name}<br>{x}=%{{x}}<br>score=%{{y:.3f}}<extra></extra>",
+                **style,
             )
         )
         for action, symbol, color in (("flag", "circle-open", "orange"), ("abort", "x", "red")):
@@ -89,7 +109,7 @@ def trajectory_figure(
                         marker={"symbol": symbol, "size": 14, "color": color,
                                 "line": {"width": 2, "color": color}},
                         name=f"{name} {action}",
-                        legendgroup=name,
+                        legendgroup=style["legendgroup"],
                         showlegend=False,
                         hovertemplate=f"{action}<br>score=%{{y:.3f}}<extra></extra>",
                     )
@@ -97,9 +117,42 @@ def trajectory_figure(
     if threshold is not None:
         figure.add_hline(y=threshold, line_dash="dash", line_color="grey",
                          annotation_text=f"threshold {threshold:g}")
+    legend = "request · point · layer" if groups is None else (
+        color_by if isinstance(color_by, str) else "label")
     figure.update_layout(title=title, xaxis_title=x.replace("_", " "), yaxis_title="score",
-                         template="plotly_white", legend_title="request · point · layer")
+                         template="plotly_white", legend_title=legend)
     return figure
+
+
+class _Palette:
+    def __init__(self, keys: list[Any]) -> None:
+        import plotly.colors
+
+        colours = plotly.colors.qualitative.Plotly
+        self.colour = {key: colours[i % len(colours)] for i, key in enumerate(keys)}
+        self.shown: set[Any] = set()
+
+
+def _groups(frame: Any, color_by: str | Mapping[str, Any] | None) -> Any:
+    """The group of each row (a Series aligned with ``frame``), or None."""
+    if color_by is None:
+        return None
+    if isinstance(color_by, str):
+        if color_by not in frame.columns:
+            raise ValueError(
+                f"trajectory_figure: color_by={color_by!r} is not a column; columns are "
+                f"{list(frame.columns)}"
+            )
+        return frame[color_by]
+    missing = sorted(set(frame["request"]) - set(color_by))
+    if missing:
+        raise ValueError(f"trajectory_figure: color_by has no group for requests {missing[:5]}")
+    return frame["request"].map(color_by)
+
+
+def _palette(groups: Any) -> _Palette:
+    keys = [] if groups is None else sorted(set(groups.tolist()), key=str)
+    return _Palette(keys)
 
 
 def _missing(value: Any) -> bool:
@@ -114,9 +167,11 @@ def heatmap_figure(
     request: str | None = None,
     point: str | None = None,
     value: str | ValueFunction = "norm",
+    names: Mapping[str, str] | None = None,
     title: str | None = None,
 ) -> Any:
-    """Layer x token heatmap of one request's activations.
+    """Layer x token heatmap of one request's activations (``names`` maps request ids
+    to the names shown in the title, e.g. ``{"req-…": "p1 (harmful)"}``).
 
     ``records`` is a records frame or anything :func:`records_frame` accepts;
     ``request`` defaults to the first one in the frame. ``value`` turns each
@@ -158,7 +213,7 @@ def heatmap_figure(
         )
     )
     figure.update_layout(
-        title=title or f"{label} by layer and token ({request})",
+        title=title or f"{label} by layer and token ({(names or {}).get(request, request)})",
         xaxis_title="token",
         yaxis_title="layer",
         template="plotly_white",
@@ -200,14 +255,16 @@ def projection_figure(
     *,
     layer: int | None = None,
     point: str | None = None,
+    names: Mapping[str, str] | None = None,
     title: str | None = None,
 ) -> Any:
     """PCA of activations to 2-D, coloured by label.
 
     ``data`` is a records frame (filtered by ``layer``/``point``), records, or an
     ``(n, features)`` array; ``labels`` is one label per row, a frame column
-    name, or ``{request: label}``. Axis titles give each component's share of
-    the variance.
+    name, or ``{request: label}``. ``names`` (``{request: name}``) names each
+    point's request on hover. Axis titles give each component's share of the
+    variance.
     """
     import numpy as np
     import pandas as pd
@@ -223,7 +280,9 @@ def projection_figure(
             labels = frame[labels].tolist()
         elif isinstance(labels, Mapping):
             labels = label_rows(frame, labels)
-        hover = [f"{r.request} · token {r.token_index}" for r in frame.itertuples(index=False)]
+        shown = names or {}
+        hover = [f"{shown.get(r.request, r.request)} · token {r.token_index}"
+                 for r in frame.itertuples(index=False)]
     else:
         matrix = np.asarray(data, dtype=np.float64)
     if matrix.ndim != 2 or matrix.shape[0] < 2:
@@ -308,3 +367,120 @@ def _outcome(row: Any) -> str:
     if row.flagged:
         return "flagged"
     return "clean"
+
+
+def _features_input(features: Any) -> Any:
+    from undercurrent.notebook.frames import features_frame
+
+    return _as_frame(features, features_frame)
+
+
+def feature_heatmap_figure(
+    features: Any,
+    *,
+    request: str | None = None,
+    point: str | None = None,
+    layer: int | None = None,
+    feature_ids: list[int] | None = None,
+    top: int = 20,
+    title: str | None = None,
+) -> Any:
+    """Feature x token heatmap of one request's SAE feature activations.
+
+    ``features`` is a :func:`~undercurrent.notebook.frames.features_frame` or
+    anything it accepts (``GenerationOutput``s from a run with ``sae_probe``).
+    ``request`` defaults to the first in the frame, ``layer`` to the lowest of the
+    selection. Rows are ``feature_ids`` or the ``top`` features by peak activation
+    in that request. A feature the probe did not report at a token (outside that
+    token's ``top_k``) is left blank, not drawn as 0.
+    """
+    import numpy as np
+
+    go = _graph_objects()
+    frame = _features_input(features)
+    if frame.empty:
+        raise ValueError("feature_heatmap_figure: no SAE features to draw (was sae_probe run?)")
+    if request is None:
+        request = frame["request"].iloc[0]
+    selected = select_rows(frame, request=request, point=point)
+    if layer is None and not selected.empty:
+        layer = int(selected["layer"].min())
+    selected = selected[selected["layer"] == layer] if layer is not None else selected
+    if selected.empty:
+        raise ValueError(
+            f"feature_heatmap_figure: nothing for request={request!r}, point={point!r}, "
+            f"layer={layer!r}; requests are {sorted(frame['request'].unique().tolist())[:10]}"
+        )
+    if feature_ids is None:
+        peaks = selected.groupby("feature")["activation"].max().sort_values(ascending=False)
+        feature_ids = [int(f) for f in peaks.index[:top]]
+    tokens = sorted(int(t) for t in selected["token"].dropna().unique())
+    grid = np.full((len(feature_ids), len(tokens)), np.nan)
+    for row in selected.itertuples(index=False):
+        if row.feature in feature_ids and not _missing(row.token):
+            grid[feature_ids.index(row.feature), tokens.index(int(row.token))] = row.activation
+    texts = {int(r.token): r.token_text for r in selected.itertuples(index=False)
+             if not _missing(r.token)}
+    labels = [f"{t}:{texts[t]}" if texts.get(t) else str(t) for t in tokens]
+    figure = go.Figure(go.Heatmap(
+        z=grid, x=labels, y=[f"f{feature}" for feature in feature_ids],
+        colorscale="Viridis", colorbar={"title": "activation"},
+        hovertemplate="token %{x}<br>feature %{y}<br>activation=%{z:.3f}<extra></extra>",
+    ))
+    figure.update_layout(
+        title=title or f"SAE features by token ({request}, layer {layer})",
+        xaxis_title="token", yaxis_title="feature", template="plotly_white",
+    )
+    figure.update_xaxes(type="category")
+    figure.update_yaxes(type="category", autorange="reversed")
+    return figure
+
+
+def top_features_by_label_figure(
+    features: Any,
+    labels: Mapping[str, Any],
+    *,
+    top: int = 8,
+    title: str = "Top SAE features by label",
+) -> Any:
+    """Bar view: for each label, its ``top`` features by mean per-request peak.
+
+    Each request is summarised by every feature's peak activation over its tokens
+    (0 where the probe never reported the feature); the bars are the mean of those
+    peaks over the requests with each label (``labels`` maps request id to label),
+    for the union of every label's top features, one bar group per feature.
+    Raises ``KeyError`` naming requests that have no label.
+    """
+    go = _graph_objects()
+    frame = _features_input(features)
+    if frame.empty:
+        raise ValueError("top_features_by_label_figure: no SAE features (was sae_probe run?)")
+    table = mean_peaks_by_label(frame, labels)
+    chosen: list[int] = []
+    for label in table.columns:
+        for feature in table[label].sort_values(ascending=False).index[:top]:
+            if int(feature) not in chosen:
+                chosen.append(int(feature))
+    figure = go.Figure([
+        go.Bar(name=str(label), x=[f"f{f}" for f in chosen],
+               y=[float(table.loc[f, label]) for f in chosen],
+               hovertemplate="feature %{x}<br>mean peak=%{y:.3f}<extra>" + str(label)
+               + "</extra>")
+        for label in table.columns
+    ])
+    figure.update_layout(
+        title=title, barmode="group", xaxis_title="feature",
+        yaxis_title="mean peak activation per request", template="plotly_white",
+    )
+    figure.update_xaxes(type="category")
+    return figure
+
+
+def mean_peaks_by_label(features: Any, labels: Mapping[str, Any]) -> Any:
+    """``feature x label`` table: the mean, over each label's requests, of the
+    feature's peak activation in the request (0 where it was never reported)."""
+    frame = _features_input(features)
+    peaks = frame.pivot_table(index="request", columns="feature", values="activation",
+                              aggfunc="max", fill_value=0.0)
+    peaks["__label__"] = label_rows(peaks.reset_index(), labels, by="request")
+    return peaks.groupby("__label__").mean().T.rename_axis(index="feature", columns="label")

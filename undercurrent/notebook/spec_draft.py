@@ -136,9 +136,10 @@ def draft_to_raw(draft: PointDraft) -> tuple[dict[str, Any], list[tuple[str, str
         layers, message = parse_layers_text(draft.layers_text)
         if message:
             problems.append(("layers", message))
-        raw["layers"] = layers
     else:
-        raw["layers"] = list(draft.layers)
+        layers = list(draft.layers)
+    # One layer is written as a scalar, as the spec's own YAML writer does.
+    raw["layers"] = layers[0] if len(layers) == 1 else layers
     raw["tensor_type"] = draft.tensor_type
     raw["position"] = _position_value(draft.position)
     if draft.continuous:
@@ -157,14 +158,11 @@ def draft_to_raw(draft: PointDraft) -> tuple[dict[str, Any], list[tuple[str, str
     if draft.execution_mode != "inline":
         raw["execution_mode"] = draft.execution_mode
     if draft.is_async and draft.queue_depth.strip():
-        text = draft.queue_depth.strip()
-        if text.isdigit():
-            raw["queue_depth"] = int(text)
+        depth, message = parse_queue_depth(draft.queue_depth)
+        if message:
+            problems.append(("queue_depth", message))
         else:
-            problems.append(
-                ("queue_depth", f"{text!r} is not a whole number; give an integer >= 1 or leave "
-                 "it empty for the router's default (32)")
-            )
+            raw["queue_depth"] = depth
     if draft.intervention_mode != DEFAULT_INTERVENTION:
         policy: dict[str, Any] = {"mode": draft.intervention_mode}
         if draft.blocks:
@@ -175,17 +173,42 @@ def draft_to_raw(draft: PointDraft) -> tuple[dict[str, Any], list[tuple[str, str
     return raw, problems
 
 
+def parse_queue_depth(text: str) -> tuple[int | None, str | None]:
+    """``"16"`` -> ``16``; also returns a message naming the field when the text is unusable."""
+    stripped = text.strip()
+    try:
+        depth = int(stripped)
+    except ValueError:
+        return None, (
+            f"queue_depth {stripped!r} is not a whole number; give an integer >= 1, or leave "
+            "it empty for the router's default (32)"
+        )
+    if depth < 1:
+        return None, (
+            f"queue_depth must be at least 1, got {depth}; leave it empty for the router's "
+            "default (32)"
+        )
+    return depth, None
+
+
 def parse_layers_text(text: str) -> tuple[list[int], str | None]:
-    """``"0, 2,4"`` -> ``[0, 2, 4]``; also returns a message when the text is unusable."""
+    """``"0, 2,4"`` -> ``[0, 2, 4]``; also returns a message when the text is unusable.
+
+    Every comma-separated entry must be an integer >= 0: an empty entry (``"1,,2"``)
+    or an empty text is refused, like anything else that is not a layer index.
+    """
+    example = "write comma-separated layer indices (integers >= 0), e.g. '0, 2, 4'"
+    if not text.strip():
+        return [], f"layers is empty; {example}"
     layers: list[int] = []
-    for part in text.replace(" ", "").split(","):
+    for position, part in enumerate(text.split(","), start=1):
+        part = part.strip()
         if not part:
-            continue
-        if not part.isdigit():
             return layers, (
-                f"{part!r} is not a layer index; write comma-separated integers >= 0, "
-                "e.g. '0, 2, 4'"
+                f"layers {text.strip()!r} has an empty entry at place {position}; {example}"
             )
+        if not part.isdigit():
+            return layers, f"layers: {part!r} is not a layer index; {example}"
         layers.append(int(part))
     return layers, None
 
@@ -228,13 +251,17 @@ def validate_drafts(
     Deprecation warnings from the loader are swallowed: the editor writes new keys.
     """
     raw_spec, problems = drafts_to_raw_spec(drafts)
+    # A field whose text never became data has its own message; the loader's view of
+    # the placeholder left there ("an empty list") would only repeat it without a subject.
+    unreadable = {(problem.point_index, problem.field) for problem in problems}
     spec: ProbeSpec | None = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             spec = parse_dict(raw_spec)
         except SpecValidationError as error:
-            problems += error.problems
+            problems += [problem for problem in error.problems
+                         if (problem.point_index, problem.field) not in unreadable]
     problems += _registry_problems(drafts)
     if spec is not None and capabilities is not None:
         problems += _capability_problems(spec, capabilities)

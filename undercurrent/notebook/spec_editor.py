@@ -19,14 +19,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from undercurrent.notebook.spec_draft import (
     DEFAULT_INTERVENTION,
     PointDraft,
     draft_from_point,
     drafts_to_raw_spec,
     validate_drafts,
+)
+from undercurrent.notebook.spec_editor_text import (
+    LABELS,
+    LAYERS_HINT,
+    describe_problem,
+    field_messages_html,
+    form_snapshot_html,
+    status_html,
+    with_subject,
+    yaml_html,
 )
 from undercurrent.spec import (
     ExecutionMode,
@@ -42,6 +50,7 @@ from undercurrent.spec import (
     parse_yaml,
     to_yaml,
 )
+from undercurrent.spec.serialize import _dump as dump_spec_yaml
 
 FIELDS: tuple[str, ...] = (
     "name",
@@ -60,6 +69,7 @@ FIELDS: tuple[str, ...] = (
     "on_timeout",
 )
 """The editor's fields, in display order (``editor.fields[name]`` is the control)."""
+
 
 # Which editor field shows a loader problem reported on a spec field.
 _PROBLEM_FIELD = {
@@ -169,7 +179,7 @@ class SpecEditor:
 
     def _build(self) -> None:
         w = _widgets()
-        wide = w.Layout(width="320px")
+        wide = w.Layout(width="380px")
         self.fields: dict[str, Any] = {}
         self.errors: dict[str, Any] = {}
         self.rows: dict[str, Any] = {}
@@ -200,23 +210,23 @@ class SpecEditor:
                                      options=[k.value for k in ProbeKind], layout=wide),
             "probe_args": w.Textarea(description="probe_args",
                                      placeholder="key: value (YAML), e.g.\nthreshold: 0.5",
-                                     layout=w.Layout(width="320px", height="70px")),
-            "execution_mode": w.Dropdown(description="execution",
+                                     layout=w.Layout(width="380px", height="70px")),
+            "execution_mode": w.Dropdown(description="execution_mode",
                                          options=[m.value for m in ExecutionMode], layout=wide),
             "queue_depth": w.Text(description="queue_depth", placeholder="32 (router default)",
                                   layout=wide),
             "intervention_mode": w.Dropdown(
-                description="intervention",
+                description=LABELS["intervention_mode"],
                 options=[("(router default)", DEFAULT_INTERVENTION)]
                 + [(m.value, m.value) for m in InterventionMode],
                 layout=wide,
             ),
-            "timeout_ms": w.BoundedIntText(description="timeout_ms", min=1, max=3_600_000,
+            "timeout_ms": w.BoundedIntText(description=LABELS["timeout_ms"], min=1, max=3_600_000,
                                            layout=wide),
-            "on_timeout": w.Dropdown(description="on_timeout",
+            "on_timeout": w.Dropdown(description=LABELS["on_timeout"],
                                      options=[o.value for o in OnTimeout], layout=wide),
         }
-        style = {"description_width": "96px"}
+        style = {"description_width": "150px"}
         for field in FIELDS:
             control = controls[field]
             control.style = style
@@ -227,6 +237,11 @@ class SpecEditor:
             self.fields[field] = control
             self.errors[field] = error
             self.rows[field] = w.HBox([control, error])
+        if self.capabilities is not None:
+            hint = w.HTML(f'<span style="color:#777;font-size:90%">{LAYERS_HINT}</span>')
+            hint.add_class("undercurrent-layers-hint")
+            self.rows["layers"].children = (self.fields["layers"],
+                                            w.VBox([hint, self.errors["layers"]]))
 
         self.point_list = w.Select(description="points", rows=6, layout=w.Layout(width="260px"))
         self.point_list.style = {"description_width": "50px"}
@@ -250,13 +265,14 @@ class SpecEditor:
                                 layout=w.Layout(width="260px"))
         self.save_button = w.Button(description="Save YAML", icon="save")
         self.save_message = w.HTML()
+        self._saved: tuple[Path, ProbeSpec] | None = None
         self.save_button.on_click(_ignore_argument(self._save_clicked))
 
         sidebar = w.VBox([
             self.point_list,
             w.HBox([self.add_button, self.duplicate_button]),
             self.remove_button,
-        ])
+        ], layout=w.Layout(flex="0 0 auto"))  # the wide form must not squeeze the list
         form = w.VBox([self.rows[field] for field in FIELDS])
         yaml_panel = w.VBox([
             w.HTML("<b>YAML</b>"),
@@ -270,7 +286,28 @@ class SpecEditor:
     # -- display --------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        return self.widget._repr_mimebundle_(**kwargs)
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs))
+        bundle["text/html"] = self.snapshot_html()
+        bundle["text/plain"] = self._yaml_text()
+        return bundle
+
+    def snapshot_html(self) -> str:
+        """The editor as static HTML: the selected point's form, the problems and the YAML,
+        for readers without a running kernel (GitHub, nbconvert, an unrun notebook)."""
+        problems = self.field_problems()
+        rows = []
+        for field in FIELDS:
+            if self.rows[field].layout.display == "none":
+                continue
+            control = self.fields[field]
+            value = control.value
+            if isinstance(value, tuple):
+                value = ", ".join(str(item) for item in value)
+            elif isinstance(getattr(control, "label", None), str):
+                value = control.label  # what a dropdown shows: "(router default)"
+            rows.append((LABELS.get(field, field), str(value), problems.get(field, [])))
+        return form_snapshot_html(rows, [d.name for d in self.drafts], self.status.value,
+                                  self.yaml_view.value)
 
     # -- editing --------------------------------------------------------------------
 
@@ -320,10 +357,27 @@ class SpecEditor:
     def _on_field_change(self, change: dict[str, Any]) -> None:
         if self._loading or not self.drafts:
             return
-        self.drafts[self.current] = self._read_form()
+        draft = self._read_form()
         if change["owner"] is self.fields["tensor_type"]:
+            draft = self._valid_layers_for(draft)
+            self.drafts[self.current] = draft
             self._load_form()
+        self.drafts[self.current] = draft
         self.refresh()
+
+    def _valid_layers_for(self, draft: PointDraft) -> PointDraft:
+        """Keep the selected layers the new tensor type allows; with none left, take the
+        closest valid one (``final_norm`` only exists at layer N)."""
+        if self.capabilities is None:
+            return draft
+        valid = tuple(self.capabilities.valid_layers(draft.tensor_type))
+        if not valid:
+            return draft
+        kept = tuple(layer for layer in draft.layers if layer in valid)
+        if not kept:
+            wanted = max(draft.layers) if draft.layers else valid[-1]
+            kept = (min(valid, key=lambda layer: (abs(layer - wanted), -layer)),)
+        return draft.copy(layers=kept)
 
     def _read_form(self) -> PointDraft:
         f = self.fields
@@ -442,7 +496,8 @@ class SpecEditor:
             if problem.point_index != index or problem.field is None:
                 continue
             field = _PROBLEM_FIELD.get(problem.field, problem.field)
-            found.setdefault(field if field in FIELDS else "name", []).append(problem.message)
+            found.setdefault(field if field in FIELDS else "name", []).append(
+                with_subject(problem))
         if self.drafts and 0 <= index < len(self.drafts):
             live = self.drafts[index].position_problem()
             if live and live not in found.get("position", []):
@@ -452,38 +507,27 @@ class SpecEditor:
     def _update_errors(self) -> None:
         problems = self.field_problems()
         for field in FIELDS:
-            messages = problems.get(field, [])
-            self.errors[field].value = "".join(
-                f'<div style="color:#b00020;font-size:90%;line-height:1.3">⚠ '
-                f"{html.escape(message, quote=False)}</div>"
-                for message in messages
-            )
+            self.errors[field].value = field_messages_html(problems.get(field, []))
+
+    def _yaml_text(self) -> str:
+        """The spec's YAML, or the draft's in the same style, marked as not valid yet."""
+        if self._spec is not None:
+            return to_yaml(self._spec)
+        raw, _ = drafts_to_raw_spec(self.drafts)
+        return "# not valid yet: fix the fields marked ⚠\n" + dump_spec_yaml(
+            raw, allow_unicode=True)
 
     def _update_views(self) -> None:
-        if self._spec is not None:
-            text = to_yaml(self._spec)
-            points = len(self._spec)
-            self.status.value = (
-                f'<span style="color:#1b7f3b">✔ valid spec: {points} extraction '
-                f'point{"s" if points != 1 else ""}</span>'
-            )
-        else:
-            raw, _ = drafts_to_raw_spec(self.drafts)
-            text = "# not valid yet: fix the fields marked ⚠\n" + yaml.safe_dump(
-                raw, sort_keys=False, default_flow_style=None
-            )
-            others = [p for p in self._problems if p.point_index != self.current]
-            listing = "".join(f"<li>{html.escape(str(p))}</li>" for p in others[:20])
-            self.status.value = (
-                f'<span style="color:#b00020">⚠ {len(self._problems)} problem'
-                f'{"s" if len(self._problems) != 1 else ""}</span>'
-                + (f"<ul>{listing}</ul>" if listing else "")
-            )
-        self.yaml_view.value = (
-            '<pre style="background:#f6f8fa;padding:8px;border-radius:4px;margin:0;'
-            'line-height:1.35;font-size:12px;white-space:pre">'
-            f"{html.escape(text)}</pre>"
+        others = [p for p in self._problems if p.point_index != self.current]
+        names = [draft.name for draft in self.drafts]
+        self.status.value = status_html(
+            None if self._spec is None else len(self._spec), len(self._problems),
+            [describe_problem(problem, names) for problem in others[:20]],
         )
+        if self._saved is not None and self._saved[1] != self._spec:
+            self._saved = None
+            self.save_message.value = ""  # the file no longer holds what is on screen
+        self.yaml_view.value = yaml_html(self._yaml_text())
 
     # -- results ----------------------------------------------------------------------
 
@@ -509,9 +553,12 @@ class SpecEditor:
         return to_yaml(self.spec)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the spec's YAML to ``path`` and return it (raises if the spec is invalid)."""
-        target = Path(path)
-        target.write_text(self.to_yaml(), encoding="utf-8")
+        """Write the spec's YAML to ``path`` and return its absolute path (raises if the
+        spec is invalid)."""
+        target = Path(path).expanduser().resolve()
+        spec = self.spec
+        target.write_text(to_yaml(spec), encoding="utf-8")
+        self._saved = (target, spec)
         return target
 
     def _save_clicked(self) -> None:

@@ -33,17 +33,19 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def save_records(records: Any, path: str | os.PathLike[str]) -> Path:
+def save_records(records: Any, path: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
     """Write records (a list, ``GenerationOutput``s or a records frame) to parquet.
 
     Returns the path written. The frame's extra columns, if any, are kept.
+    ``tokenizer`` fills ``token_text`` when records (not a frame) are given.
     """
     import numpy as np
 
     pa = _pyarrow()
     import pandas as pd
 
-    frame = records if isinstance(records, pd.DataFrame) else records_frame(records)
+    frame = (records if isinstance(records, pd.DataFrame)
+             else records_frame(records, tokenizer=tokenizer))
     missing = [column for column in RECORD_COLUMNS if column not in frame.columns]
     if missing:
         raise ValueError(f"save_records: the frame lacks record columns {missing}")

@@ -1,7 +1,8 @@
 """The probe contract: what the router calls, and the context it passes.
 
 A probe instance serves one (request, extraction point) pair. The router calls
-``on_start(ctx)`` once, ``on_activation(record)`` for each matching activation
+``check_point(point)`` at registration, ``on_start(ctx)`` once,
+``on_activation(record)`` for each matching activation
 (in token order, never two at once), then ``on_end(ctx)`` once; it wraps what
 ``on_end`` returns (the *verdict*) into a :class:`~undercurrent.records.ProbeResult`.
 A probe that can score several activations more cheaply at once (one matrix
@@ -10,6 +11,8 @@ product instead of many) also overrides ``on_activations(records)``.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,8 +73,22 @@ class Probe:
 
     probe_kind: ClassVar[ProbeKind | tuple[ProbeKind, ...]] = ProbeKind.SINGLE_SHOT
 
+    def check_point(self, point: ExtractionPoint) -> None:
+        """Refuse an extraction point this instance cannot serve: raise ``ValueError``
+        saying why and what would fix it.
+
+        The router calls it on a fresh instance when a request is registered (and
+        :class:`~undercurrent.api.ProbedModel` when it is built), before
+        ``on_start``; a refusal refuses the whole registration, so a probe never
+        runs on a point it rejects. The default accepts every point.
+        """
+
     def on_start(self, ctx: RequestContext) -> None:
-        """Called once, before the first activation of the request."""
+        """Called once, before the first activation of the request.
+
+        If it raises, the router records the error and the probe gets no
+        activations for that request (they count as dropped) and no ``on_end``.
+        """
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
         """Judge one activation; return a signal, or None for "nothing to say"."""
@@ -117,3 +134,45 @@ def supported_kinds(cls: type) -> tuple[ProbeKind, ...]:
             f"probe class {cls.__name__} declares probe_kind {declared!r}; expected one of "
             f"{allowed} (or a tuple of them)"
         ) from exc
+
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def probe_args_problem(cls: type, args: Mapping[str, Any]) -> str | None:
+    """Why ``cls(**args)`` would be refused for its argument names alone, or None.
+
+    Compares the names with the constructor's signature: an unknown ``probe_arg``
+    (with the closest accepted name) or a required one missing. Nothing is built
+    and no user code runs, so ``undercurrent validate`` can use it; the values are
+    only checked by the constructor itself. A constructor that takes ``**kwargs``
+    accepts any name (a class can narrow that by setting ``__signature__``).
+
+    >>> class Scaled(Probe):
+    ...     def __init__(self, *, scale, offset=0.0):
+    ...         self.scale, self.offset = scale, offset
+    >>> probe_args_problem(Scaled, {"scale": 2.0})
+    >>> probe_args_problem(Scaled, {"scael": 2.0, "scale": 1.0})
+    "unknown probe_arg 'scael' (did you mean 'scale'?); Scaled takes offset, scale"
+    >>> probe_args_problem(Scaled, {})
+    "missing required probe_arg 'scale'"
+    """
+    try:
+        parameters = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no introspectable signature: the constructor decides
+        return None
+    named = [p for p in parameters if p.kind in _NAMED]
+    accepted = sorted(p.name for p in named)
+    problems: list[str] = []
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        for name in sorted(set(args) - set(accepted), key=str):
+            close = difflib.get_close_matches(str(name), accepted, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            takes = ", ".join(accepted) if accepted else "no probe_args"
+            problems.append(f"unknown probe_arg {name!r}{hint}; {cls.__name__} takes {takes}")
+    missing = [p.name for p in named
+               if p.default is inspect.Parameter.empty and p.name not in args]
+    if missing:
+        noun = "probe_arg" if len(missing) == 1 else "probe_args"
+        problems.append(f"missing required {noun} {', '.join(repr(m) for m in missing)}")
+    return "; ".join(problems) or None

@@ -72,6 +72,18 @@ def _function_options(function: Callable[..., Any]) -> tuple[set[str], set[str]]
     return names, required
 
 
+def _options_signature(function: Callable[..., Any]) -> inspect.Signature:
+    """The probe class's constructor signature: the function's keyword-only
+    options, then the rule options it does not declare itself."""
+    params = [p for p in inspect.signature(function).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    declared = {p.name for p in params}
+    defaults = {"threshold": None, "action": "flag"}
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name])
+               for name in _RULE_OPTIONS if name not in declared]
+    return inspect.Signature(params)
+
+
 def _build_class(function: Callable[..., Any], probe_name: str) -> type[Probe]:
     options, required = _function_options(function)
 
@@ -128,6 +140,8 @@ def _build_class(function: Callable[..., Any], probe_name: str) -> type[Probe]:
             return self.summary.verdict()
 
     FunctionProbe.function = staticmethod(function)  # type: ignore[attr-defined]
+    # What the constructor accepts, for probe_args checks (it takes **probe_args).
+    FunctionProbe.__signature__ = _options_signature(function)  # type: ignore[attr-defined]
     FunctionProbe.__name__ = FunctionProbe.__qualname__ = f"{function.__name__}_probe"
     FunctionProbe.__module__ = function.__module__
     FunctionProbe.__doc__ = function.__doc__ or f"Single-shot probe from {function.__qualname__}."

@@ -10,7 +10,8 @@ Saved format (``undercurrent.linear_probe/1``), ``.safetensors`` or ``.npz``:
 - arrays ``weight``: ``(hidden,)`` float32 for two classes, ``(classes, hidden)``
   for more; ``bias``: ``()`` or ``(classes,)`` float32;
 - string metadata (safetensors metadata, or 0-d string arrays in ``.npz``):
-  ``format``, ``link`` (``sigmoid`` for two classes, scoring the second label;
+  ``format``, ``link`` (``sigmoid`` for two classes, scoring the second label of
+  ``label_names``, the ``positive`` one;
   ``softmax`` for more), ``threshold``, ``layer`` and ``tensor_type`` (when
   known), ``label_names`` (a JSON list, in the model's class order) and
   ``metrics`` (JSON of the fit's metrics).
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-LINEAR_PROBE_FORMAT = "undercurrent.linear_probe/1"
+from undercurrent.probes.weights import apply_link, save_linear_weights
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class LinearProbeFit:
 
     ``weight``/``bias`` already include the standardisation, so
     ``sigmoid(weight @ x + bias)`` (two classes) or ``softmax(weight @ x + bias)``
-    is the probability of ``label_names[1]`` (or of each label). ``metrics``
+    is the probability of ``label_names[1]`` (the ``positive`` label; or of each label). ``metrics``
     holds ``train_accuracy``, ``test_accuracy``, ``test_auc``, ``chance_accuracy``
     (majority-class rate on the held-out rows), ``n_train``, ``n_test``,
     ``n_features``, ``n_classes`` and ``split`` (``"request"`` or ``"row"``).
@@ -68,11 +69,9 @@ class LinearProbeFit:
 
         logits = self.decision_function(X)
         if self.link == "sigmoid":
-            positive = 1.0 / (1.0 + np.exp(-logits))
+            positive = apply_link("sigmoid", logits)
             return np.stack([1.0 - positive, positive], axis=1)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        exp = np.exp(shifted)
-        return exp / exp.sum(axis=1, keepdims=True)
+        return apply_link("softmax", logits)
 
     def predict(self, X: Any) -> Any:
         """The most probable class label for each row."""
@@ -115,6 +114,7 @@ def fit_linear_probe(
     group_by: str | Sequence[Any] | None = "auto",
     max_iter: int = 2000,
     class_weight: str | Mapping[Any, float] | None = None,
+    positive: Any = None,
 ) -> LinearProbeFit:
     """Fit a logistic-regression probe on activations and (optionally) save it.
 
@@ -131,6 +131,13 @@ def fit_linear_probe(
     tokens of seen ones; pass ``group_by=None`` to split rows, or a column name or
     a sequence of group ids. ``C`` is the inverse L2 strength; ``test_size=0``
     trains on everything (held-out metrics are then NaN).
+
+    With two labels the probe's score is the probability of ``positive`` (default:
+    the second label in sorted order, e.g. ``"harmful"`` of
+    ``{"benign", "harmful"}``, ``1`` of ``{0, 1}``); ``label_names[1]`` of the fit
+    and of the saved file is that label. A ``positive`` that is not among the labels
+    is a ``ValueError`` listing them; with more than two labels (softmax, one score
+    per label) it is refused.
 
     >>> fit = fit_linear_probe(frame, {"r0": "benign", "r1": "harmful"},
     ...                        layer=2, save_to="probe.safetensors")  # doctest: +SKIP
@@ -149,6 +156,7 @@ def fit_linear_probe(
         raise ValueError(
             f"fit_linear_probe: need at least two distinct labels, got only {classes!r}"
         )
+    classes = _order_positive_last(classes, positive)
     train_rows, test_rows = _split(labels, groups, test_size, seed)
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
@@ -167,12 +175,20 @@ def fit_linear_probe(
     weight = model.coef_ / scale
     bias = model.intercept_ - (model.coef_ * (scaler.mean_ / scale)).sum(axis=1)
     binary = len(model.classes_) == 2
+    fitted_classes = model.classes_.tolist()
+    if binary:
+        weight, bias = weight[0], bias[0]
+        if fitted_classes[1] != classes[1]:
+            # scikit-learn scores its second class; sigmoid(-z) = 1 - sigmoid(z)
+            # scores the other one.
+            weight, bias = -weight, -bias
+            fitted_classes.reverse()
     fit = LinearProbeFit(
-        weight=(weight[0] if binary else weight).astype(np.float32),
-        bias=np.asarray(bias[0] if binary else bias, dtype=np.float32),
+        weight=weight.astype(np.float32),
+        bias=np.asarray(bias, dtype=np.float32),
         link="sigmoid" if binary else "softmax",
-        classes=tuple(model.classes_.tolist()),
-        label_names=tuple(str(c) for c in model.classes_),
+        classes=tuple(fitted_classes),
+        label_names=tuple(str(c) for c in fitted_classes),
         threshold=float(threshold),
         layer=layer,
         tensor_type=tensor_type,
@@ -297,6 +313,20 @@ def _sorted_classes(labels: Any) -> list[Any]:
     return sorted(set(labels.tolist()), key=lambda value: (str(type(value)), value))
 
 
+def _order_positive_last(classes: list[Any], positive: Any) -> list[Any]:
+    """``classes`` with ``positive`` (the label a two-class score means) last."""
+    if positive is None:
+        return classes
+    if positive not in classes:
+        raise ValueError(f"fit_linear_probe: positive={positive!r} is not among the labels "
+                         f"{classes!r}; pass one of them")
+    if len(classes) != 2:
+        raise ValueError(f"fit_linear_probe: positive= chooses what a two-label probe scores, "
+                         f"but there are {len(classes)} labels {classes!r} (softmax gives one "
+                         "score per label); drop positive=")
+    return [c for c in classes if c != positive] + [positive]
+
+
 def _split(labels: Any, groups: Any, test_size: float, seed: int) -> tuple[Any, Any]:
     """Train and held-out row indices; stratified, and by group when groups are given."""
     import numpy as np
@@ -375,8 +405,6 @@ def _metrics(
 
 def save_linear_probe(fit: LinearProbeFit, path: str | os.PathLike[str]) -> Path:
     """Write ``fit`` in the ``undercurrent.linear_probe/1`` format; returns the path."""
-    from undercurrent.probes.weights import save_linear_weights
-
     return save_linear_weights(
         path,
         fit.weight,

@@ -6,7 +6,7 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
-import math
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -18,11 +18,12 @@ from undercurrent.probes.weights import (
     LINKS,
     LinearWeights,
     ProbeFileError,
+    apply_link,
     linear_weights,
     load_linear_weights,
 )
-from undercurrent.records import ActivationRecord, ProbeSignal
-from undercurrent.spec.types import ProbeKind
+from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
+from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 
 class LinearReadout:
@@ -115,19 +116,15 @@ class LinearReadout:
                 f"tensor of shape {tuple(getattr(tensors[0], 'shape', matrix.shape[1:]))} "
                 f"({matrix.shape[1]} values once flattened)"
             )
-        z = matrix @ self.weights.weight.T + self.weights.bias
+        logits = np.asarray(matrix @ self.weights.weight.T + self.weights.bias, np.float64)
+        values = apply_link(self.link, logits)
         if self.weights.classes is None:
-            return [(_apply_link(self.link, logit), {"logit": logit}) for logit in z.tolist()]
+            return [
+                (value, {"logit": logit})
+                for value, logit in zip(values.tolist(), logits.tolist(), strict=True)
+            ]
         index = self.class_index
         assert index is not None
-        logits = np.asarray(z, dtype=np.float64)
-        if self.link == "softmax":
-            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-            values = shifted / shifted.sum(axis=1, keepdims=True)
-        elif self.link == "sigmoid":
-            values = np.vectorize(lambda v: _apply_link("sigmoid", v), otypes=[float])(logits)
-        else:
-            values = logits
         scored = []
         tops = np.argmax(logits, axis=1).tolist()
         for row, top in zip(values[:, index].tolist(), tops, strict=True):
@@ -137,16 +134,6 @@ class LinearReadout:
                 meta["top_label"] = self.label_names[top]
             scored.append((row, meta))
         return scored
-
-
-def _apply_link(link: str, logit: float) -> float:
-    if link == "identity":
-        return logit
-    # Split by sign so neither branch overflows for large |logit|.
-    if logit >= 0:
-        return 1.0 / (1.0 + math.exp(-logit))
-    exp = math.exp(logit)
-    return exp / (1.0 + exp)
 
 
 def _resolve_weights(
@@ -212,18 +199,32 @@ class LinearProbe(Probe):
         self.check_metadata = check_metadata
         self.summary = ScoreSummary(self.rule.threshold)
 
+    def check_point(self, point: ExtractionPoint) -> None:
+        """With ``check_metadata``, refuse a point whose layers or tensor type differ
+        from the ``layer`` / ``tensor_type`` the probe file was fitted on."""
+        if self.check_metadata:
+            _check_point_matches_file(self.readout.weights, point)
+
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold)
-        if self.check_metadata and ctx.extraction_point is not None:
-            _check_point_matches_file(self.readout.weights, ctx)
+        if ctx.extraction_point is not None:  # the router checked; direct callers may not
+            self.check_point(ctx.extraction_point)
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
         return self.on_activations((record,))[0]
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
         scored = self.readout.score_many([record.tensor for record in records])
-        return [self.judge(record, score, meta)
-                for record, (score, meta) in zip(records, scored, strict=True)]
+        if type(self).judge is not LinearProbe.judge:  # a subclass judges each activation
+            return [self.judge(record, score, meta)
+                    for record, (score, meta) in zip(records, scored, strict=True)]
+        # judge() for the whole batch at once: the same signals and summary.
+        scores = [score for score, _ in scored]
+        signals = self.rule.signals(scores, [meta for _, meta in scored])
+        keep_going = SignalAction.CONTINUE
+        self.summary.add_many(scores, records,
+                              [signal.action is not keep_going for signal in signals])
+        return list(signals)
 
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
         """The signal for one scored activation (and the summary updated)."""
@@ -237,9 +238,7 @@ class LinearProbe(Probe):
         return verdict
 
 
-def _check_point_matches_file(weights: LinearWeights, ctx: RequestContext) -> None:
-    point = ctx.extraction_point
-    assert point is not None
+def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:
     file_layer = weights.metadata.get("layer")
     if file_layer is not None and file_layer.lstrip("-").isdigit():
         if int(file_layer) not in point.layers:
@@ -257,12 +256,16 @@ def _check_point_matches_file(weights: LinearWeights, ctx: RequestContext) -> No
 
 
 class DualPositionProbe(LinearProbe):
-    """``dual_position_probe``: a linear readout, taken at token b+1, of token b.
+    """``dual_position_probe``: a linear readout of one position, reported as being
+    about an earlier one.
 
-    The activation at one position often encodes a property of an earlier token
-    (the classic case: the previous token's identity). This probe reads the
-    activation at ``token_index`` and reports the score as a statement about token
-    ``token_index - read_offset``. Same probe_args and file format as
+    It reads a single activation per record, the one at ``token_index`` (the
+    point's position, e.g. ``prompt[-1]+1``), exactly as ``linear_probe`` does;
+    nothing is captured or read at the earlier token. The two positions of the
+    name are where it reads (b+1) and what the score is about (b): the activation
+    at one position often encodes a property of an earlier token (the classic
+    case: the previous token's identity), so the score is reported as a
+    statement about token ``token_index - read_offset``. Same probe_args and file format as
     ``linear_probe``, plus ``read_offset`` (default 1).
 
     Signals carry ``about_token_index`` in their metadata. The verdict is the
@@ -308,3 +311,10 @@ class DualPositionProbe(LinearProbe):
         verdict = super().on_end(ctx)
         verdict["readings"] = list(self.readings)
         return verdict
+
+
+# The constructor passes **linear_args on; name them for probe_args checks.
+DualPositionProbe.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+    inspect.Parameter("read_offset", inspect.Parameter.KEYWORD_ONLY, default=1),
+    *inspect.signature(LinearProbe).parameters.values(),
+])

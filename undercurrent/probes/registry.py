@@ -163,7 +163,9 @@ class ProbeRegistry:
 
 
 def _builtin_probes() -> dict[str, type]:
+    from undercurrent.probes.capture import CaptureProbe
     from undercurrent.probes.linear import DualPositionProbe, LinearProbe
+    from undercurrent.probes.sae import SaeProbe
     from undercurrent.probes.statistics import MeanProbe, NormProbe
     from undercurrent.probes.trajectory import TrajectoryProbe
 
@@ -173,11 +175,13 @@ def _builtin_probes() -> dict[str, type]:
         "dual_position_probe": DualPositionProbe,
         "norm_probe": NormProbe,
         "mean_probe": MeanProbe,
+        "sae_probe": SaeProbe,
+        "capture": CaptureProbe,
     }
 
 
 BUILTIN_PROBE_TYPES = ("linear_probe", "trajectory_probe", "dual_position_probe",
-                       "norm_probe", "mean_probe")
+                       "norm_probe", "mean_probe", "sae_probe", "capture")
 
 default_registry = ProbeRegistry(_builtin_probes(), entry_point_group=ENTRY_POINT_GROUP)
 

@@ -8,7 +8,7 @@ Every built-in turns a per-activation score into a signal the same way
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,17 @@ class ThresholdRule:
         action = self.action if self.crossed(score) else SignalAction.CONTINUE
         return ProbeSignal(action=action, score=score, metadata=dict(metadata or {}))
 
+    def signals(self, scores: Sequence[float],
+                metadata: Sequence[Mapping[str, Any]]) -> list[ProbeSignal]:
+        """:meth:`signal` for each (score, metadata) pair, in one pass: the same
+        signals, without a rule call per score (the batch path of the built-ins)."""
+        threshold, action, keep_going = self.threshold, self.action, SignalAction.CONTINUE
+        if threshold is None:
+            return [ProbeSignal(keep_going, score, dict(meta))
+                    for score, meta in zip(scores, metadata, strict=True)]
+        return [ProbeSignal(action if score >= threshold else keep_going, score, dict(meta))
+                for score, meta in zip(scores, metadata, strict=True)]
+
 
 @dataclass
 class ScoreSummary:
@@ -101,6 +112,30 @@ class ScoreSummary:
             self.first_crossing = (record.token_index, record.layer)
             return True
         return False
+
+    def add_many(self, scores: Sequence[float | None], records: Sequence[ActivationRecord],
+                 crossed: Sequence[bool]) -> None:
+        """:meth:`add` for each (score, record, crossed) in order, in one pass: the
+        same totals (summed in the same order), extremes and first crossing."""
+        self.count += len(scores)
+        total, scored = self.total, self.scored
+        high, low, last = self.max_score, self.min_score, self.last_score
+        for score in scores:
+            if score is None:
+                continue
+            scored += 1
+            total += score
+            last = score
+            # max(a, b) keeps a unless b > a; min(a, b) keeps a unless b < a.
+            if high is None or score > high:
+                high = score
+            if low is None or score < low:
+                low = score
+        self.total, self.scored = total, scored
+        self.max_score, self.min_score, self.last_score = high, low, last
+        if self.first_crossing is None and any(crossed):
+            index = list(crossed).index(True)
+            self.first_crossing = (records[index].token_index, records[index].layer)
 
     def verdict(self) -> dict[str, Any]:
         """The summary as a plain dict (see the class docstring for the keys)."""

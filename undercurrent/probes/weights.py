@@ -32,6 +32,30 @@ SUFFIXES = (".safetensors", ".npz")
 _UNFOLDED = ("mean", "scale")
 
 
+def apply_link(link: str, logits: Any) -> Any:
+    """The link applied to an array of logits (float64): ``sigmoid`` element-wise,
+    ``softmax`` over the last axis, ``identity`` unchanged. Stable for any
+    magnitude (neither overflows).
+
+    >>> apply_link("sigmoid", [0.0, 1000.0, -1000.0]).tolist()
+    [0.5, 1.0, 0.0]
+    >>> apply_link("softmax", [[0.0, 0.0]]).tolist()
+    [[0.5, 0.5]]
+    """
+    np = numpy_module()
+    z = np.asarray(logits, dtype=np.float64)
+    if link == "sigmoid":
+        # exp of -|z| never overflows; the two forms agree and cover both signs
+        small = np.exp(-np.abs(z))
+        return np.where(z >= 0, 1.0 / (1.0 + small), small / (1.0 + small))
+    if link == "softmax":
+        shifted = np.exp(z - z.max(axis=-1, keepdims=True))
+        return shifted / shifted.sum(axis=-1, keepdims=True)
+    if link == "identity":
+        return z
+    raise ValueError(f"link must be one of {', '.join(LINKS)}, got {link!r}")
+
+
 class ProbeFileError(ValueError):
     """A probe file that is missing, unreadable, or not what it claims to be."""
 

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,12 @@ from undercurrent.records import (
     SignalAction,
 )
 from undercurrent.router.errors import OverflowPolicy
-from undercurrent.spec.types import ExecutionMode, ExtractionPoint, InterventionPolicy
+from undercurrent.spec.types import (
+    ExecutionMode,
+    ExtractionPoint,
+    InterventionMode,
+    InterventionPolicy,
+)
 
 logger = logging.getLogger("undercurrent.router")
 
@@ -103,11 +109,13 @@ class Binding:
         self.signals: list[ProbeSignal] = []
         self.error_notes: list[str] = []
         self._logged_error = False
+        self.traceback: str | None = None  # of the first exception the probe raised
         self.busy = False
         self.in_flight = 0  # records in the call that ``busy`` marks
         self.batched = batches_natively(probe)
         self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self.closed = False
+        self.start_failed = False  # on_start raised: the binding never opened
         self.finalised = False
         self.queue: deque[ActivationRecord] = deque()
         self.scheduled = False
@@ -193,8 +201,9 @@ class Binding:
                     f"on_activations returned {len(signals)} signals for {len(records)} records; "
                     "it must return one (ProbeSignal or None) per record"
                 )
-            for signal in signals:
-                _check_signal(signal, "on_activations")
+            for signal in signals:  # the check of _check_signal, without a call per record
+                if signal is not None and type(signal) is not ProbeSignal:
+                    _check_signal(signal, "on_activations")
         except catch as exc:
             signals = [None] * len(records)
             error = describe_error(exc)
@@ -206,23 +215,40 @@ class Binding:
         return [(signal, error, share) for signal in signals]
 
     def _log_first_error(self, where: str, exc: BaseException) -> None:
+        """Log a binding's first exception: one warning line, the traceback at DEBUG
+        level (and kept for ``ProbeResult.metadata["traceback"]``)."""
         if self._logged_error:
             return
         self._logged_error = True
+        self.traceback = "".join(traceback.format_exception(exc))
         logger.warning(
-            "probe %r (%s) on request %r raised in %s; generation continues",
-            self.name, self.probe_type, self.request_id, where, exc_info=exc,
+            "probe %r (%s) on request %r raised in %s: %s; generation continues "
+            "(traceback: ProbeResult.metadata['traceback'], or DEBUG logging)",
+            self.name, self.probe_type, self.request_id, where, describe_error(exc),
         )
+        logger.debug("traceback of probe %r on request %r", self.name, self.request_id,
+                     exc_info=exc)
 
     def start(self) -> None:
-        """Call ``on_start``; a failure is recorded, never raised."""
+        """Call ``on_start``; a failure is recorded, never raised.
+
+        A probe whose ``on_start`` failed is not ready to judge anything: the
+        binding is closed at once, so the request's records count as dropped,
+        never reach the probe and give no signal (not even a fallback), and
+        ``on_end`` is not called.
+        """
         try:
             self.probe.on_start(self.ctx)
         except Exception as exc:
             self._log_first_error("on_start", exc)
             with self.cond:
                 self.errors += 1
-                self.error_notes.append(f"on_start: {describe_error(exc)}")
+                self.start_failed = True
+                self.closed = True
+                self.error_notes.append(
+                    f"on_start: {describe_error(exc)} (the probe got no activations and "
+                    "on_end was not called)"
+                )
 
     # -- accounting, called with the lock held -------------------------------------
 
@@ -232,20 +258,33 @@ class Binding:
         self.latency_total += latency
         self.latency_max = max(self.latency_max, latency)
         if error is not None:
-            self.errors += 1
-            if not any(note.startswith("on_activation") for note in self.error_notes):
-                self.error_notes.append(
-                    f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
-                )
+            self._count_error(error, record)
+
+    def _count_error(self, error: str, record: ActivationRecord) -> None:
+        self.errors += 1
+        if not any(note.startswith("on_activation") for note in self.error_notes):
+            self.error_notes.append(
+                f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
+            )
 
     def settle(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome], *,
                observed: bool = False) -> None:
         """Count finished records and keep their signals (``observed``: async or
         unwaited calls, whose ``abort`` is recorded as ``flag``)."""
+        # account() for each record, in one pass: the same counts, latency sum (added
+        # in the same order) and maximum, error notes and signals.
+        total, longest = self.latency_total, self.latency_max
+        keep = self.signals.append
         for record, (signal, error, latency) in zip(records, outcomes, strict=True):
-            self.account(latency, error, record)
+            total += latency
+            if latency > longest:  # max(a, b) keeps a unless b > a
+                longest = latency
+            if error is not None:
+                self._count_error(error, record)
             if signal is not None:
-                self.signals.append(observed_only(signal) if observed else signal)
+                keep(observed_only(signal) if observed else signal)
+        self.processed += len(records)
+        self.latency_total, self.latency_max = total, longest
 
     def enqueue(self, record: ActivationRecord) -> bool:
         """Put a record on this async binding's queue, applying the overflow policy.
@@ -278,6 +317,68 @@ class Binding:
             self.scheduled = True
             return True
 
+    # -- transitions of a call (each takes the lock itself) ------------------------------
+
+    def admit_inline(self, count: int) -> bool:
+        """An inline caller brings ``count`` records: count them received, wait for
+        the probe to be free, and mark it busy with them. False when the binding
+        closed meanwhile (the records are then counted dropped, here or by
+        :meth:`finalise`) and the caller must not run the probe."""
+        with self.cond:
+            self.received += count
+            self.waiting += count
+            while self.busy and not self.closed:
+                self.cond.wait()
+            self.waiting -= count
+            if self.finalised:  # counted as dropped by finalise()
+                return False
+            if self.closed:
+                self.dropped += count
+                return False
+            self.busy = True
+            self.in_flight = count
+            return True
+
+    def take_queued(self, limit: int) -> list[ActivationRecord]:
+        """An async worker takes up to ``limit`` queued records (one for a probe that
+        does not batch) and marks the probe busy with them. Empty when there is
+        nothing to do: the binding is then no longer scheduled."""
+        with self.cond:
+            if not self.queue or self.finalised:
+                self.scheduled = False
+                self.cond.notify_all()
+                return []
+            take = min(len(self.queue), limit) if self.batched else 1
+            records = [self.queue.popleft() for _ in range(take)]
+            self.busy = True
+            self.in_flight = take
+            self.cond.notify_all()  # room for a producer blocked on a full queue
+            return records
+
+    def finish_call(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome],
+                    *, observed: bool) -> bool:
+        """The call marked by :meth:`admit_inline` / :meth:`take_queued` returned:
+        the probe is free again and the records are settled. False (nothing
+        settled) when the result was frozen meanwhile, so they counted as dropped."""
+        with self.cond:
+            self.busy = False
+            self.in_flight = 0
+            self.cond.notify_all()
+            if self.finalised:
+                return False
+            self.settle(records, outcomes, observed=observed)
+            return True
+
+    def keep_scheduled(self) -> bool:
+        """After a worker's turn: True when queued records remain (the binding stays
+        scheduled), else it is unscheduled."""
+        with self.cond:
+            if self.queue and not self.finalised:
+                return True
+            self.scheduled = False
+            self.cond.notify_all()
+            return False
+
     # -- end of the request -----------------------------------------------------------
 
     def close(self) -> None:
@@ -296,12 +397,13 @@ class Binding:
                 self.cond.wait(remaining)
             return True
 
-    def finalise(self, drain_timeout_s: float) -> bool:
+    def finalise(self, waited_s: float) -> bool:
         """Freeze the accounting; returns True when ``on_end`` may run now.
 
         Records still queued, those still in flight, and those whose callers are
         still waiting for their turn count as dropped; a late completion is then
-        discarded.
+        discarded. ``waited_s``: how long ending the request waited for this
+        binding to go idle (the error note reports it).
         """
         with self.cond:
             self.closed = True
@@ -315,7 +417,7 @@ class Binding:
                 if in_flight:
                     what += f" and {'one' if in_flight == 1 else in_flight} in flight"
                 self.error_notes.append(
-                    f"drain timed out after {drain_timeout_s:g}s with {what}, counted as dropped"
+                    f"{self._gave_up(waited_s)} with {what}, counted as dropped"
                 )
             if in_flight:
                 self.error_notes.append(
@@ -323,6 +425,16 @@ class Binding:
                 )
             self.cond.notify_all()
             return not in_flight
+
+    def _gave_up(self, waited_s: float) -> str:
+        """Why records were left when the request ended, for the error note."""
+        if not self.is_async and self.policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
+            return (f"a block_until_signal call that missed its deadline was still running "
+                    f"{waited_s:g}s after the request ended (ending waits "
+                    "max(1 s, 2 x timeout_ms) for it)")
+        if waited_s <= 0:
+            return "the request ended without waiting for its queue (no drain time)"
+        return f"drain timed out after {waited_s:g}s"
 
     def result(self, verdict: Any) -> ProbeResult:
         """The ProbeResult, from the current (final) accounting."""
@@ -343,6 +455,8 @@ class Binding:
                 "late_results": self.late_results,
                 "breaker_open": self.breaker_open,
             }
+            if self.traceback is not None:
+                metadata["traceback"] = self.traceback
             return ProbeResult(
                 request_id=self.request_id,
                 extraction_point_name=self.name,
@@ -353,9 +467,10 @@ class Binding:
                 metadata=metadata,
             )
 
-    def end(self, drain_timeout_s: float) -> ProbeResult:
-        """Finalise, call ``on_end`` (unless an activation is still running), build the result."""
-        may_end = self.finalise(drain_timeout_s)
+    def end(self, waited_s: float) -> ProbeResult:
+        """Finalise, call ``on_end`` (unless an activation is still running), build the
+        result; ``waited_s`` is how long ending the request waited for this binding."""
+        may_end = self.finalise(waited_s) and not self.start_failed
         verdict = None
         if may_end:
             try:

@@ -38,29 +38,12 @@ def run_inline(
 def _run_to_completion(
     binding: Binding, records: Sequence[ActivationRecord]
 ) -> list[ProbeSignal | None]:
-    count = len(records)
-    nothing: list[ProbeSignal | None] = [None] * count
-    with binding.cond:
-        binding.received += count
-        binding.waiting += count
-        while binding.busy and not binding.closed:
-            binding.cond.wait()
-        binding.waiting -= count
-        if binding.finalised:  # counted as dropped by finalise()
-            return nothing
-        if binding.closed:
-            binding.dropped += count
-            return nothing
-        binding.busy = True
-        binding.in_flight = count
+    nothing: list[ProbeSignal | None] = [None] * len(records)
+    if not binding.admit_inline(len(records)):
+        return nothing
     outcomes = binding.invoke_many(records, propagate_interrupts=True)
-    with binding.cond:
-        binding.busy = False
-        binding.in_flight = 0
-        binding.cond.notify_all()
-        if binding.finalised:  # counted as dropped when the result was frozen
-            return nothing
-        binding.settle(records, outcomes)
+    if not binding.finish_call(records, outcomes, observed=False):
+        return nothing
     return [signal for signal, _, _ in outcomes]
 
 

@@ -20,11 +20,14 @@ from undercurrent.router.errors import OverflowPolicy, RouterError
 from undercurrent.router.inline import run_inline
 from undercurrent.router.scheduler import AsyncScheduler
 from undercurrent.router.validation import (
-    check_points,
+    CheckedPoint,
+    check_request_points,
+    default_policy_problems,
     merged_probe_args,
     normalise_policy,
-    where,
+    point_problem,
 )
+from undercurrent.spec.errors import SpecProblem
 from undercurrent.spec.types import InterventionPolicy
 
 _RECENTLY_ENDED = 4096
@@ -148,6 +151,9 @@ class Router:
         self.default_intervention_policy = normalise_policy(
             default_intervention_policy or InterventionPolicy()
         )
+        policy_problems = default_policy_problems(self.default_intervention_policy)
+        if policy_problems:
+            raise ValueError("default_intervention_policy: " + "; ".join(policy_problems))
         self.breaker_threshold = (
             None if breaker_threshold is None
             else _positive_int("breaker_threshold", breaker_threshold)
@@ -178,11 +184,16 @@ class Router:
     ) -> None:
         """Bind a fresh probe instance to each point for this request (all or nothing).
 
-        Raises :class:`RouterError` listing every problem: async single_shot points,
-        async points whose (possibly inherited) intervention is not ``reject``,
-        invalid interventions, unknown ``probe_type`` (with the known names and the
-        closest match), a ``probe_kind`` the probe class does not serve, a probe
-        constructor that fails, or a ``request_id`` that is already live.
+        Raises :class:`RouterError` listing every problem: every rule
+        :func:`~undercurrent.spec.check_extraction_points` enforces (with the same
+        messages), an async point inheriting a blocking default policy, an unknown
+        ``probe_type`` (with the known names and the closest match), a
+        ``probe_kind`` the probe class does not serve,
+        ``probe_args`` the probe's constructor does not accept (or one that
+        raises), a probe whose ``check_point`` refuses its point, or a
+        ``request_id`` that is already live. Then every probe's ``on_start`` runs;
+        one that raises is recorded on its result and that probe gets no records
+        for the request.
         """
         label = f"cannot register request {request_id!r}"
         if self._closed:
@@ -196,25 +207,11 @@ class Router:
         with self._lock:
             if request_id in self._requests:
                 raise RouterError(f"{label}: a request with this id is already live")
-        checked, problems = check_points(
-            list(points),
-            self.registry,
-            self.default_intervention_policy,
-            self.default_queue_depth,
-        )
-        bindings: dict[str, Binding] = {}
-        for item in checked:
-            args = merged_probe_args(self.probe_defaults, item.point)
-            try:
-                instance = item.probe_class(**args)
-            except Exception as exc:
-                problems.append(
-                    f"{where(item.index, item.point)}: could not build probe_type "
-                    f"{item.point.probe_type!r} with probe_args {sorted(args)}: "
-                    f"{describe_error(exc)}"
-                )
-                continue
-            bindings[item.point.name] = Binding(
+        built, problems = self._build_probes(points)
+        if problems:
+            raise RouterError(label, problems)
+        bindings = {
+            item.point.name: Binding(
                 point=item.point,
                 probe=instance,
                 probe_type=item.point.probe_type,
@@ -224,8 +221,8 @@ class Router:
                 overflow=self.default_overflow,
                 breaker_threshold=self.breaker_threshold,
             )
-        if problems:
-            raise RouterError(label, problems)
+            for item, instance in built
+        }
         for binding in bindings.values():
             binding.start()
         with self._lock:
@@ -236,12 +233,56 @@ class Router:
             self._requests[request_id] = _Request(request_id, bindings)
             self._ended.pop(request_id, None)
 
-    def wants(self, request_id: str, point_name: str | None = None) -> bool:
-        """Whether the request is live (and, given ``point_name``, has that point)."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        return point_name is None or point_name in request.bindings
+    def check(self, points: Iterable[Any]) -> None:
+        """Run every registration check on ``points`` without registering a request.
+
+        Builds each point's probe (and lets it refuse the point, see
+        :meth:`~undercurrent.probes.Probe.check_point`), then discards it. Raises
+        :class:`RouterError` listing every problem :meth:`register_request` would
+        refuse (``ProbedModel`` calls it when built, so a bad spec fails there,
+        not at the first ``generate()``).
+        """
+        _, problems = self._build_probes(points)
+        if problems:
+            raise RouterError("extraction points refused", problems)
+
+    def _build_probes(
+        self, points: Iterable[Any]
+    ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
+        """Check the points and build one probe per point that passes; returns
+        (each checked point with its probe, every problem found)."""
+        checked, problems = check_request_points(
+            list(points),
+            self.registry,
+            self.default_intervention_policy,
+            self.default_queue_depth,
+            self.probe_defaults,
+        )
+        built: list[tuple[CheckedPoint, Any]] = []
+        for item in checked:
+            probe_type = item.point.probe_type
+            args = merged_probe_args(self.probe_defaults, item.point)
+            try:
+                instance = item.probe_class(**args)
+            except Exception as exc:
+                problems.append(point_problem(
+                    item.index, item.point,
+                    f"could not build probe_type {probe_type!r} with probe_args "
+                    f"{sorted(args)}: {describe_error(exc)}",
+                    "probe_args",
+                ))
+                continue
+            check_point = getattr(instance, "check_point", None)
+            if check_point is not None:
+                try:
+                    check_point(item.point)
+                except Exception as exc:  # a refusal, or a check that failed: both refuse
+                    problems.append(point_problem(
+                        item.index, item.point, f"probe_type {probe_type!r} refuses it: {exc}"
+                    ))
+                    continue
+            built.append((item, instance))
+        return built, problems
 
     def abort_requested(self, request_id: str) -> bool:
         """True once an inline probe (or its fallback) returned ``abort`` for the request."""
@@ -300,21 +341,32 @@ class Router:
                 f"{first.extraction_point_name!r}; its points are {sorted(request.bindings)}"
             )
         if binding.is_async:
-            wake = False
-            for record in records:
-                wake = binding.enqueue(record) or wake
-            if wake:
-                deferred = getattr(self._step, "bindings", None)
-                if deferred is None or binding.overflow is OverflowPolicy.BLOCK:
-                    # A producer may block on a full queue: its worker must be awake.
-                    self._scheduler.schedule(binding)
-                else:
-                    deferred.append(binding)
+            self._enqueue(binding, records)
             return [None] * len(records)
         signals = run_inline(binding, records)
         if any(signal is not None and signal.action is SignalAction.ABORT for signal in signals):
             request.abort_requested = True
         return signals
+
+    def _enqueue(self, binding: Binding, records: Sequence[ActivationRecord]) -> None:
+        """Queue records on an async binding, handing it to the workers as needed.
+
+        Under ``block`` the hand-over happens as soon as a record is queued, before
+        the next one is offered: that next record may have to wait for room, and
+        only a worker that already holds the binding can make it. (Handing over
+        once, after the whole batch, left the generation thread waiting on a queue
+        no worker would ever drain.) The other policies never wait, so inside a
+        :meth:`step` their hand-over waits for the end of the step.
+        """
+        deferred = getattr(self._step, "bindings", None)
+        if binding.overflow is OverflowPolicy.BLOCK:
+            deferred = None
+        for record in records:
+            if binding.enqueue(record):
+                if deferred is None:
+                    self._scheduler.schedule(binding)
+                else:
+                    deferred.append(binding)
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -378,10 +430,13 @@ class Router:
         for binding in bindings:
             binding.close()
         now = time.monotonic()
-        deadline = now + timeout
-        for binding in bindings:
-            binding.wait_idle(min(deadline, now + _inline_grace_s(binding)))
-        results = {binding.name: binding.end(timeout) for binding in bindings}
+        # Each binding's wait starts now and lasts at most its limit: the drain
+        # timeout, or an inline blocking point's shorter grace.
+        limits = [min(timeout, _inline_grace_s(binding)) for binding in bindings]
+        for binding, limit in zip(bindings, limits, strict=True):
+            binding.wait_idle(now + limit)
+        results = {binding.name: binding.end(limit)
+                   for binding, limit in zip(bindings, limits, strict=True)}
         with self._lock:
             for result in results.values():
                 for counter in _COUNTERS:

@@ -141,32 +141,15 @@ class AsyncScheduler:
         """
         done = 0
         while done < self.batch_size:
-            with binding.cond:
-                if not binding.queue or binding.finalised:
-                    binding.scheduled = False
-                    binding.cond.notify_all()
-                    return False
-                take = min(len(binding.queue), self.batch_size - done) if binding.batched else 1
-                records = [binding.queue.popleft() for _ in range(take)]
-                binding.busy = True
-                binding.in_flight = take
-                binding.cond.notify_all()  # room for a producer blocked on a full queue
+            records = binding.take_queued(self.batch_size - done)
+            if not records:
+                return False
             worker.call_started = time.monotonic()
             outcomes = binding.invoke_many(records)
             worker.call_started = None
-            with binding.cond:
-                binding.busy = False
-                binding.in_flight = 0
-                if not binding.finalised:
-                    binding.settle(records, outcomes, observed=True)
-                binding.cond.notify_all()
-            done += take
-        with binding.cond:
-            if binding.queue and not binding.finalised:
-                return True
-            binding.scheduled = False
-            binding.cond.notify_all()
-            return False
+            binding.finish_call(records, outcomes, observed=True)
+            done += len(records)
+        return binding.keep_scheduled()
 
     # -- stall compensation -------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from undercurrent.errors import ErrorDetail, ProblemsError
+
 
 @dataclass(frozen=True)
 class SpecProblem:
@@ -34,18 +36,31 @@ class SpecProblem:
             parts.append(f"field {self.field!r}")
         return ", ".join(parts) if parts else "spec"
 
+    def detail(self, error_type: str = "spec") -> ErrorDetail:
+        """This problem shaped like a pydantic ``errors()`` entry:
+        ``loc`` is ``("extraction_points", index, *field path)`` (``"edits"`` for an
+        edit)."""
+        loc: list[str | int] = []
+        if self.point_index is not None:
+            loc += [self.section, self.point_index]
+        if self.field:
+            loc += self.field.split(".")
+        return ErrorDetail(loc=tuple(loc), msg=self.message, type=error_type)
+
     def __str__(self) -> str:
         if self.point_index is None and not self.field:
             return self.message  # a problem with the document as a whole
         return f"{self.location()}: {self.message}"
 
 
-class SpecValidationError(ValueError):
+class SpecValidationError(ProblemsError):
     """An invalid spec. ``problems`` lists every problem found, not only the first.
 
     The message names, for each problem, the extraction point (by index and name)
-    and the field at fault.
+    and the field at fault; :meth:`errors` gives them as pydantic-shaped dicts.
     """
+
+    error_type = "spec"
 
     def __init__(
         self,
@@ -57,7 +72,7 @@ class SpecValidationError(ValueError):
             problems = [SpecProblem(problems)]
         self.problems: list[SpecProblem] = list(problems)
         self.source = source
-        super().__init__(self._render())
+        super().__init__(self._render(), [p.detail(self.error_type) for p in self.problems])
 
     def _render(self) -> str:
         where = f" in {self.source}" if self.source else ""

@@ -313,8 +313,10 @@ class ExtractionPointFields(_SchemaModel):
     ``trajectory``."""
 
     queue_depth: PositiveInt | None = None
-    """Size of this point's async queue (an integer >= 1). Only valid with
-    ``execution_mode: async``; the router's default (32) applies when omitted."""
+    """Size of this point's async queue in records, one per (token, layer) (an
+    integer >= 1; the queue always holds at least one token's records, i.e. the
+    number of layers). Only valid with ``execution_mode: async``; the router's
+    default (32) applies when omitted."""
 
     intervention: InterventionFields | None = None
     """``mode``, ``timeout_ms``, ``on_timeout``. When omitted, the router's

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import numbers
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -75,6 +76,15 @@ class InterventionPolicy:
         # Hand-built policies often pass plain strings; normalise at the source.
         object.__setattr__(self, "mode", InterventionMode(self.mode))
         object.__setattr__(self, "on_timeout", OnTimeout(self.on_timeout))
+        object.__setattr__(self, "timeout_ms", _plain_int(self.timeout_ms))
+
+
+def _plain_int(value: Any) -> Any:
+    """A numpy (or other) integer as a plain ``int``; anything else unchanged, for the
+    spec check to name (a bool stays a bool: it is not a layer index)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
 
 
 def _frozen_mapping(data: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -109,7 +119,9 @@ class ExtractionPoint:
         layers = self.layers
         if isinstance(layers, int):
             layers = (layers,)
-        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "layers", tuple(_plain_int(layer) for layer in layers))
+        object.__setattr__(self, "stride", _plain_int(self.stride))
+        object.__setattr__(self, "queue_depth", _plain_int(self.queue_depth))
         object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
         object.__setattr__(self, "probe_kind", ProbeKind(self.probe_kind))
         object.__setattr__(self, "execution_mode", ExecutionMode(self.execution_mode))

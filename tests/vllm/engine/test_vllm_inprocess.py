@@ -234,3 +234,25 @@ def test_eager_mode_and_pipeline_parallelism_are_refused_before_any_engine_start
         VLLMBackend.from_pretrained(model_dir, enforce_eager=False)
     with pytest.raises(BackendError, match="pipeline_parallel_size > 1"):
         VLLMBackend.from_pretrained(model_dir, pipeline_parallel_size=2)
+
+
+def test_block_overflow_with_more_layers_than_queue_depth_finishes_and_loses_nothing(
+        backend, reference, num_layers):
+    # Issue 21: a token's records for a point outnumbered its queue under "block",
+    # and generate() never returned.
+    texts, _ = reference
+    layers = [0, num_layers - 1]
+    router = Router(default_overflow="block", workers=1)
+    model = ProbedModel(backend, router=router, spec={"version": "1", "extraction_points": [{
+        "name": "watch", "layers": layers, "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory",
+        "execution_mode": "async", "queue_depth": 1}]})
+    try:
+        outputs = model.generate(texts[:4], max_new_tokens=MAX_NEW_TOKENS, records=True)
+    finally:
+        router.shutdown()
+    for output in outputs:
+        captured = [r for r in output.records if r.extraction_point_name == "watch"]
+        assert len(captured) == len(layers) * (len(output.token_ids) - 1)
+        stats = output.results["watch"].stats
+        assert (stats.received, stats.processed, stats.dropped) == (len(captured),) * 2 + (0,)

@@ -3,6 +3,8 @@ layout): the same records as the HF backend, aborts within one engine step."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from vllm_engine_helpers import (
     CHUNK_BUDGET,
@@ -52,15 +54,21 @@ def test_concurrent_requests_give_the_hf_records_and_tokens(backend, reference, 
     assert compare(outputs, hf_outputs) <= 1e-4
 
 
+def guarded(backend, router, request_ids, generated_index=2):
+    """A ProbedModel whose inline guard aborts ``request_ids`` at ``generated_index``."""
+    return ProbedModel(backend, router=router, spec={"extraction_points": [{
+        "name": "guard", "layers": 0, "tensor_type": "mlp_out", "position": "generated[*]",
+        "probe_type": "stop_at", "probe_kind": "single_shot",
+        "probe_args": {"request_ids": sorted(request_ids),
+                       "generated_index": generated_index}}]})
+
+
 def test_inline_abort_stops_the_request_within_one_engine_step(backend, reference):
     texts, hf_outputs = reference
     ids = [f"r{i}" for i in range(len(texts))]
     marked = {f"r{i}" for i in range(0, len(texts), 3)}
     router = Router(probes={"stop_at": stop_at})
-    model = ProbedModel(backend, router=router, spec={"extraction_points": [{
-        "name": "guard", "layers": 0, "tensor_type": "mlp_out", "position": "generated[*]",
-        "probe_type": "stop_at", "probe_kind": "single_shot",
-        "probe_args": {"request_ids": sorted(marked), "generated_index": 2}}]})
+    model = guarded(backend, router, marked)
     try:
         outputs = model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS)
     finally:
@@ -76,3 +84,53 @@ def test_inline_abort_stops_the_request_within_one_engine_step(backend, referenc
         else:
             assert not output.aborted and output.token_ids == plain.token_ids
     assert stopped >= 3
+
+
+@pytest.mark.parametrize("call", ["generate", "stream"])
+@pytest.mark.parametrize("held_after", [2, 3])
+def test_an_abort_that_overtakes_the_outputs_keeps_every_token_up_to_the_aborting_one(
+        backend, reference, monkeypatch, held_after, call):
+    """The engine core runs ahead of the driver. Here the driver is held, once it has
+    the outputs carrying ``held_after`` tokens, until the guard's abort (on generated
+    token 2, fed one step after it was sampled) has reached it: the abort overtakes
+    the outputs that carry the tokens up to the aborting one (held_after=2), or
+    arrives together with the last of them (held_after=3). On a busy machine this
+    happens by chance; here it happens every time. The output still ends exactly
+    with the token whose record fired."""
+    texts, hf_outputs = reference
+    index = next(i for i, out in enumerate(hf_outputs) if len(out.token_ids) > 4)
+    plain = hf_outputs[index].token_ids
+    abort_reached = threading.Event()
+    forward_abort = backend.server._on_abort
+
+    def abort_and_tell(engine_ids):
+        forward_abort(engine_ids)
+        abort_reached.set()
+
+    engine_step = backend.engine.step
+    held: list[bool] = []
+
+    def step_held_back():
+        outputs = engine_step()
+        if not held and any(len(o.outputs[0].token_ids) == held_after for o in outputs):
+            held.append(abort_reached.wait(timeout=120))
+        return outputs
+
+    monkeypatch.setattr(backend.server, "_on_abort", abort_and_tell)
+    monkeypatch.setattr(backend.engine, "step", step_held_back)
+    router = Router(probes={"stop_at": stop_at})
+    model = guarded(backend, router, {"r"})
+    try:
+        if call == "generate":
+            output = model.generate([texts[index]], request_ids=["r"],
+                                    max_new_tokens=MAX_NEW_TOKENS)[0]
+        else:
+            events = list(model.stream(texts[index], request_id="r",
+                                       max_new_tokens=MAX_NEW_TOKENS))
+            output = events[-1].output
+            assert [e.token_id for e in events[:-1]] == list(plain[:3])
+    finally:
+        router.shutdown()
+    assert held == [True], "the driver was never held until the abort arrived"
+    assert output.aborted and output.token_ids == plain[:3]
+    assert output.abort.generated_index == 2

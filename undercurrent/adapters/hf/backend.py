@@ -19,6 +19,7 @@ maps a request's absolute token indices to (row, column) of the batch.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,14 @@ from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.session import CaptureSession, RequestState, StepPlan, stop_position
+from undercurrent.adapters.prompts import PromptInput, tokenized
+from undercurrent.adapters.session import (
+    CaptureSession,
+    RequestState,
+    StepPlan,
+    StreamText,
+    stop_position,
+)
 
 EventSink = Callable[[StreamEvent], None]
 
@@ -51,6 +59,9 @@ class _RowDriver:
         self.forwards = 0
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
+        if on_event is not None:
+            for state in states:
+                state.stream_text = StreamText(params.stop)
 
     # called by ModelHooks before every forward
     def plan_forward(self, width: int) -> StepPlan | None:
@@ -102,20 +113,19 @@ class _RowDriver:
                 continue
             token = int(tokens[row])
             self.session.add_token(state, token)
-            piece = ""
             if self.track_text:
-                text = self.backend.decode(state.generated)
-                piece, self.texts[row] = text[len(self.texts[row]):], text
+                self.texts[row] = self.backend.decode(state.generated)
             if token in eos:
                 state.finish_reason = "eos"
             elif self.params.stop and stop_position(self.texts[row], self.params.stop) is not None:
                 state.finish_reason = "stop"
             elif len(state.generated) >= self.params.max_new_tokens:
                 state.finish_reason = "length"
-            if self.on_event is not None:
+            if self.on_event is not None and state.stream_text is not None:
                 generated_index = len(state.generated) - 1
                 self.on_event(StreamEvent(
-                    request_id=state.request_id, token_id=token, text=piece,
+                    request_id=state.request_id, token_id=token,
+                    text=state.stream_text.piece(self.texts[row]),
                     token_index=state.prompt_len + generated_index,
                     generated_index=generated_index, signals=state.unread_signals(),
                     edits=state.unread_edits()))
@@ -182,9 +192,21 @@ class HFBackend:
         ``model_name`` (default: the path) is what reprs and probe contexts show."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if isinstance(dtype, str) and dtype != "auto":
-            dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **model_kwargs)
+        from undercurrent.adapters.arguments import check_model_path, dtype_name
+
+        check_model_path(path)
+        name = dtype_name(dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, name) if name not in (None, "auto") else "auto",
+                **model_kwargs)
+        except OSError as error:
+            if os.path.exists(path):
+                raise
+            raise FileNotFoundError(
+                f"model path {path!r} is not a directory on this machine, and loading it as a "
+                f"hub id failed ({error}); pass a directory holding config.json and the weights, "
+                "or 'undercurrent/tiny' for the bundled model") from error
         if device is not None:
             model = model.to(device)
         model.eval()
@@ -213,11 +235,16 @@ class HFBackend:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
 
     @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: token ids must be below it."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     # -- generation --------------------------------------------------------
-    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+    def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
                  params: SamplingParams, session: CaptureSession, *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """Batched generation (``batch_size`` prompts per ``generate()`` call)."""
@@ -229,7 +256,7 @@ class HFBackend:
                                            params, session, None, None))
         return outputs
 
-    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+    def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One prompt, one event per token, then a final event with the output.
 
@@ -244,9 +271,11 @@ class HFBackend:
             try:
                 (output,) = self._run_batch([prompt], [request_id], params, session,
                                             events.put, cancel)
+                state = session.requests[request_id]
+                rest = state.stream_text.rest(output.text) if state.stream_text else ""
                 events.put(StreamEvent(
-                    request_id=request_id, token_id=None, text="", token_index=None,
-                    generated_index=None, signals=session.requests[request_id].unread_signals(),
+                    request_id=request_id, token_id=None, text=rest, token_index=None,
+                    generated_index=None, signals=state.unread_signals(),
                     aborted=output.aborted, finished=True, output=output))
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 events.put(error)
@@ -268,19 +297,31 @@ class HFBackend:
             cancel.set()
             worker.join()
 
-    def _encode_batch(self, prompts: list[str]) -> tuple[list[list[int]], torch.Tensor,
-                                                         torch.Tensor]:
-        encoded = [self.encode(prompt) for prompt in prompts]
-        for prompt, ids in zip(prompts, encoded, strict=True):
+    def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[list[int]]]:
+        """Each prompt's text and token ids (token-id prompts are kept as given)."""
+        texts, encoded = [], []
+        for prompt in prompts:
+            text, ids = tokenized(prompt, self.encode, self.tokenizer.decode)
             if not ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+            texts.append(text)
+            encoded.append(ids)
+        return texts, encoded
+
+    def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
         for row, ids in enumerate(encoded):
             input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
-        return encoded, input_ids.to(self.device), attention_mask.to(self.device)
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _encode_batch(self, prompts: list[PromptInput]) -> tuple[list[list[int]], torch.Tensor,
+                                                                 torch.Tensor]:
+        """Token ids, left-padded ``input_ids`` and ``attention_mask`` of a batch."""
+        _, encoded = self._tokenize(prompts)
+        return (encoded, *self._left_padded(encoded))
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
@@ -295,7 +336,8 @@ class HFBackend:
                           top_k=params.top_k or 0)
         return kwargs
 
-    def _run_batch(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+    def _run_batch(self, prompts: list[PromptInput], request_ids: list[str],
+                   params: SamplingParams,
                    session: CaptureSession, on_event: EventSink | None,
                    cancel: threading.Event | None) -> list[GenerationOutput]:
         if self._closed:
@@ -304,12 +346,13 @@ class HFBackend:
             raise BackendError("this model is already generating (one call at a time per "
                                "ProbedModel; hooks are per model)")
         try:
-            encoded, input_ids, attention_mask = self._encode_batch(prompts)
+            texts, encoded = self._tokenize(prompts)
+            input_ids, attention_mask = self._left_padded(encoded)
             self._check_context(encoded, params)
             states: list[RequestState] = []
             try:
-                for prompt, request_id, ids in zip(prompts, request_ids, encoded, strict=True):
-                    states.append(session.open_request(request_id, prompt, ids))
+                for text, request_id, ids in zip(texts, request_ids, encoded, strict=True):
+                    states.append(session.open_request(request_id, text, ids))
                 driver = _RowDriver(self, states, input_ids.shape[1], params, session,
                                     on_event, cancel)
                 self.hooks.install(session.wanted_pairs())
@@ -355,14 +398,10 @@ class HFBackend:
         if limit is None:
             return
         for index, ids in enumerate(encoded):
-            if len(ids) + params.max_new_tokens > limit:
-                room = limit - len(ids)
-                fix = (f"use max_new_tokens <= {room}" if room >= 1
-                       else f"shorten the prompt to at most {limit - 1} tokens")
-                raise ValueError(
-                    f"prompt {index} has {len(ids)} tokens; with max_new_tokens="
-                    f"{params.max_new_tokens} it needs {len(ids) + params.max_new_tokens} "
-                    f"positions but the model's context is {limit}: {fix}")
+            problem = context_problem(len(ids), params.max_new_tokens, limit,
+                                      params.capture_last_token)
+            if problem is not None:
+                raise ValueError(f"prompt {index} {problem}")
 
     def _final_text(self, state: RequestState, params: SamplingParams) -> str:
         text = self.decode(state.generated)
@@ -429,6 +468,34 @@ def context_length(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int, capture_last_token: bool) -> int:
+    """Positions the model is fed for a prompt and ``max_new_tokens``: the prompt, then
+    every generated token but the last (which is sampled and never fed back), unless
+    ``capture_last_token`` runs the extra forward that feeds it too."""
+    return prompt_len + max_new_tokens - (0 if capture_last_token else 1)
+
+
+def context_problem(prompt_len: int, max_new_tokens: int, limit: int,
+                    capture_last_token: bool = False) -> str | None:
+    """Why a ``prompt_len``-token prompt with ``max_new_tokens`` cannot run in a
+    ``limit``-position context (None when it can), with advice that works."""
+    needed = positions_needed(prompt_len, max_new_tokens, capture_last_token)
+    if needed <= limit:
+        return None
+    room = limit - positions_needed(prompt_len, 1, capture_last_token) + 1
+    if room >= 1:
+        fix = f"use max_new_tokens <= {room}"
+    else:
+        longest = limit - positions_needed(0, max_new_tokens, capture_last_token)
+        fix = (f"shorten the prompt to at most {longest} tokens" if longest >= 1 else
+               f"shorten the prompt to at most {limit - positions_needed(0, 1, capture_last_token)}"
+               " tokens and use max_new_tokens=1")
+    why = ("capture_last_token feeds the last generated token too" if capture_last_token
+           else "the last generated token is never fed back")
+    return (f"has {prompt_len} tokens; with max_new_tokens={max_new_tokens} the model is fed "
+            f"{needed} positions ({why}) but the model's context is {limit}: {fix}")
 
 
 _FORWARD_PARAMS: dict[type, frozenset[str]] = {}

@@ -79,7 +79,6 @@ class ModelHooks:
         self._handles: list[Any] = []
         self._installed: set[PairKey] = set()
         self.plan: StepPlan | None = None
-        self.session: CaptureSession | None = None
         self.width = 0
         self._pending: list[tuple[TensorType, list[Any], Any]] = []
         # Gather indices by (slots, device), kept across forwards: decode steps
@@ -149,7 +148,6 @@ class ModelHooks:
         self._indices.clear()
         self.kernels.clear()
         self.plan = None
-        self.session = None
 
     # -- per forward -----------------------------------------------------
     on_forward: Any = None  # set by the generation driver: called with the input width

@@ -20,6 +20,7 @@ would silently be missing).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -30,10 +31,11 @@ from typing import Any
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.session import CaptureSession, RequestState, stop_position
+from undercurrent.adapters.prompts import PromptInput, tokenized
+from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
-from undercurrent.adapters.vllm.loading import loadable_directory, remove_staging
+from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
@@ -160,7 +162,7 @@ class VLLMBackend:
             )
         self.server = StepServer(self._abort_in_engine)
         captures = engine.collective_rpc(
-            "undercurrent_attach", args=(self.server.address, self.server.authkey))
+            "undercurrent_attach", args=(self.server.address, self.server.authkey, os.getpid()))
         if sum(bool(c) for c in captures) != 1:
             raise BackendError(f"expected exactly one capturing vLLM worker, got {captures}")
         eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
@@ -227,14 +229,13 @@ class VLLMBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
 
-        if isinstance(dtype, str) is False and dtype is not None:
-            dtype = str(dtype).replace("torch.", "")
+        dtype = engine_dtype(str(path), dtype)
         if batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
         model_directory, staging = loadable_directory(str(path))
         args = EngineArgs(
             model=model_directory,
-            dtype=dtype or "auto",
+            dtype=dtype,
             enforce_eager=True,
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=False,
@@ -298,6 +299,11 @@ class VLLMBackend:
 
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids must be below it."""
+        return int(self.engine.model_config.get_vocab_size())
 
     # -- checks ------------------------------------------------------------
     def check(self, points: Sequence[ExtractionPoint]) -> None:
@@ -366,7 +372,7 @@ class VLLMBackend:
         return aborted
 
     # -- generation --------------------------------------------------------
-    def generate(self, prompts: Sequence[str], request_ids: Sequence[str],
+    def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
                  params: SamplingParams, session: CaptureSession, *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """All prompts go to the engine at once; vLLM batches them continuously."""
@@ -377,7 +383,7 @@ class VLLMBackend:
                 outputs[event.request_id] = event.output
         return [outputs[request_id] for request_id in request_ids]
 
-    def stream(self, prompt: str, request_id: str, params: SamplingParams,
+    def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One event per generated token, then a final one with the output."""
         yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
@@ -427,7 +433,7 @@ class VLLMBackend:
                                                sampling)
         self._internal_ids[engine_id] = internal
 
-    def _run(self, prompts: list[str], request_ids: list[str], params: SamplingParams,
+    def _run(self, prompts: list[PromptInput], request_ids: list[str], params: SamplingParams,
              session: CaptureSession, *, emit_tokens: bool) -> Iterator[StreamEvent]:
         if self._closed:
             raise BackendError("this VLLMBackend is closed; load the model again")
@@ -444,10 +450,10 @@ class VLLMBackend:
             try:
                 entries = []
                 for prompt, request_id in zip(prompts, request_ids, strict=True):
-                    token_ids = self.encode(prompt)
+                    text, token_ids = tokenized(prompt, self.encode, self.tokenizer.decode)
                     if not token_ids:
                         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-                    state = session.open_request(request_id, prompt, token_ids)
+                    state = session.open_request(request_id, text, token_ids)
                     engine_id = f"uc{next(_ENGINE_IDS)}"
                     self.check(state.points)
                     engine_ids[engine_id] = request_id
@@ -486,22 +492,25 @@ class VLLMBackend:
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool) -> Iterator[StreamEvent]:
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
-        texts: dict[str, str] = dict.fromkeys(states, "")
+        for state in states.values():
+            state.stream_text = StreamText(params.stop) if emit_tokens else None
         reasons: dict[str, str] = {}
         done: set[str] = set()
+        # Requests an inline probe aborted, with how many tokens their output keeps.
+        # With the engine core in its own process, the core runs ahead of this loop:
+        # the abort can arrive while the outputs carrying the tokens up to the
+        # aborting one are still on their way. Such a request is dropped from the
+        # engine's output processor only once those tokens are in, or they are lost.
+        stopping: dict[str, int] = {}
         engine = self.engine
         while engine.has_unfinished_requests():
             outputs = engine.step()
             error = self.server.take_error()
             if error is not None:
                 raise error
-            aborted = self._take_aborted()
-            if aborted:
-                with self._input_lock:
-                    engine.abort_request(aborted)
-                for engine_id in aborted:
-                    done.add(engine_id)
-                    reasons[engine_id] = "abort"
+            for engine_id in self._take_aborted():
+                if engine_id not in done:
+                    stopping[engine_id] = self._tokens_to_keep(states[engine_id])
             for output in outputs:
                 engine_id = output.request_id
                 if engine_id not in states:
@@ -512,12 +521,13 @@ class VLLMBackend:
                 if engine_id in done:
                     continue
                 fresh = list(completion.token_ids)[len(tokens[engine_id]):]
+                if engine_id in stopping:
+                    fresh = fresh[:max(0, stopping[engine_id] - len(tokens[engine_id]))]
                 state = states[engine_id]
                 for token_id in fresh:
                     tokens[engine_id].append(int(token_id))
-                    if emit_tokens:
-                        text = self.decode(tokens[engine_id])
-                        piece, texts[engine_id] = text[len(texts[engine_id]):], text
+                    if state.stream_text is not None:
+                        piece = state.stream_text.piece(self.decode(tokens[engine_id]))
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()
@@ -530,13 +540,34 @@ class VLLMBackend:
                 if output.finished:
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
+            complete = [engine_id for engine_id, keep in stopping.items()
+                        if engine_id in done or len(tokens[engine_id]) >= keep]
+            if complete:
+                with self._input_lock:
+                    engine.abort_request([e for e in complete if e not in done])
+                for engine_id in complete:
+                    del stopping[engine_id]
+                    done.add(engine_id)
+                    reasons[engine_id] = "abort"
         if any(state.edits for state in states.values()):
             self._take_edits(states)
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():
-            yield self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
-                               params, session)
+            final = self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
+                                 params, session)
+            if state.stream_text is not None and final.output is not None:
+                final = dataclasses.replace(final, text=state.stream_text.rest(final.output.text))
+            yield final
+
+    def _tokens_to_keep(self, state: RequestState) -> int:
+        """How many generated tokens an aborted request's output holds: those up to and
+        including the one whose record fired (none for an abort on a prompt token)."""
+        with self.server.lock:
+            abort = state.abort
+        if abort is None or abort.generated_index is None:
+            return 0
+        return abort.generated_index + 1
 
     def _take_edits(self, states: dict[str, RequestState]) -> None:
         """Collect the edits applied in steps that captured nothing (the worker reports
@@ -582,11 +613,10 @@ class VLLMBackend:
 
     def _finish(self, state: RequestState, generated: list[int], reason: str,
                 params: SamplingParams, session: CaptureSession) -> StreamEvent:
+        if state.aborted:
+            generated = generated[:self._tokens_to_keep(state)]
+            reason = "abort"
         with self.server.lock:
-            if state.abort is not None:
-                keep = 0 if state.abort.generated_index is None else state.abort.generated_index + 1
-                generated = generated[:keep]
-                reason = "abort"
             state.generated[:] = generated
             text = self.decode(generated)
             if reason == "stop":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -359,6 +360,23 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
+def _leave_ctrl_c_to_the_driver(worker: Any, driver_pid: int) -> None:
+    """Ignore SIGINT in an engine process that is not the driver's.
+
+    A terminal's Ctrl-C (and Jupyter's "interrupt kernel") reaches the whole process
+    group, so with the engine core in its own process the core gets it too, and vLLM
+    shuts the core down on it: the engine is gone, and the driver waits for outputs
+    that never come. The driver alone handles the interrupt (it aborts its requests
+    and keeps the engine reusable); closing the backend still shuts the engine down.
+    """
+    if not driver_pid or driver_pid == os.getpid():
+        return
+    if threading.current_thread() is not threading.main_thread():
+        logger.debug("undercurrent: not on the main thread; SIGINT left as it is")
+        return
+    worker._undercurrent_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class UndercurrentWorkerExtension:
     """Mixed into vLLM's worker: the driver calls these through ``collective_rpc``."""
 
@@ -381,12 +399,14 @@ class UndercurrentWorkerExtension:
             "tensor_parallel_rank": _tensor_parallel_rank(),
         }
 
-    def undercurrent_attach(self, address: str, authkey: bytes) -> bool:
-        """Install the hooks; connect to the driver on the capturing rank (rank 0).
+    def undercurrent_attach(self, address: str, authkey: bytes, driver_pid: int = 0) -> bool:
+        """Install the hooks and connect to the driver on the capturing rank (rank 0);
+        in a process other than the driver's (``driver_pid``), leave Ctrl-C to the driver.
         Other ranks hook the model too, to apply live edits.
 
         Returns whether this worker captures."""
         self.undercurrent_detach()
+        _leave_ctrl_c_to_the_driver(self, driver_pid)
         ranks = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
         if _tensor_parallel_rank() != 0:
             self._undercurrent = _Capture(self, None, None, ranks)
@@ -422,3 +442,7 @@ class UndercurrentWorkerExtension:
         if capture is not None:
             capture.close()
             self._undercurrent = None
+        previous = getattr(self, "_undercurrent_sigint", None)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            self._undercurrent_sigint = None  # type: ignore[attr-defined]

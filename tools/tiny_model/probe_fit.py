@@ -1,6 +1,6 @@
 """Fit, evaluate and ship the bundled model's linear probe, through undercurrent itself.
 
-``python -m undercurrent.models.probe_fit`` runs the loop a researcher would:
+``python -m tools.tiny_model.probe_fit`` runs the loop a researcher would:
 
 1. **capture**: generate greedily for fresh corpus prompts with a spec that
    captures ``residual_stream`` at every layer for every generated token
@@ -26,7 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from undercurrent.models.corpus import Example, first_revealing_index, make_example
+from tools.tiny_model.train import TRAIN_SEED, TrainingConfig
+from undercurrent.api import ProbedModel
+from undercurrent.models import tiny_model_path
+from undercurrent.models.corpus import (
+    Example,
+    first_revealing_index,
+    generate_examples,
+    make_example,
+)
+from undercurrent.probes.fitting import fit_linear_probe, save_linear_probe
+from undercurrent.probes.weights import apply_link
 
 PROBE_FIT_SEED = 7_000
 """Seeds the probe's training prompts; held-out prompts use ``PROBE_FIT_SEED + 1``."""
@@ -103,7 +113,6 @@ def capture(model: Any, tokenizer: Any, examples: Sequence[Example],
     """
     import numpy as np
 
-    from undercurrent.api import ProbedModel
 
     if isinstance(model, (str, Path)):
         probed = ProbedModel.from_pretrained(str(model), spec=capture_spec(layers))
@@ -149,7 +158,7 @@ def probe_scores(weight: Any, bias: Any, matrix: Any) -> Any:
     import numpy as np
 
     logits = np.asarray(matrix, dtype=np.float64) @ np.asarray(weight, np.float64) + float(bias)
-    return 1.0 / (1.0 + np.exp(-logits))
+    return apply_link("sigmoid", logits)
 
 
 def first_crossings(captured: Captured, scores: Any, threshold: float) -> list[int | None]:
@@ -253,9 +262,6 @@ def fit_and_report(model_dir: Path, train_count: int = 300, heldout_count: int =
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from undercurrent.models.corpus import generate_examples
-    from undercurrent.models.train import TRAIN_SEED, TrainingConfig
-    from undercurrent.probes.fitting import fit_linear_probe
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -304,7 +310,6 @@ def fit_and_report(model_dir: Path, train_count: int = 300, heldout_count: int =
     if out_probe is not None:
         import dataclasses
 
-        from undercurrent.probes.fitting import save_linear_probe
 
         shipped = dataclasses.replace(fit, threshold=threshold, label_names=("benign", "harmful"))
         save_linear_probe(shipped, out_probe)
@@ -351,9 +356,8 @@ def report_markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    from undercurrent.models import tiny_model_path
 
-    parser = argparse.ArgumentParser(prog="python -m undercurrent.models.probe_fit",
+    parser = argparse.ArgumentParser(prog="python -m tools.tiny_model.probe_fit",
                                      description="Fit and ship the bundled model's probe.")
     parser.add_argument("--model", type=Path, default=tiny_model_path())
     parser.add_argument("--train", type=int, default=300, help="training prompts")

@@ -1,4 +1,4 @@
-"""Train the bundled tiny model: ``python -m undercurrent.models.train [--out DIR]``.
+"""Train the bundled tiny model: ``python -m tools.tiny_model.train [--out DIR]``.
 
 A 4-layer Llama (hidden 128, 2 heads of 64, tied embeddings) learns the
 synthetic corpus of :mod:`undercurrent.models.corpus` from scratch with plain
@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.tiny_model.tokenizer import build_tokenizer, save_tokenizer
+from undercurrent.models import tiny_model_path
 from undercurrent.models.corpus import generate_examples, vocabulary
-from undercurrent.models.tokenizer import build_tokenizer, save_tokenizer
 
 TRAIN_SEED = 20240611
 """Seeds the training corpus, the initial weights and the batch order."""
@@ -165,9 +166,8 @@ def train(out: Path, config: TrainingConfig | None = None, log_every: int = 50) 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; see the module docstring."""
-    from undercurrent.models import tiny_model_path
 
-    parser = argparse.ArgumentParser(prog="python -m undercurrent.models.train",
+    parser = argparse.ArgumentParser(prog="python -m tools.tiny_model.train",
                                      description="Train the bundled tiny model.")
     parser.add_argument("--out", type=Path, default=tiny_model_path(),
                         help="directory to write the model into (default: the bundled one)")

@@ -4,18 +4,18 @@ config), and a starter spec for it."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import config_dimensions, find_architecture
+from undercurrent.adapters.vllm import capabilities_from_config
+from undercurrent.models import resolve_model_path
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec, TensorType
 
 
 def load_config(name_or_path: str) -> Any:
     """The transformers config of a local path, a reachable hub id or ``"tiny"``."""
-    from transformers import AutoConfig
-
-    from undercurrent.api import resolve_model_path
+    from transformers import AutoConfig  # heavy: only when a model is inspected
 
     return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
 
@@ -23,6 +23,7 @@ def load_config(name_or_path: str) -> Any:
 def hf_capabilities(config: Any) -> Capabilities:
     """HF capabilities from a config: the model is built on the meta device (no
     weights, no memory) so the architecture table's paths are really checked."""
+    # torch and transformers (and hooks.py, which imports torch) only when a model is inspected
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -34,18 +35,13 @@ def hf_capabilities(config: Any) -> Capabilities:
 
 
 def vllm_capabilities(config: Any) -> Capabilities | None:
-    """The vLLM adapter's answer, when it is installed and offers one."""
-    try:
-        module = importlib.import_module("undercurrent.adapters.vllm")
-    except ImportError:
-        return None
-    describe = getattr(module, "capabilities_from_config", None)
-    return describe(config) if callable(describe) else None
+    """The vLLM adapter's answer from the config alone (vLLM itself is not imported)."""
+    described = capabilities_from_config(config)
+    return described if isinstance(described, Capabilities) else None
 
 
 def inspect_model(name_or_path: str) -> dict[str, Any]:
     """Layer count, sizes and, per backend, the tensor types and valid layers."""
-    from undercurrent.adapters.hf.architectures import config_dimensions, find_architecture
 
     config = load_config(name_or_path)
     report: dict[str, Any] = {"model": name_or_path,

@@ -1,0 +1,255 @@
+"""The scaling set (issue 14): overhead against batch size x captured layers x probe mode.
+
+HF: batch 1/8/32/64, three layers or every layer, and three ways of handling the
+capture (inline ``linear_probe`` with the bundled probe file, async
+``trajectory_probe``, capture only), next to plain ``generate()``, raw forward
+hooks and nnsight capturing the same layers. vLLM: 1/8/64 concurrent requests,
+the same specs, against plain eager vLLM. Every number is relative: the ratio to
+plain, the ratio to raw hooks, and the extra microseconds per captured vector
+over raw hooks (HF) or over plain (vLLM, which has no raw-hook baseline here),
+each paired per round like the main table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.measure import spread
+from benchmarks.report import _token_check
+
+BATCH_SIZES = (1, 8, 32, 64)
+QUICK_BATCH_SIZES = (2,)
+VLLM_CONCURRENCY = (1, 8, 64)
+LAYER_SETS = ("3", "all")
+PLAIN, RAW = "plain_generate", "raw_forward_hooks"
+#: probe mode -> the scenario that runs it (its ``layers`` set per layer set).
+MODES = {
+    "inline linear": "uc_inline_linear",
+    "async trajectory": "uc_3_layers_async_trajectory",
+    "capture only": "uc_3_layers_capture_only",
+}
+SCENARIOS = (PLAIN, RAW, "nnsight", *MODES.values())
+VLLM_PLAIN = "vllm_plain_eager"
+#: The issue's targets at the largest batch (reported, never asserted).
+TARGET_BATCH = 64
+TARGET_US_PER_VECTOR = 1.0
+TARGET_HF_RATIO = 1.05
+TARGET_VLLM_RATIO = 1.10
+
+
+def mode_of(scenario: str) -> str:
+    """The table label of a scenario: a probe mode, or the scenario's own name."""
+    return next((mode for mode, name in MODES.items() if name == scenario), scenario)
+
+
+def _paired(samples: list[dict[str, Any]], reference: list[dict[str, Any]] | None,
+            value: Any) -> dict[str, float | None] | None:
+    """``value(sample, reference sample of the same round)`` over the paired rounds."""
+    if not reference:
+        return None
+    by_round = {s["round"]: s for s in reference}
+    return spread([value(s, by_round[s["round"]]) for s in samples if s["round"] in by_round])
+
+
+def _per_vector_us(sample: dict[str, Any], reference: dict[str, Any]) -> float | None:
+    records = sample["records"]
+    return (sample["wall_s"] - reference["wall_s"]) / records * 1e6 if records else None
+
+
+def hf_rows(result: dict[str, Any], max_new_tokens: int) -> list[dict[str, Any]]:
+    """One row per (layer set, batch, scenario) of a scaling job, paired per round."""
+    cases = {(c["layer_set"], c["batch_size"], c["scenario"]): c for c in result["cases"]}
+    rows = []
+    for (layer_set, batch, scenario), case in cases.items():
+        row: dict[str, Any] = {
+            "backend": "hf", "model": result["model"],
+            "model_description": result["model_description"], "layer_set": layer_set,
+            "capture_layers": case["capture_layers"], "batch_size": batch,
+            "concurrency": None, "scenario": scenario, "mode": mode_of(scenario),
+            "status": case["status"], "reason": case.get("reason"),
+            "max_new_tokens": max_new_tokens,
+        }
+        if case["status"] == "ok":
+            samples = case["samples"]
+            plain = cases.get((layer_set, batch, PLAIN), {})
+            raw = cases.get((layer_set, batch, RAW), {})
+            row.update(
+                repeats=len(samples),
+                records=samples[0]["records"] if samples else 0,
+                wall_s=spread([s["wall_s"] for s in samples]),
+                ratio_plain=_paired(samples, plain.get("samples"),
+                                    lambda s, b: s["wall_s"] / b["wall_s"]),
+                cpu_ratio_plain=_paired(samples, plain.get("samples"),
+                                        lambda s, b: s["cpu_s"] / b["cpu_s"]),
+                ratio_raw=_paired(samples, raw.get("samples"),
+                                  lambda s, b: s["wall_s"] / b["wall_s"]),
+                us_per_vector=None if scenario in (PLAIN, RAW)
+                else _paired(samples, raw.get("samples"), _per_vector_us),
+                notes=samples[-1]["notes"] if samples else {},
+            )
+            row["tokens_match"], row["token_check"] = _token_check(
+                case.get("token_ids"), plain.get("token_ids"))
+        rows.append(row)
+    return rows
+
+
+def vllm_rows(model: str, outcomes: dict[tuple[str, str], dict[str, Any]],
+              max_new_tokens: int) -> list[dict[str, Any]]:
+    """Rows for the vLLM scaling jobs; ``outcomes`` maps (mode, layer set) -> job outcome,
+    with the plain engine under (``VLLM_PLAIN``, ``"-"``)."""
+    plain_outcome = outcomes.get((VLLM_PLAIN, "-"), {})
+    plain = ({c["concurrency"]: c for c in plain_outcome["result"]["cases"]}
+             if plain_outcome.get("ok") else {})
+    rows = []
+    for (mode, layer_set), outcome in outcomes.items():
+        base_row: dict[str, Any] = {
+            "backend": "vllm", "model": model, "layer_set": layer_set, "mode": mode,
+            "scenario": VLLM_PLAIN if mode == VLLM_PLAIN else f"vllm {mode}",
+            "max_new_tokens": max_new_tokens,
+        }
+        if not outcome.get("ok"):
+            error = outcome.get("error", "").strip().splitlines()[-1:] or ["failed"]
+            rows.append({**base_row, "status": "error", "reason": error[0],
+                         "batch_size": None, "concurrency": None})
+            continue
+        for case in outcome["result"]["cases"]:
+            concurrency = case["concurrency"]
+            samples = [{**s, "round": i} for i, s in enumerate(case["samples"])]
+            base = plain.get(concurrency)
+            reference = ([{**s, "round": i} for i, s in enumerate(base["samples"])]
+                         if base else None)
+            row = {**base_row, "status": "ok", "reason": None, "batch_size": concurrency,
+                   "concurrency": concurrency, "capture_layers": outcome["result"].get("layers"),
+                   "repeats": len(samples), "records": samples[0]["records"],
+                   "wall_s": spread([s["wall_s"] for s in samples])}
+            if mode != VLLM_PLAIN:
+                row["ratio_plain"] = _paired(samples, reference,
+                                             lambda s, b: s["wall_s"] / b["wall_s"])
+                row["cpu_ratio_plain"] = _paired(samples, reference,
+                                                 lambda s, b: s["cpu_s"] / b["cpu_s"])
+                row["us_per_vector"] = _paired(samples, reference, _per_vector_us)
+                row["tokens_match"], row["token_check"] = _token_check(
+                    case["token_ids"], base["token_ids"] if base else None)
+            rows.append(row)
+    return rows
+
+
+def _median(stat: dict[str, Any] | None) -> float | None:
+    return None if not stat else stat.get("median")
+
+
+def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
+    if not stat or stat.get("median") is None:
+        return "—"
+    return f"{stat['median']:.{digits}f} ({stat['min']:.{digits}f}–{stat['max']:.{digits}f})"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: one table per backend, sorted by layer set, batch and scenario."""
+    lines: list[str] = []
+    order = {name: index for index, name in enumerate(SCENARIOS)}
+    for backend, size in (("hf", "batch"), ("vllm", "concurrent")):
+        members = [r for r in rows if r["backend"] == backend]
+        if not members:
+            continue
+        first = next((r for r in members if r["status"] == "ok"), members[0])
+        over = "raw hooks" if backend == "hf" else "plain"
+        lines += [
+            f"#### {backend}: {first.get('model_description', first['model'])}, "
+            f"{first['max_new_tokens']} new tokens, "
+            f"medians of {first.get('repeats', '—')} paired repeats (min–max)",
+            "",
+            f"| layers | {size} | scenario | vectors | × plain | × raw hooks "
+            f"| extra µs per vector over {over} | CPU × plain | tokens match |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        members.sort(key=lambda r: (r["layer_set"], r["batch_size"] or 0,
+                                    order.get(r["scenario"], len(order)), r["scenario"]))
+        for row in members:
+            label = row["mode"]
+            if row["status"] != "ok":
+                reason = row["reason"] or row["status"]
+                lines.append(f"| {row['layer_set']} | {row['batch_size'] or '—'} | {label} "
+                             f"| {reason} | | | | | |")
+                continue
+            match = {True: "yes", False: "**NO**", None: "—"}[row.get("tokens_match")]
+            lines.append(
+                f"| {row['layer_set']} | {row['batch_size']} | {label} | {row['records']} "
+                f"| {_cell(row.get('ratio_plain'), 3)} | {_cell(row.get('ratio_raw'), 3)} "
+                f"| {_cell(row.get('us_per_vector'), 1)} "
+                f"| {_cell(row.get('cpu_ratio_plain'), 3)} | {match} |"
+            )
+        lines.append("")
+    return lines
+
+
+def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's scaling targets on the measured rows: met, missed, or not measured."""
+    def find(backend: str, layer_set: str, batch: int, mode: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["backend"] == backend and r["status"] == "ok"
+                     and r["layer_set"] == layer_set and r["batch_size"] == batch
+                     and r["mode"] == mode), None)
+
+    checks = []
+
+    def add(target: str, value: float | None, limit: float, unit: str) -> None:
+        checks.append({"target": target, "value": value, "limit": limit,
+                       "met": None if value is None else value <= limit,
+                       "measured": "not measured" if value is None else f"{value:.3g}{unit}"})
+
+    inline = find("hf", "all", TARGET_BATCH, "inline linear")
+    add(f"HF batch {TARGET_BATCH}, all layers, inline linear: extra cost per captured "
+        f"vector over raw hooks <= {TARGET_US_PER_VECTOR:g} µs",
+        _median((inline or {}).get("us_per_vector")), TARGET_US_PER_VECTOR, " µs")
+    add(f"HF batch {TARGET_BATCH}, all layers, inline linear: <= {TARGET_HF_RATIO}x plain "
+        "generate()", _median((inline or {}).get("ratio_plain")), TARGET_HF_RATIO, "x")
+    nnsight = find("hf", "all", TARGET_BATCH, "nnsight")
+    ours, theirs = _median((inline or {}).get("ratio_plain")), \
+        _median((nnsight or {}).get("ratio_plain"))
+    add(f"HF batch {TARGET_BATCH}, all layers: inline linear no slower than nnsight's "
+        "capture alone", ours / theirs if ours and theirs else None, 1.0, "x nnsight")
+    for layer_set in LAYER_SETS:
+        for batch in sorted({r["batch_size"] for r in rows if r["backend"] == "hf"}):
+            asynchronous = _median((find("hf", layer_set, batch, "async trajectory") or {})
+                                   .get("ratio_plain"))
+            inline_ratio = _median((find("hf", layer_set, batch, "inline linear") or {})
+                                   .get("ratio_plain"))
+            if asynchronous and inline_ratio:
+                add(f"HF batch {batch}, {layer_set} layers: async no more expensive than "
+                    "inline", asynchronous / inline_ratio, 1.0, "x inline")
+    for layer_set in LAYER_SETS:
+        probed = find("vllm", layer_set, TARGET_BATCH, "inline linear")
+        add(f"vLLM {TARGET_BATCH} concurrent, {layer_set} layers, inline linear: "
+            f"<= {TARGET_VLLM_RATIO}x plain eager vLLM",
+            _median((probed or {}).get("ratio_plain")), TARGET_VLLM_RATIO, "x")
+    return checks
+
+
+def targets_table(checks: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines for the scaling targets."""
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    for check in checks:
+        met = {True: "yes", False: "**no (miss)**", None: "not measured"}[check["met"]]
+        lines.append(f"| {check['target']} | {check['measured']} | {met} |")
+    return lines
+
+
+def summary(environment: dict[str, Any], rows: list[dict[str, Any]],
+            checks: list[dict[str, Any]], errors: list[str], plot_renderer: str) -> str:
+    """The scaling section's markdown (machine line, tables, targets, job errors)."""
+    loads = (*environment["load_average_start"][:1], *environment["load_average_end"][:1])
+    lines = [
+        f"- Run: {environment['date']}, commit {environment['git_commit']}, "
+        f"{environment['cpu_count']} cores, 1-minute load average {loads[0]:.1f} at the "
+        f"start and {loads[-1]:.1f} at the end; torch threads per job: "
+        f"{environment['torch_threads']}; plot: scaling.png ({plot_renderer})",
+        "",
+        *table(rows),
+        "#### Scaling targets (reported, not asserted)",
+        "",
+        *targets_table(checks),
+        "",
+    ]
+    if errors:
+        lines += ["#### Job errors", "", *(f"- {e.strip().splitlines()[-1]}" for e in errors), ""]
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""Host syncs on the generation path when only async probes are registered:
+``python -m benchmarks.sync_count [--batch 8] [--layers all]``.
+
+On a GPU, ``Tensor.cpu()``, ``.item()``, ``.tolist()``, ``.numpy()``, ``.to("cpu")``
+and ``bool()/int()/float()`` of a tensor wait for the device. This runs an
+async-only generation on CPU with those methods wrapped by counters and reports
+every call made while undercurrent code is on the stack, split by thread: calls
+on the generation (main) thread stall a GPU step; calls on probe worker threads
+do not. A measurement, not a test: the issue asks for zero on the generation
+thread once the pinned-buffer path exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from benchmarks.models import load_model
+from benchmarks.profile import OURS
+from benchmarks.scenarios import scenario_by_name
+from benchmarks.scenarios.base import make_batch
+from benchmarks.worker import layers_for, prompts_for, set_threads
+
+#: Tensor methods that copy to the host (and so wait for a device) when called.
+SYNCING = ("cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__")
+
+
+def _caller_in_undercurrent() -> tuple[str, str] | None:
+    """``(who, "file:line(function)")`` of the innermost undercurrent frame on the
+    stack, if any: ``who`` is ``"undercurrent"`` when that frame made the call itself,
+    ``"engine under undercurrent"`` when torch/transformers code in between made it
+    (plain ``generate()`` makes those calls too)."""
+    frame = sys._getframe(2)
+    direct = True
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(OURS):
+            who = "undercurrent" if direct else "engine under undercurrent"
+            return who, f"{path.split(OURS)[-1]}:{frame.f_lineno}({frame.f_code.co_name})"
+        direct = False
+        frame = frame.f_back
+    return None
+
+
+@contextmanager
+def count_syncs() -> Iterator[Counter[tuple[str, str, str, str]]]:
+    """Count syncing tensor calls made under undercurrent code, keyed by (thread kind,
+    who made it, method, undercurrent frame); restores the methods on exit.
+
+    ``.to()`` counts only with an explicit host target (``"cpu"``): a ``.to(device)``
+    to the model's device is a host-to-device copy on a GPU, not a sync."""
+    import torch
+
+    counts: Counter[tuple[str, str, str, str]] = Counter()
+    main = threading.main_thread()
+    originals = {name: getattr(torch.Tensor, name) for name in (*SYNCING, "to")}
+
+    def wrap(name: str, original: Any) -> Any:
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if name != "to" or _to_host(args, kwargs):
+                caller = _caller_in_undercurrent()
+                if caller is not None:
+                    kind = "generation thread" if threading.current_thread() is main \
+                        else "worker thread"
+                    label = "to('cpu')" if name == "to" else name
+                    counts[(kind, caller[0], label, caller[1])] += 1
+            return original(self, *args, **kwargs)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    target = kwargs.get("device", args[0] if args else None)
+    return isinstance(target, str) and target.startswith("cpu")
+
+
+def measure(model: str = "tiny", batch_size: int = 8, layer_set: str = "all",
+            max_new_tokens: int = 24,
+            scenario: str = "uc_3_layers_async_trajectory") -> dict[str, Any]:
+    """Warm up, then count syncing calls during one async-only generation."""
+    bundle = load_model(model)
+    batch = make_batch(bundle, prompts_for(batch_size))
+    instance = scenario_by_name(scenario)()
+    instance.setup(bundle, bundle.model, layers_for(bundle, layer_set))
+    instance.generate(batch, max_new_tokens)
+    with count_syncs() as counts:
+        run = instance.generate(batch, max_new_tokens)
+    instance.close()
+    return {"scenario": scenario, "batch_size": batch_size, "layer_set": layer_set,
+            "max_new_tokens": max_new_tokens, "records": run.records,
+            "counts": dict(counts)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the counts by thread, method and undercurrent caller."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sync_count", description=__doc__)
+    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", default="all", choices=["3", "all"])
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    result = measure(args.model, args.batch, args.layers, args.max_new_tokens)
+    counts = result["counts"]
+    steps = args.max_new_tokens
+    totals: Counter[tuple[str, str]] = Counter()
+    for (kind, who, _, _), n in counts.items():
+        totals[(kind, who)] += n
+    print(f"async-only generate ({result['scenario']}), {args.model}, batch {args.batch}, "
+          f"{args.layers} layers, {steps} new tokens, {result['records']} vectors captured")
+    for (kind, who), n in sorted(totals.items()):
+        print(f"  {kind}, made by {who}: {n} syncing calls ({n / steps:.1f} per new token)")
+    print("| thread | made by | call | innermost undercurrent frame | calls | per new token |")
+    print("|---|---|---|---|---|---|")
+    for (kind, who, method, caller), n in sorted(counts.items(),
+                                                  key=lambda kv: (kv[0][:2], -kv[1])):
+        print(f"| {kind} | {who} | `{method}` | `{caller}` | {n} | {n / steps:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Arguments of generate()/stream()/from_pretrained(): wrong ones fail with a message
+naming the argument and what would be right, and the context-length bound is the
+one plain transformers ``generate()`` actually has."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import build_tokenizer, prompt  # noqa: E402
+
+from undercurrent import ProbedModel  # noqa: E402
+
+POSITIONS = 64
+
+
+@cache
+def gpt2_with_short_context() -> Any:
+    """A tiny GPT-2 with 64 learned positions and no eos: plain ``generate()`` raises
+    IndexError exactly when it feeds a position past the table."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", vocab_size=64, n_positions=POSITIONS, n_embd=32,
+                                  n_layer=2, n_head=4, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=None)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="module")
+def probed() -> Any:
+    with ProbedModel(gpt2_with_short_context(), build_tokenizer()) as pm:
+        yield pm
+
+
+def words(count: int) -> str:
+    """A prompt of ``count`` tokens (the tokenizer prepends <bos>)."""
+    return prompt(*(i % 50 for i in range(count - 1)))
+
+
+def plain_generate_runs(prompt_len: int, max_new_tokens: int) -> bool:
+    """The oracle: does plain transformers ``generate()`` run this length?"""
+    ids = torch.full((1, prompt_len), 5, dtype=torch.long)
+    try:
+        with torch.no_grad():
+            gpt2_with_short_context().generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=0)
+    except IndexError:
+        return False
+    return True
+
+
+# -- stop -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("stop", "got"), [(5, "got int"), (b"you", "got bytes"),
+                                           ({"you"}, "got set"),
+                                           (["you", 3], "stop[1] is int"),
+                                           ([b"you"], "stop[0] is bytes")])
+def test_stop_of_the_wrong_type_names_the_parameter_and_the_accepted_types(
+        probed, stop, got) -> None:
+    for call in (lambda: probed.generate([words(3)], max_new_tokens=2, stop=stop),
+                 lambda: list(probed.stream(words(3), max_new_tokens=2, stop=stop))):
+        with pytest.raises(TypeError) as caught:
+            call()
+        message = str(caught.value)
+        assert message.startswith("stop must be a string or a list of strings"), message
+        assert got in message
+
+
+def test_stop_accepts_a_string_a_list_and_a_tuple(probed) -> None:
+    runs = [probed.generate([words(3)], max_new_tokens=2, stop=stop)[0].token_ids
+            for stop in ("zz", ["zz"], ("zz",), None)]
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+
+
+# -- context length -------------------------------------------------------------
+
+@pytest.mark.parametrize(("prompt_len", "max_new_tokens"),
+                         [(60, 5), (60, 6), (63, 2), (63, 3), (64, 1), (64, 2), (65, 1),
+                          (1, 64), (1, 65), (100, 1)])
+def test_context_check_accepts_exactly_what_plain_generate_runs(
+        probed, prompt_len, max_new_tokens) -> None:
+    text = words(prompt_len)
+    assert len(probed.backend.encode(text)) == prompt_len
+    runs = plain_generate_runs(prompt_len, max_new_tokens)
+    if runs:
+        out = probed.generate([text], max_new_tokens=max_new_tokens)[0]
+        assert len(out.token_ids) == max_new_tokens
+    else:
+        with pytest.raises(ValueError, match="the model's context is 64"):
+            probed.generate([text], max_new_tokens=max_new_tokens)
+
+
+@pytest.mark.parametrize(("prompt_len", "max_new_tokens"),
+                         [(100, 16), (63, 16), (60, 6), (64, 2), (65, 1), (30, 200)])
+def test_context_advice_works_when_followed(probed, prompt_len, max_new_tokens) -> None:
+    """Doing what the message says gives a call that runs (and plain generate agrees)."""
+    with pytest.raises(ValueError) as caught:
+        probed.generate([words(prompt_len)], max_new_tokens=max_new_tokens)
+    advice = str(caught.value).rsplit(": ", 1)[1]
+    shorter = re.search(r"shorten the prompt to at most (\d+) tokens", advice)
+    fewer = re.search(r"max_new_tokens(?: <= |=)(\d+)", advice)
+    if shorter:
+        prompt_len = int(shorter.group(1))
+    if fewer:
+        max_new_tokens = int(fewer.group(1))
+    assert shorter or fewer, advice
+    assert plain_generate_runs(prompt_len, max_new_tokens)
+    out = probed.generate([words(prompt_len)], max_new_tokens=max_new_tokens)[0]
+    assert len(out.token_ids) == max_new_tokens
+    # the advice is the tightest that works: one more token is refused
+    if fewer and not shorter:
+        assert not plain_generate_runs(prompt_len, max_new_tokens + 1)
+    elif shorter and not fewer:
+        assert not plain_generate_runs(prompt_len + 1, max_new_tokens)
+
+
+def test_capture_last_token_counts_its_extra_forward() -> None:
+    """capture_last_token feeds the last sampled token too: one position more (past
+    it, the extra forward would index past the position table)."""
+    from undercurrent.spec.types import ExtractionPoint
+
+    point = ExtractionPoint(name="every", layers=(0,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="capture",
+                            probe_kind="trajectory")
+    with ProbedModel(gpt2_with_short_context(), build_tokenizer(), spec=[point]) as pm:
+        assert pm.generate([words(60)], max_new_tokens=5)[0].token_ids
+        with pytest.raises(ValueError, match="use max_new_tokens <= 4"):
+            pm.generate([words(60)], max_new_tokens=5, capture_last_token=True)
+        out = pm.generate([words(60)], max_new_tokens=4, capture_last_token=True,
+                          records=True)[0]
+    assert [r.generated_index for r in out.records] == [0, 1, 2, 3]
+
+
+# -- from_pretrained --------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/tmp/undercurrent-no-such/model", "./no-such-model",
+                                  "~/no-such-model", "a/b/c"])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_missing_model_path_is_named(tmp_path, path, backend) -> None:
+    """Before any engine loads (transformers said "Repo id must be in the form ...")."""
+    with pytest.raises(FileNotFoundError) as caught:
+        ProbedModel.from_pretrained(path, backend=backend)
+    message = str(caught.value)
+    assert message.startswith(f"model path {path!r} does not exist"), message
+    assert "config.json" in message and "undercurrent/tiny" in message
+
+
+def test_the_hf_backend_names_a_missing_model_path_too() -> None:
+    from undercurrent.adapters.hf.backend import HFBackend
+
+    with pytest.raises(FileNotFoundError, match="model path '/tmp/undercurrent-no-such'"):
+        HFBackend.from_pretrained("/tmp/undercurrent-no-such")
+
+
+@pytest.mark.parametrize(("dtype", "error", "fragment"), [
+    ("float33", ValueError, "dtype='float33' is not a torch dtype"),
+    ("int8", ValueError, "dtype='int8' is not a floating-point dtype"),
+    ("Tensor", ValueError, "dtype='Tensor' is not a torch dtype"),
+    (3, TypeError, "dtype must be a string or a torch.dtype, got int"),
+])
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_wrong_dtype_is_named_with_what_would_be_right(dtype, error, fragment,
+                                                         backend) -> None:
+    with pytest.raises(error) as caught:
+        ProbedModel.from_pretrained("undercurrent/tiny", backend=backend, dtype=dtype)
+    message = str(caught.value)
+    assert fragment in message
+    assert "'auto' (the dtype in the model's config.json), 'float32', 'bfloat16'" in message
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "torch.bfloat16", torch.bfloat16])
+def test_dtype_spellings_load_the_model_in_that_dtype(dtype) -> None:
+    with ProbedModel.from_pretrained("undercurrent/tiny", dtype=dtype) as pm:
+        assert pm.backend.model.dtype == torch.bfloat16
+    with ProbedModel.from_pretrained("undercurrent/tiny") as pm:
+        assert pm.backend.model.dtype == torch.float32

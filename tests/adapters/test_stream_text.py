@@ -1,0 +1,101 @@
+"""A stream's text pieces joined (the last event's included) equal the output's text:
+a stop string is never streamed, a partial one is held back until settled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from undercurrent.adapters.session import StreamText, held_back, stop_position
+
+
+def test_held_back_is_the_longest_end_that_could_begin_a_stop_string() -> None:
+    assert held_back("say yo", ["you"]) == 2
+    assert held_back("say y", ["you", "yes"]) == 1
+    assert held_back("say you", ["you"]) == 0  # complete: a stop, not a prefix
+    assert held_back("say ", ["you"]) == 0
+    assert held_back("ab", ["abc", "bcd"]) == 2
+    assert held_back("", ["x"]) == 0
+
+
+def _stream(pieces_of_text: list[str], stops: list[str]) -> tuple[list[str], str]:
+    """Feed the growing text token by token the way a backend does; return the
+    pieces sent and what the final output text is."""
+    stream = StreamText(stops)
+    text, sent = "", []
+    for piece in pieces_of_text:
+        text += piece
+        sent.append(stream.piece(text))
+        if stop_position(text, stops) is not None:
+            break
+    cut = stop_position(text, stops)
+    final = text if cut is None else text[:cut]
+    sent.append(stream.rest(final))
+    return sent, final
+
+
+def test_pieces_joined_equal_the_final_text_on_random_texts() -> None:
+    rng = random.Random(5)
+    alphabet = "ab c"
+    for _ in range(2000):
+        tokens = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+                  for _ in range(rng.randint(1, 8))]
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+                 for _ in range(rng.randint(0, 2))]
+        sent, final = _stream(tokens, stops)
+        assert "".join(sent) == final, (tokens, stops, sent)
+        assert not any(stop in final for stop in stops)
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+
+from undercurrent import ProbedModel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def probed():
+    with ProbedModel(build_model("llama"), build_tokenizer()) as pm:
+        yield pm
+
+
+def _words(probed) -> list[str]:
+    out = probed.generate([prompt(3, 1, 4)], max_new_tokens=8)[0]
+    return out.text.split()
+
+
+def _streamed(probed, stop):
+    events = list(probed.stream(prompt(3, 1, 4), max_new_tokens=8, stop=stop))
+    final = events[-1]
+    assert final.finished
+    return events, final.output
+
+
+@pytest.mark.parametrize("case", ["one token", "two tokens", "never completes"])
+def test_stream_pieces_agree_with_the_output_text(probed, case) -> None:
+    words = _words(probed)
+    stop = {"one token": words[3], "two tokens": f"{words[3]} {words[4]}",
+            "never completes": f"{words[3]} zz"}[case]
+    events, output = _streamed(probed, stop)
+    joined = "".join(event.text for event in events)
+    assert joined == output.text
+    assert stop not in joined
+    generated = probed.generate([prompt(3, 1, 4)], max_new_tokens=8, stop=stop)[0]
+    assert output.text == generated.text and output.token_ids == generated.token_ids
+    if case == "never completes":
+        assert output.finish_reason == "length" and words[3] in joined
+    else:
+        assert output.finish_reason == "stop"
+        assert output.text == " ".join(words[:3]) + " "
+        # one event per generated token, the one completing the stop string included
+        assert len([e for e in events if not e.finished]) == len(output.token_ids)
+
+
+def test_without_stop_strings_every_piece_is_sent_at_once(probed) -> None:
+    events, output = _streamed(probed, None)
+    assert events[-1].text == ""
+    assert "".join(event.text for event in events) == output.text
+    assert all(event.text for event in events[:-1])

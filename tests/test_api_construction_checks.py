@@ -1,0 +1,65 @@
+"""``ProbedModel`` refuses, when it is built, what would otherwise fail (or run
+wrongly) at the first ``generate()``: unknown probe types, bad probe_args, and a
+probe file fitted on another layer than its point captures."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.router import RouterError  # noqa: E402
+
+BUNDLED_PROBE = "undercurrent:models/tiny/probe.safetensors"  # fitted on layer 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = ProbedModel.from_pretrained("undercurrent/tiny")
+    yield model
+    model.close()
+
+
+def _spec(**fields) -> dict:
+    point = {"name": "guard", "layers": [1], "tensor_type": "residual_stream",
+             "position": "generated[*]", "probe_type": "norm_probe",
+             "probe_kind": "single_shot", **fields}
+    return {"version": "1", "extraction_points": [point]}
+
+
+def test_the_bundled_layer_3_probe_on_layer_1_is_refused_before_generation(tiny):
+    spec = _spec(probe_type="linear_probe",
+                 probe_args={"path": BUNDLED_PROBE, "action": "abort"})
+    with pytest.raises(RouterError) as refused:
+        ProbedModel(tiny.backend, spec=spec)
+    assert ("was fitted on layer 3, but extraction point 'guard' captures layers [1]; fix the "
+            "spec or pass check_metadata: false") in str(refused.value)
+    with pytest.raises(RouterError, match="fitted on layer 3"):
+        ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+
+
+def test_the_bundled_probe_runs_where_it_was_fitted_or_when_told_to_skip_the_check(tiny):
+    fitted = _spec(layers=[3], probe_type="linear_probe",
+                   probe_args={"path": BUNDLED_PROBE})
+    unchecked = _spec(probe_type="linear_probe",
+                      probe_args={"path": BUNDLED_PROBE, "check_metadata": False})
+    for spec in (fitted, unchecked):
+        output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=3)[0]
+        result = output.results["guard"]
+        assert result.error is None and result.stats.processed == len(output.token_ids) - 1
+
+
+def test_an_unknown_probe_type_is_refused_at_construction_with_the_closest_name(tiny):
+    with pytest.raises(RouterError, match="unknown probe_type 'nrom_probe'; did you mean "
+                                          "'norm_probe'\\?"):
+        ProbedModel(tiny.backend, spec=_spec(probe_type="nrom_probe"))
+
+
+def test_probe_args_the_probe_does_not_take_are_refused_at_construction(tiny):
+    with pytest.raises(RouterError, match="unknown probe_arg 'treshold' \\(did you mean "
+                                          "'threshold'\\?\\); NormProbe takes action, threshold"):
+        ProbedModel(tiny.backend, spec=_spec(probe_args={"treshold": 3.0}))
+    with pytest.raises(RouterError, match="could not build probe_type 'norm_probe'.*action"):
+        ProbedModel(tiny.backend, spec=_spec(probe_args={"action": "explode"}))

@@ -1,0 +1,154 @@
+"""``undercurrent validate`` checks each point's probe against the probe registry
+(built-ins, entry points, ``--probes`` modules): probe_type, probe_kind and the
+probe_args names. ``undercurrent run`` reports a user error in one line, never
+with a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from undercurrent.cli import main
+
+POINT = """\
+version: "1"
+extraction_points:
+  - name: guard
+    layers: [1]
+    tensor_type: residual_stream
+    position: "generated[*]"
+    probe_type: {probe_type}
+    probe_kind: {probe_kind}
+    probe_args: {probe_args}
+"""
+
+CUSTOM_PROBES = '''\
+from undercurrent.probes import Probe, register_probe
+
+
+@register_probe("custom_probe")
+class CustomProbe(Probe):
+    def __init__(self, *, scale):
+        self.scale = scale
+
+    def on_activation(self, record):
+        return None
+'''
+
+
+def _spec(tmp_path: Path, name: str = "spec.yaml", *, probe_type: str = "norm_probe",
+          probe_kind: str = "single_shot", probe_args: str = "{}") -> Path:
+    path = tmp_path / name
+    path.write_text(POINT.format(probe_type=probe_type, probe_kind=probe_kind,
+                                 probe_args=probe_args), encoding="utf-8")
+    return path
+
+
+def _validate(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(["validate", *argv])
+    out = capsys.readouterr().out.strip()
+    assert "\n" not in out  # one line per file
+    return code, out
+
+
+def test_validate_refuses_a_misspelt_probe_type_with_the_closest_name(tmp_path, capsys):
+    path = _spec(tmp_path, probe_type="nrom_probe")
+    code, line = _validate(capsys, str(path))
+    assert code == 1
+    assert line.startswith(f"{path}: INVALID (1 problem): extraction_points[0] (name 'guard'), "
+                           "field 'probe_type': unknown probe_type 'nrom_probe'; did you mean "
+                           "'norm_probe'?")
+
+
+def test_validate_checks_probe_args_against_the_probe_constructor(tmp_path, capsys):
+    path = _spec(tmp_path, probe_args="{treshold: 2.0}")
+    code, line = _validate(capsys, str(path))
+    assert code == 1
+    assert ("field 'probe_args': probe_args for probe_type 'norm_probe': unknown probe_arg "
+            "'treshold' (did you mean 'threshold'?); NormProbe takes action, threshold") in line
+    code, line = _validate(capsys, str(_spec(tmp_path, probe_args="{threshold: 2.0}")))
+    assert (code, line.endswith("OK (1 extraction point)")) == (0, True)
+
+
+def test_validate_checks_the_probe_kind_the_probe_class_serves(tmp_path, capsys):
+    path = _spec(tmp_path, probe_type="dual_position_probe", probe_kind="trajectory",
+                 probe_args="{path: probe.safetensors}")
+    code, line = _validate(capsys, str(path))
+    assert code == 1 and "field 'probe_kind': probe_kind trajectory does not match" in line
+
+
+def test_validate_json_reports_probe_problems_with_their_point_and_field(tmp_path, capsys):
+    import json
+
+    path = _spec(tmp_path, probe_type="nrom_probe")
+    assert main(["validate", "--format", "json", str(path)]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    (problem,) = report["problems"]
+    assert (problem["point_index"], problem["point_name"], problem["field"]) == (
+        0, "guard", "probe_type")
+
+
+def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    # A process of its own: --probes registers probe types process-wide.
+    return subprocess.run([sys.executable, "-m", "undercurrent", *argv], cwd=cwd,
+                          capture_output=True, text=True, check=False, env=dict(os.environ))
+
+
+def test_validate_knows_the_probe_types_of_probes_modules(tmp_path):
+    (tmp_path / "my_probes.py").write_text(CUSTOM_PROBES, encoding="utf-8")
+    good = _spec(tmp_path, "good.yaml", probe_type="custom_probe", probe_args="{scale: 2}")
+    missing = _spec(tmp_path, "missing.yaml", probe_type="custom_probe")
+    without = _cli(tmp_path, "validate", str(good))
+    assert without.returncode == 1 and "unknown probe_type 'custom_probe'" in without.stdout
+    for module in ("my_probes", str(tmp_path / "my_probes.py")):
+        done = _cli(tmp_path, "validate", "--probes", module, str(good), str(missing))
+        assert done.returncode == 1, done.stderr
+        ok, bad = done.stdout.splitlines()
+        assert ok == f"{good}: OK (1 extraction point)"
+        assert bad.startswith(f"{missing}: INVALID") and "missing required probe_arg 'scale'" \
+            in bad
+
+
+def test_a_probes_module_that_cannot_be_imported_is_a_usage_error(tmp_path):
+    done = _cli(tmp_path, "validate", "--probes", "no_such_module_here", str(_spec(tmp_path)))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == ("validate: cannot import --probes 'no_such_module_here': "
+                                   "ModuleNotFoundError: No module named 'no_such_module_here'")
+
+
+# -- run --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({"probe_type": "nrom_probe"}, "unknown probe_type 'nrom_probe'; did you mean 'norm_probe'?"),
+    ({"probe_type": "linear_probe",
+      "probe_args": "{path: 'undercurrent:models/tiny/probe.safetensors', action: abort}"},
+     "was fitted on layer 3, but extraction point 'guard' captures layers [1]; fix the spec or "
+     "pass check_metadata: false"),
+])
+def test_run_reports_a_probe_error_in_one_line_without_a_traceback(tmp_path, capsys, fields,
+                                                                   expected):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    path = _spec(tmp_path, **fields)
+    code = main(["run", str(path), "--model", "tiny", "--prompt", "the cat",
+                 "--max-new-tokens", "2"])
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out == ""
+    last = captured.err.strip().splitlines()[-1]  # after the loader's progress bar
+    assert last.startswith("run: ") and expected in last
+    assert "Traceback" not in captured.err
+
+
+def test_run_reports_a_bad_generation_option_in_one_line_without_a_traceback(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    code = main(["run", str(_spec(tmp_path)), "--model", "tiny", "--prompt", "the cat",
+                 "--max-new-tokens", "0"])
+    captured = capsys.readouterr()
+    assert code == 1 and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == "run: max_new_tokens must be >= 1, got 0"

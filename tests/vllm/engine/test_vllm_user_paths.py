@@ -1,0 +1,115 @@
+"""What a newcomer does first with the vLLM backend, checked against the HF backend.
+
+Loaded with no ``dtype``, it runs the model in the dtype its config.json declares
+(float32 for the bundled model), so tokens equal the HF backend's and records agree
+to float32 rounding; vLLM's own ``dtype="auto"`` would run a float32 checkpoint in
+bfloat16 on CPU (different tokens, records off by ~2e-2). A stream's pieces joined
+equal the output's text, with stop strings as with the HF backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from vllm_engine_helpers import hf_reference, prompts
+
+from undercurrent.adapters.base import SamplingParams
+from undercurrent.api import ProbedModel
+from undercurrent.spec.types import ExtractionPoint
+
+MAX_NEW_TOKENS = 32
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+
+
+def chat_prompts() -> list[str]:
+    """Prompts in the bundled model's own chat format (its replies are long enough
+    for bfloat16 rounding to change tokens), then the engine tests' word prompts."""
+    from undercurrent.models.corpus import generate_examples
+
+    return [example.prompt for example in generate_examples(6, seed=11)] + prompts(4)
+
+
+def points(num_layers: int) -> list[ExtractionPoint]:
+    return [ExtractionPoint(name="residual", layers=tuple(range(num_layers)),
+                            tensor_type="residual_stream", position="generated[*]",
+                            probe_type="norm_probe", probe_kind="trajectory"),
+            ExtractionPoint(name="last_prompt", layers=(num_layers,), tensor_type="final_norm",
+                            position="prompt[-1]", probe_type="norm_probe",
+                            probe_kind="single_shot")]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, num_layers):
+    # The oracle runs before vLLM is imported in this process.
+    texts = chat_prompts()
+    return texts, hf_reference(model_dir, texts, points(num_layers), GREEDY)
+
+
+@pytest.fixture(scope="module")
+def probed(model_dir, reference, num_layers):
+    loaded = ProbedModel.from_pretrained(model_dir, backend="vllm", spec=points(num_layers),
+                                         max_model_len=256)
+    yield loaded
+    loaded.close()
+
+
+def test_the_default_dtype_is_the_one_config_json_declares(probed, model_dir):
+    declared = json.loads((Path(model_dir) / "config.json").read_text())
+    assert (declared.get("dtype") or declared.get("torch_dtype")) == "float32"
+    assert probed.backend.engine.model_config.dtype == torch.float32
+
+
+def test_default_dtype_tokens_and_records_equal_hf(probed, reference):
+    texts, hf_outputs = reference
+    outputs = probed.generate(texts, max_new_tokens=MAX_NEW_TOKENS, records=True,
+                              request_ids=[f"r{i}" for i in range(len(texts))])
+    differing = [ours.request_id for ours, theirs in zip(outputs, hf_outputs, strict=True)
+                 if ours.token_ids != theirs.token_ids]
+    assert differing == []
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        theirs_by_key = {record.key(): record for record in theirs.records}
+        assert {record.key() for record in ours.records} == set(theirs_by_key)
+        for record in ours.records:
+            other = theirs_by_key[record.key()]
+            assert record.tensor.dtype == other.tensor.dtype == torch.float32
+            scale = float(other.tensor.abs().max())
+            # float32 rounding, relative to the activation's size (bfloat16: ~1e-2)
+            assert float((record.tensor - other.tensor).abs().max()) <= 1e-5 * max(scale, 1.0)
+
+
+
+@pytest.mark.parametrize("words", [1, 2])
+def test_stream_pieces_with_a_stop_string_equal_the_output_text(probed, reference, words):
+    texts, hf_outputs = reference
+    plain = hf_outputs[0].text.split()
+    stop = " ".join(plain[3:3 + words])
+    events = list(probed.stream(texts[0], max_new_tokens=MAX_NEW_TOKENS, stop=stop))
+    output = events[-1].output
+    joined = "".join(event.text for event in events)
+    assert output.finish_reason == "stop"
+    assert joined == output.text == " ".join(plain[:3]) + " "
+    assert stop not in joined
+
+
+def test_prompt_activations_equal_hf_prompt_records_without_generating(probed, reference):
+    texts, hf_outputs = reference
+    ids = [f"r{i}" for i in range(len(texts))]
+    outputs = probed.prompt_activations(texts, request_ids=ids)
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        assert ours.token_ids == () and ours.text == "" and ours.finish_reason == "forward"
+        prompt_records = {r.key(): r for r in theirs.records if not r.is_generated}
+        assert {r.key() for r in ours.records} == set(prompt_records)
+        for record in ours.records:
+            other = prompt_records[record.key()]
+            scale = float(other.tensor.abs().max())
+            assert float((record.tensor - other.tensor).abs().max()) <= 1e-5 * max(scale, 1.0)
+
+
+def test_input_ids_give_what_the_same_prompts_as_text_give(probed, reference):
+    texts, hf_outputs = reference
+    token_ids = [list(output.prompt_token_ids) for output in hf_outputs[:3]]
+    by_ids = probed.generate(input_ids=token_ids, max_new_tokens=MAX_NEW_TOKENS)
+    assert [o.token_ids for o in by_ids] == [o.token_ids for o in hf_outputs[:3]]
+    assert [o.prompt_token_ids for o in by_ids] == [o.prompt_token_ids for o in hf_outputs[:3]]

@@ -1,0 +1,115 @@
+"""What a generation call takes as its prompts: text, or token ids already encoded.
+
+``ProbedModel.generate``/``stream``/``prompt_activations`` accept either
+``prompts`` (strings) or ``input_ids`` (token ids); both become a list of
+:data:`PromptInput` that every backend turns into ``(text, token ids)`` with
+:func:`tokenized`. Token ids pass to the model exactly as given (no BOS added).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+PromptInput = str | tuple[int, ...]
+"""One prompt: its text (tokenized by the backend) or its token ids."""
+
+
+def check_prompts(prompts: Any) -> list[str]:
+    """``prompts`` as a list of strings (a single string gives a list of one).
+
+    Raises ``TypeError`` naming the first offending prompt: bytes, token-id lists,
+    None or numbers are not prompts (token ids go to ``input_ids=``), and a
+    mapping (whose keys would silently become the prompts) is refused too.
+    """
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
+        raise TypeError(
+            f"prompts must be a string or a list of strings, got {type(prompts).__name__}"
+        )
+    items = list(prompts)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(
+                f"prompts[{index}] is {type(item).__name__} ({item!r:.60}); every prompt "
+                "must be a string (decode bytes first; pass token ids as input_ids=)"
+            )
+    return items
+
+
+def _token_rows(input_ids: Any) -> list[Any]:
+    """Rows of ``input_ids``: a list of token-id lists, one flat list (one prompt),
+    or a 1-D/2-D tensor or array (each row one prompt, taken as it is)."""
+    tolist = getattr(input_ids, "tolist", None)
+    if callable(tolist) and not isinstance(input_ids, (list, tuple)):
+        ndim = getattr(input_ids, "ndim", None)
+        if ndim not in (1, 2):
+            raise ValueError(f"input_ids must be 1-D (one prompt) or 2-D (one row per "
+                             f"prompt), got {ndim}-D")
+        input_ids = tolist()
+    if isinstance(input_ids, (str, bytes, bytearray, Mapping)) or not isinstance(
+            input_ids, (list, tuple)):
+        raise TypeError(f"input_ids must be a list of token-id lists (or one list of token "
+                        f"ids, or a tensor), got {type(input_ids).__name__}")
+    if input_ids and all(_is_token(item) for item in input_ids):
+        return [input_ids]
+    return list(input_ids)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple[int, ...]]:
+    """``input_ids`` as one tuple of token ids per prompt.
+
+    Every id must be an integer in ``[0, vocab_size)``, and every prompt non-empty;
+    errors name the offending ``input_ids[i][j]``.
+    """
+    rows = _token_rows(input_ids)
+    if not rows:
+        raise ValueError("input_ids is empty; give at least one prompt's token ids")
+    checked = []
+    for index, row in enumerate(rows):
+        if hasattr(row, "tolist") and not isinstance(row, (list, tuple)):
+            row = row.tolist()
+        if isinstance(row, (str, bytes, bytearray)) or not isinstance(row, (list, tuple)):
+            raise TypeError(f"input_ids[{index}] is {type(row).__name__} ({row!r:.60}); each "
+                            "prompt must be a list of token ids")
+        if not row:
+            raise ValueError(f"input_ids[{index}] is empty; a prompt needs at least one token")
+        for position, token in enumerate(row):
+            if not _is_token(token):
+                raise TypeError(f"input_ids[{index}][{position}] is {type(token).__name__} "
+                                f"({token!r:.40}); token ids are integers")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"input_ids[{index}][{position}] is {token}; token ids of "
+                                 f"this model are {bound}")
+        checked.append(tuple(int(token) for token in row))
+    return checked
+
+
+def prompt_inputs(prompts: Any, input_ids: Any, vocab_size: int | None = None
+                  ) -> list[PromptInput]:
+    """Exactly one of ``prompts`` / ``input_ids``, checked, as a list of prompts."""
+    if prompts is not None and input_ids is not None:
+        raise TypeError("pass either prompts or input_ids, not both")
+    if input_ids is not None:
+        return list(check_input_ids(input_ids, vocab_size))
+    if prompts is None:
+        raise TypeError("prompts must be a string or a list of strings, got None; or give "
+                        "token ids as input_ids=[[token ids], ...]")
+    return list(check_prompts(prompts))
+
+
+def tokenized(prompt: PromptInput, encode: Callable[[str], list[int]],
+              decode: Callable[[Sequence[int]], str]) -> tuple[str, list[int]]:
+    """``(text, token ids)`` of one prompt: text is encoded; token ids are kept as
+    they are and decoded (special tokens included) for the text."""
+    if isinstance(prompt, str):
+        return prompt, encode(prompt)
+    ids = [int(token) for token in prompt]
+    return decode(ids), ids

@@ -1,0 +1,34 @@
+"""``capture``: the built-in for capture-only points.
+
+A point whose only job is to collect activations (for ``generate(...,
+records=True)``, ``records_frame``, ``ProbedModel.run_with_cache`` or fitting a
+probe) needs no judgement. ``capture`` takes no ``probe_args``, serves either
+probe kind, computes nothing, emits no signal and returns no verdict; its
+``ProbeResult.stats`` still count the activations it was handed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from undercurrent.probes.base import Probe
+from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.spec.types import ProbeKind
+
+
+class CaptureProbe(Probe):
+    """Accepts every activation and says nothing (verdict None, no signals).
+
+    >>> from undercurrent.spec.types import ExtractionPoint
+    >>> point = ExtractionPoint(name="keep", layers=(0, 1), tensor_type="residual_stream",
+    ...                         position="generated[*]", probe_type="capture",
+    ...                         probe_kind="trajectory")
+    """
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+        return None
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
+        return [None] * len(records)
