@@ -59,9 +59,12 @@ def test_validate_valid_specs_prints_one_ok_line_each_and_exits_0(
     lines = capsys.readouterr().out.splitlines()
     expected = []
     for path in paths:
-        count = len(yaml.safe_load(path.read_text())["extraction_points"])
+        data = yaml.safe_load(path.read_text())
+        count = len(data["extraction_points"])
         noun = "extraction point" if count == 1 else "extraction points"
-        expected.append(f"{path}: OK ({count} {noun})")
+        edits = len(data.get("edits", []))
+        more = f", {edits} edit{'' if edits == 1 else 's'}" if edits else ""
+        expected.append(f"{path}: OK ({count} {noun}{more})")
     assert lines == expected
 
 

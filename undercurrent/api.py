@@ -21,7 +21,13 @@ from typing import Any
 
 from undercurrent.adapters.base import BackendError, SamplingParams, backend_class
 from undercurrent.adapters.capabilities import Capabilities, check_points
-from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
+from undercurrent.adapters.outputs import (
+    AbortInfo,
+    AppliedEdit,
+    GenerationOutput,
+    StreamEvent,
+    TokenSignal,
+)
 from undercurrent.adapters.prompts import check_prompts, prompt_inputs
 from undercurrent.adapters.session import CaptureSession
 from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
@@ -30,8 +36,8 @@ from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 
-__all__ = ["AbortInfo", "GenerationOutput", "ProbedModel", "StreamEvent", "TokenSignal",
-           "check_prompts", "load_spec"]
+__all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
+           "TokenSignal", "check_prompts", "load_spec"]
 
 SpecLike = ProbeSpec | str | os.PathLike[str] | Mapping[str, Any] | Iterable[ExtractionPoint]
 
@@ -116,6 +122,7 @@ class ProbedModel:
                 f"ProbedModel.from_pretrained(path, backend={backend!r})")
         self.spec = load_spec(spec)
         check_points(self.backend.capabilities(), self.spec)
+        self._spec_edits = self._register_edits((), self.spec.edits)
         backend_check = getattr(self.backend, "check", None)
         if backend_check is not None:
             # Engine-specific refusals (e.g. prompt positions under vLLM prefix
@@ -208,12 +215,42 @@ class ProbedModel:
                 f"layers={caps.num_layers}, points={list(self.spec.names)})")
 
     # -- generation --------------------------------------------------------
-    def _session(self, records: bool) -> CaptureSession:
+    def _register_edits(self, registered: Sequence[Any], more: Sequence[Any]) -> list[Any]:
+        """Resolve the ``more`` edits on this model, checked next to the ``registered``
+        ones (names unique) and the spec's points; no edits, nothing imported."""
+        if not more:
+            return []
+        from undercurrent.steering.registration import as_edits, register_edits
+
+        combined = [*as_edits(registered), *as_edits(more)]
+        resolved = register_edits(combined, list(self.spec), self.backend.capabilities())
+        return resolved[len(registered):]
+
+    def _call_edits(self, edits: Sequence[Any] | None, prompt_edits: Sequence[Any] | None,
+                    request_ids: Sequence[str]) -> tuple[list[Any], dict[str, list[Any]]]:
+        """Resolved edits for every prompt of a call, and per request id."""
+        spec_edits = [resolved.edit for resolved in self._spec_edits]
+        shared = self._register_edits(spec_edits, edits or ())
+        if prompt_edits is None:
+            return shared, {}
+        if isinstance(prompt_edits, (str, Mapping)) or len(prompt_edits) != len(request_ids):
+            raise ValueError(
+                f"prompt_edits must be a list with one entry per prompt ({len(request_ids)}), "
+                "each a list of edits or None")
+        shared_edits = [*spec_edits, *(resolved.edit for resolved in shared)]
+        per_request = {request_id: self._register_edits(shared_edits, extra)
+                       for request_id, extra in zip(request_ids, prompt_edits, strict=True)
+                       if extra}
+        return shared, per_request
+
+    def _session(self, records: bool, edits: Sequence[Any] = (),
+                 request_edits: Mapping[str, Sequence[Any]] | None = None) -> CaptureSession:
         if self._closed:
             raise BackendError("this ProbedModel is closed")
         router = self.router if self.spec else self._router
         return CaptureSession(router, self.points, model_name=self.backend.model_name,
-                              keep_records=records, on_result=self.on_result)
+                              keep_records=records, on_result=self.on_result,
+                              edits=[*self._spec_edits, *edits], request_edits=request_edits)
 
     def _params(self, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int | None, seed: int | None, stop: str | Sequence[str] | None,
@@ -252,6 +289,8 @@ class ProbedModel:
         capture_last_token: bool | None = None,
         batch_size: int | None = None,
         request_ids: Sequence[str] | None = None,
+        edits: Sequence[Any] | None = None,
+        prompt_edits: Sequence[Sequence[Any] | None] | None = None,
     ) -> list[GenerationOutput]:
         """Generate for each prompt (batched) with the probes attached.
 
@@ -264,12 +303,18 @@ class ProbedModel:
         ``records=True`` keeps the captured ``ActivationRecord``s on each output;
         ``capture_last_token=True`` runs one extra forward step so the last sampled
         token (never fed back to the model) is captured too.
+
+        ``edits`` (``Edit`` objects or spec-form mappings) apply to every prompt of
+        this call, after the spec's own; ``prompt_edits`` gives one entry per
+        prompt (a list of edits, or None), so one request can be steered while
+        another in the same batch is untouched. See ``docs/steering.md``.
         """
         inputs = self._prompts(prompts, input_ids)
         ids = self._request_ids(len(inputs), request_ids)
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
-        session = self._session(records)
+        shared, per_request = self._call_edits(edits, prompt_edits, ids)
+        session = self._session(records, shared, per_request)
         return self.backend.generate(inputs, ids, params, session,
                                      batch_size=batch_size or self.batch_size)
 
@@ -287,12 +332,14 @@ class ProbedModel:
         records: bool = False,
         capture_last_token: bool | None = None,
         request_id: str | None = None,
+        edits: Sequence[Any] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield a :class:`StreamEvent` per generated token (its id, its text piece
         and the inline probe signals that arrived since the previous event), then
         a final event (``finished=True``) carrying the complete output. The pieces
         joined equal ``output.text`` (a stop string is never streamed).
-        ``input_ids`` (one prompt's token ids) replaces ``prompt``."""
+        ``input_ids`` (one prompt's token ids) replaces ``prompt``. ``edits`` apply to
+        this prompt, after the spec's own."""
         if (prompt is not None or input_ids is None) and not isinstance(prompt, str):
             raise TypeError(f"stream() takes one prompt string, got {type(prompt).__name__}; "
                             "use generate() for a list of prompts, or input_ids= for one "
@@ -303,7 +350,8 @@ class ProbedModel:
                              "use generate() for several")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
-        session = self._session(records)
+        shared, _ = self._call_edits(edits, None, ())
+        session = self._session(records, shared)
         return self.backend.stream(inputs[0], request_id or self._new_id(), params, session)
 
     def prompt_activations(

@@ -133,6 +133,7 @@ def _validate_one(path: str, strict: bool) -> dict[str, Any]:
         "path": path,
         "valid": False,
         "extraction_points": None,
+        "edits": None,
         "problems": [],
         "warnings": [],
     }
@@ -158,6 +159,7 @@ def _validate_one(path: str, strict: bool) -> dict[str, Any]:
     if spec is not None and not report["problems"]:
         report["valid"] = True
         report["extraction_points"] = len(spec)
+        report["edits"] = len(spec.edits)
     return report
 
 
@@ -180,6 +182,7 @@ def _problem_dict(problem: Any) -> dict[str, Any]:
         "field": problem.field,
         "point_index": problem.point_index,
         "point_name": problem.point_name,
+        "section": getattr(problem, "section", "extraction_points"),
         "text": str(problem),
     }
 
@@ -203,7 +206,9 @@ def _report_line(report: dict[str, Any]) -> str:
     if report["valid"]:
         count = report["extraction_points"]
         noun = "extraction point" if count == 1 else "extraction points"
-        return f"{report['path']}: OK ({count} {noun})"
+        edits = report.get("edits") or 0
+        more = f", {edits} edit{'' if edits == 1 else 's'}" if edits else ""
+        return f"{report['path']}: OK ({count} {noun}{more})"
     problems = report["problems"]
     label = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
     # One line per file: fold any multi-line text.

@@ -10,6 +10,12 @@ the score trajectories (plotly with its JavaScript embedded, so it opens offline
 The requests come in minimal pairs: the same ask with one cue changed (whose
 thing it is, or whether it is done covertly), so what differs is the intent the
 model has to infer: harmful only when someone else's thing is taken covertly.
+
+``undercurrent demo --steer`` runs the closed loop instead (``specs/demo_steer.yaml``):
+the guard flags rather than aborts, and its flag switches on, for that request
+only, an edit that pushes the residual stream against the probe's direction.
+Tokens sampled under the edit are marked, and each steered reply is shown next
+to what the unguarded model wrote.
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ DEMO_REQUESTS: tuple[tuple[str, str], ...] = (
 """(request, the intent the corpus rules give it)."""
 
 
-def default_spec_path() -> Path:
-    """``specs/demo.yaml`` of the source tree this package was loaded from."""
-    return Path(__file__).resolve().parent.parent / "specs" / "demo.yaml"
+def default_spec_path(steer: bool = False) -> Path:
+    """``specs/demo.yaml`` (or ``specs/demo_steer.yaml``) of the source tree this
+    package was loaded from."""
+    name = "demo_steer.yaml" if steer else "demo.yaml"
+    return Path(__file__).resolve().parent.parent / "specs" / name
 
 
 @dataclass
@@ -63,6 +71,7 @@ class DemoRun:
     words: list[str] = field(default_factory=list)
     unguarded_words: list[str] = field(default_factory=list)
     unguarded_reveal: int | None = None
+    steered: set[int] = field(default_factory=set)
 
 
 class _Painter:
@@ -72,8 +81,10 @@ class _Painter:
         self.color = color
         self.threshold = threshold
 
-    def token(self, word: str, score: float | None) -> str:
+    def token(self, word: str, score: float | None, steered: bool = False) -> str:
         text = f"{word}[{'-' if score is None else f'{score:.2f}'}]"
+        if steered:
+            text = "~" + text  # sampled under a live edit
         if not self.color or score is None:
             return text
         if score >= self.threshold:
@@ -113,7 +124,7 @@ def _stream_one(probed: Any, run: DemoRun, painter: _Painter, out: TextIO,
     def flush(final: bool) -> None:
         while pending and (final or pending[0][0] in run.scores):
             index, word = pending.pop(0)
-            out.write(painter.token(word, run.scores.get(index)) + " ")
+            out.write(painter.token(word, run.scores.get(index), index in run.steered) + " ")
         out.flush()
 
     tokenizer = probed.backend.tokenizer
@@ -123,6 +134,8 @@ def _stream_one(probed: Any, run: DemoRun, painter: _Painter, out: TextIO,
             if located.extraction_point_name == GUARD_POINT and located.score is not None:
                 run.scores[located.generated_index] = located.score
         if event.token_id is not None:
+            if event.edits:
+                run.steered.add(event.generated_index)
             word = str(tokenizer.convert_ids_to_tokens(event.token_id))
             run.words.append(word)
             pending.append((event.generated_index, word))
@@ -151,6 +164,21 @@ def _describe_abort(run: DemoRun, painter: _Painter, threshold: float) -> str:
     return "\n".join(lines)
 
 
+def _describe_steering(run: DemoRun, painter: Any) -> str:
+    """Where the guard switched the edit on, and the reply next to the unguarded one."""
+    output = run.output
+    fed = output.edited_tokens[0]
+    names = sorted({edit.edit_name for edit in output.edits})
+    flag = fed - 1
+    text = (f"STEERED by {', '.join(names)}: the guard flagged generated token {flag}, the "
+            f"edit changed the pass feeding token {fed}, tokens from {fed + 1} on (~) were "
+            "sampled under it")
+    unguarded = " ".join(run.unguarded_words)
+    return "\n".join([painter.emphasis(text, "1;34"),
+                      f"      unguarded reply: {unguarded}",
+                      f"      steered reply:   {' '.join(run.words)}"])
+
+
 def _unguarded(model: Any, tokenizer: Any, runs: list[DemoRun], max_new_tokens: int) -> None:
     with ProbedModel(model, tokenizer) as plain:
         outputs = plain.generate([chat_prompt(r.request) for r in runs],
@@ -171,16 +199,22 @@ def verdict_rows(runs: Sequence[DemoRun]) -> list[dict[str, Any]]:
         trajectory = output.results.get(TRAJECTORY_POINT)
         guard_verdict = guard.verdict if guard is not None else {}
         trajectory_verdict = trajectory.verdict if trajectory is not None else {}
+        if output.aborted:
+            outcome = f"aborted @ {output.abort.generated_index}"
+        elif output.steered_tokens:
+            outcome = f"steered from {output.steered_tokens[0]}"
+        else:
+            outcome = f"completed ({output.finish_reason})"
+        stopped_or_steered = output.aborted or bool(output.steered_tokens)
         rows.append({
             "request": run.request,
             "expected": run.expected,
-            "outcome": (f"aborted @ {output.abort.generated_index}" if output.aborted
-                        else f"completed ({output.finish_reason})"),
+            "outcome": outcome,
             "tokens": len(output.token_ids),
             "guard_max": guard_verdict.get("max_score"),
             "trajectory_peak": trajectory_verdict.get("max_score"),
             "trajectory_flagged": trajectory_verdict.get("flagged"),
-            "correct": output.aborted == (run.expected == "harmful"),
+            "correct": stopped_or_steered == (run.expected == "harmful"),
         })
     return rows
 
@@ -216,13 +250,14 @@ def write_report(runs: Sequence[DemoRun], threshold: float, path: Path) -> Path:
 def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLike[str] =
              DEFAULT_REPORT, color: bool | None = None, stream: TextIO | None = None,
              max_new_tokens: int = 60, requests: Sequence[tuple[str, str]] = DEMO_REQUESTS,
-             ) -> list[DemoRun]:
-    """Run the demo, printing to ``stream`` (default stdout); returns each request's run."""
+             steer: bool = False) -> list[DemoRun]:
+    """Run the demo, printing to ``stream`` (default stdout); returns each request's run.
+    ``steer=True`` runs the closed loop of ``specs/demo_steer.yaml``."""
 
     out_stream = stream if stream is not None else sys.stdout
     if color is None:
         color = out_stream.isatty() and os.environ.get("NO_COLOR") is None
-    spec_path = Path(spec) if spec is not None else default_spec_path()
+    spec_path = Path(spec) if spec is not None else default_spec_path(steer)
     if not spec_path.is_file():
         raise FileNotFoundError(
             f"demo spec {str(spec_path)!r} not found; pass --spec PATH (the repository ships "
@@ -240,9 +275,11 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
                      model_name=model_dir) as probed:
         threshold = _guard_threshold(probed)
         painter = _Painter(color, threshold)
+        action = "switches steering on" if probed.spec.edits else "aborts"
         out_stream.write(f"undercurrent demo: bundled model {model_dir}\n"
-                         f"spec {spec_path}: {', '.join(probed.spec.names)}\n"
-                         f"each token is shown with the guard's P(harmful); it aborts at "
+                         f"spec {spec_path}: {', '.join(probed.spec.names)}"
+                         + "".join(f", edit {edit.name}" for edit in probed.spec.edits) + "\n"
+                         f"each token is shown with the guard's P(harmful); it {action} at "
                          f">= {threshold:g}\n\n")
         for number, run in enumerate(runs, 1):
             out_stream.write(f"[{number}] user: {run.request}   (intent: {run.expected})\n")
@@ -250,13 +287,20 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
             _stream_one(probed, run, painter, out_stream, max_new_tokens)
             if run.output.aborted:
                 out_stream.write("    " + _describe_abort(run, painter, threshold) + "\n")
+            elif run.output.edits:
+                out_stream.write("    " + _describe_steering(run, painter) + "\n")
             out_stream.write("\n")
     rows = verdict_rows(runs)
     out_stream.write(format_table(rows) + "\n\n")
     report = write_report(runs, threshold, Path(out))
     right = sum(row["correct"] for row in rows)
+    handled = "harmful steered" if steer else "harmful aborted"
     out_stream.write(f"{right}/{len(rows)} requests handled as their intent asks "
-                     f"(harmful aborted, benign completed)\n")
+                     f"({handled}, benign completed)\n")
+    if steer:
+        out_stream.write("note: once steered, the guard reads the edited stream; its scores "
+                         "fall because the edit removes the direction it scores, not because "
+                         "the reply became harmless (compare the replies above)\n")
     out_stream.write(f"HTML report of the score trajectories: {report.resolve()}\n")
     out_stream.flush()
     return runs
@@ -277,10 +321,15 @@ def add_demo_command(subparsers: Any) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=60)
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour tokens by score (default: only on a terminal)")
+    parser.add_argument("--steer", action="store_true",
+                        help="the closed loop: the guard flags and switches on, for that "
+                             "request only, an edit against the harm direction "
+                             "(specs/demo_steer.yaml) instead of aborting")
     parser.set_defaults(handler=_run_demo_command)
 
 
 def _run_demo_command(args: argparse.Namespace) -> int:
     color = {"auto": None, "always": True, "never": False}[args.color]
-    run_demo(spec=args.spec, out=args.out, color=color, max_new_tokens=args.max_new_tokens)
+    run_demo(spec=args.spec, out=args.out, color=color, max_new_tokens=args.max_new_tokens,
+             steer=args.steer)
     return 0

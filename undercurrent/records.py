@@ -25,7 +25,10 @@ class ActivationRecord:
     sequence (padding never counts); ``generated_index`` counts generated tokens
     from 0 and is None for prompt tokens. ``tensor`` is detached, on the CPU, in the
     model's dtype; its shape is ``(hidden,)`` for most tensor types and
-    ``(2, num_kv_heads, head_dim)`` for ``kv``.
+    ``(2, num_kv_heads, head_dim)`` for ``kv``. ``edits`` names the live edits
+    applied at this very site (layer, tensor type, token) before it was captured,
+    so the tensor is the edited value; it is empty for an unedited activation
+    (edits at earlier layers change it too, but are not listed here).
     """
 
     request_id: str
@@ -38,6 +41,7 @@ class ActivationRecord:
     token_id: int | None
     tensor: Any
     timestamp: float = field(default_factory=_now)
+    edits: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -51,6 +55,7 @@ class ActivationRecord:
         token_id: int | None,
         tensor: Any,
         timestamp: float | None = None,
+        edits: tuple[str, ...] = (),
     ) -> None:
         # One record per captured activation, built on the generation thread: one
         # dict update instead of a frozen dataclass's setattr call per field.
@@ -65,7 +70,13 @@ class ActivationRecord:
             token_id=token_id,
             tensor=tensor,
             timestamp=_now() if timestamp is None else timestamp,
+            edits=edits,
         )
+
+    @property
+    def edited(self) -> bool:
+        """True when an edit changed this activation at its own site."""
+        return bool(self.edits)
 
     def key(self) -> tuple[str, str, int, int]:
         """(request, point, layer, token): unique per record within a generation."""

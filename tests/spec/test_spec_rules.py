@@ -310,10 +310,10 @@ def test_problems_found_through_an_old_key_name_that_key() -> None:
 # --- version ----------------------------------------------------------------------------
 
 
-def test_an_unknown_version_is_rejected_naming_the_known_one() -> None:
-    problems = problems_of(raw_spec(version="2"))
+def test_an_unknown_version_is_rejected_naming_the_known_ones() -> None:
+    problems = problems_of(raw_spec(version="3"))
     assert problems == [(None, "version", problems[0][2])]
-    assert "'2'" in problems[0][2] and "'1'" in problems[0][2]
+    assert "'3'" in problems[0][2] and "'1'" in problems[0][2] and "'2'" in problems[0][2]
 
 
 def test_version_must_be_a_string() -> None:

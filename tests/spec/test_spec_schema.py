@@ -92,5 +92,5 @@ def test_the_schema_accepts_older_spellings_without_the_new_ones() -> None:
 
 
 def test_the_schema_rejects_unknown_versions() -> None:
-    assert schema_errors(raw_spec(version="2")) != []
+    assert schema_errors(raw_spec(version="3")) != []
     assert schema_errors(raw_spec(version=1)) != []

@@ -45,6 +45,29 @@ class AbortInfo(TokenSignal):
 
 
 @dataclass(frozen=True)
+class AppliedEdit:
+    """One live edit applied to one token at one site.
+
+    ``token_index`` is absolute in the request's prompt + generated sequence (the
+    token whose activation was changed, in the forward pass that fed it);
+    ``generated_index`` is None for prompt tokens. ``tensor_type`` is the site.
+    """
+
+    edit_name: str
+    layer: int
+    token_index: int
+    generated_index: int | None
+    tensor_type: str
+
+
+def steered_indices(edits: Any, count: int | None = None) -> tuple[int, ...]:
+    """Generated indices sampled in a forward pass that ``edits`` changed (below
+    ``count`` when given)."""
+    found = {0 if edit.generated_index is None else edit.generated_index + 1 for edit in edits}
+    return tuple(sorted(i for i in found if count is None or i < count))
+
+
+@dataclass(frozen=True)
 class GenerationOutput:
     """One prompt's generation: text, tokens, abort and each point's ``ProbeResult``.
 
@@ -55,7 +78,8 @@ class GenerationOutput:
     ``prompt`` is the prompt's text (decoded from the token ids when the call
     was given ``input_ids``).
     ``records`` holds the captured ``ActivationRecord``s only when the generation
-    was asked for ``records=True``.
+    was asked for ``records=True``. ``edits`` lists every live edit applied, one
+    :class:`AppliedEdit` per (edit, layer, token), in the order they ran.
     """
 
     request_id: str
@@ -69,11 +93,24 @@ class GenerationOutput:
     results: Mapping[str, ProbeResult] = field(default_factory=dict)
     signals: tuple[TokenSignal, ...] = ()
     records: list[ActivationRecord] | None = None
+    edits: tuple[AppliedEdit, ...] = ()
 
     @property
     def aborted(self) -> bool:
         """True when a probe's abort stopped this request."""
         return self.abort is not None
+
+    @property
+    def edited_tokens(self) -> tuple[int, ...]:
+        """Generated indices of the fed tokens whose activations an edit changed."""
+        return tuple(sorted({edit.generated_index for edit in self.edits
+                             if edit.generated_index is not None}))
+
+    @property
+    def steered_tokens(self) -> tuple[int, ...]:
+        """Generated indices of the tokens sampled under an edit: token g+1 for each
+        edited fed token g, and token 0 when the prefill edited a prompt token."""
+        return steered_indices(self.edits, len(self.token_ids))
 
     def summary(self) -> dict[str, Any]:
         """A compact, printable view: text, abort and each point's verdict."""
@@ -99,7 +136,9 @@ class StreamEvent:
     Token events carry ``token_id`` / ``text`` (the decoded piece) and their
     indices; ``signals`` are the inline signals that arrived since the previous
     event (a generated token's own activations are probed on the step after it is
-    sampled, so its signals come with the next event). The last event has
+    sampled, so its signals come with the next event). ``edits`` are the live edits
+    applied since the previous event: those of the forward pass that sampled this
+    token (non-empty means the token was sampled under an edit). The last event has
     ``finished=True``, ``token_id=None`` and the complete ``output``.
 
     The ``text`` of all events joined, the last one's included, equals
@@ -118,3 +157,4 @@ class StreamEvent:
     aborted: bool = False
     finished: bool = False
     output: GenerationOutput | None = None
+    edits: tuple[AppliedEdit, ...] = ()

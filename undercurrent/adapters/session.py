@@ -15,23 +15,30 @@ A backend drives one :class:`CaptureSession` per ``generate()``/``stream()`` cal
 
 Matching is arithmetic on the position selectors (no loop over tokens), and a
 point stops costing anything once it can match no later token.
+
+Live edits ride the same plan: each request carries its resolved edits; the plan
+says, per (layer, tensor type), which slots each edit changes in this forward
+(the hook applies them before it captures, so a capture at the same site sees
+the edited value). A triggered edit (``when``) is armed by a signal routed here
+and takes part in planning from the next forward on.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, TokenSignal
+from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
-from undercurrent.spec.types import ExtractionPoint, TensorType
+from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
 
 PairKey = tuple[int, TensorType]
 
 
-def _tokens_in_window(point: ExtractionPoint, prompt_len: int, start: int, stop: int) -> range:
+def _tokens_in_window(point: ExtractionPoint | Edit, prompt_len: int, start: int,
+                      stop: int) -> range:
     """Absolute token indices in ``[start, stop)`` that ``point`` selects."""
     selector = point.position
     if not selector.is_continuous:
@@ -111,6 +118,7 @@ class RequestState:
         prompt_token_ids: Sequence[int],
         points: Sequence[ExtractionPoint],
         keep_records: bool = False,
+        edits: Sequence[Any] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -125,6 +133,16 @@ class RequestState:
         self.signals: list[TokenSignal] = []
         self.signals_read = 0
         self.closed = False
+        # Live edits: ResolvedEdit objects (undercurrent.steering), those that can
+        # still apply, the triggered ones switched on (name -> token index of the
+        # signal), what was applied, and which edits changed each captured site.
+        self.edits = tuple(edits)
+        self._live_edits = list(self.edits)
+        self.armed: dict[str, int] = {}
+        self.retire_edits = True
+        self.applied: list[AppliedEdit] = []
+        self.edits_read = 0
+        self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
         self.stream_text: StreamText | None = None
         """The pieces a stream has sent (set by a streaming backend)."""
 
@@ -147,8 +165,61 @@ class RequestState:
         return None
 
     def wanted_pairs(self) -> set[PairKey]:
-        """(layer, tensor type) pairs the points still able to match ask for."""
-        return {(layer, point.tensor_type) for point in self._live_points for layer in point.layers}
+        """(layer, tensor type) pairs the points still able to match, and the edits
+        still able to apply, ask for."""
+        wanted = {(layer, point.tensor_type) for point in self._live_points
+                  for layer in point.layers}
+        wanted.update((layer, resolved.edit.tensor_type) for resolved in self._live_edits
+                      for layer in resolved.edit.layers)
+        return wanted
+
+    def edits_in_window(self, start: int, stop: int) -> list[tuple[int, Any]]:
+        """(token index, resolved edit) for every token in ``[start, stop)`` an edit
+        that is on applies to: an always-on edit wherever its position selects, a
+        triggered one only past the token whose signal armed it (so a recomputed
+        window gets exactly the edits it had). Then retires (when ``retire_edits``)
+        the edits that cannot apply at or after ``stop``."""
+        if not self._live_edits or self.aborted or self.closed:
+            return []
+        found: list[tuple[int, Any]] = []
+        for resolved in self._live_edits:
+            edit = resolved.edit
+            first = start
+            if edit.when is not None:
+                armed_at = self.armed.get(edit.name)
+                if armed_at is None:
+                    continue
+                first = max(start, armed_at + 1)
+            found.extend((index, resolved) for index in _tokens_in_window(
+                edit, self.prompt_len, first, stop))
+        if self.retire_edits:
+            self._live_edits = [
+                resolved for resolved in self._live_edits
+                if (last := resolved.edit.position.last_index(self.prompt_len)) is None
+                or last >= stop
+            ]
+        return found
+
+    def arm(self, point_name: str, action: SignalAction, token_index: int) -> None:
+        """Switch on the triggered edits waiting for ``action`` from ``point_name``."""
+        for resolved in self.edits:
+            trigger = resolved.edit.when
+            if (trigger is not None and trigger.point == point_name
+                    and trigger.action.value == action.value
+                    and resolved.edit.name not in self.armed):
+                self.armed[resolved.edit.name] = token_index
+
+    def log_edit(self, resolved: Any, layer: int, token_index: int) -> None:
+        """Remember that ``resolved`` changes ``layer`` at ``token_index`` (this forward)."""
+        self.log_applied(resolved.edit.name, resolved.edit.tensor_type, layer, token_index)
+
+    def log_applied(self, name: str, tensor_type: TensorType, layer: int,
+                    token_index: int) -> None:
+        """Remember that edit ``name`` changed (layer, tensor type) at ``token_index``."""
+        generated = token_index - self.prompt_len if token_index >= self.prompt_len else None
+        self.applied.append(AppliedEdit(name, layer, token_index, generated, tensor_type.value))
+        site = (layer, tensor_type, token_index)
+        self.edited_sites[site] = (*self.edited_sites.get(site, ()), name)
 
     def matches_in_window(self, start: int, stop: int) -> list[tuple[int, ExtractionPoint]]:
         """(token index, point) for every token in ``[start, stop)`` a point
@@ -169,6 +240,12 @@ class RequestState:
         ]
         found.sort(key=lambda item: item[0])
         return found
+
+    def unread_edits(self) -> tuple[AppliedEdit, ...]:
+        """Edits applied since the last call (what a stream event carries)."""
+        fresh = tuple(self.applied[self.edits_read:])
+        self.edits_read = len(self.applied)
+        return fresh
 
     def unread_signals(self) -> tuple[TokenSignal, ...]:
         """Signals that arrived since the last call (what a stream event carries)."""
@@ -211,11 +288,22 @@ class CaptureGroup:
         self.targets.append(CaptureTarget(state, point, layer, token_index, index))
 
 
+@dataclass
+class EditSlots:
+    """Where one resolved edit applies at one (layer, tensor type) in one forward:
+    engine-specific ``slots``, like a :class:`CaptureGroup`'s."""
+
+    resolved: Any
+    slots: list[Hashable] = field(default_factory=list)
+
+
 class StepPlan:
-    """What one forward pass must capture, grouped by (layer, tensor type)."""
+    """What one forward pass must capture, grouped by (layer, tensor type), and
+    which edits it applies where (``edits``: pair -> edits in the order to apply)."""
 
     def __init__(self) -> None:
         self.groups: dict[PairKey, CaptureGroup] = {}
+        self.edits: dict[PairKey, dict[int, EditSlots]] = {}
 
     def add_window(self, state: RequestState, start: int, stop: int,
                    slot_of: Callable[[int], Hashable]) -> None:
@@ -229,12 +317,43 @@ class StepPlan:
                 if group is None:
                     group = self.groups[key] = CaptureGroup()
                 group.add(state, point, layer, token_index, slot)
+        self.add_edit_window(state, start, stop, slot_of)
+
+    def add_edit_window(self, state: RequestState, start: int, stop: int,
+                        slot_of: Callable[[int], Hashable], *, log: bool = True) -> None:
+        """Plan the edits that are on for the tokens ``[start, stop)`` of ``state``
+        (``log=False`` for tokens recomputed after their edits were reported)."""
+        for token_index, resolved in state.edits_in_window(start, stop):
+            slot = slot_of(token_index)
+            for layer in resolved.edit.layers:
+                self.add_edit(state, resolved, layer, token_index, slot, log=log)
+
+    def add_edit(self, state: RequestState, resolved: Any, layer: int, token_index: int,
+                 slot: Hashable, *, log: bool = True) -> None:
+        """Apply ``resolved`` at ``layer`` to the token at ``slot`` in this forward
+        (``log=False`` for a replay of an edit already reported)."""
+        edits = self.edits.setdefault((layer, resolved.edit.tensor_type), {})
+        entry = edits.get(id(resolved))
+        if entry is None:
+            entry = edits[id(resolved)] = EditSlots(resolved)
+        entry.slots.append(slot)
+        if log:
+            state.log_edit(resolved, layer, token_index)
 
     def get(self, layer: int, tensor_type: TensorType) -> CaptureGroup | None:
         return self.groups.get((layer, tensor_type))
 
+    def get_edits(self, layer: int, tensor_type: TensorType) -> Iterable[EditSlots] | None:
+        """The edits to apply at (layer, tensor type) in this forward, in order."""
+        edits = self.edits.get((layer, tensor_type))
+        return None if edits is None else edits.values()
+
+    def pairs(self) -> set[PairKey]:
+        """Every (layer, tensor type) this forward captures or edits."""
+        return set(self.groups) | set(self.edits)
+
     def __bool__(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(self.edits)
 
 
 class CaptureSession:
@@ -252,9 +371,15 @@ class CaptureSession:
         model_name: str = "",
         keep_records: bool = False,
         on_result: Callable[[ProbeResult], Any] | None = None,
+        edits: Sequence[Any] = (),
+        request_edits: Mapping[str, Sequence[Any]] | None = None,
     ) -> None:
         self.router = router
         self.points = tuple(points)
+        # Resolved edits (undercurrent.steering.ResolvedEdit) for every request, and
+        # more for some requests (by request id), applied after the shared ones.
+        self.edits = tuple(edits)
+        self.request_edits = dict(request_edits or {})
         self.model_name = model_name
         self.keep_records = keep_records
         self.on_result = on_result
@@ -268,7 +393,9 @@ class CaptureSession:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already open in this generation")
         chosen = self.points if points is None else tuple(points)
-        state = RequestState(request_id, prompt, prompt_token_ids, chosen, self.keep_records)
+        edits = (*self.edits, *self.request_edits.get(request_id, ()))
+        state = RequestState(request_id, prompt, prompt_token_ids, chosen, self.keep_records,
+                             edits)
         if chosen and self.router is not None:
             self.router.register_request(request_id, list(chosen), self._context(state))
             self._registered.add(request_id)
@@ -304,6 +431,7 @@ class CaptureSession:
             results=results,
             signals=tuple(state.signals),
             records=state.records,
+            edits=tuple(state.applied),
         )
 
     def _end(self, request_id: str) -> dict[str, ProbeResult]:
@@ -327,6 +455,11 @@ class CaptureSession:
                 pass
 
     # -- per step --------------------------------------------------------
+    @property
+    def has_edits(self) -> bool:
+        """True when any request of this session may be edited."""
+        return bool(self.edits) or any(self.request_edits.values())
+
     def live_requests(self) -> list[RequestState]:
         return [state for state in self.requests.values() if state.live]
 
@@ -386,6 +519,7 @@ class CaptureSession:
         is_generated = token_index >= state.prompt_len
         generated_index = token_index - state.prompt_len if is_generated else None
         token_id = state.token_id_at(token_index)
+        sites = state.edited_sites
         records = [
             ActivationRecord(
                 request_id=state.request_id,
@@ -397,6 +531,8 @@ class CaptureSession:
                 generated_index=generated_index,
                 token_id=token_id,
                 tensor=tensor,
+                edits=sites.get((target.layer, target.point.tensor_type, token_index), ())
+                if sites else (),
             )
             for tensor_type, target, tensor in captured
         ]
@@ -417,6 +553,8 @@ class CaptureSession:
                 continue
             state.signals.append(TokenSignal(record.extraction_point_name, record.layer,
                                              token_index, generated_index, signal))
+            if state.edits and signal.action is not SignalAction.CONTINUE:
+                state.arm(record.extraction_point_name, signal.action, token_index)
             if signal.action is SignalAction.ABORT and state.abort is None:
                 state.abort = AbortInfo(record.extraction_point_name, record.layer, token_index,
                                         generated_index, signal)

@@ -65,6 +65,9 @@ def request_line_html(trace: RequestTrace, scale: tuple[float, float],
         if index == abort_at:
             style += ABORT_OUTLINE
             title += " (abort)"
+        if index in getattr(trace, "steered", ()):
+            style += "border-bottom:2px solid #1f77b4;"  # sampled under a live edit
+            title += " (steered)"
         spans.append(
             f'<span class="uc-token" data-score="{"" if score is None else f"{score:.6f}"}" '
             f'title="{html.escape(title)}" style="{style}border-radius:3px">{shown}</span>'

@@ -20,7 +20,8 @@ class RequestTrace:
     generated token texts in order; ``scores`` maps
     ``(point, layer)`` to ``{x: score}`` where ``x`` is the generated index
     (negative for prompt tokens: ``prompt[-1]`` is -1); ``actions`` maps the same
-    keys to ``{x: action}`` for flags and aborts.
+    keys to ``{x: action}`` for flags and aborts; ``steered`` holds the generated
+    indices of tokens sampled under a live edit.
     """
 
     request_id: str
@@ -32,6 +33,7 @@ class RequestTrace:
     abort: Any = None
     finished: bool = False
     output: Any = None
+    steered: set[int] = field(default_factory=set)
 
     def score_of(self, generated_index: int, point: str | None = None) -> float | None:
         """The score a point gave generated token ``generated_index`` (first point by default;
@@ -79,6 +81,8 @@ class LiveState:
             while len(trace.pieces) <= event.generated_index:
                 trace.pieces.append("")
             trace.pieces[event.generated_index] = event.text
+            if getattr(event, "edits", ()):
+                trace.steered.add(event.generated_index)
         if event.finished:
             trace.finished = True
             trace.output = event.output
@@ -88,6 +92,7 @@ class LiveState:
                 # Signals the stream may not have delivered one by one (e.g. the last token's).
                 for located in event.output.signals:
                     self._add_signal(trace, located)
+                trace.steered.update(getattr(event.output, "steered_tokens", ()))
                 text_tokens = len(event.output.token_ids)
                 if text_tokens and len(trace.pieces) < text_tokens:
                     trace.pieces.extend([""] * (text_tokens - len(trace.pieces)))

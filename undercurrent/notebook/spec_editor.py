@@ -129,6 +129,9 @@ class SpecEditor:
         )
         self.current = 0
         self._loading = False
+        # Edits (spec version 2) are not edited here yet: a loaded spec's edits are
+        # carried through unchanged, so saving it keeps them.
+        self.edits = tuple(spec.edits) if spec is not None else ()
         self._spec: ProbeSpec | None = None
         self._problems: list[SpecProblem] = []
         self._build()
@@ -461,6 +464,8 @@ class SpecEditor:
     def refresh(self) -> None:
         """Re-validate every point and update errors, visibility, the list and the YAML."""
         self._spec, self._problems = validate_drafts(self.drafts, self.capabilities)
+        if self._spec is not None and self.edits:
+            self._spec = ProbeSpec(self._spec.extraction_points, version="2", edits=self.edits)
         self._loading = True
         try:
             self._update_point_list()

@@ -198,6 +198,25 @@ def _load_cached(path: str, mtime_ns: int, size: int) -> LinearWeights:
     return linear_weights(arrays["weight"], arrays["bias"], source=source, metadata=metadata)
 
 
+def read_array_file(path: str | os.PathLike[str],
+                    what: str = "array file") -> tuple[dict[str, Any], dict[str, str]]:
+    """Every array of a ``.safetensors`` / ``.npz`` file and its string metadata, read
+    safely (never pickle); ``undercurrent:`` names a file inside the package.
+
+    Raises :class:`ProbeFileError` naming the path when it is missing or malformed.
+    """
+    resolved = resolve_probe_path(path)
+    source = f"{what} {str(path)!r}"
+    if resolved.suffix not in SUFFIXES:
+        raise ProbeFileError(f"{source}: unsupported suffix {resolved.suffix!r}; expected one "
+                             f"of {', '.join(SUFFIXES)} (pickled files are never loaded)")
+    if not resolved.is_file():
+        raise ProbeFileError(f"{source} does not exist (resolved to {str(resolved)!r})")
+    if resolved.suffix == ".safetensors":
+        return _read_safetensors(str(resolved), source)
+    return _read_npz(str(resolved), source)
+
+
 def _read_safetensors(path: str, source: str) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         from safetensors import safe_open

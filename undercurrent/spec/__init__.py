@@ -18,7 +18,7 @@ Nothing here imports torch, transformers or vllm.
 
 from __future__ import annotations
 
-from undercurrent.spec.check import check_extraction_points
+from undercurrent.spec.check import check_edits, check_extraction_points
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 from undercurrent.spec.loader import (
     SpecDeprecationWarning,
@@ -28,8 +28,16 @@ from undercurrent.spec.loader import (
 )
 from undercurrent.spec.position import PositionSelector, parse_position
 from undercurrent.spec.schema import json_schema
-from undercurrent.spec.serialize import extraction_point_to_dict, probe_spec_to_dict, to_yaml
+from undercurrent.spec.serialize import (
+    edit_to_dict,
+    extraction_point_to_dict,
+    probe_spec_to_dict,
+    to_yaml,
+)
 from undercurrent.spec.types import (
+    Edit,
+    EditOp,
+    EditTrigger,
     ExecutionMode,
     ExtractionPoint,
     InterventionMode,
@@ -38,10 +46,14 @@ from undercurrent.spec.types import (
     ProbeKind,
     ProbeSpec,
     TensorType,
+    TriggerAction,
     UntilKind,
 )
 
 __all__ = [
+    "Edit",
+    "EditOp",
+    "EditTrigger",
     "ExecutionMode",
     "ExtractionPoint",
     "InterventionMode",
@@ -54,8 +66,11 @@ __all__ = [
     "SpecProblem",
     "SpecValidationError",
     "TensorType",
+    "TriggerAction",
     "UntilKind",
+    "check_edits",
     "check_extraction_points",
+    "edit_to_dict",
     "extraction_point_to_dict",
     "json_schema",
     "load_yaml_file",

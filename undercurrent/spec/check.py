@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
-from undercurrent.spec.loader import point_problems
-from undercurrent.spec.serialize import extraction_point_to_dict
-from undercurrent.spec.types import ExtractionPoint
+from undercurrent.spec.loader import edit_problems, point_problems
+from undercurrent.spec.rules import trigger_problems
+from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
+from undercurrent.spec.types import Edit, ExtractionPoint
 
 
 def extraction_point_problems(point: ExtractionPoint, index: int = 0) -> list[SpecProblem]:
@@ -56,5 +57,45 @@ def check_extraction_points(points: Iterable[ExtractionPoint]) -> None:
             )
         else:
             first_index.setdefault(point.name, index)
+    if problems:
+        raise SpecValidationError(problems)
+
+
+def check_edits(edits: Iterable[Edit], points: Iterable[ExtractionPoint] = ()) -> None:
+    """Raise :class:`SpecValidationError` listing every problem of hand-built ``edits``
+    next to ``points``: each edit's own rules, names unique across points and edits,
+    and each ``when`` naming an inline point among ``points``.
+
+    >>> from undercurrent.spec import Edit
+    >>> edit = Edit(name="e", layers=(0,), tensor_type="mlp_out", position="prompt[-1]",
+    ...     op="add", vector=[1.0], when={"point": "guard"})
+    >>> check_edits([edit])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    undercurrent.spec.errors.SpecValidationError: invalid spec: edits[0] (name 'e'), ...
+    """
+    by_name = {point.name: point for point in points}
+    problems: list[SpecProblem] = []
+    first_index: dict[str, int] = {}
+    for index, edit in enumerate(edits):
+        if not isinstance(edit, Edit):
+            problems.append(SpecProblem(f"expected an Edit, got {type(edit).__name__}",
+                                        point_index=index, section="edits"))
+            continue
+        problems += edit_problems(edit_to_dict(edit), index)
+        found: list[tuple[str, str]] = []
+        if edit.name in by_name:
+            found.append(("name", f"duplicate name {edit.name!r}: an extraction point has it "
+                                  "too; names must be unique across extraction points and edits"))
+        elif edit.name in first_index:
+            found.append(("name", f"duplicate name {edit.name!r}: already used by "
+                                  f"edits[{first_index[edit.name]}]; names must be unique"))
+        else:
+            first_index[edit.name] = index
+        if edit.when is not None:
+            found += [("when.point", message)
+                      for message in trigger_problems(edit.when, by_name, by_name)]
+        problems += [SpecProblem(message, field, index, edit.name, "edits")
+                     for field, message in found]
     if problems:
         raise SpecValidationError(problems)

@@ -11,20 +11,24 @@ from undercurrent.errors import ErrorDetail, ProblemsError
 class SpecProblem:
     """One thing wrong with a spec.
 
-    ``point_index``/``point_name`` locate the extraction point (both ``None`` for
-    problems at the top level of the file); ``field`` names the key at fault.
+    ``point_index``/``point_name`` locate the extraction point or edit (both
+    ``None`` for problems at the top level of the file); ``section`` says which
+    list the index counts in (``extraction_points`` or ``edits``); ``field`` names
+    the key at fault.
     """
 
     message: str
     field: str | None = None
     point_index: int | None = None
     point_name: str | None = None
+    section: str = "extraction_points"
 
     def location(self) -> str:
-        """Where the problem is: ``extraction_points[0] (name 'p'), field 'layers'``."""
+        """Where the problem is: ``extraction_points[0] (name 'p'), field 'layers'``
+        (or ``edits[0] (name 'e'), field 'vector'``)."""
         parts: list[str] = []
         if self.point_index is not None:
-            where = f"extraction_points[{self.point_index}]"
+            where = f"{self.section}[{self.point_index}]"
             if self.point_name:
                 where += f" (name {self.point_name!r})"
             parts.append(where)
@@ -34,10 +38,11 @@ class SpecProblem:
 
     def detail(self, error_type: str = "spec") -> ErrorDetail:
         """This problem shaped like a pydantic ``errors()`` entry:
-        ``loc`` is ``("extraction_points", index, *field path)``."""
+        ``loc`` is ``("extraction_points", index, *field path)`` (``"edits"`` for an
+        edit)."""
         loc: list[str | int] = []
         if self.point_index is not None:
-            loc += ["extraction_points", self.point_index]
+            loc += [self.section, self.point_index]
         if self.field:
             loc += self.field.split(".")
         return ErrorDetail(loc=tuple(loc), msg=self.message, type=error_type)

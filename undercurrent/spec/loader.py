@@ -23,26 +23,47 @@ from pydantic import TypeAdapter, ValidationError
 
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 from undercurrent.spec.messages import describe_value, did_you_mean, pydantic_problem
-from undercurrent.spec.rules import point_rule_problems
+from undercurrent.spec.rules import edit_rule_problems, point_rule_problems, trigger_problems
 from undercurrent.spec.schema import (
     ALIAS_POINT_KEYS,
     DEPRECATED_POINT_KEYS,
+    EDIT_FIELD_ADAPTERS,
+    EDIT_VERSIONS,
     FIELD_ENUMS,
     INTERVENTION_FIELD_ADAPTERS,
     NULLABLE_KEYS,
     POINT_FIELD_ADAPTERS,
+    REQUIRED_EDIT_KEYS,
     REQUIRED_POINT_KEYS,
     SPEC_VERSIONS,
+    WHEN_FIELD_ADAPTERS,
+    EditFields,
     ExtractionPointFields,
     InterventionFields,
     SpecDocument,
+    WhenFields,
 )
-from undercurrent.spec.types import ExtractionPoint, InterventionPolicy, ProbeSpec
+from undercurrent.spec.types import (
+    Edit,
+    EditTrigger,
+    ExtractionPoint,
+    InterventionPolicy,
+    ProbeSpec,
+)
 from undercurrent.spec.yaml_source import load_yaml_data, read_spec_file
 
 _TOP_LEVEL_KEYS = tuple(SpecDocument.model_fields)
+_VERSION_1_KEYS = tuple(key for key in _TOP_LEVEL_KEYS if key != "edits")
 _POINT_KEYS = tuple(ExtractionPointFields.model_fields)
-_INTERVENTION_KEYS = tuple(InterventionFields.model_fields)
+_EDIT_KEYS = tuple(EditFields.model_fields)
+
+# Nested mappings: key -> (their field adapters, the keys they require, what they build).
+_NESTED: dict[str, tuple[Mapping[str, TypeAdapter[Any]], tuple[str, ...], Any]] = {
+    "intervention": (INTERVENTION_FIELD_ADAPTERS, (), InterventionPolicy),
+    "when": (WHEN_FIELD_ADAPTERS, ("point",), EditTrigger),
+}
+_NESTED_KEYS = {"intervention": tuple(InterventionFields.model_fields),
+                "when": tuple(WhenFields.model_fields)}
 
 
 class SpecDeprecationWarning(DeprecationWarning):
@@ -61,6 +82,7 @@ class _PointCheck:
 
     index: int
     name: str | None
+    section: str = "extraction_points"
     problems: list[SpecProblem] = field(default_factory=list)
     deprecations: list[SpecProblem] = field(default_factory=list)
     values: dict[str, Any] = field(default_factory=dict)
@@ -69,7 +91,7 @@ class _PointCheck:
 
     def add(self, key: str | None, message: str) -> None:
         shown = self.written.get(key, key) if key is not None else None
-        self.problems.append(SpecProblem(message, shown, self.index, self.name))
+        self.problems.append(SpecProblem(message, shown, self.index, self.name, self.section))
 
 
 def _unknown_key_message(key: object, allowed: Sequence[str], where: str) -> str:
@@ -94,8 +116,8 @@ def _check_fields(
         if value is None and key in NULLABLE_KEYS:
             continue  # ``null`` means "not set"
         check.given.add(flat)
-        if key == "intervention":
-            _check_intervention(check, value)
+        if key in _NESTED and not prefix:
+            _check_nested(check, key, value)
             continue
         try:
             check.values[flat] = adapters[key].validate_python(value)
@@ -105,29 +127,32 @@ def _check_fields(
                 check.add(flat, pydantic_problem(entry, allowed))
 
 
-def _check_intervention(check: _PointCheck, raw: Any) -> None:
+def _check_nested(check: _PointCheck, name: str, raw: Any) -> None:
+    """A nested mapping (``intervention``, ``when``): each key, then the object it builds."""
+    adapters, required, build = _NESTED[name]
+    keys = _NESTED_KEYS[name]
     if not isinstance(raw, Mapping):
-        check.add(
-            "intervention",
-            f"must be a mapping with keys {', '.join(_INTERVENTION_KEYS)}, "
-            f"got {describe_value(raw)}",
-        )
+        check.add(name, f"must be a mapping with keys {', '.join(keys)}, "
+                        f"got {describe_value(raw)}")
         return
     for key in raw:
-        if key not in INTERVENTION_FIELD_ADAPTERS:
-            shown = f"intervention.{key}" if isinstance(key, str) else "intervention"
-            check.add(shown, _unknown_key_message(key, _INTERVENTION_KEYS, "intervention"))
+        if key not in adapters:
+            shown = f"{name}.{key}" if isinstance(key, str) else name
+            check.add(shown, _unknown_key_message(key, keys, name))
     before = len(check.problems)
-    _check_fields(check, raw, INTERVENTION_FIELD_ADAPTERS, "intervention.")
+    _check_fields(check, raw, adapters, f"{name}.")
+    for key in required:
+        if key not in raw:
+            check.add(f"{name}.{key}", "is required but missing")
     if len(check.problems) == before and all(
-        isinstance(key, str) and key in INTERVENTION_FIELD_ADAPTERS for key in raw
+        isinstance(key, str) and key in adapters for key in raw
     ):
         parts = {
-            key.removeprefix("intervention."): value
+            key.removeprefix(f"{name}."): value
             for key, value in check.values.items()
-            if key.startswith("intervention.")
+            if key.startswith(f"{name}.")
         }
-        check.values["intervention"] = InterventionPolicy(**parts)
+        check.values[name] = build(**parts)
 
 
 def _check_point(raw: Mapping[Any, Any], index: int) -> _PointCheck:
@@ -165,6 +190,60 @@ def _check_point(raw: Mapping[Any, Any], index: int) -> _PointCheck:
     return check
 
 
+def _check_edit(raw: Mapping[Any, Any], index: int) -> _PointCheck:
+    name = raw.get("name")
+    check = _PointCheck(index=index, name=name if isinstance(name, str) else None,
+                        section="edits")
+    for key in raw:
+        if key not in EDIT_FIELD_ADAPTERS:
+            check.add(key if isinstance(key, str) else None,
+                      _unknown_key_message(key, _EDIT_KEYS, "edit"))
+    data = {key: value for key, value in raw.items() if key in EDIT_FIELD_ADAPTERS}
+    _check_fields(check, data, EDIT_FIELD_ADAPTERS, "")
+    for key in REQUIRED_EDIT_KEYS:
+        if key not in data:
+            check.add(key, "is required but missing")
+    for key, message in edit_rule_problems(check.values, check.given):
+        check.add(key, message)
+    return check
+
+
+def edit_problems(raw: Mapping[Any, Any], index: int = 0) -> list[SpecProblem]:
+    """Every problem of one raw edit (a mapping) on its own, without building it
+    (references to extraction points are checked with the whole spec)."""
+    return _check_edit(raw, index).problems
+
+
+def parse_edit(raw: Any, index: int = 0) -> Edit:
+    """One edit from raw data (a mapping in spec form), checked on its own; an
+    :class:`Edit` is returned as it is. References to extraction points are
+    checked with the points they run next to (see ``check_edits``).
+
+    >>> parse_edit({"name": "e", "layers": 1, "tensor_type": "residual_stream",
+    ...     "position": "generated[*]", "op": "add", "vector": [1, 0]}).vector
+    (1.0, 0.0)
+    """
+    if isinstance(raw, Edit):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise SpecValidationError([SpecProblem(
+            f"an edit must be an Edit or a mapping, got {describe_value(raw)}",
+            point_index=index, section="edits")])
+    check = _check_edit(raw, index)
+    if check.problems:
+        raise SpecValidationError(check.problems)
+    return _build_edit(check)
+
+
+def _build_edit(check: _PointCheck) -> Edit:
+    arguments = {
+        key: value
+        for key, value in check.values.items()
+        if "." not in key and key in Edit.__dataclass_fields__
+    }
+    return Edit(**arguments)
+
+
 def point_problems(raw: Mapping[Any, Any], index: int = 0) -> list[SpecProblem]:
     """Every problem of one raw extraction point (a mapping), without building it."""
     return _check_point(raw, index).problems
@@ -194,15 +273,15 @@ def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], lis
             )
         )
         return None, problems, []
-    for key in data:
-        if key not in _TOP_LEVEL_KEYS:
-            problems.append(
-                SpecProblem(
-                    _unknown_key_message(key, _TOP_LEVEL_KEYS, "top-level"),
-                    key if isinstance(key, str) else None,
-                )
-            )
     version = data.get("version", "1")
+    with_edits = isinstance(version, str) and version.strip() in EDIT_VERSIONS
+    allowed = _TOP_LEVEL_KEYS if with_edits else _VERSION_1_KEYS
+    for key in data:
+        if key not in allowed:
+            message = _unknown_key_message(key, allowed, "top-level")
+            if key == "edits":
+                message += ' (edits need version: "2")'
+            problems.append(SpecProblem(message, key if isinstance(key, str) else None))
     if not isinstance(version, str):
         problems.append(
             SpecProblem(
@@ -257,9 +336,50 @@ def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], lis
         deprecations += check.deprecations
         if not check.problems:
             points.append(_build_point(check))
+    edits = _parse_edits(data.get("edits") if with_edits else None, first_index, points,
+                         problems)
     if problems:
         return None, problems, deprecations
-    return ProbeSpec(tuple(points), version=str(version).strip()), problems, deprecations
+    return (ProbeSpec(tuple(points), version=str(version).strip(), edits=tuple(edits)),
+            problems, deprecations)
+
+
+def _parse_edits(raw_edits: Any, point_index: Mapping[str, int],
+                 points: Sequence[ExtractionPoint], problems: list[SpecProblem]) -> list[Edit]:
+    """Check and build the ``edits`` list, appending every problem to ``problems``."""
+    if raw_edits is None:
+        return []
+    if not _is_list(raw_edits):
+        problems.append(SpecProblem(f"must be a list of edits, got {describe_value(raw_edits)}",
+                                    "edits"))
+        return []
+    built = {point.name: point for point in points}
+    edits: list[Edit] = []
+    first_index: dict[str, int] = {}
+    for index, raw in enumerate(raw_edits):
+        if not isinstance(raw, Mapping):
+            problems.append(SpecProblem(f"an edit must be a mapping, got {describe_value(raw)}",
+                                        point_index=index, section="edits"))
+            continue
+        check = _check_edit(raw, index)
+        if check.name is not None and "name" in check.values:
+            if check.name in point_index:
+                check.add("name", f"duplicate name {check.name!r}: already used by "
+                                  f"extraction_points[{point_index[check.name]}]; names must "
+                                  "be unique across extraction points and edits")
+            elif check.name in first_index:
+                check.add("name", f"duplicate name {check.name!r}: already used by "
+                                  f"edits[{first_index[check.name]}]; names must be unique")
+            else:
+                first_index[check.name] = index
+        trigger = check.values.get("when")
+        if trigger is not None:
+            for message in trigger_problems(trigger, point_index, built):
+                check.add("when.point", message)
+        problems += check.problems
+        if not check.problems:
+            edits.append(_build_edit(check))
+    return edits
 
 
 def _warning_stacklevel() -> int:

@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from undercurrent.spec.types import ExecutionMode, InterventionMode, OnTimeout, ProbeKind
+from undercurrent.spec.types import (
+    EditOp,
+    EditTrigger,
+    ExecutionMode,
+    ExtractionPoint,
+    InterventionMode,
+    OnTimeout,
+    ProbeKind,
+)
 
 _UNKNOWN = object()
 
@@ -112,3 +120,63 @@ def _intervention_problems(
                 )
             )
     return problems
+
+
+def edit_rule_problems(values: Mapping[str, Any], given: Collection[str]) -> list[tuple[str, str]]:
+    """Problems of one edit's fields taken together, as ``(key, message)`` pairs."""
+    problems: list[tuple[str, str]] = []
+    position = values.get("position")
+    if "stride" in given and position is not None and not position.is_continuous:
+        problems.append(
+            (
+                "stride",
+                "stride only applies to a continuous position (generated[*], generated[a:], "
+                f"generated[a:b]); position {position} matches a single token",
+            )
+        )
+    op = values.get("op")
+    if values.get("norm_match") and op is not None and op is not EditOp.ADD:
+        problems.append(
+            (
+                "norm_match",
+                f"norm_match only applies to op 'add' (op {op.value!r} uses the unit "
+                "direction of the vector); remove it or use op: add",
+            )
+        )
+    if "vector_key" in given and isinstance(values.get("vector"), tuple):
+        problems.append(
+            (
+                "vector_key",
+                "vector_key picks an array in a vector file, but vector is a list of numbers; "
+                "remove vector_key or give vector as a .safetensors/.npz path",
+            )
+        )
+    return problems
+
+
+def trigger_problems(
+    trigger: EditTrigger,
+    point_names: Collection[str],
+    points: Mapping[str, ExtractionPoint],
+) -> list[str]:
+    """Why an edit's ``when`` cannot be served by the spec's extraction points.
+
+    ``point_names`` are every point name the spec declares; ``points`` the points
+    that resolved (a point with its own problems is not judged again here).
+    """
+    if trigger.point not in point_names:
+        from undercurrent.spec.messages import did_you_mean
+
+        known = ", ".join(sorted(point_names)) or "none"
+        return [
+            f"names no extraction point: {trigger.point!r}"
+            f"{did_you_mean(trigger.point, point_names)}; the spec's points are: {known}"
+        ]
+    point = points.get(trigger.point)
+    if point is not None and point.execution_mode is ExecutionMode.ASYNC:
+        return [
+            f"extraction point {trigger.point!r} runs async, and async points only observe: "
+            "their signals arrive off the generation path, too late to switch an edit on at "
+            "a known token; make it execution_mode: inline"
+        ]
+    return []

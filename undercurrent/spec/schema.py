@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     StrictStr,
     TypeAdapter,
@@ -32,19 +34,28 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from undercurrent.spec.messages import describe_value
+from undercurrent.spec.messages import describe_value, did_you_mean
 from undercurrent.spec.position import PositionError, parse_position
 from undercurrent.spec.types import (
+    EDIT_TENSOR_TYPES,
+    EditOp,
     ExecutionMode,
     InterventionMode,
     OnTimeout,
     ProbeKind,
     TensorType,
+    TriggerAction,
     UntilKind,
 )
 
-SPEC_VERSIONS = ("1",)
-"""Spec format versions this release reads."""
+SPEC_VERSIONS = ("1", "2")
+"""Spec format versions this release reads: "2" is "1" plus ``edits``."""
+
+EDIT_VERSIONS = ("2",)
+"""Spec versions that accept the top-level ``edits`` list."""
+
+VECTOR_FILE_SUFFIXES = (".safetensors", ".npz")
+"""File types an edit's ``vector`` may name (never pickle)."""
 
 POSITION_PATTERN = (
     r"^\s*(\d+|prompt\[-?\d+\]([+-]\d+)?|generated\[\d+\]([+-]\d+)?"
@@ -112,6 +123,58 @@ def _probe_arguments(value: Any, handler: Callable[[Any], Any], info: Validation
         raise _fail(f"cannot be copied: {type(error).__name__}: {error}") from None
 
 
+def _edit_tensor_type(value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
+    """``tensor_type`` of an edit: one of the three editable tensors -> TensorType."""
+    del handler, info
+    allowed = ", ".join(t.value for t in EDIT_TENSOR_TYPES)
+    try:
+        tensor_type = TensorType(value)
+    except ValueError:
+        shown = repr(value) if isinstance(value, str) else describe_value(value)
+        raise _fail(f"{shown} is not allowed; expected one of: {allowed}"
+                    + did_you_mean(value, [t.value for t in EDIT_TENSOR_TYPES])) from None
+    if tensor_type not in EDIT_TENSOR_TYPES:
+        raise _fail(f"{tensor_type.value!r} cannot be edited; an edit changes one of: {allowed}")
+    return tensor_type
+
+
+def _edit_vector(value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
+    """``vector``: a non-empty list of finite numbers -> tuple of floats, or a file path."""
+    del handler, info
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            raise _fail("must not be empty; give a list of numbers or a .safetensors/.npz path")
+        if not text.endswith(VECTOR_FILE_SUFFIXES):
+            raise _fail(f"file {text!r} must end in .safetensors or .npz (pickled files "
+                        "are never loaded); or give the vector as a list of numbers")
+        return text
+    if not isinstance(value, list | tuple):
+        raise _fail("must be a list of numbers or a path to a .safetensors/.npz file, "
+                    f"got {describe_value(value)}")
+    if not value:
+        raise _fail("is an empty list; give one number per hidden unit")
+    faults = [f"item {index} is {describe_value(item)}" for index, item in enumerate(value)
+              if isinstance(item, bool) or not isinstance(item, int | float)]
+    if faults:
+        raise _fail("; ".join(faults[:3]) + "; the vector must hold numbers only")
+    numbers = tuple(float(item) for item in value)
+    if not all(math.isfinite(item) for item in numbers):
+        raise _fail("holds NaN or infinity; every item must be a finite number")
+    if not any(numbers):
+        raise _fail("is all zeros; an edit needs a direction")
+    return numbers
+
+
+def _finite_number(value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
+    del handler, info
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(f"must be a number, got {describe_value(value)}")
+    if not math.isfinite(value):
+        raise _fail(f"must be a finite number, got {value!r}")
+    return float(value)
+
+
 LayerIndices = Annotated[
     int | list[int],
     WrapValidator(_layer_indices),
@@ -147,6 +210,24 @@ NonEmptyText = Annotated[
     WithJsonSchema({"type": "string", "minLength": 1, "pattern": r"\S"}),
 ]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
+EditTensorType = Annotated[
+    str,
+    WrapValidator(_edit_tensor_type),
+    WithJsonSchema({"enum": [t.value for t in EDIT_TENSOR_TYPES]}),
+]
+EditVector = Annotated[
+    list[float] | str,
+    WrapValidator(_edit_vector),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "items": {"type": "number"}, "minItems": 1},
+                {"type": "string", "pattern": r"\.(safetensors|npz)\s*$"},
+            ]
+        }
+    ),
+]
+FiniteNumber = Annotated[float, WrapValidator(_finite_number), WithJsonSchema({"type": "number"})]
 ProbeArguments = Annotated[dict[StrictStr, Any], WrapValidator(_probe_arguments)]
 
 
@@ -243,6 +324,67 @@ class ExtractionPointFields(_SchemaModel):
     ``reject``)."""
 
 
+class WhenFields(_SchemaModel):
+    """Switch an edit on for a request when one of its extraction points signals."""
+
+    point: NonEmptyText
+    """The extraction point whose signal switches the edit on. It must be an
+    inline point of the same spec (async points only observe)."""
+
+    action: TriggerAction = TriggerAction.FLAG
+    """The signal action that switches the edit on: ``flag`` (default) or
+    ``abort``."""
+
+
+class EditFields(_SchemaModel):
+    """One live activation edit (spec version "2"): which tensor to change, at which
+    layers and token positions, how, and with which vector."""
+
+    name: NonEmptyText
+    """Unique across the spec's extraction points and edits; outputs and records
+    name the edit with it."""
+
+    layers: LayerIndices
+    """Layer index (an integer >= 0) or a non-empty list of distinct indices."""
+
+    tensor_type: EditTensorType
+    """Which tensor to change: ``residual_stream`` (a decoder layer's output, so
+    layer L+1 receives the edited value), ``attn_out`` or ``mlp_out``."""
+
+    position: Position
+    """Which tokens to change, in the extraction-point grammar. ``generated[*]``
+    means the generated tokens as they are fed back to the model; prompt positions
+    are changed during prefill."""
+
+    stride: PositiveInt = 1
+    """Change every Nth match of a continuous position (``generated[*]`` and
+    slices only)."""
+
+    op: EditOp
+    """``add`` (h += c*v), ``project_out`` (h -= c*(h.u)u), ``clamp`` (the
+    component along u becomes c) or ``scale`` (the component along u is
+    multiplied by c); u is the unit vector of ``vector``."""
+
+    vector: EditVector
+    """A list of numbers (one per hidden unit), or a path to a ``.safetensors`` /
+    ``.npz`` file holding one 1-D array (``undercurrent:`` names a file inside the
+    package). A linear probe file stands for its weight direction."""
+
+    vector_key: NonEmptyText | None = None
+    """Which array of the ``vector`` file to use when it holds several."""
+
+    coefficient: FiniteNumber = 1.0
+    """The ``c`` of the op (default 1.0)."""
+
+    norm_match: StrictBool = False
+    """``add`` only: scale the vector to the norm of the token's own activation
+    before adding (default false)."""
+
+    when: WhenFields | None = None
+    """Off for a request until ``point`` emits a signal with ``action`` for that
+    request; from the next forward pass on it stays on for that request only."""
+
+
 class SpecDocument(_SchemaModel):
     """An undercurrent spec: a named list of extraction points."""
 
@@ -254,10 +396,13 @@ class SpecDocument(_SchemaModel):
     )
 
     version: StrictStr = "1"
-    """Spec format version, a string. This release reads version ``"1"``."""
+    """Spec format version, a string: ``"1"``, or ``"2"`` (adds ``edits``)."""
 
     extraction_points: list[ExtractionPointFields]
     """The extraction points, each with a unique name."""
+
+    edits: list[EditFields] = Field(default_factory=list)
+    """Live activation edits (version "2" only; version "1" rejects the key)."""
 
 
 # Keys that must be present on every point once older spellings are mapped.
@@ -268,7 +413,10 @@ DEPRECATED_POINT_KEYS = {"layer": "layers", "tensor": "tensor_type"}
 ALIAS_POINT_KEYS = {"every_n": "stride"}
 
 # Optional keys whose default is None: writing ``null`` is the same as omitting them.
-NULLABLE_KEYS = frozenset({"until", "queue_depth", "intervention", "timeout_ms"})
+NULLABLE_KEYS = frozenset({"until", "queue_depth", "intervention", "timeout_ms", "when",
+                           "vector_key"})
+
+REQUIRED_EDIT_KEYS = ("name", "layers", "tensor_type", "position", "op", "vector")
 
 
 def _field_adapters(model: type[BaseModel]) -> dict[str, TypeAdapter[Any]]:
@@ -291,11 +439,13 @@ def _field_enums(*models: type[BaseModel]) -> dict[str, type[enum.Enum]]:
     return found
 
 
-FIELD_ENUMS = _field_enums(ExtractionPointFields, InterventionFields)
+FIELD_ENUMS = _field_enums(ExtractionPointFields, InterventionFields, EditFields, WhenFields)
 """Key -> the enum its values come from (for "expected one of" messages)."""
 
 POINT_FIELD_ADAPTERS = _field_adapters(ExtractionPointFields)
 INTERVENTION_FIELD_ADAPTERS = _field_adapters(InterventionFields)
+EDIT_FIELD_ADAPTERS = _field_adapters(EditFields)
+WHEN_FIELD_ADAPTERS = _field_adapters(WhenFields)
 
 
 def json_schema() -> dict[str, Any]:
@@ -317,6 +467,17 @@ def json_schema() -> dict[str, Any]:
         {"anyOf": [{"required": ["tensor_type"]}, {"required": ["tensor"]}]},
         *({"not": {"required": [first, second]}} for first, second in exclusive),
     ]
+    schema["$defs"]["EditFields"]["title"] = "Edit"
+    schema["$defs"]["WhenFields"]["title"] = "Edit trigger"
     schema["properties"]["version"]["enum"] = list(SPEC_VERSIONS)
+    # ``edits`` belongs to version "2": a file that omits version (so "1") or says
+    # "1" must not have it.
+    schema["allOf"] = [
+        {
+            "if": {"not": {"properties": {"version": {"enum": list(EDIT_VERSIONS)}},
+                           "required": ["version"]}},
+            "then": {"not": {"required": ["edits"]}},
+        }
+    ]
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     return schema

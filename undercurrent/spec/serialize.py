@@ -16,6 +16,7 @@ import yaml
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 from undercurrent.spec.position import format_position
 from undercurrent.spec.types import (
+    Edit,
     ExecutionMode,
     ExtractionPoint,
     InterventionMode,
@@ -68,15 +69,49 @@ def extraction_point_to_dict(point: ExtractionPoint) -> dict[str, Any]:
     return data
 
 
+def edit_to_dict(edit: Edit) -> dict[str, Any]:
+    """One edit as a plain dict in spec form (defaults omitted, position canonical).
+
+    >>> from undercurrent.spec import Edit
+    >>> edit_to_dict(Edit(name="e", layers=(1,), tensor_type="residual_stream",
+    ...     position="generated[*]", op="add", vector=[0.5, 1.0]))["vector"]
+    [0.5, 1.0]
+    """
+    layers = list(edit.layers)
+    data: dict[str, Any] = {
+        "name": edit.name,
+        "layers": layers[0] if len(layers) == 1 else layers,
+        "tensor_type": edit.tensor_type.value,
+        "position": format_position(edit.position),
+    }
+    if edit.stride != 1:
+        data["stride"] = edit.stride
+    data["op"] = edit.op.value
+    data["vector"] = edit.vector if isinstance(edit.vector, str) else list(edit.vector)
+    if edit.vector_key is not None:
+        data["vector_key"] = edit.vector_key
+    if edit.coefficient != 1.0:
+        data["coefficient"] = edit.coefficient
+    if edit.norm_match:
+        data["norm_match"] = True
+    if edit.when is not None:
+        data["when"] = {"point": edit.when.point, "action": edit.when.action.value}
+    return data
+
+
 def probe_spec_to_dict(spec: ProbeSpec) -> dict[str, Any]:
-    """A whole spec as plain data: ``{"version": ..., "extraction_points": [...]}``.
+    """A whole spec as plain data: ``{"version": ..., "extraction_points": [...]}``,
+    plus ``"edits"`` when the spec has any.
 
     ``version`` is always written, so a saved file says which format it uses.
     """
-    return {
+    data: dict[str, Any] = {
         "version": spec.version,
         "extraction_points": [extraction_point_to_dict(point) for point in spec],
     }
+    if spec.edits:
+        data["edits"] = [edit_to_dict(edit) for edit in spec.edits]
+    return data
 
 
 def _plain(value: Any) -> Any:

@@ -158,15 +158,119 @@ class ExtractionPoint:
         )
 
 
+class EditOp(str, enum.Enum):
+    """What an edit does to an activation ``h`` (``c`` is the coefficient, ``v`` the
+    vector, ``u`` its unit direction): ``add`` ``h += c*v``; ``project_out``
+    ``h -= c*(h.u)u``; ``clamp`` sets the component along ``u`` to ``c``;
+    ``scale`` multiplies the component along ``u`` by ``c``."""
+
+    ADD = "add"
+    PROJECT_OUT = "project_out"
+    CLAMP = "clamp"
+    SCALE = "scale"
+
+
+EDIT_TENSOR_TYPES = (TensorType.RESIDUAL_STREAM, TensorType.ATTN_OUT, TensorType.MLP_OUT)
+"""The tensor types an edit may change."""
+
+
+class TriggerAction(str, enum.Enum):
+    """The signal action that switches a triggered edit on."""
+
+    FLAG = "flag"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class EditTrigger:
+    """``when:`` of an edit: off for a request until extraction point ``point``
+    emits a signal with ``action`` for that request."""
+
+    point: str
+    action: TriggerAction = TriggerAction.FLAG
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", TriggerAction(self.action))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Edit:
+    """A live activation edit (spec version "2"): where, what and with which vector.
+
+    ``vector`` is a tuple of floats or a file path (``.safetensors`` / ``.npz``;
+    ``undercurrent:`` package paths work); it is resolved to a direction when the
+    edit is registered on a model. ``when`` is None for an edit that is always on.
+
+    >>> edit = Edit(name="steer", layers=2, tensor_type="residual_stream",
+    ...     position="generated[*]", op="add", vector=[1.0, 0.0], coefficient=-4.0)
+    >>> edit.layers, edit.op.value, edit.vector
+    ((2,), 'add', (1.0, 0.0))
+    """
+
+    name: str
+    layers: tuple[int, ...]
+    tensor_type: TensorType
+    position: PositionSelector
+    stride: int = 1
+    op: EditOp
+    vector: tuple[float, ...] | str
+    vector_key: str | None = None
+    coefficient: float = 1.0
+    norm_match: bool = False
+    when: EditTrigger | None = None
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, int):
+            layers = (layers,)
+        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
+        object.__setattr__(self, "op", EditOp(self.op))
+        if not isinstance(self.position, PositionSelector):
+            from undercurrent.spec.position import parse_position
+
+            object.__setattr__(self, "position", parse_position(self.position))
+        if not isinstance(self.vector, str):
+            object.__setattr__(self, "vector", tuple(float(x) for x in self.vector))
+        if isinstance(self.when, Mapping):
+            object.__setattr__(self, "when", EditTrigger(**self.when))
+        object.__setattr__(self, "coefficient", float(self.coefficient))
+
+    @property
+    def triggered(self) -> bool:
+        """True when the edit waits for a probe's signal (``when`` is set)."""
+        return self.when is not None
+
+    def matches(
+        self,
+        token_index: int,
+        is_generated: bool,
+        prompt_len: int,
+        generated_index: int | None = None,
+    ) -> bool:
+        """Whether this edit applies to a token: the position selector and stride."""
+        return self.position.matches(
+            token_index, is_generated, prompt_len, generated_index, stride=self.stride
+        )
+
+
 @dataclass(frozen=True)
 class ProbeSpec:
-    """A named list of extraction points: iterable, ``len()``, ``.get(name)``, ``.names``."""
+    """A named list of extraction points: iterable, ``len()``, ``.get(name)``, ``.names``.
+
+    ``edits`` (spec version "2") are the live activation edits; iterating a spec
+    yields its extraction points only. A hand-built spec with edits is version "2".
+    """
 
     extraction_points: tuple[ExtractionPoint, ...] = ()
     version: str = "1"
+    edits: tuple[Edit, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extraction_points", tuple(self.extraction_points))
+        object.__setattr__(self, "edits", tuple(self.edits))
+        if self.edits and self.version == "1":
+            object.__setattr__(self, "version", "2")
 
     def __iter__(self) -> Iterator[ExtractionPoint]:
         return iter(self.extraction_points)
@@ -187,4 +291,11 @@ class ProbeSpec:
         for point in self.extraction_points:
             if point.name == name:
                 return point
+        return default
+
+    def get_edit(self, name: str, default: Edit | None = None) -> Edit | None:
+        """The edit called ``name``, or ``default`` when there is none."""
+        for edit in self.edits:
+            if edit.name == name:
+                return edit
         return default

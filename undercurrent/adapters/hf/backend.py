@@ -67,7 +67,7 @@ class _RowDriver:
     def plan_forward(self, width: int) -> StepPlan | None:
         index = self.forwards
         self.forwards += 1
-        if not self.session.points:
+        if not self.session.points and not self.session.has_edits:
             return None
         plan = StepPlan()
         if index == 0:
@@ -127,7 +127,8 @@ class _RowDriver:
                     request_id=state.request_id, token_id=token,
                     text=state.stream_text.piece(self.texts[row]),
                     token_index=state.prompt_len + generated_index,
-                    generated_index=generated_index, signals=state.unread_signals()))
+                    generated_index=generated_index, signals=state.unread_signals(),
+                    edits=state.unread_edits()))
         done = [not state.live for state in self.states]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
@@ -426,10 +427,18 @@ class HFBackend:
         plan = StepPlan()
         for row, (state, seq) in enumerate(zip(rows, sequences, strict=True)):
             last = len(seq) - 1
+            # The replay recomputes every position: apply again the edits generation
+            # applied (without logging them twice), then plan the last token.
+            replayed = list(state.applied)
+            by_name = {resolved.edit.name: resolved for resolved in state.edits}
+            for applied in replayed:
+                plan.add_edit(state, by_name[applied.edit_name], applied.layer,
+                              applied.token_index,
+                              (row, width - len(seq) + applied.token_index), log=False)
             plan.add_window(state, last, last + 1, lambda t, row=row: (row, width - 1))
-        if not plan:
+        if not plan.groups:
             return
-        self.hooks.install(session.wanted_pairs() | {key for key in plan.groups})
+        self.hooks.install(session.wanted_pairs() | plan.pairs())
         self.hooks.on_forward = None
         self.hooks.set_plan(plan, width)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.device),

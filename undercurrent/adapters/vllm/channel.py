@@ -46,6 +46,7 @@ class StepServer:
         self._states: dict[str, RequestState] = {}
         self._connection: Any = None
         self.error: BaseException | None = None
+        self._armed: list[tuple[str, str, int]] = []
         self.steps = 0
         self.rows = 0
         self._thread = threading.Thread(target=self._serve, name="undercurrent-vllm-steps",
@@ -88,6 +89,7 @@ class StepServer:
             batch = wire.decode(payload)
             assert isinstance(batch, wire.StepBatch)
             reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
+            reply.armed, self._armed = self._armed, []
             try:
                 connection.send_bytes(wire.encode(reply))
             except OSError:
@@ -121,6 +123,12 @@ class StepServer:
                     generated[index] = token_id
                 elif index == len(generated):
                     generated.append(token_id)
+        for engine_id, name, tensor_type, layer, token_index in batch.edits:
+            state = states.get(engine_id)
+            if state is not None:
+                state.log_applied(name, TensorType(tensor_type), layer, token_index)
+        armed_before = {engine_id: set(state.armed) for engine_id, state in states.items()
+                        if state.edits}
         live_before = {engine_id for engine_id, state in states.items() if state.live}
         deliveries: list[tuple[TensorType, list[CaptureTarget], Any]] = []
         for group in batch.groups:
@@ -134,6 +142,10 @@ class StepServer:
                                              token_index, slot))
             deliveries.append((TensorType(group.tensor_type), targets, rows))
         session.deliver(deliveries)
+        for engine_id, before in armed_before.items():
+            armed = states[engine_id].armed
+            self._armed += [(engine_id, name, armed[name]) for name in armed
+                            if name not in before]
         aborted = [engine_id for engine_id in live_before if states[engine_id].aborted]
         if aborted:
             self._on_abort(aborted)

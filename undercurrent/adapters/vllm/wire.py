@@ -42,7 +42,9 @@ class StepBatch:
 
     ``tokens`` holds ``(engine request id, first generated index, token ids)``: the
     generated tokens fed to the model since the previous batch, so the driver
-    knows each record's token id before the step's output reaches it.
+    knows each record's token id before the step's output reaches it. ``edits``
+    holds ``(engine request id, edit name, tensor type, layer, token index)`` for
+    every live edit the step applied (the records of an edited site say so).
     """
 
     step: int
@@ -50,6 +52,7 @@ class StepBatch:
     banks: list[Any] = field(default_factory=list)
     tokens: list[tuple[str, int, list[int]]] = field(default_factory=list)
     version: int = PROTOCOL_VERSION
+    edits: list[tuple[str, str, str, int, int]] = field(default_factory=list)
 
     def rows(self, group: GroupRows) -> Any:
         """The tensor rows of ``group`` (a view into its bank)."""
@@ -62,10 +65,13 @@ class StepBatch:
 
 @dataclass
 class StepReply:
-    """The driver's answer to a step: requests to stop capturing (aborted)."""
+    """The driver's answer to a step: requests to stop capturing (aborted), and
+    triggered edits a signal of this step switched on, as ``(engine request id,
+    edit name, token index of the signal)``: they apply from the next step."""
 
     step: int
     aborted: list[str] = field(default_factory=list)
+    armed: list[tuple[str, str, int]] = field(default_factory=list)
 
 
 def encode(message: StepBatch | StepReply) -> bytes:
@@ -114,3 +120,25 @@ def point_from_wire(data: dict[str, Any]) -> Any:
         probe_type=data["probe_type"],
         probe_kind=data["probe_kind"],
     )
+
+
+def edit_to_wire(resolved: Any) -> dict[str, Any]:
+    """A resolved edit as plain data: its spec form with the vector already resolved
+    to a list of floats (the worker never reads vector files)."""
+    from undercurrent.spec.serialize import edit_to_dict
+
+    data = edit_to_dict(resolved.edit)
+    data.pop("vector_key", None)
+    data["vector"] = [float(x) for x in resolved.vector]
+    return {"edit": data, "source": resolved.source}
+
+
+def edit_from_wire(data: dict[str, Any]) -> Any:
+    """Rebuild a resolved edit in the worker."""
+    import numpy as np
+
+    from undercurrent.spec.loader import parse_edit
+    from undercurrent.steering.vectors import ResolvedEdit
+
+    edit = parse_edit(data["edit"])
+    return ResolvedEdit(edit, np.array(edit.vector, dtype=np.float64), str(data["source"]))

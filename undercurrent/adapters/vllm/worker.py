@@ -9,9 +9,14 @@ which rows each hook keeps. At the end of the forward it sends one
 :class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
 reply, so inline probes run (and can abort) before the step's tokens are sampled.
 
-Only the capturing rank (tensor-parallel rank 0) hooks anything; the tensors it
-captures are the full, all-reduced ones, identical on every rank. Every method the
-driver calls is prefixed ``undercurrent_`` so it cannot clash with vLLM's own.
+Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
+are the full, all-reduced ones, identical on every rank. Live edits run on every
+rank (each rank's copy of the residual stream must change the same way): every
+rank hooks the model and plans the same edits from the same runner state; rank 0
+reports the edits it applied with the step's batch, and learns from the reply which
+triggered edits a signal switched on, which it shares with the other ranks at the
+start of the next step. Every method the driver calls is prefixed ``undercurrent_``
+so it cannot clash with vLLM's own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
 from undercurrent.adapters.vllm.rows import TokenWindow, engine_request_id, step_windows
 from undercurrent.spec.types import TensorType
+from undercurrent.steering.kernels import EditKernels
 
 logger = logging.getLogger("undercurrent.vllm.worker")
 
@@ -74,22 +80,34 @@ class _MirrorState(RequestState):
     recomputed tokens after a preemption are not captured twice) and how many
     generated token ids the driver already has."""
 
-    def __init__(self, engine_id: str, prompt_len: int, points: list[Any]) -> None:
-        super().__init__(engine_id, "", range(prompt_len), points)
+    def __init__(self, engine_id: str, prompt_len: int, points: list[Any],
+                 edits: list[Any] | None = None) -> None:
+        super().__init__(engine_id, "", range(prompt_len), points, edits=edits or ())
         self.point_index = {point.name: index for index, point in enumerate(self.points)}
         self.next_token = 0
         self.generated_sent = 0
+        self.applied_sent = 0
+        # Recomputed windows (after a preemption) need their edits again.
+        self.retire_edits = False
+        self.has_triggers = any(resolved.edit.when is not None for resolved in self.edits)
 
 
 class _Capture:
     """Hooks, per-request plans and the driver connection of one worker."""
 
-    def __init__(self, worker: Any, address: str, authkey: bytes) -> None:
+    def __init__(self, worker: Any, address: str | None, authkey: bytes | None,
+                 tensor_parallel_size: int = 1) -> None:
         self.worker = worker
         self.runner = worker.model_runner
         self.model = self.runner.get_model()
         self.layout = layouts.locate(self.model)
-        self.connection = Client(address, family="AF_UNIX", authkey=authkey)
+        # Ranks other than 0 only edit: no connection, no points.
+        self.capturing = address is not None
+        self.connection: Any = (Client(address, family="AF_UNIX", authkey=authkey)
+                                if address is not None else None)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.kernels = EditKernels()
+        self.armed_outbox: list[tuple[str, str, int]] = []
         self.handles: list[Any] = []
         self.states: dict[str, _MirrorState] = {}
         self.plan: StepPlan | None = None
@@ -124,8 +142,26 @@ class _Capture:
             return None
         return self.indices.get((layer, tensor_type))
 
+    def _apply_edits(self, tensor_type: TensorType, output: Any, edits: Any) -> None:
+        """Change the planned rows of a module's output in place. A split residual
+        stream (hidden, residual) gets each edit's change added to ``hidden`` only, so
+        the sum the next layer reads changes exactly once."""
+        split = (tensor_type is TensorType.RESIDUAL_STREAM and isinstance(output, tuple)
+                 and len(output) > 1 and output[1] is not None)
+        target = layouts.first_tensor(output)
+        for entry in edits:
+            index = torch.tensor(entry.slots, dtype=torch.long, device=target.device)
+            rows = target.index_select(0, index)
+            if split:
+                rows = rows + output[1].index_select(0, index)
+            target.index_add_(0, index, self.kernels.delta(entry.resolved, rows))
+
     def _output_hook(self, layer: int, tensor_type: TensorType, pick: Any) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
+            if self.plan is not None:
+                edits = self.plan.get_edits(layer, tensor_type)
+                if edits is not None:
+                    self._apply_edits(tensor_type, output, edits)
             rows = self._rows(layer, tensor_type)
             if rows is None:
                 return
@@ -162,18 +198,42 @@ class _Capture:
         return step_windows(batch.req_ids[:count], batch.num_computed_tokens_cpu[:count],
                             self.runner.query_start_loc.np[:count + 1], count)
 
+    def _share_armed(self) -> None:
+        """Tensor parallelism: rank 0 tells every rank which triggered edits its last
+        reply switched on, before any rank plans this step. Every rank runs this at
+        the same forward (the condition depends on state all ranks share)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        armed = get_tp_group().broadcast_object(
+            self.armed_outbox if self.capturing else None, src=0)
+        self.armed_outbox = []
+        if not self.capturing:
+            self._arm(armed or [])
+
+    def _arm(self, armed: list[tuple[str, str, int]]) -> None:
+        for engine_id, name, token_index in armed:
+            state = self.states.get(engine_id)
+            if state is not None:
+                state.armed.setdefault(name, int(token_index))
+
     def _begin_step(self, module: Any, args: Any) -> None:
         self.plan = None
         self.captured = []
         self.pending_tokens = []
         if not self.states:
             return
+        if self.tensor_parallel_size > 1 and any(s.has_triggers for s in self.states.values()):
+            self._share_armed()
         plan = StepPlan()
         for window in self._windows():
             state = self.states.get(engine_request_id(window.request_id))
             if state is None or not state.live:
                 continue
             start = max(window.token_start, state.next_token)
+            if start > window.token_start and state.edits:
+                # Recomputed after a preemption: its edits again, reported once already.
+                plan.add_edit_window(state, window.token_start, min(start, window.token_stop),
+                                     window.row_of, log=False)
             if start >= window.token_stop:
                 continue  # recomputed after a preemption: captured already
             state.next_token = window.token_stop
@@ -189,12 +249,30 @@ class _Capture:
                         for key, group in plan.groups.items()}
         self.plan = plan
 
+    def _applied_edits(self) -> list[tuple[str, str, str, int, int]]:
+        """Edits applied since the last batch, for the driver (then forgotten here)."""
+        applied = []
+        for engine_id, state in self.states.items():
+            for entry in state.applied[state.applied_sent:]:
+                applied.append((engine_id, entry.edit_name, entry.tensor_type, entry.layer,
+                                entry.token_index))
+            state.applied_sent = len(state.applied)
+        return applied
+
     def _end_step(self, module: Any, args: Any, output: Any) -> None:
         plan, self.plan = self.plan, None
-        if plan is None or not self.captured:
+        if plan is None:
+            return
+        if not self.capturing:
+            for state in self.states.values():
+                state.applied.clear()  # only rank 0 reports what was applied
+            return
+        if not self.captured:
+            # Edits alone need no round trip: what they changed rides with the next
+            # batch (before its records are built) or is taken at the end.
             return
         self.step += 1
-        batch = wire.StepBatch(step=self.step)
+        batch = wire.StepBatch(step=self.step, edits=self._applied_edits())
         by_shape: dict[tuple[int, ...], list[Any]] = {}
         bank_of: dict[tuple[int, ...], int] = {}
         offsets: dict[tuple[int, ...], int] = {}
@@ -235,13 +313,20 @@ class _Capture:
             state = self.states.get(engine_id)
             if state is not None:
                 state.finish_reason = "abort"
+        if reply.armed:
+            self._arm(reply.armed)
+            if self.tensor_parallel_size > 1:
+                self.armed_outbox.extend(reply.armed)
 
     # -- requests ----------------------------------------------------------
-    def open(self, points: list[dict[str, Any]], requests: list[list[Any]]) -> None:
-        resolved = [wire.point_from_wire(point) for point in points]
-        for engine_id, prompt_len, point_indices, first_token in requests:
-            chosen = [resolved[int(i)] for i in point_indices]
-            state = _MirrorState(str(engine_id), int(prompt_len), chosen)
+    def open(self, points: list[dict[str, Any]], requests: list[list[Any]],
+             edits: list[dict[str, Any]] | None = None) -> None:
+        resolved = [wire.point_from_wire(point) for point in points] if self.capturing else []
+        edit_list = [wire.edit_from_wire(edit) for edit in edits or ()]
+        for engine_id, prompt_len, point_indices, first_token, *rest in requests:
+            chosen = [resolved[int(i)] for i in point_indices] if self.capturing else []
+            chosen_edits = [edit_list[int(i)] for i in (rest[0] if rest else ())]
+            state = _MirrorState(str(engine_id), int(prompt_len), chosen, chosen_edits)
             # A replay (capture of the last token) starts capture past tokens seen before.
             state.next_token = int(first_token)
             state.generated_sent = max(0, int(first_token) - int(prompt_len))
@@ -257,6 +342,9 @@ class _Capture:
         self.handles.clear()
         self.states.clear()
         self.plan = None
+        self.kernels.clear()
+        if self.connection is None:
+            return
         try:
             self.connection.close()
         except OSError:
@@ -292,6 +380,8 @@ def _leave_ctrl_c_to_the_driver(worker: Any, driver_pid: int) -> None:
 class UndercurrentWorkerExtension:
     """Mixed into vLLM's worker: the driver calls these through ``collective_rpc``."""
 
+    _undercurrent: _Capture | None = None
+
     def undercurrent_describe(self) -> dict[str, Any]:
         """The model's shape as this worker sees it (per-rank head counts)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -312,21 +402,33 @@ class UndercurrentWorkerExtension:
     def undercurrent_attach(self, address: str, authkey: bytes, driver_pid: int = 0) -> bool:
         """Install the hooks and connect to the driver on the capturing rank (rank 0);
         in a process other than the driver's (``driver_pid``), leave Ctrl-C to the driver.
+        Other ranks hook the model too, to apply live edits.
 
         Returns whether this worker captures."""
         self.undercurrent_detach()
         _leave_ctrl_c_to_the_driver(self, driver_pid)
+        ranks = int(self.vllm_config.parallel_config.tensor_parallel_size)  # type: ignore[attr-defined]
         if _tensor_parallel_rank() != 0:
+            self._undercurrent = _Capture(self, None, None, ranks)
             return False
-        self._undercurrent = _Capture(self, address, bytes(authkey))  # type: ignore[attr-defined]
+        self._undercurrent = _Capture(self, address, bytes(authkey), ranks)
         return True
 
-    def undercurrent_open(self, points: list[dict[str, Any]], requests: list[list[Any]]) -> None:
-        """Start capturing for ``requests``: ``[engine id, prompt length, point indices,
-        first token index to capture]``."""
+    def undercurrent_open(self, points: list[dict[str, Any]], requests: list[list[Any]],
+                          edits: list[dict[str, Any]] | None = None) -> None:
+        """Start capturing (and editing) for ``requests``: ``[engine id, prompt length,
+        point indices, first token index to capture, edit indices]``; ``edits`` are
+        resolved edits in wire form."""
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
-            capture.open(points, requests)
+            capture.open(points, requests, edits)
+
+    def undercurrent_take_edits(self) -> list[tuple[str, str, str, int, int]]:
+        """The edits applied since the last batch (capturing rank; others return [])."""
+        capture = self._undercurrent
+        if capture is None or not capture.capturing:
+            return []
+        return capture._applied_edits()
 
     def undercurrent_release(self, engine_ids: list[str]) -> None:
         """Forget finished requests."""
@@ -339,7 +441,7 @@ class UndercurrentWorkerExtension:
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
             capture.close()
-            self._undercurrent = None  # type: ignore[attr-defined]
+            self._undercurrent = None
         previous = getattr(self, "_undercurrent_sigint", None)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)

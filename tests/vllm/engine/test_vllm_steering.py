@@ -1,0 +1,161 @@
+"""Live edits on vLLM (float32, the bundled model): 16 concurrent requests, half of
+them steered (always-on edits of every op and site, and one triggered by an inline
+probe's flag), give the same tokens, records, edited flags and applied edits as the
+HF backend; the same at tensor parallelism 2 (every rank applies the edit)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from vllm_engine_helpers import CHUNK_BUDGET, compare
+
+from undercurrent.api import ProbedModel
+from undercurrent.models.corpus import chat_prompt, make_prompt
+from undercurrent.probes import probe
+from undercurrent.records import ProbeSignal
+
+COUNT = 16
+NEW = 10
+PROBE = "undercurrent:models/tiny/probe.safetensors"
+TRIGGERED = {"r6", "r14"}
+
+
+@probe(register=False)
+def flag_at(record, *, request_ids=(), generated_index=2):
+    """Flags the listed requests at one generated index."""
+    if record.request_id in request_ids and record.generated_index == generated_index:
+        return ProbeSignal(action="flag", score=1.0)
+    return ProbeSignal(action="continue", score=0.0)
+
+
+def texts() -> list[str]:
+    rng = random.Random(15)
+    return [chat_prompt(make_prompt(rng, i % 2)) for i in range(COUNT)]
+
+
+SPEC = {"version": "2", "extraction_points": [
+    {"name": "watch", "layers": 0, "tensor_type": "residual_stream",
+     "position": "generated[*]", "probe_type": "flag_at", "probe_kind": "single_shot",
+     "probe_args": {"request_ids": sorted(TRIGGERED)}},
+    {"name": "resid", "layers": [1, 2, 3], "tensor_type": "residual_stream",
+     "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory"},
+    {"name": "mlp", "layers": 2, "tensor_type": "mlp_out", "position": "generated[*]",
+     "probe_type": "norm_probe", "probe_kind": "trajectory"},
+    {"name": "attn_prompt", "layers": 0, "tensor_type": "attn_out", "position": "prompt[-1]",
+     "probe_type": "norm_probe", "probe_kind": "single_shot"},
+]}
+
+
+def vector(seed: int) -> list[float]:
+    rng = random.Random(seed)
+    return [rng.gauss(0.0, 1.0) for _ in range(128)]
+
+
+def edits_for(index: int) -> list[dict] | None:
+    """Half the requests steered: every op, every site, prompt and generated positions."""
+    kind = index % 4
+    if kind in (1, 3):
+        return None
+    if f"r{index}" in TRIGGERED:
+        return [{"name": "triggered", "layers": 1, "tensor_type": "residual_stream",
+                 "position": "generated[*]", "op": "add", "vector": vector(1),
+                 "coefficient": 6.0, "when": {"point": "watch", "action": "flag"}}]
+    if kind == 0:
+        return [{"name": "push", "layers": 1, "tensor_type": "residual_stream",
+                 "position": "generated[*]", "op": "add", "vector": vector(2),
+                 "coefficient": 4.0},
+                {"name": "damp", "layers": 2, "tensor_type": "mlp_out",
+                 "position": "generated[2:]", "op": "scale", "vector": PROBE,
+                 "coefficient": 0.2}]
+    return [{"name": "away", "layers": 2, "tensor_type": "residual_stream",
+             "position": "generated[*]", "op": "project_out", "vector": PROBE},
+            {"name": "pin", "layers": 0, "tensor_type": "attn_out", "position": "prompt[-1]",
+             "op": "clamp", "vector": vector(3), "coefficient": -3.0},
+            {"name": "norm", "layers": 3, "tensor_type": "residual_stream",
+             "position": "generated[1:8]", "stride": 2, "op": "add", "vector": vector(4),
+             "coefficient": 0.5, "norm_match": True}]
+
+
+def run(model) -> list:
+    return model.generate(texts(), max_new_tokens=NEW, records=True,
+                          request_ids=[f"r{i}" for i in range(COUNT)],
+                          prompt_edits=[edits_for(i) for i in range(COUNT)])
+
+
+def untriggered(index: int) -> list[dict] | None:
+    """The always-on edits alone (no point to trigger them in a spec-less model)."""
+    return None if f"r{index}" in TRIGGERED else edits_for(index)
+
+
+def run_edits_only(model) -> list:
+    return model.generate(texts(), max_new_tokens=NEW,
+                          request_ids=[f"r{i}" for i in range(COUNT)],
+                          prompt_edits=[untriggered(i) for i in range(COUNT)])
+
+
+def check_same(outputs, reference) -> None:
+    compare(outputs, reference)
+    for ours, theirs in zip(outputs, reference, strict=True):
+        assert sorted(ours.edits, key=repr) == sorted(theirs.edits, key=repr), ours.request_id
+        edited = {r.key(): r.edits for r in ours.records}
+        assert edited == {r.key(): r.edits for r in theirs.records}, ours.request_id
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    # The oracle runs before vLLM is imported in this process.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=SPEC,
+                     probes={"flag_at": flag_at}, batch_size=COUNT) as hf:
+        outputs = run(hf)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), batch_size=COUNT) as hf:
+        edits_only = run_edits_only(hf)
+        plain = hf.generate(texts(), max_new_tokens=NEW,
+                            request_ids=[f"r{i}" for i in range(COUNT)])
+    steered = [i for i in range(COUNT) if edits_for(i)]
+    assert len(steered) == COUNT // 2
+    for i in range(COUNT):
+        if i in steered:
+            assert outputs[i].edits
+        else:
+            assert outputs[i].edits == () and outputs[i].token_ids == plain[i].token_ids
+    changed = [i for i in steered if outputs[i].token_ids != plain[i].token_ids]
+    assert len(changed) >= COUNT // 4  # the edits matter, so the comparison can fail
+    for request in TRIGGERED:
+        index = int(request[1:])
+        assert outputs[index].edited_tokens[0] == 3
+        assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
+    return outputs, edits_only
+
+
+def _engine(model_dir, ranks):
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    return VLLMBackend.from_pretrained(model_dir, dtype="float32", max_model_len=256,
+                                       max_num_batched_tokens=CHUNK_BUDGET,
+                                       tensor_parallel_size=ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
+    with_points, edits_only = reference
+    backend = _engine(model_dir, ranks)
+    try:
+        # Steps that capture nothing report their edits at the end of the call.
+        alone = run_edits_only(ProbedModel(backend))
+        for ours, theirs in zip(alone, edits_only, strict=True):
+            assert ours.token_ids == theirs.token_ids, ours.request_id
+            assert sorted(ours.edits, key=repr) == sorted(theirs.edits, key=repr)
+        assert sum(bool(o.edits) for o in alone) == COUNT // 2 - len(TRIGGERED)
+        with ProbedModel(backend, spec=SPEC, probes={"flag_at": flag_at}) as model:
+            check_same(run(model), with_points)
+            with pytest.raises(Exception, match="capture_last_token"):
+                model.generate(texts()[:1], max_new_tokens=2, capture_last_token=True,
+                               edits=edits_for(0))
+    finally:
+        backend.close()
+
+

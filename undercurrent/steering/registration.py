@@ -1,0 +1,76 @@
+"""Registering edits on a loaded model: every check that needs the model.
+
+:func:`register_edits` holds edits to the spec's rules (for hand-built ones),
+checks their layers against the backend's capabilities, checks that each ``when``
+names an inline extraction point of the request, and resolves each vector to the
+model's hidden size. Every problem names the edit and the field, and all of them
+are reported at once, before any generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from undercurrent.spec.check import check_edits
+from undercurrent.spec.errors import SpecProblem, SpecValidationError
+from undercurrent.spec.loader import parse_edit
+from undercurrent.spec.types import Edit, ExtractionPoint
+from undercurrent.steering.vectors import ResolvedEdit, resolve_edits
+
+
+def as_edits(edits: Iterable[Any] | None) -> list[Edit]:
+    """``Edit`` objects from Edits or spec-form mappings (None gives none)."""
+    if edits is None:
+        return []
+    if isinstance(edits, Edit | dict):
+        raise TypeError("edits must be a list of edits (Edit objects or mappings), "
+                        f"got a single {type(edits).__name__}; wrap it in a list")
+    return [parse_edit(edit, index) for index, edit in enumerate(edits)]
+
+
+def layer_problems(edits: Sequence[Edit], capabilities: Any) -> list[SpecProblem]:
+    """Edits whose tensor type or layers the backend cannot reach."""
+    problems: list[SpecProblem] = []
+    for index, edit in enumerate(edits):
+        valid = capabilities.valid_layers(edit.tensor_type)
+        if not valid:
+            problems.append(SpecProblem(
+                f"{edit.tensor_type.value!r} is not available on the {capabilities.backend} "
+                f"backend for {capabilities.model_type!r}", "tensor_type", index, edit.name,
+                "edits"))
+            continue
+        bad = [layer for layer in edit.layers if layer not in valid]
+        if bad:
+            problems.append(SpecProblem(
+                f"layer(s) {bad} out of range: the model has {capabilities.num_layers} decoder "
+                f"layers (valid: {min(valid)}..{max(valid)})", "layers", index, edit.name,
+                "edits"))
+    return problems
+
+
+def register_edits(edits: Sequence[Edit], points: Sequence[ExtractionPoint],
+                   capabilities: Any) -> list[ResolvedEdit]:
+    """Check ``edits`` against ``points`` and the model, and resolve their vectors.
+
+    Raises :class:`SpecValidationError` listing every problem (naming each edit
+    and field): broken spec rules, a duplicate name, a ``when`` naming an unknown
+    or async point, a layer out of range, a vector that is missing or whose size
+    is not the model's hidden size.
+    """
+    if not edits:
+        return []
+    problems: list[SpecProblem] = []
+    try:
+        check_edits(edits, points)
+    except SpecValidationError as error:
+        problems += error.problems
+    problems += layer_problems(edits, capabilities)
+    try:
+        resolved = resolve_edits(edits, getattr(capabilities, "hidden_size", None))
+    except SpecValidationError as error:
+        problems += error.problems
+        resolved = []
+    if problems:
+        raise SpecValidationError(problems)
+    return resolved

@@ -1,0 +1,173 @@
+"""Resolving an edit's ``vector`` to a direction: the one seam every vector source uses.
+
+An :class:`~undercurrent.spec.Edit` names its vector as a list of numbers or a
+file. :func:`resolve_edit` turns it into a :class:`ResolvedEdit` (the edit plus a
+float64 numpy vector of the model's hidden size) when the edit is registered on a
+model, so every problem surfaces before generation, naming the edit and the field.
+
+Sources are tried in order; the first that recognises the value answers:
+
+1. sources added with :func:`register_vector_source` (newest first);
+2. an inline list of numbers;
+3. a ``.safetensors`` / ``.npz`` file: the array ``vector_key`` names, else its
+   only 1-D array, else (a linear probe file: ``weight`` and ``bias``) the
+   probe's weight direction.
+
+A new kind of vector (an SAE feature's decoder row, say) plugs in as a source: a
+function ``(edit) -> vector | None`` that returns None for values it does not own.
+
+Nothing here imports torch; numpy is imported when a vector is resolved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from undercurrent.spec.errors import SpecProblem, SpecValidationError
+from undercurrent.spec.types import Edit
+
+VectorSource = Callable[[Edit], Any]
+"""``(edit) -> 1-D array-like | None``: a vector for ``edit``, or None when the
+edit's ``vector`` is not this source's to resolve. Raise ``ValueError`` with a
+message for a value it owns but cannot use."""
+
+_SOURCES: list[tuple[str, VectorSource]] = []
+
+
+def register_vector_source(name: str, source: VectorSource) -> None:
+    """Add (or replace) a vector source, tried before the built-in ones.
+
+    >>> register_vector_source("ones", lambda edit: None)  # never claims a value
+    >>> unregister_vector_source("ones")
+    """
+    unregister_vector_source(name)
+    _SOURCES.insert(0, (name, source))
+
+
+def unregister_vector_source(name: str) -> None:
+    """Remove the source registered under ``name`` (no error when there is none)."""
+    _SOURCES[:] = [(known, source) for known, source in _SOURCES if known != name]
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedEdit:
+    """An edit with its vector as a float64 numpy array of the model's hidden size.
+
+    ``unit`` is the vector divided by its norm (what ``project_out``, ``clamp``
+    and ``scale`` use); ``source`` says where the vector came from.
+    """
+
+    edit: Edit
+    vector: Any
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.edit.name
+
+    @property
+    def unit(self) -> Any:
+        import numpy as np
+
+        return self.vector / np.linalg.norm(self.vector)
+
+
+def _inline(edit: Edit) -> Any:
+    return None if isinstance(edit.vector, str) else list(edit.vector)
+
+
+def _from_file(edit: Edit) -> Any:
+    from undercurrent.probes.weights import read_array_file
+
+    if not isinstance(edit.vector, str):
+        return None
+    arrays, _ = read_array_file(edit.vector, "vector file")
+    if edit.vector_key is not None:
+        if edit.vector_key not in arrays:
+            raise ValueError(f"vector_key {edit.vector_key!r} is not in {edit.vector!r}; "
+                             f"it holds: {', '.join(sorted(arrays)) or 'no arrays'}")
+        return arrays[edit.vector_key]
+    vectors = [name for name, array in arrays.items() if array.ndim == 1]
+    if len(vectors) == 1:
+        return arrays[vectors[0]]
+    if "weight" in arrays and "bias" in arrays:
+        weight = arrays["weight"]
+        if weight.ndim == 2 and weight.shape[0] == 1:
+            return weight[0]
+        if weight.ndim == 1:
+            return weight
+        raise ValueError(f"{edit.vector!r} is a {weight.shape[0]}-class linear probe; its "
+                         "weight has one row per class, so name the row to use in a file "
+                         "of its own (or pass vector as a list)")
+    raise ValueError(f"{edit.vector!r} holds {len(vectors)} 1-D arrays "
+                     f"({', '.join(sorted(arrays)) or 'none'}); name one with vector_key")
+
+
+_BUILTIN: tuple[tuple[str, VectorSource], ...] = (("list", _inline), ("file", _from_file))
+
+
+def _problem(edit: Edit, index: int, message: str, field: str = "vector") -> SpecProblem:
+    return SpecProblem(message, field, index, edit.name, "edits")
+
+
+def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> ResolvedEdit:
+    """The edit's vector, checked: 1-D, finite, not all zeros, ``hidden_size`` long.
+
+    Raises :class:`SpecValidationError` naming the edit (``edits[index]``) and the
+    field ``vector`` (a missing file, a wrong size, ...).
+
+    >>> from undercurrent.spec import Edit
+    >>> edit = Edit(name="e", layers=0, tensor_type="mlp_out", position=0, op="add",
+    ...             vector=[3.0, 4.0])
+    >>> resolve_edit(edit, hidden_size=2).unit.tolist()
+    [0.6, 0.8]
+    """
+    import numpy as np
+
+    from undercurrent.probes.weights import ProbeFileError
+
+    found: Any = None
+    source_name = ""
+    try:
+        for name, source in (*_SOURCES, *_BUILTIN):
+            found = source(edit)
+            if found is not None:
+                source_name = name
+                break
+    except (ProbeFileError, ValueError, OSError) as error:
+        raise SpecValidationError([_problem(edit, index, str(error))]) from None
+    if found is None:
+        raise SpecValidationError([_problem(edit, index, "no vector source understands "
+                                                         f"{edit.vector!r}")])
+    vector = np.array(found, dtype=np.float64)
+    where = edit.vector if isinstance(edit.vector, str) else "the list"
+    message = None
+    if vector.ndim != 1:
+        message = f"{where} gives an array of shape {vector.shape}; an edit needs a 1-D vector"
+    elif not np.isfinite(vector).all():
+        message = f"{where} holds NaN or infinity"
+    elif not vector.any():
+        message = f"{where} is all zeros; an edit needs a direction"
+    elif hidden_size is not None and vector.shape[0] != hidden_size:
+        message = (f"has {vector.shape[0]} numbers but the model's hidden size is "
+                   f"{hidden_size}; the vector must have one number per hidden unit")
+    if message is not None:
+        raise SpecValidationError([_problem(edit, index, message)])
+    vector.setflags(write=False)
+    return ResolvedEdit(edit, vector, source_name)
+
+
+def resolve_edits(edits: Sequence[Edit], hidden_size: int | None) -> list[ResolvedEdit]:
+    """:func:`resolve_edit` for each edit, every problem reported at once."""
+    resolved: list[ResolvedEdit] = []
+    problems: list[SpecProblem] = []
+    for index, edit in enumerate(edits):
+        try:
+            resolved.append(resolve_edit(edit, hidden_size, index))
+        except SpecValidationError as error:
+            problems += error.problems
+    if problems:
+        raise SpecValidationError(problems)
+    return resolved
