@@ -143,11 +143,13 @@ def edit_rule_problems(values: Mapping[str, Any], given: Collection[str]) -> lis
                 "direction of the vector); remove it or use op: add",
             )
         )
-    if "vector_key" in given and isinstance(values.get("vector"), tuple):
+    vector = values.get("vector")
+    if "vector_key" in given and vector is not None and not isinstance(vector, str):
+        what = "a list of numbers" if isinstance(vector, tuple) else "an SAE feature"
         problems.append(
             (
                 "vector_key",
-                "vector_key picks an array in a vector file, but vector is a list of numbers; "
+                f"vector_key picks an array in a vector file, but vector is {what}; "
                 "remove vector_key or give vector as a .safetensors/.npz path",
             )
         )

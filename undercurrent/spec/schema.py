@@ -43,6 +43,7 @@ from undercurrent.spec.types import (
     InterventionMode,
     OnTimeout,
     ProbeKind,
+    SaeFeature,
     TensorType,
     TriggerAction,
     UntilKind,
@@ -138,9 +139,34 @@ def _edit_tensor_type(value: Any, handler: Callable[[Any], Any], info: Validatio
     return tensor_type
 
 
+def _sae_feature(value: dict[Any, Any]) -> SaeFeature:
+    """``vector: {sae: PATH, feature: I}`` -> SaeFeature."""
+    keys = set(value)
+    if keys != {"sae", "feature"}:
+        missing = sorted({"sae", "feature"} - keys)
+        extra = sorted(str(key) for key in keys - {"sae", "feature"})
+        said = "; ".join(part for part in (
+            f"lacks {', '.join(missing)}" if missing else "",
+            f"has unknown key(s) {', '.join(extra)}" if extra else "") if part)
+        raise _fail("a mapping here names an SAE feature as {sae: FOLDER, feature: INDEX}; "
+                    f"this one {said}")
+    path, feature = value["sae"], value["feature"]
+    if not isinstance(path, str) or not path.strip():
+        raise _fail(f"sae must be the path of an SAELens SAE folder, got {describe_value(path)}")
+    if isinstance(feature, bool) or not isinstance(feature, int) or feature < 0:
+        raise _fail(f"feature must be a feature index (an int >= 0), got "
+                    f"{describe_value(feature)}")
+    return SaeFeature(path.strip(), feature)
+
+
 def _edit_vector(value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
-    """``vector``: a non-empty list of finite numbers -> tuple of floats, or a file path."""
+    """``vector``: a non-empty list of finite numbers -> tuple of floats, a file path,
+    or ``{sae: FOLDER, feature: INDEX}`` -> SaeFeature."""
     del handler, info
+    if isinstance(value, SaeFeature):
+        return value
+    if isinstance(value, dict):
+        return _sae_feature(value)
     if isinstance(value, str):
         text = value.strip()
         if not text:
@@ -150,8 +176,8 @@ def _edit_vector(value: Any, handler: Callable[[Any], Any], info: ValidationInfo
                         "are never loaded); or give the vector as a list of numbers")
         return text
     if not isinstance(value, list | tuple):
-        raise _fail("must be a list of numbers or a path to a .safetensors/.npz file, "
-                    f"got {describe_value(value)}")
+        raise _fail("must be a list of numbers, a path to a .safetensors/.npz file or "
+                    f"{{sae: FOLDER, feature: INDEX}}, got {describe_value(value)}")
     if not value:
         raise _fail("is an empty list; give one number per hidden unit")
     faults = [f"item {index} is {describe_value(item)}" for index, item in enumerate(value)
@@ -216,13 +242,22 @@ EditTensorType = Annotated[
     WithJsonSchema({"enum": [t.value for t in EDIT_TENSOR_TYPES]}),
 ]
 EditVector = Annotated[
-    list[float] | str,
+    list[float] | str | dict[str, Any],
     WrapValidator(_edit_vector),
     WithJsonSchema(
         {
             "anyOf": [
                 {"type": "array", "items": {"type": "number"}, "minItems": 1},
                 {"type": "string", "pattern": r"\.(safetensors|npz)\s*$"},
+                {
+                    "type": "object",
+                    "properties": {
+                        "sae": {"type": "string", "minLength": 1},
+                        "feature": {"type": "integer", "minimum": 0},
+                    },
+                    "required": ["sae", "feature"],
+                    "additionalProperties": False,
+                },
             ]
         }
     ),
@@ -368,7 +403,9 @@ class EditFields(_SchemaModel):
     vector: EditVector
     """A list of numbers (one per hidden unit), or a path to a ``.safetensors`` /
     ``.npz`` file holding one 1-D array (``undercurrent:`` names a file inside the
-    package). A linear probe file stands for its weight direction."""
+    package), or ``{sae: FOLDER, feature: INDEX}``: an SAE feature's decoder row
+    (``clamp`` on it sets the feature's activation through the SAE's encoder). A
+    linear probe file stands for its weight direction."""
 
     vector_key: NonEmptyText | None = None
     """Which array of the ``vector`` file to use when it holds several."""

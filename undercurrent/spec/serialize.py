@@ -23,6 +23,7 @@ from undercurrent.spec.types import (
     InterventionPolicy,
     OnTimeout,
     ProbeSpec,
+    SaeFeature,
 )
 
 
@@ -69,6 +70,14 @@ def extraction_point_to_dict(point: ExtractionPoint) -> dict[str, Any]:
     return data
 
 
+def _vector_to_data(vector: Any) -> Any:
+    if isinstance(vector, str):
+        return vector
+    if isinstance(vector, SaeFeature):
+        return {"sae": vector.sae, "feature": vector.feature}
+    return list(vector)
+
+
 def edit_to_dict(edit: Edit) -> dict[str, Any]:
     """One edit as a plain dict in spec form (defaults omitted, position canonical).
 
@@ -87,7 +96,7 @@ def edit_to_dict(edit: Edit) -> dict[str, Any]:
     if edit.stride != 1:
         data["stride"] = edit.stride
     data["op"] = edit.op.value
-    data["vector"] = edit.vector if isinstance(edit.vector, str) else list(edit.vector)
+    data["vector"] = _vector_to_data(edit.vector)
     if edit.vector_key is not None:
         data["vector_key"] = edit.vector_key
     if edit.coefficient != 1.0:

@@ -193,13 +193,30 @@ class EditTrigger:
         object.__setattr__(self, "action", TriggerAction(self.action))
 
 
+@dataclass(frozen=True)
+class SaeFeature:
+    """An edit vector naming one feature of a sparse autoencoder (SAELens folder
+    format): ``vector: {sae: PATH, feature: I}`` in a spec.
+
+    As a direction it is the feature's decoder row; ``clamp`` on it sets the
+    feature's activation through the SAE's encoder (see ``docs/sae.md``).
+
+    >>> SaeFeature("undercurrent:models/tiny/sae", 2)
+    SaeFeature(sae='undercurrent:models/tiny/sae', feature=2)
+    """
+
+    sae: str
+    feature: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class Edit:
     """A live activation edit (spec version "2"): where, what and with which vector.
 
-    ``vector`` is a tuple of floats or a file path (``.safetensors`` / ``.npz``;
-    ``undercurrent:`` package paths work); it is resolved to a direction when the
-    edit is registered on a model. ``when`` is None for an edit that is always on.
+    ``vector`` is a tuple of floats, a file path (``.safetensors`` / ``.npz``;
+    ``undercurrent:`` package paths work) or an :class:`SaeFeature`; it is resolved
+    to a direction when the edit is registered on a model. ``when`` is None for an
+    edit that is always on.
 
     >>> edit = Edit(name="steer", layers=2, tensor_type="residual_stream",
     ...     position="generated[*]", op="add", vector=[1.0, 0.0], coefficient=-4.0)
@@ -213,7 +230,7 @@ class Edit:
     position: PositionSelector
     stride: int = 1
     op: EditOp
-    vector: tuple[float, ...] | str
+    vector: tuple[float, ...] | str | SaeFeature
     vector_key: str | None = None
     coefficient: float = 1.0
     norm_match: bool = False
@@ -230,7 +247,9 @@ class Edit:
             from undercurrent.spec.position import parse_position
 
             object.__setattr__(self, "position", parse_position(self.position))
-        if not isinstance(self.vector, str):
+        if isinstance(self.vector, Mapping):
+            object.__setattr__(self, "vector", SaeFeature(**self.vector))
+        elif not isinstance(self.vector, str | SaeFeature):
             object.__setattr__(self, "vector", tuple(float(x) for x in self.vector))
         if isinstance(self.when, Mapping):
             object.__setattr__(self, "when", EditTrigger(**self.when))

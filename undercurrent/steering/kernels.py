@@ -9,6 +9,12 @@ small fused expression per (edit, site) and forward.
 - ``project_out``: ``h - c*(h.u)u``
 - ``clamp``: ``h + (c - h.u)u`` (the component along ``u`` becomes ``c``)
 - ``scale``: ``h + (c - 1)*(h.u)u`` (the component along ``u`` is multiplied by ``c``)
+- ``clamp`` on an SAE feature ``i``: ``h + (c - f_i(h))*W_dec[i]``, with ``f_i`` the
+  SAE encoder's activation of feature ``i`` (:func:`sae_clamp_delta`): the feature's
+  activation becomes ``c`` in the SAE's code and the reconstruction error
+  ``h - decode(encode(h))`` is kept. The encoder runs in float64 on the CPU (the
+  SAE's own numpy code, the one ``sae_probe`` uses), so this op copies the edited
+  rows to the host and back once per forward.
 
 Each op is written as the change it makes (:func:`edit_delta`), so a backend whose
 stream is split in two summands (vLLM's hidden + residual) adds it to one of them:
@@ -52,6 +58,9 @@ class EditKernels:
 
     def delta(self, resolved: ResolvedEdit, rows: torch.Tensor) -> torch.Tensor:
         """What the edit adds to ``rows`` (to add to one summand of a split stream)."""
+        if resolved.sae_clamp:
+            feature = resolved.edit.vector.feature
+            return sae_clamp_delta(resolved.sae, rows, feature, resolved.edit.coefficient)
         return edit_delta(resolved.edit.op, rows, *self._tensors(resolved, rows),
                           resolved.edit.coefficient, resolved.edit.norm_match)
 
@@ -77,3 +86,13 @@ def edit_delta(op: EditOp, rows: torch.Tensor, vector: torch.Tensor, unit: torch
     if op is EditOp.SCALE:
         return ((coefficient - 1.0) * along).unsqueeze(-1) * unit
     raise ValueError(f"unknown edit op {op!r}")
+
+
+def sae_clamp_delta(sae: Any, rows: torch.Tensor, feature: int, value: float) -> torch.Tensor:
+    """``(value - f_i(h)) * W_dec[i]`` for each row ``h``, as a tensor like ``rows``:
+    what to add so SAE feature ``feature`` has activation ``value`` in the SAE's code
+    while the error term ``h - decode(encode(h))`` stays as it was (see
+    :meth:`~undercurrent.probes.sae_files.SparseAutoencoder.clamp_delta`)."""
+    host = rows.detach().to(device="cpu", dtype=torch.float64).numpy()
+    delta = torch.from_numpy(sae.clamp_delta(host, feature, value))
+    return delta.to(device=rows.device, dtype=rows.dtype)

@@ -1,9 +1,10 @@
 """Resolving an edit's ``vector`` to a direction: the one seam every vector source uses.
 
-An :class:`~undercurrent.spec.Edit` names its vector as a list of numbers or a
-file. :func:`resolve_edit` turns it into a :class:`ResolvedEdit` (the edit plus a
-float64 numpy vector of the model's hidden size) when the edit is registered on a
-model, so every problem surfaces before generation, naming the edit and the field.
+An :class:`~undercurrent.spec.Edit` names its vector as a list of numbers, a
+file, or an SAE feature (``{sae: FOLDER, feature: INDEX}``). :func:`resolve_edit`
+turns it into a :class:`ResolvedEdit` (the edit plus a float64 numpy vector of the
+model's hidden size) when the edit is registered on a model, so every problem
+surfaces before generation, naming the edit and the field.
 
 Sources are tried in order; the first that recognises the value answers:
 
@@ -11,10 +12,13 @@ Sources are tried in order; the first that recognises the value answers:
 2. an inline list of numbers;
 3. a ``.safetensors`` / ``.npz`` file: the array ``vector_key`` names, else its
    only 1-D array, else (a linear probe file: ``weight`` and ``bias``) the
-   probe's weight direction.
+   probe's weight direction;
+4. an :class:`~undercurrent.spec.SaeFeature`: the feature's decoder direction
+   (``W_dec[i]``). The resolved edit also holds the loaded SAE, which ``clamp``
+   uses to clamp the feature's activation through the encoder.
 
-A new kind of vector (an SAE feature's decoder row, say) plugs in as a source: a
-function ``(edit) -> vector | None`` that returns None for values it does not own.
+A new kind of vector plugs in as a source: a function ``(edit) -> vector | None``
+that returns None for values it does not own.
 
 Nothing here imports torch; numpy is imported when a vector is resolved.
 """
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
-from undercurrent.spec.types import Edit
+from undercurrent.spec.types import Edit, EditOp, SaeFeature
 
 VectorSource = Callable[[Edit], Any]
 """``(edit) -> 1-D array-like | None``: a vector for ``edit``, or None when the
@@ -56,12 +60,22 @@ class ResolvedEdit:
     """An edit with its vector as a float64 numpy array of the model's hidden size.
 
     ``unit`` is the vector divided by its norm (what ``project_out``, ``clamp``
-    and ``scale`` use); ``source`` says where the vector came from.
+    and ``scale`` use); ``source`` says where the vector came from. ``sae`` is the
+    loaded :class:`~undercurrent.probes.sae_files.SparseAutoencoder` when the
+    vector names an SAE feature (then ``clamp`` goes through its encoder), else
+    None.
     """
 
     edit: Edit
     vector: Any
     source: str
+    sae: Any = None
+
+    @property
+    def sae_clamp(self) -> bool:
+        """True when the edit clamps an SAE feature's activation (``clamp`` on an
+        :class:`~undercurrent.spec.SaeFeature`)."""
+        return self.sae is not None and self.edit.op is EditOp.CLAMP
 
     @property
     def name(self) -> str:
@@ -75,7 +89,15 @@ class ResolvedEdit:
 
 
 def _inline(edit: Edit) -> Any:
-    return None if isinstance(edit.vector, str) else list(edit.vector)
+    return None if isinstance(edit.vector, str | SaeFeature) else list(edit.vector)
+
+
+def _sae_row(edit: Edit) -> Any:
+    from undercurrent.probes.sae_files import sae_decoder_direction
+
+    if not isinstance(edit.vector, SaeFeature):
+        return None
+    return sae_decoder_direction(edit.vector.sae, edit.vector.feature)
 
 
 def _from_file(edit: Edit) -> Any:
@@ -105,7 +127,8 @@ def _from_file(edit: Edit) -> Any:
                      f"({', '.join(sorted(arrays)) or 'none'}); name one with vector_key")
 
 
-_BUILTIN: tuple[tuple[str, VectorSource], ...] = (("list", _inline), ("file", _from_file))
+_BUILTIN: tuple[tuple[str, VectorSource], ...] = (
+    ("list", _inline), ("file", _from_file), ("sae", _sae_row))
 
 
 def _problem(edit: Edit, index: int, message: str, field: str = "vector") -> SpecProblem:
@@ -142,7 +165,7 @@ def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> Resolve
         raise SpecValidationError([_problem(edit, index, "no vector source understands "
                                                          f"{edit.vector!r}")])
     vector = np.array(found, dtype=np.float64)
-    where = edit.vector if isinstance(edit.vector, str) else "the list"
+    where = _describe(edit.vector)
     message = None
     if vector.ndim != 1:
         message = f"{where} gives an array of shape {vector.shape}; an edit needs a 1-D vector"
@@ -153,10 +176,31 @@ def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> Resolve
     elif hidden_size is not None and vector.shape[0] != hidden_size:
         message = (f"has {vector.shape[0]} numbers but the model's hidden size is "
                    f"{hidden_size}; the vector must have one number per hidden unit")
+        if isinstance(edit.vector, SaeFeature):
+            message = (f"SAE {edit.vector.sae!r} reads activations of size "
+                       f"{vector.shape[0]} but the model's hidden size is {hidden_size}")
     if message is not None:
         raise SpecValidationError([_problem(edit, index, message)])
     vector.setflags(write=False)
-    return ResolvedEdit(edit, vector, source_name)
+    return ResolvedEdit(edit, vector, source_name, _loaded_sae(edit, source_name))
+
+
+def _describe(vector: Any) -> str:
+    if isinstance(vector, str):
+        return vector
+    if isinstance(vector, SaeFeature):
+        return f"feature {vector.feature} of SAE {vector.sae!r}"
+    return "the list"
+
+
+def _loaded_sae(edit: Edit, source_name: str) -> Any:
+    """The SAE an SAE-feature vector names (None for other vectors, or when a
+    registered source answered instead of the built-in one)."""
+    if source_name != "sae" or not isinstance(edit.vector, SaeFeature):
+        return None
+    from undercurrent.probes.sae_files import load_sae
+
+    return load_sae(edit.vector.sae)
 
 
 def resolve_edits(edits: Sequence[Edit], hidden_size: int | None) -> list[ResolvedEdit]:

@@ -13,6 +13,7 @@ set up by the driver; nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,13 +125,16 @@ def point_from_wire(data: dict[str, Any]) -> Any:
 
 def edit_to_wire(resolved: Any) -> dict[str, Any]:
     """A resolved edit as plain data: its spec form with the vector already resolved
-    to a list of floats (the worker never reads vector files)."""
+    to a list of floats (the worker reads no vector files; only an SAE feature's
+    folder, whose encoder ``clamp`` needs)."""
     from undercurrent.spec.serialize import edit_to_dict
 
     data = edit_to_dict(resolved.edit)
     data.pop("vector_key", None)
+    sae_feature = data["vector"] if resolved.sae is not None else None
     data["vector"] = [float(x) for x in resolved.vector]
-    return {"edit": data, "source": resolved.source}
+    # an SAE feature's clamp needs the SAE's encoder: the worker loads the folder
+    return {"edit": data, "source": resolved.source, "sae_feature": sae_feature}
 
 
 def edit_from_wire(data: dict[str, Any]) -> Any:
@@ -141,4 +145,13 @@ def edit_from_wire(data: dict[str, Any]) -> Any:
     from undercurrent.steering.vectors import ResolvedEdit
 
     edit = parse_edit(data["edit"])
-    return ResolvedEdit(edit, np.array(edit.vector, dtype=np.float64), str(data["source"]))
+    vector = np.array(edit.vector, dtype=np.float64)
+    sae = None
+    if data.get("sae_feature") is not None:
+        from undercurrent.probes.sae_files import load_sae
+        from undercurrent.spec.types import SaeFeature
+
+        feature = SaeFeature(**data["sae_feature"])
+        edit = dataclasses.replace(edit, vector=feature)
+        sae = load_sae(feature.sae)
+    return ResolvedEdit(edit, vector, str(data["source"]), sae)
