@@ -397,7 +397,8 @@ class EditFields(_SchemaModel):
 
     op: EditOp
     """``add`` (h += c*v), ``project_out`` (h -= c*(h.u)u), ``clamp`` (the
-    component along u becomes c) or ``scale`` (the component along u is
+    component along u becomes c; on an SAE feature, the feature's activation
+    becomes c through the SAE's encoder) or ``scale`` (the component along u is
     multiplied by c); u is the unit vector of ``vector``."""
 
     vector: EditVector
