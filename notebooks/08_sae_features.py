@@ -21,8 +21,8 @@
 # residual stream (`docs/sae.md` has its numbers).
 #
 # This notebook watches its features on benign and harmful requests, finds the
-# ones that fire on harmful ones, uses one live as an abort rule, and shows the
-# clamp that steering with it will use.
+# ones that fire on harmful ones, uses one live as an abort rule, and steers with
+# it: an edit that clamps the feature through the SAE's encoder.
 
 # %%
 import random
@@ -142,8 +142,8 @@ for output, label in zip(guarded.generate(prompts, max_new_tokens=40), labels, s
 # %% [markdown]
 # ## The clamp, on captured activations
 #
-# Steering with a feature (spec version 2 `edits:`, coming with the steering work)
-# will clamp it with `h' = h + (c − f_i(h)) · W_dec[i]`. That changes `h` only
+# Steering with a feature (next section) clamps it with
+# `h' = h + (c − f_i(h)) · W_dec[i]`. That changes `h` only
 # along the feature's decoder direction and keeps the SAE's error term
 # `h − decode(encode(h))`; replacing `h` by the SAE's reconstruction would throw
 # that error away (`docs/sae.md` says why that matters). `sae_clamp_delta` is the
@@ -174,3 +174,36 @@ print("error term kept:", np.allclose(h_clamped - recon_clamped, error_before))
 # %%
 # NBVAL_CHECK_OUTPUT
 print("feature 2 peak after re-encoding h':", round(float(sae.encode(h_clamped)[:, 2].max()), 1))
+
+# %% [markdown]
+# ## Steer with the feature
+#
+# An edit's `vector` can name an SAE feature, `{sae: FOLDER, feature: INDEX}`.
+# With `op: clamp` the edit is the clamp above, applied live at every generated
+# token (`docs/steering.md`). Here feature 2 is clamped to 0 at its own site on
+# every request, then to 26 (its usual peak on harmful replies).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+def clamp_feature_2(value):
+    return {"name": "feature_2", "layers": 3, "tensor_type": "residual_stream",
+            "position": "generated[*]", "op": "clamp",
+            "vector": {"sae": SAE, "feature": 2}, "coefficient": value}
+
+
+plain_runs = model.generate(prompts, max_new_tokens=40)
+for value in (0.0, 26.0):
+    steered = model.generate(prompts, max_new_tokens=40, edits=[clamp_feature_2(value)])
+    print(f"feature 2 clamped to {value}:")
+    for before, after, label in zip(plain_runs, steered, labels, strict=True):
+        same = "unchanged" if after.token_ids == before.token_ids else after.text[-42:]
+        print(f"  {LABEL_NAMES[label]:8s} {same}")
+
+# %% [markdown]
+# Read honestly: clamping the feature to 0 does not make harmful replies harmless.
+# Two of the four do not change at all, and the other two swap one harmful step
+# for another. The feature marks *where* the harmful step comes, one token ahead,
+# but at layer 3 (the model's last layer) removing it does not remove the intent
+# the earlier layers already carry. Clamping it high changes every benign reply
+# and still leaves them benign. A feature that detects well is not necessarily a
+# lever; the edit makes that cheap to find out.
