@@ -247,8 +247,9 @@ class Edit:
             from undercurrent.spec.position import parse_position
 
             object.__setattr__(self, "position", parse_position(self.position))
-        if isinstance(self.vector, Mapping):
-            object.__setattr__(self, "vector", SaeFeature(**self.vector))
+        vector: Any = self.vector  # a mapping from YAML is allowed in, beyond the annotation
+        if isinstance(vector, Mapping):
+            object.__setattr__(self, "vector", SaeFeature(**vector))
         elif not isinstance(self.vector, str | SaeFeature):
             object.__setattr__(self, "vector", tuple(float(x) for x in self.vector))
         if isinstance(self.when, Mapping):
