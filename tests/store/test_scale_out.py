@@ -68,8 +68,11 @@ def test_two_cli_processes_write_one_store(tiny, tmp_path):
     expected = oracle_vectors(oracle)
     found = store_vectors(store)
     assert found.keys() == expected.keys()
+    # Other processes: torch may pick another thread count there, which changes float32
+    # summation order (seen: 1.7e-6 at |x| ~ 0.1). Bitwise equality is proven in one
+    # process by test_capture_equivalence; here the union and its keys are the point.
     for key, vector in expected.items():
-        np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
+        np.testing.assert_allclose(found[key], vector, rtol=1e-5, atol=1e-5, err_msg=str(key))
 
 
 def test_cli_names_bad_input(tmp_path):
