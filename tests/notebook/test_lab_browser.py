@@ -46,6 +46,10 @@ EXPECTED: dict[str, dict] = {
                                    "screenshot": ".js-plotly-plot"},
     "05_vllm_backend": {"editors": 0, "live_views": 0, "figures": 0,
                         "screenshot": ".jp-OutputArea-output table"},
+    # Counts not pinned for the later tutorials; their screenshot is their first figure.
+    "06_steering": {"screenshot": ".js-plotly-plot"},
+    "07_activation_store": {"screenshot": ".js-plotly-plot"},
+    "08_sae_features": {"screenshot": ".js-plotly-plot"},
 }
 
 
