@@ -52,10 +52,27 @@ def figure_png(figure: Any, *, width: int = 900, height: int | None = None) -> b
         # plotly warns that per-call browser options are unused with a shared server.
         warnings.simplefilter("ignore")
         try:
-            return pio.to_image(figure, format="png", width=width,
-                                height=height or layout_height or 400)
+            png = pio.to_image(figure, format="png", width=width,
+                               height=height or layout_height or 400)
         except Exception:  # noqa: BLE001 - a missing picture must not break the notebook
             return None
+    return _palette_png(png)
+
+
+def _palette_png(png: bytes) -> bytes:
+    """``png`` with a 256-colour palette when Pillow is installed: a plotly chart's flat
+    colours survive, and the copy stored in a notebook is a fraction of the size."""
+    try:
+        from PIL import Image  # optional: comes with vLLM, not with the notebook extra
+    except ImportError:
+        return png
+    import io
+
+    with Image.open(io.BytesIO(png)) as image:
+        small = image.convert("RGB").quantize(colors=256)
+        out = io.BytesIO()
+        small.save(out, format="PNG", optimize=True)
+    return out.getvalue() if out.tell() < len(png) else png
 
 
 def png_html(png: bytes | None, alt: str) -> str:
