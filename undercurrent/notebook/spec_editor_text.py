@@ -102,7 +102,8 @@ def edits_hint_html(edits: int) -> str:
     else:
         text = ('<b>Edits</b>: none, so the spec is version "1". <b>Add</b> one to change '
                 'activations live during generation (the spec becomes version "2").')
-    return f'<div style="margin-top:8px">{text}</div>'
+    return (f'<div style="margin-top:10px;padding-top:6px;border-top:1px solid #ddd">'
+            f"{text}</div>")
 
 
 def section_snapshot_html(title: str, names: Sequence[str],
