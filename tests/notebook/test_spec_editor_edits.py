@@ -339,3 +339,15 @@ def test_the_static_snapshot_shows_the_selected_edit():
     assert "1 edit (version" in snapshot
     plain = SpecEditor(model=2)._repr_mimebundle_()["text/html"]
     assert "<b>edits:</b>" not in plain
+
+
+def test_a_spec_of_edits_only_stays_without_points():
+    text = """\
+version: "2"
+extraction_points: []
+edits:
+  - {name: e, layers: 0, tensor_type: mlp_out, position: 0, op: scale, vector: [1, 1]}
+"""
+    editor = SpecEditor.from_spec(text)
+    assert editor.drafts == [] and editor.spec == parse_yaml(text)
+    assert all(row.layout.display == "none" for row in editor.rows.values())

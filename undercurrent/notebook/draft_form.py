@@ -42,7 +42,8 @@ class DraftForm:
     ``controls`` maps each field, in display order, to its widget; ``applies``
     says when a field's row is shown (default: always); ``problem_fields`` maps a
     loader problem's field to the row that shows it (unknown fields go to
-    ``name``). ``new_draft(taken_names)`` makes the draft **Add** appends.
+    ``name``). ``new_draft(taken_names, count)`` makes the draft **Add** appends
+(``count``: how many drafts the list holds).
     """
 
     def __init__(
@@ -52,7 +53,7 @@ class DraftForm:
         section: str,
         controls: Mapping[str, Any],
         drafts: list[Any],
-        new_draft: Callable[[set[str]], Any],
+        new_draft: Callable[[set[str], int], Any],
         names_in_use: Callable[[], set[str]],
         on_change: Callable[[], None],
         capabilities: Any = None,
@@ -127,7 +128,7 @@ class DraftForm:
 
     def add(self) -> None:
         """Append a new draft with defaults and select it."""
-        self.drafts.append(self._new_draft(self._names_in_use()))
+        self.drafts.append(self._new_draft(self._names_in_use(), len(self.drafts)))
         self._select(len(self.drafts) - 1)
 
     def duplicate(self) -> None:

@@ -136,14 +136,13 @@ class SpecEditor:
         self._spec: ProbeSpec | None = None
         self._problems: list[SpecProblem] = []
         self._saved: tuple[Path, ProbeSpec] | None = None
-        self._ready = False
-        points = ([draft_from_point(point) for point in spec] if spec is not None and len(spec)
-                  else [self._new_point(set())])
+        points = [draft_from_point(point) for point in spec or ()]
         edits = [draft_from_edit(edit) for edit in spec.edits] if spec is not None else []
+        if not points and not edits:
+            points.append(self._new_point(set(), 0))
         self._build(points, edits)
         self.point_form.load_form()
         self.edit_form.load_form()
-        self._ready = True
         self.refresh()
 
     # -- construction -------------------------------------------------------------
@@ -180,25 +179,24 @@ class SpecEditor:
             number += 1
         return f"{stem}_{number}"
 
-    def _new_point(self, taken: set[str]) -> PointDraft:
+    def _new_point(self, taken: set[str], count: int) -> PointDraft:
         """A new point: the model's last layer, ``norm_probe`` when registered."""
         layer = self._default_layer(middle=False)
         probes = list_probes()
         probe_type = "norm_probe" if "norm_probe" in probes else (probes[0] if probes else "")
-        drafts = self.point_form.drafts if self._ready else []
         return PointDraft(
-            name=self._free_name("point", taken, len(drafts)),
+            name=self._free_name("point", taken, count),
             layers=(layer,),
             layers_text=None if self.capabilities is not None else str(layer),
             probe_type=probe_type,
         )
 
-    def _new_edit(self, taken: set[str]) -> EditDraft:
+    def _new_edit(self, taken: set[str], count: int) -> EditDraft:
         """A new edit: ``add`` on the model's middle layer at ``generated[*]``, with no
         vector yet (the form asks for one)."""
         layer = self._default_layer(middle=True)
         return EditDraft(
-            name=self._free_name("edit", taken, len(self.edit_form.drafts)),
+            name=self._free_name("edit", taken, count),
             layers=(layer,),
             layers_text=None if self.capabilities is not None else str(layer),
         )
@@ -404,8 +402,6 @@ class SpecEditor:
     def refresh(self) -> None:
         """Re-validate the whole spec and update errors, visibility, the lists and the
         YAML (called by every change; call it after changing drafts from code)."""
-        if not self._ready:
-            return
         self._spec, self._problems = validate_drafts(
             self.drafts, self.edit_drafts, self._model_check)
         self._offer_trigger_points()
