@@ -32,8 +32,8 @@ from undercurrent.notebook.draft_validation import (
 )
 from undercurrent.notebook.edit_draft import EditDraft, draft_from_edit
 from undercurrent.notebook.spec_draft import DEFAULT_INTERVENTION, PointDraft, draft_from_point
+from undercurrent.notebook.spec_editor_controls import EDIT_FIELDS, FIELDS, build_controls
 from undercurrent.notebook.spec_editor_text import (
-    LABELS,
     describe_problem,
     edits_hint_html,
     form_snapshot_html,
@@ -43,57 +43,19 @@ from undercurrent.notebook.spec_editor_text import (
 )
 from undercurrent.probes import list_probes
 from undercurrent.spec import (
-    EditOp,
     ExecutionMode,
     InterventionMode,
-    OnTimeout,
-    ProbeKind,
     ProbeSpec,
     SpecProblem,
     SpecValidationError,
-    TensorType,
-    TriggerAction,
-    UntilKind,
     load_yaml_file,
     parse_yaml,
     to_yaml,
 )
+from undercurrent.spec.fields import edit_fields, point_fields
 from undercurrent.spec.serialize import _dump as dump_spec_yaml
-from undercurrent.spec.types import EDIT_TENSOR_TYPES
 
-FIELDS: tuple[str, ...] = (
-    "name",
-    "layers",
-    "tensor_type",
-    "position",
-    "stride",
-    "until",
-    "probe_type",
-    "probe_kind",
-    "probe_args",
-    "execution_mode",
-    "queue_depth",
-    "intervention_mode",
-    "timeout_ms",
-    "on_timeout",
-)
-"""The point form's fields, in display order (``editor.fields[name]`` is the control)."""
-
-EDIT_FIELDS: tuple[str, ...] = (
-    "name",
-    "layers",
-    "tensor_type",
-    "position",
-    "stride",
-    "op",
-    "vector",
-    "vector_key",
-    "coefficient",
-    "norm_match",
-    "when_point",
-    "when_action",
-)
-"""The edit form's fields, in display order (``editor.edit_fields[name]`` is the control)."""
+__all__ = ["EDIT_FIELDS", "FIELDS", "SpecEditor", "resolve_capabilities"]
 
 ALWAYS_ON = ""
 """The ``when.point`` choice meaning "no trigger: the edit is always on"."""
@@ -204,63 +166,23 @@ class SpecEditor:
     def _names_in_use(self) -> set[str]:
         return {draft.name for draft in (*self.point_form.drafts, *self.edit_form.drafts)}
 
-    def _layers_control(self, w: Any, wide: Any) -> Any:
-        if self.capabilities is not None:
-            return w.SelectMultiple(description="layers", rows=5, layout=wide)
-        return w.Text(description="layers", placeholder="e.g. 0, 2, 4", layout=wide)
-
-    def _tensor_types(self, allowed: tuple[TensorType, ...]) -> list[str]:
-        if self.capabilities is not None:
-            return [t.value for t in self.capabilities.tensor_types if t in allowed]
-        return [t.value for t in allowed]
-
     def _point_controls(self, w: Any) -> dict[str, Any]:
         wide = w.Layout(width="380px")
-        controls: dict[str, Any] = {
-            "name": w.Text(layout=wide),
-            "layers": self._layers_control(w, wide),
-            "tensor_type": w.Dropdown(options=self._tensor_types(tuple(TensorType)),
-                                      layout=wide),
-            "position": w.Text(placeholder="prompt[-1], generated[*]", layout=wide),
-            "stride": w.BoundedIntText(min=1, max=1_000_000, layout=wide),
-            "until": w.Dropdown(options=[("(not set)", "")]
-                                + [(u.value, u.value) for u in UntilKind], layout=wide),
+        return build_controls(w, point_fields(), self.capabilities, {
             "probe_type": w.Dropdown(options=list(list_probes()), layout=wide),
-            "probe_kind": w.Dropdown(options=[k.value for k in ProbeKind], layout=wide),
-            "probe_args": w.Textarea(placeholder="key: value (YAML), e.g.\nthreshold: 0.5",
-                                     layout=w.Layout(width="380px", height="70px")),
-            "execution_mode": w.Dropdown(options=[m.value for m in ExecutionMode],
-                                         layout=wide),
-            "queue_depth": w.Text(placeholder="32 (router default)", layout=wide),
             "intervention_mode": w.Dropdown(
                 options=[("(router default)", DEFAULT_INTERVENTION)]
                 + [(m.value, m.value) for m in InterventionMode],
                 layout=wide,
             ),
             "timeout_ms": w.BoundedIntText(min=1, max=3_600_000, layout=wide),
-            "on_timeout": w.Dropdown(options=[o.value for o in OnTimeout], layout=wide),
-        }
-        return _labelled(controls, FIELDS)
+        })
 
     def _edit_controls(self, w: Any) -> dict[str, Any]:
         wide = w.Layout(width="380px")
-        controls: dict[str, Any] = {
-            "name": w.Text(layout=wide),
-            "layers": self._layers_control(w, wide),
-            "tensor_type": w.Dropdown(options=self._tensor_types(EDIT_TENSOR_TYPES),
-                                      layout=wide),
-            "position": w.Text(placeholder="generated[*], prompt[-1]", layout=wide),
-            "stride": w.BoundedIntText(min=1, max=1_000_000, layout=wide),
-            "op": w.Dropdown(options=[op.value for op in EditOp], layout=wide),
-            "vector": w.Text(placeholder="0.5, -1, 2  or  path/to/vector.safetensors",
-                             layout=wide),
-            "vector_key": w.Text(placeholder="(the file's only 1-D array)", layout=wide),
-            "coefficient": w.Text(placeholder="1.0", layout=wide),
-            "norm_match": w.Checkbox(indent=True, layout=wide),
+        return build_controls(w, edit_fields(), self.capabilities, {
             "when_point": w.Dropdown(options=[("(always on)", ALWAYS_ON)], layout=wide),
-            "when_action": w.Dropdown(options=[a.value for a in TriggerAction], layout=wide),
-        }
-        return _labelled(controls, EDIT_FIELDS)
+        })
 
     def _build(self, points: list[PointDraft], edits: list[EditDraft]) -> None:
         w = widgets()
@@ -493,10 +415,3 @@ class SpecEditor:
             )
         else:
             self.save_message.value = f"saved to <code>{html.escape(str(target))}</code>"
-
-
-def _labelled(controls: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:
-    """The controls in display order, each described by its key in the YAML."""
-    for field, control in controls.items():
-        control.description = LABELS.get(field, field)
-    return {field: controls[field] for field in order}
