@@ -4,10 +4,14 @@ and a fresh form writes the schema's defaults."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from undercurrent.notebook import SpecEditor
-from undercurrent.notebook.spec_editor_controls import help_text
+from undercurrent.notebook.edit_draft import EditDraft
+from undercurrent.notebook.spec_draft import PointDraft
+from undercurrent.notebook.spec_editor_controls import EDIT_FIELDS, FIELDS, help_text
 from undercurrent.spec.fields import REQUIRED, edit_fields, point_fields
 
 
@@ -42,3 +46,10 @@ def test_a_fresh_point_and_edit_write_the_schemas_defaults():
     assert point.intervention is None  # omitted: the router's default policy applies
     assert edit.when is None  # omitted: always on
     assert REQUIRED not in [field.default for field in edit_fields() if not field.required]
+
+
+def test_every_spec_field_is_an_attribute_of_its_draft():
+    """A key added to the schema needs a draft attribute (and its text -> data step)."""
+    for names, draft in ((FIELDS, PointDraft), (EDIT_FIELDS, EditDraft)):
+        missing = set(names) - {field.name for field in dataclasses.fields(draft)}
+        assert not missing, f"{draft.__name__} lacks {sorted(missing)}"
