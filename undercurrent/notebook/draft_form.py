@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from undercurrent.notebook.spec_editor_controls import editor_name
 from undercurrent.notebook.spec_editor_text import (
     LABELS,
     LAYERS_HINT,
@@ -40,10 +41,12 @@ class DraftForm:
     """A list of drafts of one kind (``noun``: "point" or "edit") and their form.
 
     ``controls`` maps each field, in display order, to its widget; ``applies``
-    says when a field's row is shown (default: always); ``problem_fields`` maps a
-    loader problem's field to the row that shows it (unknown fields go to
-    ``name``). ``new_draft(taken_names, count)`` makes the draft **Add** appends
-(``count``: how many drafts the list holds).
+    says when a field's row is shown (default: always). A loader problem shows on
+    the row of its key (``intervention.mode`` on ``intervention_mode``), or on the
+    row ``problem_fields`` names for a key without a row of its own
+    (``intervention`` as a whole, the alias ``every_n``); any other goes to
+    ``name``. ``new_draft(taken_names, count)`` makes the draft **Add** appends
+    (``count``: how many drafts the list holds).
     """
 
     def __init__(
@@ -298,7 +301,7 @@ class DraftForm:
             if (problem.section != self.section or problem.point_index != index
                     or problem.field is None):
                 continue
-            field = self._problem_fields.get(problem.field, problem.field)
+            field = self._problem_fields.get(problem.field, editor_name(problem.field))
             found.setdefault(field if field in self.fields else "name", []).append(
                 with_subject(problem))
         if self.drafts and 0 <= index < len(self.drafts):

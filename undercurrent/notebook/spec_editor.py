@@ -197,13 +197,7 @@ class SpecEditor:
                 "timeout_ms": lambda d: d.blocks,
                 "on_timeout": lambda d: d.blocks,
             },
-            problem_fields={
-                "intervention": "intervention_mode",
-                "intervention.mode": "intervention_mode",
-                "intervention.timeout_ms": "timeout_ms",
-                "intervention.on_timeout": "on_timeout",
-                "every_n": "stride",
-            },
+            problem_fields={"intervention": "intervention_mode", "every_n": "stride"},
         )
         self.edit_form = DraftForm(
             noun="edit", section=EDITS, controls=self._edit_controls(w), drafts=edits,
@@ -215,8 +209,7 @@ class SpecEditor:
                 "norm_match": lambda d: d.adds,
                 "when_action": lambda d: d.triggered,
             },
-            problem_fields={"when": "when_point", "when.point": "when_point",
-                            "when.action": "when_action"},
+            problem_fields={"when": "when_point"},
         )
         # The names the rest of the editor (and its users) know the point form by.
         form = self.point_form
