@@ -351,3 +351,30 @@ edits:
     editor = SpecEditor.from_spec(text)
     assert editor.drafts == [] and editor.spec == parse_yaml(text)
     assert all(row.layout.display == "none" for row in editor.rows.values())
+
+
+def test_vectors_are_resolved_again_only_when_the_edits_change():
+    from undercurrent.steering import register_vector_source, unregister_vector_source
+
+    reads: list[str] = []
+
+    def counting_source(edit):
+        if edit.vector != "counted.npz":
+            return None
+        reads.append(edit.name)
+        return [1.0, 0.0]
+
+    register_vector_source("counted", counting_source)
+    try:
+        editor = _with_guard(Capabilities.standard("hf", "llama", 4, hidden_size=2))
+        editor.edit_fields["vector"].value = "counted.npz"
+        assert editor.valid, editor.problems
+        before = len(reads)
+        assert before >= 1
+        for name in ("g", "gu", "guard"):
+            editor.fields["name"].value = name  # a point changes, the edits do not
+        assert len(reads) == before
+        editor.edit_fields["coefficient"].value = "2"
+        assert len(reads) == before + 1 and editor.valid
+    finally:
+        unregister_vector_source("counted")

@@ -54,8 +54,9 @@ class ModelCheck:
 
     Points: their tensor types and layers against the backend's capabilities.
     Edits: ``register_edits``, as ``ProbedModel`` runs it: layers, and each vector
-    resolved against the model's hidden size. Resolving reads vector files, so the
-    answer for the last edits seen is kept.
+    resolved against the model's hidden size. Resolving reads vector files (an
+    SAE's weights, for a feature), so the answer for the last edits seen is kept:
+    a change to a point does not read them again.
     """
 
     def __init__(self, capabilities: Capabilities) -> None:
@@ -73,7 +74,9 @@ class ModelCheck:
     def _edit_problems(self, spec: ProbeSpec) -> list[SpecProblem]:
         if not spec.edits:
             return []
-        key = (spec.edits, spec.extraction_points)
+        # Keyed on the edits alone: the part of register_edits that reads the points
+        # (names, ``when``) repeats the loader's checks, which this spec has passed.
+        key = spec.edits
         if self._last_edits is None or self._last_edits[0] != key:
             try:
                 register_edits(spec.edits, list(spec), self.capabilities)
