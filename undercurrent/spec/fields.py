@@ -113,6 +113,8 @@ def _fields(model: type[BaseModel], skipped: set[str], prefix: str = "",
             default = REQUIRED
         elif info.default_factory is not None:
             default = info.default_factory()  # type: ignore[call-arg]
+            if isinstance(default, dict):  # read-only: the cached tables are shared
+                default = types.MappingProxyType(default)
         else:
             default = info.default
         if isinstance(default, enum.Enum):
