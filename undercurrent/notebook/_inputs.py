@@ -101,7 +101,13 @@ def tensor_to_numpy(tensor: Any) -> tuple[Any, str]:
             array = detached.float().numpy()
         return array, dtype_name
     array = np.asarray(tensor)
-    return array, array.dtype.name
+    name = _DTYPE_NAMES.get(array.dtype)
+    if name is None:  # numpy's dtype.name is slow; frames ask once per record
+        name = _DTYPE_NAMES[array.dtype] = array.dtype.name
+    return array, name
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def signal_locations(source: Any) -> dict[int, Any]:

@@ -179,12 +179,12 @@ def records_frame(records: Any, *, tokenizer: Any = None, tensors: bool = True) 
     flat = flatten_records(records)
     decode = _token_decoder(tokenizer)
     arrays: list[Any] = []
-    rows: list[dict[str, Any]] = []
+    columns: dict[str, list[Any]] = {name: [] for name in RECORD_COLUMNS}
     for record in flat:
         array, dtype_name = tensor_to_numpy(record.tensor)
         arrays.append(array)
-        rows.append(_record_row(record, decode, dtype_name, tuple(array.shape)))
-    frame = _typed_record_frame(pd.DataFrame(rows, columns=list(RECORD_COLUMNS)))
+        _add_record(columns, record, decode, dtype_name, array.shape)
+    frame = _typed_record_frame(pd.DataFrame(columns, columns=list(RECORD_COLUMNS)))
     order = _site_order(frame)
     positions = np.empty(len(flat), dtype=np.int64)
     matrices: dict[int, Any] = {}
@@ -214,25 +214,25 @@ def _site_order(frame: Any) -> list[int]:
     return [position for members in groups.values() for position in members]
 
 
-def _record_row(
-    record: ActivationRecord, decode: Any, dtype_name: str, shape: tuple[int, ...]
-) -> dict[str, Any]:
-    return {
-        "request": record.request_id,
-        "point": record.extraction_point_name,
-        "layer": record.layer,
-        "tensor_type": str(getattr(record.tensor_type, "value", record.tensor_type)),
-        "token_index": record.token_index,
-        "is_generated": record.is_generated,
-        "generated_index": record.generated_index,
-        "token_id": record.token_id,
-        "token_text": decode(record.token_id),
-        "timestamp": record.timestamp,
-        "dtype": dtype_name,
-        "shape": shape,
-        "edits": tuple(record.edits),
-        "row": 0,
-    }
+def _add_record(
+    columns: dict[str, list[Any]], record: ActivationRecord, decode: Any, dtype_name: str,
+    shape: tuple[int, ...],
+) -> None:
+    """Append one record's index values to the frame's column lists."""
+    columns["request"].append(record.request_id)
+    columns["point"].append(record.extraction_point_name)
+    columns["layer"].append(record.layer)
+    columns["tensor_type"].append(str(getattr(record.tensor_type, "value", record.tensor_type)))
+    columns["token_index"].append(record.token_index)
+    columns["is_generated"].append(record.is_generated)
+    columns["generated_index"].append(record.generated_index)
+    columns["token_id"].append(record.token_id)
+    columns["token_text"].append(decode(record.token_id))
+    columns["timestamp"].append(record.timestamp)
+    columns["dtype"].append(dtype_name)
+    columns["shape"].append(tuple(shape))
+    columns["edits"].append(tuple(record.edits))
+    columns["row"].append(0)
 
 
 def _typed_record_frame(frame: Any) -> Any:
@@ -419,7 +419,7 @@ def _matrix_rows(activations: Activations, selected: Any, dtype: str | None) -> 
     contiguous block in order and no conversion is asked for, else a copy."""
     import numpy as np
 
-    sizes = {int(np.prod(shape, dtype=np.int64)) for shape in selected["shape"].tolist()}
+    sizes = {math.prod(shape) for shape in set(selected["shape"].tolist())}
     if len(sizes) > 1:
         raise ValueError(
             f"activation_matrix: rows have different sizes {sorted(sizes)}; filter to one "
@@ -462,7 +462,6 @@ def record_tensors(frame: Any) -> list[Any]:
     """Each row's activation as a numpy array of its ``shape``: read-only views into
     the frame's matrices (or the arrays of a frame with a ``tensor`` column); None
     for every row of a frame built with ``tensors=False``."""
-    import numpy as np
 
     if "tensor" in frame.columns:
         return list(frame["tensor"])
@@ -471,7 +470,7 @@ def record_tensors(frame: Any) -> list[Any]:
         return [None] * len(frame)
     found = []
     for row, shape in zip(frame["row"].tolist(), frame["shape"].tolist(), strict=True):
-        view = activations.matrix(int(np.prod(shape, dtype=np.int64)))[row].reshape(shape)
+        view = activations.matrix(math.prod(shape))[row].reshape(shape)
         view.flags.writeable = False
         found.append(view)
     return found
