@@ -141,14 +141,11 @@ def bundled_model() -> ModelBundle:
 
 
 def model_directory(key: str, root: Path) -> Path:
-    """A directory vLLM can load for ``key``: the bundled model's own, or the seeded
-    random model and its tokenizer saved under ``root / key``."""
-    if key == "tiny":
-        from undercurrent.models import tiny_model_path
+    """A directory vLLM can load for ``key``: the model of :func:`load_model` (EOS
+    taken away, as for every HF scenario) and its tokenizer, saved under ``root / key``.
 
-        path = tiny_model_path()
-        if (path / "config.json").is_file():
-            return path
+    The bundled model is saved again rather than loaded from the package, so vLLM
+    (plain and probed alike) generates exactly ``max_new_tokens`` per request."""
     target = root / key
     if not (target / "config.json").is_file():
         bundle = load_model(key)

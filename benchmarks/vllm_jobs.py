@@ -48,14 +48,18 @@ def _plain_engine(path: str) -> tuple[Any, Any, str | None]:
     from vllm.v1.executor import Executor
 
     staging = None
-    try:  # the bundled model ships probe.safetensors beside its weights: hide it from vLLM
-        from undercurrent.adapters.vllm.loading import loadable_directory
+    dtype = "float32"
+    try:  # undercurrent's own loading rules, so both engines load the model alike
+        from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory
 
-        path, staging = loadable_directory(path)
+        # The dtype undercurrent's backend picks (config.json's): vLLM's "auto"
+        # would run the plain baseline in bfloat16 on CPU.
+        dtype = engine_dtype(path, None)
+        path, staging = loadable_directory(path)  # hides a probe file beside the weights
     except ImportError:
         pass
     args = EngineArgs(model=path, enforce_eager=True, enable_prefix_caching=False,
-                      async_scheduling=False, seed=0)
+                      async_scheduling=False, seed=0, dtype=dtype)
     config = args.create_engine_config()
     engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
                        log_stats=False, multiprocess_mode=False)
