@@ -35,6 +35,7 @@ from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
+from undercurrent.store.capture import CaptureSummary, capture_activations
 
 __all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
            "TokenSignal", "check_prompts", "load_spec"]
@@ -400,7 +401,7 @@ class ProbedModel:
         resume: bool = True,
         progress: bool = True,
         **options: Any,
-    ) -> Any:
+    ) -> CaptureSummary:
         """Generate for every prompt and write every record of the spec's points to
         an activation store in ``out_dir``, as generation runs; returns a
         :class:`~undercurrent.store.CaptureSummary` (path, requests, vectors, bytes).
@@ -415,8 +416,6 @@ class ProbedModel:
         ``top_p``, ``top_k`` and ``stop``. Read it with
         :func:`undercurrent.open_activations`; see ``docs/store.md``.
         """
-        from undercurrent.store.capture import capture_activations
-
         return capture_activations(
             self, prompts, out_dir, max_new_tokens=max_new_tokens, temperature=temperature,
             seed=seed, batch_size=batch_size, storage_dtype=storage_dtype, resume=resume,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from undercurrent.notebook.frames import (
+from undercurrent.analysis.frames import (
     activation_matrix,
     label_rows,
     records_frame,
@@ -370,7 +370,7 @@ def _outcome(row: Any) -> str:
 
 
 def _features_input(features: Any) -> Any:
-    from undercurrent.notebook.frames import features_frame
+    from undercurrent.analysis.frames import features_frame
 
     return _as_frame(features, features_frame)
 
@@ -387,7 +387,7 @@ def feature_heatmap_figure(
 ) -> Any:
     """Feature x token heatmap of one request's SAE feature activations.
 
-    ``features`` is a :func:`~undercurrent.notebook.frames.features_frame` or
+    ``features`` is a :func:`~undercurrent.analysis.frames.features_frame` or
     anything it accepts (``GenerationOutput``s from a run with ``sae_probe``).
     ``request`` defaults to the first in the frame, ``layer`` to the lowest of the
     selection. Rows are ``feature_ids`` or the ``top`` features by peak activation

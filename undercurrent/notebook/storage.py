@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from undercurrent.notebook.frames import RECORD_COLUMNS, _typed_record_frame, records_frame
+from undercurrent.analysis.frames import RECORD_COLUMNS, _typed_record_frame, records_frame
 from undercurrent.records import ActivationRecord
 
 FORMAT_NAME = "undercurrent.records/1"

@@ -96,7 +96,7 @@ def fit_steering_vector(
 ) -> SteeringVector:
     """Difference of means: ``mean(rows labelled positive) - mean(the other rows)``.
 
-    ``data`` and ``labels`` are what :func:`~undercurrent.probes.fitting.fit_linear_probe`
+    ``data`` and ``labels`` are what :func:`~undercurrent.analysis.fitting.fit_linear_probe`
     takes (a records frame with per-row labels, a column name or a ``{request:
     label}`` mapping; records; outputs; or an ``(n, hidden)`` array with one label
     per row), filtered by ``point`` / ``layer`` / ``tensor_type`` the same way.
@@ -111,7 +111,7 @@ def fit_steering_vector(
     """
     import numpy as np
 
-    from undercurrent.probes.fitting import _design, _sorted_classes
+    from undercurrent.analysis.fitting import _design, _sorted_classes
 
     X, y, _, layer, tensor_type = _design(data, labels, layer, point, tensor_type, None)
     if len(X) != len(y):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from undercurrent.adapters.prompts import check_prompts
+from undercurrent.spec import extraction_point_to_dict
 from undercurrent.store.format import (
     STORAGE_DTYPES,
     parse_part,
@@ -75,9 +77,6 @@ def capture_activations(
     progress: bool = True,
 ) -> CaptureSummary:
     """Implementation of :meth:`undercurrent.api.ProbedModel.capture` (see there)."""
-    from undercurrent.api import check_prompts
-    from undercurrent.spec import extraction_point_to_dict
-
     prompts = check_prompts(prompts)
     if not model.points:
         raise ValueError("capture needs a spec with at least one extraction point")

@@ -237,7 +237,7 @@ class ActivationStore:
         """The rows in ``records_frame`` form (``request``, ``point``, ... ``tensor``),
         plus ``prompt_index``; ``activation_matrix``, ``select_rows``, ``label_rows``
         and ``fit_linear_probe`` take it as they take a records frame."""
-        from undercurrent.notebook.frames import RECORD_COLUMNS
+        from undercurrent.analysis.frames import RECORD_COLUMNS
 
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})

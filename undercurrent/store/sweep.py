@@ -53,7 +53,7 @@ def sweep_linear_probes(
     """
     import pandas as pd
 
-    from undercurrent.probes.fitting import fit_linear_probe
+    from undercurrent.analysis.fitting import fit_linear_probe
 
     if point is None:
         present = sorted(store.index["extraction_point_name"].unique().tolist())

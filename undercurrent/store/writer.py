@@ -323,7 +323,7 @@ class _OpenShard:
         })
 
     def add_outputs(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> None:
-        from undercurrent.notebook.frames import results_frame
+        from undercurrent.analysis.frames import results_frame
 
         aborts = [output.abort for output in outputs]
         self.outputs.write({

@@ -1,0 +1,458 @@
+"""Tidy pandas frames over records, signals and results.
+
+Every frame is long format (one row per record, per signal, or per result) with
+the stable column names listed in ``RECORD_COLUMNS``, ``SIGNAL_COLUMNS`` and
+``RESULT_COLUMNS``; new columns may be appended in later versions, existing ones
+are never renamed. See ``docs/notebook.md`` for what each column holds.
+
+>>> frame = records_frame(output.records, tokenizer=model.tokenizer)  # doctest: +SKIP
+>>> X = activation_matrix(frame, layer=2)                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from undercurrent.analysis._inputs import (
+    flatten_records,
+    flatten_results,
+    signal_locations,
+    tensor_to_numpy,
+)
+from undercurrent.records import ActivationRecord, ProbeResult, SignalAction
+
+RECORD_COLUMNS: tuple[str, ...] = (
+    "request",
+    "point",
+    "layer",
+    "tensor_type",
+    "token_index",
+    "is_generated",
+    "generated_index",
+    "token_id",
+    "token_text",
+    "timestamp",
+    "dtype",
+    "shape",
+    "tensor",
+)
+"""Columns of :func:`records_frame`, in order.
+
+``request`` (request id), ``point`` (extraction point name), ``layer``,
+``tensor_type``, ``token_index`` (absolute in prompt + generated),
+``is_generated``, ``generated_index`` (nullable; <NA> for prompt tokens),
+``token_id`` (nullable), ``token_text`` (the decoded token when a tokenizer was
+given, else None), ``timestamp`` (seconds since the epoch), ``dtype`` (the
+captured tensor's original dtype name, e.g. ``"bfloat16"``), ``shape`` (tuple),
+``tensor`` (a numpy array of that shape; dtypes numpy lacks become float32).
+"""
+
+SIGNAL_COLUMNS: tuple[str, ...] = (
+    "request",
+    "point",
+    "signal_index",
+    "layer",
+    "token_index",
+    "generated_index",
+    "action",
+    "score",
+    "flagged",
+    "timestamp",
+    "metadata",
+)
+"""Columns of :func:`signals_frame`, in order.
+
+``signal_index`` counts a result's signals from 0 in emission order; ``layer``,
+``token_index`` and ``generated_index`` say which activation the signal judged:
+from the ``GenerationOutput``'s located signals (inline points) or from the
+signal's metadata keys of the same names (nullable when neither knows); ``action`` is
+``"continue"``, ``"flag"`` or ``"abort"``; ``score`` is a float (NaN when the probe
+gave none); ``flagged`` is True for flag and abort; ``metadata`` is the signal's
+metadata as a dict.
+"""
+
+RESULT_COLUMNS: tuple[str, ...] = (
+    "request",
+    "point",
+    "verdict",
+    "flagged",
+    "aborted",
+    "n_signals",
+    "n_flags",
+    "max_score",
+    "mean_score",
+    "last_score",
+    "error",
+    "received",
+    "processed",
+    "dropped",
+    "errors",
+    "timeouts",
+    "mean_latency_s",
+)
+"""Columns of :func:`results_frame`, in order.
+
+``verdict`` is whatever the probe's ``on_end`` returned; ``flagged`` is True when
+any signal flagged or aborted; ``aborted`` when any signal asked to abort;
+``n_signals``/``n_flags`` count signals and non-continue signals;
+``max_score``/``mean_score``/``last_score`` summarise the signals' scores (NaN when
+there are none); ``error`` is the probe's error or None; the last six columns are
+the binding's ``ProbeStats``.
+"""
+
+# Signal metadata keys that locate a signal on the token axis.
+_LOCATION_KEYS = ("layer", "token_index", "generated_index")
+
+
+def _pandas() -> Any:
+    try:
+        import pandas as pd
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "undercurrent's notebook frames need pandas: pip install 'undercurrent[notebook]'"
+        ) from error
+    return pd
+
+
+def records_frame(records: Any, *, tokenizer: Any = None, tensors: bool = True) -> Any:
+    """One row per ``ActivationRecord``, with the columns in ``RECORD_COLUMNS``.
+
+    ``records`` is a list of records, a ``GenerationOutput`` generated with
+    ``records=True`` or a list of them. ``tokenizer`` (anything with
+    ``decode(list_of_ids)``) fills ``token_text``. ``tensors=False`` leaves the
+    ``tensor`` column as None for a lighter frame.
+    """
+    pd = _pandas()
+    flat = flatten_records(records)
+    decode = _token_decoder(tokenizer)
+    rows = [_record_row(record, decode, tensors) for record in flat]
+    frame = pd.DataFrame(rows, columns=list(RECORD_COLUMNS))
+    return _typed_record_frame(frame)
+
+
+def _record_row(
+    record: ActivationRecord, decode: Any, with_tensor: bool
+) -> dict[str, Any]:
+    array, dtype_name = tensor_to_numpy(record.tensor)
+    return {
+        "request": record.request_id,
+        "point": record.extraction_point_name,
+        "layer": record.layer,
+        "tensor_type": str(getattr(record.tensor_type, "value", record.tensor_type)),
+        "token_index": record.token_index,
+        "is_generated": record.is_generated,
+        "generated_index": record.generated_index,
+        "token_id": record.token_id,
+        "token_text": decode(record.token_id),
+        "timestamp": record.timestamp,
+        "dtype": dtype_name,
+        "shape": tuple(array.shape),
+        "tensor": array if with_tensor else None,
+    }
+
+
+def _typed_record_frame(frame: Any) -> Any:
+    """Give the record columns their documented dtypes (nullable ints where needed)."""
+    frame = frame.astype(
+        {
+            "request": "object",
+            "point": "object",
+            "layer": "int64",
+            "tensor_type": "object",
+            "token_index": "int64",
+            "is_generated": "bool",
+            "generated_index": "Int64",
+            "token_id": "Int64",
+            "timestamp": "float64",
+            "dtype": "object",
+        }
+    )
+    return frame
+
+
+def _token_decoder(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return lambda token_id: None
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([int(token_id)])
+        return cache[token_id]
+
+    return decode
+
+
+def signals_frame(results: Any) -> Any:
+    """One row per ``ProbeSignal``, with the columns in ``SIGNAL_COLUMNS``.
+
+    ``results`` is a ``GenerationOutput`` or a list of them (best: signals of
+    inline points are then located on the token axis), a ``{point name:
+    ProbeResult}`` dict, a list of those, or a list of ``ProbeResult``s.
+    """
+    pd = _pandas()
+    located = signal_locations(results)
+    rows: list[dict[str, Any]] = []
+    for result in flatten_results(results):
+        for index, signal in enumerate(result.signals):
+            metadata = dict(signal.metadata)
+            row: dict[str, Any] = {
+                "request": result.request_id,
+                "point": result.extraction_point_name,
+                "signal_index": index,
+            }
+            where = located.get(id(signal))
+            for key in _LOCATION_KEYS:
+                value = getattr(where, key, None) if where is not None else metadata.get(key)
+                row[key] = int(value) if isinstance(value, (int, float)) else None
+            row.update(
+                action=SignalAction(signal.action).value,
+                score=math.nan if signal.score is None else float(signal.score),
+                flagged=signal.action is not SignalAction.CONTINUE,
+                timestamp=signal.timestamp,
+                metadata=metadata,
+            )
+            rows.append(row)
+    frame = pd.DataFrame(rows, columns=list(SIGNAL_COLUMNS))
+    return frame.astype(
+        {
+            "request": "object",
+            "point": "object",
+            "signal_index": "int64",
+            "layer": "Int64",
+            "token_index": "Int64",
+            "generated_index": "Int64",
+            "action": "object",
+            "score": "float64",
+            "flagged": "bool",
+            "timestamp": "float64",
+        }
+    )
+
+
+def results_frame(results: Any) -> Any:
+    """One row per ``ProbeResult``, with the columns in ``RESULT_COLUMNS``."""
+    pd = _pandas()
+    rows = [_result_row(result) for result in flatten_results(results)]
+    frame = pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
+    return frame.astype(
+        {
+            "request": "object",
+            "point": "object",
+            "flagged": "bool",
+            "aborted": "bool",
+            "n_signals": "int64",
+            "n_flags": "int64",
+            "max_score": "float64",
+            "mean_score": "float64",
+            "last_score": "float64",
+            "received": "int64",
+            "processed": "int64",
+            "dropped": "int64",
+            "errors": "int64",
+            "timeouts": "int64",
+            "mean_latency_s": "float64",
+        }
+    )
+
+
+def _result_row(result: ProbeResult) -> dict[str, Any]:
+    scores = [float(s.score) for s in result.signals if s.score is not None]
+    actions = [SignalAction(s.action) for s in result.signals]
+    stats = result.stats
+    return {
+        "request": result.request_id,
+        "point": result.extraction_point_name,
+        "verdict": result.verdict,
+        "flagged": any(action is not SignalAction.CONTINUE for action in actions),
+        "aborted": any(action is SignalAction.ABORT for action in actions),
+        "n_signals": len(actions),
+        "n_flags": sum(action is not SignalAction.CONTINUE for action in actions),
+        "max_score": max(scores) if scores else math.nan,
+        "mean_score": sum(scores) / len(scores) if scores else math.nan,
+        "last_score": scores[-1] if scores else math.nan,
+        "error": result.error,
+        "received": stats.received,
+        "processed": stats.processed,
+        "dropped": stats.dropped,
+        "errors": stats.errors,
+        "timeouts": stats.timeouts,
+        "mean_latency_s": stats.mean_latency_s,
+    }
+
+
+def activation_matrix(
+    frame: Any,
+    *,
+    point: str | None = None,
+    layer: int | None = None,
+    tensor_type: str | None = None,
+    dtype: str = "float32",
+) -> Any:
+    """Stack a records frame's tensors into a ``(rows, features)`` numpy array.
+
+    Rows follow the frame's order (after the optional ``point``/``layer``/
+    ``tensor_type`` filters); each tensor is flattened, so ``kv`` records give
+    ``2 * heads * head_dim`` features. ``frame`` may also be a list of records.
+    Raises ``ValueError`` when nothing is left or the rows' sizes differ.
+    """
+    import numpy as np
+
+    pd = _pandas()
+    if not isinstance(frame, pd.DataFrame):
+        frame = records_frame(frame)
+    selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
+    if "tensor" not in selected.columns:
+        raise ValueError("activation_matrix needs a records frame with a 'tensor' column")
+    if selected.empty:
+        raise ValueError(
+            f"activation_matrix: no records left after filtering (point={point!r}, "
+            f"layer={layer!r}, tensor_type={tensor_type!r}); the frame has points "
+            f"{sorted(frame['point'].unique().tolist())} and layers "
+            f"{sorted(frame['layer'].unique().tolist())}"
+        )
+    arrays = []
+    for position, tensor in enumerate(selected["tensor"]):
+        if tensor is None:
+            raise ValueError(
+                f"activation_matrix: row {position} has no tensor (was the frame built "
+                "with tensors=False?)"
+            )
+        arrays.append(np.asarray(tensor, dtype=dtype).reshape(-1))
+    sizes = {array.shape[0] for array in arrays}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"activation_matrix: rows have different sizes {sorted(sizes)}; filter to one "
+            "point, layer and tensor type first (e.g. activation_matrix(frame, layer=2))"
+        )
+    return np.stack(arrays)
+
+
+def select_rows(
+    frame: Any,
+    *,
+    point: str | None = None,
+    layer: int | None = None,
+    tensor_type: str | None = None,
+    request: str | None = None,
+) -> Any:
+    """The rows of a frame matching every filter given (None means any)."""
+    mask = None
+    for column, wanted in (
+        ("point", point),
+        ("layer", layer),
+        ("tensor_type", tensor_type),
+        ("request", request),
+    ):
+        if wanted is None:
+            continue
+        if column not in frame.columns:
+            raise ValueError(f"cannot filter on {column!r}: the frame has no such column")
+        condition = frame[column] == wanted
+        mask = condition if mask is None else mask & condition
+    return frame if mask is None else frame[mask]
+
+
+def label_rows(frame: Any, labels: Mapping[str, Any] | Any, *, by: str = "request") -> Any:
+    """Per-row labels for a frame from per-request (or per-``by``) labels.
+
+    ``labels`` maps each value of column ``by`` to its label. Raises ``KeyError``
+    naming the values that have no label.
+    """
+    if not isinstance(labels, Mapping):
+        return labels
+    keys = frame[by].tolist()
+    missing = sorted({str(key) for key in keys if key not in labels})
+    if missing:
+        raise KeyError(
+            f"label_rows: no label for {by} value(s) {missing[:5]}"
+            + (" ..." if len(missing) > 5 else "")
+        )
+    return [labels[key] for key in keys]
+
+
+FEATURE_COLUMNS: tuple[str, ...] = (
+    "request",
+    "point",
+    "layer",
+    "token",
+    "feature",
+    "activation",
+    "generated_index",
+    "token_text",
+)
+"""Columns of :func:`features_frame`, in order.
+
+``token`` is the absolute token index (prompt + generated) of the activation the
+SAE read; ``feature`` the SAE feature id; ``activation`` its value (float64);
+``generated_index`` is nullable (<NA> for prompt tokens); ``token_text`` is the
+decoded token when a tokenizer was given and the results came as
+``GenerationOutput``s (which hold the token ids), else None.
+"""
+
+
+def features_frame(results: Any, *, tokenizer: Any = None) -> Any:
+    """One row per (activation, reported SAE feature): ``sae_probe``'s signals in
+    long format, with the columns in ``FEATURE_COLUMNS``.
+
+    ``results`` is anything :func:`signals_frame` accepts. Each ``sae_probe``
+    signal contributes its ``features`` / ``activations`` (all watched features, or
+    the active ones among the top ``top_k``); other probes' signals are skipped.
+
+    >>> frame = features_frame(outputs, tokenizer=model.backend.tokenizer)  # doctest: +SKIP
+    >>> frame.pivot_table("activation", "feature", "token")           # doctest: +SKIP
+    """
+    pd = _pandas()
+    signals = signals_frame(results)
+    token_ids = _token_ids_by_request(results)
+    decode = _token_decoder(tokenizer)
+    rows: list[dict[str, Any]] = []
+    for signal in signals.itertuples(index=False):
+        metadata = signal.metadata
+        features = metadata.get("features")
+        activations = metadata.get("activations")
+        if features is None or activations is None:
+            continue
+        token = None if pd.isna(signal.token_index) else int(signal.token_index)
+        generated = None if pd.isna(signal.generated_index) else int(signal.generated_index)
+        ids = token_ids.get(signal.request)
+        text = decode(ids[token]) if ids is not None and token is not None and token < len(
+            ids) else None
+        for feature, value in zip(features, activations, strict=True):
+            rows.append({
+                "request": signal.request,
+                "point": signal.point,
+                "layer": None if pd.isna(signal.layer) else int(signal.layer),
+                "token": token,
+                "feature": int(feature),
+                "activation": float(value),
+                "generated_index": generated,
+                "token_text": text,
+            })
+    frame = pd.DataFrame(rows, columns=list(FEATURE_COLUMNS))
+    return frame.astype({
+        "request": "object",
+        "point": "object",
+        "layer": "Int64",
+        "token": "Int64",
+        "feature": "int64",
+        "activation": "float64",
+        "generated_index": "Int64",
+        "token_text": "object",
+    })
+
+
+def _token_ids_by_request(results: Any) -> dict[str, list[int]]:
+    """``{request id: prompt + generated token ids}`` for the GenerationOutputs in
+    ``results`` (a ``ProbeResult`` alone does not know its tokens)."""
+    found: dict[str, list[int]] = {}
+    outputs = [results] if hasattr(results, "token_ids") else results
+    if isinstance(outputs, (list, tuple)):
+        for output in outputs:
+            if hasattr(output, "token_ids") and hasattr(output, "prompt_token_ids"):
+                found[output.request_id] = [*output.prompt_token_ids, *output.token_ids]
+    return found
