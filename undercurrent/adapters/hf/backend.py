@@ -39,6 +39,7 @@ from undercurrent.adapters.session import (
     StreamText,
     stop_position,
 )
+from undercurrent.spec.types import TensorType
 
 EventSink = Callable[[StreamEvent], None]
 
@@ -226,7 +227,14 @@ class HFBackend:
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
     def capabilities(self) -> Capabilities:
-        return self.hooks.capabilities()
+        """What this model captures; ``kv`` only when its decoder layers are passed
+        a cache to read it from (:meth:`ModelHooks.kv_cache_problem`)."""
+        capabilities = self.hooks.capabilities()
+        if capabilities.supports(TensorType.KV):
+            problem = self.hooks.kv_cache_problem()
+            if problem is not None:
+                return capabilities.without(TensorType.KV, problem)
+        return capabilities
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
