@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from undercurrent.adapters.arguments import check_model_path, dtype_name
 from undercurrent.adapters.base import BackendError, SamplingParams, backend_class
 from undercurrent.adapters.capabilities import Capabilities, check_points
 from undercurrent.adapters.outputs import (
@@ -35,6 +36,7 @@ from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
+from undercurrent.steering.registration import as_edits, register_edits
 from undercurrent.store.capture import CaptureSummary, capture_activations
 
 __all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
@@ -174,7 +176,6 @@ class ProbedModel:
                        backend=backend, probes=probes, probe_defaults=probe_defaults,
                        router=router, on_result=on_result, batch_size=batch_size,
                        capture_last_token=capture_last_token)
-        from undercurrent.adapters.arguments import check_model_path, dtype_name
 
         name = os.fspath(model_or_path)
         loader = backend_class(backend)
@@ -221,7 +222,6 @@ class ProbedModel:
         ones (names unique) and the spec's points; no edits, nothing imported."""
         if not more:
             return []
-        from undercurrent.steering.registration import as_edits, register_edits
 
         combined = [*as_edits(registered), *as_edits(more)]
         resolved = register_edits(combined, list(self.spec), self.backend.capabilities())

@@ -27,7 +27,7 @@ def hf_capabilities(config: Any) -> Capabilities:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from undercurrent.adapters.hf.hooks import ModelHooks
+    from undercurrent.adapters.hf.hooks import ModelHooks  # imports torch
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -12,12 +12,14 @@ from typing import Any
 
 from undercurrent.analysis.frames import (
     activation_matrix,
+    features_frame,
     label_rows,
     records_frame,
     results_frame,
     select_rows,
     signals_frame,
 )
+from undercurrent.records import ActivationRecord
 
 ValueFunction = Callable[[Any], float]
 
@@ -322,8 +324,6 @@ def projection_figure(
 
 
 def _is_record_list(data: Any) -> bool:
-    from undercurrent.records import ActivationRecord
-
     return isinstance(data, (list, tuple)) and bool(data) and (
         isinstance(data[0], ActivationRecord) or hasattr(data[0], "records")
     )
@@ -370,8 +370,6 @@ def _outcome(row: Any) -> str:
 
 
 def _features_input(features: Any) -> Any:
-    from undercurrent.analysis.frames import features_frame
-
     return _as_frame(features, features_frame)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from undercurrent.spec.position import PositionSelector
+from undercurrent.spec.position import PositionSelector, parse_position
 
 
 class TensorType(str, enum.Enum):
@@ -128,8 +128,6 @@ class ExtractionPoint:
         if self.until is not None:
             object.__setattr__(self, "until", UntilKind(self.until))
         if not isinstance(self.position, PositionSelector):
-            from undercurrent.spec.position import parse_position
-
             object.__setattr__(self, "position", parse_position(self.position))
         if not isinstance(self.probe_args, types.MappingProxyType):
             object.__setattr__(self, "probe_args", _frozen_mapping(self.probe_args))
@@ -244,8 +242,6 @@ class Edit:
         object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
         object.__setattr__(self, "op", EditOp(self.op))
         if not isinstance(self.position, PositionSelector):
-            from undercurrent.spec.position import parse_position
-
             object.__setattr__(self, "position", parse_position(self.position))
         vector: Any = self.vector  # a mapping from YAML is allowed in, beyond the annotation
         if isinstance(vector, Mapping):

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis.frames import RECORD_COLUMNS
 from undercurrent.store.format import (
+    INDEX_COLUMNS,
     MANIFEST,
     OUTPUT_COLUMNS,
     STORE_FORMAT,
@@ -237,8 +239,6 @@ class ActivationStore:
         """The rows in ``records_frame`` form (``request``, ``point``, ... ``tensor``),
         plus ``prompt_index``; ``activation_matrix``, ``select_rows``, ``label_rows``
         and ``fit_linear_probe`` take it as they take a records frame."""
-        from undercurrent.analysis.frames import RECORD_COLUMNS
-
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
         out = out.reset_index(drop=True)
@@ -387,8 +387,6 @@ def _positions(index: Any, positions: str) -> Any:
 
 def _empty_index() -> Any:
     import pandas as pd
-
-    from undercurrent.store.format import INDEX_COLUMNS
 
     return pd.DataFrame({column: [] for column in INDEX_COLUMNS})
 

