@@ -50,7 +50,13 @@ notebooks: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check undercurrent tests benchmarks tools notebooks
 	$(BIN)/mypy --follow-imports=silent undercurrent/spec undercurrent/records.py \
-		undercurrent/errors.py undercurrent/router
+		undercurrent/errors.py undercurrent/router undercurrent/analysis \
+		undercurrent/steering undercurrent/store undercurrent/models undercurrent/api.py \
+		undercurrent/capture_cli.py undercurrent/adapters/base.py \
+		undercurrent/adapters/capabilities.py undercurrent/adapters/outputs.py \
+		undercurrent/adapters/prompts.py undercurrent/adapters/arguments.py \
+		undercurrent/adapters/hf/architectures.py undercurrent/adapters/vllm/layout.py \
+		undercurrent/adapters/vllm/config_capabilities.py
 	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.adapters.arguments import check_model_path, dtype_name
-from undercurrent.adapters.base import BackendError, SamplingParams, backend_class
+from undercurrent.adapters.base import (
+    Backend,
+    BackendError,
+    SamplingParams,
+    backend_class,
+    stop_strings,
+)
 from undercurrent.adapters.capabilities import Capabilities, check_points
 from undercurrent.adapters.outputs import (
     AbortInfo,
@@ -103,7 +109,7 @@ class ProbedModel:
         backend: str = "hf",
         probes: Any = None,
         probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-        router: Any = None,
+        router: Router | None = None,
         on_result: Callable[[ProbeResult], Any] | None = None,
         batch_size: int = 8,
         capture_last_token: bool = False,
@@ -114,6 +120,7 @@ class ProbedModel:
                 f"ProbedModel(model) takes a loaded model or backend, got the path {model!r}; "
                 "load it with ProbedModel.from_pretrained(path, spec=...)"
             )
+        self.backend: Backend
         if _is_backend(model):
             self.backend = model
         elif backend == "hf":
@@ -157,7 +164,7 @@ class ProbedModel:
         dtype: Any = None,
         probes: Any = None,
         probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-        router: Any = None,
+        router: Router | None = None,
         on_result: Callable[[ProbeResult], Any] | None = None,
         batch_size: int = 8,
         capture_last_token: bool = False,
@@ -201,7 +208,7 @@ class ProbedModel:
         return tuple(self.spec)
 
     @property
-    def router(self) -> Any:
+    def router(self) -> Router:
         """The router (built on first use when none was given)."""
         if self._router is None:
             self._router = Router(self._probes, probe_defaults=self._probe_defaults)
@@ -259,7 +266,7 @@ class ProbedModel:
         if capture_last_token is None:
             capture_last_token = self.capture_last_token
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stop_strings(stop),
                               capture_last_token=capture_last_token)
 
     def _new_id(self) -> str:

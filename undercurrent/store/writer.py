@@ -132,7 +132,7 @@ class StoreWriter:
             found = [entry for entry in found if entry[3].is_generated]
         if reduction.tokens != "all":
             groups = _group_runs(found)
-        if reduction.tokens == "last_token":
+        if reduction.tokens == "last_token" and groups is not None:
             found = [found[stop - 1] for _, stop in groups]
             groups = None
         if not found:

