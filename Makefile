@@ -55,8 +55,11 @@ lint: $(STAMP)
 		undercurrent/capture_cli.py undercurrent/adapters/base.py \
 		undercurrent/adapters/capabilities.py undercurrent/adapters/outputs.py \
 		undercurrent/adapters/prompts.py undercurrent/adapters/arguments.py \
-		undercurrent/adapters/hf/architectures.py undercurrent/adapters/vllm/layout.py \
-		undercurrent/adapters/vllm/config_capabilities.py
+		undercurrent/adapters/__init__.py undercurrent/adapters/hf \
+		undercurrent/adapters/model_inspection.py undercurrent/adapters/vllm/__init__.py \
+		undercurrent/adapters/vllm/layout.py undercurrent/adapters/vllm/config_capabilities.py \
+		undercurrent/adapters/vllm/rows.py undercurrent/adapters/vllm/channel.py \
+		undercurrent/adapters/vllm/loading.py
 	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint

@@ -23,7 +23,7 @@ import inspect
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,16 @@ from undercurrent.adapters.session import (
 from undercurrent.spec.types import TensorType
 
 EventSink = Callable[[StreamEvent], None]
+
+
+def _padded_slot(row: int, pad: int) -> Callable[[int], Hashable]:
+    """Token ``t`` of a row left-padded by ``pad`` sits at ``(row, pad + t)``."""
+    return lambda token_index: (row, pad + token_index)
+
+
+def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
+    """The one token a row feeds in a forward sits at ``(row, column)``."""
+    return lambda token_index: (row, column)
 
 
 class _RowDriver:
@@ -80,8 +90,7 @@ class _RowDriver:
                     f"expected the prefill forward to see {self.width} tokens, it saw {width}")
             for row, state in enumerate(self.states):
                 pad = self.width - state.prompt_len
-                plan.add_window(state, 0, state.prompt_len,
-                                lambda t, row=row, pad=pad: (row, pad + t))
+                plan.add_window(state, 0, state.prompt_len, _padded_slot(row, pad))
             return plan
         if width != 1:
             raise BackendError(
@@ -90,7 +99,7 @@ class _RowDriver:
         for row, state in enumerate(self.states):
             if state.live and state.generated:
                 fed = state.prompt_len + len(state.generated) - 1
-                plan.add_window(state, fed, fed + 1, lambda t, row=row: (row, 0))
+                plan.add_window(state, fed, fed + 1, _fixed_slot(row, 0))
         return plan
 
     def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
@@ -199,7 +208,7 @@ class HFBackend:
         check_model_path(path)
         name = dtype_name(dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model: Any = AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, name) if name not in (None, "auto") else "auto",
                 **model_kwargs)
         except OSError as error:
@@ -250,7 +259,8 @@ class HFBackend:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        device: torch.device = next(self.model.parameters()).device
+        return device
 
     # -- generation --------------------------------------------------------
     def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
@@ -442,7 +452,7 @@ class HFBackend:
                 plan.add_edit(state, by_name[applied.edit_name], applied.layer,
                               applied.token_index,
                               (row, width - len(seq) + applied.token_index), log=False)
-            plan.add_window(state, last, last + 1, lambda t, row=row: (row, width - 1))
+            plan.add_window(state, last, last + 1, _fixed_slot(row, width - 1))
         if not plan.groups:
             return
         self.hooks.install(session.wanted_pairs() | plan.pairs())

@@ -15,8 +15,8 @@ same site sees what the model saw.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Hashable, Iterable
+from typing import Any, cast
 
 import torch
 
@@ -34,10 +34,13 @@ from undercurrent.steering.kernels import EditKernels
 
 _INDEX_CACHE_SIZE = 64
 
+_CACHE_TYPES: tuple[type, ...]
 try:  # the cache base class moved between releases; the hook only needs isinstance
-    from transformers.cache_utils import Cache as _CacheBase
+    from transformers.cache_utils import Cache
+
+    _CACHE_TYPES = (Cache,)
 except ImportError:  # pragma: no cover - very old transformers
-    _CacheBase = ()
+    _CACHE_TYPES = ()
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -57,9 +60,14 @@ def _find_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # "layer_past", "cache" in newer releases) or positionally (GPT-2), so look
     # for the object itself rather than a keyword.
     for value in list(kwargs.values()) + list(args):
-        if _CacheBase and isinstance(value, _CacheBase):
+        if _CACHE_TYPES and isinstance(value, _CACHE_TYPES):
             return value
     return None
+
+
+def _cell(slot: Hashable) -> tuple[int, int]:
+    """A slot of the HF backend: (row, column) in the padded batch."""
+    return cast("tuple[int, int]", slot)
 
 
 class ModelHooks:
@@ -270,7 +278,7 @@ class ModelHooks:
         stored = int(keys.shape[-2])
         # The layer just appended `width` tokens at the end of its cache; a
         # sliding-window layer may have dropped the oldest of them already.
-        positions = [stored - self.width + slot[1] for slot in group.slots]
+        positions = [stored - self.width + _cell(slot)[1] for slot in group.slots]
         targets = group.targets
         if min(positions) < 0:
             keep = {i for i, pos in enumerate(positions) if pos >= 0}
@@ -282,7 +290,8 @@ class ModelHooks:
             positions = [positions[i] for i in sorted(keep)]
             if not slots:
                 return
-            rows = torch.tensor([s[0] for s in slots], dtype=torch.long, device=keys.device)
+            rows = torch.tensor([_cell(s)[0] for s in slots], dtype=torch.long,
+                                device=keys.device)
         else:
             rows, _ = self._index(group.slots, keys.device)
         pos = torch.tensor(positions, dtype=torch.long, device=keys.device)
