@@ -59,7 +59,12 @@ lint: $(STAMP)
 		undercurrent/adapters/model_inspection.py undercurrent/adapters/vllm/__init__.py \
 		undercurrent/adapters/vllm/layout.py undercurrent/adapters/vllm/config_capabilities.py \
 		undercurrent/adapters/vllm/rows.py undercurrent/adapters/vllm/channel.py \
-		undercurrent/adapters/vllm/loading.py
+		undercurrent/adapters/vllm/loading.py undercurrent/__init__.py undercurrent/__main__.py \
+		undercurrent/cli.py undercurrent/demo.py undercurrent/notebook/__init__.py \
+		undercurrent/notebook/frames.py undercurrent/notebook/storage.py \
+		undercurrent/notebook/plots.py undercurrent/notebook/static.py \
+		undercurrent/notebook/live_view.py undercurrent/notebook/live_state.py \
+		undercurrent/notebook/live_html.py undercurrent/probes/weights.py
 	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint

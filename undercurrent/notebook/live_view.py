@@ -173,10 +173,8 @@ class LiveView:
         if picture and self.figure.data:
             image = static.png_html(static.figure_png(self.figure, width=900),
                                    alt="probe scores per token")
-        return (
-            '<div class="undercurrent-live-snapshot">'
-            + self.header.value + self.text.value + self.message.value + image + "</div>"
-        )
+        parts: list[str] = [self.header.value, self.text.value, self.message.value, image]
+        return '<div class="undercurrent-live-snapshot">' + "".join(parts) + "</div>"
 
     # -- running ----------------------------------------------------------------------
 
