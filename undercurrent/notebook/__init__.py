@@ -8,7 +8,14 @@ the ``notebook`` extra (``pip install 'undercurrent[notebook]'``).
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
+
+from undercurrent.analysis import frames
+
+# The frames lived in ``undercurrent.notebook.frames`` before they moved below the
+# notebook layer (``undercurrent.analysis.frames``); that import path still works.
+sys.modules.setdefault(f"{__name__}.frames", frames)
 
 _EXPORTS: dict[str, str] = {
     "RECORD_COLUMNS": "undercurrent.analysis.frames",

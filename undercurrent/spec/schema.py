@@ -39,7 +39,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from undercurrent.spec.fields import field_info, nullable_keys, required_keys
+from undercurrent.spec.declarations import field_info, nullable_keys, required_keys
 from undercurrent.spec.messages import describe_value, did_you_mean
 from undercurrent.spec.position import PositionError, parse_position
 from undercurrent.spec.types import (

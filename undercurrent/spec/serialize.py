@@ -12,15 +12,15 @@ from typing import Any
 
 import yaml
 
+from undercurrent.spec.declarations import to_spec_data
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
-from undercurrent.spec.fields import to_spec_data
 from undercurrent.spec.types import Edit, ExtractionPoint, ProbeSpec
 
 
 def extraction_point_to_dict(point: ExtractionPoint) -> dict[str, Any]:
     """One point as a plain dict in spec form (handy for logging what a probe ran with).
 
-    Derived from the field declarations (:func:`~undercurrent.spec.fields.to_spec_data`):
+    Derived from the field declarations (:func:`~undercurrent.spec.declarations.to_spec_data`):
     every key in declaration order, optional ones left out at their default,
     ``intervention.mode`` always written (an explicit policy differs from an
     omitted one).

@@ -1,7 +1,7 @@
 """Resolved spec types: what the loaders return and what adapters and the router read.
 
 The fields of a point, an edit and their nested objects are declared here once,
-each with its documentation (:func:`~undercurrent.spec.fields.spec_field`); the
+each with its documentation (:func:`~undercurrent.spec.declarations.spec_field`); the
 schema, the spec form and the vLLM wire format are derived from them.
 
 These are plain frozen dataclasses and enums; they never import torch.
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.spec.fields import spec_field
+from undercurrent.spec.declarations import spec_field
 from undercurrent.spec.position import PositionSelector, parse_position
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from undercurrent.probes.sae_files import load_sae
-from undercurrent.spec.fields import wire_field_names
+from undercurrent.spec.declarations import wire_field_names
 from undercurrent.spec.loader import parse_edit
 from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature

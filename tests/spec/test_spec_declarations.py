@@ -26,7 +26,7 @@ from undercurrent.spec import (
     probe_spec_to_dict,
     to_yaml,
 )
-from undercurrent.spec.fields import field_info, spec_field, to_spec_data, wire_field_names
+from undercurrent.spec.declarations import field_info, spec_field, to_spec_data, wire_field_names
 from undercurrent.spec.schema import (
     EditFields,
     ExtractionPointFields,
