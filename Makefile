@@ -61,7 +61,7 @@ lint: $(STAMP)
 		undercurrent/adapters/vllm/rows.py undercurrent/adapters/vllm/channel.py \
 		undercurrent/adapters/vllm/loading.py undercurrent/__init__.py undercurrent/__main__.py \
 		undercurrent/cli.py undercurrent/demo.py undercurrent/notebook/__init__.py \
-		undercurrent/notebook/frames.py undercurrent/notebook/storage.py \
+		undercurrent/notebook/storage.py \
 		undercurrent/notebook/plots.py undercurrent/notebook/static.py \
 		undercurrent/notebook/live_view.py undercurrent/notebook/live_state.py \
 		undercurrent/notebook/live_html.py undercurrent/probes/weights.py

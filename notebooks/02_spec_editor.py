@@ -32,8 +32,8 @@ print(caps.num_layers, "decoder layers; tensor types:", [t.value for t in caps.t
 # several), type a position such as `generated[*]` (stride and `until` only
 # appear for positions that match many tokens), switch `execution_mode` to
 # `async` (queue depth appears), choose an `intervention.mode`. **Add**,
-# **Duplicate** and **Remove** manage the points; the YAML below the form follows
-# every change, and **Save YAML** writes it.
+# **Duplicate** and **Remove** manage the points (and, below them, the edits);
+# the YAML below the form follows every change, and **Save YAML** writes it.
 
 # %%
 editor = SpecEditor(model=model)
@@ -78,6 +78,36 @@ f["execution_mode"].value = "inline"
 f["intervention_mode"].value = "block_until_signal"
 f["timeout_ms"].value = 200
 print(scripted.spec.names, scripted.valid)
+
+# %% [markdown]
+# Below the points, the **edits** section changes activations live during
+# generation (see `docs/steering.md`). With at least one edit the spec becomes
+# version "2". A new edit has no vector yet, and the form says so next to the
+# field:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+scripted.add_edit()
+e = scripted.edit_fields
+print(scripted.edit_field_problems())
+
+# %% [markdown]
+# `vector` takes comma-separated numbers or a `.safetensors`/`.npz` path (here the
+# bundled probe's weight direction); `when.point` offers the spec's inline points,
+# so the edit stays off for a request until that point flags it. With the model
+# given, the editor also checks what registering the spec would: the layers, and
+# that the vector has the model's hidden size.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+e["name"].value = "away_from_harm"
+e["vector"].value = "1, 2, 3"
+print(scripted.edit_field_problems()["vector"][0][:66])
+e["vector"].value = "undercurrent:models/tiny/probe.safetensors"
+e["coefficient"].value = "-10"
+e["when_point"].value = "last_prompt_norm"
+print(scripted.spec.version, scripted.valid)
+print(scripted.to_yaml().split("edits:")[1])
 
 # %% [markdown]
 # Save it (`save` returns the absolute path), load it back with the spec loader,

@@ -107,14 +107,22 @@ print(by_label.idxmax())
 
 # %% [markdown]
 # ## Records: activations as a frame, a heatmap and a projection
+#
+# `records_frame` gives one row per record with index columns only (request,
+# point, layer, token, ...); the activations sit beside it as one 2-D matrix,
+# and `activation_matrix` hands one layer's rows over as a view, without copying.
 
 # %%
 # NBVAL_CHECK_OUTPUT
+import numpy as np
+
 from undercurrent.notebook import activation_matrix, records_frame
 
 records = records_frame(outputs, tokenizer=model.backend.tokenizer)
 resid = records[records["point"] == "resid"]
-print(activation_matrix(resid, layer=3).shape[1], "features per activation")
+X = activation_matrix(resid, layer=3)
+print(X.shape[1], "features per activation")
+print("no copy:", np.shares_memory(X, activation_matrix(records, point="resid", layer=3)))
 
 # %%
 from undercurrent.notebook import heatmap_figure
@@ -151,7 +159,7 @@ from undercurrent.notebook import load_records, save_records
 
 path = save_records(outputs, Path(tempfile.mkdtemp()) / "run.parquet")
 loaded = load_records(path)
-same = all((a == b).all() for a, b in zip(loaded["tensor"], records["tensor"]))
+same = (activation_matrix(loaded, point="resid", layer=3) == X).all()
 print(len(loaded) == len(records), same, loaded["dtype"].iloc[0])
 
 # %% [markdown]

@@ -1,4 +1,5 @@
-"""A real browser: Voila serves the spec-editor tutorial, headless Chromium edits it.
+"""A real browser: Voila serves the spec-editor tutorial, headless Chromium edits it
+(a point's fields, then a new edit).
 
 Needs Debian's ``chromium`` (``make system-deps``). Under ``CI=true`` a missing
 browser fails the test; elsewhere it skips with the reason.
@@ -80,6 +81,23 @@ def test_editing_a_field_in_chromium_changes_the_yaml_shown(voila_url, tmp_path)
                 "s => !document.querySelector(s).innerText.includes('not valid yet')",
                 arg=yaml_selector, timeout=30_000,
             )
+
+            # The edits section: Add asks for a vector; a vector makes the spec version 2.
+            page.locator(".undercurrent-edit-add").first.click()
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.undercurrent-field-error')]"
+                ".some(e => e.innerText.includes('vector must not be empty'))",
+                timeout=30_000,
+            )
+            vector = page.locator(".undercurrent-edit-field-vector input").first
+            vector.fill("undercurrent:models/tiny/probe.safetensors")
+            page.wait_for_function(
+                "s => document.querySelector(s).innerText.includes("
+                "'vector: undercurrent:models/tiny/probe.safetensors')",
+                arg=yaml_selector, timeout=30_000,
+            )
+            shown = page.inner_text(yaml_selector)
+            assert "version: '2'" in shown and "not valid yet" not in shown
             shot = tmp_path / "spec_editor.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000

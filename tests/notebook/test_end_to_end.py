@@ -17,6 +17,7 @@ from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.models.corpus import LABEL_NAMES, make_prompt  # noqa: E402
 from undercurrent.notebook import (  # noqa: E402
     LiveView,
+    activation_matrix,
     fit_linear_probe,
     load_records,
     records_frame,
@@ -76,7 +77,9 @@ def test_parquet_round_trip_of_real_records(captured, tmp_path):
     frame = records_frame(outputs)
     loaded = load_records(save_records(outputs, tmp_path / "run.parquet"))
     assert len(loaded) == len(frame)
-    np.testing.assert_array_equal(np.stack(loaded["tensor"]), np.stack(frame["tensor"]))
+    for layer in range(4):
+        np.testing.assert_array_equal(activation_matrix(loaded, layer=layer),
+                                      activation_matrix(frame, layer=layer))
 
 
 def test_a_probe_fitted_on_captured_activations_beats_chance_on_held_out_requests(captured):
@@ -110,7 +113,6 @@ def test_fitted_probe_runs_live_and_aborts_in_the_live_view(captured, tmp_path):
     message = html.unescape(view.message.value)
     assert message.count("aborted by 'mine' (layer 2) at generated token 0") == 2
     assert len([t for t in view.figure.data if t.name.endswith(" abort")]) == 2
-    expected = fit.predict_proba(np.stack(
-        frame[(frame["request"] == outputs[0].request_id) & (frame["layer"] == 2)]["tensor"]
-    ))[0, 1]
+    expected = fit.predict_proba(activation_matrix(
+        frame[frame["request"] == outputs[0].request_id], layer=2))[0, 1]
     assert results[0].abort.signal.score == pytest.approx(expected, abs=1e-4)

@@ -6,6 +6,7 @@ import math
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import pytest
 from nb_builders import make_records, make_result
 
@@ -14,8 +15,10 @@ from undercurrent.notebook import (
     RESULT_COLUMNS,
     SIGNAL_COLUMNS,
     activation_matrix,
+    record_tensors,
     records_frame,
     results_frame,
+    select_rows,
     signals_frame,
 )
 
@@ -33,15 +36,24 @@ def test_records_frame_has_one_row_per_record_with_documented_columns(records):
     frame = records_frame(records)
     assert tuple(frame.columns) == RECORD_COLUMNS
     assert len(frame) == len(records)
-    for row, record in zip(frame.itertuples(index=False), records, strict=True):
+    tensors = record_tensors(frame)
+    for row, record, tensor in zip(frame.itertuples(index=False), records, tensors, strict=True):
         assert row.request == record.request_id
         assert row.point == record.extraction_point_name
         assert row.layer == record.layer
         assert row.token_index == record.token_index
         assert row.is_generated == record.is_generated
-        np.testing.assert_array_equal(row.tensor, record.tensor)
+        assert row.edits == ()
+        np.testing.assert_array_equal(tensor, record.tensor)
         assert row.shape == (6,)
         assert row.dtype == "float32"
+
+
+def test_records_frame_has_no_column_of_arrays(records):
+    frame = records_frame(records)
+    for column in frame.columns:
+        assert not any(isinstance(value, np.ndarray) for value in frame[column]), column
+    assert frame["row"].dtype == np.int64
 
 
 def test_records_frame_prompt_tokens_have_missing_generated_index(records):
@@ -78,7 +90,8 @@ def test_records_frame_keeps_torch_bfloat16_dtype_name():
     tensor = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
     frame = records_frame([_with_tensor(record, tensor)])
     assert frame["dtype"].iloc[0] == "bfloat16"
-    np.testing.assert_array_equal(frame["tensor"].iloc[0], np.array([1.5, -2.25], np.float32))
+    np.testing.assert_array_equal(activation_matrix(frame, dtype=None),
+                                  np.array([[1.5, -2.25]], np.float32))
 
 
 def _with_tensor(record, tensor):
@@ -93,6 +106,65 @@ def test_activation_matrix_stacks_the_selected_layer_in_frame_order(records):
     expected = np.stack([r.tensor for r in records if r.layer == 1])
     np.testing.assert_array_equal(matrix, expected)
     assert matrix.dtype == np.float32
+
+
+def test_activation_matrix_of_one_site_is_a_read_only_view_shared_by_every_call(records):
+    frame = records_frame(records)
+    layer1 = activation_matrix(frame, layer=1)
+    again = activation_matrix(select_rows(frame, layer=1))
+    assert np.shares_memory(layer1, again)
+    assert np.shares_memory(layer1, activation_matrix(frame[frame["layer"] == 1].copy()))
+    assert not layer1.flags.writeable
+    single = records_frame([r for r in records if r.layer == 0])
+    whole = activation_matrix(single)
+    assert np.shares_memory(whole, activation_matrix(single, layer=0))
+    np.testing.assert_array_equal(whole, np.stack([r.tensor for r in records if r.layer == 0]))
+
+
+def test_activation_matrix_copies_when_it_must(records):
+    frame = records_frame(records)
+    layer1 = activation_matrix(frame, layer=1)
+    # Another dtype, or rows that are no block of the matrix, are copies.
+    wide = activation_matrix(frame, layer=1, dtype="float64")
+    assert wide.dtype == np.float64 and not np.shares_memory(wide, layer1)
+    np.testing.assert_array_equal(wide, layer1)
+    mixed = activation_matrix(frame)
+    np.testing.assert_array_equal(mixed, np.stack([r.tensor for r in records]))
+    assert not np.shares_memory(mixed, layer1)
+    reversed_rows = activation_matrix(frame.iloc[::-1], layer=1)
+    np.testing.assert_array_equal(reversed_rows, layer1[::-1])
+
+
+def test_records_frame_takes_a_batch_with_a_records_method(records):
+    batch = SimpleNamespace(records=lambda: records[:4])
+    frame = records_frame(batch)
+    assert len(frame) == 4
+    np.testing.assert_array_equal(activation_matrix(frame, layer=0),
+                                  np.stack([r.tensor for r in records[:4] if r.layer == 0]))
+
+
+def test_activations_travel_with_row_selections_but_not_merges(records):
+    frame = records_frame(records)
+    sorted_frame = frame.sort_values(["layer", "token_index"], ascending=False)
+    expected = [records[i].tensor for i in sorted_frame.index if records[i].layer == 0]
+    np.testing.assert_array_equal(activation_matrix(sorted_frame, layer=0), np.stack(expected))
+    labels = pd.DataFrame({"request": ["req0", "req1"], "label": [0, 1]})
+    merged = frame.merge(labels, on="request")
+    with pytest.raises(ValueError, match=r"merged.attrs.update\(frame.attrs\)"):
+        activation_matrix(merged, layer=0)
+    merged.attrs.update(frame.attrs)
+    np.testing.assert_array_equal(activation_matrix(merged, layer=0),
+                                  activation_matrix(frame, layer=0))
+
+
+def test_a_frame_without_tensors_is_refused_and_a_tensor_column_frame_still_read(records):
+    light = records_frame(records, tensors=False)
+    assert light.columns.tolist() == list(RECORD_COLUMNS)
+    with pytest.raises(ValueError, match="tensors=False"):
+        activation_matrix(light)
+    legacy = light.assign(tensor=[r.tensor for r in records])
+    np.testing.assert_array_equal(activation_matrix(legacy, layer=1),
+                                  np.stack([r.tensor for r in records if r.layer == 1]))
 
 
 def test_activation_matrix_flattens_kv_tensors():

@@ -8,6 +8,7 @@ import pytest
 from nb_builders import make_records, make_result
 
 from undercurrent.notebook import (
+    activation_matrix,
     heatmap_figure,
     projection_figure,
     records_frame,
@@ -63,7 +64,8 @@ def test_heatmap_accepts_a_score_function_and_labels_tokens_with_text():
                           tokenizer=Tok())
     figure = heatmap_figure(frame, value=lambda a: a[0])
     assert list(figure.data[0].x) == ["0 'w10'", "1* 'w11'"]
-    assert np.asarray(figure.data[0].z)[0, 0] == pytest.approx(frame["tensor"].iloc[0][0])
+    assert np.asarray(figure.data[0].z)[0, 0] == pytest.approx(
+        activation_matrix(frame)[0, 0])
 
 
 def test_heatmap_names_the_available_requests_when_one_is_missing():

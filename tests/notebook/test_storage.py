@@ -9,19 +9,34 @@ import pandas as pd
 import pytest
 from nb_builders import make_records
 
-from undercurrent.notebook import load_records, records_frame, save_records
+from undercurrent.notebook import (
+    activation_matrix,
+    load_records,
+    record_tensors,
+    records_frame,
+    save_records,
+)
 
 
 def test_round_trip_restores_every_column_and_tensor(tmp_path, records):
+    records = [replace(r, edits=("steer",) if i % 3 == 0 else ()) for i, r in enumerate(records)]
     path = save_records(records, tmp_path / "records.parquet")
     loaded = load_records(path)
     original = records_frame(records)
-    pd.testing.assert_frame_equal(
-        loaded.drop(columns=["tensor"]), original.drop(columns=["tensor"])
-    )
-    for got, want in zip(loaded["tensor"], original["tensor"], strict=True):
-        assert got.dtype == want.dtype
-        np.testing.assert_array_equal(got, want)
+    pd.testing.assert_frame_equal(loaded, original)
+    for got, record in zip(record_tensors(loaded), records, strict=True):
+        assert got.dtype == record.tensor.dtype
+        np.testing.assert_array_equal(got, record.tensor)
+    for layer in (0, 1):
+        np.testing.assert_array_equal(activation_matrix(loaded, layer=layer),
+                                      activation_matrix(original, layer=layer))
+
+
+def test_a_loaded_frame_saves_again(tmp_path, records):
+    again = load_records(save_records(load_records(save_records(records, tmp_path / "a.parquet")),
+                                      tmp_path / "b.parquet"))
+    np.testing.assert_array_equal(activation_matrix(again, layer=1),
+                                  np.stack([r.tensor for r in records if r.layer == 1]))
 
 
 def test_round_trip_keeps_kv_shapes_float16_and_variable_sizes(tmp_path):
@@ -30,8 +45,10 @@ def test_round_trip_keeps_kv_shapes_float16_and_variable_sizes(tmp_path):
     mixed = [replace(base[0], tensor=kv), replace(base[1], tensor=np.ones(5, np.float16))]
     loaded = load_records(save_records(mixed, tmp_path / "mixed.parquet"))
     assert loaded["shape"].tolist() == [(2, 2, 3), (5,)]
-    np.testing.assert_array_equal(loaded["tensor"].iloc[0], kv)
-    assert loaded["tensor"].iloc[0].dtype == np.float16
+    tensors = record_tensors(loaded)
+    np.testing.assert_array_equal(tensors[0], kv)
+    assert tensors[0].dtype == np.float16
+    np.testing.assert_array_equal(tensors[1], np.ones(5, np.float16))
 
 
 def test_round_trip_of_bfloat16_keeps_the_dtype_name(tmp_path):
@@ -40,13 +57,14 @@ def test_round_trip_of_bfloat16_keeps_the_dtype_name(tmp_path):
     tensor = torch.tensor([[0.5, 1.25], [3.0, -1.0]], dtype=torch.bfloat16)
     loaded = load_records(save_records([replace(record, tensor=tensor)], tmp_path / "b.parquet"))
     assert loaded["dtype"].iloc[0] == "bfloat16"
-    np.testing.assert_array_equal(loaded["tensor"].iloc[0], tensor.float().numpy())
+    np.testing.assert_array_equal(record_tensors(loaded)[0], tensor.float().numpy())
 
 
 def test_load_as_records_gives_activation_records(tmp_path, records):
     loaded = load_records(save_records(records, tmp_path / "r.parquet"), as_records=True)
     assert [r.key() for r in loaded] == [r.key() for r in records]
     assert loaded[3].generated_index == records[3].generated_index
+    assert loaded[3].edits == ()
     np.testing.assert_array_equal(loaded[-1].tensor, records[-1].tensor)
 
 

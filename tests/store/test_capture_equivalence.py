@@ -111,12 +111,17 @@ def test_records_frame_feeds_the_notebook_helpers(store, oracle):
     from undercurrent.notebook import activation_matrix, records_frame
 
     frame = store.records_frame(store.select(point="resid", layer=1).index)
+    assert "tensor" not in frame.columns
     expected = records_frame(oracle)
     expected = expected[(expected["point"] == "resid") & (expected["layer"] == 1)]
-    merged = frame.merge(expected, on=["request", "point", "layer", "token_index"],
+    oracle_rows = activation_matrix(expected)
+    merged = frame.merge(expected.assign(at=range(len(expected))),
+                         on=["request", "point", "layer", "token_index"],
                          suffixes=("", "_oracle"))
     assert len(merged) == len(expected) == len(frame)
-    np.testing.assert_array_equal(activation_matrix(merged), np.stack(merged["tensor_oracle"]))
+    merged.attrs.update(frame.attrs)  # merge drops the activations riding in attrs
+    np.testing.assert_array_equal(activation_matrix(merged),
+                                  oracle_rows[merged["at"].to_numpy()])
     joined = frame.merge(store.outputs, left_on="prompt_index", right_on="prompt_index")
     assert (joined["request"] == joined["request_id"]).all()
 

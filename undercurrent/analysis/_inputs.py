@@ -18,7 +18,8 @@ def flatten_records(source: Any) -> list[ActivationRecord]:
     """Every ``ActivationRecord`` in ``source``, in order.
 
     Accepts a record, an iterable of records, an object with a ``records``
-    attribute (a ``GenerationOutput``), or an iterable of such objects.
+    attribute (a ``GenerationOutput``) or ``records()`` method (a batch), or an
+    iterable of such objects.
     """
     found: list[ActivationRecord] = []
     _collect_records(source, found, where="records")
@@ -32,7 +33,11 @@ def _collect_records(source: Any, found: list[ActivationRecord], where: str) -> 
         found.append(source)
         return
     if hasattr(source, "records") and not isinstance(source, (str, bytes, Mapping)):
-        _collect_records(source.records, found, where=f"{where}.records")
+        records = source.records
+        if callable(records):  # a batch that builds its records on demand
+            _collect_records(records(), found, where=f"{where}.records()")
+        else:
+            _collect_records(records, found, where=f"{where}.records")
         return
     if isinstance(source, Iterable) and not isinstance(source, (str, bytes, Mapping)):
         for index, item in enumerate(source):
@@ -96,7 +101,13 @@ def tensor_to_numpy(tensor: Any) -> tuple[Any, str]:
             array = detached.float().numpy()
         return array, dtype_name
     array = np.asarray(tensor)
-    return array, array.dtype.name
+    name = _DTYPE_NAMES.get(array.dtype)
+    if name is None:  # numpy's dtype.name is slow; frames ask once per record
+        name = _DTYPE_NAMES[array.dtype] = array.dtype.name
+    return array, name
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
 
 
 def signal_locations(source: Any) -> dict[int, Any]:

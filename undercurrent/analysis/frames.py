@@ -5,8 +5,13 @@ the stable column names listed in ``RECORD_COLUMNS``, ``SIGNAL_COLUMNS`` and
 ``RESULT_COLUMNS``; new columns may be appended in later versions, existing ones
 are never renamed. See ``docs/notebook.md`` for what each column holds.
 
+A records frame holds index columns only; the activations themselves are 2-D
+numpy matrices kept beside it (``frame.attrs["activations"]``, an
+:class:`Activations`), with the ``row`` column pointing into them, and
+:func:`activation_matrix` hands them out without copying where it can.
+
 >>> frame = records_frame(output.records, tokenizer=model.tokenizer)  # doctest: +SKIP
->>> X = activation_matrix(frame, layer=2)                                # doctest: +SKIP
+>>> X = activation_matrix(frame, layer=2)      # (rows, features), no copy  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ RECORD_COLUMNS: tuple[str, ...] = (
     "timestamp",
     "dtype",
     "shape",
-    "tensor",
+    "edits",
+    "row",
 )
 """Columns of :func:`records_frame`, in order.
 
@@ -46,8 +52,45 @@ RECORD_COLUMNS: tuple[str, ...] = (
 ``token_id`` (nullable), ``token_text`` (the decoded token when a tokenizer was
 given, else None), ``timestamp`` (seconds since the epoch), ``dtype`` (the
 captured tensor's original dtype name, e.g. ``"bfloat16"``), ``shape`` (tuple),
-``tensor`` (a numpy array of that shape; dtypes numpy lacks become float32).
+``edits`` (tuple of the live edits applied at this site, empty when none),
+``row`` (the record's row in the activation matrix of its size, see
+:class:`Activations`). The activations are no column: :func:`activation_matrix`
+gives them as one ``(rows, features)`` array (earlier versions had a ``tensor``
+column of arrays, which :func:`activation_matrix` still reads).
 """
+
+ACTIVATIONS_KEY = "activations"
+"""The ``DataFrame.attrs`` key of a records frame's :class:`Activations`."""
+
+
+class Activations:
+    """The activations behind a records frame: one C-contiguous 2-D numpy matrix per
+    row size (``features``: a record's tensor flattened; hidden-size rows and ``kv``
+    rows live in separate matrices), rows grouped by (point, layer, tensor type) and
+    in record order within a group, so one site's rows are one contiguous block.
+    Dtypes numpy lacks (bfloat16) are stored as float32.
+
+    It rides in ``frame.attrs["activations"]``, which pandas carries by reference
+    through row selections, column selections, sorting, ``copy`` and ``concat`` of
+    the same frame; ``merge`` drops ``attrs``: merge other frames onto a records
+    frame's columns, then ``merged.attrs.update(frame.attrs)``.
+    """
+
+    def __init__(self, matrices: Mapping[int, Any]) -> None:
+        self.matrices: dict[int, Any] = dict(matrices)
+
+    def matrix(self, features: int) -> Any:
+        """The matrix of rows with ``features`` values."""
+        return self.matrices[features]
+
+    def __deepcopy__(self, memo: Any) -> Activations:
+        # pandas deep-copies attrs on every operation: share the matrices instead.
+        return self
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{m.shape[0]}x{m.shape[1]} {m.dtype}" for m in self.matrices.values())
+        return f"Activations({shapes})"
+
 
 SIGNAL_COLUMNS: tuple[str, ...] = (
     "request",
@@ -117,59 +160,97 @@ def _pandas() -> Any:
 
 
 def records_frame(records: Any, *, tokenizer: Any = None, tensors: bool = True) -> Any:
-    """One row per ``ActivationRecord``, with the columns in ``RECORD_COLUMNS``.
+    """One row per ``ActivationRecord``, with the columns in ``RECORD_COLUMNS``, and
+    the activations as 2-D matrices beside it (``frame.attrs["activations"]``, read
+    with :func:`activation_matrix`).
 
     ``records`` is a list of records, a ``GenerationOutput`` generated with
-    ``records=True`` or a list of them. ``tokenizer`` (anything with
-    ``decode(list_of_ids)``) fills ``token_text``. ``tensors=False`` leaves the
-    ``tensor`` column as None for a lighter frame.
+    ``records=True``, a list of them, or anything with a ``records()`` method
+    returning records. ``tokenizer`` (anything with ``decode(list_of_ids)``) fills
+    ``token_text``. ``tensors=False`` builds the index columns alone (a lighter
+    frame; :func:`activation_matrix` then refuses it).
+
+    >>> frame = records_frame(outputs)                       # doctest: +SKIP
+    >>> X = activation_matrix(frame, point="resid", layer=2)  # doctest: +SKIP
     """
+    import numpy as np
+
     pd = _pandas()
     flat = flatten_records(records)
     decode = _token_decoder(tokenizer)
-    rows = [_record_row(record, decode, tensors) for record in flat]
-    frame = pd.DataFrame(rows, columns=list(RECORD_COLUMNS))
-    return _typed_record_frame(frame)
+    arrays: list[Any] = []
+    columns: dict[str, list[Any]] = {name: [] for name in RECORD_COLUMNS}
+    for record in flat:
+        array, dtype_name = tensor_to_numpy(record.tensor)
+        arrays.append(array)
+        _add_record(columns, record, decode, dtype_name, array.shape)
+    frame = _typed_record_frame(pd.DataFrame(columns, columns=list(RECORD_COLUMNS)))
+    order = _site_order(frame)
+    positions = np.empty(len(flat), dtype=np.int64)
+    matrices: dict[int, Any] = {}
+    if tensors:
+        by_size: dict[int, list[int]] = {}
+        for index in order:
+            by_size.setdefault(int(arrays[index].size), []).append(index)
+        for size, members in by_size.items():
+            matrices[size] = np.stack([arrays[i].reshape(-1) for i in members])
+            positions[members] = np.arange(len(members))
+    else:
+        positions[order] = np.arange(len(order))
+    frame["row"] = positions
+    if tensors:
+        frame.attrs[ACTIVATIONS_KEY] = Activations(matrices)
+    return frame
 
 
-def _record_row(
-    record: ActivationRecord, decode: Any, with_tensor: bool
-) -> dict[str, Any]:
-    array, dtype_name = tensor_to_numpy(record.tensor)
-    return {
-        "request": record.request_id,
-        "point": record.extraction_point_name,
-        "layer": record.layer,
-        "tensor_type": str(getattr(record.tensor_type, "value", record.tensor_type)),
-        "token_index": record.token_index,
-        "is_generated": record.is_generated,
-        "generated_index": record.generated_index,
-        "token_id": record.token_id,
-        "token_text": decode(record.token_id),
-        "timestamp": record.timestamp,
-        "dtype": dtype_name,
-        "shape": tuple(array.shape),
-        "tensor": array if with_tensor else None,
-    }
+def _site_order(frame: Any) -> list[int]:
+    """Frame positions grouped by (point, layer, tensor type) in first-seen order,
+    record order within a group: the order of the activation matrices' rows."""
+    groups: dict[tuple[Any, Any, Any], list[int]] = {}
+    sites = zip(frame["point"].tolist(), frame["layer"].tolist(),
+                frame["tensor_type"].tolist(), strict=True)
+    for position, site in enumerate(sites):
+        groups.setdefault(site, []).append(position)
+    return [position for members in groups.values() for position in members]
+
+
+def _add_record(
+    columns: dict[str, list[Any]], record: ActivationRecord, decode: Any, dtype_name: str,
+    shape: tuple[int, ...],
+) -> None:
+    """Append one record's index values to the frame's column lists."""
+    columns["request"].append(record.request_id)
+    columns["point"].append(record.extraction_point_name)
+    columns["layer"].append(record.layer)
+    columns["tensor_type"].append(str(getattr(record.tensor_type, "value", record.tensor_type)))
+    columns["token_index"].append(record.token_index)
+    columns["is_generated"].append(record.is_generated)
+    columns["generated_index"].append(record.generated_index)
+    columns["token_id"].append(record.token_id)
+    columns["token_text"].append(decode(record.token_id))
+    columns["timestamp"].append(record.timestamp)
+    columns["dtype"].append(dtype_name)
+    columns["shape"].append(tuple(shape))
+    columns["edits"].append(tuple(record.edits))
+    columns["row"].append(0)
 
 
 def _typed_record_frame(frame: Any) -> Any:
     """Give the record columns their documented dtypes (nullable ints where needed)."""
-    frame = frame.astype(
-        {
-            "request": "object",
-            "point": "object",
-            "layer": "int64",
-            "tensor_type": "object",
-            "token_index": "int64",
-            "is_generated": "bool",
-            "generated_index": "Int64",
-            "token_id": "Int64",
-            "timestamp": "float64",
-            "dtype": "object",
-        }
-    )
-    return frame
+    types = {
+        "request": "object",
+        "point": "object",
+        "layer": "int64",
+        "tensor_type": "object",
+        "token_index": "int64",
+        "is_generated": "bool",
+        "generated_index": "Int64",
+        "token_id": "Int64",
+        "timestamp": "float64",
+        "dtype": "object",
+        "row": "int64",
+    }
+    return frame.astype({k: v for k, v in types.items() if k in frame.columns})
 
 
 def _token_decoder(tokenizer: Any) -> Any:
@@ -291,23 +372,29 @@ def activation_matrix(
     point: str | None = None,
     layer: int | None = None,
     tensor_type: str | None = None,
-    dtype: str = "float32",
+    dtype: str | None = "float32",
 ) -> Any:
-    """Stack a records frame's tensors into a ``(rows, features)`` numpy array.
+    """The activations of a records frame's rows as one ``(rows, features)`` numpy
+    array.
 
     Rows follow the frame's order (after the optional ``point``/``layer``/
     ``tensor_type`` filters); each tensor is flattened, so ``kv`` records give
-    ``2 * heads * head_dim`` features. ``frame`` may also be a list of records.
+    ``2 * heads * head_dim`` features. ``dtype`` (None: as stored) converts.
+
+    No copy is made when the selected rows are one contiguous block of the stored
+    matrix (a frame holding one point, layer and tensor type, or a frame filtered
+    to one) and ``dtype`` is the stored one (``float32`` for float32 and bfloat16
+    models): the result is then a read-only view of the frame's matrix. Other
+    selections are gathered (one copy).
+
+    ``frame`` may also be anything :func:`records_frame` takes, or a frame with a
+    ``tensor`` column of arrays (earlier versions, the activation store).
     Raises ``ValueError`` when nothing is left or the rows' sizes differ.
     """
-    import numpy as np
-
     pd = _pandas()
     if not isinstance(frame, pd.DataFrame):
         frame = records_frame(frame)
     selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
-    if "tensor" not in selected.columns:
-        raise ValueError("activation_matrix needs a records frame with a 'tensor' column")
     if selected.empty:
         raise ValueError(
             f"activation_matrix: no records left after filtering (point={point!r}, "
@@ -315,6 +402,45 @@ def activation_matrix(
             f"{sorted(frame['point'].unique().tolist())} and layers "
             f"{sorted(frame['layer'].unique().tolist())}"
         )
+    if "tensor" in selected.columns:
+        return _stack_tensor_column(selected, dtype)
+    activations = frame.attrs.get(ACTIVATIONS_KEY)
+    if not isinstance(activations, Activations) or "row" not in selected.columns:
+        raise ValueError(
+            "activation_matrix: this frame carries no activations (built with "
+            "tensors=False, or it lost DataFrame.attrs in a merge: merge onto the "
+            "records frame's columns, then merged.attrs.update(frame.attrs))"
+        )
+    return _matrix_rows(activations, selected, dtype)
+
+
+def _matrix_rows(activations: Activations, selected: Any, dtype: str | None) -> Any:
+    """The selected rows of the stored matrix: a read-only view when they are one
+    contiguous block in order and no conversion is asked for, else a copy."""
+    import numpy as np
+
+    sizes = {math.prod(shape) for shape in set(selected["shape"].tolist())}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"activation_matrix: rows have different sizes {sorted(sizes)}; filter to one "
+            "point, layer and tensor type first (e.g. activation_matrix(frame, layer=2))"
+        )
+    matrix = activations.matrix(sizes.pop())
+    rows = selected["row"].to_numpy(dtype=np.int64)
+    first = int(rows[0])
+    if int(rows[-1]) - first == len(rows) - 1 and (np.diff(rows) == 1).all():
+        block = matrix[first:first + len(rows)].view()
+        if dtype is None or block.dtype == np.dtype(dtype):
+            block.flags.writeable = False  # the frame's own activations
+            return block
+        return block.astype(dtype)
+    return matrix[rows] if dtype is None else matrix[rows].astype(dtype, copy=False)
+
+
+def _stack_tensor_column(selected: Any, dtype: str | None) -> Any:
+    """A frame with a ``tensor`` column of arrays (earlier versions, the store)."""
+    import numpy as np
+
     arrays = []
     for position, tensor in enumerate(selected["tensor"]):
         if tensor is None:
@@ -330,6 +456,24 @@ def activation_matrix(
             "point, layer and tensor type first (e.g. activation_matrix(frame, layer=2))"
         )
     return np.stack(arrays)
+
+
+def record_tensors(frame: Any) -> list[Any]:
+    """Each row's activation as a numpy array of its ``shape``: read-only views into
+    the frame's matrices (or the arrays of a frame with a ``tensor`` column); None
+    for every row of a frame built with ``tensors=False``."""
+
+    if "tensor" in frame.columns:
+        return list(frame["tensor"])
+    activations = frame.attrs.get(ACTIVATIONS_KEY)
+    if not isinstance(activations, Activations):
+        return [None] * len(frame)
+    found = []
+    for row, shape in zip(frame["row"].tolist(), frame["shape"].tolist(), strict=True):
+        view = activations.matrix(math.prod(shape))[row].reshape(shape)
+        view.flags.writeable = False
+        found.append(view)
+    return found
 
 
 def select_rows(

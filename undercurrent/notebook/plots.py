@@ -14,6 +14,7 @@ from undercurrent.analysis.frames import (
     activation_matrix,
     features_frame,
     label_rows,
+    record_tensors,
     records_frame,
     results_frame,
     select_rows,
@@ -200,8 +201,9 @@ def heatmap_figure(
     tokens = sorted(selected["token_index"].unique().tolist())
     layers = sorted(selected["layer"].unique().tolist())
     grid = np.full((len(layers), len(tokens)), np.nan)
-    for row in selected.itertuples(index=False):
-        grid[layers.index(row.layer), tokens.index(row.token_index)] = compute(row.tensor)
+    for row, tensor in zip(selected.itertuples(index=False), record_tensors(selected),
+                           strict=True):
+        grid[layers.index(row.layer), tokens.index(row.token_index)] = compute(tensor)
     labels = _token_labels(selected, tokens)
     label = value if isinstance(value, str) else getattr(value, "__name__", "value")
     figure = go.Figure(

@@ -1,33 +1,25 @@
-"""The spec editor's model, without widgets: point drafts and their validation.
+"""The spec editor's model, without widgets: point drafts and the text helpers
+every draft shares.
 
 A :class:`PointDraft` holds what the user typed for one extraction point, as
-plain values. :func:`drafts_to_raw` turns drafts into spec-shaped data,
-writing only the fields that apply (``stride``/``until`` for continuous
-positions, ``queue_depth`` for async points, ``timeout_ms``/``on_timeout`` for
-``block_until_signal``), and :func:`validate_drafts` runs the spec loader itself
-on it, so the editor reports exactly what ``parse_dict`` would, attached to the
-point and field at fault.
+plain values. :func:`draft_to_raw` turns it into spec-shaped data, writing only
+the fields that apply (``stride``/``until`` for continuous positions,
+``queue_depth`` for async points, ``timeout_ms``/``on_timeout`` for
+``block_until_signal``); :mod:`undercurrent.notebook.draft_validation` runs the
+spec loader itself on the whole draft, so the editor reports exactly what
+``parse_dict`` would, attached to the point and field at fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from undercurrent.spec import (
-    ExtractionPoint,
-    ProbeSpec,
-    SpecProblem,
-    SpecValidationError,
-    extraction_point_to_dict,
-    parse_dict,
-    parse_position,
-)
+from undercurrent.spec import ExtractionPoint, extraction_point_to_dict, parse_position
 from undercurrent.spec.position import PositionError
 
 DEFAULT_INTERVENTION = ""
@@ -65,19 +57,12 @@ class PointDraft:
 
     def position_problem(self) -> str | None:
         """The position parser's own message when ``position`` is invalid, else None."""
-        try:
-            parse_position(_position_value(self.position))
-        except PositionError as error:
-            return str(error)
-        return None
+        return position_problem(self.position)
 
     @property
     def continuous(self) -> bool:
         """Whether the position matches many tokens (then stride/until apply)."""
-        try:
-            return parse_position(_position_value(self.position)).is_continuous
-        except PositionError:
-            return False
+        return is_continuous(self.position)
 
     @property
     def is_async(self) -> bool:
@@ -90,9 +75,39 @@ class PointDraft:
         return self.intervention_mode == "block_until_signal"
 
 
-def _position_value(text: str) -> int | str:
+def position_value(text: str) -> int | str:
+    """The position as spec data: ``"7"`` -> ``7`` (an absolute index), else the text."""
     stripped = text.strip()
     return int(stripped) if stripped.isdigit() else text
+
+
+def position_problem(text: str) -> str | None:
+    """The position parser's own message when ``text`` is not a position, else None."""
+    try:
+        parse_position(position_value(text))
+    except PositionError as error:
+        return str(error)
+    return None
+
+
+def is_continuous(text: str) -> bool:
+    """Whether the position ``text`` matches many tokens (then ``stride`` applies)."""
+    try:
+        return parse_position(position_value(text)).is_continuous
+    except PositionError:
+        return False
+
+
+def raw_layers(layers: tuple[int, ...], layers_text: str | None) -> tuple[Any, str | None]:
+    """``layers`` as spec data (one layer as a scalar, as the spec's own YAML writer
+    writes it), read from ``layers_text`` when the editor has no model; also the
+    message when that text is unusable."""
+    message = None
+    if layers_text is not None:
+        parsed, message = parse_layers_text(layers_text)
+    else:
+        parsed = list(layers)
+    return (parsed[0] if len(parsed) == 1 else parsed), message
 
 
 def draft_from_point(point: ExtractionPoint) -> PointDraft:
@@ -132,16 +147,11 @@ def draft_to_raw(draft: PointDraft) -> tuple[dict[str, Any], list[tuple[str, str
     """
     problems: list[tuple[str, str]] = []
     raw: dict[str, Any] = {"name": draft.name}
-    if draft.layers_text is not None:
-        layers, message = parse_layers_text(draft.layers_text)
-        if message:
-            problems.append(("layers", message))
-    else:
-        layers = list(draft.layers)
-    # One layer is written as a scalar, as the spec's own YAML writer does.
-    raw["layers"] = layers[0] if len(layers) == 1 else layers
+    raw["layers"], message = raw_layers(draft.layers, draft.layers_text)
+    if message:
+        problems.append(("layers", message))
     raw["tensor_type"] = draft.tensor_type
-    raw["position"] = _position_value(draft.position)
+    raw["position"] = position_value(draft.position)
     if draft.continuous:
         if draft.stride != 1:
             raw["stride"] = draft.stride
@@ -227,86 +237,3 @@ def _parse_args(text: str) -> tuple[dict[str, Any] | None, str | None]:
             f"{type(data).__name__}"
         )
     return data, None
-
-
-def drafts_to_raw_spec(drafts: Sequence[PointDraft]) -> tuple[dict[str, Any], list[SpecProblem]]:
-    """The whole spec as data, plus the problems ``draft_to_raw`` found per point."""
-    points: list[dict[str, Any]] = []
-    problems: list[SpecProblem] = []
-    for index, draft in enumerate(drafts):
-        raw, found = draft_to_raw(draft)
-        points.append(raw)
-        problems += [SpecProblem(message, field, index, draft.name) for field, message in found]
-    return {"version": "1", "extraction_points": points}, problems
-
-
-def validate_drafts(
-    drafts: Sequence[PointDraft], capabilities: Any = None
-) -> tuple[ProbeSpec | None, list[SpecProblem]]:
-    """``(spec, problems)``: the spec when every draft is valid, and every problem found.
-
-    Problems come from the drafts' text, the spec loader, the probe registry (an
-    unknown ``probe_type``, or a ``probe_kind`` the probe does not support) and,
-    when ``capabilities`` is given, the loaded model's tensor types and layers.
-    Deprecation warnings from the loader are swallowed: the editor writes new keys.
-    """
-    raw_spec, problems = drafts_to_raw_spec(drafts)
-    # A field whose text never became data has its own message; the loader's view of
-    # the placeholder left there ("an empty list") would only repeat it without a subject.
-    unreadable = {(problem.point_index, problem.field) for problem in problems}
-    spec: ProbeSpec | None = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            spec = parse_dict(raw_spec)
-        except SpecValidationError as error:
-            problems += [problem for problem in error.problems
-                         if (problem.point_index, problem.field) not in unreadable]
-    problems += _registry_problems(drafts)
-    if spec is not None and capabilities is not None:
-        problems += _capability_problems(spec, capabilities)
-    return (spec if not problems else None), problems
-
-
-def _registry_problems(drafts: Sequence[PointDraft]) -> list[SpecProblem]:
-    try:
-        from undercurrent.probes import get_probe, list_probes, supported_kinds
-    except ImportError:  # pragma: no cover - probes package missing
-        return []
-    known = list_probes()
-    found: list[SpecProblem] = []
-    for index, draft in enumerate(drafts):
-        if not draft.probe_type or draft.probe_type not in known:
-            if draft.probe_type:
-                found.append(SpecProblem(
-                    f"no probe registered as {draft.probe_type!r}; registered: "
-                    f"{', '.join(known)}", "probe_type", index, draft.name,
-                ))
-            continue
-        kinds = [kind.value for kind in supported_kinds(get_probe(draft.probe_type))]
-        if draft.probe_kind in ("single_shot", "trajectory") and draft.probe_kind not in kinds:
-            found.append(SpecProblem(
-                f"{draft.probe_type!r} does not run as {draft.probe_kind!r}; it supports "
-                f"{', '.join(kinds)}", "probe_kind", index, draft.name,
-            ))
-    return found
-
-
-def _capability_problems(spec: ProbeSpec, capabilities: Any) -> list[SpecProblem]:
-    found: list[SpecProblem] = []
-    for index, point in enumerate(spec):
-        valid = tuple(capabilities.valid_layers(point.tensor_type))
-        if not valid:
-            supported = ", ".join(t.value for t in capabilities.tensor_types)
-            found.append(SpecProblem(
-                f"the loaded model's backend does not capture {point.tensor_type.value!r} "
-                f"(it captures: {supported})", "tensor_type", index, point.name,
-            ))
-            continue
-        bad = [layer for layer in point.layers if layer not in valid]
-        if bad:
-            found.append(SpecProblem(
-                f"layer(s) {bad} out of range for {point.tensor_type.value} on the loaded model "
-                f"(valid: {valid[0]}..{valid[-1]})", "layers", index, point.name,
-            ))
-    return found

@@ -1,10 +1,13 @@
 """``SpecEditor``: build, check and export a probe spec from ipywidgets controls.
 
-The editor keeps one :class:`~undercurrent.notebook.spec_draft.PointDraft` per
-extraction point and runs the spec loader on every change, so what it shows
-next to each field is exactly what ``parse_dict`` would say; nothing is raised
-into the notebook while editing. ``.spec``, ``.to_yaml()`` and ``.save()`` give
-the result (and raise ``SpecValidationError`` only when asked for an invalid one).
+The editor keeps one draft per extraction point
+(:class:`~undercurrent.notebook.spec_draft.PointDraft`) and one per edit
+(:class:`~undercurrent.notebook.edit_draft.EditDraft`), and runs the spec loader
+on the whole draft at every change, so what it shows next to each field is
+exactly what ``parse_dict`` would say; nothing is raised into the notebook while
+editing. With at least one edit the spec is version "2", otherwise "1".
+``.spec``, ``.to_yaml()`` and ``.save()`` give the result (and raise
+``SpecValidationError`` only when asked for an invalid one).
 
 >>> editor = SpecEditor(model=probed_model)   # doctest: +SKIP
 >>> editor                                    # doctest: +SKIP  (shows the form)
@@ -15,88 +18,53 @@ from __future__ import annotations
 
 import html
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from undercurrent.notebook.spec_draft import (
-    DEFAULT_INTERVENTION,
-    PointDraft,
-    draft_from_point,
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.notebook.draft_form import DraftForm, widgets
+from undercurrent.notebook.draft_validation import (
+    EDITS,
+    POINTS,
+    ModelCheck,
     drafts_to_raw_spec,
     validate_drafts,
 )
+from undercurrent.notebook.edit_draft import EditDraft, draft_from_edit
+from undercurrent.notebook.spec_draft import DEFAULT_INTERVENTION, PointDraft, draft_from_point
+from undercurrent.notebook.spec_editor_controls import EDIT_FIELDS, FIELDS, build_controls
 from undercurrent.notebook.spec_editor_text import (
-    LABELS,
-    LAYERS_HINT,
     describe_problem,
-    field_messages_html,
+    edits_hint_html,
     form_snapshot_html,
+    section_snapshot_html,
     status_html,
-    with_subject,
     yaml_html,
 )
+from undercurrent.probes import list_probes
 from undercurrent.spec import (
     ExecutionMode,
     InterventionMode,
-    OnTimeout,
-    ProbeKind,
     ProbeSpec,
     SpecProblem,
     SpecValidationError,
-    TensorType,
-    UntilKind,
     load_yaml_file,
     parse_yaml,
     to_yaml,
 )
+from undercurrent.spec.fields import edit_fields, point_fields
 from undercurrent.spec.serialize import _dump as dump_spec_yaml
 
-FIELDS: tuple[str, ...] = (
-    "name",
-    "layers",
-    "tensor_type",
-    "position",
-    "stride",
-    "until",
-    "probe_type",
-    "probe_kind",
-    "probe_args",
-    "execution_mode",
-    "queue_depth",
-    "intervention_mode",
-    "timeout_ms",
-    "on_timeout",
-)
-"""The editor's fields, in display order (``editor.fields[name]`` is the control)."""
+__all__ = ["EDIT_FIELDS", "FIELDS", "SpecEditor", "resolve_capabilities"]
 
-
-# Which editor field shows a loader problem reported on a spec field.
-_PROBLEM_FIELD = {
-    "intervention": "intervention_mode",
-    "intervention.mode": "intervention_mode",
-    "intervention.timeout_ms": "timeout_ms",
-    "intervention.on_timeout": "on_timeout",
-    "every_n": "stride",
-}
-
-
-def _widgets() -> Any:
-    try:
-        import ipywidgets
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "SpecEditor needs ipywidgets: pip install 'undercurrent[notebook]'"
-        ) from error
-    return ipywidgets
+ALWAYS_ON = ""
+"""The ``when.point`` choice meaning "no trigger: the edit is always on"."""
 
 
 def resolve_capabilities(model: Any) -> Any:
     """``Capabilities`` from a ``ProbedModel``, a ``Capabilities``, a layer count, or None."""
     if model is None:
         return None
-    from undercurrent.adapters.capabilities import Capabilities
-
     if isinstance(model, Capabilities):
         return model
     if isinstance(model, int) and not isinstance(model, bool):
@@ -115,27 +83,28 @@ def resolve_capabilities(model: Any) -> Any:
 class SpecEditor:
     """An ipywidgets form for a probe spec, with live validation and a live YAML view.
 
-    ``spec`` is a ``ProbeSpec`` to start from (default: one new point); ``model``
-    (a ``ProbedModel``, its ``Capabilities`` or a number of layers) bounds the
-    layer picker and the tensor types, and its problems are shown like any other.
-    Display the editor (or ``editor.widget``) in a notebook to use it.
+    ``spec`` is a ``ProbeSpec`` to start from (default: one new point, no edits);
+    ``model`` (a ``ProbedModel``, its ``Capabilities`` or a number of layers)
+    bounds the layer pickers and the tensor types, and what registering the spec
+    on it would refuse (a layer out of range, an edit vector that is not the
+    model's hidden size) is shown like any other problem. The points' form is
+    ``fields``; the edits' form, below it, is ``edit_fields``. Display the editor
+    (or ``editor.widget``) in a notebook to use it.
     """
 
     def __init__(self, spec: ProbeSpec | None = None, *, model: Any = None) -> None:
         self.capabilities = resolve_capabilities(model)
-        self.drafts: list[PointDraft] = (
-            [draft_from_point(point) for point in spec] if spec is not None and len(spec)
-            else [self._new_draft([])]
-        )
-        self.current = 0
-        self._loading = False
-        # Edits (spec version 2) are not edited here yet: a loaded spec's edits are
-        # carried through unchanged, so saving it keeps them.
-        self.edits = tuple(spec.edits) if spec is not None else ()
+        self._model_check = None if self.capabilities is None else ModelCheck(self.capabilities)
         self._spec: ProbeSpec | None = None
         self._problems: list[SpecProblem] = []
-        self._build()
-        self._load_form()
+        self._saved: tuple[Path, ProbeSpec] | None = None
+        points = [draft_from_point(point) for point in spec or ()]
+        edits = [draft_from_edit(edit) for edit in spec.edits] if spec is not None else []
+        if not points and not edits:
+            points.append(self._new_point(set(), 0))
+        self._build(points, edits)
+        self.point_form.load_form()
+        self.edit_form.load_form()
         self.refresh()
 
     # -- construction -------------------------------------------------------------
@@ -143,7 +112,8 @@ class SpecEditor:
     @classmethod
     def from_spec(cls, spec_or_path: ProbeSpec | str | os.PathLike[str], *,
                   model: Any = None) -> SpecEditor:
-        """An editor loaded with a ``ProbeSpec``, a YAML file path, or YAML text.
+        """An editor loaded with a ``ProbeSpec``, a YAML file path, or YAML text
+        (version "1" or "2": the edits come with it).
 
         Loading goes through the spec loader, so an invalid file raises
         ``SpecValidationError`` naming the problems (there is nothing to edit yet).
@@ -157,107 +127,101 @@ class SpecEditor:
             spec = load_yaml_file(spec_or_path)
         return cls(spec, model=model)
 
-    def _new_draft(self, existing: list[PointDraft]) -> PointDraft:
-        names = {draft.name for draft in existing}
-        number = len(existing)
-        while f"point_{number}" in names:
-            number += 1
-        layer = 0
-        if self.capabilities is not None:
-            valid = self.capabilities.valid_layers("residual_stream")
-            layer = valid[-1] if valid else 0
-        from undercurrent.probes import list_probes
+    def _default_layer(self, middle: bool) -> int:
+        if self.capabilities is None:
+            return 0
+        valid = self.capabilities.valid_layers("residual_stream")
+        if not valid:
+            return 0
+        return valid[len(valid) // 2] if middle else valid[-1]
 
+    @staticmethod
+    def _free_name(stem: str, taken: set[str], number: int) -> str:
+        while f"{stem}_{number}" in taken:
+            number += 1
+        return f"{stem}_{number}"
+
+    def _new_point(self, taken: set[str], count: int) -> PointDraft:
+        """A new point: the model's last layer, ``norm_probe`` when registered."""
+        layer = self._default_layer(middle=False)
         probes = list_probes()
         probe_type = "norm_probe" if "norm_probe" in probes else (probes[0] if probes else "")
         return PointDraft(
-            name=f"point_{number}",
+            name=self._free_name("point", taken, count),
             layers=(layer,),
             layers_text=None if self.capabilities is not None else str(layer),
             probe_type=probe_type,
         )
 
-    def _build(self) -> None:
-        w = _widgets()
-        wide = w.Layout(width="380px")
-        self.fields: dict[str, Any] = {}
-        self.errors: dict[str, Any] = {}
-        self.rows: dict[str, Any] = {}
-        tensor_types = [t.value for t in TensorType]
-        if self.capabilities is not None:
-            tensor_types = [t.value for t in self.capabilities.tensor_types]
-        from undercurrent.probes import list_probes
+    def _new_edit(self, taken: set[str], count: int) -> EditDraft:
+        """A new edit: ``add`` on the model's middle layer at ``generated[*]``, with no
+        vector yet (the form asks for one)."""
+        layer = self._default_layer(middle=True)
+        return EditDraft(
+            name=self._free_name("edit", taken, count),
+            layers=(layer,),
+            layers_text=None if self.capabilities is not None else str(layer),
+        )
 
-        controls: dict[str, Any] = {
-            "name": w.Text(description="name", layout=wide),
-            "layers": (
-                w.SelectMultiple(description="layers", rows=5, layout=wide)
-                if self.capabilities is not None
-                else w.Text(description="layers", placeholder="e.g. 0, 2, 4", layout=wide)
-            ),
-            "tensor_type": w.Dropdown(description="tensor_type", options=tensor_types,
-                                      layout=wide),
-            "position": w.Text(description="position", placeholder="prompt[-1], generated[*]",
-                               layout=wide),
-            "stride": w.BoundedIntText(description="stride", min=1, max=1_000_000, layout=wide),
-            "until": w.Dropdown(description="until",
-                                options=[("(not set)", "")] + [(u.value, u.value)
-                                                               for u in UntilKind],
-                                layout=wide),
-            "probe_type": w.Dropdown(description="probe_type", options=list(list_probes()),
-                                     layout=wide),
-            "probe_kind": w.Dropdown(description="probe_kind",
-                                     options=[k.value for k in ProbeKind], layout=wide),
-            "probe_args": w.Textarea(description="probe_args",
-                                     placeholder="key: value (YAML), e.g.\nthreshold: 0.5",
-                                     layout=w.Layout(width="380px", height="70px")),
-            "execution_mode": w.Dropdown(description="execution_mode",
-                                         options=[m.value for m in ExecutionMode], layout=wide),
-            "queue_depth": w.Text(description="queue_depth", placeholder="32 (router default)",
-                                  layout=wide),
+    def _names_in_use(self) -> set[str]:
+        return {draft.name for draft in (*self.point_form.drafts, *self.edit_form.drafts)}
+
+    def _point_controls(self, w: Any) -> dict[str, Any]:
+        wide = w.Layout(width="380px")
+        return build_controls(w, point_fields(), self.capabilities, {
+            "probe_type": w.Dropdown(options=list(list_probes()), layout=wide),
             "intervention_mode": w.Dropdown(
-                description=LABELS["intervention_mode"],
                 options=[("(router default)", DEFAULT_INTERVENTION)]
                 + [(m.value, m.value) for m in InterventionMode],
                 layout=wide,
             ),
-            "timeout_ms": w.BoundedIntText(description=LABELS["timeout_ms"], min=1, max=3_600_000,
-                                           layout=wide),
-            "on_timeout": w.Dropdown(description=LABELS["on_timeout"],
-                                     options=[o.value for o in OnTimeout], layout=wide),
-        }
-        style = {"description_width": "150px"}
-        for field in FIELDS:
-            control = controls[field]
-            control.style = style
-            error = w.HTML(value="", layout=w.Layout(width="auto", max_width="520px"))
-            error.add_class("undercurrent-field-error")
-            control.add_class(f"undercurrent-field-{field}")
-            control.observe(self._on_field_change, names="value")
-            self.fields[field] = control
-            self.errors[field] = error
-            self.rows[field] = w.HBox([control, error])
-        if self.capabilities is not None:
-            hint = w.HTML(f'<span style="color:#777;font-size:90%">{LAYERS_HINT}</span>')
-            hint.add_class("undercurrent-layers-hint")
-            self.rows["layers"].children = (self.fields["layers"],
-                                            w.VBox([hint, self.errors["layers"]]))
+            "timeout_ms": w.BoundedIntText(min=1, max=3_600_000, layout=wide),
+        })
 
-        self.point_list = w.Select(description="points", rows=6, layout=w.Layout(width="260px"))
-        self.point_list.style = {"description_width": "50px"}
-        self.point_list.observe(self._on_select, names="value")
-        self.add_button = w.Button(description="Add", icon="plus", tooltip="add a new point")
-        self.duplicate_button = w.Button(description="Duplicate", icon="copy",
-                                         tooltip="copy the selected point")
-        self.remove_button = w.Button(description="Remove", icon="trash",
-                                      tooltip="remove the selected point")
-        for button, action in (
-            (self.add_button, self.add_point),
-            (self.duplicate_button, self.duplicate_point),
-            (self.remove_button, self.remove_point),
-        ):
-            button.layout = w.Layout(width="110px")
-            button.on_click(_ignore_argument(action))
+    def _edit_controls(self, w: Any) -> dict[str, Any]:
+        wide = w.Layout(width="380px")
+        return build_controls(w, edit_fields(), self.capabilities, {
+            "when_point": w.Dropdown(options=[("(always on)", ALWAYS_ON)], layout=wide),
+        })
+
+    def _build(self, points: list[PointDraft], edits: list[EditDraft]) -> None:
+        w = widgets()
+        self.point_form = DraftForm(
+            noun="point", section=POINTS, controls=self._point_controls(w), drafts=points,
+            new_draft=self._new_point, names_in_use=self._names_in_use,
+            on_change=self.refresh, capabilities=self.capabilities,
+            applies={
+                "stride": lambda d: d.continuous,
+                "until": lambda d: d.continuous,
+                "queue_depth": lambda d: d.is_async,
+                "timeout_ms": lambda d: d.blocks,
+                "on_timeout": lambda d: d.blocks,
+            },
+            problem_fields={"intervention": "intervention_mode", "every_n": "stride"},
+        )
+        self.edit_form = DraftForm(
+            noun="edit", section=EDITS, controls=self._edit_controls(w), drafts=edits,
+            new_draft=self._new_edit, names_in_use=self._names_in_use,
+            on_change=self.refresh, capabilities=self.capabilities,
+            applies={
+                "stride": lambda d: d.continuous,
+                "vector_key": lambda d: d.vector_is_file,
+                "norm_match": lambda d: d.adds,
+                "when_action": lambda d: d.triggered,
+            },
+            problem_fields={"when": "when_point"},
+        )
+        # The names the rest of the editor (and its users) know the point form by.
+        form = self.point_form
+        self.fields, self.errors, self.rows = form.fields, form.errors, form.rows
+        self.point_list = form.list
+        self.add_button = form.add_button
+        self.duplicate_button = form.duplicate_button
+        self.remove_button = form.remove_button
+        edit_form = self.edit_form
+        self.edit_fields, self.edit_errors = edit_form.fields, edit_form.errors
+        self.edit_rows, self.edit_list = edit_form.rows, edit_form.list
+
         self.status = w.HTML()
         self.yaml_view = w.HTML()
         self.yaml_view.add_class("undercurrent-yaml")
@@ -265,22 +229,17 @@ class SpecEditor:
                                 layout=w.Layout(width="260px"))
         self.save_button = w.Button(description="Save YAML", icon="save")
         self.save_message = w.HTML()
-        self._saved: tuple[Path, ProbeSpec] | None = None
-        self.save_button.on_click(_ignore_argument(self._save_clicked))
-
-        sidebar = w.VBox([
-            self.point_list,
-            w.HBox([self.add_button, self.duplicate_button]),
-            self.remove_button,
-        ], layout=w.Layout(flex="0 0 auto"))  # the wide form must not squeeze the list
-        form = w.VBox([self.rows[field] for field in FIELDS])
+        self.save_button.on_click(lambda _button: self._save_clicked())
+        self.edits_hint = w.HTML()
+        edits_section = w.VBox([self.edits_hint, edit_form.widget])
+        edits_section.add_class("undercurrent-edits")
         yaml_panel = w.VBox([
             w.HTML("<b>YAML</b>"),
             self.yaml_view,
             w.HBox([self.save_path, self.save_button]),
             self.save_message,
         ])
-        self.widget = w.VBox([w.HBox([sidebar, form]), self.status, yaml_panel])
+        self.widget = w.VBox([form.widget, edits_section, self.status, yaml_panel])
         self.widget.add_class("undercurrent-spec-editor")
 
     # -- display --------------------------------------------------------------------
@@ -292,237 +251,115 @@ class SpecEditor:
         return bundle
 
     def snapshot_html(self) -> str:
-        """The editor as static HTML: the selected point's form, the problems and the YAML,
-        for readers without a running kernel (GitHub, nbconvert, an unrun notebook)."""
-        problems = self.field_problems()
-        rows = []
-        for field in FIELDS:
-            if self.rows[field].layout.display == "none":
-                continue
-            control = self.fields[field]
-            value = control.value
-            if isinstance(value, tuple):
-                value = ", ".join(str(item) for item in value)
-            elif isinstance(getattr(control, "label", None), str):
-                value = control.label  # what a dropdown shows: "(router default)"
-            rows.append((LABELS.get(field, field), str(value), problems.get(field, [])))
-        return form_snapshot_html(rows, [d.name for d in self.drafts], self.status.value,
-                                  self.yaml_view.value)
+        """The editor as static HTML: the selected point's and edit's forms, the
+        problems and the YAML, for readers without a running kernel (GitHub,
+        nbconvert, an unrun notebook)."""
+        sections = [section_snapshot_html(
+            "points", [d.name for d in self.drafts], self.point_form.snapshot_rows(self._problems))]
+        if self.edit_drafts:
+            sections.append(section_snapshot_html(
+                "edits", [d.name for d in self.edit_drafts],
+                self.edit_form.snapshot_rows(self._problems)))
+        return form_snapshot_html(sections, self.status.value, self.yaml_view.value)
 
     # -- editing --------------------------------------------------------------------
 
+    @property
+    def drafts(self) -> list[PointDraft]:
+        """The point drafts, in spec order."""
+        return self.point_form.drafts
+
+    @property
+    def edit_drafts(self) -> list[EditDraft]:
+        """The edit drafts, in spec order."""
+        return self.edit_form.drafts
+
+    @property
+    def current(self) -> int:
+        """The index of the point shown in the form."""
+        return self.point_form.current
+
     def add_point(self) -> None:
         """Append a new point with defaults and select it."""
-        self.drafts.append(self._new_draft(self.drafts))
-        self._select(len(self.drafts) - 1)
+        self.point_form.add()
 
     def duplicate_point(self) -> None:
         """Insert a copy of the selected point (renamed ``<name>_copy``) after it."""
-        source = self.drafts[self.current]
-        names = {draft.name for draft in self.drafts}
-        name = f"{source.name}_copy"
-        suffix = 2
-        while name in names:
-            name = f"{source.name}_copy{suffix}"
-            suffix += 1
-        self.drafts.insert(self.current + 1, source.copy(name=name))
-        self._select(self.current + 1)
+        self.point_form.duplicate()
 
     def remove_point(self) -> None:
         """Remove the selected point (an empty spec is allowed, and shown as such)."""
-        if not self.drafts:
-            return
-        del self.drafts[self.current]
-        self._select(min(self.current, len(self.drafts) - 1))
+        self.point_form.remove()
 
     def select(self, index_or_name: int | str) -> None:
         """Show the point at ``index_or_name`` (an index or a point name) in the form."""
-        if isinstance(index_or_name, str):
-            names = [draft.name for draft in self.drafts]
-            if index_or_name not in names:
-                raise KeyError(f"no point named {index_or_name!r}; points: {names}")
-            index_or_name = names.index(index_or_name)
-        self._select(index_or_name)
+        self.point_form.select(index_or_name)
 
-    def _select(self, index: int) -> None:
-        self.current = max(index, 0)
-        self._load_form()
-        self.refresh()
+    def add_edit(self) -> None:
+        """Append a new edit (the spec becomes version "2") and select it. It has no
+        vector yet: the form says so next to ``vector``."""
+        self.edit_form.add()
 
-    def _on_select(self, change: dict[str, Any]) -> None:
-        if self._loading or change["new"] is None:
-            return
-        self._select(int(change["new"]))
+    def duplicate_edit(self) -> None:
+        """Insert a copy of the selected edit (renamed ``<name>_copy``) after it."""
+        self.edit_form.duplicate()
 
-    def _on_field_change(self, change: dict[str, Any]) -> None:
-        if self._loading or not self.drafts:
-            return
-        draft = self._read_form()
-        if change["owner"] is self.fields["tensor_type"]:
-            draft = self._valid_layers_for(draft)
-            self.drafts[self.current] = draft
-            self._load_form()
-        self.drafts[self.current] = draft
-        self.refresh()
+    def remove_edit(self) -> None:
+        """Remove the selected edit (with none left, the spec is version "1" again)."""
+        self.edit_form.remove()
 
-    def _valid_layers_for(self, draft: PointDraft) -> PointDraft:
-        """Keep the selected layers the new tensor type allows; with none left, take the
-        closest valid one (``final_norm`` only exists at layer N)."""
-        if self.capabilities is None:
-            return draft
-        valid = tuple(self.capabilities.valid_layers(draft.tensor_type))
-        if not valid:
-            return draft
-        kept = tuple(layer for layer in draft.layers if layer in valid)
-        if not kept:
-            wanted = max(draft.layers) if draft.layers else valid[-1]
-            kept = (min(valid, key=lambda layer: (abs(layer - wanted), -layer)),)
-        return draft.copy(layers=kept)
-
-    def _read_form(self) -> PointDraft:
-        f = self.fields
-        draft = self.drafts[self.current]
-        if self.capabilities is not None:
-            layers = tuple(sorted(int(v) for v in f["layers"].value))
-            layers_text = None
-        else:
-            layers, layers_text = draft.layers, f["layers"].value
-        return draft.copy(
-            name=f["name"].value,
-            layers=layers,
-            layers_text=layers_text,
-            tensor_type=f["tensor_type"].value,
-            position=f["position"].value,
-            stride=int(f["stride"].value),
-            until=f["until"].value or "",
-            probe_type=f["probe_type"].value or "",
-            probe_kind=f["probe_kind"].value,
-            probe_args=f["probe_args"].value,
-            execution_mode=f["execution_mode"].value,
-            queue_depth=f["queue_depth"].value,
-            intervention_mode=f["intervention_mode"].value,
-            timeout_ms=int(f["timeout_ms"].value),
-            on_timeout=f["on_timeout"].value,
-        )
-
-    def _load_form(self) -> None:
-        """Put the current draft's values into the controls (without triggering edits)."""
-        self._loading = True
-        try:
-            self._update_point_list()
-            if not self.drafts:
-                return
-            draft = self.drafts[self.current]
-            f = self.fields
-            _ensure_option(f["tensor_type"], draft.tensor_type)
-            _ensure_option(f["probe_type"], draft.probe_type)
-            f["name"].value = draft.name
-            f["tensor_type"].value = draft.tensor_type
-            if self.capabilities is not None:
-                valid = self.capabilities.valid_layers(draft.tensor_type)
-                layers = sorted(set(valid) | set(draft.layers))
-                f["layers"].options = [(self._layer_label(layer, valid), layer)
-                                       for layer in layers]
-                f["layers"].value = tuple(draft.layers)
-            else:
-                text = draft.layers_text
-                if text is None:
-                    text = ", ".join(str(layer) for layer in draft.layers)
-                f["layers"].value = text
-            f["position"].value = draft.position
-            f["stride"].value = draft.stride
-            f["until"].value = draft.until
-            f["probe_type"].value = draft.probe_type
-            f["probe_kind"].value = draft.probe_kind
-            f["probe_args"].value = draft.probe_args
-            f["execution_mode"].value = draft.execution_mode
-            f["queue_depth"].value = draft.queue_depth
-            f["intervention_mode"].value = draft.intervention_mode
-            f["timeout_ms"].value = draft.timeout_ms
-            f["on_timeout"].value = draft.on_timeout
-        finally:
-            self._loading = False
-
-    def _layer_label(self, layer: int, valid: tuple[int, ...]) -> str:
-        if layer not in valid:
-            return f"{layer} (out of range)"
-        if self.capabilities is not None and layer == self.capabilities.num_layers:
-            return f"{layer} (final norm)"
-        return str(layer)
-
-    def _update_point_list(self) -> None:
-        flagged = {problem.point_index for problem in self._problems}
-        options = [
-            (("⚠ " if index in flagged else "") + (draft.name or "(unnamed)"), index)
-            for index, draft in enumerate(self.drafts)
-        ]
-        self.point_list.options = options
-        self.point_list.value = self.current if self.drafts else None
+    def select_edit(self, index_or_name: int | str) -> None:
+        """Show the edit at ``index_or_name`` (an index or an edit name) in its form."""
+        self.edit_form.select(index_or_name)
 
     # -- validation and views ---------------------------------------------------------
 
     def refresh(self) -> None:
-        """Re-validate every point and update errors, visibility, the list and the YAML."""
-        self._spec, self._problems = validate_drafts(self.drafts, self.capabilities)
-        if self._spec is not None and self.edits:
-            self._spec = ProbeSpec(self._spec.extraction_points, version="2", edits=self.edits)
-        self._loading = True
-        try:
-            self._update_point_list()
-        finally:
-            self._loading = False
-        self._update_visibility()
-        self._update_errors()
+        """Re-validate the whole spec and update errors, visibility, the lists and the
+        YAML (called by every change; call it after changing drafts from code)."""
+        self._spec, self._problems = validate_drafts(
+            self.drafts, self.edit_drafts, self._model_check)
+        self._offer_trigger_points()
+        for form in (self.point_form, self.edit_form):
+            form.update_list(form.flagged(self._problems))
+            form.update_visibility()
+            form.update_errors(self._problems)
+        self.edits_hint.value = edits_hint_html(len(self.edit_drafts))
         self._update_views()
 
-    def _update_visibility(self) -> None:
-        draft = self.drafts[self.current] if self.drafts else None
-        applies: dict[str, Callable[[PointDraft], bool]] = {
-            "stride": lambda d: d.continuous,
-            "until": lambda d: d.continuous,
-            "queue_depth": lambda d: d.is_async,
-            "timeout_ms": lambda d: d.blocks,
-            "on_timeout": lambda d: d.blocks,
-        }
-        for field in FIELDS:
-            shown = draft is not None and applies.get(field, lambda d: True)(draft)
-            self.rows[field].layout.display = "" if shown else "none"
+    def _offer_trigger_points(self) -> None:
+        """``when.point`` offers the spec's inline points (a draft naming another
+        point keeps it, and the loader says what is wrong with it)."""
+        inline = [draft.name for draft in self.drafts
+                  if draft.name and draft.execution_mode == ExecutionMode.INLINE.value]
+        self.edit_form.set_options(
+            "when_point", [("(always on)", ALWAYS_ON)] + [(name, name) for name in inline])
 
     def field_problems(self, index: int | None = None) -> dict[str, list[str]]:
-        """``{editor field: [messages]}`` for the point at ``index`` (default: selected)."""
-        index = self.current if index is None else index
-        found: dict[str, list[str]] = {}
-        for problem in self._problems:
-            if problem.point_index != index or problem.field is None:
-                continue
-            field = _PROBLEM_FIELD.get(problem.field, problem.field)
-            found.setdefault(field if field in FIELDS else "name", []).append(
-                with_subject(problem))
-        if self.drafts and 0 <= index < len(self.drafts):
-            live = self.drafts[index].position_problem()
-            if live and live not in found.get("position", []):
-                found.setdefault("position", []).insert(0, live)
-        return found
+        """``{point field: [messages]}`` for the point at ``index`` (default: selected)."""
+        return self.point_form.field_problems(self._problems, index)
 
-    def _update_errors(self) -> None:
-        problems = self.field_problems()
-        for field in FIELDS:
-            self.errors[field].value = field_messages_html(problems.get(field, []))
+    def edit_field_problems(self, index: int | None = None) -> dict[str, list[str]]:
+        """``{edit field: [messages]}`` for the edit at ``index`` (default: selected)."""
+        return self.edit_form.field_problems(self._problems, index)
 
     def _yaml_text(self) -> str:
         """The spec's YAML, or the draft's in the same style, marked as not valid yet."""
         if self._spec is not None:
             return to_yaml(self._spec)
-        raw, _ = drafts_to_raw_spec(self.drafts)
+        raw, _ = drafts_to_raw_spec(self.drafts, self.edit_drafts)
         return "# not valid yet: fix the fields marked ⚠\n" + dump_spec_yaml(
             raw, allow_unicode=True)
 
     def _update_views(self) -> None:
-        others = [p for p in self._problems if p.point_index != self.current]
-        names = [draft.name for draft in self.drafts]
+        shown = {(POINTS, self.point_form.current), (EDITS, self.edit_form.current)}
+        others = [p for p in self._problems if (p.section, p.point_index) not in shown]
+        names = {POINTS: [d.name for d in self.drafts], EDITS: [d.name for d in self.edit_drafts]}
+        spec = self._spec
         self.status.value = status_html(
-            None if self._spec is None else len(self._spec), len(self._problems),
-            [describe_problem(problem, names) for problem in others[:20]],
+            None if spec is None else len(spec), len(self._problems),
+            [describe_problem(problem, names[problem.section]) for problem in others[:20]],
+            edits=0 if spec is None else len(spec.edits),
         )
         if self._saved is not None and self._saved[1] != self._spec:
             self._saved = None
@@ -543,7 +380,8 @@ class SpecEditor:
 
     @property
     def spec(self) -> ProbeSpec:
-        """The edited spec; raises ``SpecValidationError`` listing the problems if invalid."""
+        """The edited spec (version "2" when it has edits); raises
+        ``SpecValidationError`` listing the problems if invalid."""
         if self._spec is None:
             raise SpecValidationError(self._problems, source="SpecEditor")
         return self._spec
@@ -570,18 +408,3 @@ class SpecEditor:
             )
         else:
             self.save_message.value = f"saved to <code>{html.escape(str(target))}</code>"
-
-
-def _ensure_option(dropdown: Any, value: str) -> None:
-    """Add ``value`` to a dropdown's options (a loaded spec may name an unknown value)."""
-    options = list(dropdown.options)
-    values = [option[1] if isinstance(option, tuple) else option for option in options]
-    if value not in values:
-        dropdown.options = options + [value]
-
-
-def _ignore_argument(action: Callable[[], Any]) -> Callable[[Any], None]:
-    def handler(_button: Any) -> None:
-        action()
-
-    return handler

@@ -15,13 +15,16 @@ LABELS: dict[str, str] = {
     "intervention_mode": "intervention.mode",
     "timeout_ms": "intervention.timeout_ms",
     "on_timeout": "intervention.on_timeout",
+    "when_point": "when.point",
+    "when_action": "when.action",
 }
 """Field labels that differ from the field name: the key's path in the YAML."""
 
 LAYERS_HINT = "Ctrl-click (⌘-click on a Mac) or Shift-click to pick several layers"
 
 # Loader messages that start with a verb lean on the location for their subject.
-_SUBJECTLESS = ("is ", "are ", "must ", "should ", "has ", "have ", "cannot ", "needs ", "may ")
+_SUBJECTLESS = ("is ", "are ", "must ", "should ", "has ", "have ", "cannot ", "needs ", "may ",
+                "names ", "holds ")
 
 _ERROR = "color:#b00020"
 
@@ -36,14 +39,15 @@ def with_subject(problem: SpecProblem) -> str:
 
 
 def describe_problem(problem: SpecProblem, names: Sequence[str]) -> str:
-    """``point 'name' · field: message``, the point named as the user named it
-    (``names`` are the points' names, in order)."""
+    """``point 'name' · field: message`` (``edit 'name' · ...`` for an edit), named as
+    the user named it (``names`` are the names in the problem's section, in order)."""
     if problem.point_index is None:
         where = "spec"
     else:
         index = problem.point_index
+        noun = "edit" if problem.section == "edits" else "point"
         name = problem.point_name or (names[index] if 0 <= index < len(names) else "")
-        where = f"point {name!r}" if name else f"point {index + 1} (unnamed)"
+        where = f"{noun} {name!r}" if name else f"{noun} {index + 1} (unnamed)"
     field = "" if problem.field is None else f" · {problem.field}"
     return f"{where}{field}: {with_subject(problem)}"
 
@@ -57,18 +61,26 @@ def field_messages_html(messages: Sequence[str]) -> str:
     )
 
 
-def status_html(points: int | None, problems: int, others: Sequence[str]) -> str:
-    """Under the form: ✔ and the number of points when valid (``points`` given), else
-    the number of problems and, one per line, those of the points not on screen."""
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' if number != 1 else ''}"
+
+
+def status_html(points: int | None, problems: int, others: Sequence[str],
+                edits: int = 0) -> str:
+    """Under the form: ✔ and the number of points (and edits, with the version they
+    need) when valid (``points`` given), else the number of problems and, one per
+    line, those of the points and edits not on screen."""
     if points is not None:
-        return (f'<span style="color:#1b7f3b">✔ valid spec: {points} extraction '
-                f'point{"s" if points != 1 else ""}</span>')
+        with_edits = f", {_count(edits, 'edit')} (version \"2\")" if edits else ""
+        return (f'<span style="color:#1b7f3b">✔ valid spec: '
+                f'{_count(points, "extraction point")}{with_edits}</span>')
     listing = "".join(
         f'<div style="margin-left:1em">{html.escape(line, quote=False)}</div>' for line in others
     )
     return (
         f'<div style="{_ERROR}">⚠ {problems} problem{"s" if problems != 1 else ""}'
-        + (" (this point's are shown next to its fields; other points:)" if listing else "")
+        + (" (those of the point and edit on screen are shown next to their fields; "
+           "others:)" if listing else "")
         + f"{listing}</div>"
     )
 
@@ -82,10 +94,22 @@ def yaml_html(text: str) -> str:
     )
 
 
-def form_snapshot_html(rows: Sequence[tuple[str, str, Sequence[str]]], names: Sequence[str],
-                       status: str, yaml_view: str) -> str:
-    """The editor as static HTML: the points, the form's ``(label, value, messages)``
-    rows, the status line and the YAML view."""
+def edits_hint_html(edits: int) -> str:
+    """The line above the edits' form: what edits are, and the version they make."""
+    if edits:
+        text = ('<b>Edits</b>: live activation edits (the spec is version "2"); see '
+                "docs/steering.md")
+    else:
+        text = ('<b>Edits</b>: none, so the spec is version "1". <b>Add</b> one to change '
+                'activations live during generation (the spec becomes version "2").')
+    return (f'<div style="margin-top:10px;padding-top:6px;border-top:1px solid #ddd">'
+            f"{text}</div>")
+
+
+def section_snapshot_html(title: str, names: Sequence[str],
+                          rows: Sequence[tuple[str, str, Sequence[str]]]) -> str:
+    """One section of the static editor (the points, or the edits): the names in its
+    list, then the selected one's ``(label, value, messages)`` rows."""
     cells = []
     for label, value, messages in rows:
         shown = (f"<code>{html.escape(value)}</code>" if value.strip()
@@ -97,9 +121,14 @@ def form_snapshot_html(rows: Sequence[tuple[str, str, Sequence[str]]], names: Se
             f'{html.escape(label)}</td><td style="text-align:left">{shown}{notes}</td></tr>'
         )
     listed = ", ".join(html.escape(name or "(unnamed)") for name in names)
+    return (f"<div><b>{html.escape(title)}:</b> {listed}</div>"
+            f'<table style="border-collapse:collapse">{"".join(cells)}</table>')
+
+
+def form_snapshot_html(sections: Sequence[str], status: str, yaml_view: str) -> str:
+    """The editor as static HTML: its sections (:func:`section_snapshot_html`), the
+    status line and the YAML view."""
     return (
         '<div class="undercurrent-spec-editor-snapshot">'
-        f"<div><b>points:</b> {listed}</div>"
-        f'<table style="border-collapse:collapse">{"".join(cells)}</table>'
-        f"{status}<div><b>YAML</b></div>{yaml_view}</div>"
+        f"{''.join(sections)}{status}<div><b>YAML</b></div>{yaml_view}</div>"
     )

@@ -1,12 +1,13 @@
 """Save captured records to parquet and load them back, tensors included.
 
-The file is a plain parquet table with the columns of ``RECORD_COLUMNS``:
-``shape`` is a list of ints, ``tensor`` the flattened values (a fixed-size list
-when every row has the same size, which is the usual case, else a list) in the
-array's own numpy dtype, and ``dtype`` the original dtype name. Loading
-reshapes each tensor back, so ``load_records(save_records(...))`` round-trips
-values, dtypes and shapes (dtypes numpy lacks, such as bfloat16, come back as
-float32 with ``dtype`` still saying ``"bfloat16"``).
+The file is a plain parquet table with the index columns of ``RECORD_COLUMNS``
+(``row`` aside): ``shape`` is a list of ints, ``edits`` a list of strings,
+``tensor`` the flattened values (a fixed-size list when every row has the same
+size, which is the usual case, else a list) in the array's own numpy dtype, and
+``dtype`` the original dtype name. Loading gives a records frame again (index
+columns, activations in matrices beside it), so ``load_records(save_records(...))``
+round-trips values, dtypes and shapes (dtypes numpy lacks, such as bfloat16, come
+back as float32 with ``dtype`` still saying ``"bfloat16"``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from undercurrent.analysis.frames import RECORD_COLUMNS, _typed_record_frame, records_frame
+from undercurrent.analysis.frames import (
+    ACTIVATIONS_KEY,
+    RECORD_COLUMNS,
+    Activations,
+    _site_order,
+    _typed_record_frame,
+    record_tensors,
+    records_frame,
+)
 from undercurrent.records import ActivationRecord
 
 FORMAT_NAME = "undercurrent.records/1"
+# What a frame needs to be saved: the record columns but the matrix row (rewritten
+# on load) and edits (older frames have none).
+_SAVED_COLUMNS = tuple(c for c in RECORD_COLUMNS if c not in ("row", "edits"))
 _FORMAT_KEY = b"undercurrent.format"
 
 
@@ -46,14 +58,19 @@ def save_records(records: Any, path: str | os.PathLike[str], *, tokenizer: Any =
 
     frame = (records if isinstance(records, pd.DataFrame)
              else records_frame(records, tokenizer=tokenizer))
-    missing = [column for column in RECORD_COLUMNS if column not in frame.columns]
+    missing = [column for column in _SAVED_COLUMNS if column not in frame.columns]
     if missing:
         raise ValueError(f"save_records: the frame lacks record columns {missing}")
-    plain = frame.drop(columns=["tensor", "shape"])
+    tensors = record_tensors(frame)
+    plain = frame.drop(columns=[c for c in ("tensor", "shape", "row", "edits")
+                                if c in frame.columns])
+    plain.attrs = {}  # the activations are written as the tensor column below
     table = pa.Table.from_pandas(plain, preserve_index=False)
     shapes = pa.array([list(shape) for shape in frame["shape"]], type=pa.list_(pa.int64()))
     table = table.append_column("shape", shapes)
-    table = table.append_column("tensor", _tensor_column(pa, np, list(frame["tensor"])))
+    edits = [list(e) for e in frame["edits"]] if "edits" in frame.columns else [[]] * len(frame)
+    table = table.append_column("edits", pa.array(edits, type=pa.list_(pa.string())))
+    table = table.append_column("tensor", _tensor_column(pa, np, tensors))
     metadata = dict(table.schema.metadata or {})
     metadata[_FORMAT_KEY] = FORMAT_NAME.encode()
     table = table.replace_schema_metadata(metadata)
@@ -80,8 +97,9 @@ def _tensor_column(pa: Any, np: Any, tensors: list[Any]) -> Any:
 def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> Any:
     """Read a file written by :func:`save_records`.
 
-    Returns a records frame (columns ``RECORD_COLUMNS``, tensors as numpy arrays of
-    their saved shape), or with ``as_records=True`` a list of ``ActivationRecord``.
+    Returns a records frame (columns ``RECORD_COLUMNS``, activations in
+    ``activation_matrix(frame)``), or with ``as_records=True`` a list of
+    ``ActivationRecord`` (numpy tensors of their saved shape).
     """
     import numpy as np
 
@@ -99,15 +117,37 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
         )
     shapes = [tuple(shape) for shape in table.column("shape").to_pylist()]
     tensors = _read_tensors(np, table.column("tensor").combine_chunks(), shapes)
-    frame = table.drop_columns(["shape", "tensor"]).to_pandas()
+    edits = ([tuple(e or ()) for e in table.column("edits").to_pylist()]
+             if "edits" in table.column_names else [()] * len(shapes))
+    dropped = [c for c in ("shape", "tensor", "edits") if c in table.column_names]
+    frame = table.drop_columns(dropped).to_pandas()
     frame["shape"] = shapes
-    frame["tensor"] = tensors
+    frame["edits"] = edits
+    frame["row"] = 0
     frame = _typed_record_frame(frame)
     extra = [column for column in frame.columns if column not in RECORD_COLUMNS]
     frame = frame[list(RECORD_COLUMNS) + extra]
+    _attach(np, frame, tensors)
     if as_records:
         return frame_to_records(frame)
     return frame
+
+
+def _attach(np: Any, frame: Any, tensors: list[Any]) -> None:
+    """Stack the loaded tensors into the frame's activation matrices (laid out as
+    :func:`records_frame` lays them out) and point its ``row`` column at them."""
+    if any(tensor is None for tensor in tensors):
+        return  # saved from a frame built with tensors=False
+    by_size: dict[int, list[int]] = {}
+    for position in _site_order(frame):
+        by_size.setdefault(int(tensors[position].size), []).append(position)
+    rows = np.empty(len(tensors), dtype=np.int64)
+    matrices = {}
+    for size, members in by_size.items():
+        matrices[size] = np.stack([tensors[i].reshape(-1) for i in members])
+        rows[members] = np.arange(len(members))
+    frame["row"] = rows
+    frame.attrs[ACTIVATIONS_KEY] = Activations(matrices)
 
 
 def _read_tensors(np: Any, column: Any, shapes: list[tuple[int, ...]]) -> list[Any]:
@@ -135,6 +175,7 @@ def frame_to_records(frame: Any) -> list[ActivationRecord]:
 
         return None if value is None or pd.isna(value) else int(value)
 
+    has_edits = "edits" in frame.columns
     return [
         ActivationRecord(
             request_id=row.request,
@@ -145,8 +186,10 @@ def frame_to_records(frame: Any) -> list[ActivationRecord]:
             is_generated=bool(row.is_generated),
             generated_index=optional_int(row.generated_index),
             token_id=optional_int(row.token_id),
-            tensor=row.tensor,
+            tensor=tensor,
             timestamp=float(row.timestamp),
+            edits=tuple(row.edits) if has_edits else (),
         )
-        for row in frame.itertuples(index=False)
+        for row, tensor in zip(frame.itertuples(index=False), record_tensors(frame),
+                               strict=True)
     ]

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from undercurrent.analysis.frames import RECORD_COLUMNS
+from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
     INDEX_COLUMNS,
     MANIFEST,
@@ -242,12 +242,17 @@ class ActivationStore:
         return ActivationStore(self.path, _index=index, _parent=self)
 
     def records_frame(self, rows: Any = None, *, tensors: bool = True) -> Any:
-        """The rows in ``records_frame`` form (``request``, ``point``, ... ``tensor``),
-        plus ``prompt_index``; ``activation_matrix``, ``select_rows``, ``label_rows``
-        and ``fit_linear_probe`` take it as they take a records frame."""
+        """The rows in ``records_frame`` form (index columns ``request``, ``point``,
+        ... ``row``, plus ``prompt_index``) with their vectors as the frame's
+        activation matrices, read once per point (a point's vectors that are one
+        block of its shard file stay a memory-mapped view); ``activation_matrix``,
+        ``select_rows``, ``label_rows`` and ``fit_linear_probe`` take it as they take
+        a records frame. ``tensors=False`` reads no vectors."""
+        import numpy as np
+
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
-        out = out.reset_index(drop=True)
+        out = out.drop(columns=["row"]).reset_index(drop=True)
         out["token_text"] = None
         out["timestamp"] = float("nan")
         out["dtype"] = [self._point_meta(s, p)["dtype"] for s, p in
@@ -256,17 +261,25 @@ class ActivationStore:
         out["shape"] = [tuple(self._point_meta(s, p)["shape"]) for s, p in
                         zip(frame["shard"].astype(str), frame["extraction_point_name"],
                             strict=True)]
-        out["tensor"] = None
+        out["edits"] = [()] * len(out)
+        positions = np.arange(len(frame), dtype=np.int64)
+        blocks: dict[int, list[Any]] = {}
         if tensors and len(frame):
-            column: list[Any] = [None] * len(frame)
             points = frame["extraction_point_name"].to_numpy()
-            for name in set(points.tolist()):  # one shape per point
+            for name in dict.fromkeys(points.tolist()):  # one shape per point
                 where = (points == name).nonzero()[0]
-                for position, vector in zip(where, self.vectors(frame.iloc[where]),
-                                            strict=True):
-                    column[position] = vector
-            out["tensor"] = column
-        return out[list(RECORD_COLUMNS) + ["prompt_index"]]
+                vectors = self.vectors(frame.iloc[where])
+                flat = vectors.reshape(len(where), -1)
+                parts = blocks.setdefault(flat.shape[1], [])
+                positions[where] = sum(len(part) for part in parts) + np.arange(len(where))
+                parts.append(flat)
+        out["row"] = positions
+        out = out[list(RECORD_COLUMNS) + ["prompt_index"]]
+        if tensors:
+            out.attrs[ACTIVATIONS_KEY] = Activations({
+                size: parts[0] if len(parts) == 1 else np.concatenate(parts)
+                for size, parts in blocks.items()})
+        return out
 
     # -- analysis ----------------------------------------------------------------------
     def probe_design(self, y: Any, *, point: str | None = None, layer: int | None = None,

@@ -130,17 +130,19 @@ class StepServer:
         armed_before = {engine_id: set(state.armed) for engine_id, state in states.items()
                         if state.edits}
         live_before = {engine_id for engine_id, state in states.items() if state.live}
+        # The batch's request table, resolved once: its targets index it.
+        table = [states.get(engine_id) for engine_id in batch.requests]
         deliveries: list[tuple[TensorType, list[CaptureTarget], Any]] = []
         for group in batch.groups:
-            rows = batch.rows(group)
+            layer = group.layer
             targets = []
-            for engine_id, point_index, token_index, slot in group.targets:
-                state = states.get(engine_id)
+            for request, point_index, token_index, row in group.targets.tolist():
+                state = table[request]
                 if state is None:
                     continue
-                targets.append(CaptureTarget(state, state.points[point_index], group.layer,
-                                             token_index, slot))
-            deliveries.append((TensorType(group.tensor_type), targets, rows))
+                targets.append(CaptureTarget(state, state.points[point_index], layer,
+                                             token_index, row))
+            deliveries.append((TensorType(group.tensor_type), targets, batch.rows(group)))
         session.deliver(deliveries)
         for engine_id, before in armed_before.items():
             armed = states[engine_id].armed

@@ -1,9 +1,10 @@
 """What crosses from the vLLM worker to the driver: one message per engine step.
 
 A :class:`StepBatch` carries every captured row of one step: the rows of all
-(layer, tensor type) groups are concatenated into a few tensors (one per row shape,
-one device-to-host copy each), with compact integer targets saying which request,
-point, layer and token each row belongs to. The driver answers every batch with a
+(layer, tensor type) groups are gathered into a few tensors (one per row shape,
+one device-to-host copy each), and each group says with one contiguous integer
+array which request (an index into the step's request table), point, token and
+row each of its records has. The driver answers every batch with a
 :class:`StepReply` naming the requests its inline probes aborted; the worker waits for
 that reply, so an abort is applied before the engine samples the next token.
 
@@ -18,6 +19,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from undercurrent.probes.sae_files import load_sae
 from undercurrent.spec.declarations import wire_field_names
 from undercurrent.spec.loader import parse_edit
@@ -25,15 +28,27 @@ from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+TARGET_COLUMNS = ("request", "point", "token_index", "row")
+"""The columns of :attr:`GroupRows.targets`."""
+
+
+def target_array(targets: Any) -> np.ndarray:
+    """``(request, point index, token index, row)`` tuples (or an array of them) as
+    the contiguous ``int64`` array of shape ``(n, 4)`` a :class:`GroupRows` carries."""
+    return np.ascontiguousarray(np.asarray(targets, dtype=np.int64).reshape(-1, 4))
 
 
 @dataclass
 class GroupRows:
     """Rows of one (layer, tensor type) in a step.
 
-    ``targets`` holds ``(engine request id, point index, token index, row)`` with
-    ``row`` counted from ``offset`` in ``StepBatch.banks[bank]``.
+    ``targets`` is an ``int64`` array of shape ``(n, 4)``, one row per record to
+    build, with the columns :data:`TARGET_COLUMNS`: the request (an index into
+    :attr:`StepBatch.requests`), the point (an index into that request's points),
+    the absolute token index, and the row, counted from ``offset`` in
+    ``StepBatch.banks[bank]``.
     """
 
     layer: int
@@ -41,7 +56,7 @@ class GroupRows:
     bank: int
     offset: int
     count: int
-    targets: list[tuple[str, int, int, int]]
+    targets: np.ndarray
 
 
 @dataclass
@@ -53,6 +68,7 @@ class StepBatch:
     knows each record's token id before the step's output reaches it. ``edits``
     holds ``(engine request id, edit name, tensor type, layer, token index)`` for
     every live edit the step applied (the records of an edited site say so).
+    ``requests`` is the table of engine request ids the groups' targets index.
     """
 
     step: int
@@ -61,6 +77,7 @@ class StepBatch:
     tokens: list[tuple[str, int, list[int]]] = field(default_factory=list)
     version: int = PROTOCOL_VERSION
     edits: list[tuple[str, str, str, int, int]] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
 
     def rows(self, group: GroupRows) -> Any:
         """The tensor rows of ``group`` (a view into its bank)."""

@@ -1,11 +1,14 @@
 """The worker extension vLLM mixes into its worker class (``worker_extension_cls``).
 
-It installs forward hooks on the decoder layers, their attention and MLP blocks, the
-final norm and (for ``kv``) vLLM's ``Attention`` layers. At the start of each forward
-it maps the step's flat token batch to (request, token index) from the runner's
-input batch (:func:`~undercurrent.adapters.vllm.rows.step_windows`) and plans, with the
-same matching code as every backend (:class:`~undercurrent.adapters.session.StepPlan`),
-which rows each hook keeps. At the end of the forward it sends one
+At the start of each forward it maps the step's flat token batch to (request, token
+index) from the runner's input batch (:func:`~undercurrent.adapters.vllm.rows.step_windows`)
+and plans, with the same matching code as every backend
+(:class:`~undercurrent.adapters.session.StepPlan`), which rows each site keeps. Only
+the sites the open requests can still capture or edit carry a forward hook (a
+decoder layer, its attention or MLP block, the final norm, or for ``kv`` vLLM's
+``Attention`` layer); they are re-hooked when that set changes. Each hooked site
+gathers its rows with one index operation (none when they are consecutive) straight
+into the step's bank of rows. At the end of the forward the worker sends one
 :class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
 reply, so inline probes run (and can abort) before the step's tokens are sampled.
 
@@ -93,7 +96,14 @@ class _MirrorState(RequestState):
 
 
 class _Capture:
-    """Hooks, per-request plans and the driver connection of one worker."""
+    """Hooks, per-request plans and the driver connection of one worker.
+
+    Only the (layer, tensor type) sites some open request can still capture or edit
+    carry a hook: at the start of every forward the wanted sites are compared with
+    the hooked ones, new ones are hooked and those no request wants any more are
+    unhooked (a request's points retire once their positions are past, and finished
+    requests are released by the driver).
+    """
 
     def __init__(self, worker: Any, address: str | None, authkey: bytes | None,
                  tensor_parallel_size: int = 1) -> None:
@@ -109,38 +119,75 @@ class _Capture:
         self.kernels = EditKernels()
         self.armed_outbox: list[tuple[str, str, int]] = []
         self.handles: list[Any] = []
+        self.site_handles: dict[tuple[int, TensorType], Any] = {}
         self.states: dict[str, _MirrorState] = {}
         self.plan: StepPlan | None = None
         self.pending_tokens: list[tuple[_MirrorState, int, int, int]] = []
-        self.captured: list[tuple[int, TensorType, Any]] = []
+        # Per step: where each planned group's rows go, the row banks they fill
+        # (hidden-size rows, kv rows) and which rows each hooked site gathers.
+        self.slices: dict[tuple[int, TensorType], tuple[int, int, int]] = {}
+        self.bank_rows: list[int] = [0, 0]
+        self.banks: list[Any] = [None, None]
         self.indices: dict[tuple[int, TensorType], Any] = {}
+        self.filled: set[tuple[int, TensorType]] = set()
         self.step = 0
-        self._install()
-
-    # -- hooks -------------------------------------------------------------
-    def _install(self) -> None:
-        lay = self.layout
         self.handles.append(self.model.register_forward_pre_hook(self._begin_step))
         self.handles.append(self.model.register_forward_hook(self._end_step))
-        for index, layer in enumerate(lay.layers):
-            self.handles.append(layer.register_forward_hook(
-                self._output_hook(index, TensorType.RESIDUAL_STREAM, layouts.residual_stream)))
-            self.handles.append(lay.attention[index].register_forward_hook(
-                self._output_hook(index, TensorType.ATTN_OUT, layouts.first_tensor)))
-            self.handles.append(lay.mlp[index].register_forward_hook(
-                self._output_hook(index, TensorType.MLP_OUT, layouts.first_tensor)))
-            kv_module = lay.kv_attention[index]
-            if kv_module is not None:
-                self.handles.append(kv_module.register_forward_pre_hook(
-                    self._kv_hook(index, kv_module), with_kwargs=True))
-        if lay.final_norm is not None:
-            self.handles.append(lay.final_norm.register_forward_hook(
-                self._output_hook(lay.num_layers, TensorType.FINAL_NORM, layouts.first_tensor)))
 
-    def _rows(self, layer: int, tensor_type: TensorType) -> Any | None:
-        if self.plan is None:
+    # -- hooks -------------------------------------------------------------
+    def _site(self, layer: int, tensor_type: TensorType) -> Any | None:
+        """The module a (layer, tensor type) is captured from (None: not on this model;
+        the driver refuses such points before they reach the worker)."""
+        lay = self.layout
+        if tensor_type is TensorType.FINAL_NORM:
+            return lay.final_norm if layer == lay.num_layers else None
+        if not 0 <= layer < lay.num_layers:
             return None
-        return self.indices.get((layer, tensor_type))
+        if tensor_type is TensorType.RESIDUAL_STREAM:
+            return lay.layers[layer]
+        if tensor_type is TensorType.ATTN_OUT:
+            return lay.attention[layer]
+        if tensor_type is TensorType.MLP_OUT:
+            return lay.mlp[layer]
+        return lay.kv_attention[layer]
+
+    def _hook_site(self, layer: int, tensor_type: TensorType) -> Any | None:
+        module = self._site(layer, tensor_type)
+        if module is None:
+            return None
+        if tensor_type is TensorType.KV:
+            return module.register_forward_pre_hook(self._kv_hook(layer, module),
+                                                    with_kwargs=True)
+        return module.register_forward_hook(self._output_hook(layer, tensor_type))
+
+    def _rehook(self, wanted: set[tuple[int, TensorType]]) -> None:
+        """Hook exactly the ``wanted`` sites (unhook the rest)."""
+        hooked = self.site_handles
+        if hooked.keys() == wanted:
+            return
+        for key in [key for key in hooked if key not in wanted]:
+            handle = hooked.pop(key)
+            if handle is not None:
+                handle.remove()
+        for key in wanted - hooked.keys():
+            hooked[key] = self._hook_site(*key)
+
+    def _bank_slice(self, key: tuple[int, TensorType], like: Any,
+                    row_shape: tuple[int, ...]) -> Any:
+        """The rows of this step's bank that ``key``'s captured rows go to (the bank is
+        made on the first use of a step, with ``like``'s dtype and device)."""
+        bank, offset, count = self.slices[key]
+        self.filled.add(key)
+        rows = self.banks[bank]
+        if rows is None:
+            rows = self.banks[bank] = torch.empty((self.bank_rows[bank], *row_shape),
+                                                  dtype=like.dtype, device=like.device)
+        elif tuple(rows.shape[1:]) != row_shape or rows.dtype != like.dtype:
+            raise RuntimeError(
+                f"undercurrent: layer {key[0]} {key[1].value} gives rows of shape {row_shape} "
+                f"({like.dtype}), other sites of this step {tuple(rows.shape[1:])} "
+                f"({rows.dtype}); this vLLM model's layout is not supported")
+        return rows[offset:offset + count]
 
     def _apply_edits(self, tensor_type: TensorType, output: Any, edits: Any) -> None:
         """Change the planned rows of a module's output in place. A split residual
@@ -156,39 +203,48 @@ class _Capture:
                 rows = rows + output[1].index_select(0, index)
             target.index_add_(0, index, self.kernels.delta(entry.resolved, rows))
 
-    def _output_hook(self, layer: int, tensor_type: TensorType, pick: Any) -> Any:
+    def _output_hook(self, layer: int, tensor_type: TensorType) -> Any:
+        key = (layer, tensor_type)
+
         def hook(module: Any, args: Any, output: Any) -> None:
-            if self.plan is not None:
-                edits = self.plan.get_edits(layer, tensor_type)
-                if edits is not None:
-                    self._apply_edits(tensor_type, output, edits)
-            rows = self._rows(layer, tensor_type)
+            plan = self.plan
+            if plan is None:
+                return
+            edits = plan.get_edits(layer, tensor_type)
+            if edits is not None:
+                self._apply_edits(tensor_type, output, edits)
+            rows = self.indices.get(key)
             if rows is None:
                 return
+            source = layouts.first_tensor(output)
+            out = self._bank_slice(key, source, tuple(source.shape[1:]))
             if tensor_type is TensorType.RESIDUAL_STREAM and isinstance(output, tuple) \
                     and len(output) > 1 and output[1] is not None:
                 # Select first, then add: the next layer's fused add-norm rewrites
                 # both tensors in place, and only a few rows are wanted.
-                hidden, residual = output[0], output[1]
-                kept = hidden.index_select(0, rows) + residual.index_select(0, rows)
+                torch.add(_gather(output[0], rows), _gather(output[1], rows), out=out)
+            elif isinstance(rows, slice):
+                out.copy_(source[rows])
             else:
-                kept = pick(output).index_select(0, rows)
-            self.captured.append((layer, tensor_type, kept))
+                torch.index_select(source, 0, rows, out=out)
         return hook
 
     def _kv_hook(self, layer: int, module: Any) -> Any:
         num_kv_heads = int(module.num_kv_heads)
         head_size = int(module.head_size)
+        key_of_site = (layer, TensorType.KV)
 
         def hook(mod: Any, args: Any, kwargs: Any) -> None:
-            rows = self._rows(layer, TensorType.KV)
+            if self.plan is None:
+                return
+            rows = self.indices.get(key_of_site)
             if rows is None:
                 return
             key = args[1] if len(args) > 1 else kwargs["key"]
             value = args[2] if len(args) > 2 else kwargs["value"]
-            keys = key.index_select(0, rows).reshape(-1, num_kv_heads, head_size)
-            values = value.index_select(0, rows).reshape(-1, num_kv_heads, head_size)
-            self.captured.append((layer, TensorType.KV, torch.stack((keys, values), dim=1)))
+            out = self._bank_slice(key_of_site, key, (2, num_kv_heads, head_size))
+            out[:, 0].copy_(_gather(key, rows).reshape(-1, num_kv_heads, head_size))
+            out[:, 1].copy_(_gather(value, rows).reshape(-1, num_kv_heads, head_size))
         return hook
 
     # -- per step ----------------------------------------------------------
@@ -218,9 +274,9 @@ class _Capture:
 
     def _begin_step(self, module: Any, args: Any) -> None:
         self.plan = None
-        self.captured = []
         self.pending_tokens = []
         if not self.states:
+            self._rehook(set())
             return
         if self.tensor_parallel_size > 1 and any(s.has_triggers for s in self.states.values()):
             self._share_armed()
@@ -242,12 +298,36 @@ class _Capture:
             if fed_generated > state.generated_sent:
                 self.pending_tokens.append((state, window.slot, state.generated_sent,
                                             fed_generated))
+        wanted = plan.pairs()
+        for state in self.states.values():
+            if state.live:
+                wanted |= state.wanted_pairs()
+        self._rehook(wanted)
         if not plan:
             return
-        device = self.runner.device
-        self.indices = {key: torch.tensor(group.slots, dtype=torch.long, device=device)
-                        for key, group in plan.groups.items()}
+        self._place(plan)
         self.plan = plan
+
+    def _place(self, plan: StepPlan) -> None:
+        """Lay this step's groups out in the banks and say which rows each site
+        gathers: a slice where its rows are consecutive (a decode step capturing
+        every request), else one index tensor."""
+        device = self.runner.device
+        self.indices = {}
+        self.slices = {}
+        self.bank_rows = [0, 0]
+        self.banks = [None, None]
+        self.filled = set()
+        for key, group in plan.groups.items():
+            slots = group.slots
+            first = slots[0]
+            if slots == list(range(first, first + len(slots))):
+                self.indices[key] = slice(first, first + len(slots))
+            else:
+                self.indices[key] = torch.tensor(slots, dtype=torch.long, device=device)
+            bank = 1 if key[1] is TensorType.KV else 0
+            self.slices[key] = (bank, self.bank_rows[bank], len(slots))
+            self.bank_rows[bank] += len(slots)
 
     def _applied_edits(self) -> list[tuple[str, str, str, int, int]]:
         """Edits applied since the last batch, for the driver (then forgotten here)."""
@@ -267,37 +347,36 @@ class _Capture:
             for state in self.states.values():
                 state.applied.clear()  # only rank 0 reports what was applied
             return
-        if not self.captured:
+        banks, self.banks = self.banks, [None, None]
+        if not plan.groups:
             # Edits alone need no round trip: what they changed rides with the next
             # batch (before its records are built) or is taken at the end.
             return
         self.step += 1
         batch = wire.StepBatch(step=self.step, edits=self._applied_edits())
-        by_shape: dict[tuple[int, ...], list[Any]] = {}
-        bank_of: dict[tuple[int, ...], int] = {}
-        offsets: dict[tuple[int, ...], int] = {}
-        for layer, tensor_type, rows in self.captured:
-            shape = tuple(rows.shape[1:])
-            if shape not in bank_of:
-                bank_of[shape] = len(bank_of)
-                by_shape[shape] = []
-                offsets[shape] = 0
-            group = plan.get(layer, tensor_type)
-            assert group is not None
-            targets = [(t.state.request_id, t.state.point_index[t.point.name], t.token_index,
-                        t.slot_index) for t in group.targets]
-            batch.groups.append(wire.GroupRows(layer, tensor_type.value, bank_of[shape],
-                                               offsets[shape], rows.shape[0], targets))
-            by_shape[shape].append(rows)
-            offsets[shape] += rows.shape[0]
-        # One device-to-host copy per row shape (hidden-size rows, kv rows).
-        batch.banks = [torch.cat(parts).cpu() for parts in by_shape.values()]
+        number: dict[int, int] = {}
+        for bank, rows in enumerate(banks):
+            if rows is not None:
+                number[bank] = len(batch.banks)
+                # One device-to-host copy per row shape (hidden-size rows, kv rows).
+                batch.banks.append(rows.cpu())
+        requests: dict[str, int] = {}
+        for (layer, tensor_type), group in plan.groups.items():
+            if (layer, tensor_type) not in self.filled:
+                continue  # the site was not reached (cannot happen on a whole forward)
+            bank, offset, count = self.slices[(layer, tensor_type)]
+            targets = wire.target_array([
+                (requests.setdefault(t.state.request_id, len(requests)),
+                 t.state.point_index[t.point.name], t.token_index, t.slot_index)
+                for t in group.targets])
+            batch.groups.append(wire.GroupRows(layer, tensor_type.value, number[bank], offset,
+                                               count, targets))
+        batch.requests = list(requests)
         token_ids = self.runner.input_batch.token_ids_cpu
         for state, slot, first, stop in self.pending_tokens:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
             batch.tokens.append((state.request_id, first, [int(t) for t in ids]))
             state.generated_sent = stop
-        self.captured = []
         try:
             with _interrupt_held():
                 self.connection.send_bytes(wire.encode(batch))
@@ -335,11 +414,14 @@ class _Capture:
     def release(self, engine_ids: list[str]) -> None:
         for engine_id in engine_ids:
             self.states.pop(engine_id, None)
+        if not self.states:
+            self._rehook(set())
 
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._rehook(set())
         self.states.clear()
         self.plan = None
         self.kernels.clear()
@@ -349,6 +431,11 @@ class _Capture:
             self.connection.close()
         except OSError:
             pass
+
+
+def _gather(tensor: Any, rows: Any) -> Any:
+    """``tensor``'s ``rows`` (a slice: a view; an index tensor: one gather)."""
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
 
 
 def _tensor_parallel_rank() -> int:

@@ -1,0 +1,380 @@
+"""SpecEditor's edits section: drive the widgets as a user would, then hold what the
+editor exports and what it says to the spec loader's and registration's own answers."""
+
+from __future__ import annotations
+
+import html
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from undercurrent import ProbedModel
+from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.notebook import SpecEditor
+from undercurrent.spec import (
+    Edit,
+    EditTrigger,
+    SaeFeature,
+    SpecValidationError,
+    load_yaml_file,
+    parse_yaml,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SPECS = REPO / "specs"
+POINT = """\
+  - name: guard
+    layers: 1
+    tensor_type: residual_stream
+    position: "generated[*]"
+    probe_type: norm_probe
+    probe_kind: single_shot
+"""
+
+
+def _loader_message(edit_yaml: str, field: str, points: str = POINT) -> str:
+    """What the spec loader says about ``field`` of the one edit in a hand-written file."""
+    text = f'version: "2"\nextraction_points:\n{points}edits:\n{edit_yaml}'
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml(text)
+    found = [p for p in caught.value.problems if p.section == "edits" and p.field == field]
+    assert len(found) == 1, caught.value.problems
+    return found[0].message
+
+
+def _edit_error(editor: SpecEditor, field: str) -> str:
+    return html.unescape(editor.edit_errors[field].value)
+
+
+def _with_guard(model: object = 4) -> SpecEditor:
+    """An editor whose one point is the inline ``guard`` at layer 1, and one new edit."""
+    editor = SpecEditor(model=model)
+    editor.fields["name"].value = "guard"
+    editor.fields["layers"].value = (1,)
+    editor.fields["position"].value = "generated[*]"
+    editor.add_edit()
+    return editor
+
+
+def test_an_edit_built_in_the_form_exports_yaml_the_loader_reads_as_that_edit():
+    editor = _with_guard()
+    f = editor.edit_fields
+    f["name"].value = "away"
+    f["layers"].value = (2, 3)
+    f["tensor_type"].value = "mlp_out"
+    f["position"].value = "generated[2:]"
+    f["stride"].value = 2
+    f["op"].value = "add"
+    f["vector"].value = "0.5, -1, 2"
+    f["coefficient"].value = "-3.5"
+    f["norm_match"].value = True
+    f["when_point"].value = "guard"
+    f["when_action"].value = "abort"
+    assert editor.valid, editor.problems
+    spec = parse_yaml(editor.to_yaml())
+    assert spec.version == "2"
+    assert spec.edits == (Edit(
+        name="away", layers=(2, 3), tensor_type="mlp_out", position="generated[2:]", stride=2,
+        op="add", vector=(0.5, -1.0, 2.0), coefficient=-3.5, norm_match=True,
+        when=EditTrigger("guard", "abort"),
+    ),)
+    assert spec == editor.spec
+    assert yaml.safe_load(editor.to_yaml())["edits"][0]["when"] == {"point": "guard",
+                                                                     "action": "abort"}
+
+
+def test_vector_text_is_a_file_path_or_an_sae_feature_and_vector_key_only_for_files():
+    editor = _with_guard()
+    f = editor.edit_fields
+    f["vector"].value = "1, 2"
+    assert editor.edit_rows["vector_key"].layout.display == "none"
+    f["vector"].value = "undercurrent:models/tiny/probe.safetensors"
+    assert editor.edit_rows["vector_key"].layout.display != "none"
+    f["vector_key"].value = "weight"
+    f["op"].value = "project_out"
+    edit = parse_yaml(editor.to_yaml()).edits[0]
+    assert (edit.vector, edit.vector_key, edit.op.value) == (
+        "undercurrent:models/tiny/probe.safetensors", "weight", "project_out")
+    f["vector"].value = '{sae: "undercurrent:models/tiny/sae", feature: 2}'
+    f["op"].value = "clamp"
+    edit = parse_yaml(editor.to_yaml()).edits[0]
+    assert edit.vector == SaeFeature("undercurrent:models/tiny/sae", 2)
+    assert edit.vector_key is None  # hidden, so not written
+
+
+def test_fields_appear_only_when_they_apply():
+    editor = _with_guard()
+    shown = {field: row.layout.display != "none" for field, row in editor.edit_rows.items()}
+    assert shown["norm_match"] and not shown["when_action"] and not shown["vector_key"]
+    assert shown["stride"]  # generated[*] is continuous
+    editor.edit_fields["op"].value = "scale"
+    editor.edit_fields["position"].value = "prompt[-1]"
+    editor.edit_fields["when_point"].value = "guard"
+    shown = {field: row.layout.display != "none" for field, row in editor.edit_rows.items()}
+    assert not shown["norm_match"] and not shown["stride"] and shown["when_action"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "edit_yaml"),
+    [
+        ("coefficient", "abc",
+         "  - {name: e, layers: 1, tensor_type: residual_stream, position: 'generated[*]',"
+         " op: add, vector: [1.0], coefficient: abc}\n"),
+        ("vector", "", "  - {name: e, layers: 1, tensor_type: residual_stream,"
+                       " position: 'generated[*]', op: add, vector: ''}\n"),
+        ("vector", "1, nan", "  - {name: e, layers: 1, tensor_type: residual_stream,"
+                             " position: 'generated[*]', op: add, vector: [1, .nan]}\n"),
+        ("vector", "steer.pt", "  - {name: e, layers: 1, tensor_type: residual_stream,"
+                               " position: 'generated[*]', op: add, vector: steer.pt}\n"),
+        ("position", "generated[-1]",
+         "  - {name: e, layers: 1, tensor_type: residual_stream, position: 'generated[-1]',"
+         " op: add, vector: [1.0]}\n"),
+    ],
+)
+def test_a_bad_field_shows_the_loaders_message_next_to_it(field, value, edit_yaml):
+    editor = _with_guard()
+    editor.edit_fields["name"].value = "e"
+    editor.edit_fields["vector"].value = "1"
+    assert editor.valid, editor.problems
+    editor.edit_fields[field].value = value
+    assert not editor.valid
+    assert _loader_message(edit_yaml, field) in _edit_error(editor, field)
+    with pytest.raises(SpecValidationError, match=r"edits\[0\] \(name 'e'\)"):
+        _ = editor.spec
+
+
+def test_an_unknown_op_shows_the_loaders_message_on_op():
+    editor = _with_guard()
+    editor.edit_fields["name"].value = "e"
+    editor.edit_fields["vector"].value = "1"
+    editor.edit_drafts[0] = editor.edit_drafts[0].copy(op="shift")  # not in the dropdown
+    editor.select_edit(0)
+    assert editor.edit_fields["op"].value == "shift"
+    expected = _loader_message(
+        "  - {name: e, layers: 1, tensor_type: residual_stream, position: 'generated[*]',"
+        " op: shift, vector: [1.0]}\n", "op")
+    assert "expected one of: add, project_out, clamp, scale" in expected
+    assert expected in _edit_error(editor, "op")
+
+
+def test_when_naming_an_unknown_point_shows_the_loaders_message_on_when_point():
+    editor = _with_guard()
+    editor.edit_fields["name"].value = "e"
+    editor.edit_fields["vector"].value = "1"
+    editor.edit_fields["when_point"].value = "guard"
+    assert editor.valid
+    editor.fields["name"].value = "watch"  # the point the edit names is gone
+    expected = _loader_message(
+        "  - {name: e, layers: 1, tensor_type: residual_stream, position: 'generated[*]',"
+        " op: add, vector: [1.0], when: {point: guard}}\n", "when.point",
+        points=POINT.replace("name: guard", "name: watch"))
+    assert expected in _edit_error(editor, "when_point")
+    assert "⚠ when.point names no extraction point" in _edit_error(editor, "when_point")
+    assert editor.edit_fields["when_point"].value == "guard"  # kept, so the user sees it
+    assert editor.edit_list.options[0][0].startswith("⚠ ")
+    assert not editor.point_list.options[0][0].startswith("⚠ ")  # the point is fine
+
+
+def test_when_offers_the_inline_points_and_an_async_trigger_gets_the_loaders_message():
+    editor = _with_guard()
+    editor.add_point()
+    editor.fields["name"].value = "observer"
+    editor.fields["position"].value = "generated[*]"
+    editor.fields["probe_type"].value = "trajectory_probe"
+    editor.fields["probe_kind"].value = "trajectory"
+    editor.fields["execution_mode"].value = "async"
+    offered = [value for _, value in editor.edit_fields["when_point"].options]
+    assert offered == ["", "guard"]
+    editor.fields["execution_mode"].value = "inline"
+    editor.edit_fields["vector"].value = "1"
+    editor.edit_fields["when_point"].value = "observer"
+    editor.select(1)
+    editor.fields["execution_mode"].value = "async"
+    message = _edit_error(editor, "when_point")
+    assert "runs async" in message and "make it execution_mode: inline" in message
+
+
+def test_a_version_1_spec_gaining_an_edit_becomes_version_2_and_back():
+    original = load_yaml_file(SPECS / "classic_single_token.yaml")
+    assert original.version == "1"
+    editor = SpecEditor.from_spec(original)
+    assert 'version "1"' in editor.edits_hint.value
+    editor.add_edit()
+    editor.edit_fields["vector"].value = "1, 0"
+    assert editor.spec.version == "2" and yaml.safe_load(editor.to_yaml())["version"] == "2"
+    assert 'version "2"' in editor.edits_hint.value and 'version "2"' in editor.status.value
+    assert parse_yaml(editor.to_yaml()) == editor.spec
+    # The same document marked version "1" is what the loader refuses:
+    data = yaml.safe_load(editor.to_yaml())
+    data["version"] = "1"
+    with pytest.raises(SpecValidationError, match='edits need version: "2"'):
+        parse_yaml(yaml.safe_dump(data))
+    editor.remove_edit()
+    assert editor.spec == original and editor.spec.version == "1"
+
+
+def test_names_are_unique_across_points_and_edits():
+    editor = _with_guard()
+    editor.edit_fields["vector"].value = "1"
+    editor.add_edit()
+    editor.edit_fields["vector"].value = "1"
+    names = [d.name for d in (*editor.drafts, *editor.edit_drafts)]
+    assert len(set(names)) == len(names)
+    editor.duplicate_edit()
+    assert editor.edit_drafts[-1].name.endswith("_copy")
+    assert editor.valid
+    editor.edit_fields["name"].value = "guard"
+    assert "names must be unique across extraction points and edits" in _edit_error(
+        editor, "name")
+
+
+def test_with_a_model_layers_are_bounded_and_out_of_range_layers_are_reported():
+    spec = load_yaml_file(SPECS / "demo_steer.yaml")
+    editor = SpecEditor.from_spec(spec, model=Capabilities.standard("hf", "llama", 2))
+    assert not editor.valid
+    assert "out of range" in _edit_error(editor, "layers")
+    assert [value for _, value in editor.edit_fields["layers"].options] == [0, 1, 2]
+    offered = editor.edit_fields["tensor_type"].options
+    assert list(offered) == ["residual_stream", "attn_out", "mlp_out"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    with ProbedModel.from_pretrained("undercurrent/tiny") as model:
+        yield model
+
+
+def test_with_the_bundled_model_a_vector_of_the_wrong_size_gets_registrations_message(
+        tiny_model):
+    editor = SpecEditor.from_spec(SPECS / "demo_steer.yaml", model=tiny_model)
+    assert editor.valid, editor.problems  # the probe file's direction has the hidden size
+    editor.edit_fields["vector"].value = "1, 2, 3"
+    assert not editor.valid
+    data = yaml.safe_load((SPECS / "demo_steer.yaml").read_text())
+    data["edits"][0]["vector"] = [1, 2, 3]
+    with pytest.raises(SpecValidationError) as caught:
+        ProbedModel.from_pretrained("undercurrent/tiny", spec=data)
+    expected = [p.message for p in caught.value.problems if p.field == "vector"]
+    assert expected and expected[0] in _edit_error(editor, "vector")
+    assert "hidden size is 128" in _edit_error(editor, "vector")
+    editor.edit_fields["vector"].value = ", ".join(["0.5"] * 128)
+    assert editor.valid, editor.problems
+
+
+def _example_specs_with_edits() -> list[str]:
+    return sorted(p.name for p in SPECS.glob("*.yaml") if load_yaml_file(p).edits)
+
+
+@pytest.mark.parametrize("name", _example_specs_with_edits())
+def test_example_specs_with_edits_round_trip_exactly(name, tmp_path):
+    original = load_yaml_file(SPECS / name)
+    editor = SpecEditor.from_spec(SPECS / name)
+    assert editor.valid, editor.problems
+    assert editor.spec == original
+    assert parse_yaml(editor.to_yaml()) == original
+    assert load_yaml_file(editor.save(tmp_path / name)) == original
+
+
+def test_every_edit_field_round_trips_and_touching_the_controls_changes_nothing():
+    rng = random.Random(6)
+    direction = [rng.uniform(-1, 1) / 3 for _ in range(64)]  # floats with long decimals
+    text = f"""\
+version: "2"
+extraction_points:
+{POINT}  - name: observer
+    layers: 2
+    tensor_type: mlp_out
+    position: "generated[*]"
+    probe_type: trajectory_probe
+    probe_kind: trajectory
+    execution_mode: async
+edits:
+  - name: steer
+    layers: [1, 3]
+    tensor_type: residual_stream
+    position: "generated[1:]"
+    stride: 3
+    op: add
+    vector: {direction}
+    coefficient: -8.25
+    norm_match: true
+    when: {{point: guard, action: abort}}
+  - name: from_file
+    layers: 0
+    tensor_type: attn_out
+    position: "prompt[-1]"
+    op: project_out
+    vector: "undercurrent:models/tiny/probe.safetensors"
+    vector_key: weight
+  - name: feature
+    layers: 3
+    tensor_type: residual_stream
+    position: 5
+    op: clamp
+    vector: {{sae: "undercurrent:models/tiny/sae", feature: 2}}
+    coefficient: 0.0
+"""
+    original = parse_yaml(text)
+    editor = SpecEditor.from_spec(text)
+    assert editor.spec == original
+    for index in range(len(original.edits)):
+        editor.select_edit(index)
+        for control in editor.edit_fields.values():
+            control.value = control.value  # a no-op change, as a click that changes nothing
+        editor.edit_fields["vector"].value = " " + editor.edit_fields["vector"].value + " "
+    assert editor.valid, editor.problems
+    assert editor.spec == original
+    assert parse_yaml(editor.to_yaml()) == original
+    assert editor.spec.edits[0].vector == tuple(direction)  # every float exact
+
+
+def test_the_static_snapshot_shows_the_selected_edit():
+    editor = SpecEditor.from_spec(SPECS / "demo_steer.yaml")
+    snapshot = editor._repr_mimebundle_()["text/html"]
+    assert "<b>edits:</b> away_from_harm" in snapshot
+    assert "<code>when.point</code>" not in snapshot and ">when.point</td>" in snapshot
+    assert "<code>harm_guard</code>" in snapshot and "<code>-10.0</code>" in snapshot
+    assert "1 edit (version" in snapshot
+    plain = SpecEditor(model=2)._repr_mimebundle_()["text/html"]
+    assert "<b>edits:</b>" not in plain
+
+
+def test_a_spec_of_edits_only_stays_without_points():
+    text = """\
+version: "2"
+extraction_points: []
+edits:
+  - {name: e, layers: 0, tensor_type: mlp_out, position: 0, op: scale, vector: [1, 1]}
+"""
+    editor = SpecEditor.from_spec(text)
+    assert editor.drafts == [] and editor.spec == parse_yaml(text)
+    assert all(row.layout.display == "none" for row in editor.rows.values())
+
+
+def test_vectors_are_resolved_again_only_when_the_edits_change():
+    from undercurrent.steering import register_vector_source, unregister_vector_source
+
+    reads: list[str] = []
+
+    def counting_source(edit):
+        if edit.vector != "counted.npz":
+            return None
+        reads.append(edit.name)
+        return [1.0, 0.0]
+
+    register_vector_source("counted", counting_source)
+    try:
+        editor = _with_guard(Capabilities.standard("hf", "llama", 4, hidden_size=2))
+        editor.edit_fields["vector"].value = "counted.npz"
+        assert editor.valid, editor.problems
+        before = len(reads)
+        assert before >= 1
+        for name in ("g", "gu", "guard"):
+            editor.fields["name"].value = name  # a point changes, the edits do not
+        assert len(reads) == before
+        editor.edit_fields["coefficient"].value = "2"
+        assert len(reads) == before + 1 and editor.valid
+    finally:
+        unregister_vector_source("counted")
