@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy so that `import undercurrent` never imports torch.
+    # Lazy: `import undercurrent` stays free of torch, numpy and pandas (test_import_light).
     if name in ("ProbedModel", "GenerationOutput", "StreamEvent"):
         from undercurrent import api
 

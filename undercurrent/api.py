@@ -19,7 +19,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from undercurrent.adapters.base import BackendError, SamplingParams, backend_class
+from undercurrent.adapters.arguments import check_model_path, dtype_name
+from undercurrent.adapters.base import (
+    Backend,
+    BackendError,
+    SamplingParams,
+    backend_class,
+    stop_strings,
+)
 from undercurrent.adapters.capabilities import Capabilities, check_points
 from undercurrent.adapters.outputs import (
     AbortInfo,
@@ -35,6 +42,8 @@ from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
+from undercurrent.steering.registration import as_edits, register_edits
+from undercurrent.store.capture import CaptureSummary, capture_activations
 
 __all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
            "TokenSignal", "check_prompts", "load_spec"]
@@ -100,7 +109,7 @@ class ProbedModel:
         backend: str = "hf",
         probes: Any = None,
         probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-        router: Any = None,
+        router: Router | None = None,
         on_result: Callable[[ProbeResult], Any] | None = None,
         batch_size: int = 8,
         capture_last_token: bool = False,
@@ -111,6 +120,7 @@ class ProbedModel:
                 f"ProbedModel(model) takes a loaded model or backend, got the path {model!r}; "
                 "load it with ProbedModel.from_pretrained(path, spec=...)"
             )
+        self.backend: Backend
         if _is_backend(model):
             self.backend = model
         elif backend == "hf":
@@ -154,7 +164,7 @@ class ProbedModel:
         dtype: Any = None,
         probes: Any = None,
         probe_defaults: Mapping[str, Mapping[str, Any]] | None = None,
-        router: Any = None,
+        router: Router | None = None,
         on_result: Callable[[ProbeResult], Any] | None = None,
         batch_size: int = 8,
         capture_last_token: bool = False,
@@ -173,7 +183,6 @@ class ProbedModel:
                        backend=backend, probes=probes, probe_defaults=probe_defaults,
                        router=router, on_result=on_result, batch_size=batch_size,
                        capture_last_token=capture_last_token)
-        from undercurrent.adapters.arguments import check_model_path, dtype_name
 
         name = os.fspath(model_or_path)
         loader = backend_class(backend)
@@ -199,7 +208,7 @@ class ProbedModel:
         return tuple(self.spec)
 
     @property
-    def router(self) -> Any:
+    def router(self) -> Router:
         """The router (built on first use when none was given)."""
         if self._router is None:
             self._router = Router(self._probes, probe_defaults=self._probe_defaults)
@@ -220,7 +229,6 @@ class ProbedModel:
         ones (names unique) and the spec's points; no edits, nothing imported."""
         if not more:
             return []
-        from undercurrent.steering.registration import as_edits, register_edits
 
         combined = [*as_edits(registered), *as_edits(more)]
         resolved = register_edits(combined, list(self.spec), self.backend.capabilities())
@@ -258,7 +266,7 @@ class ProbedModel:
         if capture_last_token is None:
             capture_last_token = self.capture_last_token
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stop_strings(stop),
                               capture_last_token=capture_last_token)
 
     def _new_id(self) -> str:
@@ -400,7 +408,7 @@ class ProbedModel:
         resume: bool = True,
         progress: bool = True,
         **options: Any,
-    ) -> Any:
+    ) -> CaptureSummary:
         """Generate for every prompt and write every record of the spec's points to
         an activation store in ``out_dir``, as generation runs; returns a
         :class:`~undercurrent.store.CaptureSummary` (path, requests, vectors, bytes).
@@ -415,8 +423,6 @@ class ProbedModel:
         ``top_p``, ``top_k`` and ``stop``. Read it with
         :func:`undercurrent.open_activations`; see ``docs/store.md``.
         """
-        from undercurrent.store.capture import capture_activations
-
         return capture_activations(
             self, prompts, out_dir, max_new_tokens=max_new_tokens, temperature=temperature,
             seed=seed, batch_size=batch_size, storage_dtype=storage_dtype, resume=resume,

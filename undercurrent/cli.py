@@ -27,6 +27,7 @@ from undercurrent import __version__
 from undercurrent.adapters.base import BackendError
 from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
 from undercurrent.api import ProbedModel
+from undercurrent.capture_cli import add_capture_command
 from undercurrent.demo import add_demo_command
 from undercurrent.notebook.storage import save_records
 from undercurrent.probes.registry import default_registry
@@ -356,25 +357,13 @@ def _run_run(args: argparse.Namespace) -> int:
 
 # --- wiring -----------------------------------------------------------------------------
 
-def _add_demo_command(subparsers: Any) -> None:
-    # undercurrent.demo imports torch only when the demo runs.
-
-    add_demo_command(subparsers)
-
-
-def _add_capture_command(subparsers: Any) -> None:
-    from undercurrent.store.cli import add_capture_command
-
-    add_capture_command(subparsers)
-
-
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_validate_command,
     _add_schema_command,
     _add_inspect_model_command,
     _add_run_command,
-    _add_demo_command,
-    _add_capture_command,
+    add_demo_command,  # undercurrent.demo imports torch only when the demo runs
+    add_capture_command,
 )
 """Each adds one subcommand; their order is the order ``--help`` lists them in."""
 

@@ -265,7 +265,8 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = str(tiny_model_path())
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     runs = [DemoRun(request=r, expected=e, output=None) for r, e in requests]
     # First without probes (hooks are removed on close), to know what the

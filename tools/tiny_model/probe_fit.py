@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.tiny_model.train import TRAIN_SEED, TrainingConfig
+from undercurrent.analysis.fitting import fit_linear_probe, save_linear_probe
 from undercurrent.api import ProbedModel
 from undercurrent.models import tiny_model_path
 from undercurrent.models.corpus import (
@@ -35,7 +36,6 @@ from undercurrent.models.corpus import (
     generate_examples,
     make_example,
 )
-from undercurrent.probes.fitting import fit_linear_probe, save_linear_probe
 from undercurrent.probes.weights import apply_link
 
 PROBE_FIT_SEED = 7_000

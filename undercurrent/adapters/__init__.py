@@ -14,7 +14,12 @@ from undercurrent.adapters.base import (
     backend_class,
     known_backends,
 )
-from undercurrent.adapters.capabilities import Capabilities, CapabilityError, check_points
+from undercurrent.adapters.capabilities import (
+    Capabilities,
+    CapabilityError,
+    UnsupportedArchitectureError,
+    check_points,
+)
 from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
 from undercurrent.adapters.session import CaptureSession, RequestState
 
@@ -30,6 +35,7 @@ __all__ = [
     "SamplingParams",
     "StreamEvent",
     "TokenSignal",
+    "UnsupportedArchitectureError",
     "backend_class",
     "check_points",
     "known_backends",

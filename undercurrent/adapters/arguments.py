@@ -21,7 +21,7 @@ def dtype_name(dtype: Any) -> str | None:
     is a ``ValueError``/``TypeError`` naming the ``dtype`` argument.
     """
     if dtype is None or dtype == "auto":
-        return dtype
+        return None if dtype is None else "auto"
     import torch
 
     if isinstance(dtype, str):

@@ -8,6 +8,7 @@ clear error, listing every problem at once, before any generation starts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,19 @@ class CapabilityError(ProblemsError):
         if details is None or len(details) != len(self.problems):
             details = plain_details(self.problems, self.error_type)
         super().__init__(message, details)
+
+
+class UnsupportedArchitectureError(CapabilityError):
+    """The model is not one undercurrent knows how to hook, on either backend.
+
+    Hugging Face: its ``config.model_type`` is not in the architecture table, or
+    its modules are not where the table says; vLLM: its decoder layers, attention
+    or MLP blocks cannot be located. Raised when the backend is built (or, for a
+    tensor type the model cannot serve, by the registration-time capability
+    check), never from a hook while a model generates.
+    """
+
+    error_type = "architecture"
 
 
 def _layer_ranges(layers: tuple[int, ...]) -> str:
@@ -146,6 +160,14 @@ class Capabilities:
                     f"layers (valid: {_layer_ranges(valid)}){hint}",
                 ))
         return found
+
+    def without(self, tensor_type: TensorType | str, note: str) -> Capabilities:
+        """A copy that does not capture ``tensor_type``; ``note`` (why) is added to
+        the refusal of any point that asks for it."""
+        tensor_type = TensorType(tensor_type)
+        layers = {t: v for t, v in self.layers.items() if t is not tensor_type}
+        notes = {**self.notes, tensor_type.value: note}
+        return dataclasses.replace(self, layers=layers, notes=notes)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (for ``inspect-model --format json``)."""

@@ -10,7 +10,8 @@ from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import config_dimensions, find_architecture
 from undercurrent.adapters.vllm import capabilities_from_config
 from undercurrent.models import resolve_model_path
-from undercurrent.spec.types import ExtractionPoint, ProbeSpec, TensorType
+from undercurrent.spec.position import parse_position
+from undercurrent.spec.types import ExtractionPoint, ProbeKind, ProbeSpec, TensorType
 
 
 def load_config(name_or_path: str) -> Any:
@@ -27,10 +28,10 @@ def hf_capabilities(config: Any) -> Capabilities:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from undercurrent.adapters.hf.hooks import ModelHooks
+    from undercurrent.adapters.hf.hooks import ModelHooks  # imports torch
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     return ModelHooks(model).capabilities()
 
 
@@ -94,9 +95,10 @@ def starter_spec(num_layers: int) -> ProbeSpec:
     middle = max(0, num_layers // 2)
     return ProbeSpec((
         ExtractionPoint(name="last_prompt_token_norm", layers=(middle,),
-                        tensor_type=TensorType.RESIDUAL_STREAM, position="prompt[-1]",
-                        probe_type="norm_probe", probe_kind="single_shot"),
+                        tensor_type=TensorType.RESIDUAL_STREAM,
+                        position=parse_position("prompt[-1]"), probe_type="norm_probe",
+                        probe_kind=ProbeKind.SINGLE_SHOT),
         ExtractionPoint(name="generation_norm_trajectory", layers=(middle,),
-                        tensor_type=TensorType.MLP_OUT, position="generated[*]",
-                        probe_type="norm_probe", probe_kind="trajectory"),
+                        tensor_type=TensorType.MLP_OUT, position=parse_position("generated[*]"),
+                        probe_type="norm_probe", probe_kind=ProbeKind.TRAJECTORY),
     ))

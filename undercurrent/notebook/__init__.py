@@ -8,24 +8,31 @@ the ``notebook`` extra (``pip install 'undercurrent[notebook]'``).
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
+from undercurrent.analysis import frames
+
+# The frames lived in ``undercurrent.notebook.frames`` before they moved below the
+# notebook layer (``undercurrent.analysis.frames``); that import path still works.
+sys.modules.setdefault(f"{__name__}.frames", frames)
+
 _EXPORTS: dict[str, str] = {
-    "RECORD_COLUMNS": "undercurrent.notebook.frames",
-    "SIGNAL_COLUMNS": "undercurrent.notebook.frames",
-    "RESULT_COLUMNS": "undercurrent.notebook.frames",
-    "records_frame": "undercurrent.notebook.frames",
-    "signals_frame": "undercurrent.notebook.frames",
-    "results_frame": "undercurrent.notebook.frames",
-    "activation_matrix": "undercurrent.notebook.frames",
-    "record_tensors": "undercurrent.notebook.frames",
-    "select_rows": "undercurrent.notebook.frames",
-    "label_rows": "undercurrent.notebook.frames",
+    "RECORD_COLUMNS": "undercurrent.analysis.frames",
+    "SIGNAL_COLUMNS": "undercurrent.analysis.frames",
+    "RESULT_COLUMNS": "undercurrent.analysis.frames",
+    "records_frame": "undercurrent.analysis.frames",
+    "signals_frame": "undercurrent.analysis.frames",
+    "results_frame": "undercurrent.analysis.frames",
+    "activation_matrix": "undercurrent.analysis.frames",
+    "record_tensors": "undercurrent.analysis.frames",
+    "select_rows": "undercurrent.analysis.frames",
+    "label_rows": "undercurrent.analysis.frames",
     "save_records": "undercurrent.notebook.storage",
     "load_records": "undercurrent.notebook.storage",
     "frame_to_records": "undercurrent.notebook.storage",
-    "fit_linear_probe": "undercurrent.probes.fitting",
-    "LinearProbeFit": "undercurrent.probes.fitting",
+    "fit_linear_probe": "undercurrent.analysis.fitting",
+    "LinearProbeFit": "undercurrent.analysis.fitting",
     "trajectory_figure": "undercurrent.notebook.plots",
     "heatmap_figure": "undercurrent.notebook.plots",
     "projection_figure": "undercurrent.notebook.plots",
@@ -61,7 +68,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from undercurrent.notebook.frames import (
+    from undercurrent.analysis.fitting import LinearProbeFit, fit_linear_probe
+    from undercurrent.analysis.frames import (
         RECORD_COLUMNS,
         RESULT_COLUMNS,
         SIGNAL_COLUMNS,
@@ -83,7 +91,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from undercurrent.notebook.spec_editor import SpecEditor
     from undercurrent.notebook.static import png_fallback
     from undercurrent.notebook.storage import frame_to_records, load_records, save_records
-    from undercurrent.probes.fitting import LinearProbeFit, fit_linear_probe
 
 
 def __getattr__(name: str) -> Any:

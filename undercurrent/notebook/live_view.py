@@ -18,6 +18,7 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from undercurrent.notebook import static
 from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace
 
@@ -168,15 +169,12 @@ class LiveView:
     def snapshot_html(self, *, picture: bool = True) -> str:
         """The view as static HTML: header, coloured tokens, abort messages and (with
         ``picture``) a PNG of the plot, for readers without a running kernel."""
-        from undercurrent.notebook.static import figure_png, png_html
-
         image = ""
         if picture and self.figure.data:
-            image = png_html(figure_png(self.figure, width=900), alt="probe scores per token")
-        return (
-            '<div class="undercurrent-live-snapshot">'
-            + self.header.value + self.text.value + self.message.value + image + "</div>"
-        )
+            image = static.png_html(static.figure_png(self.figure, width=900),
+                                   alt="probe scores per token")
+        parts: list[str] = [self.header.value, self.text.value, self.message.value, image]
+        return '<div class="undercurrent-live-snapshot">' + "".join(parts) + "</div>"
 
     # -- running ----------------------------------------------------------------------
 

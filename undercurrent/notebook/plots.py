@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from undercurrent.notebook.frames import (
+from undercurrent.analysis.frames import (
     activation_matrix,
+    features_frame,
     label_rows,
     record_tensors,
     records_frame,
@@ -19,6 +20,7 @@ from undercurrent.notebook.frames import (
     select_rows,
     signals_frame,
 )
+from undercurrent.records import ActivationRecord
 
 ValueFunction = Callable[[Any], float]
 
@@ -324,8 +326,6 @@ def projection_figure(
 
 
 def _is_record_list(data: Any) -> bool:
-    from undercurrent.records import ActivationRecord
-
     return isinstance(data, (list, tuple)) and bool(data) and (
         isinstance(data[0], ActivationRecord) or hasattr(data[0], "records")
     )
@@ -372,8 +372,6 @@ def _outcome(row: Any) -> str:
 
 
 def _features_input(features: Any) -> Any:
-    from undercurrent.notebook.frames import features_frame
-
     return _as_frame(features, features_frame)
 
 
@@ -389,7 +387,7 @@ def feature_heatmap_figure(
 ) -> Any:
     """Feature x token heatmap of one request's SAE feature activations.
 
-    ``features`` is a :func:`~undercurrent.notebook.frames.features_frame` or
+    ``features`` is a :func:`~undercurrent.analysis.frames.features_frame` or
     anything it accepts (``GenerationOutput``s from a run with ``sae_probe``).
     ``request`` defaults to the first in the frame, ``layer`` to the lowest of the
     selection. Rows are ``feature_ids`` or the ``top`` features by peak activation

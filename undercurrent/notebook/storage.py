@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from undercurrent.notebook.frames import (
+from undercurrent.analysis.frames import (
     ACTIVATIONS_KEY,
     RECORD_COLUMNS,
     Activations,

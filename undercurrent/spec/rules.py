@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from undercurrent.spec.messages import did_you_mean
 from undercurrent.spec.types import (
     EditOp,
     EditTrigger,
@@ -167,8 +168,6 @@ def trigger_problems(
     that resolved (a point with its own problems is not judged again here).
     """
     if trigger.point not in point_names:
-        from undercurrent.spec.messages import did_you_mean
-
         known = ", ".join(sorted(point_names)) or "none"
         return [
             f"names no extraction point: {trigger.point!r}"

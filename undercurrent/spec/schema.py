@@ -6,18 +6,22 @@ dataclasses in :mod:`undercurrent.spec.types` hold (``layers`` -> tuple,
 several fields together live in :mod:`undercurrent.spec.rules`; the loader in
 :mod:`undercurrent.spec.loader` drives both and collects every problem.
 
-The field docstrings are the documentation: they end up in :func:`json_schema`,
-which editors use for completion and hover help.
+The models of a point, an edit and their nested objects are derived from the
+dataclass field declarations in :mod:`undercurrent.spec.types` (type, default,
+documentation, and the validated type named here in :data:`SCHEMA_TYPES`); only
+the older spellings of a few point keys are added here. The documentation ends
+up in :func:`json_schema`, which editors use for completion and hover help.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any
 
 from pydantic import (
@@ -31,22 +35,21 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     WrapValidator,
+    create_model,
 )
 from pydantic_core import PydanticCustomError
 
+from undercurrent.spec.declarations import field_info, nullable_keys, required_keys
 from undercurrent.spec.messages import describe_value, did_you_mean
 from undercurrent.spec.position import PositionError, parse_position
 from undercurrent.spec.types import (
     EDIT_TENSOR_TYPES,
-    EditOp,
-    ExecutionMode,
-    InterventionMode,
-    OnTimeout,
-    ProbeKind,
+    Edit,
+    EditTrigger,
+    ExtractionPoint,
+    InterventionPolicy,
     SaeFeature,
     TensorType,
-    TriggerAction,
-    UntilKind,
 )
 
 SPEC_VERSIONS = ("1", "2")
@@ -270,157 +273,94 @@ class _SchemaModel(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
 
-class InterventionFields(_SchemaModel):
+SCHEMA_TYPES: dict[str, Any] = {
+    "non_empty_text": NonEmptyText,
+    "layer_indices": LayerIndices,
+    "position": Position,
+    "positive_int": PositiveInt,
+    "edit_tensor_type": EditTensorType,
+    "edit_vector": EditVector,
+    "finite_number": FiniteNumber,
+    "probe_arguments": ProbeArguments,
+    "strict_bool": StrictBool,
+}
+"""The validated types a field declaration may name (``spec_field(schema=...)``)."""
+
+
+def _schema_model(
+    cls: type,
+    name: str,
+    doc: str,
+    *,
+    nested: Mapping[type, type[BaseModel]] | None = None,
+    aliases: Mapping[str, Sequence[tuple[str, Any, Any]]] | None = None,
+) -> type[BaseModel]:
+    """The pydantic model of a spec object, from its dataclass field declarations:
+    each field's validated type (its declared ``schema`` type, else its annotation
+    with nested spec objects replaced by their models; ``| None`` kept), default and
+    documentation. ``aliases`` adds older spellings right after the key they stand
+    for, as ``(key, annotation, Field(...))``."""
+    hints = typing.get_type_hints(cls)
+    nested = nested or {}
+    definitions: dict[str, Any] = {}
+    for declared in dataclasses.fields(cls):
+        info = field_info(declared)
+        hint = hints[declared.name]
+        members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        optional = type(None) in members
+        if info.schema is not None:
+            annotation = SCHEMA_TYPES[info.schema]
+        else:
+            (annotation,) = [nested.get(member, member) for member in members
+                             if member is not type(None)]
+        if optional:
+            annotation = annotation | None
+        if declared.default_factory is not dataclasses.MISSING:
+            spec = Field(default_factory=declared.default_factory, description=info.doc)
+        elif declared.default is not dataclasses.MISSING:
+            spec = Field(default=declared.default, description=info.doc)
+        else:
+            spec = Field(description=info.doc)
+        definitions[declared.name] = (annotation, spec)
+        for alias, alias_annotation, alias_spec in (aliases or {}).get(declared.name, ()):
+            definitions[alias] = (alias_annotation, alias_spec)
+    return create_model(name, __base__=_SchemaModel, __doc__=doc, **definitions)
+
+
+InterventionFields = _schema_model(
+    InterventionPolicy, "InterventionFields",
     """How generation waits on this point's probe. When the key is omitted, the
-    router's ``default_intervention_policy`` applies."""
+    router's ``default_intervention_policy`` applies.""")
 
-    mode: InterventionMode = InterventionMode.REJECT
-    """``reject`` (default): generation never waits on a deadline; an inline probe
-    runs to completion and an ``abort`` it returns stops the request.
-    ``block_until_signal``: generation waits for the probe's signal at most
-    ``timeout_ms``. Async points allow only ``reject``."""
-
-    timeout_ms: PositiveInt | None = None
-    """Milliseconds generation waits for the probe's signal (an integer >= 1).
-    Required under ``block_until_signal``, not allowed under ``reject``."""
-
-    on_timeout: OnTimeout = OnTimeout.CONTINUE
-    """What happens when the probe misses the deadline or raises: ``continue``
-    (default) or ``abort``. Only ``block_until_signal`` may set ``abort``."""
-
-
-class ExtractionPointFields(_SchemaModel):
+ExtractionPointFields = _schema_model(
+    ExtractionPoint, "ExtractionPointFields",
     """One extraction point: which tensor to capture, at which layers and token
-    positions, and which probe receives it."""
+    positions, and which probe receives it.""",
+    nested={InterventionPolicy: InterventionFields},
+    aliases={
+        # Older spellings and aliases default to None only so the model does not
+        # require them; the loader never lets None through for these keys.
+        "layers": [("layer", LayerIndices, Field(
+            default=None, deprecated="use 'layers'",
+            description="Older spelling of ``layers``; accepted with a DeprecationWarning."))],
+        "tensor_type": [("tensor", TensorType, Field(
+            default=None, deprecated="use 'tensor_type'",
+            description="Older spelling of ``tensor_type``; accepted with a "
+                        "DeprecationWarning."))],
+        "stride": [("every_n", PositiveInt, Field(
+            default=None, description="Alias of ``stride``; set one or the other, not both."))],
+    },
+)
 
-    name: NonEmptyText
-    """Unique within the spec; every ActivationRecord and ProbeResult carries it."""
+WhenFields = _schema_model(
+    EditTrigger, "WhenFields",
+    "Switch an edit on for a request when one of its extraction points signals.")
 
-    layers: LayerIndices
-    """Layer index (an integer >= 0) or a non-empty list of distinct indices. One
-    ActivationRecord is produced per matched layer."""
-
-    # Older spellings and aliases default to None only so the model does not require
-    # them; the loader never lets None through for these keys.
-    layer: LayerIndices = Field(default=None, deprecated="use 'layers'")  # type: ignore[assignment]
-    """Older spelling of ``layers``; accepted with a DeprecationWarning."""
-
-    tensor_type: TensorType
-    """Which tensor to capture: ``residual_stream`` (a decoder layer's output),
-    ``attn_out``, ``mlp_out``, ``kv`` (the key/value written to the cache) or
-    ``final_norm`` (the model's final norm, addressed as layer N = number of
-    decoder layers)."""
-
-    tensor: TensorType = Field(default=None, deprecated="use 'tensor_type'")  # type: ignore[assignment]
-    """Older spelling of ``tensor_type``; accepted with a DeprecationWarning."""
-
-    position: Position
-    """Which tokens to capture: an absolute index ``N``, ``prompt[i]`` (negative i
-    counts from the end of the prompt), ``generated[i]``, either with an offset
-    (``prompt[-1]+1``), ``generated[*]``, ``generated[a:]`` or ``generated[a:b]``."""
-
-    stride: PositiveInt = 1
-    """Keep every Nth match of a continuous position, counted from the start of the
-    selector. Only valid for ``generated[*]`` and slices."""
-
-    every_n: PositiveInt = Field(default=None)  # type: ignore[assignment]
-    """Alias of ``stride``; set one or the other, not both."""
-
-    until: UntilKind | None = None
-    """``generation_end``, ``fixed_count`` or ``stop_token``. Only valid for
-    continuous positions. Validated and kept, but not enforced by the shipped
-    adapters: use a bounded slice for a fixed window."""
-
-    probe_type: NonEmptyText
-    """The name the probe is registered under (for example ``linear_probe``)."""
-
-    probe_kind: ProbeKind
-    """``single_shot`` (judges each activation alone) or ``trajectory`` (carries
-    state across a request's activations)."""
-
-    probe_args: ProbeArguments = Field(default_factory=dict)
-    """Extra constructor arguments for this point's probe; they override the
-    router-level defaults for the same probe_type."""
-
-    execution_mode: ExecutionMode = ExecutionMode.INLINE
-    """``inline`` (default): the probe runs on the generation path and may stop it.
-    ``async``: off the hot path on a bounded queue; needs probe_kind
-    ``trajectory``."""
-
-    queue_depth: PositiveInt | None = None
-    """Size of this point's async queue in records, one per (token, layer) (an
-    integer >= 1; the queue always holds at least one token's records, i.e. the
-    number of layers). Only valid with ``execution_mode: async``; the router's
-    default (32) applies when omitted."""
-
-    intervention: InterventionFields | None = None
-    """``mode``, ``timeout_ms``, ``on_timeout``. When omitted, the router's
-    ``default_intervention_policy`` applies (omitted is not the same as
-    ``reject``)."""
-
-
-class WhenFields(_SchemaModel):
-    """Switch an edit on for a request when one of its extraction points signals."""
-
-    point: NonEmptyText
-    """The extraction point whose signal switches the edit on. It must be an
-    inline point of the same spec (async points only observe)."""
-
-    action: TriggerAction = TriggerAction.FLAG
-    """The signal action that switches the edit on: ``flag`` (default) or
-    ``abort``."""
-
-
-class EditFields(_SchemaModel):
+EditFields = _schema_model(
+    Edit, "EditFields",
     """One live activation edit (spec version "2"): which tensor to change, at which
-    layers and token positions, how, and with which vector."""
-
-    name: NonEmptyText
-    """Unique across the spec's extraction points and edits; outputs and records
-    name the edit with it."""
-
-    layers: LayerIndices
-    """Layer index (an integer >= 0) or a non-empty list of distinct indices."""
-
-    tensor_type: EditTensorType
-    """Which tensor to change: ``residual_stream`` (a decoder layer's output, so
-    layer L+1 receives the edited value), ``attn_out`` or ``mlp_out``."""
-
-    position: Position
-    """Which tokens to change, in the extraction-point grammar. ``generated[*]``
-    means the generated tokens as they are fed back to the model; prompt positions
-    are changed during prefill."""
-
-    stride: PositiveInt = 1
-    """Change every Nth match of a continuous position (``generated[*]`` and
-    slices only)."""
-
-    op: EditOp
-    """``add`` (h += c*v), ``project_out`` (h -= c*(h.u)u), ``clamp`` (the
-    component along u becomes c; on an SAE feature, the feature's activation
-    becomes c through the SAE's encoder) or ``scale`` (the component along u is
-    multiplied by c); u is the unit vector of ``vector``."""
-
-    vector: EditVector
-    """A list of numbers (one per hidden unit), or a path to a ``.safetensors`` /
-    ``.npz`` file holding one 1-D array (``undercurrent:`` names a file inside the
-    package), or ``{sae: FOLDER, feature: INDEX}``: an SAE feature's decoder row
-    (``clamp`` on it sets the feature's activation through the SAE's encoder). A
-    linear probe file stands for its weight direction."""
-
-    vector_key: NonEmptyText | None = None
-    """Which array of the ``vector`` file to use when it holds several."""
-
-    coefficient: FiniteNumber = 1.0
-    """The ``c`` of the op (default 1.0)."""
-
-    norm_match: StrictBool = False
-    """``add`` only: scale the vector to the norm of the token's own activation
-    before adding (default false)."""
-
-    when: WhenFields | None = None
-    """Off for a request until ``point`` emits a signal with ``action`` for that
-    request; from the next forward pass on it stays on for that request only."""
+    layers and token positions, how, and with which vector.""",
+    nested={EditTrigger: WhenFields})
 
 
 class SpecDocument(_SchemaModel):
@@ -436,25 +376,24 @@ class SpecDocument(_SchemaModel):
     version: StrictStr = "1"
     """Spec format version, a string: ``"1"``, or ``"2"`` (adds ``edits``)."""
 
-    extraction_points: list[ExtractionPointFields]
+    extraction_points: list[ExtractionPointFields]  # type: ignore[valid-type]
     """The extraction points, each with a unique name."""
 
-    edits: list[EditFields] = Field(default_factory=list)
+    edits: list[EditFields] = Field(default_factory=list)  # type: ignore[valid-type]
     """Live activation edits (version "2" only; version "1" rejects the key)."""
 
 
 # Keys that must be present on every point once older spellings are mapped.
-REQUIRED_POINT_KEYS = ("name", "layers", "tensor_type", "position", "probe_type", "probe_kind")
+REQUIRED_POINT_KEYS = required_keys(ExtractionPoint)
 
 # Older or alternative spellings: key -> the key it stands for.
 DEPRECATED_POINT_KEYS = {"layer": "layers", "tensor": "tensor_type"}
 ALIAS_POINT_KEYS = {"every_n": "stride"}
 
 # Optional keys whose default is None: writing ``null`` is the same as omitting them.
-NULLABLE_KEYS = frozenset({"until", "queue_depth", "intervention", "timeout_ms", "when",
-                           "vector_key"})
+NULLABLE_KEYS = nullable_keys(ExtractionPoint, InterventionPolicy, Edit, EditTrigger)
 
-REQUIRED_EDIT_KEYS = ("name", "layers", "tensor_type", "position", "op", "vector")
+REQUIRED_EDIT_KEYS = required_keys(Edit)
 
 
 def _field_adapters(model: type[BaseModel]) -> dict[str, TypeAdapter[Any]]:

@@ -7,38 +7,23 @@ defaults and spells positions canonically, so ``parse_dict(probe_spec_to_dict(sp
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
+from undercurrent.spec.declarations import to_spec_data
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
-from undercurrent.spec.position import format_position
-from undercurrent.spec.types import (
-    Edit,
-    ExecutionMode,
-    ExtractionPoint,
-    InterventionMode,
-    InterventionPolicy,
-    OnTimeout,
-    ProbeSpec,
-    SaeFeature,
-)
-
-
-def _intervention_to_dict(policy: InterventionPolicy) -> dict[str, Any]:
-    # ``mode`` is always written: an explicit policy differs from an omitted one.
-    data: dict[str, Any] = {"mode": InterventionMode(policy.mode).value}
-    if policy.timeout_ms is not None:
-        data["timeout_ms"] = policy.timeout_ms
-    if policy.on_timeout != OnTimeout.CONTINUE:
-        data["on_timeout"] = OnTimeout(policy.on_timeout).value
-    return data
+from undercurrent.spec.types import Edit, ExtractionPoint, ProbeSpec
 
 
 def extraction_point_to_dict(point: ExtractionPoint) -> dict[str, Any]:
     """One point as a plain dict in spec form (handy for logging what a probe ran with).
+
+    Derived from the field declarations (:func:`~undercurrent.spec.declarations.to_spec_data`):
+    every key in declaration order, optional ones left out at their default,
+    ``intervention.mode`` always written (an explicit policy differs from an
+    omitted one).
 
     >>> from undercurrent.spec import ExtractionPoint
     >>> extraction_point_to_dict(ExtractionPoint(name="p", layers=(3,),
@@ -46,36 +31,7 @@ def extraction_point_to_dict(point: ExtractionPoint) -> dict[str, Any]:
     ...     probe_kind="single_shot"))["position"]
     'prompt[-1]'
     """
-    layers = list(point.layers)
-    data: dict[str, Any] = {
-        "name": point.name,
-        "layers": layers[0] if len(layers) == 1 else layers,
-        "tensor_type": point.tensor_type.value,
-        "position": format_position(point.position),
-    }
-    if point.stride != 1:
-        data["stride"] = point.stride
-    if point.until is not None:
-        data["until"] = point.until.value
-    data["probe_type"] = point.probe_type
-    data["probe_kind"] = point.probe_kind.value
-    if point.probe_args:
-        data["probe_args"] = copy.deepcopy(dict(point.probe_args))
-    if point.execution_mode is not ExecutionMode.INLINE:
-        data["execution_mode"] = point.execution_mode.value
-    if point.queue_depth is not None:
-        data["queue_depth"] = point.queue_depth
-    if point.intervention is not None:
-        data["intervention"] = _intervention_to_dict(point.intervention)
-    return data
-
-
-def _vector_to_data(vector: Any) -> Any:
-    if isinstance(vector, str):
-        return vector
-    if isinstance(vector, SaeFeature):
-        return {"sae": vector.sae, "feature": vector.feature}
-    return list(vector)
+    return to_spec_data(point)
 
 
 def edit_to_dict(edit: Edit) -> dict[str, Any]:
@@ -86,26 +42,7 @@ def edit_to_dict(edit: Edit) -> dict[str, Any]:
     ...     position="generated[*]", op="add", vector=[0.5, 1.0]))["vector"]
     [0.5, 1.0]
     """
-    layers = list(edit.layers)
-    data: dict[str, Any] = {
-        "name": edit.name,
-        "layers": layers[0] if len(layers) == 1 else layers,
-        "tensor_type": edit.tensor_type.value,
-        "position": format_position(edit.position),
-    }
-    if edit.stride != 1:
-        data["stride"] = edit.stride
-    data["op"] = edit.op.value
-    data["vector"] = _vector_to_data(edit.vector)
-    if edit.vector_key is not None:
-        data["vector_key"] = edit.vector_key
-    if edit.coefficient != 1.0:
-        data["coefficient"] = edit.coefficient
-    if edit.norm_match:
-        data["norm_match"] = True
-    if edit.when is not None:
-        data["when"] = {"point": edit.when.point, "action": edit.when.action.value}
-    return data
+    return to_spec_data(edit)
 
 
 def probe_spec_to_dict(spec: ProbeSpec) -> dict[str, Any]:

@@ -1,5 +1,9 @@
 """Resolved spec types: what the loaders return and what adapters and the router read.
 
+The fields of a point, an edit and their nested objects are declared here once,
+each with its documentation (:func:`~undercurrent.spec.declarations.spec_field`); the
+schema, the spec form and the vLLM wire format are derived from them.
+
 These are plain frozen dataclasses and enums; they never import torch.
 """
 
@@ -10,10 +14,11 @@ import enum
 import numbers
 import types
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.spec.position import PositionSelector
+from undercurrent.spec.declarations import spec_field
+from undercurrent.spec.position import PositionSelector, parse_position
 
 
 class TensorType(str, enum.Enum):
@@ -68,9 +73,20 @@ class UntilKind(str, enum.Enum):
 class InterventionPolicy:
     """How generation waits on an inline probe."""
 
-    mode: InterventionMode = InterventionMode.REJECT
-    timeout_ms: int | None = None
-    on_timeout: OnTimeout = OnTimeout.CONTINUE
+    mode: InterventionMode = spec_field(
+        """``reject`` (default): generation never waits on a deadline; an inline probe
+        runs to completion and an ``abort`` it returns stops the request.
+        ``block_until_signal``: generation waits for the probe's signal at most
+        ``timeout_ms``. Async points allow only ``reject``.""",
+        always=True, default=InterventionMode.REJECT)
+    timeout_ms: int | None = spec_field(
+        """Milliseconds generation waits for the probe's signal (an integer >= 1).
+        Required under ``block_until_signal``, not allowed under ``reject``.""",
+        schema="positive_int", default=None)
+    on_timeout: OnTimeout = spec_field(
+        """What happens when the probe misses the deadline or raises: ``continue``
+        (default) or ``abort``. Only ``block_until_signal`` may set ``abort``.""",
+        default=OnTimeout.CONTINUE)
 
     def __post_init__(self) -> None:
         # Hand-built policies often pass plain strings; normalise at the source.
@@ -100,18 +116,60 @@ class ExtractionPoint:
     policy"); ``probe_args`` is read-only.
     """
 
-    name: str
-    layers: tuple[int, ...]
-    tensor_type: TensorType
-    position: PositionSelector
-    stride: int = 1
-    until: UntilKind | None = None
-    probe_type: str
-    probe_kind: ProbeKind
-    probe_args: Mapping[str, Any] = field(default_factory=dict)
-    execution_mode: ExecutionMode = ExecutionMode.INLINE
-    queue_depth: int | None = None
-    intervention: InterventionPolicy | None = None
+    name: str = spec_field(
+        "Unique within the spec; every ActivationRecord and ProbeResult carries it.",
+        schema="non_empty_text", wire=True)
+    layers: tuple[int, ...] = spec_field(
+        """Layer index (an integer >= 0) or a non-empty list of distinct indices. One
+        ActivationRecord is produced per matched layer.""",
+        schema="layer_indices", wire=True, compact=True)
+    tensor_type: TensorType = spec_field(
+        """Which tensor to capture: ``residual_stream`` (a decoder layer's output),
+        ``attn_out``, ``mlp_out``, ``kv`` (the key/value written to the cache) or
+        ``final_norm`` (the model's final norm, addressed as layer N = number of
+        decoder layers).""",
+        wire=True)
+    position: PositionSelector = spec_field(
+        """Which tokens to capture: an absolute index ``N``, ``prompt[i]`` (negative i
+        counts from the end of the prompt), ``generated[i]``, either with an offset
+        (``prompt[-1]+1``), ``generated[*]``, ``generated[a:]`` or ``generated[a:b]``.""",
+        schema="position", wire=True)
+    stride: int = spec_field(
+        """Keep every Nth match of a continuous position, counted from the start of the
+        selector. Only valid for ``generated[*]`` and slices.""",
+        schema="positive_int", wire=True, default=1)
+    until: UntilKind | None = spec_field(
+        """``generation_end``, ``fixed_count`` or ``stop_token``. Only valid for
+        continuous positions. Validated and kept, but not enforced by the shipped
+        adapters: use a bounded slice for a fixed window.""",
+        default=None)
+    probe_type: str = spec_field(
+        "The name the probe is registered under (for example ``linear_probe``).",
+        schema="non_empty_text", wire=True)
+    probe_kind: ProbeKind = spec_field(
+        """``single_shot`` (judges each activation alone) or ``trajectory`` (carries
+        state across a request's activations).""",
+        wire=True)
+    probe_args: Mapping[str, Any] = spec_field(
+        """Extra constructor arguments for this point's probe; they override the
+        router-level defaults for the same probe_type.""",
+        schema="probe_arguments", default_factory=dict)
+    execution_mode: ExecutionMode = spec_field(
+        """``inline`` (default): the probe runs on the generation path and may stop it.
+        ``async``: off the hot path on a bounded queue; needs probe_kind
+        ``trajectory``.""",
+        default=ExecutionMode.INLINE)
+    queue_depth: int | None = spec_field(
+        """Size of this point's async queue in records, one per (token, layer) (an
+        integer >= 1; the queue always holds at least one token's records, i.e. the
+        number of layers). Only valid with ``execution_mode: async``; the router's
+        default (32) applies when omitted.""",
+        schema="positive_int", default=None)
+    intervention: InterventionPolicy | None = spec_field(
+        """``mode``, ``timeout_ms``, ``on_timeout``. When omitted, the router's
+        ``default_intervention_policy`` applies (omitted is not the same as
+        ``reject``).""",
+        default=None)
 
     def __post_init__(self) -> None:
         # Normalise what hand-built points commonly pass (a list, an int, a str
@@ -128,8 +186,6 @@ class ExtractionPoint:
         if self.until is not None:
             object.__setattr__(self, "until", UntilKind(self.until))
         if not isinstance(self.position, PositionSelector):
-            from undercurrent.spec.position import parse_position
-
             object.__setattr__(self, "position", parse_position(self.position))
         if not isinstance(self.probe_args, types.MappingProxyType):
             object.__setattr__(self, "probe_args", _frozen_mapping(self.probe_args))
@@ -186,8 +242,14 @@ class EditTrigger:
     """``when:`` of an edit: off for a request until extraction point ``point``
     emits a signal with ``action`` for that request."""
 
-    point: str
-    action: TriggerAction = TriggerAction.FLAG
+    point: str = spec_field(
+        """The extraction point whose signal switches the edit on. It must be an
+        inline point of the same spec (async points only observe).""",
+        schema="non_empty_text")
+    action: TriggerAction = spec_field(
+        """The signal action that switches the edit on: ``flag`` (default) or
+        ``abort``.""",
+        always=True, default=TriggerAction.FLAG)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "action", TriggerAction(self.action))
@@ -224,17 +286,51 @@ class Edit:
     ((2,), 'add', (1.0, 0.0))
     """
 
-    name: str
-    layers: tuple[int, ...]
-    tensor_type: TensorType
-    position: PositionSelector
-    stride: int = 1
-    op: EditOp
-    vector: tuple[float, ...] | str | SaeFeature
-    vector_key: str | None = None
-    coefficient: float = 1.0
-    norm_match: bool = False
-    when: EditTrigger | None = None
+    name: str = spec_field(
+        """Unique across the spec's extraction points and edits; outputs and records
+        name the edit with it.""",
+        schema="non_empty_text")
+    layers: tuple[int, ...] = spec_field(
+        "Layer index (an integer >= 0) or a non-empty list of distinct indices.",
+        schema="layer_indices", compact=True)
+    tensor_type: TensorType = spec_field(
+        """Which tensor to change: ``residual_stream`` (a decoder layer's output, so
+        layer L+1 receives the edited value), ``attn_out`` or ``mlp_out``.""",
+        schema="edit_tensor_type")
+    position: PositionSelector = spec_field(
+        """Which tokens to change, in the extraction-point grammar. ``generated[*]``
+        means the generated tokens as they are fed back to the model; prompt positions
+        are changed during prefill.""",
+        schema="position")
+    stride: int = spec_field(
+        """Change every Nth match of a continuous position (``generated[*]`` and
+        slices only).""",
+        schema="positive_int", default=1)
+    op: EditOp = spec_field(
+        """``add`` (h += c*v), ``project_out`` (h -= c*(h.u)u), ``clamp`` (the
+        component along u becomes c; on an SAE feature, the feature's activation
+        becomes c through the SAE's encoder) or ``scale`` (the component along u is
+        multiplied by c); u is the unit vector of ``vector``.""")
+    vector: tuple[float, ...] | str | SaeFeature = spec_field(
+        """A list of numbers (one per hidden unit), or a path to a ``.safetensors`` /
+        ``.npz`` file holding one 1-D array (``undercurrent:`` names a file inside the
+        package), or ``{sae: FOLDER, feature: INDEX}``: an SAE feature's decoder row
+        (``clamp`` on it sets the feature's activation through the SAE's encoder). A
+        linear probe file stands for its weight direction.""",
+        schema="edit_vector")
+    vector_key: str | None = spec_field(
+        "Which array of the ``vector`` file to use when it holds several.",
+        schema="non_empty_text", default=None)
+    coefficient: float = spec_field(
+        "The ``c`` of the op (default 1.0).", schema="finite_number", default=1.0)
+    norm_match: bool = spec_field(
+        """``add`` only: scale the vector to the norm of the token's own activation
+        before adding (default false).""",
+        schema="strict_bool", default=False)
+    when: EditTrigger | None = spec_field(
+        """Off for a request until ``point`` emits a signal with ``action`` for that
+        request; from the next forward pass on it stays on for that request only.""",
+        default=None)
 
     def __post_init__(self) -> None:
         layers = self.layers
@@ -244,8 +340,6 @@ class Edit:
         object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
         object.__setattr__(self, "op", EditOp(self.op))
         if not isinstance(self.position, PositionSelector):
-            from undercurrent.spec.position import parse_position
-
             object.__setattr__(self, "position", parse_position(self.position))
         vector: Any = self.vector  # a mapping from YAML is allowed in, beyond the annotation
         if isinstance(vector, Mapping):

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis.fitting import _design, _sorted_classes
+from undercurrent.probes.weights import load_linear_weights
+from undercurrent.spec.loader import parse_edit
 from undercurrent.spec.types import Edit, EditOp
 
 
@@ -49,8 +52,6 @@ class SteeringVector:
 
         >>> sv.edit("away_from_harm", coefficient=-4.0)   # doctest: +SKIP
         """
-        from undercurrent.spec.loader import parse_edit
-
         layers = self.layer if layers is None else layers
         if layers is None:
             raise ValueError("this vector was fitted on a bare array: pass layers=...")
@@ -96,7 +97,7 @@ def fit_steering_vector(
 ) -> SteeringVector:
     """Difference of means: ``mean(rows labelled positive) - mean(the other rows)``.
 
-    ``data`` and ``labels`` are what :func:`~undercurrent.probes.fitting.fit_linear_probe`
+    ``data`` and ``labels`` are what :func:`~undercurrent.analysis.fitting.fit_linear_probe`
     takes (a records frame with per-row labels, a column name or a ``{request:
     label}`` mapping; records; outputs; or an ``(n, hidden)`` array with one label
     per row), filtered by ``point`` / ``layer`` / ``tensor_type`` the same way.
@@ -110,8 +111,6 @@ def fit_steering_vector(
     [2.0, -2.0]
     """
     import numpy as np
-
-    from undercurrent.probes.fitting import _design, _sorted_classes
 
     X, y, _, layer, tensor_type = _design(data, labels, layer, point, tensor_type, None)
     if len(X) != len(y):
@@ -149,8 +148,6 @@ def probe_direction(path: str | os.PathLike[str], *, normalize: bool = True) -> 
     (128,)
     """
     import numpy as np
-
-    from undercurrent.probes.weights import load_linear_weights
 
     weights = load_linear_weights(path)
     if weights.classes not in (None, 1):

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from undercurrent.spec.types import EditOp
+from undercurrent.spec.types import EditOp, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
 
@@ -58,8 +58,9 @@ class EditKernels:
 
     def delta(self, resolved: ResolvedEdit, rows: torch.Tensor) -> torch.Tensor:
         """What the edit adds to ``rows`` (to add to one summand of a split stream)."""
-        if resolved.sae_clamp:
-            feature = resolved.edit.vector.feature
+        vector = resolved.edit.vector
+        if resolved.sae_clamp and isinstance(vector, SaeFeature):
+            feature = vector.feature
             return sae_clamp_delta(resolved.sae, rows, feature, resolved.edit.coefficient)
         return edit_delta(resolved.edit.op, rows, *self._tensors(resolved, rows),
                           resolved.edit.coefficient, resolved.edit.norm_match)

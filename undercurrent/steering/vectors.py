@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from undercurrent.probes.sae_files import load_sae, sae_decoder_direction
+from undercurrent.probes.weights import ProbeFileError, read_array_file
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 from undercurrent.spec.types import Edit, EditOp, SaeFeature
 
@@ -93,16 +95,12 @@ def _inline(edit: Edit) -> Any:
 
 
 def _sae_row(edit: Edit) -> Any:
-    from undercurrent.probes.sae_files import sae_decoder_direction
-
     if not isinstance(edit.vector, SaeFeature):
         return None
     return sae_decoder_direction(edit.vector.sae, edit.vector.feature)
 
 
 def _from_file(edit: Edit) -> Any:
-    from undercurrent.probes.weights import read_array_file
-
     if not isinstance(edit.vector, str):
         return None
     arrays, _ = read_array_file(edit.vector, "vector file")
@@ -148,8 +146,6 @@ def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> Resolve
     [0.6, 0.8]
     """
     import numpy as np
-
-    from undercurrent.probes.weights import ProbeFileError
 
     found: Any = None
     source_name = ""
@@ -198,7 +194,6 @@ def _loaded_sae(edit: Edit, source_name: str) -> Any:
     registered source answered instead of the built-in one)."""
     if source_name != "sae" or not isinstance(edit.vector, SaeFeature):
         return None
-    from undercurrent.probes.sae_files import load_sae
 
     return load_sae(edit.vector.sae)
 

@@ -17,8 +17,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from undercurrent.adapters.base import Backend
+from undercurrent.adapters.outputs import GenerationOutput
+from undercurrent.adapters.prompts import check_prompts
+from undercurrent.spec import extraction_point_to_dict
+from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
     STORAGE_DTYPES,
     parse_part,
@@ -31,6 +36,27 @@ from undercurrent.store.writer import StoreWriter
 
 VLLM_CHUNK = 256
 """Prompts per ``generate()`` call under vLLM (all concurrent in the engine)."""
+
+
+class CapturingModel(Protocol):
+    """What :func:`capture_activations` needs of a model:
+    :class:`~undercurrent.api.ProbedModel` is one."""
+
+    backend: Backend
+    batch_size: int
+
+    @property
+    def points(self) -> tuple[ExtractionPoint, ...]:
+        """The extraction points whose records are stored."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[str], *, request_ids: Sequence[str], records: bool,
+        max_new_tokens: int, temperature: float, top_p: float, top_k: int | None,
+        seed: int | None, stop: str | Sequence[str] | None, batch_size: int | None,
+    ) -> list[GenerationOutput]:
+        """One output per prompt, with its records."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +82,7 @@ def request_id_for(prompt_index: int) -> str:
 
 
 def capture_activations(
-    model: Any,
+    model: CapturingModel,
     prompts: Sequence[str],
     out_dir: str | os.PathLike[str],
     *,
@@ -75,9 +101,6 @@ def capture_activations(
     progress: bool = True,
 ) -> CaptureSummary:
     """Implementation of :meth:`undercurrent.api.ProbedModel.capture` (see there)."""
-    from undercurrent.api import check_prompts
-    from undercurrent.spec import extraction_point_to_dict
-
     prompts = check_prompts(prompts)
     if not model.points:
         raise ValueError("capture needs a spec with at least one extraction point")

@@ -13,7 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
+    INDEX_COLUMNS,
     MANIFEST,
     OUTPUT_COLUMNS,
     STORE_FORMAT,
@@ -52,6 +54,11 @@ class ActivationStore:
     def __init__(self, path: str | os.PathLike[str], *, _index: Any = None,
                  _parent: ActivationStore | None = None) -> None:
         self.path = Path(path)
+        self.manifest: dict[str, Any]
+        self._shards: dict[str, dict[str, Any]]
+        self._maps: dict[tuple[str, str], Any]
+        self._outputs: Any
+        self._results: Any
         if _parent is not None:
             self.manifest = _parent.manifest
             self._shards = _parent._shards
@@ -69,9 +76,9 @@ class ActivationStore:
                              f"{self.manifest.get('format')!r}, expected {STORE_FORMAT!r}")
         self._shards = {shard.name: read_json(shard / "meta.json")
                         for shard in committed_shards(self.path)}
-        self._maps: dict[tuple[str, str], Any] = {}
-        self._outputs: Any = None
-        self._results: Any = None
+        self._maps = {}
+        self._outputs = None
+        self._results = None
         self._index = None
 
     # -- frames ------------------------------------------------------------------------
@@ -175,7 +182,8 @@ class ActivationStore:
 
     def _point_meta(self, shard: str, point: str) -> Mapping[str, Any]:
         try:
-            return self._shards[shard]["points"][point]
+            meta: Mapping[str, Any] = self._shards[shard]["points"][point]
+            return meta
         except KeyError:
             raise KeyError(f"no vectors of point {point!r} in shard {shard!r} of "
                            f"{str(self.path)!r}") from None
@@ -241,8 +249,6 @@ class ActivationStore:
         ``select_rows``, ``label_rows`` and ``fit_linear_probe`` take it as they take
         a records frame. ``tensors=False`` reads no vectors."""
         import numpy as np
-
-        from undercurrent.notebook.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
@@ -400,8 +406,6 @@ def _positions(index: Any, positions: str) -> Any:
 
 def _empty_index() -> Any:
     import pandas as pd
-
-    from undercurrent.store.format import INDEX_COLUMNS
 
     return pd.DataFrame({column: [] for column in INDEX_COLUMNS})
 

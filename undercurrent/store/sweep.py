@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from undercurrent.analysis.fitting import fit_linear_probe
+
 SWEEP_COLUMNS: tuple[str, ...] = (
     "point",
     "tensor_type",
@@ -52,8 +54,6 @@ def sweep_linear_probes(
     with ``SWEEP_COLUMNS``, one row per layer.
     """
     import pandas as pd
-
-    from undercurrent.probes.fitting import fit_linear_probe
 
     if point is None:
         present = sorted(store.index["extraction_point_name"].unique().tolist())

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis.frames import results_frame
 from undercurrent.store.format import (
     INDEX_COLUMNS,
     MANIFEST,
@@ -131,7 +132,7 @@ class StoreWriter:
             found = [entry for entry in found if entry[3].is_generated]
         if reduction.tokens != "all":
             groups = _group_runs(found)
-        if reduction.tokens == "last_token":
+        if reduction.tokens == "last_token" and groups is not None:
             found = [found[stop - 1] for _, stop in groups]
             groups = None
         if not found:
@@ -323,8 +324,6 @@ class _OpenShard:
         })
 
     def add_outputs(self, outputs: Sequence[Any], prompt_indices: Sequence[int]) -> None:
-        from undercurrent.notebook.frames import results_frame
-
         aborts = [output.abort for output in outputs]
         self.outputs.write({
             "prompt_index": [int(index) for index in prompt_indices],

@@ -12,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.adapters.capabilities import CapabilityError
+from undercurrent.adapters.capabilities import UnsupportedArchitectureError
 
-
-class UnsupportedArchitectureError(CapabilityError):
-    """The model's architecture is not in the table, or its modules are not where
-    the table says."""
-
+__all__ = ["ARCHITECTURES", "ArchitectureEntry", "UnsupportedArchitectureError",
+           "config_dimensions", "find_architecture", "resolve_path", "supported_model_types",
+           "text_config"]
 
 @dataclass(frozen=True)
 class ArchitectureEntry:

@@ -19,16 +19,19 @@ maps a request's absolute token indices to (row, column) of the batch.
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from undercurrent.adapters.arguments import check_model_path, dtype_name
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, tokenized
@@ -39,8 +42,19 @@ from undercurrent.adapters.session import (
     StreamText,
     stop_position,
 )
+from undercurrent.spec.types import TensorType
 
 EventSink = Callable[[StreamEvent], None]
+
+
+def _padded_slot(row: int, pad: int) -> Callable[[int], Hashable]:
+    """Token ``t`` of a row left-padded by ``pad`` sits at ``(row, pad + t)``."""
+    return lambda token_index: (row, pad + token_index)
+
+
+def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
+    """The one token a row feeds in a forward sits at ``(row, column)``."""
+    return lambda token_index: (row, column)
 
 
 class _RowDriver:
@@ -76,8 +90,7 @@ class _RowDriver:
                     f"expected the prefill forward to see {self.width} tokens, it saw {width}")
             for row, state in enumerate(self.states):
                 pad = self.width - state.prompt_len
-                plan.add_window(state, 0, state.prompt_len,
-                                lambda t, row=row, pad=pad: (row, pad + t))
+                plan.add_window(state, 0, state.prompt_len, _padded_slot(row, pad))
             return plan
         if width != 1:
             raise BackendError(
@@ -86,7 +99,7 @@ class _RowDriver:
         for row, state in enumerate(self.states):
             if state.live and state.generated:
                 fed = state.prompt_len + len(state.generated) - 1
-                plan.add_window(state, fed, fed + 1, lambda t, row=row: (row, 0))
+                plan.add_window(state, fed, fed + 1, _fixed_slot(row, 0))
         return plan
 
     def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
@@ -192,12 +205,10 @@ class HFBackend:
         ``model_name`` (default: the path) is what reprs and probe contexts show."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from undercurrent.adapters.arguments import check_model_path, dtype_name
-
         check_model_path(path)
         name = dtype_name(dtype)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model: Any = AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, name) if name not in (None, "auto") else "auto",
                 **model_kwargs)
         except OSError as error:
@@ -226,7 +237,14 @@ class HFBackend:
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
     def capabilities(self) -> Capabilities:
-        return self.hooks.capabilities()
+        """What this model captures; ``kv`` only when its decoder layers are passed
+        a cache to read it from (:meth:`ModelHooks.kv_cache_problem`)."""
+        capabilities = self.hooks.capabilities()
+        if capabilities.supports(TensorType.KV):
+            problem = self.hooks.kv_cache_problem()
+            if problem is not None:
+                return capabilities.without(TensorType.KV, problem)
+        return capabilities
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
@@ -241,7 +259,8 @@ class HFBackend:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        device: torch.device = next(self.model.parameters()).device
+        return device
 
     # -- generation --------------------------------------------------------
     def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],
@@ -309,6 +328,8 @@ class HFBackend:
         return texts, encoded
 
     def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids`` and ``attention_mask`` of token-id rows, left-padded to the
+        longest, on the model's device (generation and the last-token replay)."""
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -419,11 +440,7 @@ class HFBackend:
             return
         sequences = [list(s.prompt_token_ids) + s.generated for s in rows]
         width = max(len(seq) for seq in sequences)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            input_ids[row, width - len(seq):] = torch.tensor(seq)
-            attention_mask[row, width - len(seq):] = 1
+        input_ids, attention_mask = self._left_padded(sequences)
         plan = StepPlan()
         for row, (state, seq) in enumerate(zip(rows, sequences, strict=True)):
             last = len(seq) - 1
@@ -435,18 +452,17 @@ class HFBackend:
                 plan.add_edit(state, by_name[applied.edit_name], applied.layer,
                               applied.token_index,
                               (row, width - len(seq) + applied.token_index), log=False)
-            plan.add_window(state, last, last + 1, lambda t, row=row: (row, width - 1))
+            plan.add_window(state, last, last + 1, _fixed_slot(row, width - 1))
         if not plan.groups:
             return
         self.hooks.install(session.wanted_pairs() | plan.pairs())
         self.hooks.on_forward = None
         self.hooks.set_plan(plan, width)
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(self.device),
-                                  "use_cache": True}
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
         if "position_ids" in _forward_parameters(self.model):
-            kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0).to(self.device)
+            kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.hooks.plan = plan
-        self.model(input_ids=input_ids.to(self.device), **kwargs)
+        self.model(input_ids=input_ids, **kwargs)
         self.hooks.flush(session)
 
     def close(self) -> None:
@@ -460,8 +476,6 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 
 def context_length(config: Any) -> int | None:
     """The model's context length (positions it was built for), when its config says."""
-    from undercurrent.adapters.hf.architectures import text_config
-
     config = text_config(config)
     for key in _CONTEXT_KEYS:
         value = getattr(config, key, None)
@@ -502,8 +516,6 @@ _FORWARD_PARAMS: dict[type, frozenset[str]] = {}
 
 
 def _forward_parameters(model: Any) -> frozenset[str]:
-    import inspect
-
     cls = type(model)
     if cls not in _FORWARD_PARAMS:
         _FORWARD_PARAMS[cls] = frozenset(inspect.signature(model.forward).parameters)

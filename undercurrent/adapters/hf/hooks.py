@@ -15,11 +15,12 @@ same site sees what the model saw.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Hashable, Iterable
+from typing import Any, cast
 
 import torch
 
+from undercurrent.adapters.base import BackendError
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import (
     UnsupportedArchitectureError,
@@ -33,10 +34,13 @@ from undercurrent.steering.kernels import EditKernels
 
 _INDEX_CACHE_SIZE = 64
 
+_CACHE_TYPES: tuple[type, ...]
 try:  # the cache base class moved between releases; the hook only needs isinstance
-    from transformers.cache_utils import Cache as _CacheBase
+    from transformers.cache_utils import Cache
+
+    _CACHE_TYPES = (Cache,)
 except ImportError:  # pragma: no cover - very old transformers
-    _CacheBase = ()
+    _CACHE_TYPES = ()
 
 
 def _first_tensor(output: Any) -> torch.Tensor:
@@ -56,9 +60,14 @@ def _find_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # "layer_past", "cache" in newer releases) or positionally (GPT-2), so look
     # for the object itself rather than a keyword.
     for value in list(kwargs.values()) + list(args):
-        if _CacheBase and isinstance(value, _CacheBase):
+        if _CACHE_TYPES and isinstance(value, _CACHE_TYPES):
             return value
     return None
+
+
+def _cell(slot: Hashable) -> tuple[int, int]:
+    """A slot of the HF backend: (row, column) in the padded batch."""
+    return cast("tuple[int, int]", slot)
 
 
 class ModelHooks:
@@ -86,6 +95,8 @@ class ModelHooks:
         self._indices: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._needs_sync = False
         self.kernels = EditKernels()
+        self._kv_problem: str | None = None
+        self._kv_checked = False
 
     # -- capability ------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -98,6 +109,47 @@ class ModelHooks:
             self.num_layers, hidden_size=dims["hidden_size"], num_kv_heads=dims["num_kv_heads"],
             head_dim=dims["head_dim"], notes=notes,
         )
+
+    def kv_cache_problem(self) -> str | None:
+        """Why ``kv`` cannot be read on this model, or None when it can.
+
+        The kv hook reads the keys and values a decoder layer has just written to
+        the cache object it was passed. One forward of one token with
+        ``use_cache=True`` (run once, before any generation, by the backend's
+        capability check) looks for that object and its per-layer tensors, so a
+        model that lacks them refuses kv points at registration instead of failing
+        in a hook while it generates.
+        """
+        if not self._kv_checked:
+            self._kv_problem = self._check_kv_cache()
+            self._kv_checked = True
+        return self._kv_problem
+
+    def _check_kv_cache(self) -> str | None:
+        found: list[Any] = []
+
+        def look(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            found.append(_find_cache(args, kwargs))
+
+        handle = self.layers[0].register_forward_hook(look, with_kwargs=True)
+        try:
+            device = next(self.model.parameters()).device
+            ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+            with torch.no_grad():
+                self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+        finally:
+            handle.remove()
+        name = type(self.model).__name__
+        cache = found[0] if found else None
+        if cache is None:
+            return (f"{name}'s decoder layers are passed no cache object with use_cache=True, "
+                    "and kv is read from that cache")
+        layers = getattr(cache, "layers", None)
+        keys = getattr(layers[0], "keys", None) if layers else None
+        if not isinstance(keys, torch.Tensor):
+            return (f"{name}'s cache ({type(cache).__name__}) has no per-layer keys/values "
+                    "tensors to read kv from")
+        return None
 
     def module_for(self, layer: int, tensor_type: TensorType) -> Any:
         """The module whose output is ``tensor_type`` at ``layer``."""
@@ -217,16 +269,16 @@ class ModelHooks:
 
     def _capture_kv(self, layer: int, group: CaptureGroup, args: Any, kwargs: Any) -> None:
         cache = _find_cache(args, kwargs)
-        if cache is None:
-            raise UnsupportedArchitectureError(
-                f"{type(self.model).__name__}: kv capture at layer {layer} found no cache object "
-                "passed to the decoder layer (generation must run with use_cache=True)")
+        if cache is None:  # kv_cache_problem() found one before kv points were accepted
+            raise BackendError(
+                f"internal error: kv capture at layer {layer} of {type(self.model).__name__} "
+                "found no cache object, although the registration-time check found one")
         cache_layer = cache.layers[layer]
         keys, values = cache_layer.keys, cache_layer.values
         stored = int(keys.shape[-2])
         # The layer just appended `width` tokens at the end of its cache; a
         # sliding-window layer may have dropped the oldest of them already.
-        positions = [stored - self.width + slot[1] for slot in group.slots]
+        positions = [stored - self.width + _cell(slot)[1] for slot in group.slots]
         targets = group.targets
         if min(positions) < 0:
             keep = {i for i, pos in enumerate(positions) if pos >= 0}
@@ -238,7 +290,8 @@ class ModelHooks:
             positions = [positions[i] for i in sorted(keep)]
             if not slots:
                 return
-            rows = torch.tensor([s[0] for s in slots], dtype=torch.long, device=keys.device)
+            rows = torch.tensor([_cell(s)[0] for s in slots], dtype=torch.long,
+                                device=keys.device)
         else:
             rows, _ = self._index(group.slots, keys.device)
         pos = torch.tensor(positions, dtype=torch.long, device=keys.device)

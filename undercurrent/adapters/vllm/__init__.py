@@ -8,28 +8,21 @@
   vLLM's native models;
 - :mod:`.worker` is the worker extension (``worker_extension_cls``) that installs the
   hooks and gathers each step's matching rows;
-- :mod:`.backend` drives the engine and routes records on the driver.
+- :mod:`.backend` drives the engine and routes records on the driver;
+- :mod:`.config_capabilities` says what an engine would capture, from a config alone
+  (``undercurrent inspect-model``).
 
 Importing this package does not import torch or vllm.
 """
 
 from __future__ import annotations
 
+from undercurrent.adapters.vllm.config_capabilities import capabilities_from_config
+
 WORKER_EXTENSION = "undercurrent.adapters.vllm.worker.UndercurrentWorkerExtension"
 """Qualified name passed to vLLM as ``worker_extension_cls``."""
 
 SUPPORTED_VLLM = (">=0.32", "<0.34")
 """vLLM versions this adapter is written and tested against."""
-
-
-
-def capabilities_from_config(config: object) -> object:
-    """What a single-worker vLLM engine would capture for ``config`` (see
-    :func:`undercurrent.adapters.vllm.inspect.capabilities_from_config`); imports
-    vLLM only when called."""
-    from undercurrent.adapters.vllm.inspect import capabilities_from_config as describe
-
-    return describe(config)
-
 
 __all__ = ["SUPPORTED_VLLM", "WORKER_EXTENSION", "capabilities_from_config"]

@@ -11,16 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from undercurrent.adapters.capabilities import UnsupportedArchitectureError
+
 _LAYER_LISTS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "transformer.layers", "model.language_model.layers")
 _ATTENTION = ("self_attn", "attn", "attention", "self_attention")
 _MLP = ("mlp", "feed_forward", "ffn")
 _FINAL_NORMS = ("model.norm", "model.decoder.final_layer_norm", "transformer.ln_f",
                 "gpt_neox.final_layer_norm", "transformer.norm_f", "model.language_model.norm")
-
-
-class LayoutError(RuntimeError):
-    """The loaded vLLM model does not have a layout undercurrent knows how to hook."""
 
 
 @dataclass
@@ -66,12 +64,14 @@ def _kv_module(attention: Any) -> Any | None:
 
 
 def locate(model: Any) -> ModelLayout:
-    """Find the capture sites on a loaded vLLM model, or raise :class:`LayoutError`."""
+    """Find the capture sites on a loaded vLLM model, or raise
+    :class:`~undercurrent.adapters.capabilities.UnsupportedArchitectureError` (the
+    same error the Hugging Face backend raises for a model it cannot hook)."""
     class_name = type(model).__name__
     layers = next((found for path in _LAYER_LISTS
                    if (found := _resolve(model, path)) is not None), None)
     if layers is None or len(layers) == 0:
-        raise LayoutError(
+        raise UnsupportedArchitectureError(
             f"cannot find the decoder layers of vLLM model class {class_name!r} (looked for "
             f"{', '.join(_LAYER_LISTS)}); vLLM's Transformers-backend fallback models are not "
             "supported by the vLLM adapter: use backend='hf' for this model"
@@ -82,7 +82,8 @@ def locate(model: Any) -> ModelLayout:
                for what, found in (("attention", attention[i]), ("MLP", mlp[i]))
                if found is None]
     if missing:
-        raise LayoutError(f"vLLM model class {class_name!r}: " + "; ".join(missing[:4]))
+        raise UnsupportedArchitectureError(
+            f"vLLM model class {class_name!r}: " + "; ".join(missing[:4]))
     final_norm = next((found for path in _FINAL_NORMS
                        if (found := _resolve(model, path)) is not None), None)
     return ModelLayout(

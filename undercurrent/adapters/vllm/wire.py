@@ -21,6 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from undercurrent.probes.sae_files import load_sae
+from undercurrent.spec.declarations import wire_field_names
+from undercurrent.spec.loader import parse_edit
+from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
+from undercurrent.spec.types import ExtractionPoint, SaeFeature
+from undercurrent.steering.vectors import ResolvedEdit
+
 PROTOCOL_VERSION = 2
 
 TARGET_COLUMNS = ("request", "point", "token_index", "row")
@@ -108,44 +115,27 @@ def decode(payload: bytes) -> StepBatch | StepReply:
     return message
 
 
-def point_to_wire(point: Any) -> dict[str, Any]:
-    """The fields of an ``ExtractionPoint`` the worker needs to match tokens, as plain
-    data (vLLM's RPC layer carries msgpack-able values only)."""
-    from undercurrent.spec.position import format_position
-
-    return {
-        "name": point.name,
-        "layers": list(point.layers),
-        "tensor_type": point.tensor_type.value,
-        "position": format_position(point.position),
-        "stride": point.stride,
-        "probe_type": point.probe_type,
-        "probe_kind": point.probe_kind.value,
-    }
+POINT_WIRE_FIELDS = wire_field_names(ExtractionPoint)
+"""The point fields a worker needs to match tokens (declared ``wire=True``)."""
 
 
-def point_from_wire(data: dict[str, Any]) -> Any:
-    """Rebuild the matching-relevant ``ExtractionPoint`` in the worker."""
-    from undercurrent.spec.position import parse_position
-    from undercurrent.spec.types import ExtractionPoint
-
-    return ExtractionPoint(
-        name=data["name"],
-        layers=tuple(data["layers"]),
-        tensor_type=data["tensor_type"],
-        position=parse_position(data["position"]),
-        stride=int(data["stride"]),
-        probe_type=data["probe_type"],
-        probe_kind=data["probe_kind"],
-    )
+def point_to_wire(point: ExtractionPoint) -> dict[str, Any]:
+    """The fields of an ``ExtractionPoint`` the worker needs to match tokens, in spec
+    form (plain data: vLLM's RPC layer carries msgpack-able values only)."""
+    return {key: value for key, value in extraction_point_to_dict(point).items()
+            if key in POINT_WIRE_FIELDS}
 
 
-def edit_to_wire(resolved: Any) -> dict[str, Any]:
+def point_from_wire(data: dict[str, Any]) -> ExtractionPoint:
+    """Rebuild the matching-relevant ``ExtractionPoint`` in the worker (fields the
+    wire leaves out take their defaults)."""
+    return ExtractionPoint(**{key: data[key] for key in POINT_WIRE_FIELDS if key in data})
+
+
+def edit_to_wire(resolved: ResolvedEdit) -> dict[str, Any]:
     """A resolved edit as plain data: its spec form with the vector already resolved
     to a list of floats (the worker reads no vector files; only an SAE feature's
     folder, whose encoder ``clamp`` needs)."""
-    from undercurrent.spec.serialize import edit_to_dict
-
     data = edit_to_dict(resolved.edit)
     data.pop("vector_key", None)
     sae_feature = data["vector"] if resolved.sae is not None else None
@@ -154,20 +144,14 @@ def edit_to_wire(resolved: Any) -> dict[str, Any]:
     return {"edit": data, "source": resolved.source, "sae_feature": sae_feature}
 
 
-def edit_from_wire(data: dict[str, Any]) -> Any:
+def edit_from_wire(data: dict[str, Any]) -> ResolvedEdit:
     """Rebuild a resolved edit in the worker."""
     import numpy as np
-
-    from undercurrent.spec.loader import parse_edit
-    from undercurrent.steering.vectors import ResolvedEdit
 
     edit = parse_edit(data["edit"])
     vector = np.array(edit.vector, dtype=np.float64)
     sae = None
     if data.get("sae_feature") is not None:
-        from undercurrent.probes.sae_files import load_sae
-        from undercurrent.spec.types import SaeFeature
-
         feature = SaeFeature(**data["sae_feature"])
         edit = dataclasses.replace(edit, vector=feature)
         sae = load_sae(feature.sae)

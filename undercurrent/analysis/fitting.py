@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis.frames import activation_matrix, label_rows, records_frame, select_rows
 from undercurrent.probes.weights import apply_link, save_linear_weights
+from undercurrent.records import ActivationRecord
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,6 @@ def _design(
         groups = None if group_by in (None, "auto") else np.asarray(group_by)
         return X, np.asarray(y), groups, layer, tensor_type
 
-    from undercurrent.notebook.frames import activation_matrix, label_rows, select_rows
-
     selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
     if selected.empty:
         raise ValueError(
@@ -283,14 +283,10 @@ def _as_frame(data: Any) -> Any:
         pd = None
     if pd is not None and isinstance(data, pd.DataFrame):
         return data
-    from undercurrent.records import ActivationRecord
-
     if hasattr(data, "records") or (
         isinstance(data, (list, tuple)) and data
         and (isinstance(data[0], ActivationRecord) or hasattr(data[0], "records"))
     ):
-        from undercurrent.notebook.frames import records_frame
-
         return records_frame(data)
     return None
 

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from undercurrent.notebook._inputs import (
+from undercurrent.analysis._inputs import (
     flatten_records,
     flatten_results,
     signal_locations,

