@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,23 @@ if os.environ.get("UNDERCURRENT_VLLM_ENGINE_TESTS") != "1":
     collect_ignore = ["vllm_engine_reliability.py"]
 
 _FIGURES: dict[str, dict[str, Any]] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_reaches_python() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt here, as in a terminal or a notebook.
+
+    A shell starts a background job (``cmd &``, ``nohup``) with SIGINT ignored, and
+    Python then never installs its handler: a simulated or real Ctrl-C would do
+    nothing and the interruption tests could not interrupt anything. They test
+    what a user's Ctrl-C does, so they get the handler a user has.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Figures:
