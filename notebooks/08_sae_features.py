@@ -32,7 +32,7 @@ import plotly.io as pio
 
 from undercurrent import ProbedModel
 from undercurrent.models.corpus import LABEL_NAMES, make_prompt
-from undercurrent.notebook.frames import features_frame
+from undercurrent.notebook import features_frame
 from undercurrent.notebook.plots import (
     feature_heatmap_figure,
     mean_peaks_by_label,

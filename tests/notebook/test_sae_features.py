@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from undercurrent.api import ProbedModel
-from undercurrent.notebook.frames import FEATURE_COLUMNS, features_frame
+from undercurrent.notebook import FEATURE_COLUMNS, features_frame
 from undercurrent.notebook.plots import (
     feature_heatmap_figure,
     mean_peaks_by_label,

@@ -8,14 +8,7 @@ the ``notebook`` extra (``pip install 'undercurrent[notebook]'``).
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
-
-from undercurrent.analysis import frames
-
-# The frames lived in ``undercurrent.notebook.frames`` before they moved below the
-# notebook layer (``undercurrent.analysis.frames``); that import path still works.
-sys.modules.setdefault(f"{__name__}.frames", frames)
 
 _EXPORTS: dict[str, str] = {
     "RECORD_COLUMNS": "undercurrent.analysis.frames",
@@ -28,6 +21,8 @@ _EXPORTS: dict[str, str] = {
     "record_tensors": "undercurrent.analysis.frames",
     "select_rows": "undercurrent.analysis.frames",
     "label_rows": "undercurrent.analysis.frames",
+    "FEATURE_COLUMNS": "undercurrent.analysis.frames",
+    "features_frame": "undercurrent.analysis.frames",
     "save_records": "undercurrent.notebook.storage",
     "load_records": "undercurrent.notebook.storage",
     "frame_to_records": "undercurrent.notebook.storage",
@@ -43,6 +38,7 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "FEATURE_COLUMNS",
     "LinearProbeFit",
     "LiveView",
     "RECORD_COLUMNS",
@@ -50,6 +46,7 @@ __all__ = [
     "SIGNAL_COLUMNS",
     "SpecEditor",
     "activation_matrix",
+    "features_frame",
     "fit_linear_probe",
     "frame_to_records",
     "heatmap_figure",
@@ -70,10 +67,12 @@ __all__ = [
 if TYPE_CHECKING:  # pragma: no cover
     from undercurrent.analysis.fitting import LinearProbeFit, fit_linear_probe
     from undercurrent.analysis.frames import (
+        FEATURE_COLUMNS,
         RECORD_COLUMNS,
         RESULT_COLUMNS,
         SIGNAL_COLUMNS,
         activation_matrix,
+        features_frame,
         label_rows,
         record_tensors,
         records_frame,
