@@ -49,22 +49,7 @@ notebooks: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check undercurrent tests benchmarks tools notebooks
-	$(BIN)/mypy --follow-imports=silent undercurrent/spec undercurrent/records.py \
-		undercurrent/errors.py undercurrent/router undercurrent/analysis \
-		undercurrent/steering undercurrent/store undercurrent/models undercurrent/api.py \
-		undercurrent/capture_cli.py undercurrent/adapters/base.py \
-		undercurrent/adapters/capabilities.py undercurrent/adapters/outputs.py \
-		undercurrent/adapters/prompts.py undercurrent/adapters/arguments.py \
-		undercurrent/adapters/__init__.py undercurrent/adapters/hf \
-		undercurrent/adapters/model_inspection.py undercurrent/adapters/vllm/__init__.py \
-		undercurrent/adapters/vllm/layout.py undercurrent/adapters/vllm/config_capabilities.py \
-		undercurrent/adapters/vllm/rows.py undercurrent/adapters/vllm/channel.py \
-		undercurrent/adapters/vllm/loading.py undercurrent/__init__.py undercurrent/__main__.py \
-		undercurrent/cli.py undercurrent/demo.py undercurrent/notebook/__init__.py \
-		undercurrent/notebook/storage.py \
-		undercurrent/notebook/plots.py undercurrent/notebook/static.py \
-		undercurrent/notebook/live_view.py undercurrent/notebook/live_state.py \
-		undercurrent/notebook/live_html.py undercurrent/probes/weights.py
+	$(BIN)/mypy --follow-imports=silent undercurrent
 	$(BIN)/lint-imports --no-cache
 
 test: $(STAMP) system-deps lint

@@ -288,7 +288,7 @@ class DraftForm:
 
     def shown(self, field: str) -> bool:
         """Whether ``field``'s row is shown."""
-        return self.rows[field].layout.display != "none"
+        return bool(self.rows[field].layout.display != "none")
 
     # -- problems ---------------------------------------------------------------------
 

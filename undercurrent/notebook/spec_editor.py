@@ -124,7 +124,7 @@ class SpecEditor:
                                                 or "extraction_points" in spec_or_path):
             spec = parse_yaml(spec_or_path)
         else:
-            spec = load_yaml_file(spec_or_path)
+            spec = load_yaml_file(Path(spec_or_path))
         return cls(spec, model=model)
 
     def _default_layer(self, middle: bool) -> int:
@@ -133,7 +133,7 @@ class SpecEditor:
         valid = self.capabilities.valid_layers("residual_stream")
         if not valid:
             return 0
-        return valid[len(valid) // 2] if middle else valid[-1]
+        return int(valid[len(valid) // 2] if middle else valid[-1])
 
     @staticmethod
     def _free_name(stem: str, taken: set[str], number: int) -> str:

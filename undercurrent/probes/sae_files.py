@@ -181,6 +181,7 @@ class SparseAutoencoder:
             if as_int is None or as_int != feature or isinstance(feature, bool):
                 raise ValueError(f"{self.source}: feature ids are ints, got {feature!r}")
             feature = as_int
+        assert isinstance(feature, int)
         if not 0 <= feature < self.d_sae:
             raise ValueError(
                 f"{self.source}: feature {feature} out of range; this SAE has d_sae="
@@ -365,7 +366,8 @@ def _build(
             raise SaeFileError(f"{source}: {name} holds NaN or inf")
     for array in arrays.values():
         array.setflags(write=False)
-    metadata = config.get("metadata") if isinstance(config.get("metadata"), dict) else {}
+    found = config.get("metadata")
+    metadata: dict[str, Any] = found if isinstance(found, dict) else {}
     hook_name = metadata.get("hook_name", config.get("hook_name"))
     return SparseAutoencoder(
         source=source,

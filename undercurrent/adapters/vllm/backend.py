@@ -232,6 +232,8 @@ class VLLMBackend:
         dtype = engine_dtype(str(path), dtype)
         if batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
+        if max_model_len is not None:  # else vLLM takes the model's own limit
+            engine_kwargs["max_model_len"] = max_model_len
         model_directory, staging = loadable_directory(str(path))
         args = EngineArgs(
             model=model_directory,
@@ -241,7 +243,6 @@ class VLLMBackend:
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
             tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
             seed=seed,
             **engine_kwargs,
         )

@@ -31,7 +31,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Client
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -319,7 +319,7 @@ class _Capture:
         self.banks = [None, None]
         self.filled = set()
         for key, group in plan.groups.items():
-            slots = group.slots
+            slots = cast(list[int], group.slots)  # flat token positions in vLLM's batch
             first = slots[0]
             if slots == list(range(first, first + len(slots))):
                 self.indices[key] = slice(first, first + len(slots))
@@ -367,7 +367,8 @@ class _Capture:
             bank, offset, count = self.slices[(layer, tensor_type)]
             targets = wire.target_array([
                 (requests.setdefault(t.state.request_id, len(requests)),
-                 t.state.point_index[t.point.name], t.token_index, t.slot_index)
+                 cast(_MirrorState, t.state).point_index[t.point.name], t.token_index,
+                 t.slot_index)
                 for t in group.targets])
             batch.groups.append(wire.GroupRows(layer, tensor_type.value, number[bank], offset,
                                                count, targets))
@@ -389,9 +390,9 @@ class _Capture:
             return
         assert isinstance(reply, wire.StepReply)
         for engine_id in reply.aborted:
-            state = self.states.get(engine_id)
-            if state is not None:
-                state.finish_reason = "abort"
+            aborted = self.states.get(engine_id)
+            if aborted is not None:
+                aborted.finish_reason = "abort"
         if reply.armed:
             self._arm(reply.armed)
             if self.tensor_parallel_size > 1:
@@ -532,4 +533,4 @@ class UndercurrentWorkerExtension:
         previous = getattr(self, "_undercurrent_sigint", None)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-            self._undercurrent_sigint = None  # type: ignore[attr-defined]
+            self._undercurrent_sigint = None
