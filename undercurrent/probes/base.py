@@ -6,7 +6,10 @@ A probe instance serves one (request, extraction point) pair. The router calls
 (in token order, never two at once), then ``on_end(ctx)`` once; it wraps what
 ``on_end`` returns (the *verdict*) into a :class:`~undercurrent.records.ProbeResult`.
 A probe that can score several activations more cheaply at once (one matrix
-product instead of many) also overrides ``on_activations(records)``.
+product instead of many) also overrides ``on_activations(records)``; one that
+scores a whole :class:`~undercurrent.records.ActivationBatch` with array
+operations overrides ``on_batch(batch)`` instead (the built-ins do), and is
+then never handed per-record objects.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from undercurrent.records import BatchSignals
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
-    from undercurrent.records import ActivationRecord, ProbeSignal
+    from undercurrent.records import ActivationBatch, ActivationRecord, ProbeSignal
     from undercurrent.spec.types import ExtractionPoint
 
 
@@ -107,6 +111,24 @@ class Probe:
         """
         return [self.on_activation(record) for record in records]
 
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """Judge a whole batch: one signal per row, as columns (a
+        :class:`~undercurrent.records.BatchSignals`).
+
+        ``batch`` holds this probe's rows only (one request, one point), in
+        token then layer order. The default builds the records
+        (``batch.records()``) and calls :meth:`on_activations`, so a probe
+        written per record needs nothing else. Override it to score the
+        stacked ``batch.tensor`` at once; it must then return what calling
+        :meth:`on_activation` on each record in order would, and leave the same
+        state. The router calls an override (one call per batch; an exception
+        counts as an error for every row) only when the class that defines it
+        also defines, or inherits unchanged, ``on_activation`` and
+        ``on_activations``; a subclass that overrides either of those is served
+        per record again.
+        """
+        return BatchSignals.from_signals(list(self.on_activations(batch.records())))
+
     def on_end(self, ctx: RequestContext) -> Any:
         """Called once after the last activation; the return value is the verdict."""
         return None
@@ -115,6 +137,29 @@ class Probe:
     def supported_kinds(cls) -> tuple[ProbeKind, ...]:
         """The probe kinds this class declares, as a tuple."""
         return supported_kinds(cls)
+
+
+def _owner(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO that defines ``name``."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    return None
+
+
+def scores_batches(probe: Any) -> bool:
+    """Whether the router hands ``probe`` whole batches (:meth:`Probe.on_batch`):
+    its class overrides ``on_batch``, and no subclass below that override
+    redefines ``on_activation`` / ``on_activations``."""
+    cls = type(probe)
+    owner = _owner(cls, "on_batch")
+    if owner is None or owner is Probe:
+        return False
+    for name in ("on_activation", "on_activations"):
+        defined = _owner(cls, name)
+        if defined is not None and defined is not owner and issubclass(defined, owner):
+            return False
+    return True
 
 
 def supported_kinds(cls: type) -> tuple[ProbeKind, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from undercurrent.probes.base import Probe
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
 
@@ -32,3 +32,6 @@ class CaptureProbe(Probe):
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
         return [None] * len(records)
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        return BatchSignals.none(len(batch))

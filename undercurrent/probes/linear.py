@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import as_float_matrix, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.weights import (
@@ -22,7 +22,7 @@ from undercurrent.probes.weights import (
     linear_weights,
     load_linear_weights,
 )
-from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
+from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 
@@ -108,32 +108,45 @@ class LinearReadout:
 
     def score_many(self, tensors: Sequence[Any]) -> list[tuple[float, dict[str, Any]]]:
         """:meth:`score` for several activations, with one matrix product."""
+        shape = getattr(tensors[0], "shape", None)
+        values, meta = self.score_matrix(as_float_matrix(tensors),
+                                         None if shape is None else tuple(shape))
+        keys = list(meta)
+        return [(value, {key: meta[key][i] for key in keys})
+                for i, value in enumerate(values.tolist())]
+
+    def score_matrix(self, matrix: Any, row_shape: tuple[int, ...] | None = None
+                     ) -> tuple[Any, dict[str, list[Any]]]:
+        """Scores of the rows of a float64 matrix (one flattened activation per row),
+        with one matrix product: (float64 array of scores, metadata columns).
+        ``row_shape`` (an activation's own shape) is only used in messages."""
         np = numpy_module()
-        matrix = as_float_matrix(tensors)
         if matrix.shape[1] != self.weights.hidden:
+            shape = row_shape if row_shape is not None else tuple(matrix.shape[1:])
             raise ValueError(
                 f"{self.source}: expects activations of size {self.weights.hidden}, got a "
-                f"tensor of shape {tuple(getattr(tensors[0], 'shape', matrix.shape[1:]))} "
-                f"({matrix.shape[1]} values once flattened)"
+                f"tensor of shape {shape} ({matrix.shape[1]} values once flattened)"
             )
         logits = np.asarray(matrix @ self.weights.weight.T + self.weights.bias, np.float64)
         values = apply_link(self.link, logits)
         if self.weights.classes is None:
-            return [
-                (value, {"logit": logit})
-                for value, logit in zip(values.tolist(), logits.tolist(), strict=True)
-            ]
+            return values, {"logit": logits.tolist()}
         index = self.class_index
         assert index is not None
-        scored = []
+        count = len(matrix)
         tops = np.argmax(logits, axis=1).tolist()
-        for row, top in zip(values[:, index].tolist(), tops, strict=True):
-            meta: dict[str, Any] = {"class_index": index, "top_class": top}
-            if self.label_names:
-                meta["label"] = self.label_names[index]
-                meta["top_label"] = self.label_names[top]
-            scored.append((row, meta))
-        return scored
+        meta: dict[str, list[Any]] = {"class_index": [index] * count, "top_class": tops}
+        if self.label_names:
+            names = self.label_names
+            meta["label"] = [names[index]] * count
+            meta["top_label"] = [names[top] for top in tops]
+        return values[:, index], meta
+
+    def score_batch(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+        """:meth:`score_matrix` of a batch's rows."""
+        shape = getattr(batch.tensor, "shape", None)
+        return self.score_matrix(batch_matrix(batch),
+                                 None if shape is None else tuple(shape[1:]))
 
 
 def _resolve_weights(
@@ -214,17 +227,21 @@ class LinearProbe(Probe):
         return self.on_activations((record,))[0]
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        scored = self.readout.score_many([record.tensor for record in records])
-        if type(self).judge is not LinearProbe.judge:  # a subclass judges each activation
-            return [self.judge(record, score, meta)
-                    for record, (score, meta) in zip(records, scored, strict=True)]
-        # judge() for the whole batch at once: the same signals and summary.
-        scores = [score for score, _ in scored]
-        signals = self.rule.signals(scores, [meta for _, meta in scored])
-        keep_going = SignalAction.CONTINUE
-        self.summary.add_many(scores, records,
-                              [signal.action is not keep_going for signal in signals])
-        return list(signals)
+        return self.on_batch(ActivationBatch.from_records(records)).signals()
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """Score the batch with one matrix product; a subclass that overrides
+        :meth:`judge` gets it called per activation, in order."""
+        scores, meta = self.readout.score_batch(batch)
+        if type(self).judge is not LinearProbe.judge:
+            keys = list(meta)
+            return BatchSignals.from_signals([
+                self.judge(record, score, {key: meta[key][i] for key in keys})
+                for i, (record, score) in enumerate(zip(batch.records(), scores.tolist(),
+                                                        strict=True))
+            ])
+        return self.summary.batch_signals(self.rule, scores, batch.token_indices, batch.layers,
+                                          meta)
 
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
         """The signal for one scored activation (and the summary updated)."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.arrays import as_float_matrix, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
 
@@ -58,12 +58,12 @@ class _StatisticProbe(Probe):
         return self.on_activations((record,))[0]
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        scores = self.statistics(as_float_matrix([record.tensor for record in records]))
-        signals: list[ProbeSignal | None] = []
-        for record, value in zip(records, scores.tolist(), strict=True):
-            self.summary.add(value, record, self.rule.crossed(value))
-            signals.append(self.rule.signal(value))
-        return signals
+        return self.on_batch(ActivationBatch.from_records(records)).signals()
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """One statistic per row of the batch's matrix."""
+        scores = self.statistics(batch_matrix(batch))
+        return self.summary.batch_signals(self.rule, scores, batch.token_indices, batch.layers)
 
     def on_end(self, ctx: RequestContext) -> Any:
         return self.summary.verdict()
