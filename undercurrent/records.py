@@ -562,20 +562,26 @@ class BatchSignals:
         if len(parts) == 1:
             return parts[0]
         codes = [code for part in parts for code in _as_list(part.actions)]
-        first = parts[0]
+        # Parts with no signal at all (async rows, a late request) only pad the columns.
+        full = [part for part in parts if part.objects is not None or part.scores is not None
+                or part.metadata is not None or part.any_signal()]
+        if not full:
+            return cls(codes)
+        first = full[0]
         keys = None if first.metadata is None else set(first.metadata)
         if any(part.objects is not None or part.all_scored != first.all_scored
                or (None if part.metadata is None else set(part.metadata)) != keys
-               for part in parts):
+               for part in full):
             return cls(codes, objects=[s for part in parts for s in part.signals()])
+        nan = float("nan")
         scores: list[float] | None = None
-        if any(part.scores is not None for part in parts):
-            nan = float("nan")
+        if any(part.scores is not None for part in full):
             scores = [value for part in parts for value in (
                 _as_list(part.scores) if part.scores is not None else [nan] * len(part))]
         metadata = None
         if keys is not None:
-            metadata = {key: [value for part in parts for value in _as_list(
-                part.metadata[key])] for key in keys}  # type: ignore[index]
+            metadata = {key: [value for part in parts for value in (
+                _as_list(part.metadata[key]) if part.metadata is not None
+                else [None] * len(part))] for key in keys}
         return cls(codes, scores, metadata, all_scored=first.all_scored,
                    timestamp=first.timestamp)
