@@ -9,9 +9,11 @@ from __future__ import annotations
 import enum
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
 
 
 def _now() -> float:
@@ -99,10 +101,11 @@ class ProbeSignal:
     ``action`` accepts the enum or its string value; ``score`` is stored as a
     float; ``metadata`` defaults to an empty dict and ``timestamp`` to now.
 
-    ``request_id``, ``extraction_point_name``, ``layer`` and ``token_index`` say
-    which activation the signal judged. A probe leaves them None; the router fills
-    them in on the signals it keeps (``ProbeResult.signals``) and returns, so a
-    signal can be placed on the token axis without its record.
+    ``request_id``, ``extraction_point_name``, ``layer``, ``token_index`` and
+    ``generated_index`` say which activation the signal judged (the
+    :class:`ActivationRecord` fields of the same names). A probe leaves them None;
+    the router fills them in on the signals it keeps (``ProbeResult.signals``)
+    and returns, so a signal can be placed on the token axis without its record.
     """
 
     action: SignalAction = SignalAction.CONTINUE
@@ -113,6 +116,7 @@ class ProbeSignal:
     extraction_point_name: str | None = None
     layer: int | None = None
     token_index: int | None = None
+    generated_index: int | None = None
 
     def __init__(
         self,
@@ -124,8 +128,9 @@ class ProbeSignal:
         extraction_point_name: str | None = None,
         layer: int | None = None,
         token_index: int | None = None,
+        generated_index: int | None = None,
     ) -> None:
-        # Built per activation on the generation path, like ActivationRecord.
+        # Built per activation (when read), like ActivationRecord.
         self.__dict__.update(
             action=action if type(action) is SignalAction else SignalAction(action),
             score=None if score is None else float(score),
@@ -135,6 +140,7 @@ class ProbeSignal:
             extraction_point_name=extraction_point_name,
             layer=layer,
             token_index=token_index,
+            generated_index=generated_index,
         )
 
     @property
@@ -143,15 +149,72 @@ class ProbeSignal:
         return self.token_index is not None
 
     def at(self, request_id: str, extraction_point_name: str, layer: int,
-           token_index: int) -> ProbeSignal:
+           token_index: int, generated_index: int | None) -> ProbeSignal:
         """This signal placed at an activation: itself when already there, else a copy
         with the location filled in (a probe's own object is never changed)."""
         if (self.token_index == token_index and self.layer == layer
                 and self.request_id == request_id
-                and self.extraction_point_name == extraction_point_name):
+                and self.extraction_point_name == extraction_point_name
+                and self.generated_index == generated_index):
             return self
         return ProbeSignal(self.action, self.score, self.metadata, self.timestamp,
-                           request_id, extraction_point_name, layer, token_index)
+                           request_id, extraction_point_name, layer, token_index,
+                           generated_index)
+
+
+class LazySequence(Sequence[T], Generic[T]):
+    """A read-only sequence whose items are built on first use, then kept.
+
+    It stands where a tuple of per-activation objects would (``ProbeResult.signals``,
+    ``GenerationOutput.signals``), so that generation never builds them: a
+    caller who reads it pays once. It compares equal to a tuple or list with the
+    same items.
+
+    >>> items = LazySequence(lambda: [1, 2])
+    >>> items == (1, 2), len(items), items[-1]
+    (True, 2, 2)
+    """
+
+    __slots__ = ("_build", "_items")
+
+    def __init__(self, build: Callable[[], Iterable[T]]) -> None:
+        self._build: Callable[[], Iterable[T]] | None = build
+        self._items: tuple[T, ...] | None = None
+
+    def _get(self) -> tuple[T, ...]:
+        if self._items is None:
+            assert self._build is not None
+            self._items = tuple(self._build())
+            self._build = None
+        return self._items
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[T, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> T | tuple[T, ...]:
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazySequence):
+            return self._get() == other._get()
+        if isinstance(other, (tuple, list)):
+            return self._get() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
 
 
 @dataclass(frozen=True)
@@ -184,19 +247,22 @@ class ProbeResult:
     """What one probe concluded about one request at one extraction point.
 
     ``verdict`` is whatever the probe's ``on_end`` returned; ``signals`` are the
-    signals it emitted, in order; ``error`` describes the first failure, if any.
+    signals it emitted, in order, each located at its activation (a tuple, or a
+    :class:`LazySequence` built when first read); ``error`` describes the first
+    failure, if any.
     """
 
     request_id: str
     extraction_point_name: str
     verdict: Any
-    signals: tuple[ProbeSignal, ...]
+    signals: Sequence[ProbeSignal]
     stats: ProbeStats
     error: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "signals", tuple(self.signals))
+        if not isinstance(self.signals, LazySequence):
+            object.__setattr__(self, "signals", tuple(self.signals))
 
     @property
     def flagged(self) -> bool:
@@ -446,10 +512,11 @@ class ActivationBatch:
                 start = index
         return found
 
-    def located(self, index: int) -> tuple[str, str, int, int]:
-        """(request, point, layer, token index) of row ``index``."""
+    def located(self, index: int) -> tuple[str, str, int, int, int | None]:
+        """(request, point, layer, token index, generated index) of row ``index``."""
+        generated = self.generated_indices[index]
         return (self.request_ids[index], self.point_names[index], int(self.layers[index]),
-                int(self.token_indices[index]))
+                int(self.token_indices[index]), None if generated is None else int(generated))
 
 
 class BatchSignals:
@@ -523,6 +590,7 @@ class BatchSignals:
             assert batch is not None
             ids, names = _as_list(batch.request_ids), _as_list(batch.point_names)
             layers, tokens = _as_list(batch.layers), _as_list(batch.token_indices)
+            generated = _as_list(batch.generated_indices)
         stamp, keep_nan, actions = self.timestamp, self.all_scored, CODE_ACTIONS
         found = []
         for index, code in enumerate(codes):
@@ -536,7 +604,8 @@ class BatchSignals:
                     if columns else None)
             if locate:
                 found.append(ProbeSignal(actions[code], score, meta, stamp, ids[index],
-                                         names[index], layers[index], tokens[index]))
+                                         names[index], layers[index], tokens[index],
+                                         generated[index]))
             else:
                 found.append(ProbeSignal(actions[code], score, meta, stamp))
         return found

@@ -27,6 +27,7 @@ from undercurrent.records import (
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
+    LazySequence,
     ProbeResult,
     ProbeSignal,
     ProbeStats,
@@ -388,7 +389,7 @@ class Binding:
                 self._count_error(error, record)
             if signal is not None:
                 signal = signal.at(record.request_id, record.extraction_point_name,
-                                   record.layer, record.token_index)
+                                   record.layer, record.token_index, record.generated_index)
                 keep(observed_only(signal) if observed else signal)
         self.processed += len(records)
         self.latency_total, self.latency_max = total, longest
@@ -643,11 +644,18 @@ class Binding:
                 request_id=self.request_id,
                 extraction_point_name=self.name,
                 verdict=verdict,
-                signals=tuple(self.signals),
+                signals=self._final_signals(),
                 stats=stats,
                 error="; ".join(self.error_notes) or None,
                 metadata=metadata,
             )
+
+    def _final_signals(self) -> Sequence[ProbeSignal]:
+        """The kept signals for the result: a tuple, or built when first read if
+        some are still columns (the binding is final: nothing is added later)."""
+        if not self._unread:
+            return tuple(self._signals)
+        return LazySequence(lambda: list(self.signals))
 
     def end(self, waited_s: float) -> ProbeResult:
         """Finalise, call ``on_end`` (unless an activation is still running), build the
