@@ -349,7 +349,7 @@ class ActivationBatch:
 
     __slots__ = ("_tensor", "request_ids", "point_names", "layers", "tensor_type",
                  "token_indices", "is_generated", "generated_indices", "token_ids", "edits",
-                 "timestamp", "_records", "cache")
+                 "timestamp", "_records", "cache", "root", "offset")
 
     def __init__(
         self,
@@ -380,9 +380,13 @@ class ActivationBatch:
         self.timestamp = _now() if timestamp is None else timestamp
         self._records: list[ActivationRecord] | None = (
             None if records is None else list(records))
-        self.cache: dict[str, Any] = {}
+        self.cache: dict[Any, Any] = {}
         """Derived arrays (e.g. the float64 matrix the built-in probes read), kept
         with the batch so that several probes convert it once."""
+        self.root: ActivationBatch | None = None
+        """The batch this one is a row range of (None for a batch built whole)."""
+        self.offset = 0
+        """Where this batch's first row sits in ``root``."""
 
     @classmethod
     def from_records(cls, records: Sequence[ActivationRecord]) -> ActivationBatch:
@@ -465,7 +469,7 @@ class ActivationBatch:
         start, stop, _ = rows.indices(len(self))
         if start == 0 and stop == len(self):
             return self
-        return ActivationBatch(
+        piece = ActivationBatch(
             None if self._tensor is None else self._tensor[start:stop],
             request_ids=self.request_ids[start:stop],
             point_names=self.point_names[start:stop],
@@ -479,6 +483,26 @@ class ActivationBatch:
             timestamp=self.timestamp,
             records=None if self._records is None else self._records[start:stop],
         )
+        piece.root = self if self.root is None else self.root
+        piece.offset = self.offset + start
+        return piece
+
+    def shared(self, key: Any, compute: Callable[[ActivationBatch], Any]) -> Any:
+        """``compute(batch)`` for this batch's rows, computed once for the whole
+        batch it was sliced from and kept there under ``key``: the probes of many
+        requests, each given its own slice, then share one matrix operation.
+
+        ``compute`` must be per row (row ``i`` of its result depends on row ``i``
+        of the batch only) and return a row-sliceable value: an array or list, or
+        a tuple or dict of them.
+        """
+        root = self if self.root is None else self.root
+        found = root.cache.get(key)
+        if found is None:
+            found = root.cache[key] = compute(root)
+        if root is self:
+            return found
+        return _rows_of(found, self.offset, self.offset + len(self))
 
     def records(self) -> list[ActivationRecord]:
         """One :class:`ActivationRecord` per row, built on the first call and kept
@@ -517,6 +541,20 @@ class ActivationBatch:
         generated = self.generated_indices[index]
         return (self.request_ids[index], self.point_names[index], int(self.layers[index]),
                 int(self.token_indices[index]), None if generated is None else int(generated))
+
+
+def rows_of(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a row-sliceable value (an array or list, or a tuple or
+    dict of them), as :meth:`ActivationBatch.shared` keeps them."""
+    return _rows_of(value, start, stop)
+
+
+def _rows_of(value: Any, start: int, stop: int) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_rows_of(item, start, stop) for item in value)
+    if isinstance(value, dict):
+        return {key: item[start:stop] for key, item in value.items()}
+    return value[start:stop]
 
 
 class BatchSignals:
@@ -624,6 +662,23 @@ class BatchSignals:
             timestamp=self.timestamp,
             objects=None if self.objects is None else self.objects[start:stop],
         )
+
+    @classmethod
+    def assemble(cls, count: int, pieces: Sequence[tuple[int, BatchSignals]]) -> BatchSignals:
+        """``count`` rows from (first row, signals) pieces that do not overlap; rows
+        no piece covers get no signal."""
+        if len(pieces) == 1 and pieces[0][0] == 0 and len(pieces[0][1]) == count:
+            return pieces[0][1]
+        parts: list[BatchSignals] = []
+        position = 0
+        for start, signals in sorted(pieces, key=lambda piece: piece[0]):
+            if start > position:
+                parts.append(cls.none(start - position))
+            parts.append(signals)
+            position = start + len(signals)
+        if position < count:
+            parts.append(cls.none(count - position))
+        return cls.concat(parts) if parts else cls.none(0)
 
     @classmethod
     def concat(cls, parts: Sequence[BatchSignals]) -> BatchSignals:

@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from undercurrent.records import BatchSignals
+from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
-    from undercurrent.records import ActivationBatch, ActivationRecord, ProbeSignal
+    from undercurrent.records import ActivationRecord, ProbeSignal
     from undercurrent.spec.types import ExtractionPoint
 
 
@@ -137,6 +137,47 @@ class Probe:
     def supported_kinds(cls) -> tuple[ProbeKind, ...]:
         """The probe kinds this class declares, as a tuple."""
         return supported_kinds(cls)
+
+
+class ScoresRows(Probe):
+    """A probe whose judgement of a batch splits in two: per-row values that depend
+    on the row alone (:meth:`row_values`, one matrix operation), then the
+    instance's own judgement of them, in order (:meth:`judge_rows`, which updates
+    its state). The built-ins are written this way.
+
+    Instances with the same :meth:`group_key` compute the same values, so the
+    router computes them once for a whole routed batch (every request's rows of a
+    point) and hands each instance its rows; :meth:`on_batch` (one instance, its
+    own rows) shares them the same way through
+    :meth:`~undercurrent.records.ActivationBatch.shared`.
+    """
+
+    def group_key(self) -> Any:
+        """Hashable, equal for instances whose :meth:`row_values` agree on every
+        row; None when an instance must compute its own."""
+        return None
+
+    def row_values(self, batch: ActivationBatch) -> Any:
+        """Per-row values for the batch: an array or list with one entry per row,
+        or a tuple or dict of them. Row ``i`` depends on row ``i`` only."""
+        raise NotImplementedError
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        """Judge rows given their values (those :meth:`row_values` computed) and
+        where they sit; update the state as :meth:`on_activation` would, row by row."""
+        raise NotImplementedError
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        key = self.group_key()
+        values = self.row_values(batch) if key is None else batch.shared(key, self.row_values)
+        return self.judge_rows(values, batch.token_indices, batch.layers)
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+        return self.on_activations((record,))[0]
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> Sequence[ProbeSignal | None]:
+        return self.on_batch(ActivationBatch.from_records(records)).signals()
 
 
 def _owner(cls: type, name: str) -> type | None:

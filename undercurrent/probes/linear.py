@@ -6,13 +6,14 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
-from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.weights import (
     LINKS,
@@ -67,6 +68,7 @@ class LinearReadout:
                 f"{source}: label_names has {len(names)} names for {classes} classes"
             )
         self.class_index = self._resolve_class_index(class_index)
+        self._key: tuple[Any, ...] | None = None
 
     @property
     def source(self) -> str:
@@ -143,10 +145,26 @@ class LinearReadout:
         return values[:, index], meta
 
     def score_batch(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
-        """:meth:`score_matrix` of a batch's rows."""
+        """:meth:`score_matrix` of a batch's rows (one matrix product for the whole
+        batch it was sliced from, shared by every readout with the same weights)."""
+        return batch.shared(self.key, self._score_whole)  # type: ignore[no-any-return]
+
+    def _score_whole(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
         shape = getattr(batch.tensor, "shape", None)
         return self.score_matrix(batch_matrix(batch),
                                  None if shape is None else tuple(shape[1:]))
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Equal for readouts that score every activation the same way (same
+        weights, bias, link and class)."""
+        if self._key is None:
+            digest = hashlib.blake2b(digest_size=16)
+            for array in (self.weights.weight, self.weights.bias):
+                digest.update(repr((array.shape, array.dtype.str)).encode())
+                digest.update(array.tobytes())
+            self._key = ("linear_readout", self.link, self.class_index, digest.digest())
+        return self._key
 
 
 def _resolve_weights(
@@ -163,7 +181,7 @@ def _resolve_weights(
     return linear_weights(weight, bias)
 
 
-class LinearProbe(Probe):
+class LinearProbe(ScoresRows):
     """``linear_probe``: score each activation with ``link(W . x + b)``.
 
     probe_args:
@@ -223,25 +241,31 @@ class LinearProbe(Probe):
         if ctx.extraction_point is not None:  # the router checked; direct callers may not
             self.check_point(ctx.extraction_point)
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        return self.on_activations((record,))[0]
+    def group_key(self) -> Any:
+        # A subclass that judges each activation itself is not judged in groups.
+        return self.readout.key if type(self).judge is LinearProbe.judge else None
 
-    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        return self.on_batch(ActivationBatch.from_records(records)).signals()
+    def row_values(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+        """(scores, metadata columns) of the batch's rows, one matrix product."""
+        return self.readout.score_batch(batch)
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        scores, meta = values
+        return self.summary.batch_signals(self.rule, scores, token_indices, layers, meta)
 
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
         """Score the batch with one matrix product; a subclass that overrides
         :meth:`judge` gets it called per activation, in order."""
+        if type(self).judge is LinearProbe.judge:
+            return super().on_batch(batch)
         scores, meta = self.readout.score_batch(batch)
-        if type(self).judge is not LinearProbe.judge:
-            keys = list(meta)
-            return BatchSignals.from_signals([
-                self.judge(record, score, {key: meta[key][i] for key in keys})
-                for i, (record, score) in enumerate(zip(batch.records(), scores.tolist(),
-                                                        strict=True))
-            ])
-        return self.summary.batch_signals(self.rule, scores, batch.token_indices, batch.layers,
-                                          meta)
+        keys = list(meta)
+        return BatchSignals.from_signals([
+            self.judge(record, score, {key: meta[key][i] for key in keys})
+            for i, (record, score) in enumerate(zip(batch.records(), scores.tolist(),
+                                                    strict=True))
+        ])
 
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
         """The signal for one scored activation (and the summary updated)."""

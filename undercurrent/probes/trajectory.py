@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.probes.arrays import batch_matrix
-from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.statistics import l2_norms
@@ -17,7 +17,6 @@ from undercurrent.records import (
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
-    ProbeSignal,
 )
 from undercurrent.spec.types import ProbeKind
 
@@ -33,7 +32,7 @@ class _Running:
     value: float = 0.0
 
 
-class TrajectoryProbe(Probe):
+class TrajectoryProbe(ScoresRows):
     """``trajectory_probe``: running mean, max or EWMA of a per-token value.
 
     Each activation yields a value: the linear score (``source: linear``, with the
@@ -117,6 +116,14 @@ class TrajectoryProbe(Probe):
 
     def batch_values(self, batch: ActivationBatch) -> Any:
         """:meth:`value` of every row of a batch (float64 array), one matrix operation."""
+        return batch.shared(self.group_key(), self.row_values)
+
+    def group_key(self) -> Any:
+        if self.readout is not None:
+            return ("linear_scores", self.readout.key)
+        return ("statistic", "l2_norm")
+
+    def row_values(self, batch: ActivationBatch) -> Any:
         if self.readout is not None:
             return self.readout.score_batch(batch)[0]
         return l2_norms(batch_matrix(batch))
@@ -136,17 +143,11 @@ class TrajectoryProbe(Probe):
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        return self.on_activations((record,))[0]
-
-    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        return self.on_batch(ActivationBatch.from_records(records)).signals()
-
-    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
-        """The values with one matrix operation, then each layer's running statistic
-        row by row (a recurrence, in order)."""
-        values = self.batch_values(batch).tolist()
-        layers = [int(layer) for layer in batch.layers]
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        """Each layer's running statistic, row by row (a recurrence, in order)."""
+        values = values.tolist()
+        layers = [int(layer) for layer in layers]
         statistics, crossed = [], []
         running_by_layer, rule, min_count = self.running, self.rule, self.min_count
         for layer, value in zip(layers, values, strict=True):
@@ -156,7 +157,7 @@ class TrajectoryProbe(Probe):
             statistic = self._update(running, value)
             statistics.append(statistic)
             crossed.append(running.count >= min_count and rule.crossed(statistic))
-        self.summary.add_columns(statistics, batch.token_indices, layers, crossed)
+        self.summary.add_columns(statistics, token_indices, layers, crossed)
         code = ACTION_CODES[rule.action]
         return BatchSignals(
             [code if hit else 0 for hit in crossed], statistics,

@@ -147,8 +147,9 @@ class Binding:
         self.latency_max = 0.0
         self.late_results = 0
         self._signals: list[ProbeSignal] = []
-        # Signals kept as columns until read: (signals, the rows they judged, observed).
-        self._unread: list[tuple[BatchSignals, ActivationBatch, bool]] = []
+        # Signals kept as columns until read: (signals, the batch holding the rows
+        # they judged, first row, stop, observed).
+        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool]] = []
         self.error_notes: list[str] = []
         self._logged_error = False
         self.traceback: str | None = None  # of the first exception the probe raised
@@ -156,6 +157,13 @@ class Binding:
         self.in_flight = 0  # records in the call that ``busy`` marks
         self.native = scores_batches(probe)  # served whole batches (Probe.on_batch)
         self.batched = self.native or batches_natively(probe)
+        # Inline, no deadline, and a probe whose values a routed batch computes once
+        # for every request (ScoresRows.group_key): judged in a group by the router.
+        group_key = getattr(probe, "group_key", None) if self.native else None
+        self.group: Any = (
+            group_key() if group_key is not None and not self.is_async
+            and policy.mode is InterventionMode.REJECT else None
+        )
         self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self.closed = False
         self.start_failed = False  # on_start raised: the binding never opened
@@ -180,8 +188,8 @@ class Binding:
         if self._unread:
             unread, self._unread = self._unread, []
             keep = self._signals.append
-            for columns, batch, observed in unread:
-                for signal in columns.signals(batch):
+            for columns, batch, start, stop, observed in unread:
+                for signal in columns.signals(batch[start:stop]):
                     if signal is not None:
                         keep(observed_only(signal) if observed else signal)
         return self._signals
@@ -190,7 +198,7 @@ class Binding:
                      observed: bool = False) -> None:
         """Keep a batch's signals (lock held), as columns until read."""
         if columns.any_signal():
-            self._unread.append((columns, batch, observed))
+            self._unread.append((columns, batch, 0, len(batch), observed))
 
     # -- user code, called without the lock ---------------------------------------
 
@@ -319,6 +327,10 @@ class Binding:
             )
         share = (time.perf_counter() - started) / len(records)
         return [(signal, error, share) for signal in signals]
+
+    def log_error(self, where: str, exc: BaseException) -> None:
+        """Log the binding's first exception (see :meth:`_log_first_error`)."""
+        self._log_first_error(where, exc)
 
     def _log_first_error(self, where: str, exc: BaseException) -> None:
         """Log a binding's first exception: one warning line, the traceback at DEBUG
@@ -550,6 +562,40 @@ class Binding:
                 return False
             self.settle_batch(batch, outcome, observed=observed)
             return True
+
+    def finish_rows(self, batch: ActivationBatch, start: int, stop: int,
+                    signals: BatchSignals | None, latency: float, longest: float,
+                    error: str | None = None) -> bool:
+        """The group call that judged rows ``start:stop`` of ``batch`` (marked by
+        :meth:`admit_inline`) returned: settle them in one update, with the
+        signals they got (or ``error`` for every row). False when the result was
+        frozen meanwhile."""
+        count = stop - start
+        with self.cond:
+            self.busy = False
+            self.in_flight = 0
+            self.cond.notify_all()
+            if self.finalised:
+                return False
+            self.processed += count
+            self.latency_total += latency
+            if longest > self.latency_max:
+                self.latency_max = longest
+            if error is not None:
+                self._count_errors(batch[start:stop], [error] * count)
+            elif signals is not None and signals.any_signal():
+                self._unread.append((signals, batch, start, stop, False))
+            return True
+
+    def release_dropped(self, count: int) -> None:
+        """An admitted call that never ran (an interrupt stopped the group first):
+        the probe is free again and the rows count as dropped."""
+        with self.cond:
+            self.busy = False
+            self.in_flight = 0
+            self.cond.notify_all()
+            if not self.finalised:
+                self.dropped += count
 
     def keep_scheduled(self) -> bool:
         """After a worker's turn: True when queued records remain (the binding stays

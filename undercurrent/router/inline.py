@@ -19,10 +19,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from undercurrent.records import ActivationBatch, BatchSignals, ProbeSignal, SignalAction
-from undercurrent.router.binding import BatchOutcome, Binding, logger
+from undercurrent.records import (
+    ABORT_CODE,
+    ActivationBatch,
+    BatchSignals,
+    ProbeSignal,
+    SignalAction,
+    rows_of,
+)
+from undercurrent.router.binding import BatchOutcome, Binding, describe_error, logger
 from undercurrent.spec.types import InterventionMode, OnTimeout
 
 
@@ -41,6 +50,92 @@ def _run_to_completion(binding: Binding, batch: ActivationBatch) -> BatchSignals
     if not binding.finish_call(batch, outcome, observed=False):
         return BatchSignals.none(len(batch))
     return outcome.signals
+
+
+def judge_group(batch: ActivationBatch, key: Any,
+                members: Sequence[tuple[Any, Binding, int, int]]
+                ) -> list[tuple[int, BatchSignals]]:
+    """Judge several ``reject`` bindings' rows of one routed batch at once: their
+    probes share ``key`` (:meth:`~undercurrent.probes.base.ScoresRows.group_key`),
+    so the per-row values are computed once for the batch, then each probe judges
+    its own rows (``judge_rows``) and each binding is settled in one update.
+    ``members`` are (request, binding, start, stop); returns (start, signals) per
+    binding that judged. The same counts, signals and state as each binding's
+    ``on_batch`` on its own rows; a failure computing the values falls back to
+    exactly that, binding by binding."""
+    admitted = [member for member in members if member[1].admit_inline(member[3] - member[2])]
+    if not admitted:
+        return []
+    started = time.perf_counter()
+    try:
+        values = batch.shared(key, admitted[0][1].probe.row_values)
+    except Exception:
+        return _judge_each(batch, admitted)
+    except BaseException:  # an interrupt on the generation thread: nothing ran
+        for _, binding, start, stop in admitted:
+            binding.release_dropped(stop - start)
+        raise
+    tokens, layers = batch.token_indices, batch.layers
+    judged: list[tuple[Any, Binding, int, int, BatchSignals | None, str | None]] = []
+    try:
+        for request, binding, start, stop in admitted:
+            try:
+                signals = binding.probe.judge_rows(rows_of(values, start, stop),
+                                                   tokens[start:stop], layers[start:stop])
+                judged.append((request, binding, start, stop, signals, None))
+            except Exception as exc:
+                binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)",
+                                  exc)
+                judged.append((request, binding, start, stop, None, describe_error(exc)))
+    except BaseException as exc:  # an interrupt: settle what ran, drop what did not
+        _, binding, start, stop = admitted[len(judged)]
+        binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)", exc)
+        judged.append((None, binding, start, stop, None, describe_error(exc)))
+        _settle_group(batch, judged, started)
+        for _, binding, start, stop in admitted[len(judged):]:
+            binding.release_dropped(stop - start)
+        raise
+    return _settle_group(batch, judged, started)
+
+
+def _settle_group(batch: ActivationBatch,
+                  judged: Sequence[tuple[Any, Binding, int, int, BatchSignals | None,
+                                         str | None]],
+                  started: float) -> list[tuple[int, BatchSignals]]:
+    """Settle each judged binding (its share of the group's time per row)."""
+    rows = sum(stop - start for _, _, start, stop, _, _ in judged)
+    share = (time.perf_counter() - started) / rows if rows else 0.0
+    pieces: list[tuple[int, BatchSignals]] = []
+    for request, binding, start, stop, signals, error in judged:
+        settled = binding.finish_rows(batch, start, stop, signals, share * (stop - start),
+                                      share, error)
+        if not settled or signals is None:
+            continue
+        if request is not None and ABORT_CODE in signals.actions:
+            request.abort_requested = True
+        pieces.append((start, signals))
+    return pieces
+
+
+def _judge_each(batch: ActivationBatch, admitted: Sequence[tuple[Any, Binding, int, int]]
+                ) -> list[tuple[int, BatchSignals]]:
+    """Each admitted binding's ``on_batch`` on its own rows (after the shared values
+    failed): errors are then counted binding by binding."""
+    pieces: list[tuple[int, BatchSignals]] = []
+    for index, (request, binding, start, stop) in enumerate(admitted):
+        piece = batch[start:stop]
+        try:
+            outcome = binding.invoke_batch(piece, propagate_interrupts=True)
+        except BaseException:  # an interrupt: the bindings not reached never ran
+            for _, later, first, last in admitted[index + 1:]:
+                later.release_dropped(last - first)
+            raise
+        if not binding.finish_call(piece, outcome, observed=False):
+            continue
+        if ABORT_CODE in outcome.signals.actions:
+            request.abort_requested = True
+        pieces.append((start, outcome.signals))
+    return pieces
 
 
 @dataclass

@@ -24,7 +24,7 @@ from undercurrent.records import (
 )
 from undercurrent.router.binding import Binding, describe_error, logger
 from undercurrent.router.errors import OverflowPolicy, RouterError
-from undercurrent.router.inline import run_inline
+from undercurrent.router.inline import judge_group, run_inline
 from undercurrent.router.scheduler import AsyncScheduler
 from undercurrent.router.validation import (
     CheckedPoint,
@@ -367,12 +367,12 @@ class Router:
                 "route_columns: every row must belong to one extraction point; got "
                 f"{sorted(set(names))}"
             )
-        parts: list[BatchSignals] = []
+        pieces: list[tuple[int, BatchSignals]] = []
+        grouped: dict[Any, list[tuple[_Request, Binding, int, int]]] = {}
         for request_id, start, stop in batch.spans() if spans is None else spans:
             request = self._requests.get(request_id)
             if request is None:
                 self._route_unknown(request_id, stop - start)
-                parts.append(BatchSignals.none(stop - start))
                 continue
             binding = request.bindings.get(name)
             if binding is None:
@@ -380,16 +380,18 @@ class Router:
                     f"route: request {request_id!r} has no extraction point named "
                     f"{name!r}; its points are {sorted(request.bindings)}"
                 )
-            piece = batch[start:stop]
             if binding.is_async:
-                self._enqueue(binding, piece)
-                parts.append(BatchSignals.none(stop - start))
-                continue
-            signals = run_inline(binding, piece)
-            if ABORT_CODE in signals.actions:
-                request.abort_requested = True
-            parts.append(signals)
-        return BatchSignals.concat(parts)
+                self._enqueue(binding, batch[start:stop])
+            elif binding.group is not None:
+                grouped.setdefault(binding.group, []).append((request, binding, start, stop))
+            else:
+                signals = run_inline(binding, batch[start:stop])
+                if ABORT_CODE in signals.actions:
+                    request.abort_requested = True
+                pieces.append((start, signals))
+        for key, members in grouped.items():
+            pieces.extend(judge_group(batch, key, members))
+        return BatchSignals.assemble(count, pieces)
 
     def _enqueue(self, binding: Binding, batch: ActivationBatch) -> None:
         """Queue a batch on an async binding, handing it to the workers as needed.
