@@ -216,6 +216,10 @@ class LazySequence(Sequence[T], Generic[T]):
     def __repr__(self) -> str:
         return repr(self._get())
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (and deep-copied) as the tuple of its items.
+        return (tuple, (self._get(),))
+
 
 @dataclass(frozen=True)
 class ProbeStats:

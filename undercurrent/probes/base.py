@@ -169,8 +169,19 @@ class ScoresRows(Probe):
         raise NotImplementedError
 
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """The values shared with the batch this one was sliced from (or, when
+        computing them for that whole batch fails, for this batch's own rows, so a
+        failure is this instance's alone), then :meth:`judge_rows`."""
         key = self.group_key()
-        values = self.row_values(batch) if key is None else batch.shared(key, self.row_values)
+        if key is None:
+            values = self.row_values(batch)
+        else:
+            try:
+                values = batch.shared(key, self.row_values)
+            except Exception:
+                if batch.root is None:
+                    raise
+                values = self.row_values(batch)
         return self.judge_rows(values, batch.token_indices, batch.layers)
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
