@@ -113,7 +113,8 @@ def _token_signals(runs: list[tuple[RoutedPoint, int, int, list[int]]]
 
 class RecordLog(Sequence[ActivationRecord]):
     """A request's captured activations (``records=True``), as (batch, row)
-    references; the records are built when read."""
+    references; the records are built when read (``len`` builds nothing). It
+    compares equal to a list of the same records, and ``+`` gives a list."""
 
     def __init__(self) -> None:
         self._built: list[ActivationRecord] = []
@@ -128,18 +129,21 @@ class RecordLog(Sequence[ActivationRecord]):
             self._built.extend(batch.records()[row] for batch, row in pending)
         return self._built
 
-    def materialised(self) -> list[ActivationRecord]:
-        """The records as a list (built now if needed)."""
-        return self._flush()
+    def clear(self) -> None:
+        """Forget every record (as ``list.clear``: a consumer frees the memory)."""
+        self._built, self._pending = [], []
 
     def __len__(self) -> int:
-        return len(self._flush())
+        return len(self._built) + len(self._pending)  # counting builds nothing
 
     def __getitem__(self, index: Any) -> Any:
         return self._flush()[index]
 
     def __iter__(self) -> Iterator[ActivationRecord]:
         return iter(self._flush())
+
+    def __repr__(self) -> str:
+        return repr(self._flush())
 
     def __add__(self, other: Iterable[ActivationRecord]) -> list[ActivationRecord]:
         return [*self._flush(), *other]

@@ -78,8 +78,10 @@ class GenerationOutput:
     ``prompt`` is the prompt's text (decoded from the token ids when the call
     was given ``input_ids``).
     ``records`` holds the captured ``ActivationRecord``s only when the generation
-    was asked for ``records=True``. ``edits`` lists every live edit applied, one
-    :class:`AppliedEdit` per (edit, layer, token), in the order they ran.
+    was asked for ``records=True``: a sequence (a list, or a backend's log that
+    builds the records when first read, equal to the list of them). ``edits``
+    lists every live edit applied, one :class:`AppliedEdit` per (edit, layer,
+    token), in the order they ran.
     ``signals`` holds each inline signal located (:class:`TokenSignal`), in
     routing order; a backend may give a
     :class:`~undercurrent.records.LazySequence` that builds them when first
@@ -96,7 +98,7 @@ class GenerationOutput:
     abort: AbortInfo | None = None
     results: Mapping[str, ProbeResult] = field(default_factory=dict)
     signals: Sequence[TokenSignal] = ()
-    records: list[ActivationRecord] | None = None
+    records: Sequence[ActivationRecord] | None = None
     edits: tuple[AppliedEdit, ...] = ()
 
     @property

@@ -436,7 +436,7 @@ class CaptureSession:
             abort=state.abort,
             results=results,
             signals=LazySequence(state.signals.__iter__),
-            records=None if state.records is None else state.records.materialised(),
+            records=state.records,
             edits=tuple(state.applied),
         )
 
