@@ -15,6 +15,7 @@ then never handed per-record objects.
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import types
 from collections.abc import Mapping, Sequence
@@ -254,6 +255,14 @@ def probe_args_problem(cls: type, args: Mapping[str, Any]) -> str | None:
     >>> probe_args_problem(Scaled, {})
     "missing required probe_arg 'scale'"
     """
+    return _args_problem(cls, tuple(sorted(args, key=str)))
+
+
+@functools.lru_cache(maxsize=512)
+def _args_problem(cls: type, names: tuple[Any, ...]) -> str | None:
+    # Only the names matter, so the answer is kept per (class, names): a request
+    # registered per prompt does not read the constructor's signature again.
+    args = dict.fromkeys(names)
     try:
         parameters = list(inspect.signature(cls).parameters.values())
     except (TypeError, ValueError):  # no introspectable signature: the constructor decides
