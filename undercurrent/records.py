@@ -294,8 +294,12 @@ CODE_ACTIONS = (SignalAction.CONTINUE, SignalAction.FLAG, SignalAction.ABORT)
 ABORT_CODE = ACTION_CODES[SignalAction.ABORT]
 
 
-def _as_list(column: Any) -> list[Any]:
-    """A column (list, tuple or numpy array) as a list of Python values."""
+def as_list(column: Any) -> list[Any]:
+    """A column (list, tuple or numpy array) as a list of Python values.
+
+    >>> as_list((1, 2))
+    [1, 2]
+    """
     tolist = getattr(column, "tolist", None)
     return list(tolist()) if tolist is not None else list(column)
 
@@ -516,11 +520,11 @@ class ActivationBatch:
             unbind = getattr(tensor, "unbind", None)  # torch: every row view in one call
             rows = unbind(0) if unbind is not None else tensor
             edits = self.column_edits()
-            ids, names = _as_list(self.request_ids), _as_list(self.point_names)
-            layers, tokens = _as_list(self.layers), _as_list(self.token_indices)
-            generated, is_generated = _as_list(self.generated_indices), _as_list(
+            ids, names = as_list(self.request_ids), as_list(self.point_names)
+            layers, tokens = as_list(self.layers), as_list(self.token_indices)
+            generated, is_generated = as_list(self.generated_indices), as_list(
                 self.is_generated)
-            token_ids, kind, stamp = _as_list(self.token_ids), self.tensor_type, self.timestamp
+            token_ids, kind, stamp = as_list(self.token_ids), self.tensor_type, self.timestamp
             self._records = [
                 ActivationRecord(ids[i], names[i], layers[i], kind, tokens[i],
                                  is_generated[i], generated[i], token_ids[i], rows[i], stamp,
@@ -611,7 +615,7 @@ class BatchSignals:
 
     def any_signal(self) -> bool:
         """True when some row has a signal."""
-        return any(code != NO_SIGNAL for code in _as_list(self.actions))
+        return any(code != NO_SIGNAL for code in as_list(self.actions))
 
     def signals(self, batch: ActivationBatch | None = None) -> list[ProbeSignal | None]:
         """One ``ProbeSignal`` (or None) per row; with ``batch`` (the rows these
@@ -623,16 +627,16 @@ class BatchSignals:
                     if signal is not None:
                         found[index] = signal.at(*batch.located(index))
             return found
-        codes = _as_list(self.actions)
-        scores = _as_list(self.scores) if self.scores is not None else None
-        columns = ({key: _as_list(column) for key, column in self.metadata.items()}
+        codes = as_list(self.actions)
+        scores = as_list(self.scores) if self.scores is not None else None
+        columns = ({key: as_list(column) for key, column in self.metadata.items()}
                    if self.metadata else None)
         locate = batch is not None
         if locate:
             assert batch is not None
-            ids, names = _as_list(batch.request_ids), _as_list(batch.point_names)
-            layers, tokens = _as_list(batch.layers), _as_list(batch.token_indices)
-            generated = _as_list(batch.generated_indices)
+            ids, names = as_list(batch.request_ids), as_list(batch.point_names)
+            layers, tokens = as_list(batch.layers), as_list(batch.token_indices)
+            generated = as_list(batch.generated_indices)
         stamp, keep_nan, actions = self.timestamp, self.all_scored, CODE_ACTIONS
         found = []
         for index, code in enumerate(codes):
@@ -689,7 +693,7 @@ class BatchSignals:
         """The rows of several parts, in order."""
         if len(parts) == 1:
             return parts[0]
-        codes = [code for part in parts for code in _as_list(part.actions)]
+        codes = [code for part in parts for code in as_list(part.actions)]
         # Parts with no signal at all (async rows, a late request) only pad the columns.
         full = [part for part in parts if part.objects is not None or part.scores is not None
                 or part.metadata is not None or part.any_signal()]
@@ -705,11 +709,11 @@ class BatchSignals:
         scores: list[float] | None = None
         if any(part.scores is not None for part in full):
             scores = [value for part in parts for value in (
-                _as_list(part.scores) if part.scores is not None else [nan] * len(part))]
+                as_list(part.scores) if part.scores is not None else [nan] * len(part))]
         metadata = None
         if keys is not None:
             metadata = {key: [value for part in parts for value in (
-                _as_list(part.metadata[key]) if part.metadata is not None
+                as_list(part.metadata[key]) if part.metadata is not None
                 else [None] * len(part))] for key in keys}
         return cls(codes, scores, metadata, all_scored=first.all_scored,
                    timestamp=first.timestamp)

@@ -33,6 +33,7 @@ from undercurrent.records import (
     BatchSignals,
     ProbeSignal,
     SignalAction,
+    as_list,
     concat_rows,
 )
 
@@ -274,7 +275,7 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
         signals = router.route_columns(batch, routed_spans)
         if len(routed_spans) != len(spans):
             signals = _realign(signals, spans, registered, len(batch))
-        codes = _codes(signals.actions)
+        codes = as_list(signals.actions)
         if all(code == NO_SIGNAL for code in codes):
             continue
         routed = RoutedPoint(batch, signals)
@@ -310,11 +311,6 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
                                     int(batch.token_indices[row]),
                                     batch.generated_indices[row], signal)
             state.finish_reason = "abort"
-
-
-def _codes(actions: Any) -> list[int]:
-    tolist = getattr(actions, "tolist", None)
-    return list(tolist()) if tolist is not None else list(actions)
 
 
 def _realign(signals: BatchSignals, spans: Sequence[tuple[Any, int, int]],
