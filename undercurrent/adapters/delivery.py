@@ -18,6 +18,7 @@ records are built only for ``records=True`` (:class:`RecordLog`).
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ Entry = tuple[int, int, int, Any, int, int]
 """One captured vector: (token index, layer, arrival order, point, source, slot)."""
 
 _CONTINUE = ACTION_CODES[SignalAction.CONTINUE]
+_ENTRY_KEY = operator.itemgetter(0, 1, 2)
 
 
 class RoutedPoint:
@@ -204,7 +206,7 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Sequence[Any], An
     for state, entries in per_request.values():
         if state.closed:
             continue  # nothing is routed after the request ended
-        entries.sort(key=_entry_key)
+        entries.sort(key=_ENTRY_KEY)  # (token, layer, arrival): unique
         tokens: list[list[Entry]] = []
         for entry in entries:
             if tokens and tokens[-1][0][0] == entry[0]:
@@ -219,10 +221,6 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Sequence[Any], An
             return
         _deliver_wave(session, current, sources)
         wave += 1
-
-
-def _entry_key(entry: Entry) -> tuple[int, int, int]:
-    return entry[0], entry[1], entry[2]
 
 
 def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
