@@ -279,6 +279,29 @@ def test_route_columns_equals_routing_each_record(specs, requests, steps, overfl
         columnar.shutdown()
 
 
+def test_route_columns_routes_only_the_given_spans_and_answers_every_row():
+    point = _points([("norm_probe", "inline", {0, 1}, 0.0, "abort", 1)])[0]
+    rows = [ActivationRecord(request_id, "p0", layer, "residual_stream", 5, True, 1, 9,
+                             np.full(HIDDEN, 1.0 + layer, dtype=np.float32))
+            for request_id in ("a", "b", "c") for layer in (0, 1)]
+    batch = ActivationBatch.from_records(rows)
+    with _router("drop_newest") as router:
+        for request_id in ("a", "b", "c"):
+            router.register_request(request_id, [point])
+        signals = router.route_columns(batch, [("a", 0, 2), ("c", 4, 6)])
+        assert len(signals) == 6
+        located = signals.signals(batch)
+        assert [s is None for s in located] == [False, False, True, True, False, False]
+        assert all(s.action is SignalAction.ABORT for s in located if s is not None)
+        assert [s.layer for s in located if s is not None] == [0, 1, 0, 1]
+        assert router.abort_requested("a") and router.abort_requested("c")
+        assert not router.abort_requested("b")
+        results = {request_id: router.end_request(request_id)["p0"]
+                   for request_id in ("a", "b", "c")}
+    assert [results[r].stats.received for r in ("a", "b", "c")] == [2, 0, 2]
+    assert results["a"].signals[1].score == pytest.approx(2.0 * math.sqrt(HIDDEN))
+
+
 def _check_scores(points, steps_rows, results, overflow):
     """The per-record path's inline scores agree with the formulas above."""
     for point in points:

@@ -270,9 +270,7 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
                         if state.request_id in registered]
         if not routed_spans:
             continue
-        signals = router.route_columns(batch, routed_spans)
-        if len(routed_spans) != len(spans):
-            signals = _realign(signals, spans, registered, len(batch))
+        signals = router.route_columns(batch, routed_spans)  # a row each, spans or not
         codes = as_list(signals.actions)
         if all(code == NO_SIGNAL for code in codes):
             continue
@@ -309,22 +307,6 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
                                     int(batch.token_indices[row]),
                                     batch.generated_indices[row], signal)
             state.finish_reason = "abort"
-
-
-def _realign(signals: BatchSignals, spans: Sequence[tuple[Any, int, int]],
-             registered: Any, count: int) -> BatchSignals:
-    """Signals for the routed spans only -> one row per batch row (no signal for
-    the rows of a request no longer registered)."""
-    parts: list[BatchSignals] = []
-    offset = 0
-    for state, start, stop in spans:
-        size = stop - start
-        if state.request_id in registered:
-            parts.append(signals[offset:offset + size])
-            offset += size
-        else:
-            parts.append(BatchSignals.none(size))
-    return BatchSignals.concat(parts)
 
 
 def _point_batch(requests: Sequence[tuple[Any, list[Entry]]], sources: Sequence[Any]

@@ -348,12 +348,13 @@ class Router:
 
         Rows must be grouped by request, each request's rows in token then layer
         order (what the adapters build once per forward pass). ``spans`` lists
-        (request id, start, stop) for each request's rows (computed from
-        ``batch.request_ids`` when None). Each request's rows go to its binding as
-        one slice of the batch (no copy): one lookup, one accounting update, one
-        probe call (inline) or one queue entry (async) per binding. Async rows
-        get no signal. A request whose inline rows produced an ``abort`` is
-        marked (:meth:`abort_requested`). Rows of a request that ended moments
+        (request id, start, stop) for each request's rows to route (computed from
+        ``batch.request_ids`` when None); rows outside them are not routed and get
+        no signal (the result always has one row per batch row). Each request's
+        rows go to its binding as one slice of the batch (no copy): one lookup, one
+        accounting update, one probe call (inline) or one queue entry (async) per
+        binding. Async rows get no signal. A request whose inline rows produced
+        an ``abort`` is marked (:meth:`abort_requested`). Rows of a request that ended moments
         ago are ignored (``late_records``); a request never registered, or a
         point the request does not have, raises :class:`RouterError`.
         """
