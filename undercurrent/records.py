@@ -462,9 +462,35 @@ class ActivationBatch:
         """The ``[n, ...]`` tensor (stacked from the records on first read when the
         batch was built from records)."""
         if self._tensor is None:
-            assert self._records is not None
+            if self._records is None:
+                raise ValueError("this ActivationBatch keeps its index columns only "
+                                 "(see index_view): it holds no tensor")
             self._tensor = stack_rows([record.tensor for record in self._records])
         return self._tensor
+
+    def index_view(self) -> ActivationBatch:
+        """The same rows' index columns alone: no tensor, no records, no cache. What
+        locating signals later needs, without keeping the activations alive."""
+        return ActivationBatch(
+            None, request_ids=self.request_ids, point_names=self.point_names,
+            layers=self.layers, tensor_type=self.tensor_type,
+            token_indices=self.token_indices, is_generated=self.is_generated,
+            generated_indices=self.generated_indices, token_ids=self.token_ids,
+            edits=self.edits, timestamp=self.timestamp,
+        )
+
+    def without_cache(self) -> ActivationBatch:
+        """The same rows (tensor and records shared) with an empty :attr:`cache`:
+        what keeping the activations needs, without the arrays probes derived."""
+        kept = ActivationBatch(
+            self._tensor, request_ids=self.request_ids, point_names=self.point_names,
+            layers=self.layers, tensor_type=self.tensor_type,
+            token_indices=self.token_indices, is_generated=self.is_generated,
+            generated_indices=self.generated_indices, token_ids=self.token_ids,
+            edits=self.edits, timestamp=self.timestamp,
+        )
+        kept._records = self._records
+        return kept
 
     def column_edits(self) -> Sequence[tuple[str, ...]]:
         """The ``edits`` column with an entry per row (empty tuples when None)."""

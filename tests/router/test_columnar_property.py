@@ -302,6 +302,30 @@ def test_route_columns_routes_only_the_given_spans_and_answers_every_row():
     assert results["a"].signals[1].score == pytest.approx(2.0 * math.sqrt(HIDDEN))
 
 
+def test_signals_kept_until_read_hold_the_index_columns_not_the_activations():
+    from router_helpers import binding_of
+
+    points = _points([("linear_probe", "inline", {0, 1}, None, "flag", 1),
+                      ("per_record", "inline", {0, 1}, None, "flag", 1)])
+    rows = [ActivationRecord("a", "p0", layer, "residual_stream", 4, True, 0, 9,
+                             np.ones(HIDDEN, dtype=np.float32)) for layer in (0, 1)]
+    with _router("drop_newest") as router:
+        router.register_request("a", points)
+        router.route_columns(ActivationBatch(
+            np.stack([r.tensor for r in rows]), request_ids=["a", "a"],
+            point_names=["p0", "p0"], layers=[0, 1], tensor_type="residual_stream",
+            token_indices=[4, 4], is_generated=[True, True], generated_indices=[0, 0],
+            token_ids=[9, 9]))
+        router.route_batch([ActivationRecord(r.request_id, "p1", r.layer, r.tensor_type, 4,
+                                             True, 0, 9, r.tensor) for r in rows])
+        for name in ("p0", "p1"):
+            unread = binding_of(router, "a", name)._unread
+            assert unread and all(kept._tensor is None and not kept.cache
+                                  for _, kept, _, _, _ in unread)
+        result = router.end_request("a")
+    assert [(s.layer, s.token_index) for s in result["p0"].signals] == [(0, 4), (1, 4)]
+
+
 def _check_scores(points, steps_rows, results, overflow):
     """The per-record path's inline scores agree with the formulas above."""
     for point in points:

@@ -259,10 +259,11 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
     for requests in by_point.values():
         batch, spans = _point_batch(requests, sources)
         if session.keep_records:
+            kept = batch.without_cache()  # the activations, not what probes derived
             row = 0
             for _, group in requests:
                 for entry in group:
-                    where[entry[2]] = (batch, row)
+                    where[entry[2]] = (kept, row)
                     row += 1
         if router is None:
             continue
@@ -274,7 +275,7 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
         codes = as_list(signals.actions)
         if all(code == NO_SIGNAL for code in codes):
             continue
-        routed = RoutedPoint(batch, signals)
+        routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
         for (state, start, stop), (_, group) in zip(spans, requests, strict=True):
             orders = [entry[2] for entry in group]
             runs.setdefault(state.request_id, []).append((routed, start, stop, orders))

@@ -197,8 +197,8 @@ class Binding:
     def keep_signals(self, columns: BatchSignals, batch: ActivationBatch, *,
                      observed: bool = False) -> None:
         """Keep a batch's signals (lock held), as columns until read."""
-        if columns.any_signal():
-            self._unread.append((columns, batch, 0, len(batch), observed))
+        if columns.any_signal():  # the index columns only: the tensor may go
+            self._unread.append((columns, batch.index_view(), 0, len(batch), observed))
 
     # -- user code, called without the lock ---------------------------------------
 
@@ -568,8 +568,9 @@ class Binding:
                     error: str | None = None) -> bool:
         """The group call that judged rows ``start:stop`` of ``batch`` (marked by
         :meth:`admit_inline`) returned: settle them in one update, with the
-        signals they got (or ``error`` for every row). False when the result was
-        frozen meanwhile."""
+        signals they got (or ``error`` for every row). ``batch`` is kept for
+        locating the signals: pass its :meth:`~ActivationBatch.index_view`. False
+        when the result was frozen meanwhile."""
         count = stop - start
         with self.cond:
             self.busy = False

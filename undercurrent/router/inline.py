@@ -106,8 +106,9 @@ def _settle_group(batch: ActivationBatch,
     rows = sum(stop - start for _, _, start, stop, _, _ in judged)
     share = (time.perf_counter() - started) / rows if rows else 0.0
     pieces: list[tuple[int, BatchSignals]] = []
+    index = batch.index_view()  # what the kept signals need: not the activations
     for request, binding, start, stop, signals, error in judged:
-        settled = binding.finish_rows(batch, start, stop, signals, share * (stop - start),
+        settled = binding.finish_rows(index, start, stop, signals, share * (stop - start),
                                       share, error)
         if not settled or signals is None:
             continue
