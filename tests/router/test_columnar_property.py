@@ -47,7 +47,7 @@ HIDDEN = 6
 WEIGHT = [0.5, -1.0, 0.25, 2.0, -0.75, 1.5]
 BIAS = 0.1
 PROBE_TYPES = ("linear_probe", "norm_probe", "mean_probe", "trajectory_probe", "capture",
-               "per_record", "picky")
+               "per_record", "picky", "dual_position_probe")
 
 
 class PerRecord(Probe):
@@ -105,7 +105,7 @@ class Picky(ScoresRows):
 
 def _probe_args(probe_type: str, threshold: float | None, action: str) -> dict[str, Any]:
     args: dict[str, Any] = {}
-    if probe_type in ("linear_probe", "trajectory_probe"):
+    if probe_type in ("linear_probe", "trajectory_probe", "dual_position_probe"):
         args.update(weight=WEIGHT, bias=BIAS)
     if probe_type == "trajectory_probe":
         args.update(statistic="ewma", alpha=0.5)
@@ -132,6 +132,8 @@ def _points(specs: list[tuple[Any, ...]], positions: list[str] | None = None
     points = []
     for index, (probe_type, mode, layers, threshold, action, depth) in enumerate(specs):
         position = positions[index] if positions else "generated[*]"
+        if probe_type == "dual_position_probe" and mode == "async":
+            mode = "inline"  # single_shot only, and async points must be trajectory
         blocking = mode == "inline_block"
         points.append(ExtractionPoint(
             name=f"p{index}",
@@ -139,7 +141,7 @@ def _points(specs: list[tuple[Any, ...]], positions: list[str] | None = None
             tensor_type="residual_stream",
             position=position,
             probe_type=probe_type,
-            probe_kind="trajectory",
+            probe_kind="single_shot" if probe_type == "dual_position_probe" else "trajectory",
             execution_mode="async" if mode == "async" else "inline",
             queue_depth=depth if mode == "async" else None,
             intervention=InterventionPolicy(mode="block_until_signal", timeout_ms=120_000)
@@ -184,7 +186,7 @@ def _expected_score(point: ExtractionPoint, tensor: Any) -> Any:
     """The score of one record computed here, independently of the probes."""
     x = tensor.astype(np.float64)
     kind = point.probe_type
-    if kind == "linear_probe":
+    if kind in ("linear_probe", "dual_position_probe"):
         return 1.0 / (1.0 + math.exp(-(float(np.dot(WEIGHT, x)) + BIAS)))
     if kind == "norm_probe":
         return float(np.sqrt((x * x).sum()))

@@ -23,7 +23,13 @@ from undercurrent.probes.weights import (
     linear_weights,
     load_linear_weights,
 )
-from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
+from undercurrent.records import (
+    ActivationBatch,
+    ActivationRecord,
+    BatchSignals,
+    ProbeSignal,
+    as_list,
+)
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 
@@ -328,25 +334,47 @@ class DualPositionProbe(LinearProbe):
         super().on_start(ctx)
         self.readings = []
 
+    def group_key(self) -> Any:
+        # Its values are linear_probe's (the same readout), judged its own way.
+        return self.readout.key if type(self).judge is DualPositionProbe.judge else None
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        if type(self).judge is DualPositionProbe.judge:
+            return ScoresRows.on_batch(self, batch)
+        return super().on_batch(batch)  # a subclass judges each activation itself
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        scores, meta = values
+        tokens = [int(token) for token in token_indices]
+        layers = [int(layer) for layer in layers]
+        about = [token - self.read_offset for token in tokens]
+        signals = self.summary.batch_signals(self.rule, scores, tokens, layers,
+                                             {**meta, "about_token_index": about})
+        labels, classes = meta.get("top_label"), meta.get("top_class")
+        for index, score in enumerate(as_list(signals.scores)):
+            reading: dict[str, Any] = {
+                "read_at_token_index": tokens[index],
+                "about_token_index": about[index],
+                "layer": layers[index],
+                "score": score,
+            }
+            if labels is not None:
+                reading["label"] = labels[index]
+            elif classes is not None:
+                reading["class_index"] = classes[index]
+            self.readings.append(reading)
+        return signals
+
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
-        signal = super().judge(record, score, meta)
-        about = record.token_index - self.read_offset
-        reading: dict[str, Any] = {
-            "read_at_token_index": record.token_index,
-            "about_token_index": about,
-            "layer": record.layer,
-            "score": signal.score,
-        }
-        if "top_label" in signal.metadata:
-            reading["label"] = signal.metadata["top_label"]
-        elif "top_class" in signal.metadata:
-            reading["class_index"] = signal.metadata["top_class"]
-        self.readings.append(reading)
-        return ProbeSignal(
-            action=signal.action,
-            score=signal.score,
-            metadata={**signal.metadata, "about_token_index": about},
-        )
+        """:meth:`judge_rows` for one scored activation (what a subclass extends)."""
+        np = numpy_module()
+        signals = self.judge_rows(
+            (np.asarray([score], dtype=np.float64), {key: [value] for key, value in meta.items()}),
+            [record.token_index], [record.layer])
+        signal = signals.signals()[0]
+        assert signal is not None
+        return signal
 
     def on_end(self, ctx: RequestContext) -> Any:
         verdict = super().on_end(ctx)
