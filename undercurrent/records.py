@@ -7,10 +7,13 @@ CPU ``torch.Tensor`` from the shipped adapters, or a numpy array in tests).
 from __future__ import annotations
 
 import enum
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
 
 
 def _now() -> float:
@@ -97,12 +100,23 @@ class ProbeSignal:
 
     ``action`` accepts the enum or its string value; ``score`` is stored as a
     float; ``metadata`` defaults to an empty dict and ``timestamp`` to now.
+
+    ``request_id``, ``extraction_point_name``, ``layer``, ``token_index`` and
+    ``generated_index`` say which activation the signal judged (the
+    :class:`ActivationRecord` fields of the same names). A probe leaves them None;
+    the router fills them in on the signals it keeps (``ProbeResult.signals``)
+    and returns, so a signal can be placed on the token axis without its record.
     """
 
     action: SignalAction = SignalAction.CONTINUE
     score: float | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     timestamp: float = field(default_factory=_now)
+    request_id: str | None = None
+    extraction_point_name: str | None = None
+    layer: int | None = None
+    token_index: int | None = None
+    generated_index: int | None = None
 
     def __init__(
         self,
@@ -110,14 +124,101 @@ class ProbeSignal:
         score: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         timestamp: float | None = None,
+        request_id: str | None = None,
+        extraction_point_name: str | None = None,
+        layer: int | None = None,
+        token_index: int | None = None,
+        generated_index: int | None = None,
     ) -> None:
-        # Built per activation on the generation path, like ActivationRecord.
+        # Built per activation (when read), like ActivationRecord.
         self.__dict__.update(
             action=action if type(action) is SignalAction else SignalAction(action),
             score=None if score is None else float(score),
             metadata={} if metadata is None else metadata,
             timestamp=_now() if timestamp is None else timestamp,
+            request_id=request_id,
+            extraction_point_name=extraction_point_name,
+            layer=layer,
+            token_index=token_index,
+            generated_index=generated_index,
         )
+
+    @property
+    def located(self) -> bool:
+        """True when the signal says which activation it judged."""
+        return self.token_index is not None
+
+    def at(self, request_id: str, extraction_point_name: str, layer: int,
+           token_index: int, generated_index: int | None) -> ProbeSignal:
+        """This signal placed at an activation: itself when already there, else a copy
+        with the location filled in (a probe's own object is never changed)."""
+        if (self.token_index == token_index and self.layer == layer
+                and self.request_id == request_id
+                and self.extraction_point_name == extraction_point_name
+                and self.generated_index == generated_index):
+            return self
+        return ProbeSignal(self.action, self.score, self.metadata, self.timestamp,
+                           request_id, extraction_point_name, layer, token_index,
+                           generated_index)
+
+
+class LazySequence(Sequence[T], Generic[T]):
+    """A read-only sequence whose items are built on first use, then kept.
+
+    It stands where a tuple of per-activation objects would (``ProbeResult.signals``,
+    ``GenerationOutput.signals``), so that generation never builds them: a
+    caller who reads it pays once. It compares equal to a tuple or list with the
+    same items.
+
+    >>> items = LazySequence(lambda: [1, 2])
+    >>> items == (1, 2), len(items), items[-1]
+    (True, 2, 2)
+    """
+
+    __slots__ = ("_build", "_items")
+
+    def __init__(self, build: Callable[[], Iterable[T]]) -> None:
+        self._build: Callable[[], Iterable[T]] | None = build
+        self._items: tuple[T, ...] | None = None
+
+    def _get(self) -> tuple[T, ...]:
+        if self._items is None:
+            assert self._build is not None
+            self._items = tuple(self._build())
+            self._build = None
+        return self._items
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[T, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> T | tuple[T, ...]:
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazySequence):
+            return self._get() == other._get()
+        if isinstance(other, (tuple, list)):
+            return self._get() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (and deep-copied) as the tuple of its items.
+        return (tuple, (self._get(),))
 
 
 @dataclass(frozen=True)
@@ -150,19 +251,22 @@ class ProbeResult:
     """What one probe concluded about one request at one extraction point.
 
     ``verdict`` is whatever the probe's ``on_end`` returned; ``signals`` are the
-    signals it emitted, in order; ``error`` describes the first failure, if any.
+    signals it emitted, in order, each located at its activation (a tuple, or a
+    :class:`LazySequence` built when first read); ``error`` describes the first
+    failure, if any.
     """
 
     request_id: str
     extraction_point_name: str
     verdict: Any
-    signals: tuple[ProbeSignal, ...]
+    signals: Sequence[ProbeSignal]
     stats: ProbeStats
     error: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "signals", tuple(self.signals))
+        if not isinstance(self.signals, LazySequence):
+            object.__setattr__(self, "signals", tuple(self.signals))
 
     @property
     def flagged(self) -> bool:
@@ -172,3 +276,470 @@ class ProbeResult:
     @property
     def scores(self) -> list[float | None]:
         return [s.score for s in self.signals]
+
+
+# -- columns: many activations and their signals at once --------------------------------
+
+NO_SIGNAL = -1
+"""Action code of a row that got no signal (the probe returned None)."""
+
+ACTION_CODES: Mapping[SignalAction, int] = {
+    SignalAction.CONTINUE: 0, SignalAction.FLAG: 1, SignalAction.ABORT: 2,
+}
+"""``SignalAction`` -> the small int a :class:`BatchSignals` column holds."""
+
+CODE_ACTIONS = (SignalAction.CONTINUE, SignalAction.FLAG, SignalAction.ABORT)
+"""Action code -> ``SignalAction`` (indexed by code)."""
+
+ABORT_CODE = ACTION_CODES[SignalAction.ABORT]
+
+
+def as_list(column: Any) -> list[Any]:
+    """A column (list, tuple or numpy array) as a list of Python values.
+
+    >>> as_list((1, 2))
+    [1, 2]
+    """
+    tolist = getattr(column, "tolist", None)
+    return list(tolist()) if tolist is not None else list(column)
+
+
+def stack_rows(rows: Sequence[Any]) -> Any:
+    """Stack per-activation tensors into one ``[n, ...]`` tensor: torch stacks torch
+    tensors, numpy stacks arrays; anything else (lists) stays a list of rows."""
+    first = rows[0]
+    if hasattr(first, "detach"):  # a torch tensor: torch is imported already
+        return sys.modules["torch"].stack(list(rows))
+    if hasattr(first, "__array__") and "numpy" in sys.modules:
+        return sys.modules["numpy"].stack(list(rows))
+    return list(rows)
+
+
+def concat_rows(tensors: Sequence[Any]) -> Any:
+    """Concatenate ``[n_i, ...]`` tensors (torch, numpy, or lists of rows) along rows."""
+    if len(tensors) == 1:
+        return tensors[0]
+    first = tensors[0]
+    if hasattr(first, "detach"):
+        return sys.modules["torch"].cat(list(tensors))
+    if hasattr(first, "__array__") and "numpy" in sys.modules:
+        return sys.modules["numpy"].concatenate(list(tensors))
+    return [row for tensor in tensors for row in tensor]
+
+
+class ActivationBatch:
+    """Many captured activations of one tensor type: one stacked tensor plus index
+    columns, the unit the capture path carries from the hook to the probe.
+
+    ``tensor`` is ``[n, ...]`` (a torch tensor from the shipped adapters, a numpy
+    array, or a list of rows), row ``i`` being what
+    ``ActivationRecord.tensor`` would hold. Each index column has one entry per row,
+    with the meaning of the :class:`ActivationRecord` field of the same name
+    (singular): ``request_ids``, ``point_names``, ``layers``, ``token_indices``,
+    ``is_generated``, ``generated_indices`` (None for prompt tokens),
+    ``token_ids`` (None when unknown) and ``edits`` (None: no row was edited).
+    ``tensor_type`` is one string for the whole batch; ``timestamp`` is when it
+    was captured.
+
+    Built by the adapters once per forward pass and extraction point (rows grouped
+    by request, in token then layer order), routed whole, and sliced per request
+    without copying the tensor. :meth:`records` gives the per-vector view, built
+    only when asked (``records=True``, a probe written per record); the built-in
+    probes never ask.
+
+    >>> batch = ActivationBatch([[3.0, 4.0], [0.0, 1.0]], request_ids=["r", "r"],
+    ...     point_names=["p", "p"], layers=[0, 1], tensor_type="mlp_out",
+    ...     token_indices=[5, 5], is_generated=[True, True], generated_indices=[0, 0],
+    ...     token_ids=[9, 9])
+    >>> len(batch), batch.records()[1].layer, batch[1:].records()[0].tensor
+    (2, 1, [0.0, 1.0])
+    """
+
+    __slots__ = ("_tensor", "request_ids", "point_names", "layers", "tensor_type",
+                 "token_indices", "is_generated", "generated_indices", "token_ids", "edits",
+                 "timestamp", "_records", "cache", "root", "offset")
+
+    def __init__(
+        self,
+        tensor: Any,
+        *,
+        request_ids: Sequence[str],
+        point_names: Sequence[str],
+        layers: Sequence[int],
+        tensor_type: str,
+        token_indices: Sequence[int],
+        is_generated: Sequence[bool],
+        generated_indices: Sequence[int | None],
+        token_ids: Sequence[int | None],
+        edits: Sequence[tuple[str, ...]] | None = None,
+        timestamp: float | None = None,
+        records: Sequence[ActivationRecord] | None = None,
+    ) -> None:
+        self._tensor = tensor
+        self.request_ids = request_ids
+        self.point_names = point_names
+        self.layers = layers
+        self.tensor_type = tensor_type
+        self.token_indices = token_indices
+        self.is_generated = is_generated
+        self.generated_indices = generated_indices
+        self.token_ids = token_ids
+        self.edits = edits
+        self.timestamp = _now() if timestamp is None else timestamp
+        self._records: list[ActivationRecord] | None = (
+            None if records is None else list(records))
+        self.cache: dict[Any, Any] = {}
+        """Derived arrays (e.g. the float64 matrix the built-in probes read), kept
+        with the batch so that several probes convert it once."""
+        self.root: ActivationBatch | None = None
+        """The batch this one is a row range of (None for a batch built whole)."""
+        self.offset = 0
+        """Where this batch's first row sits in ``root``."""
+
+    @classmethod
+    def from_records(cls, records: Sequence[ActivationRecord]) -> ActivationBatch:
+        """A batch over existing records (one tensor type): :meth:`records` returns
+        these very objects; the tensor is stacked only when read."""
+        if not records:
+            raise ValueError("ActivationBatch.from_records needs at least one record")
+        return cls(
+            None,
+            request_ids=[r.request_id for r in records],
+            point_names=[r.extraction_point_name for r in records],
+            layers=[r.layer for r in records],
+            tensor_type=records[0].tensor_type,
+            token_indices=[r.token_index for r in records],
+            is_generated=[r.is_generated for r in records],
+            generated_indices=[r.generated_index for r in records],
+            token_ids=[r.token_id for r in records],
+            edits=[r.edits for r in records] if any(r.edits for r in records) else None,
+            timestamp=records[0].timestamp,
+            records=records,
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[ActivationBatch]) -> ActivationBatch:
+        """The rows of several batches of one tensor type, in order (one copy of
+        the tensors; records already built are kept)."""
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+        records = None
+        if all(batch._records is not None for batch in batches):
+            records = [r for batch in batches for r in batch.records()]
+        tensor = None
+        if all(batch._tensor is not None for batch in batches):
+            tensor = concat_rows([batch._tensor for batch in batches])
+        if tensor is None and records is None:
+            records = [r for batch in batches for r in batch.records()]
+        edits = None
+        if any(batch.edits is not None for batch in batches):
+            edits = [e for batch in batches for e in batch.column_edits()]
+
+        def joined(name: str) -> list[Any]:
+            return [value for batch in batches for value in getattr(batch, name)]
+
+        return cls(
+            tensor,
+            request_ids=joined("request_ids"),
+            point_names=joined("point_names"),
+            layers=joined("layers"),
+            tensor_type=first.tensor_type,
+            token_indices=joined("token_indices"),
+            is_generated=joined("is_generated"),
+            generated_indices=joined("generated_indices"),
+            token_ids=joined("token_ids"),
+            edits=edits,
+            timestamp=first.timestamp,
+            records=records,
+        )
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def tensor(self) -> Any:
+        """The ``[n, ...]`` tensor (stacked from the records on first read when the
+        batch was built from records)."""
+        if self._tensor is None:
+            if self._records is None:
+                raise ValueError("this ActivationBatch keeps its index columns only "
+                                 "(see index_view): it holds no tensor")
+            self._tensor = stack_rows([record.tensor for record in self._records])
+        return self._tensor
+
+    def index_view(self) -> ActivationBatch:
+        """The same rows' index columns alone: no tensor, no records, no cache. What
+        locating signals later needs, without keeping the activations alive."""
+        return ActivationBatch(
+            None, request_ids=self.request_ids, point_names=self.point_names,
+            layers=self.layers, tensor_type=self.tensor_type,
+            token_indices=self.token_indices, is_generated=self.is_generated,
+            generated_indices=self.generated_indices, token_ids=self.token_ids,
+            edits=self.edits, timestamp=self.timestamp,
+        )
+
+    def without_cache(self) -> ActivationBatch:
+        """The same rows (tensor and records shared) with an empty :attr:`cache`:
+        what keeping the activations needs, without the arrays probes derived."""
+        kept = ActivationBatch(
+            self._tensor, request_ids=self.request_ids, point_names=self.point_names,
+            layers=self.layers, tensor_type=self.tensor_type,
+            token_indices=self.token_indices, is_generated=self.is_generated,
+            generated_indices=self.generated_indices, token_ids=self.token_ids,
+            edits=self.edits, timestamp=self.timestamp,
+        )
+        kept._records = self._records
+        return kept
+
+    def column_edits(self) -> Sequence[tuple[str, ...]]:
+        """The ``edits`` column with an entry per row (empty tuples when None)."""
+        return self.edits if self.edits is not None else [()] * len(self)
+
+    def __getitem__(self, rows: slice) -> ActivationBatch:
+        """Rows ``start:stop`` (step 1): the tensor is a view, the columns short copies."""
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("an ActivationBatch is sliced by a row range (batch[start:stop])")
+        start, stop, _ = rows.indices(len(self))
+        if start == 0 and stop == len(self):
+            return self
+        piece = ActivationBatch(
+            None if self._tensor is None else self._tensor[start:stop],
+            request_ids=self.request_ids[start:stop],
+            point_names=self.point_names[start:stop],
+            layers=self.layers[start:stop],
+            tensor_type=self.tensor_type,
+            token_indices=self.token_indices[start:stop],
+            is_generated=self.is_generated[start:stop],
+            generated_indices=self.generated_indices[start:stop],
+            token_ids=self.token_ids[start:stop],
+            edits=None if self.edits is None else self.edits[start:stop],
+            timestamp=self.timestamp,
+            records=None if self._records is None else self._records[start:stop],
+        )
+        piece.root = self if self.root is None else self.root
+        piece.offset = self.offset + start
+        return piece
+
+    def shared(self, key: Any, compute: Callable[[ActivationBatch], Any]) -> Any:
+        """``compute(batch)`` for this batch's rows, computed once for the whole
+        batch it was sliced from and kept there under ``key``: the probes of many
+        requests, each given its own slice, then share one matrix operation.
+
+        ``compute`` must be per row (row ``i`` of its result depends on row ``i``
+        of the batch only) and return a row-sliceable value: an array or list, or
+        a tuple or dict of them.
+        """
+        root = self if self.root is None else self.root
+        found = root.cache.get(key)
+        if found is None:
+            found = root.cache[key] = compute(root)
+        if root is self:
+            return found
+        return _rows_of(found, self.offset, self.offset + len(self))
+
+    def records(self) -> list[ActivationRecord]:
+        """One :class:`ActivationRecord` per row, built on the first call and kept
+        (each record's tensor is a view of the batch's row)."""
+        if self._records is None:
+            tensor = self._tensor
+            unbind = getattr(tensor, "unbind", None)  # torch: every row view in one call
+            rows = unbind(0) if unbind is not None else tensor
+            edits = self.column_edits()
+            ids, names = as_list(self.request_ids), as_list(self.point_names)
+            layers, tokens = as_list(self.layers), as_list(self.token_indices)
+            generated, is_generated = as_list(self.generated_indices), as_list(
+                self.is_generated)
+            token_ids, kind, stamp = as_list(self.token_ids), self.tensor_type, self.timestamp
+            self._records = [
+                ActivationRecord(ids[i], names[i], layers[i], kind, tokens[i],
+                                 is_generated[i], generated[i], token_ids[i], rows[i], stamp,
+                                 tuple(edits[i]))
+                for i in range(len(layers))
+            ]
+        return self._records
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """(request id, start, stop) for each run of consecutive rows of one request."""
+        found: list[tuple[str, int, int]] = []
+        ids = self.request_ids
+        start = 0
+        for index in range(1, len(ids) + 1):
+            if index == len(ids) or ids[index] != ids[start]:
+                found.append((ids[start], start, index))
+                start = index
+        return found
+
+    def located(self, index: int) -> tuple[str, str, int, int, int | None]:
+        """(request, point, layer, token index, generated index) of row ``index``."""
+        generated = self.generated_indices[index]
+        return (self.request_ids[index], self.point_names[index], int(self.layers[index]),
+                int(self.token_indices[index]), None if generated is None else int(generated))
+
+
+def rows_of(value: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a row-sliceable value (an array or list, or a tuple or
+    dict of them), as :meth:`ActivationBatch.shared` keeps them."""
+    return _rows_of(value, start, stop)
+
+
+def _rows_of(value: Any, start: int, stop: int) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_rows_of(item, start, stop) for item in value)
+    if isinstance(value, dict):
+        return {key: item[start:stop] for key, item in value.items()}
+    return value[start:stop]
+
+
+class BatchSignals:
+    """A probe's signals on an :class:`ActivationBatch`, one row each, as columns.
+
+    ``actions`` holds an action code per row (``ACTION_CODES``; ``NO_SIGNAL`` for a
+    row with no signal); ``scores`` a float per row, NaN meaning "no score" unless
+    ``all_scored`` (then every row with a signal has its score, NaN included);
+    ``metadata`` maps a key to a column of per-row values (every signalled row's
+    metadata holds every key). ``objects``, when given, are the signals
+    themselves (from a probe written per record) and the columns are derived
+    from them. :meth:`signals` materialises ``ProbeSignal`` objects, only when
+    asked.
+    """
+
+    __slots__ = ("actions", "scores", "metadata", "all_scored", "timestamp", "objects")
+
+    def __init__(
+        self,
+        actions: Sequence[int],
+        scores: Sequence[float] | None = None,
+        metadata: Mapping[str, Sequence[Any]] | None = None,
+        *,
+        all_scored: bool = False,
+        timestamp: float | None = None,
+        objects: Sequence[ProbeSignal | None] | None = None,
+    ) -> None:
+        self.actions = actions
+        self.scores = scores
+        self.metadata = metadata
+        self.all_scored = all_scored
+        self.timestamp = _now() if timestamp is None else timestamp
+        self.objects = objects
+
+    @classmethod
+    def none(cls, count: int) -> BatchSignals:
+        """``count`` rows without a signal."""
+        return cls([NO_SIGNAL] * count)
+
+    @classmethod
+    def from_signals(cls, signals: Sequence[ProbeSignal | None]) -> BatchSignals:
+        """Columns over signal objects (a per-record probe's, or the router's
+        fallbacks); :meth:`signals` returns these very objects."""
+        codes = ACTION_CODES
+        return cls([NO_SIGNAL if s is None else codes[s.action] for s in signals],
+                   objects=list(signals))
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+    def any_signal(self) -> bool:
+        """True when some row has a signal."""
+        return any(code != NO_SIGNAL for code in as_list(self.actions))
+
+    def signals(self, batch: ActivationBatch | None = None) -> list[ProbeSignal | None]:
+        """One ``ProbeSignal`` (or None) per row; with ``batch`` (the rows these
+        signals judged), each is located at its row."""
+        if self.objects is not None:
+            found = list(self.objects)
+            if batch is not None:
+                for index, signal in enumerate(found):
+                    if signal is not None:
+                        found[index] = signal.at(*batch.located(index))
+            return found
+        codes = as_list(self.actions)
+        scores = as_list(self.scores) if self.scores is not None else None
+        columns = ({key: as_list(column) for key, column in self.metadata.items()}
+                   if self.metadata else None)
+        locate = batch is not None
+        if locate:
+            assert batch is not None
+            ids, names = as_list(batch.request_ids), as_list(batch.point_names)
+            layers, tokens = as_list(batch.layers), as_list(batch.token_indices)
+            generated = as_list(batch.generated_indices)
+        stamp, keep_nan, actions = self.timestamp, self.all_scored, CODE_ACTIONS
+        found = []
+        for index, code in enumerate(codes):
+            if code == NO_SIGNAL:
+                found.append(None)
+                continue
+            score = None if scores is None else scores[index]
+            if score is not None and score != score and not keep_nan:  # NaN: no score
+                score = None
+            meta = ({key: column[index] for key, column in columns.items()}
+                    if columns else None)
+            if locate:
+                found.append(ProbeSignal(actions[code], score, meta, stamp, ids[index],
+                                         names[index], layers[index], tokens[index],
+                                         generated[index]))
+            else:
+                found.append(ProbeSignal(actions[code], score, meta, stamp))
+        return found
+
+    def __getitem__(self, rows: slice) -> BatchSignals:
+        """Rows ``start:stop`` (step 1)."""
+        start, stop, _ = rows.indices(len(self))
+        if start == 0 and stop == len(self):
+            return self
+        return BatchSignals(
+            self.actions[start:stop],
+            None if self.scores is None else self.scores[start:stop],
+            None if self.metadata is None else {
+                key: column[start:stop] for key, column in self.metadata.items()},
+            all_scored=self.all_scored,
+            timestamp=self.timestamp,
+            objects=None if self.objects is None else self.objects[start:stop],
+        )
+
+    @classmethod
+    def assemble(cls, count: int, pieces: Sequence[tuple[int, BatchSignals]]) -> BatchSignals:
+        """``count`` rows from (first row, signals) pieces that do not overlap; rows
+        no piece covers get no signal."""
+        if len(pieces) == 1 and pieces[0][0] == 0 and len(pieces[0][1]) == count:
+            return pieces[0][1]
+        parts: list[BatchSignals] = []
+        position = 0
+        for start, signals in sorted(pieces, key=lambda piece: piece[0]):
+            if start > position:
+                parts.append(cls.none(start - position))
+            parts.append(signals)
+            position = start + len(signals)
+        if position < count:
+            parts.append(cls.none(count - position))
+        return cls.concat(parts) if parts else cls.none(0)
+
+    @classmethod
+    def concat(cls, parts: Sequence[BatchSignals]) -> BatchSignals:
+        """The rows of several parts, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        codes = [code for part in parts for code in as_list(part.actions)]
+        # Parts with no signal at all (async rows, a late request) only pad the columns.
+        full = [part for part in parts if part.objects is not None or part.scores is not None
+                or part.metadata is not None or part.any_signal()]
+        if not full:
+            return cls(codes)
+        first = full[0]
+        keys = None if first.metadata is None else set(first.metadata)
+        if any(part.objects is not None or part.all_scored != first.all_scored
+               or (None if part.metadata is None else set(part.metadata)) != keys
+               for part in full):
+            return cls(codes, objects=[s for part in parts for s in part.signals()])
+        nan = float("nan")
+        scores: list[float] | None = None
+        if any(part.scores is not None for part in full):
+            scores = [value for part in parts for value in (
+                as_list(part.scores) if part.scores is not None else [nan] * len(part))]
+        metadata = None
+        if keys is not None:
+            metadata = {key: [value for part in parts for value in (
+                as_list(part.metadata[key]) if part.metadata is not None
+                else [None] * len(part))] for key in keys}
+        return cls(codes, scores, metadata, all_scored=first.all_scored,
+                   timestamp=first.timestamp)

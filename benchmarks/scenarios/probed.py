@@ -124,28 +124,12 @@ class ProbedCaptureOnly(_Probed):
     name: ClassVar[str] = "uc_3_layers_capture_only"
     captures: ClassVar[str] = (
         "residual stream at 3 layers for every generated token, returned as "
-        "ActivationRecords (records=True) to a probe that does nothing"
+        "ActivationRecords (records=True) to the built-in capture probe (judges nothing)"
     )
     keep_records: ClassVar[bool] = True
 
-    def probe_classes(self) -> dict[str, type] | None:
-        from undercurrent.probes import Probe
-
-        class KeepOnly(Probe):
-            """Judges nothing: the records on the outputs are the product."""
-
-            probe_kind = "single_shot"
-
-            def on_activation(self, record: Any) -> None:
-                return None
-
-            def on_activations(self, records: Any) -> list[None]:
-                return [None] * len(records)
-
-        return {"keep_only": KeepOnly}
-
     def points(self) -> list[dict[str, Any]]:
-        return [three_layer_point(self.layers, probe_type="keep_only")]
+        return [three_layer_point(self.layers, probe_type="capture")]
 
 
 class ProbedAsyncTrajectory(_Probed):

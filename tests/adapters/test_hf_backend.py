@@ -16,7 +16,7 @@ from undercurrent.adapters.capabilities import CapabilityError  # noqa: E402
 from undercurrent.adapters.hf.architectures import UnsupportedArchitectureError  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
-from undercurrent.records import ProbeSignal, SignalAction  # noqa: E402
+from undercurrent.records import BatchSignals, ProbeSignal, SignalAction  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
 
 PROMPTS = [prompt(3, 1, 4, 1, 5), prompt(2, 6), prompt(5, 3, 5, 8)]
@@ -182,8 +182,8 @@ def test_close_and_interrupts_leave_no_hook_behind(tokenizer):
         def register_request(self, request_id, points, ctx=None):
             self.live.add(request_id)
 
-        def route_batch(self, records):  # what CaptureSession calls
-            return [self.route(record) for record in records]
+        def route_columns(self, batch, spans=None):  # what CaptureSession calls
+            return BatchSignals.from_signals([self.route(r) for r in batch.records()])
 
         def route(self, record):
             self.routed += 1

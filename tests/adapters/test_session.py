@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from undercurrent.adapters.session import CaptureSession, RequestState, StepPlan
-from undercurrent.records import ProbeSignal, SignalAction
+from undercurrent.records import BatchSignals, ProbeSignal, SignalAction
 from undercurrent.spec.types import ExtractionPoint
 
 POSITIONS = ["0", "3", "9", "prompt[0]", "prompt[-1]", "prompt[-3]", "prompt[2]+3",
@@ -68,8 +68,8 @@ class _Router:
     def register_request(self, request_id, points, ctx=None):
         self.ctx = ctx
 
-    def route_batch(self, records):  # what CaptureSession calls
-        return [self.route(record) for record in records]
+    def route_columns(self, batch, spans=None):  # what CaptureSession calls
+        return BatchSignals.from_signals([self.route(record) for record in batch.records()])
 
     def route(self, record):
         self.routed.append((record.token_index, record.layer))
@@ -110,7 +110,7 @@ def _layered_point(name, position, tensor_type, layers=(0, 1, 2), **extra):
 
 
 class _BatchRouter:
-    """Records every route_batch call, and whether it came inside step()."""
+    """Records every route_columns call, and whether it came inside step()."""
 
     def __init__(self):
         self.calls, self.steps, self.in_step = [], 0, False
@@ -127,15 +127,15 @@ class _BatchRouter:
         finally:
             self.in_step = False
 
-    def route_batch(self, records):
-        self.calls.append((self.in_step, list(records)))
-        return [None] * len(records)
+    def route_columns(self, batch, spans=None):
+        self.calls.append((self.in_step, batch, spans))
+        return BatchSignals.none(len(batch))
 
     def end_request(self, request_id):
         return {}
 
 
-def test_one_decode_forward_routes_one_batch_per_request_and_point_with_its_layers_in_order():
+def test_one_decode_forward_routes_one_batch_per_point_grouped_by_request_in_layer_order():
     router = _BatchRouter()
     points = [_layered_point("m", "generated[*]", "mlp_out", probe_type="none"),
               _layered_point("s", "generated[*]", "residual_stream", probe_type="none")]
@@ -154,23 +154,28 @@ def test_one_decode_forward_routes_one_batch_per_request_and_point_with_its_laye
                                                          key=lambda item: -item[0][0])]
     session.deliver(batches)
     assert router.steps == 1
-    assert len(router.calls) == 4
+    assert len(router.calls) == 2  # one batch per point, across both requests
     routed = set()
-    for in_step, records in router.calls:
+    for in_step, batch, spans in router.calls:
         assert in_step  # the whole forward is delivered inside one router.step()
-        request_id, name = records[0].request_id, records[0].extraction_point_name
-        assert all(r.request_id == request_id and r.extraction_point_name == name
-                   for r in records)
-        assert [r.layer for r in records] == [0, 1, 2]
+        records = batch.records()
+        name = records[0].extraction_point_name
+        assert all(r.extraction_point_name == name for r in records)
+        assert spans == [("r1", 0, 3), ("r2", 3, 6)]
+        assert [r.request_id for r in records] == ["r1"] * 3 + ["r2"] * 3
+        assert [r.layer for r in records] == [0, 1, 2, 0, 1, 2]
         kind = "mlp_out" if name == "m" else "residual_stream"
+        assert batch.tensor_type == kind and all(r.tensor_type == kind for r in records)
         assert [r.tensor for r in records] == [f"{kind}/{layer}/{request_id}"
+                                               for request_id in ("r1", "r2")
                                                for layer in (0, 1, 2)]
-        assert all(r.tensor_type == kind for r in records)
-        token = 3 if request_id == "r1" else 2
-        assert {(r.token_index, r.generated_index, r.token_id) for r in records} == {
-            (token, 0, 10 if request_id == "r1" else 20)}
-        routed.add((request_id, name))
-    assert routed == {("r1", "m"), ("r1", "s"), ("r2", "m"), ("r2", "s")}
+        for request_id, start, stop in spans:
+            token = 3 if request_id == "r1" else 2
+            assert {(r.token_index, r.generated_index, r.token_id)
+                    for r in records[start:stop]} == {
+                (token, 0, 10 if request_id == "r1" else 20)}
+        routed.add(name)
+    assert routed == {"m", "s"}
     for state, token in ((first, 3), (second, 2)):
         kept = [(r.token_index, r.layer) for r in state.records]
         assert kept == [(token, 0), (token, 0), (token, 1), (token, 1), (token, 2), (token, 2)]

@@ -223,19 +223,21 @@ def test_results_frame_summarises_each_result():
     assert second["verdict"] == {"max": None}
 
 
-def test_signals_frame_locates_inline_signals_through_the_generation_output():
-    from undercurrent.adapters.outputs import GenerationOutput, TokenSignal
+def test_signals_frame_places_each_signal_by_its_own_location():
+    import dataclasses
 
     result = make_result("r0", "p", [0.2, 0.9], with_location=False)
+    # What the router keeps: each signal says where it was emitted (no join needed);
+    # metadata locations are ignored once the signal carries its own.
     located = tuple(
-        TokenSignal("p", layer=3, token_index=7 + i, generated_index=i, signal=signal)
+        dataclasses.replace(signal, request_id="r0", extraction_point_name="p", layer=3,
+                            token_index=7 + i, generated_index=i,
+                            metadata={"layer": 99, "token_index": 99})
         for i, signal in enumerate(result.signals)
     )
-    output = GenerationOutput(
-        request_id="r0", prompt="x", text="ab", token_ids=(1, 2), prompt_len=7,
-        results={"p": result}, signals=located,
-    )
-    frame = signals_frame([output])
+    frame = signals_frame([dataclasses.replace(result, signals=located)])
     assert frame["layer"].tolist() == [3, 3]
     assert frame["token_index"].tolist() == [7, 8]
     assert frame["generated_index"].tolist() == [0, 1]
+    unlocated = signals_frame([result])  # hand-built, no location anywhere
+    assert unlocated["token_index"].isna().all()

@@ -12,7 +12,7 @@ from undercurrent.adapters.session import CaptureSession
 from undercurrent.adapters.vllm import wire
 from undercurrent.adapters.vllm.backend import reads_prompt_tokens
 from undercurrent.adapters.vllm.channel import StepServer
-from undercurrent.records import ProbeSignal, SignalAction
+from undercurrent.records import BatchSignals, ProbeSignal, SignalAction
 from undercurrent.spec.position import parse_position
 from undercurrent.spec.types import ExtractionPoint
 
@@ -92,8 +92,8 @@ class _AbortOnGenerated:
     def register_request(self, request_id, points, ctx):
         pass
 
-    def route_batch(self, records):  # what CaptureSession calls
-        return [self.route(record) for record in records]
+    def route_columns(self, batch, spans=None):  # what CaptureSession calls
+        return BatchSignals.from_signals([self.route(r) for r in batch.records()])
 
     def route(self, record):
         self.routed.append(record.key())

@@ -3,7 +3,7 @@ abort that stopped a request, and the per-token events of a stream."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +78,14 @@ class GenerationOutput:
     ``prompt`` is the prompt's text (decoded from the token ids when the call
     was given ``input_ids``).
     ``records`` holds the captured ``ActivationRecord``s only when the generation
-    was asked for ``records=True``. ``edits`` lists every live edit applied, one
-    :class:`AppliedEdit` per (edit, layer, token), in the order they ran.
+    was asked for ``records=True``: a sequence (a list, or a backend's log that
+    builds the records when first read, equal to the list of them). ``edits``
+    lists every live edit applied, one :class:`AppliedEdit` per (edit, layer,
+    token), in the order they ran.
+    ``signals`` holds each inline signal located (:class:`TokenSignal`), in
+    routing order; a backend may give a
+    :class:`~undercurrent.records.LazySequence` that builds them when first
+    read (it compares equal to the tuple of the same items).
     """
 
     request_id: str
@@ -91,8 +97,8 @@ class GenerationOutput:
     finish_reason: str = "length"
     abort: AbortInfo | None = None
     results: Mapping[str, ProbeResult] = field(default_factory=dict)
-    signals: tuple[TokenSignal, ...] = ()
-    records: list[ActivationRecord] | None = None
+    signals: Sequence[TokenSignal] = ()
+    records: Sequence[ActivationRecord] | None = None
     edits: tuple[AppliedEdit, ...] = ()
 
     @property

@@ -1,5 +1,5 @@
 """Backend-neutral capture bookkeeping: which tokens each request's points want,
-records built and routed, aborts, and the per-prompt output at the end.
+activations batched and routed, aborts, and the per-prompt output at the end.
 
 A backend drives one :class:`CaptureSession` per ``generate()``/``stream()`` call:
 
@@ -8,9 +8,13 @@ A backend drives one :class:`CaptureSession` per ``generate()``/``stream()`` cal
 2. before each forward, a :class:`StepPlan` says which (layer, tensor type) pairs
    anything wants and where in the engine's batch the wanted tokens sit
    (``plan.add_window(state, start, stop, slot_of)``);
-3. after the forward, ``deliver(targets, rows)`` turns the captured rows into
-   ``ActivationRecord``s and routes them (one batch per request, token and
-   point); an ``abort`` signal stops that request;
+3. after the forward, ``deliver(batches)`` takes, per captured (layer, tensor
+   type), the tensor type, the :class:`CaptureTarget` s and the gathered rows,
+   builds one :class:`~undercurrent.records.ActivationBatch` per extraction
+   point across every request and routes it with one
+   :meth:`~undercurrent.router.Router.route_columns` call (see
+   :mod:`undercurrent.adapters.delivery`); an ``abort`` signal stops that
+   request;
 4. ``add_token`` as tokens are sampled, ``close_request`` at the end.
 
 Matching is arithmetic on the position selectors (no loop over tokens), and a
@@ -30,8 +34,9 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from undercurrent.adapters.delivery import RecordLog, SignalLog, deliver_forward
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
-from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
+from undercurrent.records import LazySequence, ProbeResult, SignalAction
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
 
 PairKey = tuple[int, TensorType]
@@ -129,8 +134,9 @@ class RequestState:
         self.generated: list[int] = []
         self.abort: AbortInfo | None = None
         self.finish_reason: str | None = None
-        self.records: list[ActivationRecord] | None = [] if keep_records else None
-        self.signals: list[TokenSignal] = []
+        self.records: RecordLog | None = RecordLog() if keep_records else None
+        self.signals = SignalLog()
+        """Inline signals in routing order (``TokenSignal`` s, built when read)."""
         self.signals_read = 0
         self.closed = False
         # Live edits: ResolvedEdit objects (undercurrent.steering), those that can
@@ -429,7 +435,7 @@ class CaptureSession:
             finish_reason=state.finish_reason,
             abort=state.abort,
             results=results,
-            signals=tuple(state.signals),
+            signals=LazySequence(state.signals.__iter__),
             records=state.records,
             edits=tuple(state.applied),
         )
@@ -474,88 +480,23 @@ class CaptureSession:
         """Record a sampled token for a live request."""
         state.generated.append(int(token_id))
 
+    @property
+    def registered(self) -> set[str]:
+        """Ids of the requests registered with the router and not ended yet."""
+        return self._registered
+
     def deliver(self, batches: Iterable[tuple[TensorType, Sequence[CaptureTarget], Any]]) -> None:
-        """Build and route the records of one forward pass.
+        """Route the activations one forward pass captured.
 
         ``batches`` yields (tensor type, targets, rows) with ``rows[t.slot_index]``
-        the captured tensor of target ``t`` (already on the CPU). Each request's
-        tokens are routed in order; a token's records for one point go to the
-        router as one batch (its layers, in order), so trajectory probes see a
-        request's tokens in sequence and a probe can score a token's layers at once.
+        the captured tensor of target ``t`` (already on the CPU; rows of one
+        torch tensor, numpy array or list). Each extraction point's rows go to
+        the router as one :class:`~undercurrent.records.ActivationBatch` across
+        requests (grouped by request, in layer order), in token order per
+        request, so trajectory probes see a request's tokens in sequence; all of
+        it inside one ``router.step()``. Signals, aborts and edit arming are
+        applied per row from the returned columns.
         """
-        tokens: dict[tuple[str, int], list[tuple[int, int, str, CaptureTarget, Any]]] = {}
-        order = 0
-        for tensor_type, targets, rows in batches:
-            kind = TensorType(tensor_type).value
-            unbind = getattr(rows, "unbind", None)  # torch: every row view in one call
-            if unbind is not None:
-                rows = unbind(0)
-            for target in targets:
-                key = (target.state.request_id, target.token_index)
-                captured = tokens.get(key)
-                if captured is None:
-                    captured = tokens[key] = []
-                captured.append((target.layer, order, kind, target, rows[target.slot_index]))
-                order += 1
         step = getattr(self.router, "step", None)
         with step() if step is not None else contextlib.nullcontext():
-            for key in sorted(tokens, key=lambda key: key[1]):
-                captured = sorted(tokens[key], key=lambda item: item[:2])
-                self.route_token([(kind, target, tensor)
-                                  for _, _, kind, target, tensor in captured])
-
-    def route_token(self, captured: Sequence[tuple[str, CaptureTarget, Any]]) -> None:
-        """Build the records of one request's token from (tensor type value,
-        target, tensor) in layer order (every point and layer that captured it),
-        keep them if asked, route them, apply an abort."""
-        first = captured[0][1]
-        state, token_index = first.state, first.token_index
-        if state.closed:
-            return  # nothing is routed after the request ended
-        if state.abort is not None and token_index > state.abort.token_index:
-            # Tokens after the abort are never probed; the aborting token's other
-            # records still reach every point, so observers see what the guard saw.
-            return
-        is_generated = token_index >= state.prompt_len
-        generated_index = token_index - state.prompt_len if is_generated else None
-        token_id = state.token_id_at(token_index)
-        sites = state.edited_sites
-        records = [
-            ActivationRecord(
-                request_id=state.request_id,
-                extraction_point_name=target.point.name,
-                layer=target.layer,
-                tensor_type=tensor_type,
-                token_index=token_index,
-                is_generated=is_generated,
-                generated_index=generated_index,
-                token_id=token_id,
-                tensor=tensor,
-                edits=sites.get((target.layer, target.point.tensor_type, token_index), ())
-                if sites else (),
-            )
-            for tensor_type, target, tensor in captured
-        ]
-        if state.records is not None:
-            state.records.extend(records)
-        if self.router is None or state.request_id not in self._registered:
-            return
-        by_point: dict[str, list[int]] = {}
-        for index, record in enumerate(records):
-            by_point.setdefault(record.extraction_point_name, []).append(index)
-        signals: list[ProbeSignal | None] = [None] * len(records)
-        for indices in by_point.values():
-            routed = self.router.route_batch([records[index] for index in indices])
-            for index, signal in zip(indices, routed, strict=True):
-                signals[index] = signal
-        for record, signal in zip(records, signals, strict=True):
-            if signal is None:
-                continue
-            state.signals.append(TokenSignal(record.extraction_point_name, record.layer,
-                                             token_index, generated_index, signal))
-            if state.edits and signal.action is not SignalAction.CONTINUE:
-                state.arm(record.extraction_point_name, signal.action, token_index)
-            if signal.action is SignalAction.ABORT and state.abort is None:
-                state.abort = AbortInfo(record.extraction_point_name, record.layer, token_index,
-                                        generated_index, signal)
-                state.finish_reason = "abort"
+            deliver_forward(self, batches)

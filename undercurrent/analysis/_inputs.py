@@ -108,32 +108,3 @@ def tensor_to_numpy(tensor: Any) -> tuple[Any, str]:
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
-
-
-def signal_locations(source: Any) -> dict[int, Any]:
-    """``{id(ProbeSignal): TokenSignal}`` for every located signal in ``source``.
-
-    ``GenerationOutput.signals`` pairs each inline signal with the layer and token
-    it judged; ``ProbeResult.signals`` holds the same signal objects without that
-    location, so frames look them up here by identity.
-    """
-    found: dict[int, Any] = {}
-    _collect_locations(source, found)
-    return found
-
-
-def _collect_locations(source: Any, found: dict[int, Any]) -> None:
-    if source is None or isinstance(source, (str, bytes, ProbeResult, ActivationRecord)):
-        return
-    if hasattr(source, "results") and hasattr(source, "signals"):
-        for located in source.signals or ():
-            signal = getattr(located, "signal", None)
-            if signal is not None:
-                found[id(signal)] = located
-        return
-    if isinstance(source, Mapping):
-        for item in source.values():
-            _collect_locations(item, found)
-    elif isinstance(source, Iterable):
-        for item in source:
-            _collect_locations(item, found)

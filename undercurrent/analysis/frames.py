@@ -23,7 +23,6 @@ from typing import Any
 from undercurrent.analysis._inputs import (
     flatten_records,
     flatten_results,
-    signal_locations,
     tensor_to_numpy,
 )
 from undercurrent.records import ActivationRecord, ProbeResult, SignalAction
@@ -271,12 +270,13 @@ def _token_decoder(tokenizer: Any) -> Any:
 def signals_frame(results: Any) -> Any:
     """One row per ``ProbeSignal``, with the columns in ``SIGNAL_COLUMNS``.
 
-    ``results`` is a ``GenerationOutput`` or a list of them (best: signals of
-    inline points are then located on the token axis), a ``{point name:
-    ProbeResult}`` dict, a list of those, or a list of ``ProbeResult``s.
+    ``results`` is a ``GenerationOutput`` or a list of them, a ``{point name:
+    ProbeResult}`` dict, a list of those, or a list of ``ProbeResult``s. Each
+    signal says where it was emitted (its ``layer``, ``token_index`` and
+    ``generated_index``); a signal built by hand without them falls back to
+    the same keys in its metadata.
     """
     pd = _pandas()
-    located = signal_locations(results)
     rows: list[dict[str, Any]] = []
     for result in flatten_results(results):
         for index, signal in enumerate(result.signals):
@@ -286,9 +286,9 @@ def signals_frame(results: Any) -> Any:
                 "point": result.extraction_point_name,
                 "signal_index": index,
             }
-            where = located.get(id(signal))
+            located = getattr(signal, "token_index", None) is not None
             for key in _LOCATION_KEYS:
-                value = getattr(where, key, None) if where is not None else metadata.get(key)
+                value = getattr(signal, key, None) if located else metadata.get(key)
                 row[key] = int(value) if isinstance(value, (int, float)) else None
             row.update(
                 action=SignalAction(signal.action).value,

@@ -65,3 +65,30 @@ def as_float_matrix(tensors: Sequence[Any]) -> Any:
             stacked = stacked.reshape(len(tensors), -1)
         return stacked.to("cpu", torch.float64).numpy()
     return np.stack([as_flat_vector(tensor) for tensor in tensors])
+
+
+def batch_matrix(batch: Any) -> Any:
+    """The rows of an :class:`~undercurrent.records.ActivationBatch`, each flattened,
+    as one float64 numpy matrix (one conversion, kept on the batch for the next
+    probe that asks).
+
+    >>> from undercurrent.records import ActivationBatch
+    >>> batch = ActivationBatch([[1, 2], [3, 4]], request_ids=["r"] * 2, point_names=["p"] * 2,
+    ...     layers=[0, 1], tensor_type="mlp_out", token_indices=[3, 3], is_generated=[True] * 2,
+    ...     generated_indices=[0, 0], token_ids=[5, 5])
+    >>> batch_matrix(batch).tolist()
+    [[1.0, 2.0], [3.0, 4.0]]
+    """
+    cached = batch.cache.get("float64")
+    if cached is not None:
+        return cached
+    tensor = batch.tensor
+    if hasattr(tensor, "detach"):
+        torch = sys.modules["torch"]
+        matrix = tensor.detach().reshape(len(batch), -1).to("cpu", torch.float64).numpy()
+    elif hasattr(tensor, "__array__"):
+        matrix = numpy_module().asarray(tensor, dtype="float64").reshape(len(batch), -1)
+    else:
+        matrix = as_float_matrix(list(tensor))
+    batch.cache["float64"] = matrix
+    return matrix

@@ -6,18 +6,23 @@ A probe instance serves one (request, extraction point) pair. The router calls
 (in token order, never two at once), then ``on_end(ctx)`` once; it wraps what
 ``on_end`` returns (the *verdict*) into a :class:`~undercurrent.records.ProbeResult`.
 A probe that can score several activations more cheaply at once (one matrix
-product instead of many) also overrides ``on_activations(records)``.
+product instead of many) also overrides ``on_activations(records)``; one that
+scores a whole :class:`~undercurrent.records.ActivationBatch` with array
+operations overrides ``on_batch(batch)`` instead (the built-ins do), and is
+then never handed per-record objects.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,6 +112,24 @@ class Probe:
         """
         return [self.on_activation(record) for record in records]
 
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """Judge a whole batch: one signal per row, as columns (a
+        :class:`~undercurrent.records.BatchSignals`).
+
+        ``batch`` holds this probe's rows only (one request, one point), in
+        token then layer order. The default builds the records
+        (``batch.records()``) and calls :meth:`on_activations`, so a probe
+        written per record needs nothing else. Override it to score the
+        stacked ``batch.tensor`` at once; it must then return what calling
+        :meth:`on_activation` on each record in order would, and leave the same
+        state. The router calls an override (one call per batch; an exception
+        counts as an error for every row) only when the class that defines it
+        also defines, or inherits unchanged, ``on_activation`` and
+        ``on_activations``; a subclass that overrides either of those is served
+        per record again.
+        """
+        return BatchSignals.from_signals(list(self.on_activations(batch.records())))
+
     def on_end(self, ctx: RequestContext) -> Any:
         """Called once after the last activation; the return value is the verdict."""
         return None
@@ -115,6 +138,81 @@ class Probe:
     def supported_kinds(cls) -> tuple[ProbeKind, ...]:
         """The probe kinds this class declares, as a tuple."""
         return supported_kinds(cls)
+
+
+class ScoresRows(Probe):
+    """A probe whose judgement of a batch splits in two: per-row values that depend
+    on the row alone (:meth:`row_values`, one matrix operation), then the
+    instance's own judgement of them, in order (:meth:`judge_rows`, which updates
+    its state). The built-ins are written this way.
+
+    Instances with the same :meth:`group_key` compute the same values, so the
+    router computes them once for a whole routed batch (every request's rows of a
+    point) and hands each instance its rows; :meth:`on_batch` (one instance, its
+    own rows) shares them the same way through
+    :meth:`~undercurrent.records.ActivationBatch.shared`.
+    """
+
+    def group_key(self) -> Any:
+        """Hashable, equal for instances whose :meth:`row_values` agree on every
+        row; None when an instance must compute its own."""
+        return None
+
+    def row_values(self, batch: ActivationBatch) -> Any:
+        """Per-row values for the batch: an array or list with one entry per row,
+        or a tuple or dict of them. Row ``i`` depends on row ``i`` only."""
+        raise NotImplementedError
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        """Judge rows given their values (those :meth:`row_values` computed) and
+        where they sit; update the state as :meth:`on_activation` would, row by row."""
+        raise NotImplementedError
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """The values shared with the batch this one was sliced from (or, when
+        computing them for that whole batch fails, for this batch's own rows, so a
+        failure is this instance's alone), then :meth:`judge_rows`."""
+        key = self.group_key()
+        if key is None:
+            values = self.row_values(batch)
+        else:
+            try:
+                values = batch.shared(key, self.row_values)
+            except Exception:
+                if batch.root is None:
+                    raise
+                values = self.row_values(batch)
+        return self.judge_rows(values, batch.token_indices, batch.layers)
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
+        return self.on_activations((record,))[0]
+
+    def on_activations(self, records: Sequence[ActivationRecord]) -> Sequence[ProbeSignal | None]:
+        return self.on_batch(ActivationBatch.from_records(records)).signals()
+
+
+def _owner(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO that defines ``name``."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return klass
+    return None
+
+
+def scores_batches(probe: Any) -> bool:
+    """Whether the router hands ``probe`` whole batches (:meth:`Probe.on_batch`):
+    its class overrides ``on_batch``, and no subclass below that override
+    redefines ``on_activation`` / ``on_activations``."""
+    cls = type(probe)
+    owner = _owner(cls, "on_batch")
+    if owner is None or owner is Probe:
+        return False
+    for name in ("on_activation", "on_activations"):
+        defined = _owner(cls, name)
+        if defined is not None and defined is not owner and issubclass(defined, owner):
+            return False
+    return True
 
 
 def supported_kinds(cls: type) -> tuple[ProbeKind, ...]:
@@ -157,6 +255,14 @@ def probe_args_problem(cls: type, args: Mapping[str, Any]) -> str | None:
     >>> probe_args_problem(Scaled, {})
     "missing required probe_arg 'scale'"
     """
+    return _args_problem(cls, tuple(sorted(args, key=str)))
+
+
+@functools.lru_cache(maxsize=512)
+def _args_problem(cls: type, names: tuple[Any, ...]) -> str | None:
+    # Only the names matter, so the answer is kept per (class, names): a request
+    # registered per prompt does not read the constructor's signature again.
+    args = dict.fromkeys(names)
     try:
         parameters = list(inspect.signature(cls).parameters.values())
     except (TypeError, ValueError):  # no introspectable signature: the constructor decides

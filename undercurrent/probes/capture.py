@@ -10,13 +10,14 @@ probe kind, computes nothing, emits no signal and returns no verdict; its
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from undercurrent.probes.base import Probe
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.probes.base import ScoresRows
+from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
 
-class CaptureProbe(Probe):
+class CaptureProbe(ScoresRows):
     """Accepts every activation and says nothing (verdict None, no signals).
 
     >>> from undercurrent.spec.types import ExtractionPoint
@@ -32,3 +33,16 @@ class CaptureProbe(Probe):
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
         return [None] * len(records)
+
+    def group_key(self) -> Any:
+        return ("capture",)
+
+    def row_values(self, batch: ActivationBatch) -> Any:
+        return ()
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        return BatchSignals.none(len(layers))
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        return BatchSignals.none(len(batch))

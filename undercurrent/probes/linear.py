@@ -6,13 +6,14 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import as_float_matrix, numpy_module
-from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
+from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.weights import (
     LINKS,
@@ -22,7 +23,13 @@ from undercurrent.probes.weights import (
     linear_weights,
     load_linear_weights,
 )
-from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
+from undercurrent.records import (
+    ActivationBatch,
+    ActivationRecord,
+    BatchSignals,
+    ProbeSignal,
+    as_list,
+)
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 
@@ -67,6 +74,7 @@ class LinearReadout:
                 f"{source}: label_names has {len(names)} names for {classes} classes"
             )
         self.class_index = self._resolve_class_index(class_index)
+        self._key: tuple[Any, ...] | None = None
 
     @property
     def source(self) -> str:
@@ -108,32 +116,61 @@ class LinearReadout:
 
     def score_many(self, tensors: Sequence[Any]) -> list[tuple[float, dict[str, Any]]]:
         """:meth:`score` for several activations, with one matrix product."""
+        shape = getattr(tensors[0], "shape", None)
+        values, meta = self.score_matrix(as_float_matrix(tensors),
+                                         None if shape is None else tuple(shape))
+        keys = list(meta)
+        return [(value, {key: meta[key][i] for key in keys})
+                for i, value in enumerate(values.tolist())]
+
+    def score_matrix(self, matrix: Any, row_shape: tuple[int, ...] | None = None
+                     ) -> tuple[Any, dict[str, list[Any]]]:
+        """Scores of the rows of a float64 matrix (one flattened activation per row),
+        with one matrix product: (float64 array of scores, metadata columns).
+        ``row_shape`` (an activation's own shape) is only used in messages."""
         np = numpy_module()
-        matrix = as_float_matrix(tensors)
         if matrix.shape[1] != self.weights.hidden:
+            shape = row_shape if row_shape is not None else tuple(matrix.shape[1:])
             raise ValueError(
                 f"{self.source}: expects activations of size {self.weights.hidden}, got a "
-                f"tensor of shape {tuple(getattr(tensors[0], 'shape', matrix.shape[1:]))} "
-                f"({matrix.shape[1]} values once flattened)"
+                f"tensor of shape {shape} ({matrix.shape[1]} values once flattened)"
             )
         logits = np.asarray(matrix @ self.weights.weight.T + self.weights.bias, np.float64)
         values = apply_link(self.link, logits)
         if self.weights.classes is None:
-            return [
-                (value, {"logit": logit})
-                for value, logit in zip(values.tolist(), logits.tolist(), strict=True)
-            ]
+            return values, {"logit": logits.tolist()}
         index = self.class_index
         assert index is not None
-        scored = []
+        count = len(matrix)
         tops = np.argmax(logits, axis=1).tolist()
-        for row, top in zip(values[:, index].tolist(), tops, strict=True):
-            meta: dict[str, Any] = {"class_index": index, "top_class": top}
-            if self.label_names:
-                meta["label"] = self.label_names[index]
-                meta["top_label"] = self.label_names[top]
-            scored.append((row, meta))
-        return scored
+        meta: dict[str, list[Any]] = {"class_index": [index] * count, "top_class": tops}
+        if self.label_names:
+            names = self.label_names
+            meta["label"] = [names[index]] * count
+            meta["top_label"] = [names[top] for top in tops]
+        return values[:, index], meta
+
+    def score_batch(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+        """:meth:`score_matrix` of a batch's rows (one matrix product for the whole
+        batch it was sliced from, shared by every readout with the same weights)."""
+        return batch.shared(self.key, self._score_whole)  # type: ignore[no-any-return]
+
+    def _score_whole(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+        shape = getattr(batch.tensor, "shape", None)
+        return self.score_matrix(batch_matrix(batch),
+                                 None if shape is None else tuple(shape[1:]))
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Equal for readouts that score every activation the same way (same
+        weights, bias, link and class)."""
+        if self._key is None:
+            digest = hashlib.blake2b(digest_size=16)
+            for array in (self.weights.weight, self.weights.bias):
+                digest.update(repr((array.shape, array.dtype.str)).encode())
+                digest.update(array.tobytes())
+            self._key = ("linear_readout", self.link, self.class_index, digest.digest())
+        return self._key
 
 
 def _resolve_weights(
@@ -150,7 +187,7 @@ def _resolve_weights(
     return linear_weights(weight, bias)
 
 
-class LinearProbe(Probe):
+class LinearProbe(ScoresRows):
     """``linear_probe``: score each activation with ``link(W . x + b)``.
 
     probe_args:
@@ -210,21 +247,31 @@ class LinearProbe(Probe):
         if ctx.extraction_point is not None:  # the router checked; direct callers may not
             self.check_point(ctx.extraction_point)
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        return self.on_activations((record,))[0]
+    def group_key(self) -> Any:
+        # A subclass that judges each activation itself is not judged in groups.
+        return self.readout.key if type(self).judge is LinearProbe.judge else None
 
-    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        scored = self.readout.score_many([record.tensor for record in records])
-        if type(self).judge is not LinearProbe.judge:  # a subclass judges each activation
-            return [self.judge(record, score, meta)
-                    for record, (score, meta) in zip(records, scored, strict=True)]
-        # judge() for the whole batch at once: the same signals and summary.
-        scores = [score for score, _ in scored]
-        signals = self.rule.signals(scores, [meta for _, meta in scored])
-        keep_going = SignalAction.CONTINUE
-        self.summary.add_many(scores, records,
-                              [signal.action is not keep_going for signal in signals])
-        return list(signals)
+    def row_values(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+        """(scores, metadata columns) of the batch's rows, one matrix product."""
+        return self.readout.score_batch(batch)
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        scores, meta = values
+        return self.summary.batch_signals(self.rule, scores, token_indices, layers, meta)
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """Score the batch with one matrix product; a subclass that overrides
+        :meth:`judge` gets it called per activation, in order."""
+        if type(self).judge is LinearProbe.judge:
+            return super().on_batch(batch)
+        scores, meta = self.readout.score_batch(batch)
+        keys = list(meta)
+        return BatchSignals.from_signals([
+            self.judge(record, score, {key: meta[key][i] for key in keys})
+            for i, (record, score) in enumerate(zip(batch.records(), scores.tolist(),
+                                                    strict=True))
+        ])
 
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
         """The signal for one scored activation (and the summary updated)."""
@@ -287,25 +334,47 @@ class DualPositionProbe(LinearProbe):
         super().on_start(ctx)
         self.readings = []
 
+    def group_key(self) -> Any:
+        # Its values are linear_probe's (the same readout), judged its own way.
+        return self.readout.key if type(self).judge is DualPositionProbe.judge else None
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        if type(self).judge is DualPositionProbe.judge:
+            return ScoresRows.on_batch(self, batch)
+        return super().on_batch(batch)  # a subclass judges each activation itself
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        scores, meta = values
+        tokens = [int(token) for token in token_indices]
+        layers = [int(layer) for layer in layers]
+        about = [token - self.read_offset for token in tokens]
+        signals = self.summary.batch_signals(self.rule, scores, tokens, layers,
+                                             {**meta, "about_token_index": about})
+        labels, classes = meta.get("top_label"), meta.get("top_class")
+        for index, score in enumerate(as_list(signals.scores)):
+            reading: dict[str, Any] = {
+                "read_at_token_index": tokens[index],
+                "about_token_index": about[index],
+                "layer": layers[index],
+                "score": score,
+            }
+            if labels is not None:
+                reading["label"] = labels[index]
+            elif classes is not None:
+                reading["class_index"] = classes[index]
+            self.readings.append(reading)
+        return signals
+
     def judge(self, record: ActivationRecord, score: float, meta: dict[str, Any]) -> ProbeSignal:
-        signal = super().judge(record, score, meta)
-        about = record.token_index - self.read_offset
-        reading: dict[str, Any] = {
-            "read_at_token_index": record.token_index,
-            "about_token_index": about,
-            "layer": record.layer,
-            "score": signal.score,
-        }
-        if "top_label" in signal.metadata:
-            reading["label"] = signal.metadata["top_label"]
-        elif "top_class" in signal.metadata:
-            reading["class_index"] = signal.metadata["top_class"]
-        self.readings.append(reading)
-        return ProbeSignal(
-            action=signal.action,
-            score=signal.score,
-            metadata={**signal.metadata, "about_token_index": about},
-        )
+        """:meth:`judge_rows` for one scored activation (what a subclass extends)."""
+        np = numpy_module()
+        signals = self.judge_rows(
+            (np.asarray([score], dtype=np.float64), {key: [value] for key, value in meta.items()}),
+            [record.token_index], [record.layer])
+        signal = signals.signals()[0]
+        assert signal is not None
+        return signal
 
     def on_end(self, ctx: RequestContext) -> Any:
         verdict = super().on_end(ctx)

@@ -13,11 +13,11 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import as_float_matrix, numpy_module
+from undercurrent.probes.arrays import batch_matrix, numpy_module
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.sae_files import SparseAutoencoder, load_sae
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
 DEFAULT_TOP_K = 5
@@ -189,26 +189,30 @@ class SaeProbe(Probe):
         return self.on_activations((record,))[0]
 
     def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        acts = self.sae.encode(as_float_matrix([record.tensor for record in records]))
-        self._accumulate(acts, records)
+        return self.on_batch(ActivationBatch.from_records(records)).signals()
+
+    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
+        """Encode the batch's rows with one matrix product; one signal per row."""
+        np = numpy_module()
+        acts = self.sae.encode(batch_matrix(batch))
+        tokens = [int(token) for token in batch.token_indices]
+        layers = [int(layer) for layer in batch.layers]
+        self._accumulate(acts, tokens, layers)
         if self.features is not None:
             ids = list(self.features)
-            chosen_rows = [(list(ids), acts[row, ids].tolist()) for row in range(len(records))]
+            chosen_rows = [(list(ids), acts[row, ids].tolist()) for row in range(len(batch))]
         else:
             chosen_rows = [self._top(row) for row in acts]
-        signals: list[ProbeSignal | None] = []
-        for record, (ids, values) in zip(records, chosen_rows, strict=True):
-            score = max(values) if values else 0.0
-            metadata = {
-                "features": ids,
-                "activations": values,
-                "layer": record.layer,
-                "token_index": record.token_index,
-                "generated_index": record.generated_index,
-            }
-            signals.append(self.rule.signal(score, metadata))
-            self.summary.add(score, record, self.rule.crossed(score))
-        return signals
+        scores = [max(values) if values else 0.0 for _, values in chosen_rows]
+        metadata = {
+            "features": [ids for ids, _ in chosen_rows],
+            "activations": [values for _, values in chosen_rows],
+            "layer": layers,
+            "token_index": tokens,
+            "generated_index": list(batch.generated_indices),
+        }
+        return self.summary.batch_signals(self.rule, np.asarray(scores, dtype=np.float64),
+                                          tokens, layers, metadata)
 
     def _top(self, row: Any) -> tuple[list[int], list[float]]:
         np = numpy_module()
@@ -218,12 +222,12 @@ class SaeProbe(Probe):
         kept = [int(i) for i in top if row[i] > 0]
         return kept, [float(row[i]) for i in kept]
 
-    def _accumulate(self, acts: Any, records: Sequence[ActivationRecord]) -> None:
+    def _accumulate(self, acts: Any, tokens: Sequence[int], layers: Sequence[int]) -> None:
         np = numpy_module()
         self._peak = np.maximum(self._peak, acts.max(axis=0)) if self._rows else acts.max(axis=0)
         self._total += acts.sum(axis=0)
         self._rows += acts.shape[0]
-        where = np.array([[r.token_index for r in records], [r.layer for r in records]])
+        where = np.array([list(tokens), list(layers)])
         _first_hits(acts > 0, where, self._first_active)
         if self.rule.threshold is not None:
             _first_hits(acts >= self.rule.threshold, where, self._first_crossing)

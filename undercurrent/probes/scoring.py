@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
+from undercurrent.records import (
+    ACTION_CODES,
+    ActivationRecord,
+    BatchSignals,
+    ProbeSignal,
+    SignalAction,
+)
 
 _ACTIONS_ON_CROSSING = (SignalAction.FLAG, SignalAction.ABORT)
 
@@ -117,6 +123,13 @@ class ScoreSummary:
                  crossed: Sequence[bool]) -> None:
         """:meth:`add` for each (score, record, crossed) in order, in one pass: the
         same totals (summed in the same order), extremes and first crossing."""
+        self.add_columns(scores, [r.token_index for r in records], [r.layer for r in records],
+                         crossed)
+
+    def add_columns(self, scores: Sequence[float | None], token_indices: Sequence[int],
+                    layers: Sequence[int], crossed: Sequence[bool] | None) -> None:
+        """:meth:`add_many` from columns (a batch's ``token_indices`` and ``layers``;
+        ``crossed`` None when nothing crossed)."""
         self.count += len(scores)
         total, scored = self.total, self.scored
         high, low, last = self.max_score, self.min_score, self.last_score
@@ -133,9 +146,23 @@ class ScoreSummary:
                 low = score
         self.total, self.scored = total, scored
         self.max_score, self.min_score, self.last_score = high, low, last
-        if self.first_crossing is None and any(crossed):
+        if self.first_crossing is None and crossed is not None and any(crossed):
             index = list(crossed).index(True)
-            self.first_crossing = (records[index].token_index, records[index].layer)
+            self.first_crossing = (int(token_indices[index]), int(layers[index]))
+
+    def batch_signals(self, rule: ThresholdRule, scores: Any, token_indices: Sequence[int],
+                      layers: Sequence[int],
+                      metadata: Mapping[str, Sequence[Any]] | None = None) -> BatchSignals:
+        """The batch path of :meth:`ThresholdRule.signal` + :meth:`add`: one row per
+        score of a float64 numpy array (every row scored), summary updated."""
+        crossed = None
+        actions: Any = [ACTION_CODES[SignalAction.CONTINUE]] * len(scores)
+        if rule.threshold is not None:
+            crossed = scores >= rule.threshold
+            actions = crossed * ACTION_CODES[rule.action]
+        values = scores.tolist()
+        self.add_columns(values, token_indices, layers, crossed)
+        return BatchSignals(actions, values, metadata, all_scored=True)
 
     def verdict(self) -> dict[str, Any]:
         """The summary as a plain dict (see the class docstring for the keys)."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.arrays import as_float_matrix, numpy_module
-from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
+from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
 
 
@@ -39,7 +39,7 @@ def element_mean(tensor: Any) -> float:
     return float(element_means(as_float_matrix([tensor]))[0])
 
 
-class _StatisticProbe(Probe):
+class _StatisticProbe(ScoresRows):
     probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
     statistic_name = ""
 
@@ -54,16 +54,16 @@ class _StatisticProbe(Probe):
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold, extra={"statistic": self.statistic_name})
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        return self.on_activations((record,))[0]
+    def group_key(self) -> Any:
+        return ("statistic", self.statistic_name)
 
-    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        scores = self.statistics(as_float_matrix([record.tensor for record in records]))
-        signals: list[ProbeSignal | None] = []
-        for record, value in zip(records, scores.tolist(), strict=True):
-            self.summary.add(value, record, self.rule.crossed(value))
-            signals.append(self.rule.signal(value))
-        return signals
+    def row_values(self, batch: ActivationBatch) -> Any:
+        """One statistic per row of the batch's matrix."""
+        return self.statistics(batch_matrix(batch))
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        return self.summary.batch_signals(self.rule, values, token_indices, layers)
 
     def on_end(self, ctx: RequestContext) -> Any:
         return self.summary.verdict()

@@ -7,12 +7,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.probes.arrays import as_float_matrix
-from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.arrays import batch_matrix
+from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.statistics import l2_norms
-from undercurrent.records import ActivationRecord, ProbeSignal
+from undercurrent.records import (
+    ACTION_CODES,
+    ActivationBatch,
+    ActivationRecord,
+    BatchSignals,
+)
 from undercurrent.spec.types import ProbeKind
 
 STATISTICS = ("mean", "max", "ewma")
@@ -27,7 +32,7 @@ class _Running:
     value: float = 0.0
 
 
-class TrajectoryProbe(Probe):
+class TrajectoryProbe(ScoresRows):
     """``trajectory_probe``: running mean, max or EWMA of a per-token value.
 
     Each activation yields a value: the linear score (``source: linear``, with the
@@ -107,10 +112,21 @@ class TrajectoryProbe(Probe):
 
     def values(self, records: Sequence[ActivationRecord]) -> list[float]:
         """:meth:`value` for several records, with one matrix operation."""
-        tensors = [record.tensor for record in records]
+        return list(self.batch_values(ActivationBatch.from_records(records)).tolist())
+
+    def batch_values(self, batch: ActivationBatch) -> Any:
+        """:meth:`value` of every row of a batch (float64 array), one matrix operation."""
+        return batch.shared(self.group_key(), self.row_values)
+
+    def group_key(self) -> Any:
         if self.readout is not None:
-            return [score for score, _ in self.readout.score_many(tensors)]
-        return list(l2_norms(as_float_matrix(tensors)).tolist())
+            return ("linear_scores", self.readout.key)
+        return ("statistic", "l2_norm")
+
+    def row_values(self, batch: ActivationBatch) -> Any:
+        if self.readout is not None:
+            return self.readout.score_batch(batch)[0]
+        return l2_norms(batch_matrix(batch))
 
     def _update(self, running: _Running, value: float) -> float:
         running.count += 1
@@ -127,24 +143,27 @@ class TrajectoryProbe(Probe):
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        return self.on_activations((record,))[0]
-
-    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        return [self._judge(record, value)
-                for record, value in zip(records, self.values(records), strict=True)]
-
-    def _judge(self, record: ActivationRecord, value: float) -> ProbeSignal:
-        running = self.running.setdefault(record.layer, _Running())
-        statistic = self._update(running, value)
-        crossed = running.count >= self.min_count and self.rule.crossed(statistic)
-        self.summary.add(statistic, record, crossed)
-        signal = self.rule.signal(
-            statistic, {"value": value, "statistic": self.statistic, "layer": record.layer}
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        """Each layer's running statistic, row by row (a recurrence, in order)."""
+        values = values.tolist()
+        layers = [int(layer) for layer in layers]
+        statistics, crossed = [], []
+        running_by_layer, rule, min_count = self.running, self.rule, self.min_count
+        for layer, value in zip(layers, values, strict=True):
+            running = running_by_layer.get(layer)
+            if running is None:
+                running = running_by_layer[layer] = _Running()
+            statistic = self._update(running, value)
+            statistics.append(statistic)
+            crossed.append(running.count >= min_count and rule.crossed(statistic))
+        self.summary.add_columns(statistics, token_indices, layers, crossed)
+        code = ACTION_CODES[rule.action]
+        return BatchSignals(
+            [code if hit else 0 for hit in crossed], statistics,
+            {"value": values, "statistic": [self.statistic] * len(values), "layer": layers},
+            all_scored=True,
         )
-        if not crossed and signal.action.value != "continue":
-            signal = ProbeSignal(score=statistic, metadata=signal.metadata)
-        return signal
 
     def on_end(self, ctx: RequestContext) -> Any:
         verdict = self.summary.verdict()

@@ -6,7 +6,9 @@ flight: at most one runs per binding, and ``on_end`` never runs while one does.
 
 Accounting: each received record ends up exactly once in ``processed`` (the
 probe returned or raised) or ``dropped`` (the probe never saw it, or it was
-still running when the result was finalised).
+still running when the result was finalised). Records travel as
+:class:`~undercurrent.records.ActivationBatch` es (a request's rows of one
+routed batch); the counters are updated once per batch, in vectors.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.base import Probe, RequestContext
+from undercurrent.probes.base import Probe, RequestContext, scores_batches
 from undercurrent.records import (
+    ActivationBatch,
     ActivationRecord,
+    BatchSignals,
+    LazySequence,
     ProbeResult,
     ProbeSignal,
     ProbeStats,
@@ -40,6 +45,41 @@ logger = logging.getLogger("undercurrent.router")
 
 Outcome = tuple[ProbeSignal | None, str | None, float]
 """What one record's probe call came to: (signal, error description or None, seconds)."""
+
+
+@dataclasses.dataclass
+class BatchOutcome:
+    """What one probe call on a batch came to: a signal (or none) per row, the
+    error description per row (None when no row failed), the seconds the rows
+    took in all, and the longest any one row took."""
+
+    signals: BatchSignals
+    errors: list[str | None] | None
+    latency: float
+    longest: float
+
+    @classmethod
+    def of(cls, outcomes: Sequence[Outcome]) -> BatchOutcome:
+        """From per-record outcomes (a probe called per record)."""
+        total = longest = 0.0
+        for _, _, latency in outcomes:
+            total += latency
+            if latency > longest:
+                longest = latency
+        errors = [error for _, error, _ in outcomes]
+        return cls(BatchSignals.from_signals([signal for signal, _, _ in outcomes]),
+                   errors if any(error is not None for error in errors) else None,
+                   total, longest)
+
+
+class _Where:
+    """Where a row sits, for an error note (what ``_count_error`` reads of a record)."""
+
+    __slots__ = ("token_index", "layer")
+
+    def __init__(self, token_index: int, layer: int) -> None:
+        self.token_index = token_index
+        self.layer = layer
 
 
 def batches_natively(probe: Any) -> bool:
@@ -106,18 +146,30 @@ class Binding:
         self.latency_total = 0.0
         self.latency_max = 0.0
         self.late_results = 0
-        self.signals: list[ProbeSignal] = []
+        self._signals: list[ProbeSignal] = []
+        # Signals kept as columns until read: (signals, the batch holding the rows
+        # they judged, first row, stop, observed).
+        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool]] = []
         self.error_notes: list[str] = []
         self._logged_error = False
         self.traceback: str | None = None  # of the first exception the probe raised
         self.busy = False
         self.in_flight = 0  # records in the call that ``busy`` marks
-        self.batched = batches_natively(probe)
+        self.native = scores_batches(probe)  # served whole batches (Probe.on_batch)
+        self.batched = self.native or batches_natively(probe)
+        # Inline, no deadline, and a probe whose values a routed batch computes once
+        # for every request (ScoresRows.group_key): judged in a group by the router.
+        group_key = getattr(probe, "group_key", None) if self.native else None
+        self.group: Any = (
+            group_key() if group_key is not None and not self.is_async
+            and policy.mode is InterventionMode.REJECT else None
+        )
         self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self.closed = False
         self.start_failed = False  # on_start raised: the binding never opened
         self.finalised = False
-        self.queue: deque[ActivationRecord] = deque()
+        self.queue: deque[ActivationBatch] = deque()
+        self.queued = 0  # rows in ``queue``: the queue depth, in vectors
         self.scheduled = False
         self.consecutive_failures = 0
         self.breaker_open = False
@@ -128,6 +180,25 @@ class Binding:
     @property
     def request_id(self) -> str:
         return self.ctx.request_id
+
+    @property
+    def signals(self) -> list[ProbeSignal]:
+        """The signals kept so far, in order (each located at its activation);
+        those kept as columns are materialised on this read."""
+        if self._unread:
+            unread, self._unread = self._unread, []
+            keep = self._signals.append
+            for columns, batch, start, stop, observed in unread:
+                for signal in columns.signals(batch[start:stop]):
+                    if signal is not None:
+                        keep(observed_only(signal) if observed else signal)
+        return self._signals
+
+    def keep_signals(self, columns: BatchSignals, batch: ActivationBatch, *,
+                     observed: bool = False) -> None:
+        """Keep a batch's signals (lock held), as columns until read."""
+        if columns.any_signal():  # the index columns only: the tensor may go
+            self._unread.append((columns, batch.index_view(), 0, len(batch), observed))
 
     # -- user code, called without the lock ---------------------------------------
 
@@ -175,6 +246,49 @@ class Binding:
             raise
         return outcomes
 
+    def invoke_batch(
+        self, batch: ActivationBatch, *, propagate_interrupts: bool = False
+    ) -> BatchOutcome:
+        """Run the probe on a batch: one ``on_batch`` call for a probe that scores
+        batches (an exception is an error for every row), else the records, as
+        :meth:`invoke_many` runs them (an exception in ``on_activation`` costs one
+        record). ``propagate_interrupts`` as for :meth:`invoke_many`."""
+        if not self.native:
+            records = batch.records()
+            return BatchOutcome.of(self.invoke_many(
+                records, propagate_interrupts=propagate_interrupts))
+        catch: type[BaseException] = Exception if propagate_interrupts else BaseException
+        count = len(batch)
+        started = time.perf_counter()
+        try:
+            signals = self.probe.on_batch(batch)
+            if type(signals) is not BatchSignals or len(signals) != count:
+                raise TypeError(
+                    f"on_batch returned {type(signals).__name__}"
+                    + (f" with {len(signals)} rows" if isinstance(signals, BatchSignals) else "")
+                    + f" for {count} rows; it must return one BatchSignals row per batch row"
+                )
+            errors: list[str | None] | None = None
+        except catch as exc:
+            signals = BatchSignals.none(count)
+            errors = [describe_error(exc)] * count
+            self._log_first_error(
+                f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
+        except BaseException as exc:  # an interrupt on the generation thread
+            self._log_first_error(
+                f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
+            failed = BatchOutcome(BatchSignals.none(count), [describe_error(exc)] * count,
+                                  0.0, 0.0)
+            with self.cond:
+                self.busy = False
+                self.in_flight = 0
+                self.cond.notify_all()
+                if not self.finalised:
+                    self.settle_batch(batch, failed)
+            raise
+        elapsed = time.perf_counter() - started
+        return BatchOutcome(signals, errors, elapsed, elapsed / count)
+
     def _call_one(self, record: ActivationRecord, catch: type[BaseException]) -> Outcome:
         started = time.perf_counter()
         try:
@@ -213,6 +327,10 @@ class Binding:
             )
         share = (time.perf_counter() - started) / len(records)
         return [(signal, error, share) for signal in signals]
+
+    def log_error(self, where: str, exc: BaseException) -> None:
+        """Log the binding's first exception (see :meth:`_log_first_error`)."""
+        self._log_first_error(where, exc)
 
     def _log_first_error(self, where: str, exc: BaseException) -> None:
         """Log a binding's first exception: one warning line, the traceback at DEBUG
@@ -260,7 +378,7 @@ class Binding:
         if error is not None:
             self._count_error(error, record)
 
-    def _count_error(self, error: str, record: ActivationRecord) -> None:
+    def _count_error(self, error: str, record: ActivationRecord | _Where) -> None:
         self.errors += 1
         if not any(note.startswith("on_activation") for note in self.error_notes):
             self.error_notes.append(
@@ -282,40 +400,105 @@ class Binding:
             if error is not None:
                 self._count_error(error, record)
             if signal is not None:
+                signal = signal.at(record.request_id, record.extraction_point_name,
+                                   record.layer, record.token_index, record.generated_index)
                 keep(observed_only(signal) if observed else signal)
         self.processed += len(records)
         self.latency_total, self.latency_max = total, longest
 
-    def enqueue(self, record: ActivationRecord) -> bool:
-        """Put a record on this async binding's queue, applying the overflow policy.
+    def settle_batch(self, batch: ActivationBatch, outcome: BatchOutcome, *,
+                     observed: bool = False, keep: bool = True) -> None:
+        """:meth:`settle` for a batch, in one update: every row processed, the errors
+        counted, the signals kept as columns (unless ``keep`` is False)."""
+        self.processed += len(batch)
+        self.latency_total += outcome.latency
+        if outcome.longest > self.latency_max:
+            self.latency_max = outcome.longest
+        if outcome.errors is not None:
+            self._count_errors(batch, outcome.errors)
+        if keep:
+            self.keep_signals(outcome.signals, batch, observed=observed)
 
-        Returns True when the binding must be handed to the scheduler.
-        """
+    def _count_errors(self, batch: ActivationBatch, errors: Sequence[str | None]) -> None:
+        failed = [index for index, error in enumerate(errors) if error is not None]
+        if not failed:
+            return
+        self.errors += len(failed) - 1
+        first = failed[0]
+        error = errors[first]
+        assert error is not None
+        self._count_error(error, _Where(batch.token_indices[first], batch.layers[first]))
+
+    def enqueue_batch(self, batch: ActivationBatch) -> bool:
+        """Queue a batch on this async binding under a non-blocking overflow policy
+        (``drop_oldest`` / ``drop_newest``), which drops whole vectors and counts
+        them: the queue keeps at most ``queue_capacity`` vectors. Returns True when
+        the binding must be handed to the scheduler."""
+        count = len(batch)
         with self.cond:
-            self.received += 1
-            capacity = self.queue_capacity or 1
-            if not self.closed and len(self.queue) >= capacity:
-                if self.overflow is OverflowPolicy.DROP_OLDEST:
-                    self.queue.popleft()
-                    self.dropped += 1
-                elif self.overflow is OverflowPolicy.DROP_NEWEST:
-                    self.dropped += 1
-                    return False
-                else:
-                    self.waiting += 1
-                    while len(self.queue) >= capacity and not self.closed:
-                        self.cond.wait()
-                    self.waiting -= 1
-                    if self.finalised:  # counted as dropped by finalise()
-                        return False
+            self.received += count
             if self.closed:
-                self.dropped += 1
+                self.dropped += count
                 return False
-            self.queue.append(record)
+            capacity = self.queue_capacity or 1
+            if self.overflow is OverflowPolicy.DROP_NEWEST:
+                room = max(0, capacity - self.queued)
+                if room < count:
+                    self.dropped += count - room
+                    if room == 0:
+                        return False
+                    batch = batch[:room]
+            self.queue.append(batch)
+            self.queued += len(batch)
+            if self.queued > capacity:  # drop_oldest: the oldest vectors go first
+                self._drop_oldest(self.queued - capacity)
             if self.scheduled:
                 return False
             self.scheduled = True
             return True
+
+    def _drop_oldest(self, count: int) -> None:
+        self.dropped += count
+        self.queued -= count
+        while count:
+            head = self.queue[0]
+            if len(head) <= count:
+                self.queue.popleft()
+                count -= len(head)
+            else:
+                self.queue[0] = head[count:]
+                count = 0
+
+    def enqueue_blocking(self, batch: ActivationBatch, hand_over: Any) -> None:
+        """Queue a batch under ``block``: as many vectors as there is room for, then
+        wait for room for the rest (a batch larger than the queue goes in pieces).
+        ``hand_over(binding)`` gives the binding to the workers as soon as it has
+        queued vectors, before waiting: only a worker can make room."""
+        count = len(batch)
+        capacity = self.queue_capacity or 1
+        offset = 0
+        with self.cond:
+            self.received += count
+        while offset < count:
+            with self.cond:
+                left = count - offset
+                self.waiting += left
+                while self.queued >= capacity and not self.closed:
+                    self.cond.wait()
+                self.waiting -= left
+                if self.finalised:  # counted as dropped by finalise()
+                    return
+                if self.closed:
+                    self.dropped += left
+                    return
+                take = min(left, capacity - self.queued)
+                self.queue.append(batch[offset:offset + take])
+                self.queued += take
+                offset += take
+                hand = not self.scheduled
+                self.scheduled = True
+            if hand:
+                hand_over(self)
 
     # -- transitions of a call (each takes the lock itself) ------------------------------
 
@@ -339,35 +522,81 @@ class Binding:
             self.in_flight = count
             return True
 
-    def take_queued(self, limit: int) -> list[ActivationRecord]:
-        """An async worker takes up to ``limit`` queued records (one for a probe that
-        does not batch) and marks the probe busy with them. Empty when there is
-        nothing to do: the binding is then no longer scheduled."""
+    def take_queued(self, limit: int) -> ActivationBatch | None:
+        """An async worker takes up to ``limit`` queued vectors (one for a probe that
+        does not batch) as one batch and marks the probe busy with them. None when
+        there is nothing to do: the binding is then no longer scheduled."""
         with self.cond:
             if not self.queue or self.finalised:
                 self.scheduled = False
                 self.cond.notify_all()
-                return []
-            take = min(len(self.queue), limit) if self.batched else 1
-            records = [self.queue.popleft() for _ in range(take)]
+                return None
+            take = min(self.queued, limit) if self.batched else 1
+            pieces: list[ActivationBatch] = []
+            left = take
+            while left:
+                head = self.queue[0]
+                if len(head) <= left:
+                    pieces.append(self.queue.popleft())
+                    left -= len(head)
+                else:
+                    pieces.append(head[:left])
+                    self.queue[0] = head[left:]
+                    left = 0
+            self.queued -= take
             self.busy = True
             self.in_flight = take
             self.cond.notify_all()  # room for a producer blocked on a full queue
-            return records
+        return ActivationBatch.concat(pieces)
 
-    def finish_call(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome],
-                    *, observed: bool) -> bool:
+    def finish_call(self, batch: ActivationBatch, outcome: BatchOutcome, *,
+                    observed: bool) -> bool:
         """The call marked by :meth:`admit_inline` / :meth:`take_queued` returned:
-        the probe is free again and the records are settled. False (nothing
-        settled) when the result was frozen meanwhile, so they counted as dropped."""
+        the probe is free again and the batch is settled. False (nothing
+        settled) when the result was frozen meanwhile, so it counted as dropped."""
         with self.cond:
             self.busy = False
             self.in_flight = 0
             self.cond.notify_all()
             if self.finalised:
                 return False
-            self.settle(records, outcomes, observed=observed)
+            self.settle_batch(batch, outcome, observed=observed)
             return True
+
+    def finish_rows(self, batch: ActivationBatch, start: int, stop: int,
+                    signals: BatchSignals | None, latency: float, longest: float,
+                    error: str | None = None) -> bool:
+        """The group call that judged rows ``start:stop`` of ``batch`` (marked by
+        :meth:`admit_inline`) returned: settle them in one update, with the
+        signals they got (or ``error`` for every row). ``batch`` is kept for
+        locating the signals: pass its :meth:`~ActivationBatch.index_view`. False
+        when the result was frozen meanwhile."""
+        count = stop - start
+        with self.cond:
+            self.busy = False
+            self.in_flight = 0
+            self.cond.notify_all()
+            if self.finalised:
+                return False
+            self.processed += count
+            self.latency_total += latency
+            if longest > self.latency_max:
+                self.latency_max = longest
+            if error is not None:
+                self._count_errors(batch[start:stop], [error] * count)
+            elif signals is not None and signals.any_signal():
+                self._unread.append((signals, batch, start, stop, False))
+            return True
+
+    def release_dropped(self, count: int) -> None:
+        """An admitted call that never ran (an interrupt stopped the group first):
+        the probe is free again and the rows count as dropped."""
+        with self.cond:
+            self.busy = False
+            self.in_flight = 0
+            self.cond.notify_all()
+            if not self.finalised:
+                self.dropped += count
 
     def keep_scheduled(self) -> bool:
         """After a worker's turn: True when queued records remain (the binding stays
@@ -408,8 +637,9 @@ class Binding:
         with self.cond:
             self.closed = True
             self.finalised = True
-            queued = len(self.queue) + self.waiting
+            queued = self.queued + self.waiting
             self.queue.clear()
+            self.queued = 0
             in_flight = self.in_flight if self.busy else 0
             self.dropped += queued + in_flight
             if queued or in_flight:
@@ -461,11 +691,18 @@ class Binding:
                 request_id=self.request_id,
                 extraction_point_name=self.name,
                 verdict=verdict,
-                signals=tuple(self.signals),
+                signals=self._final_signals(),
                 stats=stats,
                 error="; ".join(self.error_notes) or None,
                 metadata=metadata,
             )
+
+    def _final_signals(self) -> Sequence[ProbeSignal]:
+        """The kept signals for the result: a tuple, or built when first read if
+        some are still columns (the binding is final: nothing is added later)."""
+        if not self._unread:
+            return tuple(self._signals)
+        return LazySequence(lambda: list(self.signals))
 
     def end(self, waited_s: float) -> ProbeResult:
         """Finalise, call ``on_end`` (unless an activation is still running), build the
@@ -496,7 +733,7 @@ class Binding:
                 "dropped": self.dropped,
                 "errors": self.errors,
                 "timeouts": self.timeouts,
-                "queue_depth": len(self.queue),
+                "queue_depth": self.queued,
                 "queue_capacity": self.queue_capacity,
                 "mean_latency_s": self.latency_total / self.processed if self.processed else 0.0,
                 "max_latency_s": self.latency_max,

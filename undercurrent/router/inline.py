@@ -8,9 +8,11 @@ still running yields a *fallback* signal whose action is ``on_timeout`` and whos
 late answer never overlaps the next activation: the next caller waits for it
 (inside its own deadline) and falls back with reason ``"busy"`` if it must.
 
-Records arrive in batches: one token's records for one binding (its layers, in
-order). A batch is one call, one wait and one deadline; a fallback yields one
-fallback signal per record, so the counts match routing the records one by one.
+Activations arrive as an :class:`~undercurrent.records.ActivationBatch`: one
+request's rows of one routed batch for one binding (in a decode step, that
+token's layers, in order). A batch is one call, one wait and one deadline; a
+fallback yields one fallback signal per row, so the counts match routing the
+records one by one.
 """
 
 from __future__ import annotations
@@ -18,51 +20,139 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction
-from undercurrent.router.binding import Binding, Outcome, logger
+from undercurrent.records import (
+    ABORT_CODE,
+    ActivationBatch,
+    BatchSignals,
+    ProbeSignal,
+    SignalAction,
+    rows_of,
+)
+from undercurrent.router.binding import BatchOutcome, Binding, describe_error, logger
 from undercurrent.spec.types import InterventionMode, OnTimeout
 
 
-def run_inline(
-    binding: Binding, records: Sequence[ActivationRecord]
-) -> list[ProbeSignal | None]:
-    """Run an inline binding on a batch of records; per record, the signal that
-    applies to generation (None when there is nothing to apply)."""
+def run_inline(binding: Binding, batch: ActivationBatch) -> BatchSignals:
+    """Run an inline binding on a batch; per row, the signal that applies to
+    generation (no signal when there is nothing to apply)."""
     if binding.policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
-        return _run_blocking(binding, records)
-    return _run_to_completion(binding, records)
+        return _run_blocking(binding, batch)
+    return _run_to_completion(binding, batch)
 
 
-def _run_to_completion(
-    binding: Binding, records: Sequence[ActivationRecord]
-) -> list[ProbeSignal | None]:
-    nothing: list[ProbeSignal | None] = [None] * len(records)
-    if not binding.admit_inline(len(records)):
-        return nothing
-    outcomes = binding.invoke_many(records, propagate_interrupts=True)
-    if not binding.finish_call(records, outcomes, observed=False):
-        return nothing
-    return [signal for signal, _, _ in outcomes]
+def _run_to_completion(binding: Binding, batch: ActivationBatch) -> BatchSignals:
+    if not binding.admit_inline(len(batch)):
+        return BatchSignals.none(len(batch))
+    outcome = binding.invoke_batch(batch, propagate_interrupts=True)
+    if not binding.finish_call(batch, outcome, observed=False):
+        return BatchSignals.none(len(batch))
+    return outcome.signals
+
+
+def judge_group(batch: ActivationBatch, key: Any,
+                members: Sequence[tuple[Any, Binding, int, int]]
+                ) -> list[tuple[int, BatchSignals]]:
+    """Judge several ``reject`` bindings' rows of one routed batch at once: their
+    probes share ``key`` (:meth:`~undercurrent.probes.base.ScoresRows.group_key`),
+    so the per-row values are computed once for the batch, then each probe judges
+    its own rows (``judge_rows``) and each binding is settled in one update.
+    ``members`` are (request, binding, start, stop); returns (start, signals) per
+    binding that judged. The same counts, signals and state as each binding's
+    ``on_batch`` on its own rows; a failure computing the values falls back to
+    exactly that, binding by binding."""
+    admitted = [member for member in members if member[1].admit_inline(member[3] - member[2])]
+    if not admitted:
+        return []
+    started = time.perf_counter()
+    try:
+        values = batch.shared(key, admitted[0][1].probe.row_values)
+    except Exception:
+        return _judge_each(batch, admitted)
+    except BaseException:  # an interrupt on the generation thread: nothing ran
+        for _, binding, start, stop in admitted:
+            binding.release_dropped(stop - start)
+        raise
+    tokens, layers = batch.token_indices, batch.layers
+    judged: list[tuple[Any, Binding, int, int, BatchSignals | None, str | None]] = []
+    try:
+        for request, binding, start, stop in admitted:
+            try:
+                signals = binding.probe.judge_rows(rows_of(values, start, stop),
+                                                   tokens[start:stop], layers[start:stop])
+                judged.append((request, binding, start, stop, signals, None))
+            except Exception as exc:
+                binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)",
+                                  exc)
+                judged.append((request, binding, start, stop, None, describe_error(exc)))
+    except BaseException as exc:  # an interrupt: settle what ran, drop what did not
+        _, binding, start, stop = admitted[len(judged)]
+        binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)", exc)
+        judged.append((None, binding, start, stop, None, describe_error(exc)))
+        _settle_group(batch, judged, started)
+        for _, binding, start, stop in admitted[len(judged):]:
+            binding.release_dropped(stop - start)
+        raise
+    return _settle_group(batch, judged, started)
+
+
+def _settle_group(batch: ActivationBatch,
+                  judged: Sequence[tuple[Any, Binding, int, int, BatchSignals | None,
+                                         str | None]],
+                  started: float) -> list[tuple[int, BatchSignals]]:
+    """Settle each judged binding (its share of the group's time per row)."""
+    rows = sum(stop - start for _, _, start, stop, _, _ in judged)
+    share = (time.perf_counter() - started) / rows if rows else 0.0
+    pieces: list[tuple[int, BatchSignals]] = []
+    index = batch.index_view()  # what the kept signals need: not the activations
+    for request, binding, start, stop, signals, error in judged:
+        settled = binding.finish_rows(index, start, stop, signals, share * (stop - start),
+                                      share, error)
+        if not settled or signals is None:
+            continue
+        if request is not None and ABORT_CODE in signals.actions:
+            request.abort_requested = True
+        pieces.append((start, signals))
+    return pieces
+
+
+def _judge_each(batch: ActivationBatch, admitted: Sequence[tuple[Any, Binding, int, int]]
+                ) -> list[tuple[int, BatchSignals]]:
+    """Each admitted binding's ``on_batch`` on its own rows (after the shared values
+    failed): errors are then counted binding by binding."""
+    pieces: list[tuple[int, BatchSignals]] = []
+    for index, (request, binding, start, stop) in enumerate(admitted):
+        piece = batch[start:stop]
+        try:
+            outcome = binding.invoke_batch(piece, propagate_interrupts=True)
+        except BaseException:  # an interrupt: the bindings not reached never ran
+            for _, later, first, last in admitted[index + 1:]:
+                later.release_dropped(last - first)
+            raise
+        if not binding.finish_call(piece, outcome, observed=False):
+            continue
+        if ABORT_CODE in outcome.signals.actions:
+            request.abort_requested = True
+        pieces.append((start, outcome.signals))
+    return pieces
 
 
 @dataclass
 class _Call:
     """A batch of activations handed to a binding's helper thread."""
 
-    records: Sequence[ActivationRecord]
+    batch: ActivationBatch
     waited: bool = True
     abandoned: bool = False
     done: bool = False
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcome: BatchOutcome | None = None
 
 
-def _run_blocking(
-    binding: Binding, records: Sequence[ActivationRecord]
-) -> list[ProbeSignal | None]:
-    count = len(records)
-    nothing: list[ProbeSignal | None] = [None] * count
+def _run_blocking(binding: Binding, batch: ActivationBatch) -> BatchSignals:
+    count = len(batch)
+    nothing = BatchSignals.none(count)
     timeout_ms = binding.policy.timeout_ms or 1
     deadline = time.monotonic() + timeout_ms / 1000.0
     with binding.cond:
@@ -71,7 +161,7 @@ def _run_blocking(
             binding.dropped += count
             return nothing
         if binding.breaker_open:
-            _submit_unwaited(binding, records)
+            _submit_unwaited(binding, batch)
             return nothing
         binding.waiting += count
         while binding.busy and not binding.closed:
@@ -87,8 +177,8 @@ def _run_blocking(
             return nothing
         if binding.busy:
             binding.dropped += count
-            return [_fallback(binding, "busy", None) for _ in records]
-        call = _Call(records)
+            return _fallbacks(binding, batch, "busy")
+        call = _Call(batch)
         _hand_to_helper(binding, call)
         while not call.done and not binding.finalised:
             remaining = deadline - time.monotonic()
@@ -99,30 +189,44 @@ def _run_blocking(
             return nothing
         if not call.done:
             call.abandoned = True
-            return [_fallback(binding, "timeout", None) for _ in records]
-        signals: list[ProbeSignal | None] = []
-        for signal, error, _ in call.outcomes:
+            return _fallbacks(binding, batch, "timeout")
+        outcome = call.outcome
+        assert outcome is not None
+        if outcome.errors is None:
+            binding.consecutive_failures = 0
+            binding.keep_signals(outcome.signals, batch)
+            return outcome.signals
+        # Some rows failed: each gets its fallback, in order, among the others' signals.
+        signals = outcome.signals.signals(batch)
+        applied: list[ProbeSignal | None] = []
+        for index, (signal, error) in enumerate(zip(signals, outcome.errors, strict=True)):
             if error is not None:
-                signals.append(_fallback(binding, "error", error))
+                applied.append(_fallback(binding, batch, index, "error", error))
                 continue
             binding.consecutive_failures = 0
             if signal is not None:
                 binding.signals.append(signal)
-            signals.append(signal)
-        return signals
+            applied.append(signal)
+        return BatchSignals.from_signals(applied)
 
 
-def _submit_unwaited(binding: Binding, records: Sequence[ActivationRecord]) -> None:
+def _fallbacks(binding: Binding, batch: ActivationBatch, reason: str) -> BatchSignals:
+    """One fallback per row (lock held)."""
+    return BatchSignals.from_signals(
+        [_fallback(binding, batch, index, reason, None) for index in range(len(batch))])
+
+
+def _submit_unwaited(binding: Binding, batch: ActivationBatch) -> None:
     """Breaker open: run the probe if it is free, but nobody waits (lock held)."""
     if binding.busy:
-        binding.dropped += len(records)
+        binding.dropped += len(batch)
         return
-    _hand_to_helper(binding, _Call(records, waited=False))
+    _hand_to_helper(binding, _Call(batch, waited=False))
 
 
 def _hand_to_helper(binding: Binding, call: _Call) -> None:
     binding.busy = True
-    binding.in_flight = len(call.records)
+    binding.in_flight = len(call.batch)
     binding.pending = call
     if binding.helper is None:
         binding.helper = threading.Thread(
@@ -151,26 +255,28 @@ def _helper_loop(binding: Binding) -> None:
                     call.done = True
                 binding.cond.notify_all()
                 return
-        outcomes = binding.invoke_many(call.records)
+        outcome = binding.invoke_batch(call.batch)
         with binding.cond:
             binding.busy = False
             binding.in_flight = 0
             call.done = True
             if not binding.finalised:
                 if not call.waited:
-                    binding.settle(call.records, outcomes, observed=True)
+                    binding.settle_batch(call.batch, outcome, observed=True)
                 else:
-                    for record, (_, error, latency) in zip(call.records, outcomes, strict=True):
-                        binding.account(latency, error, record)
+                    # Counted now; the signals are kept by the caller (or never, if late).
+                    binding.settle_batch(call.batch, outcome, keep=False)
                     if call.abandoned:
-                        binding.late_results += len(call.records)
+                        binding.late_results += len(call.batch)
                     else:
-                        call.outcomes = outcomes
+                        call.outcome = outcome
             binding.cond.notify_all()
 
 
-def _fallback(binding: Binding, reason: str, error: str | None) -> ProbeSignal:
-    """Record and return the on_timeout signal (lock held); may trip the breaker."""
+def _fallback(binding: Binding, batch: ActivationBatch, index: int, reason: str,
+              error: str | None) -> ProbeSignal:
+    """Record and return the on_timeout signal for row ``index`` (lock held); may
+    trip the breaker."""
     policy = binding.policy
     binding.timeouts += 1
     binding.consecutive_failures += 1
@@ -183,7 +289,8 @@ def _fallback(binding: Binding, reason: str, error: str | None) -> ProbeSignal:
     }
     if error is not None:
         metadata["error"] = error
-    signal = ProbeSignal(action=action, metadata=metadata)
+    where = batch.located(index)
+    signal = ProbeSignal(action=action, metadata=metadata).at(*where)
     binding.signals.append(signal)
     threshold = binding.breaker_threshold
     if (threshold is not None and not binding.breaker_open
@@ -201,7 +308,7 @@ def _fallback(binding: Binding, reason: str, error: str | None) -> ProbeSignal:
                 "consecutive_failures": binding.consecutive_failures,
                 "last_failure": reason,
             },
-        )
+        ).at(*where)
         binding.signals.append(tripped)
         return signal if action is SignalAction.ABORT else tripped
     return signal

@@ -14,10 +14,17 @@ from typing import Any
 
 from undercurrent.probes.base import RequestContext
 from undercurrent.probes.registry import ProbeRegistry, default_registry
-from undercurrent.records import ActivationRecord, ProbeResult, ProbeSignal, SignalAction
+from undercurrent.records import (
+    ABORT_CODE,
+    ActivationBatch,
+    ActivationRecord,
+    BatchSignals,
+    ProbeResult,
+    ProbeSignal,
+)
 from undercurrent.router.binding import Binding, describe_error, logger
 from undercurrent.router.errors import OverflowPolicy, RouterError
-from undercurrent.router.inline import run_inline
+from undercurrent.router.inline import judge_group, run_inline
 from undercurrent.router.scheduler import AsyncScheduler
 from undercurrent.router.validation import (
     CheckedPoint,
@@ -300,11 +307,11 @@ class Router:
         """Hand one record to its binding.
 
         Inline points: returns the signal that applies to generation (the probe's,
-        or the intervention's fallback), None when the probe has nothing to say or
-        raised under ``reject``. Async points: queues the record and returns None.
-        A record for a request that ended moments ago is ignored (counted in
-        ``metrics()["late_records"]``); one for a request never registered raises
-        :class:`RouterError`.
+        or the intervention's fallback), located at the record, None when the
+        probe has nothing to say or raised under ``reject``. Async points: queues
+        the record and returns None. A record for a request that ended moments
+        ago is ignored (counted in ``metrics()["late_records"]``); one for a
+        request never registered raises :class:`RouterError`.
         """
         return self.route_batch((record,))[0]
 
@@ -312,20 +319,16 @@ class Router:
         """Hand several records of one request and one extraction point to its
         binding at once; returns one entry per record, as :meth:`route` would.
 
-        The adapters route each token's records this way (that point's layers, in
-        layer order): the binding is looked up and locked once, and a probe that
-        overrides ``on_activations`` scores them in one call. Inline, the batch
-        is one call under the point's intervention (``block_until_signal``: one
-        wait, one deadline). Records of different requests or points raise
+        The records travel as one :class:`~undercurrent.records.ActivationBatch`
+        (see :meth:`route_columns`): the binding is looked up and locked once,
+        and the probe judges them in one call. Inline, the batch is one call
+        under the point's intervention (``block_until_signal``: one wait, one
+        deadline). Records of different requests or points raise
         :class:`RouterError`.
         """
         if not records:
             return []
         first = records[0]
-        request = self._requests.get(first.request_id)
-        if request is None:
-            self._route_unknown(first, len(records))
-            return [None] * len(records)
         for record in records:
             if (record.request_id != first.request_id
                     or record.extraction_point_name != first.extraction_point_name):
@@ -334,39 +337,82 @@ class Router:
                     f"point; got ({first.request_id!r}, {first.extraction_point_name!r}) and "
                     f"({record.request_id!r}, {record.extraction_point_name!r})"
                 )
-        binding = request.bindings.get(first.extraction_point_name)
-        if binding is None:
-            raise RouterError(
-                f"route: request {first.request_id!r} has no extraction point named "
-                f"{first.extraction_point_name!r}; its points are {sorted(request.bindings)}"
-            )
-        if binding.is_async:
-            self._enqueue(binding, records)
-            return [None] * len(records)
-        signals = run_inline(binding, records)
-        if any(signal is not None and signal.action is SignalAction.ABORT for signal in signals):
-            request.abort_requested = True
-        return signals
+        batch = ActivationBatch.from_records(records)
+        return self.route_columns(batch).signals(batch)
 
-    def _enqueue(self, binding: Binding, records: Sequence[ActivationRecord]) -> None:
-        """Queue records on an async binding, handing it to the workers as needed.
+    def route_columns(
+        self, batch: ActivationBatch, spans: Sequence[tuple[str, int, int]] | None = None
+    ) -> BatchSignals:
+        """Route a batch of ONE extraction point's rows for any number of requests;
+        returns, per row, the signal that applies to generation (as columns).
 
-        Under ``block`` the hand-over happens as soon as a record is queued, before
-        the next one is offered: that next record may have to wait for room, and
-        only a worker that already holds the binding can make it. (Handing over
-        once, after the whole batch, left the generation thread waiting on a queue
-        no worker would ever drain.) The other policies never wait, so inside a
-        :meth:`step` their hand-over waits for the end of the step.
+        Rows must be grouped by request, each request's rows in token then layer
+        order (what the adapters build once per forward pass). ``spans`` lists
+        (request id, start, stop) for each request's rows to route (computed from
+        ``batch.request_ids`` when None); rows outside them are not routed and get
+        no signal (the result always has one row per batch row). Each request's
+        rows go to its binding as one slice of the batch (no copy): one lookup, one
+        accounting update, one probe call (inline) or one queue entry (async) per
+        binding. Async rows get no signal. A request whose inline rows produced
+        an ``abort`` is marked (:meth:`abort_requested`). Rows of a request that ended moments
+        ago are ignored (``late_records``); a request never registered, or a
+        point the request does not have, raises :class:`RouterError`.
         """
-        deferred = getattr(self._step, "bindings", None)
+        count = len(batch)
+        if not count:
+            return BatchSignals.none(0)
+        names = batch.point_names
+        name = names[0]
+        if len(set(names)) > 1:
+            raise RouterError(
+                "route_columns: every row must belong to one extraction point; got "
+                f"{sorted(set(names))}"
+            )
+        pieces: list[tuple[int, BatchSignals]] = []
+        grouped: dict[Any, list[tuple[_Request, Binding, int, int]]] = {}
+        for request_id, start, stop in batch.spans() if spans is None else spans:
+            request = self._requests.get(request_id)
+            if request is None:
+                self._route_unknown(request_id, stop - start)
+                continue
+            binding = request.bindings.get(name)
+            if binding is None:
+                raise RouterError(
+                    f"route: request {request_id!r} has no extraction point named "
+                    f"{name!r}; its points are {sorted(request.bindings)}"
+                )
+            if binding.is_async:
+                self._enqueue(binding, batch[start:stop])
+            elif binding.group is not None:
+                grouped.setdefault(binding.group, []).append((request, binding, start, stop))
+            else:
+                signals = run_inline(binding, batch[start:stop])
+                if ABORT_CODE in signals.actions:
+                    request.abort_requested = True
+                pieces.append((start, signals))
+        for key, members in grouped.items():
+            pieces.extend(judge_group(batch, key, members))
+        return BatchSignals.assemble(count, pieces)
+
+    def _enqueue(self, binding: Binding, batch: ActivationBatch) -> None:
+        """Queue a batch on an async binding, handing it to the workers as needed.
+
+        Under ``block`` the hand-over happens as soon as vectors are queued, before
+        waiting for room for the rest: only a worker that holds the binding can
+        make room. (Handing over once, after the whole batch, left the generation
+        thread waiting on a queue no worker would ever drain.) The other policies
+        never wait, so inside a :meth:`step` their hand-over waits for the end of
+        the step.
+        """
         if binding.overflow is OverflowPolicy.BLOCK:
-            deferred = None
-        for record in records:
-            if binding.enqueue(record):
-                if deferred is None:
-                    self._scheduler.schedule(binding)
-                else:
-                    deferred.append(binding)
+            binding.enqueue_blocking(batch, self._scheduler.schedule)
+            return
+        if binding.enqueue_batch(batch):
+            deferred = getattr(self._step, "bindings", None)
+            if deferred is None:
+                self._scheduler.schedule(binding)
+            else:
+                deferred.append(binding)
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -386,14 +432,14 @@ class Router:
             bindings, self._step.bindings = self._step.bindings, None
             self._scheduler.schedule_many(bindings)
 
-    def _route_unknown(self, record: ActivationRecord, count: int = 1) -> None:
+    def _route_unknown(self, request_id: str, count: int = 1) -> None:
         with self._lock:
-            if record.request_id in self._ended:
+            if request_id in self._ended:
                 self._late_records += count
                 return
             live = sorted(self._requests)
         raise RouterError(
-            f"route: no live request {record.request_id!r} (live requests: {live[:10]}); "
+            f"route: no live request {request_id!r} (live requests: {live[:10]}); "
             "call register_request first"
         )
 

@@ -1,7 +1,7 @@
 """The async scheduler: a shared pool of worker threads serving async bindings.
 
 A binding with queued records sits (once) on a FIFO ready line. A worker takes
-it, processes at most ``batch_size`` records in order, and puts it back at the
+it, processes at most ``batch_size`` records (vectors) in order, and puts it back at the
 end of the line if records remain, so every binding makes progress however many
 bindings share however few workers. Only one worker holds a binding at a time,
 which keeps each binding's records strictly ordered.
@@ -133,22 +133,22 @@ class AsyncScheduler:
                     return
 
     def _run_batch(self, binding: Binding, worker: _Worker) -> bool:
-        """Process up to ``batch_size`` records; True when the binding still has work.
+        """Process up to ``batch_size`` vectors; True when the binding still has work.
 
-        A probe that scores batches natively gets every record taken in one call;
-        any other probe gets one record per call, so a drain deadline drops only
-        records that have not started.
+        A probe that scores batches gets every vector taken in one call; any
+        other probe gets one vector per call, so a drain deadline drops only
+        vectors that have not started.
         """
         done = 0
         while done < self.batch_size:
-            records = binding.take_queued(self.batch_size - done)
-            if not records:
+            batch = binding.take_queued(self.batch_size - done)
+            if batch is None:
                 return False
             worker.call_started = time.monotonic()
-            outcomes = binding.invoke_many(records)
+            outcome = binding.invoke_batch(batch)
             worker.call_started = None
-            binding.finish_call(records, outcomes, observed=True)
-            done += len(records)
+            binding.finish_call(batch, outcome, observed=True)
+            done += len(batch)
         return binding.keep_scheduled()
 
     # -- stall compensation -------------------------------------------------------------
