@@ -253,7 +253,7 @@ class Binding:
 
     @property
     def dropped(self) -> int:
-        """Records the probe never judged (or whose result came too late)."""
+        """Records the probe never judged, or still in flight when the result was frozen."""
         return self._dropped
 
     @property
