@@ -35,7 +35,7 @@ def test_settle_counts_like_account_per_record_with_errors_and_signals():
         for rec, (signal, error, latency) in zip(records, outcomes, strict=True):
             oracle.account(latency, error, rec)
             if signal is not None:
-                oracle.signals.append(signal)
+                oracle.keep_signal(signal)
         expected = _state(oracle)
         if observed:  # an observed abort is kept as a flag
             assert batched.signals[0].action is SignalAction.FLAG

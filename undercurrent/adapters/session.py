@@ -32,12 +32,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from undercurrent.adapters.delivery import RecordLog, SignalLog, deliver_forward
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.records import LazySequence, ProbeResult, SignalAction
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
+
+if TYPE_CHECKING:  # annotations only: the session imports no router at run time
+    from undercurrent.router.protocol import SessionRouter
 
 PairKey = tuple[int, TensorType]
 
@@ -365,13 +368,14 @@ class StepPlan:
 class CaptureSession:
     """Bookkeeping for one generation call, shared by every backend.
 
-    ``router`` may be None when no point is declared. ``on_result`` is called with
+    ``router`` (a :class:`~undercurrent.router.SessionRouter`) may be None when
+    no point is declared. ``on_result`` is called with
     each ``ProbeResult`` as its request ends.
     """
 
     def __init__(
         self,
-        router: Any,
+        router: SessionRouter | None,
         points: Sequence[ExtractionPoint],
         *,
         model_name: str = "",
@@ -380,7 +384,7 @@ class CaptureSession:
         edits: Sequence[Any] = (),
         request_edits: Mapping[str, Sequence[Any]] | None = None,
     ) -> None:
-        self.router = router
+        self.router: SessionRouter | None = router
         self.points = tuple(points)
         # Resolved edits (undercurrent.steering.ResolvedEdit) for every request, and
         # more for some requests (by request id), applied after the shared ones.
@@ -441,10 +445,11 @@ class CaptureSession:
         )
 
     def _end(self, request_id: str) -> dict[str, ProbeResult]:
-        if request_id not in self._registered:
+        router = self.router
+        if router is None or request_id not in self._registered:  # none registered
             return {}
         self._registered.discard(request_id)
-        results = dict(self.router.end_request(request_id))
+        results = dict(router.end_request(request_id))
         if self.on_result is not None:
             for result in results.values():
                 self.on_result(result)
@@ -453,10 +458,13 @@ class CaptureSession:
     def abandon(self) -> None:
         """End every request still registered (after an error or interrupt), so the
         router holds no live request and no worker keeps waiting."""
+        router = self.router
+        if router is None:  # nothing was registered
+            return
         for request_id in list(self._registered):
             self._registered.discard(request_id)
             try:
-                self.router.end_request(request_id)
+                router.end_request(request_id)
             except Exception:  # noqa: BLE001 - cleanup must reach every request
                 pass
 

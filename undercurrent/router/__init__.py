@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from undercurrent.probes.base import RequestContext
 from undercurrent.router.errors import OverflowPolicy, RouterError
+from undercurrent.router.protocol import SessionRouter
 from undercurrent.router.router import RequestHandle, Router
 
-__all__ = ["OverflowPolicy", "RequestContext", "RequestHandle", "Router", "RouterError"]
+__all__ = ["OverflowPolicy", "RequestContext", "RequestHandle", "Router", "RouterError",
+           "SessionRouter"]

@@ -1,8 +1,18 @@
 """One probe instance bound to one (request, extraction point), with its accounting.
 
-Every field below is guarded by ``cond``; user code (the probe's methods) is
-always called with ``cond`` released. ``busy`` marks an ``on_activation`` in
-flight: at most one runs per binding, and ``on_end`` never runs while one does.
+A :class:`Binding` owns its state: every field is private, read through
+read-only properties, and changed only by a method named for the transition
+(``admit_inline``, ``begin_call`` / ``end_call``, ``finish_call``,
+``enqueue_batch``, ``take_queued``, ``fall_back``, ``trip_breaker``, ``close``,
+``finalise``...). The execution strategies (inline ``reject`` and
+``block_until_signal`` in :mod:`~undercurrent.router.inline`, async in
+:mod:`~undercurrent.router.scheduler`) only call those methods.
+
+Every field is guarded by ``cond``; user code (the probe's methods) is
+always called with ``cond`` released. Methods documented "lock held" expect the
+caller (a strategy) to hold ``cond``; the others take it themselves. ``busy``
+marks an ``on_activation`` in flight: at most one runs per binding, and
+``on_end`` never runs while one does.
 
 Accounting: each received record ends up exactly once in ``processed`` (the
 probe returned or raised) or ``dropped`` (the probe never saw it, or it was
@@ -19,7 +29,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from undercurrent.probes.base import Probe, RequestContext, scores_batches
@@ -127,64 +137,188 @@ class Binding:
         overflow: OverflowPolicy,
         breaker_threshold: int | None,
     ) -> None:
-        self.point = point
-        self.name = point.name
-        self.probe = probe
-        self.probe_type = probe_type
-        self.ctx = ctx
-        self.policy = policy
-        self.is_async = point.execution_mode is ExecutionMode.ASYNC
-        self.queue_capacity = queue_capacity
-        self.overflow = overflow
-        self.breaker_threshold = breaker_threshold
-        self.cond = threading.Condition()
-        self.received = 0
-        self.processed = 0
-        self.dropped = 0
-        self.errors = 0
-        self.timeouts = 0
-        self.latency_total = 0.0
-        self.latency_max = 0.0
-        self.late_results = 0
+        self._point = point
+        self._name = point.name
+        self._probe = probe
+        self._probe_type = probe_type
+        self._ctx = ctx
+        self._policy = policy
+        self._is_async = point.execution_mode is ExecutionMode.ASYNC
+        self._queue_capacity = queue_capacity
+        self._overflow = overflow
+        self._breaker_threshold = breaker_threshold
+        self._cond = threading.Condition()
+        self._received = 0
+        self._processed = 0
+        self._dropped = 0
+        self._errors = 0
+        self._timeouts = 0
+        self._latency_total = 0.0
+        self._latency_max = 0.0
+        self._late_results = 0
         self._signals: list[ProbeSignal] = []
         # Signals kept as columns until read: (signals, the batch holding the rows
         # they judged, first row, stop, observed).
         self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool]] = []
-        self.error_notes: list[str] = []
+        self._error_notes: list[str] = []
         self._logged_error = False
-        self.traceback: str | None = None  # of the first exception the probe raised
-        self.busy = False
-        self.in_flight = 0  # records in the call that ``busy`` marks
-        self.native = scores_batches(probe)  # served whole batches (Probe.on_batch)
-        self.batched = self.native or batches_natively(probe)
+        self._traceback: str | None = None  # of the first exception the probe raised
+        self._busy = False
+        self._in_flight = 0  # records in the call that ``busy`` marks
+        self._native = scores_batches(probe)  # served whole batches (Probe.on_batch)
+        self._batched = self._native or batches_natively(probe)
         # Inline, no deadline, and a probe whose values a routed batch computes once
         # for every request (ScoresRows.group_key): judged in a group by the router.
-        group_key = getattr(probe, "group_key", None) if self.native else None
-        self.group: Any = (
-            group_key() if group_key is not None and not self.is_async
+        group_key = getattr(probe, "group_key", None) if self._native else None
+        self._group: Any = (
+            group_key() if group_key is not None and not self._is_async
             and policy.mode is InterventionMode.REJECT else None
         )
-        self.waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
-        self.closed = False
-        self.start_failed = False  # on_start raised: the binding never opened
-        self.finalised = False
-        self.queue: deque[ActivationBatch] = deque()
-        self.queued = 0  # rows in ``queue``: the queue depth, in vectors
-        self.scheduled = False
-        self.consecutive_failures = 0
-        self.breaker_open = False
+        self._waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
+        self._closed = False
+        self._start_failed = False  # on_start raised: the binding never opened
+        self._finalised = False
+        self._queue: deque[ActivationBatch] = deque()
+        self._queued = 0  # rows in ``queue``: the queue depth, in vectors
+        self._scheduled = False
+        self._consecutive_failures = 0
+        self._breaker_open = False
         # block_until_signal: the call handed to this binding's helper thread.
-        self.pending: Any = None
-        self.helper: threading.Thread | None = None
+        self._pending: Any = None
+        self._helper: threading.Thread | None = None
+
+    # -- read-only views (every change goes through a transition method below) --------
 
     @property
     def request_id(self) -> str:
-        return self.ctx.request_id
+        """The request this binding serves."""
+        return self._ctx.request_id
+
+    @property
+    def name(self) -> str:
+        """The extraction point's name."""
+        return self._name
+
+    @property
+    def point(self) -> ExtractionPoint:
+        """The extraction point."""
+        return self._point
+
+    @property
+    def probe(self) -> Any:
+        """The probe instance."""
+        return self._probe
+
+    @property
+    def probe_type(self) -> str:
+        """The probe's registered type name."""
+        return self._probe_type
+
+    @property
+    def policy(self) -> InterventionPolicy:
+        """The point's intervention policy."""
+        return self._policy
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the point runs on the async workers."""
+        return self._is_async
+
+    @property
+    def overflow(self) -> OverflowPolicy:
+        """What a full async queue does."""
+        return self._overflow
+
+    @property
+    def group(self) -> Any:
+        """The key under which the router judges this binding with others of one
+        routed batch (:meth:`~undercurrent.probes.base.ScoresRows.group_key`), or None."""
+        return self._group
+
+    @property
+    def cond(self) -> threading.Condition:
+        """The lock (and condition) guarding the state; a strategy holds it around
+        the transitions documented as "lock held"."""
+        return self._cond
+
+    @property
+    def received(self) -> int:
+        """Records handed to the binding."""
+        return self._received
+
+    @property
+    def processed(self) -> int:
+        """Records the probe finished (returned or raised)."""
+        return self._processed
+
+    @property
+    def dropped(self) -> int:
+        """Records the probe never judged, or still in flight when the result was frozen."""
+        return self._dropped
+
+    @property
+    def errors(self) -> int:
+        """Records (and ``on_start`` / ``on_end`` calls) on which the probe raised."""
+        return self._errors
+
+    @property
+    def timeouts(self) -> int:
+        """Fallback signals given (``block_until_signal``)."""
+        return self._timeouts
+
+    @property
+    def latency_total(self) -> float:
+        """Seconds the probe took, over every processed record."""
+        return self._latency_total
+
+    @property
+    def latency_max(self) -> float:
+        """The longest any one record took, in seconds."""
+        return self._latency_max
+
+    @property
+    def error_notes(self) -> list[str]:
+        """The error notes so far (a copy)."""
+        return list(self._error_notes)
+
+    @property
+    def waiting(self) -> int:
+        """Records whose callers wait for the probe (or for queue room)."""
+        return self._waiting
+
+    @property
+    def busy(self) -> bool:
+        """Whether a probe call is in flight."""
+        return self._busy
+
+    @property
+    def closed(self) -> bool:
+        """Whether the binding accepts no more records."""
+        return self._closed
+
+    @property
+    def finalised(self) -> bool:
+        """Whether the accounting is frozen (the request ended)."""
+        return self._finalised
+
+    @property
+    def breaker_open(self) -> bool:
+        """Whether the circuit breaker is open (generation no longer waits)."""
+        return self._breaker_open
+
+    @property
+    def consecutive_failures(self) -> int:
+        """Fallbacks since the last row the probe answered in time."""
+        return self._consecutive_failures
 
     @property
     def signals(self) -> list[ProbeSignal]:
-        """The signals kept so far, in order (each located at its activation);
-        those kept as columns are materialised on this read."""
+        """The signals kept so far, in order (each located at its activation; a
+        copy); those kept as columns are materialised on this read."""
+        return list(self._kept())
+
+    def _kept(self) -> list[ProbeSignal]:
+        """The kept signals, the columns materialised first (the list itself)."""
         if self._unread:
             unread, self._unread = self._unread, []
             keep = self._signals.append
@@ -193,6 +327,10 @@ class Binding:
                     if signal is not None:
                         keep(observed_only(signal) if observed else signal)
         return self._signals
+
+    def keep_signal(self, signal: ProbeSignal) -> None:
+        """Keep one signal, after those kept so far (lock held)."""
+        self._kept().append(signal)
 
     def keep_signals(self, columns: BatchSignals, batch: ActivationBatch, *,
                      observed: bool = False) -> None:
@@ -222,7 +360,7 @@ class Binding:
         """
         catch: type[BaseException] = Exception if propagate_interrupts else BaseException
         outcomes: list[Outcome] = []
-        batched = self.batched and len(records) > 1
+        batched = self._batched and len(records) > 1
         try:
             if batched:
                 outcomes = self._call_batch(records, catch)
@@ -236,13 +374,11 @@ class Binding:
             )
             failed = len(records) if batched else 1
             outcomes.extend([(None, describe_error(exc), 0.0)] * failed)
-            with self.cond:
-                self.busy = False
-                self.in_flight = 0
-                self.cond.notify_all()
-                if not self.finalised:
+            with self._cond:
+                self.end_call()
+                if not self._finalised:
                     self.settle(records[: len(outcomes)], outcomes)
-                    self.dropped += len(records) - len(outcomes)
+                    self._dropped += len(records) - len(outcomes)
             raise
         return outcomes
 
@@ -253,7 +389,7 @@ class Binding:
         batches (an exception is an error for every row), else the records, as
         :meth:`invoke_many` runs them (an exception in ``on_activation`` costs one
         record). ``propagate_interrupts`` as for :meth:`invoke_many`."""
-        if not self.native:
+        if not self._native:
             records = batch.records()
             return BatchOutcome.of(self.invoke_many(
                 records, propagate_interrupts=propagate_interrupts))
@@ -261,7 +397,7 @@ class Binding:
         count = len(batch)
         started = time.perf_counter()
         try:
-            signals = self.probe.on_batch(batch)
+            signals = self._probe.on_batch(batch)
             if type(signals) is not BatchSignals or len(signals) != count:
                 raise TypeError(
                     f"on_batch returned {type(signals).__name__}"
@@ -279,11 +415,9 @@ class Binding:
                 f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
             failed = BatchOutcome(BatchSignals.none(count), [describe_error(exc)] * count,
                                   0.0, 0.0)
-            with self.cond:
-                self.busy = False
-                self.in_flight = 0
-                self.cond.notify_all()
-                if not self.finalised:
+            with self._cond:
+                self.end_call()
+                if not self._finalised:
                     self.settle_batch(batch, failed)
             raise
         elapsed = time.perf_counter() - started
@@ -292,7 +426,7 @@ class Binding:
     def _call_one(self, record: ActivationRecord, catch: type[BaseException]) -> Outcome:
         started = time.perf_counter()
         try:
-            signal = self.probe.on_activation(record)
+            signal = self._probe.on_activation(record)
             _check_signal(signal, "on_activation")
             error = None
         except catch as exc:
@@ -309,7 +443,7 @@ class Binding:
         started = time.perf_counter()
         error = None
         try:
-            signals = list(self.probe.on_activations(records))
+            signals = list(self._probe.on_activations(records))
             if len(signals) != len(records):
                 raise TypeError(
                     f"on_activations returned {len(signals)} signals for {len(records)} records; "
@@ -338,13 +472,13 @@ class Binding:
         if self._logged_error:
             return
         self._logged_error = True
-        self.traceback = "".join(traceback.format_exception(exc))
+        self._traceback = "".join(traceback.format_exception(exc))
         logger.warning(
             "probe %r (%s) on request %r raised in %s: %s; generation continues "
             "(traceback: ProbeResult.metadata['traceback'], or DEBUG logging)",
-            self.name, self.probe_type, self.request_id, where, describe_error(exc),
+            self._name, self._probe_type, self.request_id, where, describe_error(exc),
         )
-        logger.debug("traceback of probe %r on request %r", self.name, self.request_id,
+        logger.debug("traceback of probe %r on request %r", self._name, self.request_id,
                      exc_info=exc)
 
     def start(self) -> None:
@@ -356,14 +490,14 @@ class Binding:
         ``on_end`` is not called.
         """
         try:
-            self.probe.on_start(self.ctx)
+            self._probe.on_start(self._ctx)
         except Exception as exc:
             self._log_first_error("on_start", exc)
-            with self.cond:
-                self.errors += 1
-                self.start_failed = True
-                self.closed = True
-                self.error_notes.append(
+            with self._cond:
+                self._errors += 1
+                self._start_failed = True
+                self._closed = True
+                self._error_notes.append(
                     f"on_start: {describe_error(exc)} (the probe got no activations and "
                     "on_end was not called)"
                 )
@@ -372,16 +506,16 @@ class Binding:
 
     def account(self, latency: float, error: str | None, record: ActivationRecord) -> None:
         """Count one record the probe finished (returned or raised)."""
-        self.processed += 1
-        self.latency_total += latency
-        self.latency_max = max(self.latency_max, latency)
+        self._processed += 1
+        self._latency_total += latency
+        self._latency_max = max(self._latency_max, latency)
         if error is not None:
             self._count_error(error, record)
 
     def _count_error(self, error: str, record: ActivationRecord | _Where) -> None:
-        self.errors += 1
-        if not any(note.startswith("on_activation") for note in self.error_notes):
-            self.error_notes.append(
+        self._errors += 1
+        if not any(note.startswith("on_activation") for note in self._error_notes):
+            self._error_notes.append(
                 f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
             )
 
@@ -391,8 +525,8 @@ class Binding:
         unwaited calls, whose ``abort`` is recorded as ``flag``)."""
         # account() for each record, in one pass: the same counts, latency sum (added
         # in the same order) and maximum, error notes and signals.
-        total, longest = self.latency_total, self.latency_max
-        keep = self.signals.append
+        total, longest = self._latency_total, self._latency_max
+        keep = self._kept().append
         for record, (signal, error, latency) in zip(records, outcomes, strict=True):
             total += latency
             if latency > longest:  # max(a, b) keeps a unless b > a
@@ -403,17 +537,17 @@ class Binding:
                 signal = signal.at(record.request_id, record.extraction_point_name,
                                    record.layer, record.token_index, record.generated_index)
                 keep(observed_only(signal) if observed else signal)
-        self.processed += len(records)
-        self.latency_total, self.latency_max = total, longest
+        self._processed += len(records)
+        self._latency_total, self._latency_max = total, longest
 
     def settle_batch(self, batch: ActivationBatch, outcome: BatchOutcome, *,
                      observed: bool = False, keep: bool = True) -> None:
         """:meth:`settle` for a batch, in one update: every row processed, the errors
         counted, the signals kept as columns (unless ``keep`` is False)."""
-        self.processed += len(batch)
-        self.latency_total += outcome.latency
-        if outcome.longest > self.latency_max:
-            self.latency_max = outcome.longest
+        self._processed += len(batch)
+        self._latency_total += outcome.latency
+        if outcome.longest > self._latency_max:
+            self._latency_max = outcome.longest
         if outcome.errors is not None:
             self._count_errors(batch, outcome.errors)
         if keep:
@@ -423,7 +557,7 @@ class Binding:
         failed = [index for index, error in enumerate(errors) if error is not None]
         if not failed:
             return
-        self.errors += len(failed) - 1
+        self._errors += len(failed) - 1
         first = failed[0]
         error = errors[first]
         assert error is not None
@@ -435,38 +569,38 @@ class Binding:
         them: the queue keeps at most ``queue_capacity`` vectors. Returns True when
         the binding must be handed to the scheduler."""
         count = len(batch)
-        with self.cond:
-            self.received += count
-            if self.closed:
-                self.dropped += count
+        with self._cond:
+            self._received += count
+            if self._closed:
+                self._dropped += count
                 return False
-            capacity = self.queue_capacity or 1
-            if self.overflow is OverflowPolicy.DROP_NEWEST:
-                room = max(0, capacity - self.queued)
+            capacity = self._queue_capacity or 1
+            if self._overflow is OverflowPolicy.DROP_NEWEST:
+                room = max(0, capacity - self._queued)
                 if room < count:
-                    self.dropped += count - room
+                    self._dropped += count - room
                     if room == 0:
                         return False
                     batch = batch[:room]
-            self.queue.append(batch)
-            self.queued += len(batch)
-            if self.queued > capacity:  # drop_oldest: the oldest vectors go first
-                self._drop_oldest(self.queued - capacity)
-            if self.scheduled:
+            self._queue.append(batch)
+            self._queued += len(batch)
+            if self._queued > capacity:  # drop_oldest: the oldest vectors go first
+                self._drop_oldest(self._queued - capacity)
+            if self._scheduled:
                 return False
-            self.scheduled = True
+            self._scheduled = True
             return True
 
     def _drop_oldest(self, count: int) -> None:
-        self.dropped += count
-        self.queued -= count
+        self._dropped += count
+        self._queued -= count
         while count:
-            head = self.queue[0]
+            head = self._queue[0]
             if len(head) <= count:
-                self.queue.popleft()
+                self._queue.popleft()
                 count -= len(head)
             else:
-                self.queue[0] = head[count:]
+                self._queue[0] = head[count:]
                 count = 0
 
     def enqueue_blocking(self, batch: ActivationBatch, hand_over: Any) -> None:
@@ -475,30 +609,137 @@ class Binding:
         ``hand_over(binding)`` gives the binding to the workers as soon as it has
         queued vectors, before waiting: only a worker can make room."""
         count = len(batch)
-        capacity = self.queue_capacity or 1
+        capacity = self._queue_capacity or 1
         offset = 0
-        with self.cond:
-            self.received += count
+        with self._cond:
+            self._received += count
         while offset < count:
-            with self.cond:
+            with self._cond:
                 left = count - offset
-                self.waiting += left
-                while self.queued >= capacity and not self.closed:
-                    self.cond.wait()
-                self.waiting -= left
-                if self.finalised:  # counted as dropped by finalise()
+                self._waiting += left
+                while self._queued >= capacity and not self._closed:
+                    self._cond.wait()
+                self._waiting -= left
+                if self._finalised:  # counted as dropped by finalise()
                     return
-                if self.closed:
-                    self.dropped += left
+                if self._closed:
+                    self._dropped += left
                     return
-                take = min(left, capacity - self.queued)
-                self.queue.append(batch[offset:offset + take])
-                self.queued += take
+                take = min(left, capacity - self._queued)
+                self._queue.append(batch[offset:offset + take])
+                self._queued += take
                 offset += take
-                hand = not self.scheduled
-                self.scheduled = True
+                hand = not self._scheduled
+                self._scheduled = True
             if hand:
                 hand_over(self)
+
+    # -- transitions of a call, lock held (the blocking strategy's steps) ---------------
+
+    def receive(self, count: int) -> bool:
+        """Count ``count`` records received (lock held); False when the binding is
+        closed, the records then counted dropped."""
+        self._received += count
+        if self._closed:
+            self._dropped += count
+            return False
+        return True
+
+    def drop(self, count: int) -> None:
+        """Count ``count`` received records the probe will never see (lock held)."""
+        self._dropped += count
+
+    def wait_turn(self, count: int, deadline: float | None = None) -> None:
+        """Wait (lock held) until the probe is free, the binding closed, or the
+        ``time.monotonic()`` deadline passed, counting ``count`` records waiting
+        meanwhile (:meth:`finalise` counts them dropped)."""
+        self._waiting += count
+        while self._busy and not self._closed:
+            if deadline is None:
+                self._cond.wait()
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+        self._waiting -= count
+
+    def wait_until(self, done: Callable[[], bool], deadline: float) -> None:
+        """Wait (lock held) until ``done()``, the binding is finalised, or the
+        ``time.monotonic()`` deadline passed."""
+        while not done() and not self._finalised:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+
+    def begin_call(self, count: int) -> None:
+        """Mark the probe busy with a call on ``count`` records (lock held)."""
+        self._busy = True
+        self._in_flight = count
+
+    def end_call(self) -> None:
+        """The call marked by :meth:`begin_call` is over: the probe is free (lock held)."""
+        self._busy = False
+        self._in_flight = 0
+        self._cond.notify_all()
+
+    def hand_to_helper(self, call: Any, count: int,
+                       loop: Callable[[Binding], None]) -> None:
+        """Give ``call`` (on ``count`` records) to this binding's helper thread,
+        starting it (running ``loop(self)``) if none runs (lock held); the probe
+        is busy until the helper ends the call."""
+        self.begin_call(count)
+        self._pending = call
+        if self._helper is None:
+            self._helper = threading.Thread(
+                target=loop,
+                args=(self,),
+                name=f"undercurrent-block-{self.request_id}-{self._name}",
+                daemon=True,
+            )
+            self._helper.start()
+        self._cond.notify_all()
+
+    def next_pending(self) -> Any:
+        """The helper thread's next call (lock held): waits for one, or for the
+        binding to be finalised; the call is no longer pending. None when there
+        is none (finalised)."""
+        while self._pending is None and not self._finalised:
+            self._cond.wait()
+        call, self._pending = self._pending, None
+        return call
+
+    def retire_helper(self) -> None:
+        """The helper thread stops (lock held): the probe is free, and a later call
+        starts a new helper."""
+        self._helper = None
+        self.end_call()
+
+    def count_late(self, count: int) -> None:
+        """``count`` records whose answer came after their caller gave up (lock held)."""
+        self._late_results += count
+
+    def note_success(self) -> None:
+        """A row the probe answered in time: the failure run ends (lock held)."""
+        self._consecutive_failures = 0
+
+    def fall_back(self, signal: ProbeSignal) -> None:
+        """A row got the ``on_timeout`` fallback ``signal`` (lock held): count a
+        timeout and a failure in a row, keep the signal."""
+        self._timeouts += 1
+        self._consecutive_failures += 1
+        self.keep_signal(signal)
+
+    def trip_breaker(self) -> bool:
+        """Open the circuit breaker when the failures in a row reach its threshold
+        (lock held); True when it opened now."""
+        threshold = self._breaker_threshold
+        if (threshold is None or self._breaker_open
+                or self._consecutive_failures < threshold):
+            return False
+        self._breaker_open = True
+        return True
 
     # -- transitions of a call (each takes the lock itself) ------------------------------
 
@@ -507,46 +748,41 @@ class Binding:
         the probe to be free, and mark it busy with them. False when the binding
         closed meanwhile (the records are then counted dropped, here or by
         :meth:`finalise`) and the caller must not run the probe."""
-        with self.cond:
-            self.received += count
-            self.waiting += count
-            while self.busy and not self.closed:
-                self.cond.wait()
-            self.waiting -= count
-            if self.finalised:  # counted as dropped by finalise()
+        with self._cond:
+            self._received += count
+            self.wait_turn(count)
+            if self._finalised:  # counted as dropped by finalise()
                 return False
-            if self.closed:
-                self.dropped += count
+            if self._closed:
+                self._dropped += count
                 return False
-            self.busy = True
-            self.in_flight = count
+            self.begin_call(count)
             return True
 
     def take_queued(self, limit: int) -> ActivationBatch | None:
         """An async worker takes up to ``limit`` queued vectors (one for a probe that
         does not batch) as one batch and marks the probe busy with them. None when
         there is nothing to do: the binding is then no longer scheduled."""
-        with self.cond:
-            if not self.queue or self.finalised:
-                self.scheduled = False
-                self.cond.notify_all()
+        with self._cond:
+            if not self._queue or self._finalised:
+                self._scheduled = False
+                self._cond.notify_all()
                 return None
-            take = min(self.queued, limit) if self.batched else 1
+            take = min(self._queued, limit) if self._batched else 1
             pieces: list[ActivationBatch] = []
             left = take
             while left:
-                head = self.queue[0]
+                head = self._queue[0]
                 if len(head) <= left:
-                    pieces.append(self.queue.popleft())
+                    pieces.append(self._queue.popleft())
                     left -= len(head)
                 else:
                     pieces.append(head[:left])
-                    self.queue[0] = head[left:]
+                    self._queue[0] = head[left:]
                     left = 0
-            self.queued -= take
-            self.busy = True
-            self.in_flight = take
-            self.cond.notify_all()  # room for a producer blocked on a full queue
+            self._queued -= take
+            self.begin_call(take)
+            self._cond.notify_all()  # room for a producer blocked on a full queue
         return ActivationBatch.concat(pieces)
 
     def finish_call(self, batch: ActivationBatch, outcome: BatchOutcome, *,
@@ -554,11 +790,9 @@ class Binding:
         """The call marked by :meth:`admit_inline` / :meth:`take_queued` returned:
         the probe is free again and the batch is settled. False (nothing
         settled) when the result was frozen meanwhile, so it counted as dropped."""
-        with self.cond:
-            self.busy = False
-            self.in_flight = 0
-            self.cond.notify_all()
-            if self.finalised:
+        with self._cond:
+            self.end_call()
+            if self._finalised:
                 return False
             self.settle_batch(batch, outcome, observed=observed)
             return True
@@ -572,16 +806,14 @@ class Binding:
         locating the signals: pass its :meth:`~ActivationBatch.index_view`. False
         when the result was frozen meanwhile."""
         count = stop - start
-        with self.cond:
-            self.busy = False
-            self.in_flight = 0
-            self.cond.notify_all()
-            if self.finalised:
+        with self._cond:
+            self.end_call()
+            if self._finalised:
                 return False
-            self.processed += count
-            self.latency_total += latency
-            if longest > self.latency_max:
-                self.latency_max = longest
+            self._processed += count
+            self._latency_total += latency
+            if longest > self._latency_max:
+                self._latency_max = longest
             if error is not None:
                 self._count_errors(batch[start:stop], [error] * count)
             elif signals is not None and signals.any_signal():
@@ -591,39 +823,37 @@ class Binding:
     def release_dropped(self, count: int) -> None:
         """An admitted call that never ran (an interrupt stopped the group first):
         the probe is free again and the rows count as dropped."""
-        with self.cond:
-            self.busy = False
-            self.in_flight = 0
-            self.cond.notify_all()
-            if not self.finalised:
-                self.dropped += count
+        with self._cond:
+            self.end_call()
+            if not self._finalised:
+                self._dropped += count
 
     def keep_scheduled(self) -> bool:
         """After a worker's turn: True when queued records remain (the binding stays
         scheduled), else it is unscheduled."""
-        with self.cond:
-            if self.queue and not self.finalised:
+        with self._cond:
+            if self._queue and not self._finalised:
                 return True
-            self.scheduled = False
-            self.cond.notify_all()
+            self._scheduled = False
+            self._cond.notify_all()
             return False
 
     # -- end of the request -----------------------------------------------------------
 
     def close(self) -> None:
         """Accept no more records; wake producers blocked on a full queue."""
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until the queue is empty and nothing is in flight, or the deadline."""
-        with self.cond:
-            while self.queue or self.busy:
+        with self._cond:
+            while self._queue or self._busy:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self.cond.wait(remaining)
+                self._cond.wait(remaining)
             return True
 
     def finalise(self, waited_s: float) -> bool:
@@ -634,31 +864,31 @@ class Binding:
         discarded. ``waited_s``: how long ending the request waited for this
         binding to go idle (the error note reports it).
         """
-        with self.cond:
-            self.closed = True
-            self.finalised = True
-            queued = self.queued + self.waiting
-            self.queue.clear()
-            self.queued = 0
-            in_flight = self.in_flight if self.busy else 0
-            self.dropped += queued + in_flight
+        with self._cond:
+            self._closed = True
+            self._finalised = True
+            queued = self._queued + self._waiting
+            self._queue.clear()
+            self._queued = 0
+            in_flight = self._in_flight if self._busy else 0
+            self._dropped += queued + in_flight
             if queued or in_flight:
                 what = f"{queued} unprocessed record(s)"
                 if in_flight:
                     what += f" and {'one' if in_flight == 1 else in_flight} in flight"
-                self.error_notes.append(
+                self._error_notes.append(
                     f"{self._gave_up(waited_s)} with {what}, counted as dropped"
                 )
             if in_flight:
-                self.error_notes.append(
+                self._error_notes.append(
                     "on_activation was still running, so on_end was not called"
                 )
-            self.cond.notify_all()
+            self._cond.notify_all()
             return not in_flight
 
     def _gave_up(self, waited_s: float) -> str:
         """Why records were left when the request ended, for the error note."""
-        if not self.is_async and self.policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
+        if not self._is_async and self._policy.mode is InterventionMode.BLOCK_UNTIL_SIGNAL:
             return (f"a block_until_signal call that missed its deadline was still running "
                     f"{waited_s:g}s after the request ended (ending waits "
                     "max(1 s, 2 x timeout_ms) for it)")
@@ -668,32 +898,32 @@ class Binding:
 
     def result(self, verdict: Any) -> ProbeResult:
         """The ProbeResult, from the current (final) accounting."""
-        with self.cond:
+        with self._cond:
             stats = ProbeStats(
-                received=self.received,
-                processed=self.processed,
-                dropped=self.dropped,
-                errors=self.errors,
-                timeouts=self.timeouts,
-                mean_latency_s=self.latency_total / self.processed if self.processed else 0.0,
+                received=self._received,
+                processed=self._processed,
+                dropped=self._dropped,
+                errors=self._errors,
+                timeouts=self._timeouts,
+                mean_latency_s=self._latency_total / self._processed if self._processed else 0.0,
             )
             metadata = {
-                "probe_type": self.probe_type,
-                "execution_mode": self.point.execution_mode.value,
-                "intervention": self.policy.mode.value,
-                "max_latency_s": self.latency_max,
-                "late_results": self.late_results,
-                "breaker_open": self.breaker_open,
+                "probe_type": self._probe_type,
+                "execution_mode": self._point.execution_mode.value,
+                "intervention": self._policy.mode.value,
+                "max_latency_s": self._latency_max,
+                "late_results": self._late_results,
+                "breaker_open": self._breaker_open,
             }
-            if self.traceback is not None:
-                metadata["traceback"] = self.traceback
+            if self._traceback is not None:
+                metadata["traceback"] = self._traceback
             return ProbeResult(
                 request_id=self.request_id,
-                extraction_point_name=self.name,
+                extraction_point_name=self._name,
                 verdict=verdict,
                 signals=self._final_signals(),
                 stats=stats,
-                error="; ".join(self.error_notes) or None,
+                error="; ".join(self._error_notes) or None,
                 metadata=metadata,
             )
 
@@ -702,40 +932,40 @@ class Binding:
         some are still columns (the binding is final: nothing is added later)."""
         if not self._unread:
             return tuple(self._signals)
-        return LazySequence(lambda: list(self.signals))
+        return LazySequence(lambda: list(self._kept()))
 
     def end(self, waited_s: float) -> ProbeResult:
         """Finalise, call ``on_end`` (unless an activation is still running), build the
         result; ``waited_s`` is how long ending the request waited for this binding."""
-        may_end = self.finalise(waited_s) and not self.start_failed
+        may_end = self.finalise(waited_s) and not self._start_failed
         verdict = None
         if may_end:
             try:
-                verdict = self.probe.on_end(self.ctx)
+                verdict = self._probe.on_end(self._ctx)
             except Exception as exc:
                 self._log_first_error("on_end", exc)
-                with self.cond:
-                    self.errors += 1
-                    self.error_notes.append(f"on_end: {describe_error(exc)}")
+                with self._cond:
+                    self._errors += 1
+                    self._error_notes.append(f"on_end: {describe_error(exc)}")
         return self.result(verdict)
 
     def snapshot(self) -> dict[str, Any]:
         """Live metrics for this binding."""
-        with self.cond:
+        with self._cond:
             return {
                 "request_id": self.request_id,
-                "point": self.name,
-                "probe_type": self.probe_type,
-                "execution_mode": self.point.execution_mode.value,
-                "intervention": self.policy.mode.value,
-                "received": self.received,
-                "processed": self.processed,
-                "dropped": self.dropped,
-                "errors": self.errors,
-                "timeouts": self.timeouts,
-                "queue_depth": self.queued,
-                "queue_capacity": self.queue_capacity,
-                "mean_latency_s": self.latency_total / self.processed if self.processed else 0.0,
-                "max_latency_s": self.latency_max,
-                "breaker_open": self.breaker_open,
+                "point": self._name,
+                "probe_type": self._probe_type,
+                "execution_mode": self._point.execution_mode.value,
+                "intervention": self._policy.mode.value,
+                "received": self._received,
+                "processed": self._processed,
+                "dropped": self._dropped,
+                "errors": self._errors,
+                "timeouts": self._timeouts,
+                "queue_depth": self._queued,
+                "queue_capacity": self._queue_capacity,
+                "mean_latency_s": self._latency_total / self._processed if self._processed else 0.0,
+                "max_latency_s": self._latency_max,
+                "breaker_open": self._breaker_open,
             }

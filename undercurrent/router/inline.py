@@ -17,7 +17,6 @@ records one by one.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,35 +155,23 @@ def _run_blocking(binding: Binding, batch: ActivationBatch) -> BatchSignals:
     timeout_ms = binding.policy.timeout_ms or 1
     deadline = time.monotonic() + timeout_ms / 1000.0
     with binding.cond:
-        binding.received += count
-        if binding.closed:
-            binding.dropped += count
+        if not binding.receive(count):
             return nothing
         if binding.breaker_open:
             _submit_unwaited(binding, batch)
             return nothing
-        binding.waiting += count
-        while binding.busy and not binding.closed:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            binding.cond.wait(remaining)
-        binding.waiting -= count
+        binding.wait_turn(count, deadline)
         if binding.finalised:  # counted as dropped by finalise()
             return nothing
         if binding.closed:
-            binding.dropped += count
+            binding.drop(count)
             return nothing
         if binding.busy:
-            binding.dropped += count
+            binding.drop(count)
             return _fallbacks(binding, batch, "busy")
         call = _Call(batch)
-        _hand_to_helper(binding, call)
-        while not call.done and not binding.finalised:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            binding.cond.wait(remaining)
+        binding.hand_to_helper(call, count, _helper_loop)
+        binding.wait_until(lambda: call.done, deadline)
         if binding.finalised and not call.done:
             return nothing
         if not call.done:
@@ -193,7 +180,7 @@ def _run_blocking(binding: Binding, batch: ActivationBatch) -> BatchSignals:
         outcome = call.outcome
         assert outcome is not None
         if outcome.errors is None:
-            binding.consecutive_failures = 0
+            binding.note_success()
             binding.keep_signals(outcome.signals, batch)
             return outcome.signals
         # Some rows failed: each gets its fallback, in order, among the others' signals.
@@ -203,9 +190,9 @@ def _run_blocking(binding: Binding, batch: ActivationBatch) -> BatchSignals:
             if error is not None:
                 applied.append(_fallback(binding, batch, index, "error", error))
                 continue
-            binding.consecutive_failures = 0
+            binding.note_success()
             if signal is not None:
-                binding.signals.append(signal)
+                binding.keep_signal(signal)
             applied.append(signal)
         return BatchSignals.from_signals(applied)
 
@@ -219,46 +206,23 @@ def _fallbacks(binding: Binding, batch: ActivationBatch, reason: str) -> BatchSi
 def _submit_unwaited(binding: Binding, batch: ActivationBatch) -> None:
     """Breaker open: run the probe if it is free, but nobody waits (lock held)."""
     if binding.busy:
-        binding.dropped += len(batch)
+        binding.drop(len(batch))
         return
-    _hand_to_helper(binding, _Call(batch, waited=False))
-
-
-def _hand_to_helper(binding: Binding, call: _Call) -> None:
-    binding.busy = True
-    binding.in_flight = len(call.batch)
-    binding.pending = call
-    if binding.helper is None:
-        binding.helper = threading.Thread(
-            target=_helper_loop,
-            args=(binding,),
-            name=f"undercurrent-block-{binding.request_id}-{binding.name}",
-            daemon=True,
-        )
-        binding.helper.start()
-    binding.cond.notify_all()
+    binding.hand_to_helper(_Call(batch, waited=False), len(batch), _helper_loop)
 
 
 def _helper_loop(binding: Binding) -> None:
     while True:
         with binding.cond:
-            while binding.pending is None and not binding.finalised:
-                binding.cond.wait()
-            call = binding.pending
-            binding.pending = None
+            call: _Call | None = binding.next_pending()
             if call is None or binding.finalised:
                 # Finalised: a call not yet started never runs (it was counted dropped).
-                binding.busy = False
-                binding.in_flight = 0
-                binding.helper = None
                 if call is not None:
                     call.done = True
-                binding.cond.notify_all()
+                binding.retire_helper()
                 return
         outcome = binding.invoke_batch(call.batch)
         with binding.cond:
-            binding.busy = False
-            binding.in_flight = 0
             call.done = True
             if not binding.finalised:
                 if not call.waited:
@@ -267,10 +231,10 @@ def _helper_loop(binding: Binding) -> None:
                     # Counted now; the signals are kept by the caller (or never, if late).
                     binding.settle_batch(call.batch, outcome, keep=False)
                     if call.abandoned:
-                        binding.late_results += len(call.batch)
+                        binding.count_late(len(call.batch))
                     else:
                         call.outcome = outcome
-            binding.cond.notify_all()
+            binding.end_call()
 
 
 def _fallback(binding: Binding, batch: ActivationBatch, index: int, reason: str,
@@ -278,8 +242,6 @@ def _fallback(binding: Binding, batch: ActivationBatch, index: int, reason: str,
     """Record and return the on_timeout signal for row ``index`` (lock held); may
     trip the breaker."""
     policy = binding.policy
-    binding.timeouts += 1
-    binding.consecutive_failures += 1
     action = SignalAction.ABORT if policy.on_timeout is OnTimeout.ABORT else SignalAction.CONTINUE
     metadata: dict[str, object] = {
         "fallback": True,
@@ -291,11 +253,8 @@ def _fallback(binding: Binding, batch: ActivationBatch, index: int, reason: str,
         metadata["error"] = error
     where = batch.located(index)
     signal = ProbeSignal(action=action, metadata=metadata).at(*where)
-    binding.signals.append(signal)
-    threshold = binding.breaker_threshold
-    if (threshold is not None and not binding.breaker_open
-            and binding.consecutive_failures >= threshold):
-        binding.breaker_open = True
+    binding.fall_back(signal)
+    if binding.trip_breaker():
         logger.warning(
             "circuit breaker open: probe %r on request %r failed %d times in a row "
             "(last: %s); generation no longer waits on it",
@@ -309,6 +268,6 @@ def _fallback(binding: Binding, batch: ActivationBatch, index: int, reason: str,
                 "last_failure": reason,
             },
         ).at(*where)
-        binding.signals.append(tripped)
+        binding.keep_signal(tripped)
         return signal if action is SignalAction.ABORT else tripped
     return signal
