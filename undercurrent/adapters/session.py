@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from undercurrent.adapters.delivery import RecordLog, SignalLog, deliver_forward
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
+from undercurrent.probes.base import RequestContext
 from undercurrent.records import LazySequence, ProbeResult, SignalAction
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
 
@@ -412,11 +413,7 @@ class CaptureSession:
         self.requests[request_id] = state
         return state
 
-    def _context(self, state: RequestState) -> Any:
-        try:
-            from undercurrent.probes import RequestContext
-        except ImportError:  # the probes package is optional for a bare session
-            return None
+    def _context(self, state: RequestState) -> RequestContext:
         return RequestContext(request_id=state.request_id, prompt=state.prompt,
                               prompt_len=state.prompt_len, model_name=self.model_name,
                               prompt_token_ids=state.prompt_token_ids)

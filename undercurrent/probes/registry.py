@@ -14,6 +14,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 from undercurrent.probes.base import supported_kinds
+from undercurrent.probes.capture import CaptureProbe
+from undercurrent.probes.linear import DualPositionProbe, LinearProbe
+from undercurrent.probes.sae import SaeProbe
+from undercurrent.probes.statistics import MeanProbe, NormProbe
+from undercurrent.probes.trajectory import TrajectoryProbe
 
 ENTRY_POINT_GROUP = "undercurrent.probes"
 
@@ -163,12 +168,6 @@ class ProbeRegistry:
 
 
 def _builtin_probes() -> dict[str, type]:
-    from undercurrent.probes.capture import CaptureProbe
-    from undercurrent.probes.linear import DualPositionProbe, LinearProbe
-    from undercurrent.probes.sae import SaeProbe
-    from undercurrent.probes.statistics import MeanProbe, NormProbe
-    from undercurrent.probes.trajectory import TrajectoryProbe
-
     return {
         "linear_probe": LinearProbe,
         "trajectory_probe": TrajectoryProbe,
