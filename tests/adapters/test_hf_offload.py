@@ -285,3 +285,49 @@ def test_on_cuda_async_only_capture_never_syncs_the_generation_thread(tokenizer)
         for a, b in zip(on_gpu.records, on_cpu.records, strict=True):
             assert a.tensor.device.type == "cpu" and _fields(a) == _fields(b)
             torch.testing.assert_close(a.tensor, b.tensor, rtol=1e-3, atol=1e-4)
+
+
+def test_an_interrupt_skips_the_forwards_not_delivered_yet(tokenizer, monkeypatch):
+    """Generation fails while the delivery thread is still on the first forward:
+    the forwards queued behind it are never routed, the requests are abandoned,
+    and the model works again."""
+    from undercurrent.adapters.hf import backend as backend_module
+    from undercurrent.adapters.hf.offload import DeliveryThread
+
+    release = threading.Event()
+    delivered = []
+    original = session_module.deliver_forward
+
+    def slow_first(session, batches):
+        if not delivered:
+            release.wait()  # held until generation has failed and closes the thread
+        delivered.append(len(delivered))
+        return original(session, batches)
+
+    close_original = DeliveryThread.close
+
+    def close(self, *, discard=False):
+        self._discard = self._discard or discard
+        release.set()
+        close_original(self, discard=discard)
+
+    after_token = backend_module._RowDriver.after_token
+    tokens = []
+
+    def interrupting(self, input_ids):
+        tokens.append(1)
+        if len(tokens) == 4:
+            raise KeyboardInterrupt
+        return after_token(self, input_ids)
+
+    monkeypatch.setattr(session_module, "deliver_forward", slow_first)
+    monkeypatch.setattr(DeliveryThread, "close", close)
+    monkeypatch.setattr(backend_module._RowDriver, "after_token", interrupting)
+    pm = _probed(tokenizer, _points(), "always")
+    with pytest.raises(KeyboardInterrupt):
+        pm.generate(PROMPTS, max_new_tokens=8)
+    assert delivered == [0]  # forwards 2 and 3 were handed over, never routed
+    assert pm.router.live_requests() == ()
+    monkeypatch.setattr(backend_module._RowDriver, "after_token", after_token)
+    (out,) = pm.generate(PROMPTS[:1], max_new_tokens=3)
+    assert out.results["traj"].stats.received == 2 * 3

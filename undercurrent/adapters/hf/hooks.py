@@ -241,13 +241,15 @@ class ModelHooks:
             self._delivery.drain()
 
     def finish_delivery(self, *, raise_errors: bool = True) -> None:
-        """Drain and stop the delivery thread, if any (``raise_errors=False`` after
-        another error: its own is dropped, the first one is what the caller sees)."""
+        """Drain and stop the delivery thread, if any. ``raise_errors=False`` after
+        another error: the forwards not delivered yet are skipped (never routed, so
+        the accounting stays exact) and a delivery error is dropped, the first
+        error being what the caller sees."""
         delivery, self._delivery = self._delivery, None
         if delivery is None:
             return
         try:
-            delivery.close()
+            delivery.close(discard=not raise_errors)
         except BaseException:
             if raise_errors:
                 raise

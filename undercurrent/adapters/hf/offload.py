@@ -53,6 +53,7 @@ class DeliveryThread:
         self.session = session
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=MAX_IN_FLIGHT)
         self._error: BaseException | None = None
+        self._discard = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -62,7 +63,7 @@ class DeliveryThread:
             try:
                 if item is _STOP:
                     return
-                if self._error is None:  # after a failure nothing more is routed
+                if self._error is None and not self._discard:  # after a failure or a discard: skip
                     pending, event = item
                     if event is not None:
                         event.synchronize()  # this thread waits, generation does not
@@ -92,8 +93,11 @@ class DeliveryThread:
         self._queue.join()
         self._raise()
 
-    def close(self) -> None:
-        """Drain, stop the thread and raise a delivery error (safe to call twice)."""
+    def close(self, *, discard: bool = False) -> None:
+        """Drain, stop the thread and raise a delivery error (safe to call twice).
+        ``discard=True`` (generation failed: its requests are abandoned) skips the
+        forwards not delivered yet instead of routing them."""
+        self._discard = self._discard or discard
         if self._thread.is_alive():
             self._queue.put(_STOP)
             self._thread.join()
