@@ -36,6 +36,10 @@ def _points(mode: str = "async") -> list[ExtractionPoint]:
     ]
 
 
+KV = ExtractionPoint(name="kv", layers=(0, 2), tensor_type="kv", position="generated[*]",
+                    probe_type="capture", probe_kind="trajectory", execution_mode="async")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tokenizer()
@@ -119,7 +123,7 @@ def delivering_threads(monkeypatch):
 
 def test_async_only_capture_makes_no_host_sync_on_the_generation_thread(
         tokenizer, delivering_threads):
-    pm = _probed(tokenizer, _points(), "always")
+    pm = _probed(tokenizer, [*_points(), KV], "always")
     with count_syncs() as counts:
         outs = pm.generate(PROMPTS, max_new_tokens=6)
     assert dict(counts) == {}
@@ -163,7 +167,7 @@ def _fields(record):
 def test_off_thread_delivery_gives_the_same_records_and_results(tokenizer, capture_last_token):
     outputs = {}
     for offload in ("never", "always"):
-        pm = _probed(tokenizer, _points(), offload)
+        pm = _probed(tokenizer, [*_points(), KV], offload)
         outputs[offload] = pm.generate(PROMPTS, max_new_tokens=7, records=True,
                                        capture_last_token=capture_last_token)
     for inline, off in zip(outputs["never"], outputs["always"], strict=True):
@@ -172,7 +176,9 @@ def test_off_thread_delivery_gives_the_same_records_and_results(tokenizer, captu
         for a, b in zip(off.records, inline.records, strict=True):  # in order
             assert _fields(a) == _fields(b)
             assert torch.equal(a.tensor, b.tensor)
-        assert set(off.results) == {"traj", "norm"}
+        assert {record.tensor_type for record in off.records} == {
+            "residual_stream", "mlp_out", "kv"}
+        assert set(off.results) == {"traj", "norm", "kv"}
         for name, expected in inline.results.items():
             got = off.results[name]
             assert got.error is None and expected.error is None

@@ -70,6 +70,17 @@ def _find_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``. To CUDA the copy goes from pinned
+    memory, non-blocking: it does not wait for the device (a copy from pageable
+    memory syncs the stream); torch's pinned allocator keeps the source alive
+    until the copy has run."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _cell(slot: Hashable) -> tuple[int, int]:
     """A slot of the HF backend: (row, column) in the padded batch."""
     return cast("tuple[int, int]", slot)
@@ -279,13 +290,8 @@ class ModelHooks:
         if cached is None:
             if len(self._indices) >= _INDEX_CACHE_SIZE:
                 self._indices.clear()
-            # From pinned memory a host-to-device copy does not wait for the device.
-            pin = device.type == "cuda"
-            rows = torch.tensor([slot[0] for slot in slots], dtype=torch.long)
-            cols = torch.tensor([slot[1] for slot in slots], dtype=torch.long)
-            if pin:
-                rows, cols = rows.pin_memory(), cols.pin_memory()
-            cached = (rows.to(device, non_blocking=pin), cols.to(device, non_blocking=pin))
+            cached = (_on_device([slot[0] for slot in slots], device),
+                      _on_device([slot[1] for slot in slots], device))
             self._indices[key] = cached
         return cached
 
@@ -355,11 +361,10 @@ class ModelHooks:
             positions = [positions[i] for i in sorted(keep)]
             if not slots:
                 return
-            rows = torch.tensor([_cell(s)[0] for s in slots], dtype=torch.long,
-                                device=keys.device)
+            rows = _on_device([_cell(s)[0] for s in slots], keys.device)
         else:
             rows, _ = self._index(group.slots, keys.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=keys.device)
+        pos = _on_device(positions, keys.device)
         # keys: (batch, kv_heads, seq, head_dim) -> (n, kv_heads, head_dim)
         gathered = torch.stack([keys[rows, :, pos], values[rows, :, pos]], dim=1)
         self._queue(TensorType.KV, targets, gathered)
