@@ -6,8 +6,9 @@ and ``bool()/int()/float()`` of a tensor wait for the device. This runs an
 async-only generation on CPU with those methods wrapped by counters and reports
 every call made while undercurrent code is on the stack, split by thread: calls
 on the generation (main) thread stall a GPU step; calls on probe worker threads
-do not. A measurement, not a test: the issue asks for zero on the generation
-thread once the pinned-buffer path exists.
+do not. A measurement, not a test. ``--offload`` sets ``ModelHooks.offload``:
+the default ``always`` runs the path a GPU takes (async-only delivery on the
+delivery thread) on CPU too; ``never`` shows delivery on the generation thread.
 """
 
 from __future__ import annotations
@@ -89,18 +90,20 @@ def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def measure(model: str = "tiny", batch_size: int = 8, layer_set: str = "all",
             max_new_tokens: int = 24,
-            scenario: str = "uc_3_layers_async_trajectory") -> dict[str, Any]:
+            scenario: str = "uc_3_layers_async_trajectory",
+            offload: str = "always") -> dict[str, Any]:
     """Warm up, then count syncing calls during one async-only generation."""
     bundle = load_model(model)
     batch = make_batch(bundle, prompts_for(batch_size))
     instance = scenario_by_name(scenario)()
     instance.setup(bundle, bundle.model, layers_for(bundle, layer_set))
+    instance.probed.backend.hooks.offload = offload
     instance.generate(batch, max_new_tokens)
     with count_syncs() as counts:
         run = instance.generate(batch, max_new_tokens)
     instance.close()
     return {"scenario": scenario, "batch_size": batch_size, "layer_set": layer_set,
-            "max_new_tokens": max_new_tokens, "records": run.records,
+            "max_new_tokens": max_new_tokens, "records": run.records, "offload": offload,
             "counts": dict(counts)}
 
 
@@ -112,16 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="all", choices=["3", "all"])
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--offload", default="always", choices=["auto", "always", "never"],
+                        help="ModelHooks.offload (default: always, the GPU path on any device)")
     args = parser.parse_args(argv)
     set_threads(args.threads)
-    result = measure(args.model, args.batch, args.layers, args.max_new_tokens)
+    result = measure(args.model, args.batch, args.layers, args.max_new_tokens,
+                     offload=args.offload)
     counts = result["counts"]
     steps = args.max_new_tokens
     totals: Counter[tuple[str, str]] = Counter()
     for (kind, who, _, _), n in counts.items():
         totals[(kind, who)] += n
     print(f"async-only generate ({result['scenario']}), {args.model}, batch {args.batch}, "
-          f"{args.layers} layers, {steps} new tokens, {result['records']} vectors captured")
+          f"{args.layers} layers, {steps} new tokens, {result['records']} vectors captured, "
+          f"offload={args.offload}")
     for (kind, who), n in sorted(totals.items()):
         print(f"  {kind}, made by {who}: {n} syncing calls ({n / steps:.1f} per new token)")
     print("| thread | made by | call | innermost undercurrent frame | calls | per new token |")

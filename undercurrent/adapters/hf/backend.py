@@ -378,6 +378,8 @@ class HFBackend:
                                     on_event, cancel)
                 self.hooks.install(session.wanted_pairs())
                 self.hooks.on_forward = driver.plan_forward
+                # Async-only points: delivery off this thread (see ModelHooks.offload).
+                self.hooks.start_delivery(session, states)
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
                 with torch.no_grad():
@@ -389,7 +391,10 @@ class HFBackend:
                     self.hooks.flush(session)
                     if params.capture_last_token:
                         self._capture_last_tokens(states, session)
+                # Every forward reaches the router before any request is closed.
+                self.hooks.finish_delivery()
             except BaseException:
+                self.hooks.finish_delivery(raise_errors=False)
                 session.abandon()
                 raise
             finally:

@@ -4,8 +4,12 @@ A :class:`ModelHooks` installs one hook per (layer, tensor type) pair some live
 request wants, and nothing else. Each hook looks its pair up in the current
 :class:`~undercurrent.adapters.session.StepPlan`; when the pair is not wanted in
 this forward it returns at once. Otherwise it gathers every wanted (row, column)
-with one indexing op and one device-to-host copy (non-blocking from CUDA), and
-queues the rows; :meth:`ModelHooks.flush` routes them after the forward.
+with one indexing op and one device-to-host copy (non-blocking from CUDA, into
+pinned memory), and queues the rows; :meth:`ModelHooks.flush` routes them after
+the forward: on the generation thread after one stream sync, or, when every
+point is async (:meth:`ModelHooks.start_delivery`), on a
+:class:`~undercurrent.adapters.hf.offload.DeliveryThread` that waits on a CUDA
+event instead, so generation never waits for the copies.
 
 A pair some live edit applies to is hooked the same way: the hook first
 rewrites the planned (row, column) entries of the module's output in place (so
@@ -28,6 +32,7 @@ from undercurrent.adapters.hf.architectures import (
     find_architecture,
     resolve_path,
 )
+from undercurrent.adapters.hf.offload import DeliveryThread, all_async
 from undercurrent.adapters.session import CaptureGroup, CaptureSession, PairKey, StepPlan
 from undercurrent.spec.types import TensorType
 from undercurrent.steering.kernels import EditKernels
@@ -65,6 +70,17 @@ def _find_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``. To CUDA the copy goes from pinned
+    memory, non-blocking: it does not wait for the device (a copy from pageable
+    memory syncs the stream); torch's pinned allocator keeps the source alive
+    until the copy has run."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _cell(slot: Hashable) -> tuple[int, int]:
     """A slot of the HF backend: (row, column) in the padded batch."""
     return cast("tuple[int, int]", slot)
@@ -94,6 +110,7 @@ class ModelHooks:
         # capture the same (row, 0) slots again and again.
         self._indices: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._needs_sync = False
+        self._delivery: DeliveryThread | None = None
         self.kernels = EditKernels()
         self._kv_problem: str | None = None
         self._kv_checked = False
@@ -193,6 +210,7 @@ class ModelHooks:
 
     def remove(self) -> None:
         """Remove every hook this object installed (safe to call twice)."""
+        self.finish_delivery(raise_errors=False)
         while self._handles:
             self._handles.pop().remove()
         self._installed.clear()
@@ -200,6 +218,52 @@ class ModelHooks:
         self._indices.clear()
         self.kernels.clear()
         self.plan = None
+
+    # -- delivery thread -------------------------------------------------
+    offload = "auto"
+    """Where :meth:`flush` delivers when every point is async: ``"auto"`` (off the
+    generation thread on CUDA only), ``"always"`` (on CPU too: tests) or
+    ``"never"``. On CPU the copies are no-ops and handing over costs more than
+    delivering, so ``auto`` keeps CPU on the generation thread."""
+
+    def start_delivery(self, session: CaptureSession, states: Iterable[Any]) -> bool:
+        """Deliver this batch's forwards on a :class:`DeliveryThread` when every
+        point of ``states`` is async and :attr:`offload` allows it on this device;
+        True when it does. :meth:`finish_delivery` must follow."""
+        if self.offload not in ("auto", "always", "never"):
+            raise ValueError(f"ModelHooks.offload must be 'auto', 'always' or 'never', "
+                             f"got {self.offload!r}")
+        self.finish_delivery(raise_errors=False)
+        on_cuda = next(self.model.parameters()).device.type == "cuda"
+        wanted = self.offload == "always" or (self.offload == "auto" and on_cuda)
+        if wanted and all_async(list(states)):
+            self._delivery = DeliveryThread(session)
+        return self._delivery is not None
+
+    @property
+    def delivering(self) -> bool:
+        """True while forwards are delivered off the generation thread."""
+        return self._delivery is not None
+
+    def drain(self) -> None:
+        """Wait until every forward flushed so far was delivered (raises what a
+        delivery raised); a no-op when delivering on the generation thread."""
+        if self._delivery is not None:
+            self._delivery.drain()
+
+    def finish_delivery(self, *, raise_errors: bool = True) -> None:
+        """Drain and stop the delivery thread, if any. ``raise_errors=False`` after
+        another error: the forwards not delivered yet are skipped (never routed, so
+        the accounting stays exact) and a delivery error is dropped, the first
+        error being what the caller sees."""
+        delivery, self._delivery = self._delivery, None
+        if delivery is None:
+            return
+        try:
+            delivery.close(discard=not raise_errors)
+        except BaseException:
+            if raise_errors:
+                raise
 
     # -- per forward -----------------------------------------------------
     on_forward: Any = None  # set by the generation driver: called with the input width
@@ -226,17 +290,24 @@ class ModelHooks:
         if cached is None:
             if len(self._indices) >= _INDEX_CACHE_SIZE:
                 self._indices.clear()
-            rows = torch.tensor([slot[0] for slot in slots], dtype=torch.long)
-            cols = torch.tensor([slot[1] for slot in slots], dtype=torch.long)
-            cached = (rows.to(device), cols.to(device))
+            cached = (_on_device([slot[0] for slot in slots], device),
+                      _on_device([slot[1] for slot in slots], device))
             self._indices[key] = cached
         return cached
 
     def _queue(self, tensor_type: TensorType, targets: list[Any], gathered: torch.Tensor) -> None:
-        non_blocking = gathered.device.type == "cuda"
-        self._needs_sync = self._needs_sync or non_blocking
-        self._pending.append((tensor_type, targets,
-                              gathered.detach().to("cpu", non_blocking=non_blocking)))
+        gathered = gathered.detach()
+        if gathered.device.type == "cuda":
+            # Non-blocking into pinned memory: the copy is only enqueued on the
+            # stream; flush() makes the reader wait for it (a stream sync, or a
+            # CUDA event the delivery thread waits on). Freed pinned blocks are
+            # reused by torch's caching host allocator once their copies are done.
+            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+            host.copy_(gathered, non_blocking=True)
+            self._needs_sync = True
+        else:
+            host = gathered  # already a fresh CPU tensor (indexing copies)
+        self._pending.append((tensor_type, targets, host))
 
     def _make_hook(self, layer: int, tensor_type: TensorType) -> Any:
         if tensor_type is TensorType.KV:
@@ -290,11 +361,10 @@ class ModelHooks:
             positions = [positions[i] for i in sorted(keep)]
             if not slots:
                 return
-            rows = torch.tensor([_cell(s)[0] for s in slots], dtype=torch.long,
-                                device=keys.device)
+            rows = _on_device([_cell(s)[0] for s in slots], keys.device)
         else:
             rows, _ = self._index(group.slots, keys.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=keys.device)
+        pos = _on_device(positions, keys.device)
         # keys: (batch, kv_heads, seq, head_dim) -> (n, kv_heads, head_dim)
         gathered = torch.stack([keys[rows, :, pos], values[rows, :, pos]], dim=1)
         self._queue(TensorType.KV, targets, gathered)
@@ -304,7 +374,14 @@ class ModelHooks:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        if self._needs_sync:  # the non-blocking copies must land before anyone reads them
+        needs_sync, self._needs_sync = self._needs_sync, False
+        if self._delivery is not None:
+            event = None
+            if needs_sync:  # the delivery thread waits on it; this thread goes on
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            self._delivery.submit(pending, event)
+            return
+        if needs_sync:  # the non-blocking copies must land before anyone reads them
             torch.cuda.current_stream().synchronize()
-            self._needs_sync = False
         session.deliver(pending)
