@@ -14,7 +14,6 @@ an SAE feature written as ``{sae: FOLDER, feature: INDEX}``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +21,7 @@ from typing import Any
 import yaml
 
 from undercurrent.notebook.spec_draft import (
-    is_continuous,
-    position_problem,
+    PositionedDraft,
     position_value,
     raw_layers,
 )
@@ -31,7 +29,7 @@ from undercurrent.spec import Edit, SaeFeature, edit_to_dict
 
 
 @dataclass
-class EditDraft:
+class EditDraft(PositionedDraft):
     """One edit as edited: plain values, possibly invalid.
 
     ``layers_text`` replaces ``layers`` when the editor has no model (as for
@@ -53,19 +51,6 @@ class EditDraft:
     norm_match: bool = False
     when_point: str = ""
     when_action: str = "flag"
-
-    def copy(self, **changes: Any) -> EditDraft:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
-
-    def position_problem(self) -> str | None:
-        """The position parser's own message when ``position`` is invalid, else None."""
-        return position_problem(self.position)
-
-    @property
-    def continuous(self) -> bool:
-        """Whether the position matches many tokens (then ``stride`` applies)."""
-        return is_continuous(self.position)
 
     @property
     def vector_is_file(self) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -26,8 +26,31 @@ DEFAULT_INTERVENTION = ""
 """The intervention choice meaning "no policy in the spec: the router's default"."""
 
 
+_Draft = TypeVar("_Draft", bound="PositionedDraft")
+
+
+class PositionedDraft:
+    """What every draft (point or edit) with a ``position`` field can say of itself."""
+
+    position: str
+
+    def copy(self: _Draft, **changes: Any) -> _Draft:
+        """A copy with ``changes`` applied (drafts are dataclasses)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    def position_problem(self) -> str | None:
+        """The position parser's own message when ``position`` is invalid, else None."""
+        return position_problem(self.position)
+
+    @property
+    def continuous(self) -> bool:
+        """Whether the position matches many tokens (then ``stride`` applies, and a
+        point's ``until``)."""
+        return is_continuous(self.position)
+
+
 @dataclass
-class PointDraft:
+class PointDraft(PositionedDraft):
     """One extraction point as edited: plain values, possibly invalid.
 
     ``layers_text`` is used instead of ``layers`` when the editor has no model to
@@ -50,19 +73,6 @@ class PointDraft:
     timeout_ms: int = 50
     on_timeout: str = "continue"
     probe_args: str = ""
-
-    def copy(self, **changes: Any) -> PointDraft:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
-
-    def position_problem(self) -> str | None:
-        """The position parser's own message when ``position`` is invalid, else None."""
-        return position_problem(self.position)
-
-    @property
-    def continuous(self) -> bool:
-        """Whether the position matches many tokens (then stride/until apply)."""
-        return is_continuous(self.position)
 
     @property
     def is_async(self) -> bool:
