@@ -16,11 +16,14 @@ from __future__ import annotations
 import copy
 import html
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from undercurrent.notebook import static
 from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from undercurrent.api import ProbedModel
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -76,7 +79,7 @@ class LiveView:
 
     def __init__(
         self,
-        model: Any,
+        model: ProbedModel,
         *,
         point: str | None = None,
         score_range: tuple[float, float] | None = None,

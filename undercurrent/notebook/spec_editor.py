@@ -19,7 +19,7 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.notebook.draft_form import DraftForm, widgets
@@ -55,13 +55,20 @@ from undercurrent.spec import (
 from undercurrent.spec.fields import edit_fields, point_fields
 from undercurrent.spec.serialize import _dump as dump_spec_yaml
 
+if TYPE_CHECKING:  # pragma: no cover
+    from undercurrent.api import ProbedModel
+
+ModelArgument = Union["ProbedModel", Capabilities, int, None]
+"""What ``SpecEditor(model=...)`` takes: a ``ProbedModel``, its ``Capabilities``,
+a number of decoder layers, or None (no model: layers are typed as text)."""
+
 __all__ = ["EDIT_FIELDS", "FIELDS", "SpecEditor", "resolve_capabilities"]
 
 ALWAYS_ON = ""
 """The ``when.point`` choice meaning "no trigger: the edit is always on"."""
 
 
-def resolve_capabilities(model: Any) -> Any:
+def resolve_capabilities(model: ModelArgument) -> Capabilities | None:
     """``Capabilities`` from a ``ProbedModel``, a ``Capabilities``, a layer count, or None."""
     if model is None:
         return None
@@ -73,7 +80,9 @@ def resolve_capabilities(model: Any) -> Any:
         return Capabilities.standard("any", "model", num_layers=model)
     capabilities = getattr(model, "capabilities", None)
     if capabilities is not None:
-        return capabilities() if callable(capabilities) else capabilities
+        found = capabilities() if callable(capabilities) else capabilities
+        if isinstance(found, Capabilities):
+            return found
     raise TypeError(
         "SpecEditor(model=...) takes a ProbedModel, a Capabilities object or a number of "
         f"layers, got {type(model).__name__}"
@@ -92,7 +101,7 @@ class SpecEditor:
     (or ``editor.widget``) in a notebook to use it.
     """
 
-    def __init__(self, spec: ProbeSpec | None = None, *, model: Any = None) -> None:
+    def __init__(self, spec: ProbeSpec | None = None, *, model: ModelArgument = None) -> None:
         self.capabilities = resolve_capabilities(model)
         self._model_check = None if self.capabilities is None else ModelCheck(self.capabilities)
         self._spec: ProbeSpec | None = None
@@ -111,7 +120,7 @@ class SpecEditor:
 
     @classmethod
     def from_spec(cls, spec_or_path: ProbeSpec | str | os.PathLike[str], *,
-                  model: Any = None) -> SpecEditor:
+                  model: ModelArgument = None) -> SpecEditor:
         """An editor loaded with a ``ProbeSpec``, a YAML file path, or YAML text
         (version "1" or "2": the edits come with it).
 
