@@ -24,6 +24,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from undercurrent.spec.types import ExecutionMode
+
 #: Forwards handed over and not delivered yet before a hand-over waits for room:
 #: bounds the pinned memory and records in flight when probes' queues block.
 MAX_IN_FLIGHT = 16
@@ -34,8 +36,6 @@ _STOP = object()
 def all_async(states: Sequence[Any]) -> bool:
     """True when the requests have points and every one of them is async: then no
     delivery can produce a signal that generation must see before its next step."""
-    from undercurrent.spec.types import ExecutionMode
-
     points = [point for state in states for point in state.points]
     return bool(points) and all(
         point.execution_mode is ExecutionMode.ASYNC for point in points)
