@@ -304,6 +304,64 @@ def test_route_columns_routes_only_the_given_spans_and_answers_every_row():
     assert results["a"].signals[1].score == pytest.approx(2.0 * math.sqrt(HIDDEN))
 
 
+@pytest.mark.parametrize("probe_type", ["linear_probe", "norm_probe"])
+def test_requests_whose_rules_differ_are_judged_each_by_its_own_rule(probe_type):
+    # Each request gets its own threshold and action for the same point name: the
+    # one-pass judgement (one rule for the whole batch) must not apply; every
+    # request is judged as routing its records alone would.
+    rules = {"a": (None, "flag"), "b": (0.0, "abort"), "c": (100.0, "flag"), "d": (0.0, "flag")}
+    rng = np.random.default_rng(7)
+    rows = [ActivationRecord(request_id, "p0", layer, "residual_stream", 5, True, 1, 9,
+                             rng.normal(size=HIDDEN).astype(np.float32))
+            for request_id in rules for layer in (0, 2)]
+    batch = ActivationBatch.from_records(rows)
+    single, columnar = _router("drop_newest"), _router("drop_newest")
+    try:
+        for router in (single, columnar):
+            for request_id, (threshold, action) in rules.items():
+                router.register_request(request_id, _points(
+                    [(probe_type, "inline", {0, 2}, threshold, action, 1)]))
+        alone = [signal for request_id in rules for signal in single.route_batch(
+            [row for row in rows if row.request_id == request_id])]
+        together = columnar.route_columns(batch).signals(batch)
+        assert [_signal_view(s) for s in together] == [_signal_view(s) for s in alone]
+        assert [s.action.value for s in together] == ["continue"] * 2 + ["abort"] * 2 + [
+            "continue"] * 2 + ["flag"] * 2
+        for request_id in rules:
+            assert columnar.abort_requested(request_id) == (request_id == "b")
+            one = single.end_request(request_id)["p0"]
+            many = columnar.end_request(request_id)["p0"]
+            assert _result_view(many) == _result_view(one)
+    finally:
+        single.shutdown()
+        columnar.shutdown()
+
+
+def test_one_pass_judgement_settles_each_request_with_its_own_rows():
+    # Four requests, one rule: judged in one pass. Only the crossing request's
+    # summary records a first crossing, and each result keeps its own signals.
+    point = _points([("norm_probe", "inline", {0, 1}, 3.0, "abort", 1)])[0]
+    scale = {"a": 0.1, "b": 2.0, "c": 0.1, "d": 0.1}
+    rows = [ActivationRecord(request_id, "p0", layer, "residual_stream", 5, True, 1, 9,
+                             np.full(HIDDEN, scale[request_id], dtype=np.float32))
+            for request_id in scale for layer in (0, 1)]
+    batch = ActivationBatch.from_records(rows)
+    with _router("drop_newest") as router:
+        for request_id in scale:
+            router.register_request(request_id, [point])
+        router.route_columns(batch)
+        assert [router.abort_requested(r) for r in scale] == [False, True, False, False]
+        results = {request_id: router.end_request(request_id)["p0"] for request_id in scale}
+    assert results["b"].verdict["first_crossing_layer"] == 0
+    assert results["b"].verdict["max_score"] == pytest.approx(2.0 * math.sqrt(HIDDEN))
+    for request_id in ("a", "c", "d"):
+        assert results[request_id].verdict["flagged"] is False
+        assert results[request_id].verdict["max_score"] == pytest.approx(
+            0.1 * math.sqrt(HIDDEN))
+    assert [(s.request_id, s.layer) for s in results["c"].signals] == [("c", 0), ("c", 1)]
+    assert [r.stats.processed for r in results.values()] == [2, 2, 2, 2]
+
+
 def test_signals_kept_until_read_hold_the_index_columns_not_the_activations():
     from router_helpers import binding_of
 
@@ -323,7 +381,7 @@ def test_signals_kept_until_read_hold_the_index_columns_not_the_activations():
         for name in ("p0", "p1"):
             unread = binding_of(router, "a", name)._unread
             assert unread and all(kept._tensor is None and not kept.cache
-                                  for _, kept, _, _, _ in unread)
+                                  for _, kept, _, _, _, _ in unread)
         result = router.end_request("a")
     assert [(s.layer, s.token_index) for s in result["p0"].signals] == [(0, 4), (1, 4)]
 

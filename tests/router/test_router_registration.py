@@ -155,3 +155,28 @@ def test_router_arguments_are_validated():
         Router(default_queue_depth=0)
     with pytest.raises(TypeError, match="probes must be None, a ProbeRegistry"):
         Router(probes=["norm_probe"])
+
+
+def test_the_same_points_are_checked_again_when_the_registry_changes(make_router):
+    # Registration remembers point lists that passed (by identity); a probe type
+    # mapped to another class since then must be checked and built anew.
+    class Other(Recorder):
+        pass
+
+    class Refusing(Recorder):
+        def check_point(self, point):
+            raise ValueError("not this point")
+
+    router = make_router()
+    points = [point("p")]
+    router.register_request("r1", points)
+    router.registry.register("recorder", Other, replace=True)
+    router.register_request("r2", points)
+    assert type(router._requests["r2"].bindings["p"].probe) is Other
+    router.registry.register("recorder", Refusing, replace=True)
+    with pytest.raises(RouterError, match="refuses it: not this point"):
+        router.register_request("r3", points)
+    router.registry.unregister("recorder")
+    with pytest.raises(RouterError, match="recorder"):
+        router.register_request("r4", points)
+    assert sorted(router.live_requests()) == ["r1", "r2"]

@@ -169,6 +169,19 @@ class ScoresRows(Probe):
         where they sit; update the state as :meth:`on_activation` would, row by row."""
         raise NotImplementedError
 
+    @classmethod
+    def judge_many(cls, probes: Sequence[ScoresRows], values: Any,
+                   spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals | None:
+        """Judge several instances at once: ``probes[i]`` judges rows
+        ``spans[i]`` of ``values`` (the whole routed batch's values, one instance
+        per request). Returns the signals of rows ``spans[0][0]:spans[-1][1]``
+        as one set of columns, with every instance's state updated exactly as
+        :meth:`judge_rows` on its own rows would; None when this class does not
+        judge in one pass (the router then calls :meth:`judge_rows` per instance).
+        Spans are contiguous and in order. The default: None."""
+        return None
+
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
         """The values shared with the batch this one was sliced from (or, when
         computing them for that whole batch fails, for this batch's own rows, so a

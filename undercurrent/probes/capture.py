@@ -44,5 +44,13 @@ class CaptureProbe(ScoresRows):
                    layers: Sequence[int]) -> BatchSignals:
         return BatchSignals.none(len(layers))
 
+    @classmethod
+    def judge_many(cls, probes: Sequence[ScoresRows], values: Any,
+                   spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals | None:
+        if cls.judge_rows is not CaptureProbe.judge_rows:
+            return None
+        return BatchSignals.none(spans[-1][1] - spans[0][0])
+
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
         return BatchSignals.none(len(batch))

@@ -260,6 +260,23 @@ class LinearProbe(ScoresRows):
         scores, meta = values
         return self.summary.batch_signals(self.rule, scores, token_indices, layers, meta)
 
+    @classmethod
+    def judge_many(cls, probes: Sequence[ScoresRows], values: Any,
+                   spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals | None:
+        """Every request's rows judged in one pass (one comparison with the
+        threshold), when all ``probes`` are this very class with one rule."""
+        if cls.judge_rows is not LinearProbe.judge_rows or cls.judge is not LinearProbe.judge:
+            return None
+        rule = probes[0].rule  # type: ignore[attr-defined]
+        if any(type(probe) is not cls or probe.rule != rule  # type: ignore[attr-defined]
+               for probe in probes):
+            return None
+        scores, meta = values
+        return ScoreSummary.batch_signals_many(
+            [probe.summary for probe in probes],  # type: ignore[attr-defined]
+            rule, scores, spans, token_indices, layers, meta)
+
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
         """Score the batch with one matrix product; a subclass that overrides
         :meth:`judge` gets it called per activation, in order."""

@@ -114,7 +114,7 @@ class ProbeRegistry:
         self._load_entry_points()
         with self._lock:
             cls = self._probes.get(name)
-            known = tuple(sorted(self._probes))
+            known = () if cls is not None else tuple(sorted(self._probes))
         if cls is None:
             close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.5)
             raise UnknownProbeError(str(name), known, close[0] if close else None)

@@ -164,6 +164,46 @@ class ScoreSummary:
         self.add_columns(values, token_indices, layers, crossed)
         return BatchSignals(actions, values, metadata, all_scored=True)
 
+    @staticmethod
+    def batch_signals_many(summaries: Sequence[ScoreSummary], rule: ThresholdRule, scores: Any,
+                           spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                           layers: Sequence[int],
+                           metadata: Mapping[str, Sequence[Any]] | None = None
+                           ) -> BatchSignals:
+        """:meth:`batch_signals` for many summaries in one pass: ``summaries[i]``
+        takes rows ``spans[i]`` of ``scores`` (a float64 numpy array over a whole
+        routed batch). Returns the signals of rows ``spans[0][0]:spans[-1][1]``
+        (contiguous spans, in order); each summary ends as :meth:`batch_signals`
+        on its own rows would leave it."""
+        first, last = spans[0][0], spans[-1][1]
+        block = scores[first:last]
+        values = block.tolist()
+        count = len(values)
+        crossings: list[int] = []
+        if rule.threshold is None:
+            actions: Any = [ACTION_CODES[SignalAction.CONTINUE]] * count
+        else:
+            crossed = block >= rule.threshold
+            actions = crossed * ACTION_CODES[rule.action]
+            crossings = crossed.nonzero()[0].tolist()
+        at = 0  # the next crossing (rows relative to ``first``) not yet placed
+        for summary, (start, stop) in zip(summaries, spans, strict=True):
+            low, high = start - first, stop - first
+            span_crossed = None
+            while at < len(crossings) and crossings[at] < low:
+                at += 1
+            if at < len(crossings) and crossings[at] < high:
+                span_crossed = [False] * (high - low)
+                for row in crossings[at:]:
+                    if row >= high:
+                        break
+                    span_crossed[row - low] = True
+            summary.add_columns(values[low:high], token_indices[start:stop], layers[start:stop],
+                                span_crossed)
+        if metadata is not None and (first, last) != (0, len(scores)):
+            metadata = {key: column[first:last] for key, column in metadata.items()}
+        return BatchSignals(actions, values, metadata, all_scored=True)
+
     def verdict(self) -> dict[str, Any]:
         """The summary as a plain dict (see the class docstring for the keys)."""
         crossing = self.first_crossing

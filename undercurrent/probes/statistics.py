@@ -65,6 +65,22 @@ class _StatisticProbe(ScoresRows):
                    layers: Sequence[int]) -> BatchSignals:
         return self.summary.batch_signals(self.rule, values, token_indices, layers)
 
+    @classmethod
+    def judge_many(cls, probes: Sequence[ScoresRows], values: Any,
+                   spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals | None:
+        """Every request's rows judged in one pass, when all ``probes`` are this
+        very class with one rule."""
+        if cls.judge_rows is not _StatisticProbe.judge_rows:
+            return None
+        rule = probes[0].rule  # type: ignore[attr-defined]
+        if any(type(probe) is not cls or probe.rule != rule  # type: ignore[attr-defined]
+               for probe in probes):
+            return None
+        return ScoreSummary.batch_signals_many(
+            [probe.summary for probe in probes],  # type: ignore[attr-defined]
+            rule, values, spans, token_indices, layers)
+
     def on_end(self, ctx: RequestContext) -> Any:
         return self.summary.verdict()
 

@@ -152,9 +152,14 @@ def resolve_probe_path(path: str | os.PathLike[str]) -> Path:
     ordinary path (``~`` expanded)."""
     text = os.fspath(path)
     if isinstance(text, str) and text.startswith(PACKAGE_PREFIX):
-        package_root = Path(__file__).resolve().parent.parent
-        return (package_root / text[len(PACKAGE_PREFIX):]).resolve()
+        return _package_file(text[len(PACKAGE_PREFIX):])
     return Path(text).expanduser().resolve()
+
+
+@functools.lru_cache(maxsize=64)
+def _package_file(relative: str) -> Path:
+    """A file shipped inside the package, resolved once (the package does not move)."""
+    return (Path(__file__).resolve().parent.parent / relative).resolve()
 
 
 def load_linear_weights(path: str | os.PathLike[str]) -> LinearWeights:

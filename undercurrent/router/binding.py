@@ -159,7 +159,10 @@ class Binding:
         self._signals: list[ProbeSignal] = []
         # Signals kept as columns until read: (signals, the batch holding the rows
         # they judged, first row, stop, observed).
-        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool]] = []
+        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]] = []
+        """Signal columns not materialised yet: (columns, index batch, start, stop,
+        observed, offset): rows ``start:stop`` of the batch, row ``r`` being row
+        ``r - offset`` of the columns."""
         self._error_notes: list[str] = []
         self._logged_error = False
         self._traceback: str | None = None  # of the first exception the probe raised
@@ -322,7 +325,9 @@ class Binding:
         if self._unread:
             unread, self._unread = self._unread, []
             keep = self._signals.append
-            for columns, batch, start, stop, observed in unread:
+            for columns, batch, start, stop, observed, offset in unread:
+                if (start - offset, stop - offset) != (0, len(columns)):
+                    columns = columns[start - offset:stop - offset]
                 for signal in columns.signals(batch[start:stop]):
                     if signal is not None:
                         keep(observed_only(signal) if observed else signal)
@@ -336,7 +341,7 @@ class Binding:
                      observed: bool = False) -> None:
         """Keep a batch's signals (lock held), as columns until read."""
         if columns.any_signal():  # the index columns only: the tensor may go
-            self._unread.append((columns, batch.index_view(), 0, len(batch), observed))
+            self._unread.append((columns, batch.index_view(), 0, len(batch), observed, 0))
 
     # -- user code, called without the lock ---------------------------------------
 
@@ -799,12 +804,16 @@ class Binding:
 
     def finish_rows(self, batch: ActivationBatch, start: int, stop: int,
                     signals: BatchSignals | None, latency: float, longest: float,
-                    error: str | None = None) -> bool:
+                    error: str | None = None, *, offset: int | None = None) -> bool:
         """The group call that judged rows ``start:stop`` of ``batch`` (marked by
         :meth:`admit_inline`) returned: settle them in one update, with the
-        signals they got (or ``error`` for every row). ``batch`` is kept for
-        locating the signals: pass its :meth:`~ActivationBatch.index_view`. False
-        when the result was frozen meanwhile."""
+        signals they got (or ``error`` for every row). ``signals`` are those rows'
+        own (row ``start`` is their row 0), or, with ``offset``, columns shared
+        with other bindings in which row ``r`` of the batch is row ``r - offset``
+        (their rows with a signal are then kept whatever the other rows hold).
+        ``batch`` is kept for locating the signals: pass its
+        :meth:`~ActivationBatch.index_view`. False when the result was frozen
+        meanwhile."""
         count = stop - start
         with self._cond:
             self.end_call()
@@ -816,8 +825,9 @@ class Binding:
                 self._latency_max = longest
             if error is not None:
                 self._count_errors(batch[start:stop], [error] * count)
-            elif signals is not None and signals.any_signal():
-                self._unread.append((signals, batch, start, stop, False))
+            elif signals is not None and (offset is not None or signals.any_signal()):
+                self._unread.append((signals, batch, start, stop, False,
+                                     start if offset is None else offset))
             return True
 
     def release_dropped(self, count: int) -> None:

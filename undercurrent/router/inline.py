@@ -28,6 +28,7 @@ from undercurrent.records import (
     BatchSignals,
     ProbeSignal,
     SignalAction,
+    as_list,
     rows_of,
 )
 from undercurrent.router.binding import BatchOutcome, Binding, describe_error, logger
@@ -75,6 +76,9 @@ def judge_group(batch: ActivationBatch, key: Any,
             binding.release_dropped(stop - start)
         raise
     tokens, layers = batch.token_indices, batch.layers
+    together = _judge_together(values, tokens, layers, admitted)
+    if together is not None:
+        return _settle_together(batch, admitted, together, started)
     judged: list[tuple[Any, Binding, int, int, BatchSignals | None, str | None]] = []
     try:
         for request, binding, start, stop in admitted:
@@ -95,6 +99,49 @@ def judge_group(batch: ActivationBatch, key: Any,
             binding.release_dropped(stop - start)
         raise
     return _settle_group(batch, judged, started)
+
+
+def _judge_together(values: Any, tokens: Sequence[int], layers: Sequence[int],
+                    admitted: Sequence[tuple[Any, Binding, int, int]]) -> BatchSignals | None:
+    """Every admitted binding's rows judged by one call of its probe class's
+    :meth:`~undercurrent.probes.base.ScoresRows.judge_many` (rows of one
+    contiguous range, bindings in row order); None when the class judges
+    instance by instance, or when that call fails (then each instance judges
+    its own rows, so an error is counted where it belongs)."""
+    previous = admitted[0][2]
+    for _, _, start, stop in admitted:
+        if start != previous:
+            return None
+        previous = stop
+    judge_many = getattr(type(admitted[0][1].probe), "judge_many", None)
+    if judge_many is None:
+        return None
+    try:
+        signals: BatchSignals | None = judge_many(
+            [binding.probe for _, binding, _, _ in admitted], values,
+            [(start, stop) for _, _, start, stop in admitted], tokens, layers)
+    except Exception:  # noqa: BLE001 - the per-instance path counts the error
+        return None
+    return signals
+
+
+def _settle_together(batch: ActivationBatch, admitted: Sequence[tuple[Any, Binding, int, int]],
+                     signals: BatchSignals, started: float) -> list[tuple[int, BatchSignals]]:
+    """Settle the bindings judged by one :func:`_judge_together` call: one
+    update each, all sharing the signal columns (row ``r`` of the batch is row
+    ``r - first`` of ``signals``)."""
+    first, last = admitted[0][2], admitted[-1][3]
+    share = (time.perf_counter() - started) / (last - first)
+    index = batch.index_view()
+    actions = signals.actions
+    kept = signals if signals.any_signal() else None
+    aborting = kept is not None and ABORT_CODE in as_list(actions)
+    for request, binding, start, stop in admitted:
+        settled = binding.finish_rows(index, start, stop, kept, share * (stop - start), share,
+                                      offset=first)
+        if settled and aborting and ABORT_CODE in as_list(actions[start - first:stop - first]):
+            request.abort_requested = True
+    return [(first, signals)]
 
 
 def _settle_group(batch: ActivationBatch,

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from undercurrent.probes.base import RequestContext
-from undercurrent.probes.registry import ProbeRegistry, default_registry
+from undercurrent.probes.registry import ProbeRegistry, UnknownProbeError, default_registry
 from undercurrent.records import (
     ABORT_CODE,
     ActivationBatch,
@@ -38,6 +38,7 @@ from undercurrent.spec.errors import SpecProblem
 from undercurrent.spec.types import InterventionPolicy
 
 _RECENTLY_ENDED = 4096
+_CHECKED_KEPT = 16  # point lists remembered as checked (see Router._check_points)
 _COUNTERS = ("received", "processed", "dropped", "errors", "timeouts")
 
 
@@ -180,6 +181,8 @@ class Router:
         self._late_records = 0
         self._closed = False
         self._step = threading.local()  # bindings whose wake-up waits for the step's end
+        # Point lists that passed the checks (see _check_points), by point identity.
+        self._checked: dict[Any, tuple[tuple[Any, ...], tuple[CheckedPoint, ...]]] = {}
 
     # -- requests -------------------------------------------------------------------
 
@@ -258,13 +261,7 @@ class Router:
     ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
         """Check the points and build one probe per point that passes; returns
         (each checked point with its probe, every problem found)."""
-        checked, problems = check_request_points(
-            list(points),
-            self.registry,
-            self.default_intervention_policy,
-            self.default_queue_depth,
-            self.probe_defaults,
-        )
+        checked, problems = self._check_points(list(points))
         built: list[tuple[CheckedPoint, Any]] = []
         for item in checked:
             probe_type = item.point.probe_type
@@ -290,6 +287,39 @@ class Router:
                     continue
             built.append((item, instance))
         return built, problems
+
+    def _check_points(self, points: list[Any]) -> tuple[list[CheckedPoint], list[SpecProblem]]:
+        """:func:`check_request_points` with this router's defaults. Points that
+        passed are remembered by identity (points are frozen), so the requests
+        of one generation, which share their point objects, are checked once;
+        a remembered answer stands while the registry still maps each probe
+        type to the class it was checked with."""
+        key = (tuple(map(id, points)), self.default_intervention_policy,
+               self.default_queue_depth)
+        found = self._checked.get(key)
+        if found is not None:
+            _, checked = found  # the points themselves are kept, so no id is reused
+            if all(self._still_maps(item) for item in checked):
+                return list(checked), []
+        fresh, problems = check_request_points(
+            points,
+            self.registry,
+            self.default_intervention_policy,
+            self.default_queue_depth,
+            self.probe_defaults,
+        )
+        if not problems:
+            if len(self._checked) >= _CHECKED_KEPT:
+                self._checked.clear()
+            self._checked[key] = (tuple(points), tuple(fresh))
+        return fresh, problems
+
+    def _still_maps(self, item: CheckedPoint) -> bool:
+        """Whether the registry still maps the point's probe type to its class."""
+        try:
+            return self.registry.get(item.point.probe_type) is item.probe_class
+        except UnknownProbeError:
+            return False
 
     def abort_requested(self, request_id: str) -> bool:
         """True once an inline probe (or its fallback) returned ``abort`` for the request."""
