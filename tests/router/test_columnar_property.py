@@ -25,12 +25,13 @@ from typing import Any
 import pytest
 
 np = pytest.importorskip("numpy")
+torch = pytest.importorskip("torch")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from undercurrent.adapters.outputs import AbortInfo, TokenSignal  # noqa: E402
-from undercurrent.adapters.session import CaptureSession, StepPlan  # noqa: E402
+from undercurrent.adapters.session import CaptureGroup, CaptureSession, StepPlan  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.probes.base import ScoresRows  # noqa: E402
 from undercurrent.records import (  # noqa: E402
@@ -431,6 +432,8 @@ class PerRecordSession(CaptureSession):
         tokens: dict[tuple[str, int], list[Any]] = {}
         order = 0
         for tensor_type, targets, rows in batches:
+            if isinstance(targets, CaptureGroup):
+                targets = targets.targets
             for target in targets:
                 tokens.setdefault((target.state.request_id, target.token_index), []).append(
                     (target.layer, order, tensor_type.value, target, rows[target.slot_index]))
@@ -469,10 +472,12 @@ class PerRecordSession(CaptureSession):
 
 
 def _simulate(session: CaptureSession, prompts: list[list[int]], steps: int,
-              table: Any) -> dict[str, Any]:
+              table: Any, deliver_as: str = "targets") -> dict[str, Any]:
     """A generation: a prefill of every prompt, then ``steps`` decode forwards, each
     row's activation read from ``table[request, layer, token]``; aborted requests
-    stop being fed."""
+    stop being fed. ``deliver_as``: each forward hands over the plan's groups with
+    torch rows (``group_torch``, as the HF hooks do) or numpy rows
+    (``group_numpy``), or lists of targets (``targets``, as the vLLM channel does)."""
     states = [session.open_request(f"r{index}", "", prompt)
               for index, prompt in enumerate(prompts)]
     fed = [0] * len(states)
@@ -488,7 +493,12 @@ def _simulate(session: CaptureSession, prompts: list[list[int]], steps: int,
         for (layer, tensor_type), group in sorted(plan.groups.items(),
                                                   key=lambda item: item[0][0]):
             rows = np.stack([table[row, layer, column] for row, column in group.slots])
-            batches.append((tensor_type, group.targets, rows))
+            if deliver_as == "group_torch":
+                batches.append((tensor_type, group, torch.from_numpy(rows)))
+            elif deliver_as == "group_numpy":
+                batches.append((tensor_type, group, rows))
+            else:
+                batches.append((tensor_type, group.targets, rows))
         session.deliver(batches)
         for index, state in enumerate(states):
             if state.live:
@@ -500,23 +510,24 @@ positions = st.sampled_from(("generated[*]", "prompt[-1]", "prompt[0]", "prompt[
                              "generated[1:]"))
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=90, deadline=None)
 @example(  # an abort at a prefill token with later prompt tokens in the same forward
     specs=[("norm_probe", "inline", {0, 1}, 0.0, "abort", 1),
            ("linear_probe", "inline", {0, 2}, None, "flag", 1),
            ("per_record", "async", {1}, None, "flag", 2)],
     position_list=["prompt[0]", "prompt[-1]", "generated[*]"], prompt_lens=[3, 2],
-    steps=2, seed=1)
+    steps=2, seed=1, deliver_as="group_torch")
 @example(  # two points abort on one generated token: the lower layer is the abort
     specs=[("norm_probe", "inline", {2, 3}, 0.0, "abort", 1),
            ("mean_probe", "inline_block", {1, 3}, -5.0, "abort", 1)],
     position_list=["generated[*]", "generated[*]", "prompt[0]"], prompt_lens=[2, 4],
-    steps=3, seed=2)
+    steps=3, seed=2, deliver_as="group_torch")
 @given(specs=point_specs, position_list=st.lists(positions, min_size=3, max_size=3),
        prompt_lens=st.lists(st.integers(1, 4), min_size=1, max_size=3),
-       steps=st.integers(0, 4), seed=st.integers(0, 2**31 - 1))
+       steps=st.integers(0, 4), seed=st.integers(0, 2**31 - 1),
+       deliver_as=st.sampled_from(("group_torch", "group_numpy", "targets")))
 def test_session_deliver_equals_the_per_record_delivery(specs, position_list, prompt_lens,
-                                                        steps, seed):
+                                                        steps, seed, deliver_as):
     rng = np.random.default_rng(seed)
     # as in the router test: a per-batch probe that raises stays inline under block
     specs = [("picky", "inline", *spec[2:]) if spec[:2] == ("picky", "async") else spec
@@ -529,8 +540,8 @@ def test_session_deliver_equals_the_per_record_delivery(specs, position_list, pr
     with _router("block") as oracle_router, _router("block") as router:
         oracle = PerRecordSession(oracle_router, points, keep_records=True)
         session = CaptureSession(router, points, keep_records=True)
-        expected = _simulate(oracle, prompts, steps, table)
-        got = _simulate(session, prompts, steps, table)
+        expected = _simulate(oracle, prompts, steps, table, deliver_as)
+        got = _simulate(session, prompts, steps, table, deliver_as)
     for request_id, out in got.items():
         want = expected[request_id]
         assert out.finish_reason == want.finish_reason

@@ -11,6 +11,13 @@ holds the ``k``-th fed token of each request, so a request's tokens reach its
 probes in order and an abort stops the tokens after it, as routing record by
 record would. A decode step is one wave.
 
+When the hooks hand over every group of one plan (the HF backend does), the
+plan's matches, one per (request, token, point), are delivered as they are: a
+point's rows are gathered with one index operation per layer (none where a
+layer's rows are already in order) and one stack. Targets given one by one
+(the vLLM channel, a KV capture that lost rows to a sliding window) are
+grouped here first.
+
 Nothing per vector is built here beyond the index columns: signals stay
 columns (:class:`SignalLog` materialises ``TokenSignal`` s when read) and
 records are built only for ``records=True`` (:class:`RecordLog`).
@@ -43,6 +50,7 @@ Entry = tuple[int, int, int, Any, int, int]
 
 _CONTINUE = ACTION_CODES[SignalAction.CONTINUE]
 _ENTRY_KEY = operator.itemgetter(0, 1, 2)
+_LAYER_ORDER = operator.itemgetter(0, 1)
 
 
 class RoutedPoint:
@@ -186,14 +194,28 @@ def gather(sources: Sequence[Any], picks: Sequence[tuple[int, int]]) -> Any:
     return [base[i] for i in flat]
 
 
-def deliver_forward(session: Any, batches: Iterable[tuple[Any, Sequence[Any], Any]]) -> None:
-    """Route one forward pass's captures (see the module docstring)."""
+def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> None:
+    """Route one forward pass's captures (see the module docstring).
+
+    ``batches`` yields (tensor type, targets, rows): the targets are a
+    :class:`~undercurrent.adapters.session.CaptureGroup` of a plan, or any
+    sequence of :class:`~undercurrent.adapters.session.CaptureTarget` s. When
+    every group of one plan arrives, the plan's matches are delivered as they
+    are (no object per vector); otherwise each target is delivered on its own.
+    """
+    batches = list(batches)
+    plan = _whole_plan(batches)
+    if plan is not None:
+        _deliver_planned(session, plan, {targets.key: rows for _, targets, rows in batches})
+        return
     sources: list[Any] = []
     per_request: dict[str, tuple[Any, list[Entry]]] = {}
     order = 0
     for _, targets, rows in batches:
         source = len(sources)
         sources.append(rows)
+        if getattr(targets, "plan", None) is not None:
+            targets = targets.targets
         for target in targets:
             state = target.state
             found = per_request.get(state.request_id)
@@ -363,3 +385,228 @@ def _point_batch(requests: Sequence[tuple[Any, list[Entry]]], sources: Sequence[
         edits=edits,
     )
     return batch, spans
+
+
+# -- the planned path: one forward's matches, delivered without an object per vector --
+
+
+def _whole_plan(batches: Sequence[tuple[Any, Any, Any]]) -> Any:
+    """The plan whose every group is among ``batches`` (each once), else None."""
+    if not batches:
+        return None
+    plan: Any = getattr(batches[0][1], "plan", None)
+    if plan is None or len(batches) != len(plan.groups):
+        return None
+    keys = set()
+    for _, targets, rows in batches:
+        if getattr(targets, "plan", None) is not plan or len(rows) != len(targets.slots):
+            return None
+        keys.add(targets.key)
+    return plan if len(keys) == len(plan.groups) else None
+
+
+def _deliver_planned(session: Any, plan: Any, sources: dict[Any, Any]) -> None:
+    """:func:`deliver_forward` from the plan's matches: each request's tokens in
+    order (one wave per token), every point of a wave as one batch."""
+    per_request: dict[str, tuple[Any, list[Any]]] = {}
+    for match in plan.matches:
+        state = match.state
+        found = per_request.get(state.request_id)
+        if found is None:
+            found = per_request[state.request_id] = (state, [])
+        found[1].append(match)
+    queues: list[tuple[Any, list[list[Any]]]] = []
+    for state, matches in per_request.values():
+        if state.closed:
+            continue  # nothing is routed after the request ended
+        if any(matches[i].token_index > matches[i + 1].token_index
+               for i in range(len(matches) - 1)):
+            matches.sort(key=lambda match: match.token_index)  # stable: plan order kept
+        tokens: list[list[Any]] = []
+        for match in matches:
+            if tokens and tokens[-1][0].token_index == match.token_index:
+                tokens[-1].append(match)
+            else:
+                tokens.append([match])
+        queues.append((state, tokens))
+    wave = 0
+    while True:
+        current = [(state, tokens[wave]) for state, tokens in queues if wave < len(tokens)]
+        if not current:
+            return
+        _deliver_planned_wave(session, current, sources)
+        wave += 1
+
+
+def _deliver_planned_wave(session: Any, current: list[tuple[Any, list[Any]]],
+                          sources: dict[Any, Any]) -> None:
+    """Route one token of each request in ``current``: one batch per point."""
+    by_point: dict[str, list[tuple[Any, Any]]] = {}
+    live: list[Any] = []
+    for state, matches in current:
+        if state.closed:
+            continue
+        abort = state.abort
+        if abort is not None and matches[0].token_index > abort.token_index:
+            continue  # as in _deliver_wave: nothing after the aborting token
+        live.append(state)
+        for match in matches:
+            items = by_point.get(match.point.name)
+            if items is None:
+                items = by_point[match.point.name] = []
+            items.append((state, match))
+    if not live:
+        return
+    router = session.router
+    registered = session.registered
+    kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
+    runs: dict[str, list[tuple[RoutedPoint, int, int, list[int]]]] = {}
+    aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
+    for items in by_point.values():
+        batch, spans = _planned_batch(items, sources)
+        if session.keep_records:
+            kept = batch.without_cache()  # the activations, not what probes derived
+            for state, start, stop, match in spans:
+                kept_rows.setdefault(state.request_id, []).append((kept, start, stop, match))
+        if router is None:
+            continue
+        routed_spans = [(state.request_id, start, stop) for state, start, stop, _ in spans
+                        if state.request_id in registered]
+        if not routed_spans:
+            continue
+        signals = router.route_columns(batch, routed_spans)  # a row each, spans or not
+        codes = as_list(signals.actions)
+        if all(code == NO_SIGNAL for code in codes):
+            continue
+        routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
+        any_abort = ABORT_CODE in codes
+        for state, start, stop, match in spans:
+            orders = [match.seq] * (stop - start)
+            runs.setdefault(state.request_id, []).append((routed, start, stop, orders))
+            if any_abort and ABORT_CODE in codes[start:stop]:
+                row = codes.index(ABORT_CODE, start, stop)
+                key = (match.layers[row - start], match.seq, routed, row)
+                best = aborts.get(state.request_id)
+                if best is None or key[:2] < best[:2]:
+                    aborts[state.request_id] = key
+            if state.edits:
+                for row in range(start, stop):
+                    if codes[row] not in (NO_SIGNAL, _CONTINUE):
+                        state.arm(batch.point_names[row], CODE_ACTIONS[codes[row]],
+                                  int(batch.token_indices[row]))
+    for state in live:
+        if state.records is not None:
+            pieces = kept_rows.get(state.request_id)
+            if pieces:
+                state.records.add(_record_refs(pieces))
+        found = runs.get(state.request_id)
+        if found is not None:
+            state.signals.add(found)
+        abort = aborts.get(state.request_id)
+        if abort is not None and state.abort is None:
+            _, _, routed, row = abort
+            batch = routed.batch
+            signal = routed.located()[row]
+            assert signal is not None
+            state.abort = AbortInfo(batch.point_names[row], int(batch.layers[row]),
+                                    int(batch.token_indices[row]),
+                                    batch.generated_indices[row], signal)
+            state.finish_reason = "abort"
+
+
+def _record_refs(pieces: list[tuple[ActivationBatch, int, int, Any]]
+                 ) -> list[tuple[ActivationBatch, int]]:
+    """One token's (batch, row) references in (layer, planning) order across points."""
+    if len(pieces) == 1:
+        kept, start, stop, _ = pieces[0]
+        return [(kept, row) for row in range(start, stop)]
+    rows = [(match.layers[row - start], match.seq, kept, row)
+            for kept, start, stop, match in pieces for row in range(start, stop)]
+    rows.sort(key=_LAYER_ORDER)
+    return [(kept, row) for _, _, kept, row in rows]
+
+
+def _planned_batch(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any]
+                   ) -> tuple[ActivationBatch, list[tuple[Any, int, int, Any]]]:
+    """One point's matches of one wave as a batch: grouped by request, each
+    match's layers in ascending order; with (state, start, stop, match) per
+    request."""
+    first = items[0][1]
+    point, layers = first.point, first.layers
+    tensor_type = point.tensor_type
+    uniform = all(match.layers == layers for _, match in items)
+    ids: list[str] = []
+    tokens: list[int] = []
+    is_generated: list[bool] = []
+    generated: list[int | None] = []
+    token_ids: list[int | None] = []
+    edits: list[tuple[str, ...]] | None = None
+    spans: list[tuple[Any, int, int, Any]] = []
+    start = 0
+    for state, match in items:
+        count = len(match.layers)
+        token_index = match.token_index
+        after_prompt = token_index >= state.prompt_len
+        ids += [state.request_id] * count
+        tokens += [token_index] * count
+        is_generated += [after_prompt] * count
+        generated += [token_index - state.prompt_len if after_prompt else None] * count
+        token_ids += [state.token_id_at(token_index)] * count
+        sites = state.edited_sites
+        site_edits = ([sites.get((layer, tensor_type, token_index), ()) for layer in match.layers]
+                      if sites else None)
+        if site_edits is not None and any(site_edits):
+            if edits is None:
+                edits = [()] * start
+            edits += site_edits
+        elif edits is not None:
+            edits += [()] * count
+        spans.append((state, start, start + count, match))
+        start += count
+    if uniform:
+        all_layers: list[int] = list(layers) * len(items)
+    else:
+        all_layers = [layer for _, match in items for layer in match.layers]
+    batch = ActivationBatch(
+        _gather_planned(items, sources, tensor_type, layers if uniform else None),
+        request_ids=ids,
+        point_names=[point.name] * start,
+        layers=all_layers,
+        tensor_type=tensor_type.value,
+        token_indices=tokens,
+        is_generated=is_generated,
+        generated_indices=generated,
+        token_ids=token_ids,
+        edits=edits,
+    )
+    return batch, spans
+
+
+def _gather_planned(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any],
+                    tensor_type: Any, layers: tuple[int, ...] | None) -> Any:
+    """The matches' rows, each match's layers in turn: with torch sources and one
+    layer set, one index operation per layer (none where a layer's rows are
+    exactly its source) and one stack; otherwise :func:`gather`."""
+    if layers is not None:
+        pieces = []
+        count = len(items)
+        for column, layer in enumerate(layers):
+            source = sources[(layer, tensor_type)]
+            if not hasattr(source, "detach"):
+                break
+            rows = [match.rows[column] for _, match in items]
+            if len(source) == count and rows == list(range(count)):
+                pieces.append(source)
+            else:
+                pieces.append(source.index_select(
+                    0, source.new_tensor(rows, dtype=sys.modules["torch"].long)))
+        else:
+            if len(pieces) == 1:
+                return pieces[0]
+            torch = sys.modules["torch"]
+            return torch.stack(pieces, 1).reshape(count * len(pieces), *pieces[0].shape[1:])
+    keys = list(sources)
+    position = {key: index for index, key in enumerate(keys)}
+    picks = [(position[(layer, tensor_type)], match.rows[column])
+             for _, match in items for column, layer in enumerate(match.layers)]
+    return gather([sources[key] for key in keys], picks)

@@ -7,9 +7,10 @@ A backend drives one :class:`CaptureSession` per ``generate()``/``stream()`` cal
    (registers it with the router);
 2. before each forward, a :class:`StepPlan` says which (layer, tensor type) pairs
    anything wants and where in the engine's batch the wanted tokens sit
-   (``plan.add_window(state, start, stop, slot_of)``);
+   (``plan.add_window(state, start, stop, slot_of)``): one :class:`PlanMatch`
+   per (request, token, point), and per pair a :class:`CaptureGroup` of slots;
 3. after the forward, ``deliver(batches)`` takes, per captured (layer, tensor
-   type), the tensor type, the :class:`CaptureTarget` s and the gathered rows,
+   type), the tensor type, the group and the gathered rows,
    builds one :class:`~undercurrent.records.ActivationBatch` per extraction
    point across every request and routes it with one
    :meth:`~undercurrent.router.Router.route_columns` call (see
@@ -276,26 +277,62 @@ class CaptureTarget:
     slot_index: int
 
 
-@dataclass
+class PlanMatch:
+    """One (request, token, point) a forward serves: the point's ``layers`` (in
+    ascending order) sit at ``rows[j]`` of the gathered tensor of
+    ``(layers[j], point.tensor_type)``. ``seq`` orders matches as planned."""
+
+    __slots__ = ("state", "point", "token_index", "layers", "rows", "seq")
+
+    def __init__(self, state: RequestState, point: ExtractionPoint, token_index: int,
+                 layers: tuple[int, ...], rows: list[int], seq: int) -> None:
+        self.state = state
+        self.point = point
+        self.token_index = token_index
+        self.layers = layers
+        self.rows = rows
+        self.seq = seq
+
+
 class CaptureGroup:
     """Everything one (layer, tensor type) hook must capture in one forward.
 
     ``slots`` are engine-specific locations (e.g. ``(row, column)`` in a padded
     batch, or a flat token position), unique; gather them in this order with one
-    device-to-host copy, then :meth:`CaptureSession.deliver` slices per target.
+    device-to-host copy and hand the group itself to
+    :meth:`CaptureSession.deliver` with the rows. The group keeps no object per
+    vector: what each row serves is in its plan's :class:`PlanMatch` es
+    (:attr:`targets` lists it as :class:`CaptureTarget` s, built when read).
     """
 
-    slots: list[Hashable] = field(default_factory=list)
-    targets: list[CaptureTarget] = field(default_factory=list)
-    _slot_index: dict[Hashable, int] = field(default_factory=dict)
+    __slots__ = ("key", "plan", "slots", "_slot_index")
 
-    def add(self, state: RequestState, point: ExtractionPoint, layer: int,
-            token_index: int, slot: Hashable) -> None:
+    def __init__(self, key: PairKey | None = None, plan: StepPlan | None = None) -> None:
+        self.key = key
+        self.plan = plan
+        self.slots: list[Hashable] = []
+        self._slot_index: dict[Hashable, int] = {}
+
+    def row_of(self, slot: Hashable) -> int:
+        """The row of ``slot`` in the gathered tensor (added if new)."""
         index = self._slot_index.get(slot)
         if index is None:
             index = self._slot_index[slot] = len(self.slots)
             self.slots.append(slot)
-        self.targets.append(CaptureTarget(state, point, layer, token_index, index))
+        return index
+
+    @property
+    def targets(self) -> list[CaptureTarget]:
+        """One :class:`CaptureTarget` per captured vector, in planning order."""
+        found: list[CaptureTarget] = []
+        if self.plan is not None and self.key is not None:
+            layer, tensor_type = self.key
+            for match in self.plan.matches:
+                if match.point.tensor_type is not tensor_type or layer not in match.layers:
+                    continue
+                found.append(CaptureTarget(match.state, match.point, layer, match.token_index,
+                                           match.rows[match.layers.index(layer)]))
+        return found
 
 
 @dataclass
@@ -314,19 +351,36 @@ class StepPlan:
     def __init__(self) -> None:
         self.groups: dict[PairKey, CaptureGroup] = {}
         self.edits: dict[PairKey, dict[int, EditSlots]] = {}
+        self.matches: list[PlanMatch] = []
+        """One per (request, token, point) planned, in planning order."""
+        self._layouts: dict[int, tuple[ExtractionPoint, tuple[int, ...],
+                                       list[CaptureGroup]]] = {}
+
+    def _layout(self, point: ExtractionPoint) -> tuple[tuple[int, ...], list[CaptureGroup]]:
+        """The point's layers in ascending order and the group of each."""
+        found = self._layouts.get(id(point))
+        if found is None or found[0] is not point:
+            layers = tuple(sorted(set(point.layers)))
+            groups = []
+            for layer in layers:
+                key = (layer, point.tensor_type)
+                group = self.groups.get(key)
+                if group is None:
+                    group = self.groups[key] = CaptureGroup(key, self)
+                groups.append(group)
+            found = self._layouts[id(point)] = (point, layers, groups)
+        return found[1], found[2]
 
     def add_window(self, state: RequestState, start: int, stop: int,
                    slot_of: Callable[[int], Hashable]) -> None:
         """Plan the tokens ``[start, stop)`` of ``state`` this forward feeds;
         ``slot_of(token_index)`` says where each sits in the engine's tensors."""
+        matches = self.matches
         for token_index, point in state.matches_in_window(start, stop):
             slot = slot_of(token_index)
-            for layer in point.layers:
-                key = (layer, point.tensor_type)
-                group = self.groups.get(key)
-                if group is None:
-                    group = self.groups[key] = CaptureGroup()
-                group.add(state, point, layer, token_index, slot)
+            layers, groups = self._layout(point)
+            matches.append(PlanMatch(state, point, token_index, layers,
+                                     [group.row_of(slot) for group in groups], len(matches)))
         self.add_edit_window(state, start, stop, slot_of)
 
     def add_edit_window(self, state: RequestState, start: int, stop: int,
@@ -490,12 +544,17 @@ class CaptureSession:
         """Ids of the requests registered with the router and not ended yet."""
         return self._registered
 
-    def deliver(self, batches: Iterable[tuple[TensorType, Sequence[CaptureTarget], Any]]) -> None:
+    def deliver(self, batches: Iterable[tuple[TensorType,
+                                               CaptureGroup | Sequence[CaptureTarget], Any]]
+                ) -> None:
         """Route the activations one forward pass captured.
 
         ``batches`` yields (tensor type, targets, rows) with ``rows[t.slot_index]``
         the captured tensor of target ``t`` (already on the CPU; rows of one
-        torch tensor, numpy array or list). Each extraction point's rows go to
+        torch tensor, numpy array or list). The targets are a plan's
+        :class:`CaptureGroup` (its rows are ``rows[i]`` for ``group.slots[i]``;
+        when every group of the plan arrives, nothing per vector is built) or a
+        sequence of :class:`CaptureTarget` s. Each extraction point's rows go to
         the router as one :class:`~undercurrent.records.ActivationBatch` across
         requests (grouped by request, in layer order), in token order per
         request, so trajectory probes see a request's tokens in sequence; all of

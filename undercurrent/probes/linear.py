@@ -269,8 +269,7 @@ class LinearProbe(ScoresRows):
         if cls.judge_rows is not LinearProbe.judge_rows or cls.judge is not LinearProbe.judge:
             return None
         rule = probes[0].rule  # type: ignore[attr-defined]
-        if any(type(probe) is not cls or probe.rule != rule  # type: ignore[attr-defined]
-               for probe in probes):
+        if any(type(probe) is not cls or probe.rule != rule for probe in probes):
             return None
         scores, meta = values
         return ScoreSummary.batch_signals_many(

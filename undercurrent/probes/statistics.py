@@ -74,8 +74,7 @@ class _StatisticProbe(ScoresRows):
         if cls.judge_rows is not _StatisticProbe.judge_rows:
             return None
         rule = probes[0].rule  # type: ignore[attr-defined]
-        if any(type(probe) is not cls or probe.rule != rule  # type: ignore[attr-defined]
-               for probe in probes):
+        if any(type(probe) is not cls or probe.rule != rule for probe in probes):
             return None
         return ScoreSummary.batch_signals_many(
             [probe.summary for probe in probes],  # type: ignore[attr-defined]

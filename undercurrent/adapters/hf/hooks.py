@@ -105,7 +105,7 @@ class ModelHooks:
         self._installed: set[PairKey] = set()
         self.plan: StepPlan | None = None
         self.width = 0
-        self._pending: list[tuple[TensorType, list[Any], Any]] = []
+        self._pending: list[tuple[TensorType, CaptureGroup | list[Any], Any]] = []
         # Gather indices by (slots, device), kept across forwards: decode steps
         # capture the same (row, 0) slots again and again.
         self._indices: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -295,7 +295,8 @@ class ModelHooks:
             self._indices[key] = cached
         return cached
 
-    def _queue(self, tensor_type: TensorType, targets: list[Any], gathered: torch.Tensor) -> None:
+    def _queue(self, tensor_type: TensorType, targets: CaptureGroup | list[Any],
+               gathered: torch.Tensor) -> None:
         gathered = gathered.detach()
         if gathered.device.type == "cuda":
             # Non-blocking into pinned memory: the copy is only enqueued on the
@@ -335,7 +336,7 @@ class ModelHooks:
                     hidden[rows, cols] = self.kernels.apply(entry.resolved, hidden[rows, cols])
             if group is not None:
                 rows, cols = self._index(group.slots, hidden.device)
-                self._queue(tensor_type, group.targets, hidden[rows, cols])
+                self._queue(tensor_type, group, hidden[rows, cols])
         return hook
 
     def _capture_kv(self, layer: int, group: CaptureGroup, args: Any, kwargs: Any) -> None:
@@ -350,11 +351,11 @@ class ModelHooks:
         # The layer just appended `width` tokens at the end of its cache; a
         # sliding-window layer may have dropped the oldest of them already.
         positions = [stored - self.width + _cell(slot)[1] for slot in group.slots]
-        targets = group.targets
+        targets: CaptureGroup | list[Any] = group
         if min(positions) < 0:
             keep = {i for i, pos in enumerate(positions) if pos >= 0}
             remap = {old: new for new, old in enumerate(sorted(keep))}
-            targets = [t for t in targets if t.slot_index in keep]
+            targets = [t for t in group.targets if t.slot_index in keep]
             targets = [type(t)(t.state, t.point, t.layer, t.token_index, remap[t.slot_index])
                        for t in targets]
             slots = [group.slots[i] for i in sorted(keep)]
