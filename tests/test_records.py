@@ -43,3 +43,37 @@ def test_result_reports_flagged_and_scores_in_signal_order():
     assert not quiet.flagged
     assert stats.as_dict() == {"received": 3, "processed": 3, "dropped": 0, "errors": 0,
                                "timeouts": 0, "mean_latency_s": 0.0}
+
+
+def test_a_joined_batch_shares_the_values_of_the_batches_its_pieces_came_from():
+    # The async queues join each request's slices of several routed batches; the
+    # values a probe derives must still be computed once per routed batch, and
+    # equal those computed on the joined rows.
+    np = pytest.importorskip("numpy")
+    from undercurrent.records import ActivationBatch
+
+    def routed(seed: int) -> ActivationBatch:
+        rows = np.random.default_rng(seed).normal(size=(6, 3))
+        return ActivationBatch(rows, request_ids=["a", "a", "b", "b", "c", "c"],
+                               point_names=["p"] * 6, layers=[0, 1] * 3,
+                               tensor_type="mlp_out", token_indices=[4] * 6,
+                               is_generated=[True] * 6, generated_indices=[0] * 6,
+                               token_ids=[7] * 6)
+
+    calls: list[int] = []
+
+    def values(batch: ActivationBatch) -> tuple[object, dict[str, list[float]]]:
+        calls.append(len(batch))
+        sums = np.asarray(batch.tensor).sum(axis=1)
+        return sums, {"first": np.asarray(batch.tensor)[:, 0].tolist()}
+
+    first, second = routed(1), routed(2)
+    joined = ActivationBatch.concat([first[2:4], second[2:4], second[4:6]])
+    sums, meta = joined.shared("key", values)
+    assert calls == [6, 6]  # once per routed batch, never for the joined rows
+    assert sums.tolist() == pytest.approx(np.asarray(joined.tensor).sum(axis=1).tolist())
+    assert meta["first"] == np.asarray(joined.tensor)[:, 0].tolist()
+    assert joined[1:3].shared("key", values)[0].tolist() == pytest.approx(sums[1:3].tolist())
+    assert first[0:2].shared("key", values)[0].tolist() == pytest.approx(
+        np.asarray(first.tensor)[0:2].sum(axis=1).tolist())
+    assert calls == [6, 6]

@@ -357,7 +357,7 @@ class ActivationBatch:
 
     __slots__ = ("_tensor", "request_ids", "point_names", "layers", "tensor_type",
                  "token_indices", "is_generated", "generated_indices", "token_ids", "edits",
-                 "timestamp", "_records", "cache", "root", "offset")
+                 "timestamp", "_records", "cache", "root", "offset", "parts")
 
     def __init__(
         self,
@@ -395,6 +395,9 @@ class ActivationBatch:
         """The batch this one is a row range of (None for a batch built whole)."""
         self.offset = 0
         """Where this batch's first row sits in ``root``."""
+        self.parts: list[tuple[ActivationBatch, int, int]] | None = None
+        """For a batch made by :meth:`concat`: (root, offset, rows) of each piece,
+        so that :meth:`shared` values come from the pieces' roots."""
 
     @classmethod
     def from_records(cls, records: Sequence[ActivationRecord]) -> ActivationBatch:
@@ -439,7 +442,7 @@ class ActivationBatch:
         def joined(name: str) -> list[Any]:
             return [value for batch in batches for value in getattr(batch, name)]
 
-        return cls(
+        joint = cls(
             tensor,
             request_ids=joined("request_ids"),
             point_names=joined("point_names"),
@@ -453,6 +456,10 @@ class ActivationBatch:
             timestamp=first.timestamp,
             records=records,
         )
+        if tensor is not None:
+            joint.parts = [(batch if batch.root is None else batch.root, batch.offset, len(batch))
+                           for batch in batches]
+        return joint
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -531,12 +538,26 @@ class ActivationBatch:
         a tuple or dict of them.
         """
         root = self if self.root is None else self.root
-        found = root.cache.get(key)
-        if found is None:
-            found = root.cache[key] = compute(root)
+        found = root._whole_values(key, compute)
         if root is self:
             return found
         return _rows_of(found, self.offset, self.offset + len(self))
+
+    def _whole_values(self, key: Any, compute: Callable[[ActivationBatch], Any]) -> Any:
+        """``compute`` on this whole (root) batch, kept in :attr:`cache`; for a
+        batch joined by :meth:`concat`, the pieces' rows of their own roots'
+        values, joined (so the batches queued for many requests and joined per
+        request still share one computation per routed batch)."""
+        found = self.cache.get(key)
+        if found is None:
+            if self.parts is not None:
+                found = _join_values([
+                    _rows_of(root._whole_values(key, compute), offset, offset + count)
+                    for root, offset, count in self.parts])
+            else:
+                found = compute(self)
+            self.cache[key] = found
+        return found
 
     def records(self) -> list[ActivationRecord]:
         """One :class:`ActivationRecord` per row, built on the first call and kept
@@ -589,6 +610,22 @@ def _rows_of(value: Any, start: int, stop: int) -> Any:
     if isinstance(value, dict):
         return {key: item[start:stop] for key, item in value.items()}
     return value[start:stop]
+
+
+def _join_values(pieces: Sequence[Any]) -> Any:
+    """Row-sliceable values of consecutive row ranges joined into one (the
+    inverse of :func:`rows_of`)."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    if isinstance(first, tuple):
+        return tuple(_join_values([piece[index] for piece in pieces])
+                     for index in range(len(first)))
+    if isinstance(first, dict):
+        return {key: _join_values([piece[key] for piece in pieces]) for key in first}
+    if isinstance(first, list):
+        return [item for piece in pieces for item in piece]
+    return concat_rows(pieces)
 
 
 class BatchSignals:

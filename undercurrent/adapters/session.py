@@ -136,6 +136,10 @@ class RequestState:
         self.prompt_len = len(self.prompt_token_ids)
         self.points = tuple(points)
         self._live_points = list(self.points)
+        # The last index each point can match (None: unbounded), for retiring it.
+        self._last_index = {id(point): point.position.last_index(self.prompt_len)
+                            for point in self.points}
+        self._bounded = any(last is not None for last in self._last_index.values())
         self.generated: list[int] = []
         self.abort: AbortInfo | None = None
         self.finish_reason: str | None = None
@@ -245,11 +249,13 @@ class RequestState:
         for point in self._live_points:
             found.extend((index, point) for index in _tokens_in_window(
                 point, self.prompt_len, start, stop))
-        self._live_points = [
-            point for point in self._live_points
-            if (last := point.position.last_index(self.prompt_len)) is None or last >= stop
-        ]
-        found.sort(key=lambda item: item[0])
+        if self._bounded:
+            last_index = self._last_index
+            self._live_points = [point for point in self._live_points
+                                 if (last := last_index[id(point)]) is None or last >= stop]
+            self._bounded = any(last_index[id(point)] is not None for point in self._live_points)
+        if stop - start > 1 and len(found) > 1:
+            found.sort(key=lambda item: item[0])
         return found
 
     def unread_edits(self) -> tuple[AppliedEdit, ...]:

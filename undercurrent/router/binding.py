@@ -157,8 +157,6 @@ class Binding:
         self._latency_max = 0.0
         self._late_results = 0
         self._signals: list[ProbeSignal] = []
-        # Signals kept as columns until read: (signals, the batch holding the rows
-        # they judged, first row, stop, observed).
         self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]] = []
         """Signal columns not materialised yet: (columns, index batch, start, stop,
         observed, offset): rows ``start:stop`` of the batch, row ``r`` being row
