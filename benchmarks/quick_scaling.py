@@ -1,7 +1,7 @@
 """A quick before/after check of the capture path's cost per vector, for a loaded
 machine: ``python -m benchmarks.quick_scaling --repeats 5``.
 
-One process loads the bundled model, sets up plain ``generate()``, raw forward
+One process loads the bundled model (``--model large``: the large random Llama), sets up plain ``generate()``, raw forward
 hooks and the three scaling scenarios (inline linear, async trajectory, capture
 only) on every layer, warms each up, then times them interleaved, ``--repeats``
 rounds per batch size. It keeps the minimum wall time and the minimum process
@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--layers", default="all", choices=["3", "all"])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    set_threads(1)
-    bundle = load_model("tiny")
+    set_threads(args.threads)
+    bundle = load_model(args.model)
     layers = layers_for(bundle, args.layers)
     print("| batch | scenario | x plain (wall) | x plain (CPU) | extra µs/vector over raw "
           "hooks (wall) | (CPU) |")

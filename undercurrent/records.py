@@ -475,27 +475,39 @@ class ActivationBatch:
             self._tensor = stack_rows([record.tensor for record in self._records])
         return self._tensor
 
+    def _like(self, tensor: Any, rows: slice | None = None) -> ActivationBatch:
+        """A batch of this one's index columns (their ``rows``, when given) over
+        ``tensor``, with no records and an empty cache; built without
+        :meth:`__init__` (no argument handling, the timestamp kept): the hot
+        path makes one per request and step."""
+        made = object.__new__(ActivationBatch)
+        made._tensor = tensor
+        if rows is None:
+            made.request_ids, made.point_names = self.request_ids, self.point_names
+            made.layers, made.token_indices = self.layers, self.token_indices
+            made.is_generated, made.generated_indices = (self.is_generated,
+                                                         self.generated_indices)
+            made.token_ids, made.edits = self.token_ids, self.edits
+        else:
+            made.request_ids, made.point_names = self.request_ids[rows], self.point_names[rows]
+            made.layers, made.token_indices = self.layers[rows], self.token_indices[rows]
+            made.is_generated, made.generated_indices = (self.is_generated[rows],
+                                                         self.generated_indices[rows])
+            made.token_ids = self.token_ids[rows]
+            made.edits = None if self.edits is None else self.edits[rows]
+        made.tensor_type, made.timestamp = self.tensor_type, self.timestamp
+        made._records, made.cache, made.root, made.offset, made.parts = None, {}, None, 0, None
+        return made
+
     def index_view(self) -> ActivationBatch:
         """The same rows' index columns alone: no tensor, no records, no cache. What
         locating signals later needs, without keeping the activations alive."""
-        return ActivationBatch(
-            None, request_ids=self.request_ids, point_names=self.point_names,
-            layers=self.layers, tensor_type=self.tensor_type,
-            token_indices=self.token_indices, is_generated=self.is_generated,
-            generated_indices=self.generated_indices, token_ids=self.token_ids,
-            edits=self.edits, timestamp=self.timestamp,
-        )
+        return self._like(None)
 
     def without_cache(self) -> ActivationBatch:
         """The same rows (tensor and records shared) with an empty :attr:`cache`:
         what keeping the activations needs, without the arrays probes derived."""
-        kept = ActivationBatch(
-            self._tensor, request_ids=self.request_ids, point_names=self.point_names,
-            layers=self.layers, tensor_type=self.tensor_type,
-            token_indices=self.token_indices, is_generated=self.is_generated,
-            generated_indices=self.generated_indices, token_ids=self.token_ids,
-            edits=self.edits, timestamp=self.timestamp,
-        )
+        kept = self._like(self._tensor)
         kept._records = self._records
         return kept
 
@@ -510,20 +522,10 @@ class ActivationBatch:
         start, stop, _ = rows.indices(len(self))
         if start == 0 and stop == len(self):
             return self
-        piece = ActivationBatch(
-            None if self._tensor is None else self._tensor[start:stop],
-            request_ids=self.request_ids[start:stop],
-            point_names=self.point_names[start:stop],
-            layers=self.layers[start:stop],
-            tensor_type=self.tensor_type,
-            token_indices=self.token_indices[start:stop],
-            is_generated=self.is_generated[start:stop],
-            generated_indices=self.generated_indices[start:stop],
-            token_ids=self.token_ids[start:stop],
-            edits=None if self.edits is None else self.edits[start:stop],
-            timestamp=self.timestamp,
-            records=None if self._records is None else self._records[start:stop],
-        )
+        piece = self._like(None if self._tensor is None else self._tensor[start:stop],
+                           slice(start, stop))
+        if self._records is not None:
+            piece._records = self._records[start:stop]
         piece.root = self if self.root is None else self.root
         piece.offset = self.offset + start
         return piece
