@@ -553,7 +553,7 @@ class ActivationBatch:
         found = self.cache.get(key)
         if found is None:
             if self.parts is not None:
-                found = _join_values([
+                found = join_values([
                     _rows_of(root._whole_values(key, compute), offset, offset + count)
                     for root, offset, count in self.parts])
             else:
@@ -614,17 +614,17 @@ def _rows_of(value: Any, start: int, stop: int) -> Any:
     return value[start:stop]
 
 
-def _join_values(pieces: Sequence[Any]) -> Any:
-    """Row-sliceable values of consecutive row ranges joined into one (the
-    inverse of :func:`rows_of`)."""
+def join_values(pieces: Sequence[Any]) -> Any:
+    """Row-sliceable values (as :meth:`ActivationBatch.shared` keeps them) of
+    consecutive row ranges joined into one: the inverse of :func:`rows_of`."""
     first = pieces[0]
     if len(pieces) == 1:
         return first
     if isinstance(first, tuple):
-        return tuple(_join_values([piece[index] for piece in pieces])
+        return tuple(join_values([piece[index] for piece in pieces])
                      for index in range(len(first)))
     if isinstance(first, dict):
-        return {key: _join_values([piece[key] for piece in pieces]) for key in first}
+        return {key: join_values([piece[key] for piece in pieces]) for key in first}
     if isinstance(first, list):
         return [item for piece in pieces for item in piece]
     return concat_rows(pieces)

@@ -183,9 +183,9 @@ class ScoresRows(Probe):
         return None
 
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
-        """The values shared with the batch this one was sliced from (or, when
-        computing them for that whole batch fails, for this batch's own rows, so a
-        failure is this instance's alone), then :meth:`judge_rows`."""
+        """The values shared with the batch this one was sliced (or joined) from
+        (or, when computing them for those whole batches fails, for this batch's
+        own rows, so a failure is this instance's alone), then :meth:`judge_rows`."""
         key = self.group_key()
         if key is None:
             values = self.row_values(batch)
@@ -193,8 +193,8 @@ class ScoresRows(Probe):
             try:
                 values = batch.shared(key, self.row_values)
             except Exception:
-                if batch.root is None:
-                    raise
+                if batch.root is None and batch.parts is None:
+                    raise  # computed for these very rows: the failure is this call's
                 values = self.row_values(batch)
         return self.judge_rows(values, batch.token_indices, batch.layers)
 

@@ -148,6 +148,17 @@ class TrajectoryProbe(ScoresRows):
         """Each layer's running statistic, row by row (a recurrence, in order)."""
         values = values.tolist()
         layers = [int(layer) for layer in layers]
+        statistics, actions = self._advance(values, token_indices, layers)
+        return BatchSignals(
+            actions, statistics,
+            {"value": values, "statistic": [self.statistic] * len(values), "layer": layers},
+            all_scored=True,
+        )
+
+    def _advance(self, values: list[float], token_indices: Sequence[int],
+                 layers: list[int]) -> tuple[list[float], list[int]]:
+        """Run the recurrence over rows in order and update the summary: (the
+        running statistic of each row, its action code)."""
         statistics, crossed = [], []
         running_by_layer, rule, min_count = self.running, self.rule, self.min_count
         for layer, value in zip(layers, values, strict=True):
@@ -159,11 +170,34 @@ class TrajectoryProbe(ScoresRows):
             crossed.append(running.count >= min_count and rule.crossed(statistic))
         self.summary.add_columns(statistics, token_indices, layers, crossed)
         code = ACTION_CODES[rule.action]
-        return BatchSignals(
-            [code if hit else 0 for hit in crossed], statistics,
-            {"value": values, "statistic": [self.statistic] * len(values), "layer": layers},
-            all_scored=True,
-        )
+        return statistics, [code if hit else 0 for hit in crossed]
+
+    @classmethod
+    def judge_many(cls, probes: Sequence[ScoresRows], values: Any,
+                   spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals | None:
+        """Every instance's recurrence over its own rows, answered as one set of
+        columns (each instance keeps its own statistic, threshold and state)."""
+        if cls.judge_rows is not TrajectoryProbe.judge_rows or any(
+                type(probe) is not cls for probe in probes):
+            return None
+        first, last = spans[0][0], spans[-1][1]
+        all_values = values[first:last].tolist()
+        all_layers = [int(layer) for layer in layers[first:last]]
+        statistics: list[float] = []
+        actions: list[int] = []
+        names: list[str] = []
+        for probe, (start, stop) in zip(probes, spans, strict=True):
+            assert isinstance(probe, TrajectoryProbe)
+            low, high = start - first, stop - first
+            stats, codes = probe._advance(all_values[low:high], token_indices[start:stop],
+                                          all_layers[low:high])
+            statistics += stats
+            actions += codes
+            names += [probe.statistic] * (high - low)
+        return BatchSignals(actions, statistics,
+                            {"value": all_values, "statistic": names, "layer": all_layers},
+                            all_scored=True)
 
     def on_end(self, ctx: RequestContext) -> Any:
         verdict = self.summary.verdict()

@@ -122,6 +122,27 @@ def observed_only(signal: ProbeSignal) -> ProbeSignal:
     )
 
 
+class _Rows:
+    """Rows ``start:stop`` of a routed batch, waiting in an async queue (sliced
+    off the batch only when a worker takes them)."""
+
+    __slots__ = ("batch", "start", "stop")
+
+    def __init__(self, batch: ActivationBatch, start: int, stop: int) -> None:
+        self.batch, self.start, self.stop = batch, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def head(self, count: int) -> _Rows:
+        """The first ``count`` rows."""
+        return _Rows(self.batch, self.start, self.start + count)
+
+    def tail(self, count: int) -> _Rows:
+        """The rows after the first ``count``."""
+        return _Rows(self.batch, self.start + count, self.stop)
+
+
 class Binding:
     """The router's state for one probe instance (see the module docstring)."""
 
@@ -175,11 +196,15 @@ class Binding:
             group_key() if group_key is not None and not self._is_async
             and policy.mode is InterventionMode.REJECT else None
         )
+        # Async, with such a probe: a worker judges it with the other bindings of
+        # the same key it finds ready (router/scheduler.py).
+        self._async_group: Any = (
+            group_key() if group_key is not None and self._is_async else None)
         self._waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self._closed = False
         self._start_failed = False  # on_start raised: the binding never opened
         self._finalised = False
-        self._queue: deque[ActivationBatch] = deque()
+        self._queue: deque[_Rows] = deque()  # row ranges of routed batches, in order
         self._queued = 0  # rows in ``queue``: the queue depth, in vectors
         self._scheduled = False
         self._consecutive_failures = 0
@@ -235,6 +260,13 @@ class Binding:
         """The key under which the router judges this binding with others of one
         routed batch (:meth:`~undercurrent.probes.base.ScoresRows.group_key`), or None."""
         return self._group
+
+    @property
+    def async_group(self) -> Any:
+        """For an async binding whose probe shares its values (a
+        :class:`~undercurrent.probes.base.ScoresRows` group key), that key: a
+        worker judges the ready bindings of one key together. None otherwise."""
+        return self._async_group
 
     @property
     def cond(self) -> threading.Condition:
@@ -566,12 +598,16 @@ class Binding:
         assert error is not None
         self._count_error(error, _Where(batch.token_indices[first], batch.layers[first]))
 
-    def enqueue_batch(self, batch: ActivationBatch) -> bool:
-        """Queue a batch on this async binding under a non-blocking overflow policy
-        (``drop_oldest`` / ``drop_newest``), which drops whole vectors and counts
-        them: the queue keeps at most ``queue_capacity`` vectors. Returns True when
-        the binding must be handed to the scheduler."""
-        count = len(batch)
+    def enqueue_batch(self, batch: ActivationBatch, start: int = 0,
+                      stop: int | None = None) -> bool:
+        """Queue rows ``start:stop`` of a batch (all of it by default) on this async
+        binding under a non-blocking overflow policy (``drop_oldest`` /
+        ``drop_newest``), which drops whole vectors and counts them: the queue
+        keeps at most ``queue_capacity`` vectors. The rows are sliced off the batch
+        only when a worker takes them. Returns True when the binding must be
+        handed to the scheduler."""
+        rows = _Rows(batch, start, len(batch) if stop is None else stop)
+        count = len(rows)
         with self._cond:
             self._received += count
             if self._closed:
@@ -584,9 +620,9 @@ class Binding:
                     self._dropped += count - room
                     if room == 0:
                         return False
-                    batch = batch[:room]
-            self._queue.append(batch)
-            self._queued += len(batch)
+                    rows = rows.head(room)
+            self._queue.append(rows)
+            self._queued += len(rows)
             if self._queued > capacity:  # drop_oldest: the oldest vectors go first
                 self._drop_oldest(self._queued - capacity)
             if self._scheduled:
@@ -603,15 +639,18 @@ class Binding:
                 self._queue.popleft()
                 count -= len(head)
             else:
-                self._queue[0] = head[count:]
+                self._queue[0] = head.tail(count)
                 count = 0
 
-    def enqueue_blocking(self, batch: ActivationBatch, hand_over: Any) -> None:
+    def enqueue_blocking(self, batch: ActivationBatch, hand_over: Any, start: int = 0,
+                         stop: int | None = None) -> None:
         """Queue a batch under ``block``: as many vectors as there is room for, then
         wait for room for the rest (a batch larger than the queue goes in pieces).
         ``hand_over(binding)`` gives the binding to the workers as soon as it has
-        queued vectors, before waiting: only a worker can make room."""
-        count = len(batch)
+        queued vectors, before waiting: only a worker can make room. ``start`` /
+        ``stop``: the rows of ``batch`` to queue (all by default)."""
+        rows = _Rows(batch, start, len(batch) if stop is None else stop)
+        count = len(rows)
         capacity = self._queue_capacity or 1
         offset = 0
         with self._cond:
@@ -629,7 +668,7 @@ class Binding:
                     self._dropped += left
                     return
                 take = min(left, capacity - self._queued)
-                self._queue.append(batch[offset:offset + take])
+                self._queue.append(rows.tail(offset).head(take))
                 self._queued += take
                 offset += take
                 hand = not self._scheduled
@@ -766,13 +805,21 @@ class Binding:
         """An async worker takes up to ``limit`` queued vectors (one for a probe that
         does not batch) as one batch and marks the probe busy with them. None when
         there is nothing to do: the binding is then no longer scheduled."""
+        pieces = self.take_queued_rows(limit)
+        if pieces is None:
+            return None
+        return ActivationBatch.concat([batch[start:stop] for batch, start, stop in pieces])
+
+    def take_queued_rows(self, limit: int) -> list[tuple[ActivationBatch, int, int]] | None:
+        """:meth:`take_queued` as the row ranges of the routed batches they sit in,
+        (batch, start, stop) in order, nothing sliced."""
         with self._cond:
             if not self._queue or self._finalised:
                 self._scheduled = False
                 self._cond.notify_all()
                 return None
             take = min(self._queued, limit) if self._batched else 1
-            pieces: list[ActivationBatch] = []
+            pieces: list[_Rows] = []
             left = take
             while left:
                 head = self._queue[0]
@@ -780,13 +827,13 @@ class Binding:
                     pieces.append(self._queue.popleft())
                     left -= len(head)
                 else:
-                    pieces.append(head[:left])
-                    self._queue[0] = head[left:]
+                    pieces.append(head.head(left))
+                    self._queue[0] = head.tail(left)
                     left = 0
             self._queued -= take
             self.begin_call(take)
             self._cond.notify_all()  # room for a producer blocked on a full queue
-        return ActivationBatch.concat(pieces)
+        return [(piece.batch, piece.start, piece.stop) for piece in pieces]
 
     def finish_call(self, batch: ActivationBatch, outcome: BatchOutcome, *,
                     observed: bool) -> bool:
@@ -802,7 +849,8 @@ class Binding:
 
     def finish_rows(self, batch: ActivationBatch, start: int, stop: int,
                     signals: BatchSignals | None, latency: float, longest: float,
-                    error: str | None = None, *, offset: int | None = None) -> bool:
+                    error: str | None = None, *, offset: int | None = None,
+                    observed: bool = False) -> bool:
         """The group call that judged rows ``start:stop`` of ``batch`` (marked by
         :meth:`admit_inline`) returned: settle them in one update, with the
         signals they got (or ``error`` for every row). ``signals`` are those rows'
@@ -810,8 +858,9 @@ class Binding:
         with other bindings in which row ``r`` of the batch is row ``r - offset``
         (their rows with a signal are then kept whatever the other rows hold).
         ``batch`` is kept for locating the signals: pass its
-        :meth:`~ActivationBatch.index_view`. False when the result was frozen
-        meanwhile."""
+        :meth:`~ActivationBatch.index_view`. ``observed``: an async binding's
+        signals (kept as observations, see :func:`observed_only`). False when
+        the result was frozen meanwhile."""
         count = stop - start
         with self._cond:
             self.end_call()
@@ -824,8 +873,28 @@ class Binding:
             if error is not None:
                 self._count_errors(batch[start:stop], [error] * count)
             elif signals is not None and (offset is not None or signals.any_signal()):
-                self._unread.append((signals, batch, start, stop, False,
+                self._unread.append((signals, batch, start, stop, observed,
                                      start if offset is None else offset))
+            return True
+
+    def finish_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
+                      signals: BatchSignals | None, latency: float, longest: float) -> bool:
+        """The group call that judged this async binding's rows taken by
+        :meth:`take_queued_rows` returned: settle them in one update. ``pieces``
+        are (index batch, start, stop, offset) per row range, row ``r`` of the
+        batch being row ``r - offset`` of ``signals`` (kept as observations).
+        False when the result was frozen meanwhile."""
+        with self._cond:
+            self.end_call()
+            if self._finalised:
+                return False
+            self._processed += sum(stop - start for _, start, stop, _ in pieces)
+            self._latency_total += latency
+            if longest > self._latency_max:
+                self._latency_max = longest
+            if signals is not None:
+                self._unread.extend((signals, batch, start, stop, True, offset)
+                                    for batch, start, stop, offset in pieces)
             return True
 
     def release_dropped(self, count: int) -> None:

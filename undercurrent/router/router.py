@@ -412,7 +412,7 @@ class Router:
                     f"{name!r}; its points are {sorted(request.bindings)}"
                 )
             if binding.is_async:
-                self._enqueue(binding, batch[start:stop])
+                self._enqueue(binding, batch, start, stop)
             elif binding.group is not None:
                 grouped.setdefault(binding.group, []).append((request, binding, start, stop))
             else:
@@ -424,8 +424,10 @@ class Router:
             pieces.extend(judge_group(batch, key, members))
         return BatchSignals.assemble(count, pieces)
 
-    def _enqueue(self, binding: Binding, batch: ActivationBatch) -> None:
-        """Queue a batch on an async binding, handing it to the workers as needed.
+    def _enqueue(self, binding: Binding, batch: ActivationBatch, start: int, stop: int
+                 ) -> None:
+        """Queue rows ``start:stop`` of a batch on an async binding, handing it to
+        the workers as needed.
 
         Under ``block`` the hand-over happens as soon as vectors are queued, before
         waiting for room for the rest: only a worker that holds the binding can
@@ -435,9 +437,9 @@ class Router:
         the step.
         """
         if binding.overflow is OverflowPolicy.BLOCK:
-            binding.enqueue_blocking(batch, self._scheduler.schedule)
+            binding.enqueue_blocking(batch, self._scheduler.schedule, start, stop)
             return
-        if binding.enqueue_batch(batch):
+        if binding.enqueue_batch(batch, start, stop):
             deferred = getattr(self._step, "bindings", None)
             if deferred is None:
                 self._scheduler.schedule(binding)

@@ -6,6 +6,16 @@ end of the line if records remain, so every binding makes progress however many
 bindings share however few workers. Only one worker holds a binding at a time,
 which keeps each binding's records strictly ordered.
 
+Bindings whose probes share their values (built-ins with a
+:meth:`~undercurrent.probes.base.ScoresRows.group_key`; one binding per request
+of a point) are served together: a worker that takes one also takes every
+other ready binding of the same key, takes up to ``batch_size`` vectors from
+each, and judges them all with one
+:meth:`~undercurrent.probes.base.ScoresRows.judge_many` call, then settles
+each binding on its own. The counts, signals and state are those of serving
+each binding alone; a class without ``judge_many``, or a call that fails, falls
+back to exactly that.
+
 A probe that hangs would pin its worker. A supervisor notices workers stuck in
 one call for longer than ``stall_timeout_s`` and starts replacements (up to
 ``max_workers`` threads), so the other bindings keep moving; surplus workers
@@ -19,7 +29,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from undercurrent.records import ActivationBatch, BatchSignals, join_values, rows_of
 from undercurrent.router.binding import Binding
+
+#: At most this many bindings are judged together in one worker call.
+GROUP_LIMIT = 256
 
 
 class _Worker:
@@ -123,14 +137,52 @@ class AsyncScheduler:
                     self._workers.remove(worker)
                     return
                 binding = self._ready.popleft()
-            more = self._run_batch(binding, worker)
-            if more:
+                peers = self._peers_locked(binding)
+            if peers:
+                self.schedule_many(self._run_group([binding, *peers], worker))
+            elif self._run_batch(binding, worker):
                 self.schedule(binding)
             with self._cond:
                 healthy = len(self._workers) - self._stalled_locked(time.monotonic())
                 if healthy > self.target:
                     self._workers.remove(worker)
                     return
+
+    def _peers_locked(self, binding: Binding) -> list[Binding]:
+        """The ready bindings to judge with ``binding`` (taken off the line)."""
+        key = binding.async_group
+        if key is None or not self._ready:
+            return []
+        peers: list[Binding] = []
+        rest: deque[Binding] = deque()
+        for other in self._ready:
+            if len(peers) < GROUP_LIMIT - 1 and other.async_group == key:
+                peers.append(other)
+            else:
+                rest.append(other)
+        if peers:
+            self._ready = rest
+        return peers
+
+    def _run_group(self, bindings: Sequence[Binding], worker: _Worker) -> list[Binding]:
+        """Serve several bindings of one group key: up to ``batch_size`` vectors of
+        each, judged together; returns those that still have work."""
+        taken: list[tuple[Binding, list[tuple[ActivationBatch, int, int]]]] = []
+        for binding in bindings:
+            pieces = binding.take_queued_rows(self.batch_size)
+            if pieces is not None:
+                taken.append((binding, pieces))
+        if taken:
+            worker.call_started = time.monotonic()
+            try:
+                if not _judge_together(taken):
+                    for binding, pieces in taken:
+                        batch = ActivationBatch.concat(
+                            [routed[start:stop] for routed, start, stop in pieces])
+                        binding.finish_call(batch, binding.invoke_batch(batch), observed=True)
+            finally:
+                worker.call_started = None
+        return [binding for binding in bindings if binding.keep_scheduled()]
 
     def _run_batch(self, binding: Binding, worker: _Worker) -> bool:
         """Process up to ``batch_size`` vectors; True when the binding still has work.
@@ -174,3 +226,50 @@ class AsyncScheduler:
                     self._spawn_locked()
                     healthy += 1
                 self._cond.notify_all()
+
+
+def _judge_together(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]]
+                    ) -> bool:
+    """Judge every binding's taken rows with one ``judge_many`` call of the probes'
+    class, reading the values each routed batch computed once, and settle each
+    binding; False (nothing judged or settled) when the class has none, the
+    probes are not all of it, or computing or judging fails."""
+    probes = [binding.probe for binding, _ in taken]
+    cls = type(probes[0])
+    judge_many = getattr(cls, "judge_many", None)
+    if judge_many is None or any(type(probe) is not cls for probe in probes):
+        return False
+    key = taken[0][0].async_group
+    started = time.perf_counter()
+    spans: list[tuple[int, int]] = []
+    tokens: list[int] = []
+    layers: list[int] = []
+    placed: list[list[tuple[ActivationBatch, int, int, int]]] = []
+    views: dict[int, ActivationBatch] = {}
+    try:
+        values = []
+        for (_, pieces), probe in zip(taken, probes, strict=True):
+            first = len(tokens)
+            where = []
+            for routed, start, stop in pieces:
+                values.append(rows_of(routed.shared(key, probe.row_values), start, stop))
+                view = views.get(id(routed))
+                if view is None:
+                    view = views[id(routed)] = routed.index_view()
+                # row r of the routed batch is row r - offset of the joined rows
+                where.append((view, start, stop, start - len(tokens)))
+                tokens += routed.token_indices[start:stop]
+                layers += routed.layers[start:stop]
+            spans.append((first, len(tokens)))
+            placed.append(where)
+        signals: BatchSignals | None = judge_many(probes, join_values(values), spans,
+                                                  tokens, layers)
+    except Exception:  # noqa: BLE001 - each binding's own call counts the error
+        return False
+    if signals is None:
+        return False
+    share = (time.perf_counter() - started) / len(tokens)
+    kept = signals if signals.any_signal() else None
+    for (binding, _), (first, last), where in zip(taken, spans, placed, strict=True):
+        binding.finish_ranges(where, kept, share * (last - first), share)
+    return True

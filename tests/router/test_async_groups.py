@@ -1,0 +1,159 @@
+"""Async bindings judged together: a worker that takes one binding also takes every
+ready binding whose probe shares its values (one per request of a point) and
+judges them with one ``judge_many`` call. The oracle is the scheduler with that
+grouping switched off (``GROUP_LIMIT = 1``: each binding served alone, its probe's
+own ``on_batch``), on the same routed batches; trajectory statistics are also
+checked against a recurrence computed here."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+np = pytest.importorskip("numpy")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from undercurrent.records import ActivationBatch  # noqa: E402
+from undercurrent.router import Router, scheduler  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint  # noqa: E402
+
+HIDDEN = 5
+WEIGHT = [0.5, -1.0, 0.25, 2.0, -0.75]
+
+
+def _point(probe_type: str, layers: tuple[int, ...], threshold: float | None, action: str,
+           statistic: str, depth: int) -> ExtractionPoint:
+    args: dict[str, Any] = {"threshold": threshold, "action": action}
+    if probe_type == "linear_probe":
+        args.update(weight=WEIGHT, bias=0.1)
+    if probe_type == "trajectory_probe":
+        args.update(statistic=statistic, alpha=0.5, source="norm")
+    return ExtractionPoint(name="p", layers=layers, tensor_type="residual_stream",
+                           position="generated[*]", probe_type=probe_type,
+                           probe_kind="trajectory", execution_mode="async",
+                           queue_depth=depth, probe_args=args)
+
+
+def _run(grouped: bool, points: dict[str, ExtractionPoint], batches: list[ActivationBatch],
+         overflow: str) -> dict[str, Any]:
+    with pytest.MonkeyPatch.context() as patch, Router(default_overflow=overflow,
+                                                       workers=2) as router:
+        patch.setattr(scheduler, "GROUP_LIMIT", 256 if grouped else 1)
+        for request_id, point in points.items():
+            router.register_request(request_id, [point])
+        with router.step():  # nothing is drained before every batch is queued
+            for batch in batches:
+                router.route_columns(batch)
+        return {request_id: router.end_request(request_id)["p"] for request_id in points}
+
+
+def _view(result: Any) -> Any:
+    stats = result.stats
+    signals = [(s.action.value, round(s.score, 12), s.layer, s.token_index,
+                dict(s.metadata)) for s in result.signals]
+    verdict = {key: round(value, 12) if isinstance(value, float) else value
+               for key, value in result.verdict.items() if key != "final_by_layer"}
+    return (verdict, signals, (stats.received, stats.processed, stats.dropped, stats.errors),
+            result.error)
+
+
+@settings(max_examples=25, deadline=None)
+@given(probe_type=st.sampled_from(("trajectory_probe", "linear_probe", "norm_probe")),
+       thresholds=st.lists(st.one_of(st.none(), st.floats(0.0, 3.0)), min_size=1, max_size=5),
+       layers=st.sets(st.integers(0, 3), min_size=1, max_size=4),
+       statistic=st.sampled_from(("ewma", "mean", "max")),
+       steps=st.integers(1, 5), overflow=st.sampled_from(("block", "drop_newest")),
+       seed=st.integers(0, 2**31 - 1))
+def test_grouped_workers_equal_serving_each_binding_alone(probe_type, thresholds, layers,
+                                                          statistic, steps, overflow, seed):
+    rng = np.random.default_rng(seed)
+    layers = tuple(sorted(layers))
+    # Each request its own threshold (so the one-rule shortcut is not always taken);
+    # the queue holds every vector, so serving order cannot change what is dropped.
+    depth = 64 if overflow == "block" else steps * len(layers)
+    points = {f"r{index}": _point(probe_type, layers, threshold, "flag", statistic, depth)
+              for index, threshold in enumerate(thresholds)}
+    ids = list(points)
+    batches = []
+    for step in range(steps):
+        rows = len(ids) * len(layers)
+        batches.append(ActivationBatch(
+            rng.normal(size=(rows, HIDDEN)).astype(np.float32),
+            request_ids=[request_id for request_id in ids for _ in layers],
+            point_names=["p"] * rows, layers=list(layers) * len(ids),
+            tensor_type="residual_stream", token_indices=[3 + step] * rows,
+            is_generated=[True] * rows, generated_indices=[step] * rows,
+            token_ids=[9] * rows))
+    alone = _run(False, points, batches, overflow)
+    together = _run(True, points, batches, overflow)
+    for request_id in ids:
+        assert _view(together[request_id]) == _view(alone[request_id])
+        assert together[request_id].stats.processed == steps * len(layers)
+    if probe_type != "trajectory_probe":
+        return
+    # the recurrence, computed here from the rows, per layer
+    for index, request_id in enumerate(ids):
+        running: dict[int, list[float]] = {}
+        expected = []
+        for batch in batches:
+            for row, layer in enumerate(layers):
+                value = float(np.linalg.norm(
+                    np.asarray(batch.tensor[index * len(layers) + row], dtype=np.float64)))
+                seen = running.setdefault(layer, [])
+                seen.append(value)
+                if statistic == "mean":
+                    stat = sum(seen) / len(seen)
+                elif statistic == "max":
+                    stat = max(seen)
+                else:
+                    stat = seen[0]
+                    for later in seen[1:]:
+                        stat = 0.5 * later + 0.5 * stat
+                expected.append(stat)
+        got = [signal.score for signal in together[request_id].signals]
+        assert got == pytest.approx(expected, rel=1e-9)
+        threshold = thresholds[index]
+        flagged = [signal.action.value == "flag" for signal in together[request_id].signals]
+        assert flagged == [threshold is not None and value >= threshold
+                           for value in expected]
+
+
+def test_a_probe_without_judge_many_is_served_alone_with_its_own_errors(monkeypatch):
+    # A built-in subclass that judges rows its own way has no one-pass judgement:
+    # the worker serves each binding alone, and one request's failure is its own.
+    from undercurrent.probes.statistics import NormProbe
+
+    class Fussy(NormProbe):
+        def judge_rows(self, values, token_indices, layers):
+            if any(value > 2.4 for value in values.tolist()):
+                raise ValueError("too large")
+            return super().judge_rows(values, token_indices, layers)
+
+    monkeypatch.setattr(scheduler, "GROUP_LIMIT", 256)
+    point = ExtractionPoint(name="p", layers=(0, 1), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="fussy",
+                            probe_kind="trajectory", execution_mode="async")
+    scale = {"a": 0.5, "b": 2.0, "c": 0.5}
+    rows = np.concatenate([np.full((2, HIDDEN), value, dtype=np.float32)
+                           for value in scale.values()])
+    batch = ActivationBatch(rows, request_ids=[r for r in scale for _ in range(2)],
+                            point_names=["p"] * 6, layers=[0, 1] * 3,
+                            tensor_type="residual_stream", token_indices=[4] * 6,
+                            is_generated=[True] * 6, generated_indices=[0] * 6,
+                            token_ids=[1] * 6)
+    with Router(probes={"fussy": Fussy}, workers=2) as router:
+        for request_id in scale:
+            router.register_request(request_id, [point])
+        with router.step():
+            router.route_columns(batch)
+        results = {request_id: router.end_request(request_id)["p"] for request_id in scale}
+    assert results["b"].stats.errors == 2 and "too large" in results["b"].error
+    for request_id in ("a", "c"):
+        assert results[request_id].error is None
+        assert results[request_id].stats.processed == 2
+        assert results[request_id].verdict["max_score"] == pytest.approx(
+            0.5 * math.sqrt(HIDDEN))
