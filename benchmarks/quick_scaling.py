@@ -5,10 +5,10 @@ One process loads the bundled model (``--model large``: the large random
 Llama), sets up plain ``generate()``, raw forward hooks and the three scaling
 scenarios (inline linear, async trajectory, capture only) on every layer
 (``--layers 3``: three), warms each up, then times them interleaved,
-``--repeats`` rounds per batch size, with ``--threads`` torch threads (1). It keeps the minimum wall time and the minimum process
-CPU time of each (the least disturbed run; CPU time also counts async workers),
-and prints x plain and the extra µs per captured vector over raw hooks. Run it
-once per checkout (``PYTHONPATH`` picks the code) and compare; the full scaling
+``--repeats`` rounds per batch size, with ``--threads`` torch threads (1). It
+keeps the minimum wall time and the minimum process CPU time of each (the least
+disturbed run; CPU time also counts async workers), and prints x plain and the
+extra µs per captured vector over raw hooks. Run it once per checkout (``PYTHONPATH`` picks the code) and compare; the full scaling
 table (``python -m benchmarks.run --scaling-only``) reports medians instead.
 """
 
