@@ -8,8 +8,9 @@ scenarios (inline linear, async trajectory, capture only) on every layer
 ``--repeats`` rounds per batch size, with ``--threads`` torch threads (1). It
 keeps the minimum wall time and the minimum process CPU time of each (the least
 disturbed run; CPU time also counts async workers), and prints x plain and the
-extra µs per captured vector over raw hooks. Run it once per checkout (``PYTHONPATH`` picks the code) and compare; the full scaling
-table (``python -m benchmarks.run --scaling-only``) reports medians instead.
+extra µs per captured vector over raw hooks. Run it once per checkout
+(``PYTHONPATH`` picks the code) and compare; the full scaling table
+(``python -m benchmarks.run --scaling-only``) reports medians instead.
 """
 
 from __future__ import annotations
