@@ -142,7 +142,7 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
                         if eid in DRIVER_IDS:
                             session.add_token(states[name][eid], 50 + 7 * row + step)
                     generated[eid] += 1
-        for name, session in sessions.items():
+        for session in sessions.values():
             outputs.append({eid: session.close_request(DRIVER_IDS[eid], "")
                             for eid in DRIVER_IDS})
     return outputs[0], outputs[1], whole
