@@ -112,8 +112,8 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
                                               flat[s][1]] for s in slots]))
                 groups.append(wire.GroupRows(layer, tensor_type.value, 0, offset, len(slots)))
                 offset += len(slots)
-            batch = wire.StepBatch(step=step, groups=groups,
-                                   banks=[torch.from_numpy(np.concatenate(pieces))])
+            # float32 rows cross as numpy (the worker's bank for a dtype numpy has)
+            batch = wire.StepBatch(step=step, groups=groups, banks=[np.concatenate(pieces)])
             batch.requests, batch.matches, batch.match_rows = match_columns(plan, reached)
             batch = wire.decode(wire.encode(batch))
             assert isinstance(batch, wire.StepBatch)
@@ -178,6 +178,7 @@ def test_columns_through_the_channel_deliver_what_capture_targets_deliver(seed, 
                 want.abort.extraction_point_name, want.abort.layer, want.abort.token_index,
                 want.abort.generated_index, want.abort.signal.score)
         assert len(out.records) == len(want.records) > 0
+        assert all(isinstance(record.tensor, torch.Tensor) for record in out.records)
         for mine, theirs in zip(out.records, want.records, strict=True):
             assert mine.key() + (mine.is_generated, mine.generated_index, mine.token_id) == (
                 theirs.key() + (theirs.is_generated, theirs.generated_index, theirs.token_id))

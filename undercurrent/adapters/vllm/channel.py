@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Listener
 from typing import Any
 
+import numpy as np
+
 from undercurrent.adapters.session import CaptureGroup, CaptureSession, RequestState, StepPlan
 from undercurrent.adapters.vllm import wire
 from undercurrent.spec.types import ExtractionPoint, TensorType
@@ -47,11 +49,13 @@ def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
     """
     plan = StepPlan()
     deliveries: list[Delivery] = []
+    banks = [_as_tensor(bank) for bank in batch.banks]
     for group in batch.groups:
         tensor_type = TensorType(group.tensor_type)
+        gathered = banks[group.bank][group.offset:group.offset + group.count]
         deliveries.append((tensor_type, plan.add_gathered((group.layer, tensor_type),
-                                                          group.count), batch.rows(group)))
-    rows: list[int] = batch.match_rows.tolist()
+                                                          group.count), gathered))
+    rows: list[int] = batch.match_rows.tolist()  # per match: a row per layer
     partial = bool(rows) and min(rows) < 0
     layouts: dict[int, tuple[int, ...]] = {}
     start = 0
@@ -80,6 +84,16 @@ def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
                 plan.add_match(state, point, token_index, layers, mine)
         start = stop
     return deliveries
+
+
+def _as_tensor(bank: Any) -> Any:
+    """A bank that crossed as a numpy array, as the torch tensor the worker gathered
+    (sharing its memory), so records hold tensors whatever the dtype."""
+    if isinstance(bank, np.ndarray):
+        import torch
+
+        return torch.from_numpy(bank)
+    return bank
 
 
 def _layers(point: ExtractionPoint, plan: StepPlan, partial: bool) -> tuple[int, ...]:

@@ -89,6 +89,7 @@ class StepBatch:
     step: int
     groups: list[GroupRows] = field(default_factory=list)
     banks: list[Any] = field(default_factory=list)
+    """The gathered rows: numpy arrays, or torch tensors for a dtype numpy lacks."""
     tokens: list[tuple[str, int, list[int]]] = field(default_factory=list)
     version: int = PROTOCOL_VERSION
     edits: list[tuple[str, str, str, int, int]] = field(default_factory=list)
@@ -97,7 +98,7 @@ class StepBatch:
     match_rows: np.ndarray = field(default_factory=lambda: row_array([]))
 
     def rows(self, group: GroupRows) -> Any:
-        """The tensor rows of ``group`` (a view into its bank)."""
+        """The rows of ``group`` (a view into its bank, as it crossed)."""
         return self.banks[group.bank][group.offset:group.offset + group.count]
 
     @property
