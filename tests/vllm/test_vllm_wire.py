@@ -179,3 +179,36 @@ def test_step_server_reports_a_routing_failure_on_the_main_thread_and_keeps_serv
         worker.close()
     finally:
         server.close()
+
+
+def test_a_worker_in_the_drivers_process_finds_the_server_and_is_answered_by_a_call(
+        monkeypatch):
+    from undercurrent.adapters.vllm import channel
+
+    point = _point("generated[*]", name="traj", layers=(1,))
+    router = _AbortOnGenerated("a", 0)
+    session = CaptureSession(router, [point], keep_records=True)
+    state = session.open_request("a", "", [5, 6, 7])
+    aborted_in_engine = []
+    server = StepServer(aborted_in_engine.extend)
+    try:
+        assert channel.local_server(server.address) is server
+        assert channel.local_server(server.address + "-other") is None
+        server.begin(session)
+        server.track("uc1", state)
+        bank = np.array([[1.0, 2.0]], dtype=np.float32)
+        reply = server.answer(wire.StepBatch(
+            step=1, banks=[bank], requests=["uc1"],
+            groups=[wire.GroupRows(1, "residual_stream", 0, 0, 1)], tokens=[("uc1", 0, [11])],
+            matches=wire.match_array([(0, 0, 3, 1)]), match_rows=wire.row_array([0])))
+        assert reply.aborted == ["uc1"] == aborted_in_engine
+        assert [(r.token_index, r.token_id) for r in state.records] == [(3, 11)]
+        # a forked child's copy of the registry does not count
+        real_pid = channel.os.getpid()
+        monkeypatch.setattr(channel.os, "getpid", lambda: real_pid + 1)
+        assert channel.local_server(server.address) is None
+        monkeypatch.undo()
+    finally:
+        server.close()
+    assert channel.local_server(server.address) is None
+    assert server.take_error() is None

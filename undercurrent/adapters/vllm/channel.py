@@ -7,6 +7,10 @@ records through the generation's :class:`~undercurrent.adapters.session.CaptureS
 the engine and answers the worker, which has been waiting so that the step's tokens
 are sampled only after the probes have spoken.
 
+A worker in the driver's own process (the in-process engine) finds the server by its
+address (:func:`local_server`) and hands each batch over with a call
+(:meth:`StepServer.answer`): no pickling, no socket, no thread switch.
+
 The batch's columns become the step's plan again (:func:`step_deliveries`): one
 :class:`~undercurrent.adapters.session.PlanMatch` per (request, token, point) and one
 group per (layer, tensor type), handed to the session whole, so it delivers them
@@ -21,7 +25,8 @@ import secrets
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener
 from typing import Any
 
 import numpy as np
@@ -108,6 +113,20 @@ def _layers(point: ExtractionPoint, plan: StepPlan, partial: bool) -> tuple[int,
     return layers
 
 
+_LOCAL_SERVERS: dict[str, tuple[int, StepServer]] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_server(address: str) -> StepServer | None:
+    """The open server listening at ``address`` when it lives in this process (a
+    forked child's copy does not count), else None."""
+    with _LOCAL_LOCK:
+        found = _LOCAL_SERVERS.get(address)
+    if found is None or found[0] != os.getpid():
+        return None
+    return found[1]
+
+
 class StepServer:
     """Listens for the capturing worker and routes its step batches.
 
@@ -132,6 +151,8 @@ class StepServer:
         self._thread = threading.Thread(target=self._serve, name="undercurrent-vllm-steps",
                                         daemon=True)
         self._thread.start()
+        with _LOCAL_LOCK:
+            _LOCAL_SERVERS[self.address] = (os.getpid(), self)
 
     # -- generation bookkeeping (main thread) ----------------------------------
     def begin(self, session: CaptureSession) -> None:
@@ -168,12 +189,18 @@ class StepServer:
                 return
             batch = wire.decode(payload)
             assert isinstance(batch, wire.StepBatch)
-            reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
-            reply.armed, self._armed = self._armed, []
+            reply = self.answer(batch)
             try:
                 connection.send_bytes(wire.encode(reply))
             except OSError:
                 return
+
+    def answer(self, batch: wire.StepBatch) -> wire.StepReply:
+        """Route one step's batch and say what the worker must know before it samples:
+        the requests an inline probe aborted and the triggered edits switched on."""
+        reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
+        reply.armed, self._armed = self._armed, []
+        return reply
 
     def _handle(self, batch: wire.StepBatch) -> list[str]:
         with self.lock:
@@ -224,6 +251,16 @@ class StepServer:
         return aborted
 
     def close(self) -> None:
+        with _LOCAL_LOCK:
+            if _LOCAL_SERVERS.get(self.address, (0, None))[1] is self:
+                del _LOCAL_SERVERS[self.address]
+        if self._connection is None and self._thread.is_alive():
+            # No worker connected (an in-process one calls instead): closing the
+            # listener does not wake a thread blocked in accept(), a connection does.
+            try:
+                Client(self.address, family="AF_UNIX", authkey=self.authkey).close()
+            except (OSError, EOFError, AuthenticationError):
+                pass
         try:
             self._listener.close()
         except OSError:

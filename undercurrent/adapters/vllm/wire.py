@@ -12,7 +12,8 @@ built per captured vector. The driver answers every batch with a
 that reply, so an abort is applied before the engine samples the next token.
 
 The connection is a local ``multiprocessing.connection`` socket with a random key,
-set up by the driver; nothing here imports torch.
+set up by the driver (a worker in the driver's own process hands the batch over with a
+call instead); nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ decoder layer, its attention or MLP block, the final norm, or for ``kv`` vLLM's
 gathers its rows with one index operation (none when they are consecutive) straight
 into the step's bank of rows. At the end of the forward the worker sends one
 :class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
-reply, so inline probes run (and can abort) before the step's tokens are sampled.
+reply, so inline probes run (and can abort) before the step's tokens are sampled (in
+the driver's own process, the in-process engine, it calls the driver's server instead).
 
 Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
 are the full, all-reduced ones, identical on every rank. Live edits run on every
@@ -39,6 +40,7 @@ import torch
 from undercurrent.adapters.session import PairKey, RequestState, StepPlan
 from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
+from undercurrent.adapters.vllm.channel import local_server
 from undercurrent.adapters.vllm.rows import TokenWindow, engine_request_id, step_windows
 from undercurrent.spec.types import TensorType
 from undercurrent.steering.kernels import EditKernels
@@ -143,8 +145,11 @@ class _Capture:
         self.layout = layouts.locate(self.model)
         # Ranks other than 0 only edit: no connection, no points.
         self.capturing = address is not None
+        # The driver's server itself when it lives in this process (the in-process
+        # engine): each step is a call, not a message.
+        self.local = local_server(address) if address is not None else None
         self.connection: Any = (Client(address, family="AF_UNIX", authkey=authkey)
-                                if address is not None else None)
+                                if address is not None and self.local is None else None)
         self.tensor_parallel_size = tensor_parallel_size
         self.kernels = EditKernels()
         self.armed_outbox: list[tuple[str, str, int]] = []
@@ -389,7 +394,8 @@ class _Capture:
             if rows is not None:
                 number[bank] = len(batch.banks)
                 # One device-to-host copy per row shape (hidden-size rows, kv rows).
-                batch.banks.append(_wire_bank(rows.cpu()))
+                rows = rows.cpu()
+                batch.banks.append(rows if self.local is not None else _wire_bank(rows))
         for key in plan.groups:
             if key in self.filled:  # (always, on a whole forward)
                 bank, offset, count = self.slices[key]
@@ -401,10 +407,14 @@ class _Capture:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
             batch.tokens.append((state.request_id, first, [int(t) for t in ids]))
             state.generated_sent = stop
+        reply: wire.StepBatch | wire.StepReply
         try:
             with _interrupt_held():
-                self.connection.send_bytes(wire.encode(batch))
-                reply = wire.decode(self.connection.recv_bytes())
+                if self.local is not None:
+                    reply = self.local.answer(batch)
+                else:
+                    self.connection.send_bytes(wire.encode(batch))
+                    reply = wire.decode(self.connection.recv_bytes())
         except (EOFError, OSError) as error:
             # The driver went away: stop capturing rather than take the engine down.
             logger.warning("undercurrent: lost the driver connection (%s); capture stops",
