@@ -50,26 +50,33 @@ def test_prompt_reading_points_are_the_ones_prefix_caching_would_break():
 def test_batch_round_trips_and_slices_rows_per_group():
     bank = np.arange(12, dtype=np.float32).reshape(6, 2)
     batch = wire.StepBatch(step=3, banks=[bank], requests=["uc1", "uc2"], groups=[
-        wire.GroupRows(0, "residual_stream", 0, 0, 2,
-                       wire.target_array([(0, 0, 4, 0), (0, 0, 5, 1)])),
-        wire.GroupRows(2, "mlp_out", 0, 2, 4, wire.target_array([(1, 1, 0, 3)])),
-    ], tokens=[("uc1", 0, [7, 8])])
+        wire.GroupRows(0, "residual_stream", 0, 0, 2),
+        wire.GroupRows(2, "mlp_out", 0, 2, 4),
+    ], tokens=[("uc1", 0, [7, 8])],
+        matches=wire.match_array([(0, 0, 4, 1), (0, 0, 5, 1), (1, 1, 0, 1)]),
+        match_rows=wire.row_array([0, 1, 3]))
     back = wire.decode(wire.encode(batch))
     assert isinstance(back, wire.StepBatch) and back.num_rows == 6
     np.testing.assert_array_equal(back.rows(back.groups[1]), bank[2:6])
     assert back.tokens == [("uc1", 0, [7, 8])] and back.requests == ["uc1", "uc2"]
-    targets = back.groups[0].targets
-    assert targets.dtype == np.int64 and targets.shape == (2, len(wire.TARGET_COLUMNS))
-    assert targets.flags.c_contiguous
-    np.testing.assert_array_equal(targets, [[0, 0, 4, 0], [0, 0, 5, 1]])
+    matches = back.matches
+    assert matches.dtype == np.int64 and matches.shape == (3, len(wire.MATCH_COLUMNS))
+    assert matches.flags.c_contiguous and back.match_rows.flags.c_contiguous
+    np.testing.assert_array_equal(matches, [[0, 0, 4, 1], [0, 0, 5, 1], [1, 1, 0, 1]])
+    np.testing.assert_array_equal(back.match_rows, [0, 1, 3])
 
 
-def test_target_array_is_contiguous_int64_and_keeps_an_empty_group_two_dimensional():
-    assert wire.target_array([]).shape == (0, 4)
+def test_column_arrays_are_contiguous_int64_and_keep_an_empty_batch_shaped():
+    assert wire.match_array([]).shape == (0, 4) and wire.row_array([]).shape == (0,)
+    empty = wire.StepBatch(step=1)
+    assert empty.matches.shape == (0, 4) and empty.match_rows.shape == (0,)
     strided = np.arange(16).reshape(4, 4)[::2]
-    made = wire.target_array(strided)
+    made = wire.match_array(strided)
     assert made.flags.c_contiguous and made.dtype == np.int64
     np.testing.assert_array_equal(made, strided)
+    rows = wire.row_array(np.arange(8, dtype=np.int32)[::2])
+    assert rows.flags.c_contiguous and rows.dtype == np.int64
+    np.testing.assert_array_equal(rows, [0, 2, 4, 6])
 
 
 def test_decode_refuses_a_foreign_protocol_version_and_foreign_objects():
@@ -123,9 +130,10 @@ def test_step_server_routes_rows_as_records_and_replies_with_aborts():
         # b's generated token 0 (id 21) was fed in an earlier step with nothing captured.
         bank = np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32)
         batch = wire.StepBatch(step=1, banks=[bank], requests=["uc2", "uc1"], groups=[
-            wire.GroupRows(1, "residual_stream", 0, 0, 2,
-                           wire.target_array([(1, 0, 3, 0), (0, 0, 3, 1)])),
-        ], tokens=[("uc1", 0, [11]), ("uc2", 0, [21, 22])])
+            wire.GroupRows(1, "residual_stream", 0, 0, 2),
+        ], tokens=[("uc1", 0, [11]), ("uc2", 0, [21, 22])],
+            matches=wire.match_array([(1, 0, 3, 1), (0, 0, 3, 1)]),
+            match_rows=wire.row_array([0, 1]))
         worker.send_bytes(wire.encode(batch))
         reply = wire.decode(worker.recv_bytes())
         assert isinstance(reply, wire.StepReply)
@@ -135,10 +143,10 @@ def test_step_server_routes_rows_as_records_and_replies_with_aborts():
         np.testing.assert_array_equal(b.records[0].tensor, bank[1])
         assert b.abort is not None and b.abort.generated_index == 1 and a.live
         # A later batch for the aborted request is not routed any more.
-        worker.send_bytes(wire.encode(wire.StepBatch(step=2, banks=[bank[:1]], requests=["uc2"],
-                                                     groups=[wire.GroupRows(
-                                                         1, "residual_stream", 0, 0, 1,
-                                                         wire.target_array([(0, 0, 4, 0)]))])))
+        worker.send_bytes(wire.encode(wire.StepBatch(
+            step=2, banks=[bank[:1]], requests=["uc2"],
+            groups=[wire.GroupRows(1, "residual_stream", 0, 0, 1)],
+            matches=wire.match_array([(0, 0, 4, 1)]), match_rows=wire.row_array([0]))))
         assert wire.decode(worker.recv_bytes()).aborted == []
         assert len(router.routed) == 2
         worker.close()
@@ -161,9 +169,9 @@ def test_step_server_reports_a_routing_failure_on_the_main_thread_and_keeps_serv
         server.track("uc1", state)
         worker = Client(server.address, family="AF_UNIX", authkey=server.authkey)
         batch = wire.StepBatch(step=1, banks=[np.zeros((1, 2), np.float32)], requests=["uc1"],
-                               groups=[wire.GroupRows(1, "residual_stream", 0, 0, 1,
-                                                      wire.target_array([(0, 0, 2, 0)]))],
-                               tokens=[("uc1", 0, [3])])
+                               groups=[wire.GroupRows(1, "residual_stream", 0, 0, 1)],
+                               tokens=[("uc1", 0, [3])], matches=wire.match_array([(0, 0, 2, 1)]),
+                               match_rows=wire.row_array([0]))
         worker.send_bytes(wire.encode(batch))
         assert wire.decode(worker.recv_bytes()).aborted == []
         error = server.take_error()
@@ -171,3 +179,36 @@ def test_step_server_reports_a_routing_failure_on_the_main_thread_and_keeps_serv
         worker.close()
     finally:
         server.close()
+
+
+def test_a_worker_in_the_drivers_process_finds_the_server_and_is_answered_by_a_call(
+        monkeypatch):
+    from undercurrent.adapters.vllm import channel
+
+    point = _point("generated[*]", name="traj", layers=(1,))
+    router = _AbortOnGenerated("a", 0)
+    session = CaptureSession(router, [point], keep_records=True)
+    state = session.open_request("a", "", [5, 6, 7])
+    aborted_in_engine = []
+    server = StepServer(aborted_in_engine.extend)
+    try:
+        assert channel.local_server(server.address) is server
+        assert channel.local_server(server.address + "-other") is None
+        server.begin(session)
+        server.track("uc1", state)
+        bank = np.array([[1.0, 2.0]], dtype=np.float32)
+        reply = server.answer(wire.StepBatch(
+            step=1, banks=[bank], requests=["uc1"],
+            groups=[wire.GroupRows(1, "residual_stream", 0, 0, 1)], tokens=[("uc1", 0, [11])],
+            matches=wire.match_array([(0, 0, 3, 1)]), match_rows=wire.row_array([0])))
+        assert reply.aborted == ["uc1"] == aborted_in_engine
+        assert [(r.token_index, r.token_id) for r in state.records] == [(3, 11)]
+        # a forked child's copy of the registry does not count
+        real_pid = channel.os.getpid()
+        monkeypatch.setattr(channel.os, "getpid", lambda: real_pid + 1)
+        assert channel.local_server(server.address) is None
+        monkeypatch.undo()
+    finally:
+        server.close()
+    assert channel.local_server(server.address) is None
+    assert server.take_error() is None

@@ -389,6 +389,28 @@ class StepPlan:
                                      [group.row_of(slot) for group in groups], len(matches)))
         self.add_edit_window(state, start, stop, slot_of)
 
+    # -- a plan rebuilt from columns (rows gathered elsewhere) -----------------
+    def add_gathered(self, key: PairKey, count: int) -> CaptureGroup:
+        """Declare the group of ``key`` as ``count`` rows gathered elsewhere (a vLLM
+        worker gathers them and ships the rows with their columns): its slots are
+        the row numbers ``0 .. count - 1``. With :meth:`add_match` this rebuilds a
+        plan whose groups :meth:`CaptureSession.deliver` takes as they are."""
+        if key in self.groups:
+            raise ValueError(f"layer {key[0]} {key[1].value} is in this step plan already")
+        group = self.groups[key] = CaptureGroup(key, self)
+        group.slots = list(range(count))
+        group._slot_index = dict(zip(range(count), range(count), strict=True))
+        return group
+
+    def add_match(self, state: RequestState, point: ExtractionPoint, token_index: int,
+                  layers: tuple[int, ...], rows: list[int]) -> PlanMatch:
+        """Append one (request, token, point) match: ``point``'s ``layers`` (in
+        ascending order, each with a group, e.g. from :meth:`add_gathered`) sit at
+        ``rows[j]`` of the group of ``(layers[j], point.tensor_type)``."""
+        match = PlanMatch(state, point, token_index, layers, rows, len(self.matches))
+        self.matches.append(match)
+        return match
+
     def add_edit_window(self, state: RequestState, start: int, stop: int,
                         slot_of: Callable[[int], Hashable], *, log: bool = True) -> None:
         """Plan the edits that are on for the tokens ``[start, stop)`` of ``state``

@@ -625,7 +625,9 @@ class VLLMBackend:
                 if cut is not None:
                     text = text[:cut]
             output = session.close_request(state.request_id, text, reason)
-            signals = state.unread_signals()
+            # A stream's final event carries the signals no event carried yet;
+            # generate() keeps only the output (its signals are built when read).
+            signals = state.unread_signals() if state.stream_text is not None else ()
         return StreamEvent(request_id=state.request_id, token_id=None, text="",
                            token_index=None, generated_index=None, signals=signals,
                            aborted=output.aborted, finished=True, output=output)

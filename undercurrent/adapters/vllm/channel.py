@@ -6,6 +6,15 @@ records through the generation's :class:`~undercurrent.adapters.session.CaptureS
 (the same code every backend uses), lets the router run inline probes, hands aborts to
 the engine and answers the worker, which has been waiting so that the step's tokens
 are sampled only after the probes have spoken.
+
+A worker in the driver's own process (the in-process engine) finds the server by its
+address (:func:`local_server`) and hands each batch over with a call
+(:meth:`StepServer.answer`): no pickling, no socket, no thread switch.
+
+The batch's columns become the step's plan again (:func:`step_deliveries`): one
+:class:`~undercurrent.adapters.session.PlanMatch` per (request, token, point) and one
+group per (layer, tensor type), handed to the session whole, so it delivers them
+without building anything per captured vector.
 """
 
 from __future__ import annotations
@@ -15,17 +24,107 @@ import os
 import secrets
 import tempfile
 import threading
-from collections.abc import Callable
-from multiprocessing.connection import Listener
+from collections.abc import Callable, Sequence
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Listener
 from typing import Any
 
-from undercurrent.adapters.session import CaptureSession, CaptureTarget, RequestState
+import numpy as np
+
+from undercurrent.adapters.session import CaptureGroup, CaptureSession, RequestState, StepPlan
 from undercurrent.adapters.vllm import wire
-from undercurrent.spec.types import TensorType
+from undercurrent.spec.types import ExtractionPoint, TensorType
 
 logger = logging.getLogger("undercurrent.vllm")
 
 AbortSink = Callable[[list[str]], None]
+Delivery = tuple[TensorType, CaptureGroup, Any]
+
+
+def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
+                    ) -> list[Delivery]:
+    """The step's plan rebuilt from ``batch``'s columns, as
+    :meth:`~undercurrent.adapters.session.CaptureSession.deliver` takes it: every
+    group of the plan with its rows. ``table[i]`` is the request state of
+    ``batch.requests[i]`` (None: not tracked, its matches are left out).
+
+    A match's rows are its point's layers in ascending order (as the worker
+    planned them); a layer whose site the worker did not reach
+    (:data:`~undercurrent.adapters.vllm.wire.NOT_CAPTURED`) is left out of it.
+    """
+    plan = StepPlan()
+    deliveries: list[Delivery] = []
+    banks = [_as_tensor(bank) for bank in batch.banks]
+    for group in batch.groups:
+        tensor_type = TensorType(group.tensor_type)
+        gathered = banks[group.bank][group.offset:group.offset + group.count]
+        deliveries.append((tensor_type, plan.add_gathered((group.layer, tensor_type),
+                                                          group.count), gathered))
+    rows: list[int] = batch.match_rows.tolist()  # per match: a row per layer
+    partial = bool(rows) and min(rows) < 0
+    layouts: dict[int, tuple[int, ...]] = {}
+    start = 0
+    for request, point_index, token_index, count in batch.matches.tolist():
+        stop = start + count
+        state = table[request]
+        if state is not None:
+            point = state.points[point_index]
+            layers = layouts.get(id(point))
+            if layers is None:
+                layers = layouts[id(point)] = _layers(point, plan, partial)
+            if len(layers) != count:
+                raise RuntimeError(
+                    f"undercurrent: the vLLM worker sent {count} rows for point {point.name!r} "
+                    f"of request {state.request_id!r} at token {token_index}, which has "
+                    f"{len(layers)} layers {list(layers)}; the worker and the driver disagree "
+                    f"on the point")
+            mine = rows[start:stop]
+            if partial and wire.NOT_CAPTURED in mine:
+                kept = [(layer, row) for layer, row in zip(layers, mine, strict=True)
+                        if row != wire.NOT_CAPTURED]
+                if kept:
+                    plan.add_match(state, point, token_index, tuple(k[0] for k in kept),
+                                   [k[1] for k in kept])
+            else:
+                plan.add_match(state, point, token_index, layers, mine)
+        start = stop
+    return deliveries
+
+
+def _as_tensor(bank: Any) -> Any:
+    """A bank that crossed as a numpy array, as the torch tensor the worker gathered
+    (sharing its memory), so records hold tensors whatever the dtype."""
+    if isinstance(bank, np.ndarray):
+        import torch
+
+        return torch.from_numpy(bank)
+    return bank
+
+
+def _layers(point: ExtractionPoint, plan: StepPlan, partial: bool) -> tuple[int, ...]:
+    """``point``'s layers in ascending order, checked to have a group in ``plan``
+    (unless some sites were not reached: ``partial``)."""
+    layers = tuple(sorted(set(point.layers)))
+    missing = [layer for layer in layers if (layer, point.tensor_type) not in plan.groups]
+    if missing and not partial:
+        raise RuntimeError(
+            f"undercurrent: the vLLM worker's step has rows for point {point.name!r} but "
+            f"none at its layer(s) {missing} ({point.tensor_type.value})")
+    return layers
+
+
+_LOCAL_SERVERS: dict[str, tuple[int, StepServer]] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_server(address: str) -> StepServer | None:
+    """The open server listening at ``address`` when it lives in this process (a
+    forked child's copy does not count), else None."""
+    with _LOCAL_LOCK:
+        found = _LOCAL_SERVERS.get(address)
+    if found is None or found[0] != os.getpid():
+        return None
+    return found[1]
 
 
 class StepServer:
@@ -52,6 +151,8 @@ class StepServer:
         self._thread = threading.Thread(target=self._serve, name="undercurrent-vllm-steps",
                                         daemon=True)
         self._thread.start()
+        with _LOCAL_LOCK:
+            _LOCAL_SERVERS[self.address] = (os.getpid(), self)
 
     # -- generation bookkeeping (main thread) ----------------------------------
     def begin(self, session: CaptureSession) -> None:
@@ -88,12 +189,18 @@ class StepServer:
                 return
             batch = wire.decode(payload)
             assert isinstance(batch, wire.StepBatch)
-            reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
-            reply.armed, self._armed = self._armed, []
+            reply = self.answer(batch)
             try:
                 connection.send_bytes(wire.encode(reply))
             except OSError:
                 return
+
+    def answer(self, batch: wire.StepBatch) -> wire.StepReply:
+        """Route one step's batch and say what the worker must know before it samples:
+        the requests an inline probe aborted and the triggered edits switched on."""
+        reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
+        reply.armed, self._armed = self._armed, []
+        return reply
 
     def _handle(self, batch: wire.StepBatch) -> list[str]:
         with self.lock:
@@ -130,19 +237,9 @@ class StepServer:
         armed_before = {engine_id: set(state.armed) for engine_id, state in states.items()
                         if state.edits}
         live_before = {engine_id for engine_id, state in states.items() if state.live}
-        # The batch's request table, resolved once: its targets index it.
-        table = [states.get(engine_id) for engine_id in batch.requests]
-        deliveries: list[tuple[TensorType, list[CaptureTarget], Any]] = []
-        for group in batch.groups:
-            layer = group.layer
-            targets = []
-            for request, point_index, token_index, row in group.targets.tolist():
-                state = table[request]
-                if state is None:
-                    continue
-                targets.append(CaptureTarget(state, state.points[point_index], layer,
-                                             token_index, row))
-            deliveries.append((TensorType(group.tensor_type), targets, batch.rows(group)))
+        # The batch's request table, resolved once: its matches index it.
+        deliveries = step_deliveries(batch, [states.get(engine_id)
+                                             for engine_id in batch.requests])
         session.deliver(deliveries)
         for engine_id, before in armed_before.items():
             armed = states[engine_id].armed
@@ -154,6 +251,16 @@ class StepServer:
         return aborted
 
     def close(self) -> None:
+        with _LOCAL_LOCK:
+            if _LOCAL_SERVERS.get(self.address, (0, None))[1] is self:
+                del _LOCAL_SERVERS[self.address]
+        if self._connection is None and self._thread.is_alive():
+            # No worker connected (an in-process one calls instead): closing the
+            # listener does not wake a thread blocked in accept(), a connection does.
+            try:
+                Client(self.address, family="AF_UNIX", authkey=self.authkey).close()
+            except (OSError, EOFError, AuthenticationError):
+                pass
         try:
             self._listener.close()
         except OSError:

@@ -2,14 +2,18 @@
 
 A :class:`StepBatch` carries every captured row of one step: the rows of all
 (layer, tensor type) groups are gathered into a few tensors (one per row shape,
-one device-to-host copy each), and each group says with one contiguous integer
-array which request (an index into the step's request table), point, token and
-row each of its records has. The driver answers every batch with a
+one device-to-host copy each), each group says where its rows sit in them, and
+two contiguous integer arrays say what the rows are: one row per (request,
+token, point) match (:data:`MATCH_COLUMNS`) and, per match, the row of each of
+its point's layers in that layer's group. The driver rebuilds the step's plan
+from them (:func:`undercurrent.adapters.vllm.channel.step_plan`), with nothing
+built per captured vector. The driver answers every batch with a
 :class:`StepReply` naming the requests its inline probes aborted; the worker waits for
 that reply, so an abort is applied before the engine samples the next token.
 
 The connection is a local ``multiprocessing.connection`` socket with a random key,
-set up by the driver; nothing here imports torch.
+set up by the driver (a worker in the driver's own process hands the batch over with a
+call instead); nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,59 +32,74 @@ from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
-TARGET_COLUMNS = ("request", "point", "token_index", "row")
-"""The columns of :attr:`GroupRows.targets`."""
+MATCH_COLUMNS = ("request", "point", "token_index", "layers")
+"""The columns of :attr:`StepBatch.matches`."""
+
+NOT_CAPTURED = -1
+"""A row in :attr:`StepBatch.match_rows` for a layer whose site was not reached."""
 
 
-def target_array(targets: Any) -> np.ndarray:
-    """``(request, point index, token index, row)`` tuples (or an array of them) as
-    the contiguous ``int64`` array of shape ``(n, 4)`` a :class:`GroupRows` carries."""
-    return np.ascontiguousarray(np.asarray(targets, dtype=np.int64).reshape(-1, 4))
+def match_array(matches: Any) -> np.ndarray:
+    """``(request, point index, token index, layer count)`` tuples (or an array of
+    them) as the contiguous ``int64`` array of shape ``(n, 4)`` of
+    :attr:`StepBatch.matches`."""
+    return np.ascontiguousarray(np.asarray(matches, dtype=np.int64).reshape(-1, 4))
+
+
+def row_array(rows: Any) -> np.ndarray:
+    """Row numbers as the contiguous one-dimensional ``int64`` array of
+    :attr:`StepBatch.match_rows`."""
+    return np.ascontiguousarray(np.asarray(rows, dtype=np.int64).reshape(-1))
 
 
 @dataclass
 class GroupRows:
-    """Rows of one (layer, tensor type) in a step.
-
-    ``targets`` is an ``int64`` array of shape ``(n, 4)``, one row per record to
-    build, with the columns :data:`TARGET_COLUMNS`: the request (an index into
-    :attr:`StepBatch.requests`), the point (an index into that request's points),
-    the absolute token index, and the row, counted from ``offset`` in
-    ``StepBatch.banks[bank]``.
-    """
+    """Rows of one (layer, tensor type) in a step: ``count`` rows from ``offset``
+    in ``StepBatch.banks[bank]`` (a match's row ``r`` there is ``offset + r``)."""
 
     layer: int
     tensor_type: str
     bank: int
     offset: int
     count: int
-    targets: np.ndarray
 
 
 @dataclass
 class StepBatch:
     """Everything one engine step captured, for every request in it.
 
+    ``matches`` is an ``int64`` array of shape ``(m, 4)``, one row per (request,
+    token, point) the step served, in planning order, with the columns
+    :data:`MATCH_COLUMNS`: the request (an index into :attr:`requests`), the
+    point (an index into that request's points), the absolute token index, and
+    how many layers the point has: the match's entries of ``match_rows``, one
+    per layer in ascending order, each the row in the group of (that layer,
+    the point's tensor type), or :data:`NOT_CAPTURED`. ``match_rows`` holds the
+    matches' entries one after another.
+
     ``tokens`` holds ``(engine request id, first generated index, token ids)``: the
     generated tokens fed to the model since the previous batch, so the driver
     knows each record's token id before the step's output reaches it. ``edits``
     holds ``(engine request id, edit name, tensor type, layer, token index)`` for
     every live edit the step applied (the records of an edited site say so).
-    ``requests`` is the table of engine request ids the groups' targets index.
+    ``requests`` is the table of engine request ids the matches index.
     """
 
     step: int
     groups: list[GroupRows] = field(default_factory=list)
     banks: list[Any] = field(default_factory=list)
+    """The gathered rows: numpy arrays, or torch tensors for a dtype numpy lacks."""
     tokens: list[tuple[str, int, list[int]]] = field(default_factory=list)
     version: int = PROTOCOL_VERSION
     edits: list[tuple[str, str, str, int, int]] = field(default_factory=list)
     requests: list[str] = field(default_factory=list)
+    matches: np.ndarray = field(default_factory=lambda: match_array([]))
+    match_rows: np.ndarray = field(default_factory=lambda: row_array([]))
 
     def rows(self, group: GroupRows) -> Any:
-        """The tensor rows of ``group`` (a view into its bank)."""
+        """The rows of ``group`` (a view into its bank, as it crossed)."""
         return self.banks[group.bank][group.offset:group.offset + group.count]
 
     @property

@@ -10,7 +10,8 @@ decoder layer, its attention or MLP block, the final norm, or for ``kv`` vLLM's
 gathers its rows with one index operation (none when they are consecutive) straight
 into the step's bank of rows. At the end of the forward the worker sends one
 :class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
-reply, so inline probes run (and can abort) before the step's tokens are sampled.
+reply, so inline probes run (and can abort) before the step's tokens are sampled (in
+the driver's own process, the in-process engine, it calls the driver's server instead).
 
 Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
 are the full, all-reduced ones, identical on every rank. Live edits run on every
@@ -29,15 +30,17 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from multiprocessing.connection import Client
 from typing import Any, cast
 
+import numpy as np
 import torch
 
-from undercurrent.adapters.session import RequestState, StepPlan
+from undercurrent.adapters.session import PairKey, RequestState, StepPlan
 from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
+from undercurrent.adapters.vllm.channel import local_server
 from undercurrent.adapters.vllm.rows import TokenWindow, engine_request_id, step_windows
 from undercurrent.spec.types import TensorType
 from undercurrent.steering.kernels import EditKernels
@@ -78,10 +81,11 @@ def _interrupt_held() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
-class _MirrorState(RequestState):
-    """The worker's copy of a request: its points, where capture has reached (so
-    recomputed tokens after a preemption are not captured twice) and how many
-    generated token ids the driver already has."""
+class MirrorState(RequestState):
+    """The worker's copy of a request: its points (``point_index``: by name, the
+    index the wire names a point by), where capture has reached (so recomputed
+    tokens after a preemption are not captured twice) and how many generated token
+    ids the driver already has."""
 
     def __init__(self, engine_id: str, prompt_len: int, points: list[Any],
                  edits: list[Any] | None = None) -> None:
@@ -93,6 +97,34 @@ class _MirrorState(RequestState):
         # Recomputed windows (after a preemption) need their edits again.
         self.retire_edits = False
         self.has_triggers = any(resolved.edit.when is not None for resolved in self.edits)
+
+
+def match_columns(plan: StepPlan, reached: Collection[PairKey]
+                  ) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A plan of :class:`MirrorState` s as the wire's columns (see
+    :class:`~undercurrent.adapters.vllm.wire.StepBatch`): the request table, one row
+    per match, and the rows of every match's layers one after another, a layer whose
+    site was not ``reached`` (whose rows are not sent) as ``NOT_CAPTURED``."""
+    requests: dict[str, int] = {}
+    columns: list[tuple[int, int, int, int]] = []
+    rows: list[int] = []
+    for match in plan.matches:
+        state = cast(MirrorState, match.state)
+        request = requests.get(state.request_id)
+        if request is None:
+            request = requests[state.request_id] = len(requests)
+        columns.append((request, state.point_index[match.point.name], match.token_index,
+                        len(match.rows)))
+        rows += match.rows
+    if any(key not in reached for key in plan.groups):
+        index = 0
+        for match in plan.matches:
+            tensor_type = match.point.tensor_type
+            for layer in match.layers:
+                if (layer, tensor_type) not in reached:
+                    rows[index] = wire.NOT_CAPTURED
+                index += 1
+    return list(requests), wire.match_array(columns), wire.row_array(rows)
 
 
 class _Capture:
@@ -113,16 +145,19 @@ class _Capture:
         self.layout = layouts.locate(self.model)
         # Ranks other than 0 only edit: no connection, no points.
         self.capturing = address is not None
+        # The driver's server itself when it lives in this process (the in-process
+        # engine): each step is a call, not a message.
+        self.local = local_server(address) if address is not None else None
         self.connection: Any = (Client(address, family="AF_UNIX", authkey=authkey)
-                                if address is not None else None)
+                                if address is not None and self.local is None else None)
         self.tensor_parallel_size = tensor_parallel_size
         self.kernels = EditKernels()
         self.armed_outbox: list[tuple[str, str, int]] = []
         self.handles: list[Any] = []
         self.site_handles: dict[tuple[int, TensorType], Any] = {}
-        self.states: dict[str, _MirrorState] = {}
+        self.states: dict[str, MirrorState] = {}
         self.plan: StepPlan | None = None
-        self.pending_tokens: list[tuple[_MirrorState, int, int, int]] = []
+        self.pending_tokens: list[tuple[MirrorState, int, int, int]] = []
         # Per step: where each planned group's rows go, the row banks they fill
         # (hidden-size rows, kv rows) and which rows each hooked site gathers.
         self.slices: dict[tuple[int, TensorType], tuple[int, int, int]] = {}
@@ -359,29 +394,27 @@ class _Capture:
             if rows is not None:
                 number[bank] = len(batch.banks)
                 # One device-to-host copy per row shape (hidden-size rows, kv rows).
-                batch.banks.append(rows.cpu())
-        requests: dict[str, int] = {}
-        for (layer, tensor_type), group in plan.groups.items():
-            if (layer, tensor_type) not in self.filled:
-                continue  # the site was not reached (cannot happen on a whole forward)
-            bank, offset, count = self.slices[(layer, tensor_type)]
-            targets = wire.target_array([
-                (requests.setdefault(t.state.request_id, len(requests)),
-                 cast(_MirrorState, t.state).point_index[t.point.name], t.token_index,
-                 t.slot_index)
-                for t in group.targets])
-            batch.groups.append(wire.GroupRows(layer, tensor_type.value, number[bank], offset,
-                                               count, targets))
-        batch.requests = list(requests)
+                rows = rows.cpu()
+                batch.banks.append(rows if self.local is not None else _wire_bank(rows))
+        for key in plan.groups:
+            if key in self.filled:  # (always, on a whole forward)
+                bank, offset, count = self.slices[key]
+                batch.groups.append(wire.GroupRows(key[0], key[1].value, number[bank], offset,
+                                                   count))
+        batch.requests, batch.matches, batch.match_rows = match_columns(plan, self.filled)
         token_ids = self.runner.input_batch.token_ids_cpu
         for state, slot, first, stop in self.pending_tokens:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
             batch.tokens.append((state.request_id, first, [int(t) for t in ids]))
             state.generated_sent = stop
+        reply: wire.StepBatch | wire.StepReply
         try:
             with _interrupt_held():
-                self.connection.send_bytes(wire.encode(batch))
-                reply = wire.decode(self.connection.recv_bytes())
+                if self.local is not None:
+                    reply = self.local.answer(batch)
+                else:
+                    self.connection.send_bytes(wire.encode(batch))
+                    reply = wire.decode(self.connection.recv_bytes())
         except (EOFError, OSError) as error:
             # The driver went away: stop capturing rather than take the engine down.
             logger.warning("undercurrent: lost the driver connection (%s); capture stops",
@@ -406,7 +439,7 @@ class _Capture:
         for engine_id, prompt_len, point_indices, first_token, *rest in requests:
             chosen = [resolved[int(i)] for i in point_indices] if self.capturing else []
             chosen_edits = [edit_list[int(i)] for i in (rest[0] if rest else ())]
-            state = _MirrorState(str(engine_id), int(prompt_len), chosen, chosen_edits)
+            state = MirrorState(str(engine_id), int(prompt_len), chosen, chosen_edits)
             # A replay (capture of the last token) starts capture past tokens seen before.
             state.next_token = int(first_token)
             state.generated_sent = max(0, int(first_token) - int(prompt_len))
@@ -432,6 +465,16 @@ class _Capture:
             self.connection.close()
         except OSError:
             pass
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
+def _wire_bank(rows: Any) -> Any:
+    """A bank of rows as it crosses to the driver: a numpy view where numpy has the
+    dtype (it pickles several times faster than a tensor; the driver makes it a
+    tensor again without a copy), else the tensor itself (bfloat16)."""
+    return rows.numpy() if rows.dtype in _NUMPY_DTYPES else rows
 
 
 def _gather(tensor: Any, rows: Any) -> Any:

@@ -1,0 +1,211 @@
+"""The vLLM step path as columns, without an engine: the worker's plan of a step turned
+into the wire's columns (``worker.match_columns``), pickled, rebuilt by the driver
+(``channel.step_deliveries``) and delivered whole, against the oracle: the same
+captures delivered as one ``CaptureTarget`` per vector (what the channel did before,
+built here from the worker's plan) through the session's general path. Records,
+signals, aborts and probe results (verdicts and accounting) must be the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+np = pytest.importorskip("numpy")
+torch = pytest.importorskip("torch")
+
+from undercurrent.adapters import delivery  # noqa: E402
+from undercurrent.adapters.session import CaptureSession, CaptureTarget, StepPlan  # noqa: E402
+from undercurrent.adapters.vllm import wire  # noqa: E402
+from undercurrent.adapters.vllm.channel import step_deliveries  # noqa: E402
+from undercurrent.adapters.vllm.worker import MirrorState, match_columns  # noqa: E402
+from undercurrent.router import Router  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint, TensorType  # noqa: E402
+
+HIDDEN = 6
+WEIGHT = [0.5, -1.0, 0.25, 2.0, -0.75, 1.5]
+TYPES = (TensorType.RESIDUAL_STREAM, TensorType.MLP_OUT)
+PROMPT_LENS = {"uc1": 3, "uc2": 5, "uc3": 2}
+DRIVER_IDS = {"uc1": "a", "uc2": "b"}  # uc3 is not tracked by the driver
+ABORT_AT = ("uc2", 2)  # (engine id, generated index) whose layer-1 row makes the norm abort
+# Each request has points of its own, so one match's rows differ from layer to layer
+# (uc2's "lin" at layers 0, 2, 3 is in groups that hold different requests).
+POINTS_OF = {"uc1": ("side", "guard", "first", "last_mlp"),
+             "uc2": ("lin", "guard", "first", "last_mlp", "traj"),
+             "uc3": ("lin", "side")}
+
+
+def _points() -> list[ExtractionPoint]:
+    def point(name, probe_type, layers, position, tensor_type="residual_stream", **extra):
+        return ExtractionPoint(name=name, layers=layers, tensor_type=tensor_type,
+                               position=position, probe_type=probe_type,
+                               probe_kind="trajectory", **extra)
+
+    return [
+        # layers out of order: the wire and the plan keep them ascending
+        point("lin", "linear_probe", (3, 0, 2), "generated[*]",
+              probe_args={"weight": WEIGHT, "bias": 0.1, "threshold": 0.6, "action": "flag"}),
+        point("side", "norm_probe", (3, 2), "generated[*]",
+              probe_args={"threshold": 2.4, "action": "flag"}),
+        point("guard", "norm_probe", (1,), "generated[*]",
+              probe_args={"threshold": 40.0, "action": "abort"}),
+        # prompt positions: a prefill serves several tokens of a request (waves)
+        point("first", "capture", (1, 2), "prompt[0]"),
+        point("last_mlp", "mean_probe", (2, 0), "prompt[-1]", tensor_type="mlp_out",
+              probe_args={"threshold": 0.0, "action": "flag"}),
+        point("traj", "trajectory_probe", (0, 1, 2, 3), "generated[1:]",
+              execution_mode="async", queue_depth=1024,
+              probe_args={"weight": WEIGHT, "bias": 0.0, "statistic": "ewma", "alpha": 0.5}),
+    ]
+
+
+def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
+              unreached: dict[int, tuple[int, TensorType]]) -> tuple[dict, dict, int]:
+    """Both deliveries of the same generation; ``unreached[step]`` is a site the worker
+    does not reach in that step (its rows are not sent). Returns each path's outputs
+    and how many steps the new path delivered as a whole plan."""
+    rng = np.random.default_rng(seed)
+    engine_ids = list(PROMPT_LENS)
+    table = rng.normal(size=(len(engine_ids), 4, len(TYPES), 16, HIDDEN)).astype(np.float32)
+    abort_row, abort_generated = engine_ids.index(ABORT_AT[0]), ABORT_AT[1]
+    table[abort_row, 1, 0, PROMPT_LENS[ABORT_AT[0]] + abort_generated] *= 100.0
+    worker_points = [wire.point_from_wire(wire.point_to_wire(p)) for p in points]
+    by_name = {p.name: p for p in points}
+    worker_by_name = {p.name: p for p in worker_points}
+    mirrors = {eid: MirrorState(eid, PROMPT_LENS[eid],
+                                [worker_by_name[name] for name in POINTS_OF[eid]])
+               for eid in engine_ids}
+    outputs = []
+    whole = 0
+    with Router(default_overflow="block", workers=1) as new_router, \
+            Router(default_overflow="block", workers=1) as old_router:
+        new = CaptureSession(new_router, points, keep_records=True)
+        old = CaptureSession(old_router, points, keep_records=True)
+        sessions = {"new": new, "old": old}
+        states: dict[str, dict[str, Any]] = {name: {} for name in sessions}
+        for eid, request_id in DRIVER_IDS.items():
+            prompt = [int(t) for t in rng.integers(3, 90, size=PROMPT_LENS[eid])]
+            for name, session in sessions.items():
+                states[name][eid] = session.open_request(
+                    request_id, "", prompt, [by_name[n] for n in POINTS_OF[eid]])
+        generated: dict[str, int] = dict.fromkeys(engine_ids, 0)
+        fed = dict.fromkeys(engine_ids, 0)
+        for step in range(steps):
+            # -- the worker: plan, gather the rows of the sites it reaches, send
+            plan = StepPlan()
+            flat: list[tuple[int, int]] = []  # the step's token batch: (request, token)
+            for row, eid in enumerate(engine_ids):
+                mirror = mirrors[eid]
+                if not mirror.live:
+                    continue
+                start, stop = fed[eid], mirror.prompt_len + generated[eid]
+                base = len(flat)
+                flat += [(row, token) for token in range(start, stop)]
+                plan.add_window(mirror, start, stop, lambda t, b=base, s=start: b + t - s)
+                fed[eid] = stop
+            reached = [key for key in plan.groups if key != unreached.get(step)]
+            groups, pieces, offset = [], [], 0
+            for key in reached:
+                layer, tensor_type = key
+                slots = plan.groups[key].slots
+                pieces.append(np.stack([table[flat[s][0], layer, TYPES.index(tensor_type),
+                                              flat[s][1]] for s in slots]))
+                groups.append(wire.GroupRows(layer, tensor_type.value, 0, offset, len(slots)))
+                offset += len(slots)
+            # float32 rows cross as numpy (the worker's bank for a dtype numpy has)
+            batch = wire.StepBatch(step=step, groups=groups, banks=[np.concatenate(pieces)])
+            batch.requests, batch.matches, batch.match_rows = match_columns(plan, reached)
+            batch = wire.decode(wire.encode(batch))
+            assert isinstance(batch, wire.StepBatch)
+            # -- the driver, new: the plan rebuilt from the columns, delivered whole
+            deliveries = step_deliveries(batch, [states["new"].get(eid)
+                                                 for eid in batch.requests])
+            whole += delivery._whole_plan(deliveries) is not None
+            new.deliver(deliveries)
+            # -- the oracle: one CaptureTarget per vector, from the worker's own plan
+            targets = []
+            for key, wire_group in zip(reached, batch.groups, strict=True):
+                targets.append((key[1], [
+                    CaptureTarget(states["old"][t.state.request_id], by_name[t.point.name],
+                                  t.layer, t.token_index, t.slot_index)
+                    for t in plan.groups[key].targets if t.state.request_id in DRIVER_IDS],
+                    batch.rows(wire_group)))
+            old.deliver(targets)
+            # -- aborts reach the worker; the engine samples one token per live request
+            for eid in DRIVER_IDS:
+                assert states["new"][eid].aborted == states["old"][eid].aborted
+                if states["new"][eid].aborted:
+                    mirrors[eid].finish_reason = "abort"
+            for row, eid in enumerate(engine_ids):
+                if mirrors[eid].live:
+                    for name, session in sessions.items():
+                        if eid in DRIVER_IDS:
+                            session.add_token(states[name][eid], 50 + 7 * row + step)
+                    generated[eid] += 1
+        for session in sessions.values():
+            outputs.append({eid: session.close_request(DRIVER_IDS[eid], "")
+                            for eid in DRIVER_IDS})
+    return outputs[0], outputs[1], whole
+
+
+def _result_view(result: Any) -> Any:
+    stats = result.stats
+    signals = [(s.action, s.score, s.layer, s.token_index, s.generated_index)
+               for s in result.signals]
+    return (result.verdict, signals, (stats.received, stats.processed, stats.dropped,
+                                      stats.errors, stats.timeouts), result.error)
+
+
+@pytest.mark.parametrize(("seed", "unreached"), [
+    (0, {}),
+    (1, {}),
+    # a site not reached in a decode step and in the prefill: its rows are left out
+    (2, {3: (2, TensorType.RESIDUAL_STREAM), 0: (0, TensorType.MLP_OUT)}),
+])
+def test_columns_through_the_channel_deliver_what_capture_targets_deliver(seed, unreached):
+    steps = 6
+    got, expected, whole = _simulate(_points(), steps, seed, unreached)
+    assert whole == steps  # every step took the planned path
+    assert got["uc2"].abort is not None, "the test's abort did not happen"
+    assert got["uc2"].abort.generated_index == ABORT_AT[1]
+    for eid, out in got.items():
+        want = expected[eid]
+        assert (out.finish_reason, out.token_ids) == (want.finish_reason, want.token_ids)
+        assert (out.abort is None) == (want.abort is None)
+        if out.abort is not None:
+            assert (out.abort.extraction_point_name, out.abort.layer, out.abort.token_index,
+                    out.abort.generated_index, out.abort.signal.score) == (
+                want.abort.extraction_point_name, want.abort.layer, want.abort.token_index,
+                want.abort.generated_index, want.abort.signal.score)
+        assert len(out.records) == len(want.records) > 0
+        assert all(isinstance(record.tensor, torch.Tensor) for record in out.records)
+        for mine, theirs in zip(out.records, want.records, strict=True):
+            assert mine.key() + (mine.is_generated, mine.generated_index, mine.token_id) == (
+                theirs.key() + (theirs.is_generated, theirs.generated_index, theirs.token_id))
+            assert np.array_equal(np.asarray(mine.tensor), np.asarray(theirs.tensor))
+        assert [(s.extraction_point_name, s.layer, s.token_index, s.generated_index,
+                 s.signal.action, s.signal.score) for s in out.signals] == [
+            (s.extraction_point_name, s.layer, s.token_index, s.generated_index,
+             s.signal.action, s.signal.score) for s in want.signals]
+        assert out.signals, "no inline signal was compared"
+        assert sorted(out.results) == sorted(want.results) == sorted(POINTS_OF[eid])
+        for name, result in out.results.items():
+            assert _result_view(result) == _result_view(want.results[name]), name
+
+
+def test_a_layer_count_the_driver_does_not_expect_is_refused_with_the_point_named():
+    point = _points()[0]
+    session = CaptureSession(None, [point])
+    state = session.open_request("a", "", [1, 2, 3])
+    groups = [wire.GroupRows(layer, "residual_stream", 0, index, 1)
+              for index, layer in enumerate((0, 2, 3))]
+    batch = wire.StepBatch(step=1, banks=[torch.zeros((3, HIDDEN))], requests=["uc1"],
+                           groups=groups, matches=wire.match_array([(0, 0, 3, 2)]),
+                           match_rows=wire.row_array([0, 0]))
+    with pytest.raises(RuntimeError, match="2 rows for point 'lin'.*3 layers"):
+        step_deliveries(batch, [state])
+    batch.groups = groups[:2]
+    batch.matches = wire.match_array([(0, 0, 3, 3)])
+    batch.match_rows = wire.row_array([0, 0, 0])
+    with pytest.raises(RuntimeError, match=r"point 'lin' but none at its layer\(s\) \[3\]"):
+        step_deliveries(batch, [state])
