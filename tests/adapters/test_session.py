@@ -48,6 +48,9 @@ def test_window_matching_equals_matches_token_by_token(position, stride, prompt_
         found += [i for i, _ in state.matches_in_window(start, min(total, start + size))]
         start += size
     assert found == expected
+    # every token alone, the prompt's too (one-token windows take their own path)
+    state = RequestState("r", "x", list(range(prompt_len)), [p])
+    assert [i for t in range(total) for i, _ in state.matches_in_window(t, t + 1)] == expected
 
 
 def test_points_retire_once_they_cannot_match():

@@ -409,12 +409,21 @@ def _deliver_planned(session: Any, plan: Any, sources: dict[Any, Any]) -> None:
     """:func:`deliver_forward` from the plan's matches: each request's tokens in
     order (one wave per token), every point of a wave as one batch."""
     per_request: dict[str, tuple[Any, list[Any]]] = {}
+    one_token = True  # every request feeds one token (a decode step): one wave
     for match in plan.matches:
         state = match.state
         found = per_request.get(state.request_id)
         if found is None:
-            found = per_request[state.request_id] = (state, [])
+            per_request[state.request_id] = (state, [match])
+            continue
         found[1].append(match)
+        if one_token and match.token_index != found[1][0].token_index:
+            one_token = False
+    if one_token:
+        current = [item for item in per_request.values() if not item[0].closed]
+        if current:
+            _deliver_planned_wave(session, current, sources)
+        return
     queues: list[tuple[Any, list[list[Any]]]] = []
     for state, matches in per_request.values():
         if state.closed:

@@ -69,6 +69,23 @@ def _tokens_in_window(point: ExtractionPoint | Edit, prompt_len: int, start: int
     return range(prompt_len + first_g, prompt_len + stop_g, stride)
 
 
+def _absolute_selector(point: ExtractionPoint, prompt_len: int
+                       ) -> tuple[int, int | None, int, int, int | None]:
+    """``point``'s selector in absolute token indices: (first, end, base, stride,
+    target). A single-token selector matches only ``target`` (-1: none); a
+    continuous one matches ``first <= t < end`` (end None: unbounded) with
+    ``(t - base) % stride == 0``. What :func:`_tokens_in_window` computes for
+    a window, for one token at a time."""
+    selector = point.position
+    if not selector.is_continuous:
+        target = selector.target_index(prompt_len)
+        return 0, None, 0, 1, -1 if target is None else target
+    base = prompt_len + selector.start
+    first = prompt_len + max(selector.start, 0)
+    end = None if selector.stop is None else prompt_len + selector.stop
+    return first, end, base, point.stride, None
+
+
 def stop_position(text: str, stops: Sequence[str]) -> int | None:
     """Index where the earliest stop string starts in ``text``, or None."""
     found = [index for index in (text.find(stop) for stop in stops if stop) if index >= 0]
@@ -140,6 +157,9 @@ class RequestState:
         self._last_index = {id(point): point.position.last_index(self.prompt_len)
                             for point in self.points}
         self._bounded = any(last is not None for last in self._last_index.values())
+        # Each point's selector in absolute token indices, for one-token windows.
+        self._selectors = {id(point): _absolute_selector(point, self.prompt_len)
+                           for point in self.points}
         self.generated: list[int] = []
         self.abort: AbortInfo | None = None
         self.finish_reason: str | None = None
@@ -246,9 +266,18 @@ class RequestState:
         found: list[tuple[int, ExtractionPoint]] = []
         if self.aborted or self.closed:
             return found
-        for point in self._live_points:
-            found.extend((index, point) for index in _tokens_in_window(
-                point, self.prompt_len, start, stop))
+        if stop - start == 1:  # a decode step: one comparison per point
+            selectors = self._selectors
+            for point in self._live_points:
+                first, end, base, stride, target = selectors[id(point)]
+                if (start == target if target is not None else
+                        start >= first and (end is None or start < end)
+                        and (stride == 1 or (start - base) % stride == 0)):
+                    found.append((start, point))
+        else:
+            for point in self._live_points:
+                found.extend((index, point) for index in _tokens_in_window(
+                    point, self.prompt_len, start, stop))
         if self._bounded:
             last_index = self._last_index
             self._live_points = [point for point in self._live_points
