@@ -1,0 +1,137 @@
+"""Where one generation's overhead goes, stage by stage, without a profiler:
+``python -m benchmarks.stage_timers --batch 64 --scenario uc_inline_linear``.
+
+Wraps the capture path's stages (planning, the forward hooks, delivery, routing,
+registering and ending requests, the async workers' calls) with timers, runs the
+scenario (after warm-ups) and the plain baseline interleaved, and prints, for
+the fastest run, each stage's total per generation and per captured vector, and
+the garbage collector's time. cProfile (``benchmarks.profile``) counts calls
+exactly but inflates Python-heavy code; these timers add one wrapper call per
+stage call instead. Stages nest (delivery contains routing), so totals do not
+add up. ``--thread-time`` measures each stage in its thread's CPU time, which
+leaves out waiting for the interpreter lock (useful with async workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.models import load_model
+from benchmarks.scenarios import scenario_by_name
+from benchmarks.scenarios.base import make_batch
+from benchmarks.worker import layers_for, prompts_for, set_threads
+
+#: (module, class or None, function, label): the stages timed.
+STAGES = (
+    ("undercurrent.adapters.session", "CaptureSession", "open_request", "register requests"),
+    ("undercurrent.adapters.session", "CaptureSession", "close_request", "end requests"),
+    ("undercurrent.adapters.hf.backend", "_RowDriver", "plan_forward", "plan a forward"),
+    ("undercurrent.adapters.hf.backend", "_RowDriver", "after_forward",
+     "deliver a forward (all below)"),
+    ("undercurrent.adapters.hf.backend", "_RowDriver", "after_token", "read sampled tokens"),
+    ("undercurrent.router.router", "Router", "route_columns", "  route a point's batch"),
+    ("undercurrent.router.binding", "Binding", "admit_inline", "    admit (per request)"),
+    ("undercurrent.router.binding", "Binding", "finish_rows", "    settle (per request)"),
+    ("undercurrent.probes.linear", None, "batch_matrix", "    rows as a float64 matrix"),
+    ("undercurrent.probes.linear", "LinearReadout", "score_matrix",
+     "    linear scores (one matrix product)"),
+    ("undercurrent.probes.scoring", "ScoreSummary", "batch_signals_many",
+     "    thresholds and summaries (judge_many)"),
+    ("undercurrent.router.binding", "Binding", "enqueue_batch", "    queue (async)"),
+    ("undercurrent.adapters.hf.hooks", "ModelHooks", "_queue", "hooks: hand over rows"),
+    ("undercurrent.router.scheduler", "AsyncScheduler", "_run_group", "workers: judge together"),
+    ("undercurrent.router.scheduler", "AsyncScheduler", "_run_batch", "workers: judge one"),
+)
+
+
+def install(totals: collections.Counter[str], clock: Callable[[], float]) -> None:
+    """Wrap every stage with a timer adding to ``totals`` (once per process)."""
+    import importlib
+
+    for module_name, owner, name, label in STAGES:
+        target: Any = importlib.import_module(module_name)
+        if owner is not None:
+            target = getattr(target, owner)
+        original = getattr(target, name)
+
+        @functools.wraps(original)
+        def timed(*args: Any, _original: Any = original, _label: str = label,
+                  **kwargs: Any) -> Any:
+            started = clock()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] += clock() - started
+
+        setattr(target, name, timed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.stage_timers",
+                                     description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--scenario", default="uc_inline_linear")
+    parser.add_argument("--layers", default="all", choices=["3", "all"])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--thread-time", action="store_true")
+    args = parser.parse_args(argv)
+    set_threads(1)
+    totals: collections.Counter[str] = collections.Counter()
+    install(totals, time.thread_time if args.thread_time else time.perf_counter)
+    collected = [0.0, 0]
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collected[0] += time.perf_counter() - started[0]
+            collected[1] += 1
+
+    gc.callbacks.append(on_gc)
+    bundle = load_model(args.model)
+    layers = layers_for(bundle, args.layers)
+    batch = make_batch(bundle, prompts_for(args.batch))
+    probed = scenario_by_name(args.scenario)()
+    probed.setup(bundle, bundle.model, layers)
+    plain = scenario_by_name("plain_generate")()
+    plain.setup(bundle, bundle.model, layers)
+    for _ in range(2):
+        probed.generate(batch, args.max_new_tokens)
+        plain.generate(batch, args.max_new_tokens)
+    best, best_plain, kept, vectors = float("inf"), float("inf"), {}, 1
+    for _ in range(args.repeats):
+        totals.clear()
+        collected[:] = [0.0, 0]
+        wall = time.perf_counter()
+        run = probed.generate(batch, args.max_new_tokens)
+        wall = time.perf_counter() - wall
+        if wall < best:
+            best, kept, vectors = wall, dict(totals), max(run.records or 0, 1)
+            kept[f"garbage collection ({collected[1]} runs)"] = collected[0]
+        wall = time.perf_counter()
+        plain.generate(batch, args.max_new_tokens)
+        best_plain = min(best_plain, time.perf_counter() - wall)
+    probed.close()
+    plain.close()
+    print(f"{args.scenario}, batch {args.batch}, {args.layers} layers: {best * 1e3:.1f} ms, "
+          f"plain generate() {best_plain * 1e3:.1f} ms, {vectors} vectors, "
+          f"{(best - best_plain) / vectors * 1e6:.1f} µs per vector over plain")
+    print("| ms per generation | µs per vector | stage |")
+    print("|---|---|---|")
+    for label, seconds in kept.items():
+        if seconds:
+            print(f"| {seconds * 1e3:.1f} | {seconds / vectors * 1e6:.2f} | {label} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
