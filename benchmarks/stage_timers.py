@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import gc
+import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from benchmarks.models import load_model
@@ -50,26 +52,39 @@ STAGES = (
 )
 
 
-def install(totals: collections.Counter[str], clock: Callable[[], float]) -> None:
-    """Wrap every stage with a timer adding to ``totals`` (once per process)."""
-    import importlib
+@contextlib.contextmanager
+def timed_stages(totals: collections.Counter[str],
+                 clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+    """Inside the block, every stage adds its time to ``totals[label]``; the
+    original functions are back afterwards."""
+    restore: list[tuple[Any, str, Any]] = []
+    try:
+        for module_name, owner, name, label in STAGES:
+            target: Any = importlib.import_module(module_name)
+            if owner is not None:
+                target = getattr(target, owner)
+            original = vars(target).get(name)  # None: inherited, deleted again after
+            function = getattr(target, name)
 
-    for module_name, owner, name, label in STAGES:
-        target: Any = importlib.import_module(module_name)
-        if owner is not None:
-            target = getattr(target, owner)
-        original = getattr(target, name)
+            @functools.wraps(function)
+            def timed(*args: Any, _function: Any = function, _label: str = label,
+                      **kwargs: Any) -> Any:
+                started = clock()
+                try:
+                    return _function(*args, **kwargs)
+                finally:
+                    totals[_label] += clock() - started
 
-        @functools.wraps(original)
-        def timed(*args: Any, _original: Any = original, _label: str = label,
-                  **kwargs: Any) -> Any:
-            started = clock()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                totals[_label] += clock() - started
-
-        setattr(target, name, timed)
+            restore.append((target, name, original))
+            setattr(target, name, staticmethod(timed)
+                    if isinstance(original, staticmethod) else timed)
+        yield
+    finally:
+        for target, name, original in reversed(restore):
+            if original is None:
+                delattr(target, name)
+            else:
+                setattr(target, name, original)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     set_threads(1)
     totals: collections.Counter[str] = collections.Counter()
-    install(totals, time.thread_time if args.thread_time else time.perf_counter)
+    with timed_stages(totals, time.thread_time if args.thread_time else time.perf_counter):
+        return _measure(args, totals)
+
+
+def _measure(args: argparse.Namespace, totals: collections.Counter[str]) -> int:
     collected = [0.0, 0]
     started = [0.0]
 
@@ -97,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             collected[1] += 1
 
     gc.callbacks.append(on_gc)
+    try:
+        return _run(args, totals, collected)
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
+def _run(args: argparse.Namespace, totals: collections.Counter[str],
+            collected: list[Any]) -> int:
     bundle = load_model(args.model)
     layers = layers_for(bundle, args.layers)
     batch = make_batch(bundle, prompts_for(args.batch))

@@ -31,3 +31,27 @@ def test_counts_host_copies_made_by_undercurrent_per_thread_and_restores_tensor(
         ("worker thread", "undercurrent", "numpy"): 1,
     }
     assert all(where.startswith("probes/arrays.py:") for (*_, where) in counts)
+
+
+def test_stage_timers_time_the_capture_path_and_put_every_function_back():
+    import collections
+
+    from benchmarks.stage_timers import timed_stages
+    from undercurrent import ProbedModel
+    from undercurrent.adapters.session import CaptureSession
+    from undercurrent.probes.scoring import ScoreSummary
+    from undercurrent.spec import parse_dict
+
+    before = (CaptureSession.open_request, vars(ScoreSummary)["batch_signals_many"])
+    spec = parse_dict({"version": "1", "extraction_points": [{
+        "name": "p", "layers": [0, 1], "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory",
+        "probe_args": {"threshold": 1.0e9}}]})
+    totals: collections.Counter[str] = collections.Counter()
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as probed:
+        with timed_stages(totals):
+            probed.generate(["a b", "c d e"], max_new_tokens=3)
+    for stage in ("register requests", "plan a forward", "deliver a forward (all below)",
+                  "  route a point's batch", "    thresholds and summaries (judge_many)"):
+        assert totals[stage] > 0, stage
+    assert (CaptureSession.open_request, vars(ScoreSummary)["batch_signals_many"]) == before
