@@ -1,22 +1,20 @@
 """One forward pass's captured rows, routed as columns: the delivery step of
 :meth:`~undercurrent.adapters.session.CaptureSession.deliver`.
 
-The hooks hand over one gathered tensor per (layer, tensor type) with the
-targets each row serves. Here they become one
-:class:`~undercurrent.records.ActivationBatch` per extraction point across every
-request (rows grouped by request, in layer order), routed with one
-:meth:`~undercurrent.router.Router.route_columns` call. A forward that feeds
-several tokens of a request (a prefill) is delivered in *waves*: wave ``k``
-holds the ``k``-th fed token of each request, so a request's tokens reach its
-probes in order and an abort stops the tokens after it, as routing record by
-record would. A decode step is one wave.
-
-When the hooks hand over every group of one plan (the HF backend does), the
-plan's matches, one per (request, token, point), are delivered as they are: a
-point's rows are gathered with one index operation per layer (none where a
-layer's rows are already in order) and one stack. Targets given one by one
-(the vLLM channel, a KV capture that lost rows to a sliding window) are
-grouped here first.
+The hooks hand over one gathered tensor per (layer, tensor type). What each row
+serves is a :class:`PlanMatch`, one per (request, token, point): the plan's own
+matches when every group of one plan arrives (the HF hooks, the vLLM driver),
+or matches gathered from :class:`~undercurrent.adapters.session.CaptureTarget`
+s given one by one (:func:`matches_of_targets`: a KV capture that lost rows to
+a sliding window, tests). Each extraction point's rows then become one
+:class:`~undercurrent.records.ActivationBatch` across every request (rows
+grouped by request, in layer order), gathered with one index operation per
+layer (none where a layer's rows are already in order) and one stack, and routed
+with one :meth:`~undercurrent.router.Router.route_columns` call. A forward that
+feeds several tokens of a request (a prefill) is delivered in *waves*: wave
+``k`` holds the ``k``-th fed token of each request, so a request's tokens reach
+its probes in order and an abort stops the tokens after it, as routing record
+by record would. A decode step is one wave.
 
 Nothing per vector is built here beyond the index columns: signals stay
 columns (:class:`SignalLog` materialises ``TokenSignal`` s when read) and
@@ -28,7 +26,7 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from undercurrent.adapters.outputs import AbortInfo, TokenSignal
 from undercurrent.records import (
@@ -45,12 +43,38 @@ from undercurrent.records import (
     concat_rows,
 )
 
-Entry = tuple[int, int, int, Any, int, int]
-"""One captured vector: (token index, layer, arrival order, point, source, slot)."""
+if TYPE_CHECKING:  # annotations only: the session imports this module
+    from undercurrent.adapters.session import RequestState
+    from undercurrent.spec.types import ExtractionPoint
 
 _CONTINUE = ACTION_CODES[SignalAction.CONTINUE]
-_ENTRY_KEY = operator.itemgetter(0, 1, 2)
 _LAYER_ORDER = operator.itemgetter(0, 1)
+
+
+class PlanMatch:
+    """One (request, token, point) a forward serves: the point's ``layers`` (in
+    ascending order) sit at ``rows[j]`` of the gathered tensor of
+    ``(layers[j], point.tensor_type)``. ``seq`` orders matches as planned: of
+    two points' rows at one layer and token, the lower ``seq`` comes first
+    (signals, records, which abort counts). ``orders`` (one per layer) replaces
+    ``seq`` layer by layer where the order is not the same at every layer."""
+
+    __slots__ = ("state", "point", "token_index", "layers", "rows", "seq", "orders")
+
+    def __init__(self, state: RequestState, point: ExtractionPoint, token_index: int,
+                 layers: tuple[int, ...], rows: list[int], seq: int,
+                 orders: list[int] | None = None) -> None:
+        self.state = state
+        self.point = point
+        self.token_index = token_index
+        self.layers = layers
+        self.rows = rows
+        self.seq = seq
+        self.orders = orders
+
+    def order_of(self, column: int) -> int:
+        """The order of the row of ``layers[column]`` among the rows of that layer."""
+        return self.seq if self.orders is None else self.orders[column]
 
 
 class RoutedPoint:
@@ -201,193 +225,57 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> No
     :class:`~undercurrent.adapters.session.CaptureGroup` of a plan, or any
     sequence of :class:`~undercurrent.adapters.session.CaptureTarget` s. When
     every group of one plan arrives, the plan's matches are delivered as they
-    are (no object per vector); otherwise each target is delivered on its own.
+    are (no object per vector); otherwise the targets are first gathered into
+    matches (:func:`matches_of_targets`).
     """
     batches = list(batches)
     plan = _whole_plan(batches)
     if plan is not None:
-        _deliver_planned(session, plan, {targets.key: rows for _, targets, rows in batches})
+        _deliver_matches(session, plan.matches,
+                         {targets.key: rows for _, targets, rows in batches})
         return
-    sources: list[Any] = []
-    per_request: dict[str, tuple[Any, list[Entry]]] = {}
-    order = 0
-    for _, targets, rows in batches:
-        source = len(sources)
-        sources.append(rows)
+    matches, sources = matches_of_targets(batches)
+    _deliver_matches(session, matches, sources)
+
+
+def matches_of_targets(batches: Sequence[tuple[Any, Any, Any]]
+                       ) -> tuple[list[PlanMatch], dict[Any, Any]]:
+    """Targets given one by one, as the matches a plan would hold: one
+    :class:`PlanMatch` per (request, token, point), in the order of their first
+    target, each layer's row in the rows of its (layer, tensor type) (the rows
+    of two batches of one (layer, tensor type) are joined), and each row's
+    order among its layer's rows the order its target came in."""
+    sources: dict[Any, Any] = {}
+    found: dict[tuple[str, int, str], tuple[Any, Any, int, dict[int, tuple[int, int]]]] = {}
+    arrival = 0  # a row's order among its layer's rows: the order the targets came in
+    for tensor_type, targets, rows in batches:
         if getattr(targets, "plan", None) is not None:
-            targets = targets.targets
+            targets = targets.targets  # a plan's group, the plan incomplete
+        offsets: dict[Any, int] = {}
         for target in targets:
+            key = (target.layer, tensor_type)
+            offset = offsets.get(key)
+            if offset is None:
+                earlier = sources.get(key)
+                offset = offsets[key] = 0 if earlier is None else len(earlier)
+                sources[key] = rows if earlier is None else concat_rows([earlier, rows])
             state = target.state
-            found = per_request.get(state.request_id)
-            if found is None:
-                found = per_request[state.request_id] = (state, [])
-            found[1].append((target.token_index, target.layer, order, target.point, source,
-                             target.slot_index))
-            order += 1
-    queues: list[tuple[Any, list[list[Entry]]]] = []
-    for state, entries in per_request.values():
-        if state.closed:
-            continue  # nothing is routed after the request ended
-        entries.sort(key=_ENTRY_KEY)  # (token, layer, arrival): unique
-        tokens: list[list[Entry]] = []
-        for entry in entries:
-            if tokens and tokens[-1][0][0] == entry[0]:
-                tokens[-1].append(entry)
-            else:
-                tokens.append([entry])
-        queues.append((state, tokens))
-    wave = 0
-    while True:
-        current = [(state, tokens[wave]) for state, tokens in queues if wave < len(tokens)]
-        if not current:
-            return
-        _deliver_wave(session, current, sources)
-        wave += 1
+            where = (state.request_id, target.token_index, target.point.name)
+            match = found.get(where)
+            if match is None:
+                match = found[where] = (state, target.point, target.token_index, {})
+            match[3][target.layer] = (offset + target.slot_index, arrival)
+            arrival += 1
+    matches = []
+    for seq, (state, point, token_index, by_layer) in enumerate(found.values()):
+        layers = tuple(sorted(by_layer))
+        matches.append(PlanMatch(state, point, token_index, layers,
+                                 [by_layer[layer][0] for layer in layers], seq,
+                                 [by_layer[layer][1] for layer in layers]))
+    return matches, sources
 
 
-def _deliver_wave(session: Any, current: list[tuple[Any, list[Entry]]],
-                  sources: Sequence[Any]) -> None:
-    """Route one token of each request in ``current``: one batch per point."""
-    by_point: dict[str, list[tuple[Any, list[Entry]]]] = {}
-    live: list[tuple[Any, list[Entry]]] = []
-    for state, entries in current:
-        if state.closed:
-            continue
-        abort = state.abort
-        if abort is not None and entries[0][0] > abort.token_index:
-            # Tokens after the abort are never probed; the aborting token's other
-            # records still reach every point, so observers see what the guard saw.
-            continue
-        live.append((state, entries))
-        groups: dict[str, list[Entry]] = {}
-        for entry in entries:
-            name = entry[3].name
-            group = groups.get(name)
-            if group is None:
-                group = groups[name] = []
-            group.append(entry)
-        for name, group in groups.items():
-            rows = by_point.get(name)
-            if rows is None:
-                rows = by_point[name] = []
-            rows.append((state, group))
-    if not live:
-        return
-    router = session.router
-    registered = session.registered
-    where: dict[int, tuple[ActivationBatch, int]] = {}
-    runs: dict[str, list[tuple[RoutedPoint, int, int, list[int]]]] = {}
-    aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
-    for requests in by_point.values():
-        batch, spans = _point_batch(requests, sources)
-        if session.keep_records:
-            kept = batch.without_cache()  # the activations, not what probes derived
-            row = 0
-            for _, group in requests:
-                for entry in group:
-                    where[entry[2]] = (kept, row)
-                    row += 1
-        if router is None:
-            continue
-        routed_spans = [(state.request_id, start, stop) for state, start, stop in spans
-                        if state.request_id in registered]
-        if not routed_spans:
-            continue
-        signals = router.route_columns(batch, routed_spans)  # a row each, spans or not
-        codes = as_list(signals.actions)
-        if all(code == NO_SIGNAL for code in codes):
-            continue
-        routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
-        for (state, start, stop), (_, group) in zip(spans, requests, strict=True):
-            orders = [entry[2] for entry in group]
-            runs.setdefault(state.request_id, []).append((routed, start, stop, orders))
-            if ABORT_CODE in codes[start:stop]:
-                for offset, row in enumerate(range(start, stop)):
-                    if codes[row] == ABORT_CODE:
-                        key = (group[offset][1], orders[offset], routed, row)
-                        best = aborts.get(state.request_id)
-                        if best is None or key[:2] < best[:2]:
-                            aborts[state.request_id] = key
-                        break
-            if state.edits:
-                for row in range(start, stop):
-                    if codes[row] not in (NO_SIGNAL, _CONTINUE):
-                        state.arm(batch.point_names[row], CODE_ACTIONS[codes[row]],
-                                  int(batch.token_indices[row]))
-    for state, entries in live:
-        if state.records is not None:
-            state.records.add(where[entry[2]] for entry in entries)
-        found = runs.get(state.request_id)
-        if found is not None:
-            state.signals.add(found)
-        abort = aborts.get(state.request_id)
-        if abort is not None and state.abort is None:
-            _, _, routed, row = abort
-            batch = routed.batch
-            signal = routed.located()[row]
-            assert signal is not None
-            state.abort = AbortInfo(batch.point_names[row], int(batch.layers[row]),
-                                    int(batch.token_indices[row]),
-                                    batch.generated_indices[row], signal)
-            state.finish_reason = "abort"
-
-
-def _point_batch(requests: Sequence[tuple[Any, list[Entry]]], sources: Sequence[Any]
-                 ) -> tuple[ActivationBatch, list[tuple[Any, int, int]]]:
-    """One point's rows of one wave as a batch: grouped by request, in layer
-    order; with (request state, start, stop) per request."""
-    ids: list[str] = []
-    layers: list[int] = []
-    tokens: list[int] = []
-    is_generated: list[bool] = []
-    generated: list[int | None] = []
-    token_ids: list[int | None] = []
-    edits: list[tuple[str, ...]] | None = None
-    picks: list[tuple[int, int]] = []
-    spans: list[tuple[Any, int, int]] = []
-    point = requests[0][1][0][3]
-    for state, group in requests:
-        start = len(layers)
-        count = len(group)
-        token_index = group[0][0]
-        after_prompt = token_index >= state.prompt_len
-        ids += [state.request_id] * count
-        tokens += [token_index] * count
-        is_generated += [after_prompt] * count
-        generated += [token_index - state.prompt_len if after_prompt else None] * count
-        token_ids += [state.token_id_at(token_index)] * count
-        sites = state.edited_sites
-        for entry in group:
-            layers.append(entry[1])
-            picks.append((entry[4], entry[5]))
-        if sites:
-            site_edits = [sites.get((entry[1], point.tensor_type, token_index), ())
-                          for entry in group]
-            if any(site_edits):
-                if edits is None:
-                    edits = [()] * start
-                edits += site_edits
-            elif edits is not None:
-                edits += [()] * count
-        elif edits is not None:
-            edits += [()] * count
-        spans.append((state, start, start + count))
-    batch = ActivationBatch(
-        gather(sources, picks),
-        request_ids=ids,
-        point_names=[point.name] * len(layers),
-        layers=layers,
-        tensor_type=point.tensor_type.value,
-        token_indices=tokens,
-        is_generated=is_generated,
-        generated_indices=generated,
-        token_ids=token_ids,
-        edits=edits,
-    )
-    return batch, spans
-
-
-# -- the planned path: one forward's matches, delivered without an object per vector --
+# -- one forward's matches, delivered without an object per vector --
 
 
 def _whole_plan(batches: Sequence[tuple[Any, Any, Any]]) -> Any:
@@ -405,12 +293,13 @@ def _whole_plan(batches: Sequence[tuple[Any, Any, Any]]) -> Any:
     return plan if len(keys) == len(plan.groups) else None
 
 
-def _deliver_planned(session: Any, plan: Any, sources: dict[Any, Any]) -> None:
-    """:func:`deliver_forward` from the plan's matches: each request's tokens in
-    order (one wave per token), every point of a wave as one batch."""
+def _deliver_matches(session: Any, matches: Sequence[PlanMatch],
+                     sources: dict[Any, Any]) -> None:
+    """Deliver one forward's matches: each request's tokens in order (one wave
+    per token), every point of a wave as one batch."""
     per_request: dict[str, tuple[Any, list[Any]]] = {}
     one_token = True  # every request feeds one token (a decode step): one wave
-    for match in plan.matches:
+    for match in matches:
         state = match.state
         found = per_request.get(state.request_id)
         if found is None:
@@ -422,17 +311,16 @@ def _deliver_planned(session: Any, plan: Any, sources: dict[Any, Any]) -> None:
     if one_token:
         current = [item for item in per_request.values() if not item[0].closed]
         if current:
-            _deliver_planned_wave(session, current, sources)
+            _deliver_wave(session, current, sources)
         return
     queues: list[tuple[Any, list[list[Any]]]] = []
-    for state, matches in per_request.values():
+    for state, mine in per_request.values():
         if state.closed:
             continue  # nothing is routed after the request ended
-        if any(matches[i].token_index > matches[i + 1].token_index
-               for i in range(len(matches) - 1)):
-            matches.sort(key=lambda match: match.token_index)  # stable: plan order kept
+        if any(mine[i].token_index > mine[i + 1].token_index for i in range(len(mine) - 1)):
+            mine.sort(key=lambda match: match.token_index)  # stable: plan order kept
         tokens: list[list[Any]] = []
-        for match in matches:
+        for match in mine:
             if tokens and tokens[-1][0].token_index == match.token_index:
                 tokens[-1].append(match)
             else:
@@ -443,12 +331,12 @@ def _deliver_planned(session: Any, plan: Any, sources: dict[Any, Any]) -> None:
         current = [(state, tokens[wave]) for state, tokens in queues if wave < len(tokens)]
         if not current:
             return
-        _deliver_planned_wave(session, current, sources)
+        _deliver_wave(session, current, sources)
         wave += 1
 
 
-def _deliver_planned_wave(session: Any, current: list[tuple[Any, list[Any]]],
-                          sources: dict[Any, Any]) -> None:
+def _deliver_wave(session: Any, current: list[tuple[Any, list[Any]]],
+                  sources: dict[Any, Any]) -> None:
     """Route one token of each request in ``current``: one batch per point."""
     by_point: dict[str, list[tuple[Any, Any]]] = {}
     live: list[Any] = []
@@ -457,7 +345,9 @@ def _deliver_planned_wave(session: Any, current: list[tuple[Any, list[Any]]],
             continue
         abort = state.abort
         if abort is not None and matches[0].token_index > abort.token_index:
-            continue  # as in _deliver_wave: nothing after the aborting token
+            # Tokens after the abort are never probed; the aborting token's other
+            # records still reach every point, so observers see what the guard saw.
+            continue
         live.append(state)
         for match in matches:
             items = by_point.get(match.point.name)
@@ -472,7 +362,7 @@ def _deliver_planned_wave(session: Any, current: list[tuple[Any, list[Any]]],
     runs: dict[str, list[tuple[RoutedPoint, int, int, list[int]]]] = {}
     aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
     for items in by_point.values():
-        batch, spans = _planned_batch(items, sources)
+        batch, spans = _point_batch(items, sources)
         if session.keep_records:
             kept = batch.without_cache()  # the activations, not what probes derived
             for state, start, stop, match in spans:
@@ -490,11 +380,11 @@ def _deliver_planned_wave(session: Any, current: list[tuple[Any, list[Any]]],
         routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
         any_abort = ABORT_CODE in codes
         for state, start, stop, match in spans:
-            orders = [match.seq] * (stop - start)
+            orders = match.orders or [match.seq] * (stop - start)
             runs.setdefault(state.request_id, []).append((routed, start, stop, orders))
             if any_abort and ABORT_CODE in codes[start:stop]:
                 row = codes.index(ABORT_CODE, start, stop)
-                key = (match.layers[row - start], match.seq, routed, row)
+                key = (match.layers[row - start], match.order_of(row - start), routed, row)
                 best = aborts.get(state.request_id)
                 if best is None or key[:2] < best[:2]:
                     aborts[state.request_id] = key
@@ -529,13 +419,13 @@ def _record_refs(pieces: list[tuple[ActivationBatch, int, int, Any]]
     if len(pieces) == 1:
         kept, start, stop, _ = pieces[0]
         return [(kept, row) for row in range(start, stop)]
-    rows = [(match.layers[row - start], match.seq, kept, row)
+    rows = [(match.layers[row - start], match.order_of(row - start), kept, row)
             for kept, start, stop, match in pieces for row in range(start, stop)]
     rows.sort(key=_LAYER_ORDER)
     return [(kept, row) for _, _, kept, row in rows]
 
 
-def _planned_batch(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any]
+def _point_batch(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any]
                    ) -> tuple[ActivationBatch, list[tuple[Any, int, int, Any]]]:
     """One point's matches of one wave as a batch: grouped by request, each
     match's layers in ascending order; with (state, start, stop, match) per
@@ -577,7 +467,7 @@ def _planned_batch(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any]
     else:
         all_layers = [layer for _, match in items for layer in match.layers]
     batch = ActivationBatch(
-        _gather_planned(items, sources, tensor_type, layers if uniform else None),
+        _gather(items, sources, tensor_type, layers if uniform else None),
         request_ids=ids,
         point_names=[point.name] * start,
         layers=all_layers,
@@ -591,7 +481,7 @@ def _planned_batch(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any]
     return batch, spans
 
 
-def _gather_planned(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any],
+def _gather(items: Sequence[tuple[Any, Any]], sources: dict[Any, Any],
                     tensor_type: Any, layers: tuple[int, ...] | None) -> Any:
     """The matches' rows, each match's layers in turn: with torch sources and one
     layer set, one index operation per layer (none where a layer's rows are

@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from undercurrent.adapters.delivery import RecordLog, SignalLog, deliver_forward
+from undercurrent.adapters.delivery import PlanMatch, RecordLog, SignalLog, deliver_forward
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.probes.base import RequestContext
 from undercurrent.records import LazySequence, ProbeResult, SignalAction
@@ -310,23 +310,6 @@ class CaptureTarget:
     layer: int
     token_index: int
     slot_index: int
-
-
-class PlanMatch:
-    """One (request, token, point) a forward serves: the point's ``layers`` (in
-    ascending order) sit at ``rows[j]`` of the gathered tensor of
-    ``(layers[j], point.tensor_type)``. ``seq`` orders matches as planned."""
-
-    __slots__ = ("state", "point", "token_index", "layers", "rows", "seq")
-
-    def __init__(self, state: RequestState, point: ExtractionPoint, token_index: int,
-                 layers: tuple[int, ...], rows: list[int], seq: int) -> None:
-        self.state = state
-        self.point = point
-        self.token_index = token_index
-        self.layers = layers
-        self.rows = rows
-        self.seq = seq
 
 
 class CaptureGroup:
