@@ -849,8 +849,7 @@ class Binding:
 
     def finish_rows(self, batch: ActivationBatch, start: int, stop: int,
                     signals: BatchSignals | None, latency: float, longest: float,
-                    error: str | None = None, *, offset: int | None = None,
-                    observed: bool = False) -> bool:
+                    error: str | None = None, *, offset: int | None = None) -> bool:
         """The group call that judged rows ``start:stop`` of ``batch`` (marked by
         :meth:`admit_inline`) returned: settle them in one update, with the
         signals they got (or ``error`` for every row). ``signals`` are those rows'
@@ -858,9 +857,8 @@ class Binding:
         with other bindings in which row ``r`` of the batch is row ``r - offset``
         (their rows with a signal are then kept whatever the other rows hold).
         ``batch`` is kept for locating the signals: pass its
-        :meth:`~ActivationBatch.index_view`. ``observed``: an async binding's
-        signals (kept as observations, see :func:`observed_only`). False when
-        the result was frozen meanwhile."""
+        :meth:`~ActivationBatch.index_view`. False when the result was frozen
+        meanwhile."""
         count = stop - start
         with self._cond:
             self.end_call()
@@ -873,7 +871,7 @@ class Binding:
             if error is not None:
                 self._count_errors(batch[start:stop], [error] * count)
             elif signals is not None and (offset is not None or signals.any_signal()):
-                self._unread.append((signals, batch, start, stop, observed,
+                self._unread.append((signals, batch, start, stop, False,
                                      start if offset is None else offset))
             return True
 
