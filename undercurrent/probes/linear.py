@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
 from undercurrent.probes.weights import (
     LINKS,
     LinearWeights,
@@ -268,13 +268,8 @@ class LinearProbe(ScoresRows):
         threshold), when all ``probes`` are this very class with one rule."""
         if cls.judge_rows is not LinearProbe.judge_rows or cls.judge is not LinearProbe.judge:
             return None
-        rule = probes[0].rule  # type: ignore[attr-defined]
-        if any(type(probe) is not cls or probe.rule != rule for probe in probes):
-            return None
         scores, meta = values
-        return ScoreSummary.batch_signals_many(
-            [probe.summary for probe in probes],  # type: ignore[attr-defined]
-            rule, scores, spans, token_indices, layers, meta)
+        return judge_summaries(probes, scores, spans, token_indices, layers, meta)
 
     def on_batch(self, batch: ActivationBatch) -> BatchSignals:
         """Score the batch with one matrix product; a subclass that overrides

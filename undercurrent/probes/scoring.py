@@ -155,14 +155,8 @@ class ScoreSummary:
                       metadata: Mapping[str, Sequence[Any]] | None = None) -> BatchSignals:
         """The batch path of :meth:`ThresholdRule.signal` + :meth:`add`: one row per
         score of a float64 numpy array (every row scored), summary updated."""
-        crossed = None
-        actions: Any = [ACTION_CODES[SignalAction.CONTINUE]] * len(scores)
-        if rule.threshold is not None:
-            crossed = scores >= rule.threshold
-            actions = crossed * ACTION_CODES[rule.action]
-        values = scores.tolist()
-        self.add_columns(values, token_indices, layers, crossed)
-        return BatchSignals(actions, values, metadata, all_scored=True)
+        return ScoreSummary.batch_signals_many([self], rule, scores, [(0, len(scores))],
+                                               token_indices, layers, metadata)
 
     @staticmethod
     def batch_signals_many(summaries: Sequence[ScoreSummary], rule: ThresholdRule, scores: Any,
@@ -220,3 +214,16 @@ class ScoreSummary:
         }
         result.update(self.extra)
         return result
+
+
+def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[int, int]],
+                    token_indices: Sequence[int], layers: Sequence[int],
+                    metadata: Mapping[str, Sequence[Any]] | None = None) -> BatchSignals | None:
+    """The ``judge_many`` of a built-in that keeps a ``rule`` and a ``summary``:
+    :meth:`ScoreSummary.batch_signals_many` over the instances' summaries when
+    they are all of one class with one rule, else None (each judges its own)."""
+    rule = probes[0].rule
+    if any(type(probe) is not type(probes[0]) or probe.rule != rule for probe in probes):
+        return None
+    return ScoreSummary.batch_signals_many([probe.summary for probe in probes], rule, scores,
+                                           spans, token_indices, layers, metadata)

@@ -14,7 +14,7 @@ from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
 from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
 
@@ -73,12 +73,7 @@ class _StatisticProbe(ScoresRows):
         very class with one rule."""
         if cls.judge_rows is not _StatisticProbe.judge_rows:
             return None
-        rule = probes[0].rule  # type: ignore[attr-defined]
-        if any(type(probe) is not cls or probe.rule != rule for probe in probes):
-            return None
-        return ScoreSummary.batch_signals_many(
-            [probe.summary for probe in probes],  # type: ignore[attr-defined]
-            rule, values, spans, token_indices, layers)
+        return judge_summaries(probes, values, spans, token_indices, layers)
 
     def on_end(self, ctx: RequestContext) -> Any:
         return self.summary.verdict()

@@ -175,7 +175,7 @@ class AsyncScheduler:
         if taken:
             worker.call_started = time.monotonic()
             try:
-                if not _judge_together(taken):
+                if not _judge_taken(taken):
                     for binding, pieces in taken:
                         batch = ActivationBatch.concat(
                             [routed[start:stop] for routed, start, stop in pieces])
@@ -228,7 +228,7 @@ class AsyncScheduler:
                 self._cond.notify_all()
 
 
-def _judge_together(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]]
+def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]]
                     ) -> bool:
     """Judge every binding's taken rows with one ``judge_many`` call of the probes'
     class, reading the values each routed batch computed once, and settle each
