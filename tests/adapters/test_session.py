@@ -185,6 +185,35 @@ def test_one_decode_forward_routes_one_batch_per_point_grouped_by_request_in_lay
         assert {r.request_id for r in state.records} == {state.request_id}
 
 
+def test_a_shifted_plan_repeats_the_groups_and_matches_one_token_later():
+    points = [_layered_point("m", "generated[*]", "mlp_out", probe_type="none"),
+              _layered_point("s", "generated[1:]", "residual_stream", probe_type="none")]
+    session = CaptureSession(None, points)
+    state = session.open_request("r1", "x", [1, 2, 3])
+    assert state.steady_from == 4  # generated[1:] selects every token from index 4
+    state.generated.extend([10, 11])
+    plan = StepPlan()
+    plan.add_window(state, 4, 5, lambda t: ("r1", 0))
+    later = plan.shifted(1).shifted(2)
+    assert later.base is plan and later.delta == 3
+    assert set(later.groups) == set(plan.groups)
+    for key, group in plan.groups.items():
+        assert later.groups[key].slots is group.slots and later.groups[key].plan is later
+    assert [(m.point.name, m.token_index, m.layers, m.rows, m.seq) for m in later.matches] == [
+        (m.point.name, m.token_index + 3, m.layers, m.rows, m.seq) for m in plan.matches]
+    with pytest.raises(ValueError, match="shifted step plan is complete"):
+        later.add_window(state, 8, 9, lambda t: ("r1", 0))
+
+
+def test_steady_from_is_none_for_a_point_that_ends_skips_or_picks_one_token():
+    for position, stride in (("generated[1:5]", 1), ("generated[*]", 2), ("prompt[-1]", 1),
+                             ("generated[0]", 1)):
+        state = RequestState("r", "x", [1, 2], [point(position, stride)])
+        assert state.steady_from is None, position
+    assert RequestState("r", "x", [1, 2], [point("generated[*]")]).steady_from == 2
+    assert RequestState("r", "x", [1, 2], []).steady_from == 0
+
+
 def test_an_inline_abort_at_one_prefill_token_stops_the_later_tokens_records_being_routed():
     np = pytest.importorskip("numpy")
     from undercurrent.router import Router

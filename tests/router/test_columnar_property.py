@@ -305,6 +305,35 @@ def test_route_columns_routes_only_the_given_spans_and_answers_every_row():
     assert results["a"].signals[1].score == pytest.approx(2.0 * math.sqrt(HIDDEN))
 
 
+def test_a_spans_list_given_again_routes_as_of_now_not_as_first_seen():
+    # route_columns keeps a spans list's routes while no request starts or ends and
+    # the list is unchanged: a request ended since, or spans changed in place, are
+    # routed as a first call would route them.
+    point = _points([("linear_probe", "inline", {0, 1}, None, "flag", 1)])[0]
+
+    def batch() -> ActivationBatch:
+        return ActivationBatch.from_records([
+            ActivationRecord(request_id, "p0", layer, "residual_stream", 5, True, 1, 9,
+                             np.full(HIDDEN, 1.0 + layer, dtype=np.float32))
+            for request_id in ("a", "b") for layer in (0, 1)])
+
+    spans = [("a", 0, 2), ("b", 2, 4)]
+    with _router("drop_newest") as router:
+        for request_id in ("a", "b"):
+            router.register_request(request_id, [point])
+        for _ in range(3):
+            assert len(router.route_columns(batch(), spans).signals(batch())) == 4
+        ended = router.end_request("b")["p0"]
+        assert ended.stats.received == ended.stats.processed == 6
+        router.route_columns(batch(), spans)  # b's rows arrive after it ended
+        assert router.metrics()["late_records"] == 2
+        spans[:] = [("a", 0, 2)]  # the same list, changed: b's rows are left out
+        router.route_columns(batch(), spans)
+        assert router.metrics()["late_records"] == 2
+        kept = router.end_request("a")["p0"]
+    assert kept.stats.received == kept.stats.processed == 3 * 2 + 2 + 2
+
+
 @pytest.mark.parametrize("probe_type", ["linear_probe", "norm_probe"])
 def test_requests_whose_rules_differ_are_judged_each_by_its_own_rule(probe_type):
     # Each request gets its own threshold and action for the same point name: the
@@ -477,23 +506,40 @@ def _simulate(session: CaptureSession, prompts: list[list[int]], steps: int,
     row's activation read from ``table[request, layer, token]``; aborted requests
     stop being fed. ``deliver_as``: each forward hands over the plan's groups with
     torch rows (``group_torch``, as the HF hooks do) or numpy rows
-    (``group_numpy``), or lists of targets (``targets``, as the vLLM channel does)."""
+    (``group_numpy``), or lists of targets (``targets``, as the vLLM channel does).
+    ``shifted``: as ``group_torch``, but a decode step's token sits at slot
+    ``(row, None)`` (the row's one fed token, as in the HF hooks) and the last
+    decode plan is repeated one token later (``StepPlan.shifted``) while the same
+    requests are fed and every one is steady, as the HF driver does."""
     states = [session.open_request(f"r{index}", "", prompt)
               for index, prompt in enumerate(prompts)]
     fed = [0] * len(states)
+    steady: tuple[StepPlan, list[Any]] | None = None
     for step in range(steps + 1):
         plan = StepPlan()
-        for index, state in enumerate(states):
-            if not state.live:
-                continue
-            stop = state.prompt_len + len(state.generated)
-            plan.add_window(state, fed[index], stop, lambda t, i=index: (i, t))
-            fed[index] = stop
+        feeding = [(index, state) for index, state in enumerate(states) if state.live]
+        if deliver_as == "shifted" and steady is not None and steady[1] == feeding:
+            plan = steady[0].shifted(1)
+            fed = [state.prompt_len + len(state.generated) for state in states]
+        else:
+            for index, state in feeding:
+                stop = state.prompt_len + len(state.generated)
+                decode = deliver_as == "shifted" and step > 0
+                plan.add_window(state, fed[index], stop,
+                                (lambda t, i=index: (i, None)) if decode else
+                                (lambda t, i=index: (i, t)))
+                fed[index] = stop
+            steady = None
+            if deliver_as == "shifted" and step > 0 and not plan.edits and all(
+                    state.steady_from is not None and fed[index] - 1 >= state.steady_from
+                    for index, state in feeding):
+                steady = (plan, feeding)
         batches = []
         for (layer, tensor_type), group in sorted(plan.groups.items(),
                                                   key=lambda item: item[0][0]):
-            rows = np.stack([table[row, layer, column] for row, column in group.slots])
-            if deliver_as == "group_torch":
+            rows = np.stack([table[row, layer, fed[row] - 1 if column is None else column]
+                             for row, column in group.slots])
+            if deliver_as in ("group_torch", "shifted"):
                 batches.append((tensor_type, group, torch.from_numpy(rows)))
             elif deliver_as == "group_numpy":
                 batches.append((tensor_type, group, rows))
@@ -522,10 +568,21 @@ positions = st.sampled_from(("generated[*]", "prompt[-1]", "prompt[0]", "prompt[
            ("mean_probe", "inline_block", {1, 3}, -5.0, "abort", 1)],
     position_list=["generated[*]", "generated[*]", "prompt[0]"], prompt_lens=[2, 4],
     steps=3, seed=2, deliver_as="group_torch")
+@example(  # decode steps repeated by StepPlan.shifted, three points of three kinds
+    specs=[("linear_probe", "inline", {0, 1, 3}, 0.3, "flag", 1),
+           ("trajectory_probe", "async", {2}, None, "flag", 2),
+           ("capture", "inline", {0, 3}, None, "flag", 1)],
+    position_list=["generated[*]", "generated[1:]", "generated[*]"], prompt_lens=[3, 2, 4],
+    steps=4, seed=3, deliver_as="shifted")
+@example(  # requests aborting at different steps: the shifted plan is planned again
+    specs=[("linear_probe", "inline", {1, 2}, 0.8, "abort", 1),
+           ("norm_probe", "inline_block", {0, 2}, None, "flag", 1)],
+    position_list=["generated[*]", "generated[*]", "generated[*]"], prompt_lens=[2, 3, 1],
+    steps=4, seed=5, deliver_as="shifted")
 @given(specs=point_specs, position_list=st.lists(positions, min_size=3, max_size=3),
        prompt_lens=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        steps=st.integers(0, 4), seed=st.integers(0, 2**31 - 1),
-       deliver_as=st.sampled_from(("group_torch", "group_numpy", "targets")))
+       deliver_as=st.sampled_from(("group_torch", "group_numpy", "targets", "shifted")))
 def test_session_deliver_equals_the_per_record_delivery(specs, position_list, prompt_lens,
                                                         steps, seed, deliver_as):
     rng = np.random.default_rng(seed)
@@ -539,7 +596,10 @@ def test_session_deliver_equals_the_per_record_delivery(specs, position_list, pr
     # drops) makes async results deterministic across forwards.
     with _router("block") as oracle_router, _router("block") as router:
         oracle = PerRecordSession(oracle_router, points, keep_records=True)
-        session = CaptureSession(router, points, keep_records=True)
+        # Kept records take the general path: a shifted plan is delivered from its
+        # kept layout only without them.
+        keep = deliver_as != "shifted"
+        session = CaptureSession(router, points, keep_records=keep)
         expected = _simulate(oracle, prompts, steps, table, deliver_as)
         got = _simulate(session, prompts, steps, table, deliver_as)
     for request_id, out in got.items():
@@ -556,11 +616,11 @@ def test_session_deliver_equals_the_per_record_delivery(specs, position_list, pr
                  s.action, _approx(s.score)) for s in out.signals] == [
             (s.extraction_point_name, s.layer, s.token_index, s.generated_index, s.action,
              _approx(s.score)) for s in oracle.kept_signals.get(request_id, [])]
-        kept = oracle.kept_records.get(request_id, [])
+        kept = oracle.kept_records.get(request_id, []) if keep else []
         assert [r.key() + (r.is_generated, r.generated_index, r.token_id)
-                for r in out.records] == [r.key() + (r.is_generated, r.generated_index,
+                for r in out.records or []] == [r.key() + (r.is_generated, r.generated_index,
                                                      r.token_id) for r in kept]
-        for mine, theirs in zip(out.records, kept, strict=True):
+        for mine, theirs in zip(out.records or [], kept, strict=True):
             assert np.array_equal(np.asarray(mine.tensor), np.asarray(theirs.tensor))
         for name, result in out.results.items():
             assert _result_view(result) == _result_view(want.results[name])

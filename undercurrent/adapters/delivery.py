@@ -231,8 +231,10 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> No
     batches = list(batches)
     plan = _whole_plan(batches)
     if plan is not None:
-        _deliver_matches(session, plan.matches,
-                         {targets.key: rows for _, targets, rows in batches})
+        sources = {targets.key: rows for _, targets, rows in batches}
+        if plan.base is not None and _deliver_steady(session, plan, sources):
+            return
+        _deliver_matches(session, plan.matches, sources)
         return
     matches, sources = matches_of_targets(batches)
     _deliver_matches(session, matches, sources)
@@ -338,6 +340,23 @@ def _deliver_matches(session: Any, matches: Sequence[PlanMatch],
 def _deliver_wave(session: Any, current: list[tuple[Any, list[Any]]],
                   sources: dict[Any, Any]) -> None:
     """Route one token of each request in ``current``: one batch per point."""
+    live, by_point = _wave_points(current)
+    if not live:
+        return
+    registered = session.registered
+    points = []
+    for items in by_point.values():
+        batch, spans = _point_batch(items, sources)
+        points.append((batch, spans, [(state.request_id, start, stop)
+                                      for state, start, stop, _ in spans
+                                      if state.request_id in registered]))
+    _route_wave(session, live, points)
+
+
+def _wave_points(current: list[tuple[Any, list[Any]]]
+                 ) -> tuple[list[Any], dict[str, list[tuple[Any, Any]]]]:
+    """The requests of ``current`` whose token is probed, and their matches by
+    point, as (state, match) in request order."""
     by_point: dict[str, list[tuple[Any, Any]]] = {}
     live: list[Any] = []
     for state, matches in current:
@@ -354,28 +373,29 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Any]]],
             if items is None:
                 items = by_point[match.point.name] = []
             items.append((state, match))
-    if not live:
-        return
+    return live, by_point
+
+
+def _route_wave(session: Any, live: list[Any],
+                points: Iterable[tuple[ActivationBatch, list[tuple[Any, int, int, Any]],
+                                       list[tuple[str, int, int]]]]) -> None:
+    """Route each point's batch of one wave, as (batch, spans, the spans to
+    route: those of registered requests), then give each request of ``live``
+    its signals, records and abort."""
     router = session.router
-    registered = session.registered
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
     runs: dict[str, list[tuple[RoutedPoint, int, int, list[int]]]] = {}
     aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
-    for items in by_point.values():
-        batch, spans = _point_batch(items, sources)
+    for batch, spans, routed_spans in points:
         if session.keep_records:
             kept = batch.without_cache()  # the activations, not what probes derived
             for state, start, stop, match in spans:
                 kept_rows.setdefault(state.request_id, []).append((kept, start, stop, match))
-        if router is None:
-            continue
-        routed_spans = [(state.request_id, start, stop) for state, start, stop, _ in spans
-                        if state.request_id in registered]
-        if not routed_spans:
+        if router is None or not routed_spans:
             continue
         signals = router.route_columns(batch, routed_spans)  # a row each, spans or not
         codes = as_list(signals.actions)
-        if all(code == NO_SIGNAL for code in codes):
+        if codes.count(NO_SIGNAL) == len(codes):
             continue
         routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
         any_abort = ABORT_CODE in codes
@@ -411,6 +431,132 @@ def _deliver_wave(session: Any, current: list[tuple[Any, list[Any]]],
                                     int(batch.token_indices[row]),
                                     batch.generated_indices[row], signal)
             state.finish_reason = "abort"
+
+
+# -- a plan repeated one token later (StepPlan.shifted): the batches' layout kept --
+
+
+class _SteadyPoint:
+    """One point's batch in every plan that repeats a base plan: what does not
+    change from one step to the next, computed once."""
+
+    __slots__ = ("tensor_type", "keys", "picks", "count", "requests", "request_ids",
+                 "point_names", "layers", "tokens", "generated", "spans", "routed_spans")
+
+    def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
+        first = items[0][1]
+        point, layers = first.point, first.layers
+        self.tensor_type = point.tensor_type
+        self.keys = [(layer, self.tensor_type) for layer in layers]
+        self.picks: list[Any] | None = None  # index tensors, made from the first sources
+        count = self.count = len(layers)
+        self.requests = [(state, match.token_index) for state, match in items]
+        self.request_ids = [state.request_id for state, _ in items for _ in range(count)]
+        self.point_names = [point.name] * (count * len(items))
+        self.layers = list(layers) * len(items)
+        self.tokens = [token for _, token in self.requests for _ in range(count)]
+        self.generated = [token - state.prompt_len for state, token in self.requests
+                          for _ in range(count)]
+        self.spans = [(state, row * count, (row + 1) * count, match)
+                      for row, (state, match) in enumerate(items)]
+        self.routed_spans = [(state.request_id, start, stop)
+                             for state, start, stop, _ in self.spans
+                             if state.request_id in registered]
+
+    def rows(self, sources: dict[Any, Any]) -> Any:
+        """The gathered rows: per layer, its source's rows in request order (the
+        source itself where it is exactly that), stacked layer-minor."""
+        if self.picks is None:
+            self.picks = []
+            for column, key in enumerate(self.keys):
+                rows = [match.rows[column] for _, _, _, match in self.spans]
+                source = sources[key]
+                self.picks.append(None if rows == list(range(len(source))) else
+                                  source.new_tensor(rows, dtype=sys.modules["torch"].long))
+        pieces = [sources[key] if pick is None else sources[key].index_select(0, pick)
+                  for key, pick in zip(self.keys, self.picks, strict=True)]
+        if len(pieces) == 1:
+            return pieces[0]
+        stacked = sys.modules["torch"].stack(pieces, 1)
+        return stacked.reshape(len(self.requests) * len(pieces), *pieces[0].shape[1:])
+
+    def batch(self, delta: int, sources: dict[Any, Any]) -> ActivationBatch:
+        """This point's batch ``delta`` tokens after the base plan's."""
+        count = self.count
+        token_ids = [state.token_id_at(token + delta) for state, token in self.requests]
+        if count > 1:
+            token_ids = [token_id for token_id in token_ids for _ in range(count)]
+        return ActivationBatch(
+            self.rows(sources),
+            request_ids=self.request_ids,
+            point_names=self.point_names,
+            layers=self.layers,
+            tensor_type=self.tensor_type.value,
+            token_indices=[token + delta for token in self.tokens],
+            is_generated=[True] * len(self.tokens),
+            generated_indices=[index + delta for index in self.generated],
+            token_ids=token_ids,
+        )
+
+
+class _SteadyLayout:
+    """The batches of every plan that repeats one base plan, one per point."""
+
+    __slots__ = ("states", "points")
+
+    def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
+        self.states = states
+        self.points = points
+
+    @classmethod
+    def of(cls, base: Any, session: Any, sources: dict[Any, Any]) -> _SteadyLayout | None:
+        """The layout of ``base`` 's repeats, or None where they take the general
+        path: records kept, a request fed several tokens, a prompt token, a
+        point whose layers differ between requests, rows not torch tensors."""
+        if session.keep_records or not all(hasattr(rows, "detach")
+                                           for rows in sources.values()):
+            return None
+        per_request: dict[str, tuple[Any, list[PlanMatch]]] = {}
+        for match in base.matches:
+            state = match.state
+            if match.token_index < state.prompt_len:
+                return None
+            found = per_request.get(state.request_id)
+            if found is None:
+                per_request[state.request_id] = (state, [match])
+            elif match.token_index != found[1][0].token_index:
+                return None
+            else:
+                found[1].append(match)
+        live, by_point = _wave_points(list(per_request.values()))
+        if len(live) != len(per_request):
+            return None
+        for items in by_point.values():
+            layers = items[0][1].layers
+            if any(match.layers != layers for _, match in items):
+                return None
+        registered = session.registered
+        return cls(live, [_SteadyPoint(items, registered) for items in by_point.values()])
+
+
+def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
+    """Deliver a plan that repeats its base plan ``plan.delta`` tokens later,
+    from the layout kept on the base plan: what the general path would route,
+    without planning each request's matches again. False (nothing done) where
+    the general path must: no layout, or a request closed or aborted since."""
+    base = plan.base
+    layout = base.steady
+    if layout is None:
+        layout = base.steady = _SteadyLayout.of(base, session, sources) or False
+    if layout is False:
+        return False
+    states = layout.states
+    if any(state.closed or state.abort is not None for state in states):
+        return False
+    delta = plan.delta
+    _route_wave(session, states, [(point.batch(delta, sources), point.spans, point.routed_spans)
+                                  for point in layout.points])
+    return True
 
 
 def _record_refs(pieces: list[tuple[ActivationBatch, int, int, Any]]

@@ -86,6 +86,19 @@ def _absolute_selector(point: ExtractionPoint, prompt_len: int
     return first, end, base, point.stride, None
 
 
+def _steady_from(selectors: Iterable[tuple[int, int | None, int, int, int | None]]
+                 ) -> int | None:
+    """The first token index every one of ``selectors`` (from
+    :func:`_absolute_selector`) matches from on, for good (None when one of
+    them ends, skips tokens or picks one token)."""
+    first = 0
+    for start, end, _, stride, target in selectors:
+        if target is not None or end is not None or stride != 1:
+            return None
+        first = max(first, start)
+    return first
+
+
 def stop_position(text: str, stops: Sequence[str]) -> int | None:
     """Index where the earliest stop string starts in ``text``, or None."""
     found = [index for index in (text.find(stop) for stop in stops if stop) if index >= 0]
@@ -160,6 +173,10 @@ class RequestState:
         # Each point's selector in absolute token indices, for one-token windows.
         self._selectors = {id(point): _absolute_selector(point, self.prompt_len)
                            for point in self.points}
+        self.steady_from = None if edits else _steady_from(self._selectors.values())
+        """The first token index from which every token matches every point and no
+        edit applies (None: no such index): from there on, each decode step plans
+        the same captures one token later (:meth:`StepPlan.shifted`)."""
         self.generated: list[int] = []
         self.abort: AbortInfo | None = None
         self.finish_reason: str | None = None
@@ -323,13 +340,16 @@ class CaptureGroup:
     (:attr:`targets` lists it as :class:`CaptureTarget` s, built when read).
     """
 
-    __slots__ = ("key", "plan", "slots", "_slot_index")
+    __slots__ = ("key", "plan", "slots", "_slot_index", "index_cache")
 
     def __init__(self, key: PairKey | None = None, plan: StepPlan | None = None) -> None:
         self.key = key
         self.plan = plan
         self.slots: list[Hashable] = []
         self._slot_index: dict[Hashable, int] = {}
+        self.index_cache: dict[Any, Any] = {}
+        """What an engine derives from :attr:`slots` (e.g. index tensors per
+        device), shared by the plans :meth:`StepPlan.shifted` makes."""
 
     def row_of(self, slot: Hashable) -> int:
         """The row of ``slot`` in the gathered tensor (added if new)."""
@@ -369,10 +389,45 @@ class StepPlan:
     def __init__(self) -> None:
         self.groups: dict[PairKey, CaptureGroup] = {}
         self.edits: dict[PairKey, dict[int, EditSlots]] = {}
-        self.matches: list[PlanMatch] = []
-        """One per (request, token, point) planned, in planning order."""
+        self._matches: list[PlanMatch] | None = []
         self._layouts: dict[int, tuple[ExtractionPoint, tuple[int, ...],
                                        list[CaptureGroup]]] = {}
+        self.base: StepPlan | None = None
+        """For a plan made by :meth:`shifted`: the plan it repeats ``delta``
+        tokens later (never itself a shifted plan)."""
+        self.delta = 0
+        self.steady: Any = None
+        """What delivery derives once from a plan that others repeat (kept on the
+        base plan; see :mod:`undercurrent.adapters.delivery`)."""
+
+    @property
+    def matches(self) -> list[PlanMatch]:
+        """One per (request, token, point) planned, in planning order."""
+        if self._matches is None:  # a shifted plan's, built when first read
+            assert self.base is not None
+            delta = self.delta
+            self._matches = [PlanMatch(match.state, match.point, match.token_index + delta,
+                                       match.layers, match.rows, match.seq, match.orders)
+                             for match in self.base.matches]
+        return self._matches
+
+    def shifted(self, delta: int = 1) -> StepPlan:
+        """This plan again with every token ``delta`` later: the same groups (the
+        same slots) and the same matches, each at ``token_index + delta``. What a
+        decode step plans when every request it feeds is past its
+        :attr:`RequestState.steady_from` and feeds the token after the one it fed
+        in this plan, at the same slot. Nothing per match is built unless
+        :attr:`matches` is read. A plan with edits cannot be shifted."""
+        if self.edits:
+            raise ValueError("a step plan with edits cannot be shifted")
+        base = self if self.base is None else self.base
+        plan = StepPlan()
+        plan.base, plan.delta, plan._matches = base, self.delta + delta, None
+        for key, group in base.groups.items():
+            twin = plan.groups[key] = CaptureGroup(key, plan)
+            twin.slots, twin._slot_index = group.slots, group._slot_index
+            twin.index_cache = group.index_cache
+        return plan
 
     def _layout(self, point: ExtractionPoint) -> tuple[tuple[int, ...], list[CaptureGroup]]:
         """The point's layers in ascending order and the group of each."""
@@ -393,6 +448,8 @@ class StepPlan:
                    slot_of: Callable[[int], Hashable]) -> None:
         """Plan the tokens ``[start, stop)`` of ``state`` this forward feeds;
         ``slot_of(token_index)`` says where each sits in the engine's tensors."""
+        if self.base is not None:
+            raise ValueError("a shifted step plan is complete: plan a new one to add to")
         matches = self.matches
         for token_index, point in state.matches_in_window(start, stop):
             slot = slot_of(token_index)
@@ -419,6 +476,8 @@ class StepPlan:
         """Append one (request, token, point) match: ``point``'s ``layers`` (in
         ascending order, each with a group, e.g. from :meth:`add_gathered`) sit at
         ``rows[j]`` of the group of ``(layers[j], point.tensor_type)``."""
+        if self.base is not None:
+            raise ValueError("a shifted step plan is complete: plan a new one to add to")
         match = PlanMatch(state, point, token_index, layers, rows, len(self.matches))
         self.matches.append(match)
         return match

@@ -168,7 +168,11 @@ class Binding:
         self._queue_capacity = queue_capacity
         self._overflow = overflow
         self._breaker_threshold = breaker_threshold
-        self._cond = threading.Condition()
+        # One re-entrant lock; the hot transitions take it directly (cheaper than
+        # entering the condition), and wake waiters only when there are some.
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
+        self._sleepers = 0  # threads inside _wait
         self._received = 0
         self._processed = 0
         self._dropped = 0
@@ -660,7 +664,7 @@ class Binding:
                 left = count - offset
                 self._waiting += left
                 while self._queued >= capacity and not self._closed:
-                    self._cond.wait()
+                    self._wait()
                 self._waiting -= left
                 if self._finalised:  # counted as dropped by finalise()
                     return
@@ -691,6 +695,19 @@ class Binding:
         """Count ``count`` received records the probe will never see (lock held)."""
         self._dropped += count
 
+    def _wait(self, timeout: float | None = None) -> None:
+        """Wait on the condition (lock held), counted so that :meth:`_wake` knows."""
+        self._sleepers += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._sleepers -= 1
+
+    def _wake(self) -> None:
+        """Wake every thread waiting on the condition, if any (lock held)."""
+        if self._sleepers:
+            self._cond.notify_all()
+
     def wait_turn(self, count: int, deadline: float | None = None) -> None:
         """Wait (lock held) until the probe is free, the binding closed, or the
         ``time.monotonic()`` deadline passed, counting ``count`` records waiting
@@ -698,12 +715,12 @@ class Binding:
         self._waiting += count
         while self._busy and not self._closed:
             if deadline is None:
-                self._cond.wait()
+                self._wait()
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            self._cond.wait(remaining)
+            self._wait(remaining)
         self._waiting -= count
 
     def wait_until(self, done: Callable[[], bool], deadline: float) -> None:
@@ -713,7 +730,7 @@ class Binding:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            self._cond.wait(remaining)
+            self._wait(remaining)
 
     def begin_call(self, count: int) -> None:
         """Mark the probe busy with a call on ``count`` records (lock held)."""
@@ -724,7 +741,7 @@ class Binding:
         """The call marked by :meth:`begin_call` is over: the probe is free (lock held)."""
         self._busy = False
         self._in_flight = 0
-        self._cond.notify_all()
+        self._wake()
 
     def hand_to_helper(self, call: Any, count: int,
                        loop: Callable[[Binding], None]) -> None:
@@ -741,14 +758,14 @@ class Binding:
                 daemon=True,
             )
             self._helper.start()
-        self._cond.notify_all()
+        self._wake()
 
     def next_pending(self) -> Any:
         """The helper thread's next call (lock held): waits for one, or for the
         binding to be finalised; the call is no longer pending. None when there
         is none (finalised)."""
         while self._pending is None and not self._finalised:
-            self._cond.wait()
+            self._wait()
         call, self._pending = self._pending, None
         return call
 
@@ -790,15 +807,17 @@ class Binding:
         the probe to be free, and mark it busy with them. False when the binding
         closed meanwhile (the records are then counted dropped, here or by
         :meth:`finalise`) and the caller must not run the probe."""
-        with self._cond:
+        with self._mutex:
             self._received += count
-            self.wait_turn(count)
+            if self._busy:
+                self.wait_turn(count)
             if self._finalised:  # counted as dropped by finalise()
                 return False
             if self._closed:
                 self._dropped += count
                 return False
-            self.begin_call(count)
+            self._busy = True  # begin_call, inlined: this runs per request and step
+            self._in_flight = count
             return True
 
     def take_queued(self, limit: int) -> ActivationBatch | None:
@@ -816,7 +835,7 @@ class Binding:
         with self._cond:
             if not self._queue or self._finalised:
                 self._scheduled = False
-                self._cond.notify_all()
+                self._wake()
                 return None
             take = min(self._queued, limit) if self._batched else 1
             pieces: list[_Rows] = []
@@ -832,7 +851,7 @@ class Binding:
                     left = 0
             self._queued -= take
             self.begin_call(take)
-            self._cond.notify_all()  # room for a producer blocked on a full queue
+            self._wake()  # room for a producer blocked on a full queue
         return [(piece.batch, piece.start, piece.stop) for piece in pieces]
 
     def finish_call(self, batch: ActivationBatch, outcome: BatchOutcome, *,
@@ -860,8 +879,11 @@ class Binding:
         :meth:`~ActivationBatch.index_view`. False when the result was frozen
         meanwhile."""
         count = stop - start
-        with self._cond:
-            self.end_call()
+        with self._mutex:
+            self._busy = False  # end_call, inlined: this runs per request and step
+            self._in_flight = 0
+            if self._sleepers:
+                self._cond.notify_all()
             if self._finalised:
                 return False
             self._processed += count
@@ -910,7 +932,7 @@ class Binding:
             if self._queue and not self._finalised:
                 return True
             self._scheduled = False
-            self._cond.notify_all()
+            self._wake()
             return False
 
     # -- end of the request -----------------------------------------------------------
@@ -919,7 +941,7 @@ class Binding:
         """Accept no more records; wake producers blocked on a full queue."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._wake()
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until the queue is empty and nothing is in flight, or the deadline."""
@@ -928,7 +950,7 @@ class Binding:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cond.wait(remaining)
+                self._wait(remaining)
             return True
 
     def finalise(self, waited_s: float) -> bool:
@@ -958,7 +980,7 @@ class Binding:
                 self._error_notes.append(
                     "on_activation was still running, so on_end was not called"
                 )
-            self._cond.notify_all()
+            self._wake()
             return not in_flight
 
     def _gave_up(self, waited_s: float) -> str:

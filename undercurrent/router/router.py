@@ -104,6 +104,25 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+#: How many spans lists' routes :meth:`Router.route_columns` keeps.
+_ROUTES_KEPT = 8
+
+
+@dataclasses.dataclass
+class _Routes:
+    """Where the spans of one routed batch go: ``each`` in span order,
+    (request, binding, start, stop), binding None for a request not live
+    (then ``request`` is its id); ``grouped``, the inline bindings judged
+    together, by group key. Valid for equal ``spans`` (a copy) while the
+    router's version is ``version``."""
+
+    spans: list[tuple[str, int, int]]
+    name: str
+    version: int
+    each: list[tuple[Any, Binding | None, int, int]]
+    grouped: dict[Any, list[tuple[_Request, Binding, int, int]]]
+
+
 class Router:
     """Dispatches :class:`~undercurrent.records.ActivationRecord` s to probes.
 
@@ -175,6 +194,9 @@ class Router:
         self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
+        self._version = 0  # bumped whenever _requests changes (cached routes then go)
+        # route_columns' routes for a spans list given again, by the list's id.
+        self._routes: dict[int, _Routes] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._results_after_shutdown: dict[str, dict[str, ProbeResult]] = {}
         self._totals = dict.fromkeys(_COUNTERS, 0)
@@ -241,6 +263,7 @@ class Router:
             if request_id in self._requests:
                 raise RouterError(f"{label}: a request with this id is already live")
             self._requests[request_id] = _Request(request_id, bindings)
+            self._version += 1
             self._ended.pop(request_id, None)
 
     def check(self, points: Iterable[Any]) -> None:
@@ -398,12 +421,38 @@ class Router:
                 "route_columns: every row must belong to one extraction point; got "
                 f"{sorted(set(names))}"
             )
+        routes = None if spans is None else self._routes.get(id(spans))
+        if (routes is None or routes.version != self._version or routes.name != name
+                or routes.spans != spans):
+            routes = self._find_routes(batch.spans() if spans is None else spans, name)
+            if spans is not None:  # given again (a steady decode step): kept
+                if len(self._routes) >= _ROUTES_KEPT:
+                    self._routes.clear()
+                self._routes[id(spans)] = routes
         pieces: list[tuple[int, BatchSignals]] = []
+        for request, binding, start, stop in routes.each:
+            if binding is None:
+                self._route_unknown(request, stop - start)
+            elif binding.is_async:
+                self._enqueue(binding, batch, start, stop)
+            else:
+                signals = run_inline(binding, batch[start:stop])
+                if ABORT_CODE in signals.actions:
+                    request.abort_requested = True
+                pieces.append((start, signals))
+        for key, members in routes.grouped.items():
+            pieces.extend(judge_group(batch, key, members))
+        return BatchSignals.assemble(count, pieces)
+
+    def _find_routes(self, spans: Sequence[tuple[str, int, int]], name: str) -> _Routes:
+        """Where each span of a batch of point ``name`` goes, as of now."""
+        version = self._version  # read first: a change meanwhile makes these stale
+        each: list[tuple[Any, Binding | None, int, int]] = []
         grouped: dict[Any, list[tuple[_Request, Binding, int, int]]] = {}
-        for request_id, start, stop in batch.spans() if spans is None else spans:
+        for request_id, start, stop in spans:
             request = self._requests.get(request_id)
             if request is None:
-                self._route_unknown(request_id, stop - start)
+                each.append((request_id, None, start, stop))
                 continue
             binding = request.bindings.get(name)
             if binding is None:
@@ -411,18 +460,11 @@ class Router:
                     f"route: request {request_id!r} has no extraction point named "
                     f"{name!r}; its points are {sorted(request.bindings)}"
                 )
-            if binding.is_async:
-                self._enqueue(binding, batch, start, stop)
-            elif binding.group is not None:
+            if binding.group is not None and not binding.is_async:
                 grouped.setdefault(binding.group, []).append((request, binding, start, stop))
             else:
-                signals = run_inline(binding, batch[start:stop])
-                if ABORT_CODE in signals.actions:
-                    request.abort_requested = True
-                pieces.append((start, signals))
-        for key, members in grouped.items():
-            pieces.extend(judge_group(batch, key, members))
-        return BatchSignals.assemble(count, pieces)
+                each.append((request, binding, start, stop))
+        return _Routes(list(spans), name, version, each, grouped)
 
     def _enqueue(self, binding: Binding, batch: ActivationBatch, start: int, stop: int
                  ) -> None:
@@ -489,6 +531,7 @@ class Router:
         """
         with self._lock:
             request = self._requests.pop(request_id, None)
+            self._version += 1
             if request is None:
                 stored = self._results_after_shutdown.pop(request_id, None)
                 if stored is not None:
@@ -558,6 +601,7 @@ class Router:
             self._closed = True
             live = list(self._requests.values())
             self._requests.clear()
+            self._version += 1
             for request in live:
                 self._ended[request.request_id] = None
         timeout = (self.drain_timeout_s if timeout_s is None else timeout_s) if wait else 0.0

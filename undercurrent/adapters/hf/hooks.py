@@ -335,8 +335,12 @@ class ModelHooks:
                     rows, cols = self._index(entry.slots, hidden.device)
                     hidden[rows, cols] = self.kernels.apply(entry.resolved, hidden[rows, cols])
             if group is not None:
-                rows, cols = self._index(group.slots, hidden.device)
-                self._queue(tensor_type, group, hidden[rows, cols])
+                # Kept on the group: the plans of later steps that repeat it share it.
+                index = group.index_cache.get(hidden.device)
+                if index is None:
+                    index = group.index_cache[hidden.device] = self._index(group.slots,
+                                                                           hidden.device)
+                self._queue(tensor_type, group, hidden[index])
         return hook
 
     def _capture_kv(self, layer: int, group: CaptureGroup, args: Any, kwargs: Any) -> None:

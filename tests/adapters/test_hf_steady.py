@@ -1,0 +1,137 @@
+"""Decode steps that repeat the last plan one token later (``StepPlan.shifted``)
+and are delivered from the layout kept on it: the same captures, signals and
+results as planning and delivering every step afresh, and the tensors
+transformers itself computes.
+
+The HF driver repeats a decode plan while the same rows are fed and every request
+is steady (each point selects every token from some index on, no edits); the
+oracle is ``output_hidden_states`` of a plain ``generate()`` on the same batch,
+and the same generation with the repeat switched off.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import build_model, build_tokenizer  # noqa: E402
+from test_hf_equivalence import PROMPTS, _expected, _oracle  # noqa: E402
+
+import undercurrent.adapters.delivery as delivery  # noqa: E402
+import undercurrent.adapters.hf.backend as hf_backend  # noqa: E402
+from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
+from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
+from undercurrent.probes import Probe  # noqa: E402
+from undercurrent.records import ActivationRecord  # noqa: E402
+from undercurrent.router import Router  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
+
+MAX_NEW = 8
+WEIGHT = [0.05 * ((i % 7) - 3) for i in range(32)]
+
+
+class Keeper(Probe):
+    """Keeps every record it is given (a probe written per record)."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+    kept: dict[str, list[ActivationRecord]] = {}
+    lock = threading.Lock()
+
+    def on_activation(self, record: ActivationRecord) -> None:
+        with self.lock:
+            Keeper.kept.setdefault(record.request_id, []).append(record)
+
+
+def _points() -> list[ExtractionPoint]:
+    return [
+        ExtractionPoint(name="keep", layers=(0, 1, 2), tensor_type="residual_stream",
+                        position="generated[*]", probe_type="keeper",
+                        probe_kind="trajectory"),
+        ExtractionPoint(name="late", layers=(2,), tensor_type="attn_out",
+                        position="generated[2:]", probe_type="keeper",
+                        probe_kind="trajectory"),
+        ExtractionPoint(name="score", layers=(0, 2), tensor_type="residual_stream",
+                        position="generated[*]", probe_type="linear_probe",
+                        probe_kind="trajectory",
+                        probe_args={"weight": WEIGHT, "bias": 0.0, "threshold": 0.0,
+                                    "action": "flag"}),
+        ExtractionPoint(name="drift", layers=(1,), tensor_type="mlp_out",
+                        position="generated[*]", probe_type="trajectory_probe",
+                        probe_kind="trajectory", execution_mode="async", queue_depth=64,
+                        probe_args={"weight": WEIGHT, "bias": 0.0, "statistic": "ewma",
+                                    "alpha": 0.5, "threshold": 0.0, "action": "flag"}),
+    ]
+
+
+def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool) -> tuple[list[Any], int]:
+    """One generation of PROMPTS; returns its outputs and how many forwards were
+    delivered from a kept layout."""
+    Keeper.kept = {}
+    steady = 0
+    original = delivery._deliver_steady
+
+    def counted(session: Any, plan: Any, sources: Any) -> bool:
+        nonlocal steady
+        done = original(session, plan, sources)
+        steady += done
+        return done
+
+    with monkeypatch.context() as patch:
+        patch.setattr(delivery, "_deliver_steady", counted)
+        if not repeat:
+            patch.setattr(hf_backend, "_one_later", lambda before, now: False)
+        backend = HFBackend(build_model("llama"), build_tokenizer())
+        with Router(probes={"keeper": Keeper}, default_overflow="block") as router:
+            session = CaptureSession(router, _points())
+            outputs = backend.generate(PROMPTS, ["a", "b", "c"],
+                                       SamplingParams(max_new_tokens=MAX_NEW), session)
+    return outputs, steady
+
+
+def test_repeated_decode_plans_capture_what_transformers_computes(monkeypatch):
+    outputs, steady = _generate(monkeypatch, repeat=True)
+    # Decode forwards feed generated tokens 0..MAX_NEW - 2; "late" selects from
+    # generated 2 on, so the forwards of 0, 1 and 2 are planned, the later repeat 2's.
+    assert steady == MAX_NEW - 4
+    model = build_model("llama")
+    out, captured, width = _oracle(model, build_tokenizer(), SamplingParams(
+        max_new_tokens=MAX_NEW))
+    for row, output in enumerate(outputs):
+        assert list(output.token_ids) == out.sequences[row, width:].tolist()
+        records = Keeper.kept[output.request_id]
+        fed = range(output.prompt_len, output.prompt_len + MAX_NEW - 1)
+        expected_keys = sorted(
+            [("keep", layer, index) for index in fed for layer in (0, 1, 2)]
+            + [("late", 2, index) for index in fed if index >= output.prompt_len + 2])
+        assert sorted((r.extraction_point_name, r.layer, r.token_index)
+                      for r in records) == expected_keys
+        for record in records:
+            generated = record.token_index - output.prompt_len
+            assert record.is_generated and record.generated_index == generated
+            assert record.token_id == output.token_ids[generated]
+            assert record.tensor_type == ("residual_stream" if record.extraction_point_name
+                                          == "keep" else "attn_out")
+            want = _expected(record, row, out, captured, width, output.prompt_len)
+            torch.testing.assert_close(record.tensor, want, rtol=1e-5, atol=1e-5)
+
+
+def _view(output: Any) -> Any:
+    signals = [(s.extraction_point_name, s.layer, s.token_index, s.generated_index,
+                s.action, round(s.score, 9)) for s in output.signals]
+    results = {name: (result.verdict, result.stats.received, result.stats.processed,
+                      result.stats.dropped, result.stats.errors, result.error)
+               for name, result in output.results.items()}
+    return list(output.token_ids), output.finish_reason, signals, results
+
+
+def test_repeated_decode_plans_give_what_planning_every_step_gives(monkeypatch):
+    repeated, steady = _generate(monkeypatch, repeat=True)
+    planned, none = _generate(monkeypatch, repeat=False)
+    assert steady == MAX_NEW - 4 and none == 0
+    assert any(output.signals for output in planned)  # the linear probe flagged rows
+    assert [_view(output) for output in repeated] == [_view(output) for output in planned]
