@@ -101,11 +101,11 @@ class SignalLog(Sequence[TokenSignal]):
 
     def __init__(self) -> None:
         self._built: list[TokenSignal] = []
-        # Per (wave, request): the rows of each routed point, as
-        # (routed point, start, stop, arrival orders of the rows).
-        self._pending: list[list[tuple[RoutedPoint, int, int, list[int]]]] = []
+        # Per (wave, request): the rows of each routed point, as (routed point,
+        # start, stop, the match they serve: it orders rows across points).
+        self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch]]] = []
 
-    def add(self, runs: list[tuple[RoutedPoint, int, int, list[int]]]) -> None:
+    def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
         """Signals of one token: each point's rows (run order: by point)."""
         self._pending.append(runs)
 
@@ -126,11 +126,11 @@ class SignalLog(Sequence[TokenSignal]):
         return iter(self._flush())
 
 
-def _token_signals(runs: list[tuple[RoutedPoint, int, int, list[int]]]
+def _token_signals(runs: list[tuple[RoutedPoint, int, int, PlanMatch]]
                    ) -> list[TokenSignal]:
     """One token's TokenSignals, in (layer, arrival) order across its points."""
     found: list[tuple[int, int, TokenSignal]] = []
-    for routed, start, stop, orders in runs:
+    for routed, start, stop, match in runs:
         signals = routed.located()
         batch = routed.batch
         for offset, row in enumerate(range(start, stop)):
@@ -138,7 +138,7 @@ def _token_signals(runs: list[tuple[RoutedPoint, int, int, list[int]]]
             if signal is None:
                 continue
             layer = int(batch.layers[row])
-            found.append((layer, orders[offset], TokenSignal(
+            found.append((layer, match.order_of(offset), TokenSignal(
                 batch.point_names[row], layer, int(batch.token_indices[row]),
                 batch.generated_indices[row], signal)))
     if len(runs) > 1:
@@ -377,14 +377,16 @@ def _wave_points(current: list[tuple[Any, list[Any]]]
 
 
 def _route_wave(session: Any, live: list[Any],
-                points: Iterable[tuple[ActivationBatch, list[tuple[Any, int, int, Any]],
+                points: Sequence[tuple[ActivationBatch, list[tuple[Any, int, int, Any]],
                                        list[tuple[str, int, int]]]]) -> None:
     """Route each point's batch of one wave, as (batch, spans, the spans to
     route: those of registered requests), then give each request of ``live``
     its signals, records and abort."""
     router = session.router
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
-    runs: dict[str, list[tuple[RoutedPoint, int, int, list[int]]]] = {}
+    # A request's runs of one token, by point; with one point, each is added at once.
+    runs: dict[str, list[tuple[RoutedPoint, int, int, PlanMatch]]] | None = (
+        {} if len(points) > 1 else None)
     aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
     for batch, spans, routed_spans in points:
         if session.keep_records:
@@ -400,8 +402,10 @@ def _route_wave(session: Any, live: list[Any],
         routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
         any_abort = ABORT_CODE in codes
         for state, start, stop, match in spans:
-            orders = match.orders or [match.seq] * (stop - start)
-            runs.setdefault(state.request_id, []).append((routed, start, stop, orders))
+            if runs is None:
+                state.signals.add([(routed, start, stop, match)])
+            else:
+                runs.setdefault(state.request_id, []).append((routed, start, stop, match))
             if any_abort and ABORT_CODE in codes[start:stop]:
                 row = codes.index(ABORT_CODE, start, stop)
                 key = (match.layers[row - start], match.order_of(row - start), routed, row)
@@ -413,12 +417,14 @@ def _route_wave(session: Any, live: list[Any],
                     if codes[row] not in (NO_SIGNAL, _CONTINUE):
                         state.arm(batch.point_names[row], CODE_ACTIONS[codes[row]],
                                   int(batch.token_indices[row]))
+    if not kept_rows and not runs and not aborts:
+        return
     for state in live:
         if state.records is not None:
             pieces = kept_rows.get(state.request_id)
             if pieces:
                 state.records.add(_record_refs(pieces))
-        found = runs.get(state.request_id)
+        found = None if runs is None else runs.get(state.request_id)
         if found is not None:
             state.signals.add(found)
         abort = aborts.get(state.request_id)

@@ -7,6 +7,7 @@ Every built-in turns a per-activation score into a signal the same way
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,11 @@ def parse_threshold(value: Any, *, option: str = "threshold") -> float | None:
     return number
 
 
+@functools.lru_cache(maxsize=256)
+def _rule(threshold: float | None, action: SignalAction) -> ThresholdRule:
+    return ThresholdRule(threshold, action)
+
+
 @dataclass(frozen=True)
 class ThresholdRule:
     """``score >= threshold`` -> ``action`` (flag or abort); otherwise continue.
@@ -60,8 +66,10 @@ class ThresholdRule:
 
     @classmethod
     def from_options(cls, threshold: Any = None, action: Any = "flag") -> ThresholdRule:
-        """Validate the ``threshold``/``action`` probe_args."""
-        return cls(parse_threshold(threshold), parse_action(action))
+        """Validate the ``threshold``/``action`` probe_args. Equal rules are one
+        object (the probes of many requests then compare theirs by identity)."""
+        threshold, action = parse_threshold(threshold), parse_action(action)
+        return _rule(threshold, action) if cls is ThresholdRule else cls(threshold, action)
 
     def crossed(self, score: float) -> bool:
         """Whether ``score`` is at or above the threshold."""
@@ -222,8 +230,9 @@ def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[in
     """The ``judge_many`` of a built-in that keeps a ``rule`` and a ``summary``:
     :meth:`ScoreSummary.batch_signals_many` over the instances' summaries when
     they are all of one class with one rule, else None (each judges its own)."""
-    rule = probes[0].rule
-    if any(type(probe) is not type(probes[0]) or probe.rule != rule for probe in probes):
+    rule, kind = probes[0].rule, type(probes[0])
+    if any(type(probe) is not kind or (probe.rule is not rule and probe.rule != rule)
+           for probe in probes):
         return None
     return ScoreSummary.batch_signals_many([probe.summary for probe in probes], rule, scores,
                                            spans, token_indices, layers, metadata)

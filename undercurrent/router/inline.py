@@ -52,6 +52,43 @@ def _run_to_completion(binding: Binding, batch: ActivationBatch) -> BatchSignals
     return outcome.signals
 
 
+_UNKNOWN: Any = object()
+
+
+class GroupMembers(list[tuple[Any, Binding, int, int]]):
+    """The (request, binding, start, stop) judged together in one routed batch
+    (see :func:`judge_group`), keeping what judging them all in one call needs:
+    the router gives the same members again while its routes hold."""
+
+    __slots__ = ("_together",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._together: Any = _UNKNOWN
+
+    def together(self) -> tuple[Any, list[Any], list[tuple[int, int]]] | None:
+        """(``judge_many`` of the probes' class, the probes, their row spans), or
+        None when the members cannot be judged in one call (see
+        :func:`_judge_together`); computed once."""
+        if self._together is _UNKNOWN:
+            self._together = _together_of(self)
+        return self._together  # type: ignore[no-any-return]
+
+
+def _together_of(members: Sequence[tuple[Any, Binding, int, int]]
+                 ) -> tuple[Any, list[Any], list[tuple[int, int]]] | None:
+    previous = members[0][2]
+    for _, _, start, stop in members:
+        if start != previous:
+            return None
+        previous = stop
+    judge_many = getattr(type(members[0][1].probe), "judge_many", None)
+    if judge_many is None:
+        return None
+    return (judge_many, [binding.probe for _, binding, _, _ in members],
+            [(start, stop) for _, _, start, stop in members])
+
+
 def judge_group(batch: ActivationBatch, key: Any,
                 members: Sequence[tuple[Any, Binding, int, int]]
                 ) -> list[tuple[int, BatchSignals]]:
@@ -76,7 +113,8 @@ def judge_group(batch: ActivationBatch, key: Any,
             binding.release_dropped(stop - start)
         raise
     tokens, layers = batch.token_indices, batch.layers
-    together = _judge_together(values, tokens, layers, admitted)
+    together = _judge_together(values, tokens, layers, admitted,
+                               members if len(admitted) == len(members) else None)
     if together is not None:
         return _settle_together(batch, admitted, together, started)
     judged: list[tuple[Any, Binding, int, int, BatchSignals | None, str | None]] = []
@@ -102,24 +140,23 @@ def judge_group(batch: ActivationBatch, key: Any,
 
 
 def _judge_together(values: Any, tokens: Sequence[int], layers: Sequence[int],
-                    admitted: Sequence[tuple[Any, Binding, int, int]]) -> BatchSignals | None:
+                    admitted: Sequence[tuple[Any, Binding, int, int]],
+                    members: Sequence[tuple[Any, Binding, int, int]] | None = None
+                    ) -> BatchSignals | None:
     """Every admitted binding's rows judged by one call of its probe class's
     :meth:`~undercurrent.probes.base.ScoresRows.judge_many` (rows of one
     contiguous range, bindings in row order); None when the class judges
     instance by instance, or when that call fails (then each instance judges
-    its own rows, so an error is counted where it belongs)."""
-    previous = admitted[0][2]
-    for _, _, start, stop in admitted:
-        if start != previous:
-            return None
-        previous = stop
-    judge_many = getattr(type(admitted[0][1].probe), "judge_many", None)
-    if judge_many is None:
+    its own rows, so an error is counted where it belongs). ``members``: the
+    group, when every member was admitted (its :meth:`GroupMembers.together`
+    is then used)."""
+    found = (members.together() if isinstance(members, GroupMembers)
+             else _together_of(admitted))
+    if found is None:
         return None
+    judge_many, probes, spans = found
     try:
-        signals: BatchSignals | None = judge_many(
-            [binding.probe for _, binding, _, _ in admitted], values,
-            [(start, stop) for _, _, start, stop in admitted], tokens, layers)
+        signals: BatchSignals | None = judge_many(probes, values, spans, tokens, layers)
     except Exception:  # noqa: BLE001 - the per-instance path counts the error
         return None
     return signals

@@ -24,7 +24,7 @@ from undercurrent.records import (
 )
 from undercurrent.router.binding import Binding, describe_error, logger
 from undercurrent.router.errors import OverflowPolicy, RouterError
-from undercurrent.router.inline import judge_group, run_inline
+from undercurrent.router.inline import GroupMembers, judge_group, run_inline
 from undercurrent.router.scheduler import AsyncScheduler
 from undercurrent.router.validation import (
     CheckedPoint,
@@ -120,7 +120,7 @@ class _Routes:
     name: str
     version: int
     each: list[tuple[Any, Binding | None, int, int]]
-    grouped: dict[Any, list[tuple[_Request, Binding, int, int]]]
+    grouped: dict[Any, GroupMembers]
 
 
 class Router:
@@ -448,7 +448,7 @@ class Router:
         """Where each span of a batch of point ``name`` goes, as of now."""
         version = self._version  # read first: a change meanwhile makes these stale
         each: list[tuple[Any, Binding | None, int, int]] = []
-        grouped: dict[Any, list[tuple[_Request, Binding, int, int]]] = {}
+        grouped: dict[Any, GroupMembers] = {}
         for request_id, start, stop in spans:
             request = self._requests.get(request_id)
             if request is None:
@@ -461,7 +461,10 @@ class Router:
                     f"{name!r}; its points are {sorted(request.bindings)}"
                 )
             if binding.group is not None and not binding.is_async:
-                grouped.setdefault(binding.group, []).append((request, binding, start, stop))
+                members = grouped.get(binding.group)
+                if members is None:
+                    members = grouped[binding.group] = GroupMembers()
+                members.append((request, binding, start, stop))
             else:
                 each.append((request, binding, start, stop))
         return _Routes(list(spans), name, version, each, grouped)
