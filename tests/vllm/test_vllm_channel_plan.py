@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from undercurrent.adapters import delivery  # noqa: E402
 from undercurrent.adapters.session import CaptureSession, CaptureTarget, StepPlan  # noqa: E402
-from undercurrent.adapters.vllm import wire  # noqa: E402
+from undercurrent.adapters.vllm import channel, wire  # noqa: E402
 from undercurrent.adapters.vllm.channel import step_deliveries  # noqa: E402
 from undercurrent.adapters.vllm.worker import MirrorState, match_columns  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
@@ -60,10 +60,15 @@ def _points() -> list[ExtractionPoint]:
 
 
 def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
-              unreached: dict[int, tuple[int, TensorType]]) -> tuple[dict, dict, int]:
+              unreached: dict[int, tuple[int, TensorType]], *,
+              driver_ids: dict[str, str] = DRIVER_IDS, repeat: bool = False,
+              keep_records: bool = True) -> tuple[dict, dict, int]:
     """Both deliveries of the same generation; ``unreached[step]`` is a site the worker
     does not reach in that step (its rows are not sent). Returns each path's outputs
-    and how many steps the new path delivered as a whole plan."""
+    and how many steps the new path delivered as a whole plan (with ``repeat``: as
+    the server does, a step that repeats the last one a token later as its plan
+    shifted; then how many steps were). ``keep_records``: the new path's."""
+    repeats = channel._Repeat()
     rng = np.random.default_rng(seed)
     engine_ids = list(PROMPT_LENS)
     table = rng.normal(size=(len(engine_ids), 4, len(TYPES), 16, HIDDEN)).astype(np.float32)
@@ -79,11 +84,11 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
     whole = 0
     with Router(default_overflow="block", workers=1) as new_router, \
             Router(default_overflow="block", workers=1) as old_router:
-        new = CaptureSession(new_router, points, keep_records=True)
+        new = CaptureSession(new_router, points, keep_records=keep_records)
         old = CaptureSession(old_router, points, keep_records=True)
         sessions = {"new": new, "old": old}
         states: dict[str, dict[str, Any]] = {name: {} for name in sessions}
-        for eid, request_id in DRIVER_IDS.items():
+        for eid, request_id in driver_ids.items():
             prompt = [int(t) for t in rng.integers(3, 90, size=PROMPT_LENS[eid])]
             for name, session in sessions.items():
                 states[name][eid] = session.open_request(
@@ -118,9 +123,13 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
             batch = wire.decode(wire.encode(batch))
             assert isinstance(batch, wire.StepBatch)
             # -- the driver, new: the plan rebuilt from the columns, delivered whole
-            deliveries = step_deliveries(batch, [states["new"].get(eid)
-                                                 for eid in batch.requests])
-            whole += delivery._whole_plan(deliveries) is not None
+            known = [states["new"].get(eid) for eid in batch.requests]
+            if repeat:
+                deliveries = repeats.deliveries(batch, known)
+                whole += deliveries[0][1].plan.base is not None
+            else:
+                deliveries = step_deliveries(batch, known)
+                whole += delivery._whole_plan(deliveries) is not None
             new.deliver(deliveries)
             # -- the oracle: one CaptureTarget per vector, from the worker's own plan
             targets = []
@@ -128,23 +137,23 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
                 targets.append((key[1], [
                     CaptureTarget(states["old"][t.state.request_id], by_name[t.point.name],
                                   t.layer, t.token_index, t.slot_index)
-                    for t in plan.groups[key].targets if t.state.request_id in DRIVER_IDS],
+                    for t in plan.groups[key].targets if t.state.request_id in driver_ids],
                     batch.rows(wire_group)))
             old.deliver(targets)
             # -- aborts reach the worker; the engine samples one token per live request
-            for eid in DRIVER_IDS:
+            for eid in driver_ids:
                 assert states["new"][eid].aborted == states["old"][eid].aborted
                 if states["new"][eid].aborted:
                     mirrors[eid].finish_reason = "abort"
             for row, eid in enumerate(engine_ids):
                 if mirrors[eid].live:
                     for name, session in sessions.items():
-                        if eid in DRIVER_IDS:
+                        if eid in driver_ids:
                             session.add_token(states[name][eid], 50 + 7 * row + step)
                     generated[eid] += 1
         for session in sessions.values():
-            outputs.append({eid: session.close_request(DRIVER_IDS[eid], "")
-                            for eid in DRIVER_IDS})
+            outputs.append({eid: session.close_request(driver_ids[eid], "")
+                            for eid in driver_ids})
     return outputs[0], outputs[1], whole
 
 
@@ -191,6 +200,39 @@ def test_columns_through_the_channel_deliver_what_capture_targets_deliver(seed, 
         assert sorted(out.results) == sorted(want.results) == sorted(POINTS_OF[eid])
         for name, result in out.results.items():
             assert _result_view(result) == _result_view(want.results[name]), name
+
+
+@pytest.mark.parametrize("keep_records", [True, False])
+def test_steps_that_repeat_the_last_a_token_later_deliver_what_planned_steps_deliver(
+        keep_records):
+    # Every request tracked, none steered: from the first decode step on, each step
+    # repeats the last one a token later until uc2 aborts (then it is planned again).
+    every = {"uc1": "a", "uc2": "b", "uc3": "c"}
+    steps = 8
+    got, _, repeated = _simulate(_points(), steps, 4, {}, driver_ids=every, repeat=True,
+                                 keep_records=keep_records)
+    want, _, planned = _simulate(_points(), steps, 4, {}, driver_ids=every)
+    assert planned == steps and 0 < repeated < steps - 1
+    assert got["uc2"].abort is not None and want["uc2"].abort is not None
+    for eid, out in got.items():
+        mine, theirs = out, want[eid]
+        assert (mine.finish_reason, mine.token_ids) == (theirs.finish_reason, theirs.token_ids)
+        assert (mine.abort is None) == (theirs.abort is None)
+        if mine.abort is not None:
+            assert (mine.abort.extraction_point_name, mine.abort.layer,
+                    mine.abort.token_index) == (theirs.abort.extraction_point_name,
+                                                theirs.abort.layer, theirs.abort.token_index)
+        if keep_records:
+            assert [r.key() + (r.token_id,) for r in mine.records] == [
+                r.key() + (r.token_id,) for r in theirs.records]
+            for record, other in zip(mine.records, theirs.records, strict=True):
+                assert np.array_equal(np.asarray(record.tensor), np.asarray(other.tensor))
+        assert [(s.extraction_point_name, s.layer, s.token_index, s.signal.action,
+                 s.signal.score) for s in mine.signals] == [
+            (s.extraction_point_name, s.layer, s.token_index, s.signal.action,
+             s.signal.score) for s in theirs.signals]
+        for name, result in mine.results.items():
+            assert _result_view(result) == _result_view(theirs.results[name]), name
 
 
 def test_a_layer_count_the_driver_does_not_expect_is_refused_with_the_point_named():

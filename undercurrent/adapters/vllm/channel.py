@@ -91,6 +91,55 @@ def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
     return deliveries
 
 
+class _Repeat:
+    """Steps that repeat the previous one a token later: the same requests (the
+    same states, none steered), the same groups and the same matches, each at
+    the next token. Such a step's plan is the previous plan shifted
+    (:meth:`~undercurrent.adapters.session.StepPlan.shifted`): nothing is
+    planned per match, and delivery reuses the layout it kept for the first."""
+
+    def __init__(self) -> None:
+        self._plan: StepPlan | None = None
+        self._keys: list[tuple[int, str, int]] = []
+        self._matches: np.ndarray | None = None
+        self._rows: np.ndarray | None = None
+        self._table: list[RequestState | None] = []
+
+    def deliveries(self, batch: wire.StepBatch, table: list[RequestState | None]
+                   ) -> list[Delivery]:
+        """:func:`step_deliveries` of ``batch``, from the previous plan shifted
+        when ``batch`` repeats the previous step a token later."""
+        keys = [(group.layer, group.tensor_type, group.count) for group in batch.groups]
+        plan = self._plan
+        if plan is not None and self._repeats(batch, keys, table):
+            plan = plan.shifted(1)
+            banks = [_as_tensor(bank) for bank in batch.banks]
+            deliveries: list[Delivery] = []
+            for group in batch.groups:
+                tensor_type = TensorType(group.tensor_type)
+                deliveries.append((tensor_type, plan.groups[(group.layer, tensor_type)],
+                                   banks[group.bank][group.offset:group.offset + group.count]))
+        else:
+            deliveries = step_deliveries(batch, table)
+            plan = deliveries[0][1].plan if deliveries else None
+            if plan is not None and any(state is None or state.edits for state in table):
+                plan = None  # an untracked or steered request: planned every step
+        self._plan, self._keys, self._table = plan, keys, table
+        self._matches, self._rows = batch.matches, batch.match_rows
+        return deliveries
+
+    def _repeats(self, batch: wire.StepBatch, keys: list[tuple[int, str, int]],
+                 table: list[RequestState | None]) -> bool:
+        before, rows = self._matches, self._rows
+        now = batch.matches
+        if (before is None or rows is None or keys != self._keys or table != self._table
+                or now.shape != before.shape or not len(now)
+                or not np.array_equal(batch.match_rows, rows)):
+            return False
+        return bool(np.array_equal(now[:, [0, 1, 3]], before[:, [0, 1, 3]])
+                    and (now[:, 2] == before[:, 2] + 1).all())
+
+
 def _as_tensor(bank: Any) -> Any:
     """A bank that crossed as a numpy array, as the torch tensor the worker gathered
     (sharing its memory), so records hold tensors whatever the dtype."""
@@ -146,6 +195,7 @@ class StepServer:
         self._connection: Any = None
         self.error: BaseException | None = None
         self._armed: list[tuple[str, str, int]] = []
+        self._repeat = _Repeat()
         self.steps = 0
         self.rows = 0
         self._thread = threading.Thread(target=self._serve, name="undercurrent-vllm-steps",
@@ -238,8 +288,8 @@ class StepServer:
                         if state.edits}
         live_before = {engine_id for engine_id, state in states.items() if state.live}
         # The batch's request table, resolved once: its matches index it.
-        deliveries = step_deliveries(batch, [states.get(engine_id)
-                                             for engine_id in batch.requests])
+        table = [states.get(engine_id) for engine_id in batch.requests]
+        deliveries = self._repeat.deliveries(batch, table)
         session.deliver(deliveries)
         for engine_id, before in armed_before.items():
             armed = states[engine_id].armed
