@@ -342,8 +342,14 @@ class HFBackend:
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[list[int]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
         texts, encoded = [], []
+        strings = [prompt for prompt in prompts if isinstance(prompt, str)]
+        # Text prompts are encoded in one tokenizer call (as each alone would be).
+        batch = iter(self.tokenizer(strings)["input_ids"] if strings else ())
         for prompt in prompts:
-            text, ids = tokenized(prompt, self.encode, self.tokenizer.decode)
+            if isinstance(prompt, str):
+                text, ids = prompt, [int(t) for t in next(batch)]
+            else:
+                text, ids = tokenized(prompt, self.encode, self.tokenizer.decode)
             if not ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
             texts.append(text)
