@@ -4,6 +4,9 @@ streams, registration errors. One engine for the whole file."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, ClassVar
+
 import pytest
 from vllm_engine_helpers import (
     CHUNK_BUDGET,
@@ -14,13 +17,16 @@ from vllm_engine_helpers import (
     spec_points,
 )
 
+from undercurrent.adapters import delivery
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import CapabilityError
-from undercurrent.adapters.session import CaptureSession
+from undercurrent.adapters.session import CaptureSession, StepPlan
+from undercurrent.adapters.vllm import channel
 from undercurrent.api import ProbedModel
-from undercurrent.probes import probe
+from undercurrent.probes import Probe, probe
 from undercurrent.records import ProbeSignal
 from undercurrent.router import Router
+from undercurrent.spec.types import ProbeKind
 
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
 
@@ -256,3 +262,65 @@ def test_block_overflow_with_more_layers_than_queue_depth_finishes_and_loses_not
         assert len(captured) == len(layers) * (len(output.token_ids) - 1)
         stats = output.results["watch"].stats
         assert (stats.received, stats.processed, stats.dropped) == (len(captured),) * 2 + (0,)
+
+
+class _Keeper(Probe):
+    """Keeps every record it is given (a probe written per record)."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+    kept: ClassVar[dict[str, list[Any]]] = {}
+
+    def on_activation(self, record):
+        _Keeper.kept.setdefault(record.request_id, []).append(record)
+
+
+def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
+        backend, reference, num_layers, monkeypatch):
+    # Only generated[*] points and no records kept: once every request decodes,
+    # each step is the last one a token later. The worker repeats its plan and its
+    # wire columns, the driver its plan and delivery layout; what a probe is given
+    # must still be what HF captures.
+    texts, hf_outputs = reference
+    wanted = ("residual_all", "final_norm")
+    points = [dataclasses.replace(point, probe_type="keeper")
+              for point in spec_points(num_layers) if point.name in wanted]
+    counts = {"shifted": 0, "driver repeats": 0, "kept layout": 0}
+    shifted, steady, repeats = StepPlan.shifted, delivery._deliver_steady, channel._Repeat._repeats
+
+    def counted_shift(plan, delta=1):
+        counts["shifted"] += 1
+        return shifted(plan, delta)
+
+    def counted_delivery(session, plan, sources):
+        done = steady(session, plan, sources)
+        counts["kept layout"] += done
+        return done
+
+    def counted_repeats(self, batch, keys, table):
+        found = repeats(self, batch, keys, table)
+        counts["driver repeats"] += found
+        return found
+
+    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
+    monkeypatch.setattr(channel._Repeat, "_repeats", counted_repeats)
+    monkeypatch.setattr(delivery, "_deliver_steady", counted_delivery)
+    _Keeper.kept = {}
+    with Router(probes={"keeper": _Keeper}) as router:
+        session = CaptureSession(router, points)
+        outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
+                                   session)
+    # The worker shifts its plan in every step the driver repeats, and the driver
+    # delivers each of those from its kept layout.
+    assert counts["driver repeats"] == counts["kept layout"] > 0, counts
+    assert counts["shifted"] == 2 * counts["driver repeats"], counts
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        mine = {record.key(): record for record in _Keeper.kept[ours.request_id]}
+        expected = {record.key(): record for record in theirs.records
+                    if record.extraction_point_name in wanted}
+        assert set(mine) == set(expected) and len(mine) == len(_Keeper.kept[ours.request_id])
+        for key, record in mine.items():
+            other = expected[key]
+            assert (record.token_id, record.generated_index) == (other.token_id,
+                                                                  other.generated_index)
+            assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key

@@ -127,6 +127,28 @@ def match_columns(plan: StepPlan, reached: Collection[PairKey]
     return list(requests), wire.match_array(columns), wire.row_array(rows)
 
 
+class _Steady:
+    """A step whose every request was steady: its plan, where each request was fed
+    ((state, token, flat position)), the sites it wanted, how many requests were
+    live and which were open."""
+
+    __slots__ = ("plan", "places", "wanted", "live", "keys")
+
+    def __init__(self, plan: StepPlan, places: list[tuple[MirrorState, int, int]],
+                 wanted: set[PairKey], live: int, keys: set[str]) -> None:
+        self.plan, self.places, self.wanted, self.live, self.keys = (plan, places, wanted,
+                                                                     live, keys)
+
+
+def _one_later(before: list[tuple[MirrorState, int, int]],
+               now: list[tuple[MirrorState, int, int]]) -> bool:
+    """Whether ``now`` feeds the same requests at the same flat positions as
+    ``before``, each the token after the one it fed then."""
+    return len(before) == len(now) and all(
+        fed[0] is was[0] and fed[1] == was[1] + 1 and fed[2] == was[2]
+        for fed, was in zip(now, before, strict=True))
+
+
 class _Capture:
     """Hooks, per-request plans and the driver connection of one worker.
 
@@ -166,6 +188,10 @@ class _Capture:
         self.indices: dict[tuple[int, TensorType], Any] = {}
         self.filled: set[tuple[int, TensorType]] = set()
         self.step = 0
+        # While every request fed is steady: the last plan, where each was fed, and
+        # the step's wire columns (see _begin_step and _end_step).
+        self.steady: _Steady | None = None
+        self.columns: tuple[StepPlan, list[str], np.ndarray, np.ndarray] | None = None
         self.handles.append(self.model.register_forward_pre_hook(self._begin_step))
         self.handles.append(self.model.register_forward_hook(self._end_step))
 
@@ -316,6 +342,7 @@ class _Capture:
         if self.tensor_parallel_size > 1 and any(s.has_triggers for s in self.states.values()):
             self._share_armed()
         plan = StepPlan()
+        fed: list[tuple[MirrorState, int, int, Any]] = []  # (state, start, stop, window)
         for window in self._windows():
             state = self.states.get(engine_request_id(window.request_id))
             if state is None or not state.live:
@@ -328,15 +355,35 @@ class _Capture:
             if start >= window.token_stop:
                 continue  # recomputed after a preemption: captured already
             state.next_token = window.token_stop
-            plan.add_window(state, start, window.token_stop, window.row_of)
+            fed.append((state, start, window.token_stop, window))
             fed_generated = window.token_stop - state.prompt_len
             if fed_generated > state.generated_sent:
                 self.pending_tokens.append((state, window.slot, state.generated_sent,
                                             fed_generated))
-        wanted = plan.pairs()
-        for state in self.states.values():
-            if state.live:
-                wanted |= state.wanted_pairs()
+        places = [(state, start, window.row_of(start)) for state, start, _, window in fed]
+        steady = self.steady
+        live = sum(state.live for state in self.states.values())
+        if (steady is not None and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
+                and _one_later(steady.places, places)):
+            # The same requests at the same positions, each one token on, all steady:
+            # the last plan again a token later; the sites wanted are the same too
+            # when the live requests are (nothing retires while steady).
+            plan = steady.plan.shifted(1)
+            wanted = steady.wanted if (steady.live == live and
+                                       self.states.keys() == steady.keys) else None
+        else:
+            for state, start, stop, window in fed:
+                plan.add_window(state, start, stop, window.row_of)
+            wanted = None
+        if wanted is None:
+            wanted = plan.pairs()
+            for state in self.states.values():
+                if state.live:
+                    wanted |= state.wanted_pairs()
+        self.steady = _Steady(plan, places, wanted, live, set(self.states)) if (
+            not plan.edits and all(stop - start == 1 and state.steady_from is not None
+                                   and start >= state.steady_from
+                                   for state, start, stop, _ in fed)) else None
         self._rehook(wanted)
         if not plan:
             return
@@ -401,7 +448,19 @@ class _Capture:
                 bank, offset, count = self.slices[key]
                 batch.groups.append(wire.GroupRows(key[0], key[1].value, number[bank], offset,
                                                    count))
-        batch.requests, batch.matches, batch.match_rows = match_columns(plan, self.filled)
+        columns = self.columns
+        last = None if columns is None else columns[0]
+        if (columns is not None and last is not None and plan.base is not None
+                and plan.base is (last if last.base is None else last.base)
+                and plan.delta == last.delta + 1 and len(self.filled) == len(plan.groups)):
+            # The last step's columns a token later (the plan is the last one shifted).
+            matches = columns[2].copy()
+            matches[:, 2] += 1
+            batch.requests, batch.matches, batch.match_rows = columns[1], matches, columns[3]
+        else:
+            batch.requests, batch.matches, batch.match_rows = match_columns(plan, self.filled)
+        self.columns = ((plan, batch.requests, batch.matches, batch.match_rows)
+                        if len(self.filled) == len(plan.groups) else None)
         token_ids = self.runner.input_batch.token_ids_cpu
         for state, slot, first, stop in self.pending_tokens:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
