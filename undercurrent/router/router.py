@@ -264,6 +264,7 @@ class Router:
                 raise RouterError(f"{label}: a request with this id is already live")
             self._requests[request_id] = _Request(request_id, bindings)
             self._version += 1
+            self._routes.clear()  # stale now: let go of their bindings
             self._ended.pop(request_id, None)
 
     def check(self, points: Iterable[Any]) -> None:
@@ -535,6 +536,7 @@ class Router:
         with self._lock:
             request = self._requests.pop(request_id, None)
             self._version += 1
+            self._routes.clear()  # stale now: let go of their bindings
             if request is None:
                 stored = self._results_after_shutdown.pop(request_id, None)
                 if stored is not None:
@@ -605,6 +607,7 @@ class Router:
             live = list(self._requests.values())
             self._requests.clear()
             self._version += 1
+            self._routes.clear()  # stale now: let go of their bindings
             for request in live:
                 self._ended[request.request_id] = None
         timeout = (self.drain_timeout_s if timeout_s is None else timeout_s) if wait else 0.0

@@ -209,6 +209,7 @@ class StepServer:
         with self.lock:
             self._session = session
             self._states = {}
+            self._repeat = _Repeat()
             self.error = None
 
     def track(self, engine_id: str, state: RequestState) -> None:
@@ -219,6 +220,7 @@ class StepServer:
         with self.lock:
             self._session = None
             self._states = {}
+            self._repeat = _Repeat()  # let go of the last step's plan and states
 
     def take_error(self) -> BaseException | None:
         with self.lock:
