@@ -6,7 +6,6 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import os
 from collections.abc import Sequence
@@ -165,11 +164,7 @@ class LinearReadout:
         """Equal for readouts that score every activation the same way (same
         weights, bias, link and class)."""
         if self._key is None:
-            digest = hashlib.blake2b(digest_size=16)
-            for array in (self.weights.weight, self.weights.bias):
-                digest.update(repr((array.shape, array.dtype.str)).encode())
-                digest.update(array.tobytes())
-            self._key = ("linear_readout", self.link, self.class_index, digest.digest())
+            self._key = ("linear_readout", self.link, self.class_index, self.weights.digest)
         return self._key
 
 

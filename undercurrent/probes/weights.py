@@ -17,6 +17,7 @@ that still carries ``mean`` or ``scale`` arrays is refused.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -84,7 +85,18 @@ class LinearWeights:
         """Number of output classes; None for a binary ``(hidden,)`` probe."""
         return None if self.weight.ndim == 1 else int(self.weight.shape[0])
 
-    @property
+    @functools.cached_property
+    def digest(self) -> bytes:
+        """A digest of the weight and bias (shapes, dtypes and values): equal for
+        equal weights. Computed once per weights object (a file's is shared by
+        every probe that loads it)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for array in (self.weight, self.bias):
+            digest.update(repr((array.shape, array.dtype.str)).encode())
+            digest.update(array.tobytes())
+        return digest.digest()
+
+    @functools.cached_property
     def label_names(self) -> tuple[str, ...] | None:
         """Class names from the ``label_names`` metadata, when present."""
         raw = self.metadata.get("label_names")
