@@ -84,7 +84,7 @@ def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool) -> tuple[list[An
     with monkeypatch.context() as patch:
         patch.setattr(delivery, "_deliver_steady", counted)
         if not repeat:
-            patch.setattr(hf_backend, "_one_later", lambda before, now: False)
+            patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"keeper": Keeper}, default_overflow="block") as router:
             session = CaptureSession(router, _points())

@@ -519,6 +519,17 @@ class StepPlan:
         return bool(self.groups) or bool(self.edits)
 
 
+def one_token_later(before: Sequence[tuple[RequestState, int, Hashable]],
+                    now: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
+    """Whether a step feeding ``now`` ((state, token index, slot) per request)
+    feeds the same requests at the same slots as one feeding ``before``, each
+    the token after the one it fed then: with every request steady, its plan
+    is the earlier plan :meth:`~StepPlan.shifted` by one."""
+    return len(before) == len(now) and all(
+        fed[0] is was[0] and fed[1] == was[1] + 1 and fed[2] == was[2]
+        for fed, was in zip(now, before, strict=True))
+
+
 class CaptureSession:
     """Bookkeeping for one generation call, shared by every backend.
 

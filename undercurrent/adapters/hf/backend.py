@@ -40,6 +40,7 @@ from undercurrent.adapters.session import (
     RequestState,
     StepPlan,
     StreamText,
+    one_token_later,
     stop_position,
 )
 from undercurrent.spec.types import TensorType
@@ -71,9 +72,9 @@ class _RowDriver:
         self.on_event = on_event
         self.cancel = cancel
         self.forwards = 0
-        # The last decode plan and what it fed, (row, state, token index) per
+        # The last decode plan and what it fed, (state, token index, row) per
         # request, while every one of them is steady (see plan_forward).
-        self._steady: tuple[StepPlan, list[tuple[int, RequestState, int]]] | None = None
+        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]]] | None = None
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
@@ -99,20 +100,20 @@ class _RowDriver:
             raise BackendError(
                 f"expected decode step {index} to feed one token per row, it fed {width}; "
                 "run generation with use_cache=True")
-        fed = [(row, state, state.prompt_len + len(state.generated) - 1)
+        fed = [(state, state.prompt_len + len(state.generated) - 1, row)
                for row, state in enumerate(self.states) if state.live and state.generated]
         steady = self._steady
-        if steady is not None and _one_later(steady[1], fed):
+        if steady is not None and one_token_later(steady[1], fed):
             # The same rows, each one token on, every request steady: the last
             # plan again, one token later (nothing planned per request).
             shifted = steady[0].shifted(1)
             self._steady = (shifted, fed)
             return shifted
-        for row, state, index in fed:
+        for state, index, row in fed:
             plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
         self._steady = (plan, fed) if not plan.edits and all(
             state.steady_from is not None and index >= state.steady_from
-            for _, state, index in fed) else None
+            for state, index, _ in fed) else None
         return plan
 
     def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
@@ -157,16 +158,6 @@ class _RowDriver:
                     edits=state.unread_edits()))
         done = [not state.live for state in self.states]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-def _one_later(before: list[tuple[int, RequestState, int]],
-               now: list[tuple[int, RequestState, int]]) -> bool:
-    """Whether ``now`` feeds the same requests at the same rows as ``before``,
-    each the token after the one it fed then."""
-    return len(before) == len(now) and all(
-        row == was_row and state is was_state and index == was_index + 1
-        for (row, state, index), (was_row, was_state, was_index) in zip(now, before,
-                                                                       strict=True))
 
 
 class _AfterForward:

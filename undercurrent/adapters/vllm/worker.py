@@ -37,7 +37,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from undercurrent.adapters.session import PairKey, RequestState, StepPlan
+from undercurrent.adapters.session import PairKey, RequestState, StepPlan, one_token_later
 from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
 from undercurrent.adapters.vllm.channel import local_server
@@ -138,15 +138,6 @@ class _Steady:
                  wanted: set[PairKey], live: int, keys: set[str]) -> None:
         self.plan, self.places, self.wanted, self.live, self.keys = (plan, places, wanted,
                                                                      live, keys)
-
-
-def _one_later(before: list[tuple[MirrorState, int, int]],
-               now: list[tuple[MirrorState, int, int]]) -> bool:
-    """Whether ``now`` feeds the same requests at the same flat positions as
-    ``before``, each the token after the one it fed then."""
-    return len(before) == len(now) and all(
-        fed[0] is was[0] and fed[1] == was[1] + 1 and fed[2] == was[2]
-        for fed, was in zip(now, before, strict=True))
 
 
 class _Capture:
@@ -364,7 +355,7 @@ class _Capture:
         steady = self.steady
         live = sum(state.live for state in self.states.values())
         if (steady is not None and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
-                and _one_later(steady.places, places)):
+                and one_token_later(steady.places, places)):
             # The same requests at the same positions, each one token on, all steady:
             # the last plan again a token later; the sites wanted are the same too
             # when the live requests are (nothing retires while steady).
