@@ -301,11 +301,13 @@ def test_an_interrupt_skips_the_forwards_not_delivered_yet(tokenizer, monkeypatc
     from undercurrent.adapters.hf.offload import DeliveryThread
 
     release = threading.Event()
+    holding = threading.Event()  # the delivery thread is inside the first forward
     delivered = []
     original = session_module.deliver_forward
 
     def slow_first(session, batches):
         if not delivered:
+            holding.set()
             release.wait()  # held until generation has failed and closes the thread
         delivered.append(len(delivered))
         return original(session, batches)
@@ -323,6 +325,9 @@ def test_an_interrupt_skips_the_forwards_not_delivered_yet(tokenizer, monkeypatc
     def interrupting(self, input_ids):
         tokens.append(1)
         if len(tokens) == 4:
+            # On a busy machine the delivery thread may not have taken the first
+            # forward yet: fail only once it holds it, as the test means to.
+            holding.wait()
             raise KeyboardInterrupt
         return after_token(self, input_ids)
 
