@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.probes.arrays import batch_matrix
+from undercurrent.probes.arrays import batch_matrix, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
@@ -101,7 +101,13 @@ class TrajectoryProbe(ScoresRows):
         self._reset()
 
     def _reset(self) -> None:
-        self.running: dict[int, _Running] = {}
+        # Each layer's running statistic, as columns: layer -> column, and per
+        # column its layer, count and value (lists: read and written in bulk
+        # when many instances are judged together, see judge_many).
+        self._slot: dict[int, int] = {}
+        self._layers: list[int] = []
+        self._counts: list[int] = []
+        self._values: list[float] = []
         self.summary = ScoreSummary(
             self.rule.threshold, extra={"statistic": self.statistic, "source": self.source}
         )
@@ -128,17 +134,11 @@ class TrajectoryProbe(ScoresRows):
             return self.readout.score_batch(batch)[0]
         return l2_norms(batch_matrix(batch))
 
-    def _update(self, running: _Running, value: float) -> float:
-        running.count += 1
-        if running.count == 1:
-            running.value = value
-        elif self.statistic == "mean":
-            running.value += (value - running.value) / running.count
-        elif self.statistic == "max":
-            running.value = max(running.value, value)
-        else:
-            running.value = self.alpha * value + (1.0 - self.alpha) * running.value
-        return running.value
+    @property
+    def running(self) -> dict[int, _Running]:
+        """Each layer's running statistic so far (count and value), by layer."""
+        return {layer: _Running(count, value) for layer, count, value
+                in zip(self._layers, self._counts, self._values, strict=True)}
 
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
@@ -160,14 +160,28 @@ class TrajectoryProbe(ScoresRows):
         """Run the recurrence over rows in order and update the summary: (the
         running statistic of each row, its action code)."""
         statistics, crossed = [], []
-        running_by_layer, rule, min_count = self.running, self.rule, self.min_count
+        slot, counts, running = self._slot, self._counts, self._values
+        rule, min_count, alpha = self.rule, self.min_count, self.alpha
+        statistic = self.statistic
         for layer, value in zip(layers, values, strict=True):
-            running = running_by_layer.get(layer)
-            if running is None:
-                running = running_by_layer[layer] = _Running()
-            statistic = self._update(running, value)
-            statistics.append(statistic)
-            crossed.append(running.count >= min_count and rule.crossed(statistic))
+            index = slot.get(layer)
+            if index is None:
+                index = slot[layer] = len(self._layers)
+                self._layers.append(layer)
+                counts.append(0)
+                running.append(0.0)
+            count = counts[index] = counts[index] + 1
+            if count == 1:
+                current = value
+            elif statistic == "mean":
+                current = running[index] + (value - running[index]) / count
+            elif statistic == "max":
+                current = max(running[index], value)
+            else:
+                current = alpha * value + (1.0 - alpha) * running[index]
+            running[index] = current
+            statistics.append(current)
+            crossed.append(count >= min_count and rule.crossed(current))
         self.summary.add_columns(statistics, token_indices, layers, crossed)
         code = ACTION_CODES[rule.action]
         return statistics, [code if hit else 0 for hit in crossed]
@@ -181,6 +195,9 @@ class TrajectoryProbe(ScoresRows):
         if cls.judge_rows is not TrajectoryProbe.judge_rows or any(
                 type(probe) is not cls for probe in probes):
             return None
+        lanes = _judge_lanes(probes, values, spans, token_indices, layers)  # type: ignore[arg-type]
+        if lanes is not None:
+            return lanes
         first, last = spans[0][0], spans[-1][1]
         all_values = values[first:last].tolist()
         all_layers = [int(layer) for layer in layers[first:last]]
@@ -201,5 +218,77 @@ class TrajectoryProbe(ScoresRows):
 
     def on_end(self, ctx: RequestContext) -> Any:
         verdict = self.summary.verdict()
-        verdict["final_by_layer"] = {layer: r.value for layer, r in sorted(self.running.items())}
+        verdict["final_by_layer"] = dict(sorted(zip(self._layers, self._values, strict=True)))
         return verdict
+
+
+def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
+                 spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                 layers: Sequence[int]) -> BatchSignals | None:
+    """:meth:`TrajectoryProbe.judge_many` with the recurrence run across the
+    instances at once: one array operation per row position instead of one
+    Python update per row. Only when the instances share their statistic,
+    ``alpha``, ``min_count`` and rule, their spans follow each other with the
+    same layers in the same order, and each instance has either seen exactly
+    these layers (in that order) or nothing yet; else None. Each lane (an
+    instance's layer) gets exactly the arithmetic of :meth:`_advance`, element
+    by element, so the statistics, signals and summaries are the same."""
+    head = probes[0]
+    first, last = spans[0][0], spans[-1][1]
+    width, count = spans[0][1] - first, len(probes)
+    if width <= 0 or last - first != width * count:
+        return None
+    statistic, alpha, min_count, rule = head.statistic, head.alpha, head.min_count, head.rule
+    for index, (probe, (start, stop)) in enumerate(zip(probes, spans, strict=True)):
+        if (start != first + index * width or stop != start + width
+                or probe.statistic != statistic or probe.alpha != alpha
+                or probe.min_count != min_count or (probe.rule is not rule and probe.rule != rule)):
+            return None
+    np = numpy_module()
+    grid = np.asarray(layers[first:last], dtype=np.int64).reshape(count, width)
+    if count > 1 and not (grid[1:] == grid[0]).all():
+        return None
+    pattern = grid[0].tolist()
+    lanes = list(dict.fromkeys(pattern))  # each layer once, in the order _advance meets them
+    if any(probe._layers and probe._layers != lanes for probe in probes):
+        return None
+    empty = [0] * len(lanes)
+    counts = np.array([probe._counts if probe._layers else empty for probe in probes],
+                      dtype=np.int64)
+    running = np.array([probe._values if probe._layers else empty for probe in probes],
+                       dtype=np.float64)
+    observed = np.asarray(values[first:last], dtype=np.float64).reshape(count, width)
+    statistics = np.empty((count, width), dtype=np.float64)
+    crossed = np.zeros((count, width), dtype=bool)
+    lane_of = {layer: lane for lane, layer in enumerate(lanes)}
+    with np.errstate(all="ignore"):  # inf and NaN flow through as in Python floats
+        for column, layer in enumerate(pattern):
+            lane = lane_of[layer]
+            seen = counts[:, lane] + 1
+            counts[:, lane] = seen
+            value, previous = observed[:, column], running[:, lane]
+            if statistic == "mean":
+                current = previous + (value - previous) / seen
+            elif statistic == "max":  # max(previous, value): previous unless value > it
+                current = np.where(value > previous, value, previous)
+            else:
+                current = alpha * value + (1.0 - alpha) * previous
+            current = np.where(seen == 1, value, current)
+            running[:, lane] = current
+            statistics[:, column] = current
+            if rule.threshold is not None:
+                crossed[:, column] = (seen >= min_count) & (current >= rule.threshold)
+    rows = statistics.tolist()
+    hit = crossed.any(axis=1).tolist()
+    marks = crossed.tolist()
+    for probe, new_counts, new_values, (start, stop), own, any_hit, own_marks in zip(
+            probes, counts.tolist(), running.tolist(), spans, rows, hit, marks, strict=True):
+        if not probe._layers:
+            probe._layers, probe._slot = list(lanes), dict(lane_of)
+        probe._counts, probe._values = new_counts, new_values
+        probe.summary.add_columns(own, token_indices[start:stop], pattern,
+                                  own_marks if any_hit else None)
+    metadata = {"value": observed.ravel().tolist(), "statistic": [statistic] * (count * width),
+                "layer": pattern * count}
+    return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel().tolist(),
+                        statistics.ravel().tolist(), metadata, all_scored=True)

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from undercurrent.records import ActivationBatch, BatchSignals, join_values, rows_of
 from undercurrent.router.binding import Binding
@@ -241,29 +242,10 @@ def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int,
         return False
     key = taken[0][0].async_group
     started = time.perf_counter()
-    spans: list[tuple[int, int]] = []
-    tokens: list[int] = []
-    layers: list[int] = []
-    placed: list[list[tuple[ActivationBatch, int, int, int]]] = []
-    views: dict[int, ActivationBatch] = {}
     try:
-        values = []
-        for (_, pieces), probe in zip(taken, probes, strict=True):
-            first = len(tokens)
-            where = []
-            for routed, start, stop in pieces:
-                values.append(rows_of(routed.shared(key, probe.row_values), start, stop))
-                view = views.get(id(routed))
-                if view is None:
-                    view = views[id(routed)] = routed.index_view()
-                # row r of the routed batch is row r - offset of the joined rows
-                where.append((view, start, stop, start - len(tokens)))
-                tokens += routed.token_indices[start:stop]
-                layers += routed.layers[start:stop]
-            spans.append((first, len(tokens)))
-            placed.append(where)
-        signals: BatchSignals | None = judge_many(probes, join_values(values), spans,
-                                                  tokens, layers)
+        joined = _one_range(taken, key, probes[0]) or _joined(taken, key, probes)
+        values, spans, tokens, layers, placed = joined
+        signals: BatchSignals | None = judge_many(probes, values, spans, tokens, layers)
     except Exception:  # noqa: BLE001 - each binding's own call counts the error
         return False
     if signals is None:
@@ -273,3 +255,61 @@ def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int,
     for (binding, _), (first, last), where in zip(taken, spans, placed, strict=True):
         binding.finish_ranges(where, kept, share * (last - first), share)
     return True
+
+
+_Joined = tuple[Any, list[tuple[int, int]], Sequence[int], Sequence[int],
+                list[list[tuple[ActivationBatch, int, int, int]]]]
+
+
+def _one_range(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]],
+               key: Any, probe: Any) -> _Joined | None:
+    """What :func:`_joined` gives, when every binding took one piece and the
+    pieces follow each other in one routed batch (each request's rows of one
+    step, queued by one routing): that batch's rows and values sliced once,
+    nothing joined. None otherwise."""
+    if len(taken[0][1]) != 1:
+        return None
+    routed, first, last = taken[0][1][0]
+    for _, pieces in taken[1:]:
+        if len(pieces) != 1:
+            return None
+        batch, start, stop = pieces[0]
+        if batch is not routed or start != last:
+            return None
+        last = stop
+    view = routed.index_view()
+    spans: list[tuple[int, int]] = []
+    placed: list[list[tuple[ActivationBatch, int, int, int]]] = []
+    for _, ((_, start, stop),) in taken:
+        spans.append((start - first, stop - first))
+        placed.append([(view, start, stop, first)])
+    return (rows_of(routed.shared(key, probe.row_values), first, last), spans,
+            routed.token_indices[first:last], routed.layers[first:last], placed)
+
+
+def _joined(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]],
+            key: Any, probes: Sequence[Any]) -> _Joined:
+    """Every binding's taken rows joined, in order: (their values, each
+    binding's span of the joined rows, the rows' token indices and layers, and
+    per binding its (index batch, start, stop, offset) ranges: row ``r`` of a
+    routed batch is row ``r - offset`` of the joined rows)."""
+    spans: list[tuple[int, int]] = []
+    tokens: list[int] = []
+    layers: list[int] = []
+    placed: list[list[tuple[ActivationBatch, int, int, int]]] = []
+    views: dict[int, ActivationBatch] = {}
+    values = []
+    for (_, pieces), probe in zip(taken, probes, strict=True):
+        first = len(tokens)
+        where = []
+        for routed, start, stop in pieces:
+            values.append(rows_of(routed.shared(key, probe.row_values), start, stop))
+            view = views.get(id(routed))
+            if view is None:
+                view = views[id(routed)] = routed.index_view()
+            where.append((view, start, stop, start - len(tokens)))
+            tokens += routed.token_indices[start:stop]
+            layers += routed.layers[start:stop]
+        spans.append((first, len(tokens)))
+        placed.append(where)
+    return join_values(values), spans, tokens, layers, placed

@@ -1,0 +1,125 @@
+"""``TrajectoryProbe.judge_many`` runs the recurrence of many instances at once
+(one array operation per row position, ``_judge_lanes``). The oracle is each
+instance judging its own rows alone (``judge_rows``: one Python update per row,
+in order): the statistics, signals, summaries and running state must be equal,
+bit for bit, batch after batch, NaN and infinities included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from undercurrent.probes import TrajectoryProbe
+from undercurrent.probes.trajectory import _judge_lanes
+from undercurrent.records import BatchSignals
+
+FLOATS = st.one_of(
+    st.floats(min_value=-4.0, max_value=4.0, allow_nan=False),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0, 1.0]),
+)
+
+
+def _probes(count: int, options: dict[str, Any]) -> list[TrajectoryProbe]:
+    probes = [TrajectoryProbe(**options) for _ in range(count)]
+    for probe in probes:
+        probe.on_start(None)  # type: ignore[arg-type]
+    return probes
+
+
+def _same(left: Any, right: Any) -> bool:
+    """Equal, NaN equal to NaN (floats compared exactly)."""
+    if isinstance(left, float) and isinstance(right, float):
+        return left == right or (math.isnan(left) and math.isnan(right))
+    if isinstance(left, dict) and isinstance(right, dict):
+        return left.keys() == right.keys() and all(_same(left[k], right[k]) for k in left)
+    if isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+        return len(left) == len(right) and all(map(_same, left, right))
+    return bool(left == right)
+
+
+def _columns(signals: BatchSignals) -> tuple[Any, ...]:
+    return (list(signals.actions), list(signals.scores or []), dict(signals.metadata or {}))
+
+
+def _one_by_one(probes: list[TrajectoryProbe], values: np.ndarray, spans: list[tuple[int, int]],
+                tokens: list[int], layers: list[int]) -> tuple[Any, ...]:
+    actions: list[int] = []
+    scores: list[float] = []
+    metadata: dict[str, list[Any]] = {"value": [], "statistic": [], "layer": []}
+    for probe, (start, stop) in zip(probes, spans, strict=True):
+        got = probe.judge_rows(values[start:stop], tokens[start:stop], layers[start:stop])
+        actions += list(got.actions)
+        scores += list(got.scores or [])
+        for key in metadata:
+            metadata[key] += list((got.metadata or {})[key])
+    return actions, scores, metadata
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    count=st.integers(1, 5),
+    statistic=st.sampled_from(["ewma", "mean", "max"]),
+    alpha=st.sampled_from([0.3, 1.0, 0.125]),
+    threshold=st.one_of(st.none(), st.floats(-1.0, 2.0)),
+    action=st.sampled_from(["flag", "abort"]),
+    min_count=st.integers(1, 3),
+    pattern=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True),
+    tokens_per_batch=st.integers(1, 3),
+    batches=st.integers(1, 4),
+)
+def test_lanes_equal_each_instance_alone(data, count, statistic, alpha, threshold, action,
+                                         min_count, pattern, tokens_per_batch, batches):
+    options = {"statistic": statistic, "alpha": alpha, "threshold": threshold,
+               "action": action, "min_count": min_count}
+    together, alone = _probes(count, options), _probes(count, options)
+    width = len(pattern) * tokens_per_batch
+    token = 7
+    for _ in range(batches):
+        values = np.array(data.draw(st.lists(FLOATS, min_size=width * count,
+                                             max_size=width * count)), dtype=np.float64)
+        layers = pattern * tokens_per_batch * count
+        tokens = [token + step for _ in range(count) for step in range(tokens_per_batch)
+                  for _ in pattern]
+        token += tokens_per_batch
+        spans = [(i * width, (i + 1) * width) for i in range(count)]
+        lanes = _judge_lanes(together, values, spans, tokens, layers)
+        assert lanes is not None  # the lane path really ran
+        expected = _one_by_one(alone, values, spans, tokens, layers)
+        assert _same(_columns(lanes), expected)
+        for mine, theirs in zip(together, alone, strict=True):
+            assert _same(mine.summary.verdict(), theirs.summary.verdict())
+            assert _same({k: (r.count, r.value) for k, r in mine.running.items()},
+                         {k: (r.count, r.value) for k, r in theirs.running.items()})
+    for mine, theirs in zip(together, alone, strict=True):
+        assert _same(mine.on_end(None), theirs.on_end(None))  # type: ignore[arg-type]
+
+
+def test_judge_many_falls_back_to_each_instance_when_the_layers_differ():
+    """An instance that saw other layers, or in another order, is not judged in
+    lanes; judge_many still answers exactly what each instance alone does."""
+    options = {"statistic": "ewma", "alpha": 0.5, "threshold": 0.6}
+    together, alone = _probes(2, options), _probes(2, options)
+    first = np.array([0.2, 0.9], dtype=np.float64)
+    for probes in (together, alone):
+        probes[1].judge_rows(first, [3, 3], [2, 1])  # layers met in the order 2, 1
+    values = np.array([0.1, 0.7, 0.4, 0.8], dtype=np.float64)
+    spans, tokens, layers = [(0, 2), (2, 4)], [4, 4, 4, 4], [1, 2, 1, 2]
+    assert _judge_lanes(together, values, spans, tokens, layers) is None
+    got = TrajectoryProbe.judge_many(together, values, spans, tokens, layers)
+    assert got is not None
+    assert _same(_columns(got), _one_by_one(alone, values, spans, tokens, layers))
+    assert got.actions == [0, 1, 1, 0]  # some rows cross: the actions are compared for real
+
+
+def test_lanes_refuse_instances_with_different_options():
+    values = np.array([0.5, 0.5], dtype=np.float64)
+    mixed = [*_probes(1, {"statistic": "ewma"}), *_probes(1, {"statistic": "max"})]
+    assert _judge_lanes(mixed, values, [(0, 1), (1, 2)], [1, 1], [0, 0]) is None
+    alphas = [*_probes(1, {"alpha": 0.3}), *_probes(1, {"alpha": 0.4})]
+    assert _judge_lanes(alphas, values, [(0, 1), (1, 2)], [1, 1], [0, 0]) is None
