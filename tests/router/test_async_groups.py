@@ -157,3 +157,40 @@ def test_a_probe_without_judge_many_is_served_alone_with_its_own_errors(monkeypa
         assert results[request_id].stats.processed == 2
         assert results[request_id].verdict["max_score"] == pytest.approx(
             0.5 * math.sqrt(HIDDEN))
+
+
+def test_a_binding_found_empty_is_not_handed_back_once_a_producer_queued_on_it():
+    """A worker serving a group finds one binding empty (so it is unscheduled);
+    before the turn ends a producer queues on it and schedules it itself. The
+    worker must not hand it back too: on the ready line twice, two workers could
+    serve it at once, out of order."""
+    point = _point("trajectory_probe", (0,), None, "flag", "ewma", 8)
+    batch = ActivationBatch(np.ones((1, HIDDEN)), request_ids=["r0"], point_names=["p"],
+                            layers=[0], tensor_type="residual_stream", token_indices=[3],
+                            is_generated=[True], generated_indices=[0], token_ids=[1])
+    with Router(workers=1) as router:
+        for request_id in ("r0", "r1"):
+            router.register_request(request_id, [point])
+        served, empty = (router._requests[r].bindings["p"] for r in ("r0", "r1"))
+        assert served.enqueue_batch(batch)  # queued, not handed to any worker here
+        producer_scheduled = []
+        take = empty.take_queued_rows
+
+        def take_then_a_producer_queues(limit):
+            found = take(limit)
+            assert found is None  # empty: unscheduled by this very call
+            other = ActivationBatch(np.ones((1, HIDDEN)), request_ids=["r1"], point_names=["p"],
+                                    layers=[0], tensor_type="residual_stream",
+                                    token_indices=[3], is_generated=[True],
+                                    generated_indices=[0], token_ids=[1])
+            producer_scheduled.append(empty.enqueue_batch(other))
+            return found
+
+        empty.take_queued_rows = take_then_a_producer_queues
+        handed = scheduler.AsyncScheduler(1)._run_group([served, empty], scheduler._Worker())
+        assert producer_scheduled == [True]  # the producer scheduled it itself
+        assert empty not in handed
+        assert served.processed == 1
+        del empty.take_queued_rows  # the real method again, for the router's worker
+        router._scheduler.schedule(empty)  # what the producer does with its True
+        assert router.end_request("r1")["p"].stats.processed == 1

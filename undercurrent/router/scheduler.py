@@ -173,17 +173,21 @@ class AsyncScheduler:
             pieces = binding.take_queued_rows(self.batch_size)
             if pieces is not None:
                 taken.append((binding, pieces))
-        if taken:
-            worker.call_started = time.monotonic()
-            try:
-                if not _judge_taken(taken):
-                    for binding, pieces in taken:
-                        batch = ActivationBatch.concat(
-                            [routed[start:stop] for routed, start, stop in pieces])
-                        binding.finish_call(batch, binding.invoke_batch(batch), observed=True)
-            finally:
-                worker.call_started = None
-        return [binding for binding in bindings if binding.keep_scheduled()]
+        if not taken:
+            return []
+        worker.call_started = time.monotonic()
+        try:
+            if not _judge_taken(taken):
+                for binding, pieces in taken:
+                    batch = ActivationBatch.concat(
+                        [routed[start:stop] for routed, start, stop in pieces])
+                    binding.finish_call(batch, binding.invoke_batch(batch), observed=True)
+        finally:
+            worker.call_started = None
+        # Only those served this turn: one found empty was unscheduled then, and a
+        # producer that queued on it since has scheduled it again itself (handing
+        # it back too would put it on the line twice, for two workers at once).
+        return [binding for binding, _ in taken if binding.keep_scheduled()]
 
     def _run_batch(self, binding: Binding, worker: _Worker) -> bool:
         """Process up to ``batch_size`` vectors; True when the binding still has work.
