@@ -297,8 +297,9 @@ class ModelHooks:
 
     def _queue(self, tensor_type: TensorType, targets: CaptureGroup | list[Any],
                gathered: torch.Tensor) -> None:
-        gathered = gathered.detach()
-        if gathered.device.type == "cuda":
+        if gathered.requires_grad:  # generate() runs without grad: then nothing to cut
+            gathered = gathered.detach()
+        if gathered.is_cuda:
             # Non-blocking into pinned memory: the copy is only enqueued on the
             # stream; flush() makes the reader wait for it (a stream sync, or a
             # CUDA event the delivery thread waits on). Freed pinned blocks are
@@ -338,10 +339,26 @@ class ModelHooks:
                 # Kept on the group: the plans of later steps that repeat it share it.
                 index = group.index_cache.get(hidden.device)
                 if index is None:
-                    index = group.index_cache[hidden.device] = self._index(group.slots,
-                                                                           hidden.device)
-                self._queue(tensor_type, group, hidden[index])
+                    index = group.index_cache[hidden.device] = self._gather_plan(group.slots,
+                                                                                 hidden)
+                if type(index) is int:  # a fresh copy: the module's output flows on
+                    rows = hidden.select(1, index).clone(memory_format=torch.contiguous_format)
+                else:
+                    rows = hidden[index]
+                self._queue(tensor_type, group, rows)
         return hook
+
+    def _gather_plan(self, slots: list[Any], hidden: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | int:
+        """How a hook gathers ``slots`` from ``hidden`` (batch, width, ...): the
+        column, when the slots are every row in order at that one column (a
+        decode step: one copy of the column, no index tensors), else the row and
+        column index tensors."""
+        column = _cell(slots[0])[1]
+        if len(slots) == hidden.shape[0] and all(
+                slot == (row, column) for row, slot in enumerate(slots)):
+            return column
+        return self._index(slots, hidden.device)
 
     def _capture_kv(self, layer: int, group: CaptureGroup, args: Any, kwargs: Any) -> None:
         cache = _find_cache(args, kwargs)
