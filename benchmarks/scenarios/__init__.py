@@ -17,6 +17,7 @@ from benchmarks.scenarios.probed import (
     ProbedEmptySpec,
     ProbedInlineLinear,
     ProbedInlineNorm,
+    ProbedInlineTrajectory,
 )
 
 SCENARIOS: tuple[type[Scenario], ...] = (
@@ -34,7 +35,7 @@ SCENARIOS: tuple[type[Scenario], ...] = (
 )
 BASELINE = PlainGenerate.name
 #: Scenarios only the scaling set runs (``benchmarks.scaling``), not the main tables.
-SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear,)
+SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTrajectory)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

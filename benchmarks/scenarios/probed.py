@@ -153,6 +153,21 @@ class ProbedAsyncTrajectory(_Probed):
         ]
 
 
+class ProbedInlineTrajectory(ProbedAsyncTrajectory):
+    """The async trajectory scenario's point, inline: the same capture and the
+    same probe, judged on the generation thread (what the async path is
+    compared with, probe for probe)."""
+
+    name: ClassVar[str] = "uc_inline_trajectory"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, judged inline by "
+        "the same trajectory_probe as the async scenario"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [{**point, "execution_mode": "inline"} for point in super().points()]
+
+
 class ProbedInlineLinear(_Probed):
     """The capture to an inline ``linear_probe`` reading the bundled probe file
     (its metadata check off, so any layer set may use it; the file's threshold

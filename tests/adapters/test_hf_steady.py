@@ -68,7 +68,8 @@ def _points() -> list[ExtractionPoint]:
     ]
 
 
-def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool) -> tuple[list[Any], int]:
+def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool,
+              records: bool = False) -> tuple[list[Any], int]:
     """One generation of PROMPTS; returns its outputs and how many forwards were
     delivered from a kept layout."""
     Keeper.kept = {}
@@ -87,7 +88,7 @@ def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool) -> tuple[list[An
             patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"keeper": Keeper}, default_overflow="block") as router:
-            session = CaptureSession(router, _points())
+            session = CaptureSession(router, _points(), keep_records=records)
             outputs = backend.generate(PROMPTS, ["a", "b", "c"],
                                        SamplingParams(max_new_tokens=MAX_NEW), session)
     return outputs, steady
@@ -134,4 +135,23 @@ def test_repeated_decode_plans_give_what_planning_every_step_gives(monkeypatch):
     planned, none = _generate(monkeypatch, repeat=False)
     assert steady == MAX_NEW - 4 and none == 0
     assert any(output.signals for output in planned)  # the linear probe flagged rows
+    assert [_view(output) for output in repeated] == [_view(output) for output in planned]
+
+
+def _record_view(record: ActivationRecord) -> Any:
+    return (record.request_id, record.extraction_point_name, record.layer,
+            record.tensor_type, record.token_index, record.generated_index,
+            record.is_generated, record.token_id, record.tensor.dtype,
+            record.tensor.tolist())
+
+
+def test_records_kept_from_repeated_plans_are_those_of_planning_every_step(monkeypatch):
+    """records=True takes the repeat too: each output's records (every point's,
+    in order, tensors included) are the ones planning every step keeps."""
+    repeated, steady = _generate(monkeypatch, repeat=True, records=True)
+    planned, none = _generate(monkeypatch, repeat=False, records=True)
+    assert steady == MAX_NEW - 4 and none == 0
+    for mine, theirs in zip(repeated, planned, strict=True):
+        assert len(mine.records) == len(theirs.records) > 0
+        assert [_record_view(r) for r in mine.records] == [_record_view(r) for r in theirs.records]
     assert [_view(output) for output in repeated] == [_view(output) for output in planned]

@@ -517,10 +517,9 @@ class _SteadyLayout:
     @classmethod
     def of(cls, base: Any, session: Any, sources: dict[Any, Any]) -> _SteadyLayout | None:
         """The layout of ``base`` 's repeats, or None where they take the general
-        path: records kept, a request fed several tokens, a prompt token, a
-        point whose layers differ between requests, rows not torch tensors."""
-        if session.keep_records or not all(hasattr(rows, "detach")
-                                           for rows in sources.values()):
+        path: a request fed several tokens, a prompt token, a point whose layers
+        differ between requests, rows not torch tensors."""
+        if not all(hasattr(rows, "detach") for rows in sources.values()):
             return None
         per_request: dict[str, tuple[Any, list[PlanMatch]]] = {}
         for match in base.matches:
