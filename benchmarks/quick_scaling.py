@@ -2,8 +2,9 @@
 machine: ``python -m benchmarks.quick_scaling --repeats 5``.
 
 One process loads the bundled model (``--model large``: the large random
-Llama), sets up plain ``generate()``, raw forward hooks and the three scaling
-scenarios (inline linear, async trajectory, capture only) on every layer
+Llama), sets up plain ``generate()``, raw forward hooks and the scaling
+scenarios (inline linear, async trajectory, the same trajectory probe inline,
+capture only) on every layer
 (``--layers 3``: three), warms each up, then times them interleaved,
 ``--repeats`` rounds per batch size, with ``--threads`` torch threads (1). It
 keeps the minimum wall time and the minimum process CPU time of each (the least
@@ -25,7 +26,7 @@ from benchmarks.worker import layers_for, prompts_for, set_threads
 
 BASELINES = ("plain_generate", "raw_forward_hooks")
 PROBED = {"uc_inline_linear": "inline linear", "uc_3_layers_async_trajectory": "async trajectory",
-          "uc_3_layers_capture_only": "capture only"}
+          "uc_inline_trajectory": "inline trajectory", "uc_3_layers_capture_only": "capture only"}
 
 
 def measure(size: int, repeats: int, tokens: int, bundle: object,
