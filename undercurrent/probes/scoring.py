@@ -188,20 +188,12 @@ class ScoreSummary:
             crossed = block >= rule.threshold
             actions = crossed * ACTION_CODES[rule.action]
             crossings = crossed.nonzero()[0].tolist()
-        at = 0  # the next crossing (rows relative to ``first``) not yet placed
-        for summary, (start, stop) in zip(summaries, spans, strict=True):
-            low, high = start - first, stop - first
-            span_crossed = None
-            while at < len(crossings) and crossings[at] < low:
-                at += 1
-            if at < len(crossings) and crossings[at] < high:
-                span_crossed = [False] * (high - low)
-                for row in crossings[at:]:
-                    if row >= high:
-                        break
-                    span_crossed[row - low] = True
-            summary.add_columns(values[low:high], token_indices[start:stop], layers[start:stop],
-                                span_crossed)
+        if not crossings:  # the usual case: no row crossed, nothing to place
+            for summary, (start, stop) in zip(summaries, spans, strict=True):
+                summary.add_columns(values[start - first:stop - first],
+                                    token_indices[start:stop], layers[start:stop], None)
+        else:
+            _add_crossed(summaries, values, first, spans, token_indices, layers, crossings)
         if metadata is not None and (first, last) != (0, len(scores)):
             metadata = {key: column[first:last] for key, column in metadata.items()}
         return BatchSignals(actions, values, metadata, all_scored=True)
@@ -222,6 +214,28 @@ class ScoreSummary:
         }
         result.update(self.extra)
         return result
+
+
+def _add_crossed(summaries: Sequence[ScoreSummary], values: list[float], first: int,
+                 spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                 layers: Sequence[int], crossings: list[int]) -> None:
+    """:meth:`ScoreSummary.add_columns` for each summary's span of ``values``
+    (row ``r`` of the batch is ``values[r - first]``), with the rows that
+    crossed (``crossings``: ascending, relative to ``first``) marked."""
+    at = 0  # the next crossing not yet placed
+    for summary, (start, stop) in zip(summaries, spans, strict=True):
+        low, high = start - first, stop - first
+        span_crossed = None
+        while at < len(crossings) and crossings[at] < low:
+            at += 1
+        if at < len(crossings) and crossings[at] < high:
+            span_crossed = [False] * (high - low)
+            for row in crossings[at:]:
+                if row >= high:
+                    break
+                span_crossed[row - low] = True
+        summary.add_columns(values[low:high], token_indices[start:stop], layers[start:stop],
+                            span_crossed)
 
 
 def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[int, int]],

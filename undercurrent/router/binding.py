@@ -900,22 +900,22 @@ class Binding:
     def finish_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
                       signals: BatchSignals | None, latency: float, longest: float) -> bool:
         """The group call that judged this async binding's rows taken by
-        :meth:`take_queued_rows` returned: settle them in one update. ``pieces``
-        are (index batch, start, stop, offset) per row range, row ``r`` of the
-        batch being row ``r - offset`` of ``signals`` (kept as observations).
-        False when the result was frozen meanwhile."""
-        with self._cond:
+        :meth:`take_queued_rows` returned: settle them in one update (nothing when
+        the result was frozen meanwhile), then :meth:`keep_scheduled`, in one
+        hold of the lock. ``pieces`` are (index batch, start, stop, offset) per
+        row range, row ``r`` of the batch being row ``r - offset`` of ``signals``
+        (kept as observations). Returns what :meth:`keep_scheduled` returns."""
+        with self._mutex:
             self.end_call()
-            if self._finalised:
-                return False
-            self._processed += sum(stop - start for _, start, stop, _ in pieces)
-            self._latency_total += latency
-            if longest > self._latency_max:
-                self._latency_max = longest
-            if signals is not None:
-                self._unread.extend((signals, batch, start, stop, True, offset)
-                                    for batch, start, stop, offset in pieces)
-            return True
+            if not self._finalised:
+                self._processed += sum(stop - start for _, start, stop, _ in pieces)
+                self._latency_total += latency
+                if longest > self._latency_max:
+                    self._latency_max = longest
+                if signals is not None:
+                    self._unread.extend((signals, batch, start, stop, True, offset)
+                                        for batch, start, stop, offset in pieces)
+            return self.keep_scheduled()
 
     def release_dropped(self, count: int) -> None:
         """An admitted call that never ran (an interrupt stopped the group first):

@@ -177,7 +177,8 @@ class AsyncScheduler:
             return []
         worker.call_started = time.monotonic()
         try:
-            if not _judge_taken(taken):
+            kept = _judge_taken(taken)
+            if kept is None:
                 for binding, pieces in taken:
                     batch = ActivationBatch.concat(
                         [routed[start:stop] for routed, start, stop in pieces])
@@ -187,7 +188,9 @@ class AsyncScheduler:
         # Only those served this turn: one found empty was unscheduled then, and a
         # producer that queued on it since has scheduled it again itself (handing
         # it back too would put it on the line twice, for two workers at once).
-        return [binding for binding, _ in taken if binding.keep_scheduled()]
+        if kept is None:
+            kept = [binding.keep_scheduled() for binding, _ in taken]
+        return [binding for (binding, _), more in zip(taken, kept, strict=True) if more]
 
     def _run_batch(self, binding: Binding, worker: _Worker) -> bool:
         """Process up to ``batch_size`` vectors; True when the binding still has work.
@@ -234,16 +237,17 @@ class AsyncScheduler:
 
 
 def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]]
-                    ) -> bool:
+                 ) -> list[bool] | None:
     """Judge every binding's taken rows with one ``judge_many`` call of the probes'
     class, reading the values each routed batch computed once, and settle each
-    binding; False (nothing judged or settled) when the class has none, the
-    probes are not all of it, or computing or judging fails."""
+    binding; per binding, whether it stays scheduled (:meth:`Binding.finish_ranges`).
+    None (nothing judged or settled) when the class has none, the probes are not
+    all of it, or computing or judging fails."""
     probes = [binding.probe for binding, _ in taken]
     cls = type(probes[0])
     judge_many = getattr(cls, "judge_many", None)
     if judge_many is None or any(type(probe) is not cls for probe in probes):
-        return False
+        return None
     key = taken[0][0].async_group
     started = time.perf_counter()
     try:
@@ -251,14 +255,13 @@ def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int,
         values, spans, tokens, layers, placed = joined
         signals: BatchSignals | None = judge_many(probes, values, spans, tokens, layers)
     except Exception:  # noqa: BLE001 - each binding's own call counts the error
-        return False
+        return None
     if signals is None:
-        return False
+        return None
     share = (time.perf_counter() - started) / len(tokens)
     kept = signals if signals.any_signal() else None
-    for (binding, _), (first, last), where in zip(taken, spans, placed, strict=True):
-        binding.finish_ranges(where, kept, share * (last - first), share)
-    return True
+    return [binding.finish_ranges(where, kept, share * (last - first), share)
+            for (binding, _), (first, last), where in zip(taken, spans, placed, strict=True)]
 
 
 _Joined = tuple[Any, list[tuple[int, int]], Sequence[int], Sequence[int],

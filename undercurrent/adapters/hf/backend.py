@@ -100,8 +100,10 @@ class _RowDriver:
             raise BackendError(
                 f"expected decode step {index} to feed one token per row, it fed {width}; "
                 "run generation with use_cache=True")
+        # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
         fed = [(state, state.prompt_len + len(state.generated) - 1, row)
-               for row, state in enumerate(self.states) if state.live and state.generated]
+               for row, state in enumerate(self.states)
+               if state.finish_reason is None and state.generated]
         steady = self._steady
         if steady is not None and one_token_later(steady[1], fed):
             # The same rows, each one token on, every request steady: the last
@@ -118,7 +120,8 @@ class _RowDriver:
 
     def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
         self.backend.hooks.flush(self.session)
-        stopped = [row for row, state in enumerate(self.states) if not state.live]
+        stopped = [row for row, state in enumerate(self.states)
+                   if state.finish_reason is not None]
         if stopped:
             # A stopped row produces nothing more: force the pad token.
             pad = self.backend.pad_token_id
@@ -133,7 +136,7 @@ class _RowDriver:
         tokens = input_ids[:, -1].tolist()
         eos = self.backend.eos_token_ids
         for row, state in enumerate(self.states):
-            if not state.live:
+            if state.finish_reason is not None:  # not live
                 continue
             if cancelled:
                 state.finish_reason = "cancelled"
@@ -156,7 +159,7 @@ class _RowDriver:
                     token_index=state.prompt_len + generated_index,
                     generated_index=generated_index, signals=state.unread_signals(),
                     edits=state.unread_edits()))
-        done = [not state.live for state in self.states]
+        done = [state.finish_reason is not None for state in self.states]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
