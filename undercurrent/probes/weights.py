@@ -46,9 +46,10 @@ def apply_link(link: str, logits: Any) -> Any:
     np = numpy_module()
     z = np.asarray(logits, dtype=np.float64)
     if link == "sigmoid":
-        # exp of -|z| never overflows; the two forms agree and cover both signs
+        # exp of -|z| never overflows: 1 / (1 + e) for z >= 0, e / (1 + e) below
+        # (one division, by the shared denominator, for both signs)
         small = np.exp(-np.abs(z))
-        return np.where(z >= 0, 1.0 / (1.0 + small), small / (1.0 + small))
+        return np.where(z >= 0, 1.0, small) / (1.0 + small)
     if link == "softmax":
         shifted = np.exp(z - z.max(axis=-1, keepdims=True))
         return shifted / shifted.sum(axis=-1, keepdims=True)
