@@ -183,3 +183,26 @@ def test_scaling_vllm_rows_pair_repeats_with_the_plain_engine_and_keep_errors():
     broken = next(r for r in rows if r["mode"] == "capture only")
     assert broken["status"] == "error" and "engine died" in broken["reason"]
     assert any("engine died" in line for line in scaling.table(rows))
+
+
+def test_the_inline_linear_scenario_reads_activations_of_the_model_it_runs_on():
+    """The bundled probe file on the bundled model; inline weights of the model's
+    own width elsewhere (the file would refuse every row of the large model)."""
+    from types import SimpleNamespace
+
+    from benchmarks.scenarios.probed import BUNDLED_PROBE_WIDTH, ProbedInlineLinear
+    from undercurrent.probes import LinearProbe
+
+    def args_on(hidden: int) -> dict:
+        scenario = ProbedInlineLinear()
+        scenario.layers = (0, 1)
+        model = SimpleNamespace(config=SimpleNamespace(hidden_size=hidden))
+        scenario.bundle = SimpleNamespace(model=model)
+        (point,) = scenario.points()
+        return point["probe_args"]
+
+    bundled = LinearProbe(**args_on(BUNDLED_PROBE_WIDTH))
+    assert bundled.readout.weights.hidden == BUNDLED_PROBE_WIDTH  # the file's own width
+    assert "path" in args_on(BUNDLED_PROBE_WIDTH)
+    wide = LinearProbe(**args_on(1024))
+    assert wide.readout.weights.hidden == 1024

@@ -171,7 +171,9 @@ class ProbedInlineTrajectory(ProbedAsyncTrajectory):
 class ProbedInlineLinear(_Probed):
     """The capture to an inline ``linear_probe`` reading the bundled probe file
     (its metadata check off, so any layer set may use it; the file's threshold
-    only flags, it never aborts)."""
+    only flags, it never aborts). On a model of another width (``--model
+    large``) the probe is the same product with inline weights of that width (a
+    uniform readout, no threshold): the bundled file would refuse every row."""
 
     name: ClassVar[str] = "uc_inline_linear"
     captures: ClassVar[str] = (
@@ -180,8 +182,12 @@ class ProbedInlineLinear(_Probed):
     )
 
     def points(self) -> list[dict[str, Any]]:
-        return [three_layer_point(self.layers, probe_type="linear_probe",
-                                  probe_args=dict(LINEAR_PROBE_ARGS))]
+        bundle = getattr(self, "bundle", None)  # vLLM jobs build points without one
+        hidden = None if bundle is None else int(bundle.model.config.hidden_size)
+        args: dict[str, Any] = dict(LINEAR_PROBE_ARGS)
+        if hidden is not None and hidden != BUNDLED_PROBE_WIDTH:
+            args = {"weight": [1.0 / hidden] * hidden, "bias": 0.0}
+        return [three_layer_point(self.layers, probe_type="linear_probe", probe_args=args)]
 
 
 #: The bundled probe file, usable at any layer: the scaling scenarios put it on
@@ -190,6 +196,8 @@ LINEAR_PROBE_ARGS: dict[str, Any] = {
     "path": "undercurrent:models/tiny/probe.safetensors",
     "check_metadata": False,
 }
+#: The activation width the bundled probe file reads (the bundled model's hidden size).
+BUNDLED_PROBE_WIDTH = 128
 
 
 class ProbedAllLayers(_Probed):
