@@ -22,7 +22,6 @@ pytest.importorskip("transformers")
 from hf_models import build_model, build_tokenizer  # noqa: E402
 from test_hf_equivalence import PROMPTS, _expected, _oracle  # noqa: E402
 
-import undercurrent.adapters.delivery as delivery  # noqa: E402
 import undercurrent.adapters.hf.backend as hf_backend  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
@@ -68,22 +67,13 @@ def _points() -> list[ExtractionPoint]:
     ]
 
 
-def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool,
+def _generate(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
               records: bool = False) -> tuple[list[Any], int]:
     """One generation of PROMPTS; returns its outputs and how many forwards were
-    delivered from a kept layout."""
+    delivered from a kept layout (``steady``: the ``steady_deliveries`` fixture)."""
     Keeper.kept = {}
-    steady = 0
-    original = delivery._deliver_steady
-
-    def counted(session: Any, plan: Any, sources: Any) -> bool:
-        nonlocal steady
-        done = original(session, plan, sources)
-        steady += done
-        return done
-
+    steady.count = 0
     with monkeypatch.context() as patch:
-        patch.setattr(delivery, "_deliver_steady", counted)
         if not repeat:
             patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
         backend = HFBackend(build_model("llama"), build_tokenizer())
@@ -91,11 +81,12 @@ def _generate(monkeypatch: pytest.MonkeyPatch, *, repeat: bool,
             session = CaptureSession(router, _points(), keep_records=records)
             outputs = backend.generate(PROMPTS, ["a", "b", "c"],
                                        SamplingParams(max_new_tokens=MAX_NEW), session)
-    return outputs, steady
+    return outputs, steady.count
 
 
-def test_repeated_decode_plans_capture_what_transformers_computes(monkeypatch):
-    outputs, steady = _generate(monkeypatch, repeat=True)
+def test_repeated_decode_plans_capture_what_transformers_computes(monkeypatch,
+                                                                 steady_deliveries):
+    outputs, steady = _generate(monkeypatch, steady_deliveries, repeat=True)
     # Decode forwards feed generated tokens 0..MAX_NEW - 2; "late" selects from
     # generated 2 on, so the forwards of 0, 1 and 2 are planned, the later repeat 2's.
     assert steady == MAX_NEW - 4
@@ -130,9 +121,10 @@ def _view(output: Any) -> Any:
     return list(output.token_ids), output.finish_reason, signals, results
 
 
-def test_repeated_decode_plans_give_what_planning_every_step_gives(monkeypatch):
-    repeated, steady = _generate(monkeypatch, repeat=True)
-    planned, none = _generate(monkeypatch, repeat=False)
+def test_repeated_decode_plans_give_what_planning_every_step_gives(monkeypatch,
+                                                                   steady_deliveries):
+    repeated, steady = _generate(monkeypatch, steady_deliveries, repeat=True)
+    planned, none = _generate(monkeypatch, steady_deliveries, repeat=False)
     assert steady == MAX_NEW - 4 and none == 0
     assert any(output.signals for output in planned)  # the linear probe flagged rows
     assert [_view(output) for output in repeated] == [_view(output) for output in planned]
@@ -145,11 +137,12 @@ def _record_view(record: ActivationRecord) -> Any:
             record.tensor.tolist())
 
 
-def test_records_kept_from_repeated_plans_are_those_of_planning_every_step(monkeypatch):
+def test_records_kept_from_repeated_plans_are_those_of_planning_every_step(
+        monkeypatch, steady_deliveries):
     """records=True takes the repeat too: each output's records (every point's,
     in order, tensors included) are the ones planning every step keeps."""
-    repeated, steady = _generate(monkeypatch, repeat=True, records=True)
-    planned, none = _generate(monkeypatch, repeat=False, records=True)
+    repeated, steady = _generate(monkeypatch, steady_deliveries, repeat=True, records=True)
+    planned, none = _generate(monkeypatch, steady_deliveries, repeat=False, records=True)
     assert steady == MAX_NEW - 4 and none == 0
     for mine, theirs in zip(repeated, planned, strict=True):
         assert len(mine.records) == len(theirs.records) > 0

@@ -204,26 +204,17 @@ def test_columns_through_the_channel_deliver_what_capture_targets_deliver(seed, 
 
 @pytest.mark.parametrize("keep_records", [True, False])
 def test_steps_that_repeat_the_last_a_token_later_deliver_what_planned_steps_deliver(
-        keep_records, monkeypatch):
+        keep_records, steady_deliveries):
     # Every request tracked, none steered: from the first decode step on, each step
     # repeats the last one a token later until uc2 aborts (then it is planned again).
     every = {"uc1": "a", "uc2": "b", "uc3": "c"}
     steps = 8
-    laid_out = 0  # repeats delivered from the layout kept on the first (no match planned)
-    original = delivery._deliver_steady
-
-    def counted(session: Any, plan: Any, sources: Any) -> bool:
-        nonlocal laid_out
-        done = original(session, plan, sources)
-        laid_out += done
-        return done
-
-    monkeypatch.setattr(delivery, "_deliver_steady", counted)
     got, _, repeated = _simulate(_points(), steps, 4, {}, driver_ids=every, repeat=True,
                                  keep_records=keep_records)
     want, _, planned = _simulate(_points(), steps, 4, {}, driver_ids=every)
     assert planned == steps and 0 < repeated < steps - 1
-    assert 0 < laid_out <= repeated
+    # the repeats were delivered from the layout kept on the first (no match planned)
+    assert 0 < steady_deliveries.count <= repeated
     assert got["uc2"].abort is not None and want["uc2"].abort is not None
     for eid, out in got.items():
         mine, theirs = out, want[eid]

@@ -1,0 +1,34 @@
+"""Fixtures shared by the test directories."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+class DeliveryCount:
+    """Forwards delivered from a layout kept on the plan they repeat
+    (``delivery._deliver_steady`` returning True) since the last reset."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@pytest.fixture
+def steady_deliveries(monkeypatch: pytest.MonkeyPatch) -> DeliveryCount:
+    """Count, for the test, the forwards delivered from a kept layout (the
+    repeated-step path of ``undercurrent.adapters.delivery``), leaving what it
+    delivers unchanged."""
+    from undercurrent.adapters import delivery
+
+    counter = DeliveryCount()
+    original = delivery._deliver_steady
+
+    def counted(session: Any, plan: Any, sources: Any) -> bool:
+        done = original(session, plan, sources)
+        counter.count += done
+        return done
+
+    monkeypatch.setattr(delivery, "_deliver_steady", counted)
+    return counter
