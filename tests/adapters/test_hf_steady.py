@@ -26,7 +26,7 @@ import undercurrent.adapters.hf.backend as hf_backend  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
-from undercurrent.records import ActivationRecord  # noqa: E402
+from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
 
@@ -148,3 +148,93 @@ def test_records_kept_from_repeated_plans_are_those_of_planning_every_step(
         assert len(mine.records) == len(theirs.records) > 0
         assert [_record_view(r) for r in mine.records] == [_record_view(r) for r in theirs.records]
     assert [_view(output) for output in repeated] == [_view(output) for output in planned]
+
+
+class AbortsB(Probe):
+    """Scores each record by its first value; flags from generated token 1 on, and
+    aborts request ``b`` at its generated token 3 (layer 1)."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal:
+        score = float(record.tensor[0])
+        if record.request_id == "b" and record.generated_index == 3 and record.layer == 1:
+            return ProbeSignal(action=SignalAction.ABORT, score=score)
+        flag = record.generated_index is not None and record.generated_index >= 1
+        return ProbeSignal(action=SignalAction.FLAG if flag else SignalAction.CONTINUE,
+                           score=score)
+
+
+def _one_point(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
+               stream: bool = False) -> tuple[list[Any], int, list[Any]]:
+    """PROMPTS (the first only, when ``stream``) with one point on every layer: the
+    requests follow the kept layout's journal. Returns the outputs, the forwards
+    delivered from the layout, and the streamed events' signals."""
+    steady.count = 0
+    point = ExtractionPoint(name="watch", layers=(0, 1, 2), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="aborts_b",
+                            probe_kind="trajectory")
+    with monkeypatch.context() as patch:
+        if not repeat:
+            patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
+        backend = HFBackend(build_model("llama"), build_tokenizer())
+        with Router(probes={"aborts_b": AbortsB}) as router:
+            session = CaptureSession(router, [point])
+            params = SamplingParams(max_new_tokens=MAX_NEW)
+            if not stream:
+                return backend.generate(PROMPTS, ["a", "b", "c"], params, session), \
+                    steady.count, []
+            events = list(backend.stream(PROMPTS[0], "a", params, session))
+    return [events[-1].output], steady.count, [_signal_rows(event.signals) for event in events]
+
+
+def _signal_rows(signals: Any) -> list[Any]:
+    return [(s.extraction_point_name, s.layer, s.token_index, s.generated_index, s.action,
+             s.signal.score) for s in signals]
+
+
+def test_one_point_followed_from_the_kept_layout_gives_what_planning_every_step_gives(
+        monkeypatch, steady_deliveries):
+    """With one point, the requests of a kept layout read their signals from one
+    journal the layout appends to once a step. Request b aborts mid-way (the
+    layout is then left and the others go on planned): every output, its
+    signals in order, its results and accounting, equal planning every step."""
+    appended: list[int] = []
+    _count_journal_appends(monkeypatch, appended)
+    repeated, steady, _ = _one_point(monkeypatch, steady_deliveries, repeat=True)
+    assert steady > 0 and appended  # the journal path ran
+    planned, none, _ = _one_point(monkeypatch, steady_deliveries, repeat=False)
+    assert none == 0
+    by_id = {output.request_id: output for output in repeated}
+    assert by_id["b"].finish_reason == "abort" and by_id["b"].aborted
+    assert by_id["a"].finish_reason != "abort"
+    assert any(s.action is SignalAction.FLAG for s in by_id["a"].signals)
+    assert [_view(output) for output in repeated] == [_view(output) for output in planned]
+
+
+def test_streamed_signals_read_mid_way_from_the_journal_are_those_of_planning(
+        monkeypatch, steady_deliveries):
+    """A stream reads each token's signals as it goes (the journal read while it
+    is still followed): per event and in total, what planning every step gives."""
+    repeated, steady, events = _one_point(monkeypatch, steady_deliveries, repeat=True,
+                                          stream=True)
+    planned, _, planned_events = _one_point(monkeypatch, steady_deliveries, repeat=False,
+                                            stream=True)
+    assert steady > 0
+    assert sum(map(bool, events)) > 2  # signals arrived over several events
+    assert events == planned_events
+    assert [row for event in events for row in event] == _signal_rows(repeated[0].signals)
+    assert [_view(output) for output in repeated] == [_view(output) for output in planned]
+
+
+def _count_journal_appends(monkeypatch: pytest.MonkeyPatch, appended: list[int]) -> None:
+    """Note the rows of each entry appended to any Journal (the one-point steady path)."""
+    from undercurrent.adapters import delivery
+
+    original = delivery.Journal.append
+
+    def append(self: Any, routed: Any) -> None:
+        appended.append(len(routed.batch))
+        original(self, routed)
+
+    monkeypatch.setattr(delivery.Journal, "append", append)

@@ -95,6 +95,30 @@ class RoutedPoint:
         return self._located
 
 
+class Journal(list[RoutedPoint]):
+    """The routed batches of a steady layout's point, one per decode step that
+    gave a signal, in order: every request of the layout reads its own rows of
+    each (:meth:`SignalLog.follow`) instead of being handed them step by step.
+    ``intact`` turns False when a request stops following it."""
+
+    __slots__ = ("intact",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.intact = False
+
+
+class _Follow:
+    """A request following a :class:`Journal`: its rows ``start:stop`` (serving
+    ``match``) of each entry from ``first`` on are its signals."""
+
+    __slots__ = ("journal", "start", "stop", "match", "first")
+
+    def __init__(self, journal: Journal, start: int, stop: int, match: PlanMatch) -> None:
+        self.journal, self.start, self.stop, self.match = journal, start, stop, match
+        self.first = len(journal)
+
+
 class SignalLog(Sequence[TokenSignal]):
     """A request's inline signals in routing order, kept as references to routed
     batches and built into ``TokenSignal`` s only when read."""
@@ -104,12 +128,39 @@ class SignalLog(Sequence[TokenSignal]):
         # Per (wave, request): the rows of each routed point, as (routed point,
         # start, stop, the match they serve: it orders rows across points).
         self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch]]] = []
+        self.following: _Follow | None = None
+        """The journal whose entries are this request's next signals, if any."""
 
     def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
         """Signals of one token: each point's rows (run order: by point)."""
+        if self.following is not None:
+            self._catch_up(stop=True)
         self._pending.append(runs)
 
+    def follow(self, journal: Journal, start: int, stop: int, match: PlanMatch) -> None:
+        """From now on, each entry added to ``journal`` holds this request's
+        signals of one token, at rows ``start:stop``, until :meth:`add` or
+        another ``follow``."""
+        if self.following is not None:
+            self._catch_up(stop=True)
+        self.following = _Follow(journal, start, stop, match)
+
+    def _catch_up(self, *, stop: bool) -> None:
+        """The followed journal's new entries, as pending runs; ``stop``: follow
+        it no more (it is then no longer intact)."""
+        follow = self.following
+        assert follow is not None
+        journal, start, end, match = follow.journal, follow.start, follow.stop, follow.match
+        self._pending.extend([(routed, start, end, match)]
+                             for routed in journal[follow.first:])
+        follow.first = len(journal)
+        if stop:
+            self.following = None
+            journal.intact = False
+
     def _flush(self) -> list[TokenSignal]:
+        if self.following is not None:
+            self._catch_up(stop=False)
         if self._pending:
             pending, self._pending = self._pending, []
             for runs in pending:
@@ -378,10 +429,13 @@ def _wave_points(current: list[tuple[Any, list[Any]]]
 
 def _route_wave(session: Any, live: list[Any],
                 points: Sequence[tuple[ActivationBatch, list[tuple[Any, int, int, Any]],
-                                       list[tuple[str, int, int]]]]) -> None:
+                                       list[tuple[str, int, int]]]],
+                journal: Journal | None = None, edits: bool = True) -> None:
     """Route each point's batch of one wave, as (batch, spans, the spans to
     route: those of registered requests), then give each request of ``live``
-    its signals, records and abort."""
+    its signals, records and abort. ``journal``: one point, whose requests
+    follow that journal (their signals are appended to it once, not to each);
+    ``edits``: whether any request may have live edits to arm."""
     router = session.router
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
     # A request's runs of one token, by point; with one point, each is added at once.
@@ -401,8 +455,14 @@ def _route_wave(session: Any, live: list[Any],
             continue
         routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
         any_abort = ABORT_CODE in codes
+        if journal is not None:
+            journal.append(routed)  # every request's signals of this token
+            if not any_abort and not edits:
+                continue
         for state, start, stop, match in spans:
-            if runs is None:
+            if journal is not None:
+                pass  # appended above
+            elif runs is None:
                 state.signals.add([(routed, start, stop, match)])
             else:
                 runs.setdefault(state.request_id, []).append((routed, start, stop, match))
@@ -447,7 +507,8 @@ class _SteadyPoint:
     change from one step to the next, computed once."""
 
     __slots__ = ("tensor_type", "keys", "picks", "count", "requests", "request_ids",
-                 "point_names", "layers", "tokens", "generated", "spans", "routed_spans")
+                 "point_names", "layers", "tokens", "generated", "spans", "routed_spans",
+                 "journal")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
         first = items[0][1]
@@ -468,6 +529,19 @@ class _SteadyPoint:
         self.routed_spans = [(state.request_id, start, stop)
                              for state, start, stop, _ in self.spans
                              if state.request_id in registered]
+        self.journal = Journal()  # what the requests follow, when this is the only point
+
+    def follow(self) -> Journal:
+        """This point's journal, each request following it (again, for one that
+        stopped since the last step)."""
+        journal = self.journal
+        if not journal.intact:
+            journal.intact = True
+            for state, start, stop, match in self.spans:
+                follow = state.signals.following
+                if follow is None or follow.journal is not journal:
+                    state.signals.follow(journal, start, stop, match)
+        return journal
 
     def rows(self, sources: dict[Any, Any]) -> Any:
         """The gathered rows: per layer, its source's rows in request order (the
@@ -508,11 +582,12 @@ class _SteadyPoint:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points")
+    __slots__ = ("states", "points", "edits")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
+        self.edits = any(state.edits for state in states)  # fixed when a request opens
 
     @classmethod
     def of(cls, base: Any, session: Any, sources: dict[Any, Any]) -> _SteadyLayout | None:
@@ -559,8 +634,14 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
     if any(state.closed or state.abort is not None for state in states):
         return False
     delta = plan.delta
+    points = layout.points
+    if len(points) == 1 and not session.keep_records:
+        point = points[0]
+        _route_wave(session, states, [(point.batch(delta, sources), point.spans,
+                                       point.routed_spans)], point.follow(), layout.edits)
+        return True
     _route_wave(session, states, [(point.batch(delta, sources), point.spans, point.routed_spans)
-                                  for point in layout.points])
+                                  for point in points])
     return True
 
 
