@@ -166,7 +166,7 @@ class AbortsB(Probe):
 
 
 def _one_point(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
-               stream: bool = False) -> tuple[list[Any], int, list[Any]]:
+               stream: bool = False, records: bool = False) -> tuple[list[Any], int, list[Any]]:
     """PROMPTS (the first only, when ``stream``) with one point on every layer: the
     requests follow the kept layout's journal. Returns the outputs, the forwards
     delivered from the layout, and the streamed events' signals."""
@@ -179,7 +179,7 @@ def _one_point(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
             patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"aborts_b": AbortsB}) as router:
-            session = CaptureSession(router, [point])
+            session = CaptureSession(router, [point], keep_records=records)
             params = SamplingParams(max_new_tokens=MAX_NEW)
             if not stream:
                 return backend.generate(PROMPTS, ["a", "b", "c"], params, session), \
@@ -238,3 +238,20 @@ def _count_journal_appends(monkeypatch: pytest.MonkeyPatch, appended: list[int])
         original(self, routed)
 
     monkeypatch.setattr(delivery.Journal, "append", append)
+
+
+def test_records_of_one_point_followed_from_the_kept_layout_are_those_of_planning(
+        monkeypatch, steady_deliveries):
+    """records=True with one point: each request's records follow the layout's
+    journal of captured batches. Counted before they are built, then built:
+    every record, tensor included, is the one planning every step keeps, also
+    for request b after its abort."""
+    repeated, steady, _ = _one_point(monkeypatch, steady_deliveries, repeat=True, records=True)
+    planned, _, _ = _one_point(monkeypatch, steady_deliveries, repeat=False, records=True)
+    assert steady > 0
+    assert [len(output.records) for output in repeated] == [
+        len(output.records) for output in planned]
+    for mine, theirs in zip(repeated, planned, strict=True):
+        assert len(mine.records) > 0
+        assert [_record_view(r) for r in mine.records] == [_record_view(r) for r in theirs.records]
+    assert [_view(output) for output in repeated] == [_view(output) for output in planned]

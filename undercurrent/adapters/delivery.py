@@ -95,11 +95,13 @@ class RoutedPoint:
         return self._located
 
 
-class Journal(list[RoutedPoint]):
-    """The routed batches of a steady layout's point, one per decode step that
-    gave a signal, in order: every request of the layout reads its own rows of
-    each (:meth:`SignalLog.follow`) instead of being handed them step by step.
-    ``intact`` turns False when a request stops following it."""
+class Journal(list[Any]):
+    """What a steady layout's point gives its requests, one entry per decode
+    step, in order: the routed batches that gave a signal (followed by each
+    request's :class:`SignalLog`) or the captured batches (followed by each
+    :class:`RecordLog`). Every request reads its own rows of each entry instead
+    of being handed them step by step. ``intact`` turns False when a request
+    stops following it."""
 
     __slots__ = ("intact",)
 
@@ -110,13 +112,23 @@ class Journal(list[RoutedPoint]):
 
 class _Follow:
     """A request following a :class:`Journal`: its rows ``start:stop`` (serving
-    ``match``) of each entry from ``first`` on are its signals."""
+    ``match``) of each entry from ``first`` on are its own."""
 
     __slots__ = ("journal", "start", "stop", "match", "first")
 
-    def __init__(self, journal: Journal, start: int, stop: int, match: PlanMatch) -> None:
+    def __init__(self, journal: Journal, start: int, stop: int, match: Any) -> None:
         self.journal, self.start, self.stop, self.match = journal, start, stop, match
         self.first = len(journal)
+
+    def take(self, stop: bool) -> list[Any]:
+        """The entries not read yet; ``stop``: the last read (the journal is then
+        no longer intact)."""
+        journal = self.journal
+        fresh = journal[self.first:]
+        self.first = len(journal)
+        if stop:
+            journal.intact = False
+        return fresh
 
 
 class SignalLog(Sequence[TokenSignal]):
@@ -147,16 +159,13 @@ class SignalLog(Sequence[TokenSignal]):
 
     def _catch_up(self, *, stop: bool) -> None:
         """The followed journal's new entries, as pending runs; ``stop``: follow
-        it no more (it is then no longer intact)."""
+        it no more."""
         follow = self.following
         assert follow is not None
-        journal, start, end, match = follow.journal, follow.start, follow.stop, follow.match
-        self._pending.extend([(routed, start, end, match)]
-                             for routed in journal[follow.first:])
-        follow.first = len(journal)
+        start, end, match = follow.start, follow.stop, follow.match
+        self._pending.extend([(routed, start, end, match)] for routed in follow.take(stop))
         if stop:
             self.following = None
-            journal.intact = False
 
     def _flush(self) -> list[TokenSignal]:
         if self.following is not None:
@@ -205,11 +214,34 @@ class RecordLog(Sequence[ActivationRecord]):
     def __init__(self) -> None:
         self._built: list[ActivationRecord] = []
         self._pending: list[tuple[ActivationBatch, int]] = []
+        self.following: _Follow | None = None
+        """The journal of captured batches whose entries hold this request's
+        next records (its rows ``start:stop`` of each), if any."""
 
     def add(self, refs: Iterable[tuple[ActivationBatch, int]]) -> None:
+        if self.following is not None:
+            self._catch_up(stop=True)
         self._pending.extend(refs)
 
+    def follow(self, journal: Journal, start: int, stop: int) -> None:
+        """From now on, rows ``start:stop`` of each batch added to ``journal`` are
+        this request's records of one token, until :meth:`add` or another
+        ``follow``."""
+        if self.following is not None:
+            self._catch_up(stop=True)
+        self.following = _Follow(journal, start, stop, None)
+
+    def _catch_up(self, *, stop: bool) -> None:
+        follow = self.following
+        assert follow is not None
+        rows = range(follow.start, follow.stop)
+        self._pending.extend((batch, row) for batch in follow.take(stop) for row in rows)
+        if stop:
+            self.following = None
+
     def _flush(self) -> list[ActivationRecord]:
+        if self.following is not None:
+            self._catch_up(stop=False)
         if self._pending:
             pending, self._pending = self._pending, []
             self._built.extend(batch.records()[row] for batch, row in pending)
@@ -218,9 +250,16 @@ class RecordLog(Sequence[ActivationRecord]):
     def clear(self) -> None:
         """Forget every record (as ``list.clear``: a consumer frees the memory)."""
         self._built, self._pending = [], []
+        if self.following is not None:
+            self.following.take(False)  # read: those are forgotten too
 
     def __len__(self) -> int:
-        return len(self._built) + len(self._pending)  # counting builds nothing
+        # counting builds nothing
+        count = len(self._built) + len(self._pending)
+        follow = self.following
+        if follow is not None:
+            count += (len(follow.journal) - follow.first) * (follow.stop - follow.start)
+        return count
 
     def __getitem__(self, index: Any) -> Any:
         return self._flush()[index]
@@ -430,12 +469,14 @@ def _wave_points(current: list[tuple[Any, list[Any]]]
 def _route_wave(session: Any, live: list[Any],
                 points: Sequence[tuple[ActivationBatch, list[tuple[Any, int, int, Any]],
                                        list[tuple[str, int, int]]]],
-                journal: Journal | None = None, edits: bool = True) -> None:
+                journal: Journal | None = None, edits: bool = True,
+                kept_journal: Journal | None = None) -> None:
     """Route each point's batch of one wave, as (batch, spans, the spans to
     route: those of registered requests), then give each request of ``live``
-    its signals, records and abort. ``journal``: one point, whose requests
-    follow that journal (their signals are appended to it once, not to each);
-    ``edits``: whether any request may have live edits to arm."""
+    its signals, records and abort. ``journal`` and ``kept_journal``: one
+    point, whose requests follow these journals (the routed batch and the
+    captured one are appended once, not handed to each request); ``edits``:
+    whether any request may have live edits to arm."""
     router = session.router
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
     # A request's runs of one token, by point; with one point, each is added at once.
@@ -443,7 +484,9 @@ def _route_wave(session: Any, live: list[Any],
         {} if len(points) > 1 else None)
     aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
     for batch, spans, routed_spans in points:
-        if session.keep_records:
+        if kept_journal is not None:
+            kept_journal.append(batch.without_cache())
+        elif session.keep_records:
             kept = batch.without_cache()  # the activations, not what probes derived
             for state, start, stop, match in spans:
                 kept_rows.setdefault(state.request_id, []).append((kept, start, stop, match))
@@ -508,7 +551,7 @@ class _SteadyPoint:
 
     __slots__ = ("tensor_type", "keys", "picks", "count", "requests", "request_ids",
                  "point_names", "layers", "tokens", "generated", "spans", "routed_spans",
-                 "journal")
+                 "journal", "kept")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
         first = items[0][1]
@@ -529,11 +572,14 @@ class _SteadyPoint:
         self.routed_spans = [(state.request_id, start, stop)
                              for state, start, stop, _ in self.spans
                              if state.request_id in registered]
-        self.journal = Journal()  # what the requests follow, when this is the only point
+        # What the requests follow when this is the only point: routed batches
+        # (signals) and captured ones (records=True).
+        self.journal = Journal()
+        self.kept = Journal()
 
     def follow(self) -> Journal:
-        """This point's journal, each request following it (again, for one that
-        stopped since the last step)."""
+        """This point's journal of routed batches, each request's signals
+        following it (again, for one that stopped since the last step)."""
         journal = self.journal
         if not journal.intact:
             journal.intact = True
@@ -541,6 +587,18 @@ class _SteadyPoint:
                 follow = state.signals.following
                 if follow is None or follow.journal is not journal:
                     state.signals.follow(journal, start, stop, match)
+        return journal
+
+    def follow_kept(self) -> Journal:
+        """This point's journal of captured batches, each request's records
+        following it (as :meth:`follow`)."""
+        journal = self.kept
+        if not journal.intact:
+            journal.intact = True
+            for state, start, stop, _ in self.spans:
+                follow = state.records.following
+                if follow is None or follow.journal is not journal:
+                    state.records.follow(journal, start, stop)
         return journal
 
     def rows(self, sources: dict[Any, Any]) -> Any:
@@ -635,10 +693,11 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
         return False
     delta = plan.delta
     points = layout.points
-    if len(points) == 1 and not session.keep_records:
+    if len(points) == 1:
         point = points[0]
         _route_wave(session, states, [(point.batch(delta, sources), point.spans,
-                                       point.routed_spans)], point.follow(), layout.edits)
+                                       point.routed_spans)], point.follow(), layout.edits,
+                    point.follow_kept() if session.keep_records else None)
         return True
     _route_wave(session, states, [(point.batch(delta, sources), point.spans, point.routed_spans)
                                   for point in points])
