@@ -223,13 +223,13 @@ class RecordLog(Sequence[ActivationRecord]):
             self._catch_up(stop=True)
         self._pending.extend(refs)
 
-    def follow(self, journal: Journal, start: int, stop: int) -> None:
+    def follow(self, journal: Journal, start: int, stop: int, match: Any = None) -> None:
         """From now on, rows ``start:stop`` of each batch added to ``journal`` are
         this request's records of one token, until :meth:`add` or another
-        ``follow``."""
+        ``follow`` (``match``: what the rows serve, as for :meth:`SignalLog.follow`)."""
         if self.following is not None:
             self._catch_up(stop=True)
-        self.following = _Follow(journal, start, stop, None)
+        self.following = _Follow(journal, start, stop, match)
 
     def _catch_up(self, *, stop: bool) -> None:
         follow = self.following
@@ -577,28 +577,18 @@ class _SteadyPoint:
         self.journal = Journal()
         self.kept = Journal()
 
-    def follow(self) -> Journal:
-        """This point's journal of routed batches, each request's signals
-        following it (again, for one that stopped since the last step)."""
-        journal = self.journal
+    def follow(self, *, kept: bool = False) -> Journal:
+        """This point's journal of routed batches (``kept``: of captured ones),
+        each request's signal log (record log) following it, again for one that
+        stopped since the last step."""
+        journal = self.kept if kept else self.journal
         if not journal.intact:
             journal.intact = True
             for state, start, stop, match in self.spans:
-                follow = state.signals.following
+                log = state.records if kept else state.signals
+                follow = log.following
                 if follow is None or follow.journal is not journal:
-                    state.signals.follow(journal, start, stop, match)
-        return journal
-
-    def follow_kept(self) -> Journal:
-        """This point's journal of captured batches, each request's records
-        following it (as :meth:`follow`)."""
-        journal = self.kept
-        if not journal.intact:
-            journal.intact = True
-            for state, start, stop, _ in self.spans:
-                follow = state.records.following
-                if follow is None or follow.journal is not journal:
-                    state.records.follow(journal, start, stop)
+                    log.follow(journal, start, stop, match)
         return journal
 
     def rows(self, sources: dict[Any, Any]) -> Any:
@@ -697,7 +687,7 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
         point = points[0]
         _route_wave(session, states, [(point.batch(delta, sources), point.spans,
                                        point.routed_spans)], point.follow(), layout.edits,
-                    point.follow_kept() if session.keep_records else None)
+                    point.follow(kept=True) if session.keep_records else None)
         return True
     _route_wave(session, states, [(point.batch(delta, sources), point.spans, point.routed_spans)
                                   for point in points])
