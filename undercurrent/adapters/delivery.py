@@ -124,8 +124,9 @@ class _Follow:
         """The entries not read yet; ``stop``: the last read (the journal is then
         no longer intact)."""
         journal = self.journal
-        fresh = journal[self.first:]
-        self.first = len(journal)
+        end = len(journal)  # an entry appended meanwhile is read next time
+        fresh = journal[self.first:end]
+        self.first = end
         if stop:
             journal.intact = False
         return fresh
@@ -503,12 +504,11 @@ def _route_wave(session: Any, live: list[Any],
             if not any_abort and not edits:
                 continue
         for state, start, stop, match in spans:
-            if journal is not None:
-                pass  # appended above
-            elif runs is None:
-                state.signals.add([(routed, start, stop, match)])
-            else:
-                runs.setdefault(state.request_id, []).append((routed, start, stop, match))
+            if journal is None:  # else: appended above, once for every request
+                if runs is None:
+                    state.signals.add([(routed, start, stop, match)])
+                else:
+                    runs.setdefault(state.request_id, []).append((routed, start, stop, match))
             if any_abort and ABORT_CODE in codes[start:stop]:
                 row = codes.index(ABORT_CODE, start, stop)
                 key = (match.layers[row - start], match.order_of(row - start), routed, row)
