@@ -338,16 +338,17 @@ class _Capture:
             state = self.states.get(engine_request_id(window.request_id))
             if state is None or not state.live:
                 continue
+            token_stop = window.token_stop
             start = max(window.token_start, state.next_token)
             if start > window.token_start and state.edits:
                 # Recomputed after a preemption: its edits again, reported once already.
-                plan.add_edit_window(state, window.token_start, min(start, window.token_stop),
+                plan.add_edit_window(state, window.token_start, min(start, token_stop),
                                      window.row_of, log=False)
-            if start >= window.token_stop:
+            if start >= token_stop:
                 continue  # recomputed after a preemption: captured already
-            state.next_token = window.token_stop
-            fed.append((state, start, window.token_stop, window))
-            fed_generated = window.token_stop - state.prompt_len
+            state.next_token = token_stop
+            fed.append((state, start, token_stop, window))
+            fed_generated = token_stop - state.prompt_len
             if fed_generated > state.generated_sent:
                 self.pending_tokens.append((state, window.slot, state.generated_sent,
                                             fed_generated))
