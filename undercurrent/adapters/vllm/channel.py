@@ -288,7 +288,9 @@ class StepServer:
                 state.log_applied(name, TensorType(tensor_type), layer, token_index)
         armed_before = {engine_id: set(state.armed) for engine_id, state in states.items()
                         if state.edits}
-        live_before = {engine_id for engine_id, state in states.items() if state.live}
+        # ``live`` and ``aborted`` read as the attributes behind them: per request and step
+        live_before = [engine_id for engine_id, state in states.items()
+                       if state.finish_reason is None]
         # The batch's request table, resolved once: its matches index it.
         table = [states.get(engine_id) for engine_id in batch.requests]
         deliveries = self._repeat.deliveries(batch, table)
@@ -297,7 +299,8 @@ class StepServer:
             armed = states[engine_id].armed
             self._armed += [(engine_id, name, armed[name]) for name in armed
                             if name not in before]
-        aborted = [engine_id for engine_id in live_before if states[engine_id].aborted]
+        aborted = [engine_id for engine_id in live_before
+                   if states[engine_id].abort is not None]
         if aborted:
             self._on_abort(aborted)
         return aborted
