@@ -22,6 +22,34 @@ def test_figure_png_draws_the_figure_at_the_size_asked():
     assert (width, height) == (640, 300)
 
 
+@pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="kaleido needs Chromium")
+def test_a_render_that_fails_is_tried_once_more(monkeypatch, caplog):
+    """A busy machine can make a render time out (the first page load of a browser
+    still starting): the figure is drawn again, and the failure is logged."""
+    real, calls = pio.to_image, []
+
+    def flaky(*args, **kwargs):
+        calls.append(kwargs["width"])
+        if len(calls) == 1:
+            raise TimeoutError("Page load timeout")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pio, "to_image", flaky)
+    with caplog.at_level("INFO", logger="undercurrent.notebook"):
+        png = static.figure_png(go.Figure(go.Bar(x=["a"], y=[1])), width=320, height=200)
+    assert calls == [320, 320]
+    assert png is not None and png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "(try 1 of 2): Page load timeout" in caplog.text
+
+
+def test_a_figure_no_try_can_draw_has_no_png(monkeypatch):
+    calls = []
+    monkeypatch.setattr(static, "_start_kaleido", lambda: True)
+    monkeypatch.setattr(pio, "to_image", lambda *a, **k: calls.append(1) or 1 / 0)
+    assert static.figure_png(go.Figure(), width=100) is None
+    assert len(calls) == static.RENDER_TRIES == 2
+
+
 def test_png_fallback_adds_a_png_beside_plotlys_own_bundle(monkeypatch):
     drawn = []
     monkeypatch.setattr(static, "figure_png", lambda figure, **kw: drawn.append(figure) or b"PNG")

@@ -7,8 +7,10 @@ figures carry a PNG made with kaleido.
 
 ``figure_png`` renders through one long-lived kaleido browser (the first
 figure pays for starting it, about two seconds; later ones take a fraction of
-a second). When kaleido or its browser is missing it returns None and the
-snapshot simply has no picture.
+a second). A render that fails is tried once more: on a busy machine the first
+page load of a browser still starting can time out. When kaleido or its
+browser is missing, or both tries fail, it returns None (the reason is logged
+at INFO on ``undercurrent.notebook``) and the snapshot simply has no picture.
 
 >>> from undercurrent.notebook import png_fallback   # doctest: +SKIP
 >>> png_fallback()        # plotly figures now display with a PNG copy  # doctest: +SKIP
@@ -17,9 +19,14 @@ snapshot simply has no picture.
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 import warnings
 from typing import Any
+
+logger = logging.getLogger("undercurrent.notebook")
+RENDER_TRIES = 2
+"""Renders tried per figure before giving up on its PNG."""
 
 _lock = threading.Lock()
 _server: dict[str, bool] = {}
@@ -48,15 +55,19 @@ def figure_png(figure: Any, *, width: int = 900, height: int | None = None) -> b
     import plotly.io as pio
 
     layout_height = getattr(figure.layout, "height", None)
-    with warnings.catch_warnings():
-        # plotly warns that per-call browser options are unused with a shared server.
-        warnings.simplefilter("ignore")
-        try:
-            png = pio.to_image(figure, format="png", width=width,
-                               height=height or layout_height or 400)
-        except Exception:  # noqa: BLE001 - a missing picture must not break the notebook
-            return None
-    return _palette_png(png)
+    for attempt in range(1, RENDER_TRIES + 1):
+        with warnings.catch_warnings():
+            # plotly warns that per-call browser options are unused with a shared server.
+            warnings.simplefilter("ignore")
+            try:
+                png = pio.to_image(figure, format="png", width=width,
+                                   height=height or layout_height or 400)
+            except Exception as exc:  # noqa: BLE001 - a missing picture must not break the notebook
+                logger.info("undercurrent: kaleido could not draw a figure (try %d of %d): %s",
+                            attempt, RENDER_TRIES, exc)
+                continue
+        return _palette_png(png)
+    return None
 
 
 def _palette_png(png: bytes) -> bytes:
