@@ -24,8 +24,8 @@ def test_figure_png_draws_the_figure_at_the_size_asked():
 
 @pytest.mark.skipif(not Path("/usr/bin/chromium").exists(), reason="kaleido needs Chromium")
 def test_a_render_that_fails_is_tried_once_more(monkeypatch, caplog):
-    """A busy machine can make a render time out (the first page load of a browser
-    still starting): the figure is drawn again, and the failure is logged."""
+    """A render that fails (one did under heavy load) is drawn again, and the
+    failure is logged."""
     real, calls = pio.to_image, []
 
     def flaky(*args, **kwargs):

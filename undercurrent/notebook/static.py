@@ -7,8 +7,8 @@ figures carry a PNG made with kaleido.
 
 ``figure_png`` renders through one long-lived kaleido browser (the first
 figure pays for starting it, about two seconds; later ones take a fraction of
-a second). A render that fails is tried once more: on a busy machine the first
-page load of a browser still starting can time out. When kaleido or its
+a second). A render that fails is tried once more: a render on a heavily
+loaded machine was seen to fail once and not again. When kaleido or its
 browser is missing, or both tries fail, it returns None (the reason is logged
 at INFO on ``undercurrent.notebook``) and the snapshot simply has no picture.
 
