@@ -252,13 +252,15 @@ class ProbedModel:
         return shared, per_request
 
     def _session(self, records: bool, edits: Sequence[Any] = (),
-                 request_edits: Mapping[str, Sequence[Any]] | None = None) -> CaptureSession:
+                 request_edits: Mapping[str, Sequence[Any]] | None = None, *,
+                 windows: bool = False) -> CaptureSession:
         if self._closed:
             raise BackendError("this ProbedModel is closed")
         router = self.router if self.spec else self._router
         return CaptureSession(router, self.points, model_name=self.backend.model_name,
                               keep_records=records, on_result=self.on_result,
-                              edits=[*self._spec_edits, *edits], request_edits=request_edits)
+                              edits=[*self._spec_edits, *edits], request_edits=request_edits,
+                              windows=windows)
 
     def _params(self, max_new_tokens: int, temperature: float, top_p: float,
                 top_k: int | None, seed: int | None, stop: str | Sequence[str] | None,
@@ -322,7 +324,8 @@ class ProbedModel:
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
         shared, per_request = self._call_edits(edits, prompt_edits, ids)
-        session = self._session(records, shared, per_request)
+        # Nothing reads a signal before its request ends: steps may be judged in windows.
+        session = self._session(records, shared, per_request, windows=True)
         return self.backend.generate(inputs, ids, params, session,
                                      batch_size=batch_size or self.batch_size)
 

@@ -325,8 +325,10 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> No
         sources = {targets.key: rows for _, targets, rows in batches}
         if plan.base is not None and _deliver_steady(session, plan, sources):
             return
+        flush_window(session)
         _deliver_matches(session, plan.matches, sources)
         return
+    flush_window(session)
     matches, sources = matches_of_targets(batches)
     _deliver_matches(session, matches, sources)
 
@@ -549,13 +551,14 @@ class _SteadyPoint:
     """One point's batch in every plan that repeats a base plan: what does not
     change from one step to the next, computed once."""
 
-    __slots__ = ("tensor_type", "keys", "picks", "count", "requests", "request_ids",
+    __slots__ = ("name", "tensor_type", "keys", "picks", "count", "requests", "request_ids",
                  "point_names", "layers", "tokens", "generated", "spans", "routed_spans",
                  "journal", "kept")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
         first = items[0][1]
         point, layers = first.point, first.layers
+        self.name = point.name
         self.tensor_type = point.tensor_type
         self.keys = [(layer, self.tensor_type) for layer in layers]
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
@@ -591,9 +594,9 @@ class _SteadyPoint:
                     log.follow(journal, start, stop, match)
         return journal
 
-    def rows(self, sources: dict[Any, Any]) -> Any:
-        """The gathered rows: per layer, its source's rows in request order (the
-        source itself where it is exactly that), stacked layer-minor."""
+    def pieces(self, sources: dict[Any, Any]) -> list[Any]:
+        """Per layer, its source's rows in request order (the source itself where
+        it is exactly that)."""
         if self.picks is None:
             self.picks = []
             for column, key in enumerate(self.keys):
@@ -601,8 +604,12 @@ class _SteadyPoint:
                 source = sources[key]
                 self.picks.append(None if rows == list(range(len(source))) else
                                   source.new_tensor(rows, dtype=sys.modules["torch"].long))
-        pieces = [sources[key] if pick is None else sources[key].index_select(0, pick)
-                  for key, pick in zip(self.keys, self.picks, strict=True)]
+        return [sources[key] if pick is None else sources[key].index_select(0, pick)
+                for key, pick in zip(self.keys, self.picks, strict=True)]
+
+    def rows(self, sources: dict[Any, Any]) -> Any:
+        """The gathered rows: :meth:`pieces` stacked layer-minor."""
+        pieces = self.pieces(sources)
         if len(pieces) == 1:
             return pieces[0]
         stacked = sys.modules["torch"].stack(pieces, 1)
@@ -627,15 +634,55 @@ class _SteadyPoint:
         )
 
 
+    def window_batch(self, deltas: list[int], steps: list[list[Any]]) -> ActivationBatch:
+        """This point's batches ``deltas`` tokens after the base plan's (each
+        step's :meth:`pieces`) as one batch, grouped by request: each request's
+        rows of every step in turn, layer-minor (what routing each step's batch
+        in order hands its probe, in the same order)."""
+        torch = sys.modules["torch"]
+        count, width = self.count, len(self.requests)
+        stacked = torch.stack([piece for pieces in steps for piece in pieces])
+        rest = stacked.shape[2:]
+        tensor = (stacked.view(len(steps), count, width, *rest)
+                  .permute(2, 0, 1, *range(3, 3 + len(rest)))
+                  .reshape(width * len(steps) * count, *rest))
+        shifts = [delta for delta in deltas for _ in range(count)]
+        per_request = len(shifts)
+        request_ids: list[str] = []
+        tokens: list[int] = []
+        generated: list[int] = []
+        token_ids: list[int | None] = []
+        for state, token in self.requests:
+            request_ids += [state.request_id] * per_request
+            tokens += [token + shift for shift in shifts]
+            offset = token - state.prompt_len
+            generated += [offset + shift for shift in shifts]
+            for delta in deltas:
+                token_ids += [state.token_id_at(token + delta)] * count
+        total = per_request * width
+        return ActivationBatch(
+            tensor,
+            request_ids=request_ids,
+            point_names=[self.name] * total,
+            layers=self.layers[:count] * (len(deltas) * width),
+            tensor_type=self.tensor_type.value,
+            token_indices=tokens,
+            is_generated=[True] * total,
+            generated_indices=generated,
+            token_ids=token_ids,
+        )
+
+
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits")
+    __slots__ = ("states", "points", "edits", "windows")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
         self.edits = any(state.edits for state in states)  # fixed when a request opens
+        self.windows: bool | None = None  # whether steps are routed in windows; see _Window
 
     @classmethod
     def of(cls, base: Any, session: Any, sources: dict[Any, Any]) -> _SteadyLayout | None:
@@ -685,13 +732,104 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
     points = layout.points
     if len(points) == 1:
         point = points[0]
+        if layout.windows is None:
+            layout.windows = _judged_in_windows(session, layout)
+        if layout.windows:
+            _Window.hold(session, layout, delta, sources)
+            return True
+        flush_window(session)
         _route_wave(session, states, [(point.batch(delta, sources), point.spans,
                                        point.routed_spans)], point.follow(), layout.edits,
                     point.follow(kept=True) if session.keep_records else None)
         return True
+    flush_window(session)
     _route_wave(session, states, [(point.batch(delta, sources), point.spans, point.routed_spans)
                                   for point in points])
     return True
+
+
+#: A window holds at most this many decode steps ...
+WINDOW_STEPS = 32
+#: ... and at most this many bytes of activations.
+WINDOW_BYTES = 64 << 20
+
+
+def _judged_in_windows(session: Any, layout: _SteadyLayout) -> bool:
+    """Whether ``layout`` 's steps are routed in windows (see :class:`_Window`)."""
+    point = layout.points[0]
+    judged = getattr(session.router, "judged_in_windows", None)
+    return (getattr(session, "windows", False) and judged is not None and not layout.edits
+            and bool(point.routed_spans)
+            and judged(point.name, [request_id for request_id, _, _ in point.routed_spans]))
+
+
+class _Window:
+    """Decode steps of one steady point whose routing waits, to be routed as one
+    batch: for a ``generate()`` call (nothing reads a signal before its request
+    ends) whose one point is inline and judged by probes that cannot abort
+    (:meth:`~undercurrent.router.Router.judged_in_windows`). Each request's rows
+    reach its probe in the order routing each step would give them, so the
+    signals, verdicts and counts are the same; each probe is called, and each
+    binding settled, once per window instead of once per step. A window is
+    routed (:func:`flush_window`) before any other delivery, before a request
+    ends, and when it holds :data:`WINDOW_STEPS` steps or :data:`WINDOW_BYTES`
+    bytes."""
+
+    __slots__ = ("layout", "deltas", "steps", "size")
+
+    def __init__(self, layout: _SteadyLayout) -> None:
+        self.layout = layout
+        self.deltas: list[int] = []
+        self.steps: list[list[Any]] = []
+        self.size = 0
+
+    @classmethod
+    def hold(cls, session: Any, layout: _SteadyLayout, delta: int,
+             sources: dict[Any, Any]) -> None:
+        """Add one step of ``layout`` (its captured ``sources``) to the session's
+        window, routing a window of another layout first."""
+        window = session.window
+        if window is not None and window.layout is not layout:
+            flush_window(session)
+            window = None
+        if window is None:
+            window = session.window = cls(layout)
+        point = layout.points[0]
+        if session.keep_records:  # records do not wait: each step's rows are kept now
+            point.follow(kept=True).append(point.batch(delta, sources))
+        pieces = point.pieces(sources)
+        window.deltas.append(delta)
+        window.steps.append(pieces)
+        window.size += sum(piece.element_size() * piece.nelement() for piece in pieces)
+        if len(window.steps) >= WINDOW_STEPS or window.size >= WINDOW_BYTES:
+            flush_window(session)
+
+    def route(self, session: Any) -> None:
+        """Route the steps held, as one batch, and give each request its signals."""
+        point = self.layout.points[0]
+        steps = len(self.steps)
+        batch = point.window_batch(self.deltas, self.steps)
+        spans = [(request_id, start * steps, stop * steps)
+                 for request_id, start, stop in point.routed_spans]
+        signals = session.router.route_columns(batch, spans)
+        codes = as_list(signals.actions)
+        if codes.count(NO_SIGNAL) == len(codes):
+            return
+        if ABORT_CODE in codes:  # judged_in_windows admitted a probe that aborts
+            raise RuntimeError(
+                f"internal error: a probe of point {point.name!r} aborted a request while "
+                "its steps were judged in a window")
+        routed = RoutedPoint(batch.index_view(), signals)
+        for state, start, stop, match in point.spans:
+            state.signals.add([(routed, start * steps, stop * steps, match)])
+
+
+def flush_window(session: Any) -> None:
+    """Route the session's window of held steps, if any (see :class:`_Window`)."""
+    window = getattr(session, "window", None)
+    if window is not None:
+        session.window = None
+        window.route(session)
 
 
 def _record_refs(pieces: list[tuple[ActivationBatch, int, int, Any]]

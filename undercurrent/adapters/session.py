@@ -35,7 +35,13 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from undercurrent.adapters.delivery import PlanMatch, RecordLog, SignalLog, deliver_forward
+from undercurrent.adapters.delivery import (
+    PlanMatch,
+    RecordLog,
+    SignalLog,
+    deliver_forward,
+    flush_window,
+)
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.probes.base import RequestContext
 from undercurrent.records import LazySequence, ProbeResult, SignalAction
@@ -535,7 +541,10 @@ class CaptureSession:
 
     ``router`` (a :class:`~undercurrent.router.SessionRouter`) may be None when
     no point is declared. ``on_result`` is called with
-    each ``ProbeResult`` as its request ends.
+    each ``ProbeResult`` as its request ends. ``windows``: nothing reads a
+    request's signals before it ends (``generate()``, not ``stream()``), so the
+    decode steps of an inline point whose probes cannot abort may be routed
+    several at a time (see :class:`~undercurrent.adapters.delivery._Window`).
     """
 
     def __init__(
@@ -548,8 +557,11 @@ class CaptureSession:
         on_result: Callable[[ProbeResult], Any] | None = None,
         edits: Sequence[Any] = (),
         request_edits: Mapping[str, Sequence[Any]] | None = None,
+        windows: bool = False,
     ) -> None:
         self.router: SessionRouter | None = router
+        self.windows = windows
+        self.window: Any = None  # the decode steps held back (delivery._Window), if any
         self.points = tuple(points)
         # Resolved edits (undercurrent.steering.ResolvedEdit) for every request, and
         # more for some requests (by request id), applied after the shared ones.
@@ -588,6 +600,7 @@ class CaptureSession:
         state = self.requests[request_id]
         if state.finish_reason is None:
             state.finish_reason = finish_reason or "length"
+        flush_window(self)  # what was held back is judged before any request ends
         results = self._end(request_id)
         state.closed = True
         return GenerationOutput(
@@ -622,6 +635,10 @@ class CaptureSession:
         router = self.router
         if router is None:  # nothing was registered
             return
+        try:
+            flush_window(self)
+        except Exception:  # noqa: BLE001 - the first error is what the caller sees
+            self.window = None
         for request_id in list(self._registered):
             self._registered.discard(request_id)
             try:

@@ -163,6 +163,14 @@ class ScoresRows(Probe):
         or a tuple or dict of them. Row ``i`` depends on row ``i`` only."""
         raise NotImplementedError
 
+    def may_abort(self) -> bool:
+        """Whether this instance's signals may ever abort its request. For an
+        inline point whose probes cannot, and a ``generate()`` call that reads
+        no signal before the end, the capture session judges several decode
+        steps' rows in one call (see :mod:`undercurrent.adapters.delivery`).
+        The default, for any class that does not say otherwise: True."""
+        return True
+
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:
         """Judge rows given their values (those :meth:`row_values` computed) and

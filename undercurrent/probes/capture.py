@@ -37,6 +37,9 @@ class CaptureProbe(ScoresRows):
     def group_key(self) -> Any:
         return ("capture",)
 
+    def may_abort(self) -> bool:
+        return type(self) is not CaptureProbe
+
     def row_values(self, batch: ActivationBatch) -> Any:
         return ()
 

@@ -242,6 +242,10 @@ class LinearProbe(ScoresRows):
         if ctx.extraction_point is not None:  # the router checked; direct callers may not
             self.check_point(ctx.extraction_point)
 
+    def may_abort(self) -> bool:
+        # A subclass may judge otherwise: it is taken at its word only through its own.
+        return type(self) is not LinearProbe or self.rule.can_abort
+
     def group_key(self) -> Any:
         # A subclass that judges each activation itself is not judged in groups.
         return self.readout.key if type(self).judge is LinearProbe.judge else None

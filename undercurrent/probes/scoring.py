@@ -71,6 +71,11 @@ class ThresholdRule:
         threshold, action = parse_threshold(threshold), parse_action(action)
         return _rule(threshold, action) if cls is ThresholdRule else cls(threshold, action)
 
+    @property
+    def can_abort(self) -> bool:
+        """Whether a score can give ``abort`` (a threshold, and ``action: abort``)."""
+        return self.threshold is not None and self.action is SignalAction.ABORT
+
     def crossed(self, score: float) -> bool:
         """Whether ``score`` is at or above the threshold."""
         return self.threshold is not None and score >= self.threshold

@@ -57,6 +57,9 @@ class _StatisticProbe(ScoresRows):
     def group_key(self) -> Any:
         return ("statistic", self.statistic_name)
 
+    def may_abort(self) -> bool:
+        return type(self) not in (NormProbe, MeanProbe) or self.rule.can_abort
+
     def row_values(self, batch: ActivationBatch) -> Any:
         """One statistic per row of the batch's matrix."""
         return self.statistics(batch_matrix(batch))

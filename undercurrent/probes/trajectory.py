@@ -129,6 +129,9 @@ class TrajectoryProbe(ScoresRows):
             return ("linear_scores", self.readout.key)
         return ("statistic", "l2_norm")
 
+    def may_abort(self) -> bool:
+        return type(self) is not TrajectoryProbe or self.rule.can_abort
+
     def row_values(self, batch: ActivationBatch) -> Any:
         if self.readout is not None:
             return self.readout.score_batch(batch)[0]

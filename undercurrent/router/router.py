@@ -355,6 +355,24 @@ class Router:
         with self._lock:
             return tuple(self._requests)
 
+    def judged_in_windows(self, name: str, request_ids: Iterable[str]) -> bool:
+        """Whether the rows of point ``name`` for these requests may be routed
+        several decode steps at a time: each request is live, and its binding is
+        judged in a group (inline, ``reject``; see :func:`judge_group`) by a probe
+        whose signals cannot abort (:meth:`~undercurrent.probes.base.ScoresRows.may_abort`).
+        Routing those rows later changes no signal, verdict or count, only when
+        they are computed."""
+        with self._lock:
+            for request_id in request_ids:
+                request = self._requests.get(request_id)
+                binding = None if request is None else request.bindings.get(name)
+                if binding is None or binding.group is None:
+                    return False
+                may_abort = getattr(binding.probe, "may_abort", None)
+                if may_abort is None or may_abort():
+                    return False
+        return True
+
     # -- the hot path -------------------------------------------------------------
 
     def route(self, record: ActivationRecord) -> ProbeSignal | None:

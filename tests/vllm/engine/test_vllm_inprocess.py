@@ -324,3 +324,50 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
             assert (record.token_id, record.generated_index) == (other.token_id,
                                                                   other.generated_index)
             assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
+
+
+def _window_view(output: Any) -> Any:
+    def close(value: Any) -> Any:
+        return pytest.approx(value, rel=1e-12, abs=1e-12) if isinstance(value, float) else value
+
+    signals = [(s.layer, s.token_index, s.generated_index, s.action, close(s.score),
+                {key: close(value) for key, value in s.signal.metadata.items()})
+               for s in output.signals]
+    results = {name: ({key: close(value) for key, value in result.verdict.items()},
+                      result.stats.received, result.stats.processed, result.stats.dropped)
+               for name, result in output.results.items()}
+    return output.token_ids, output.finish_reason, signals, results
+
+
+def test_steps_judged_in_windows_give_what_routing_each_step_gives(backend, reference,
+                                                                   num_layers, monkeypatch):
+    # generate() with one inline linear probe that only flags: the driver holds the
+    # repeated steps of its kept layout and routes them as one batch per window.
+    # Under continuous batching a window ends whenever a request joins or leaves.
+    texts, _ = reference
+    point = dataclasses.replace(
+        next(point for point in spec_points(num_layers) if point.name == "residual_all"),
+        probe_type="linear_probe", execution_mode="inline", queue_depth=None,
+        probe_args={"weight": [0.1 * ((i % 5) - 2) for i in range(128)], "bias": 0.0,
+                    "threshold": 0.0, "action": "flag"})
+    windows: list[int] = []
+    route = delivery._Window.route
+
+    def counted(window, session):
+        windows.append(len(window.steps))
+        route(window, session)
+
+    monkeypatch.setattr(delivery._Window, "route", counted)
+    views = {}
+    for held in (True, False):
+        with Router() as router:
+            session = CaptureSession(router, [point], windows=held)
+            outputs = backend.generate(texts, [f"w{i}" for i in range(len(texts))], GREEDY,
+                                       session)
+        views[held] = [_window_view(output) for output in outputs]
+        if held:
+            assert windows and max(windows) > 1, windows
+            seen = len(windows)
+    assert len(windows) == seen  # routing each step held nothing
+    assert any(signals for _, _, signals, _ in views[False])
+    assert views[True] == views[False]

@@ -1,0 +1,215 @@
+"""Decode steps judged in windows (``delivery._Window``): in a ``generate()``
+call, the steps of one steady inline point whose probes cannot abort are
+routed several at a time. The oracle is the same generation with each step
+routed as it comes (``windows=False``, what ``stream()`` does): the same
+tokens, signals in order, verdicts and counts, records included, while the
+probes are called once per window. Scores are compared to 1e-12, as in
+``tests/router/test_columnar_property.py``: BLAS may sum a row's product in
+another order in a matrix of another height.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hf_models import build_model, build_tokenizer  # noqa: E402
+from test_hf_equivalence import PROMPTS  # noqa: E402
+
+from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
+from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
+from undercurrent.probes import Probe  # noqa: E402
+from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
+from undercurrent.router import Router  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint, InterventionPolicy, ProbeKind  # noqa: E402
+
+MAX_NEW = 10
+IDS = ["a", "b", "c"]
+WEIGHT = [0.05 * ((i % 7) - 3) for i in range(32)]
+
+
+def _point(probe_type: str = "linear_probe", *, action: str = "flag",
+           mode: str = "inline", **probe_args: Any) -> ExtractionPoint:
+    if probe_type in ("linear_probe", "trajectory_probe"):
+        probe_args = {"weight": WEIGHT, "bias": 0.0, "threshold": 0.0, "action": action,
+                      **probe_args}
+    return ExtractionPoint(name="watch", layers=(0, 1, 2), tensor_type="residual_stream",
+                           position="generated[*]", probe_type=probe_type,
+                           probe_kind="trajectory", execution_mode=mode,
+                           queue_depth=256 if mode == "async" else None,
+                           probe_args=probe_args)
+
+
+class Windows:
+    """Counts the windows routed and the rows and steps of each."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[int] = []
+        original = delivery._Window.route
+
+        def route(window: Any, session: Any) -> None:
+            self.steps.append(len(window.steps))
+            original(window, session)
+
+        monkeypatch.setattr(delivery._Window, "route", route)
+
+
+def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
+              eos: int | None = None, probes: dict[str, Any] | None = None) -> list[Any]:
+    model = build_model("llama")  # one model per process: its eos is put back
+    config = model.generation_config
+    before = config.eos_token_id
+    if eos is not None:
+        config.eos_token_id = eos
+    try:
+        backend = HFBackend(model, build_tokenizer())
+        with Router(probes=probes or {}) as router:
+            session = CaptureSession(router, [point], keep_records=records, windows=windows)
+            return backend.generate(PROMPTS, IDS, SamplingParams(max_new_tokens=MAX_NEW),
+                                    session)
+    finally:
+        config.eos_token_id = before
+
+
+def _approx(value: Any) -> Any:
+    if isinstance(value, float):
+        return pytest.approx(value, rel=1e-12, abs=1e-12)
+    if isinstance(value, dict):
+        return {key: _approx(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_approx(item) for item in value)
+    return value
+
+
+def _view(output: Any) -> Any:
+    signals = [(s.extraction_point_name, s.layer, s.token_index, s.generated_index,
+                s.action, _approx(s.score), _approx(dict(s.signal.metadata)))
+               for s in output.signals]
+    results = {name: (_approx(result.verdict), result.stats.received, result.stats.processed,
+                      result.stats.dropped, result.stats.errors, result.error)
+               for name, result in output.results.items()}
+    return list(output.token_ids), output.finish_reason, signals, results
+
+
+def _record_view(record: ActivationRecord) -> Any:
+    return (record.request_id, record.extraction_point_name, record.layer,
+            record.token_index, record.generated_index, record.token_id,
+            record.tensor.tolist())
+
+
+@pytest.mark.parametrize("probe_type", ["linear_probe", "trajectory_probe", "norm_probe"])
+def test_windows_give_what_routing_each_step_gives(monkeypatch, probe_type):
+    """Every built-in that judges in groups: one window for the steady steps,
+    and outputs equal to routing each step (signals with their scores and
+    metadata, verdicts, counts)."""
+    counted = Windows(monkeypatch)
+    point = _point(probe_type) if probe_type != "norm_probe" else _point(
+        "norm_probe", threshold=0.11)
+    windowed = _generate(point, windows=True)
+    assert len(counted.steps) == 1 and counted.steps[0] > 1  # the steady steps: one window
+    stepped = _generate(point, windows=False)
+    assert len(counted.steps) == 1  # routing each step: no window
+    assert any(output.signals for output in stepped)
+    assert any(s.action.value == "flag" for output in stepped for s in output.signals)
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for output in windowed:
+        result = output.results["watch"]
+        assert result.stats.received == result.stats.processed == 3 * (MAX_NEW - 1)
+
+
+def test_a_window_is_judged_before_a_request_ends_mid_generation(monkeypatch):
+    """A request that ends early (its eos) is judged before it ends: the window
+    is routed when the steady layout is left, and the other requests go on."""
+    first = _generate(_point(), windows=False)
+    tokens = {output.request_id: list(output.token_ids) for output in first}
+    # An eos that request "a" samples mid-way, before any other request does.
+    index, eos = next((index, token) for index, token in enumerate(tokens["a"][2:], 2)
+                      if all(token not in tokens[other][:index + 1] for other in ("b", "c")))
+    assert index < MAX_NEW - 1
+    counted = Windows(monkeypatch)
+    windowed = _generate(_point(), windows=True, eos=eos)
+    stepped = _generate(_point(), windows=False, eos=eos)
+    by_id = {output.request_id: output for output in windowed}
+    assert by_id["a"].finish_reason == "eos" and len(by_id["a"].token_ids) == index + 1
+    assert any(output.finish_reason == "length" for output in windowed)
+    assert len(counted.steps) >= 1
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+def test_windows_hold_at_most_window_steps(monkeypatch):
+    """A window is routed once it holds WINDOW_STEPS steps: several windows,
+    the same outputs."""
+    monkeypatch.setattr(delivery, "WINDOW_STEPS", 3)
+    counted = Windows(monkeypatch)
+    windowed = _generate(_point(), windows=True)
+    assert len(counted.steps) >= 2 and max(counted.steps) == 3
+    stepped = _generate(_point(), windows=False)
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+def test_records_are_kept_step_by_step_when_signals_wait(monkeypatch):
+    """records=True: each step's records are kept as they come (their batch,
+    their tensors), and are the records routing each step keeps."""
+    counted = Windows(monkeypatch)
+    windowed = _generate(_point(), windows=True, records=True)
+    stepped = _generate(_point(), windows=False, records=True)
+    assert counted.steps
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert len(mine.records) == len(theirs.records) == 3 * (MAX_NEW - 1)
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+class FlagsOnly(Probe):
+    """A probe written per record: the router cannot know it never aborts."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def on_activation(self, record: ActivationRecord) -> ProbeSignal:
+        return ProbeSignal(score=float(record.tensor[0]))
+
+
+@pytest.mark.parametrize("point, probes", [
+    (_point(action="abort"), None),
+    (_point(mode="async"), None),
+    (_point("flags_only"), {"flags_only": FlagsOnly}),
+], ids=["abort", "async", "user-probe"])
+def test_no_window_where_a_step_must_be_judged_before_the_next(monkeypatch, point, probes):
+    """A probe that may abort (a threshold with ``action: abort``), an async
+    point (queued as it comes) and a user probe: every step is routed as it
+    comes."""
+    counted = Windows(monkeypatch)
+    outputs = _generate(point, windows=True, probes=probes)
+    assert counted.steps == []
+    assert all(output.results["watch"].stats.received > 0 for output in outputs)
+    if point.probe_args.get("action") == "abort":
+        assert any(output.finish_reason == "abort" for output in outputs)
+
+
+def test_the_router_says_which_points_are_judged_in_windows():
+    """``Router.judged_in_windows``: inline, judged in a group, cannot abort."""
+    points = {"flag": _point(), "abort": _point(action="abort"),
+              "async": _point(mode="async"), "none": _point(threshold=None),
+              "user": _point("flags_only"),
+              "blocking": ExtractionPoint(
+                  name="watch", layers=(0,), tensor_type="residual_stream",
+                  position="generated[*]", probe_type="linear_probe",
+                  probe_kind="trajectory",
+                  intervention=InterventionPolicy(mode="block_until_signal", timeout_ms=50),
+                  probe_args={"weight": WEIGHT, "bias": 0.0})}
+    expected = {"flag": True, "abort": False, "async": False, "none": True, "user": False,
+                "blocking": False}
+    with Router(probes={"flags_only": FlagsOnly}) as router:
+        for key, point in points.items():
+            router.register_request(key, [point])
+            assert router.judged_in_windows("watch", [key]) is expected[key], key
+        assert router.judged_in_windows("watch", ["flag", "none"]) is True
+        assert router.judged_in_windows("watch", ["flag", "abort"]) is False
+        assert router.judged_in_windows("watch", ["flag", "never-registered"]) is False
+        assert router.judged_in_windows("other", ["flag"]) is False
+
