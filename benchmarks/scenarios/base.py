@@ -11,11 +11,15 @@ from benchmarks.models import ModelBundle
 
 @dataclass
 class Batch:
-    """Prompts as strings (for APIs that tokenize) and as encoded tensors."""
+    """Prompts as strings, as encoded tensors (left-padded), and as each
+    prompt's token ids without padding (what ``ProbedModel.generate`` takes as
+    ``input_ids``: every scenario starts from the same token ids, none pays
+    for tokenizing)."""
 
     prompts: list[str]
     input_ids: Any
     attention_mask: Any
+    token_lists: list[list[int]]
 
     @property
     def size(self) -> int:
@@ -31,7 +35,9 @@ class Batch:
 def make_batch(bundle: ModelBundle, prompts: list[str]) -> Batch:
     """Tokenize ``prompts`` with left padding, the way every scenario sees them."""
     encoded = bundle.tokenizer(prompts, return_tensors="pt", padding=True)
-    return Batch(list(prompts), encoded["input_ids"], encoded["attention_mask"])
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    lists = [row[kept.bool()].tolist() for row, kept in zip(ids, mask, strict=True)]
+    return Batch(list(prompts), ids, mask, lists)
 
 
 def new_tokens(sequences: Any, prompt_length: int) -> list[list[int]]:

@@ -66,7 +66,8 @@ class _Probed(Scenario):
     def generate(self, batch: Batch, max_new_tokens: int) -> GenerationRun:
         # One generate() call for the whole batch, like the baselines (ProbedModel's
         # default batch_size of 8 would split a larger batch into sequential calls).
-        outputs = self.probed.generate(batch.prompts, max_new_tokens=max_new_tokens,
+        outputs = self.probed.generate(input_ids=batch.token_lists,
+                                       max_new_tokens=max_new_tokens,
                                        temperature=0.0, records=self.keep_records,
                                        batch_size=batch.size)
         records = dropped = errors = timeouts = 0
