@@ -1,6 +1,6 @@
-"""Decode steps judged in windows (``delivery._Window``): in a ``generate()``
-call, the steps of one steady inline point whose probes cannot abort are
-routed several at a time. The oracle is the same generation with each step
+"""Decode steps routed in windows (``delivery._Window``): in a ``generate()``
+call, the steps of one steady point, inline with probes that cannot abort or
+async, are routed several at a time. The oracle is the same generation with each step
 routed as it comes (``windows=False``, what ``stream()`` does): the same
 tokens, signals in order, verdicts and counts, records included, while the
 probes are called once per window. Scores are compared to 1e-12, as in
@@ -10,6 +10,7 @@ another order in a matrix of another height.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -33,14 +34,14 @@ WEIGHT = [0.05 * ((i % 7) - 3) for i in range(32)]
 
 
 def _point(probe_type: str = "linear_probe", *, action: str = "flag",
-           mode: str = "inline", **probe_args: Any) -> ExtractionPoint:
+           mode: str = "inline", depth: int = 256, **probe_args: Any) -> ExtractionPoint:
     if probe_type in ("linear_probe", "trajectory_probe"):
         probe_args = {"weight": WEIGHT, "bias": 0.0, "threshold": 0.0, "action": action,
                       **probe_args}
     return ExtractionPoint(name="watch", layers=(0, 1, 2), tensor_type="residual_stream",
                            position="generated[*]", probe_type=probe_type,
                            probe_kind="trajectory", execution_mode=mode,
-                           queue_depth=256 if mode == "async" else None,
+                           queue_depth=depth if mode == "async" else None,
                            probe_args=probe_args)
 
 
@@ -59,7 +60,8 @@ class Windows:
 
 
 def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
-              eos: int | None = None, probes: dict[str, Any] | None = None) -> list[Any]:
+              eos: int | None = None, probes: dict[str, Any] | None = None,
+              overflow: str = "block") -> list[Any]:
     model = build_model("llama")  # one model per process: its eos is put back
     config = model.generation_config
     before = config.eos_token_id
@@ -67,7 +69,7 @@ def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
         config.eos_token_id = eos
     try:
         backend = HFBackend(model, build_tokenizer())
-        with Router(probes=probes or {}) as router:
+        with Router(probes=probes or {}, default_overflow=overflow) as router:
             session = CaptureSession(router, [point], keep_records=records, windows=windows)
             return backend.generate(PROMPTS, IDS, SamplingParams(max_new_tokens=MAX_NEW),
                                     session)
@@ -90,7 +92,9 @@ def _view(output: Any) -> Any:
                 s.action, _approx(s.score), _approx(dict(s.signal.metadata)))
                for s in output.signals]
     results = {name: (_approx(result.verdict), result.stats.received, result.stats.processed,
-                      result.stats.dropped, result.stats.errors, result.error)
+                      result.stats.dropped, result.stats.errors, result.error,
+                      [(s.action, s.layer, s.token_index, _approx(s.score))
+                       for s in result.signals])
                for name, result in output.results.items()}
     return list(output.token_ids), output.finish_reason, signals, results
 
@@ -174,15 +178,50 @@ class FlagsOnly(Probe):
         return ProbeSignal(score=float(record.tensor[0]))
 
 
+@pytest.mark.parametrize("probe_type, probes", [
+    ("trajectory_probe", None), ("flags_only", {"flags_only": FlagsOnly}),
+], ids=["trajectory", "user-probe"])
+def test_async_windows_queue_what_routing_each_step_queues(monkeypatch, probe_type, probes):
+    """An async point, any probe: a window holds at most half a queue
+    (queue_depth 24, 3 layers: 4 steps). Under ``block`` (nothing dropped,
+    however the workers keep up) the workers' observations, verdicts and counts
+    are those of queueing each step."""
+    counted = Windows(monkeypatch)
+    point = _point(probe_type, mode="async", depth=24)
+    windowed = _generate(point, windows=True, probes=probes)
+    assert len(counted.steps) > 1 and max(counted.steps) == 4, counted.steps
+    stepped = _generate(point, windows=False, probes=probes)
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for output in windowed:
+        stats = output.results["watch"].stats
+        assert stats.received == stats.processed == 3 * (MAX_NEW - 1) and stats.dropped == 0
+        assert output.results["watch"].signals
+
+
+@pytest.mark.parametrize("overflow", ["drop_oldest", "drop_newest"])
+def test_async_windows_under_a_drop_policy_count_every_row(monkeypatch, overflow):
+    """Under a drop policy a window's rows go to the queue as a step's do: every
+    row is counted received, and processed or dropped (how many a worker keeps
+    up with depends on the machine)."""
+    counted = Windows(monkeypatch)
+    outputs = _generate(_point("trajectory_probe", mode="async", depth=24), windows=True,
+                        overflow=overflow)
+    assert counted.steps and max(counted.steps) == 4
+    for output in outputs:
+        stats = output.results["watch"].stats
+        assert stats.received == 3 * (MAX_NEW - 1) == stats.processed + stats.dropped
+
+
 @pytest.mark.parametrize("point, probes", [
     (_point(action="abort"), None),
-    (_point(mode="async"), None),
     (_point("flags_only"), {"flags_only": FlagsOnly}),
-], ids=["abort", "async", "user-probe"])
-def test_no_window_where_a_step_must_be_judged_before_the_next(monkeypatch, point, probes):
-    """A probe that may abort (a threshold with ``action: abort``), an async
-    point (queued as it comes) and a user probe: every step is routed as it
-    comes."""
+    (_point(mode="async", depth=8), None),
+], ids=["abort", "user-probe", "async-small-queue"])
+def test_no_window_where_a_step_must_be_routed_before_the_next(monkeypatch, point, probes):
+    """A probe that may abort (a threshold with ``action: abort``), an inline
+    user probe (the router cannot know it never aborts) and an async point
+    whose queue holds less than two steps (queue_depth 8, 3 layers): every
+    step is routed as it comes."""
     counted = Windows(monkeypatch)
     outputs = _generate(point, windows=True, probes=probes)
     assert counted.steps == []
@@ -191,10 +230,12 @@ def test_no_window_where_a_step_must_be_judged_before_the_next(monkeypatch, poin
         assert any(output.finish_reason == "abort" for output in outputs)
 
 
-def test_the_router_says_which_points_are_judged_in_windows():
-    """``Router.judged_in_windows``: inline, judged in a group, cannot abort."""
+def test_the_router_says_how_many_rows_may_wait():
+    """``Router.window_rows``: no limit inline (judged in a group, cannot
+    abort), half the queue async, 0 otherwise."""
+    unbounded = sys.maxsize
     points = {"flag": _point(), "abort": _point(action="abort"),
-              "async": _point(mode="async"), "none": _point(threshold=None),
+              "async": _point(mode="async", depth=40), "none": _point(threshold=None),
               "user": _point("flags_only"),
               "blocking": ExtractionPoint(
                   name="watch", layers=(0,), tensor_type="residual_stream",
@@ -202,14 +243,66 @@ def test_the_router_says_which_points_are_judged_in_windows():
                   probe_kind="trajectory",
                   intervention=InterventionPolicy(mode="block_until_signal", timeout_ms=50),
                   probe_args={"weight": WEIGHT, "bias": 0.0})}
-    expected = {"flag": True, "abort": False, "async": False, "none": True, "user": False,
-                "blocking": False}
+    expected = {"flag": unbounded, "abort": 0, "async": 20, "none": unbounded, "user": 0,
+                "blocking": 0}
     with Router(probes={"flags_only": FlagsOnly}) as router:
         for key, point in points.items():
             router.register_request(key, [point])
-            assert router.judged_in_windows("watch", [key]) is expected[key], key
-        assert router.judged_in_windows("watch", ["flag", "none"]) is True
-        assert router.judged_in_windows("watch", ["flag", "abort"]) is False
-        assert router.judged_in_windows("watch", ["flag", "never-registered"]) is False
-        assert router.judged_in_windows("other", ["flag"]) is False
+            assert router.window_rows("watch", [key]) == expected[key], key
+        assert router.window_rows("watch", ["flag", "none"]) == unbounded
+        assert router.window_rows("watch", ["flag", "async"]) == 20
+        assert router.window_rows("watch", ["flag", "abort"]) == 0
+        assert router.window_rows("watch", ["flag", "never-registered"]) == 0
+        assert router.window_rows("other", ["flag"]) == 0
 
+
+
+class Interrupted(Exception):
+    """Raised by the first result callback."""
+
+
+def test_held_steps_are_judged_before_an_error_ends_the_requests(monkeypatch):
+    """The first request's end routes the window; its result callback raises,
+    and the others are ended by ``abandon``: every captured row was judged and
+    counted, none lost with the window."""
+    counted = Windows(monkeypatch)
+    seen: list[Any] = []
+
+    def fail(result: Any) -> None:
+        seen.append(result)
+        raise Interrupted("the first result callback fails")
+
+    backend = HFBackend(build_model("llama"), build_tokenizer())
+    with Router() as router:
+        session = CaptureSession(router, [_point()], windows=True, on_result=fail)
+        with pytest.raises(Interrupted):
+            backend.generate(PROMPTS, IDS, SamplingParams(max_new_tokens=MAX_NEW), session)
+        totals = router.metrics()["totals"]
+        assert router.metrics()["live_requests"] == 0
+    assert len(counted.steps) == 1 and len(seen) == 1
+    rows = 3 * 3 * (MAX_NEW - 1)  # 3 requests, 3 layers, every token fed back
+    assert totals["received"] == totals["processed"] == rows and totals["dropped"] == 0
+
+
+def test_an_interrupt_while_steps_are_held_still_ends_every_request(monkeypatch):
+    """A KeyboardInterrupt between two held steps: ``abandon`` judges what was
+    held (or, if that fails too, drops it) and ends every request."""
+    calls = {"steps": 0}
+    original = delivery._Window.hold
+
+    def hold(*args: Any) -> None:
+        calls["steps"] += 1
+        if calls["steps"] == 3:
+            raise KeyboardInterrupt
+        original(*args)
+
+    monkeypatch.setattr(delivery._Window, "hold", hold)
+    backend = HFBackend(build_model("llama"), build_tokenizer())
+    with Router() as router:
+        session = CaptureSession(router, [_point()], windows=True)
+        with pytest.raises(KeyboardInterrupt):
+            backend.generate(PROMPTS, IDS, SamplingParams(max_new_tokens=MAX_NEW), session)
+        metrics = router.metrics()
+    assert metrics["live_requests"] == 0
+    totals = metrics["totals"]
+    assert totals["received"] == totals["processed"] + totals["dropped"] > 0

@@ -23,6 +23,7 @@ records are built only for ``records=True`` (:class:`RecordLog`).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -682,7 +683,7 @@ class _SteadyLayout:
         self.states = states
         self.points = points
         self.edits = any(state.edits for state in states)  # fixed when a request opens
-        self.windows: bool | None = None  # whether steps are routed in windows; see _Window
+        self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
 
     @classmethod
     def of(cls, base: Any, session: Any, sources: dict[Any, Any]) -> _SteadyLayout | None:
@@ -733,9 +734,9 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
     if len(points) == 1:
         point = points[0]
         if layout.windows is None:
-            layout.windows = _judged_in_windows(session, layout)
+            layout.windows = _window_steps(session, layout)
         if layout.windows:
-            _Window.hold(session, layout, delta, sources)
+            _Window.hold(session, layout, layout.windows, delta, sources)
             return True
         flush_window(session)
         _route_wave(session, states, [(point.batch(delta, sources), point.spans,
@@ -754,46 +755,52 @@ WINDOW_STEPS = 32
 WINDOW_BYTES = 64 << 20
 
 
-def _judged_in_windows(session: Any, layout: _SteadyLayout) -> bool:
-    """Whether ``layout`` 's steps are routed in windows (see :class:`_Window`)."""
+def _window_steps(session: Any, layout: _SteadyLayout) -> int:
+    """How many of ``layout`` 's steps a window holds (see :class:`_Window`); 0:
+    each step is routed as it comes."""
     point = layout.points[0]
-    judged = getattr(session.router, "judged_in_windows", None)
-    return (getattr(session, "windows", False) and judged is not None and not layout.edits
-            and bool(point.routed_spans)
-            and judged(point.name, [request_id for request_id, _, _ in point.routed_spans]))
+    rows = getattr(session.router, "window_rows", None)
+    if (not getattr(session, "windows", False) or rows is None or layout.edits
+            or not point.routed_spans):
+        return 0
+    steps = min(WINDOW_STEPS, rows(point.name, [request_id for request_id, _, _
+                                                in point.routed_spans]) // point.count)
+    return steps if steps > 1 else 0
 
 
 class _Window:
     """Decode steps of one steady point whose routing waits, to be routed as one
     batch: for a ``generate()`` call (nothing reads a signal before its request
-    ends) whose one point is inline and judged by probes that cannot abort
-    (:meth:`~undercurrent.router.Router.judged_in_windows`). Each request's rows
-    reach its probe in the order routing each step would give them, so the
-    signals, verdicts and counts are the same; each probe is called, and each
-    binding settled, once per window instead of once per step. A window is
-    routed (:func:`flush_window`) before any other delivery, before a request
-    ends, and when it holds :data:`WINDOW_STEPS` steps or :data:`WINDOW_BYTES`
-    bytes."""
+    ends) whose one point is inline and judged by probes that cannot abort, or
+    async (:meth:`~undercurrent.router.Router.window_rows`). Each request's rows
+    reach its probe (or its queue) in the order routing each step would give
+    them, so the signals, verdicts and counts are the same; each probe is
+    called, and each binding settled or queued on, once per window instead of
+    once per step. A window is routed (:func:`flush_window`) before any other
+    delivery, before a request ends, and when it holds the layout's number of
+    steps (at most :data:`WINDOW_STEPS`; for an async point, rows filling at
+    most half of each queue) or :data:`WINDOW_BYTES` bytes."""
 
-    __slots__ = ("layout", "deltas", "steps", "size")
+    __slots__ = ("layout", "limit", "deltas", "steps", "size")
 
-    def __init__(self, layout: _SteadyLayout) -> None:
+    def __init__(self, layout: _SteadyLayout, limit: int) -> None:
         self.layout = layout
+        self.limit = limit
         self.deltas: list[int] = []
         self.steps: list[list[Any]] = []
         self.size = 0
 
     @classmethod
-    def hold(cls, session: Any, layout: _SteadyLayout, delta: int,
+    def hold(cls, session: Any, layout: _SteadyLayout, limit: int, delta: int,
              sources: dict[Any, Any]) -> None:
         """Add one step of ``layout`` (its captured ``sources``) to the session's
-        window, routing a window of another layout first."""
+        window of at most ``limit`` steps, routing a window of another layout first."""
         window = session.window
         if window is not None and window.layout is not layout:
             flush_window(session)
             window = None
         if window is None:
-            window = session.window = cls(layout)
+            window = session.window = cls(layout, limit)
         point = layout.points[0]
         if session.keep_records:  # records do not wait: each step's rows are kept now
             point.follow(kept=True).append(point.batch(delta, sources))
@@ -801,7 +808,7 @@ class _Window:
         window.deltas.append(delta)
         window.steps.append(pieces)
         window.size += sum(piece.element_size() * piece.nelement() for piece in pieces)
-        if len(window.steps) >= WINDOW_STEPS or window.size >= WINDOW_BYTES:
+        if len(window.steps) >= window.limit or window.size >= WINDOW_BYTES:
             flush_window(session)
 
     def route(self, session: Any) -> None:
@@ -815,7 +822,7 @@ class _Window:
         codes = as_list(signals.actions)
         if codes.count(NO_SIGNAL) == len(codes):
             return
-        if ABORT_CODE in codes:  # judged_in_windows admitted a probe that aborts
+        if ABORT_CODE in codes:  # window_rows admitted a probe that aborts
             raise RuntimeError(
                 f"internal error: a probe of point {point.name!r} aborted a request while "
                 "its steps were judged in a window")
@@ -825,11 +832,14 @@ class _Window:
 
 
 def flush_window(session: Any) -> None:
-    """Route the session's window of held steps, if any (see :class:`_Window`)."""
+    """Route the session's window of held steps, if any (see :class:`_Window`),
+    inside one ``router.step()``: async workers wake once for the window."""
     window = getattr(session, "window", None)
     if window is not None:
         session.window = None
-        window.route(session)
+        step = getattr(session.router, "step", None)
+        with step() if step is not None else contextlib.nullcontext():
+            window.route(session)
 
 
 def _record_refs(pieces: list[tuple[ActivationBatch, int, int, Any]]

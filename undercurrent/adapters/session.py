@@ -636,8 +636,8 @@ class CaptureSession:
         if router is None:  # nothing was registered
             return
         try:
-            flush_window(self)
-        except Exception:  # noqa: BLE001 - the first error is what the caller sees
+            flush_window(self)  # the steps held back are judged: their rows are counted
+        except BaseException:  # noqa: BLE001 - the first error is what the caller sees
             self.window = None
         for request_id in list(self._registered):
             self._registered.discard(request_id)

@@ -255,6 +255,11 @@ class Binding:
         return self._is_async
 
     @property
+    def queue_capacity(self) -> int:
+        """The most vectors an async binding's queue holds (1 for an inline one)."""
+        return self._queue_capacity or 1
+
+    @property
     def overflow(self) -> OverflowPolicy:
         """What a full async queue does."""
         return self._overflow

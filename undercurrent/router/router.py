@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import sys
 import threading
 import time
 import uuid
@@ -355,23 +356,34 @@ class Router:
         with self._lock:
             return tuple(self._requests)
 
-    def judged_in_windows(self, name: str, request_ids: Iterable[str]) -> bool:
-        """Whether the rows of point ``name`` for these requests may be routed
-        several decode steps at a time: each request is live, and its binding is
-        judged in a group (inline, ``reject``; see :func:`judge_group`) by a probe
-        whose signals cannot abort (:meth:`~undercurrent.probes.base.ScoresRows.may_abort`).
-        Routing those rows later changes no signal, verdict or count, only when
+    def window_rows(self, name: str, request_ids: Iterable[str]) -> int:
+        """How many rows of point ``name`` per request may wait to be routed
+        together, several decode steps at a time, when nothing reads a signal
+        before its request ends: 0 when each step's rows must be routed as they
+        come. Every request must be live, and its binding either
+
+        - judged in a group (inline, ``reject``; see :func:`judge_group`) by a
+          probe whose signals cannot abort
+          (:meth:`~undercurrent.probes.base.ScoresRows.may_abort`): no limit;
+        - or async: at most half its queue capacity, so that a window's rows
+          find room beside what is still queued.
+
+        Routing the rows later changes no signal, verdict or count, only when
         they are computed."""
+        limit = sys.maxsize
         with self._lock:
             for request_id in request_ids:
                 request = self._requests.get(request_id)
                 binding = None if request is None else request.bindings.get(name)
-                if binding is None or binding.group is None:
-                    return False
+                if binding is None:
+                    return 0
+                if binding.is_async:
+                    limit = min(limit, binding.queue_capacity // 2)
+                    continue
                 may_abort = getattr(binding.probe, "may_abort", None)
-                if may_abort is None or may_abort():
-                    return False
-        return True
+                if binding.group is None or may_abort is None or may_abort():
+                    return 0
+        return limit
 
     # -- the hot path -------------------------------------------------------------
 

@@ -328,26 +328,35 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
 
 def _window_view(output: Any) -> Any:
     def close(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: close(item) for key, item in value.items()}
         return pytest.approx(value, rel=1e-12, abs=1e-12) if isinstance(value, float) else value
 
     signals = [(s.layer, s.token_index, s.generated_index, s.action, close(s.score),
                 {key: close(value) for key, value in s.signal.metadata.items()})
                for s in output.signals]
-    results = {name: ({key: close(value) for key, value in result.verdict.items()},
-                      result.stats.received, result.stats.processed, result.stats.dropped)
+    results = {name: (close(result.verdict),
+                      result.stats.received, result.stats.processed, result.stats.dropped,
+                      [(s.action, s.layer, s.token_index, close(s.score))
+                       for s in result.signals])
                for name, result in output.results.items()}
     return output.token_ids, output.finish_reason, signals, results
 
 
-def test_steps_judged_in_windows_give_what_routing_each_step_gives(backend, reference,
-                                                                   num_layers, monkeypatch):
-    # generate() with one inline linear probe that only flags: the driver holds the
+@pytest.mark.parametrize("probe_type, mode", [("linear_probe", "inline"),
+                                              ("trajectory_probe", "async")])
+def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, reference,
+                                                                   num_layers, monkeypatch,
+                                                                   probe_type, mode):
+    # generate() with one inline linear probe that only flags, or one async
+    # trajectory probe (block overflow: nothing dropped): the driver holds the
     # repeated steps of its kept layout and routes them as one batch per window.
     # Under continuous batching a window ends whenever a request joins or leaves.
     texts, _ = reference
     point = dataclasses.replace(
         next(point for point in spec_points(num_layers) if point.name == "residual_all"),
-        probe_type="linear_probe", execution_mode="inline", queue_depth=None,
+        probe_type=probe_type, execution_mode=mode, probe_kind="trajectory",
+        queue_depth=64 if mode == "async" else None,
         probe_args={"weight": [0.1 * ((i % 5) - 2) for i in range(128)], "bias": 0.0,
                     "threshold": 0.0, "action": "flag"})
     windows: list[int] = []
@@ -360,7 +369,7 @@ def test_steps_judged_in_windows_give_what_routing_each_step_gives(backend, refe
     monkeypatch.setattr(delivery._Window, "route", counted)
     views = {}
     for held in (True, False):
-        with Router() as router:
+        with Router(default_overflow="block") as router:
             session = CaptureSession(router, [point], windows=held)
             outputs = backend.generate(texts, [f"w{i}" for i in range(len(texts))], GREEDY,
                                        session)
@@ -369,5 +378,7 @@ def test_steps_judged_in_windows_give_what_routing_each_step_gives(backend, refe
             assert windows and max(windows) > 1, windows
             seen = len(windows)
     assert len(windows) == seen  # routing each step held nothing
-    assert any(signals for _, _, signals, _ in views[False])
+    # Inline: the tokens' signals; async: the results' observations.
+    assert any(signals or any(kept for *_, kept in results.values())
+               for _, _, signals, results in views[False])
     assert views[True] == views[False]
