@@ -80,6 +80,10 @@ def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple
                             "prompt must be a list of token ids")
         if not row:
             raise ValueError(f"input_ids[{index}] is empty; a prompt needs at least one token")
+        if (all(type(token) is int for token in row) and min(row) >= 0
+                and (vocab_size is None or max(row) < vocab_size)):
+            checked.append(tuple(row))  # plain ints in range: the usual case, checked at once
+            continue
         for position, token in enumerate(row):
             if not _is_token(token):
                 raise TypeError(f"input_ids[{index}][{position}] is {type(token).__name__} "
