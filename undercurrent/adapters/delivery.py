@@ -608,22 +608,26 @@ class _SteadyPoint:
         return [sources[key] if pick is None else sources[key].index_select(0, pick)
                 for key, pick in zip(self.keys, self.picks, strict=True)]
 
-    def rows(self, sources: dict[Any, Any]) -> Any:
-        """The gathered rows: :meth:`pieces` stacked layer-minor."""
-        pieces = self.pieces(sources)
+    def rows(self, sources: dict[Any, Any], pieces: list[Any] | None = None) -> Any:
+        """The gathered rows: :meth:`pieces` (given, or gathered from ``sources``)
+        stacked layer-minor."""
+        if pieces is None:
+            pieces = self.pieces(sources)
         if len(pieces) == 1:
             return pieces[0]
         stacked = sys.modules["torch"].stack(pieces, 1)
         return stacked.reshape(len(self.requests) * len(pieces), *pieces[0].shape[1:])
 
-    def batch(self, delta: int, sources: dict[Any, Any]) -> ActivationBatch:
-        """This point's batch ``delta`` tokens after the base plan's."""
+    def batch(self, delta: int, sources: dict[Any, Any],
+              pieces: list[Any] | None = None) -> ActivationBatch:
+        """This point's batch ``delta`` tokens after the base plan's (``pieces``:
+        its :meth:`pieces`, when gathered already)."""
         count = self.count
         token_ids = [state.token_id_at(token + delta) for state, token in self.requests]
         if count > 1:
             token_ids = [token_id for token_id in token_ids for _ in range(count)]
         return ActivationBatch(
-            self.rows(sources),
+            self.rows(sources, pieces),
             request_ids=self.request_ids,
             point_names=self.point_names,
             layers=self.layers,
@@ -802,9 +806,9 @@ class _Window:
         if window is None:
             window = session.window = cls(layout, limit)
         point = layout.points[0]
-        if session.keep_records:  # records do not wait: each step's rows are kept now
-            point.follow(kept=True).append(point.batch(delta, sources))
         pieces = point.pieces(sources)
+        if session.keep_records:  # records do not wait: each step's rows are kept now
+            point.follow(kept=True).append(point.batch(delta, sources, pieces))
         window.deltas.append(delta)
         window.steps.append(pieces)
         window.size += sum(piece.element_size() * piece.nelement() for piece in pieces)
