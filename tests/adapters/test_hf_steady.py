@@ -6,7 +6,8 @@ transformers itself computes.
 The HF driver repeats a decode plan while the same rows are fed and every request
 is steady (each point selects every token from some index on, no edits); the
 oracle is ``output_hidden_states`` of a plain ``generate()`` on the same batch,
-and the same generation with the repeat switched off.
+and the same generation with the repeat switched off (every step planned and
+delivered by the general path, no layout kept).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hf_models import build_model, build_tokenizer  # noqa: E402
 from test_hf_equivalence import PROMPTS, _expected, _oracle  # noqa: E402
 
 import undercurrent.adapters.hf.backend as hf_backend  # noqa: E402
-from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
+from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction  # noqa: E402
@@ -76,6 +77,7 @@ def _generate(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
     with monkeypatch.context() as patch:
         if not repeat:
             patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
+            patch.setattr(delivery._SteadyLayout, "of", classmethod(lambda cls, *args: None))
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"keeper": Keeper}, default_overflow="block") as router:
             session = CaptureSession(router, _points(), keep_records=records)
@@ -88,8 +90,9 @@ def test_repeated_decode_plans_capture_what_transformers_computes(monkeypatch,
                                                                  steady_deliveries):
     outputs, steady = _generate(monkeypatch, steady_deliveries, repeat=True)
     # Decode forwards feed generated tokens 0..MAX_NEW - 2; "late" selects from
-    # generated 2 on, so the forwards of 0, 1 and 2 are planned, the later repeat 2's.
-    assert steady == MAX_NEW - 4
+    # generated 2 on, so the forwards of 0, 1 and 2 are planned, the later repeat 2's;
+    # 2's plan, kept to be repeated, is delivered from its layout as well.
+    assert steady == MAX_NEW - 3
     model = build_model("llama")
     out, captured, width = _oracle(model, build_tokenizer(), SamplingParams(
         max_new_tokens=MAX_NEW))
@@ -125,7 +128,7 @@ def test_repeated_decode_plans_give_what_planning_every_step_gives(monkeypatch,
                                                                    steady_deliveries):
     repeated, steady = _generate(monkeypatch, steady_deliveries, repeat=True)
     planned, none = _generate(monkeypatch, steady_deliveries, repeat=False)
-    assert steady == MAX_NEW - 4 and none == 0
+    assert steady == MAX_NEW - 3 and none == 0
     assert any(output.signals for output in planned)  # the linear probe flagged rows
     assert [_view(output) for output in repeated] == [_view(output) for output in planned]
 
@@ -143,7 +146,7 @@ def test_records_kept_from_repeated_plans_are_those_of_planning_every_step(
     in order, tensors included) are the ones planning every step keeps."""
     repeated, steady = _generate(monkeypatch, steady_deliveries, repeat=True, records=True)
     planned, none = _generate(monkeypatch, steady_deliveries, repeat=False, records=True)
-    assert steady == MAX_NEW - 4 and none == 0
+    assert steady == MAX_NEW - 3 and none == 0
     for mine, theirs in zip(repeated, planned, strict=True):
         assert len(mine.records) == len(theirs.records) > 0
         assert [_record_view(r) for r in mine.records] == [_record_view(r) for r in theirs.records]
@@ -177,6 +180,7 @@ def _one_point(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
     with monkeypatch.context() as patch:
         if not repeat:
             patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
+            patch.setattr(delivery._SteadyLayout, "of", classmethod(lambda cls, *args: None))
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"aborts_b": AbortsB}) as router:
             session = CaptureSession(router, [point], keep_records=records)
@@ -229,7 +233,6 @@ def test_streamed_signals_read_mid_way_from_the_journal_are_those_of_planning(
 
 def _count_journal_appends(monkeypatch: pytest.MonkeyPatch, appended: list[int]) -> None:
     """Note the rows of each entry appended to any Journal (the one-point steady path)."""
-    from undercurrent.adapters import delivery
 
     original = delivery.Journal.append
 

@@ -324,7 +324,8 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> No
     plan = _whole_plan(batches)
     if plan is not None:
         sources = {targets.key: rows for _, targets, rows in batches}
-        if plan.base is not None and _deliver_steady(session, plan, sources):
+        if (plan.base is not None or plan.repeatable) and _deliver_steady(session, plan,
+                                                                           sources):
             return
         flush_window(session)
         _deliver_matches(session, plan.matches, sources)
@@ -720,11 +721,12 @@ class _SteadyLayout:
 
 
 def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
-    """Deliver a plan that repeats its base plan ``plan.delta`` tokens later,
-    from the layout kept on the base plan: what the general path would route,
-    without planning each request's matches again. False (nothing done) where
-    the general path must: no layout, or a request closed or aborted since."""
-    base = plan.base
+    """Deliver a plan that repeats its base plan ``plan.delta`` tokens later (or
+    a base plan kept to be repeated, ``delta`` 0), from the layout kept on the
+    base plan: what the general path would route, without planning each
+    request's matches again. False (nothing done) where the general path must:
+    no layout, or a request closed or aborted since."""
+    base = plan.base if plan.base is not None else plan
     layout = base.steady
     if layout is None:
         layout = base.steady = _SteadyLayout.of(base, session, sources) or False

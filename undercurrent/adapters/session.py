@@ -405,6 +405,10 @@ class StepPlan:
         self.steady: Any = None
         """What delivery derives once from a plan that others repeat (kept on the
         base plan; see :mod:`undercurrent.adapters.delivery`)."""
+        self.repeatable = False
+        """Set by a backend that keeps this plan to repeat it (no request of it is
+        steered): delivery may use the plan's layout from this step on, not only
+        from its first repeat."""
 
     @property
     def matches(self) -> list[PlanMatch]:

@@ -310,8 +310,9 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
         outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
                                    session)
     # The worker shifts its plan in every step the driver repeats, and the driver
-    # delivers each of those from its kept layout.
-    assert counts["driver repeats"] == counts["kept layout"] > 0, counts
+    # delivers each of those from its kept layout (and some plans it keeps to
+    # repeat, from their first step).
+    assert counts["kept layout"] >= counts["driver repeats"] > 0, counts
     assert counts["shifted"] == 2 * counts["driver repeats"], counts
     for ours, theirs in zip(outputs, hf_outputs, strict=True):
         assert ours.token_ids == theirs.token_ids

@@ -116,6 +116,7 @@ class _RowDriver:
         self._steady = (plan, fed) if not plan.edits and all(
             state.steady_from is not None and index >= state.steady_from
             for state, index, _ in fed) else None
+        plan.repeatable = self._steady is not None
         return plan
 
     def after_forward(self, scores: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,8 @@ class _Repeat:
             plan = deliveries[0][1].plan if deliveries else None
             if plan is not None and any(state is None or state.edits for state in table):
                 plan = None  # an untracked or steered request: planned every step
+            elif plan is not None:
+                plan.repeatable = True
         self._plan, self._keys, self._table = plan, keys, table
         self._matches, self._rows = batch.matches, batch.match_rows
         return deliveries
