@@ -639,7 +639,6 @@ class _SteadyPoint:
             token_ids=token_ids,
         )
 
-
     def window_batch(self, deltas: list[int], steps: list[list[Any]]) -> ActivationBatch:
         """This point's batches ``deltas`` tokens after the base plan's (each
         step's :meth:`pieces`) as one batch, grouped by request: each request's

@@ -547,8 +547,9 @@ class CaptureSession:
     no point is declared. ``on_result`` is called with
     each ``ProbeResult`` as its request ends. ``windows``: nothing reads a
     request's signals before it ends (``generate()``, not ``stream()``), so the
-    decode steps of an inline point whose probes cannot abort may be routed
-    several at a time (see :class:`~undercurrent.adapters.delivery._Window`).
+    decode steps of an inline point whose probes cannot abort, or of an async
+    point, may be routed several at a time (see
+    :class:`~undercurrent.adapters.delivery._Window`).
     """
 
     def __init__(
