@@ -115,7 +115,8 @@ WATCH_PROGRESS = """() => {
   }).observe(document.body, {subtree: true, childList: true, characterData: true});
 }"""
 
-# Runs in the page: start the kernel if needed, run every cell, wait until done.
+# Runs in the page: start the kernel if needed, run every cell, wait until done;
+# returns the kernel's status then: 'idle', or 'dead' (it never goes idle again).
 RUN_ALL = """async () => {
   const app = window.jupyterapp;
   const panel = app.shell.currentWidget;
@@ -123,9 +124,10 @@ RUN_ALL = """async () => {
   await panel.sessionContext.ready;
   await app.commands.execute('notebook:run-all-cells');  // resolves when the cells ran
   const kernel = panel.sessionContext.session.kernel;
-  while (kernel.status !== 'idle') {
+  while (kernel.status !== 'idle' && kernel.status !== 'dead') {
     await new Promise(resolve => kernel.statusChanged.connect(resolve));
   }
+  return kernel.status;
 }"""
 
 # Runs in the page: what each code cell holds after the run.

@@ -91,7 +91,8 @@ def test_tutorial_runs_in_jupyterlab_with_live_widgets_and_figures(lab, notebook
                                " && window.jupyterapp.shell.currentWidget.content.widgets.length",
                                timeout=OPEN_TIMEOUT_MS)
         page.evaluate(WATCH_PROGRESS)
-        page.evaluate(RUN_ALL)
+        status = page.evaluate(RUN_ALL)
+        assert status == "idle", f"the kernel ended {status!r} while running the notebook"
 
         cells = page.evaluate(CELL_OUTPUTS)
         errors = [(index, out["name"]) for index, cell in enumerate(cells)
