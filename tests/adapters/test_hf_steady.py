@@ -25,6 +25,7 @@ from test_hf_equivalence import PROMPTS, _expected, _oracle  # noqa: E402
 
 import undercurrent.adapters.hf.backend as hf_backend  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
+from undercurrent.adapters.session import StepPlan  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction  # noqa: E402
@@ -68,6 +69,21 @@ def _points() -> list[ExtractionPoint]:
     ]
 
 
+#: Plans repeated one token later (StepPlan.shifted) in the last generation.
+SHIFTS = [0]
+
+
+def _count_shifts(patch: pytest.MonkeyPatch) -> None:
+    SHIFTS[0] = 0
+    original = StepPlan.shifted
+
+    def shifted(plan: StepPlan, delta: int) -> StepPlan:
+        SHIFTS[0] += 1
+        return original(plan, delta)
+
+    patch.setattr(StepPlan, "shifted", shifted)
+
+
 def _generate(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
               records: bool = False) -> tuple[list[Any], int]:
     """One generation of PROMPTS; returns its outputs and how many forwards were
@@ -76,8 +92,9 @@ def _generate(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
     steady.count = 0
     with monkeypatch.context() as patch:
         if not repeat:
-            patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
+            patch.setattr(hf_backend._RowDriver, "repeat_plans", False)
             patch.setattr(delivery._SteadyLayout, "of", classmethod(lambda cls, *args: None))
+        _count_shifts(patch)
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"keeper": Keeper}, default_overflow="block") as router:
             session = CaptureSession(router, _points(), keep_records=records)
@@ -127,8 +144,9 @@ def _view(output: Any) -> Any:
 def test_repeated_decode_plans_give_what_planning_every_step_gives(monkeypatch,
                                                                    steady_deliveries):
     repeated, steady = _generate(monkeypatch, steady_deliveries, repeat=True)
+    assert SHIFTS[0] == MAX_NEW - 4  # the decode forwards of generated 3.. repeat 2's
     planned, none = _generate(monkeypatch, steady_deliveries, repeat=False)
-    assert steady == MAX_NEW - 3 and none == 0
+    assert steady == MAX_NEW - 3 and none == 0 and SHIFTS[0] == 0
     assert any(output.signals for output in planned)  # the linear probe flagged rows
     assert [_view(output) for output in repeated] == [_view(output) for output in planned]
 
@@ -179,8 +197,9 @@ def _one_point(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,
                             probe_kind="trajectory")
     with monkeypatch.context() as patch:
         if not repeat:
-            patch.setattr(hf_backend, "one_token_later", lambda before, now: False)
+            patch.setattr(hf_backend._RowDriver, "repeat_plans", False)
             patch.setattr(delivery._SteadyLayout, "of", classmethod(lambda cls, *args: None))
+        _count_shifts(patch)
         backend = HFBackend(build_model("llama"), build_tokenizer())
         with Router(probes={"aborts_b": AbortsB}) as router:
             session = CaptureSession(router, [point], keep_records=records)
@@ -206,9 +225,9 @@ def test_one_point_followed_from_the_kept_layout_gives_what_planning_every_step_
     appended: list[int] = []
     _count_journal_appends(monkeypatch, appended)
     repeated, steady, _ = _one_point(monkeypatch, steady_deliveries, repeat=True)
-    assert steady > 0 and appended  # the journal path ran
+    assert steady > 0 and appended and SHIFTS[0] > 0  # the journal path ran
     planned, none, _ = _one_point(monkeypatch, steady_deliveries, repeat=False)
-    assert none == 0
+    assert none == 0 and SHIFTS[0] == 0
     by_id = {output.request_id: output for output in repeated}
     assert by_id["b"].finish_reason == "abort" and by_id["b"].aborted
     assert by_id["a"].finish_reason != "abort"

@@ -61,6 +61,10 @@ def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
 class _RowDriver:
     """Per-batch generation state shared by the generate() callbacks."""
 
+    #: Repeat the last decode plan one token later while every request is steady
+    #: (False: plan every step, the path the repeats are tested against).
+    repeat_plans = True
+
     def __init__(self, backend: HFBackend, states: list[RequestState], width: int,
                  params: SamplingParams, session: CaptureSession,
                  on_event: EventSink | None, cancel: threading.Event | None) -> None:
@@ -72,9 +76,14 @@ class _RowDriver:
         self.on_event = on_event
         self.cancel = cancel
         self.forwards = 0
-        # The last decode plan and what it fed, (state, token index, row) per
-        # request, while every one of them is steady (see plan_forward).
-        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]]] | None = None
+        # The last decode plan and what an earlier one fed, (state, token index,
+        # row) per request, and the steps between them, while every one of them
+        # is steady (see plan_forward).
+        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]], int] | None = None
+        # Set by after_token when every request was live and got one token: with
+        # every request still live, the next decode step feeds each the token
+        # after the one fed last (plan_forward then shifts the plan, comparing nothing).
+        self._advanced = False
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
@@ -100,20 +109,31 @@ class _RowDriver:
             raise BackendError(
                 f"expected decode step {index} to feed one token per row, it fed {width}; "
                 "run generation with use_cache=True")
+        steady = self._steady if self.repeat_plans else None
+        states = self.states
+        if (steady is not None and self._advanced and len(steady[1]) == len(states)
+                and all(state.finish_reason is None for state in states)):
+            # Every request fed last step, each one token on (after_token saw to
+            # it) and still live: the last plan again, one token later.
+            self._advanced = False
+            shifted = steady[0].shifted(1)
+            self._steady = (shifted, steady[1], steady[2] + 1)
+            return shifted
+        self._advanced = False
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
         fed = [(state, state.prompt_len + len(state.generated) - 1, row)
-               for row, state in enumerate(self.states)
+               for row, state in enumerate(states)
                if state.finish_reason is None and state.generated]
-        steady = self._steady
-        if steady is not None and one_token_later(steady[1], fed):
+        if steady is not None and one_token_later(
+                [(state, index + steady[2], row) for state, index, row in steady[1]], fed):
             # The same rows, each one token on, every request steady: the last
             # plan again, one token later (nothing planned per request).
             shifted = steady[0].shifted(1)
-            self._steady = (shifted, fed)
+            self._steady = (shifted, fed, 0)
             return shifted
         for state, index, row in fed:
             plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
-        self._steady = (plan, fed) if not plan.edits and all(
+        self._steady = (plan, fed, 0) if not plan.edits and all(
             state.steady_from is not None and index >= state.steady_from
             for state, index, _ in fed) else None
         plan.repeatable = self._steady is not None
@@ -136,7 +156,25 @@ class _RowDriver:
         cancelled = self.cancel is not None and self.cancel.is_set()
         tokens = input_ids[:, -1].tolist()
         eos = self.backend.eos_token_ids
-        for row, state in enumerate(self.states):
+        states = self.states
+        if (not cancelled and not self.track_text
+                and all(state.finish_reason is None for state in states)):
+            # Every request live, no stop strings, nobody streaming: each takes
+            # its token and may end on EOS or length (what the loop below does
+            # for such a request), and the next step feeds each the next token.
+            limit = self.params.max_new_tokens
+            for state, token in zip(states, tokens, strict=True):
+                generated = state.generated
+                generated.append(token)
+                if token in eos:
+                    state.finish_reason = "eos"
+                elif len(generated) >= limit:
+                    state.finish_reason = "length"
+            self._advanced = True
+            return torch.tensor([state.finish_reason is not None for state in states],
+                                dtype=torch.bool, device=input_ids.device)
+        self._advanced = False
+        for row, state in enumerate(states):
             if state.finish_reason is not None:  # not live
                 continue
             if cancelled:
