@@ -93,8 +93,8 @@ def _view(output: Any) -> Any:
                for s in output.signals]
     results = {name: (_approx(result.verdict), result.stats.received, result.stats.processed,
                       result.stats.dropped, result.stats.errors, result.error,
-                      [(s.action, s.layer, s.token_index, _approx(s.score))
-                       for s in result.signals])
+                      [(s.action, s.layer, s.token_index, _approx(s.score),
+                        _approx(dict(s.metadata))) for s in result.signals])
                for name, result in output.results.items()}
     return list(output.token_ids), output.finish_reason, signals, results
 
@@ -175,7 +175,9 @@ class FlagsOnly(Probe):
     probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
 
     def on_activation(self, record: ActivationRecord) -> ProbeSignal:
-        return ProbeSignal(score=float(record.tensor[0]))
+        return ProbeSignal(score=float(record.tensor[0]),
+                           metadata={"token_id": record.token_id,
+                                     "generated_index": record.generated_index})
 
 
 @pytest.mark.parametrize("probe_type, probes", [

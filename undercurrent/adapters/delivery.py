@@ -646,24 +646,27 @@ class _SteadyPoint:
         in order hands its probe, in the same order)."""
         torch = sys.modules["torch"]
         count, width = self.count, len(self.requests)
-        stacked = torch.stack([piece for pieces in steps for piece in pieces])
-        rest = stacked.shape[2:]
-        tensor = (stacked.view(len(steps), count, width, *rest)
-                  .permute(2, 0, 1, *range(3, 3 + len(rest)))
-                  .reshape(width * len(steps) * count, *rest))
+        # Each piece is one (step, layer) with a row per request: stacked on dim 1,
+        # row r of the result holds request r's pieces in (step, layer) order.
+        flat = [piece for pieces in steps for piece in pieces]
+        tensor = torch.stack(flat, 1).view(width * len(flat), *flat[0].shape[1:])
         shifts = [delta for delta in deltas for _ in range(count)]
         per_request = len(shifts)
         request_ids: list[str] = []
         tokens: list[int] = []
         generated: list[int] = []
         token_ids: list[int | None] = []
+        last = deltas[-1]
         for state, token in self.requests:
             request_ids += [state.request_id] * per_request
             tokens += [token + shift for shift in shifts]
             offset = token - state.prompt_len
             generated += [offset + shift for shift in shifts]
-            for delta in deltas:
-                token_ids += [state.token_id_at(token + delta)] * count
+            known = state.generated
+            if offset + last < len(known):  # every token known (a steady token is generated)
+                token_ids += [known[offset + shift] for shift in shifts]
+            else:
+                token_ids += [state.token_id_at(token + shift) for shift in shifts]
         total = per_request * width
         return ActivationBatch(
             tensor,
