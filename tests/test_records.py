@@ -77,3 +77,56 @@ def test_a_joined_batch_shares_the_values_of_the_batches_its_pieces_came_from():
     assert first[0:2].shared("key", values)[0].tolist() == pytest.approx(
         np.asarray(first.tensor)[0:2].sum(axis=1).tolist())
     assert calls == [6, 6]
+
+
+def _deferred_batch(made: list[int]):
+    np = pytest.importorskip("numpy")
+    from undercurrent.records import ActivationBatch, DeferredRows
+
+    rows = np.arange(12.0).reshape(6, 2)
+
+    def make():
+        made.append(1)
+        return rows.copy()
+
+    batch = ActivationBatch(DeferredRows(make), request_ids=["a"] * 3 + ["b"] * 3,
+                            point_names=["p"] * 6, layers=[0, 1, 2] * 2,
+                            tensor_type="mlp_out", token_indices=[4] * 6,
+                            is_generated=[True] * 6, generated_indices=[0] * 6,
+                            token_ids=[7] * 6)
+    return batch, rows
+
+
+def test_deferred_rows_are_made_once_when_first_read_and_slices_share_them():
+    made: list[int] = []
+    batch, rows = _deferred_batch(made)
+    first, second = batch[0:3], batch[3:6]
+    assert len(first) == 3 and first.request_ids == ["a"] * 3 and made == []  # not read yet
+    assert second.tensor.tolist() == rows[3:6].tolist() and made == [1]
+    assert first.tensor.tolist() == rows[0:3].tolist()
+    assert batch.tensor.tolist() == rows.tolist() and made == [1]  # one stack for all
+    assert first.tensor.base is batch.tensor or first.tensor.base is batch.tensor.base
+    assert [record.tensor.tolist() for record in second.records()] == rows[3:6].tolist()
+    assert batch[1:2].tensor.tolist() == rows[1:2].tolist() and made == [1]
+
+
+def test_deferred_rows_read_by_many_threads_at_once_are_made_once():
+    import threading
+
+    made: list[int] = []
+    batch, rows = _deferred_batch(made)
+    pieces = [batch[i:i + 1] for i in range(6)]
+    barrier = threading.Barrier(6)
+    seen: dict[int, list[float]] = {}
+
+    def read(index: int) -> None:
+        barrier.wait()
+        seen[index] = pieces[index].tensor.tolist()[0]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert made == [1]
+    assert [seen[i] for i in range(6)] == rows.tolist()

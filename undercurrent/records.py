@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -327,6 +328,33 @@ def concat_rows(tensors: Sequence[Any]) -> Any:
     return [row for tensor in tensors for row in tensor]
 
 
+class DeferredRows:
+    """A batch's tensor made when first read (``make()``, once): the adapters
+    defer stacking rows that a probe judging without them (``capture``) never
+    reads. Slices defer too, and share the one stacked tensor."""
+
+    __slots__ = ("make", "value", "lock")
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make: Callable[[], Any] | None = make
+        self.value: Any = None
+        self.lock = threading.Lock()  # async workers may read slices of one batch at once
+
+    def get(self) -> Any:
+        if self.value is None:
+            with self.lock:
+                if self.make is not None:
+                    self.value = self.make()
+                    self.make = None  # what it held (the unstacked rows) can go
+        return self.value
+
+    def rows(self, start: int, stop: int) -> Any:
+        """Rows ``start:stop``: a view when made already, else deferred too."""
+        if self.value is not None:
+            return self.value[start:stop]
+        return DeferredRows(lambda: self.get()[start:stop])
+
+
 class ActivationBatch:
     """Many captured activations of one tensor type: one stacked tensor plus index
     columns, the unit the capture path carries from the hook to the probe.
@@ -432,7 +460,7 @@ class ActivationBatch:
             records = [r for batch in batches for r in batch.records()]
         tensor = None
         if all(batch._tensor is not None for batch in batches):
-            tensor = concat_rows([batch._tensor for batch in batches])
+            tensor = concat_rows([batch._rows() for batch in batches])
         if tensor is None and records is None:
             records = [r for batch in batches for r in batch.records()]
         edits = None
@@ -473,7 +501,14 @@ class ActivationBatch:
                 raise ValueError("this ActivationBatch keeps its index columns only "
                                  "(see index_view): it holds no tensor")
             self._tensor = stack_rows([record.tensor for record in self._records])
-        return self._tensor
+        return self._rows()
+
+    def _rows(self) -> Any:
+        """The tensor held (made now when deferred, see :class:`DeferredRows`)."""
+        tensor = self._tensor
+        if type(tensor) is DeferredRows:
+            tensor = self._tensor = tensor.get()
+        return tensor
 
     def _like(self, tensor: Any, rows: slice | None = None) -> ActivationBatch:
         """A batch of this one's index columns (their ``rows``, when given) over
@@ -522,8 +557,11 @@ class ActivationBatch:
         start, stop, _ = rows.indices(len(self))
         if start == 0 and stop == len(self):
             return self
-        piece = self._like(None if self._tensor is None else self._tensor[start:stop],
-                           slice(start, stop))
+        tensor = self._tensor
+        if tensor is not None:
+            tensor = (tensor.rows(start, stop) if type(tensor) is DeferredRows
+                      else tensor[start:stop])
+        piece = self._like(tensor, slice(start, stop))
         if self._records is not None:
             piece._records = self._records[start:stop]
         piece.root = self if self.root is None else self.root
@@ -565,7 +603,7 @@ class ActivationBatch:
         """One :class:`ActivationRecord` per row, built on the first call and kept
         (each record's tensor is a view of the batch's row)."""
         if self._records is None:
-            tensor = self._tensor
+            tensor = self._rows()
             unbind = getattr(tensor, "unbind", None)  # torch: every row view in one call
             rows = unbind(0) if unbind is not None else tensor
             edits = self.column_edits()

@@ -25,8 +25,8 @@ from test_hf_equivalence import PROMPTS, _expected, _oracle  # noqa: E402
 
 import undercurrent.adapters.hf.backend as hf_backend  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
-from undercurrent.adapters.session import StepPlan  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
+from undercurrent.adapters.session import StepPlan  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal, SignalAction  # noqa: E402
 from undercurrent.router import Router  # noqa: E402

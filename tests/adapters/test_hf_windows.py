@@ -308,3 +308,29 @@ def test_an_interrupt_while_steps_are_held_still_ends_every_request(monkeypatch)
     assert metrics["live_requests"] == 0
     totals = metrics["totals"]
     assert totals["received"] == totals["processed"] + totals["dropped"] > 0
+
+
+@pytest.mark.parametrize("probe_type, stacked", [("capture", 0), ("linear_probe", 1)])
+def test_a_window_stacks_its_rows_only_for_a_probe_that_reads_them(monkeypatch, probe_type,
+                                                                  stacked):
+    """A window's rows are stacked when first read (``records.DeferredRows``):
+    ``capture`` judges without them, so they are never stacked; the linear
+    probe reads them once. The outputs equal routing each step."""
+    from undercurrent import records as records_module
+
+    made: list[int] = []
+    original = records_module.DeferredRows.__init__
+
+    def counting(self: Any, make: Any) -> None:
+        def counted() -> Any:
+            made.append(1)
+            return make()
+        original(self, counted)
+
+    monkeypatch.setattr(records_module.DeferredRows, "__init__", counting)
+    counted = Windows(monkeypatch)
+    point = _point(probe_type) if probe_type != "capture" else _point("capture")
+    windowed = _generate(point, windows=True)
+    assert len(counted.steps) == 1 and len(made) == stacked
+    stepped = _generate(point, windows=False)
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]

@@ -38,6 +38,7 @@ from undercurrent.records import (
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
+    DeferredRows,
     ProbeSignal,
     SignalAction,
     as_list,
@@ -648,8 +649,10 @@ class _SteadyPoint:
         count, width = self.count, len(self.requests)
         # Each piece is one (step, layer) with a row per request: stacked on dim 1,
         # row r of the result holds request r's pieces in (step, layer) order.
+        # Stacked when first read (a probe judging without the rows never does).
         flat = [piece for pieces in steps for piece in pieces]
-        tensor = torch.stack(flat, 1).view(width * len(flat), *flat[0].shape[1:])
+        rows = width * len(flat)
+        tensor = DeferredRows(lambda: torch.stack(flat, 1).view(rows, *flat[0].shape[1:]))
         shifts = [delta for delta in deltas for _ in range(count)]
         per_request = len(shifts)
         request_ids: list[str] = []
