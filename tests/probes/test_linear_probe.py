@@ -187,3 +187,27 @@ def test_bad_arguments_say_what_is_wrong():
         LinearProbe(weight=W, bias=B, action="continue")
     with pytest.raises(ValueError, match="must be finite"):
         LinearProbe(weight=[float("nan")] * 8, bias=B)
+
+
+@pytest.mark.parametrize("classes", [None, 3])
+def test_a_row_scores_the_same_bits_in_a_matrix_of_any_height(classes):
+    """The readout's product is summed row by row on the calling thread
+    (einsum, no threaded BLAS): a row's score does not depend on the rows
+    scored with it, so a window of steps scores exactly what each step does."""
+    from undercurrent.probes.linear import LinearReadout
+
+    rng = np.random.default_rng(3)
+    hidden = 128
+    shape = (hidden,) if classes is None else (classes, hidden)
+    readout = LinearReadout(weight=rng.normal(size=shape).tolist(),
+                            bias=(0.1 if classes is None else [0.1] * classes),
+                            link="identity", class_index=None if classes is None else 2)
+    matrix = rng.normal(size=(700, hidden))
+    whole, _ = readout.score_matrix(matrix)
+    for start, stop in [(0, 1), (5, 6), (0, 64), (13, 400), (699, 700)]:
+        part, _ = readout.score_matrix(matrix[start:stop])
+        assert part.tolist() == whole[start:stop].tolist()
+    # And each equals its own dot product to within rounding.
+    weight = np.asarray(readout.weights.weight)
+    expected = (matrix @ weight.T + 0.1) if classes is None else (matrix @ weight.T + 0.1)[:, 2]
+    assert np.allclose(whole, expected, rtol=1e-12, atol=1e-12)
