@@ -137,3 +137,26 @@ def test_a_probe_that_keeps_up_loses_no_record_with_more_layers_than_queue_depth
     result = router.end_request("r")["a"]
     assert result.verdict == {"seen": [(t, layer) for t in tokens for layer in layers]}
     assert (result.stats.received, result.stats.processed, result.stats.dropped) == (20, 20, 0)
+
+
+def test_a_binding_makes_its_condition_only_once_a_thread_must_wait(tally_router):
+    """A binding's condition is made when a thread first waits on it (the rest
+    take its lock only): an inline binding never makes one. A producer that
+    waits for room in a full queue makes it and is woken through it (whether
+    it waits depends on how fast the worker drains; the deadlock tests above
+    cover that path)."""
+    router = tally_router(default_overflow="block", workers=1)
+    router.register_request("i", [point("a", probe_type="tally", layers=(0, 1))])
+    router.register_request("r", [point("a", probe_type="tally", mode="async",
+                                        layers=(0, 1), queue_depth=1)])
+    inline = router._requests["i"].bindings["a"]
+    router.route_batch([record("i", "a", t, layer=layer) for t in range(3) for layer in (0, 1)])
+    assert inline._cond is None
+    # Six records for a queue of two: the producer may wait for room.
+    _run_guarded(lambda: router.route_batch(
+        [record("r", "a", t, layer=layer) for t in range(3) for layer in (0, 1)]))
+    results = {rid: router.end_request(rid)["a"] for rid in ("i", "r")}
+    assert inline._cond is None
+    for result in results.values():
+        assert result.verdict == {"seen": [(t, layer) for t in range(3) for layer in (0, 1)]}
+        assert (result.stats.received, result.stats.processed) == (6, 6)

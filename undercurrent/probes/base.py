@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from undercurrent.spec.types import ExtractionPoint
 
 
+#: The metadata of every context given none: one read-only empty mapping, shared.
+_NO_METADATA: Mapping[str, Any] = types.MappingProxyType({})
+
+
 @dataclass(frozen=True)
 class RequestContext:
     """What a probe knows about the request it serves.
@@ -52,7 +56,8 @@ class RequestContext:
         if self.prompt_token_ids is not None:
             object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         if not isinstance(self.metadata, types.MappingProxyType):
-            object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata)))
+            object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata))
+                               if self.metadata else _NO_METADATA)
 
 
 class Probe:

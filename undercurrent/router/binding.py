@@ -168,10 +168,12 @@ class Binding:
         self._queue_capacity = queue_capacity
         self._overflow = overflow
         self._breaker_threshold = breaker_threshold
-        # One re-entrant lock; the hot transitions take it directly (cheaper than
-        # entering the condition), and wake waiters only when there are some.
+        # One re-entrant lock, taken directly; the condition on it is made the
+        # first time a thread must wait (most bindings never wait: a condition is
+        # eight objects for the garbage collector to track, per request), and
+        # waiters are woken only when there are some.
         self._mutex = threading.RLock()
-        self._cond = threading.Condition(self._mutex)
+        self._cond: threading.Condition | None = None
         self._sleepers = 0  # threads inside _wait
         self._received = 0
         self._processed = 0
@@ -278,10 +280,10 @@ class Binding:
         return self._async_group
 
     @property
-    def cond(self) -> threading.Condition:
-        """The lock (and condition) guarding the state; a strategy holds it around
+    def cond(self) -> Any:
+        """The (re-entrant) lock guarding the state; a strategy holds it around
         the transitions documented as "lock held"."""
-        return self._cond
+        return self._mutex
 
     @property
     def received(self) -> int:
@@ -418,7 +420,7 @@ class Binding:
             )
             failed = len(records) if batched else 1
             outcomes.extend([(None, describe_error(exc), 0.0)] * failed)
-            with self._cond:
+            with self._mutex:
                 self.end_call()
                 if not self._finalised:
                     self.settle(records[: len(outcomes)], outcomes)
@@ -459,7 +461,7 @@ class Binding:
                 f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
             failed = BatchOutcome(BatchSignals.none(count), [describe_error(exc)] * count,
                                   0.0, 0.0)
-            with self._cond:
+            with self._mutex:
                 self.end_call()
                 if not self._finalised:
                     self.settle_batch(batch, failed)
@@ -537,7 +539,7 @@ class Binding:
             self._probe.on_start(self._ctx)
         except Exception as exc:
             self._log_first_error("on_start", exc)
-            with self._cond:
+            with self._mutex:
                 self._errors += 1
                 self._start_failed = True
                 self._closed = True
@@ -617,7 +619,7 @@ class Binding:
         handed to the scheduler."""
         rows = _Rows(batch, start, len(batch) if stop is None else stop)
         count = len(rows)
-        with self._cond:
+        with self._mutex:
             self._received += count
             if self._closed:
                 self._dropped += count
@@ -662,10 +664,10 @@ class Binding:
         count = len(rows)
         capacity = self._queue_capacity or 1
         offset = 0
-        with self._cond:
+        with self._mutex:
             self._received += count
         while offset < count:
-            with self._cond:
+            with self._mutex:
                 left = count - offset
                 self._waiting += left
                 while self._queued >= capacity and not self._closed:
@@ -702,15 +704,19 @@ class Binding:
 
     def _wait(self, timeout: float | None = None) -> None:
         """Wait on the condition (lock held), counted so that :meth:`_wake` knows."""
+        cond = self._cond
+        if cond is None:  # made under the lock: one condition per binding
+            cond = self._cond = threading.Condition(self._mutex)
         self._sleepers += 1
         try:
-            self._cond.wait(timeout)
+            cond.wait(timeout)
         finally:
             self._sleepers -= 1
 
     def _wake(self) -> None:
         """Wake every thread waiting on the condition, if any (lock held)."""
         if self._sleepers:
+            assert self._cond is not None  # a sleeper made it
             self._cond.notify_all()
 
     def wait_turn(self, count: int, deadline: float | None = None) -> None:
@@ -837,7 +843,7 @@ class Binding:
     def take_queued_rows(self, limit: int) -> list[tuple[ActivationBatch, int, int]] | None:
         """:meth:`take_queued` as the row ranges of the routed batches they sit in,
         (batch, start, stop) in order, nothing sliced."""
-        with self._cond:
+        with self._mutex:
             if not self._queue or self._finalised:
                 self._scheduled = False
                 self._wake()
@@ -864,7 +870,7 @@ class Binding:
         """The call marked by :meth:`admit_inline` / :meth:`take_queued` returned:
         the probe is free again and the batch is settled. False (nothing
         settled) when the result was frozen meanwhile, so it counted as dropped."""
-        with self._cond:
+        with self._mutex:
             self.end_call()
             if self._finalised:
                 return False
@@ -888,7 +894,7 @@ class Binding:
             self._busy = False  # end_call, inlined: this runs per request and step
             self._in_flight = 0
             if self._sleepers:
-                self._cond.notify_all()
+                self._wake()
             if self._finalised:
                 return False
             self._processed += count
@@ -925,7 +931,7 @@ class Binding:
     def release_dropped(self, count: int) -> None:
         """An admitted call that never ran (an interrupt stopped the group first):
         the probe is free again and the rows count as dropped."""
-        with self._cond:
+        with self._mutex:
             self.end_call()
             if not self._finalised:
                 self._dropped += count
@@ -933,7 +939,7 @@ class Binding:
     def keep_scheduled(self) -> bool:
         """After a worker's turn: True when queued records remain (the binding stays
         scheduled), else it is unscheduled."""
-        with self._cond:
+        with self._mutex:
             if self._queue and not self._finalised:
                 return True
             self._scheduled = False
@@ -944,13 +950,13 @@ class Binding:
 
     def close(self) -> None:
         """Accept no more records; wake producers blocked on a full queue."""
-        with self._cond:
+        with self._mutex:
             self._closed = True
             self._wake()
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until the queue is empty and nothing is in flight, or the deadline."""
-        with self._cond:
+        with self._mutex:
             while self._queue or self._busy:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -966,7 +972,7 @@ class Binding:
         discarded. ``waited_s``: how long ending the request waited for this
         binding to go idle (the error note reports it).
         """
-        with self._cond:
+        with self._mutex:
             self._closed = True
             self._finalised = True
             queued = self._queued + self._waiting
@@ -1000,7 +1006,7 @@ class Binding:
 
     def result(self, verdict: Any) -> ProbeResult:
         """The ProbeResult, from the current (final) accounting."""
-        with self._cond:
+        with self._mutex:
             stats = ProbeStats(
                 received=self._received,
                 processed=self._processed,
@@ -1046,14 +1052,14 @@ class Binding:
                 verdict = self._probe.on_end(self._ctx)
             except Exception as exc:
                 self._log_first_error("on_end", exc)
-                with self._cond:
+                with self._mutex:
                     self._errors += 1
                     self._error_notes.append(f"on_end: {describe_error(exc)}")
         return self.result(verdict)
 
     def snapshot(self) -> dict[str, Any]:
         """Live metrics for this binding."""
-        with self._cond:
+        with self._mutex:
             return {
                 "request_id": self.request_id,
                 "point": self._name,
