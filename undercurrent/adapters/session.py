@@ -195,7 +195,7 @@ class RequestState:
         # still apply, the triggered ones switched on (name -> token index of the
         # signal), what was applied, and which edits changed each captured site.
         self.edits = tuple(edits)
-        self._live_edits = list(self.edits)
+        self._live_edits: Sequence[Any] = list(self.edits) if self.edits else ()
         self.armed: dict[str, int] = {}
         self.retire_edits = True
         self.applied: list[AppliedEdit] = []

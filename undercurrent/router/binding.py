@@ -143,6 +143,13 @@ class _Rows:
         return _Rows(self.batch, self.start + count, self.stop)
 
 
+#: An inline binding's queue, and a binding's notes until its first: empty and
+#: shared (the garbage collector tracks every list and deque made per request).
+#: Tuples: nothing can be added to them by mistake.
+_NO_QUEUE: Any = ()
+_NO_NOTES: Any = ()
+
+
 class Binding:
     """The router's state for one probe instance (see the module docstring)."""
 
@@ -188,7 +195,7 @@ class Binding:
         """Signal columns not materialised yet: (columns, index batch, start, stop,
         observed, offset): rows ``start:stop`` of the batch, row ``r`` being row
         ``r - offset`` of the columns."""
-        self._error_notes: list[str] = []
+        self._error_notes: list[str] = _NO_NOTES  # a list of its own at the first note
         self._logged_error = False
         self._traceback: str | None = None  # of the first exception the probe raised
         self._busy = False
@@ -210,7 +217,8 @@ class Binding:
         self._closed = False
         self._start_failed = False  # on_start raised: the binding never opened
         self._finalised = False
-        self._queue: deque[_Rows] = deque()  # row ranges of routed batches, in order
+        # Row ranges of routed batches, in order (async: an inline binding queues none).
+        self._queue: deque[_Rows] = deque() if self._is_async else _NO_QUEUE
         self._queued = 0  # rows in ``queue``: the queue depth, in vectors
         self._scheduled = False
         self._consecutive_failures = 0
@@ -543,7 +551,7 @@ class Binding:
                 self._errors += 1
                 self._start_failed = True
                 self._closed = True
-                self._error_notes.append(
+                self._note(
                     f"on_start: {describe_error(exc)} (the probe got no activations and "
                     "on_end was not called)"
                 )
@@ -558,10 +566,16 @@ class Binding:
         if error is not None:
             self._count_error(error, record)
 
+    def _note(self, note: str) -> None:
+        """Add an error note for the result (lock held)."""
+        if self._error_notes is _NO_NOTES:
+            self._error_notes = []
+        self._error_notes.append(note)
+
     def _count_error(self, error: str, record: ActivationRecord | _Where) -> None:
         self._errors += 1
         if not any(note.startswith("on_activation") for note in self._error_notes):
-            self._error_notes.append(
+            self._note(
                 f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
             )
 
@@ -976,7 +990,8 @@ class Binding:
             self._closed = True
             self._finalised = True
             queued = self._queued + self._waiting
-            self._queue.clear()
+            if self._queue:
+                self._queue.clear()
             self._queued = 0
             in_flight = self._in_flight if self._busy else 0
             self._dropped += queued + in_flight
@@ -984,11 +999,11 @@ class Binding:
                 what = f"{queued} unprocessed record(s)"
                 if in_flight:
                     what += f" and {'one' if in_flight == 1 else in_flight} in flight"
-                self._error_notes.append(
+                self._note(
                     f"{self._gave_up(waited_s)} with {what}, counted as dropped"
                 )
             if in_flight:
-                self._error_notes.append(
+                self._note(
                     "on_activation was still running, so on_end was not called"
                 )
             self._wake()
@@ -1054,7 +1069,7 @@ class Binding:
                 self._log_first_error("on_end", exc)
                 with self._mutex:
                     self._errors += 1
-                    self._error_notes.append(f"on_end: {describe_error(exc)}")
+                    self._note(f"on_end: {describe_error(exc)}")
         return self.result(verdict)
 
     def snapshot(self) -> dict[str, Any]:
