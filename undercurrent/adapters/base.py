@@ -136,7 +136,7 @@ class Backend(Protocol):
     ) -> list[GenerationOutput]:
         """Generate for every prompt (batched), one output per prompt, in order. A
         prompt is its text, or a tuple of token ids fed as they are
-        (:func:`~undercurrent.adapters.prompts.tokenized`)."""
+        (:func:`~undercurrent.adapters.prompts.tokenize_prompts`)."""
         ...
 
     def stream(

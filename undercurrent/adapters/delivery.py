@@ -545,6 +545,7 @@ def _route_wave(session: Any, live: list[Any],
                                     int(batch.token_indices[row]),
                                     batch.generated_indices[row], signal)
             state.finish_reason = "abort"
+            session.aborted.append(state)
 
 
 # -- a plan repeated one token later (StepPlan.shifted): the batches' layout kept --

@@ -3,13 +3,13 @@
 ``ProbedModel.generate``/``stream``/``prompt_activations`` accept either
 ``prompts`` (strings) or ``input_ids`` (token ids); both become a list of
 :data:`PromptInput` that every backend turns into ``(text, token ids)`` with
-:func:`tokenized`. Token ids pass to the model exactly as given (no BOS added).
+:func:`tokenize_prompts`. Token ids pass to the model exactly as given (no BOS added).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 PromptInput = str | tuple[int, ...]
@@ -109,11 +109,24 @@ def prompt_inputs(prompts: Any, input_ids: Any, vocab_size: int | None = None
     return list(check_prompts(prompts))
 
 
-def tokenized(prompt: PromptInput, encode: Callable[[str], list[int]],
-              decode: Callable[[Sequence[int]], str]) -> tuple[str, list[int]]:
-    """``(text, token ids)`` of one prompt: text is encoded; token ids are kept as
-    they are and decoded (special tokens included) for the text."""
-    if isinstance(prompt, str):
-        return prompt, encode(prompt)
-    ids = [int(token) for token in prompt]
-    return decode(ids), ids
+def tokenize_prompts(prompts: Sequence[PromptInput], tokenizer: Any
+                  ) -> tuple[list[str], list[list[int]]]:
+    """Each prompt's text and token ids: a text prompt encoded with ``tokenizer``
+    (every text prompt in one call, each encoded as it would be alone), a
+    token-id prompt kept as it is and decoded (special tokens included) for its
+    text. A prompt that encodes to no tokens is refused."""
+    strings = [prompt for prompt in prompts if isinstance(prompt, str)]
+    batch = iter(tokenizer(strings)["input_ids"] if strings else ())
+    texts, encoded = [], []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            text, ids = prompt, [int(t) for t in next(batch)]
+        else:
+            ids = [int(token) for token in prompt]
+            text = tokenizer.decode(ids)
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+        texts.append(text)
+        encoded.append(ids)
+    return texts, encoded
+

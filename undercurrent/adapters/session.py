@@ -168,7 +168,7 @@ class RequestState:
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
+        self.prompt_token_ids = tuple(map(int, prompt_token_ids))
         self.prompt_len = len(self.prompt_token_ids)
         self.points = tuple(points)
         self._live_points = list(self.points)
@@ -577,6 +577,9 @@ class CaptureSession:
         self.on_result = on_result
         self.requests: dict[str, RequestState] = {}
         self._registered: set[str] = set()
+        self.aborted: list[RequestState] = []
+        """The requests an inline probe aborted, in order (a backend finds a step's
+        aborts past the length this had before it, without looking at every request)."""
 
     # -- lifecycle -------------------------------------------------------
     def open_request(self, request_id: str, prompt: str, prompt_token_ids: Sequence[int],

@@ -21,7 +21,7 @@ from undercurrent.adapters import delivery
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import CapabilityError
 from undercurrent.adapters.session import CaptureSession, StepPlan
-from undercurrent.adapters.vllm import channel
+from undercurrent.adapters.vllm import channel, worker
 from undercurrent.api import ProbedModel
 from undercurrent.probes import Probe, probe
 from undercurrent.records import ProbeSignal
@@ -284,8 +284,14 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     wanted = ("residual_all", "final_norm")
     points = [dataclasses.replace(point, probe_type="keeper")
               for point in spec_points(num_layers) if point.name in wanted]
-    counts = {"shifted": 0, "driver repeats": 0, "kept layout": 0}
+    counts = {"shifted": 0, "driver repeats": 0, "kept layout": 0, "worker repeats": 0}
     shifted, steady, repeats = StepPlan.shifted, delivery._deliver_steady, channel._Repeat._repeats
+    repeat_step = worker._Capture._repeat_step
+
+    def counted_repeat_step(self, feed):
+        found = repeat_step(self, feed)
+        counts["worker repeats"] += found
+        return found
 
     def counted_shift(plan, delta=1):
         counts["shifted"] += 1
@@ -304,6 +310,7 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     monkeypatch.setattr(StepPlan, "shifted", counted_shift)
     monkeypatch.setattr(channel._Repeat, "_repeats", counted_repeats)
     monkeypatch.setattr(delivery, "_deliver_steady", counted_delivery)
+    monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat_step)
     _Keeper.kept = {}
     with Router(probes={"keeper": _Keeper}) as router:
         session = CaptureSession(router, points)
@@ -314,6 +321,10 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     # repeat, from their first step).
     assert counts["kept layout"] >= counts["driver repeats"] > 0, counts
     assert counts["shifted"] == 2 * counts["driver repeats"], counts
+    # Most of the worker's shifts come from the runner's arrays alone (its token
+    # ids sent as columns): every record's token id below comes from those.
+    assert counts["driver repeats"] >= counts["worker repeats"] > counts["driver repeats"] // 2, \
+        counts
     for ours, theirs in zip(outputs, hf_outputs, strict=True):
         assert ours.token_ids == theirs.token_ids
         mine = {record.key(): record for record in _Keeper.kept[ours.request_id]}
@@ -325,6 +336,44 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
             assert (record.token_id, record.generated_index) == (other.token_id,
                                                                   other.generated_index)
             assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
+
+
+@pytest.mark.parametrize("mode", ["inline", "async"])
+def test_a_step_repeated_from_the_runners_arrays_gives_what_planning_it_gives(
+        backend, reference, num_layers, monkeypatch, mode):
+    # The worker tells a repeated step from the runner's arrays alone and sends
+    # its tokens as columns; planning every step from each request's window is
+    # the oracle: the same tokens, records (token ids included) and results.
+    texts, _ = reference
+    points = [dataclasses.replace(point, execution_mode=mode)
+              for point in spec_points(num_layers) if point.name in ("residual_all", "final_norm")]
+    repeated = []
+    repeat_step = worker._Capture._repeat_step
+
+    def counted(self, feed):
+        found = repeat_step(self, feed)
+        repeated.append(found)
+        return found
+
+    monkeypatch.setattr(worker._Capture, "_repeat_step", counted)
+    views = {}
+    for feeds in (True, False):
+        monkeypatch.setattr(worker._Capture, "repeat_feeds", feeds)
+        repeated.clear()
+        with Router(default_overflow="block") as router:
+            session = CaptureSession(router, points, keep_records=True)
+            outputs = backend.generate(texts, [f"f{i}" for i in range(len(texts))], GREEDY,
+                                       session)
+        assert sum(repeated) > 0 if feeds else not repeated
+        views[feeds] = [
+            (output.token_ids, output.finish_reason,
+             [(r.key(), r.token_id, r.generated_index, r.tensor.tolist())
+              for r in output.records],
+             {name: (result.stats.received, result.stats.processed, result.stats.dropped,
+                     result.verdict)
+              for name, result in output.results.items()})
+            for output in outputs]
+    assert views[True] == views[False]
 
 
 def _window_view(output: Any) -> Any:

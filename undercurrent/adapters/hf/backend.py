@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from undercurrent.adapters.arguments import check_model_path, dtype_name
@@ -34,7 +35,7 @@ from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, tokenized
+from undercurrent.adapters.prompts import PromptInput, tokenize_prompts
 from undercurrent.adapters.session import (
     CaptureSession,
     RequestState,
@@ -84,6 +85,7 @@ class _RowDriver:
         # every request still live, the next decode step feeds each the token
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
         self._advanced = False
+        self._none_done: torch.Tensor | None = None  # after_token's answer while all go on
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
@@ -163,14 +165,22 @@ class _RowDriver:
             # its token and may end on EOS or length (what the loop below does
             # for such a request), and the next step feeds each the next token.
             limit = self.params.max_new_tokens
+            ended = False
             for state, token in zip(states, tokens, strict=True):
                 generated = state.generated
                 generated.append(token)
                 if token in eos:
                     state.finish_reason = "eos"
+                    ended = True
                 elif len(generated) >= limit:
                     state.finish_reason = "length"
+                    ended = True
             self._advanced = True
+            if not ended:  # generate() combines it into a new tensor: one can serve each step
+                if self._none_done is None:
+                    self._none_done = torch.zeros(len(states), dtype=torch.bool,
+                                                  device=input_ids.device)
+                return self._none_done
             return torch.tensor([state.finish_reason is not None for state in states],
                                 dtype=torch.bool, device=input_ids.device)
         self._advanced = False
@@ -374,31 +384,19 @@ class HFBackend:
 
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[list[int]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
-        texts, encoded = [], []
-        strings = [prompt for prompt in prompts if isinstance(prompt, str)]
-        # Text prompts are encoded in one tokenizer call (as each alone would be).
-        batch = iter(self.tokenizer(strings)["input_ids"] if strings else ())
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                text, ids = prompt, [int(t) for t in next(batch)]
-            else:
-                text, ids = tokenized(prompt, self.encode, self.tokenizer.decode)
-            if not ids:
-                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
-            texts.append(text)
-            encoded.append(ids)
-        return texts, encoded
+        return tokenize_prompts(prompts, self.tokenizer)
 
     def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` and ``attention_mask`` of token-id rows, left-padded to the
         longest, on the model's device (generation and the last-token replay)."""
         width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(encoded), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        input_ids = np.full((len(encoded), width), self.pad_token_id, dtype=np.int64)
+        attention_mask = np.zeros((len(encoded), width), dtype=np.int64)
         for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            input_ids[row, width - len(ids):] = ids
             attention_mask[row, width - len(ids):] = 1
-        return input_ids.to(self.device), attention_mask.to(self.device)
+        return (torch.from_numpy(input_ids).to(self.device),
+                torch.from_numpy(attention_mask).to(self.device))
 
     def _encode_batch(self, prompts: list[PromptInput]) -> tuple[list[list[int]], torch.Tensor,
                                                                  torch.Tensor]:

@@ -31,7 +31,7 @@ from typing import Any
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, tokenized
+from undercurrent.adapters.prompts import PromptInput, tokenize_prompts
 from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
@@ -450,13 +450,12 @@ class VLLMBackend:
             states: dict[str, RequestState] = {}
             try:
                 entries = []
-                for prompt, request_id in zip(prompts, request_ids, strict=True):
-                    text, token_ids = tokenized(prompt, self.encode, self.tokenizer.decode)
-                    if not token_ids:
-                        raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+                texts, encoded = tokenize_prompts(prompts, self.tokenizer)
+                for text, token_ids, request_id in zip(texts, encoded, request_ids, strict=True):
                     state = session.open_request(request_id, text, token_ids)
                     engine_id = f"uc{next(_ENGINE_IDS)}"
-                    self.check(state.points)
+                    if state.points is not session.points:  # the session's are checked above
+                        self.check(state.points)
                     engine_ids[engine_id] = request_id
                     states[engine_id] = state
                     self.server.track(engine_id, state)

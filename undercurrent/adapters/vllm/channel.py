@@ -24,7 +24,7 @@ import os
 import secrets
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
 from typing import Any
@@ -142,6 +142,21 @@ class _Repeat:
                     and (now[:, 2] == before[:, 2] + 1).all())
 
 
+def _take_tokens(states: dict[str, RequestState],
+                 tokens: Iterable[tuple[str, int, int]]) -> None:
+    """Put each (engine request id, generated index, token id) in its request's
+    generated tokens (the index is the next one, or one the driver has already)."""
+    for engine_id, index, token_id in tokens:
+        state = states.get(engine_id)
+        if state is None:
+            continue
+        generated = state.generated
+        if index < len(generated):
+            generated[index] = token_id
+        elif index == len(generated):
+            generated.append(token_id)
+
+
 def _as_tensor(bank: Any) -> Any:
     """A bank that crossed as a numpy array, as the torch tensor the worker gathered
     (sharing its memory), so records hold tensors whatever the dtype."""
@@ -194,6 +209,7 @@ class StepServer:
         self.lock = threading.RLock()
         self._session: CaptureSession | None = None
         self._states: dict[str, RequestState] = {}
+        self._steered: dict[str, RequestState] = {}  # the states with edits
         self._connection: Any = None
         self.error: BaseException | None = None
         self._armed: list[tuple[str, str, int]] = []
@@ -211,17 +227,21 @@ class StepServer:
         with self.lock:
             self._session = session
             self._states = {}
+            self._steered = {}
             self._repeat = _Repeat()
             self.error = None
 
     def track(self, engine_id: str, state: RequestState) -> None:
         with self.lock:
             self._states[engine_id] = state
+            if state.edits:
+                self._steered[engine_id] = state
 
     def end(self) -> None:
         with self.lock:
             self._session = None
             self._states = {}
+            self._steered = {}
             self._repeat = _Repeat()  # let go of the last step's plan and states
 
     def take_error(self) -> BaseException | None:
@@ -273,26 +293,20 @@ class StepServer:
         self.steps += 1
         self.rows += batch.num_rows
         states = self._states
-        for engine_id, first, token_ids in batch.tokens:
-            state = states.get(engine_id)
-            if state is None:
-                continue
-            generated = state.generated
-            for offset, token_id in enumerate(token_ids):
-                index = first + offset
-                if index < len(generated):
-                    generated[index] = token_id
-                elif index == len(generated):
-                    generated.append(token_id)
+        _take_tokens(states, ((engine_id, first + offset, token_id)
+                              for engine_id, first, token_ids in batch.tokens
+                              for offset, token_id in enumerate(token_ids)))
+        if batch.token_columns is not None:
+            engine_ids, firsts, token_ids = batch.token_columns
+            _take_tokens(states, zip(engine_ids, firsts.tolist(), token_ids.tolist(),
+                                     strict=True))
         for engine_id, name, tensor_type, layer, token_index in batch.edits:
             state = states.get(engine_id)
             if state is not None:
                 state.log_applied(name, TensorType(tensor_type), layer, token_index)
-        armed_before = {engine_id: set(state.armed) for engine_id, state in states.items()
-                        if state.edits}
-        # ``live`` and ``aborted`` read as the attributes behind them: per request and step
-        live_before = [engine_id for engine_id, state in states.items()
-                       if state.finish_reason is None]
+        armed_before = {engine_id: set(state.armed)
+                        for engine_id, state in self._steered.items()}
+        aborts = len(session.aborted)
         # The batch's request table, resolved once: its matches index it.
         table = [states.get(engine_id) for engine_id in batch.requests]
         deliveries = self._repeat.deliveries(batch, table)
@@ -301,8 +315,10 @@ class StepServer:
             armed = states[engine_id].armed
             self._armed += [(engine_id, name, armed[name]) for name in armed
                             if name not in before]
-        aborted = [engine_id for engine_id in live_before
-                   if states[engine_id].abort is not None]
+        if len(session.aborted) == aborts:
+            return []
+        fresh = {id(state) for state in session.aborted[aborts:]}
+        aborted = [engine_id for engine_id, state in states.items() if id(state) in fresh]
         if aborted:
             self._on_abort(aborted)
         return aborted

@@ -32,7 +32,7 @@ from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MATCH_COLUMNS = ("request", "point", "token_index", "layers")
 """The columns of :attr:`StepBatch.matches`."""
@@ -81,7 +81,10 @@ class StepBatch:
 
     ``tokens`` holds ``(engine request id, first generated index, token ids)``: the
     generated tokens fed to the model since the previous batch, so the driver
-    knows each record's token id before the step's output reaches it. ``edits``
+    knows each record's token id before the step's output reaches it. A step
+    that repeats the last one a token later sends them as ``token_columns``
+    instead: (engine request ids, each one's generated index, each one's token
+    id), one token per request, the two arrays ``int64``. ``edits``
     holds ``(engine request id, edit name, tensor type, layer, token index)`` for
     every live edit the step applied (the records of an edited site say so).
     ``requests`` is the table of engine request ids the matches index.
@@ -97,6 +100,7 @@ class StepBatch:
     requests: list[str] = field(default_factory=list)
     matches: np.ndarray = field(default_factory=lambda: match_array([]))
     match_rows: np.ndarray = field(default_factory=lambda: row_array([]))
+    token_columns: tuple[list[str], np.ndarray, np.ndarray] | None = None
 
     def rows(self, group: GroupRows) -> Any:
         """The rows of ``group`` (a view into its bank, as it crossed)."""

@@ -129,15 +129,40 @@ def match_columns(plan: StepPlan, reached: Collection[PairKey]
 
 class _Steady:
     """A step whose every request was steady: its plan, where each request was fed
-    ((state, token, flat position)), the sites it wanted, how many requests were
-    live and which were open."""
+    ((state, token, flat position), ``shift`` steps before this plan's), the sites
+    it wanted, how many requests were live and which were open."""
 
-    __slots__ = ("plan", "places", "wanted", "live", "keys")
+    __slots__ = ("plan", "places", "shift", "wanted", "live", "keys")
 
     def __init__(self, plan: StepPlan, places: list[tuple[MirrorState, int, int]],
-                 wanted: set[PairKey], live: int, keys: set[str]) -> None:
+                 wanted: set[PairKey], live: int, keys: set[str], shift: int = 0) -> None:
         self.plan, self.places, self.wanted, self.live, self.keys = (plan, places, wanted,
                                                                      live, keys)
+        self.shift = shift
+
+
+class _Feed:
+    """The runner's batch as a steady step saw it, to tell with a few array
+    comparisons whether the next step feeds every slot its next token: the same
+    request ids in the same slots (``req_ids``), the same rows (``starts``, the
+    runner's ``query_start_loc``), each slot one token on (``computed``: the
+    tokens in its KV cache), and no request opened, released or aborted since
+    (``version``). ``states`` are the requests fed, in slot order (``slots``),
+    each of which has sent the driver every generated token it fed: a repeated
+    step sends each the one token it feeds."""
+
+    __slots__ = ("version", "req_ids", "starts", "computed", "states", "slots",
+                 "prompt_lens", "engine_ids")
+
+    def __init__(self, version: int, req_ids: list[str], starts: np.ndarray,
+                 computed: np.ndarray, states: list[MirrorState], slots: list[int]) -> None:
+        self.version, self.req_ids = version, req_ids
+        # Copies: the runner reuses its buffers from step to step.
+        self.starts, self.computed = starts.copy(), computed.copy()
+        self.states = states
+        self.slots = np.array(slots, dtype=np.int64)
+        self.prompt_lens = np.array([state.prompt_len for state in states], dtype=np.int64)
+        self.engine_ids = [state.request_id for state in states]
 
 
 class _Capture:
@@ -169,6 +194,7 @@ class _Capture:
         self.handles: list[Any] = []
         self.site_handles: dict[tuple[int, TensorType], Any] = {}
         self.states: dict[str, MirrorState] = {}
+        self.steered: dict[str, MirrorState] = {}  # the states with edits: only they apply any
         self.plan: StepPlan | None = None
         self.pending_tokens: list[tuple[MirrorState, int, int, int]] = []
         # Per step: where each planned group's rows go, the row banks they fill
@@ -183,6 +209,13 @@ class _Capture:
         # the step's wire columns (see _begin_step and _end_step).
         self.steady: _Steady | None = None
         self.columns: tuple[StepPlan, list[str], np.ndarray, np.ndarray] | None = None
+        # The runner's batch of a steady step (see _repeat_step), what a repeated
+        # step sends of its tokens, and the version of ``states`` (bumped when a
+        # request is opened, released or aborted).
+        self.feed: _Feed | None = None
+        self.fed_tokens: tuple[_Feed, np.ndarray] | None = None
+        self.version = 0
+        self.placed: StepPlan | None = None  # the plan whose layout _place made last
         self.handles.append(self.model.register_forward_pre_hook(self._begin_step))
         self.handles.append(self.model.register_forward_hook(self._end_step))
 
@@ -324,14 +357,22 @@ class _Capture:
             if state is not None:
                 state.armed.setdefault(name, int(token_index))
 
+    #: Repeat a steady step from the runner's arrays (False: plan every step from
+    #: each request's window, the path the repeats are tested against).
+    repeat_feeds = True
+
     def _begin_step(self, module: Any, args: Any) -> None:
         self.plan = None
         self.pending_tokens = []
+        self.fed_tokens = None
         if not self.states:
             self._rehook(set())
             return
         if self.tensor_parallel_size > 1 and any(s.has_triggers for s in self.states.values()):
             self._share_armed()
+        feed, self.feed = self.feed, None
+        if feed is not None and self.repeat_feeds and self._repeat_step(feed):
+            return
         plan = StepPlan()
         fed: list[tuple[MirrorState, int, int, Any]] = []  # (state, start, stop, window)
         for window in self._windows():
@@ -356,7 +397,9 @@ class _Capture:
         steady = self.steady
         live = sum(state.live for state in self.states.values())
         if (steady is not None and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
-                and one_token_later(steady.places, places)):
+                and one_token_later(steady.places if not steady.shift else
+                                    [(state, start + steady.shift, row)
+                                     for state, start, row in steady.places], places)):
             # The same requests at the same positions, each one token on, all steady:
             # the last plan again a token later; the sites wanted are the same too
             # when the live requests are (nothing retires while steady).
@@ -381,17 +424,64 @@ class _Capture:
             return
         self._place(plan)
         self.plan = plan
+        if (self.steady is not None and self.capturing and plan.groups
+                and all(stop - state.prompt_len >= state.generated_sent
+                        for state, _, stop, _ in fed)):
+            # After this step each request fed has sent every generated token it
+            # fed (none was sent ahead by a replay): the next step may repeat it.
+            batch = self.runner.input_batch
+            count = batch.num_reqs
+            self.feed = _Feed(self.version, batch.req_ids[:count],
+                              self.runner.query_start_loc.np[:count + 1],
+                              batch.num_computed_tokens_cpu[:count],
+                              [state for state, _, _, _ in fed],
+                              [window.slot for _, _, _, window in fed])
+
+    def _repeat_step(self, feed: _Feed) -> bool:
+        """Plan this step as the last steady one a token later, when the runner's
+        batch says it is (see :class:`_Feed`): the plan shifted, nothing per request
+        but each one's next token (read from the runner's token table in one index
+        operation, sent as columns). False: plan it from the windows."""
+        runner = self.runner
+        batch = runner.input_batch
+        count = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:count]
+        steady = self.steady
+        if (steady is None or feed.version != self.version or count != len(feed.req_ids)
+                or not np.array_equal(computed, feed.computed + 1)
+                or not np.array_equal(runner.query_start_loc.np[:count + 1], feed.starts)
+                or batch.req_ids[:count] != feed.req_ids):
+            return False
+        # Each request fed feeds the token at its KV length (read when the step
+        # ends, as the windows' tokens are).
+        self.fed_tokens = (feed, computed[feed.slots].astype(np.int64))
+        for state in feed.states:
+            state.next_token += 1
+        feed.computed = computed.copy()
+        self.feed = feed
+        plan = steady.plan.shifted(1)
+        self.steady = _Steady(plan, steady.places, steady.wanted, steady.live, steady.keys,
+                              steady.shift + 1)
+        self._rehook(steady.wanted)
+        self._place(plan)
+        self.plan = plan
+        return True
 
     def _place(self, plan: StepPlan) -> None:
         """Lay this step's groups out in the banks and say which rows each site
         gathers: a slice where its rows are consecutive (a decode step capturing
-        every request), else one index tensor."""
+        every request), else one index tensor. A plan that repeats the last one
+        placed (:meth:`StepPlan.shifted`: the same slots) keeps its layout."""
+        self.banks = [None, None]
+        self.filled = set()
+        base = plan if plan.base is None else plan.base
+        if base is self.placed:
+            return
+        self.placed = base
         device = self.runner.device
         self.indices = {}
         self.slices = {}
         self.bank_rows = [0, 0]
-        self.banks = [None, None]
-        self.filled = set()
         for key, group in plan.groups.items():
             slots = cast(list[int], group.slots)  # flat token positions in vLLM's batch
             first = slots[0]
@@ -406,7 +496,7 @@ class _Capture:
     def _applied_edits(self) -> list[tuple[str, str, str, int, int]]:
         """Edits applied since the last batch, for the driver (then forgotten here)."""
         applied = []
-        for engine_id, state in self.states.items():
+        for engine_id, state in self.steered.items():
             for entry in state.applied[state.applied_sent:]:
                 applied.append((engine_id, entry.edit_name, entry.tensor_type, entry.layer,
                                 entry.token_index))
@@ -418,7 +508,7 @@ class _Capture:
         if plan is None:
             return
         if not self.capturing:
-            for state in self.states.values():
+            for state in self.steered.values():
                 state.applied.clear()  # only rank 0 reports what was applied
             return
         banks, self.banks = self.banks, [None, None]
@@ -458,6 +548,12 @@ class _Capture:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
             batch.tokens.append((state.request_id, first, [int(t) for t in ids]))
             state.generated_sent = stop
+        if self.fed_tokens is not None:  # a repeated step: one token per request fed
+            feed, positions = self.fed_tokens
+            batch.token_columns = (feed.engine_ids, positions - feed.prompt_lens,
+                                   token_ids[feed.slots, positions].astype(np.int64))
+            for state in feed.states:
+                state.generated_sent += 1
         reply: wire.StepBatch | wire.StepReply
         try:
             with _interrupt_held():
@@ -471,12 +567,14 @@ class _Capture:
             logger.warning("undercurrent: lost the driver connection (%s); capture stops",
                            error)
             self.states.clear()
+            self.version += 1
             return
         assert isinstance(reply, wire.StepReply)
         for engine_id in reply.aborted:
             aborted = self.states.get(engine_id)
             if aborted is not None:
                 aborted.finish_reason = "abort"
+                self.version += 1
         if reply.armed:
             self._arm(reply.armed)
             if self.tensor_parallel_size > 1:
@@ -495,10 +593,16 @@ class _Capture:
             state.next_token = int(first_token)
             state.generated_sent = max(0, int(first_token) - int(prompt_len))
             self.states[str(engine_id)] = state
+            self.steered.pop(str(engine_id), None)
+            if state.edits:
+                self.steered[str(engine_id)] = state
+        self.version += 1
 
     def release(self, engine_ids: list[str]) -> None:
         for engine_id in engine_ids:
             self.states.pop(engine_id, None)
+            self.steered.pop(engine_id, None)
+        self.version += 1
         if not self.states:
             self._rehook(set())
 
@@ -508,6 +612,8 @@ class _Capture:
         self.handles.clear()
         self._rehook(set())
         self.states.clear()
+        self.steered.clear()
+        self.version += 1
         self.plan = None
         self.kernels.clear()
         if self.connection is None:
