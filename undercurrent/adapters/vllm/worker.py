@@ -208,7 +208,8 @@ class _Capture:
         # While every request fed is steady: the last plan, where each was fed, and
         # the step's wire columns (see _begin_step and _end_step).
         self.steady: _Steady | None = None
-        self.columns: tuple[StepPlan, list[str], np.ndarray, np.ndarray] | None = None
+        self.columns: tuple[StepPlan, list[str], np.ndarray, np.ndarray,
+                            list[wire.GroupRows]] | None = None
         # The runner's batch of a steady step (see _repeat_step), what a repeated
         # step sends of its tokens, and the version of ``states`` (bumped when a
         # request is opened, released or aborted).
@@ -517,32 +518,34 @@ class _Capture:
             # batch (before its records are built) or is taken at the end.
             return
         self.step += 1
-        batch = wire.StepBatch(step=self.step, edits=self._applied_edits())
-        number: dict[int, int] = {}
-        for bank, rows in enumerate(banks):
-            if rows is not None:
-                number[bank] = len(batch.banks)
-                # One device-to-host copy per row shape (hidden-size rows, kv rows).
-                rows = rows.cpu()
-                batch.banks.append(rows if self.local is not None else _wire_bank(rows))
-        for key in plan.groups:
-            if key in self.filled:  # (always, on a whole forward)
-                bank, offset, count = self.slices[key]
-                batch.groups.append(wire.GroupRows(key[0], key[1].value, number[bank], offset,
-                                                   count))
+        whole = len(self.filled) == len(plan.groups)  # (always, on a whole forward)
         columns = self.columns
         last = None if columns is None else columns[0]
         if (columns is not None and last is not None and plan.base is not None
                 and plan.base is (last if last.base is None else last.base)
-                and plan.delta == last.delta + 1 and len(self.filled) == len(plan.groups)):
-            # The last step's columns a token later (the plan is the last one shifted).
+                and plan.delta == last.delta + 1 and whole):
+            # The last step's plan a token later: its columns a token later, and
+            # the same groups in the same banks.
             matches = columns[2].copy()
             matches[:, 2] += 1
-            batch.requests, batch.matches, batch.match_rows = columns[1], matches, columns[3]
+            requests, match_rows, groups = columns[1], columns[3], columns[4]
         else:
-            batch.requests, batch.matches, batch.match_rows = match_columns(plan, self.filled)
-        self.columns = ((plan, batch.requests, batch.matches, batch.match_rows)
-                        if len(self.filled) == len(plan.groups) else None)
+            requests, matches, match_rows = match_columns(plan, self.filled)
+            number = {bank: len([rows for rows in banks[:bank] if rows is not None])
+                      for bank, rows in enumerate(banks) if rows is not None}
+            groups = []
+            for key in plan.groups:
+                if key in self.filled:
+                    bank, offset, count = self.slices[key]
+                    groups.append(wire.GroupRows(key[0], key[1].value, number[bank], offset,
+                                                 count))
+        self.columns = (plan, requests, matches, match_rows, groups) if whole else None
+        # One device-to-host copy per row shape (hidden-size rows, kv rows).
+        wired = [rows.cpu() if self.local is not None else _wire_bank(rows.cpu())
+                 for rows in banks if rows is not None]
+        batch = wire.StepBatch(step=self.step, groups=groups, banks=wired,
+                               edits=self._applied_edits(), requests=requests,
+                               matches=matches, match_rows=match_rows)
         token_ids = self.runner.input_batch.token_ids_cpu
         for state, slot, first, stop in self.pending_tokens:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
