@@ -62,6 +62,9 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+_PLAIN_INTS = {int}
+
+
 def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple[int, ...]]:
     """``input_ids`` as one tuple of token ids per prompt.
 
@@ -80,7 +83,7 @@ def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple
                             "prompt must be a list of token ids")
         if not row:
             raise ValueError(f"input_ids[{index}] is empty; a prompt needs at least one token")
-        if (all(type(token) is int for token in row) and min(row) >= 0
+        if (set(map(type, row)) == _PLAIN_INTS and min(row) >= 0
                 and (vocab_size is None or max(row) < vocab_size)):
             checked.append(tuple(row))  # plain ints in range: the usual case, checked at once
             continue

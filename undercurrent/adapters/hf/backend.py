@@ -86,6 +86,10 @@ class _RowDriver:
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
         self._advanced = False
         self._none_done: torch.Tensor | None = None  # after_token's answer while all go on
+        # No request has ended since the start (after_token ended none, no probe
+        # aborted one: the session's aborts are as many as at the start).
+        self._none_ended = True
+        self._aborts = len(session.aborted)
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
@@ -114,7 +118,7 @@ class _RowDriver:
         steady = self._steady if self.repeat_plans else None
         states = self.states
         if (steady is not None and self._advanced and len(steady[1]) == len(states)
-                and all(state.finish_reason is None for state in states)):
+                and self._all_live()):
             # Every request fed last step, each one token on (after_token saw to
             # it) and still live: the last plan again, one token later.
             self._advanced = False
@@ -141,8 +145,18 @@ class _RowDriver:
         plan.repeatable = self._steady is not None
         return plan
 
+    def _all_live(self) -> bool:
+        """Every request still generating: known at once while none has ended."""
+        if self._none_ended and len(self.session.aborted) == self._aborts:
+            return True
+        self._none_ended = False
+        # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
+        return all(state.finish_reason is None for state in self.states)
+
     def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
         self.backend.hooks.flush(self.session)
+        if self._all_live():
+            return scores
         stopped = [row for row, state in enumerate(self.states)
                    if state.finish_reason is not None]
         if stopped:
@@ -159,8 +173,7 @@ class _RowDriver:
         tokens = input_ids[:, -1].tolist()
         eos = self.backend.eos_token_ids
         states = self.states
-        if (not cancelled and not self.track_text
-                and all(state.finish_reason is None for state in states)):
+        if not cancelled and not self.track_text and self._all_live():
             # Every request live, no stop strings, nobody streaming: each takes
             # its token and may end on EOS or length (what the loop below does
             # for such a request), and the next step feeds each the next token.
@@ -176,7 +189,9 @@ class _RowDriver:
                     state.finish_reason = "length"
                     ended = True
             self._advanced = True
-            if not ended:  # generate() combines it into a new tensor: one can serve each step
+            if ended:
+                self._none_ended = False
+            else:  # generate() combines it into a new tensor: one can serve each step
                 if self._none_done is None:
                     self._none_done = torch.zeros(len(states), dtype=torch.bool,
                                                   device=input_ids.device)
@@ -184,6 +199,7 @@ class _RowDriver:
             return torch.tensor([state.finish_reason is not None for state in states],
                                 dtype=torch.bool, device=input_ids.device)
         self._advanced = False
+        self._none_ended = False  # (this path does not tell: look at each request from now)
         for row, state in enumerate(states):
             if state.finish_reason is not None:  # not live
                 continue
