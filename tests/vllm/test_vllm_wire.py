@@ -212,3 +212,42 @@ def test_a_worker_in_the_drivers_process_finds_the_server_and_is_answered_by_a_c
         server.close()
     assert channel.local_server(server.address) is None
     assert server.take_error() is None
+
+
+def test_a_repeated_steps_token_columns_give_each_record_its_token_and_aborts_are_new_ones():
+    # Step 1 sends its tokens as lists, step 2 (a repeat) as columns; "b" is aborted
+    # in step 1 and "a" in step 2: each reply names only the request aborted in it.
+    point = _point("generated[*]", name="traj", layers=(1,))
+    router = _AbortOnGenerated("b", 0)
+    session = CaptureSession(router, [point], keep_records=True)
+    a = session.open_request("a", "", [5, 6, 7])
+    b = session.open_request("b", "", [8, 9, 9])
+    c = session.open_request("c", "", [4, 4, 4])
+    server = StepServer(lambda ids: None)
+    bank = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=np.float32)
+    groups = [wire.GroupRows(1, "residual_stream", 0, 0, 3)]
+    try:
+        server.begin(session)
+        for engine_id, state in (("uc1", a), ("uc2", b), ("uc3", c)):
+            server.track(engine_id, state)
+        first = server.answer(wire.StepBatch(
+            step=1, banks=[bank], requests=["uc1", "uc2", "uc3"], groups=groups,
+            tokens=[("uc1", 0, [11]), ("uc2", 0, [21]), ("uc3", 0, [31])],
+            matches=wire.match_array([(0, 0, 3, 1), (1, 0, 3, 1), (2, 0, 3, 1)]),
+            match_rows=wire.row_array([0, 1, 2])))
+        assert first.aborted == ["uc2"]
+        router.request_id, router.generated_index = "a", 1
+        second = server.answer(wire.StepBatch(
+            step=2, banks=[bank[[0, 2]]], requests=["uc1", "uc3"],
+            groups=[wire.GroupRows(1, "residual_stream", 0, 0, 2)],
+            token_columns=(["uc1", "uc3"], np.array([1, 1]), np.array([12, 32])),
+            matches=wire.match_array([(0, 0, 4, 1), (1, 0, 4, 1)]),
+            match_rows=wire.row_array([0, 1])))
+        assert second.aborted == ["uc1"]
+        assert [(r.request_id, r.token_index, r.token_id) for r in a.records + c.records] == [
+            ("a", 3, 11), ("a", 4, 12), ("c", 3, 31), ("c", 4, 32)]
+        assert (a.generated, c.generated) == ([11, 12], [31, 32])
+        assert [state.request_id for state in session.aborted] == ["b", "a"]
+    finally:
+        server.close()
+    assert server.take_error() is None

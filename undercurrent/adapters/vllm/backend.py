@@ -35,6 +35,7 @@ from undercurrent.adapters.prompts import PromptInput, tokenize_prompts
 from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
+from undercurrent.adapters.vllm.interrupts import HeldCtrlC
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint, TensorType
@@ -378,10 +379,14 @@ class VLLMBackend:
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """All prompts go to the engine at once; vLLM batches them continuously."""
         outputs: dict[str, GenerationOutput] = {}
-        for event in self._run(list(prompts), list(request_ids), params, session,
-                               emit_tokens=False):
-            if event.finished and event.output is not None:
-                outputs[event.request_id] = event.output
+        # A Ctrl-C waits for the engine step it lands in (and the exchange of its
+        # rows with the worker) to complete, then raises: held once here for the
+        # whole call, rather than around each step's exchange.
+        with HeldCtrlC() as ctrl_c:
+            for event in self._run(list(prompts), list(request_ids), params, session,
+                                   emit_tokens=False, ctrl_c=ctrl_c):
+                if event.finished and event.output is not None:
+                    outputs[event.request_id] = event.output
         return [outputs[request_id] for request_id in request_ids]
 
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
@@ -435,7 +440,8 @@ class VLLMBackend:
         self._internal_ids[engine_id] = internal
 
     def _run(self, prompts: list[PromptInput], request_ids: list[str], params: SamplingParams,
-             session: CaptureSession, *, emit_tokens: bool) -> Iterator[StreamEvent]:
+             session: CaptureSession, *, emit_tokens: bool,
+             ctrl_c: HeldCtrlC | None = None) -> Iterator[StreamEvent]:
         if self._closed:
             raise BackendError("this VLLMBackend is closed; load the model again")
         if not self._busy.acquire(blocking=False):
@@ -465,7 +471,7 @@ class VLLMBackend:
                 sampling = self._sampling(params)
                 for engine_id, state, _ in entries:
                     self._add(engine_id, list(state.prompt_token_ids), sampling)
-                yield from self._drive(states, params, session, emit_tokens)
+                yield from self._drive(states, params, session, emit_tokens, ctrl_c)
             except BaseException:
                 self._abort_all(list(engine_ids))
                 session.abandon()
@@ -490,7 +496,8 @@ class VLLMBackend:
             logger.debug("undercurrent: cleanup of aborted vLLM requests failed", exc_info=True)
 
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
-               session: CaptureSession, emit_tokens: bool) -> Iterator[StreamEvent]:
+               session: CaptureSession, emit_tokens: bool,
+               ctrl_c: HeldCtrlC | None = None) -> Iterator[StreamEvent]:
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
             state.stream_text = StreamText(params.stop) if emit_tokens else None
@@ -505,6 +512,8 @@ class VLLMBackend:
         engine = self.engine
         while engine.has_unfinished_requests():
             outputs = engine.step()
+            if ctrl_c is not None:
+                ctrl_c.raise_held()
             error = self.server.take_error()
             if error is not None:
                 raise error
@@ -552,7 +561,7 @@ class VLLMBackend:
         if any(state.edits for state in states.values()):
             self._take_edits(states)
         if params.capture_last_token:
-            self._capture_last_tokens(states, tokens)
+            self._capture_last_tokens(states, tokens, ctrl_c)
         for engine_id, state in states.items():
             final = self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
                                  params, session)
@@ -580,7 +589,8 @@ class VLLMBackend:
                         state.log_applied(name, TensorType(tensor_type), layer, token_index)
 
     def _capture_last_tokens(self, states: dict[str, RequestState],
-                             tokens: dict[str, list[int]]) -> None:
+                             tokens: dict[str, list[int]],
+                             ctrl_c: HeldCtrlC | None = None) -> None:
         """Feed each request's whole sequence once more, capturing its last token only
         (generation never feeds the last sampled token back to the model)."""
         from vllm import SamplingParams as VllmSampling
@@ -606,6 +616,8 @@ class VLLMBackend:
             self._add(replay_id, sequences[replay_id], single)
         while self.engine.has_unfinished_requests():
             self.engine.step()
+            if ctrl_c is not None:
+                ctrl_c.raise_held()
             error = self.server.take_error()
             if error is not None:
                 raise error

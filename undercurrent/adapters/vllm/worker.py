@@ -25,12 +25,11 @@ so it cannot clash with vLLM's own.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from multiprocessing.connection import Client
 from typing import Any, cast
 
@@ -41,44 +40,12 @@ from undercurrent.adapters.session import PairKey, RequestState, StepPlan, one_t
 from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
 from undercurrent.adapters.vllm.channel import local_server
+from undercurrent.adapters.vllm.interrupts import HeldCtrlC
 from undercurrent.adapters.vllm.rows import TokenWindow, engine_request_id, step_windows
 from undercurrent.spec.types import TensorType
 from undercurrent.steering.kernels import EditKernels
 
 logger = logging.getLogger("undercurrent.vllm.worker")
-
-
-@contextlib.contextmanager
-def _interrupt_held() -> Iterator[None]:
-    """Hold a Ctrl-C that arrives while a step is exchanged with the driver and raise
-    it once the exchange is complete.
-
-    A send or receive cut in half leaves the worker and the driver out of step for
-    good (every later reply one step late, or a torn message that ends capture),
-    so the engine would keep generating with its probes silently blind. Only the
-    first Ctrl-C is held: a second one interrupts at once (an escape from a driver
-    that stopped answering). Applies where the worker runs on the main thread with
-    Python's default SIGINT handler (the in-process engine); elsewhere it does
-    nothing.
-    """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    held: list[int] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        if held:
-            raise KeyboardInterrupt
-        held.append(signum)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if held:
-        raise KeyboardInterrupt
 
 
 class MirrorState(RequestState):
@@ -559,7 +526,9 @@ class _Capture:
                 state.generated_sent += 1
         reply: wire.StepBatch | wire.StepReply
         try:
-            with _interrupt_held():
+            # A Ctrl-C is held until the exchange is complete (inside generate(),
+            # the driver holds it for the whole generation, between steps).
+            with HeldCtrlC():
                 if self.local is not None:
                     reply = self.local.answer(batch)
                 else:

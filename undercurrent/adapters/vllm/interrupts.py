@@ -1,0 +1,53 @@
+"""A Ctrl-C held while the vLLM worker and the driver exchange a step.
+
+A send or receive cut in half leaves the worker and the driver out of step for
+good (every later reply one step late, or a torn message that ends capture), and
+a step's routing cut in half leaves its rows half counted, so the engine would
+keep generating with its probes silently blind. :class:`HeldCtrlC` holds the
+first Ctrl-C that arrives while it is active and raises it when it ends (or
+when asked, between two engine steps); a second Ctrl-C interrupts at once (an
+escape from a driver that stopped answering). It applies where it runs on the
+main thread with Python's default SIGINT handler (the in-process engine, and the
+driver's thread); elsewhere, or inside another hold, it does nothing.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class HeldCtrlC:
+    """``with HeldCtrlC() as ctrl_c:``: the first Ctrl-C is held until the block
+    ends or :meth:`raise_held` is called; later ones raise at once."""
+
+    __slots__ = ("held", "active")
+
+    def __init__(self) -> None:
+        self.held = False
+        self.active = False
+
+    def __enter__(self) -> HeldCtrlC:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._hold)
+            self.active = True
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        if self.held:
+            raise KeyboardInterrupt
+        self.held = True
+
+    def raise_held(self) -> None:
+        """Raise the Ctrl-C held so far, if any (every later one raises at once)."""
+        if self.held:
+            raise KeyboardInterrupt
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        if self.active:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.active = False
+        if self.held and kind is None:
+            raise KeyboardInterrupt
