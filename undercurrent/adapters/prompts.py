@@ -112,8 +112,8 @@ def prompt_inputs(prompts: Any, input_ids: Any, vocab_size: int | None = None
     return list(check_prompts(prompts))
 
 
-def tokenize_prompts(prompts: Sequence[PromptInput], tokenizer: Any
-                  ) -> tuple[list[str], list[list[int]]]:
+def tokenize_prompts(prompts: Sequence[PromptInput],
+                     tokenizer: Any) -> tuple[list[str], list[list[int]]]:
     """Each prompt's text and token ids: a text prompt encoded with ``tokenizer``
     (every text prompt in one call, each encoded as it would be alone), a
     token-id prompt kept as it is and decoded (special tokens included) for its
@@ -132,4 +132,3 @@ def tokenize_prompts(prompts: Sequence[PromptInput], tokenizer: Any
         texts.append(text)
         encoded.append(ids)
     return texts, encoded
-
