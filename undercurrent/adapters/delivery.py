@@ -688,13 +688,15 @@ class _SteadyPoint:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits", "windows")
+    __slots__ = ("states", "points", "edits", "windows", "ends")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
         self.edits = any(state.edits for state in states)  # fixed when a request opens
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
+        # The session's (aborts, closes) when none of ``states`` had ended yet.
+        self.ends: tuple[int, int] | None = None
 
     @classmethod
     def of(cls, base: Any, session: Any, sources: dict[Any, Any]) -> _SteadyLayout | None:
@@ -739,8 +741,11 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
     if layout is False:
         return False
     states = layout.states
-    if any(state.closed or state.abort is not None for state in states):
-        return False
+    ends = (len(session.aborted), session.closes)
+    if ends != layout.ends:  # some request ended since the last look: one of these?
+        if any(state.closed or state.abort is not None for state in states):
+            return False
+        layout.ends = ends
     delta = plan.delta
     points = layout.points
     if len(points) == 1:

@@ -580,6 +580,9 @@ class CaptureSession:
         self.aborted: list[RequestState] = []
         """The requests an inline probe aborted, in order (a backend finds a step's
         aborts past the length this had before it, without looking at every request)."""
+        self.closes = 0
+        """How many requests were closed (with :attr:`aborted`: whether any request
+        ended since some earlier moment, without looking at every request)."""
 
     # -- lifecycle -------------------------------------------------------
     def open_request(self, request_id: str, prompt: str, prompt_token_ids: Sequence[int],
@@ -611,6 +614,7 @@ class CaptureSession:
         flush_window(self)  # what was held back is judged before any request ends
         results = self._end(request_id)
         state.closed = True
+        self.closes += 1
         return GenerationOutput(
             request_id=request_id,
             prompt=state.prompt,
