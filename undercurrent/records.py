@@ -331,21 +331,28 @@ def concat_rows(tensors: Sequence[Any]) -> Any:
 class DeferredRows:
     """A batch's tensor made when first read (``make()``, once): the adapters
     defer stacking rows that a probe judging without them (``capture``) never
-    reads. Slices defer too, and share the one stacked tensor."""
+    reads. Slices defer too, and share the one stacked tensor.
 
-    __slots__ = ("make", "value", "lock")
+    ``pieces``, when given, are what ``make()`` stacks on dim 1: tensors of one
+    row per request each, so that row ``r * len(pieces) + p`` of the made
+    tensor is row ``r`` of ``pieces[p]``. A probe whose values are per row
+    computes them piece by piece (:func:`undercurrent.probes.arrays.map_rows`)
+    without the stacked tensor ever being made."""
 
-    def __init__(self, make: Callable[[], Any]) -> None:
+    __slots__ = ("make", "value", "lock", "pieces")
+
+    def __init__(self, make: Callable[[], Any], pieces: Sequence[Any] | None = None) -> None:
         self.make: Callable[[], Any] | None = make
         self.value: Any = None
         self.lock = threading.Lock()  # async workers may read slices of one batch at once
+        self.pieces = pieces
 
     def get(self) -> Any:
         if self.value is None:
             with self.lock:
                 if self.make is not None:
                     self.value = self.make()
-                    self.make = None  # what it held (the unstacked rows) can go
+                    self.make = self.pieces = None  # what they held (the rows) can go
         return self.value
 
     def rows(self, start: int, stop: int) -> Any:
@@ -502,6 +509,14 @@ class ActivationBatch:
                                  "(see index_view): it holds no tensor")
             self._tensor = stack_rows([record.tensor for record in self._records])
         return self._rows()
+
+    def stacked_pieces(self) -> Sequence[Any] | None:
+        """The pieces this batch's rows will be stacked from (see
+        :class:`DeferredRows`), while they are not stacked yet; else None."""
+        tensor = self._tensor
+        if type(tensor) is DeferredRows and tensor.value is None:
+            return tensor.pieces
+        return None
 
     def _rows(self) -> Any:
         """The tensor held (made now when deferred, see :class:`DeferredRows`)."""

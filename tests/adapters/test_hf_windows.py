@@ -300,27 +300,34 @@ def test_an_interrupt_while_steps_are_held_still_ends_every_request(monkeypatch)
     assert totals["received"] == totals["processed"] + totals["dropped"] > 0
 
 
-@pytest.mark.parametrize("probe_type, stacked", [("capture", 0), ("linear_probe", 1)])
+@pytest.mark.parametrize("probe_type, mode, stacked", [
+    ("capture", "inline", False), ("linear_probe", "inline", False),
+    ("trajectory_probe", "inline", False), ("norm_probe", "async", False),
+    ("flags_only", "async", True)])
 def test_a_window_stacks_its_rows_only_for_a_probe_that_reads_them(monkeypatch, probe_type,
-                                                                  stacked):
+                                                                  mode, stacked):
     """A window's rows are stacked when first read (``records.DeferredRows``):
-    ``capture`` judges without them, so they are never stacked; the linear
-    probe reads them once. The outputs equal routing each step."""
+    ``capture`` judges without them; the built-ins that score rows one by one
+    read the pieces the rows would be stacked from (``arrays.map_rows``), so
+    the rows are never stacked either; a user probe reading its records gets
+    them from stacked rows. The outputs equal routing each step."""
     from undercurrent import records as records_module
 
     made: list[int] = []
     original = records_module.DeferredRows.__init__
 
-    def counting(self: Any, make: Any) -> None:
+    def counting(self: Any, make: Any, pieces: Any = None) -> None:
         def counted() -> Any:
             made.append(1)
             return make()
-        original(self, counted)
+        original(self, counted, pieces)
 
     monkeypatch.setattr(records_module.DeferredRows, "__init__", counting)
     counted = Windows(monkeypatch)
-    point = _point(probe_type) if probe_type != "capture" else _point("capture")
-    windowed = _generate(point, windows=True)
-    assert len(counted.steps) == 1 and len(made) == stacked
-    stepped = _generate(point, windows=False)
+    probes = {"flags_only": FlagsOnly}
+    point = (_point(probe_type, mode=mode) if probe_type != "norm_probe"
+             else _point(probe_type, mode=mode, threshold=0.11))
+    windowed = _generate(point, windows=True, probes=probes)
+    assert len(counted.steps) >= 1 and bool(made) is stacked
+    stepped = _generate(point, windows=False, probes=probes)
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]

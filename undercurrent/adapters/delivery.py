@@ -613,13 +613,12 @@ class _SteadyPoint:
 
     def rows(self, sources: dict[Any, Any], pieces: list[Any] | None = None) -> Any:
         """The gathered rows: :meth:`pieces` (given, or gathered from ``sources``)
-        stacked layer-minor."""
+        stacked layer-minor, when first read."""
         if pieces is None:
             pieces = self.pieces(sources)
         if len(pieces) == 1:
             return pieces[0]
-        stacked = sys.modules["torch"].stack(pieces, 1)
-        return stacked.reshape(len(self.requests) * len(pieces), *pieces[0].shape[1:])
+        return _stacked(pieces)
 
     def batch(self, delta: int, sources: dict[Any, Any],
               pieces: list[Any] | None = None) -> ActivationBatch:
@@ -646,14 +645,12 @@ class _SteadyPoint:
         step's :meth:`pieces`) as one batch, grouped by request: each request's
         rows of every step in turn, layer-minor (what routing each step's batch
         in order hands its probe, in the same order)."""
-        torch = sys.modules["torch"]
         count, width = self.count, len(self.requests)
         # Each piece is one (step, layer) with a row per request: stacked on dim 1,
         # row r of the result holds request r's pieces in (step, layer) order.
         # Stacked when first read (a probe judging without the rows never does).
         flat = [piece for pieces in steps for piece in pieces]
-        rows = width * len(flat)
-        tensor = DeferredRows(lambda: torch.stack(flat, 1).view(rows, *flat[0].shape[1:]))
+        tensor = _stacked(flat)
         shifts = [delta for delta in deltas for _ in range(count)]
         per_request = len(shifts)
         request_ids: list[str] = []
@@ -683,6 +680,17 @@ class _SteadyPoint:
             generated_indices=generated,
             token_ids=token_ids,
         )
+
+
+def _stacked(pieces: list[Any]) -> DeferredRows:
+    """``pieces`` (tensors of one row per request each) stacked on dim 1 when
+    first read: row ``r * len(pieces) + p`` is row ``r`` of ``pieces[p]``
+    (probes computing per row read the pieces themselves, see
+    :func:`~undercurrent.probes.arrays.map_rows`)."""
+    rows = len(pieces[0]) * len(pieces)
+    return DeferredRows(
+        lambda: sys.modules["torch"].stack(pieces, 1).view(rows, *pieces[0].shape[1:]),
+        pieces)
 
 
 class _SteadyLayout:

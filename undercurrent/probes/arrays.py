@@ -9,7 +9,7 @@ is stacked by torch first and converted once.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -92,3 +92,80 @@ def batch_matrix(batch: Any) -> Any:
         matrix = as_float_matrix(list(tensor))
     batch.cache["float64"] = matrix
     return matrix
+
+
+#: :func:`map_rows` converts this many rows to float64 at a time: a block stays
+#: in the CPU's cache between its conversion and the computation reading it.
+BLOCK_ROWS = 512
+
+
+def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
+    """``compute(batch_matrix(batch))``, computed a block of rows at a time and
+    joined, without the batch's whole float64 matrix ever being made.
+
+    ``compute`` takes a float64 matrix (one flattened row each) and returns an
+    array with one entry (or one row of entries) per matrix row, each
+    depending on its own row only, and the same whatever the matrix's height
+    (the built-ins' norms, means and ``numpy.einsum`` products are). Rows an
+    adapter will stack from pieces (:class:`~undercurrent.records.DeferredRows`,
+    on the CPU) are read piece by piece, so they are never stacked; other rows
+    are converted in blocks of :data:`BLOCK_ROWS`. A batch whose float64
+    matrix is made already is computed on it whole.
+
+    >>> from undercurrent.records import ActivationBatch
+    >>> batch = ActivationBatch([[3, 4], [6, 8]], request_ids=["r"] * 2, point_names=["p"] * 2,
+    ...     layers=[0, 1], tensor_type="mlp_out", token_indices=[3, 3], is_generated=[True] * 2,
+    ...     generated_indices=[0, 0], token_ids=[5, 5])
+    >>> map_rows(batch, lambda matrix: (matrix ** 2).sum(axis=1) ** 0.5).tolist()
+    [5.0, 10.0]
+    """
+    cached = batch.cache.get("float64")
+    if cached is not None:
+        return compute(cached)
+    np = numpy_module()
+    pieces = batch.stacked_pieces()
+    if pieces is not None and all(_on_cpu(piece) for piece in pieces):
+        # Whole pieces, as many as fill a block, one after the other: the values
+        # come piece-major, and row r * len(pieces) + p of the batch is row r of
+        # pieces[p].
+        height = pieces[0].shape[0]
+        step = max(1, BLOCK_ROWS // height)
+        joined = np.concatenate([compute(_float_rows(pieces[start:start + step]))
+                                 for start in range(0, len(pieces), step)])
+        joined = joined.reshape(len(pieces), height, *joined.shape[1:]).swapaxes(0, 1)
+        return joined.reshape(len(batch), *joined.shape[2:])
+    if len(batch) <= BLOCK_ROWS or not _on_cpu(batch.tensor):
+        return compute(batch_matrix(batch))
+    tensor = batch.tensor
+    return np.concatenate([compute(_float_rows(tensor[start:start + BLOCK_ROWS]))
+                           for start in range(0, len(batch), BLOCK_ROWS)])
+
+
+def _on_cpu(tensor: Any) -> bool:
+    """False for a torch tensor on an accelerator (its rows are copied to the host
+    in one transfer, not a block or piece at a time)."""
+    device = getattr(tensor, "device", None)
+    return device is None or getattr(device, "type", "cpu") == "cpu"
+
+
+def _float_rows(rows: Any) -> Any:
+    """A block of rows (a torch tensor on the CPU, a numpy array, a list of rows,
+    or a list of torch tensors whose rows follow each other) as a float64
+    matrix, one flattened row each."""
+    np = numpy_module()
+    if isinstance(rows, list) and rows and hasattr(rows[0], "detach"):
+        torch = sys.modules["torch"]
+        if rows[0].dtype == torch.float32:  # numpy converts while joining them
+            arrays = [piece.detach().numpy() for piece in rows]
+            if arrays[0].ndim != 2:
+                arrays = [array.reshape(array.shape[0], -1) for array in arrays]
+            return np.concatenate(arrays, dtype=np.float64)
+        rows = torch.cat([piece.detach() for piece in rows])
+    if hasattr(rows, "detach"):
+        rows = rows.detach()
+        if rows.dtype == sys.modules["torch"].float32:
+            return np.asarray(rows.numpy(), dtype=np.float64).reshape(len(rows), -1)
+        return rows.reshape(len(rows), -1).to("cpu", sys.modules["torch"].float64).numpy()
+    if isinstance(rows, list):
+        return as_float_matrix(rows)
+    return np.asarray(rows, dtype=np.float64).reshape(len(rows), -1)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
 from undercurrent.probes.weights import (
@@ -127,6 +127,11 @@ class LinearReadout:
         """Scores of the rows of a float64 matrix (one flattened activation per row),
         with one matrix product: (float64 array of scores, metadata columns).
         ``row_shape`` (an activation's own shape) is only used in messages."""
+        return self._scores(self._logits(matrix, row_shape))
+
+    def _logits(self, matrix: Any, row_shape: tuple[int, ...] | None = None) -> Any:
+        """``W . x + b`` for each row of a float64 matrix (per row: the same bits
+        whatever the matrix's height)."""
         np = numpy_module()
         if matrix.shape[1] != self.weights.hidden:
             shape = row_shape if row_shape is not None else tuple(matrix.shape[1:])
@@ -142,13 +147,17 @@ class LinearReadout:
         weight = self.weights.weight
         product = (np.einsum("ij,j->i", matrix, weight) if weight.ndim == 1
                    else np.einsum("ij,kj->ik", matrix, weight))
-        logits = np.asarray(product + self.weights.bias, np.float64)
+        return np.asarray(product + self.weights.bias, np.float64)
+
+    def _scores(self, logits: Any) -> tuple[Any, dict[str, list[Any]]]:
+        """(scores, metadata columns) from the rows' logits."""
+        np = numpy_module()
         values = apply_link(self.link, logits)
         if self.weights.classes is None:
             return values, {"logit": logits.tolist()}
         index = self.class_index
         assert index is not None
-        count = len(matrix)
+        count = len(logits)
         tops = np.argmax(logits, axis=1).tolist()
         meta: dict[str, list[Any]] = {"class_index": [index] * count, "top_class": tops}
         if self.label_names:
@@ -163,9 +172,16 @@ class LinearReadout:
         return batch.shared(self.key, self._score_whole)  # type: ignore[no-any-return]
 
     def _score_whole(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
-        shape = getattr(batch.tensor, "shape", None)
-        return self.score_matrix(batch_matrix(batch),
-                                 None if shape is None else tuple(shape[1:]))
+        try:
+            logits = map_rows(batch, self._logits)
+        except ValueError:  # the width refused: say so with the activations' own shape
+            shape = getattr(batch.tensor, "shape", None)
+            try:
+                self._logits(batch_matrix(batch), None if shape is None else tuple(shape[1:]))
+            except ValueError as refused:
+                raise refused from None
+            raise
+        return self._scores(logits)
 
     @property
     def key(self) -> tuple[Any, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.arrays import as_float_matrix, batch_matrix, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, map_rows, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
 from undercurrent.records import ActivationBatch, BatchSignals
@@ -62,7 +62,7 @@ class _StatisticProbe(ScoresRows):
 
     def row_values(self, batch: ActivationBatch) -> Any:
         """One statistic per row of the batch's matrix."""
-        return self.statistics(batch_matrix(batch))
+        return map_rows(batch, self.statistics)
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:

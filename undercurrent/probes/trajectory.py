@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from undercurrent.probes.arrays import batch_matrix, numpy_module
+from undercurrent.probes.arrays import map_rows, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
@@ -135,7 +135,7 @@ class TrajectoryProbe(ScoresRows):
     def row_values(self, batch: ActivationBatch) -> Any:
         if self.readout is not None:
             return self.readout.score_batch(batch)[0]
-        return l2_norms(batch_matrix(batch))
+        return map_rows(batch, l2_norms)
 
     @property
     def running(self) -> dict[int, _Running]:

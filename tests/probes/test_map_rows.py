@@ -1,0 +1,132 @@
+"""``arrays.map_rows``: a per-row computation over a batch, block by block or
+piece by piece, gives exactly (bit for bit) what computing it on the batch's
+whole float64 matrix gives, and rows an adapter would stack from pieces are
+never stacked. The oracle is ``compute(batch_matrix(batch))`` on a copy of the
+batch whose rows are stacked first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from undercurrent.probes import LinearProbe, NormProbe, TrajectoryProbe
+from undercurrent.probes.arrays import BLOCK_ROWS, batch_matrix, map_rows
+from undercurrent.probes.linear import LinearReadout
+from undercurrent.probes.statistics import element_means, l2_norms
+from undercurrent.records import ActivationBatch, DeferredRows
+
+torch = pytest.importorskip("torch")
+
+RNG = np.random.default_rng(20261202)
+HIDDEN = 24
+REQUESTS, PIECES = 5, 7
+
+
+def _batch(tensor: Any, count: int) -> ActivationBatch:
+    return ActivationBatch(tensor, request_ids=[f"r{i % REQUESTS}" for i in range(count)],
+                           point_names=["p"] * count, layers=[i % 3 for i in range(count)],
+                           tensor_type="residual_stream", token_indices=list(range(count)),
+                           is_generated=[True] * count, generated_indices=list(range(count)),
+                           token_ids=[1] * count)
+
+
+def _pieces(dtype: Any, shape: tuple[int, ...] = (HIDDEN,)) -> list[Any]:
+    return [torch.tensor(RNG.normal(size=(REQUESTS, *shape)), dtype=dtype)
+            for _ in range(PIECES)]
+
+
+def _deferred(pieces: list[Any]) -> tuple[ActivationBatch, ActivationBatch]:
+    """(a batch over the pieces, stacked when first read; the same rows stacked now)."""
+    rows = REQUESTS * PIECES
+    stacked = torch.stack(pieces, 1).view(rows, *pieces[0].shape[1:])
+    deferred = DeferredRows(lambda: torch.stack(pieces, 1).view(rows, *pieces[0].shape[1:]),
+                            pieces)
+    return _batch(deferred, rows), _batch(stacked, rows)
+
+
+READOUT = LinearReadout(weight=RNG.normal(size=(3, HIDDEN)).tolist(), bias=[0.1, 0.0, -0.2],
+                        link="identity", class_index=1)
+COMPUTATIONS = {
+    "norms": l2_norms,
+    "means": element_means,
+    "logits of 3 classes": READOUT._logits,
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPUTATIONS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_pieces_give_the_stacked_rows_values_without_stacking_them(name, dtype):
+    compute = COMPUTATIONS[name]
+    batch, stacked = _deferred(_pieces(getattr(torch, dtype)))
+    values = map_rows(batch, compute)
+    assert batch.stacked_pieces() is not None  # never stacked
+    expected = compute(batch_matrix(stacked))
+    assert values.shape == expected.shape and values.tolist() == expected.tolist()
+    assert "float64" not in batch.cache  # no whole float64 matrix was made
+
+
+def test_kv_shaped_pieces_are_flattened_per_row():
+    batch, stacked = _deferred(_pieces(torch.float32, (2, 3, 4)))
+    assert map_rows(batch, l2_norms).tolist() == l2_norms(batch_matrix(stacked)).tolist()
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy", "list"])
+def test_a_tall_batch_is_converted_in_blocks_with_the_same_values(kind):
+    count = 2 * BLOCK_ROWS + 37
+    matrix = RNG.normal(size=(count, HIDDEN)).astype(np.float32)
+    tensor: Any = {"torch": torch.from_numpy(matrix), "numpy": matrix,
+                   "list": [row for row in matrix]}[kind]
+    for name, compute in COMPUTATIONS.items():
+        expected = compute(matrix.astype(np.float64))
+        values = map_rows(_batch(tensor, count), compute)
+        assert values.tolist() == expected.tolist(), name
+
+
+def test_a_float64_matrix_made_already_is_used_whole():
+    batch, _ = _deferred(_pieces(torch.float32))
+    made = batch_matrix(batch)  # stacks the rows and keeps their matrix
+    seen: list[Any] = []
+
+    def compute(matrix: Any) -> Any:
+        seen.append(matrix)
+        return l2_norms(matrix)
+
+    assert map_rows(batch, compute).tolist() == l2_norms(made).tolist()
+    assert len(seen) == 1 and seen[0] is made
+
+
+def test_slices_of_a_deferred_batch_share_one_computation_over_the_pieces():
+    """The built-ins compute over the routed batch (``ActivationBatch.shared``):
+    each request's slice reads its rows of one computation over the pieces."""
+    pieces = _pieces(torch.float32)
+    batch, stacked = _deferred(pieces)
+    probe, oracle = TrajectoryProbe(), TrajectoryProbe()
+    for start in range(0, REQUESTS * PIECES, PIECES):
+        part = batch[start:start + PIECES]
+        assert (probe.batch_values(part).tolist()
+                == oracle.batch_values(stacked[start:start + PIECES]).tolist())
+    assert batch.stacked_pieces() is not None
+
+
+def test_the_built_ins_score_pieces_as_they_score_stacked_rows():
+    weight = RNG.normal(size=HIDDEN)
+    for probe_class, args in ((LinearProbe, {"weight": weight.tolist(), "bias": 0.3}),
+                              (NormProbe, {"threshold": 4.0})):
+        batch, stacked = _deferred(_pieces(torch.float32))
+        mine, theirs = probe_class(**args), probe_class(**args)
+        signals = mine.judge_rows(mine.row_values(batch), batch.token_indices, batch.layers)
+        expected = theirs.judge_rows(theirs.row_values(stacked), stacked.token_indices,
+                                     stacked.layers)
+        assert list(signals.scores) == list(expected.scores)
+        assert list(signals.actions) == list(expected.actions)
+        assert mine.summary.verdict() == theirs.summary.verdict()
+
+
+def test_a_linear_probe_of_another_width_names_the_activations_shape():
+    batch, _ = _deferred(_pieces(torch.float32, (2, 5)))
+    probe = LinearProbe(weight=[0.1] * HIDDEN, bias=0.0)
+    with pytest.raises(ValueError, match=r"expects activations of size 24, got a tensor of "
+                                         r"shape \(2, 5\) \(10 values once flattened\)"):
+        probe.row_values(batch)
