@@ -31,6 +31,7 @@ from undercurrent.probes import (
 from undercurrent.probes.arrays import as_float_matrix
 from undercurrent.records import ProbeSignal, SignalAction
 from undercurrent.router.binding import batches_natively
+from undercurrent.spec.types import ProbeKind
 
 CTX = RequestContext("r")
 HIDDEN = 12  # a kv tensor of shape (2, 3, 2) flattens to 12 values
@@ -344,3 +345,43 @@ def test_score_summary_add_many_equals_add_in_order_with_gaps_and_ties():
         single = rule.signal(score, {"i": index})
         assert (signal.action, signal.score, signal.metadata) == \
             (single.action, single.score, single.metadata)
+
+
+def test_a_context_at_a_point_is_what_replacing_its_point_gives():
+    """``RequestContext.at_point`` (what the router binds each probe with):
+    equal to ``dataclasses.replace``, the original context unchanged."""
+    import dataclasses
+
+    from undercurrent.spec.types import ExtractionPoint
+
+    point = ExtractionPoint(name="p", layers=(1,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="norm_probe",
+                            probe_kind="single_shot")
+    ctx = RequestContext("r", prompt="hi", prompt_len=2, model_name="m",
+                         prompt_token_ids=[4, 5], metadata={"temperature": 0.0})
+    bound = ctx.at_point(point)
+    assert bound == dataclasses.replace(ctx, extraction_point=point)
+    assert bound.extraction_point is point and ctx.extraction_point is None
+    assert bound.prompt_token_ids == (4, 5) and dict(bound.metadata) == {"temperature": 0.0}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bound.prompt = "changed"  # type: ignore[misc]
+
+
+def test_whether_a_class_scores_batches_follows_a_patch_made_after_it_was_asked(monkeypatch):
+    """``scores_batches`` keeps its answer per class, and a class patched later
+    (a method added or removed) is answered anew."""
+    from undercurrent.probes.base import scores_batches
+
+    class PerRecord(Probe):
+        probe_kind = ProbeKind.SINGLE_SHOT
+
+        def on_activation(self, record):
+            return None
+
+    probe = PerRecord()
+    assert scores_batches(probe) is False
+    monkeypatch.setattr(PerRecord, "on_batch", lambda self, batch: None, raising=False)
+    monkeypatch.delattr(PerRecord, "on_activation")
+    assert scores_batches(probe) is True
+    monkeypatch.undo()
+    assert scores_batches(probe) is False

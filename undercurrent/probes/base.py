@@ -59,6 +59,15 @@ class RequestContext:
             object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata))
                                if self.metadata else _NO_METADATA)
 
+    def at_point(self, point: ExtractionPoint) -> RequestContext:
+        """This context with ``extraction_point`` set to ``point`` (what
+        ``dataclasses.replace`` gives; the other fields, checked already, are
+        shared, not checked again: the router makes one per probe it binds)."""
+        made = object.__new__(type(self))
+        made.__dict__.update(self.__dict__)
+        made.__dict__["extraction_point"] = point
+        return made
+
 
 class Probe:
     """Base class for probes. Subclass it and implement :meth:`on_activation`.
@@ -226,11 +235,25 @@ def _owner(cls: type, name: str) -> type | None:
     return None
 
 
+#: scores_batches' answers, by class and the methods its answer depends on (a
+#: class patched since gets a key of its own).
+_SCORES_BATCHES: dict[tuple[Any, ...], bool] = {}
+
+
 def scores_batches(probe: Any) -> bool:
     """Whether the router hands ``probe`` whole batches (:meth:`Probe.on_batch`):
     its class overrides ``on_batch``, and no subclass below that override
     redefines ``on_activation`` / ``on_activations``."""
     cls = type(probe)
+    key = (cls, getattr(cls, "on_batch", None), getattr(cls, "on_activation", None),
+           getattr(cls, "on_activations", None))
+    found = _SCORES_BATCHES.get(key)
+    if found is None:
+        found = _SCORES_BATCHES[key] = _class_scores_batches(cls)
+    return found
+
+
+def _class_scores_batches(cls: type) -> bool:
     owner = _owner(cls, "on_batch")
     if owner is None or owner is Probe:
         return False

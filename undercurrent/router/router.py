@@ -248,7 +248,7 @@ class Router:
                 point=item.point,
                 probe=instance,
                 probe_type=item.point.probe_type,
-                ctx=dataclasses.replace(ctx, extraction_point=item.point),
+                ctx=ctx.at_point(item.point),
                 policy=item.policy,
                 queue_capacity=item.queue_capacity,
                 overflow=self.default_overflow,
