@@ -529,7 +529,9 @@ class VLLMBackend:
                     completion.token_ids)
                 if engine_id in done:
                     continue
-                fresh = list(completion.token_ids)[len(tokens[engine_id]):]
+                # Only the tokens past those taken (the output holds every token so
+                # far: copying it whole each step costs the square of its length).
+                fresh = list(completion.token_ids[len(tokens[engine_id]):])
                 if engine_id in stopping:
                     fresh = fresh[:max(0, stopping[engine_id] - len(tokens[engine_id]))]
                 state = states[engine_id]
