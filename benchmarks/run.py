@@ -74,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM concurrent requests of the scaling set (default 1 8 64)")
     parser.add_argument("--scaling-models", nargs="+", choices=["tiny", "large"],
                         help="models of the scaling set (default: the bundled tiny model)")
+    parser.add_argument("--vllm-rounds", type=int, default=1,
+                        help="run the scaling set's vLLM jobs this many times, each time "
+                        "every job in a fresh process, plain and probed in turn: each "
+                        "probed repeat is paired with the plain repeat of its round, so "
+                        "the medians span as many process pairs (default 1)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.models = args.models or (["tiny"] if quick else ["tiny", "large"])
@@ -97,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.scaling_models = args.scaling_models or ["tiny"]
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill, one decode step)")
+    if args.vllm_rounds < 1:
+        parser.error("--vllm-rounds must be at least 1")
     return args
 
 
@@ -241,20 +248,25 @@ def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
     jobs = [(scaling.VLLM_PLAIN, "-", PLAIN, None)] + [
         (mode, layer_set, PROBED, mode)
         for layer_set in scaling.LAYER_SETS for mode in scaling.MODES]
-    outcomes = {}
+    rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
     errors = []
-    for label, layer_set, scenario, mode in jobs:
-        log(f"vLLM scaling {model} {label} ({layer_set} layers): "
-            f"{args.scaling_concurrency} concurrent requests")
-        outcomes[(label, layer_set)] = runner.run(
-            "vllm", isolated=True, scenario=scenario, model_key=model,
-            model_root=str(args.out / "models"), repeats=args.repeats,
-            max_new_tokens=args.max_new_tokens, threads=args.threads,
-            concurrencies=args.scaling_concurrency, mode=mode,
-            layer_set="3" if layer_set == "-" else layer_set)
-        if not outcomes[(label, layer_set)]["ok"]:
-            errors.append(f"vLLM scaling job {model} {label} {layer_set} failed: "
-                          f"{outcomes[(label, layer_set)]['error']}")
+    for number in range(args.vllm_rounds):
+        outcomes = {}
+        for label, layer_set, scenario, mode in jobs:
+            log(f"vLLM scaling {model} {label} ({layer_set} layers): "
+                f"{args.scaling_concurrency} concurrent requests"
+                + (f", round {number + 1} of {args.vllm_rounds}" if args.vllm_rounds > 1 else ""))
+            outcomes[(label, layer_set)] = runner.run(
+                "vllm", isolated=True, scenario=scenario, model_key=model,
+                model_root=str(args.out / "models"), repeats=args.repeats,
+                max_new_tokens=args.max_new_tokens, threads=args.threads,
+                concurrencies=args.scaling_concurrency, mode=mode,
+                layer_set="3" if layer_set == "-" else layer_set)
+            if not outcomes[(label, layer_set)]["ok"]:
+                errors.append(f"vLLM scaling job {model} {label} {layer_set} failed: "
+                              f"{outcomes[(label, layer_set)]['error']}")
+        rounds.append(outcomes)
+    outcomes = scaling.pooled_rounds(rounds)
     return scaling.vllm_rows(model, outcomes, args.max_new_tokens), errors
 
 

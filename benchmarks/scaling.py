@@ -98,6 +98,37 @@ def hf_rows(result: dict[str, Any], max_new_tokens: int) -> list[dict[str, Any]]
     return rows
 
 
+def pooled_rounds(rounds: list[dict[tuple[str, str], dict[str, Any]]]
+                  ) -> dict[tuple[str, str], dict[str, Any]]:
+    """The vLLM jobs' outcomes of several rounds (each round every job once, each
+    in a process of its own) as one outcome per job: per concurrency, every
+    round's samples, each marked with its round and repeat, so that a probed
+    sample is paired with the plain sample of the same round and repeat (a job
+    that failed in a round adds nothing; the first failure stands when it
+    failed in every round)."""
+    pooled: dict[tuple[str, str], dict[str, Any]] = {}
+    for number, outcomes in enumerate(rounds):
+        for key, outcome in outcomes.items():
+            if not outcome.get("ok"):
+                pooled.setdefault(key, outcome)
+                continue
+            result = outcome["result"]
+            marked = [{**case, "samples": [{**sample, "round": (number, index)}
+                                           for index, sample in enumerate(case["samples"])]}
+                      for case in result["cases"]]
+            kept = pooled.get(key)
+            if kept is None or not kept.get("ok"):
+                pooled[key] = {**outcome, "result": {**result, "cases": marked}}
+                continue
+            cases = {case["concurrency"]: case for case in kept["result"]["cases"]}
+            for case in marked:
+                if case["concurrency"] in cases:
+                    cases[case["concurrency"]]["samples"] += case["samples"]
+                else:
+                    kept["result"]["cases"].append(case)
+    return pooled
+
+
 def vllm_rows(model: str, outcomes: dict[tuple[str, str], dict[str, Any]],
               max_new_tokens: int) -> list[dict[str, Any]]:
     """Rows for the vLLM scaling jobs; ``outcomes`` maps (mode, layer set) -> job outcome,
@@ -119,9 +150,9 @@ def vllm_rows(model: str, outcomes: dict[tuple[str, str], dict[str, Any]],
             continue
         for case in outcome["result"]["cases"]:
             concurrency = case["concurrency"]
-            samples = [{**s, "round": i} for i, s in enumerate(case["samples"])]
+            samples = [{"round": i, **s} for i, s in enumerate(case["samples"])]
             base = plain.get(concurrency)
-            reference = ([{**s, "round": i} for i, s in enumerate(base["samples"])]
+            reference = ([{"round": i, **s} for i, s in enumerate(base["samples"])]
                          if base else None)
             row = {**base_row, "status": "ok", "reason": None, "batch_size": concurrency,
                    "concurrency": concurrency, "capture_layers": outcome["result"].get("layers"),

@@ -185,6 +185,38 @@ def test_scaling_vllm_rows_pair_repeats_with_the_plain_engine_and_keep_errors():
     assert any("engine died" in line for line in scaling.table(rows))
 
 
+def test_vllm_rounds_pair_each_probed_repeat_with_the_plain_repeat_of_its_round():
+    """``--vllm-rounds``: each round runs every job in a process of its own; a
+    probed repeat is divided by the plain repeat of the same round and index,
+    never by another round's (the spread between processes is what rounds
+    average over). A job that failed in one round keeps the others' samples."""
+    def outcome(walls: list[float], records: int) -> dict:
+        samples = [{"wall_s": w, "cpu_s": w, "records": records} for w in walls]
+        return {"ok": True, "result": {"layers": [0], "cases": [
+            {"concurrency": 64, "samples": samples, "token_ids": [[1]]}]}}
+
+    failed = {"ok": False, "error": "Traceback ...\nRuntimeError: engine died"}
+    rounds = [
+        {("vllm_plain_eager", "-"): outcome([1.0, 1.0], 0),
+         ("inline linear", "all"): outcome([1.1, 1.2], 100),
+         ("capture only", "all"): failed},
+        {("vllm_plain_eager", "-"): outcome([2.0, 2.0], 0),
+         ("inline linear", "all"): outcome([2.6, 2.0], 100),
+         ("capture only", "all"): outcome([3.0, 3.0], 100)},
+    ]
+    pooled = scaling.pooled_rounds(rounds)
+    rows = {r["mode"]: r for r in scaling.vllm_rows("tiny", pooled, 4)}
+    inline = rows["inline linear"]
+    assert inline["repeats"] == 4
+    # 1.1, 1.2 against round 1's 1.0; 1.3, 1.0 against round 2's 2.0
+    assert inline["ratio_plain"]["min"] == 1.0 and inline["ratio_plain"]["max"] == 1.3
+    assert inline["ratio_plain"]["median"] == pytest.approx(1.15)
+    captured = rows["capture only"]
+    assert captured["status"] == "ok" and captured["repeats"] == 2
+    assert captured["ratio_plain"]["min"] == captured["ratio_plain"]["max"] == 1.5
+    assert scaling.pooled_rounds(rounds[:1])[("capture only", "all")] is failed
+
+
 def test_the_inline_linear_scenario_reads_activations_of_the_model_it_runs_on():
     """The bundled probe file on the bundled model; inline weights of the model's
     own width elsewhere (the file would refuse every row of the large model)."""
