@@ -246,3 +246,49 @@ def test_an_inline_abort_at_one_prefill_token_stops_the_later_tokens_records_bei
     assert first.signals[0].score == pytest.approx(2.0)  # |(1, 1, 1, 1)| at slot 0
     assert last.stats.received == 0  # token 3 was never routed
     assert last.verdict["count"] == 0
+
+
+class _ManyRouter(_BatchRouter):
+    """Registers requests one at a time or several at once, and says which."""
+
+    def __init__(self):
+        super().__init__()
+        self.registered: list[tuple[str, ...]] = []
+
+    def register_request(self, request_id, points, ctx=None):
+        self.registered.append((request_id,))
+
+    def register_requests(self, contexts, points):
+        self.registered.append(tuple(ctx.request_id for ctx in contexts))
+        self.contexts = list(contexts)
+
+
+def test_requests_opened_together_are_registered_in_one_call():
+    """``open_requests``: one ``register_requests`` call for the session's points,
+    the states and contexts those of opening each request; a router without it
+    registers them one at a time."""
+    requests = [("a", "x", [7, 8]), ("b", "yy", [1, 2, 3])]
+    router = _ManyRouter()
+    session = CaptureSession(router, [point("generated[*]")])
+    states = session.open_requests(requests)
+    assert router.registered == [("a", "b")] and session.registered == {"a", "b"}
+    assert [s.request_id for s in states] == ["a", "b"] and session.requests["b"] is states[1]
+    assert [(c.prompt, c.prompt_len, c.prompt_token_ids) for c in router.contexts] == [
+        ("x", 2, (7, 8)), ("yy", 3, (1, 2, 3))]
+    alone = CaptureSession(router, [point("generated[*]")])
+    expected = [alone.open_request(*request) for request in requests]
+    assert [(s.prompt_token_ids, s.points, s.steady_from) for s in states] == [
+        (s.prompt_token_ids, s.points, s.steady_from) for s in expected]
+    plain = CaptureSession(_BatchRouter(), [point("generated[*]")])
+    assert [s.request_id for s in plain.open_requests(requests)] == ["a", "b"]
+    assert plain.registered == {"a", "b"}
+
+
+def test_requests_opened_together_refuse_an_id_given_twice_and_register_none():
+    router = _ManyRouter()
+    session = CaptureSession(router, [point("generated[*]")])
+    session.open_request("a", "x", [1])
+    for ids in (["b", "a"], ["c", "c"]):
+        with pytest.raises(ValueError, match="is already open in this generation"):
+            session.open_requests([(rid, "x", [1]) for rid in ids])
+    assert router.registered == [("a",)] and set(session.requests) == {"a"}

@@ -600,6 +600,28 @@ class CaptureSession:
         self.requests[request_id] = state
         return state
 
+    def open_requests(self, requests: Sequence[tuple[str, str, Sequence[int]]]
+                      ) -> list[RequestState]:
+        """:meth:`open_request` for each (request id, prompt, prompt token ids), with
+        the session's points, all or nothing: registered with the router at once
+        (``Router.register_requests``: the points checked and each probe built
+        once) when the router can, else one by one."""
+        register_many = getattr(self.router, "register_requests", None)
+        if register_many is None or not self.points or len(requests) < 2:
+            return [self.open_request(*request) for request in requests]
+        ids = [request_id for request_id, _, _ in requests]
+        for index, request_id in enumerate(ids):
+            if request_id in self.requests or request_id in ids[:index]:
+                raise ValueError(
+                    f"request id {request_id!r} is already open in this generation")
+        states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
+                               (*self.edits, *self.request_edits.get(request_id, ())))
+                  for request_id, prompt, token_ids in requests]
+        register_many([self._context(state) for state in states], list(self.points))
+        self._registered.update(ids)
+        self.requests.update(zip(ids, states, strict=True))
+        return states
+
     def _context(self, state: RequestState) -> RequestContext:
         return RequestContext(request_id=state.request_id, prompt=state.prompt,
                               prompt_len=state.prompt_len, model_name=self.model_name,

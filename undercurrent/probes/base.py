@@ -148,6 +148,18 @@ class Probe:
         """Called once after the last activation; the return value is the verdict."""
         return None
 
+    def copy_for_request(self) -> Probe | None:
+        """A new instance configured as this one, for another request of the same
+        point, or None (the default): the router then calls the constructor
+        again. The router registers the requests of one generation together
+        (:meth:`~undercurrent.router.Router.register_requests`) and asks the
+        first request's probe for the others'. A class may return a copy only
+        when its configuration never changes after construction and
+        :meth:`on_start` makes all of its per-request state; the built-ins
+        (their own classes, not subclasses) do, so a probe file is read once
+        per generation, not once per request."""
+        return None
+
     @classmethod
     def supported_kinds(cls) -> tuple[ProbeKind, ...]:
         """The probe kinds this class declares, as a tuple."""
@@ -331,3 +343,11 @@ def _args_problem(cls: type, names: tuple[Any, ...]) -> str | None:
         noun = "probe_arg" if len(missing) == 1 else "probe_args"
         problems.append(f"missing required {noun} {', '.join(repr(m) for m in missing)}")
     return "; ".join(problems) or None
+
+
+def shallow_copy(probe: Any) -> Any:
+    """A new instance of ``probe`` 's class sharing its attributes (its
+    :meth:`Probe.on_start` then replaces the per-request ones)."""
+    made = object.__new__(type(probe))
+    made.__dict__.update(probe.__dict__)
+    return made

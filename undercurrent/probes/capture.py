@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.base import ScoresRows
+from undercurrent.probes.base import ScoresRows, shallow_copy
 from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
@@ -36,6 +36,10 @@ class CaptureProbe(ScoresRows):
 
     def group_key(self) -> Any:
         return ("capture",)
+
+    def copy_for_request(self) -> CaptureProbe | None:
+        # No state at all.
+        return shallow_copy(self) if type(self) is CaptureProbe else None
 
     def may_abort(self) -> bool:
         return type(self) is not CaptureProbe

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows
+from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
 from undercurrent.probes.weights import (
     LINKS,
@@ -265,6 +265,10 @@ class LinearProbe(ScoresRows):
         self.summary = ScoreSummary(self.rule.threshold)
         if ctx.extraction_point is not None:  # the router checked; direct callers may not
             self.check_point(ctx.extraction_point)
+
+    def copy_for_request(self) -> LinearProbe | None:
+        # The readout and rule are read-only; on_start makes the summary.
+        return shallow_copy(self) if type(self) is LinearProbe else None
 
     def may_abort(self) -> bool:
         # A subclass may judge otherwise: it is taken at its word only through its own.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows
+from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
 from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
@@ -53,6 +53,11 @@ class _StatisticProbe(ScoresRows):
 
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold, extra={"statistic": self.statistic_name})
+
+    def copy_for_request(self) -> _StatisticProbe | None:
+        # The rule is read-only; on_start makes the summary.
+        return (shallow_copy(self)
+                if type(self) in (NormProbe, MeanProbe) else None)
 
     def group_key(self) -> Any:
         return ("statistic", self.statistic_name)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.probes.arrays import map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows
+from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
 from undercurrent.probes.statistics import l2_norms
@@ -145,6 +145,11 @@ class TrajectoryProbe(ScoresRows):
 
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
+
+    def copy_for_request(self) -> TrajectoryProbe | None:
+        # The readout, rule and parameters are read-only; on_start (_reset) makes
+        # the running statistics and the summary.
+        return shallow_copy(self) if type(self) is TrajectoryProbe else None
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:

@@ -229,44 +229,117 @@ class Router:
         for the request.
         """
         label = f"cannot register request {request_id!r}"
-        if self._closed:
-            raise RouterError(f"{label}: the router is shut down")
         if ctx is None:
             ctx = RequestContext(request_id=request_id)
         elif ctx.request_id != request_id:
+            if self._closed:
+                raise RouterError(f"{label}: the router is shut down")
             raise RouterError(
                 f"{label}: ctx.request_id is {ctx.request_id!r}; it must equal the request_id"
             )
+        self._register([ctx], points, label)
+
+    def register_requests(self, contexts: Sequence[RequestContext],
+                          points: Iterable[Any]) -> None:
+        """:meth:`register_request` for several requests with the same points, each
+        named by its context's ``request_id``, all or nothing: nothing is
+        registered when any request would be refused (the points, as
+        :meth:`register_request` checks them, or an id that is live already or
+        given twice), and every probe's ``on_start`` runs once all are bound.
+
+        The points are checked once, and each point's probe is built once by its
+        class and copied for the other requests when its class builds a fresh
+        instance by copying (:meth:`~undercurrent.probes.base.Probe.copy_for_request`:
+        the built-ins): a probe file is read once per call, not once per request.
+        """
+        contexts = list(contexts)
+        if not contexts:
+            return
+        ids = [ctx.request_id for ctx in contexts]
+        shown = ", ".join(repr(request_id) for request_id in ids[:3])
+        label = (f"cannot register request {shown}" if len(ids) == 1 else
+                 f"cannot register requests {shown}"
+                 + (f" and {len(ids) - 3} more" if len(ids) > 3 else ""))
+        repeated = sorted({request_id for request_id in ids if ids.count(request_id) > 1}
+                          if len(set(ids)) != len(ids) else ())
+        if repeated:
+            raise RouterError(f"{label}: request id(s) {repeated} given more than once")
+        self._register(contexts, points, label)
+
+    def _register(self, contexts: list[RequestContext], points: Iterable[Any],
+                  label: str) -> None:
+        """Bind fresh probes to ``points`` for each context's request, all or nothing."""
+        if self._closed:
+            raise RouterError(f"{label}: the router is shut down")
         with self._lock:
-            if request_id in self._requests:
-                raise RouterError(f"{label}: a request with this id is already live")
-        built, problems = self._build_probes(points)
+            self._refuse_live(contexts, label)
+        points = list(points)
+        checked, problems = self._check_points(points)
+        first, refused = self._instantiate(checked)
+        problems += refused
+        built = [first]
+        for _ in contexts[1:] if not problems else ():
+            copies, problems = self._fresh(first)
+            if problems:
+                break
+            built.append(copies)
         if problems:
             raise RouterError(label, problems)
-        bindings = {
-            item.point.name: Binding(
-                point=item.point,
-                probe=instance,
-                probe_type=item.point.probe_type,
-                ctx=ctx.at_point(item.point),
-                policy=item.policy,
-                queue_capacity=item.queue_capacity,
-                overflow=self.default_overflow,
-                breaker_threshold=self.breaker_threshold,
-            )
-            for item, instance in built
-        }
-        for binding in bindings.values():
-            binding.start()
+        requests = [
+            _Request(ctx.request_id, {
+                item.point.name: Binding(
+                    point=item.point,
+                    probe=instance,
+                    probe_type=item.point.probe_type,
+                    ctx=ctx.at_point(item.point),
+                    policy=item.policy,
+                    queue_capacity=item.queue_capacity,
+                    overflow=self.default_overflow,
+                    breaker_threshold=self.breaker_threshold,
+                )
+                for item, instance in probes
+            })
+            for ctx, probes in zip(contexts, built, strict=True)
+        ]
+        for request in requests:
+            for binding in request.bindings.values():
+                binding.start()
         with self._lock:
             if self._closed:
                 raise RouterError(f"{label}: the router is shut down")
-            if request_id in self._requests:
-                raise RouterError(f"{label}: a request with this id is already live")
-            self._requests[request_id] = _Request(request_id, bindings)
+            self._refuse_live(contexts, label)
+            for request in requests:
+                self._requests[request.request_id] = request
+                self._ended.pop(request.request_id, None)
             self._version += 1
             self._routes.clear()  # stale now: let go of their bindings
-            self._ended.pop(request_id, None)
+
+    def _refuse_live(self, contexts: list[RequestContext], label: str) -> None:
+        """Raise when one of the requests is live already (lock held)."""
+        live = [ctx.request_id for ctx in contexts if ctx.request_id in self._requests]
+        if not live:
+            return
+        if len(contexts) == 1:
+            raise RouterError(f"{label}: a request with this id is already live")
+        raise RouterError(f"{label}: request id(s) {live[:10]} already live")
+
+    def _fresh(self, built: list[tuple[CheckedPoint, Any]]
+               ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
+        """Probes like ``built`` 's for another request: each copied when its class
+        copies (:meth:`~undercurrent.probes.base.Probe.copy_for_request`), else
+        built again; returns them and the problems of those built again."""
+        fresh: list[tuple[CheckedPoint, Any]] = []
+        problems: list[SpecProblem] = []
+        for item, instance in built:
+            copy_for_request = getattr(instance, "copy_for_request", None)
+            made = copy_for_request() if copy_for_request is not None else None
+            if made is None:
+                made, problem = self._build(item)
+                if problem is not None:
+                    problems.append(problem)
+                    continue
+            fresh.append((item, made))
+        return fresh, problems
 
     def check(self, points: Iterable[Any]) -> None:
         """Run every registration check on ``points`` without registering a request.
@@ -277,41 +350,50 @@ class Router:
         refuse (``ProbedModel`` calls it when built, so a bad spec fails there,
         not at the first ``generate()``).
         """
-        _, problems = self._build_probes(points)
+        checked, problems = self._check_points(list(points))
+        problems += self._instantiate(checked)[1]
         if problems:
             raise RouterError("extraction points refused", problems)
 
-    def _build_probes(
-        self, points: Iterable[Any]
+    def _instantiate(
+        self, checked: list[CheckedPoint]
     ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
-        """Check the points and build one probe per point that passes; returns
-        (each checked point with its probe, every problem found)."""
-        checked, problems = self._check_points(list(points))
+        """Build one probe per checked point; returns (each point that got one with
+        its probe, the problems of those that did not: a constructor that raised,
+        a probe that refused its point)."""
+        problems: list[SpecProblem] = []
         built: list[tuple[CheckedPoint, Any]] = []
         for item in checked:
-            probe_type = item.point.probe_type
-            args = merged_probe_args(self.probe_defaults, item.point)
-            try:
-                instance = item.probe_class(**args)
-            except Exception as exc:
-                problems.append(point_problem(
-                    item.index, item.point,
-                    f"could not build probe_type {probe_type!r} with probe_args "
-                    f"{sorted(args)}: {describe_error(exc)}",
-                    "probe_args",
-                ))
-                continue
-            check_point = getattr(instance, "check_point", None)
-            if check_point is not None:
-                try:
-                    check_point(item.point)
-                except Exception as exc:  # a refusal, or a check that failed: both refuse
-                    problems.append(point_problem(
-                        item.index, item.point, f"probe_type {probe_type!r} refuses it: {exc}"
-                    ))
-                    continue
-            built.append((item, instance))
+            instance, problem = self._build(item)
+            if problem is not None:
+                problems.append(problem)
+            else:
+                built.append((item, instance))
         return built, problems
+
+    def _build(self, item: CheckedPoint) -> tuple[Any, SpecProblem | None]:
+        """A probe for a checked point, by its class's constructor: (the probe,
+        None), or (None, the problem) when the constructor raised or the probe
+        refused the point."""
+        probe_type = item.point.probe_type
+        args = merged_probe_args(self.probe_defaults, item.point)
+        try:
+            instance = item.probe_class(**args)
+        except Exception as exc:
+            return None, point_problem(
+                item.index, item.point,
+                f"could not build probe_type {probe_type!r} with probe_args "
+                f"{sorted(args)}: {describe_error(exc)}",
+                "probe_args",
+            )
+        check_point = getattr(instance, "check_point", None)
+        if check_point is not None:
+            try:
+                check_point(item.point)
+            except Exception as exc:  # a refusal, or a check that failed: both refuse
+                return None, point_problem(
+                    item.index, item.point, f"probe_type {probe_type!r} refuses it: {exc}")
+        return instance, None
 
     def _check_points(self, points: list[Any]) -> tuple[list[CheckedPoint], list[SpecProblem]]:
         """:func:`check_request_points` with this router's defaults. Points that

@@ -448,8 +448,8 @@ class HFBackend:
             self._check_context(encoded, params)
             states: list[RequestState] = []
             try:
-                for text, request_id, ids in zip(texts, request_ids, encoded, strict=True):
-                    states.append(session.open_request(request_id, text, ids))
+                states = session.open_requests(list(zip(request_ids, texts, encoded,
+                                                        strict=True)))
                 driver = _RowDriver(self, states, input_ids.shape[1], params, session,
                                     on_event, cancel)
                 self.hooks.install(session.wanted_pairs())

@@ -457,8 +457,10 @@ class VLLMBackend:
             try:
                 entries = []
                 texts, encoded = tokenize_prompts(prompts, self.tokenizer)
-                for text, token_ids, request_id in zip(texts, encoded, request_ids, strict=True):
-                    state = session.open_request(request_id, text, token_ids)
+                opened = session.open_requests(list(zip(request_ids, texts, encoded,
+                                                        strict=True)))
+                for state in opened:
+                    request_id = state.request_id
                     engine_id = f"uc{next(_ENGINE_IDS)}"
                     if state.points is not session.points:  # the session's are checked above
                         self.check(state.points)

@@ -1,0 +1,159 @@
+"""``Router.register_requests``: several requests with the same points registered
+at once, all or nothing, each probe built once and copied for the other
+requests when its class copies (the built-ins). The oracle is registering each
+request on its own (``register_request``): the same results, every request
+with probe instances and state of its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from router_helpers import Recorder, point, record
+
+from undercurrent.probes import LinearProbe, Probe, RequestContext, save_linear_weights
+from undercurrent.probes import weights as weights_module
+from undercurrent.records import ActivationBatch
+from undercurrent.router import RouterError
+
+IDS = ["a", "b", "c", "d"]
+WEIGHT = [0.5, -0.25, 1.0, 0.0]
+
+
+def _contexts(ids=IDS):
+    return [RequestContext(request_id=rid, prompt="hi", prompt_len=2, model_name="tiny")
+            for rid in ids]
+
+
+def _points(tmp_path):
+    path = save_linear_weights(tmp_path / "probe.safetensors", WEIGHT, 0.1)
+    return [
+        point("lin", probe_type="linear_probe", kind="single_shot",
+              probe_args={"path": str(path), "threshold": 0.5}),
+        point("traj", probe_type="trajectory_probe", probe_args={"alpha": 0.5}),
+        point("norm", probe_type="norm_probe", kind="single_shot"),
+        point("rec"),
+    ]
+
+
+def _route_and_end(router, ids):
+    """Route different rows to each request (values by request and token), end all."""
+    for token in range(3):
+        records = [record(rid, name, token, value=0.1 * (index + 1) * (token + 1))
+                   for index, rid in enumerate(ids) for name in ("lin", "traj", "norm", "rec")]
+        for name in ("lin", "traj", "norm", "rec"):
+            mine = [r for r in records if r.extraction_point_name == name]
+            batch = ActivationBatch.from_records(mine)
+            router.route_columns(batch, [(rid, i, i + 1) for i, rid in enumerate(ids)])
+    return {rid: router.end_request(rid) for rid in ids}
+
+
+def _view(results):
+    return {rid: {name: (result.verdict, result.stats.received, result.stats.processed,
+                         result.stats.dropped, result.stats.errors, result.error,
+                         [(s.action, s.score, s.token_index) for s in result.signals])
+                  for name, result in by_point.items()}
+            for rid, by_point in results.items()}
+
+
+def test_registering_together_gives_what_registering_each_gives(make_router, tmp_path):
+    points = _points(tmp_path)
+    together = make_router(probes={"recorder": Recorder})
+    together.register_requests(_contexts(), points)
+    alone = make_router(probes={"recorder": Recorder})
+    for ctx in _contexts():
+        alone.register_request(ctx.request_id, points, ctx)
+    mine, theirs = _route_and_end(together, IDS), _route_and_end(alone, IDS)
+    assert _view(mine) == _view(theirs)
+    # every request judged its own rows: the verdicts differ between requests
+    assert len({str(mine[rid]["traj"].verdict) for rid in IDS}) == len(IDS)
+    assert len({mine[rid]["lin"].verdict["max_score"] for rid in IDS}) == len(IDS)
+
+
+def test_the_built_ins_are_built_once_and_copied_with_state_of_their_own(
+        make_router, tmp_path, monkeypatch):
+    """A probe file is read once per call; each request's probe is an instance
+    of its own, started with its own context and summary."""
+    reads: list[str] = []
+    original = weights_module.load_linear_weights
+
+    def counting(path, *args, **kwargs):
+        reads.append(str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(weights_module, "load_linear_weights", counting)
+    monkeypatch.setattr("undercurrent.probes.linear.load_linear_weights", counting)
+    router = make_router()
+    router.register_requests(_contexts(), _points(tmp_path))
+    assert len(reads) == 1
+    bindings = [router._requests[rid].bindings for rid in IDS]
+    for name in ("lin", "traj", "norm"):
+        probes = [by_name[name].probe for by_name in bindings]
+        assert len({id(probe) for probe in probes}) == len(IDS)
+        assert len({id(probe.summary) for probe in probes}) == len(IDS)
+        assert all(type(probe) is type(probes[0]) for probe in probes)
+    assert [by_name["lin"].request_id for by_name in bindings] == IDS
+    recorders = [by_name["rec"].probe for by_name in bindings]  # a user class: built each time
+    assert len(Recorder.instances) >= len(IDS) and len({id(p) for p in recorders}) == len(IDS)
+
+
+def test_a_subclass_of_a_built_in_is_built_for_each_request(make_router):
+    """Only the built-in classes themselves copy: a subclass may keep state its
+    own way, so each request gets it from its constructor."""
+    built: list[int] = []
+
+    class Counted(LinearProbe):
+        def __init__(self, **kwargs):
+            built.append(1)
+            super().__init__(**kwargs)
+            self.seen: list[float] = []
+
+    router = make_router(probes={"counted": Counted})
+    lin = point("lin", probe_type="counted", kind="single_shot",
+                probe_args={"weight": WEIGHT, "bias": 0.0})
+    router.register_requests(_contexts(), [lin])
+    assert len(built) == len(IDS)
+    probes = [router._requests[rid].bindings["lin"].probe for rid in IDS]
+    assert len({id(probe.seen) for probe in probes}) == len(IDS)
+
+
+def test_nothing_is_registered_when_one_request_is_refused(make_router, tmp_path):
+    started: list[str] = []
+
+    class Starts(Probe):
+        probe_kind = "single_shot"
+
+        def on_start(self, ctx):
+            started.append(ctx.request_id)
+
+        def on_activation(self, record):
+            return None
+
+    router = make_router(probes={"starts": Starts})
+    points = [point("s", probe_type="starts", kind="single_shot")]
+    router.register_request("c", points)
+    with pytest.raises(RouterError, match=r"cannot register requests 'a', 'b', 'c' and 1 more: "
+                                          r"request id\(s\) \['c'\] already live"):
+        router.register_requests(_contexts(), points)
+    with pytest.raises(RouterError, match=r"request id\(s\) \['b'\] given more than once"):
+        router.register_requests(_contexts(["a", "b", "b"]), points)
+    bad = [point("s", probe_type="starts", kind="single_shot"),
+           point("lin", probe_type="linear_probe", kind="single_shot")]
+    with pytest.raises(RouterError) as info:
+        router.register_requests(_contexts(["a", "b"]), bad)
+    assert "[1] (name 'lin'), field 'probe_args': could not build" in str(info.value)
+    assert router.live_requests() == ("c",) and started == ["c"]
+    router.shutdown()
+    with pytest.raises(RouterError, match="the router is shut down"):
+        router.register_requests(_contexts(["x", "y"]), points)
+
+
+def test_the_single_request_messages_are_unchanged(make_router):
+    router = make_router()
+    router.register_request("a", [point()])
+    with pytest.raises(RouterError, match=r"^cannot register request 'a': a request with this "
+                                          r"id is already live$"):
+        router.register_request("a", [point()])
+    with pytest.raises(RouterError, match=r"^cannot register request 'a': a request with this "
+                                          r"id is already live$"):
+        router.register_requests(_contexts(["a"]), [point()])
+    assert np.array_equal(router.live_requests(), ("a",))
