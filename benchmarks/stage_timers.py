@@ -31,7 +31,7 @@ from benchmarks.worker import layers_for, prompts_for, set_threads
 
 #: (module, class or None, function, label): the stages timed.
 STAGES = (
-    ("undercurrent.adapters.session", "CaptureSession", "open_request", "register requests"),
+    ("undercurrent.adapters.session", "CaptureSession", "open_requests", "register requests"),
     ("undercurrent.adapters.session", "CaptureSession", "close_request", "end requests"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "plan_forward", "plan a forward"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "after_forward",

@@ -42,7 +42,7 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     from undercurrent.probes.scoring import ScoreSummary
     from undercurrent.spec import parse_dict
 
-    before = (CaptureSession.open_request, vars(ScoreSummary)["batch_signals_many"])
+    before = (CaptureSession.open_requests, vars(ScoreSummary)["batch_signals_many"])
     spec = parse_dict({"version": "1", "extraction_points": [{
         "name": "p", "layers": [0, 1], "tensor_type": "residual_stream",
         "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory",
@@ -54,4 +54,4 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     for stage in ("register requests", "plan a forward", "deliver a forward (all below)",
                   "  route a point's batch", "    thresholds and summaries (judge_many)"):
         assert totals[stage] > 0, stage
-    assert (CaptureSession.open_request, vars(ScoreSummary)["batch_signals_many"]) == before
+    assert (CaptureSession.open_requests, vars(ScoreSummary)["batch_signals_many"]) == before
