@@ -610,10 +610,12 @@ class CaptureSession:
         if register_many is None or not self.points or len(requests) < 2:
             return [self.open_request(*request) for request in requests]
         ids = [request_id for request_id, _, _ in requests]
-        for index, request_id in enumerate(ids):
-            if request_id in self.requests or request_id in ids[:index]:
+        seen: set[str] = set()
+        for request_id in ids:
+            if request_id in self.requests or request_id in seen:
                 raise ValueError(
                     f"request id {request_id!r} is already open in this generation")
+            seen.add(request_id)
         states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
                                (*self.edits, *self.request_edits.get(request_id, ())))
                   for request_id, prompt, token_ids in requests]

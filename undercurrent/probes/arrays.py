@@ -101,7 +101,7 @@ BLOCK_ROWS = 512
 
 def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
     """``compute(batch_matrix(batch))``, computed a block of rows at a time and
-    joined, without the batch's whole float64 matrix ever being made.
+    joined: no float64 matrix of more than :data:`BLOCK_ROWS` rows is made.
 
     ``compute`` takes a float64 matrix (one flattened row each) and returns an
     array with one entry (or one row of entries) per matrix row, each

@@ -229,11 +229,11 @@ class Router:
         for the request.
         """
         label = f"cannot register request {request_id!r}"
+        if self._closed:
+            raise RouterError(f"{label}: the router is shut down")
         if ctx is None:
             ctx = RequestContext(request_id=request_id)
         elif ctx.request_id != request_id:
-            if self._closed:
-                raise RouterError(f"{label}: the router is shut down")
             raise RouterError(
                 f"{label}: ctx.request_id is {ctx.request_id!r}; it must equal the request_id"
             )
@@ -260,8 +260,8 @@ class Router:
         label = (f"cannot register request {shown}" if len(ids) == 1 else
                  f"cannot register requests {shown}"
                  + (f" and {len(ids) - 3} more" if len(ids) > 3 else ""))
-        repeated = sorted({request_id for request_id in ids if ids.count(request_id) > 1}
-                          if len(set(ids)) != len(ids) else ())
+        repeated = sorted(request_id for request_id, count in collections.Counter(ids).items()
+                          if count > 1)
         if repeated:
             raise RouterError(f"{label}: request id(s) {repeated} given more than once")
         self._register(contexts, points, label)
