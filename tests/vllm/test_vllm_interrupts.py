@@ -69,3 +69,30 @@ def test_a_hold_inside_a_hold_or_off_the_main_thread_does_nothing():
     thread.join()
     assert found == [False]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_hold_inside_a_hold_does_not_ask_the_signal_module_and_later_holds_install(
+        monkeypatch):
+    """The worker enters a hold at every exchange, inside ``generate()``'s: the
+    inner one knows the outer one is installed without ``signal.getsignal``
+    (tens of µs). Once a hold ends, normally or by an error, the next one
+    installs its handler again."""
+    asked = []
+    original = signal.getsignal
+    monkeypatch.setattr(signal, "getsignal", lambda number: asked.append(number) or
+                        original(number))
+    with HeldCtrlC() as outer:
+        for _ in range(3):
+            with HeldCtrlC() as inner:
+                assert not inner.active
+    assert outer.active is False and len(asked) == 1  # the outer hold asked once
+    with pytest.raises(ValueError):
+        with HeldCtrlC() as failing:
+            assert failing.active
+            raise ValueError("inside")
+    with HeldCtrlC() as again:
+        assert again.active
+        _ctrl_c()
+        assert again.held
+        again.held = False  # let the block end quietly
+    assert original(signal.SIGINT) is signal.default_int_handler

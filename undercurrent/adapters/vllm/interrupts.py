@@ -17,6 +17,11 @@ import signal
 import threading
 from typing import Any
 
+#: The hold whose handler is installed (set and read on the main thread only): a
+#: hold inside it does nothing, without asking the signal module (``getsignal``
+#: costs tens of µs, and the worker enters a hold at every exchange).
+_installed: HeldCtrlC | None = None
+
 
 class HeldCtrlC:
     """``with HeldCtrlC() as ctrl_c:``: the first Ctrl-C is held until the block
@@ -29,10 +34,12 @@ class HeldCtrlC:
         self.active = False
 
     def __enter__(self) -> HeldCtrlC:
-        if (threading.current_thread() is threading.main_thread()
+        global _installed
+        if (_installed is None and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             signal.signal(signal.SIGINT, self._hold)
             self.active = True
+            _installed = self
         return self
 
     def _hold(self, signum: int, frame: Any) -> None:
@@ -46,8 +53,10 @@ class HeldCtrlC:
             raise KeyboardInterrupt
 
     def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        global _installed
         if self.active:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             self.active = False
+            _installed = None
         if self.held and kind is None:
             raise KeyboardInterrupt
