@@ -63,8 +63,7 @@ class RequestContext:
         """This context with ``extraction_point`` set to ``point`` (what
         ``dataclasses.replace`` gives; the other fields, checked already, are
         shared, not checked again: the router makes one per probe it binds)."""
-        made = object.__new__(type(self))
-        made.__dict__.update(self.__dict__)
+        made: RequestContext = shallow_copy(self)
         made.__dict__["extraction_point"] = point
         return made
 
@@ -345,9 +344,9 @@ def _args_problem(cls: type, names: tuple[Any, ...]) -> str | None:
     return "; ".join(problems) or None
 
 
-def shallow_copy(probe: Any) -> Any:
-    """A new instance of ``probe`` 's class sharing its attributes (its
-    :meth:`Probe.on_start` then replaces the per-request ones)."""
-    made = object.__new__(type(probe))
-    made.__dict__.update(probe.__dict__)
+def shallow_copy(instance: Any) -> Any:
+    """A new instance of ``instance`` 's class sharing its attributes (for a
+    probe, :meth:`Probe.on_start` then replaces the per-request ones)."""
+    made = object.__new__(type(instance))
+    made.__dict__.update(instance.__dict__)
     return made
