@@ -25,8 +25,8 @@ def steady_deliveries(monkeypatch: pytest.MonkeyPatch) -> DeliveryCount:
     counter = DeliveryCount()
     original = delivery._deliver_steady
 
-    def counted(session: Any, plan: Any, sources: Any) -> bool:
-        done = original(session, plan, sources)
+    def counted(session: Any, plan: Any, sources: Any, *step: Any) -> bool:
+        done = original(session, plan, sources, *step)
         counter.count += done
         return done
 

@@ -195,11 +195,11 @@ def test_a_delivery_error_reaches_the_caller_and_leaves_the_model_usable(
     calls = []
     original = session_module.deliver_forward
 
-    def failing(session, batches):
+    def failing(session, batches, *step):
         calls.append(threading.current_thread())
         if len(calls) == 3:
             raise RuntimeError("delivery failed on purpose")
-        return original(session, batches)
+        return original(session, batches, *step)
 
     monkeypatch.setattr(session_module, "deliver_forward", failing)
     with pytest.raises(RuntimeError, match="delivery failed on purpose"):
@@ -305,12 +305,12 @@ def test_an_interrupt_skips_the_forwards_not_delivered_yet(tokenizer, monkeypatc
     delivered = []
     original = session_module.deliver_forward
 
-    def slow_first(session, batches):
+    def slow_first(session, batches, *step):
         if not delivered:
             holding.set()
             release.wait()  # held until generation has failed and closes the thread
         delivered.append(len(delivered))
-        return original(session, batches)
+        return original(session, batches, *step)
 
     close_original = DeliveryThread.close
 

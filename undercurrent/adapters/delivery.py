@@ -311,8 +311,11 @@ def gather(sources: Sequence[Any], picks: Sequence[tuple[int, int]]) -> Any:
     return [base[i] for i in flat]
 
 
-def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> None:
-    """Route one forward pass's captures (see the module docstring).
+def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]],
+                    step: Any = None) -> None:
+    """Route one forward pass's captures (see the module docstring), inside
+    ``step()`` (the router's :meth:`~undercurrent.router.Router.step`) when
+    given, unless it routes nothing (a decode step held in a window).
 
     ``batches`` yields (tensor type, targets, rows): the targets are a
     :class:`~undercurrent.adapters.session.CaptureGroup` of a plan, or any
@@ -326,14 +329,21 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]]) -> No
     if plan is not None:
         sources = {targets.key: rows for _, targets, rows in batches}
         if (plan.base is not None or plan.repeatable) and _deliver_steady(session, plan,
-                                                                           sources):
+                                                                           sources, step):
             return
-        flush_window(session)
-        _deliver_matches(session, plan.matches, sources)
+        with _stepping(step):
+            flush_window(session)
+            _deliver_matches(session, plan.matches, sources)
         return
-    flush_window(session)
-    matches, sources = matches_of_targets(batches)
-    _deliver_matches(session, matches, sources)
+    with _stepping(step):
+        flush_window(session)
+        matches, sources = matches_of_targets(batches)
+        _deliver_matches(session, matches, sources)
+
+
+def _stepping(step: Any) -> Any:
+    """``step()``, or a block that does nothing when there is no step."""
+    return step() if step is not None else contextlib.nullcontext()
 
 
 def matches_of_targets(batches: Sequence[tuple[Any, Any, Any]]
@@ -385,10 +395,17 @@ def _whole_plan(batches: Sequence[tuple[Any, Any, Any]]) -> Any:
         return None
     keys = set()
     for _, targets, rows in batches:
-        if getattr(targets, "plan", None) is not plan or len(rows) != len(targets.slots):
+        if getattr(targets, "plan", None) is not plan or _height(rows) != len(targets.slots):
             return None
         keys.add(targets.key)
     return plan if len(keys) == len(plan.groups) else None
+
+
+def _height(rows: Any) -> int:
+    """How many rows: a tensor's or array's first dimension (read without
+    ``Tensor.__len__``, Python code in torch), or a list's length."""
+    shape = getattr(rows, "shape", None)
+    return int(shape[0]) if shape else len(rows)
 
 
 def _deliver_matches(session: Any, matches: Sequence[PlanMatch],
@@ -736,11 +753,13 @@ class _SteadyLayout:
         return cls(live, [_SteadyPoint(items, registered) for items in by_point.values()])
 
 
-def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
+def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
+                    step: Any = None) -> bool:
     """Deliver a plan that repeats its base plan ``plan.delta`` tokens later (or
     a base plan kept to be repeated, ``delta`` 0), from the layout kept on the
     base plan: what the general path would route, without planning each
-    request's matches again. False (nothing done) where the general path must:
+    request's matches again; what it routes, inside ``step()`` (see
+    :func:`deliver_forward`). False (nothing done) where the general path must:
     no layout, or a request closed or aborted since."""
     base = plan.base if plan.base is not None else plan
     layout = base.steady
@@ -760,17 +779,19 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any]) -> bool:
         point = points[0]
         if layout.windows is None:
             layout.windows = _window_steps(session, layout)
-        if layout.windows:
+        if layout.windows:  # (routes nothing but a full window, in a step of its own)
             _Window.hold(session, layout, layout.windows, delta, sources)
             return True
+        with _stepping(step):
+            flush_window(session)
+            _route_wave(session, states, [(point.batch(delta, sources), point.spans,
+                                           point.routed_spans)], point.follow(), layout.edits,
+                        point.follow(kept=True) if session.keep_records else None)
+        return True
+    with _stepping(step):
         flush_window(session)
         _route_wave(session, states, [(point.batch(delta, sources), point.spans,
-                                       point.routed_spans)], point.follow(), layout.edits,
-                    point.follow(kept=True) if session.keep_records else None)
-        return True
-    flush_window(session)
-    _route_wave(session, states, [(point.batch(delta, sources), point.spans, point.routed_spans)
-                                  for point in points])
+                                       point.routed_spans) for point in points])
     return True
 
 
@@ -806,7 +827,7 @@ class _Window:
     steps (at most :data:`WINDOW_STEPS`; for an async point, rows filling at
     most half of each queue) or :data:`WINDOW_BYTES` bytes."""
 
-    __slots__ = ("layout", "limit", "deltas", "steps", "size")
+    __slots__ = ("layout", "limit", "deltas", "steps", "size", "step_size")
 
     def __init__(self, layout: _SteadyLayout, limit: int) -> None:
         self.layout = layout
@@ -814,6 +835,7 @@ class _Window:
         self.deltas: list[int] = []
         self.steps: list[list[Any]] = []
         self.size = 0
+        self.step_size = 0  # bytes a step adds (its pieces'), read from the first step
 
     @classmethod
     def hold(cls, session: Any, layout: _SteadyLayout, limit: int, delta: int,
@@ -832,7 +854,9 @@ class _Window:
             point.follow(kept=True).append(point.batch(delta, sources, pieces))
         window.deltas.append(delta)
         window.steps.append(pieces)
-        window.size += sum(piece.element_size() * piece.nelement() for piece in pieces)
+        if not window.step_size:  # every step of one layout: the same pieces' shapes
+            window.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
+        window.size += window.step_size
         if len(window.steps) >= window.limit or window.size >= WINDOW_BYTES:
             flush_window(session)
 
@@ -862,8 +886,7 @@ def flush_window(session: Any) -> None:
     window = getattr(session, "window", None)
     if window is not None:
         session.window = None
-        step = getattr(session.router, "step", None)
-        with step() if step is not None else contextlib.nullcontext():
+        with _stepping(getattr(session.router, "step", None)):
             window.route(session)
 
 

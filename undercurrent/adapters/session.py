@@ -30,7 +30,6 @@ and takes part in planning from the next forward on.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -724,6 +723,4 @@ class CaptureSession:
         it inside one ``router.step()``. Signals, aborts and edit arming are
         applied per row from the returned columns.
         """
-        step = getattr(self.router, "step", None)
-        with step() if step is not None else contextlib.nullcontext():
-            deliver_forward(self, batches)
+        deliver_forward(self, batches, getattr(self.router, "step", None))

@@ -297,8 +297,8 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
         counts["shifted"] += 1
         return shifted(plan, delta)
 
-    def counted_delivery(session, plan, sources):
-        done = steady(session, plan, sources)
+    def counted_delivery(session, plan, sources, *step):
+        done = steady(session, plan, sources, *step)
         counts["kept layout"] += done
         return done
 
