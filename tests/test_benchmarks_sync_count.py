@@ -36,7 +36,7 @@ def test_counts_host_copies_made_by_undercurrent_per_thread_and_restores_tensor(
 def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     import collections
 
-    from benchmarks.stage_timers import timed_stages
+    from benchmarks.stage_timers import STAGES, timed_stages
     from undercurrent import ProbedModel
     from undercurrent.adapters.session import CaptureSession
     from undercurrent.probes.scoring import ScoreSummary
@@ -51,7 +51,8 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as probed:
         with timed_stages(totals):
             probed.generate(["a b", "c d e"], max_new_tokens=3)
-    for stage in ("register requests", "plan a forward", "deliver a forward (all below)",
+    for stage in (STAGES[0][3], "register requests", "plan a forward",
+                  "deliver a forward (all below)",
                   "  route a point's batch", "    thresholds and summaries (judge_many)"):
         assert totals[stage] > 0, stage
     assert (CaptureSession.open_requests, vars(ScoreSummary)["batch_signals_many"]) == before

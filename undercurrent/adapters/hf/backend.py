@@ -5,13 +5,17 @@ layout, position-id scheme and sampling option of the architectures in the
 table, and probing must not change what it produces. Two small callbacks plug
 into it:
 
-- a logits processor, which runs after each forward: it routes the records that
-  forward captured (so an inline probe sees token ``t`` before token ``t+1`` is
-  sampled) and pads out rows that stopped (an abort forces the pad token, so the
-  row produces nothing after the aborted token);
+- a forward hook on the model, which runs after each forward: it routes the
+  records that forward captured, so an inline probe sees token ``t`` before
+  token ``t+1`` is sampled (a logits processor would run at the same point, but
+  transformers inspects each processor's signature at every step: about 45 µs a
+  step inside a generation);
 - a stopping criterion, which runs after each sampled token: it records the
   token for its request, applies ``eos`` / stop strings / ``max_new_tokens`` per
-  row, emits stream events, and marks finished or aborted rows done.
+  row, emits stream events, and marks finished or aborted rows done. A row
+  aborted by a probe of the forward just run is marked done at the token
+  sampled after it, which its request never records; ``generate()`` pads the
+  row from then on.
 
 Each row of a left-padded batch is its own request; the plan for each forward
 maps a request's absolute token indices to (row, column) of the batch.
@@ -153,20 +157,9 @@ class _RowDriver:
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
         return all(state.finish_reason is None for state in self.states)
 
-    def after_forward(self, scores: torch.Tensor) -> torch.Tensor:
+    # called by ModelHooks after every forward
+    def after_forward(self) -> None:
         self.backend.hooks.flush(self.session)
-        if self._all_live():
-            return scores
-        stopped = [row for row, state in enumerate(self.states)
-                   if state.finish_reason is not None]
-        if stopped:
-            # A stopped row produces nothing more: force the pad token.
-            pad = self.backend.pad_token_id
-            rows = torch.tensor(stopped, device=scores.device)
-            scores = scores.clone()
-            scores[rows] = float("-inf")
-            scores[rows, pad] = 0.0
-        return scores
 
     def after_token(self, input_ids: torch.Tensor) -> torch.Tensor:
         cancelled = self.cancel is not None and self.cancel.is_set()
@@ -226,16 +219,6 @@ class _RowDriver:
                     edits=state.unread_edits()))
         done = [state.finish_reason is not None for state in self.states]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-class _AfterForward:
-    """LogitsProcessor shape: ``(input_ids, scores) -> scores``."""
-
-    def __init__(self, driver: _RowDriver) -> None:
-        self.driver = driver
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return self.driver.after_forward(scores)
 
 
 class _AfterToken:
@@ -454,6 +437,7 @@ class HFBackend:
                                     on_event, cancel)
                 self.hooks.install(session.wanted_pairs())
                 self.hooks.on_forward = driver.plan_forward
+                self.hooks.on_forward_done = driver.after_forward
                 # Async-only points: delivery off this thread (see ModelHooks.offload).
                 self.hooks.start_delivery(session, states)
                 if params.seed is not None:
@@ -461,7 +445,6 @@ class HFBackend:
                 with torch.no_grad():
                     self.model.generate(
                         input_ids=input_ids, attention_mask=attention_mask,
-                        logits_processor=[_AfterForward(driver)],
                         stopping_criteria=[_AfterToken(driver)],
                         use_cache=True, **self.sampling_kwargs(params))
                     self.hooks.flush(session)
@@ -474,7 +457,7 @@ class HFBackend:
                 session.abandon()
                 raise
             finally:
-                self.hooks.on_forward = None
+                self.hooks.on_forward = self.hooks.on_forward_done = None
                 self.hooks.remove()
             outputs = []
             try:
@@ -537,7 +520,7 @@ class HFBackend:
         if not plan.groups:
             return
         self.hooks.install(session.wanted_pairs() | plan.pairs())
-        self.hooks.on_forward = None
+        self.hooks.on_forward = self.hooks.on_forward_done = None
         self.hooks.set_plan(plan, width)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
         if "position_ids" in _forward_parameters(self.model):

@@ -190,7 +190,8 @@ class ModelHooks:
         return frozenset(self._installed)
 
     def install(self, pairs: Iterable[PairKey]) -> None:
-        """Hook every pair not hooked yet, plus the per-forward pre-hook."""
+        """Hook every pair not hooked yet, plus the model's per-forward hooks (before
+        it, and after it)."""
         pairs = set(pairs) - self._installed
         if not pairs:
             return
@@ -198,6 +199,7 @@ class ModelHooks:
             if not self._installed:
                 self._handles.append(self.model.register_forward_pre_hook(
                     self._before_forward, with_kwargs=True))
+                self._handles.append(self.model.register_forward_hook(self._after_forward))
             for layer, tensor_type in sorted(pairs, key=lambda p: (p[0], p[1].value)):
                 module = self.module_for(layer, tensor_type)
                 hook = self._make_hook(layer, tensor_type)
@@ -267,6 +269,14 @@ class ModelHooks:
 
     # -- per forward -----------------------------------------------------
     on_forward: Any = None  # set by the generation driver: called with the input width
+    #: Set by the generation driver: called after each forward of the model, before
+    #: the next token is sampled (its hooks have all run: what they captured is
+    #: routed then).
+    on_forward_done: Any = None
+
+    def _after_forward(self, module: Any, args: Any, output: Any) -> None:
+        if self.on_forward_done is not None:
+            self.on_forward_done()
 
     def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
