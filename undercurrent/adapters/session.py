@@ -420,6 +420,24 @@ class StepPlan:
                              for match in self.base.matches]
         return self._matches
 
+    def release(self) -> None:
+        """Let go of everything this plan reaches: its groups (which refer back to
+        it: a reference cycle), matches, edits, layout and base. A backend calls it
+        on each plan of a generation once the generation is over, so that the
+        requests' states, signals and rows the plans reach are freed then, not
+        when the garbage collector next finds the cycle (every step's plan would
+        otherwise keep the whole generation alive until then). The plan is empty
+        afterwards."""
+        for group in self.groups.values():
+            group.plan = None
+        # A request's signal log keeps the matches it was routed with (for the
+        # order of its rows), and each match its request's state: a cycle too.
+        # What the log reads of a match later is its order, never its state.
+        for match in self._matches or ():
+            match.state = None  # type: ignore[assignment]
+        self.groups, self.edits, self._layouts = {}, {}, {}
+        self._matches, self.base, self.steady = [], None, None
+
     def shifted(self, delta: int = 1) -> StepPlan:
         """This plan again with every token ``delta`` later: the same groups (the
         same slots) and the same matches, each at ``token_index + delta``. What a

@@ -1,0 +1,90 @@
+"""A generation's plans are released when it ends (``StepPlan.release``): every
+request's state, signals and captured rows are freed as soon as the caller
+drops the outputs, by reference counting alone, not left in a reference cycle
+(a plan and its groups; a request's signal log and the matches it keeps) until
+the garbage collector next runs. The oracle is a weak reference to each
+request's state, checked with the collector switched off; the outputs are read
+first, so reading them after the release is covered too.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.adapters import session as session_module  # noqa: E402
+from undercurrent.spec import parse_dict  # noqa: E402
+
+PROMPTS = ["the cat sat", "a dog ran far away", "one"]
+
+
+def _spec(*points: dict[str, Any]) -> Any:
+    return parse_dict({"version": "1", "extraction_points": list(points)})
+
+
+def _point(name: str, **fields: Any) -> dict[str, Any]:
+    point = {"name": name, "layers": [0, 1], "tensor_type": "residual_stream",
+             "position": "generated[*]", "probe_type": "norm_probe",
+             "probe_kind": "single_shot", "probe_args": {"threshold": 1.0e9}}
+    point.update(fields)
+    return point
+
+
+@pytest.fixture
+def states(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[weakref.ref[Any]]]:
+    """Weak references to the request states every generation opens, with the
+    garbage collector off for the test (what is freed is freed by counting)."""
+    found: list[weakref.ref[Any]] = []
+    original = session_module.CaptureSession.open_requests
+
+    def recording(self: Any, entries: Any) -> Any:
+        opened = original(self, entries)
+        found.extend(weakref.ref(state) for state in opened)
+        return opened
+
+    monkeypatch.setattr(session_module.CaptureSession, "open_requests", recording)
+    gc.collect()
+    gc.disable()
+    try:
+        yield found
+    finally:
+        gc.enable()
+
+
+CASES = {
+    # one steady point: its decode steps routed in windows, signals kept as columns
+    "window": (_spec(_point("norm")), {}),
+    # two points: every step routed as it comes, each request's signals per step
+    "per step": (_spec(_point("norm"), _point("mlp", layers=[2], tensor_type="mlp_out")),
+                 {}),
+    # the activations kept on the outputs, and one more forward for the last token
+    "records": (_spec(_point("norm")), {"records": True, "capture_last_token": True}),
+}
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["outputs read", "results only"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_generation_leaves_nothing_for_the_garbage_collector(case: str, read: bool,
+                                                               states: list[Any]) -> None:
+    spec, options = CASES[case]
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
+        outputs = model.generate(PROMPTS, max_new_tokens=6, **options)
+        for output in outputs:
+            assert output.results and all(result.stats.received > 0
+                                          for result in output.results.values())
+            if read:  # after the generation (its plans released): signals, records
+                assert len(list(output.signals)) == sum(
+                    result.stats.received for result in output.results.values())
+                if options.get("records"):
+                    assert len(output.records) == len(list(output.signals))
+        assert len(states) == len(PROMPTS)
+        del outputs, output
+        assert [ref() for ref in states] == [None] * len(PROMPTS)
