@@ -584,6 +584,7 @@ class CaptureSession:
         self.router: SessionRouter | None = router
         self.windows = windows
         self.window: Any = None  # the decode steps held back (delivery._Window), if any
+        self.plans: list[StepPlan] = []  # every plan delivered (see release_plans)
         self.points = tuple(points)
         # Resolved edits (undercurrent.steering.ResolvedEdit) for every request, and
         # more for some requests (by request id), applied after the shared ones.
@@ -698,6 +699,15 @@ class CaptureSession:
                 router.end_request(request_id)
             except Exception:  # noqa: BLE001 - cleanup must reach every request
                 pass
+
+    def release_plans(self) -> None:
+        """Release every plan delivered so far (:meth:`StepPlan.release`): a
+        backend calls it once every request it delivered for is closed, so that
+        what the plans reach (requests' states, signals, rows) is freed when the
+        caller drops the outputs, not when the garbage collector next runs."""
+        for plan in self.plans:
+            plan.release()
+        self.plans.clear()
 
     # -- per step --------------------------------------------------------
     @property

@@ -113,3 +113,42 @@ def test_input_ids_give_what_the_same_prompts_as_text_give(probed, reference):
     by_ids = probed.generate(input_ids=token_ids, max_new_tokens=MAX_NEW_TOKENS)
     assert [o.token_ids for o in by_ids] == [o.token_ids for o in hf_outputs[:3]]
     assert [o.prompt_token_ids for o in by_ids] == [o.prompt_token_ids for o in hf_outputs[:3]]
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["outputs read", "results only"])
+def test_a_generation_leaves_no_request_state_for_the_garbage_collector(probed, monkeypatch,
+                                                                        read):
+    # The driver's plans are released when the generation ends
+    # (CaptureSession.release_plans): each request's state, signals and rows are
+    # freed by reference counting when the outputs are dropped, with the
+    # collector off (as tests/adapters/test_hf_release.py checks for HF).
+    import gc
+    import weakref
+
+    from undercurrent.adapters import session as session_module
+
+    found = []
+    original = session_module.CaptureSession.open_requests
+
+    def recording(self, entries):
+        opened = original(self, entries)
+        found.extend(weakref.ref(state) for state in opened)
+        return opened
+
+    monkeypatch.setattr(session_module.CaptureSession, "open_requests", recording)
+    texts = prompts(4)
+    gc.collect()
+    gc.disable()
+    try:
+        outputs = probed.generate(texts, max_new_tokens=8, records=read)
+        for output in outputs:
+            assert output.results["residual"].stats.received > 0
+            if read:
+                assert len(list(output.signals)) == sum(
+                    result.stats.received for result in output.results.values())
+                assert len(output.records) == len(list(output.signals))
+        assert len(found) == len(texts)
+        del outputs, output
+        assert [ref() for ref in found] == [None] * len(texts)
+    finally:
+        gc.enable()

@@ -94,7 +94,6 @@ class _RowDriver:
         # aborted one: the session's aborts are as many as at the start).
         self._none_ended = True
         self._aborts = len(session.aborted)
-        self.plans: list[StepPlan] = []  # every plan handed to the hooks (see release)
         self.texts = [""] * len(states)
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
@@ -103,20 +102,6 @@ class _RowDriver:
 
     # called by ModelHooks before every forward
     def plan_forward(self, width: int) -> StepPlan | None:
-        plan = self._plan_forward(width)
-        if plan is not None:
-            self.plans.append(plan)
-        return plan
-
-    def release(self) -> None:
-        """Once the generation is over: release every plan it made (see
-        :meth:`StepPlan.release`), so what they reach is freed at once."""
-        for plan in self.plans:
-            plan.release()
-        self.plans.clear()
-        self._steady = None
-
-    def _plan_forward(self, width: int) -> StepPlan | None:
         index = self.forwards
         self.forwards += 1
         if not self.session.points and not self.session.has_edits:
@@ -440,7 +425,6 @@ class HFBackend:
         if not self._lock.acquire(blocking=False):
             raise BackendError("this model is already generating (one call at a time per "
                                "ProbedModel; hooks are per model)")
-        driver: _RowDriver | None = None
         try:
             texts, encoded = self._tokenize(prompts)
             input_ids, attention_mask = self._left_padded(encoded)
@@ -465,7 +449,7 @@ class HFBackend:
                         use_cache=True, **self.sampling_kwargs(params))
                     self.hooks.flush(session)
                     if params.capture_last_token:
-                        self._capture_last_tokens(states, session, driver.plans)
+                        self._capture_last_tokens(states, session)
                 # Every forward reaches the router before any request is closed.
                 self.hooks.finish_delivery()
             except BaseException:
@@ -489,8 +473,7 @@ class HFBackend:
                 raise
             return outputs
         finally:
-            if driver is not None:  # every request is closed: nothing reads the plans now
-                driver.release()
+            session.release_plans()  # every request is closed: nothing reads the plans now
             self._lock.release()
 
     def _check_context(self, encoded: list[list[int]], params: SamplingParams) -> None:
@@ -514,11 +497,9 @@ class HFBackend:
                 text = text[:cut]
         return text
 
-    def _capture_last_tokens(self, states: list[RequestState], session: CaptureSession,
-                             plans: list[StepPlan]) -> None:
+    def _capture_last_tokens(self, states: list[RequestState], session: CaptureSession) -> None:
         """One extra forward over each request's whole sequence to capture the last
-        sampled token, which generation never feeds back to the model; its plan is
-        added to ``plans``."""
+        sampled token, which generation never feeds back to the model."""
         rows = [s for s in states if s.generated and not s.aborted]
         if not rows:
             return
@@ -546,7 +527,6 @@ class HFBackend:
         if "position_ids" in _forward_parameters(self.model):
             kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.hooks.plan = plan
-        plans.append(plan)  # released with the generation's (a delivery thread may read it)
         self.model(input_ids=input_ids, **kwargs)
         self.hooks.flush(session)
 

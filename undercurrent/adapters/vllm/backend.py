@@ -480,6 +480,7 @@ class VLLMBackend:
                 raise
         finally:
             self.server.end()
+            session.release_plans()  # every request is closed: nothing reads the plans now
             if engine_ids:
                 try:
                     self.engine.collective_rpc("undercurrent_release", args=(list(engine_ids),))
