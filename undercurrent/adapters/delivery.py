@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -327,9 +328,9 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]],
     batches = list(batches)
     plan = _whole_plan(batches)
     if plan is not None:
-        plans = getattr(session, "plans", None)
-        if plans is not None and (not plans or plans[-1] is not plan):
-            plans.append(plan)  # released with the session's (CaptureSession.release_plans)
+        plans = getattr(session, "delivered_plans", None)
+        if plans is not None and (not plans or plans[-1]() is not plan):
+            plans.append(weakref.ref(plan))  # see CaptureSession.release_plans
         sources = {targets.key: rows for _, targets, rows in batches}
         if (plan.base is not None or plan.repeatable) and _deliver_steady(session, plan,
                                                                            sources, step):

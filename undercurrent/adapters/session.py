@@ -30,6 +30,7 @@ and takes part in planning from the next forward on.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -422,12 +423,12 @@ class StepPlan:
 
     def release(self) -> None:
         """Let go of everything this plan reaches: its groups (which refer back to
-        it: a reference cycle), matches, edits, layout and base. A backend calls it
-        on each plan of a generation once the generation is over, so that the
-        requests' states, signals and rows the plans reach are freed then, not
-        when the garbage collector next finds the cycle (every step's plan would
-        otherwise keep the whole generation alive until then). The plan is empty
-        afterwards."""
+        it: a reference cycle), matches, edits, layout and base. Called on the
+        plans of a call once its requests are closed
+        (:meth:`CaptureSession.release_plans`), so that the requests' states,
+        signals and rows the plans reach are freed then, not when the garbage
+        collector next finds the cycle (each step's plan would otherwise keep the
+        whole call alive until then). The plan is empty afterwards."""
         for group in self.groups.values():
             group.plan = None
         # A request's signal log keeps the matches it was routed with (for the
@@ -584,7 +585,9 @@ class CaptureSession:
         self.router: SessionRouter | None = router
         self.windows = windows
         self.window: Any = None  # the decode steps held back (delivery._Window), if any
-        self.plans: list[StepPlan] = []  # every plan delivered (see release_plans)
+        # Every plan delivered, weakly: one no longer used is freed when the garbage
+        # collector finds its cycle, as before; the rest are released at the end.
+        self.delivered_plans: list[weakref.ref[StepPlan]] = []
         self.points = tuple(points)
         # Resolved edits (undercurrent.steering.ResolvedEdit) for every request, and
         # more for some requests (by request id), applied after the shared ones.
@@ -701,13 +704,17 @@ class CaptureSession:
                 pass
 
     def release_plans(self) -> None:
-        """Release every plan delivered so far (:meth:`StepPlan.release`): a
-        backend calls it once every request it delivered for is closed, so that
-        what the plans reach (requests' states, signals, rows) is freed when the
-        caller drops the outputs, not when the garbage collector next runs."""
-        for plan in self.plans:
-            plan.release()
-        self.plans.clear()
+        """Release every plan delivered so far that is still alive
+        (:meth:`StepPlan.release`): a backend calls it once every request it
+        delivered for is closed, so that what the plans reach (requests' states,
+        signals, rows) is freed when the caller drops the outputs, not when the
+        garbage collector next runs. The plans are held weakly until then: a
+        long generation does not keep each step's plan."""
+        for ref in self.delivered_plans:
+            plan = ref()
+            if plan is not None:
+                plan.release()
+        self.delivered_plans.clear()
 
     # -- per step --------------------------------------------------------
     @property
