@@ -4,7 +4,8 @@
 Runs one scenario under cProfile (after a warm-up) and splits the main thread's
 time into the model's own work and undercurrent's: the callbacks that torch and
 transformers call into undercurrent (forward hooks, among them the one after
-each forward that routes its records, stopping criterion) plus what ``ProbedModel.generate`` does around ``model.generate``.
+each forward that routes its records, stopping criterion) plus what
+``ProbedModel.generate`` does around ``model.generate``.
 Async probe workers run on other threads and are not in this profile; the
 timing table's CPU-time column counts them.
 """
