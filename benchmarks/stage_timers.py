@@ -35,6 +35,7 @@ STAGES = (
      "model.generate() (the model, the hooks and the callbacks)"),
     ("undercurrent.adapters.session", "CaptureSession", "open_requests", "register requests"),
     ("undercurrent.adapters.session", "CaptureSession", "close_request", "end requests"),
+    ("undercurrent.adapters.session", "CaptureSession", "close_requests", "end requests"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "plan_forward", "plan a forward"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "after_forward",
      "deliver a forward (all below)"),

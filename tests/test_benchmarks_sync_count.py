@@ -51,7 +51,7 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as probed:
         with timed_stages(totals):
             probed.generate(["a b", "c d e"], max_new_tokens=3)
-    for stage in (STAGES[0][3], "register requests", "plan a forward",
+    for stage in (STAGES[0][3], "register requests", "end requests", "plan a forward",
                   "deliver a forward (all below)",
                   "  route a point's batch", "    thresholds and summaries (judge_many)"):
         assert totals[stage] > 0, stage

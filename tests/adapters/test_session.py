@@ -292,3 +292,80 @@ def test_requests_opened_together_refuse_an_id_given_twice_and_register_none():
         with pytest.raises(ValueError, match="is already open in this generation"):
             session.open_requests([(rid, "x", [1]) for rid in ids])
     assert router.registered == [("a",)] and set(session.requests) == {"a"}
+
+
+def _closing_run(together: bool, router_class=None):
+    """Three requests on a real router with an inline norm probe, each routed
+    rows of its own, then closed together or one at a time: the outputs and the
+    results ``on_result`` saw."""
+    import numpy as np
+
+    from undercurrent.records import ActivationBatch, ActivationRecord
+    from undercurrent.router import Router
+
+    seen = []
+    router = (router_class or Router)()
+    norm = ExtractionPoint(name="n", layers=(0,), tensor_type="mlp_out",
+                           position="generated[*]", probe_type="norm_probe",
+                           probe_kind="trajectory", probe_args={"threshold": 2.5})
+    session = CaptureSession(router, [norm], on_result=seen.append)
+    ids = ["a", "b", "c"]
+    session.open_requests([(rid, "x", [1, 2]) for rid in ids])
+    for token in range(3):
+        records = [ActivationRecord(request_id=rid, extraction_point_name="n", layer=0,
+                                    tensor_type="mlp_out", token_index=2 + token,
+                                    is_generated=True, generated_index=token, token_id=5,
+                                    tensor=np.full(4, 0.5 * (row + token + 1), np.float32))
+                   for row, rid in enumerate(ids)]
+        router.route_columns(ActivationBatch.from_records(records),
+                             [(rid, row, row + 1) for row, rid in enumerate(ids)])
+    closing = [("b", "tb", "eos"), ("a", "ta", None), ("c", "tc", "stop")]
+    if together:
+        outputs = session.close_requests(closing)
+    else:
+        outputs = [session.close_request(*item) for item in closing]
+    router.shutdown()
+    return outputs, seen, session
+
+
+def _output_view(output):
+    return (output.request_id, output.text, output.finish_reason, output.prompt_token_ids,
+            {name: (result.verdict, result.stats.received, result.stats.processed,
+                    [(s.action, s.score) for s in result.signals])
+             for name, result in output.results.items()})
+
+
+def test_requests_closed_together_give_the_outputs_of_closing_each():
+    """``close_requests``: one ``Router.end_requests`` call, the outputs (in the
+    order given) and ``on_result`` calls those of closing each request in turn."""
+    mine, mine_seen, session = _closing_run(True)
+    theirs, theirs_seen, _ = _closing_run(False)
+    assert [_output_view(o) for o in mine] == [_output_view(o) for o in theirs]
+    assert [(o.request_id, o.finish_reason) for o in mine] == [
+        ("b", "eos"), ("a", "length"), ("c", "stop")]
+    assert [(r.request_id, r.verdict) for r in mine_seen] == [
+        (r.request_id, r.verdict) for r in theirs_seen]
+    assert [r.request_id for r in mine_seen] == ["b", "a", "c"]
+    # each request's own rows: the verdicts differ, and the threshold flagged some
+    assert len({str(o.results["n"].verdict) for o in mine}) == 3
+    assert any(o.results["n"].flagged for o in mine)
+    assert session.registered == set() and session.closes == 3
+    assert all(state.closed for state in session.requests.values())
+
+
+def test_requests_closed_together_end_one_at_a_time_on_a_router_without_end_requests():
+    from undercurrent.router import Router
+
+    ended = []
+
+    class OneAtATime(Router):
+        end_requests = None  # type: ignore[assignment]
+
+        def end_request(self, request_id, **kwargs):
+            ended.append(request_id)
+            return super().end_request(request_id, **kwargs)
+
+    outputs, _, _ = _closing_run(True, OneAtATime)
+    assert ended == ["b", "a", "c"]
+    assert [_output_view(o) for o in outputs] == [
+        _output_view(o) for o in _closing_run(False)[0]]

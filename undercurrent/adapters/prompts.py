@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 PromptInput = str | tuple[int, ...]
@@ -132,3 +132,35 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
         texts.append(text)
         encoded.append(ids)
     return texts, encoded
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``ids -> str(tokenizer.decode(ids, skip_special_tokens=True))``.
+
+    A transformers tokenizer backed by a ``tokenizers`` tokenizer, whose class
+    keeps transformers' own ``decode`` and ``_decode`` and which cleans up no
+    tokenization spaces, gets exactly the backend's text: such a tokenizer is
+    decoded by its backend directly, without transformers' per-call argument
+    handling (a backend decodes once per request at the end of a generation, and
+    once per request and step while streaming or watching for stop strings).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _decodes_with_backend(tokenizer):
+        decode = backend.decode
+        return lambda ids: str(decode(ids, skip_special_tokens=True))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _decodes_with_backend(tokenizer: Any) -> bool:
+    """True when ``tokenizer.decode(ids, skip_special_tokens=True)`` is its
+    backend's ``decode`` of the same ids (transformers 5's ``TokenizersBackend``)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers: its own decode, always right
+        return False
+    kind = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend)
+            and kind.decode is PreTrainedTokenizerBase.decode
+            and kind._decode is TokenizersBackend._decode
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))

@@ -657,11 +657,45 @@ class CaptureSession:
         if state.finish_reason is None:
             state.finish_reason = finish_reason or "length"
         flush_window(self)  # what was held back is judged before any request ends
-        results = self._end(request_id)
+        return self._output(state, text, self._end(request_id))
+
+    def close_requests(self, closing: Sequence[tuple[str, str, str | None]]
+                       ) -> list[GenerationOutput]:
+        """:meth:`close_request` for each (request id, text, finish reason), in
+        order, with the probe results of all of them collected from the router at
+        once (``Router.end_requests``) when the router can: the same outputs, and
+        ``on_result`` is called for each request's results in the same order.
+        When the router cannot, each request is ended in turn."""
+        states = [self.requests[request_id] for request_id, _, _ in closing]
+        for state, (_, _, finish_reason) in zip(states, closing, strict=True):
+            if state.finish_reason is None:
+                state.finish_reason = finish_reason or "length"
+        flush_window(self)  # what was held back is judged before any request ends
+        router = self.router
+        end_many = getattr(router, "end_requests", None)
+        ended = [request_id for request_id, _, _ in closing if request_id in self._registered]
+        if end_many is None or len(ended) < 2:
+            return [self._output(state, text, self._end(request_id))
+                    for state, (request_id, text, _) in zip(states, closing, strict=True)]
+        self._registered.difference_update(ended)
+        found = dict(zip(ended, end_many(ended), strict=True))
+        outputs = []
+        for state, (request_id, text, _) in zip(states, closing, strict=True):
+            results = found.get(request_id, {})
+            if self.on_result is not None:
+                for result in results.values():
+                    self.on_result(result)
+            outputs.append(self._output(state, text, results))
+        return outputs
+
+    def _output(self, state: RequestState, text: str, results: dict[str, ProbeResult]
+                ) -> GenerationOutput:
+        """Mark a request closed (its finish reason set) and build its output."""
+        assert state.finish_reason is not None
         state.closed = True
         self.closes += 1
         return GenerationOutput(
-            request_id=request_id,
+            request_id=state.request_id,
             prompt=state.prompt,
             text=text,
             token_ids=tuple(state.generated),

@@ -175,6 +175,13 @@ class Binding:
         self._queue_capacity = queue_capacity
         self._overflow = overflow
         self._breaker_threshold = breaker_threshold
+        # How long ending the request waits for this binding to go idle. Async
+        # bindings get the whole drain timeout. An inline binding can only be busy
+        # with a ``block_until_signal`` call that already missed its deadline; its
+        # late answer is discarded anyway, so waiting is only worth a short grace
+        # (so that ``on_end`` can still run), not the full drain timeout.
+        self.end_grace_s = (float("inf") if self._is_async or policy.timeout_ms is None
+                            else max(1.0, 2 * policy.timeout_ms / 1000.0))
         # One re-entrant lock, taken directly; the condition on it is made the
         # first time a thread must wait (most bindings never wait: a condition is
         # eight objects for the garbage collector to track, per request), and

@@ -5,7 +5,10 @@ adapters (:class:`~undercurrent.adapters.session.CaptureSession` and the
 delivery of a forward's activations) type their router with it instead of
 ``Any``. A router may also offer ``step()``, a context manager around one
 forward's routing (:meth:`~undercurrent.router.Router.step`); the session uses
-it when present, so it is not part of the protocol.
+it when present, so it is not part of the protocol. Likewise
+``register_requests`` and ``end_requests`` (several requests in one call): a
+session uses them when present and otherwise registers or ends each request in
+turn.
 """
 
 from __future__ import annotations

@@ -86,19 +86,6 @@ def _resolve_registry(probes: Any) -> ProbeRegistry:
     )
 
 
-def _inline_grace_s(binding: Binding) -> float:
-    """How long ending a request waits for a binding to go idle.
-
-    Async bindings get the whole drain timeout. An inline binding can only be
-    busy with a ``block_until_signal`` call that already missed its deadline;
-    its late answer is discarded anyway, so waiting is only worth a short grace
-    (so that ``on_end`` can still run), not the full drain timeout.
-    """
-    if binding.is_async or binding.policy.timeout_ms is None:
-        return float("inf")
-    return max(1.0, 2 * binding.policy.timeout_ms / 1000.0)
-
-
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -661,25 +648,101 @@ class Router:
             while len(self._ended) > _RECENTLY_ENDED:
                 self._ended.popitem(last=False)
         timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
-        return self._finish(request, timeout)
+        return self._finish_all([request], timeout)[0]
 
-    def _finish(self, request: _Request, timeout: float) -> dict[str, ProbeResult]:
+    def end_requests(self, request_ids: Iterable[str], *, timeout_s: float | None = None
+                     ) -> list[dict[str, ProbeResult]]:
+        """:meth:`end_request` for each id, in order, with the router's lock taken
+        once for all of them: one ``{point: result}`` per id, the results that
+        ending them one by one gives (each request's drain starts when its turn
+        comes and lasts at most ``timeout_s``).
+
+        All or nothing: when an id is not live (and was not ended by
+        :meth:`shutdown`) or is given twice, none is ended.
+        """
+        ids = list(request_ids)
+        with self._lock:
+            unknown = [request_id for request_id in ids if request_id not in self._requests
+                       and request_id not in self._results_after_shutdown]
+            repeated = sorted(request_id for request_id, count
+                              in collections.Counter(ids).items() if count > 1)
+            if unknown or repeated:
+                raise RouterError(
+                    "end_requests: "
+                    + (f"no live request(s) {unknown[:10]} (never registered or already "
+                       "ended)" if unknown else f"request id(s) {repeated[:10]} given twice")
+                    + "; no request was ended"
+                )
+            requests = [self._requests.pop(request_id, None) for request_id in ids]
+            self._version += 1
+            self._routes.clear()  # stale now: let go of their bindings
+            stored = {request_id: self._results_after_shutdown.pop(request_id)
+                      for request_id, request in zip(ids, requests, strict=True)
+                      if request is None}
+            ended = self._ended
+            for request_id in ids:
+                ended[request_id] = None
+            while len(ended) > _RECENTLY_ENDED:
+                ended.popitem(last=False)
+        timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
+        finished = iter(self._finish_all([request for request in requests
+                                          if request is not None], timeout))
+        return [stored[request_id] if request is None else next(finished)
+                for request_id, request in zip(ids, requests, strict=True)]
+
+    def _finish_all(self, requests: Sequence[_Request], timeout: float
+                    ) -> list[dict[str, ProbeResult]]:
+        """End each request's bindings in turn (drain, ``on_end``, result) and add
+        their counts to the totals. An interrupt part-way ends every binding not
+        ended yet without waiting (their queued rows count as dropped), so none
+        stays open, then propagates."""
+        finished: list[dict[str, ProbeResult]] = []
+        try:
+            for request in requests:
+                finished.append(self._end_bindings(request, timeout))
+        except BaseException:
+            # (the interrupted request's bindings ended before the interrupt are
+            # final: only their counts are read)
+            ended = [binding.result(None) if binding.finalised else binding.end(0.0)
+                     for request in requests[len(finished):]
+                     for binding in request.bindings.values()]
+            self._add_totals([{result.extraction_point_name: result} for result in ended])
+            raise
+        finally:
+            self._add_totals(finished)
+        return finished
+
+    @staticmethod
+    def _end_bindings(request: _Request, timeout: float) -> dict[str, ProbeResult]:
         bindings = list(request.bindings.values())
         for binding in bindings:
             binding.close()
         now = time.monotonic()
         # Each binding's wait starts now and lasts at most its limit: the drain
-        # timeout, or an inline blocking point's shorter grace.
-        limits = [min(timeout, _inline_grace_s(binding)) for binding in bindings]
+        # timeout, or an inline blocking point's shorter grace (Binding.end_grace_s).
+        limits = [min(timeout, binding.end_grace_s) for binding in bindings]
         for binding, limit in zip(bindings, limits, strict=True):
             binding.wait_idle(now + limit)
-        results = {binding.name: binding.end(limit)
-                   for binding, limit in zip(bindings, limits, strict=True)}
-        with self._lock:
+        return {binding.name: binding.end(limit)
+                for binding, limit in zip(bindings, limits, strict=True)}
+
+    def _add_totals(self, finished: Sequence[Mapping[str, ProbeResult]]) -> None:
+        received = processed = dropped = errors = timeouts = 0
+        for results in finished:
             for result in results.values():
-                for counter in _COUNTERS:
-                    self._totals[counter] += getattr(result.stats, counter)
-        return results
+                stats = result.stats
+                received += stats.received
+                processed += stats.processed
+                dropped += stats.dropped
+                errors += stats.errors
+                timeouts += stats.timeouts
+        with self._lock:
+            totals = self._totals
+            totals["received"] += received
+            totals["processed"] += processed
+            totals["dropped"] += dropped
+            totals["errors"] += errors
+            totals["timeouts"] += timeouts
 
     @contextmanager
     def request(
@@ -723,7 +786,8 @@ class Router:
             for request in live:
                 self._ended[request.request_id] = None
         timeout = (self.drain_timeout_s if timeout_s is None else timeout_s) if wait else 0.0
-        results = {request.request_id: self._finish(request, timeout) for request in live}
+        results = dict(zip((request.request_id for request in live),
+                           self._finish_all(live, timeout), strict=True))
         if live:
             logger.info("router shut down with %d live request(s) ended", len(live))
         with self._lock:

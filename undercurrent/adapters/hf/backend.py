@@ -39,7 +39,7 @@ from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, tokenize_prompts
+from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import (
     CaptureSession,
     RequestState,
@@ -260,6 +260,7 @@ class HFBackend:
         self.pad_token_id = int(pad)
         self.eos_token_ids = frozenset(eos)
         self.context_length = context_length(model.config)
+        self._decode = text_decoder(tokenizer)
         self._lock = threading.Lock()
 
     @classmethod
@@ -312,7 +313,9 @@ class HFBackend:
         return capabilities
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        """Generated token ids as text, special tokens skipped (what
+        ``tokenizer.decode(ids, skip_special_tokens=True)`` gives)."""
+        return self._decode(list(token_ids))
 
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
@@ -459,13 +462,13 @@ class HFBackend:
             finally:
                 self.hooks.on_forward = self.hooks.on_forward_done = None
                 self.hooks.remove()
-            outputs = []
             try:
                 for state in states:
                     if state.finish_reason is None:
                         state.finish_reason = "length"
-                    outputs.append(session.close_request(state.request_id, self._final_text(
-                        state, params)))
+                outputs = session.close_requests([
+                    (state.request_id, self._final_text(state, params), state.finish_reason)
+                    for state in states])
             except BaseException:
                 # An on_result callback (or an interrupt) failed part-way: end the
                 # requests not closed yet, so the router holds no live request.

@@ -31,7 +31,7 @@ from typing import Any
 from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, tokenize_prompts
+from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
@@ -138,6 +138,7 @@ class VLLMBackend:
                  prefix_caching: bool) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self.multiprocess = multiprocess
         self.prefix_caching = prefix_caching
         self._model_name = model_name
@@ -297,7 +298,9 @@ class VLLMBackend:
         )
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        """Generated token ids as text, special tokens skipped (what
+        ``tokenizer.decode(ids, skip_special_tokens=True)`` gives)."""
+        return self._decode(list(token_ids))
 
     def encode(self, prompt: str) -> list[int]:
         return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
@@ -567,9 +570,11 @@ class VLLMBackend:
             self._take_edits(states)
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens, ctrl_c)
-        for engine_id, state in states.items():
-            final = self._finish(state, tokens[engine_id], reasons.get(engine_id, "length"),
-                                 params, session)
+        finals = self._finish(list(states.values()),
+                              [tokens[engine_id] for engine_id in states],
+                              [reasons.get(engine_id, "length") for engine_id in states],
+                              params, session)
+        for state, final in zip(states.values(), finals, strict=True):
             if state.stream_text is not None and final.output is not None:
                 final = dataclasses.replace(final, text=state.stream_text.rest(final.output.text))
             yield final
@@ -628,25 +633,38 @@ class VLLMBackend:
                 raise error
         self.engine.collective_rpc("undercurrent_release", args=([e for e, _, _ in entries],))
 
-    def _finish(self, state: RequestState, generated: list[int], reason: str,
-                params: SamplingParams, session: CaptureSession) -> StreamEvent:
-        if state.aborted:
-            generated = generated[:self._tokens_to_keep(state)]
-            reason = "abort"
+    def _finish(self, states: list[RequestState], generated: list[list[int]],
+                reasons: list[str], params: SamplingParams, session: CaptureSession
+                ) -> list[StreamEvent]:
+        """Close the requests (their probe results collected at once,
+        ``CaptureSession.close_requests``) and give each its final event."""
+        closing = []
+        for state, tokens, reason in zip(states, generated, reasons, strict=True):
+            if state.aborted:
+                tokens = tokens[:self._tokens_to_keep(state)]
+                reason = "abort"
+            closing.append((state, tokens, reason))
         with self.server.lock:
-            state.generated[:] = generated
-            text = self.decode(generated)
-            if reason == "stop":
-                cut = stop_position(text, params.stop)
-                if cut is not None:
-                    text = text[:cut]
-            output = session.close_request(state.request_id, text, reason)
+            texts = []
+            for state, tokens, reason in closing:
+                state.generated[:] = tokens
+                text = self.decode(tokens)
+                if reason == "stop":
+                    cut = stop_position(text, params.stop)
+                    if cut is not None:
+                        text = text[:cut]
+                texts.append(text)
+            outputs = session.close_requests([
+                (state.request_id, text, reason)
+                for (state, _, reason), text in zip(closing, texts, strict=True)])
             # A stream's final event carries the signals no event carried yet;
             # generate() keeps only the output (its signals are built when read).
-            signals = state.unread_signals() if state.stream_text is not None else ()
-        return StreamEvent(request_id=state.request_id, token_id=None, text="",
-                           token_index=None, generated_index=None, signals=signals,
-                           aborted=output.aborted, finished=True, output=output)
+            signals = [state.unread_signals() if state.stream_text is not None else ()
+                       for state in states]
+        return [StreamEvent(request_id=state.request_id, token_id=None, text="",
+                            token_index=None, generated_index=None, signals=state_signals,
+                            aborted=output.aborted, finished=True, output=output)
+                for state, output, state_signals in zip(states, outputs, signals, strict=True)]
 
     def close(self) -> None:
         """Remove the hooks and shut the engine down."""
