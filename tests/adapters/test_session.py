@@ -336,8 +336,8 @@ def _output_view(output):
 
 
 def test_requests_closed_together_give_the_outputs_of_closing_each():
-    """``close_requests``: one ``Router.end_requests`` call, the outputs (in the
-    order given) and ``on_result`` calls those of closing each request in turn."""
+    """``close_requests``: the outputs (in the order given) and the ``on_result``
+    calls are those of closing each request in turn."""
     mine, mine_seen, session = _closing_run(True)
     theirs, theirs_seen, _ = _closing_run(False)
     assert [_output_view(o) for o in mine] == [_output_view(o) for o in theirs]
