@@ -180,8 +180,8 @@ class Binding:
         # with a ``block_until_signal`` call that already missed its deadline; its
         # late answer is discarded anyway, so waiting is only worth a short grace
         # (so that ``on_end`` can still run), not the full drain timeout.
-        self.end_grace_s = (float("inf") if self._is_async or policy.timeout_ms is None
-                            else max(1.0, 2 * policy.timeout_ms / 1000.0))
+        self._end_grace_s = (float("inf") if self._is_async or policy.timeout_ms is None
+                             else max(1.0, 2 * policy.timeout_ms / 1000.0))
         # One re-entrant lock, taken directly; the condition on it is made the
         # first time a thread must wait (most bindings never wait: a condition is
         # eight objects for the garbage collector to track, per request), and
@@ -270,6 +270,12 @@ class Binding:
     def is_async(self) -> bool:
         """Whether the point runs on the async workers."""
         return self._is_async
+
+    @property
+    def end_grace_s(self) -> float:
+        """How long ending the request waits at most for this binding to go idle
+        (the router's drain timeout applies too; infinite: only that timeout)."""
+        return self._end_grace_s
 
     @property
     def queue_capacity(self) -> int:
