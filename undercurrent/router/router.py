@@ -633,22 +633,16 @@ class Router:
         is not sent ``on_end`` (its verdict is None).
         """
         with self._lock:
-            request = self._requests.pop(request_id, None)
-            self._version += 1
-            self._routes.clear()  # stale now: let go of their bindings
-            if request is None:
-                stored = self._results_after_shutdown.pop(request_id, None)
-                if stored is not None:
-                    return stored
+            if request_id not in self._requests and request_id not in self._results_after_shutdown:
                 raise RouterError(
                     f"end_request: no live request {request_id!r}; it was never registered "
                     "or has already ended"
                 )
-            self._ended[request_id] = None
-            while len(self._ended) > _RECENTLY_ENDED:
-                self._ended.popitem(last=False)
+            requests, stored = self._take([request_id])
+        if stored:
+            return stored[request_id]
         timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
-        return self._finish_all([request], timeout)[0]
+        return self._finish_all(requests, timeout)[0]
 
     def end_requests(self, request_ids: Iterable[str], *, timeout_s: float | None = None
                      ) -> list[dict[str, ProbeResult]]:
@@ -673,22 +667,30 @@ class Router:
                        "ended)" if unknown else f"request id(s) {repeated[:10]} given twice")
                     + "; no request was ended"
                 )
-            requests = [self._requests.pop(request_id, None) for request_id in ids]
-            self._version += 1
-            self._routes.clear()  # stale now: let go of their bindings
-            stored = {request_id: self._results_after_shutdown.pop(request_id)
-                      for request_id, request in zip(ids, requests, strict=True)
-                      if request is None}
-            ended = self._ended
-            for request_id in ids:
-                ended[request_id] = None
-            while len(ended) > _RECENTLY_ENDED:
-                ended.popitem(last=False)
+            requests, stored = self._take(ids)
         timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
-        finished = iter(self._finish_all([request for request in requests
-                                          if request is not None], timeout))
-        return [stored[request_id] if request is None else next(finished)
-                for request_id, request in zip(ids, requests, strict=True)]
+        finished = iter(self._finish_all(requests, timeout))
+        return [stored[request_id] if request_id in stored else next(finished)
+                for request_id in ids]
+
+    def _take(self, ids: list[str]) -> tuple[list[_Request], dict[str, dict[str, ProbeResult]]]:
+        """Take the requests ``ids`` out of the live ones, each known to be live or
+        ended by :meth:`shutdown` (lock held): the live ones' requests, in order,
+        and the results shutdown stored for the others."""
+        requests = []
+        stored = {}
+        for request_id in ids:
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                stored[request_id] = self._results_after_shutdown.pop(request_id)
+            else:
+                requests.append(request)
+                self._ended[request_id] = None
+        while len(self._ended) > _RECENTLY_ENDED:
+            self._ended.popitem(last=False)
+        self._version += 1
+        self._routes.clear()  # stale now: let go of their bindings
+        return requests, stored
 
     def _finish_all(self, requests: Sequence[_Request], timeout: float
                     ) -> list[dict[str, ProbeResult]]:
@@ -703,13 +705,12 @@ class Router:
         except BaseException:
             # (the interrupted request's bindings ended before the interrupt are
             # final: only their counts are read)
-            ended = [binding.result(None) if binding.finalised else binding.end(0.0)
-                     for request in requests[len(finished):]
-                     for binding in request.bindings.values()]
-            self._add_totals([{result.extraction_point_name: result} for result in ended])
+            self._add_totals([binding.result(None) if binding.finalised else binding.end(0.0)
+                              for request in requests[len(finished):]
+                              for binding in request.bindings.values()])
             raise
         finally:
-            self._add_totals(finished)
+            self._add_totals([result for results in finished for result in results.values()])
         return finished
 
     @staticmethod
@@ -726,16 +727,15 @@ class Router:
         return {binding.name: binding.end(limit)
                 for binding, limit in zip(bindings, limits, strict=True)}
 
-    def _add_totals(self, finished: Sequence[Mapping[str, ProbeResult]]) -> None:
+    def _add_totals(self, results: Sequence[ProbeResult]) -> None:
         received = processed = dropped = errors = timeouts = 0
-        for results in finished:
-            for result in results.values():
-                stats = result.stats
-                received += stats.received
-                processed += stats.processed
-                dropped += stats.dropped
-                errors += stats.errors
-                timeouts += stats.timeouts
+        for result in results:
+            stats = result.stats
+            received += stats.received
+            processed += stats.processed
+            dropped += stats.dropped
+            errors += stats.errors
+            timeouts += stats.timeouts
         with self._lock:
             totals = self._totals
             totals["received"] += received
