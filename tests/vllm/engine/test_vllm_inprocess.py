@@ -82,6 +82,34 @@ def test_concurrent_requests_give_the_hf_records_and_tokens(backend, reference, 
     assert backend.server.steps < records / 4
 
 
+def test_vllm_detokenizes_only_for_stop_strings_and_the_texts_are_hfs(
+        backend, reference, monkeypatch):
+    texts, hf_outputs = reference
+    detokenize = []
+    add_request = backend.engine.add_request
+
+    def spy(request_id, prompt, params, *args, **kwargs):
+        detokenize.append(params.detokenize)
+        return add_request(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(backend.engine, "add_request", spy)
+    ids = [f"r{i}" for i in range(len(texts))]
+    outputs = backend.generate(texts, ids, GREEDY, CaptureSession(None, []))
+    assert detokenize == [False] * len(texts)
+    assert [o.text for o in outputs] == [o.text for o in hf_outputs]
+    events = list(backend.stream(texts[0], "s0", GREEDY, CaptureSession(None, [])))
+    assert "".join(event.text for event in events) == hf_outputs[0].text
+    detokenize.clear()
+    index, stop = next((i, words[j]) for i, words in enumerate(o.text.split() for o in hf_outputs)
+                       for j in range(1, len(words)) if words[j] not in words[:j])
+    (stopped,) = backend.generate([texts[index]], ["s"],
+                                  dataclasses.replace(GREEDY, stop=(stop,)),
+                                  CaptureSession(None, []))
+    assert detokenize == [True]
+    plain = hf_outputs[index].text
+    assert stopped.finish_reason == "stop" and stopped.text == plain[:plain.find(stop)]
+
+
 def test_capture_last_token_adds_the_last_tokens_records_like_hf(backend, model_dir,
                                                                  num_layers):
     texts = prompts()[:5]

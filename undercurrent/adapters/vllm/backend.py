@@ -398,15 +398,20 @@ class VLLMBackend:
         yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
 
     def _sampling(self, params: SamplingParams) -> Any:
+        """vLLM's sampling parameters for ``params``. vLLM detokenizes only for
+        stop strings: the texts of the outputs and of a stream's events come from
+        :meth:`decode`, so without stop strings vLLM's own incremental texts,
+        built for every request at every step, would go unread."""
         from vllm import SamplingParams as VllmSampling
 
+        stop = list(params.stop) or None
         if params.greedy:
             return VllmSampling(max_tokens=params.max_new_tokens, temperature=0.0,
-                                stop=list(params.stop) or None, seed=params.seed)
+                                stop=stop, seed=params.seed, detokenize=stop is not None)
         return VllmSampling(max_tokens=params.max_new_tokens,
                             temperature=params.temperature, top_p=params.top_p,
                             top_k=params.top_k or 0, seed=params.seed,
-                            stop=list(params.stop) or None)
+                            stop=stop, detokenize=stop is not None)
 
     def _open_in_worker(self, entries: list[tuple[str, RequestState, int]]) -> None:
         """Tell the workers which points (capturing rank) and edits (every rank) each
@@ -621,7 +626,7 @@ class VLLMBackend:
         if not entries:
             return
         self._open_in_worker(entries)
-        single = VllmSampling(max_tokens=1, temperature=0.0)
+        single = VllmSampling(max_tokens=1, temperature=0.0, detokenize=False)
         for replay_id, _, _ in entries:
             self._add(replay_id, sequences[replay_id], single)
         while self.engine.has_unfinished_requests():

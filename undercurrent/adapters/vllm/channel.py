@@ -101,7 +101,7 @@ class _Repeat:
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
         self._keys: list[tuple[int, str, int]] = []
-        self._matches: np.ndarray | None = None
+        self._following: np.ndarray | None = None
         self._rows: np.ndarray | None = None
         self._table: list[RequestState | None] = []
 
@@ -127,19 +127,22 @@ class _Repeat:
             elif plan is not None:
                 plan.repeatable = True
         self._plan, self._keys, self._table = plan, keys, table
-        self._matches, self._rows = batch.matches, batch.match_rows
+        # What the next batch's matches are when it repeats this one: each a
+        # token later (column 2), the rest the same.
+        following = batch.matches.copy()
+        following[:, 2] += 1
+        self._following, self._rows = following, batch.match_rows
         return deliveries
 
     def _repeats(self, batch: wire.StepBatch, keys: list[tuple[int, str, int]],
                  table: list[RequestState | None]) -> bool:
-        before, rows = self._matches, self._rows
-        now = batch.matches
-        if (before is None or rows is None or keys != self._keys or table != self._table
-                or now.shape != before.shape or not len(now)
-                or not np.array_equal(batch.match_rows, rows)):
-            return False
-        return bool(np.array_equal(now[:, [0, 1, 3]], before[:, [0, 1, 3]])
-                    and (now[:, 2] == before[:, 2] + 1).all())
+        # (ndarray comparisons, not numpy.array_equal: this runs at every step)
+        following, rows = self._following, self._rows
+        now, now_rows = batch.matches, batch.match_rows
+        return bool(following is not None and rows is not None and keys == self._keys
+                    and table == self._table and len(now) and now.shape == following.shape
+                    and now_rows.shape == rows.shape and (now_rows == rows).all()
+                    and (now == following).all())
 
 
 def _take_tokens(states: dict[str, RequestState],

@@ -415,9 +415,11 @@ class _Capture:
         count = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:count]
         steady = self.steady
+        # (The feed's arrays have ``count`` entries, and ``count + 1`` starts: compared
+        # with ndarray operations, not numpy.array_equal, as this runs at every step.)
         if (steady is None or feed.version != self.version or count != len(feed.req_ids)
-                or not np.array_equal(computed, feed.computed + 1)
-                or not np.array_equal(runner.query_start_loc.np[:count + 1], feed.starts)
+                or not (computed == feed.computed + 1).all()
+                or not (runner.query_start_loc.np[:count + 1] == feed.starts).all()
                 or batch.req_ids[:count] != feed.req_ids):
             return False
         # Each request fed feeds the token at its KV length (read when the step
