@@ -709,6 +709,19 @@ class CaptureSession:
             edits=tuple(state.applied),
         )
 
+    def may_abort(self, request_ids: Iterable[str]) -> bool:
+        """Whether a probe may stop one of these open requests before it ends
+        (:meth:`~undercurrent.router.Router.may_abort`). Requests with no probe
+        registered cannot be stopped; a router that cannot tell is taken to say
+        yes."""
+        router = self.router
+        registered = [request_id for request_id in request_ids
+                      if request_id in self._registered]
+        if router is None or not registered:
+            return False
+        check = getattr(router, "may_abort", None)
+        return True if check is None else bool(check(registered))
+
     def _end(self, request_id: str) -> dict[str, ProbeResult]:
         router = self.router
         if router is None or request_id not in self._registered:  # none registered

@@ -8,7 +8,8 @@ forward's routing (:meth:`~undercurrent.router.Router.step`); the session uses
 it when present, so it is not part of the protocol. Likewise
 ``register_requests`` and ``end_requests`` (several requests in one call): a
 session uses them when present and otherwise registers or ends each request in
-turn.
+turn. And ``may_abort(request_ids)``: without it, a session takes any request
+to be one a probe may stop.
 """
 
 from __future__ import annotations

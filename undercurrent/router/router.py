@@ -36,7 +36,7 @@ from undercurrent.router.validation import (
     point_problem,
 )
 from undercurrent.spec.errors import SpecProblem
-from undercurrent.spec.types import InterventionPolicy
+from undercurrent.spec.types import InterventionPolicy, OnTimeout
 
 _RECENTLY_ENDED = 4096
 _CHECKED_KEPT = 16  # point lists remembered as checked (see Router._check_points)
@@ -453,6 +453,26 @@ class Router:
                 if binding.group is None or may_abort is None or may_abort():
                     return 0
         return limit
+
+    def may_abort(self, request_ids: Iterable[str]) -> bool:
+        """Whether a probe may stop one of these live requests before it ends.
+        That is an inline binding whose probe may return ``abort`` (a probe
+        that does not say so, through
+        :meth:`~undercurrent.probes.base.ScoresRows.may_abort`, is taken to),
+        or whose policy falls back to ``abort`` on a timeout or an error. Async
+        bindings only observe. A request that is not live has no binding."""
+        with self._lock:
+            for request_id in request_ids:
+                request = self._requests.get(request_id)
+                for binding in () if request is None else request.bindings.values():
+                    if binding.is_async:
+                        continue
+                    if binding.policy.on_timeout is OnTimeout.ABORT:
+                        return True
+                    check = getattr(binding.probe, "may_abort", None)
+                    if check is None or check():
+                        return True
+        return False
 
     # -- the hot path -------------------------------------------------------------
 

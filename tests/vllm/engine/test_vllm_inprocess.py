@@ -82,17 +82,23 @@ def test_concurrent_requests_give_the_hf_records_and_tokens(backend, reference, 
     assert backend.server.steps < records / 4
 
 
-def test_vllm_detokenizes_only_for_stop_strings_and_the_texts_are_hfs(
-        backend, reference, monkeypatch):
-    texts, hf_outputs = reference
-    detokenize = []
+def _sampling_spy(backend, monkeypatch, field):
+    """The ``field`` of each request's vLLM sampling parameters, as the engine gets them."""
+    seen = []
     add_request = backend.engine.add_request
 
     def spy(request_id, prompt, params, *args, **kwargs):
-        detokenize.append(params.detokenize)
+        seen.append(getattr(params, field))
         return add_request(request_id, prompt, params, *args, **kwargs)
 
     monkeypatch.setattr(backend.engine, "add_request", spy)
+    return seen
+
+
+def test_vllm_detokenizes_only_for_stop_strings_and_the_texts_are_hfs(
+        backend, reference, monkeypatch):
+    texts, hf_outputs = reference
+    detokenize = _sampling_spy(backend, monkeypatch, "detokenize")
     ids = [f"r{i}" for i in range(len(texts))]
     outputs = backend.generate(texts, ids, GREEDY, CaptureSession(None, []))
     assert detokenize == [False] * len(texts)
@@ -136,40 +142,72 @@ def _stopping_model(backend, marked, generated_index, records=True):
     return ProbedModel(backend, spec=spec, router=router), router
 
 
+#: How the engine reports a call's requests: at every step (a probe that may
+#: abort), or only once each finishes, with the router made to say that no probe
+#: may abort (the aborted requests then take the tokens the worker sent).
+REPORTED = ["every step", "once finished"]
+
+
+def _reported(backend, monkeypatch, reported):
+    """Make the router answer ``may_abort`` as ``reported`` says; the output kinds
+    the engine gets."""
+    from vllm.sampling_params import RequestOutputKind
+
+    if reported == "once finished":
+        monkeypatch.setattr(Router, "may_abort", lambda self, request_ids: False)
+    kinds = _sampling_spy(backend, monkeypatch, "output_kind")
+    expected = (RequestOutputKind.CUMULATIVE if reported == "every step"
+                else RequestOutputKind.FINAL_ONLY)
+    return kinds, expected
+
+
+@pytest.mark.parametrize("reported", REPORTED)
 def test_inline_abort_stops_only_that_request_before_its_next_token(backend, reference,
-                                                                    baseline):
+                                                                    baseline, monkeypatch,
+                                                                    reported):
     texts, _ = reference
     ids = [f"r{i}" for i in range(len(texts))]
     marked = {"r1", "r6", "r11", "r17"}
+    kinds, expected = _reported(backend, monkeypatch, reported)
     model, router = _stopping_model(backend, marked, 2)
     try:
         outputs = model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS,
                                  records=True)
     finally:
         router.shutdown()
+    assert kinds == [expected] * len(texts)
     for output, plain in zip(outputs, baseline, strict=True):
         if output.request_id in marked and len(plain.token_ids) > 3:
             assert output.aborted and output.finish_reason == "abort"
             assert output.abort.generated_index == 2
             assert output.token_ids == plain.token_ids[:3]
-            # The engine itself committed no token after the aborting step.
-            assert backend.engine_token_counts[output.request_id] == 3
+            assert output.text == backend.decode(list(plain.token_ids[:3]))
+            if reported == "every step":
+                # The engine itself committed no token after the aborting step.
+                assert backend.engine_token_counts[output.request_id] == 3
+            else:  # the engine reported nothing for it
+                assert output.request_id not in backend.engine_token_counts
             assert max(r.generated_index for r in output.records) == 2
             assert output.results["guard"].flagged
         else:
             assert not output.aborted
             assert output.token_ids == plain.token_ids
             assert output.text == plain.text
+            assert backend.engine_token_counts[output.request_id] == len(plain.token_ids)
 
 
-def test_abort_on_a_prompt_token_leaves_the_output_empty(backend, reference, baseline):
+@pytest.mark.parametrize("reported", REPORTED)
+def test_abort_on_a_prompt_token_leaves_the_output_empty(backend, reference, baseline,
+                                                         monkeypatch, reported):
     texts, _ = reference
+    kinds, expected = _reported(backend, monkeypatch, reported)
     model, router = _stopping_model(backend, {"r3"}, None)
     try:
         outputs = model.generate(texts[:6], request_ids=[f"r{i}" for i in range(6)],
                                  max_new_tokens=MAX_NEW_TOKENS)
     finally:
         router.shutdown()
+    assert kinds == [expected] * 6
     assert outputs[3].aborted and outputs[3].token_ids == () and outputs[3].text == ""
     assert backend.engine_token_counts.get("r3", 0) == 0
     assert [o.token_ids for i, o in enumerate(outputs) if i != 3] == [
@@ -460,3 +498,39 @@ def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, refe
     assert any(signals or any(kept for *_, kept in results.values())
                for _, _, signals, results in views[False])
     assert views[True] == views[False]
+
+
+@pytest.mark.parametrize("probe_type, mode", [("linear_probe", "inline"),
+                                              ("trajectory_probe", "async")])
+def test_a_call_no_probe_can_stop_is_reported_once_per_request_with_the_same_outputs(
+        backend, reference, num_layers, monkeypatch, probe_type, mode):
+    # generate() with one inline linear probe that only flags, or one async
+    # trajectory probe: no probe may abort, so the engine reports each request
+    # only once it finishes. The outputs are those of the same call reported at
+    # every step (the router made to say a probe may abort), and the HF tokens.
+    from vllm.sampling_params import RequestOutputKind
+
+    texts, hf_outputs = reference
+    point = dataclasses.replace(
+        next(point for point in spec_points(num_layers) if point.name == "residual_all"),
+        probe_type=probe_type, execution_mode=mode, probe_kind="trajectory",
+        queue_depth=64 if mode == "async" else None,
+        probe_args={"weight": [0.1 * ((i % 5) - 2) for i in range(128)], "bias": 0.0,
+                    "threshold": 0.0, "action": "flag"})
+    kinds = _sampling_spy(backend, monkeypatch, "output_kind")
+    views = {}
+    for told in (None, True):
+        if told:
+            monkeypatch.setattr(Router, "may_abort", lambda self, request_ids: True)
+        with Router(default_overflow="block") as router:
+            session = CaptureSession(router, [point], keep_records=True)
+            outputs = backend.generate(texts, [f"f{i}" for i in range(len(texts))], GREEDY,
+                                       session)
+        views[told] = [(_window_view(output), output.text,
+                        [(r.key(), r.token_id) for r in output.records]) for output in outputs]
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in hf_outputs]
+        assert [o.text for o in outputs] == [o.text for o in hf_outputs]
+    count = len(texts)
+    assert kinds == ([RequestOutputKind.FINAL_ONLY] * count
+                     + [RequestOutputKind.CUMULATIVE] * count)
+    assert views[None] == views[True]

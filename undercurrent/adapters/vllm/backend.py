@@ -150,7 +150,9 @@ class VLLMBackend:
         self._internal_ids: dict[str, str] = {}
         self.engine_token_counts: dict[str, int] = {}
         """Tokens the engine itself produced per request in the last call, before an
-        abort's truncation: how far past an abort the engine ran (tests read it)."""
+        abort's truncation: how far past an abort the engine ran (tests read it). A
+        call whose engine reports each request only when it finishes (see
+        :meth:`_drive`) has none for a request a probe aborted."""
         described = engine.collective_rpc("undercurrent_describe")
         self.shape: dict[str, Any] = dict(described[0])
         from vllm.platforms import current_platform
@@ -397,21 +399,28 @@ class VLLMBackend:
         """One event per generated token, then a final one with the output."""
         yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
 
-    def _sampling(self, params: SamplingParams) -> Any:
-        """vLLM's sampling parameters for ``params``. vLLM detokenizes only for
-        stop strings: the texts of the outputs and of a stream's events come from
-        :meth:`decode`, so without stop strings vLLM's own incremental texts,
-        built for every request at every step, would go unread."""
+    def _sampling(self, params: SamplingParams, *, final_only: bool = False) -> Any:
+        """vLLM's sampling parameters for ``params``.
+
+        vLLM detokenizes only for stop strings: the texts of the outputs and of
+        a stream's events come from :meth:`decode`, so without stop strings
+        vLLM's own incremental texts, built for every request at every step,
+        would go unread. ``final_only``: vLLM reports each request once, when
+        it finishes, instead of at every step (:meth:`_drive` then reads an
+        aborted request's tokens from the worker's; see there)."""
         from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import RequestOutputKind
 
         stop = list(params.stop) or None
+        shared: dict[str, Any] = {
+            "max_tokens": params.max_new_tokens, "stop": stop, "seed": params.seed,
+            "detokenize": stop is not None,
+            "output_kind": RequestOutputKind.FINAL_ONLY if final_only
+            else RequestOutputKind.CUMULATIVE}
         if params.greedy:
-            return VllmSampling(max_tokens=params.max_new_tokens, temperature=0.0,
-                                stop=stop, seed=params.seed, detokenize=stop is not None)
-        return VllmSampling(max_tokens=params.max_new_tokens,
-                            temperature=params.temperature, top_p=params.top_p,
-                            top_k=params.top_k or 0, seed=params.seed,
-                            stop=stop, detokenize=stop is not None)
+            return VllmSampling(temperature=0.0, **shared)
+        return VllmSampling(temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k or 0, **shared)
 
     def _open_in_worker(self, entries: list[tuple[str, RequestState, int]]) -> None:
         """Tell the workers which points (capturing rank) and edits (every rank) each
@@ -478,10 +487,15 @@ class VLLMBackend:
                     entries.append((engine_id, state, 0))
                 self._check_seeded_batch(params, [s.prompt_len for _, s, _ in entries])
                 self._open_in_worker(entries)
-                sampling = self._sampling(params)
+                # Without a stream or a probe that may stop a request, nothing
+                # reads a request's tokens before it finishes.
+                final_only = not emit_tokens and not session.may_abort(
+                    [state.request_id for state in opened])
+                sampling = self._sampling(params, final_only=final_only)
                 for engine_id, state, _ in entries:
                     self._add(engine_id, list(state.prompt_token_ids), sampling)
-                yield from self._drive(states, params, session, emit_tokens, ctrl_c)
+                yield from self._drive(states, params, session, emit_tokens, ctrl_c,
+                                       final_only=final_only)
             except BaseException:
                 self._abort_all(list(engine_ids))
                 session.abandon()
@@ -508,7 +522,16 @@ class VLLMBackend:
 
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool,
-               ctrl_c: HeldCtrlC | None = None) -> Iterator[StreamEvent]:
+               ctrl_c: HeldCtrlC | None = None, *, final_only: bool = False
+               ) -> Iterator[StreamEvent]:
+        """Step the engine until every request is done; yield a stream's events and
+        each request's final event.
+
+        ``final_only``: the engine reports each request only when it finishes
+        (:meth:`_sampling`). A request a probe aborts anyway then takes its
+        tokens from those the worker sent with its rows, which hold every
+        generated token up to the one whose record fired; the engine itself
+        reports nothing for it, so it has no :attr:`engine_token_counts`."""
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
             state.stream_text = StreamText(params.stop) if emit_tokens else None
@@ -530,7 +553,10 @@ class VLLMBackend:
                 raise error
             for engine_id in self._take_aborted():
                 if engine_id not in done:
-                    stopping[engine_id] = self._tokens_to_keep(states[engine_id])
+                    keep = stopping[engine_id] = self._tokens_to_keep(states[engine_id])
+                    if final_only:
+                        with self.server.lock:
+                            tokens[engine_id] = list(states[engine_id].generated[:keep])
             for output in outputs:
                 engine_id = output.request_id
                 if engine_id not in states:
