@@ -63,10 +63,17 @@ def guarded(backend, router, request_ids, generated_index=2):
                        "generated_index": generated_index}}]})
 
 
-def test_inline_abort_stops_the_request_within_one_engine_step(backend, reference):
+@pytest.mark.parametrize("reported", ["every step", "once finished"])
+def test_inline_abort_stops_the_request_within_one_engine_step(backend, reference,
+                                                               monkeypatch, reported):
+    # "once finished": the router made to say no probe may abort, so the engine
+    # reports each request only once it finishes and the aborted ones take the
+    # tokens the worker sent (their records reach the driver before the abort).
     texts, hf_outputs = reference
     ids = [f"r{i}" for i in range(len(texts))]
     marked = {f"r{i}" for i in range(0, len(texts), 3)}
+    if reported == "once finished":
+        monkeypatch.setattr(Router, "may_abort", lambda self, request_ids: False)
     router = Router(probes={"stop_at": stop_at})
     model = guarded(backend, router, marked)
     try:
@@ -78,11 +85,15 @@ def test_inline_abort_stops_the_request_within_one_engine_step(backend, referenc
         if output.request_id in marked and len(plain.token_ids) > 3:
             stopped += 1
             assert output.aborted and output.token_ids == plain.token_ids[:3]
-            # The worker waits for the probe, so the engine commits at most the
-            # token of the step that fed the aborting token.
-            assert backend.engine_token_counts[output.request_id] <= 4
+            if reported == "every step":
+                # The worker waits for the probe, so the engine commits at most the
+                # token of the step that fed the aborting token.
+                assert backend.engine_token_counts[output.request_id] <= 4
+            else:  # the engine reported nothing for it
+                assert output.request_id not in backend.engine_token_counts
         else:
             assert not output.aborted and output.token_ids == plain.token_ids
+            assert backend.engine_token_counts[output.request_id] == len(plain.token_ids)
     assert stopped >= 3
 
 
