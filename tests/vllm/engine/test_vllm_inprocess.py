@@ -459,6 +459,18 @@ def _window_view(output: Any) -> Any:
     return output.token_ids, output.finish_reason, signals, results
 
 
+def _flagging_point(num_layers: int, probe_type: str, mode: str) -> Any:
+    """Every layer's residual stream on every generated token, to a probe that
+    only flags: an inline linear probe or an async trajectory probe (whose queue
+    holds a whole window)."""
+    return dataclasses.replace(
+        next(point for point in spec_points(num_layers) if point.name == "residual_all"),
+        probe_type=probe_type, execution_mode=mode, probe_kind="trajectory",
+        queue_depth=64 if mode == "async" else None,
+        probe_args={"weight": [0.1 * ((i % 5) - 2) for i in range(128)], "bias": 0.0,
+                    "threshold": 0.0, "action": "flag"})
+
+
 @pytest.mark.parametrize("probe_type, mode", [("linear_probe", "inline"),
                                               ("trajectory_probe", "async")])
 def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, reference,
@@ -469,12 +481,7 @@ def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, refe
     # repeated steps of its kept layout and routes them as one batch per window.
     # Under continuous batching a window ends whenever a request joins or leaves.
     texts, _ = reference
-    point = dataclasses.replace(
-        next(point for point in spec_points(num_layers) if point.name == "residual_all"),
-        probe_type=probe_type, execution_mode=mode, probe_kind="trajectory",
-        queue_depth=64 if mode == "async" else None,
-        probe_args={"weight": [0.1 * ((i % 5) - 2) for i in range(128)], "bias": 0.0,
-                    "threshold": 0.0, "action": "flag"})
+    point = _flagging_point(num_layers, probe_type, mode)
     windows: list[int] = []
     route = delivery._Window.route
 
@@ -511,12 +518,7 @@ def test_a_call_no_probe_can_stop_is_reported_once_per_request_with_the_same_out
     from vllm.sampling_params import RequestOutputKind
 
     texts, hf_outputs = reference
-    point = dataclasses.replace(
-        next(point for point in spec_points(num_layers) if point.name == "residual_all"),
-        probe_type=probe_type, execution_mode=mode, probe_kind="trajectory",
-        queue_depth=64 if mode == "async" else None,
-        probe_args={"weight": [0.1 * ((i % 5) - 2) for i in range(128)], "bias": 0.0,
-                    "threshold": 0.0, "action": "flag"})
+    point = _flagging_point(num_layers, probe_type, mode)
     kinds = _sampling_spy(backend, monkeypatch, "output_kind")
     views = {}
     for told in (None, True):
