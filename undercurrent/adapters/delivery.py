@@ -24,6 +24,7 @@ records are built only for ``records=True`` (:class:`RecordLog`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import sys
 import weakref
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from undercurrent.adapters.outputs import AbortInfo, TokenSignal
+from undercurrent.probes.arrays import numpy_module
 from undercurrent.records import (
     ABORT_CODE,
     ACTION_CODES,
@@ -578,7 +580,7 @@ class _SteadyPoint:
 
     __slots__ = ("name", "tensor_type", "keys", "picks", "count", "requests", "request_ids",
                  "point_names", "layers", "tokens", "generated", "spans", "routed_spans",
-                 "journal", "kept")
+                 "journal", "kept", "bases")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
         first = items[0][1]
@@ -604,6 +606,7 @@ class _SteadyPoint:
         # (signals) and captured ones (records=True).
         self.journal = Journal()
         self.kept = Journal()
+        self.bases: tuple[Any, Any] | None = None  # see _bases
 
     def follow(self, *, kept: bool = False) -> Journal:
         """This point's journal of routed batches (``kept``: of captured ones),
@@ -672,23 +675,28 @@ class _SteadyPoint:
         # Stacked when first read (a probe judging without the rows never does).
         flat = [piece for pieces in steps for piece in pieces]
         tensor = _stacked(flat)
-        shifts = [delta for delta in deltas for _ in range(count)]
+        np = numpy_module()
+        # Row (r, j) of request r's rows: its base token plus the j-th shift.
+        shifts = np.repeat(np.asarray(deltas, dtype=np.int64), count)
         per_request = len(shifts)
+        bases, offsets = self._bases()
+        generated_at = offsets[:, None] + shifts  # each row's index in its request's tokens
         request_ids: list[str] = []
-        tokens: list[int] = []
-        generated: list[int] = []
-        token_ids: list[int | None] = []
-        last = deltas[-1]
-        for state, token in self.requests:
+        for state, _ in self.requests:
             request_ids += [state.request_id] * per_request
-            tokens += [token + shift for shift in shifts]
-            offset = token - state.prompt_len
-            generated += [offset + shift for shift in shifts]
-            known = state.generated
-            if offset + last < len(known):  # every token known (a steady token is generated)
-                token_ids += [known[offset + shift] for shift in shifts]
-            else:
-                token_ids += [state.token_id_at(token + shift) for shift in shifts]
+        known = [state.generated for state, _ in self.requests]
+        lengths = np.array([len(tokens) for tokens in known], dtype=np.int64)
+        token_ids: list[int | None]
+        if (offsets + int(shifts.max()) < lengths).all():
+            # Every token known (a steady token is generated): one gather from
+            # the requests' tokens laid end to end.
+            starts = np.cumsum(lengths) - lengths
+            laid = np.fromiter(itertools.chain.from_iterable(known), dtype=np.int64,
+                               count=int(lengths.sum()))
+            token_ids = laid[starts[:, None] + generated_at].ravel().tolist()
+        else:
+            token_ids = [state.token_id_at(token + shift) for state, token in self.requests
+                         for shift in shifts.tolist()]
         total = per_request * width
         return ActivationBatch(
             tensor,
@@ -696,11 +704,21 @@ class _SteadyPoint:
             point_names=[self.name] * total,
             layers=self.layers[:count] * (len(deltas) * width),
             tensor_type=self.tensor_type.value,
-            token_indices=tokens,
+            token_indices=(bases[:, None] + shifts).ravel().tolist(),
             is_generated=[True] * total,
-            generated_indices=generated,
+            generated_indices=generated_at.ravel().tolist(),
             token_ids=token_ids,
         )
+
+    def _bases(self) -> tuple[Any, Any]:
+        """Each request's base token index and its index among the request's
+        generated tokens, as int64 arrays (made once)."""
+        if self.bases is None:
+            np = numpy_module()
+            bases = np.array([token for _, token in self.requests], dtype=np.int64)
+            prompts = np.array([state.prompt_len for state, _ in self.requests], dtype=np.int64)
+            self.bases = (bases, bases - prompts)
+        return self.bases
 
 
 def _stacked(pieces: list[Any]) -> DeferredRows:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from undercurrent.probes.arrays import numpy_module
 from undercurrent.records import (
     ACTION_CODES,
     ActivationRecord,
@@ -184,21 +185,23 @@ class ScoreSummary:
         on its own rows would leave it."""
         first, last = spans[0][0], spans[-1][1]
         block = scores[first:last]
-        values = block.tolist()
-        count = len(values)
-        crossings: list[int] = []
+        count = len(block)
+        crossed: Any = None
         if rule.threshold is None:
             actions: Any = [ACTION_CODES[SignalAction.CONTINUE]] * count
         else:
             crossed = block >= rule.threshold
             actions = crossed * ACTION_CODES[rule.action]
-            crossings = crossed.nonzero()[0].tolist()
-        if not crossings:  # the usual case: no row crossed, nothing to place
-            for summary, (start, stop) in zip(summaries, spans, strict=True):
-                summary.add_columns(values[start - first:stop - first],
-                                    token_indices[start:stop], layers[start:stop], None)
-        else:
-            _add_crossed(summaries, values, first, spans, token_indices, layers, crossings)
+        values: Any = block  # the scores column: the array itself unless a list was needed
+        if not _add_blocks(summaries, block, spans, crossed, token_indices, layers):
+            values = block.tolist()
+            crossings = [] if crossed is None else crossed.nonzero()[0].tolist()
+            if crossings:
+                _add_crossed(summaries, values, first, spans, token_indices, layers, crossings)
+            else:  # nothing to place
+                for summary, (start, stop) in zip(summaries, spans, strict=True):
+                    summary.add_columns(values[start - first:stop - first],
+                                        token_indices[start:stop], layers[start:stop], None)
         if metadata is not None and (first, last) != (0, len(scores)):
             metadata = {key: column[first:last] for key, column in metadata.items()}
         return BatchSignals(actions, values, metadata, all_scored=True)
@@ -219,6 +222,57 @@ class ScoreSummary:
         }
         result.update(self.extra)
         return result
+
+
+def _add_blocks(summaries: Sequence[ScoreSummary], block: Any,
+                spans: Sequence[tuple[int, int]], crossed: Any,
+                token_indices: Sequence[int], layers: Sequence[int]) -> bool:
+    """:meth:`ScoreSummary.add_columns` for each summary's span of ``block`` (a
+    float64 array: the contiguous spans' rows; ``crossed``: a bool array of the
+    rows at or over the threshold, or None), as a few array operations over all
+    the summaries at once. It leaves each summary as the loop would: the totals
+    are added in the same order (``add.accumulate`` adds left to right, from
+    the summary's own total), the extremes are the same floats, and the first
+    crossing is the first row crossed. False, with nothing added, unless every
+    span has one length and no score is NaN or zero: there, which of two
+    equal-comparing scores (``0.0`` and ``-0.0``) or a NaN the loop keeps
+    depends on the order."""
+    width = spans[0][1] - spans[0][0]
+    if width == 0 or len(block) != width * len(summaries) or not block.all():
+        return False  # (``all``: no zero; every span has one length: checked below)
+    if any(stop - start != width for start, stop in spans):
+        return False
+    np = numpy_module()
+    if np.isnan(block).any():
+        return False
+    rows = block.reshape(len(summaries), width)
+    running = np.empty((len(summaries), width + 1))
+    running[:, 0] = [summary.total for summary in summaries]
+    running[:, 1:] = rows
+    with np.errstate(all="ignore"):  # inf - inf, an overflow: what the loop gives, unwarned
+        totals = np.add.accumulate(running, axis=1)[:, -1].tolist()
+    highs, lows = rows.max(axis=1).tolist(), rows.min(axis=1).tolist()
+    lasts = rows[:, -1].tolist()
+    for summary, total, high, low, last in zip(summaries, totals, highs, lows, lasts,
+                                               strict=True):
+        summary.count += width
+        summary.scored += width
+        summary.total = total
+        summary.last_score = last
+        # The loop keeps the old extreme unless a score beats it (a NaN is kept).
+        if summary.max_score is None or high > summary.max_score:
+            summary.max_score = high
+        if summary.min_score is None or low < summary.min_score:
+            summary.min_score = low
+    if crossed is not None and crossed.any():
+        marks = crossed.reshape(len(summaries), width)
+        firsts = marks.argmax(axis=1).tolist()
+        for index in marks.any(axis=1).nonzero()[0].tolist():
+            summary = summaries[index]
+            if summary.first_crossing is None:
+                row = spans[index][0] + firsts[index]
+                summary.first_crossing = (int(token_indices[row]), int(layers[row]))
+    return True
 
 
 def _add_crossed(summaries: Sequence[ScoreSummary], values: list[float], first: int,

@@ -95,6 +95,7 @@ class _RowDriver:
         self._none_ended = True
         self._aborts = len(session.aborted)
         self.texts = [""] * len(states)
+        self._generated = [state.generated for state in states]  # the lists themselves
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
             for state in states:
@@ -171,16 +172,16 @@ class _RowDriver:
             # its token and may end on EOS or length (what the loop below does
             # for such a request), and the next step feeds each the next token.
             limit = self.params.max_new_tokens
-            ended = False
-            for state, token in zip(states, tokens, strict=True):
-                generated = state.generated
+            for generated, token in zip(self._generated, tokens, strict=True):
                 generated.append(token)
-                if token in eos:
-                    state.finish_reason = "eos"
-                    ended = True
-                elif len(generated) >= limit:
-                    state.finish_reason = "length"
-                    ended = True
+            # (Checked for the whole batch at once: most steps end no request.)
+            ended = not eos.isdisjoint(tokens) or max(map(len, self._generated)) >= limit
+            if ended:
+                for state, token in zip(states, tokens, strict=True):
+                    if token in eos:
+                        state.finish_reason = "eos"
+                    elif len(state.generated) >= limit:
+                        state.finish_reason = "length"
             self._advanced = True
             if ended:
                 self._none_ended = False
