@@ -126,8 +126,17 @@ def test_sigkill_then_resume_leaves_every_prompt_once(tiny, prompts, oracle, tmp
     expected = oracle_vectors(oracle)
     found = store_vectors(store)
     assert found.keys() == expected.keys()
+    from_child = set(request_ids(N_PROMPTS)[:committed])
     for key, vector in expected.items():
-        np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
+        if key[0] in from_child:
+            # Computed in the killed process. MKL may run a call on fewer threads
+            # than asked (MKL_DYNAMIC, on by default), so another process may add
+            # in another order: a few ulps apart (seen once, on a busy machine).
+            # A vector of another token or layer would differ by far more.
+            np.testing.assert_allclose(found[key], vector, rtol=1e-5, atol=1e-6,
+                                       err_msg=str(key))
+        else:  # computed here, by the same process as the oracle: exactly equal
+            np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
 
 
 def test_a_finished_store_resumes_to_nothing_and_refuses_other_captures(tiny, prompts,
