@@ -695,8 +695,9 @@ class _SteadyPoint:
                                count=int(lengths.sum()))
             token_ids = laid[starts[:, None] + generated_at].ravel().tolist()
         else:
+            each_shift = shifts.tolist()  # (once, not once per request)
             token_ids = [state.token_id_at(token + shift) for state, token in self.requests
-                         for shift in shifts.tolist()]
+                         for shift in each_shift]
         total = per_request * width
         return ActivationBatch(
             tensor,
