@@ -8,7 +8,9 @@ import time
 import pytest
 
 from undercurrent.records import (
+    NO_SIGNAL,
     ActivationRecord,
+    BatchSignals,
     ProbeResult,
     ProbeSignal,
     ProbeStats,
@@ -130,3 +132,18 @@ def test_deferred_rows_read_by_many_threads_at_once_are_made_once():
         thread.join()
     assert made == [1]
     assert [seen[i] for i in range(6)] == rows.tolist()
+
+
+def test_signal_columns_tell_whether_any_row_got_a_signal_as_lists_or_arrays() -> None:
+    import numpy as np
+
+    for codes, expected in (([NO_SIGNAL, NO_SIGNAL], False), ([NO_SIGNAL, 1], True),
+                            ([0], True), ([], False)):
+        assert BatchSignals(codes).any_signal() is expected
+        assert BatchSignals(np.array(codes, dtype=np.int64)).any_signal() is expected
+    # array columns (scores, metadata) read back as Python values, like list ones
+    signals = BatchSignals(np.array([0, NO_SIGNAL]), np.array([0.25, 0.5]),
+                           {"value": np.array([1.5, 2.5])}, all_scored=True).signals()
+    assert signals[1] is None and signals[0] is not None
+    assert type(signals[0].score) is float and signals[0].score == 0.25
+    assert signals[0].metadata == {"value": 1.5} and type(signals[0].metadata["value"]) is float

@@ -733,7 +733,10 @@ class BatchSignals:
 
     def any_signal(self) -> bool:
         """True when some row has a signal."""
-        return any(code != NO_SIGNAL for code in as_list(self.actions))
+        actions: Any = self.actions
+        if hasattr(actions, "tolist"):  # a numpy column: compared at once
+            return bool((actions != NO_SIGNAL).any())
+        return any(code != NO_SIGNAL for code in actions)
 
     def signals(self, batch: ActivationBatch | None = None) -> list[ProbeSignal | None]:
         """One ``ProbeSignal`` (or None) per row; with ``batch`` (the rows these

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from undercurrent.probes import TrajectoryProbe
 from undercurrent.probes.trajectory import _judge_lanes
-from undercurrent.records import BatchSignals
+from undercurrent.records import BatchSignals, as_list
 
 FLOATS = st.one_of(
     st.floats(min_value=-4.0, max_value=4.0, allow_nan=False),
@@ -43,7 +43,9 @@ def _same(left: Any, right: Any) -> bool:
 
 
 def _columns(signals: BatchSignals) -> tuple[Any, ...]:
-    return (list(signals.actions), list(signals.scores or []), dict(signals.metadata or {}))
+    scores = [] if signals.scores is None else as_list(signals.scores)
+    return (as_list(signals.actions), scores,
+            {key: as_list(column) for key, column in (signals.metadata or {}).items()})
 
 
 def _one_by_one(probes: list[TrajectoryProbe], values: np.ndarray, spans: list[tuple[int, int]],

@@ -118,12 +118,12 @@ class LinearReadout:
         shape = getattr(tensors[0], "shape", None)
         values, meta = self.score_matrix(as_float_matrix(tensors),
                                          None if shape is None else tuple(shape))
-        keys = list(meta)
-        return [(value, {key: meta[key][i] for key in keys})
+        columns = {key: as_list(column) for key, column in meta.items()}
+        return [(value, {key: column[i] for key, column in columns.items()})
                 for i, value in enumerate(values.tolist())]
 
     def score_matrix(self, matrix: Any, row_shape: tuple[int, ...] | None = None
-                     ) -> tuple[Any, dict[str, list[Any]]]:
+                     ) -> tuple[Any, dict[str, Any]]:
         """Scores of the rows of a float64 matrix (one flattened activation per row),
         with one matrix product: (float64 array of scores, metadata columns).
         ``row_shape`` (an activation's own shape) is only used in messages."""
@@ -149,29 +149,29 @@ class LinearReadout:
                    else np.einsum("ij,kj->ik", matrix, weight))
         return np.asarray(product + self.weights.bias, np.float64)
 
-    def _scores(self, logits: Any) -> tuple[Any, dict[str, list[Any]]]:
+    def _scores(self, logits: Any) -> tuple[Any, dict[str, Any]]:
         """(scores, metadata columns) from the rows' logits."""
         np = numpy_module()
         values = apply_link(self.link, logits)
         if self.weights.classes is None:
-            return values, {"logit": logits.tolist()}
+            return values, {"logit": logits}  # (a column: each row's read as a float)
         index = self.class_index
         assert index is not None
         count = len(logits)
         tops = np.argmax(logits, axis=1).tolist()
-        meta: dict[str, list[Any]] = {"class_index": [index] * count, "top_class": tops}
+        meta: dict[str, Any] = {"class_index": [index] * count, "top_class": tops}
         if self.label_names:
             names = self.label_names
             meta["label"] = [names[index]] * count
             meta["top_label"] = [names[top] for top in tops]
         return values[:, index], meta
 
-    def score_batch(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+    def score_batch(self, batch: ActivationBatch) -> tuple[Any, dict[str, Any]]:
         """:meth:`score_matrix` of a batch's rows (one matrix product for the whole
         batch it was sliced from, shared by every readout with the same weights)."""
         return batch.shared(self.key, self._score_whole)  # type: ignore[no-any-return]
 
-    def _score_whole(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+    def _score_whole(self, batch: ActivationBatch) -> tuple[Any, dict[str, Any]]:
         try:
             logits = map_rows(batch, self._logits)
         except ValueError:  # the width refused: say so with the activations' own shape
@@ -278,7 +278,7 @@ class LinearProbe(ScoresRows):
         # A subclass that judges each activation itself is not judged in groups.
         return self.readout.key if type(self).judge is LinearProbe.judge else None
 
-    def row_values(self, batch: ActivationBatch) -> tuple[Any, dict[str, list[Any]]]:
+    def row_values(self, batch: ActivationBatch) -> tuple[Any, dict[str, Any]]:
         """(scores, metadata columns) of the batch's rows, one matrix product."""
         return self.readout.score_batch(batch)
 
@@ -304,9 +304,9 @@ class LinearProbe(ScoresRows):
         if type(self).judge is LinearProbe.judge:
             return super().on_batch(batch)
         scores, meta = self.readout.score_batch(batch)
-        keys = list(meta)
+        columns = {key: as_list(column) for key, column in meta.items()}
         return BatchSignals.from_signals([
-            self.judge(record, score, {key: meta[key][i] for key in keys})
+            self.judge(record, score, {key: column[i] for key, column in columns.items()})
             for i, (record, score) in enumerate(zip(batch.records(), scores.tolist(),
                                                     strict=True))
         ])

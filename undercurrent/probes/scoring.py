@@ -193,7 +193,7 @@ class ScoreSummary:
             crossed = block >= rule.threshold
             actions = crossed * ACTION_CODES[rule.action]
         values: Any = block  # the scores column: the array itself unless a list was needed
-        if not _add_blocks(summaries, block, spans, crossed, token_indices, layers):
+        if not add_blocks(summaries, block, spans, crossed, token_indices, layers):
             values = block.tolist()
             crossings = [] if crossed is None else crossed.nonzero()[0].tolist()
             if crossings:
@@ -224,9 +224,9 @@ class ScoreSummary:
         return result
 
 
-def _add_blocks(summaries: Sequence[ScoreSummary], block: Any,
-                spans: Sequence[tuple[int, int]], crossed: Any,
-                token_indices: Sequence[int], layers: Sequence[int]) -> bool:
+def add_blocks(summaries: Sequence[ScoreSummary], block: Any,
+               spans: Sequence[tuple[int, int]], crossed: Any,
+               token_indices: Sequence[int], layers: Sequence[int]) -> bool:
     """:meth:`ScoreSummary.add_columns` for each summary's span of ``block`` (a
     float64 array: the contiguous spans' rows; ``crossed``: a bool array of the
     rows at or over the threshold, or None), as a few array operations over all

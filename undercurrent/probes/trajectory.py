@@ -10,7 +10,7 @@ from typing import Any
 from undercurrent.probes.arrays import map_rows, numpy_module
 from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.linear import LinearReadout
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, add_blocks
 from undercurrent.probes.statistics import l2_norms
 from undercurrent.records import (
     ACTION_CODES,
@@ -286,17 +286,21 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
             statistics[:, column] = current
             if rule.threshold is not None:
                 crossed[:, column] = (seen >= min_count) & (current >= rule.threshold)
-    rows = statistics.tolist()
-    hit = crossed.any(axis=1).tolist()
-    marks = crossed.tolist()
-    for probe, new_counts, new_values, (start, stop), own, any_hit, own_marks in zip(
-            probes, counts.tolist(), running.tolist(), spans, rows, hit, marks, strict=True):
+    for probe, new_counts, new_values in zip(probes, counts.tolist(), running.tolist(),
+                                             strict=True):
         if not probe._layers:
             probe._layers, probe._slot = list(lanes), dict(lane_of)
         probe._counts, probe._values = new_counts, new_values
-        probe.summary.add_columns(own, token_indices[start:stop], pattern,
-                                  own_marks if any_hit else None)
-    metadata = {"value": observed.ravel().tolist(), "statistic": [statistic] * (count * width),
+    flat = statistics.ravel()
+    summaries = [probe.summary for probe in probes]
+    if not add_blocks(summaries, flat, spans, crossed.ravel(), token_indices, layers):
+        hit = crossed.any(axis=1).tolist()
+        for summary, (start, stop), own, any_hit, own_marks in zip(
+                summaries, spans, statistics.tolist(), hit, crossed.tolist(), strict=True):
+            summary.add_columns(own, token_indices[start:stop], pattern,
+                                own_marks if any_hit else None)
+    # (numpy columns: a signal read later takes its row's values as Python ones)
+    metadata = {"value": observed.ravel(), "statistic": [statistic] * (count * width),
                 "layer": pattern * count}
-    return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel().tolist(),
-                        statistics.ravel().tolist(), metadata, all_scored=True)
+    return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel(), flat, metadata,
+                        all_scored=True)
