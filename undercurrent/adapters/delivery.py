@@ -580,7 +580,7 @@ class _SteadyPoint:
 
     __slots__ = ("name", "tensor_type", "keys", "picks", "count", "requests", "request_ids",
                  "point_names", "layers", "tokens", "generated", "spans", "routed_spans",
-                 "journal", "kept", "bases")
+                 "journal", "kept", "bases", "windowed")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
         first = items[0][1]
@@ -607,6 +607,7 @@ class _SteadyPoint:
         self.journal = Journal()
         self.kept = Journal()
         self.bases: tuple[Any, Any] | None = None  # see _bases
+        self.windowed: dict[int, list[tuple[str, int, int]]] = {}  # see window_spans
 
     def follow(self, *, kept: bool = False) -> Journal:
         """This point's journal of routed batches (``kept``: of captured ones),
@@ -621,6 +622,16 @@ class _SteadyPoint:
                 if follow is None or follow.journal is not journal:
                     log.follow(journal, start, stop, match)
         return journal
+
+    def window_spans(self, steps: int) -> list[tuple[str, int, int]]:
+        """:attr:`routed_spans` in a window of ``steps`` steps (each request's
+        rows of every step together), one list per window length: routing the
+        same list again finds its routes kept (``Router.route_columns``)."""
+        spans = self.windowed.get(steps)
+        if spans is None:
+            spans = self.windowed[steps] = [(request_id, start * steps, stop * steps)
+                                            for request_id, start, stop in self.routed_spans]
+        return spans
 
     def pieces(self, sources: dict[Any, Any]) -> list[Any]:
         """Per layer, its source's rows in request order (the source itself where
@@ -888,9 +899,7 @@ class _Window:
         point = self.layout.points[0]
         steps = len(self.steps)
         batch = point.window_batch(self.deltas, self.steps)
-        spans = [(request_id, start * steps, stop * steps)
-                 for request_id, start, stop in point.routed_spans]
-        signals = session.router.route_columns(batch, spans)
+        signals = session.router.route_columns(batch, point.window_spans(steps))
         codes = as_list(signals.actions)
         if codes.count(NO_SIGNAL) == len(codes):
             return

@@ -105,6 +105,23 @@ def _steady_from(selectors: Iterable[tuple[int, int | None, int, int, int | None
     return first
 
 
+_Bounds = tuple[dict[int, int | None], bool,
+                dict[int, tuple[int, int | None, int, int, int | None]], int | None]
+
+
+def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
+    """Where ``points`` match after a prompt of ``prompt_len`` tokens (read only,
+    shared by the requests with that length): the last index each can match
+    (None: unbounded), by ``id(point)``, for retiring it; whether one of them
+    is bounded; each one's selector in absolute token indices (for one-token
+    windows); the first index from which every token matches every point
+    (:attr:`RequestState.steady_from` before edits)."""
+    last_index = {id(point): point.position.last_index(prompt_len) for point in points}
+    selectors = {id(point): _absolute_selector(point, prompt_len) for point in points}
+    return (last_index, any(last is not None for last in last_index.values()), selectors,
+            _steady_from(selectors.values()))
+
+
 def stop_position(text: str, stops: Sequence[str]) -> int | None:
     """Index where the earliest stop string starts in ``text``, or None."""
     found = [index for index in (text.find(stop) for stop in stops if stop) if index >= 0]
@@ -165,6 +182,7 @@ class RequestState:
         points: Sequence[ExtractionPoint],
         keep_records: bool = False,
         edits: Sequence[Any] = (),
+        bounds: dict[int, _Bounds] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -172,14 +190,15 @@ class RequestState:
         self.prompt_len = len(self.prompt_token_ids)
         self.points = tuple(points)
         self._live_points = list(self.points)
-        # The last index each point can match (None: unbounded), for retiring it.
-        self._last_index = {id(point): point.position.last_index(self.prompt_len)
-                            for point in self.points}
-        self._bounded = any(last is not None for last in self._last_index.values())
-        # Each point's selector in absolute token indices, for one-token windows.
-        self._selectors = {id(point): _absolute_selector(point, self.prompt_len)
-                           for point in self.points}
-        self.steady_from = None if edits else _steady_from(self._selectors.values())
+        # Where the points match, for a prompt of this length: ``bounds`` (when
+        # given) keeps them by prompt length for requests with these very points.
+        found = None if bounds is None else bounds.get(self.prompt_len)
+        if found is None:
+            found = _bounds(self.points, self.prompt_len)
+            if bounds is not None:
+                bounds[self.prompt_len] = found
+        self._last_index, self._bounded, self._selectors, steady_from = found
+        self.steady_from = None if edits else steady_from
         """The first token index from which every token matches every point and no
         edit applies (None: no such index): from there on, each decode step plans
         the same captures one token later (:meth:`StepPlan.shifted`)."""
@@ -637,8 +656,9 @@ class CaptureSession:
                 raise ValueError(
                     f"request id {request_id!r} is already open in this generation")
             seen.add(request_id)
+        bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
         states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
-                               (*self.edits, *self.request_edits.get(request_id, ())))
+                               (*self.edits, *self.request_edits.get(request_id, ())), bounds)
                   for request_id, prompt, token_ids in requests]
         register_many([self._context(state) for state in states], list(self.points))
         self._registered.update(ids)

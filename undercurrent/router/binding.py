@@ -207,19 +207,11 @@ class Binding:
         self._traceback: str | None = None  # of the first exception the probe raised
         self._busy = False
         self._in_flight = 0  # records in the call that ``busy`` marks
-        self._native = scores_batches(probe)  # served whole batches (Probe.on_batch)
-        self._batched = self._native or batches_natively(probe)
-        # Inline, no deadline, and a probe whose values a routed batch computes once
-        # for every request (ScoresRows.group_key): judged in a group by the router.
-        group_key = getattr(probe, "group_key", None) if self._native else None
-        self._group: Any = (
-            group_key() if group_key is not None and not self._is_async
-            and policy.mode is InterventionMode.REJECT else None
-        )
-        # Async, with such a probe: a worker judges it with the other bindings of
-        # the same key it finds ready (router/scheduler.py).
-        self._async_group: Any = (
-            group_key() if group_key is not None and self._is_async else None)
+        self._native = False  # served whole batches (Probe.on_batch)
+        self._batched = False
+        self._group: Any = None
+        self._async_group: Any = None
+        self._take_probe(probe)
         self._waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self._closed = False
         self._start_failed = False  # on_start raised: the binding never opened
@@ -233,6 +225,42 @@ class Binding:
         # block_until_signal: the call handed to this binding's helper thread.
         self._pending: Any = None
         self._helper: threading.Thread | None = None
+
+    def _take_probe(self, probe: Any) -> None:
+        """How the router serves ``probe`` (this binding's): whole batches or not,
+        and in which group, if any."""
+        self._probe = probe
+        self._native = native = scores_batches(probe)
+        self._batched = native or batches_natively(probe)
+        # Inline, no deadline, and a probe whose values a routed batch computes once
+        # for every request (ScoresRows.group_key): judged in a group by the router.
+        # Async, with such a probe: a worker judges it with the other bindings of
+        # the same key it finds ready (router/scheduler.py).
+        group_key = getattr(probe, "group_key", None) if native else None
+        key = None if group_key is None else group_key()
+        if self._is_async:
+            self._async_group = key
+        elif self._policy.mode is InterventionMode.REJECT:
+            self._group = key
+
+    def sibling(self, probe: Any, ctx: RequestContext) -> Binding:
+        """A binding of this one's point and settings for another request (its
+        ``probe`` and ``ctx``): what the constructor makes from the same
+        arguments, the settings not worked out again. Only on a binding that is
+        not started yet (its state is still the constructor's)."""
+        assert not self._received and not self._closed and not self._error_notes
+        made: Binding = object.__new__(type(self))
+        state = made.__dict__
+        state.update(self.__dict__)
+        state["_ctx"] = ctx
+        state["_mutex"] = threading.RLock()
+        state["_signals"] = []
+        state["_unread"] = []
+        if self._is_async:
+            state["_queue"] = deque()
+        made._group = made._async_group = None
+        made._take_probe(probe)
+        return made
 
     # -- read-only views (every change goes through a transition method below) --------
 

@@ -272,21 +272,22 @@ class Router:
             built.append(copies)
         if problems:
             raise RouterError(label, problems)
-        requests = [
+        # The first request's bindings are made; the others' are their siblings.
+        firsts = [
+            Binding(point=item.point, probe=instance, probe_type=item.point.probe_type,
+                    ctx=contexts[0].at_point(item.point), policy=item.policy,
+                    queue_capacity=item.queue_capacity, overflow=self.default_overflow,
+                    breaker_threshold=self.breaker_threshold)
+            for item, instance in built[0]
+        ]
+        requests = [_Request(contexts[0].request_id,
+                             {binding.name: binding for binding in firsts})]
+        requests += [
             _Request(ctx.request_id, {
-                item.point.name: Binding(
-                    point=item.point,
-                    probe=instance,
-                    probe_type=item.point.probe_type,
-                    ctx=ctx.at_point(item.point),
-                    policy=item.policy,
-                    queue_capacity=item.queue_capacity,
-                    overflow=self.default_overflow,
-                    breaker_threshold=self.breaker_threshold,
-                )
-                for item, instance in probes
+                first.name: first.sibling(instance, ctx.at_point(item.point))
+                for first, (item, instance) in zip(firsts, probes, strict=True)
             })
-            for ctx, probes in zip(contexts, built, strict=True)
+            for ctx, probes in zip(contexts[1:], built[1:], strict=True)
         ]
         for request in requests:
             for binding in request.bindings.values():

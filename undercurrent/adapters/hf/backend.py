@@ -23,6 +23,7 @@ maps a request's absolute token indices to (row, column) of the batch.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import os
 import queue
@@ -172,8 +173,9 @@ class _RowDriver:
             # its token and may end on EOS or length (what the loop below does
             # for such a request), and the next step feeds each the next token.
             limit = self.params.max_new_tokens
-            for generated, token in zip(self._generated, tokens, strict=True):
-                generated.append(token)
+            # (each request's list takes its token: one C-level pass, no Python per request)
+            assert len(tokens) == len(self._generated)
+            collections.deque(map(list.append, self._generated, tokens), maxlen=0)
             # (Checked for the whole batch at once: most steps end no request.)
             ended = not eos.isdisjoint(tokens) or max(map(len, self._generated)) >= limit
             if ended:
