@@ -174,14 +174,17 @@ class FlagsOnly(Probe):
     ("trajectory_probe", None), ("flags_only", {"flags_only": FlagsOnly}),
 ], ids=["trajectory", "user-probe"])
 def test_async_windows_queue_what_routing_each_step_queues(monkeypatch, probe_type, probes):
-    """An async point, any probe: a window holds at most half a queue
-    (queue_depth 24, 3 layers: 4 steps). Under ``block`` (nothing dropped,
+    """An async point, any probe: a window holds half a queue (queue_depth 24,
+    3 layers: 4 steps), or more where the queue is free then, never more than
+    the queue (8 steps). The first window finds the queues empty (nothing was
+    queued before it), so it holds 8 steps. Under ``block`` (nothing dropped,
     however the workers keep up) the workers' observations, verdicts and counts
     are those of queueing each step."""
     counted = Windows(monkeypatch)
     point = _point(probe_type, mode="async", depth=24)
     windowed = _generate(point, windows=True, probes=probes)
-    assert len(counted.steps) > 1 and max(counted.steps) == 4, counted.steps
+    assert counted.steps[0] == 8 and len(counted.steps) > 1, counted.steps
+    assert max(counted.steps) == 8 and min(counted.steps[:-1]) >= 4, counted.steps
     stepped = _generate(point, windows=False, probes=probes)
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
     for output in windowed:
@@ -198,10 +201,57 @@ def test_async_windows_under_a_drop_policy_count_every_row(monkeypatch, overflow
     counted = Windows(monkeypatch)
     outputs = _generate(_point("trajectory_probe", mode="async", depth=24), windows=True,
                         overflow=overflow)
-    assert counted.steps and max(counted.steps) == 4
+    assert counted.steps[0] == 8 and max(counted.steps) == 8, counted.steps
     for output in outputs:
         stats = output.results["watch"].stats
         assert stats.received == 3 * (MAX_NEW - 1) == stats.processed + stats.dropped
+
+
+@pytest.mark.parametrize("room, expected", [(0, [4, 4, 1]), (13, [4, 4, 1]),
+                                           (15, [5, 4]), (24, [8, 1])])
+def test_an_async_window_grows_only_into_free_room(monkeypatch, room, expected):
+    """A window that reaches half the queue (4 steps of 3 rows) grows to as
+    many steps as the queues have room for then (``Router.window_room``, read
+    when it gets there), never less than it holds, never past WINDOW_STEPS;
+    the rows and counts are those of routing each step."""
+    counted = Windows(monkeypatch)
+    asked: list[tuple[str, list[str]]] = []
+
+    def window_room(router: Router, name: str, request_ids: list[str]) -> int:
+        asked.append((name, sorted(request_ids)))
+        return room
+
+    monkeypatch.setattr(Router, "window_room", window_room)
+    point = _point("trajectory_probe", mode="async", depth=24)
+    windowed = _generate(point, windows=True, overflow="block")
+    assert counted.steps == expected
+    assert asked and all(entry == ("watch", sorted(IDS)) for entry in asked), asked
+    stepped = _generate(point, windows=False, overflow="block")
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+def test_the_router_says_how_much_room_the_queues_have():
+    """``Router.window_room``: the least free room over the requests' async
+    queues (capacity less what is queued), unbounded without one, 0 for a
+    request that is not live. Rows queued inside ``step()`` wait for the
+    workers until the step ends, so the room read there is exact."""
+    rows_of = {"a": 3, "b": 1}
+    with Router() as router:
+        router.register_request("a", [_point("trajectory_probe", mode="async", depth=24)])
+        router.register_request("b", [_point("trajectory_probe", mode="async", depth=10)])
+        router.register_request("inline", [_point()])
+        assert router.window_room("watch", ["a", "b"]) == 10
+        assert router.window_room("watch", ["inline"]) == sys.maxsize
+        assert router.window_room("watch", ["a", "gone"]) == 0
+        with router.step():
+            for request_id, count in rows_of.items():
+                records = [ActivationRecord(
+                    request_id=request_id, extraction_point_name="watch", layer=0,
+                    tensor_type="residual_stream", token_index=5 + row, is_generated=True,
+                    generated_index=row, token_id=1, tensor=torch.ones(32)) for row in range(count)]
+                router.route_batch(records)
+            assert router.window_room("watch", ["a"]) == 21
+            assert router.window_room("watch", ["a", "b", "inline"]) == 9
 
 
 @pytest.mark.parametrize("point, probes", [

@@ -194,3 +194,47 @@ def test_a_binding_found_empty_is_not_handed_back_once_a_producer_queued_on_it()
         del empty.take_queued_rows  # the real method again, for the router's worker
         router._scheduler.schedule(empty)  # what the producer does with its True
         assert router.end_request("r1")["p"].stats.processed == 1
+
+
+def test_a_group_turn_takes_each_binding_s_whole_queue(monkeypatch):
+    """A worker serving a group takes everything each binding has queued (here
+    40 vectors, more than the scheduler's ``batch_size``, less than the queue
+    of 64): one ``judge_many`` call for the whole turn, the counts and
+    observations those of serving each binding alone."""
+    from undercurrent.probes.trajectory import TrajectoryProbe
+
+    calls: list[list[tuple[int, int]]] = []
+    judge_many = TrajectoryProbe.judge_many.__func__  # type: ignore[attr-defined]
+
+    def counted(cls, probes, values, spans, token_indices, layers):
+        calls.append(list(spans))
+        return judge_many(cls, probes, values, spans, token_indices, layers)
+
+    monkeypatch.setattr(TrajectoryProbe, "judge_many", classmethod(counted))
+    rng = np.random.default_rng(7)
+    steps, layers, ids = 20, (0, 1), ["r0", "r1"]
+    assert steps * len(layers) > scheduler.AsyncScheduler(1).batch_size
+    points = {request_id: _point("trajectory_probe", layers, 1.0, "flag", "ewma", 64)
+              for request_id in ids}
+    batches = []
+    for step in range(steps):
+        rows = len(ids) * len(layers)
+        batches.append(ActivationBatch(
+            rng.normal(size=(rows, HIDDEN)).astype(np.float32),
+            request_ids=[request_id for request_id in ids for _ in layers],
+            point_names=["p"] * rows, layers=list(layers) * len(ids),
+            tensor_type="residual_stream", token_indices=[3 + step] * rows,
+            is_generated=[True] * rows, generated_indices=[step] * rows,
+            token_ids=[9] * rows))
+    with Router(workers=1) as router:
+        for request_id, point in points.items():
+            router.register_request(request_id, [point])
+        with router.step():  # both queues are full before the worker wakes
+            for batch in batches:
+                router.route_columns(batch)
+        together = {request_id: router.end_request(request_id)["p"] for request_id in ids}
+    assert calls == [[(0, 40), (40, 80)]]
+    alone = _run(False, points, batches, "block")
+    for request_id in ids:
+        assert _view(together[request_id]) == _view(alone[request_id])
+        assert together[request_id].stats.processed == steps * len(layers)

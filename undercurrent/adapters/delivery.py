@@ -859,7 +859,8 @@ class _Window:
     once per step. A window is routed (:func:`flush_window`) before any other
     delivery, before a request ends, and when it holds the layout's number of
     steps (at most :data:`WINDOW_STEPS`; for an async point, rows filling at
-    most half of each queue) or :data:`WINDOW_BYTES` bytes."""
+    most half of each queue, or as much of it as is free when the window gets
+    there: :meth:`grow`) or :data:`WINDOW_BYTES` bytes."""
 
     __slots__ = ("layout", "limit", "deltas", "steps", "size", "step_size")
 
@@ -891,8 +892,28 @@ class _Window:
         if not window.step_size:  # every step of one layout: the same pieces' shapes
             window.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
         window.size += window.step_size
-        if len(window.steps) >= window.limit or window.size >= WINDOW_BYTES:
+        if window.size >= WINDOW_BYTES or (len(window.steps) >= window.limit
+                                           and not window.grow(session)):
             flush_window(session)
+
+    def grow(self, session: Any) -> bool:
+        """Raise the limit of a window that reached it, where the point's async
+        queues have room now for more steps than it holds (the workers have
+        taken what the last window queued): up to that room and
+        :data:`WINDOW_STEPS`. Rows held up to the room find it when routed
+        (:meth:`~undercurrent.router.Router.window_room`), so fewer, larger
+        windows drop nothing that routing at half a queue keeps. False (route
+        the window now) otherwise."""
+        room = getattr(session.router, "window_room", None)
+        if room is None or self.limit >= WINDOW_STEPS:
+            return False
+        point = self.layout.points[0]
+        steps = min(WINDOW_STEPS, room(point.name, [request_id for request_id, _, _
+                                                    in point.routed_spans]) // point.count)
+        if steps <= len(self.steps):
+            return False
+        self.limit = steps
+        return True
 
     def route(self, session: Any) -> None:
         """Route the steps held, as one batch, and give each request its signals."""

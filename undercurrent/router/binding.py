@@ -311,6 +311,13 @@ class Binding:
         return self._queue_capacity or 1
 
     @property
+    def room(self) -> int:
+        """How many more vectors an async binding's queue takes now without
+        dropping one (its capacity less the vectors queued); 0 once closed."""
+        with self._mutex:
+            return 0 if self._closed else max(0, (self._queue_capacity or 1) - self._queued)
+
+    @property
     def overflow(self) -> OverflowPolicy:
         """What a full async queue does."""
         return self._overflow

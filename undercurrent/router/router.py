@@ -455,6 +455,32 @@ class Router:
                     return 0
         return limit
 
+    def window_room(self, name: str, request_ids: Iterable[str]) -> int:
+        """How many more rows of point ``name`` per request the async queues of
+        these requests take now without dropping one: the least
+        :attr:`~undercurrent.router.binding.Binding.room` over their async
+        bindings (``sys.maxsize`` when none is async; 0 when a request is not
+        live or lacks the point).
+
+        Only routing adds to a queue, and the workers only make room, so rows
+        held back while the queues are as they are now, up to this many per
+        request, find room when they are routed: a window of an async point
+        may grow past :meth:`window_rows` (half a queue) to this, where the
+        workers have kept up."""
+        room = sys.maxsize
+        with self._lock:
+            bindings = []
+            for request_id in request_ids:
+                request = self._requests.get(request_id)
+                binding = None if request is None else request.bindings.get(name)
+                if binding is None:
+                    return 0
+                bindings.append(binding)
+        for binding in bindings:
+            if binding.is_async:
+                room = min(room, binding.room)
+        return room
+
     def may_abort(self, request_ids: Iterable[str]) -> bool:
         """Whether a probe may stop one of these live requests before it ends.
         That is an inline binding whose probe may return ``abort`` (a probe

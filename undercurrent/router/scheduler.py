@@ -9,8 +9,9 @@ which keeps each binding's records strictly ordered.
 Bindings whose probes share their values (built-ins with a
 :meth:`~undercurrent.probes.base.ScoresRows.group_key`; one binding per request
 of a point) are served together: a worker that takes one also takes every
-other ready binding of the same key, takes up to ``batch_size`` vectors from
-each, and judges them all with one
+other ready binding of the same key, takes everything each has queued (at
+most its queue's capacity, which may exceed ``batch_size``), and judges them
+all with one
 :meth:`~undercurrent.probes.base.ScoresRows.judge_many` call, then settles
 each binding on its own. The counts, signals and state are those of serving
 each binding alone; a class without ``judge_many``, or a call that fails, falls
@@ -166,11 +167,14 @@ class AsyncScheduler:
         return peers
 
     def _run_group(self, bindings: Sequence[Binding], worker: _Worker) -> list[Binding]:
-        """Serve several bindings of one group key: up to ``batch_size`` vectors of
-        each, judged together; returns those that still have work."""
+        """Serve several bindings of one group key: everything each has queued
+        (at most its queue's capacity), judged together; returns those that
+        still have work. A group's turn costs one judging call for all its
+        bindings, so each gives its whole queue: a window's rows, routed at
+        once, are judged in one turn, not in ``batch_size`` slices."""
         taken: list[tuple[Binding, list[tuple[ActivationBatch, int, int]]]] = []
         for binding in bindings:
-            pieces = binding.take_queued_rows(self.batch_size)
+            pieces = binding.take_queued_rows(binding.queue_capacity)
             if pieces is not None:
                 taken.append((binding, pieces))
         if not taken:
