@@ -267,25 +267,41 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
                        dtype=np.float64)
     observed = np.asarray(values[first:last], dtype=np.float64).reshape(count, width)
     statistics = np.empty((count, width), dtype=np.float64)
-    crossed = np.zeros((count, width), dtype=bool)
     lane_of = {layer: lane for lane, layer in enumerate(lanes)}
+    lane_at = [lane_of[layer] for layer in pattern]
+    # Every instance meets the same lanes in the same order, so a column's count
+    # is each instance's count before the batch plus how often the batch has met
+    # that lane so far (the same for all); a count of 1 (the statistic starts
+    # at the value) only at a lane's first column, for an instance new to it.
+    met = [0] * len(lanes)
+    met_at = []
+    for lane in lane_at:
+        met[lane] += 1
+        met_at.append(met[lane])
+    seen = counts[:, lane_at] + np.asarray(met_at, dtype=np.int64)
+    fresh = (counts == 0).any(axis=0).tolist()
+    state = [running[:, lane] for lane in range(len(lanes))]
+    keep = 1.0 - alpha
     with np.errstate(all="ignore"):  # inf and NaN flow through as in Python floats
-        for column, layer in enumerate(pattern):
-            lane = lane_of[layer]
-            seen = counts[:, lane] + 1
-            counts[:, lane] = seen
-            value, previous = observed[:, column], running[:, lane]
+        scaled = alpha * observed if statistic == "ewma" else observed
+        for column, lane in enumerate(lane_at):
+            value, previous = observed[:, column], state[lane]
             if statistic == "mean":
-                current = previous + (value - previous) / seen
+                current = previous + (value - previous) / seen[:, column]
             elif statistic == "max":  # max(previous, value): previous unless value > it
                 current = np.where(value > previous, value, previous)
-            else:
-                current = alpha * value + (1.0 - alpha) * previous
-            current = np.where(seen == 1, value, current)
-            running[:, lane] = current
+            else:  # alpha * value + (1.0 - alpha) * previous, alpha * value made above
+                current = scaled[:, column] + keep * previous
+            if met_at[column] == 1 and fresh[lane]:
+                current = np.where(seen[:, column] == 1, value, current)
+            state[lane] = current
             statistics[:, column] = current
-            if rule.threshold is not None:
-                crossed[:, column] = (seen >= min_count) & (current >= rule.threshold)
+        if rule.threshold is not None:
+            crossed = (seen >= min_count) & (statistics >= rule.threshold)
+        else:
+            crossed = np.zeros((count, width), dtype=bool)
+    counts = counts + np.asarray(met, dtype=np.int64)
+    running = np.stack(state, axis=1)
     for probe, new_counts, new_values in zip(probes, counts.tolist(), running.tolist(),
                                              strict=True):
         if not probe._layers:
