@@ -156,7 +156,10 @@ def _float_rows(rows: Any) -> Any:
     if isinstance(rows, list) and rows and hasattr(rows[0], "detach"):
         torch = sys.modules["torch"]
         if rows[0].dtype == torch.float32:  # numpy converts while joining them
-            arrays = [piece.detach().numpy() for piece in rows]
+            # (a tensor that needs no grad, as in generate(), is read as it is:
+            # one torch call per piece, not two)
+            arrays = [(piece.detach() if piece.requires_grad else piece).numpy()
+                      for piece in rows]
             if arrays[0].ndim != 2:
                 arrays = [array.reshape(array.shape[0], -1) for array in arrays]
             return np.concatenate(arrays, dtype=np.float64)
