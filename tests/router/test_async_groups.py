@@ -51,6 +51,22 @@ def _run(grouped: bool, points: dict[str, ExtractionPoint], batches: list[Activa
         return {request_id: router.end_request(request_id)["p"] for request_id in points}
 
 
+def _steps(rng: Any, ids: list[str], layers: tuple[int, ...], steps: int
+           ) -> list[ActivationBatch]:
+    """One routed batch per decode step: each request's rows at ``layers``, random."""
+    batches = []
+    for step in range(steps):
+        rows = len(ids) * len(layers)
+        batches.append(ActivationBatch(
+            rng.normal(size=(rows, HIDDEN)).astype(np.float32),
+            request_ids=[request_id for request_id in ids for _ in layers],
+            point_names=["p"] * rows, layers=list(layers) * len(ids),
+            tensor_type="residual_stream", token_indices=[3 + step] * rows,
+            is_generated=[True] * rows, generated_indices=[step] * rows,
+            token_ids=[9] * rows))
+    return batches
+
+
 def _view(result: Any) -> Any:
     stats = result.stats
     signals = [(s.action.value, round(s.score, 12), s.layer, s.token_index,
@@ -78,16 +94,7 @@ def test_grouped_workers_equal_serving_each_binding_alone(probe_type, thresholds
     points = {f"r{index}": _point(probe_type, layers, threshold, "flag", statistic, depth)
               for index, threshold in enumerate(thresholds)}
     ids = list(points)
-    batches = []
-    for step in range(steps):
-        rows = len(ids) * len(layers)
-        batches.append(ActivationBatch(
-            rng.normal(size=(rows, HIDDEN)).astype(np.float32),
-            request_ids=[request_id for request_id in ids for _ in layers],
-            point_names=["p"] * rows, layers=list(layers) * len(ids),
-            tensor_type="residual_stream", token_indices=[3 + step] * rows,
-            is_generated=[True] * rows, generated_indices=[step] * rows,
-            token_ids=[9] * rows))
+    batches = _steps(rng, ids, layers, steps)
     alone = _run(False, points, batches, overflow)
     together = _run(True, points, batches, overflow)
     for request_id in ids:
@@ -216,16 +223,7 @@ def test_a_group_turn_takes_each_binding_s_whole_queue(monkeypatch):
     assert steps * len(layers) > scheduler.AsyncScheduler(1).batch_size
     points = {request_id: _point("trajectory_probe", layers, 1.0, "flag", "ewma", 64)
               for request_id in ids}
-    batches = []
-    for step in range(steps):
-        rows = len(ids) * len(layers)
-        batches.append(ActivationBatch(
-            rng.normal(size=(rows, HIDDEN)).astype(np.float32),
-            request_ids=[request_id for request_id in ids for _ in layers],
-            point_names=["p"] * rows, layers=list(layers) * len(ids),
-            tensor_type="residual_stream", token_indices=[3 + step] * rows,
-            is_generated=[True] * rows, generated_indices=[step] * rows,
-            token_ids=[9] * rows))
+    batches = _steps(rng, ids, layers, steps)
     with Router(workers=1) as router:
         for request_id, point in points.items():
             router.register_request(request_id, [point])
