@@ -15,7 +15,8 @@ all with one
 :meth:`~undercurrent.probes.base.ScoresRows.judge_many` call, then settles
 each binding on its own. The counts, signals and state are those of serving
 each binding alone; a class without ``judge_many``, or a call that fails, falls
-back to exactly that.
+back to that: each binding's own call on the rows it took (one call for all
+of them, so a probe that raises counts an error on each).
 
 A probe that hangs would pin its worker. A supervisor notices workers stuck in
 one call for longer than ``stall_timeout_s`` and starts replacements (up to
