@@ -440,19 +440,17 @@ class Router:
 
         Routing the rows later changes no signal, verdict or count, only when
         they are computed."""
+        bindings = self._point_bindings(name, request_ids)
+        if bindings is None:
+            return 0
         limit = sys.maxsize
-        with self._lock:
-            for request_id in request_ids:
-                request = self._requests.get(request_id)
-                binding = None if request is None else request.bindings.get(name)
-                if binding is None:
-                    return 0
-                if binding.is_async:
-                    limit = min(limit, binding.queue_capacity // 2)
-                    continue
-                may_abort = getattr(binding.probe, "may_abort", None)
-                if binding.group is None or may_abort is None or may_abort():
-                    return 0
+        for binding in bindings:
+            if binding.is_async:
+                limit = min(limit, binding.queue_capacity // 2)
+                continue
+            may_abort = getattr(binding.probe, "may_abort", None)
+            if binding.group is None or may_abort is None or may_abort():
+                return 0
         return limit
 
     def window_room(self, name: str, request_ids: Iterable[str]) -> int:
@@ -467,19 +465,24 @@ class Router:
         request, find room when they are routed: a window of an async point
         may grow past :meth:`window_rows` (half a queue) to this, where the
         workers have kept up."""
-        room = sys.maxsize
+        bindings = self._point_bindings(name, request_ids)
+        if bindings is None:
+            return 0
+        return min((binding.room for binding in bindings if binding.is_async),
+                   default=sys.maxsize)
+
+    def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
+        """The bindings of point ``name`` of these requests, in order; None when
+        one of them is not live or lacks the point."""
+        bindings = []
         with self._lock:
-            bindings = []
             for request_id in request_ids:
                 request = self._requests.get(request_id)
                 binding = None if request is None else request.bindings.get(name)
                 if binding is None:
-                    return 0
+                    return None
                 bindings.append(binding)
-        for binding in bindings:
-            if binding.is_async:
-                room = min(room, binding.room)
-        return room
+        return bindings
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:
         """Whether a probe may stop one of these live requests before it ends.
