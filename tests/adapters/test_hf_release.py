@@ -88,3 +88,27 @@ def test_a_generation_leaves_nothing_for_the_garbage_collector(case: str, read: 
         assert len(states) == len(PROMPTS)
         del outputs, output
         assert [ref() for ref in states] == [None] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(case: str,
+                                                                states: list[Any]) -> None:
+    """Not only the requests' states: nothing undercurrent made (a decode step's
+    repeated plan and its groups among them, one per step) is found by the
+    collector once the outputs are dropped."""
+    spec, options = CASES[case]
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
+        model.generate(PROMPTS, max_new_tokens=4, **options)  # (loading's own garbage)
+        gc.collect()
+        outputs = model.generate(PROMPTS, max_new_tokens=8, **options)
+        assert all(output.results for output in outputs)
+        del outputs
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            left = sorted({type(item).__qualname__ for item in gc.garbage
+                           if type(item).__module__.startswith("undercurrent")})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert left == []

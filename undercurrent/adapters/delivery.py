@@ -330,12 +330,15 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]],
     batches = list(batches)
     plan = _whole_plan(batches)
     if plan is not None:
+        sources = {targets.key: rows for _, targets, rows in batches}
+        if plan.base is not None and _deliver_steady(session, plan, sources, step):
+            plan.delivered()  # (read by nothing now: no cycle left for the collector)
+            return
         plans = getattr(session, "delivered_plans", None)
         if plans is not None and (not plans or plans[-1]() is not plan):
             plans.append(weakref.ref(plan))  # see CaptureSession.release_plans
-        sources = {targets.key: rows for _, targets, rows in batches}
-        if (plan.base is not None or plan.repeatable) and _deliver_steady(session, plan,
-                                                                           sources, step):
+        if plan.repeatable and plan.base is None and _deliver_steady(session, plan, sources,
+                                                                     step):
             return
         with _stepping(step):
             flush_window(session)

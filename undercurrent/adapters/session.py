@@ -458,6 +458,17 @@ class StepPlan:
         self.groups, self.edits, self._layouts = {}, {}, {}
         self._matches, self.base, self.steady = [], None, None
 
+    def delivered(self) -> None:
+        """Called once nothing reads this plan through its groups any more (a
+        shifted plan once its forward is routed; any plan once a vLLM worker has
+        gathered its rows): its groups let go of it. Each group refers back to its
+        plan, a reference cycle: without this, the plan is freed by the garbage
+        collector, not when its holders drop it, and a long generation makes one
+        plan per decode step. The groups keep their slots, so the plan can still
+        be :meth:`shifted`."""
+        for group in self.groups.values():
+            group.plan = None
+
     def shifted(self, delta: int = 1) -> StepPlan:
         """This plan again with every token ``delta`` later: the same groups (the
         same slots) and the same matches, each at ``token_index + delta``. What a

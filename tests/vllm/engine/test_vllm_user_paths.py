@@ -152,3 +152,29 @@ def test_a_generation_leaves_no_request_state_for_the_garbage_collector(probed, 
         assert [ref() for ref in found] == [None] * len(texts)
     finally:
         gc.enable()
+
+
+def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(probed):
+    # Not only the requests' states: nothing undercurrent made, on the driver's
+    # side or the in-process worker's (a decode step's repeated plan and its
+    # groups among them, one per step), is found by the collector once the
+    # outputs are dropped.
+    import gc
+
+    texts = prompts(4)
+    probed.generate(texts, max_new_tokens=4)  # (the engine's own first-call garbage)
+    gc.collect()
+    gc.disable()
+    try:
+        outputs = probed.generate(texts, max_new_tokens=12)
+        assert all(output.results["residual"].stats.received > 0 for output in outputs)
+        del outputs
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = sorted({type(item).__qualname__ for item in gc.garbage
+                       if type(item).__module__.startswith("undercurrent")})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []

@@ -477,6 +477,17 @@ class _Capture:
         plan, self.plan = self.plan, None
         if plan is None:
             return
+        try:
+            self._send_step(plan)
+        finally:
+            # Gathered: nothing here reads a plan through its groups again, so
+            # they let go of it (no cycle left for the collector). A steady plan
+            # is still shifted for later steps: that reads its slots.
+            plan.delivered()
+
+    def _send_step(self, plan: StepPlan) -> None:
+        """Ship the rows gathered in this step (``plan`` 's) to the driver and apply
+        its reply."""
         if not self.capturing:
             for state in self.steered.values():
                 state.applied.clear()  # only rank 0 reports what was applied
