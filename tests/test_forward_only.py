@@ -117,6 +117,9 @@ def test_input_ids_give_what_the_same_prompts_as_text_give(probed, tokenizer):
     for text_output, ids_output in zip(by_text, by_ids, strict=True):
         assert ids_output.token_ids == text_output.token_ids
         assert ids_output.prompt_token_ids == text_output.prompt_token_ids
+        # (the prompt's text: its ids decoded, special tokens kept)
+        assert ids_output.prompt == tokenizer.decode(list(ids_output.prompt_token_ids))
+        assert ids_output.prompt.startswith(tokenizer.bos_token)
         assert [r.key()[1:] for r in ids_output.records] == [
             r.key()[1:] for r in text_output.records]
         for ours, theirs in zip(ids_output.records, text_output.records, strict=True):

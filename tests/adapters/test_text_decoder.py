@@ -48,8 +48,10 @@ def test_a_plain_fast_tokenizer_decodes_through_its_backend_with_the_same_text(l
     assert not tokenizer.clean_up_tokenization_spaces
     spy = tokenizer.decode = _Spy(tokenizer)
     decode = text_decoder(tokenizer)
+    kept = text_decoder(tokenizer, skip_special_tokens=False)  # (a token-id prompt's text)
     for ids in _id_lists(tokenizer):
         assert decode(ids) == spy.decode(ids, skip_special_tokens=True), ids
+        assert kept(ids) == spy.decode(ids), ids
     assert spy.calls == 0  # the backend answered every time
 
 
@@ -62,6 +64,9 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers():
     assert [decode(ids) for ids in lists] == [
         spy.decode(ids, skip_special_tokens=True) for ids in lists]
     assert spy.calls == len(lists)
+    kept = text_decoder(tokenizer, skip_special_tokens=False)
+    assert [kept(ids) for ids in lists] == [spy.decode(ids) for ids in lists]
+    assert spy.calls == 2 * len(lists)  # (spy.decode itself is not counted)
 
 
 def test_a_tokenizer_class_with_its_own_decode_is_asked_itself():
@@ -83,3 +88,4 @@ def test_any_other_tokenizer_is_asked_itself():
             return "/".join(map(str, ids)) + ("!" if skip_special_tokens else "")
 
     assert text_decoder(Plain())([1, 2]) == "1/2!"
+    assert text_decoder(Plain(), skip_special_tokens=False)([1, 2]) == "1/2"

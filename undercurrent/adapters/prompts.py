@@ -120,13 +120,16 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
     text. A prompt that encodes to no tokens is refused."""
     strings = [prompt for prompt in prompts if isinstance(prompt, str)]
     batch = iter(tokenizer(strings)["input_ids"] if strings else ())
+    decode = (text_decoder(tokenizer, skip_special_tokens=False)
+              if len(strings) < len(prompts) else None)
     texts, encoded = [], []
     for prompt in prompts:
         if isinstance(prompt, str):
             text, ids = prompt, [int(t) for t in next(batch)]
         else:
+            assert decode is not None
             ids = [int(token) for token in prompt]
-            text = tokenizer.decode(ids)
+            text = decode(ids)
         if not ids:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens")
         texts.append(text)
@@ -134,21 +137,23 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
     return texts, encoded
 
 
-def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """``ids -> str(tokenizer.decode(ids, skip_special_tokens=True))``.
+def text_decoder(tokenizer: Any, *, skip_special_tokens: bool = True
+                 ) -> Callable[[list[int]], str]:
+    """``ids -> str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))``.
 
     A transformers tokenizer backed by a ``tokenizers`` tokenizer, whose class
     keeps transformers' own ``decode`` and ``_decode`` and which cleans up no
     tokenization spaces, gets exactly the backend's text: such a tokenizer is
     decoded by its backend directly, without transformers' per-call argument
     handling (a backend decodes once per request at the end of a generation, and
-    once per request and step while streaming or watching for stop strings).
+    once per request and step while streaming or watching for stop strings; a
+    prompt given as token ids is decoded, special tokens kept, for its text).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _decodes_with_backend(tokenizer):
         decode = backend.decode
-        return lambda ids: str(decode(ids, skip_special_tokens=True))
-    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
+        return lambda ids: str(decode(ids, skip_special_tokens=skip_special_tokens))
+    return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def _decodes_with_backend(tokenizer: Any) -> bool:
