@@ -8,7 +8,10 @@ valgrind's callgrind tool (needs ``valgrind`` on the PATH, e.g. ``apt-get
 install valgrind``), counts the instructions of one generation of each (after
 two warm-up generations, counting switched on with ``callgrind_control``
 around it), and prints each scenario's instructions per captured vector over
-the baseline.
+the baseline. ``--by-function N`` also lists the N functions whose counts grew
+most over the baseline: C functions (the interpreter's loop for all Python
+code, numpy's and torch's kernels, BLAS, the allocator), which say what kind
+of work the extra instructions are.
 
 Not counted: an idle BLAS helper thread's busy-wait (OpenBLAS's
 ``exec_blas_async_wait`` and ``blas_thread_server``), whose count depends on
@@ -46,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="all", choices=["3", "all"])
     parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--by-function", type=int, default=0, metavar="N",
+                        help="also list, per scenario, the N functions (C level: the "
+                             "interpreter, numpy, torch, BLAS...) whose counts grew most "
+                             "over the baseline")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the counted process's dump dir
     args = parser.parse_args(argv)
     scenarios = args.scenario or ["uc_inline_linear"]
@@ -71,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             return done.returncode
         vectors = dict(line.split()[1:3] for line in done.stdout.splitlines()
                        if line.startswith("vectors "))
-        counts = {name: _instructions(path) for name, path in _dumps(Path(folder)).items()}
+        found = {name: _instructions(path) for name, path in _dumps(Path(folder)).items()}
+    counts = {name: total for name, (total, _) in found.items()}
     base = counts[BASELINE]
     print(f"{args.model}, batch {args.batch}, {args.layers} layers, "
           f"{args.max_new_tokens} new tokens: instructions of one generation "
@@ -83,6 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         count = int(vectors.get(name, 0)) or 1
         print(f"| {name} | {counts[name] / 1e6:.1f} | {count} | "
               f"{(counts[name] - base) / count:,.0f} |")
+    for name in scenarios if args.by_function else ():
+        count = int(vectors.get(name, 0)) or 1
+        ours, theirs = found[name][1], found[BASELINE][1]
+        grown = sorted(ours.keys() | theirs.keys(),
+                       key=lambda function: theirs[function] - ours[function])
+        print(f"\n{name}: the {args.by_function} functions that grew most over {BASELINE}")
+        print("| function | instructions over the baseline (M) | per captured vector |")
+        print("|---|---|---|")
+        for function in grown[:args.by_function]:
+            extra = ours[function] - theirs[function]
+            print(f"| {function} | {extra / 1e6:.2f} | {extra / count:,.0f} |")
     return 0
 
 
@@ -97,8 +116,9 @@ def _dumps(folder: Path) -> dict[str, Path]:
     return found
 
 
-def _instructions(path: Path) -> int:
-    """Instructions in a dump, the busy-waiting functions left out."""
+def _instructions(path: Path) -> tuple[int, collections.Counter[str]]:
+    """Instructions in a dump, the busy-waiting functions left out, and the
+    instructions of each function (its name and object file)."""
     out = subprocess.run(["callgrind_annotate", "--threshold=100", str(path)],
                          capture_output=True, text=True, check=True).stdout
     total = 0
@@ -112,9 +132,9 @@ def _instructions(path: Path) -> int:
             total = count
         else:
             by_function[match.group(2)] += count
-    spinning = sum(count for name, count in by_function.items()
-                   if any(spin in name for spin in SPINNING))
-    return total - spinning
+    spinning = [name for name in by_function if any(spin in name for spin in SPINNING)]
+    total -= sum(by_function.pop(name) for name in spinning)
+    return total, by_function
 
 
 def _child(args: argparse.Namespace, scenarios: list[str]) -> int:
