@@ -8,7 +8,9 @@ import time
 import pytest
 
 from undercurrent.records import (
+    ABORT_CODE,
     NO_SIGNAL,
+    ActivationBatch,
     ActivationRecord,
     BatchSignals,
     ProbeResult,
@@ -141,9 +143,46 @@ def test_signal_columns_tell_whether_any_row_got_a_signal_as_lists_or_arrays() -
                             ([0], True), ([], False)):
         assert BatchSignals(codes).any_signal() is expected
         assert BatchSignals(np.array(codes, dtype=np.int64)).any_signal() is expected
+    for codes, expected in (([0, 1, NO_SIGNAL], False), ([0, ABORT_CODE], True), ([], False),
+                            ([ABORT_CODE], True)):
+        assert BatchSignals(codes).any_abort() is expected
+        assert BatchSignals(np.array(codes, dtype=np.int64)).any_abort() is expected
     # array columns (scores, metadata) read back as Python values, like list ones
     signals = BatchSignals(np.array([0, NO_SIGNAL]), np.array([0.25, 0.5]),
                            {"value": np.array([1.5, 2.5])}, all_scored=True).signals()
     assert signals[1] is None and signals[0] is not None
     assert type(signals[0].score) is float and signals[0].score == 0.25
     assert signals[0].metadata == {"value": 1.5} and type(signals[0].metadata["value"]) is float
+
+
+def test_an_int_column_reads_as_the_list_of_its_python_ints() -> None:
+    import copy
+    import pickle
+
+    import numpy as np
+
+    from undercurrent.records import IntColumn, as_list
+
+    column = IntColumn(np.array([7, 8, 9, 10], dtype=np.int64))
+    assert len(column) == 4 and column[0] == 7 and type(column[-1]) is int
+    assert list(column) == [7, 8, 9, 10] and all(type(item) is int for item in column)
+    assert as_list(column) == [7, 8, 9, 10] and type(as_list(column)[0]) is int
+    assert column[1:3] == [8, 9] and column[1:3] == (8, 9) and column != [8, 9]
+    assert isinstance(column[1:3], IntColumn) and column[1:3] == IntColumn(np.array([8, 9]))
+    assert pickle.loads(pickle.dumps(column)) == [7, 8, 9, 10]
+    assert copy.deepcopy(column) == [7, 8, 9, 10]
+    assert np.asarray(column).tolist() == [7, 8, 9, 10]
+    tokens: list[int] = [1]
+    tokens += column[2:]
+    assert tokens == [1, 9, 10]
+    # in a batch: records, slices and joined batches give Python ints too
+    batch = ActivationBatch(np.zeros((4, 2), dtype=np.float32), request_ids=["a", "a", "b", "b"],
+                            point_names=["p"] * 4, layers=[0, 1, 0, 1], tensor_type="mlp_out",
+                            token_indices=column, is_generated=[True] * 4,
+                            generated_indices=IntColumn(np.array([0, 0, 3, 3])),
+                            token_ids=IntColumn(np.array([5, 5, 6, 6])))
+    assert [record.token_index for record in batch.records()] == [7, 8, 9, 10]
+    assert type(batch.records()[2].generated_index) is int
+    assert batch[2:].located(0) == ("b", "p", 0, 9, 3)
+    joined = ActivationBatch.concat([batch[:2], batch[2:]])
+    assert joined.token_ids == [5, 5, 6, 6] and type(joined.token_ids[0]) is int

@@ -222,6 +222,68 @@ class LazySequence(Sequence[T], Generic[T]):
         return (tuple, (self._get(),))
 
 
+class IntColumn(Sequence[int]):
+    """An index column of an :class:`ActivationBatch` (``token_indices``,
+    ``generated_indices``, ``token_ids``) held as a numpy integer array: it
+    reads as a sequence of Python ints (an item, iteration, :meth:`tolist`),
+    a slice is another column over a view of the array, and it compares equal
+    to a list or tuple of the same ints. A batch of many rows (a window of
+    decode steps) keeps its columns so, instead of making a Python int per row
+    that nothing may read.
+
+    >>> import numpy as np
+    >>> column = IntColumn(np.array([4, 5, 6]))
+    >>> column[1], column[1:] == [5, 6], list(column), column.tolist()
+    (5, True, [4, 5, 6], [4, 5, 6])
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> IntColumn: ...
+
+    def __getitem__(self, index: int | slice) -> int | IntColumn:
+        if isinstance(index, slice):
+            return IntColumn(self.array[index])
+        return int(self.array[index])
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array.tolist())
+
+    def tolist(self) -> list[int]:
+        """The column as a list of Python ints."""
+        result: list[int] = self.array.tolist()
+        return result
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        return self.array if dtype is None else self.array.astype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IntColumn):
+            return self.tolist() == other.tolist()
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"IntColumn({self.tolist()!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (and deep-copied) as the list of its ints.
+        return (list, (self.tolist(),))
+
+
 @dataclass(frozen=True)
 class ProbeStats:
     """Accounting for one binding (one probe instance on one request and point).
@@ -737,6 +799,13 @@ class BatchSignals:
         if hasattr(actions, "tolist"):  # a numpy column: compared at once
             return bool((actions != NO_SIGNAL).any())
         return any(code != NO_SIGNAL for code in actions)
+
+    def any_abort(self) -> bool:
+        """True when some row's signal is an abort."""
+        actions: Any = self.actions
+        if hasattr(actions, "tolist"):  # a numpy column: compared at once
+            return bool((actions == ABORT_CODE).any())
+        return ABORT_CODE in actions
 
     def signals(self, batch: ActivationBatch | None = None) -> list[ProbeSignal | None]:
         """One ``ProbeSignal`` (or None) per row; with ``batch`` (the rows these

@@ -42,6 +42,7 @@ from undercurrent.records import (
     ActivationRecord,
     BatchSignals,
     DeferredRows,
+    IntColumn,
     ProbeSignal,
     SignalAction,
     as_list,
@@ -525,15 +526,16 @@ def _route_wave(session: Any, live: list[Any],
         if router is None or not routed_spans:
             continue
         signals = router.route_columns(batch, routed_spans)  # a row each, spans or not
-        codes = as_list(signals.actions)
-        if codes.count(NO_SIGNAL) == len(codes):
+        if not signals.any_signal():
             continue
         routed = RoutedPoint(batch.index_view(), signals)  # the tensor may go
-        any_abort = ABORT_CODE in codes
+        any_abort = signals.any_abort()
         if journal is not None:
             journal.append(routed)  # every request's signals of this token
             if not any_abort and not edits:
                 continue
+        # (each row's code, read where a request may abort or arm an edit)
+        codes = as_list(signals.actions) if any_abort or edits else []
         for state, start, stop, match in spans:
             if journal is None:  # else: appended above, once for every request
                 if runs is None:
@@ -700,14 +702,14 @@ class _SteadyPoint:
             request_ids += [state.request_id] * per_request
         known = [state.generated for state, _ in self.requests]
         lengths = np.array([len(tokens) for tokens in known], dtype=np.int64)
-        token_ids: list[int | None]
+        token_ids: Sequence[int | None]
         if (offsets + int(shifts.max()) < lengths).all():
             # Every token known (a steady token is generated): one gather from
             # the requests' tokens laid end to end.
             starts = np.cumsum(lengths) - lengths
             laid = np.fromiter(itertools.chain.from_iterable(known), dtype=np.int64,
                                count=int(lengths.sum()))
-            token_ids = laid[starts[:, None] + generated_at].ravel().tolist()
+            token_ids = IntColumn(laid[starts[:, None] + generated_at].ravel())
         else:
             each_shift = shifts.tolist()  # (once, not once per request)
             token_ids = [state.token_id_at(token + shift) for state, token in self.requests
@@ -719,9 +721,10 @@ class _SteadyPoint:
             point_names=[self.name] * total,
             layers=self.layers[:count] * (len(deltas) * width),
             tensor_type=self.tensor_type.value,
-            token_indices=(bases[:, None] + shifts).ravel().tolist(),
+            # (columns of Python ints made only if read: see IntColumn)
+            token_indices=IntColumn((bases[:, None] + shifts).ravel()),
             is_generated=[True] * total,
-            generated_indices=generated_at.ravel().tolist(),
+            generated_indices=IntColumn(generated_at.ravel()),
             token_ids=token_ids,
         )
 
@@ -924,10 +927,9 @@ class _Window:
         steps = len(self.steps)
         batch = point.window_batch(self.deltas, self.steps)
         signals = session.router.route_columns(batch, point.window_spans(steps))
-        codes = as_list(signals.actions)
-        if codes.count(NO_SIGNAL) == len(codes):
+        if not signals.any_signal():
             return
-        if ABORT_CODE in codes:  # window_rows admitted a probe that aborts
+        if signals.any_abort():  # window_rows admitted a probe that aborts
             raise RuntimeError(
                 f"internal error: a probe of point {point.name!r} aborted a request while "
                 "its steps were judged in a window")

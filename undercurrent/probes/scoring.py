@@ -187,8 +187,8 @@ class ScoreSummary:
         block = scores[first:last]
         count = len(block)
         crossed: Any = None
-        if rule.threshold is None:
-            actions: Any = [ACTION_CODES[SignalAction.CONTINUE]] * count
+        if rule.threshold is None:  # (an array, as below: checked at once by the router)
+            actions: Any = numpy_module().full(count, ACTION_CODES[SignalAction.CONTINUE])
         else:
             crossed = block >= rule.threshold
             actions = crossed * ACTION_CODES[rule.action]

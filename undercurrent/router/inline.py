@@ -172,7 +172,7 @@ def _settle_together(batch: ActivationBatch, admitted: Sequence[tuple[Any, Bindi
     index = batch.index_view()
     actions = signals.actions
     kept = signals if signals.any_signal() else None
-    aborting = kept is not None and ABORT_CODE in as_list(actions)
+    aborting = kept is not None and kept.any_abort()
     for request, binding, start, stop in admitted:
         settled = binding.finish_rows(index, start, stop, kept, share * (stop - start), share,
                                       offset=first)
@@ -195,7 +195,7 @@ def _settle_group(batch: ActivationBatch,
                                       share, error)
         if not settled or signals is None:
             continue
-        if request is not None and ABORT_CODE in signals.actions:
+        if request is not None and signals.any_abort():
             request.abort_requested = True
         pieces.append((start, signals))
     return pieces
@@ -216,7 +216,7 @@ def _judge_each(batch: ActivationBatch, admitted: Sequence[tuple[Any, Binding, i
             raise
         if not binding.finish_call(piece, outcome, observed=False):
             continue
-        if ABORT_CODE in outcome.signals.actions:
+        if outcome.signals.any_abort():
             request.abort_requested = True
         pieces.append((start, outcome.signals))
     return pieces

@@ -16,7 +16,6 @@ from typing import Any
 from undercurrent.probes.base import RequestContext
 from undercurrent.probes.registry import ProbeRegistry, UnknownProbeError, default_registry
 from undercurrent.records import (
-    ABORT_CODE,
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
@@ -587,7 +586,7 @@ class Router:
                 self._enqueue(binding, batch, start, stop)
             else:
                 signals = run_inline(binding, batch[start:stop])
-                if ABORT_CODE in signals.actions:
+                if signals.any_abort():
                     request.abort_requested = True
                 pieces.append((start, signals))
         for key, members in routes.grouped.items():
