@@ -41,7 +41,7 @@ from undercurrent.records import (  # noqa: E402
     ProbeSignal,
     SignalAction,
 )
-from undercurrent.router import Router  # noqa: E402
+from undercurrent.router import Router, RouterError  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint, InterventionPolicy, ProbeKind  # noqa: E402
 
 HIDDEN = 6
@@ -303,6 +303,22 @@ def test_route_columns_routes_only_the_given_spans_and_answers_every_row():
                    for request_id in ("a", "b", "c")}
     assert [results[r].stats.received for r in ("a", "b", "c")] == [2, 0, 2]
     assert results["a"].signals[1].score == pytest.approx(2.0 * math.sqrt(HIDDEN))
+
+
+@pytest.mark.parametrize("kind", [list, tuple, np.array], ids=["list", "tuple", "array"])
+def test_route_columns_refuses_a_batch_of_two_points(kind):
+    point = _points([("norm_probe", "inline", {0, 1}, None, "flag", 1)])[0]
+    rows = [ActivationRecord("a", name, 0, "residual_stream", 5, True, 1, 9,
+                             np.ones(HIDDEN, dtype=np.float32)) for name in ("p0", "p0", "p1")]
+    batch = ActivationBatch.from_records(rows)
+    batch.point_names = kind(batch.point_names)
+    with _router("drop_newest") as router:
+        router.register_request("a", [point])
+        with pytest.raises(RouterError, match=r"one extraction point; got \[.*'p0'.*'p1'.*\]"):
+            router.route_columns(batch)
+        batch.point_names = kind(["p0"] * 3)  # one point: routed
+        assert len(router.route_columns(batch)) == 3
+        assert router.end_request("a")["p0"].stats.received == 3
 
 
 def test_a_spans_list_given_again_routes_as_of_now_not_as_first_seen():
