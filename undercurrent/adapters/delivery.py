@@ -719,7 +719,8 @@ class _SteadyPoint:
             tensor,
             request_ids=request_ids,
             point_names=[self.name] * total,
-            layers=self.layers[:count] * (len(deltas) * width),
+            layers=IntColumn(np.tile(np.asarray(self.layers[:count], dtype=np.int64),
+                                     len(deltas) * width)),
             tensor_type=self.tensor_type.value,
             # (columns of Python ints made only if read: see IntColumn)
             token_indices=IntColumn((bases[:, None] + shifts).ravel()),
