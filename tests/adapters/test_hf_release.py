@@ -19,6 +19,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from cycles import undercurrent_types_in_cycles  # noqa: E402
+
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import session as session_module  # noqa: E402
 from undercurrent.spec import parse_dict  # noqa: E402
@@ -103,12 +105,4 @@ def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(case: str,
         outputs = model.generate(PROMPTS, max_new_tokens=8, **options)
         assert all(output.results for output in outputs)
         del outputs
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
-            gc.collect()
-            left = sorted({type(item).__qualname__ for item in gc.garbage
-                           if type(item).__module__.startswith("undercurrent")})
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-        assert left == []
+        assert undercurrent_types_in_cycles() == []

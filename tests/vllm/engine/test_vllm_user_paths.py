@@ -161,6 +161,8 @@ def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(probed):
     # outputs are dropped.
     import gc
 
+    from cycles import undercurrent_types_in_cycles
+
     texts = prompts(4)
     probed.generate(texts, max_new_tokens=4)  # (the engine's own first-call garbage)
     gc.collect()
@@ -169,12 +171,7 @@ def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(probed):
         outputs = probed.generate(texts, max_new_tokens=12)
         assert all(output.results["residual"].stats.received > 0 for output in outputs)
         del outputs
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        left = sorted({type(item).__qualname__ for item in gc.garbage
-                       if type(item).__module__.startswith("undercurrent")})
+        left = undercurrent_types_in_cycles()
     finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
         gc.enable()
     assert left == []
