@@ -223,8 +223,9 @@ class LazySequence(Sequence[T], Generic[T]):
 
 
 class IntColumn(Sequence[int]):
-    """An index column of an :class:`ActivationBatch` (``token_indices``,
-    ``generated_indices``, ``token_ids``) held as a numpy integer array: it
+    """An index column of an :class:`ActivationBatch` (``layers``,
+    ``token_indices``, ``generated_indices``, ``token_ids``) held as a numpy
+    integer array: it
     reads as a sequence of Python ints (an item, iteration, :meth:`tolist`),
     a slice is another column over a view of the array, and it compares equal
     to a list or tuple of the same ints. A batch of many rows (a window of
