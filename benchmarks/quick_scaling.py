@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from benchmarks.allocator import steady_allocator
 from benchmarks.models import load_model
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -61,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="all", choices=["3", "all"])
     parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="glibc's default heap instead of a steady one "
+                        "(benchmarks/allocator.py)")
     args = parser.parse_args(argv)
+    if not args.default_allocator:
+        steady_allocator()
     set_threads(args.threads)
     bundle = load_model(args.model)
     layers = layers_for(bundle, args.layers)

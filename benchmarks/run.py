@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import scaling
+from benchmarks.allocator import allocator_label
 from benchmarks.environment import describe
 from benchmarks.plot import write_plot, write_scaling_plot
 from benchmarks.report import attach_memory, capture_table, results_table, timing_rows, write_jsonl
@@ -56,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm", dest="vllm", action="store_true", default=None,
                         help="run the vLLM scenarios (default: on unless --quick)")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="time with glibc's default heap (page faults and all) instead "
+                        "of a steady one, see benchmarks/allocator.py")
     parser.add_argument("--update-docs", action="store_true",
                         help=f"write the summary into {DOCS.name} between its result markers")
     parser.add_argument("--report-only", action="store_true",
@@ -110,8 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class ChildRunner:
     """Runs one job per fresh child process, with a timeout and crash reporting."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, steady_heap: bool = True) -> None:
         self.timeout = timeout
+        self.steady_heap = steady_heap
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["benchmarks.preload"])
         self.spawn = multiprocessing.get_context("spawn")
@@ -122,7 +127,7 @@ class ChildRunner:
 
         context = self.spawn if isolated else self.context
         receive, send = context.Pipe(duplex=False)
-        process = context.Process(target=child_main, args=(send, job, kwargs))
+        process = context.Process(target=child_main, args=(send, job, kwargs, self.steady_heap))
         process.start()
         send.close()
         try:
@@ -286,6 +291,7 @@ def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,
         f", at end {tuple(round(x, 2) for x in environment['load_average_end'])}",
         f"- Versions: {versions}",
         f"- torch threads per job: {environment['torch_threads']}",
+        f"- Allocator in timing jobs: {environment.get('allocator', 'glibc defaults')}",
         f"- Plot: overhead.png ({plot_renderer})",
         "",
         *busy_warning(environment),
@@ -352,7 +358,8 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     environment = describe()
     environment["torch_threads"] = args.threads or "default (one per core)"
     environment["mode"] = "quick (smoke)" if args.quick else "full"
-    runner = ChildRunner(args.job_timeout)
+    environment["allocator"] = allocator_label(not args.default_allocator)
+    runner = ChildRunner(args.job_timeout, steady_heap=not args.default_allocator)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     if not args.scaling_only:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from benchmarks.allocator import steady_allocator
 from benchmarks.models import load_model
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -100,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--thread-time", action="store_true")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="glibc's default heap instead of a steady one "
+                        "(benchmarks/allocator.py)")
     args = parser.parse_args(argv)
+    if not args.default_allocator:
+        steady_allocator()
     set_threads(1)
     totals: collections.Counter[str] = collections.Counter()
     with timed_stages(totals, time.thread_time if args.thread_time else time.perf_counter):

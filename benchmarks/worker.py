@@ -16,6 +16,7 @@ import time
 import traceback
 from typing import Any
 
+from benchmarks.allocator import steady_allocator
 from benchmarks.measure import (
     FirstForwardClock,
     GenerationRun,
@@ -219,10 +220,15 @@ def memory_job(model_key: str, batch_size: int, scenario: str, max_new_tokens: i
     }
 
 
-def child_main(connection: Any, job: str, kwargs: dict[str, Any]) -> None:
-    """Entry point of a child process: run ``job`` and send its result (or traceback)."""
+def child_main(connection: Any, job: str, kwargs: dict[str, Any],
+               steady_heap: bool = False) -> None:
+    """Entry point of a child process: run ``job`` and send its result (or traceback).
+    ``steady_heap``: a timing job runs on a heap that keeps what it frees
+    (:func:`benchmarks.allocator.steady_allocator`); a peak-RSS job never does."""
     jobs = {"timing": timing_job, "memory": memory_job, "scaling": scaling_job}
     try:
+        if steady_heap and job != "memory":
+            steady_allocator()
         if job == "vllm":
             from benchmarks.vllm_jobs import vllm_job
 
