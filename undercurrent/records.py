@@ -7,6 +7,7 @@ CPU ``torch.Tensor`` from the shipped adapters, or a numpy array in tests).
 from __future__ import annotations
 
 import enum
+import itertools
 import sys
 import threading
 import time
@@ -799,6 +800,8 @@ class BatchSignals:
         actions: Any = self.actions
         if hasattr(actions, "tolist"):  # a numpy column: compared at once
             return bool((actions != NO_SIGNAL).any())
+        if isinstance(actions, (list, tuple)):  # counted in C, not a row at a time
+            return actions.count(NO_SIGNAL) != len(actions)
         return any(code != NO_SIGNAL for code in actions)
 
     def any_abort(self) -> bool:
@@ -884,7 +887,7 @@ class BatchSignals:
         """The rows of several parts, in order."""
         if len(parts) == 1:
             return parts[0]
-        codes = [code for part in parts for code in as_list(part.actions)]
+        codes = list(itertools.chain.from_iterable(as_list(part.actions) for part in parts))
         # Parts with no signal at all (async rows, a late request) only pad the columns.
         full = [part for part in parts if part.objects is not None or part.scores is not None
                 or part.metadata is not None or part.any_signal()]

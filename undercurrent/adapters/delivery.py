@@ -599,9 +599,13 @@ class _SteadyPoint:
         self.request_ids = [state.request_id for state, _ in items for _ in range(count)]
         self.point_names = [point.name] * (count * len(items))
         self.layers = list(layers) * len(items)
-        self.tokens = [token for _, token in self.requests for _ in range(count)]
-        self.generated = [token - state.prompt_len for state, token in self.requests
-                          for _ in range(count)]
+        # Each row's token index and generated index in the base plan, as int64
+        # arrays: a step's columns are these plus its shift (IntColumns).
+        np = numpy_module()
+        self.tokens = np.repeat(np.array([token for _, token in self.requests],
+                                         dtype=np.int64), count)
+        self.generated = self.tokens - np.repeat(
+            np.array([state.prompt_len for state, _ in self.requests], dtype=np.int64), count)
         self.spans = [(state, row * count, (row + 1) * count, match)
                       for row, (state, match) in enumerate(items)]
         self.routed_spans = [(state.request_id, start, stop)
@@ -666,17 +670,17 @@ class _SteadyPoint:
         its :meth:`pieces`, when gathered already)."""
         count = self.count
         token_ids = [state.token_id_at(token + delta) for state, token in self.requests]
-        if count > 1:
-            token_ids = [token_id for token_id in token_ids for _ in range(count)]
+        if count > 1:  # each request's id once per layer
+            token_ids = list(itertools.chain.from_iterable(zip(*[token_ids] * count, strict=True)))
         return ActivationBatch(
             self.rows(sources, pieces),
             request_ids=self.request_ids,
             point_names=self.point_names,
             layers=self.layers,
             tensor_type=self.tensor_type.value,
-            token_indices=[token + delta for token in self.tokens],
+            token_indices=IntColumn(self.tokens + delta),
             is_generated=[True] * len(self.tokens),
-            generated_indices=[index + delta for index in self.generated],
+            generated_indices=IntColumn(self.generated + delta),
             token_ids=token_ids,
         )
 
