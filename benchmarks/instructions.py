@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also list, per scenario, the N functions (C level: the "
                              "interpreter, numpy, torch, BLAS...) whose counts grew most "
                              "over the baseline")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="keep callgrind's dumps in DIR (for callgrind_annotate "
+                             "--tree=caller: who called a function that grew)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the counted process's dump dir
     args = parser.parse_args(argv)
     scenarios = args.scenario or ["uc_inline_linear"]
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         vectors = dict(line.split()[1:3] for line in done.stdout.splitlines()
                        if line.startswith("vectors "))
         found = {name: _instructions(path) for name, path in _dumps(Path(folder)).items()}
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for name, path in _dumps(Path(folder)).items():
+                shutil.copyfile(path, args.keep / f"callgrind.{name}")
     counts = {name: total for name, (total, _) in found.items()}
     base = counts[BASELINE]
     print(f"{args.model}, batch {args.batch}, {args.layers} layers, "
