@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -142,11 +143,19 @@ def test_signal_columns_tell_whether_any_row_got_a_signal_as_lists_or_arrays() -
     for codes, expected in (([NO_SIGNAL, NO_SIGNAL], False), ([NO_SIGNAL, 1], True),
                             ([0], True), ([], False)):
         assert BatchSignals(codes).any_signal() is expected
+        assert BatchSignals(tuple(codes)).any_signal() is expected
+        assert BatchSignals(list(np.array(codes, dtype=np.int64))).any_signal() is expected
         assert BatchSignals(np.array(codes, dtype=np.int64)).any_signal() is expected
+        assert BatchSignals(collections.deque(codes)).any_signal() is expected
     for codes, expected in (([0, 1, NO_SIGNAL], False), ([0, ABORT_CODE], True), ([], False),
                             ([ABORT_CODE], True)):
         assert BatchSignals(codes).any_abort() is expected
         assert BatchSignals(np.array(codes, dtype=np.int64)).any_abort() is expected
+    # joined: list and array parts, the codes in order
+    joined = BatchSignals.concat([BatchSignals.none(2), BatchSignals(np.array([1, NO_SIGNAL])),
+                                  BatchSignals((NO_SIGNAL, ABORT_CODE))])
+    assert joined.actions == [NO_SIGNAL, NO_SIGNAL, 1, NO_SIGNAL, NO_SIGNAL, ABORT_CODE]
+    assert joined.any_signal() and joined.any_abort()
     # array columns (scores, metadata) read back as Python values, like list ones
     signals = BatchSignals(np.array([0, NO_SIGNAL]), np.array([0.25, 0.5]),
                            {"value": np.array([1.5, 2.5])}, all_scored=True).signals()
