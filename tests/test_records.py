@@ -195,3 +195,29 @@ def test_an_int_column_reads_as_the_list_of_its_python_ints() -> None:
     assert batch[2:].located(0) == ("b", "p", 0, 9, 3)
     joined = ActivationBatch.concat([batch[:2], batch[2:]])
     assert joined.token_ids == [5, 5, 6, 6] and type(joined.token_ids[0]) is int
+
+
+def test_results_built_without_the_frozen_init_equal_the_constructors():
+    from undercurrent.adapters.outputs import GenerationOutput
+    from undercurrent.probes.base import RequestContext
+    from undercurrent.records import LazySequence, ProbeResult, ProbeStats, built
+
+    stats = ProbeStats.of(5, 4, 1, 2, 0, 0.25)
+    assert stats == ProbeStats(received=5, processed=4, dropped=1, errors=2, timeouts=0,
+                               mean_latency_s=0.25)
+    signal = ProbeSignal(score=0.5)
+    result = ProbeResult.of("r", "p", {"count": 1}, (signal,), stats, None, {"k": 1})
+    assert result == ProbeResult(request_id="r", extraction_point_name="p",
+                                 verdict={"count": 1}, signals=[signal], stats=stats,
+                                 metadata={"k": 1})
+    lazy = ProbeResult.of("r", "p", None, LazySequence(lambda: [signal]), stats, "x", {})
+    assert lazy.signals == (signal,) and lazy.error == "x"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.verdict = None  # type: ignore[misc]
+    context = RequestContext.of_prompt("r", "hi", 2, "m", (4, 5))
+    assert context == RequestContext(request_id="r", prompt="hi", prompt_len=2,
+                                     model_name="m", prompt_token_ids=[4, 5])
+    assert dict(context.metadata) == {} and context.at_point(None).prompt_len == 2
+    fields = {field.name: None for field in dataclasses.fields(GenerationOutput)}
+    fields.update(request_id="r", prompt="p", text="t", token_ids=(1,), prompt_len=1)
+    assert built(GenerationOutput, dict(fields)) == GenerationOutput(**fields)

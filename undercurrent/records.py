@@ -286,6 +286,20 @@ class IntColumn(Sequence[int]):
         return (list, (self.tolist(),))
 
 
+_Built = TypeVar("_Built")
+
+
+def built(cls: type[_Built], fields: dict[str, Any]) -> _Built:
+    """An instance of the frozen dataclass ``cls`` holding ``fields`` (every field,
+    in order, each already what ``__init__`` and ``__post_init__`` would keep):
+    the instance ``cls(**fields)`` gives, equal to it, made without the frozen
+    ``__init__`` (which sets each field with a call to ``object.__setattr__``).
+    For the objects made once per request and point on the generation path."""
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
+
+
 @dataclass(frozen=True)
 class ProbeStats:
     """Accounting for one binding (one probe instance on one request and point).
@@ -299,6 +313,16 @@ class ProbeStats:
     errors: int = 0
     timeouts: int = 0
     mean_latency_s: float = 0.0
+
+    @classmethod
+    def of(cls, received: int, processed: int, dropped: int, errors: int, timeouts: int,
+           mean_latency_s: float) -> ProbeStats:
+        """``ProbeStats(...)`` with every field given, built without the frozen
+        ``__init__`` 's one ``object.__setattr__`` per field (the router makes one
+        per request and point)."""
+        return built(cls, {"received": received, "processed": processed, "dropped": dropped,
+                           "errors": errors, "timeouts": timeouts,
+                           "mean_latency_s": mean_latency_s})
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -332,6 +356,18 @@ class ProbeResult:
     def __post_init__(self) -> None:
         if not isinstance(self.signals, LazySequence):
             object.__setattr__(self, "signals", tuple(self.signals))
+
+    @classmethod
+    def of(cls, request_id: str, extraction_point_name: str, verdict: Any,
+           signals: tuple[ProbeSignal, ...] | LazySequence[ProbeSignal], stats: ProbeStats,
+           error: str | None, metadata: Mapping[str, Any]) -> ProbeResult:
+        """``ProbeResult(...)`` with every field given and ``signals`` a tuple or a
+        :class:`LazySequence` (what ``__post_init__`` makes of them), built without
+        the frozen ``__init__`` 's one ``object.__setattr__`` per field."""
+        return built(cls, {"request_id": request_id,
+                           "extraction_point_name": extraction_point_name,
+                           "verdict": verdict, "signals": signals, "stats": stats,
+                           "error": error, "metadata": metadata})
 
     @property
     def flagged(self) -> bool:

@@ -369,3 +369,69 @@ def test_requests_closed_together_end_one_at_a_time_on_a_router_without_end_requ
     assert ended == ["b", "a", "c"]
     assert [_output_view(o) for o in outputs] == [
         _output_view(o) for o in _closing_run(False)[0]]
+
+
+def _plan_view(plan):
+    return ([(key, group.slots, group._slot_index) for key, group in plan.groups.items()],
+            [(m.state.request_id, m.point.name, m.token_index, m.layers, m.rows, m.seq)
+             for m in plan.matches])
+
+
+@pytest.mark.parametrize("names", [("m",), ("m", "s")])
+def test_steady_tokens_planned_at_once_give_the_plan_of_each_window(names):
+    kinds = {"m": ("generated[*]", "mlp_out", (2, 0, 1)), "s": ("generated[1:]",
+                                                             "residual_stream", (1, 3))}
+    points = [_layered_point(name, kinds[name][0], kinds[name][1], layers=kinds[name][2],
+                             probe_type="none") for name in names]
+    session = CaptureSession(None, points)
+    states = [session.open_request(f"r{i}", "x", [1] * (2 + i)) for i in range(3)]
+    for state in states:
+        state.generated.extend([7, 8])
+    fed = [(state, state.prompt_len + 1, (row, 0)) for row, state in enumerate(states)]
+    each, together = StepPlan(), StepPlan()
+    for state, index, slot in fed:
+        each.add_window(state, index, index + 1, lambda t, slot=slot: slot)
+    assert together.add_steady_tokens(fed)
+    assert _plan_view(together) == _plan_view(each)
+    assert len(together.matches) == len(states) * len(points)
+
+
+def test_steady_tokens_are_refused_where_each_request_must_be_planned():
+    shared = [_layered_point("m", "generated[*]", "mlp_out", probe_type="none"),
+              _layered_point("n", "generated[*]", "mlp_out", layers=(2, 5), probe_type="none")]
+    session = CaptureSession(None, shared)  # two points share (2, mlp_out)
+    state = session.open_request("r", "x", [1, 2])
+    state.generated.append(7)
+    assert not StepPlan().add_steady_tokens([(state, 2, (0, 0))])
+    session = CaptureSession(None, [_layered_point("m", "generated[2:]", "mlp_out",
+                                                   probe_type="none")])
+    early = session.open_request("r", "x", [1, 2])
+    early.generated.append(7)
+    assert not StepPlan().add_steady_tokens([(early, 2, (0, 0))])  # before steady_from
+    late = session.open_request("q", "x", [1, 2])
+    twice = [(late, 4, (0, 0)), (late, 4, (0, 0))]  # one slot given twice
+    assert not StepPlan().add_steady_tokens(twice)
+    plan = StepPlan()
+    plan.add_window(late, 4, 5, lambda t: (1, 0))
+    assert not plan.add_steady_tokens([(late, 5, (0, 0))])  # not a fresh plan
+    other = CaptureSession(None, [_layered_point("m", "generated[*]", "mlp_out",
+                                                 probe_type="none")])
+    stranger = other.open_request("s", "x", [1, 2])
+    assert not StepPlan().add_steady_tokens([(late, 4, (0, 0)), (stranger, 4, (1, 0))])
+
+
+def test_wanted_pairs_of_requests_sharing_points_are_each_requests_pairs():
+    points = [_layered_point("m", "generated[*]", "mlp_out", probe_type="none"),
+              _layered_point("p", "prompt[0]", "residual_stream", layers=(3,),
+                             probe_type="none")]
+    session = CaptureSession(None, points)
+    states = [session.open_request(f"r{i}", "x", [1, 2, 3]) for i in range(3)]
+    union = set().union(*(state.wanted_pairs() for state in states))
+    assert session.wanted_pairs() == union
+    # The prompt point retires in one request only: the others still want its pair.
+    states[0].matches_in_window(0, 3)
+    assert states[0].wanted_pairs() != states[1].wanted_pairs()
+    assert session.wanted_pairs() == union
+    for state in states[1:]:
+        state.matches_in_window(0, 3)
+    assert session.wanted_pairs() == states[0].wanted_pairs() != union

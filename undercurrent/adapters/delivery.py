@@ -595,17 +595,21 @@ class _SteadyPoint:
         self.keys = [(layer, self.tensor_type) for layer in layers]
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         count = self.count = len(layers)
-        self.requests = [(state, match.token_index) for state, match in items]
-        self.request_ids = [state.request_id for state, _ in items for _ in range(count)]
+        states = [state for state, _ in items]
+        tokens = [match.token_index for _, match in items]
+        self.requests = list(zip(states, tokens, strict=True))
+        ids = [state.request_id for state in states]
+        # (each request's id once per layer, repeated in C)
+        self.request_ids = ids if count == 1 else list(
+            itertools.chain.from_iterable(zip(*[ids] * count, strict=True)))
         self.point_names = [point.name] * (count * len(items))
         self.layers = list(layers) * len(items)
         # Each row's token index and generated index in the base plan, as int64
         # arrays: a step's columns are these plus its shift (IntColumns).
         np = numpy_module()
-        self.tokens = np.repeat(np.array([token for _, token in self.requests],
-                                         dtype=np.int64), count)
+        self.tokens = np.repeat(np.array(tokens, dtype=np.int64), count)
         self.generated = self.tokens - np.repeat(
-            np.array([state.prompt_len for state, _ in self.requests], dtype=np.int64), count)
+            np.array([state.prompt_len for state in states], dtype=np.int64), count)
         self.spans = [(state, row * count, (row + 1) * count, match)
                       for row, (state, match) in enumerate(items)]
         self.routed_spans = [(state.request_id, start, stop)

@@ -63,6 +63,7 @@ def _is_token(value: Any) -> bool:
 
 
 _PLAIN_INTS = {int}
+_PLAIN_ROWS = (list, tuple)
 
 
 def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple[int, ...]]:
@@ -76,11 +77,12 @@ def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple
         raise ValueError("input_ids is empty; give at least one prompt's token ids")
     checked = []
     for index, row in enumerate(rows):
-        if hasattr(row, "tolist") and not isinstance(row, (list, tuple)):
-            row = row.tolist()
-        if isinstance(row, (str, bytes, bytearray)) or not isinstance(row, (list, tuple)):
-            raise TypeError(f"input_ids[{index}] is {type(row).__name__} ({row!r:.60}); each "
-                            "prompt must be a list of token ids")
+        if type(row) not in _PLAIN_ROWS:  # (a list or tuple as it is: the usual case)
+            if hasattr(row, "tolist") and not isinstance(row, (list, tuple)):
+                row = row.tolist()
+            if isinstance(row, (str, bytes, bytearray)) or not isinstance(row, (list, tuple)):
+                raise TypeError(f"input_ids[{index}] is {type(row).__name__} ({row!r:.60}); "
+                                "each prompt must be a list of token ids")
         if not row:
             raise ValueError(f"input_ids[{index}] is empty; a prompt needs at least one token")
         if (set(map(type, row)) == _PLAIN_INTS and min(row) >= 0
@@ -125,10 +127,10 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
     texts, encoded = [], []
     for prompt in prompts:
         if isinstance(prompt, str):
-            text, ids = prompt, [int(t) for t in next(batch)]
+            text, ids = prompt, list(map(int, next(batch)))
         else:
             assert decode is not None
-            ids = [int(token) for token in prompt]
+            ids = list(map(int, prompt))
             text = decode(ids)
         if not ids:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens")

@@ -44,7 +44,7 @@ from undercurrent.adapters.delivery import (
 )
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.probes.base import RequestContext
-from undercurrent.records import LazySequence, ProbeResult, SignalAction
+from undercurrent.records import LazySequence, ProbeResult, SignalAction, built
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
 
 if TYPE_CHECKING:  # annotations only: the session imports no router at run time
@@ -516,6 +516,46 @@ class StepPlan:
                                      [group.row_of(slot) for group in groups], len(matches)))
         self.add_edit_window(state, start, stop, slot_of)
 
+    def add_steady_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
+        """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
+        (state, token_index, slot) in order, planned at once where that gives the
+        same plan: a fresh plan, requests of the same points, each live and past
+        its :attr:`RequestState.steady_from` (every point matches the token, no
+        edit applies), no two points sharing a (layer, tensor type), no slot given
+        twice. Each group then holds every slot in order, so request ``k`` sits
+        at row ``k`` of each of its groups. Returns False, planning nothing,
+        otherwise (plan each request with :meth:`add_window`)."""
+        if self.base is not None or self.groups or self.edits or self._matches or not fed:
+            return False
+        points = fed[0][0].points
+        for state, token_index, _ in fed:
+            steady_from = state.steady_from
+            if (state.points is not points or steady_from is None or token_index < steady_from
+                    or state.abort is not None or state.closed):
+                return False
+        pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]
+        slots = [slot for _, _, slot in fed]
+        if len(set(pairs)) != len(pairs) or len(set(slots)) != len(slots):
+            return False
+        layouts = [self._layout(point) for point in points]
+        rows = dict(zip(slots, range(len(slots)), strict=True))
+        for _, groups in layouts:
+            for group in groups:
+                group.slots, group._slot_index = list(slots), dict(rows)
+        matches = self._matches
+        assert matches is not None
+        if len(points) == 1:
+            point = points[0]
+            layers, groups = layouts[0]
+            matches.extend([PlanMatch(state, point, token_index, layers, [row] * len(groups), row)
+                            for row, (state, token_index, _) in enumerate(fed)])
+            return True
+        for row, (state, token_index, _) in enumerate(fed):
+            for point, (layers, groups) in zip(points, layouts, strict=True):
+                matches.append(PlanMatch(state, point, token_index, layers,
+                                         [row] * len(groups), len(matches)))
+        return True
+
     # -- a plan rebuilt from columns (rows gathered elsewhere) -----------------
     def add_gathered(self, key: PairKey, count: int) -> CaptureGroup:
         """Declare the group of ``key`` as ``count`` rows gathered elsewhere (a vLLM
@@ -677,9 +717,9 @@ class CaptureSession:
         return states
 
     def _context(self, state: RequestState) -> RequestContext:
-        return RequestContext(request_id=state.request_id, prompt=state.prompt,
-                              prompt_len=state.prompt_len, model_name=self.model_name,
-                              prompt_token_ids=state.prompt_token_ids)
+        # (the state's prompt token ids are a tuple of ints already)
+        return RequestContext.of_prompt(state.request_id, state.prompt, state.prompt_len,
+                                        self.model_name, state.prompt_token_ids)
 
     def close_request(self, request_id: str, text: str,
                       finish_reason: str | None = None) -> GenerationOutput:
@@ -725,20 +765,21 @@ class CaptureSession:
         assert state.finish_reason is not None
         state.closed = True
         self.closes += 1
-        return GenerationOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            text=text,
-            token_ids=tuple(state.generated),
-            prompt_len=state.prompt_len,
-            prompt_token_ids=state.prompt_token_ids,
-            finish_reason=state.finish_reason,
-            abort=state.abort,
-            results=results,
-            signals=LazySequence(state.signals.__iter__),
-            records=state.records,
-            edits=tuple(state.applied),
-        )
+        # (every field given: built without the frozen __init__, one per request)
+        return built(GenerationOutput, {
+            "request_id": state.request_id,
+            "prompt": state.prompt,
+            "text": text,
+            "token_ids": tuple(state.generated),
+            "prompt_len": state.prompt_len,
+            "prompt_token_ids": state.prompt_token_ids,
+            "finish_reason": state.finish_reason,
+            "abort": state.abort,
+            "results": results,
+            "signals": LazySequence(state.signals.__iter__),
+            "records": state.records,
+            "edits": tuple(state.applied),
+        })
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:
         """Whether a probe may stop one of these open requests before it ends
@@ -806,7 +847,15 @@ class CaptureSession:
     def wanted_pairs(self) -> set[PairKey]:
         """(layer, tensor type) pairs any live request can still match."""
         wanted: set[PairKey] = set()
+        done: set[int] = set()  # ids of the points tuples counted whole
         for state in self.live_requests():
+            points = state.points
+            if not state._live_edits and len(state._live_points) == len(points):
+                # Every point live and no edit: the pairs of its points, counted
+                # once for the requests sharing them.
+                if id(points) in done:
+                    continue
+                done.add(id(points))
             wanted |= state.wanted_pairs()
         return wanted
 

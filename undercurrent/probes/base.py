@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from undercurrent.records import ActivationBatch, BatchSignals
+from undercurrent.records import ActivationBatch, BatchSignals, built
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,6 +58,18 @@ class RequestContext:
         if not isinstance(self.metadata, types.MappingProxyType):
             object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata))
                                if self.metadata else _NO_METADATA)
+
+    @classmethod
+    def of_prompt(cls, request_id: str, prompt: str | None, prompt_len: int | None,
+                  model_name: str | None, prompt_token_ids: tuple[int, ...] | None
+                  ) -> RequestContext:
+        """``RequestContext(...)`` of these fields, no point and no metadata, for a
+        ``prompt_token_ids`` tuple: what the constructor makes, without its one
+        ``object.__setattr__`` per field (an adapter makes one per request)."""
+        return built(cls, {"request_id": request_id, "prompt": prompt,
+                           "prompt_len": prompt_len, "model_name": model_name,
+                           "prompt_token_ids": prompt_token_ids, "extraction_point": None,
+                           "metadata": _NO_METADATA})
 
     def at_point(self, point: ExtractionPoint) -> RequestContext:
         """This context with ``extraction_point`` set to ``point`` (what

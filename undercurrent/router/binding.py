@@ -232,11 +232,16 @@ class Binding:
         self._probe = probe
         self._native = native = scores_batches(probe)
         self._batched = native or batches_natively(probe)
+        if native:
+            self._set_group(probe)
+
+    def _set_group(self, probe: Any) -> None:
+        """The group of a binding whose probe scores whole batches."""
         # Inline, no deadline, and a probe whose values a routed batch computes once
         # for every request (ScoresRows.group_key): judged in a group by the router.
         # Async, with such a probe: a worker judges it with the other bindings of
         # the same key it finds ready (router/scheduler.py).
-        group_key = getattr(probe, "group_key", None) if native else None
+        group_key = getattr(probe, "group_key", None)
         key = None if group_key is None else group_key()
         if self._is_async:
             self._async_group = key
@@ -259,7 +264,12 @@ class Binding:
         if self._is_async:
             state["_queue"] = deque()
         made._group = made._async_group = None
-        made._take_probe(probe)
+        if type(probe) is type(self._probe):  # served as this one's: only its group may differ
+            made._probe = probe
+            if self._native:
+                made._set_group(probe)
+        else:
+            made._take_probe(probe)
         return made
 
     # -- read-only views (every change goes through a transition method below) --------
@@ -1070,14 +1080,10 @@ class Binding:
     def result(self, verdict: Any) -> ProbeResult:
         """The ProbeResult, from the current (final) accounting."""
         with self._mutex:
-            stats = ProbeStats(
-                received=self._received,
-                processed=self._processed,
-                dropped=self._dropped,
-                errors=self._errors,
-                timeouts=self._timeouts,
-                mean_latency_s=self._latency_total / self._processed if self._processed else 0.0,
-            )
+            processed = self._processed
+            stats = ProbeStats.of(self._received, processed, self._dropped, self._errors,
+                                  self._timeouts,
+                                  self._latency_total / processed if processed else 0.0)
             metadata = {
                 "probe_type": self._probe_type,
                 "execution_mode": self._point.execution_mode.value,
@@ -1088,22 +1094,37 @@ class Binding:
             }
             if self._traceback is not None:
                 metadata["traceback"] = self._traceback
-            return ProbeResult(
-                request_id=self.request_id,
-                extraction_point_name=self._name,
-                verdict=verdict,
-                signals=self._final_signals(),
-                stats=stats,
-                error="; ".join(self._error_notes) or None,
-                metadata=metadata,
-            )
+            return ProbeResult.of(self._ctx.request_id, self._name, verdict,
+                                  self._final_signals(), stats,
+                                  "; ".join(self._error_notes) or None, metadata)
 
-    def _final_signals(self) -> Sequence[ProbeSignal]:
+    def _final_signals(self) -> tuple[ProbeSignal, ...] | LazySequence[ProbeSignal]:
         """The kept signals for the result: a tuple, or built when first read if
         some are still columns (the binding is final: nothing is added later)."""
         if not self._unread:
             return tuple(self._signals)
         return LazySequence(lambda: list(self._kept()))
+
+    def end_if_idle(self) -> ProbeResult | None:
+        """:meth:`close`, :meth:`wait_idle` and :meth:`end` at once, for a binding
+        with nothing queued, in flight or waiting for its turn, and no thread
+        waiting on it: what they give (nothing is dropped, so nothing waited
+        for). None, with nothing done, for any other binding."""
+        with self._mutex:
+            if (self._queue or self._busy or self._waiting or self._sleepers
+                    or self._finalised):
+                return None
+            self._closed = self._finalised = True
+        verdict = None
+        if not self._start_failed:
+            try:
+                verdict = self._probe.on_end(self._ctx)
+            except Exception as exc:
+                self._log_first_error("on_end", exc)
+                with self._mutex:
+                    self._errors += 1
+                    self._note(f"on_end: {describe_error(exc)}")
+        return self.result(verdict)
 
     def end(self, waited_s: float) -> ProbeResult:
         """Finalise, call ``on_end`` (unless an activation is still running), build the

@@ -766,7 +766,18 @@ class Router:
 
     @staticmethod
     def _end_bindings(request: _Request, timeout: float) -> dict[str, ProbeResult]:
+        # Most bindings are idle by now (inline ones always, unless a late
+        # block_until_signal call still runs): each ends at once, in order.
+        ended: dict[str, ProbeResult] = {}
         bindings = list(request.bindings.values())
+        for binding in bindings:
+            result = binding.end_if_idle()
+            if result is None:
+                break
+            ended[binding.name] = result
+        else:
+            return ended
+        bindings = bindings[len(ended):]  # the others: close all, wait for each, end each
         for binding in bindings:
             binding.close()
         now = time.monotonic()
@@ -775,8 +786,9 @@ class Router:
         limits = [min(timeout, binding.end_grace_s) for binding in bindings]
         for binding, limit in zip(bindings, limits, strict=True):
             binding.wait_idle(now + limit)
-        return {binding.name: binding.end(limit)
-                for binding, limit in zip(bindings, limits, strict=True)}
+        ended.update((binding.name, binding.end(limit))
+                     for binding, limit in zip(bindings, limits, strict=True))
+        return ended
 
     def _add_totals(self, results: Sequence[ProbeResult]) -> None:
         received = processed = dropped = errors = timeouts = 0

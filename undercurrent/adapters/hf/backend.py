@@ -114,6 +114,10 @@ class _RowDriver:
                 raise BackendError(
                     f"expected the prefill forward to see {self.width} tokens, it saw {width}")
             for row, state in enumerate(self.states):
+                if state.steady_from is not None:
+                    # Its points match generated tokens only, and no edit applies:
+                    # nothing in its prompt to plan.
+                    continue
                 pad = self.width - state.prompt_len
                 plan.add_window(state, 0, state.prompt_len, _padded_slot(row, pad))
             return plan
@@ -143,8 +147,9 @@ class _RowDriver:
             shifted = steady[0].shifted(1)
             self._steady = (shifted, fed, 0)
             return shifted
-        for state, index, row in fed:
-            plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
+        if not plan.add_steady_tokens([(state, index, (row, 0)) for state, index, row in fed]):
+            for state, index, row in fed:
+                plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
         self._steady = (plan, fed, 0) if not plan.edits and all(
             state.steady_from is not None and index >= state.steady_from
             for state, index, _ in fed) else None
