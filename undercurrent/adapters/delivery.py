@@ -579,6 +579,10 @@ def _route_wave(session: Any, live: list[Any],
 # -- a plan repeated one token later (StepPlan.shifted): the batches' layout kept --
 
 
+_MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
+_ROWS = operator.attrgetter("rows")
+
+
 class _SteadyPoint:
     """One point's batch in every plan that repeats a base plan: what does not
     change from one step to the next, computed once."""
@@ -652,7 +656,9 @@ class _SteadyPoint:
         if self.picks is None:
             self.picks = []
             for column, key in enumerate(self.keys):
-                rows = [match.rows[column] for _, _, _, match in self.spans]
+                # (each request's row of this layer, read in C)
+                rows = list(map(operator.itemgetter(column),
+                                map(_ROWS, map(_MATCH, self.spans))))
                 source = sources[key]
                 self.picks.append(None if rows == list(range(len(source))) else
                                   source.new_tensor(rows, dtype=sys.modules["torch"].long))

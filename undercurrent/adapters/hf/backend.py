@@ -108,8 +108,8 @@ class _RowDriver:
         self.forwards += 1
         if not self.session.points and not self.session.has_edits:
             return None
-        plan = StepPlan()
         if index == 0:
+            plan = StepPlan()
             if width != self.width:
                 raise BackendError(
                     f"expected the prefill forward to see {self.width} tokens, it saw {width}")
@@ -147,13 +147,17 @@ class _RowDriver:
             shifted = steady[0].shifted(1)
             self._steady = (shifted, fed, 0)
             return shifted
-        if not plan.add_steady_tokens([(state, index, (row, 0)) for state, index, row in fed]):
+        plan = StepPlan()
+        # (planned at once: every request fed is steady, so the plan repeats)
+        repeats = plan.add_steady_tokens([(state, index, (row, 0)) for state, index, row in fed])
+        if not repeats:
             for state, index, row in fed:
                 plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
-        self._steady = (plan, fed, 0) if not plan.edits and all(
-            state.steady_from is not None and index >= state.steady_from
-            for state, index, _ in fed) else None
-        plan.repeatable = self._steady is not None
+            repeats = not plan.edits and all(
+                state.steady_from is not None and index >= state.steady_from
+                for state, index, _ in fed)
+        self._steady = (plan, fed, 0) if repeats else None
+        plan.repeatable = repeats
         return plan
 
     def _all_live(self) -> bool:

@@ -19,6 +19,7 @@ same site sees what the model saw.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Iterable
 from typing import Any, cast
 
@@ -365,8 +366,8 @@ class ModelHooks:
         decode step: one copy of the column, no index tensors), else the row and
         column index tensors."""
         column = _cell(slots[0])[1]
-        if len(slots) == hidden.shape[0] and all(
-                slot == (row, column) for row, slot in enumerate(slots)):
+        if len(slots) == hidden.shape[0] and slots == list(
+                zip(range(len(slots)), itertools.repeat(column))):  # (compared in C)
             return column
         return self._index(slots, hidden.device)
 
