@@ -174,6 +174,17 @@ class RequestState:
     """One request's bookkeeping: prompt, points still able to match, generated
     tokens, signals, records, abort and finish reason."""
 
+    # What every request starts with, read from the class until a request sets
+    # its own (an adapter opens one state per request of a call).
+    abort: AbortInfo | None = None
+    finish_reason: str | None = None
+    signals_read = 0
+    closed = False
+    retire_edits = True
+    edits_read = 0
+    stream_text: StreamText | None = None
+    """The pieces a stream has sent (set by a streaming backend)."""
+
     def __init__(
         self,
         request_id: str,
@@ -203,25 +214,17 @@ class RequestState:
         edit applies (None: no such index): from there on, each decode step plans
         the same captures one token later (:meth:`StepPlan.shifted`)."""
         self.generated: list[int] = []
-        self.abort: AbortInfo | None = None
-        self.finish_reason: str | None = None
         self.records: RecordLog | None = RecordLog() if keep_records else None
         self.signals = SignalLog()
         """Inline signals in routing order (``TokenSignal`` s, built when read)."""
-        self.signals_read = 0
-        self.closed = False
         # Live edits: ResolvedEdit objects (undercurrent.steering), those that can
         # still apply, the triggered ones switched on (name -> token index of the
         # signal), what was applied, and which edits changed each captured site.
         self.edits = tuple(edits)
         self._live_edits: Sequence[Any] = list(self.edits) if self.edits else ()
         self.armed: dict[str, int] = {}
-        self.retire_edits = True
         self.applied: list[AppliedEdit] = []
-        self.edits_read = 0
         self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
-        self.stream_text: StreamText | None = None
-        """The pieces a stream has sent (set by a streaming backend)."""
 
     @property
     def live(self) -> bool:

@@ -172,6 +172,9 @@ class Binding:
         self._ctx = ctx
         self._policy = policy
         self._is_async = point.execution_mode is ExecutionMode.ASYNC
+        # (what results say of the binding, read once: an enum's value is Python code)
+        self._execution_mode = point.execution_mode.value
+        self._intervention = policy.mode.value
         self._queue_capacity = queue_capacity
         self._overflow = overflow
         self._breaker_threshold = breaker_threshold
@@ -1086,8 +1089,8 @@ class Binding:
                                   self._latency_total / processed if processed else 0.0)
             metadata = {
                 "probe_type": self._probe_type,
-                "execution_mode": self._point.execution_mode.value,
-                "intervention": self._policy.mode.value,
+                "execution_mode": self._execution_mode,
+                "intervention": self._intervention,
                 "max_latency_s": self._latency_max,
                 "late_results": self._late_results,
                 "breaker_open": self._breaker_open,
@@ -1148,8 +1151,8 @@ class Binding:
                 "request_id": self.request_id,
                 "point": self._name,
                 "probe_type": self._probe_type,
-                "execution_mode": self._point.execution_mode.value,
-                "intervention": self._policy.mode.value,
+                "execution_mode": self._execution_mode,
+                "intervention": self._intervention,
                 "received": self._received,
                 "processed": self._processed,
                 "dropped": self._dropped,

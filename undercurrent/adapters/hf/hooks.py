@@ -330,15 +330,18 @@ class ModelHooks:
                     self._capture_kv(layer, group, args, kwargs)
             return kv_hook
 
+        key = (layer, tensor_type)
+
         def hook(module: Any, args: Any, output: Any) -> None:
             plan = self.plan
             if plan is None:
                 return
-            group = plan.get(layer, tensor_type)
-            edits = plan.get_edits(layer, tensor_type)
+            # (plan.get and plan.get_edits, read directly: per hook and forward)
+            group = plan.groups.get(key)
+            edits = plan.get_edits(layer, tensor_type) if plan.edits else None
             if group is None and edits is None:
                 return
-            hidden = _first_tensor(output)
+            hidden = output if type(output) is torch.Tensor else _first_tensor(output)
             if hidden.dim() == 2:  # some blocks (OPT's fc2) see the batch flattened
                 hidden = hidden.view(-1, self.width, hidden.shape[-1])
             if edits is not None:
