@@ -405,17 +405,15 @@ def _whole_plan(batches: Sequence[tuple[Any, Any, Any]]) -> Any:
         return None
     keys = set()
     for _, targets, rows in batches:
-        if getattr(targets, "plan", None) is not plan or _height(rows) != len(targets.slots):
+        if getattr(targets, "plan", None) is not plan:
+            return None
+        # How many rows: a tensor's or array's first dimension (read without
+        # Tensor.__len__, Python code in torch), or a list's length.
+        shape = getattr(rows, "shape", None)
+        if (int(shape[0]) if shape else len(rows)) != len(targets.slots):
             return None
         keys.add(targets.key)
     return plan if len(keys) == len(plan.groups) else None
-
-
-def _height(rows: Any) -> int:
-    """How many rows: a tensor's or array's first dimension (read without
-    ``Tensor.__len__``, Python code in torch), or a list's length."""
-    shape = getattr(rows, "shape", None)
-    return int(shape[0]) if shape else len(rows)
 
 
 def _deliver_matches(session: Any, matches: Sequence[PlanMatch],

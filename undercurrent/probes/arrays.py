@@ -8,6 +8,7 @@ is stacked by torch first and converted once.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,7 +125,7 @@ def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
         return compute(cached)
     np = numpy_module()
     pieces = batch.stacked_pieces()
-    if pieces is not None and all(_on_cpu(piece) for piece in pieces):
+    if pieces is not None and _all_on_cpu(pieces):
         # Whole pieces, as many as fill a block, one after the other: the values
         # come piece-major, and row r * len(pieces) + p of the batch is row r of
         # pieces[p].
@@ -139,6 +140,19 @@ def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
     tensor = batch.tensor
     return np.concatenate([compute(_float_rows(tensor[start:start + BLOCK_ROWS]))
                            for start in range(0, len(batch), BLOCK_ROWS)])
+
+
+def _all_on_cpu(tensors: Sequence[Any]) -> bool:
+    """:func:`_on_cpu` for every tensor, each distinct device looked at once (the
+    pieces of a window are many tensors of one device)."""
+    try:
+        devices = set(map(_DEVICE, tensors))  # (read in C)
+    except AttributeError:  # (some are not tensors: each one looked at)
+        return all(_on_cpu(tensor) for tensor in tensors)
+    return all(getattr(device, "type", "cpu") == "cpu" for device in devices)
+
+
+_DEVICE = operator.attrgetter("device")
 
 
 def _on_cpu(tensor: Any) -> bool:
