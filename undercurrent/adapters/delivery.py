@@ -598,7 +598,8 @@ class _SteadyPoint:
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         count = self.count = len(layers)
         states = [state for state, _ in items]
-        tokens = [match.token_index for _, match in items]
+        matches = [match for _, match in items]
+        tokens = [match.token_index for match in matches]
         self.requests = list(zip(states, tokens, strict=True))
         ids = [state.request_id for state in states]
         # (each request's id once per layer, repeated in C)
@@ -612,11 +613,15 @@ class _SteadyPoint:
         self.tokens = np.repeat(np.array(tokens, dtype=np.int64), count)
         self.generated = self.tokens - np.repeat(
             np.array([state.prompt_len for state in states], dtype=np.int64), count)
-        self.spans = [(state, row * count, (row + 1) * count, match)
-                      for row, (state, match) in enumerate(items)]
-        self.routed_spans = [(state.request_id, start, stop)
-                             for state, start, stop, _ in self.spans
-                             if state.request_id in registered]
+        # (each request's rows: ``count`` from ``row * count``; zipped in C)
+        starts = range(0, count * len(items), count)
+        stops = range(count, count * (len(items) + 1), count)
+        self.spans = list(zip(states, starts, stops, matches, strict=True))
+        self.routed_spans = (list(zip(ids, starts, stops, strict=True))
+                             if registered.issuperset(ids) else
+                             [(state.request_id, start, stop)
+                              for state, start, stop, _ in self.spans
+                              if state.request_id in registered])
         # What the requests follow when this is the only point: routed batches
         # (signals) and captured ones (records=True).
         self.journal = Journal()
