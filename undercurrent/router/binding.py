@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -317,6 +318,16 @@ class Binding:
         """How long ending the request waits at most for this binding to go idle
         (the router's drain timeout applies too; infinite: only that timeout)."""
         return self._end_grace_s
+
+    def window_limit(self) -> int:
+        """Rows per request of this binding that may wait to be routed in a window
+        (:meth:`~undercurrent.router.Router.window_rows`): half the queue of an
+        async binding; no limit for an inline one judged in a group by a probe
+        that cannot abort; 0 (none) for any other."""
+        if self._is_async:
+            return (self._queue_capacity or 1) // 2
+        may_abort = getattr(self._probe, "may_abort", None)
+        return 0 if self._group is None or may_abort is None or may_abort() else sys.maxsize
 
     @property
     def queue_capacity(self) -> int:

@@ -448,15 +448,7 @@ class Router:
         bindings = self._point_bindings(name, request_ids)
         if bindings is None:
             return 0
-        limit = sys.maxsize
-        for binding in bindings:
-            if binding.is_async:
-                limit = min(limit, binding.queue_capacity // 2)
-                continue
-            may_abort = getattr(binding.probe, "may_abort", None)
-            if binding.group is None or may_abort is None or may_abort():
-                return 0
-        return limit
+        return min(map(Binding.window_limit, bindings), default=sys.maxsize)
 
     def window_room(self, name: str, request_ids: Iterable[str]) -> int:
         """How many more rows of point ``name`` per request the async queues of

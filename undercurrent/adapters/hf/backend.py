@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import itertools
 import os
 import queue
 import threading
@@ -403,14 +404,16 @@ class HFBackend:
     def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` and ``attention_mask`` of token-id rows, left-padded to the
         longest, on the model's device (generation and the last-token replay)."""
-        width = max(len(ids) for ids in encoded)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        width = int(lengths.max())
+        # Each row's ids fill its last len(ids) columns: the mask's True cells, row
+        # by row, are the ids laid end to end (one assignment, not one per row).
+        kept = np.arange(width) >= (width - lengths)[:, None]
         input_ids = np.full((len(encoded), width), self.pad_token_id, dtype=np.int64)
-        attention_mask = np.zeros((len(encoded), width), dtype=np.int64)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids):] = ids
-            attention_mask[row, width - len(ids):] = 1
+        input_ids[kept] = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64,
+                                      count=int(lengths.sum()))
         return (torch.from_numpy(input_ids).to(self.device),
-                torch.from_numpy(attention_mask).to(self.device))
+                torch.from_numpy(kept.astype(np.int64)).to(self.device))
 
     def _encode_batch(self, prompts: list[PromptInput]) -> tuple[list[list[int]], torch.Tensor,
                                                                  torch.Tensor]:
@@ -496,8 +499,9 @@ class HFBackend:
         with ``max_new_tokens`` after it (past it, learned position embeddings fail
         with an index error and rotary ones silently degrade)."""
         limit = self.context_length
-        if limit is None:
-            return
+        if limit is None or context_problem(max(map(len, encoded)), params.max_new_tokens, limit,
+                                            params.capture_last_token) is None:
+            return  # (the longest prompt fits: every one does)
         for index, ids in enumerate(encoded):
             problem = context_problem(len(ids), params.max_new_tokens, limit,
                                       params.capture_last_token)
