@@ -509,7 +509,7 @@ class HFBackend:
                 raise ValueError(f"prompt {index} {problem}")
 
     def _final_text(self, state: RequestState, params: SamplingParams) -> str:
-        text = self.decode(state.generated)
+        text = self._decode(state.generated)  # (decode(), without its copy: a list already)
         if state.finish_reason == "stop":
             cut = stop_position(text, params.stop)
             if cut is not None:
