@@ -301,17 +301,19 @@ class Router:
             if self._closed:
                 raise RouterError(f"{label}: the router is shut down")
             self._refuse_live(contexts, label)
-            for request in requests:
-                self._requests[request.request_id] = request
-                self._ended.pop(request.request_id, None)
+            ids = [request.request_id for request in requests]
+            self._requests.update(zip(ids, requests, strict=True))
+            if not self._ended.keys().isdisjoint(ids):  # (ended moments ago: live again)
+                for request_id in ids:
+                    self._ended.pop(request_id, None)
             self._version += 1
             self._routes.clear()  # stale now: let go of their bindings
 
     def _refuse_live(self, contexts: list[RequestContext], label: str) -> None:
         """Raise when one of the requests is live already (lock held)."""
+        if self._requests.keys().isdisjoint([ctx.request_id for ctx in contexts]):
+            return  # (none live: the usual case, checked in C)
         live = [ctx.request_id for ctx in contexts if ctx.request_id in self._requests]
-        if not live:
-            return
         if len(contexts) == 1:
             raise RouterError(f"{label}: a request with this id is already live")
         raise RouterError(f"{label}: request id(s) {live[:10]} already live")
