@@ -585,9 +585,9 @@ class _SteadyPoint:
     """One point's batch in every plan that repeats a base plan: what does not
     change from one step to the next, computed once."""
 
-    __slots__ = ("name", "tensor_type", "keys", "picks", "count", "requests", "request_ids",
-                 "point_names", "layers", "tokens", "generated", "spans", "routed_spans",
-                 "journal", "kept", "bases", "windowed")
+    __slots__ = ("name", "tensor_type", "keys", "picks", "count", "requests", "known",
+                 "request_ids", "point_names", "layers", "tokens", "generated", "spans",
+                 "routed_spans", "journal", "kept", "bases", "windowed")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
         first = items[0][1]
@@ -602,6 +602,7 @@ class _SteadyPoint:
         tokens = [match.token_index for match in matches]
         self.requests = list(zip(states, tokens, strict=True))
         ids = [state.request_id for state in states]
+        self.known = [state.generated for state in states]  # (the lists themselves)
         # (each request's id once per layer, repeated in C)
         self.request_ids = ids if count == 1 else list(
             itertools.chain.from_iterable(zip(*[ids] * count, strict=True)))
@@ -682,7 +683,15 @@ class _SteadyPoint:
         """This point's batch ``delta`` tokens after the base plan's (``pieces``:
         its :meth:`pieces`, when gathered already)."""
         count = self.count
-        token_ids = [state.token_id_at(token + delta) for state, token in self.requests]
+        _, offsets = self._bases()
+        try:
+            # Each request's token, read in C: the token a steady step feeds is
+            # generated already (its index among the request's generated tokens
+            # is the base plan's plus the shift, never negative).
+            token_ids: list[int | None] = list(map(list.__getitem__, self.known,
+                                                   (offsets + delta).tolist()))
+        except IndexError:  # (one not known yet: None for it, as token_id_at says)
+            token_ids = [state.token_id_at(token + delta) for state, token in self.requests]
         if count > 1:  # each request's id once per layer
             token_ids = list(itertools.chain.from_iterable(zip(*[token_ids] * count, strict=True)))
         return ActivationBatch(
@@ -717,7 +726,7 @@ class _SteadyPoint:
         request_ids: list[str] = []
         for state, _ in self.requests:
             request_ids += [state.request_id] * per_request
-        known = [state.generated for state, _ in self.requests]
+        known = self.known
         lengths = np.array([len(tokens) for tokens in known], dtype=np.int64)
         token_ids: Sequence[int | None]
         if (offsets + int(shifts.max()) < lengths).all():

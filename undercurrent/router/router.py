@@ -112,6 +112,9 @@ class _Routes:
 
 
 _STATS = operator.attrgetter("stats")
+_BINDINGS = operator.attrgetter("bindings")
+_ROOM = operator.attrgetter("room")
+_IS_ASYNC = operator.attrgetter("is_async")
 _COUNTS = tuple(operator.attrgetter(name)
                 for name in ("received", "processed", "dropped", "errors", "timeouts"))
 
@@ -467,21 +470,17 @@ class Router:
         bindings = self._point_bindings(name, request_ids)
         if bindings is None:
             return 0
-        return min((binding.room for binding in bindings if binding.is_async),
-                   default=sys.maxsize)
+        return min(map(_ROOM, filter(_IS_ASYNC, bindings)), default=sys.maxsize)
 
     def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
         """The bindings of point ``name`` of these requests, in order; None when
         one of them is not live or lacks the point."""
-        bindings = []
-        with self._lock:
-            for request_id in request_ids:
-                request = self._requests.get(request_id)
-                binding = None if request is None else request.bindings.get(name)
-                if binding is None:
-                    return None
-                bindings.append(binding)
-        return bindings
+        with self._lock:  # (looked up in C: map over the ids, then over the requests)
+            requests = list(map(self._requests.get, request_ids))
+        if None in requests:
+            return None
+        bindings = list(map(operator.methodcaller("get", name), map(_BINDINGS, requests)))
+        return None if None in bindings else bindings
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:
         """Whether a probe may stop one of these live requests before it ends.
