@@ -29,6 +29,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from benchmarks.instructions import add_generation_arguments
 from benchmarks.models import load_model
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -127,11 +128,7 @@ def count(scenarios: list[str], *, batch: int, layers: str, tokens: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bytecodes",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", action="append",
-                        help="a scenario to count (repeat for several; default uc_inline_linear)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--layers", default="all", choices=["3", "all"])
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    add_generation_arguments(parser)
     parser.add_argument("--phases", action="store_true",
                         help="also count the bytecodes inside each stage of the capture path")
     parser.add_argument("--by-function", type=int, default=0, metavar="N",

@@ -40,15 +40,21 @@ SPINNING = ("exec_blas_async_wait", "blas_thread_server")
 BASELINE = "raw_forward_hooks"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions",
-                                     description=__doc__.split("\n\n")[0])
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options naming what a counting tool generates: the scenarios, the
+    batch, the layers and the new tokens (see also ``benchmarks.bytecodes``)."""
     parser.add_argument("--scenario", action="append",
                         help="a scenario to count (repeat for several; default uc_inline_linear)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--layers", default="all", choices=["3", "all"])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
     parser.add_argument("--max-new-tokens", type=int, default=24)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions",
+                                     description=__doc__.split("\n\n")[0])
+    add_generation_arguments(parser)
+    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
     parser.add_argument("--by-function", type=int, default=0, metavar="N",
                         help="also list, per scenario, the N functions (C level: the "
                              "interpreter, numpy, torch, BLAS...) whose counts grew most "

@@ -1180,21 +1180,16 @@ class Binding:
                     or self._finalised):
                 return None
             self._closed = self._finalised = True
-        verdict = None
-        if not self._start_failed:
-            try:
-                verdict = self._probe.on_end(self._ctx)
-            except Exception as exc:
-                self._log_first_error("on_end", exc)
-                with self._mutex:
-                    self._errors += 1
-                    self._note(f"on_end: {describe_error(exc)}")
-        return self.result(verdict)
+        return self._ended(not self._start_failed)
 
     def end(self, waited_s: float) -> ProbeResult:
         """Finalise, call ``on_end`` (unless an activation is still running), build the
         result; ``waited_s`` is how long ending the request waited for this binding."""
-        may_end = self.finalise(waited_s) and not self._start_failed
+        return self._ended(self.finalise(waited_s) and not self._start_failed)
+
+    def _ended(self, may_end: bool) -> ProbeResult:
+        """The result of a finalised binding, with ``on_end`` 's verdict when
+        ``may_end`` (an ``on_end`` that raises is counted and noted)."""
         verdict = None
         if may_end:
             try:
