@@ -994,57 +994,6 @@ class Binding:
                                      start if offset is None else offset))
             return True
 
-    @staticmethod
-    def admit_group(members: Sequence[tuple[Any, Binding, int, int]]
-                    ) -> list[tuple[Any, Binding, int, int]]:
-        """:meth:`admit_inline` of rows ``start:stop`` for each (request, binding,
-        start, stop) of a group, in order: the members admitted."""
-        admitted = []
-        for member in members:
-            binding = member[1]
-            count = member[3] - member[2]
-            with binding._mutex:  # admit_inline, inlined: one pass over the group
-                binding._received += count
-                if binding._busy:
-                    binding.wait_turn(count)
-                if binding._finalised:
-                    continue
-                if binding._closed:
-                    binding._dropped += count
-                    continue
-                binding._busy = True
-                binding._in_flight = count
-            admitted.append(member)
-        return admitted
-
-    @staticmethod
-    def finish_group(members: Sequence[tuple[Any, Binding, int, int]],
-                     batch: ActivationBatch, signals: BatchSignals | None, share: float,
-                     offset: int) -> list[bool]:
-        """:meth:`finish_rows` of rows ``start:stop`` for each (request, binding,
-        start, stop) of a group judged in one call, each taking ``share`` seconds
-        per row, with the signal columns they share (row ``r`` of the batch is
-        row ``r - offset`` of ``signals``): whether each was settled."""
-        settled = []
-        for _, binding, start, stop in members:
-            count = stop - start
-            with binding._mutex:  # finish_rows, inlined: one pass over the group
-                binding._busy = False
-                binding._in_flight = 0
-                if binding._sleepers:
-                    binding._wake()
-                if binding._finalised:
-                    settled.append(False)
-                    continue
-                binding._processed += count
-                binding._latency_total += share * count
-                if share > binding._latency_max:
-                    binding._latency_max = share
-                if signals is not None:
-                    binding._unread.append((signals, batch, start, stop, False, offset))
-            settled.append(True)
-        return settled
-
     def finish_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
                       signals: BatchSignals | None, latency: float, longest: float) -> bool:
         """The group call that judged this async binding's rows taken by

@@ -100,7 +100,7 @@ def judge_group(batch: ActivationBatch, key: Any,
     binding that judged. The same counts, signals and state as each binding's
     ``on_batch`` on its own rows; a failure computing the values falls back to
     exactly that, binding by binding."""
-    admitted = Binding.admit_group(members)
+    admitted = [member for member in members if member[1].admit_inline(member[3] - member[2])]
     if not admitted:
         return []
     started = time.perf_counter()
@@ -173,11 +173,11 @@ def _settle_together(batch: ActivationBatch, admitted: Sequence[tuple[Any, Bindi
     actions = signals.actions
     kept = signals if signals.any_signal() else None
     aborting = kept is not None and kept.any_abort()
-    settled = Binding.finish_group(admitted, index, kept, share, first)
-    if aborting:
-        for (request, _, start, stop), done in zip(admitted, settled, strict=True):
-            if done and ABORT_CODE in as_list(actions[start - first:stop - first]):
-                request.abort_requested = True
+    for request, binding, start, stop in admitted:
+        settled = binding.finish_rows(index, start, stop, kept, share * (stop - start), share,
+                                      offset=first)
+        if settled and aborting and ABORT_CODE in as_list(actions[start - first:stop - first]):
+            request.abort_requested = True
     return [(first, signals)]
 
 
