@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -149,6 +150,8 @@ def test_input_ids_are_fed_as_given_without_a_bos(probed, tokenizer):
                     "token ids as input_ids="),
     ({"input_ids": [[1, 5], []]}, ValueError, "input_ids[1] is empty"),
     ({"input_ids": [[1, 5.0]]}, TypeError, "input_ids[0][1] is float"),
+    ({"input_ids": [[1, 5], (1, True)]}, TypeError, "input_ids[1][1] is bool"),
+    ({"input_ids": [[1, 5], [np.int64(7), 3.5]]}, TypeError, "input_ids[1][1] is float"),
     ({"input_ids": [[1, -2]]}, ValueError, "input_ids[0][1] is -2"),
     ({"input_ids": [[1, 64]]}, ValueError, "input_ids[0][1] is 64; token ids of this model "
                                            "are [0, 64)"),

@@ -157,3 +157,64 @@ def test_the_single_request_messages_are_unchanged(make_router):
                                           r"id is already live$"):
         router.register_requests(_contexts(["a"]), [point()])
     assert np.array_equal(router.live_requests(), ("a",))
+
+
+def test_each_binding_holds_what_its_constructor_gives(make_router, tmp_path):
+    """The bindings of the requests after the first are made from the first's in
+    one pass per point: each holds what ``Binding(...)`` makes from the same
+    arguments, with containers and a lock of its own."""
+    from undercurrent.router.binding import Binding
+
+    router = make_router(probes={"recorder": Recorder})
+    points = [*_points(tmp_path), point("later", mode="async", queue_depth=4)]
+    router.register_requests(_contexts(), points)
+    checked = {item.point.name: item for item in router._check_points(points)[0]}
+    firsts = router._requests[IDS[0]].bindings
+    for rid in IDS[1:]:
+        for name, binding in router._requests[rid].bindings.items():
+            item = checked[name]
+            made = Binding(point=item.point, probe=binding.probe, probe_type=item.point.probe_type,
+                           ctx=binding._ctx, policy=item.policy,
+                           queue_capacity=item.queue_capacity, overflow=router.default_overflow,
+                           breaker_threshold=router.breaker_threshold)
+            mine, theirs = vars(binding), vars(made)
+            assert mine.keys() == theirs.keys()
+            for key in mine:
+                if key == "_mutex":
+                    assert type(mine[key]) is type(theirs[key])
+                else:
+                    assert mine[key] == theirs[key], (rid, name, key)
+            assert binding._ctx.request_id == rid and binding._ctx.extraction_point is item.point
+            for key in ("_mutex", "_signals", "_unread"):
+                assert mine[key] is not vars(firsts[name])[key]
+            if binding.is_async:
+                assert mine["_queue"] is not vars(firsts[name])["_queue"]
+    assert len({id(router._requests[rid].bindings["lin"].group) for rid in IDS}) == 1
+
+
+def test_a_probe_built_again_that_fails_for_a_later_request_refuses_them_all(make_router):
+    """A class that does not copy is built again for each request: one that
+    fails for the third request refuses the call, and no probe has started."""
+    made: list[int] = []
+    started: list[str] = []
+
+    class ThirdFails(Probe):
+        probe_kind = "single_shot"
+
+        def __init__(self):
+            made.append(1)
+            if len(made) == 3:
+                raise RuntimeError("out of handles")
+
+        def on_start(self, ctx):
+            started.append(ctx.request_id)
+
+        def on_activation(self, record):
+            return None
+
+    router = make_router(probes={"third_fails": ThirdFails})
+    with pytest.raises(RouterError, match="could not build probe_type 'third_fails'.*"
+                                          "out of handles"):
+        router.register_requests(_contexts(), [point("t", probe_type="third_fails",
+                                                     kind="single_shot")])
+    assert router.live_requests() == () and started == []

@@ -331,7 +331,8 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]],
     batches = list(batches)
     plan = _whole_plan(batches)
     if plan is not None:
-        sources = {targets.key: rows for _, targets, rows in batches}
+        sources = dict(zip(map(_KEY, map(_TARGETS, batches)), map(_ROWS_OF, batches),
+                           strict=True))
         if plan.base is not None and _deliver_steady(session, plan, sources, step):
             plan.delivered()  # (read by nothing now: no cycle left for the collector)
             return
@@ -403,17 +404,41 @@ def _whole_plan(batches: Sequence[tuple[Any, Any, Any]]) -> Any:
     plan: Any = getattr(batches[0][1], "plan", None)
     if plan is None or len(batches) != len(plan.groups):
         return None
+    groups = list(map(_TARGETS, batches))
+    try:  # (read in C: a forward's few batches, once per step)
+        if (set(map(_PLAN, groups)) != {plan}
+                or len(set(map(_KEY, groups))) != len(groups)):
+            return None
+        # How many rows: a tensor's or array's first dimension (read without
+        # Tensor.__len__, Python code in torch).
+        heights = list(map(_HEIGHT, map(_SHAPE, map(_ROWS_OF, batches))))
+    except (AttributeError, IndexError, TypeError):  # (targets or rows of other kinds)
+        return _whole_plan_each(batches, plan)
+    return plan if heights == list(map(len, map(_SLOTS, groups))) else None
+
+
+def _whole_plan_each(batches: Sequence[tuple[Any, Any, Any]], plan: Any) -> Any:
+    """:func:`_whole_plan` of ``plan`` for batches whose targets or rows are not
+    all a plan's groups and tensors: each looked at in turn."""
     keys = set()
     for _, targets, rows in batches:
         if getattr(targets, "plan", None) is not plan:
             return None
-        # How many rows: a tensor's or array's first dimension (read without
-        # Tensor.__len__, Python code in torch), or a list's length.
+        # How many rows: a tensor's or array's first dimension, or a list's length.
         shape = getattr(rows, "shape", None)
         if (int(shape[0]) if shape else len(rows)) != len(targets.slots):
             return None
         keys.add(targets.key)
     return plan if len(keys) == len(plan.groups) else None
+
+
+_TARGETS = operator.itemgetter(1)  # a forward's batch: (tensor type, targets, rows)
+_ROWS_OF = operator.itemgetter(2)
+_PLAN = operator.attrgetter("plan")
+_KEY = operator.attrgetter("key")
+_SLOTS = operator.attrgetter("slots")
+_SHAPE = operator.attrgetter("shape")
+_HEIGHT = operator.itemgetter(0)
 
 
 def _deliver_matches(session: Any, matches: Sequence[PlanMatch],
@@ -585,7 +610,7 @@ class _SteadyPoint:
     """One point's batch in every plan that repeats a base plan: what does not
     change from one step to the next, computed once."""
 
-    __slots__ = ("name", "tensor_type", "keys", "picks", "count", "requests", "known",
+    __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "count", "requests", "known",
                  "request_ids", "point_names", "layers", "tokens", "generated", "spans",
                  "routed_spans", "journal", "kept", "bases", "windowed")
 
@@ -596,6 +621,7 @@ class _SteadyPoint:
         self.tensor_type = point.tensor_type
         self.keys = [(layer, self.tensor_type) for layer in layers]
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
+        self.whole = False  # every pick None (each source is the layer's rows, in order)
         count = self.count = len(layers)
         states = [state for state, _ in items]
         matches = [match for _, match in items]
@@ -666,6 +692,9 @@ class _SteadyPoint:
                 source = sources[key]
                 self.picks.append(None if rows == list(range(len(source))) else
                                   source.new_tensor(rows, dtype=sys.modules["torch"].long))
+            self.whole = all(pick is None for pick in self.picks)
+        if self.whole:  # every layer's rows are its source, in order: read in C
+            return list(map(sources.__getitem__, self.keys))
         return [sources[key] if pick is None else sources[key].index_select(0, pick)
                 for key, pick in zip(self.keys, self.picks, strict=True)]
 

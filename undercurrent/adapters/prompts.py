@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -64,6 +65,7 @@ def _is_token(value: Any) -> bool:
 
 _PLAIN_INTS = {int}
 _PLAIN_ROWS = (list, tuple)
+_PLAIN_ROW_TYPES = set(_PLAIN_ROWS)
 
 
 def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple[int, ...]]:
@@ -75,6 +77,13 @@ def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple
     rows = _token_rows(input_ids)
     if not rows:
         raise ValueError("input_ids is empty; give at least one prompt's token ids")
+    if set(map(type, rows)) <= _PLAIN_ROW_TYPES and all(rows):
+        # Lists or tuples of plain ints in range, none empty (the usual case):
+        # checked at once, in C.
+        tokens = list(itertools.chain.from_iterable(rows))
+        if (set(map(type, tokens)) == _PLAIN_INTS and min(tokens) >= 0
+                and (vocab_size is None or max(tokens) < vocab_size)):
+            return list(map(tuple, rows))
     checked = []
     for index, row in enumerate(rows):
         if type(row) not in _PLAIN_ROWS:  # (a list or tuple as it is: the usual case)
@@ -124,6 +133,10 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
     batch = iter(tokenizer(strings)["input_ids"] if strings else ())
     decode = (text_decoder(tokenizer, skip_special_tokens=False)
               if len(strings) < len(prompts) else None)
+    if decode is not None and not strings:  # token ids only: converted and decoded at once
+        encoded = [list(map(int, prompt)) for prompt in prompts]
+        if all(encoded):
+            return list(map(decode, encoded)), encoded
     texts, encoded = [], []
     for prompt in prompts:
         if isinstance(prompt, str):

@@ -484,10 +484,13 @@ class StepPlan:
         base = self if self.base is None else self.base
         plan = StepPlan()
         plan.base, plan.delta, plan._matches = base, self.delta + delta, None
+        groups = plan.groups
+        new = object.__new__
         for key, group in base.groups.items():
-            twin = plan.groups[key] = CaptureGroup(key, plan)
-            twin.slots, twin._slot_index = group.slots, group._slot_index
-            twin.index_cache = group.index_cache
+            # (the group's own containers shared, not made and dropped: once per step)
+            twin = groups[key] = new(CaptureGroup)
+            twin.key, twin.plan, twin.slots = key, plan, group.slots
+            twin._slot_index, twin.index_cache = group._slot_index, group.index_cache
         return plan
 
     def _layout(self, point: ExtractionPoint) -> tuple[tuple[int, ...], list[CaptureGroup]]:

@@ -75,8 +75,10 @@ class RequestContext:
         """This context with ``extraction_point`` set to ``point`` (what
         ``dataclasses.replace`` gives; the other fields, checked already, are
         shared, not checked again: the router makes one per probe it binds)."""
-        made: RequestContext = shallow_copy(self)
-        made.__dict__["extraction_point"] = point
+        made: RequestContext = object.__new__(type(self))
+        fields = made.__dict__
+        fields.update(self.__dict__)
+        fields["extraction_point"] = point
         return made
 
 

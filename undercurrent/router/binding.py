@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import sys
 import threading
 import time
@@ -148,6 +149,9 @@ class _Rows:
 #: shared (the garbage collector tracks every list and deque made per request).
 #: Tuples: nothing can be added to them by mistake.
 _NO_QUEUE: Any = ()
+# (the C lock threading.RLock() returns, made without that Python call: one per binding)
+_RLock = threading.RLock().__class__
+_GROUP = operator.attrgetter("_group")
 _NO_NOTES: Any = ()
 
 
@@ -190,7 +194,7 @@ class Binding:
         # first time a thread must wait (most bindings never wait: a condition is
         # eight objects for the garbage collector to track, per request), and
         # waiters are woken only when there are some.
-        self._mutex = threading.RLock()
+        self._mutex = _RLock()
         self._cond: threading.Condition | None = None
         self._sleepers = 0  # threads inside _wait
         self._received = 0
@@ -257,24 +261,37 @@ class Binding:
         ``probe`` and ``ctx``): what the constructor makes from the same
         arguments, the settings not worked out again. Only on a binding that is
         not started yet (its state is still the constructor's)."""
+        return self.siblings([probe], [ctx])[0]
+
+    def siblings(self, probes: Sequence[Any], contexts: Sequence[RequestContext]
+                 ) -> list[Binding]:
+        """:meth:`sibling` for each (probe, context), in one pass: a whole call's
+        requests are bound at once (:meth:`Router.register_requests`)."""
         assert not self._received and not self._closed and not self._error_notes
-        made: Binding = object.__new__(type(self))
-        state = made.__dict__
-        state.update(self.__dict__)
-        state["_ctx"] = ctx
-        state["_mutex"] = threading.RLock()
-        state["_signals"] = []
-        state["_unread"] = []
-        if self._is_async:
-            state["_queue"] = deque()
-        made._group = made._async_group = None
-        if type(probe) is type(self._probe):  # served as this one's: only its group may differ
-            made._probe = probe
-            if self._native:
-                made._set_group(probe)
-        else:
-            made._take_probe(probe)
-        return made
+        cls = type(self)
+        new = object.__new__
+        template = dict(self.__dict__)
+        template["_group"] = template["_async_group"] = None
+        kind, native, is_async = type(self._probe), self._native, self._is_async
+        made_all = []
+        for probe, ctx in zip(probes, contexts, strict=True):
+            made: Binding = new(cls)
+            state = made.__dict__
+            state.update(template)
+            state["_ctx"] = ctx
+            state["_mutex"] = _RLock()
+            state["_signals"] = []
+            state["_unread"] = []
+            if is_async:
+                state["_queue"] = deque()
+            if type(probe) is kind:  # served as this one's: only its group may differ
+                state["_probe"] = probe
+                if native:
+                    made._set_group(probe)
+            else:
+                made._take_probe(probe)
+            made_all.append(made)
+        return made_all
 
     # -- read-only views (every change goes through a transition method below) --------
 
@@ -351,6 +368,13 @@ class Binding:
         """The key under which the router judges this binding with others of one
         routed batch (:meth:`~undercurrent.probes.base.ScoresRows.group_key`), or None."""
         return self._group
+
+    @staticmethod
+    def shared_group(bindings: Sequence[Binding]) -> Any:
+        """The :attr:`group` of every one of ``bindings`` when they all have the
+        same one (each then inline), else None; read in C."""
+        keys = set(map(_GROUP, bindings))
+        return next(iter(keys)) if len(keys) == 1 else None
 
     @property
     def async_group(self) -> Any:
@@ -1108,16 +1132,13 @@ class Binding:
             }
             if self._traceback is not None:
                 metadata["traceback"] = self._traceback
-            return ProbeResult.of(self._ctx.request_id, self._name, verdict,
-                                  self._final_signals(), stats,
+            # The kept signals: a tuple, or built when first read if some are
+            # still columns (the binding is final: nothing is added later).
+            signals: tuple[ProbeSignal, ...] | LazySequence[ProbeSignal] = (
+                LazySequence(lambda: list(self._kept())) if self._unread
+                else tuple(self._signals))
+            return ProbeResult.of(self._ctx.request_id, self._name, verdict, signals, stats,
                                   "; ".join(self._error_notes) or None, metadata)
-
-    def _final_signals(self) -> tuple[ProbeSignal, ...] | LazySequence[ProbeSignal]:
-        """The kept signals for the result: a tuple, or built when first read if
-        some are still columns (the binding is final: nothing is added later)."""
-        if not self._unread:
-            return tuple(self._signals)
-        return LazySequence(lambda: list(self._kept()))
 
     def end_if_idle(self) -> ProbeResult | None:
         """:meth:`close`, :meth:`wait_idle` and :meth:`end` at once, for a binding

@@ -115,6 +115,7 @@ _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
 _ROOM = operator.attrgetter("room")
 _IS_ASYNC = operator.attrgetter("is_async")
+_SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
                 for name in ("received", "processed", "dropped", "errors", "timeouts"))
 
@@ -255,56 +256,56 @@ class Router:
         label = (f"cannot register request {shown}" if len(ids) == 1 else
                  f"cannot register requests {shown}"
                  + (f" and {len(ids) - 3} more" if len(ids) > 3 else ""))
-        repeated = sorted(request_id for request_id, count in collections.Counter(ids).items()
-                          if count > 1)
-        if repeated:
+        if len(set(ids)) != len(ids):  # (checked in C; named below)
+            repeated = sorted(request_id for request_id, count
+                              in collections.Counter(ids).items() if count > 1)
             raise RouterError(f"{label}: request id(s) {repeated} given more than once")
-        self._register(contexts, points, label)
+        self._register(contexts, points, label, ids)
 
     def _register(self, contexts: list[RequestContext], points: Iterable[Any],
-                  label: str) -> None:
-        """Bind fresh probes to ``points`` for each context's request, all or nothing."""
+                  label: str, ids: list[str] | None = None) -> None:
+        """Bind fresh probes to ``points`` for each context's request (``ids``:
+        their request ids, when listed already), all or nothing."""
         if self._closed:
             raise RouterError(f"{label}: the router is shut down")
+        if ids is None:
+            ids = [ctx.request_id for ctx in contexts]
         with self._lock:
-            self._refuse_live(contexts, label)
+            self._refuse_live(ids, label)
         points = list(points)
         checked, problems = self._check_points(points)
         first, refused = self._instantiate(checked)
         problems += refused
-        built = [first]
-        for _ in contexts[1:] if not problems else ():
-            copies, problems = self._fresh(first)
-            if problems:
-                break
-            built.append(copies)
+        copies: list[list[Any]] = [[] for _ in first]  # per point, the other requests' probes
+        if not problems and len(contexts) > 1:
+            copies, problems = self._fresh(first, len(contexts) - 1)
         if problems:
             raise RouterError(label, problems)
-        # The first request's bindings are made; the others' are their siblings.
+        # The first request's bindings are made; the others' are their siblings,
+        # made a point at a time.
         firsts = [
             Binding(point=item.point, probe=instance, probe_type=item.point.probe_type,
                     ctx=contexts[0].at_point(item.point), policy=item.policy,
                     queue_capacity=item.queue_capacity, overflow=self.default_overflow,
                     breaker_threshold=self.breaker_threshold)
-            for item, instance in built[0]
+            for item, instance in first
         ]
-        requests = [_Request(contexts[0].request_id,
-                             {binding.name: binding for binding in firsts})]
-        requests += [
-            _Request(ctx.request_id, {
-                first.name: first.sibling(instance, ctx.at_point(item.point))
-                for first, (item, instance) in zip(firsts, probes, strict=True)
-            })
-            for ctx, probes in zip(contexts[1:], built[1:], strict=True)
-        ]
+        names = [binding.name for binding in firsts]
+        others = contexts[1:]
+        columns = [binding.siblings(probes, [ctx.at_point(item.point) for ctx in others])
+                   for binding, (item, _), probes in zip(firsts, first, copies, strict=True)]
+        rows = (zip(*columns, strict=True) if columns  # (each request's bindings)
+                else [()] * len(others))
+        requests = [_Request(contexts[0].request_id, dict(zip(names, firsts, strict=True)))]
+        requests += [_Request(ctx.request_id, dict(zip(names, bindings, strict=True)))
+                     for ctx, bindings in zip(others, rows, strict=True)]
         for request in requests:
             for binding in request.bindings.values():
                 binding.start()
         with self._lock:
             if self._closed:
                 raise RouterError(f"{label}: the router is shut down")
-            self._refuse_live(contexts, label)
-            ids = [request.request_id for request in requests]
+            self._refuse_live(ids, label)
             self._requests.update(zip(ids, requests, strict=True))
             if not self._ended.keys().isdisjoint(ids):  # (ended moments ago: live again)
                 for request_id in ids:
@@ -312,32 +313,37 @@ class Router:
             self._version += 1
             self._routes.clear()  # stale now: let go of their bindings
 
-    def _refuse_live(self, contexts: list[RequestContext], label: str) -> None:
+    def _refuse_live(self, ids: list[str], label: str) -> None:
         """Raise when one of the requests is live already (lock held)."""
-        if self._requests.keys().isdisjoint([ctx.request_id for ctx in contexts]):
+        if self._requests.keys().isdisjoint(ids):
             return  # (none live: the usual case, checked in C)
-        live = [ctx.request_id for ctx in contexts if ctx.request_id in self._requests]
-        if len(contexts) == 1:
+        live = [request_id for request_id in ids if request_id in self._requests]
+        if len(ids) == 1:
             raise RouterError(f"{label}: a request with this id is already live")
         raise RouterError(f"{label}: request id(s) {live[:10]} already live")
 
-    def _fresh(self, built: list[tuple[CheckedPoint, Any]]
-               ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
-        """Probes like ``built`` 's for another request: each copied when its class
-        copies (:meth:`~undercurrent.probes.base.Probe.copy_for_request`), else
-        built again; returns them and the problems of those built again."""
-        fresh: list[tuple[CheckedPoint, Any]] = []
+    def _fresh(self, built: list[tuple[CheckedPoint, Any]], count: int
+               ) -> tuple[list[list[Any]], list[SpecProblem]]:
+        """``count`` probes like each of ``built`` 's, for other requests: copied
+        when its class copies (:meth:`~undercurrent.probes.base.Probe.copy_for_request`),
+        else built again. Returns them per point, and the problems of those
+        built again, the first of each point (then no probe is returned)."""
+        fresh: list[list[Any]] = []
         problems: list[SpecProblem] = []
         for item, instance in built:
             copy_for_request = getattr(instance, "copy_for_request", None)
-            made = copy_for_request() if copy_for_request is not None else None
-            if made is None:
-                made, problem = self._build(item)
-                if problem is not None:
-                    problems.append(problem)
-                    continue
-            fresh.append((item, made))
-        return fresh, problems
+            made = ([copy_for_request() for _ in range(count)] if copy_for_request is not None
+                    else [None] * count)
+            if None in made:  # (a class that builds anew, or declined to copy)
+                for index, probe in enumerate(made):
+                    if probe is None:
+                        probe, problem = self._build(item)
+                        if problem is not None:  # (one problem per point)
+                            problems.append(problem)
+                            break
+                        made[index] = probe
+            fresh.append(made)
+        return ([], problems) if problems else (fresh, problems)
 
     def check(self, points: Iterable[Any]) -> None:
         """Run every registration check on ``points`` without registering a request.
@@ -597,6 +603,17 @@ class Router:
     def _find_routes(self, spans: Sequence[tuple[str, int, int]], name: str) -> _Routes:
         """Where each span of a batch of point ``name`` goes, as of now."""
         version = self._version  # read first: a change meanwhile makes these stale
+        # Every request live, each binding of the point judged in one group (the
+        # usual case): looked up in C.
+        requests = list(map(self._requests.get, map(_SPAN_ID, spans)))
+        if None not in requests:
+            bindings = list(map(operator.methodcaller("get", name), map(_BINDINGS, requests)))
+            key = None if None in bindings else Binding.shared_group(bindings)
+            if key is not None:
+                together = GroupMembers()
+                together.extend(zip(requests, bindings, map(_SPAN_START, spans),
+                                    map(_SPAN_STOP, spans), strict=True))
+                return _Routes(list(spans), name, version, [], {key: together})
         each: list[tuple[Any, Binding | None, int, int]] = []
         grouped: dict[Any, GroupMembers] = {}
         for request_id, start, stop in spans:
@@ -776,15 +793,16 @@ class Router:
         # Most bindings are idle by now (inline ones always, unless a late
         # block_until_signal call still runs): each ends at once, in order.
         ended: dict[str, ProbeResult] = {}
-        bindings = list(request.bindings.values())
-        for binding in bindings:
+        items = list(request.bindings.items())
+        for name, binding in items:
             result = binding.end_if_idle()
             if result is None:
                 break
-            ended[binding.name] = result
+            ended[name] = result
         else:
             return ended
-        bindings = bindings[len(ended):]  # the others: close all, wait for each, end each
+        # The others: close all, wait for each, end each.
+        bindings = [binding for _, binding in items[len(ended):]]
         for binding in bindings:
             binding.close()
         now = time.monotonic()
