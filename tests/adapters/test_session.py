@@ -396,6 +396,47 @@ def test_steady_tokens_planned_at_once_give_the_plan_of_each_window(names):
     assert len(together.matches) == len(states) * len(points)
 
 
+def test_a_layout_of_steady_tokens_planned_at_once_is_the_general_paths():
+    """``_SteadyLayout.of`` reads a one-point plan made by ``add_steady_tokens``
+    (``one_each``) without grouping its matches again: the same layout as the
+    general path makes; a closed or aborted request leaves it to the general path."""
+    import torch
+
+    from undercurrent.adapters.delivery import _SteadyLayout
+    from undercurrent.adapters.outputs import AbortInfo
+
+    point = _layered_point("m", "generated[*]", "mlp_out", layers=(2, 0, 1), probe_type="none")
+    session = CaptureSession(None, [point])
+    states = [session.open_request(f"r{i}", "x", [1] * (2 + i)) for i in range(3)]
+    for state in states:
+        state.generated.extend([7, 8])
+    plan = StepPlan()
+    assert plan.add_steady_tokens([(state, state.prompt_len + 1, (row, 0))
+                                   for row, state in enumerate(states)])
+    assert plan.one_each
+    sources = {key: torch.zeros(len(states), 4) for key in plan.groups}
+    fast = _SteadyLayout.of(plan, session, sources)
+    plan.one_each = False
+    general = _SteadyLayout.of(plan, session, sources)
+    fields = ("name", "keys", "count", "requests", "known", "request_ids", "point_names",
+              "layers", "spans", "routed_spans")
+    assert fast is not None and general is not None and fast.states == general.states
+    for mine, theirs in zip(fast.points, general.points, strict=True):
+        for name in fields:
+            assert getattr(mine, name) == getattr(theirs, name), name
+        assert mine.tokens.tolist() == theirs.tokens.tolist()
+        assert mine.generated.tolist() == theirs.generated.tolist()
+    plan.one_each = True
+    states[1].closed = True
+    assert _SteadyLayout.of(plan, session, sources) is None  # (as the general path says)
+    states[1].closed = False
+    states[2].abort = AbortInfo(extraction_point_name="m", layer=0, token_index=3,
+                                generated_index=0, signal=ProbeSignal(score=1.0))
+    assert _SteadyLayout.of(plan, session, sources) is None
+    plan.add_window(states[0], 2, 3, lambda t: (0, 1))
+    assert not plan.one_each  # (a plan added to is no longer one match per request)
+
+
 def test_steady_tokens_are_refused_where_each_request_must_be_planned():
     shared = [_layered_point("m", "generated[*]", "mlp_out", probe_type="none"),
               _layered_point("n", "generated[*]", "mlp_out", layers=(2, 5), probe_type="none")]

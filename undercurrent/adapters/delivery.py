@@ -603,6 +603,9 @@ def _route_wave(session: Any, live: list[Any],
 
 
 _MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
+_STATE = operator.attrgetter("state")
+_CLOSED = operator.attrgetter("closed")
+_ABORT = operator.attrgetter("abort")
 _ROWS = operator.attrgetter("rows")
 
 
@@ -826,6 +829,15 @@ class _SteadyLayout:
         differ between requests, rows not torch tensors."""
         if not all(hasattr(rows, "detach") for rows in sources.values()):
             return None
+        if base.one_each:  # (StepPlan.add_steady_tokens: one point, each request once)
+            matches = base.matches
+            states = list(map(_STATE, matches))
+            # Every request still open and none aborted (else the general path
+            # tells which are live): looked at in C.
+            if (not any(map(_CLOSED, states))
+                    and list(map(_ABORT, states)).count(None) == len(states)):
+                return cls(states, [_SteadyPoint(list(zip(states, matches, strict=True)),
+                                                 session.registered)])
         per_request: dict[str, tuple[Any, list[PlanMatch]]] = {}
         for match in base.matches:
             state = match.state

@@ -431,6 +431,10 @@ class StepPlan:
         """Set by a backend that keeps this plan to repeat it (no request of it is
         steered): delivery may use the plan's layout from this step on, not only
         from its first repeat."""
+        self.one_each = False
+        """Set by :meth:`add_steady_tokens` for one point: match ``k`` is the
+        ``k`` th request's (each request once), at row ``k`` of every group,
+        for a generated token."""
 
     @property
     def matches(self) -> list[PlanMatch]:
@@ -460,6 +464,7 @@ class StepPlan:
             match.state = None  # type: ignore[assignment]
         self.groups, self.edits, self._layouts = {}, {}, {}
         self._matches, self.base, self.steady = [], None, None
+        self.one_each = False
 
     def delivered(self) -> None:
         """Called once nothing reads this plan through its groups any more (a
@@ -514,6 +519,7 @@ class StepPlan:
         ``slot_of(token_index)`` says where each sits in the engine's tensors."""
         if self.base is not None:
             raise ValueError("a shifted step plan is complete: plan a new one to add to")
+        self.one_each = False
         matches = self.matches
         for token_index, point in state.matches_in_window(start, stop):
             slot = slot_of(token_index)
@@ -534,11 +540,14 @@ class StepPlan:
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         points = fed[0][0].points
+        generated = True  # every token fed is a generated one
         for state, token_index, _ in fed:
             steady_from = state.steady_from
             if (state.points is not points or steady_from is None or token_index < steady_from
                     or state.abort is not None or state.closed):
                 return False
+            if token_index < state.prompt_len:
+                generated = False
         pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]
         slots = [slot for _, _, slot in fed]
         if len(set(pairs)) != len(pairs) or len(set(slots)) != len(slots):
@@ -555,6 +564,7 @@ class StepPlan:
             layers, groups = layouts[0]
             matches.extend([PlanMatch(state, point, token_index, layers, [row] * len(groups), row)
                             for row, (state, token_index, _) in enumerate(fed)])
+            self.one_each = generated and len({id(state) for state, _, _ in fed}) == len(fed)
             return True
         for row, (state, token_index, _) in enumerate(fed):
             for point, (layers, groups) in zip(points, layouts, strict=True):
@@ -582,6 +592,7 @@ class StepPlan:
         ``rows[j]`` of the group of ``(layers[j], point.tensor_type)``."""
         if self.base is not None:
             raise ValueError("a shifted step plan is complete: plan a new one to add to")
+        self.one_each = False
         match = PlanMatch(state, point, token_index, layers, rows, len(self.matches))
         self.matches.append(match)
         return match
