@@ -200,7 +200,7 @@ class RequestState:
         self.prompt_token_ids = tuple(map(int, prompt_token_ids))
         self.prompt_len = len(self.prompt_token_ids)
         self.points = tuple(points)
-        self._live_points = list(self.points)
+        self._live_points: Sequence[ExtractionPoint] = self.points  # (replaced, never changed)
         # Where the points match, for a prompt of this length: ``bounds`` (when
         # given) keeps them by prompt length for requests with these very points.
         found = None if bounds is None else bounds.get(self.prompt_len)

@@ -153,6 +153,7 @@ _NO_QUEUE: Any = ()
 _RLock = threading.RLock().__class__
 _GROUP = operator.attrgetter("_group")
 _NO_NOTES: Any = ()
+_NONE_KEPT: Any = ()  # a binding's signals before it keeps one
 
 
 class Binding:
@@ -205,8 +206,10 @@ class Binding:
         self._latency_total = 0.0
         self._latency_max = 0.0
         self._late_results = 0
-        self._signals: list[ProbeSignal] = []
-        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]] = []
+        # Both lists are made at the first signal kept (most bindings keep none):
+        # until then, an empty tuple shared by every binding.
+        self._signals: list[ProbeSignal] = _NONE_KEPT
+        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]] = _NONE_KEPT
         """Signal columns not materialised yet: (columns, index batch, start, stop,
         observed, offset): rows ``start:stop`` of the batch, row ``r`` being row
         ``r - offset`` of the columns."""
@@ -268,6 +271,7 @@ class Binding:
         """:meth:`sibling` for each (probe, context), in one pass: a whole call's
         requests are bound at once (:meth:`Router.register_requests`)."""
         assert not self._received and not self._closed and not self._error_notes
+        assert self._signals is _NONE_KEPT and self._unread is _NONE_KEPT
         cls = type(self)
         new = object.__new__
         template = dict(self.__dict__)
@@ -280,8 +284,6 @@ class Binding:
             state.update(template)
             state["_ctx"] = ctx
             state["_mutex"] = _RLock()
-            state["_signals"] = []
-            state["_unread"] = []
             if is_async:
                 state["_queue"] = deque()
             if type(probe) is kind:  # served as this one's: only its group may differ
@@ -467,6 +469,8 @@ class Binding:
 
     def _kept(self) -> list[ProbeSignal]:
         """The kept signals, the columns materialised first (the list itself)."""
+        if self._signals is _NONE_KEPT:
+            self._signals = []
         if self._unread:
             unread, self._unread = self._unread, []
             keep = self._signals.append
@@ -486,7 +490,15 @@ class Binding:
                      observed: bool = False) -> None:
         """Keep a batch's signals (lock held), as columns until read."""
         if columns.any_signal():  # the index columns only: the tensor may go
-            self._unread.append((columns, batch.index_view(), 0, len(batch), observed, 0))
+            self._unread_list().append((columns, batch.index_view(), 0, len(batch), observed,
+                                        0))
+
+    def _unread_list(self) -> list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]]:
+        """The signal columns not materialised yet (a list of this binding's own
+        from the first one kept on)."""
+        if self._unread is _NONE_KEPT:
+            self._unread = []
+        return self._unread
 
     # -- user code, called without the lock ---------------------------------------
 
@@ -1014,7 +1026,7 @@ class Binding:
             if error is not None:
                 self._count_errors(batch[start:stop], [error] * count)
             elif signals is not None and (offset is not None or signals.any_signal()):
-                self._unread.append((signals, batch, start, stop, False,
+                self._unread_list().append((signals, batch, start, stop, False,
                                      start if offset is None else offset))
             return True
 
@@ -1034,7 +1046,7 @@ class Binding:
                 if longest > self._latency_max:
                     self._latency_max = longest
                 if signals is not None:
-                    self._unread.extend((signals, batch, start, stop, True, offset)
+                    self._unread_list().extend((signals, batch, start, stop, True, offset)
                                         for batch, start, stop, offset in pieces)
             return self.keep_scheduled()
 
