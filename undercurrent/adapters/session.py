@@ -414,27 +414,30 @@ class StepPlan:
     """What one forward pass must capture, grouped by (layer, tensor type), and
     which edits it applies where (``edits``: pair -> edits in the order to apply)."""
 
+    # What every plan starts with, read from the class until a plan sets its own
+    # (a decode step makes one plan).
+    base: StepPlan | None = None
+    """For a plan made by :meth:`shifted`: the plan it repeats ``delta`` tokens
+    later (never itself a shifted plan)."""
+    delta = 0
+    steady: Any = None
+    """What delivery derives once from a plan that others repeat (kept on the
+    base plan; see :mod:`undercurrent.adapters.delivery`)."""
+    repeatable = False
+    """Set by a backend that keeps this plan to repeat it (no request of it is
+    steered): delivery may use the plan's layout from this step on, not only
+    from its first repeat."""
+    one_each = False
+    """Set by :meth:`add_steady_tokens` for one point: match ``k`` is the ``k`` th
+    request's (each request once), at row ``k`` of every group, for a generated
+    token."""
+
     def __init__(self) -> None:
         self.groups: dict[PairKey, CaptureGroup] = {}
         self.edits: dict[PairKey, dict[int, EditSlots]] = {}
         self._matches: list[PlanMatch] | None = []
         self._layouts: dict[int, tuple[ExtractionPoint, tuple[int, ...],
                                        list[CaptureGroup]]] = {}
-        self.base: StepPlan | None = None
-        """For a plan made by :meth:`shifted`: the plan it repeats ``delta``
-        tokens later (never itself a shifted plan)."""
-        self.delta = 0
-        self.steady: Any = None
-        """What delivery derives once from a plan that others repeat (kept on the
-        base plan; see :mod:`undercurrent.adapters.delivery`)."""
-        self.repeatable = False
-        """Set by a backend that keeps this plan to repeat it (no request of it is
-        steered): delivery may use the plan's layout from this step on, not only
-        from its first repeat."""
-        self.one_each = False
-        """Set by :meth:`add_steady_tokens` for one point: match ``k`` is the
-        ``k`` th request's (each request once), at row ``k`` of every group,
-        for a generated token."""
 
     @property
     def matches(self) -> list[PlanMatch]:
