@@ -252,6 +252,9 @@ def test_the_router_says_how_much_room_the_queues_have():
                 router.route_batch(records)
             assert router.window_room("watch", ["a"]) == 21
             assert router.window_room("watch", ["a", "b", "inline"]) == 9
+            router._requests["b"].bindings["watch"].close()  # a closed queue takes nothing
+            assert router.window_room("watch", ["a", "b"]) == 0
+            assert router.window_room("watch", ["a", "inline"]) == 21
 
 
 @pytest.mark.parametrize("point, probes", [

@@ -24,6 +24,7 @@ routed batch); the counters are updated once per batch, in vectors.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import operator
 import sys
@@ -152,6 +153,10 @@ _NO_QUEUE: Any = ()
 # (the C lock threading.RLock() returns, made without that Python call: one per binding)
 _RLock = threading.RLock().__class__
 _GROUP = operator.attrgetter("_group")
+_IS_ASYNC = operator.attrgetter("_is_async")
+_CLOSED = operator.attrgetter("_closed")
+_CAPACITY = operator.attrgetter("_queue_capacity")
+_QUEUED = operator.attrgetter("_queued")
 _NO_NOTES: Any = ()
 _NONE_KEPT: Any = ()  # a binding's signals before it keeps one
 
@@ -359,6 +364,22 @@ class Binding:
         dropping one (its capacity less the vectors queued); 0 once closed."""
         with self._mutex:
             return 0 if self._closed else max(0, (self._queue_capacity or 1) - self._queued)
+
+    @staticmethod
+    def least_room(bindings: Sequence[Binding]) -> int:
+        """The least :attr:`room` over the async ones of ``bindings``
+        (``sys.maxsize`` when none is async), read in C and without their locks:
+        each count is read whole, and a worker only ever makes more room."""
+        queues = list(itertools.compress(bindings, map(_IS_ASYNC, bindings)))
+        if not queues:
+            return sys.maxsize
+        if any(map(_CLOSED, queues)):
+            return 0
+        try:
+            least: int = min(map(operator.sub, map(_CAPACITY, queues), map(_QUEUED, queues)))
+        except TypeError:  # (a queue of no set capacity: each read as room reads it)
+            return min(binding.room for binding in queues)
+        return max(0, least)
 
     @property
     def overflow(self) -> OverflowPolicy:
@@ -739,8 +760,9 @@ class Binding:
         keeps at most ``queue_capacity`` vectors. The rows are sliced off the batch
         only when a worker takes them. Returns True when the binding must be
         handed to the scheduler."""
-        rows = _Rows(batch, start, len(batch) if stop is None else stop)
-        count = len(rows)
+        if stop is None:
+            stop = len(batch)
+        count = stop - start
         with self._mutex:
             self._received += count
             if self._closed:
@@ -753,9 +775,9 @@ class Binding:
                     self._dropped += count - room
                     if room == 0:
                         return False
-                    rows = rows.head(room)
-            self._queue.append(rows)
-            self._queued += len(rows)
+                    count = room  # (the first rows: the newest go)
+            self._queue.append(_Rows(batch, start, start + count))
+            self._queued += count
             if self._queued > capacity:  # drop_oldest: the oldest vectors go first
                 self._drop_oldest(self._queued - capacity)
             if self._scheduled:

@@ -113,8 +113,6 @@ class _Routes:
 
 _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
-_ROOM = operator.attrgetter("room")
-_IS_ASYNC = operator.attrgetter("is_async")
 _SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
                 for name in ("received", "processed", "dropped", "errors", "timeouts"))
@@ -476,7 +474,7 @@ class Router:
         bindings = self._point_bindings(name, request_ids)
         if bindings is None:
             return 0
-        return min(map(_ROOM, filter(_IS_ASYNC, bindings)), default=sys.maxsize)
+        return Binding.least_room(bindings)
 
     def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
         """The bindings of point ``name`` of these requests, in order; None when
