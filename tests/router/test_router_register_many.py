@@ -218,3 +218,33 @@ def test_a_probe_built_again_that_fails_for_a_later_request_refuses_them_all(mak
         router.register_requests(_contexts(), [point("t", probe_type="third_fails",
                                                      kind="single_shot")])
     assert router.live_requests() == () and started == []
+
+
+@pytest.mark.parametrize("name", ["lin", "traj", "rec", "later"],
+                         ids=["grouped", "grouped-trajectory", "each-inline", "async"])
+def test_routes_found_at_once_are_the_routes_found_request_by_request(
+        make_router, tmp_path, monkeypatch, name):
+    """``Router._find_routes`` looks a batch's routes up in C when every
+    request's binding is in one group or none is: the same routes as looking at
+    each request in turn."""
+    from undercurrent.router.binding import Binding
+
+    router = make_router(probes={"recorder": Recorder})
+    points = [*_points(tmp_path), point("later", probe_type="trajectory_probe", mode="async")]
+    router.register_requests(_contexts(), points)
+    spans = [(rid, 2 * i, 2 * i + 2) for i, rid in enumerate(IDS)]
+
+    def view(routes):
+        return ([(getattr(request, "request_id", request), binding, start, stop)
+                 for request, binding, start, stop in routes.each],
+                {key: list(members) for key, members in routes.grouped.items()})
+
+    fast = router._find_routes(spans, name)
+    with monkeypatch.context() as patched:
+        patched.setattr(Binding, "shared_group", staticmethod(lambda bindings: (False, None)))
+        general = router._find_routes(spans, name)
+    assert view(fast) == view(general)
+    grouped = name in ("lin", "traj")
+    assert (len(fast.each), len(fast.grouped)) == ((0, 1) if grouped else (4, 0))
+    router.end_request("c")  # a request gone: looked at request by request
+    assert view(router._find_routes(spans, "lin"))[0] == [("c", None, 4, 6)]

@@ -393,11 +393,11 @@ class Binding:
         return self._group
 
     @staticmethod
-    def shared_group(bindings: Sequence[Binding]) -> Any:
-        """The :attr:`group` of every one of ``bindings`` when they all have the
-        same one (each then inline), else None; read in C."""
+    def shared_group(bindings: Sequence[Binding]) -> tuple[bool, Any]:
+        """(True, the :attr:`group`) when every one of ``bindings`` has the same
+        one (None: none is judged in a group), else (False, None); read in C."""
         keys = set(map(_GROUP, bindings))
-        return next(iter(keys)) if len(keys) == 1 else None
+        return (True, next(iter(keys))) if len(keys) == 1 else (False, None)
 
     @property
     def async_group(self) -> Any:

@@ -601,16 +601,19 @@ class Router:
     def _find_routes(self, spans: Sequence[tuple[str, int, int]], name: str) -> _Routes:
         """Where each span of a batch of point ``name`` goes, as of now."""
         version = self._version  # read first: a change meanwhile makes these stale
-        # Every request live, each binding of the point judged in one group (the
-        # usual case): looked up in C.
+        # Every request live with the point, its bindings all judged in one group
+        # or none in a group (the usual cases): looked up in C.
         requests = list(map(self._requests.get, map(_SPAN_ID, spans)))
         if None not in requests:
             bindings = list(map(operator.methodcaller("get", name), map(_BINDINGS, requests)))
-            key = None if None in bindings else Binding.shared_group(bindings)
-            if key is not None:
+            shared, key = (False, None) if None in bindings else Binding.shared_group(bindings)
+            if shared:
+                routed = zip(requests, bindings, map(_SPAN_START, spans), map(_SPAN_STOP, spans),
+                             strict=True)
+                if key is None:
+                    return _Routes(list(spans), name, version, list(routed), {})
                 together = GroupMembers()
-                together.extend(zip(requests, bindings, map(_SPAN_START, spans),
-                                    map(_SPAN_STOP, spans), strict=True))
+                together.extend(routed)
                 return _Routes(list(spans), name, version, [], {key: together})
         each: list[tuple[Any, Binding | None, int, int]] = []
         grouped: dict[Any, GroupMembers] = {}
