@@ -272,14 +272,17 @@ class ProbedModel:
                               capture_last_token=capture_last_token)
 
     def _new_id(self) -> str:
-        return f"req-{id(self):x}-{next(self._ids)}"
+        return self._new_ids(1)[0]
+
+    def _new_ids(self, count: int) -> list[str]:
+        """``count`` fresh request ids (made in C: a call makes one per prompt)."""
+        return list(map(f"req-{id(self):x}-".__add__, map(str, itertools.islice(self._ids, count))))
 
     def _prompts(self, prompts: Any, input_ids: Any) -> list[Any]:
         return prompt_inputs(prompts, input_ids, getattr(self.backend, "vocab_size", None))
 
     def _request_ids(self, count: int, request_ids: Sequence[str] | None) -> list[str]:
-        ids = list(request_ids) if request_ids is not None else [self._new_id()
-                                                                 for _ in range(count)]
+        ids = list(request_ids) if request_ids is not None else self._new_ids(count)
         if len(ids) != count or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
         return ids

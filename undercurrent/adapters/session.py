@@ -721,15 +721,19 @@ class CaptureSession:
         if register_many is None or not self.points or len(requests) < 2:
             return [self.open_request(*request) for request in requests]
         ids = [request_id for request_id, _, _ in requests]
-        seen: set[str] = set()
-        for request_id in ids:
-            if request_id in self.requests or request_id in seen:
-                raise ValueError(
-                    f"request id {request_id!r} is already open in this generation")
-            seen.add(request_id)
+        if len(set(ids)) != len(ids) or not self.requests.keys().isdisjoint(ids):
+            seen: set[str] = set()  # (the first id open already or given twice, named)
+            for request_id in ids:
+                if request_id in self.requests or request_id in seen:
+                    raise ValueError(
+                        f"request id {request_id!r} is already open in this generation")
+                seen.add(request_id)
         bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
+        shared = tuple(self.edits)  # (each request's own edits after these)
+        mine = self.request_edits
         states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
-                               (*self.edits, *self.request_edits.get(request_id, ())), bounds)
+                               (*shared, *mine[request_id]) if request_id in mine else shared,
+                               bounds)
                   for request_id, prompt, token_ids in requests]
         register_many([self._context(state) for state in states], list(self.points))
         self._registered.update(ids)

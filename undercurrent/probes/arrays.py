@@ -153,6 +153,8 @@ def _all_on_cpu(tensors: Sequence[Any]) -> bool:
 
 
 _DEVICE = operator.attrgetter("device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_NUMPY = operator.methodcaller("numpy")
 
 
 def _on_cpu(tensor: Any) -> bool:
@@ -172,8 +174,8 @@ def _float_rows(rows: Any) -> Any:
         if rows[0].dtype == torch.float32:  # numpy converts while joining them
             # (a tensor that needs no grad, as in generate(), is read as it is:
             # one torch call per piece, not two)
-            arrays = [(piece.detach() if piece.requires_grad else piece).numpy()
-                      for piece in rows]
+            arrays = (list(map(_NUMPY, rows)) if not any(map(_REQUIRES_GRAD, rows)) else
+                      [piece.detach().numpy() for piece in rows])
             if arrays[0].ndim != 2:
                 arrays = [array.reshape(array.shape[0], -1) for array in arrays]
             return np.concatenate(arrays, dtype=np.float64)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,8 +305,12 @@ def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[in
     :meth:`ScoreSummary.batch_signals_many` over the instances' summaries when
     they are all of one class with one rule, else None (each judges its own)."""
     rule, kind = probes[0].rule, type(probes[0])
-    if any(type(probe) is not kind or (probe.rule is not rule and probe.rule != rule)
-           for probe in probes):
+    # (one class, and rules each the first or equal to it: counted in C)
+    if set(map(type, probes)) != {kind} or list(map(_RULE, probes)).count(rule) != len(probes):
         return None
-    return ScoreSummary.batch_signals_many([probe.summary for probe in probes], rule, scores,
+    return ScoreSummary.batch_signals_many(list(map(_SUMMARY, probes)), rule, scores,
                                            spans, token_indices, layers, metadata)
+
+
+_RULE = operator.attrgetter("rule")
+_SUMMARY = operator.attrgetter("summary")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import operator
 import os
 import sys
@@ -786,7 +787,7 @@ class Router:
                               for binding in request.bindings.values()])
             raise
         finally:
-            self._add_totals([result for results in finished for result in results.values()])
+            self._add_totals(list(itertools.chain.from_iterable(map(dict.values, finished))))
         return finished
 
     @staticmethod

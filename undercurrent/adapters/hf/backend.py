@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import inspect
 import itertools
+import operator
 import os
 import queue
 import threading
@@ -63,6 +64,11 @@ def _padded_slot(row: int, pad: int) -> Callable[[int], Hashable]:
 def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
     """The one token a row feeds in a forward sits at ``(row, column)``."""
     return lambda token_index: (row, column)
+
+
+_GENERATED = operator.attrgetter("generated")
+_REQUEST_ID = operator.attrgetter("request_id")
+_FINISH_REASON = operator.attrgetter("finish_reason")
 
 
 class _RowDriver:
@@ -481,9 +487,11 @@ class HFBackend:
                 for state in states:
                     if state.finish_reason is None:
                         state.finish_reason = "length"
-                outputs = session.close_requests([
-                    (state.request_id, self._final_text(state, params), state.finish_reason)
-                    for state in states])
+                # (no stop strings: each text as decoded, all of them at once)
+                texts = (list(map(self._decode, map(_GENERATED, states))) if not params.stop
+                         else [self._final_text(state, params) for state in states])
+                outputs = session.close_requests(list(zip(
+                    map(_REQUEST_ID, states), texts, map(_FINISH_REASON, states), strict=True)))
             except BaseException:
                 # An on_result callback (or an interrupt) failed part-way: end the
                 # requests not closed yet, so the router holds no live request.
