@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 
+from undercurrent.adapters.outputs import AbortInfo
 from undercurrent.adapters.session import CaptureSession, RequestState, StepPlan
 from undercurrent.records import BatchSignals, ProbeSignal, SignalAction
 from undercurrent.spec.types import ExtractionPoint
@@ -403,7 +404,6 @@ def test_a_layout_of_steady_tokens_planned_at_once_is_the_general_paths():
     import torch
 
     from undercurrent.adapters.delivery import _SteadyLayout
-    from undercurrent.adapters.outputs import AbortInfo
 
     point = _layered_point("m", "generated[*]", "mlp_out", layers=(2, 0, 1), probe_type="none")
     session = CaptureSession(None, [point])
@@ -459,6 +459,14 @@ def test_steady_tokens_are_refused_where_each_request_must_be_planned():
                                                  probe_type="none")])
     stranger = other.open_request("s", "x", [1, 2])
     assert not StepPlan().add_steady_tokens([(late, 4, (0, 0)), (stranger, 4, (1, 0))])
+    ended, going = (other.open_request(name, "x", [1, 2]) for name in ("e", "g"))
+    assert StepPlan().add_steady_tokens([(ended, 4, (0, 0)), (going, 4, (1, 0))])
+    ended.closed = True  # a closed request, or an aborted one, is planned on its own
+    assert not StepPlan().add_steady_tokens([(ended, 4, (0, 0)), (going, 4, (1, 0))])
+    ended.closed = False
+    ended.abort = AbortInfo(extraction_point_name="m", layer=0, token_index=3,
+                            generated_index=1, signal=ProbeSignal(score=1.0))
+    assert not StepPlan().add_steady_tokens([(ended, 4, (0, 0)), (going, 4, (1, 0))])
 
 
 def test_wanted_pairs_of_requests_sharing_points_are_each_requests_pairs():

@@ -30,6 +30,8 @@ and takes part in planning from the next forward on.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +140,14 @@ def held_back(text: str, stops: Sequence[str]) -> int:
         if any(stop.startswith(tail) and len(stop) > size for stop in stops):
             return size
     return 0
+
+
+# A request state's fields, read in C over a step's requests (StepPlan.add_steady_tokens).
+_STEADY_FROM = operator.attrgetter("steady_from")
+_POINTS = operator.attrgetter("points")
+_ABORT = operator.attrgetter("abort")
+_CLOSED = operator.attrgetter("closed")
+_PROMPT_LEN = operator.attrgetter("prompt_len")
 
 
 class StreamText:
@@ -542,17 +552,18 @@ class StepPlan:
         otherwise (plan each request with :meth:`add_window`)."""
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
-        points = fed[0][0].points
-        generated = True  # every token fed is a generated one
-        for state, token_index, _ in fed:
-            steady_from = state.steady_from
-            if (state.points is not points or steady_from is None or token_index < steady_from
-                    or state.abort is not None or state.closed):
-                return False
-            if token_index < state.prompt_len:
-                generated = False
+        states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
+        points = states[0].points
+        # Each request of these points, steady from its token on, neither aborted
+        # nor closed: checked in C, a column at a time.
+        steady_from = list(map(_STEADY_FROM, states))
+        if (not all(map(operator.is_, map(_POINTS, states), itertools.repeat(points)))
+                or None in steady_from or not all(map(operator.ge, tokens, steady_from))
+                or list(map(_ABORT, states)).count(None) != len(states)
+                or any(map(_CLOSED, states))):
+            return False
+        generated = all(map(operator.ge, tokens, map(_PROMPT_LEN, states)))  # no prompt token
         pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]
-        slots = [slot for _, _, slot in fed]
         if len(set(pairs)) != len(pairs) or len(set(slots)) != len(slots):
             return False
         layouts = [self._layout(point) for point in points]
@@ -566,8 +577,9 @@ class StepPlan:
             point = points[0]
             layers, groups = layouts[0]
             matches.extend([PlanMatch(state, point, token_index, layers, [row] * len(groups), row)
-                            for row, (state, token_index, _) in enumerate(fed)])
-            self.one_each = generated and len({id(state) for state, _, _ in fed}) == len(fed)
+                            for row, (state, token_index) in enumerate(zip(states, tokens,
+                                                                           strict=True))])
+            self.one_each = generated and len(set(map(id, states))) == len(states)
             return True
         for row, (state, token_index, _) in enumerate(fed):
             for point, (layers, groups) in zip(points, layouts, strict=True):
