@@ -276,6 +276,7 @@ def test_requests_opened_together_are_registered_in_one_call():
     assert [s.request_id for s in states] == ["a", "b"] and session.requests["b"] is states[1]
     assert [(c.prompt, c.prompt_len, c.prompt_token_ids) for c in router.contexts] == [
         ("x", 2, (7, 8)), ("yy", 3, (1, 2, 3))]
+    assert router.contexts == [session._context(state) for state in states]
     alone = CaptureSession(router, [point("generated[*]")])
     expected = [alone.open_request(*request) for request in requests]
     assert [(s.prompt_token_ids, s.points, s.steady_from) for s in states] == [
@@ -484,3 +485,20 @@ def test_wanted_pairs_of_requests_sharing_points_are_each_requests_pairs():
     for state in states[1:]:
         state.matches_in_window(0, 3)
     assert session.wanted_pairs() == states[0].wanted_pairs() != union
+
+
+def test_wanted_pairs_of_requests_of_different_points_are_each_requests_pairs():
+    """Requests of two points tuples (one opened with its own) want the pairs of
+    both; a finished request wants none."""
+    mlp = _layered_point("m", "generated[*]", "mlp_out", probe_type="none")
+    residual = _layered_point("r", "generated[*]", "residual_stream", layers=(1, 3),
+                              probe_type="none")
+    session = CaptureSession(None, [mlp])
+    first = session.open_request("a", "x", [1, 2])
+    second = session.open_request("b", "x", [1, 2], points=[residual])
+    session.open_request("c", "x", [1, 2])
+    assert session.wanted_pairs() == first.wanted_pairs() | second.wanted_pairs()
+    assert second.wanted_pairs() == {(1, residual.tensor_type), (3, residual.tensor_type)}
+    second.finish_reason = "length"
+    assert session.wanted_pairs() == first.wanted_pairs()
+    assert [state.request_id for state in session.live_requests()] == ["a", "c"]

@@ -142,12 +142,17 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return 0
 
 
-# A request state's fields, read in C over a step's requests (StepPlan.add_steady_tokens).
+# A request state's fields, read in C over a call's or a step's requests.
 _STEADY_FROM = operator.attrgetter("steady_from")
 _POINTS = operator.attrgetter("points")
 _ABORT = operator.attrgetter("abort")
 _CLOSED = operator.attrgetter("closed")
 _PROMPT_LEN = operator.attrgetter("prompt_len")
+_PROMPT = operator.attrgetter("prompt")
+_PROMPT_TOKEN_IDS = operator.attrgetter("prompt_token_ids")
+_FINISH_REASON = operator.attrgetter("finish_reason")
+_LIVE_EDITS = operator.attrgetter("_live_edits")
+_LIVE_POINTS = operator.attrgetter("_live_points")
 
 
 class StreamText:
@@ -747,7 +752,10 @@ class CaptureSession:
                                (*shared, *mine[request_id]) if request_id in mine else shared,
                                bounds)
                   for request_id, prompt, token_ids in requests]
-        register_many([self._context(state) for state in states], list(self.points))
+        # (each request's context, as _context makes it: built in C, a field at a time)
+        register_many(list(map(RequestContext.of_prompt, ids, map(_PROMPT, states),
+                               map(_PROMPT_LEN, states), itertools.repeat(self.model_name),
+                               map(_PROMPT_TOKEN_IDS, states))), list(self.points))
         self._registered.update(ids)
         self.requests.update(zip(ids, states, strict=True))
         return states
@@ -878,13 +886,24 @@ class CaptureSession:
         return bool(self.edits) or any(self.request_edits.values())
 
     def live_requests(self) -> list[RequestState]:
-        return [state for state in self.requests.values() if state.live]
+        states = list(self.requests.values())
+        if list(map(_FINISH_REASON, states)).count(None) == len(states):  # (all live: in C)
+            return states
+        return [state for state in states if state.live]
 
     def wanted_pairs(self) -> set[PairKey]:
         """(layer, tensor type) pairs any live request can still match."""
         wanted: set[PairKey] = set()
+        live = self.live_requests()
+        if (not any(map(_LIVE_EDITS, live))
+                and all(map(operator.is_, map(_LIVE_POINTS, live), map(_POINTS, live)))):
+            # No edit, and every request's points all live (the usual case at the
+            # start of a call, checked in C): the pairs of each points tuple, once.
+            for state in dict(zip(map(id, map(_POINTS, live)), live, strict=True)).values():
+                wanted |= state.wanted_pairs()
+            return wanted
         done: set[int] = set()  # ids of the points tuples counted whole
-        for state in self.live_requests():
+        for state in live:
             points = state.points
             if not state._live_edits and len(state._live_points) == len(points):
                 # Every point live and no edit: the pairs of its points, counted
