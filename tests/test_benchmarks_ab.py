@@ -23,7 +23,10 @@ def test_a_versions_processes_are_summed_up_by_their_paired_repeats():
     assert summary["processes"] == 2
 
 
-def test_one_process_times_plain_raw_hooks_and_the_scenario_in_turn():
+def test_one_process_times_plain_raw_hooks_and_the_scenario_in_turn(monkeypatch):
+    # (this process's heap and environment left as they are: the timing
+    # processes the command starts make theirs steady)
+    monkeypatch.setattr("benchmarks.allocator.steady_allocator", lambda: True)
     found = time_interleaved("uc_inline_linear", batch=2, layers="all", tokens=3, repeats=2,
                              threads=None)
     assert set(found["times"]) == {PLAIN, RAW, "uc_inline_linear"}

@@ -6,6 +6,7 @@ hold until it is called."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,12 @@ print(json.dumps({"took": took, "mmapped": mmapped, "heap_after_free": libc.mall
 
 
 def _allocate(mode: str) -> dict:
+    from benchmarks.allocator import ENVIRONMENT
+
+    # (glibc's defaults: none of the settings a steady heap hands its children)
+    env = {key: value for key, value in os.environ.items() if key not in ENVIRONMENT}
     done = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+                          text=True, timeout=120, check=False, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
