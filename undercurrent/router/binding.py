@@ -146,19 +146,21 @@ class _Rows:
         return _Rows(self.batch, self.start + count, self.stop)
 
 
-#: An inline binding's queue, and a binding's notes until its first: empty and
+#: An inline binding's queue, and a binding's notes and signals until its first: empty and
 #: shared (the garbage collector tracks every list and deque made per request).
 #: Tuples: nothing can be added to them by mistake.
 _NO_QUEUE: Any = ()
+_NO_NOTES: Any = ()
+_NONE_KEPT: Any = ()  # a binding's signals before it keeps one
+
 # (the C lock threading.RLock() returns, made without that Python call: one per binding)
 _RLock = threading.RLock().__class__
+# A binding's fields, read in C over many bindings (see least_room, shared_group).
 _GROUP = operator.attrgetter("_group")
 _IS_ASYNC = operator.attrgetter("_is_async")
 _CLOSED = operator.attrgetter("_closed")
 _CAPACITY = operator.attrgetter("_queue_capacity")
 _QUEUED = operator.attrgetter("_queued")
-_NO_NOTES: Any = ()
-_NONE_KEPT: Any = ()  # a binding's signals before it keeps one
 
 
 class Binding:
@@ -1049,7 +1051,7 @@ class Binding:
                 self._count_errors(batch[start:stop], [error] * count)
             elif signals is not None and (offset is not None or signals.any_signal()):
                 self._unread_list().append((signals, batch, start, stop, False,
-                                     start if offset is None else offset))
+                                            start if offset is None else offset))
             return True
 
     def finish_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
@@ -1069,7 +1071,7 @@ class Binding:
                     self._latency_max = longest
                 if signals is not None:
                     self._unread_list().extend((signals, batch, start, stop, True, offset)
-                                        for batch, start, stop, offset in pieces)
+                                               for batch, start, stop, offset in pieces)
             return self.keep_scheduled()
 
     def release_dropped(self, count: int) -> None:
