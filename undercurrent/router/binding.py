@@ -266,17 +266,13 @@ class Binding:
         elif self._policy.mode is InterventionMode.REJECT:
             self._group = key
 
-    def sibling(self, probe: Any, ctx: RequestContext) -> Binding:
-        """A binding of this one's point and settings for another request (its
-        ``probe`` and ``ctx``): what the constructor makes from the same
-        arguments, the settings not worked out again. Only on a binding that is
-        not started yet (its state is still the constructor's)."""
-        return self.siblings([probe], [ctx])[0]
-
     def siblings(self, probes: Sequence[Any], contexts: Sequence[RequestContext]
                  ) -> list[Binding]:
-        """:meth:`sibling` for each (probe, context), in one pass: a whole call's
-        requests are bound at once (:meth:`Router.register_requests`)."""
+        """A binding of this one's point and settings for each other request (its
+        probe and context), in one pass: what the constructor makes from the same
+        arguments, the settings not worked out again (a whole call's requests
+        are bound at once, :meth:`Router.register_requests`). Only on a binding
+        that is not started yet (its state is still the constructor's)."""
         assert not self._received and not self._closed and not self._error_notes
         assert self._signals is _NONE_KEPT and self._unread is _NONE_KEPT
         cls = type(self)
