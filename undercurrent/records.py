@@ -6,8 +6,10 @@ CPU ``torch.Tensor`` from the shipped adapters, or a numpy array in tests).
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
+import operator
 import sys
 import threading
 import time
@@ -297,6 +299,25 @@ def built(cls: type[_Built], fields: dict[str, Any]) -> _Built:
     For the objects made once per request and point on the generation path."""
     made = object.__new__(cls)
     made.__dict__.update(fields)
+    return made
+
+
+_STATE = operator.attrgetter("__dict__")
+
+
+def all_are(values: Iterable[Any], value: Any) -> bool:
+    """Whether every one of ``values`` is ``value`` itself (checked in C)."""
+    return all(map(operator.is_, values, itertools.repeat(value)))
+
+
+def built_all(cls: type[_Built], names: Sequence[str], rows: Sequence[Sequence[Any]]
+              ) -> list[_Built]:
+    """:func:`built` for each row of values (row ``i`` holding every field of
+    ``cls``, in the order of ``names``), in C: one instance per row, for the
+    objects made once per request of a call (its results, their stats)."""
+    made: list[_Built] = list(map(object.__new__, itertools.repeat(cls, len(rows))))
+    collections.deque(map(dict.update, map(_STATE, made),
+                          map(dict, map(zip, itertools.repeat(names), rows))), maxlen=0)
     return made
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, summary_verdicts
 from undercurrent.records import ACTION_CODES, ActivationRecord, SignalAction, as_list
 
 #: Scores with many magnitudes (so that the order of additions shows in the
@@ -135,3 +135,25 @@ def test_zeros_of_both_signs_keep_the_sign_the_loop_keeps() -> None:
     got = [ScoreSummary() for _ in per_request]
     ScoreSummary.batch_signals_many(got, rule, np.array(scores), spans, tokens, layers)
     assert [_state(s) for s in got] == [_state(s) for s in expected]
+
+
+@st.composite
+def _summaries(draw: Any) -> list[ScoreSummary]:
+    found = [_earlier(draw) for _ in range(draw(st.integers(min_value=0, max_value=6)))]
+    for summary in found:
+        summary.threshold = draw(st.one_of(st.none(), st.floats(allow_nan=False)))
+        if draw(st.booleans()):
+            summary.extra = {"statistic": "mean"}
+    return found
+
+
+@settings(max_examples=200, deadline=None)
+@given(_summaries())
+def test_a_calls_verdicts_read_a_column_at_a_time_are_each_summarys_verdict(
+        summaries: list[ScoreSummary]) -> None:
+    """``summary_verdicts`` (a call's requests ended together) gives each
+    summary's ``verdict()``: the same keys in the same order, the same values
+    (NaN included, compared by their text)."""
+    got = summary_verdicts(summaries)
+    assert [list(verdict.items()).__repr__() for verdict in got] == [
+        list(summary.verdict().items()).__repr__() for summary in summaries]

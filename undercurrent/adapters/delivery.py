@@ -46,6 +46,7 @@ from undercurrent.records import (
     ProbeSignal,
     SignalAction,
     as_list,
+    built_all,
     concat_rows,
 )
 
@@ -149,6 +150,15 @@ class SignalLog(Sequence[TokenSignal]):
         self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch]]] = []
         self.following: _Follow | None = None
         """The journal whose entries are this request's next signals, if any."""
+
+    @classmethod
+    def fresh(cls, count: int) -> list[SignalLog]:
+        """``count`` new logs, what the constructor makes, made in C (one per
+        request of a call)."""
+        empty = itertools.repeat((), count)
+        return built_all(cls, ("_built", "_pending", "following"), list(zip(
+            map(list, empty), map(list, itertools.repeat((), count)),
+            itertools.repeat(None, count), strict=True)))
 
     def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
         """Signals of one token: each point's rows (run order: by point)."""

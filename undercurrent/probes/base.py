@@ -161,6 +161,27 @@ class Probe:
         """Called once after the last activation; the return value is the verdict."""
         return None
 
+    @classmethod
+    def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:
+        """:meth:`on_start` of several instances of this class at once (``probes[i]``
+        with ``contexts[i]``: one point's probes, one per request of a call), or
+        False, with nothing done, when this class starts each alone (the
+        default). The router asks when it binds a call's requests together. A
+        class may do it only when the result is the state :meth:`on_start` would
+        leave in each instance; when it raises, it must have changed nothing:
+        the router then calls :meth:`on_start` of each, which notes each failure."""
+        return False
+
+    @classmethod
+    def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
+                 ) -> list[Any] | None:
+        """The verdicts :meth:`on_end` gives each instance (``probes[i]`` with
+        ``contexts[i]``), computed at once, or None, with nothing done, when this
+        class ends each alone (the default). The router asks when it ends a
+        call's requests together and none has work left. When it raises, it
+        must have changed nothing: the router then calls :meth:`on_end` of each."""
+        return None
+
     def copy_for_request(self) -> Probe | None:
         """A new instance configured as this one, for another request of the same
         point, or None (the default): the router then calls the constructor

@@ -6,14 +6,23 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
+import collections
 import inspect
+import itertools
+import operator
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.scoring import (
+    ScoreSummary,
+    ThresholdRule,
+    end_summaries,
+    judge_summaries,
+    start_summaries,
+)
 from undercurrent.probes.weights import (
     LINKS,
     LinearWeights,
@@ -27,6 +36,7 @@ from undercurrent.records import (
     ActivationRecord,
     BatchSignals,
     ProbeSignal,
+    all_are,
     as_list,
 )
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
@@ -266,6 +276,27 @@ class LinearProbe(ScoresRows):
         if ctx.extraction_point is not None:  # the router checked; direct callers may not
             self.check_point(ctx.extraction_point)
 
+    @classmethod
+    def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:
+        """Every instance's :meth:`on_start` at once: the point checked once, a
+        fresh summary each. Only for this class's own ``on_start`` and
+        ``check_point``, on instances sharing one readout, one ``check_metadata``
+        and one point (a call's copies of one probe do)."""
+        if cls.on_start is not LinearProbe.on_start or (
+                cls.check_point is not LinearProbe.check_point):
+            return False
+        first = probes[0]
+        assert isinstance(first, LinearProbe)
+        point = contexts[0].extraction_point
+        if not (all_are(map(_POINT, contexts), point)
+                and all_are(map(_READOUT, probes), first.readout)
+                and all_are(map(_CHECKS_METADATA, probes), first.check_metadata)):
+            return False
+        if point is not None:  # (raises before any instance is changed)
+            first.check_point(point)
+        start_summaries(probes)
+        return True
+
     def copy_for_request(self) -> LinearProbe | None:
         # The readout and rule are read-only; on_start makes the summary.
         return shallow_copy(self) if type(self) is LinearProbe else None
@@ -321,6 +352,22 @@ class LinearProbe(ScoresRows):
         verdict = self.summary.verdict()
         verdict.update(link=self.readout.link, source=self.readout.source)
         return verdict
+
+    @classmethod
+    def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
+                 ) -> list[Any] | None:
+        """Every instance's :meth:`on_end` verdict at once (this class's own
+        ``on_end`` only)."""
+        if cls.on_end is not LinearProbe.on_end:
+            return None
+        verdicts = end_summaries(probes)
+        if verdicts is None:
+            return None
+        readouts = list(map(_READOUT, probes))
+        tails = map(dict, map(zip, itertools.repeat(("link", "source")),
+                              zip(map(_LINK, readouts), map(_SOURCE, readouts), strict=True)))
+        collections.deque(map(dict.update, verdicts, tails), maxlen=0)
+        return verdicts
 
 
 def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:
@@ -425,3 +472,11 @@ DualPositionProbe.__signature__ = inspect.Signature([  # type: ignore[attr-defin
     inspect.Parameter("read_offset", inspect.Parameter.KEYWORD_ONLY, default=1),
     *inspect.signature(LinearProbe).parameters.values(),
 ])
+
+
+# (fields read in C over a call's instances: start_many, end_many)
+_POINT = operator.attrgetter("extraction_point")
+_READOUT = operator.attrgetter("readout")
+_CHECKS_METADATA = operator.attrgetter("check_metadata")
+_LINK = operator.attrgetter("link")
+_SOURCE = operator.attrgetter("source")

@@ -13,8 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, judge_summaries
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.scoring import (
+    ScoreSummary,
+    ThresholdRule,
+    end_summaries,
+    judge_summaries,
+    start_summaries,
+)
 from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
 
@@ -54,6 +60,14 @@ class _StatisticProbe(ScoresRows):
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold, extra={"statistic": self.statistic_name})
 
+    @classmethod
+    def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:
+        """Every instance's :meth:`on_start` at once (this class's own only)."""
+        if cls.on_start is not _StatisticProbe.on_start:
+            return False
+        start_summaries(probes, {"statistic": cls.statistic_name})
+        return True
+
     def copy_for_request(self) -> _StatisticProbe | None:
         # The rule is read-only; on_start makes the summary.
         return (shallow_copy(self)
@@ -85,6 +99,12 @@ class _StatisticProbe(ScoresRows):
 
     def on_end(self, ctx: RequestContext) -> Any:
         return self.summary.verdict()
+
+    @classmethod
+    def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
+                 ) -> list[Any] | None:
+        """Every instance's :meth:`on_end` verdict at once (this class's own only)."""
+        return end_summaries(probes) if cls.on_end is _StatisticProbe.on_end else None
 
 
 class NormProbe(_StatisticProbe):

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.probes.arrays import map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.linear import LinearReadout
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, add_blocks
+from undercurrent.probes.scoring import (
+    ScoreSummary,
+    ThresholdRule,
+    add_blocks,
+    end_summaries,
+    start_summaries,
+)
 from undercurrent.probes.statistics import l2_norms
 from undercurrent.records import (
     ACTION_CODES,
@@ -146,6 +155,25 @@ class TrajectoryProbe(ScoresRows):
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
 
+    @classmethod
+    def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:
+        """Every instance's :meth:`on_start` at once (this class's own only, on
+        instances sharing their statistic and source, as a call's copies do):
+        empty running statistics and a fresh summary each."""
+        if cls.on_start is not TrajectoryProbe.on_start or (
+                cls._reset is not TrajectoryProbe._reset):
+            return False
+        statistics, sources = set(map(_STATISTIC, probes)), set(map(_SOURCE, probes))
+        if len(statistics) != 1 or len(sources) != 1:
+            return False
+        count = len(probes)
+        for name, kind in (("_slot", dict), ("_layers", list), ("_counts", list),
+                           ("_values", list)):
+            collections.deque(map(setattr, probes, itertools.repeat(name),
+                                  map(kind, itertools.repeat((), count))), maxlen=0)
+        start_summaries(probes, {"statistic": statistics.pop(), "source": sources.pop()})
+        return True
+
     def copy_for_request(self) -> TrajectoryProbe | None:
         # The readout, rule and parameters are read-only; on_start (_reset) makes
         # the running statistics and the summary.
@@ -228,6 +256,20 @@ class TrajectoryProbe(ScoresRows):
         verdict = self.summary.verdict()
         verdict["final_by_layer"] = dict(sorted(zip(self._layers, self._values, strict=True)))
         return verdict
+
+    @classmethod
+    def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
+                 ) -> list[Any] | None:
+        """Every instance's :meth:`on_end` verdict at once (this class's own only)."""
+        if cls.on_end is not TrajectoryProbe.on_end:
+            return None
+        verdicts = end_summaries(probes)
+        if verdicts is None:
+            return None
+        finals = map(dict, map(sorted, map(zip, map(_LAYERS, probes), map(_VALUES, probes))))
+        collections.deque(map(dict.__setitem__, verdicts, itertools.repeat("final_by_layer"),
+                              finals), maxlen=0)
+        return verdicts
 
 
 def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
@@ -320,3 +362,10 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
                 "layer": pattern * count}
     return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel(), flat, metadata,
                         all_scored=True)
+
+
+# (fields read in C over a call's instances: start_many, end_many)
+_STATISTIC = operator.attrgetter("statistic")
+_SOURCE = operator.attrgetter("source")
+_LAYERS = operator.attrgetter("_layers")
+_VALUES = operator.attrgetter("_values")

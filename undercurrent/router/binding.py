@@ -23,6 +23,8 @@ routed batch); the counters are updated once per batch, in vectors.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -32,7 +34,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from undercurrent.probes.base import Probe, RequestContext, scores_batches
@@ -45,6 +47,8 @@ from undercurrent.records import (
     ProbeSignal,
     ProbeStats,
     SignalAction,
+    all_are,
+    built_all,
 )
 from undercurrent.router.errors import OverflowPolicy
 from undercurrent.spec.types import (
@@ -161,6 +165,61 @@ _IS_ASYNC = operator.attrgetter("_is_async")
 _CLOSED = operator.attrgetter("_closed")
 _CAPACITY = operator.attrgetter("_queue_capacity")
 _QUEUED = operator.attrgetter("_queued")
+_PROBE = operator.attrgetter("_probe")
+_CTX = operator.attrgetter("_ctx")
+_MUTEX = operator.attrgetter("_mutex")
+_TRY_ACQUIRE = operator.methodcaller("acquire", False)
+_RELEASE = operator.methodcaller("release")
+_QUEUE = operator.attrgetter("_queue")
+_BUSY = operator.attrgetter("_busy")
+_WAITING = operator.attrgetter("_waiting")
+_SLEEPERS = operator.attrgetter("_sleepers")
+_FINALISED = operator.attrgetter("_finalised")
+_START_FAILED = operator.attrgetter("_start_failed")
+_UNREAD = operator.attrgetter("_unread")
+_ERROR_NOTES = operator.attrgetter("_error_notes")
+_TRACEBACK = operator.attrgetter("_traceback")
+_SIGNALS = operator.attrgetter("_signals")
+_KEPT = operator.attrgetter("_kept")
+_NAME = operator.attrgetter("_name")
+_REQUEST_ID = operator.attrgetter("request_id")
+_RECEIVED = operator.attrgetter("_received")
+_PROCESSED = operator.attrgetter("_processed")
+_DROPPED = operator.attrgetter("_dropped")
+_ERRORS = operator.attrgetter("_errors")
+_TIMEOUTS = operator.attrgetter("_timeouts")
+_LATENCY_TOTAL = operator.attrgetter("_latency_total")
+_LATENCY_MAX = operator.attrgetter("_latency_max")
+_LATE_RESULTS = operator.attrgetter("_late_results")
+_BREAKER_OPEN = operator.attrgetter("_breaker_open")
+_PROBE_TYPE = operator.attrgetter("_probe_type")
+_EXECUTION_MODE = operator.attrgetter("_execution_mode")
+_INTERVENTION = operator.attrgetter("_intervention")
+
+
+def _set_each(bindings: Iterable[Binding], name: str, values: Iterable[Any]) -> None:
+    """Set field ``name`` of each binding to its value, in C."""
+    collections.deque(map(setattr, bindings, itertools.repeat(name), values), maxlen=0)
+
+
+@contextlib.contextmanager
+def _all_locked(bindings: Sequence[Binding]) -> Iterator[bool]:
+    """Take every binding's lock that is free; yields whether all were (the caller
+    then does nothing unless so), and lets go of those taken. None is waited
+    for: a thread holding one may be waiting for another."""
+    mutexes = list(map(_MUTEX, bindings))
+    taken = list(map(_TRY_ACQUIRE, mutexes))
+    try:
+        yield all(taken)
+    finally:
+        collections.deque(map(_RELEASE, itertools.compress(mutexes, taken)), maxlen=0)
+
+
+# A result's fields and its metadata's keys, in the order result() gives them.
+_STATS_FIELDS = tuple(item.name for item in dataclasses.fields(ProbeStats))
+_RESULT_FIELDS = tuple(item.name for item in dataclasses.fields(ProbeResult))
+_METADATA_KEYS = ("probe_type", "execution_mode", "intervention", "max_latency_s",
+                  "late_results", "breaker_open")
 
 
 class Binding:
@@ -683,6 +742,103 @@ class Binding:
                     "on_end was not called)"
                 )
 
+    @staticmethod
+    def start_together(bindings: Sequence[Binding]) -> bool:
+        """:meth:`start` of every binding of one point (one per request of a call)
+        in one call of their probes' class's
+        :meth:`~undercurrent.probes.base.Probe.start_many`: True when done, False
+        with nothing done when the class starts each alone (or its
+        ``start_many`` raised: then each :meth:`start` notes its own failure)."""
+        probes = list(map(_PROBE, bindings))
+        kind = type(probes[0])
+        start_many = getattr(kind, "start_many", None)
+        if start_many is None or not all_are(map(type, probes), kind):
+            return False
+        try:
+            return bool(start_many(probes, list(map(_CTX, bindings))))
+        except Exception:  # (noted per binding by start, which meets it again)
+            return False
+
+    @staticmethod
+    def end_idle_together(columns: Sequence[Sequence[Binding]]) -> list[list[ProbeResult]] | None:
+        """:meth:`end_if_idle` of every binding of a call's requests, at once:
+        ``columns[p]`` holds point ``p`` 's bindings, one per request, and the
+        results come back the same way. None, with nothing done, unless every
+        binding is idle (nothing queued, in flight or waiting for its turn, no
+        thread waiting on it, not ended) and its lock free.
+
+        The verdicts of a point whose probes' class ends them together
+        (:meth:`~undercurrent.probes.base.Probe.end_many`) come from one call;
+        the other probes' ``on_end`` run one by one, request by request (the
+        order ending each request gives), each failure noted as
+        :meth:`end_if_idle` notes it. The results are the ones :meth:`result`
+        gives, made from the bindings' columns."""
+        bindings = list(itertools.chain.from_iterable(columns))
+        with _all_locked(bindings) as locked:
+            if not locked or any(map(_QUEUE, bindings)) or any(map(_BUSY, bindings)) or (
+                    any(map(_WAITING, bindings)) or any(map(_SLEEPERS, bindings))
+                    or any(map(_FINALISED, bindings))):
+                return None
+            _set_each(bindings, "_closed", itertools.repeat(True))
+            _set_each(bindings, "_finalised", itertools.repeat(True))
+        verdicts: list[list[Any] | None] = [Binding._end_many(column) for column in columns]
+        if None in verdicts:  # the others' on_end, in the order ending each request gives
+            alone = [index for index, found in enumerate(verdicts) if found is None]
+            for index in alone:
+                verdicts[index] = []
+            for row in zip(*[columns[index] for index in alone], strict=True):
+                for index, binding in zip(alone, row, strict=True):
+                    verdicts[index].append(  # type: ignore[union-attr]
+                        binding._verdict(not binding._start_failed))
+        return [Binding._results(column, found)  # type: ignore[arg-type]
+                for column, found in zip(columns, verdicts, strict=True)]
+
+    @staticmethod
+    def _end_many(bindings: Sequence[Binding]) -> list[Any] | None:
+        """The verdicts of one point's finalised bindings from their probes' class's
+        ``end_many``, or None (each probe's ``on_end`` is called then)."""
+        probes = list(map(_PROBE, bindings))
+        kind = type(probes[0])
+        end_many = getattr(kind, "end_many", None)
+        if (end_many is None or any(map(_START_FAILED, bindings))
+                or not all_are(map(type, probes), kind)):
+            return None
+        try:
+            verdicts = end_many(probes, list(map(_CTX, bindings)))
+        except Exception:  # (noted per binding by _verdict, which meets it again)
+            return None
+        return None if verdicts is None else list(verdicts)
+
+    @staticmethod
+    def _results(bindings: Sequence[Binding], verdicts: Sequence[Any]) -> list[ProbeResult]:
+        """:meth:`result` of each finalised binding with its verdict, the plain
+        ones (no error note, no signal kept) made a column at a time."""
+        if any(map(_ERROR_NOTES, bindings)) or not all_are(map(_TRACEBACK, bindings), None):
+            return list(map(Binding.result, bindings, verdicts))
+        count = len(bindings)
+        # Signals still columns are built when first read, as result() leaves them.
+        unread = list(map(bool, map(_UNREAD, bindings)))
+        signals: Iterable[Sequence[ProbeSignal]] = (
+            map(LazySequence, map(_KEPT, bindings)) if all(unread)
+            else map(tuple, map(_SIGNALS, bindings)) if not any(unread)
+            else [LazySequence(binding._kept) if late else tuple(binding._signals)
+                  for binding, late in zip(bindings, unread, strict=True)])
+        processed = list(map(_PROCESSED, bindings))
+        totals = list(map(_LATENCY_TOTAL, bindings))
+        means = [total / number if number else 0.0
+                 for total, number in zip(totals, processed, strict=True)]
+        stats = built_all(ProbeStats, _STATS_FIELDS, list(zip(
+            map(_RECEIVED, bindings), processed, map(_DROPPED, bindings),
+            map(_ERRORS, bindings), map(_TIMEOUTS, bindings), means, strict=True)))
+        metadata = list(map(dict, map(zip, itertools.repeat(_METADATA_KEYS), zip(
+            map(_PROBE_TYPE, bindings), map(_EXECUTION_MODE, bindings),
+            map(_INTERVENTION, bindings), map(_LATENCY_MAX, bindings),
+            map(_LATE_RESULTS, bindings), map(_BREAKER_OPEN, bindings), strict=True))))
+        return built_all(ProbeResult, _RESULT_FIELDS, list(zip(
+            map(_REQUEST_ID, map(_CTX, bindings)), map(_NAME, bindings), verdicts,
+            signals, stats, itertools.repeat(None, count),
+            metadata, strict=True)))
+
     # -- accounting, called with the lock held -------------------------------------
 
     def account(self, latency: float, error: str | None, record: ActivationRecord) -> None:
@@ -973,6 +1129,61 @@ class Binding:
             self._in_flight = count
             return True
 
+    @staticmethod
+    def admit_together(bindings: Sequence[Binding], counts: Sequence[int]) -> bool:
+        """:meth:`admit_inline` of each binding with its count, at once (a group
+        judged together): True when every one is admitted, each free and open
+        and its lock free; False, with nothing done, otherwise (each is then
+        admitted on its own, waiting for its turn where it must)."""
+        with _all_locked(bindings) as locked:
+            if not locked or any(map(_BUSY, bindings)) or any(map(_CLOSED, bindings)):
+                return False  # (a finalised binding is closed)
+            _set_each(bindings, "_received",
+                      map(operator.add, map(_RECEIVED, bindings), counts))
+            _set_each(bindings, "_busy", itertools.repeat(True))
+            _set_each(bindings, "_in_flight", counts)
+            return True
+
+    @staticmethod
+    def finish_together(bindings: Sequence[Binding], batch: ActivationBatch,
+                        spans: Sequence[tuple[int, int]], signals: BatchSignals | None,
+                        share: float, offset: int) -> bool:
+        """:meth:`finish_rows` of each binding admitted by :meth:`admit_together`,
+        rows ``spans[i]`` being binding ``i`` 's, with the signal columns they
+        share (row ``r`` of ``batch`` is row ``r - offset`` of ``signals``; None:
+        no row got one) and ``share`` seconds per row: True when done for all,
+        each settled as :meth:`finish_rows` settles it; False, with nothing
+        done, when a thread waits on one of them, one was finalised meanwhile,
+        or a lock is taken (each then finishes on its own)."""
+        with _all_locked(bindings) as locked:
+            if not locked or any(map(_SLEEPERS, bindings)) or any(map(_FINALISED, bindings)):
+                return False
+            starts, stops = zip(*spans, strict=True)
+            unread: Any = None
+            if signals is not None:
+                kept = list(map(_UNREAD, bindings))
+                entries = zip(itertools.repeat(signals), itertools.repeat(batch), starts, stops,
+                              itertools.repeat(False), itertools.repeat(offset))
+                if all_are(kept, _NONE_KEPT):  # (each binding's first: lists of their own)
+                    unread = [[entry] for entry in entries]
+                elif _NONE_KEPT not in kept:
+                    collections.deque(map(list.append, kept, entries), maxlen=0)
+                else:
+                    return False
+            counts = list(map(operator.sub, stops, starts))
+            _set_each(bindings, "_busy", itertools.repeat(False))
+            _set_each(bindings, "_in_flight", itertools.repeat(0))
+            _set_each(bindings, "_processed",
+                      map(operator.add, map(_PROCESSED, bindings), counts))
+            _set_each(bindings, "_latency_total", map(
+                operator.add, map(_LATENCY_TOTAL, bindings),
+                map(operator.mul, itertools.repeat(share), counts)))
+            _set_each(bindings, "_latency_max",
+                      map(max, map(_LATENCY_MAX, bindings), itertools.repeat(share)))
+            if unread is not None:
+                _set_each(bindings, "_unread", unread)
+            return True
+
     def take_queued(self, limit: int) -> ActivationBatch | None:
         """An async worker takes up to ``limit`` queued vectors (one for a probe that
         does not batch) as one batch and marks the probe busy with them. None when
@@ -1192,16 +1403,21 @@ class Binding:
     def _ended(self, may_end: bool) -> ProbeResult:
         """The result of a finalised binding, with ``on_end`` 's verdict when
         ``may_end`` (an ``on_end`` that raises is counted and noted)."""
-        verdict = None
-        if may_end:
-            try:
-                verdict = self._probe.on_end(self._ctx)
-            except Exception as exc:
-                self._log_first_error("on_end", exc)
-                with self._mutex:
-                    self._errors += 1
-                    self._note(f"on_end: {describe_error(exc)}")
-        return self.result(verdict)
+        return self.result(self._verdict(may_end))
+
+    def _verdict(self, may_end: bool) -> Any:
+        """``on_end`` 's verdict when ``may_end``, else None (an ``on_end`` that
+        raises gives None, counted and noted)."""
+        if not may_end:
+            return None
+        try:
+            return self._probe.on_end(self._ctx)
+        except Exception as exc:
+            self._log_first_error("on_end", exc)
+            with self._mutex:
+                self._errors += 1
+                self._note(f"on_end: {describe_error(exc)}")
+            return None
 
     def snapshot(self) -> dict[str, Any]:
         """Live metrics for this binding."""

@@ -17,6 +17,7 @@ records one by one.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ def _run_to_completion(binding: Binding, batch: ActivationBatch) -> BatchSignals
 
 
 _UNKNOWN: Any = object()
+_BINDING = operator.itemgetter(1)
+_START = operator.itemgetter(2)
+_STOP = operator.itemgetter(3)
 
 
 class GroupMembers(list[tuple[Any, Binding, int, int]]):
@@ -60,11 +64,18 @@ class GroupMembers(list[tuple[Any, Binding, int, int]]):
     (see :func:`judge_group`), keeping what judging them all in one call needs:
     the router gives the same members again while its routes hold."""
 
-    __slots__ = ("_together",)
+    __slots__ = ("_columns", "_together")
 
     def __init__(self) -> None:
         super().__init__()
         self._together: Any = _UNKNOWN
+        self._columns: Any = None
+
+    def columns(self) -> tuple[list[Binding], list[int], list[tuple[int, int]]]:
+        """(the bindings, their row counts, their row spans), computed once."""
+        if self._columns is None:
+            self._columns = _columns_of(self)
+        return self._columns  # type: ignore[no-any-return]
 
     def together(self) -> tuple[Any, list[Any], list[tuple[int, int]]] | None:
         """(``judge_many`` of the probes' class, the probes, their row spans), or
@@ -89,6 +100,24 @@ def _together_of(members: Sequence[tuple[Any, Binding, int, int]]
             [(start, stop) for _, _, start, stop in members])
 
 
+def _columns_of(members: Sequence[tuple[Any, Binding, int, int]]
+                ) -> tuple[list[Binding], list[int], list[tuple[int, int]]]:
+    starts, stops = list(map(_START, members)), list(map(_STOP, members))
+    return (list(map(_BINDING, members)), list(map(operator.sub, stops, starts)),
+            list(zip(starts, stops, strict=True)))
+
+
+def _admit(members: Sequence[tuple[Any, Binding, int, int]]
+           ) -> Sequence[tuple[Any, Binding, int, int]]:
+    """The members whose bindings admit their rows (:meth:`Binding.admit_inline`),
+    all at once when every one does (:meth:`Binding.admit_together`)."""
+    bindings, counts, _ = (members.columns() if isinstance(members, GroupMembers)
+                           else _columns_of(members))
+    if Binding.admit_together(bindings, counts):
+        return members
+    return [member for member in members if member[1].admit_inline(member[3] - member[2])]
+
+
 def judge_group(batch: ActivationBatch, key: Any,
                 members: Sequence[tuple[Any, Binding, int, int]]
                 ) -> list[tuple[int, BatchSignals]]:
@@ -100,7 +129,7 @@ def judge_group(batch: ActivationBatch, key: Any,
     binding that judged. The same counts, signals and state as each binding's
     ``on_batch`` on its own rows; a failure computing the values falls back to
     exactly that, binding by binding."""
-    admitted = [member for member in members if member[1].admit_inline(member[3] - member[2])]
+    admitted = _admit(members)
     if not admitted:
         return []
     started = time.perf_counter()
@@ -114,7 +143,7 @@ def judge_group(batch: ActivationBatch, key: Any,
         raise
     tokens, layers = batch.token_indices, batch.layers
     together = _judge_together(values, tokens, layers, admitted,
-                               members if len(admitted) == len(members) else None)
+                               members if admitted is members else None)
     if together is not None:
         return _settle_together(batch, admitted, together, started)
     judged: list[tuple[Any, Binding, int, int, BatchSignals | None, str | None]] = []
@@ -166,13 +195,18 @@ def _settle_together(batch: ActivationBatch, admitted: Sequence[tuple[Any, Bindi
                      signals: BatchSignals, started: float) -> list[tuple[int, BatchSignals]]:
     """Settle the bindings judged by one :func:`_judge_together` call: one
     update each, all sharing the signal columns (row ``r`` of the batch is row
-    ``r - first`` of ``signals``)."""
+    ``r - first`` of ``signals``), in one pass when no row aborts."""
     first, last = admitted[0][2], admitted[-1][3]
     share = (time.perf_counter() - started) / (last - first)
     index = batch.index_view()
     actions = signals.actions
     kept = signals if signals.any_signal() else None
     aborting = kept is not None and kept.any_abort()
+    if not aborting:
+        bindings, _, spans = (admitted.columns() if isinstance(admitted, GroupMembers)
+                              else _columns_of(admitted))
+        if Binding.finish_together(bindings, index, spans, kept, share, first):
+            return [(first, signals)]
     for request, binding, start, stop in admitted:
         settled = binding.finish_rows(index, start, stop, kept, share * (stop - start), share,
                                       offset=first)

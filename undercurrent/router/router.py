@@ -298,9 +298,16 @@ class Router:
         requests = [_Request(contexts[0].request_id, dict(zip(names, firsts, strict=True)))]
         requests += [_Request(ctx.request_id, dict(zip(names, bindings, strict=True)))
                      for ctx, bindings in zip(others, rows, strict=True)]
-        for request in requests:
-            for binding in request.bindings.values():
-                binding.start()
+        # A point's probes whose class starts them together are started in one
+        # call; the others one by one, request by request.
+        started = ([Binding.start_together([first, *column])
+                    for first, column in zip(firsts, columns, strict=True)]
+                   if others else [False] * len(firsts))
+        if not all(started):
+            for request in requests:
+                for binding, done in zip(request.bindings.values(), started, strict=True):
+                    if not done:
+                        binding.start()
         with self._lock:
             if self._closed:
                 raise RouterError(f"{label}: the router is shut down")
@@ -777,7 +784,10 @@ class Router:
         stays open, then propagates."""
         finished: list[dict[str, ProbeResult]] = []
         try:
-            for request in requests:
+            together = self._end_together(requests)
+            if together is not None:
+                finished = together
+            for request in requests[len(finished):]:
                 finished.append(self._end_bindings(request, timeout))
         except BaseException:
             # (the interrupted request's bindings ended before the interrupt are
@@ -789,6 +799,23 @@ class Router:
         finally:
             self._add_totals(list(itertools.chain.from_iterable(map(dict.values, finished))))
         return finished
+
+    @staticmethod
+    def _end_together(requests: Sequence[_Request]) -> list[dict[str, ProbeResult]] | None:
+        """Each request's results when the requests have the same points (in the
+        same order) and every binding is idle: all ended at once
+        (:meth:`Binding.end_idle_together`). None, with nothing done, otherwise."""
+        if len(requests) < 2:
+            return None
+        tables = list(map(_BINDINGS, requests))
+        names = tuple(tables[0])
+        if not names or set(map(tuple, tables)) != {names}:  # (keys compared in C)
+            return None
+        columns = list(zip(*map(dict.values, tables), strict=True))
+        ended = Binding.end_idle_together(columns)
+        if ended is None:
+            return None
+        return [dict(zip(names, row, strict=True)) for row in zip(*ended, strict=True)]
 
     @staticmethod
     def _end_bindings(request: _Request, timeout: float) -> dict[str, ProbeResult]:

@@ -1,0 +1,388 @@
+"""A call's probes started and ended together: ``Router.register_requests`` starts
+each point's built-in probes in one ``start_many`` call, and ``end_requests``
+ends every idle binding of a call at once (``Binding.end_idle_together``), the
+built-ins' verdicts from one ``end_many`` call and the results made a column at
+a time. The oracle is the one-by-one path: each request registered and ended
+on its own (``register_request``, ``end_request``), whose probes get
+``on_start`` and ``on_end`` one at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+from router_helpers import Recorder, point, record
+
+from undercurrent.probes import LinearProbe, NormProbe, Probe, RequestContext
+from undercurrent.probes.scoring import (
+    ScoreSummary,
+    fresh_summaries,
+    summary_verdicts,
+)
+from undercurrent.records import ActivationBatch, ProbeStats, built_all
+from undercurrent.router.binding import Binding
+
+IDS = ["a", "b", "c", "d"]
+WEIGHT = [0.5, -0.25, 1.0, 0.0]
+NAMES = ("lin", "traj", "norm", "mean", "rec")
+
+
+def _contexts(ids=IDS):
+    return [RequestContext(request_id=rid, prompt="hi", prompt_len=2, model_name="tiny")
+            for rid in ids]
+
+
+def _points():
+    return [
+        point("lin", probe_type="linear_probe", kind="single_shot",
+              probe_args={"weight": WEIGHT, "bias": 0.1, "threshold": 0.9}),
+        point("traj", probe_type="trajectory_probe", probe_args={"alpha": 0.5}),
+        point("norm", probe_type="norm_probe", kind="single_shot",
+              probe_args={"threshold": 3.0}),
+        point("mean", probe_type="mean_probe", kind="single_shot"),
+        point("rec"),
+    ]
+
+
+def _route(router, ids, names=NAMES):
+    """Different rows for each request (values by request and token)."""
+    for token in range(3):
+        for name in names:
+            rows = [record(rid, name, token, value=0.3 * (index + 1) * (token + 1))
+                    for index, rid in enumerate(ids)]
+            router.route_columns(ActivationBatch.from_records(rows),
+                                 [(rid, i, i + 1) for i, rid in enumerate(ids)])
+
+
+def _view(result):
+    """Everything a result holds but its timings, its signals read as plain values."""
+    stats = dataclasses.asdict(result.stats)
+    metadata = dict(result.metadata)
+    assert stats.pop("mean_latency_s") >= 0 and metadata.pop("max_latency_s") >= 0
+    return (result.request_id, result.extraction_point_name, result.verdict,
+            [(s.action, s.score, s.token_index, s.layer, dict(s.metadata))
+             for s in result.signals],
+            stats, result.error, list(metadata), metadata)
+
+
+def _views(results):
+    return [{name: _view(result) for name, result in by_point.items()} for by_point in results]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How often the together paths ran, and what they returned."""
+    seen: dict[str, list[object]] = {"start": [], "end": []}
+    start, end = Binding.start_together, Binding.end_idle_together
+
+    def counted_start(bindings):
+        seen["start"].append(done := start(bindings))
+        return done
+
+    def counted_end(columns):
+        seen["end"].append(ended := end(columns))
+        return ended
+
+    monkeypatch.setattr(Binding, "start_together", staticmethod(counted_start))
+    monkeypatch.setattr(Binding, "end_idle_together", staticmethod(counted_end))
+    return seen
+
+
+def _one_by_one(make_router, points, probes=None):
+    router = make_router(probes=probes or {"recorder": Recorder})
+    for ctx in _contexts():
+        router.register_request(ctx.request_id, points, ctx)
+    _route(router, IDS, [p.name for p in points])
+    return [router.end_request(rid) for rid in IDS]
+
+
+def test_starting_and_ending_together_gives_what_one_by_one_gives(make_router, calls):
+    points = _points()
+    router = make_router(probes={"recorder": Recorder})
+    router.register_requests(_contexts(), points)
+    # the built-ins started in one call per point; the user probe one by one
+    assert calls["start"] == [True, True, True, True, False]
+    probes = {name: [router._requests[rid].bindings[name].probe for rid in IDS]
+              for name in NAMES}
+    for name in ("lin", "norm", "mean"):
+        assert len({id(probe.summary) for probe in probes[name]}) == len(IDS)
+        assert len({id(probe.summary.extra) for probe in probes[name]}) == len(IDS)
+    assert [probe.started for probe in probes["rec"]] == [1] * len(IDS)
+    _route(router, IDS)
+    together = router.end_requests(IDS)
+    assert calls["end"] and calls["end"][-1] is not None  # (the together path ran)
+    alone = _one_by_one(make_router, points)
+    assert _views(together) == _views(alone)
+    # every request judged its own rows, and some crossed: flags and signals kept
+    assert len({str(by_point["traj"].verdict) for by_point in together}) == len(IDS)
+    assert any(by_point["norm"].verdict["flagged"] for by_point in together)
+    assert not all(by_point["norm"].verdict["flagged"] for by_point in together)
+    assert [len(by_point["rec"].signals) for by_point in together] == [3] * len(IDS)
+    assert router.metrics()["totals"]["received"] == len(IDS) * len(NAMES) * 3
+    assert router.live_requests() == ()
+
+
+class Logged(Probe):
+    """A user probe that logs its on_start and on_end calls in one shared list, and
+    fails in ``on_start`` or ``on_end`` for the request named by ``fail_start`` /
+    ``fail_end``."""
+
+    probe_kind = "single_shot"
+    log: list[tuple[str, str, str]] = []
+
+    def __init__(self, *, fail_start: str | None = None, fail_end: str | None = None) -> None:
+        self.fail_start, self.fail_end = fail_start, fail_end
+
+    def on_start(self, ctx):
+        Logged.log.append(("start", ctx.request_id, ctx.extraction_point.name))
+        if ctx.request_id == self.fail_start:
+            raise RuntimeError("no start")
+
+    def on_activation(self, record):
+        return None
+
+    def on_end(self, ctx):
+        Logged.log.append(("end", ctx.request_id, ctx.extraction_point.name))
+        if ctx.request_id == self.fail_end:
+            raise ValueError("no end")
+        return ctx.request_id
+
+
+def test_user_probes_start_and_end_request_by_request_with_their_failures_noted(
+        make_router, calls):
+    """Probes of a class that does not start or end together keep the order ending
+    each request gives (request by request, point by point), and a probe whose
+    on_start or on_end raised is noted as one by one notes it."""
+    points = [point("u1", probe_type="logged", kind="single_shot",
+                    probe_args={"fail_start": "b"}),
+              point("lin", probe_type="linear_probe", kind="single_shot",
+                    probe_args={"weight": WEIGHT, "bias": 0.0}),
+              point("u2", probe_type="logged", kind="single_shot",
+                    probe_args={"fail_end": "c"})]
+    Logged.log.clear()
+    router = make_router(probes={"logged": Logged})
+    router.register_requests(_contexts(), points)
+    _route(router, IDS, ["u1", "lin", "u2"])
+    together = router.end_requests(IDS)
+    assert calls["end"][-1] is not None
+    mine = list(Logged.log)
+    Logged.log.clear()
+    alone = _one_by_one(make_router, points, {"logged": Logged})
+    assert mine == Logged.log
+    assert [entry[:2] for entry in mine if entry[0] == "end"] == [
+        ("end", "a"), ("end", "a"), ("end", "b"), ("end", "c"), ("end", "c"),
+        ("end", "d"), ("end", "d")]  # (b's u1 never started: no on_end)
+    assert _views(together) == _views(alone)
+    assert "on_start: RuntimeError: no start" in together[1]["u1"].error
+    assert together[1]["u1"].verdict is None
+    assert together[2]["u2"].error == "on_end: ValueError: no end"
+    assert together[2]["u2"].stats.errors == 1 and together[0]["u2"].verdict == "a"
+    assert together[2]["lin"].error is None and together[2]["lin"].verdict["count"] == 3
+
+
+def test_a_start_many_that_raises_leaves_each_probe_to_its_own_on_start(
+        make_router, monkeypatch, calls):
+    def broken(cls, probes, contexts):
+        raise RuntimeError("start_many broke")
+
+    monkeypatch.setattr(LinearProbe, "start_many", classmethod(broken))
+    monkeypatch.setattr(LinearProbe, "end_many", classmethod(
+        lambda cls, probes, contexts: 1 / 0))
+    points = [_points()[0]]
+    router = make_router()
+    router.register_requests(_contexts(), points)
+    assert calls["start"] == [False]
+    _route(router, IDS, ["lin"])
+    together = router.end_requests(IDS)
+    assert calls["end"][-1] is not None
+    assert _views(together) == _views(_one_by_one(make_router, points))
+    assert all(by_point["lin"].error is None for by_point in together)
+
+
+def test_a_subclass_starts_and_ends_with_its_own_methods(make_router, calls):
+    class Counting(LinearProbe):
+        def on_start(self, ctx):
+            super().on_start(ctx)
+            self.extra_note = ctx.request_id
+
+        def on_end(self, ctx):
+            return {**super().on_end(ctx), "note": self.extra_note}
+
+    lin = point("lin", probe_type="counting", kind="single_shot",
+                probe_args={"weight": WEIGHT, "bias": 0.0})
+    router = make_router(probes={"counting": Counting})
+    router.register_requests(_contexts(), [lin])
+    assert calls["start"] == [False]
+    _route(router, IDS, ["lin"])
+    assert [by_point["lin"].verdict["note"] for by_point in router.end_requests(IDS)] == IDS
+
+
+def test_ending_waits_for_busy_or_locked_bindings_the_usual_way(make_router):
+    """A binding that is busy, or whose lock another thread holds, is not ended
+    together: nothing is changed, and ending each request then ends it."""
+    router = make_router()
+    router.register_requests(_contexts(), [_points()[0]])
+    _route(router, IDS, ["lin"])
+    columns = [[router._requests[rid].bindings["lin"] for rid in IDS]]
+    busy = columns[0][2]
+    busy.begin_call(1)
+    assert Binding.end_idle_together(columns) is None
+    assert not any(binding.finalised for binding in columns[0])
+    busy.end_call()
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with columns[0][1]._mutex:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert Binding.end_idle_together(columns) is None
+        assert not any(binding.finalised for binding in columns[0])
+        assert not columns[0][0]._mutex._is_owned()  # (each lock taken was let go)
+    finally:
+        release.set()
+        holder.join(30)
+    ended = router.end_requests(IDS)
+    assert [by_point["lin"].stats.received for by_point in ended] == [3] * len(IDS)
+
+
+def test_requests_with_other_points_are_ended_each_on_its_own(make_router, calls):
+    router = make_router()
+    router.register_request("a", [_points()[0]])
+    router.register_request("b", [_points()[2]])
+    ended = router.end_requests(["a", "b"])
+    assert calls["end"] == []
+    assert [list(by_point) for by_point in ended] == [["lin"], ["norm"]]
+
+
+def test_fresh_summaries_and_their_verdicts_are_the_constructors_and_verdicts():
+    thresholds = [None, 0.5, -1.0]
+    made = fresh_summaries(thresholds, {"statistic": "mean"})
+    expected = [ScoreSummary(threshold, extra={"statistic": "mean"}) for threshold in thresholds]
+    assert made == expected
+    assert [list(vars(summary)) for summary in made] == [list(vars(e)) for e in expected]
+    assert len({id(summary.extra) for summary in made}) == len(thresholds)
+    assert fresh_summaries([0.5]) == [ScoreSummary(0.5)]
+    # summaries in every state: empty, scores only, a crossing, NaN-free extremes
+    summaries = [ScoreSummary(0.5), ScoreSummary(None, extra={"statistic": "l2_norm"})]
+    crossing = ScoreSummary(0.5)
+    row = record("a", "p", 4, layer=2)
+    for score in (0.1, 0.7, -0.3):
+        crossing.add(score, row, score >= 0.5)
+    scored = ScoreSummary(None)
+    scored.add(None, row, False)
+    scored.add(2.0, row, False)
+    summaries += [crossing, scored]
+    verdicts = summary_verdicts(summaries)
+    assert verdicts == [summary.verdict() for summary in summaries]
+    assert [list(v) for v in verdicts] == [list(s.verdict()) for s in summaries]
+    assert verdicts[2]["first_crossing_token_index"] == 4 and verdicts[2]["flagged"]
+    assert summary_verdicts([]) == []
+
+
+def test_objects_built_from_rows_equal_the_constructors():
+    rows = [(3, 2, 1, 0, 0, 0.25), (0, 0, 0, 0, 0, 0.0)]
+    made = built_all(ProbeStats, [f.name for f in dataclasses.fields(ProbeStats)], rows)
+    assert made == [ProbeStats(*row) for row in rows]
+    assert all(type(stats) is ProbeStats for stats in made)
+
+
+def test_the_statistic_probes_start_together_with_their_extra_entry():
+    probes = [NormProbe(threshold=1.0) for _ in IDS]
+    contexts = [ctx.at_point(point("norm", probe_type="norm_probe", kind="single_shot"))
+                for ctx in _contexts()]
+    assert NormProbe.start_many(probes, contexts)
+    oracle = NormProbe(threshold=1.0)
+    oracle.on_start(contexts[0])
+    assert all(vars(probe.summary) == vars(oracle.summary) for probe in probes)
+    assert NormProbe.end_many(probes, contexts) == [oracle.on_end(contexts[0])] * len(IDS)
+
+
+def _routed_and_ended(make_router, names=NAMES, signals_kept=False):
+    """IDS registered together and request "z" alone, its linear probe of other
+    weights (a group of its own, whose rows come first: the group of IDS then
+    starts past row 0 of each routed batch); IDS's results."""
+    router = make_router(probes={"recorder": Recorder})
+    points = [p for p in _points() if p.name in names]
+    router.register_requests(_contexts(), points)
+    other = [dataclasses.replace(p, probe_args={**p.probe_args, "weight": [1.0] * 4})
+             if p.name == "lin" else p for p in points]
+    router.register_request("z", other)
+    ids = ["z", *IDS]
+    _route(router, ids, names)
+    if signals_kept:  # (a second window: each binding keeps signals already)
+        _route(router, ids, names)
+    assert router.end_request("z")["lin"].stats.received == (6 if signals_kept else 3)
+    return router.end_requests(IDS)
+
+
+@pytest.mark.parametrize("signals_kept", [False, True])
+def test_a_group_admitted_and_settled_together_counts_what_each_alone_counts(
+        make_router, monkeypatch, signals_kept):
+    """A group's bindings admitted and settled in one pass each
+    (``Binding.admit_together``, ``Binding.finish_together``) hold what admitting
+    and settling each one (``admit_inline``, ``finish_rows``) leaves."""
+    names = ("lin", "norm", "mean")
+    monkeypatch.setattr(Binding, "admit_together", staticmethod(lambda *args: False))
+    monkeypatch.setattr(Binding, "finish_together", staticmethod(lambda *args: False))
+    alone = _routed_and_ended(make_router, names, signals_kept)
+    monkeypatch.undo()
+    seen: list[bool] = []
+    admit, finish = Binding.admit_together, Binding.finish_together
+    monkeypatch.setattr(Binding, "admit_together", staticmethod(
+        lambda *args: seen.append(admit(*args)) or seen[-1]))
+    monkeypatch.setattr(Binding, "finish_together", staticmethod(
+        lambda *args: seen.append(finish(*args)) or seen[-1]))
+    together = _routed_and_ended(make_router, names, signals_kept)
+    assert seen and all(seen)
+    assert _views(together) == _views(alone)
+    assert sum(len(by_point["norm"].signals) for by_point in together) == (
+        len(IDS) * 3 * (2 if signals_kept else 1))
+
+
+def test_a_busy_finalised_or_locked_binding_is_admitted_and_settled_on_its_own(make_router):
+    router = make_router()
+    router.register_requests(_contexts(), [_points()[0]])
+    bindings = [router._requests[rid].bindings["lin"] for rid in IDS]
+    counts = [2] * len(IDS)
+
+    def state():
+        return [(b.received, b.processed, b.busy, b._in_flight, b._unread) for b in bindings]
+
+    before = state()
+    bindings[1].begin_call(1)
+    assert not Binding.admit_together(bindings, counts)
+    bindings[1].end_call()
+    assert state() == before
+    assert Binding.admit_together(bindings, counts)
+    assert [b.received for b in bindings] == counts and all(b.busy for b in bindings)
+    admitted = state()
+    bindings[3].finalise(0.0)
+    spans = [(2 * i, 2 * i + 2) for i in range(len(IDS))]
+    assert not Binding.finish_together(bindings, None, spans, None, 0.5, 0)
+    assert state()[:3] == admitted[:3]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with bindings[0]._mutex:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert not Binding.admit_together(bindings, counts)
+        assert not Binding.finish_together(bindings[:3], None, spans[:3], None, 0.5, 0)
+    finally:
+        release.set()
+        holder.join(30)
+    assert state()[:3] == admitted[:3]
+    assert Binding.finish_together(bindings[:3], None, spans[:3], None, 0.5, 0)
+    assert [(b.processed, b.busy, b.latency_total, b.latency_max) for b in bindings[:3]] == [
+        (2, False, 1.0, 0.5)] * 3
