@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.base import ScoresRows, shallow_copy
+from undercurrent.probes.base import Probe, ScoresRows, shallow_copies, shallow_copy
 from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
@@ -40,6 +40,11 @@ class CaptureProbe(ScoresRows):
     def copy_for_request(self) -> CaptureProbe | None:
         # No state at all.
         return shallow_copy(self) if type(self) is CaptureProbe else None
+
+    def copies_for_requests(self, count: int) -> list[Probe | None]:
+        # (the copies copy_for_request makes, made at once)
+        return (shallow_copies(self, count) if type(self) is CaptureProbe
+                else super().copies_for_requests(count))
 
     def may_abort(self) -> bool:
         return type(self) is not CaptureProbe

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copies, shallow_copy
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
@@ -300,6 +300,11 @@ class LinearProbe(ScoresRows):
     def copy_for_request(self) -> LinearProbe | None:
         # The readout and rule are read-only; on_start makes the summary.
         return shallow_copy(self) if type(self) is LinearProbe else None
+
+    def copies_for_requests(self, count: int) -> list[Probe | None]:
+        # (the copies copy_for_request makes, made at once)
+        return (shallow_copies(self, count) if type(self) is LinearProbe
+                else super().copies_for_requests(count))
 
     def may_abort(self) -> bool:
         # A subclass may judge otherwise: it is taken at its word only through its own.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.probes.arrays import map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copies, shallow_copy
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import (
     ScoreSummary,
@@ -178,6 +178,11 @@ class TrajectoryProbe(ScoresRows):
         # The readout, rule and parameters are read-only; on_start (_reset) makes
         # the running statistics and the summary.
         return shallow_copy(self) if type(self) is TrajectoryProbe else None
+
+    def copies_for_requests(self, count: int) -> list[Probe | None]:
+        # (the copies copy_for_request makes, made at once)
+        return (shallow_copies(self, count) if type(self) is TrajectoryProbe
+                else super().copies_for_requests(count))
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:

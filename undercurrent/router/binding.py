@@ -166,6 +166,8 @@ _CLOSED = operator.attrgetter("_closed")
 _CAPACITY = operator.attrgetter("_queue_capacity")
 _QUEUED = operator.attrgetter("_queued")
 _PROBE = operator.attrgetter("_probe")
+_STATE = operator.attrgetter("__dict__")
+_GROUP_KEY = operator.methodcaller("group_key")
 _CTX = operator.attrgetter("_ctx")
 _MUTEX = operator.attrgetter("_mutex")
 _TRY_ACQUIRE = operator.methodcaller("acquire", False)
@@ -334,27 +336,33 @@ class Binding:
         that is not started yet (its state is still the constructor's)."""
         assert not self._received and not self._closed and not self._error_notes
         assert self._signals is _NONE_KEPT and self._unread is _NONE_KEPT
-        cls = type(self)
-        new = object.__new__
+        count = len(probes)
+        if len(contexts) != count:
+            raise ValueError(f"siblings: {count} probes for {len(contexts)} contexts")
         template = dict(self.__dict__)
         template["_group"] = template["_async_group"] = None
         kind, native, is_async = type(self._probe), self._native, self._is_async
-        made_all = []
-        for probe, ctx in zip(probes, contexts, strict=True):
-            made: Binding = new(cls)
-            state = made.__dict__
-            state.update(template)
-            state["_ctx"] = ctx
-            state["_mutex"] = _RLock()
+        # Each field set over all of them at once, in C.
+        made_all: list[Binding] = list(map(object.__new__, itertools.repeat(type(self), count)))
+        collections.deque(map(dict.update, map(_STATE, made_all), itertools.repeat(template)),
+                          maxlen=0)
+        _set_each(made_all, "_ctx", contexts)
+        _set_each(made_all, "_mutex", itertools.starmap(_RLock, itertools.repeat((), count)))
+        if is_async:
+            _set_each(made_all, "_queue", itertools.starmap(deque, itertools.repeat((), count)))
+        if not all_are(map(type, probes), kind):  # (each probe served its own way)
+            collections.deque(map(Binding._take_probe, made_all, probes), maxlen=0)
+            return made_all
+        # Served as this one's probe: only their groups may differ.
+        _set_each(made_all, "_probe", probes)
+        if native and getattr(kind, "group_key", None) is not None:
+            keys = map(_GROUP_KEY, probes)
             if is_async:
-                state["_queue"] = deque()
-            if type(probe) is kind:  # served as this one's: only its group may differ
-                state["_probe"] = probe
-                if native:
-                    made._set_group(probe)
-            else:
-                made._take_probe(probe)
-            made_all.append(made)
+                _set_each(made_all, "_async_group", keys)
+            elif self._policy.mode is InterventionMode.REJECT:
+                _set_each(made_all, "_group", keys)
+        elif native:
+            collections.deque(map(Binding._set_group, made_all, probes), maxlen=0)
         return made_all
 
     # -- read-only views (every change goes through a transition method below) --------

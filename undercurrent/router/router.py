@@ -291,7 +291,7 @@ class Router:
         ]
         names = [binding.name for binding in firsts]
         others = contexts[1:]
-        columns = [binding.siblings(probes, [ctx.at_point(item.point) for ctx in others])
+        columns = [binding.siblings(probes, RequestContext.each_at_point(others, item.point))
                    for binding, (item, _), probes in zip(firsts, first, copies, strict=True)]
         rows = (zip(*columns, strict=True) if columns  # (each request's bindings)
                 else [()] * len(others))
@@ -331,15 +331,18 @@ class Router:
     def _fresh(self, built: list[tuple[CheckedPoint, Any]], count: int
                ) -> tuple[list[list[Any]], list[SpecProblem]]:
         """``count`` probes like each of ``built`` 's, for other requests: copied
-        when its class copies (:meth:`~undercurrent.probes.base.Probe.copy_for_request`),
-        else built again. Returns them per point, and the problems of those
+        when its class copies (:meth:`~undercurrent.probes.base.Probe.copies_for_requests`,
+        which asks :meth:`~undercurrent.probes.base.Probe.copy_for_request`), else
+        built again. Returns them per point, and the problems of those
         built again, the first of each point (then no probe is returned)."""
         fresh: list[list[Any]] = []
         problems: list[SpecProblem] = []
         for item, instance in built:
+            copies = getattr(instance, "copies_for_requests", None)
             copy_for_request = getattr(instance, "copy_for_request", None)
-            made = ([copy_for_request() for _ in range(count)] if copy_for_request is not None
-                    else [None] * count)
+            made = (list(copies(count)) if copies is not None
+                    else [copy_for_request() for _ in range(count)]
+                    if copy_for_request is not None else [None] * count)
             if None in made:  # (a class that builds anew, or declined to copy)
                 for index, probe in enumerate(made):
                     if probe is None:
