@@ -185,6 +185,18 @@ class LazySequence(Sequence[T], Generic[T]):
         self._build: Callable[[], Iterable[T]] | None = build
         self._items: tuple[T, ...] | None = None
 
+    @classmethod
+    def each(cls, builds: Iterable[Callable[[], Iterable[T]]]) -> list[LazySequence[T]]:
+        """A sequence for each of ``builds``, what the constructor makes, made in C
+        (one per request of a call: its results' and its output's signals)."""
+        builds = list(builds)
+        made: list[LazySequence[T]] = list(map(object.__new__,
+                                               itertools.repeat(cls, len(builds))))
+        collections.deque(map(setattr, made, itertools.repeat("_build"), builds), maxlen=0)
+        collections.deque(map(setattr, made, itertools.repeat("_items"),
+                              itertools.repeat(None)), maxlen=0)
+        return made
+
     def _get(self) -> tuple[T, ...]:
         if self._items is None:
             assert self._build is not None

@@ -66,3 +66,15 @@ def test_contexts_at_a_point_are_what_at_point_makes_of_each():
     assert [list(vars(ctx)) for ctx in made] == [list(vars(ctx)) for ctx in contexts]
     assert all(ctx.extraction_point is POINT for ctx in made)
     assert contexts[0].extraction_point is None  # (the originals unchanged)
+
+
+def test_contexts_of_prompts_are_what_of_prompt_makes_of_each():
+    made = RequestContext.each_of_prompt(["a", "b"], ["x", None], [1, None], "m", [(4,), None])
+    expected = [RequestContext.of_prompt("a", "x", 1, "m", (4,)),
+                RequestContext.of_prompt("b", None, None, "m", None)]
+    assert made == expected == [RequestContext(request_id="a", prompt="x", prompt_len=1,
+                                               model_name="m", prompt_token_ids=(4,)),
+                                RequestContext(request_id="b", model_name="m")]
+    assert [list(vars(ctx)) for ctx in made] == [list(vars(ctx)) for ctx in expected]
+    with pytest.raises(ValueError):
+        RequestContext.each_of_prompt(["a"], ["x", "y"], [1, 1], "m", [None, None])

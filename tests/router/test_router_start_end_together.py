@@ -386,3 +386,27 @@ def test_a_busy_finalised_or_locked_binding_is_admitted_and_settled_on_its_own(m
     assert Binding.finish_together(bindings[:3], None, spans[:3], None, 0.5, 0)
     assert [(b.processed, b.busy, b.latency_total, b.latency_max) for b in bindings[:3]] == [
         (2, False, 1.0, 0.5)] * 3
+
+
+def test_the_least_window_of_bindings_is_the_least_of_their_window_limits(make_router):
+    """``Binding.least_window`` (read in C for grouped inline bindings) gives
+    ``min(window_limit)``: no limit for probes that cannot abort, none for one
+    that may abort, half the queue of an async binding, none ungrouped."""
+    router = make_router(probes={"recorder": Recorder})
+    points = [point("lin", probe_type="linear_probe", kind="single_shot",
+                    probe_args={"weight": WEIGHT, "bias": 0.0}),
+              point("stops", probe_type="linear_probe", kind="single_shot",
+                    probe_args={"weight": WEIGHT, "bias": 0.0, "threshold": 1.0,
+                                "action": "abort"}),
+              point("later", probe_type="norm_probe", mode="async", queue_depth=6),
+              point("rec")]
+    router.register_requests(_contexts(), points)
+    tables = [router._requests[rid].bindings for rid in IDS]
+    for name in ("lin", "stops", "later", "rec"):
+        column = [table[name] for table in tables]
+        assert Binding.least_window(column) == min(map(Binding.window_limit, column)), name
+    assert Binding.least_window([table["lin"] for table in tables]) > 1 << 40
+    assert Binding.least_window([table["stops"] for table in tables]) == 0
+    assert Binding.least_window([table["later"] for table in tables]) == 3
+    mixed = [tables[0]["lin"], tables[1]["stops"]]
+    assert Binding.least_window(mixed) == 0 and Binding.least_window([]) > 1 << 40

@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 PromptInput = str | tuple[int, ...]
 """One prompt: its text (tokenized by the backend) or its token ids."""
@@ -134,7 +135,8 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
     decode = (text_decoder(tokenizer, skip_special_tokens=False)
               if len(strings) < len(prompts) else None)
     if decode is not None and not strings:  # token ids only: converted and decoded at once
-        encoded = [list(map(int, prompt)) for prompt in prompts]
+        ids_only = cast("Sequence[Sequence[int]]", prompts)
+        encoded = list(map(list, map(map, itertools.repeat(int), ids_only)))
         if all(encoded):
             return list(map(decode, encoded)), encoded
     texts, encoded = [], []
@@ -166,8 +168,8 @@ def text_decoder(tokenizer: Any, *, skip_special_tokens: bool = True
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _decodes_with_backend(tokenizer):
-        decode = backend.decode
-        return lambda ids: str(decode(ids, skip_special_tokens=skip_special_tokens))
+        # (the backend's own text, a str: called in C, with no Python frame per call)
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
     return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 

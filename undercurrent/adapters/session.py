@@ -799,9 +799,9 @@ class CaptureSession:
         else:  # (no edits: the states made a field at a time)
             states = RequestState.many(requests, self.points, self.keep_records)
         # (each request's context, as _context makes it: built in C, a field at a time)
-        register_many(list(map(RequestContext.of_prompt, ids, map(_PROMPT, states),
-                               map(_PROMPT_LEN, states), itertools.repeat(self.model_name),
-                               map(_PROMPT_TOKEN_IDS, states))), list(self.points))
+        register_many(RequestContext.each_of_prompt(
+            ids, map(_PROMPT, states), map(_PROMPT_LEN, states), self.model_name,
+            map(_PROMPT_TOKEN_IDS, states)), list(self.points))
         self._registered.update(ids)
         self.requests.update(zip(ids, states, strict=True))
         return states
@@ -885,7 +885,7 @@ class CaptureSession:
             map(_REQUEST_ID, states), map(_PROMPT, states), texts,
             map(tuple, map(_GENERATED, states)), map(_PROMPT_LEN, states),
             map(_PROMPT_TOKEN_IDS, states), map(_FINISH_REASON, states), map(_ABORT, states),
-            results, map(LazySequence, map(_ITER, map(_SIGNALS, states))),
+            results, LazySequence.each(map(_ITER, map(_SIGNALS, states))),
             map(_RECORDS, states), map(tuple, map(_APPLIED, states)), strict=True)))
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:

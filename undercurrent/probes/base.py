@@ -21,11 +21,11 @@ import inspect
 import itertools
 import operator
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from undercurrent.records import ActivationBatch, BatchSignals, built
+from undercurrent.records import ActivationBatch, BatchSignals, built, built_all
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,6 +73,18 @@ class RequestContext:
                            "prompt_len": prompt_len, "model_name": model_name,
                            "prompt_token_ids": prompt_token_ids, "extraction_point": None,
                            "metadata": _NO_METADATA})
+
+    @classmethod
+    def each_of_prompt(cls, request_ids: Sequence[str], prompts: Iterable[str | None],
+                       prompt_lens: Iterable[int | None], model_name: str | None,
+                       prompt_token_ids: Iterable[tuple[int, ...] | None]
+                       ) -> list[RequestContext]:
+        """:meth:`of_prompt` for each request (a call's), made in C."""
+        count = len(request_ids)
+        return built_all(cls, _CONTEXT_FIELDS, list(zip(
+            request_ids, prompts, prompt_lens, itertools.repeat(model_name, count),
+            prompt_token_ids, itertools.repeat(None, count),
+            itertools.repeat(_NO_METADATA, count), strict=True)))
 
     def at_point(self, point: ExtractionPoint) -> RequestContext:
         """This context with ``extraction_point`` set to ``point`` (what
@@ -417,3 +429,6 @@ def shallow_copies(instance: Any, count: int) -> list[Any]:
 
 
 _STATE = operator.attrgetter("__dict__")
+# A context's fields, in the order of_prompt gives them.
+_CONTEXT_FIELDS = ("request_id", "prompt", "prompt_len", "model_name", "prompt_token_ids",
+                   "extraction_point", "metadata")

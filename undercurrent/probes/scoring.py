@@ -253,8 +253,10 @@ def summary_verdicts(summaries: Sequence[ScoreSummary]) -> list[dict[str, Any]]:
     same order), read a column at a time: a call's verdicts at once."""
     count = len(summaries)
     scored = list(map(_SCORED, summaries))
-    means = [total / number if number else None
-             for total, number in zip(map(_TOTAL, summaries), scored, strict=True)]
+    totals = list(map(_TOTAL, summaries))
+    means = (list(map(operator.truediv, totals, scored)) if 0 not in scored
+             else [total / number if number else None
+                   for total, number in zip(totals, scored, strict=True)])
     crossings = list(map(_FIRST_CROSSING, summaries))
     if crossings.count(None) == count:  # (nothing crossed: the usual case)
         flagged: Iterable[Any] = itertools.repeat(False)
@@ -307,7 +309,7 @@ def add_blocks(summaries: Sequence[ScoreSummary], block: Any,
     width = spans[0][1] - spans[0][0]
     if width == 0 or len(block) != width * len(summaries) or not block.all():
         return False  # (``all``: no zero; every span has one length: checked below)
-    if any(stop - start != width for start, stop in spans):
+    if set(itertools.starmap(operator.sub, spans)) != {-width}:  # (every span's length)
         return False
     np = numpy_module()
     if np.isnan(block).any():

@@ -168,6 +168,7 @@ _QUEUED = operator.attrgetter("_queued")
 _PROBE = operator.attrgetter("_probe")
 _STATE = operator.attrgetter("__dict__")
 _GROUP_KEY = operator.methodcaller("group_key")
+_MAY_ABORT = operator.methodcaller("may_abort")
 _CTX = operator.attrgetter("_ctx")
 _MUTEX = operator.attrgetter("_mutex")
 _TRY_ACQUIRE = operator.methodcaller("acquire", False)
@@ -417,6 +418,19 @@ class Binding:
             return (self._queue_capacity or 1) // 2
         may_abort = getattr(self._probe, "may_abort", None)
         return 0 if self._group is None or may_abort is None or may_abort() else sys.maxsize
+
+    @staticmethod
+    def least_window(bindings: Sequence[Binding]) -> int:
+        """The least :attr:`window_limit` of ``bindings`` (``sys.maxsize`` for
+        none), read in C where none is async and each is judged in a group."""
+        if any(map(_IS_ASYNC, bindings)) or any(map(operator.is_, map(_GROUP, bindings),
+                                                    itertools.repeat(None))):
+            return min(map(Binding.window_limit, bindings), default=sys.maxsize)
+        try:
+            may_abort = any(map(_MAY_ABORT, map(_PROBE, bindings)))
+        except AttributeError:  # (a probe that does not say: window_limit reads 0)
+            return min(map(Binding.window_limit, bindings), default=sys.maxsize)
+        return 0 if may_abort else sys.maxsize
 
     @property
     def queue_capacity(self) -> int:
@@ -827,14 +841,15 @@ class Binding:
         # Signals still columns are built when first read, as result() leaves them.
         unread = list(map(bool, map(_UNREAD, bindings)))
         signals: Iterable[Sequence[ProbeSignal]] = (
-            map(LazySequence, map(_KEPT, bindings)) if all(unread)
+            LazySequence.each(map(_KEPT, bindings)) if all(unread)
             else map(tuple, map(_SIGNALS, bindings)) if not any(unread)
             else [LazySequence(binding._kept) if late else tuple(binding._signals)
                   for binding, late in zip(bindings, unread, strict=True)])
         processed = list(map(_PROCESSED, bindings))
         totals = list(map(_LATENCY_TOTAL, bindings))
-        means = [total / number if number else 0.0
-                 for total, number in zip(totals, processed, strict=True)]
+        means = (list(map(operator.truediv, totals, processed)) if 0 not in processed
+                 else [total / number if number else 0.0
+                       for total, number in zip(totals, processed, strict=True)])
         stats = built_all(ProbeStats, _STATS_FIELDS, list(zip(
             map(_RECEIVED, bindings), processed, map(_DROPPED, bindings),
             map(_ERRORS, bindings), map(_TIMEOUTS, bindings), means, strict=True)))

@@ -57,6 +57,7 @@ _UNKNOWN: Any = object()
 _BINDING = operator.itemgetter(1)
 _START = operator.itemgetter(2)
 _STOP = operator.itemgetter(3)
+_PROBE = operator.attrgetter("probe")
 
 
 class GroupMembers(list[tuple[Any, Binding, int, int]]):
@@ -88,16 +89,14 @@ class GroupMembers(list[tuple[Any, Binding, int, int]]):
 
 def _together_of(members: Sequence[tuple[Any, Binding, int, int]]
                  ) -> tuple[Any, list[Any], list[tuple[int, int]]] | None:
-    previous = members[0][2]
-    for _, _, start, stop in members:
-        if start != previous:
-            return None
-        previous = stop
+    if list(map(_START, members[1:])) != list(map(_STOP, members[:-1])):  # (not contiguous)
+        return None
     judge_many = getattr(type(members[0][1].probe), "judge_many", None)
     if judge_many is None:
         return None
-    return (judge_many, [binding.probe for _, binding, _, _ in members],
-            [(start, stop) for _, _, start, stop in members])
+    bindings, _, spans = (members.columns() if isinstance(members, GroupMembers)
+                          else _columns_of(members))
+    return judge_many, list(map(_PROBE, bindings)), spans
 
 
 def _columns_of(members: Sequence[tuple[Any, Binding, int, int]]

@@ -7,7 +7,6 @@ import dataclasses
 import itertools
 import operator
 import os
-import sys
 import threading
 import time
 import uuid
@@ -51,6 +50,17 @@ class _Request:
         self.request_id = request_id
         self.bindings = bindings
         self.abort_requested = False
+
+    @classmethod
+    def each(cls, ids: Sequence[str], bindings: Sequence[dict[str, Binding]]) -> list[_Request]:
+        """A request for each id with its bindings, made in C (a call's requests)."""
+        if len(ids) != len(bindings):
+            raise ValueError(f"{len(ids)} request ids for {len(bindings)} binding tables")
+        made: list[_Request] = list(map(object.__new__, itertools.repeat(cls, len(ids))))
+        for name, values in (("request_id", ids), ("bindings", bindings),
+                             ("abort_requested", itertools.repeat(False))):
+            collections.deque(map(setattr, made, itertools.repeat(name), values), maxlen=0)
+        return made
 
 
 class RequestHandle:
@@ -114,6 +124,7 @@ class _Routes:
 
 _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
+_REQUEST_ID = operator.attrgetter("request_id")
 _SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
                 for name in ("received", "processed", "dropped", "errors", "timeouts"))
@@ -250,7 +261,7 @@ class Router:
         contexts = list(contexts)
         if not contexts:
             return
-        ids = [ctx.request_id for ctx in contexts]
+        ids = list(map(_REQUEST_ID, contexts))
         shown = ", ".join(repr(request_id) for request_id in ids[:3])
         label = (f"cannot register request {shown}" if len(ids) == 1 else
                  f"cannot register requests {shown}"
@@ -296,8 +307,8 @@ class Router:
         rows = (zip(*columns, strict=True) if columns  # (each request's bindings)
                 else [()] * len(others))
         requests = [_Request(contexts[0].request_id, dict(zip(names, firsts, strict=True)))]
-        requests += [_Request(ctx.request_id, dict(zip(names, bindings, strict=True)))
-                     for ctx, bindings in zip(others, rows, strict=True)]
+        requests += _Request.each(ids[1:], list(map(dict, map(zip, itertools.repeat(names),
+                                                                rows))))
         # A point's probes whose class starts them together are started in one
         # call; the others one by one, request by request.
         started = ([Binding.start_together([first, *column])
@@ -468,7 +479,7 @@ class Router:
         bindings = self._point_bindings(name, request_ids)
         if bindings is None:
             return 0
-        return min(map(Binding.window_limit, bindings), default=sys.maxsize)
+        return Binding.least_window(bindings)
 
     def window_room(self, name: str, request_ids: Iterable[str]) -> int:
         """How many more rows of point ``name`` per request the async queues of
@@ -818,7 +829,7 @@ class Router:
         ended = Binding.end_idle_together(columns)
         if ended is None:
             return None
-        return [dict(zip(names, row, strict=True)) for row in zip(*ended, strict=True)]
+        return list(map(dict, map(zip, itertools.repeat(names), zip(*ended, strict=True))))
 
     @staticmethod
     def _end_bindings(request: _Request, timeout: float) -> dict[str, ProbeResult]:
