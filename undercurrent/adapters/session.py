@@ -623,9 +623,10 @@ class StepPlan:
         if len(points) == 1:
             point = points[0]
             layers, groups = layouts[0]
-            matches.extend([PlanMatch(state, point, token_index, layers, [row] * len(groups), row)
-                            for row, (state, token_index) in enumerate(zip(states, tokens,
-                                                                           strict=True))])
+            rows_each = map(operator.mul, map(list, zip(range(len(states)))),
+                            itertools.repeat(len(groups)))  # ([row] * len(groups) each)
+            matches.extend(PlanMatch.each_of_point(states, point, tokens, layers,
+                                                   list(rows_each)))
             self.one_each = generated and len(set(map(id, states))) == len(states)
             return True
         for row, (state, token_index, _) in enumerate(fed):

@@ -337,14 +337,23 @@ def add_blocks(summaries: Sequence[ScoreSummary], block: Any,
               else [low if old is None else min(old, low)
                     for old, low in zip(old_lows, lows, strict=True)])
     if crossed is not None and crossed.any():
+        # Each summary that crossed and had not: its first crossed row's place.
         marks = crossed.reshape(len(summaries), width)
-        firsts = marks.argmax(axis=1).tolist()
-        for index in marks.any(axis=1).nonzero()[0].tolist():
-            summary = summaries[index]
-            if summary.first_crossing is None:
-                row = spans[index][0] + firsts[index]
-                summary.first_crossing = (int(token_indices[row]), int(layers[row]))
+        hit = marks.any(axis=1).nonzero()[0]
+        rows = np.asarray(list(map(_SPAN_START, spans)))[hit] + marks[hit].argmax(axis=1)
+        chosen = list(map(summaries.__getitem__, hit.tolist()))
+        places = zip(_column(np, token_indices)[rows].tolist(),
+                     _column(np, layers)[rows].tolist(), strict=True)
+        fresh = list(map(operator.is_, map(_FIRST_CROSSING, chosen), itertools.repeat(None)))
+        _set_each(list(itertools.compress(chosen, fresh)), "first_crossing",
+                  itertools.compress(places, fresh))
     return True
+
+
+def _column(np: Any, values: Sequence[int]) -> Any:
+    """An int column (an :class:`~undercurrent.records.IntColumn`, a list) as a
+    numpy array, its own array where it has one."""
+    return np.asarray(getattr(values, "array", values))
 
 
 def _set_each(summaries: Sequence[ScoreSummary], name: str, values: Iterable[Any]) -> None:
@@ -393,6 +402,7 @@ _SUMMARY = operator.attrgetter("summary")
 _SCORED = operator.attrgetter("scored")
 _TOTAL = operator.attrgetter("total")
 _FIRST_CROSSING = operator.attrgetter("first_crossing")
+_SPAN_START = operator.itemgetter(0)
 _COUNT = operator.attrgetter("count")
 _MAX = operator.attrgetter("max_score")
 _MIN = operator.attrgetter("min_score")
