@@ -359,7 +359,10 @@ class ModelHooks:
                     rows = hidden.select(1, index).clone(memory_format=torch.contiguous_format)
                 else:
                     rows = hidden[index]
-                self._queue(tensor_type, group, rows)
+                if rows.requires_grad or rows.is_cuda:
+                    self._queue(tensor_type, group, rows)
+                else:  # (_queue's CPU path without grad, inline: per hook and forward)
+                    self._pending.append((tensor_type, group, rows))
         return hook
 
     def _gather_plan(self, slots: list[Any], hidden: torch.Tensor
