@@ -150,14 +150,15 @@ def test_hooks_are_installed_only_for_wanted_pairs_and_do_work_only_when_matchin
     point = ExtractionPoint(name="p", layers=(1,), tensor_type="attn_out", position="prompt[-1]",
                             probe_type="none", probe_kind="single_shot")
     installed, gathers = [], []
-    original_queue = backend.hooks._queue
+    original_flush = backend.hooks.flush
 
-    def counting_queue(tensor_type, targets, gathered):
-        installed.append(set(backend.hooks.installed))
-        gathers.append(gathered.shape[0])
-        return original_queue(tensor_type, targets, gathered)
+    def counting_flush(session):  # what the forward's hooks gathered, before it is routed
+        for _, _, gathered in backend.hooks._pending:
+            installed.append(set(backend.hooks.installed))
+            gathers.append(gathered.shape[0])
+        return original_flush(session)
 
-    backend.hooks._queue = counting_queue
+    backend.hooks.flush = counting_flush
     session = CaptureSession(None, [point], keep_records=True)
     outs = backend.generate(PROMPTS, ["a", "b", "c"], SamplingParams(max_new_tokens=6), session)
     # one hook for (1, attn_out) plus the per-forward pre-hook; one gather for all

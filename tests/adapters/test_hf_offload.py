@@ -253,13 +253,14 @@ def test_flush_after_device_copies_waits_on_an_event_off_thread(tokenizer, monke
     _FakeEvent.made, _FakeStream.syncs = [], []
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _FakeStream())
-    queue_original = ModelHooks._queue
+    flush_original = ModelHooks.flush
 
-    def device_queue(self, *args):
-        queue_original(self, *args)
-        self._needs_sync = True  # what a copy from a CUDA tensor sets
+    def device_flush(self, session):
+        if self._pending:  # each forward's copies marked as from CUDA tensors (_queue does)
+            self._needs_sync = True
+        return flush_original(self, session)
 
-    monkeypatch.setattr(ModelHooks, "_queue", device_queue)
+    monkeypatch.setattr(ModelHooks, "flush", device_flush)
     pm = _probed(tokenizer, _points(), offload)
     (out,) = pm.generate(PROMPTS[:1], max_new_tokens=5)
     main = threading.current_thread()

@@ -410,3 +410,62 @@ def test_the_least_window_of_bindings_is_the_least_of_their_window_limits(make_r
     assert Binding.least_window([table["later"] for table in tables]) == 3
     mixed = [tables[0]["lin"], tables[1]["stops"]]
     assert Binding.least_window(mixed) == 0 and Binding.least_window([]) > 1 << 40
+
+
+def _async_bindings(router, depth=6):
+    later = point("later", probe_type="norm_probe", mode="async", queue_depth=depth)
+    router.register_requests(_contexts(), [later])
+    return [router._requests[rid].bindings["later"] for rid in IDS]
+
+
+def _queue_state(bindings):
+    return [(b.received, b.dropped, b._queued, b._scheduled,
+             [(rows.batch, rows.start, rows.stop) for rows in b._queue]) for b in bindings]
+
+
+def test_rows_queued_together_are_queued_as_each_binding_queues_them(make_router):
+    """``Binding.enqueue_together`` leaves each async binding as ``enqueue_batch``
+    of its rows does (counts, queue, scheduled), and hands over the bindings not
+    scheduled yet; where a queue would drop, or a binding is closed, it does
+    nothing."""
+    batch = ActivationBatch.from_records([record(rid, "later", 0) for rid in IDS] * 2)
+    starts, stops = [0, 2, 4, 6], [2, 4, 6, 8]
+    alone, together = (_async_bindings(make_router(workers=1)) for _ in range(2))
+    for bindings in (alone, together):  # (nobody takes the rows: no worker is woken)
+        bindings[1]._scheduled = True
+    handed_alone = [b for b, start, stop in zip(alone, starts, stops, strict=True)
+                    if b.enqueue_batch(batch, start, stop)]
+    handed = Binding.enqueue_together(together, batch, starts, stops)
+    assert handed == [together[i] for i in (0, 2, 3)] and len(handed_alone) == 3
+    assert _queue_state(together) == _queue_state(alone)
+    before = _queue_state(together)
+    assert Binding.enqueue_together(together, batch, [0, 0, 0, 0], [6, 1, 1, 1]) is None
+    together[3].close()
+    assert Binding.enqueue_together(together, batch, starts, stops) is None
+    assert _queue_state(together) == before
+
+
+def test_an_async_generation_routes_its_windows_queued_together(make_router, monkeypatch):
+    """The async point's windows are queued together and the results equal the
+    ones of queueing each binding on its own."""
+    seen: list[object] = []
+    original = Binding.enqueue_together
+
+    def counted(*args):
+        seen.append(result := original(*args))
+        return result
+
+    def routed(router):
+        later = point("later", probe_type="trajectory_probe", mode="async", queue_depth=64,
+                      probe_args={"alpha": 0.5})
+        router.register_requests(_contexts(), [later])
+        _route(router, IDS, ["later"])
+        return router.end_requests(IDS)
+
+    monkeypatch.setattr(Binding, "enqueue_together", staticmethod(lambda *args: None))
+    alone = routed(make_router())
+    monkeypatch.setattr(Binding, "enqueue_together", staticmethod(counted))
+    together = routed(make_router())
+    assert len(seen) == 3 and all(found is not None for found in seen)
+    assert _views(together) == _views(alone)
+    assert [by_point["later"].stats.processed for by_point in together] == [3] * len(IDS)

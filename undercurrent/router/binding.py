@@ -165,6 +165,8 @@ _IS_ASYNC = operator.attrgetter("_is_async")
 _CLOSED = operator.attrgetter("_closed")
 _CAPACITY = operator.attrgetter("_queue_capacity")
 _QUEUED = operator.attrgetter("_queued")
+_OVERFLOW = operator.attrgetter("_overflow")
+_SCHEDULED = operator.attrgetter("_scheduled")
 _PROBE = operator.attrgetter("_probe")
 _STATE = operator.attrgetter("__dict__")
 _GROUP_KEY = operator.methodcaller("group_key")
@@ -961,6 +963,36 @@ class Binding:
                 return False
             self._scheduled = True
             return True
+
+    @staticmethod
+    def enqueue_together(bindings: Sequence[Binding], batch: ActivationBatch,
+                         starts: Sequence[int], stops: Sequence[int]) -> list[Binding] | None:
+        """:meth:`enqueue_batch` of rows ``starts[i]:stops[i]`` on each async
+        binding, at once, where that drops nothing: each binding open, under a
+        non-blocking policy, with room for its rows, and its lock free. Returns
+        the bindings to hand to the scheduler (those not scheduled yet), or
+        None with nothing done (each is then queued on its own)."""
+        with _all_locked(bindings) as locked:
+            capacities = list(map(_CAPACITY, bindings))
+            if (not locked or any(map(_CLOSED, bindings)) or None in capacities
+                    or OverflowPolicy.BLOCK in map(_OVERFLOW, bindings)):
+                return None
+            counts = list(map(operator.sub, stops, starts))
+            queued = list(map(operator.add, map(_QUEUED, bindings), counts))
+            if not all(map(operator.le, queued, capacities)):  # (some would drop)
+                return None
+            _set_each(bindings, "_received",
+                      map(operator.add, map(_RECEIVED, bindings), counts))
+            rows: list[_Rows] = list(map(object.__new__, itertools.repeat(_Rows, len(counts))))
+            for name, values in (("batch", itertools.repeat(batch)), ("start", starts),
+                                 ("stop", stops)):
+                collections.deque(map(setattr, rows, itertools.repeat(name), values), maxlen=0)
+            collections.deque(map(deque.append, map(_QUEUE, bindings), rows), maxlen=0)
+            _set_each(bindings, "_queued", queued)
+            handed = list(itertools.compress(bindings, map(operator.not_,
+                                                           map(_SCHEDULED, bindings))))
+            _set_each(handed, "_scheduled", itertools.repeat(True))
+            return handed
 
     def _drop_oldest(self, count: int) -> None:
         self._dropped += count

@@ -120,11 +120,15 @@ class _Routes:
     version: int
     each: list[tuple[Any, Binding | None, int, int]]
     grouped: dict[Any, GroupMembers]
+    queued: tuple[list[Binding], list[int], list[int]] | None = None
+    """When every span goes to an async binding: (the bindings, the starts,
+    the stops), queued together (:meth:`Binding.enqueue_together`)."""
 
 
 _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
 _REQUEST_ID = operator.attrgetter("request_id")
+_IS_ASYNC = operator.attrgetter("is_async")
 _SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
                 for name in ("received", "processed", "dropped", "errors", "timeouts"))
@@ -606,6 +610,12 @@ class Router:
                     self._routes.clear()
                 self._routes[id(spans)] = routes
         pieces: list[tuple[int, BatchSignals]] = []
+        if routes.queued is not None:  # every span async: queued at once where nothing drops
+            bindings, starts, stops = routes.queued
+            handed = Binding.enqueue_together(bindings, batch, starts, stops)
+            if handed is not None:
+                self._hand_over(handed)
+                return BatchSignals.assemble(count, pieces)
         for request, binding, start, stop in routes.each:
             if binding is None:
                 self._route_unknown(request, stop - start)
@@ -630,10 +640,12 @@ class Router:
             bindings = list(map(operator.methodcaller("get", name), map(_BINDINGS, requests)))
             shared, key = (False, None) if None in bindings else Binding.shared_group(bindings)
             if shared:
-                routed = zip(requests, bindings, map(_SPAN_START, spans), map(_SPAN_STOP, spans),
-                             strict=True)
+                starts, stops = list(map(_SPAN_START, spans)), list(map(_SPAN_STOP, spans))
+                routed = zip(requests, bindings, starts, stops, strict=True)
                 if key is None:
-                    return _Routes(list(spans), name, version, list(routed), {})
+                    queued = ((bindings, starts, stops) if bindings and all(
+                        map(_IS_ASYNC, bindings)) else None)
+                    return _Routes(list(spans), name, version, list(routed), {}, queued)
                 together = GroupMembers()
                 together.extend(routed)
                 return _Routes(list(spans), name, version, [], {key: together})
@@ -675,11 +687,18 @@ class Router:
             binding.enqueue_blocking(batch, self._scheduler.schedule, start, stop)
             return
         if binding.enqueue_batch(batch, start, stop):
-            deferred = getattr(self._step, "bindings", None)
-            if deferred is None:
-                self._scheduler.schedule(binding)
-            else:
-                deferred.append(binding)
+            self._hand_over((binding,))
+
+    def _hand_over(self, bindings: Sequence[Binding]) -> None:
+        """Hand bindings with newly queued rows to the workers: now, or at the end
+        of the :meth:`step` under way."""
+        if not bindings:
+            return
+        deferred = getattr(self._step, "bindings", None)
+        if deferred is None:
+            self._scheduler.schedule_many(bindings)
+        else:
+            deferred.extend(bindings)
 
     @contextmanager
     def step(self) -> Iterator[None]:
