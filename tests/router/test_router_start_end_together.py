@@ -12,7 +12,7 @@ import dataclasses
 import threading
 
 import pytest
-from router_helpers import Recorder, point, record
+from router_helpers import Recorder, point, record, wait_until
 
 from undercurrent.probes import LinearProbe, NormProbe, Probe, RequestContext
 from undercurrent.probes.scoring import (
@@ -21,6 +21,7 @@ from undercurrent.probes.scoring import (
     summary_verdicts,
 )
 from undercurrent.records import ActivationBatch, ProbeStats, built_all
+from undercurrent.router import Router
 from undercurrent.router.binding import Binding
 
 IDS = ["a", "b", "c", "d"]
@@ -469,3 +470,40 @@ def test_an_async_generation_routes_its_windows_queued_together(make_router, mon
     assert len(seen) == 3 and all(found is not None for found in seen)
     assert _views(together) == _views(alone)
     assert [by_point["later"].stats.processed for by_point in together] == [3] * len(IDS)
+
+
+def test_requests_whose_async_work_is_still_running_end_as_each_in_turn_ends(
+        make_router, monkeypatch):
+    """Ending a call's requests while their async probes still work: each request
+    waits for its own bindings in turn, and the ones left are ended together
+    once they are all idle; every row is processed and counted."""
+    from router_helpers import event
+
+    tries: list[bool] = []
+    original = Router._end_together
+
+    def counted(requests):
+        tries.append((found := original(requests)) is not None)
+        return found
+
+    monkeypatch.setattr(Router, "_end_together", staticmethod(counted))
+    gate = event("end-together-gate")
+    gate.clear()
+    router = make_router(probes={"recorder": Recorder})
+    slow = point("slow", mode="async", queue_depth=16, probe_args={"gate": "end-together-gate"})
+    router.register_requests(_contexts(), [slow])
+    _route(router, IDS, ["slow"])
+    ended: list[list[dict]] = []
+    ender = threading.Thread(target=lambda: ended.append(router.end_requests(IDS)))
+    ender.start()
+    try:
+        assert wait_until(lambda: len(tries) >= 1)  # (the first try found work going on)
+        assert tries[0] is False
+    finally:
+        gate.set()
+        ender.join(60)
+    (results,) = ended
+    assert [by_point["slow"].stats.processed for by_point in results] == [3] * len(IDS)
+    assert [by_point["slow"].verdict for by_point in results] == [{"seen": [0, 1, 2]}] * 4
+    assert all(by_point["slow"].error is None for by_point in results)
+    assert router.metrics()["totals"]["processed"] == 3 * len(IDS)

@@ -810,10 +810,21 @@ class Binding:
             alone = [index for index, found in enumerate(verdicts) if found is None]
             for index in alone:
                 verdicts[index] = []
-            for row in zip(*[columns[index] for index in alone], strict=True):
-                for index, binding in zip(alone, row, strict=True):
+            order = [(index, binding)
+                     for row in zip(*[columns[index] for index in alone], strict=True)
+                     for index, binding in zip(alone, row, strict=True)]
+            done = 0
+            try:
+                for index, binding in order:
                     verdicts[index].append(  # type: ignore[union-attr]
                         binding._verdict(not binding._start_failed))
+                    done += 1
+            except BaseException:
+                # An interrupt: the probes after it still get on_end (as ending
+                # the requests in turn gives them), then it propagates.
+                for _, binding in order[done + 1:]:
+                    binding._verdict(not binding._start_failed)
+                raise
         return [Binding._results(column, found)  # type: ignore[arg-type]
                 for column, found in zip(columns, verdicts, strict=True)]
 

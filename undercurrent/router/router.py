@@ -812,16 +812,24 @@ class Router:
     def _finish_all(self, requests: Sequence[_Request], timeout: float
                     ) -> list[dict[str, ProbeResult]]:
         """End each request's bindings in turn (drain, ``on_end``, result) and add
-        their counts to the totals. An interrupt part-way ends every binding not
-        ended yet without waiting (their queued rows count as dropped), so none
-        stays open, then propagates."""
+        their counts to the totals. The requests not ended yet are ended together
+        where all their bindings are idle (:meth:`_end_together`: what ending
+        each in turn gives them), tried at the start and after each request that
+        had to wait for its bindings (the others' workers went on meanwhile). An
+        interrupt part-way ends every binding not ended yet without waiting
+        (their queued rows count as dropped), so none stays open, then
+        propagates."""
         finished: list[dict[str, ProbeResult]] = []
         try:
-            together = self._end_together(requests)
-            if together is not None:
-                finished = together
-            for request in requests[len(finished):]:
-                finished.append(self._end_bindings(request, timeout))
+            waited = True
+            while len(finished) < len(requests):
+                if waited:
+                    together = self._end_together(requests[len(finished):])
+                    if together is not None:
+                        finished += together
+                        break
+                ended, waited = self._end_bindings(requests[len(finished)], timeout)
+                finished.append(ended)
         except BaseException:
             # (the interrupted request's bindings ended before the interrupt are
             # final: only their counts are read)
@@ -851,7 +859,9 @@ class Router:
         return list(map(dict, map(zip, itertools.repeat(names), zip(*ended, strict=True))))
 
     @staticmethod
-    def _end_bindings(request: _Request, timeout: float) -> dict[str, ProbeResult]:
+    def _end_bindings(request: _Request, timeout: float
+                      ) -> tuple[dict[str, ProbeResult], bool]:
+        """The request's results, and whether ending it waited for a binding."""
         # Most bindings are idle by now (inline ones always, unless a late
         # block_until_signal call still runs): each ends at once, in order.
         ended: dict[str, ProbeResult] = {}
@@ -862,7 +872,7 @@ class Router:
                 break
             ended[name] = result
         else:
-            return ended
+            return ended, False
         # The others: close all, wait for each, end each.
         bindings = [binding for _, binding in items[len(ended):]]
         for binding in bindings:
@@ -875,7 +885,7 @@ class Router:
             binding.wait_idle(now + limit)
         ended.update((binding.name, binding.end(limit))
                      for binding, limit in zip(bindings, limits, strict=True))
-        return ended
+        return ended, True
 
     def _add_totals(self, results: Sequence[ProbeResult]) -> None:
         stats = list(map(_STATS, results))  # (summed in C: one result per request)
