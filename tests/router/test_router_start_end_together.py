@@ -507,3 +507,15 @@ def test_requests_whose_async_work_is_still_running_end_as_each_in_turn_ends(
     assert [by_point["slow"].verdict for by_point in results] == [{"seen": [0, 1, 2]}] * 4
     assert all(by_point["slow"].error is None for by_point in results)
     assert router.metrics()["totals"]["processed"] == 3 * len(IDS)
+
+
+def test_capture_points_start_and_end_together_with_no_verdict(make_router, calls):
+    keep = [point("keep", probe_type="capture")]
+    router = make_router()
+    router.register_requests(_contexts(), keep)
+    assert calls["start"] == [True]
+    _route(router, IDS, ["keep"])
+    together = router.end_requests(IDS)
+    assert calls["end"][-1] is not None
+    assert _views(together) == _views(_one_by_one(make_router, keep))
+    assert [(r["keep"].verdict, r["keep"].stats.processed) for r in together] == [(None, 3)] * 4

@@ -30,7 +30,7 @@ import operator
 import sys
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from undercurrent.adapters.outputs import AbortInfo, TokenSignal
 from undercurrent.probes.arrays import numpy_module
@@ -160,6 +160,17 @@ class _Follow:
         return fresh
 
 
+_Log = TypeVar("_Log", "SignalLog", "RecordLog")
+
+
+def _fresh_logs(cls: type[_Log], count: int) -> list[_Log]:
+    """``count`` new signal or record logs (their fields: two empty lists, and
+    no journal followed), made in C."""
+    return built_all(cls, ("_built", "_pending", "following"), list(zip(
+        map(list, itertools.repeat((), count)), map(list, itertools.repeat((), count)),
+        itertools.repeat(None, count), strict=True)))
+
+
 class SignalLog(Sequence[TokenSignal]):
     """A request's inline signals in routing order, kept as references to routed
     batches and built into ``TokenSignal`` s only when read."""
@@ -176,10 +187,7 @@ class SignalLog(Sequence[TokenSignal]):
     def fresh(cls, count: int) -> list[SignalLog]:
         """``count`` new logs, what the constructor makes, made in C (one per
         request of a call)."""
-        empty = itertools.repeat((), count)
-        return built_all(cls, ("_built", "_pending", "following"), list(zip(
-            map(list, empty), map(list, itertools.repeat((), count)),
-            itertools.repeat(None, count), strict=True)))
+        return _fresh_logs(cls, count)
 
     def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
         """Signals of one token: each point's rows (run order: by point)."""
@@ -265,6 +273,12 @@ class RecordLog(Sequence[ActivationRecord]):
         self.following: _Follow | None = None
         """The journal of captured batches whose entries hold this request's
         next records (its rows ``start:stop`` of each), if any."""
+
+    @classmethod
+    def fresh(cls, count: int) -> list[RecordLog]:
+        """``count`` new logs, what the constructor makes, made in C (one per
+        request of a call)."""
+        return _fresh_logs(cls, count)
 
     def add(self, refs: Iterable[tuple[ActivationBatch, int]]) -> None:
         if self.following is not None:

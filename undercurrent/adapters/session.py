@@ -274,8 +274,7 @@ class RequestState:
         last_index, bounded, selectors, steady_from = zip(*map(found.__getitem__, lengths),
                                                           strict=True)
         fresh = itertools.repeat
-        records = ([RecordLog() for _ in range(count)] if keep_records
-                   else fresh(None, count))
+        records = RecordLog.fresh(count) if keep_records else fresh(None, count)
         return built_all(cls, _STATE_FIELDS, list(zip(
             ids, prompts, token_ids, lengths, fresh(points, count), fresh(points, count),
             last_index, bounded, selectors, steady_from,

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from undercurrent.probes.base import Probe, ScoresRows, shallow_copies, shallow_copy
+from undercurrent.probes.base import (
+    Probe,
+    RequestContext,
+    ScoresRows,
+    shallow_copies,
+    shallow_copy,
+)
 from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
 from undercurrent.spec.types import ProbeKind
 
@@ -45,6 +51,17 @@ class CaptureProbe(ScoresRows):
         # (the copies copy_for_request makes, made at once)
         return (shallow_copies(self, count) if type(self) is CaptureProbe
                 else super().copies_for_requests(count))
+
+    @classmethod
+    def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:
+        # No state: nothing to start, unless a subclass starts its own way.
+        return cls.on_start is Probe.on_start
+
+    @classmethod
+    def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
+                 ) -> list[Any] | None:
+        # No verdict, unless a subclass gives its own.
+        return [None] * len(probes) if cls.on_end is Probe.on_end else None
 
     def may_abort(self) -> bool:
         return type(self) is not CaptureProbe
