@@ -19,13 +19,9 @@ def test_probing_runs_more_bytecodes_than_raw_hooks_and_its_stages_are_counted()
     assert inside["close_requests"] >= inside["flush_window"] + inside["end_requests"]
     assert counted["uc_empty_spec"].inside["register_requests"] == 0
     calls = counted["uc_inline_linear"].calls
-
-    def called(file, function):
-        return [number for (path, _, name), number in calls.items()
-                if name == function and path.endswith(file)]
-
-    assert called("adapters/session.py", "many") == [1]  # the call's request states at once
-    assert called("adapters/hf/backend.py", "plan_forward") == [4]  # one per forward
+    built = [number for (path, _, name), number in calls.items()
+             if name == "__init__" and path.endswith("adapters/session.py")]
+    assert 3 in built  # one request state per prompt
 
 
 def test_the_command_prints_each_table(capsys, monkeypatch):

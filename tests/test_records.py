@@ -221,22 +221,3 @@ def test_results_built_without_the_frozen_init_equal_the_constructors():
     fields = {field.name: None for field in dataclasses.fields(GenerationOutput)}
     fields.update(request_id="r", prompt="p", text="t", token_ids=(1,), prompt_len=1)
     assert built(GenerationOutput, dict(fields)) == GenerationOutput(**fields)
-
-
-def test_lazy_sequences_made_together_build_each_its_own_items_once():
-    from undercurrent.records import LazySequence
-
-    calls: list[int] = []
-
-    def builder(value):
-        def build():
-            calls.append(value)
-            return [value, value + 1]
-        return build
-
-    made = LazySequence.each([builder(1), builder(5)])
-    assert calls == []  # (nothing built until read)
-    assert [list(items) for items in made] == [[1, 2], [5, 6]] and calls == [1, 5]
-    assert made[0] == (1, 2) and len(made[1]) == 2 and calls == [1, 5]
-    assert [type(items) for items in made] == [LazySequence] * 2
-    assert LazySequence.each([]) == []

@@ -6,10 +6,8 @@ CPU ``torch.Tensor`` from the shipped adapters, or a numpy array in tests).
 
 from __future__ import annotations
 
-import collections
 import enum
 import itertools
-import operator
 import sys
 import threading
 import time
@@ -185,18 +183,6 @@ class LazySequence(Sequence[T], Generic[T]):
         self._build: Callable[[], Iterable[T]] | None = build
         self._items: tuple[T, ...] | None = None
 
-    @classmethod
-    def each(cls, builds: Iterable[Callable[[], Iterable[T]]]) -> list[LazySequence[T]]:
-        """A sequence for each of ``builds``, what the constructor makes, made in C
-        (one per request of a call: its results' and its output's signals)."""
-        builds = list(builds)
-        made: list[LazySequence[T]] = list(map(object.__new__,
-                                               itertools.repeat(cls, len(builds))))
-        collections.deque(map(setattr, made, itertools.repeat("_build"), builds), maxlen=0)
-        collections.deque(map(setattr, made, itertools.repeat("_items"),
-                              itertools.repeat(None)), maxlen=0)
-        return made
-
     def _get(self) -> tuple[T, ...]:
         if self._items is None:
             assert self._build is not None
@@ -311,25 +297,6 @@ def built(cls: type[_Built], fields: dict[str, Any]) -> _Built:
     For the objects made once per request and point on the generation path."""
     made = object.__new__(cls)
     made.__dict__.update(fields)
-    return made
-
-
-_STATE = operator.attrgetter("__dict__")
-
-
-def all_are(values: Iterable[Any], value: Any) -> bool:
-    """Whether every one of ``values`` is ``value`` itself (checked in C)."""
-    return all(map(operator.is_, values, itertools.repeat(value)))
-
-
-def built_all(cls: type[_Built], names: Sequence[str], rows: Sequence[Sequence[Any]]
-              ) -> list[_Built]:
-    """:func:`built` for each row of values (row ``i`` holding every field of
-    ``cls``, in the order of ``names``), in C: one instance per row, for the
-    objects made once per request of a call (its results, their stats)."""
-    made: list[_Built] = list(map(object.__new__, itertools.repeat(cls, len(rows))))
-    collections.deque(map(dict.update, map(_STATE, made),
-                          map(dict, map(zip, itertools.repeat(names), rows))), maxlen=0)
     return made
 
 

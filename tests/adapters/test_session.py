@@ -504,32 +504,6 @@ def test_wanted_pairs_of_requests_of_different_points_are_each_requests_pairs():
     assert [state.request_id for state in session.live_requests()] == ["a", "c"]
 
 
-@pytest.mark.parametrize("keep_records", [False, True])
-def test_states_made_together_are_what_the_constructor_makes(keep_records):
-    """``RequestState.many``: each state holds what ``RequestState(...)`` gives
-    (the same fields, in the same order), with containers of its own."""
-    points = (point("generated[*]"), point("prompt[-2]", name="q"), point("generated[1:5]"))
-    requests = [("a", "x", [7, 8]), ("b", "yy", [1, 2, 3]), ("c", "z", (4, 5))]
-    made = RequestState.many(requests, points, keep_records)
-    bounds: dict = {}
-    for state, (request_id, prompt, token_ids) in zip(made, requests, strict=True):
-        expected = RequestState(request_id, prompt, token_ids, points, keep_records, (), bounds)
-        mine, theirs = vars(state), vars(expected)
-        assert list(mine) == list(theirs)
-        for key, value in theirs.items():
-            if key in ("signals", "records") and value is not None:
-                assert type(mine[key]) is type(value) and vars(mine[key]) == vars(value)
-            else:
-                assert mine[key] == value, key
-    assert made[0]._last_index is made[2]._last_index  # (one prompt length: shared, read-only)
-    for name in ("generated", "signals", "armed", "applied", "edited_sites", "records"):
-        values = [getattr(state, name) for state in made]
-        if values[0] is not None:
-            assert len({id(value) for value in values}) == len(made), name
-    for name in ("_built", "_pending"):  # (each signal log's own lists)
-        assert len({id(getattr(state.signals, name)) for state in made}) == len(made)
-
-
 def test_requests_closed_together_give_every_field_closing_each_gives():
     def views(outputs):
         found = []

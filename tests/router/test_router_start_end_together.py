@@ -15,12 +15,8 @@ import pytest
 from router_helpers import Recorder, point, record, wait_until
 
 from undercurrent.probes import LinearProbe, NormProbe, Probe, RequestContext
-from undercurrent.probes.scoring import (
-    ScoreSummary,
-    fresh_summaries,
-    summary_verdicts,
-)
-from undercurrent.records import ActivationBatch, ProbeStats, built_all
+from undercurrent.probes.scoring import ScoreSummary, summary_verdicts
+from undercurrent.records import ActivationBatch
 from undercurrent.router import Router
 from undercurrent.router.binding import Binding
 
@@ -261,15 +257,7 @@ def test_requests_with_other_points_are_ended_each_on_its_own(make_router, calls
     assert [list(by_point) for by_point in ended] == [["lin"], ["norm"]]
 
 
-def test_fresh_summaries_and_their_verdicts_are_the_constructors_and_verdicts():
-    thresholds = [None, 0.5, -1.0]
-    made = fresh_summaries(thresholds, {"statistic": "mean"})
-    expected = [ScoreSummary(threshold, extra={"statistic": "mean"}) for threshold in thresholds]
-    assert made == expected
-    assert [list(vars(summary)) for summary in made] == [list(vars(e)) for e in expected]
-    assert len({id(summary.extra) for summary in made}) == len(thresholds)
-    assert fresh_summaries([0.5]) == [ScoreSummary(0.5)]
-    # summaries in every state: empty, scores only, a crossing, NaN-free extremes
+def test_summary_verdicts_are_each_summarys_verdict():
     summaries = [ScoreSummary(0.5), ScoreSummary(None, extra={"statistic": "l2_norm"})]
     crossing = ScoreSummary(0.5)
     row = record("a", "p", 4, layer=2)
@@ -284,13 +272,6 @@ def test_fresh_summaries_and_their_verdicts_are_the_constructors_and_verdicts():
     assert [list(v) for v in verdicts] == [list(s.verdict()) for s in summaries]
     assert verdicts[2]["first_crossing_token_index"] == 4 and verdicts[2]["flagged"]
     assert summary_verdicts([]) == []
-
-
-def test_objects_built_from_rows_equal_the_constructors():
-    rows = [(3, 2, 1, 0, 0, 0.25), (0, 0, 0, 0, 0, 0.0)]
-    made = built_all(ProbeStats, [f.name for f in dataclasses.fields(ProbeStats)], rows)
-    assert made == [ProbeStats(*row) for row in rows]
-    assert all(type(stats) is ProbeStats for stats in made)
 
 
 def test_the_statistic_probes_start_together_with_their_extra_entry():
@@ -387,30 +368,6 @@ def test_a_busy_finalised_or_locked_binding_is_admitted_and_settled_on_its_own(m
     assert Binding.finish_together(bindings[:3], None, spans[:3], None, 0.5, 0)
     assert [(b.processed, b.busy, b.latency_total, b.latency_max) for b in bindings[:3]] == [
         (2, False, 1.0, 0.5)] * 3
-
-
-def test_the_least_window_of_bindings_is_the_least_of_their_window_limits(make_router):
-    """``Binding.least_window`` (read in C for grouped inline bindings) gives
-    ``min(window_limit)``: no limit for probes that cannot abort, none for one
-    that may abort, half the queue of an async binding, none ungrouped."""
-    router = make_router(probes={"recorder": Recorder})
-    points = [point("lin", probe_type="linear_probe", kind="single_shot",
-                    probe_args={"weight": WEIGHT, "bias": 0.0}),
-              point("stops", probe_type="linear_probe", kind="single_shot",
-                    probe_args={"weight": WEIGHT, "bias": 0.0, "threshold": 1.0,
-                                "action": "abort"}),
-              point("later", probe_type="norm_probe", mode="async", queue_depth=6),
-              point("rec")]
-    router.register_requests(_contexts(), points)
-    tables = [router._requests[rid].bindings for rid in IDS]
-    for name in ("lin", "stops", "later", "rec"):
-        column = [table[name] for table in tables]
-        assert Binding.least_window(column) == min(map(Binding.window_limit, column)), name
-    assert Binding.least_window([table["lin"] for table in tables]) > 1 << 40
-    assert Binding.least_window([table["stops"] for table in tables]) == 0
-    assert Binding.least_window([table["later"] for table in tables]) == 3
-    mixed = [tables[0]["lin"], tables[1]["stops"]]
-    assert Binding.least_window(mixed) == 0 and Binding.least_window([]) > 1 << 40
 
 
 def _async_bindings(router, depth=6):

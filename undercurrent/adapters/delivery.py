@@ -23,14 +23,13 @@ records are built only for ``records=True`` (:class:`RecordLog`).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import operator
 import sys
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from undercurrent.adapters.outputs import AbortInfo, TokenSignal
 from undercurrent.probes.arrays import numpy_module
@@ -46,9 +45,7 @@ from undercurrent.records import (
     IntColumn,
     ProbeSignal,
     SignalAction,
-    all_are,
     as_list,
-    built_all,
     concat_rows,
 )
 
@@ -80,25 +77,6 @@ class PlanMatch:
         self.rows = rows
         self.seq = seq
         self.orders = orders
-
-    @classmethod
-    def each_of_point(cls, states: Sequence[RequestState], point: ExtractionPoint,
-                      token_indices: Sequence[int], layers: tuple[int, ...],
-                      rows: Sequence[list[int]]) -> list[PlanMatch]:
-        """A match of ``point`` for each request (``states[i]`` at
-        ``token_indices[i]``, its rows ``rows[i]``, ``seq`` ``i``), what the
-        constructor makes, made in C (a steady plan's matches, one per request)."""
-        count = len(states)
-        if not len(token_indices) == len(rows) == count:
-            raise ValueError(f"{count} states for {len(token_indices)} token indices "
-                             f"and {len(rows)} rows")
-        made: list[PlanMatch] = list(map(object.__new__, itertools.repeat(cls, count)))
-        for name, values in (("state", states), ("point", itertools.repeat(point)),
-                             ("token_index", token_indices), ("layers", itertools.repeat(layers)),
-                             ("rows", rows), ("seq", range(count)),
-                             ("orders", itertools.repeat(None))):
-            collections.deque(map(setattr, made, itertools.repeat(name), values), maxlen=0)
-        return made
 
     def order_of(self, column: int) -> int:
         """The order of the row of ``layers[column]`` among the rows of that layer."""
@@ -160,17 +138,6 @@ class _Follow:
         return fresh
 
 
-_Log = TypeVar("_Log", "SignalLog", "RecordLog")
-
-
-def _fresh_logs(cls: type[_Log], count: int) -> list[_Log]:
-    """``count`` new signal or record logs (their fields: two empty lists, and
-    no journal followed), made in C."""
-    return built_all(cls, ("_built", "_pending", "following"), list(zip(
-        map(list, itertools.repeat((), count)), map(list, itertools.repeat((), count)),
-        itertools.repeat(None, count), strict=True)))
-
-
 class SignalLog(Sequence[TokenSignal]):
     """A request's inline signals in routing order, kept as references to routed
     batches and built into ``TokenSignal`` s only when read."""
@@ -183,27 +150,11 @@ class SignalLog(Sequence[TokenSignal]):
         self.following: _Follow | None = None
         """The journal whose entries are this request's next signals, if any."""
 
-    @classmethod
-    def fresh(cls, count: int) -> list[SignalLog]:
-        """``count`` new logs, what the constructor makes, made in C (one per
-        request of a call)."""
-        return _fresh_logs(cls, count)
-
     def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
         """Signals of one token: each point's rows (run order: by point)."""
         if self.following is not None:
             self._catch_up(stop=True)
         self._pending.append(runs)
-
-    @staticmethod
-    def add_each(logs: Sequence[SignalLog],
-                 runs: Iterable[list[tuple[RoutedPoint, int, int, PlanMatch]]]) -> None:
-        """:meth:`add` of each log's runs (a window's requests' signals), in C
-        where no log follows a journal."""
-        if not all(map(operator.is_, map(_FOLLOWING, logs), itertools.repeat(None))):
-            collections.deque(map(SignalLog.add, logs, runs), maxlen=0)
-            return
-        collections.deque(map(list.append, map(_PENDING, logs), runs), maxlen=0)
 
     def follow(self, journal: Journal, start: int, stop: int, match: PlanMatch) -> None:
         """From now on, each entry added to ``journal`` holds this request's
@@ -273,12 +224,6 @@ class RecordLog(Sequence[ActivationRecord]):
         self.following: _Follow | None = None
         """The journal of captured batches whose entries hold this request's
         next records (its rows ``start:stop`` of each), if any."""
-
-    @classmethod
-    def fresh(cls, count: int) -> list[RecordLog]:
-        """``count`` new logs, what the constructor makes, made in C (one per
-        request of a call)."""
-        return _fresh_logs(cls, count)
 
     def add(self, refs: Iterable[tuple[ActivationBatch, int]]) -> None:
         if self.following is not None:
@@ -658,10 +603,6 @@ def _route_wave(session: Any, live: list[Any],
 
 
 _MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
-_SPAN_STATE, _SPAN_START, _SPAN_STOP = (operator.itemgetter(index) for index in range(3))
-_SIGNALS = operator.attrgetter("signals")
-_FOLLOWING = operator.attrgetter("following")
-_PENDING = operator.attrgetter("_pending")
 _STATE = operator.attrgetter("state")
 _CLOSED = operator.attrgetter("closed")
 _ABORT = operator.attrgetter("abort")
@@ -738,10 +679,8 @@ class _SteadyPoint:
         same list again finds its routes kept (``Router.route_columns``)."""
         spans = self.windowed.get(steps)
         if spans is None:
-            routed, times = self.routed_spans, itertools.repeat(steps)  # (in C)
-            spans = self.windowed[steps] = list(zip(
-                map(_SPAN_STATE, routed), map(operator.mul, map(_SPAN_START, routed), times),
-                map(operator.mul, map(_SPAN_STOP, routed), times), strict=False))
+            spans = self.windowed[steps] = [(request_id, start * steps, stop * steps)
+                                            for request_id, start, stop in self.routed_spans]
         return spans
 
     def pieces(self, sources: dict[Any, Any]) -> list[Any]:
@@ -939,7 +878,7 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
     states = layout.states
     ends = (len(session.aborted), session.closes)
     if ends != layout.ends:  # some request ended since the last look: one of these?
-        if any(map(_CLOSED, states)) or not all_are(map(_ABORT, states), None):  # (in C)
+        if any(state.closed or state.abort is not None for state in states):
             return False
         layout.ends = ends
     delta = plan.delta
@@ -1063,13 +1002,8 @@ class _Window:
                 f"internal error: a probe of point {point.name!r} aborted a request while "
                 "its steps were judged in a window")
         routed = RoutedPoint(batch.index_view(), signals)
-        spans = point.spans  # (state, start, stop, match): each request's one run, in C
-        times = itertools.repeat(steps)
-        runs = map(list, zip(zip(itertools.repeat(routed),
-                                 map(operator.mul, map(_SPAN_START, spans), times),
-                                 map(operator.mul, map(_SPAN_STOP, spans), times),
-                                 map(_MATCH, spans))))
-        SignalLog.add_each(list(map(_SIGNALS, map(_SPAN_STATE, spans))), runs)
+        for state, start, stop, match in point.spans:
+            state.signals.add([(routed, start * steps, stop * steps, match)])
 
 
 def flush_window(session: Any) -> None:

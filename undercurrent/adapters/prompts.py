@@ -12,7 +12,7 @@ import functools
 import itertools
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 PromptInput = str | tuple[int, ...]
 """One prompt: its text (tokenized by the backend) or its token ids."""
@@ -135,8 +135,7 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
     decode = (text_decoder(tokenizer, skip_special_tokens=False)
               if len(strings) < len(prompts) else None)
     if decode is not None and not strings:  # token ids only: converted and decoded at once
-        ids_only = cast("Sequence[Sequence[int]]", prompts)
-        encoded = list(map(list, map(map, itertools.repeat(int), ids_only)))
+        encoded = [list(map(int, prompt)) for prompt in prompts]
         if all(encoded):
             return list(map(decode, encoded)), encoded
     texts, encoded = [], []

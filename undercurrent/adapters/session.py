@@ -30,7 +30,6 @@ and takes part in planning from the next forward on.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 import weakref
@@ -47,7 +46,7 @@ from undercurrent.adapters.delivery import (
 )
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.probes.base import RequestContext
-from undercurrent.records import LazySequence, ProbeResult, SignalAction, built, built_all
+from undercurrent.records import LazySequence, ProbeResult, SignalAction, built
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
 
 if TYPE_CHECKING:  # annotations only: the session imports no router at run time
@@ -143,17 +142,6 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return 0
 
 
-# A request state's fields in the order its constructor sets them (RequestState.many).
-_STATE_FIELDS = ("request_id", "prompt", "prompt_token_ids", "prompt_len", "points",
-                 "_live_points", "_last_index", "_bounded", "_selectors", "steady_from",
-                 "generated", "records", "signals", "edits", "_live_edits", "armed", "applied",
-                 "edited_sites")
-# An output's fields, in the order _output gives them.
-_OUTPUT_FIELDS = ("request_id", "prompt", "text", "token_ids", "prompt_len", "prompt_token_ids",
-                  "finish_reason", "abort", "results", "signals", "records", "edits")
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
-_ITER = operator.attrgetter("__iter__")
 # A request state's fields, read in C over a call's or a step's requests.
 _STEADY_FROM = operator.attrgetter("steady_from")
 _POINTS = operator.attrgetter("points")
@@ -163,11 +151,6 @@ _PROMPT_LEN = operator.attrgetter("prompt_len")
 _PROMPT = operator.attrgetter("prompt")
 _PROMPT_TOKEN_IDS = operator.attrgetter("prompt_token_ids")
 _FINISH_REASON = operator.attrgetter("finish_reason")
-_REQUEST_ID = operator.attrgetter("request_id")
-_GENERATED = operator.attrgetter("generated")
-_SIGNALS = operator.attrgetter("signals")
-_RECORDS = operator.attrgetter("records")
-_APPLIED = operator.attrgetter("applied")
 _LIVE_EDITS = operator.attrgetter("_live_edits")
 _LIVE_POINTS = operator.attrgetter("_live_points")
 
@@ -257,30 +240,6 @@ class RequestState:
         self.armed: dict[str, int] = {}
         self.applied: list[AppliedEdit] = []
         self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
-
-    @classmethod
-    def many(cls, requests: Sequence[tuple[str, str, Sequence[int]]],
-             points: Sequence[ExtractionPoint], keep_records: bool = False
-             ) -> list[RequestState]:
-        """A state for each (request id, prompt, prompt token ids), with these
-        points and no edits: what the constructor makes for each, made a field
-        at a time over all of them (an adapter opens a call's requests at once)."""
-        count = len(requests)
-        ids, prompts, token_ids = (list(column) for column in zip(*requests, strict=True))
-        token_ids = list(map(tuple, map(map, itertools.repeat(int), token_ids)))
-        lengths = list(map(len, token_ids))
-        points = tuple(points)
-        found = {length: _bounds(points, length) for length in set(lengths)}
-        last_index, bounded, selectors, steady_from = zip(*map(found.__getitem__, lengths),
-                                                          strict=True)
-        fresh = itertools.repeat
-        records = RecordLog.fresh(count) if keep_records else fresh(None, count)
-        return built_all(cls, _STATE_FIELDS, list(zip(
-            ids, prompts, token_ids, lengths, fresh(points, count), fresh(points, count),
-            last_index, bounded, selectors, steady_from,
-            map(list, fresh((), count)), records, SignalLog.fresh(count),
-            fresh((), count), fresh((), count), map(dict, fresh((), count)),
-            map(list, fresh((), count)), map(dict, fresh((), count)), strict=True)))
 
     @property
     def live(self) -> bool:
@@ -622,10 +581,9 @@ class StepPlan:
         if len(points) == 1:
             point = points[0]
             layers, groups = layouts[0]
-            rows_each = map(operator.mul, map(list, zip(range(len(states)))),
-                            itertools.repeat(len(groups)))  # ([row] * len(groups) each)
-            matches.extend(PlanMatch.each_of_point(states, point, tokens, layers,
-                                                   list(rows_each)))
+            matches.extend([PlanMatch(state, point, token_index, layers, [row] * len(groups), row)
+                            for row, (state, token_index) in enumerate(zip(states, tokens,
+                                                                           strict=True))])
             self.one_each = generated and len(set(map(id, states))) == len(states)
             return True
         for row, (state, token_index, _) in enumerate(fed):
@@ -787,21 +745,17 @@ class CaptureSession:
                     raise ValueError(
                         f"request id {request_id!r} is already open in this generation")
                 seen.add(request_id)
+        bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
         shared = tuple(self.edits)  # (each request's own edits after these)
         mine = self.request_edits
-        if shared or not mine.keys().isdisjoint(ids):
-            bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
-            states = [RequestState(request_id, prompt, token_ids, self.points,
-                                   self.keep_records,
-                                   (*shared, *mine[request_id]) if request_id in mine
-                                   else shared, bounds)
-                      for request_id, prompt, token_ids in requests]
-        else:  # (no edits: the states made a field at a time)
-            states = RequestState.many(requests, self.points, self.keep_records)
+        states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
+                               (*shared, *mine[request_id]) if request_id in mine else shared,
+                               bounds)
+                  for request_id, prompt, token_ids in requests]
         # (each request's context, as _context makes it: built in C, a field at a time)
-        register_many(RequestContext.each_of_prompt(
-            ids, map(_PROMPT, states), map(_PROMPT_LEN, states), self.model_name,
-            map(_PROMPT_TOKEN_IDS, states)), list(self.points))
+        register_many(list(map(RequestContext.of_prompt, ids, map(_PROMPT, states),
+                               map(_PROMPT_LEN, states), itertools.repeat(self.model_name),
+                               map(_PROMPT_TOKEN_IDS, states))), list(self.points))
         self._registered.update(ids)
         self.requests.update(zip(ids, states, strict=True))
         return states
@@ -827,29 +781,27 @@ class CaptureSession:
         once (``Router.end_requests``) when the router can: the same outputs, and
         ``on_result`` is called for each request's results in the same order.
         When the router cannot, each request is ended in turn."""
-        ids = list(map(_FIRST, closing))
-        states = list(map(self.requests.__getitem__, ids))
-        if None in map(_FINISH_REASON, states):
-            for state, (_, _, finish_reason) in zip(states, closing, strict=True):
-                if state.finish_reason is None:
-                    state.finish_reason = finish_reason or "length"
+        states = [self.requests[request_id] for request_id, _, _ in closing]
+        for state, (_, _, finish_reason) in zip(states, closing, strict=True):
+            if state.finish_reason is None:
+                state.finish_reason = finish_reason or "length"
         flush_window(self)  # what was held back is judged before any request ends
         router = self.router
         end_many = getattr(router, "end_requests", None)
-        ended = (ids if self._registered.issuperset(ids)  # (every one registered: the usual case)
-                 else [request_id for request_id in ids if request_id in self._registered])
+        ended = [request_id for request_id, _, _ in closing if request_id in self._registered]
         if end_many is None or len(ended) < 2:
             return [self._output(state, text, self._end(request_id))
                     for state, (request_id, text, _) in zip(states, closing, strict=True)]
         self._registered.difference_update(ended)
         found = dict(zip(ended, end_many(ended), strict=True))
-        results: list[dict[str, ProbeResult]] = list(map(found.__getitem__, ids)) if len(
-            ended) == len(closing) else [found.get(request_id, {}) for request_id in ids]
-        if self.on_result is not None:
-            for by_point in results:
-                for result in by_point.values():
+        outputs = []
+        for state, (request_id, text, _) in zip(states, closing, strict=True):
+            results = found.get(request_id, {})
+            if self.on_result is not None:
+                for result in results.values():
                     self.on_result(result)
-        return self._outputs(states, list(map(_SECOND, closing)), results)
+            outputs.append(self._output(state, text, results))
+        return outputs
 
     def _output(self, state: RequestState, text: str, results: dict[str, ProbeResult]
                 ) -> GenerationOutput:
@@ -872,21 +824,6 @@ class CaptureSession:
             "records": state.records,
             "edits": tuple(state.applied),
         })
-
-    def _outputs(self, states: Sequence[RequestState], texts: Sequence[str],
-                 results: Sequence[dict[str, ProbeResult]]) -> list[GenerationOutput]:
-        """:meth:`_output` of each state with its text and results, made a field
-        at a time over all of them."""
-        assert None not in map(_FINISH_REASON, states)
-        collections.deque(map(setattr, states, itertools.repeat("closed"),
-                              itertools.repeat(True)), maxlen=0)
-        self.closes += len(states)
-        return built_all(GenerationOutput, _OUTPUT_FIELDS, list(zip(
-            map(_REQUEST_ID, states), map(_PROMPT, states), texts,
-            map(tuple, map(_GENERATED, states)), map(_PROMPT_LEN, states),
-            map(_PROMPT_TOKEN_IDS, states), map(_FINISH_REASON, states), map(_ABORT, states),
-            results, LazySequence.each(map(_ITER, map(_SIGNALS, states))),
-            map(_RECORDS, states), map(tuple, map(_APPLIED, states)), strict=True)))
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:
         """Whether a probe may stop one of these open requests before it ends

@@ -14,18 +14,16 @@ then never handed per-record objects.
 
 from __future__ import annotations
 
-import collections
 import difflib
 import functools
 import inspect
-import itertools
 import operator
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from undercurrent.records import ActivationBatch, BatchSignals, built, built_all
+from undercurrent.records import ActivationBatch, BatchSignals, built
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,18 +72,6 @@ class RequestContext:
                            "prompt_token_ids": prompt_token_ids, "extraction_point": None,
                            "metadata": _NO_METADATA})
 
-    @classmethod
-    def each_of_prompt(cls, request_ids: Sequence[str], prompts: Iterable[str | None],
-                       prompt_lens: Iterable[int | None], model_name: str | None,
-                       prompt_token_ids: Iterable[tuple[int, ...] | None]
-                       ) -> list[RequestContext]:
-        """:meth:`of_prompt` for each request (a call's), made in C."""
-        count = len(request_ids)
-        return built_all(cls, _CONTEXT_FIELDS, list(zip(
-            request_ids, prompts, prompt_lens, itertools.repeat(model_name, count),
-            prompt_token_ids, itertools.repeat(None, count),
-            itertools.repeat(_NO_METADATA, count), strict=True)))
-
     def at_point(self, point: ExtractionPoint) -> RequestContext:
         """This context with ``extraction_point`` set to ``point`` (what
         ``dataclasses.replace`` gives; the other fields, checked already, are
@@ -94,18 +80,6 @@ class RequestContext:
         fields = made.__dict__
         fields.update(self.__dict__)
         fields["extraction_point"] = point
-        return made
-
-    @staticmethod
-    def each_at_point(contexts: Sequence[RequestContext], point: ExtractionPoint
-                      ) -> list[RequestContext]:
-        """:meth:`at_point` of each context, made in C (the router binds a call's
-        requests to a point at once)."""
-        fields = list(map(dict, map(_STATE, contexts)))
-        collections.deque(map(dict.__setitem__, fields, itertools.repeat("extraction_point"),
-                              itertools.repeat(point)), maxlen=0)
-        made: list[RequestContext] = list(map(object.__new__, map(type, contexts)))
-        collections.deque(map(dict.update, map(_STATE, made), fields), maxlen=0)
         return made
 
 
@@ -208,12 +182,6 @@ class Probe:
         call's requests together and none has work left. When it raises, it
         must have changed nothing: the router then calls :meth:`on_end` of each."""
         return None
-
-    def copies_for_requests(self, count: int) -> list[Probe | None]:
-        """:meth:`copy_for_request` ``count`` times (what the router asks for the
-        other requests of a call). A class whose copies are plain may make them
-        at once (the built-ins do, with :func:`shallow_copies`)."""
-        return [self.copy_for_request() for _ in range(count)]
 
     def copy_for_request(self) -> Probe | None:
         """A new instance configured as this one, for another request of the same
@@ -419,13 +387,6 @@ def shallow_copy(instance: Any) -> Any:
     made.__dict__.update(instance.__dict__)
     return made
 
-
-def shallow_copies(instance: Any, count: int) -> list[Any]:
-    """:func:`shallow_copy` ``count`` times, made in C."""
-    made = list(map(object.__new__, itertools.repeat(type(instance), count)))
-    collections.deque(map(dict.update, map(_STATE, made), itertools.repeat(instance.__dict__)),
-                      maxlen=0)
-    return made
 
 
 _STATE = operator.attrgetter("__dict__")

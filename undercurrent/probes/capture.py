@@ -16,7 +16,6 @@ from undercurrent.probes.base import (
     Probe,
     RequestContext,
     ScoresRows,
-    shallow_copies,
     shallow_copy,
 )
 from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
@@ -47,10 +46,6 @@ class CaptureProbe(ScoresRows):
         # No state at all.
         return shallow_copy(self) if type(self) is CaptureProbe else None
 
-    def copies_for_requests(self, count: int) -> list[Probe | None]:
-        # (the copies copy_for_request makes, made at once)
-        return (shallow_copies(self, count) if type(self) is CaptureProbe
-                else super().copies_for_requests(count))
 
     @classmethod
     def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:

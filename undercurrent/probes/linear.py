@@ -6,16 +6,13 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 
 from __future__ import annotations
 
-import collections
 import inspect
-import itertools
-import operator
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copies, shallow_copy
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
@@ -36,7 +33,6 @@ from undercurrent.records import (
     ActivationRecord,
     BatchSignals,
     ProbeSignal,
-    all_are,
     as_list,
 )
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
@@ -288,9 +284,10 @@ class LinearProbe(ScoresRows):
         first = probes[0]
         assert isinstance(first, LinearProbe)
         point = contexts[0].extraction_point
-        if not (all_are(map(_POINT, contexts), point)
-                and all_are(map(_READOUT, probes), first.readout)
-                and all_are(map(_CHECKS_METADATA, probes), first.check_metadata)):
+        if any(ctx.extraction_point is not point for ctx in contexts) or any(
+                probe.readout is not first.readout  # type: ignore[attr-defined]
+                or probe.check_metadata is not first.check_metadata  # type: ignore[attr-defined]
+                for probe in probes):
             return False
         if point is not None:  # (raises before any instance is changed)
             first.check_point(point)
@@ -301,10 +298,6 @@ class LinearProbe(ScoresRows):
         # The readout and rule are read-only; on_start makes the summary.
         return shallow_copy(self) if type(self) is LinearProbe else None
 
-    def copies_for_requests(self, count: int) -> list[Probe | None]:
-        # (the copies copy_for_request makes, made at once)
-        return (shallow_copies(self, count) if type(self) is LinearProbe
-                else super().copies_for_requests(count))
 
     def may_abort(self) -> bool:
         # A subclass may judge otherwise: it is taken at its word only through its own.
@@ -368,10 +361,9 @@ class LinearProbe(ScoresRows):
         verdicts = end_summaries(probes)
         if verdicts is None:
             return None
-        readouts = list(map(_READOUT, probes))
-        tails = map(dict, map(zip, itertools.repeat(("link", "source")),
-                              zip(map(_LINK, readouts), map(_SOURCE, readouts), strict=True)))
-        collections.deque(map(dict.update, verdicts, tails), maxlen=0)
+        for verdict, probe in zip(verdicts, probes, strict=True):
+            readout = probe.readout  # type: ignore[attr-defined]
+            verdict["link"], verdict["source"] = readout.link, readout.source
         return verdicts
 
 
@@ -477,11 +469,3 @@ DualPositionProbe.__signature__ = inspect.Signature([  # type: ignore[attr-defin
     inspect.Parameter("read_offset", inspect.Parameter.KEYWORD_ONLY, default=1),
     *inspect.signature(LinearProbe).parameters.values(),
 ])
-
-
-# (fields read in C over a call's instances: start_many, end_many)
-_POINT = operator.attrgetter("extraction_point")
-_READOUT = operator.attrgetter("readout")
-_CHECKS_METADATA = operator.attrgetter("check_metadata")
-_LINK = operator.attrgetter("link")
-_SOURCE = operator.attrgetter("source")

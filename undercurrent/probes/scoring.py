@@ -7,12 +7,10 @@ Every built-in turns a per-activation score into a signal the same way
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +21,6 @@ from undercurrent.records import (
     BatchSignals,
     ProbeSignal,
     SignalAction,
-    all_are,
-    built_all,
 )
 
 _ACTIONS_ON_CROSSING = (SignalAction.FLAG, SignalAction.ABORT)
@@ -229,49 +225,26 @@ class ScoreSummary:
         return result
 
 
-_SUMMARY_FIELDS = ("threshold", "count", "scored", "total", "max_score", "min_score",
-                   "last_score", "first_crossing", "extra")
-_VERDICT_KEYS = ("count", "max_score", "min_score", "mean_score", "last_score", "flagged",
-                 "first_crossing_token_index", "first_crossing_layer", "threshold")
-
-
-def fresh_summaries(thresholds: Sequence[float | None], extra: Mapping[str, Any] | None = None
-                    ) -> list[ScoreSummary]:
-    """``ScoreSummary(threshold, extra=dict(extra))`` for each threshold, made in C
-    (the summaries a call's probes start with: one per request), each with an
-    ``extra`` dict of its own."""
-    count = len(thresholds)
-    extras = map(dict, itertools.repeat(extra or {}, count))
-    fresh = itertools.repeat
-    return built_all(ScoreSummary, _SUMMARY_FIELDS,
-                     list(zip(thresholds, fresh(0), fresh(0), fresh(0.0), fresh(None), fresh(None),
-                              fresh(None), fresh(None), extras, strict=False)))
-
-
 def summary_verdicts(summaries: Sequence[ScoreSummary]) -> list[dict[str, Any]]:
     """:meth:`ScoreSummary.verdict` of each summary (the same dicts, keys in the
-    same order), read a column at a time: a call's verdicts at once."""
-    count = len(summaries)
-    scored = list(map(_SCORED, summaries))
-    totals = list(map(_TOTAL, summaries))
-    means = (list(map(operator.truediv, totals, scored)) if 0 not in scored
-             else [total / number if number else None
-                   for total, number in zip(totals, scored, strict=True)])
-    crossings = list(map(_FIRST_CROSSING, summaries))
-    if crossings.count(None) == count:  # (nothing crossed: the usual case)
-        flagged: Iterable[Any] = itertools.repeat(False)
-        tokens: Iterable[Any] = itertools.repeat(None)
-        layers: Iterable[Any] = tokens
-    else:
-        flagged = [crossing is not None for crossing in crossings]
-        tokens = [crossing[0] if crossing else None for crossing in crossings]
-        layers = [crossing[1] if crossing else None for crossing in crossings]
-    verdicts = list(map(dict, map(zip, itertools.repeat(_VERDICT_KEYS), zip(
-        map(_COUNT, summaries), map(_MAX, summaries), map(_MIN, summaries), means,
-        map(_LAST, summaries), flagged, tokens, layers, map(_THRESHOLD, summaries), strict=False))))
-    extras = list(map(_EXTRA, summaries))
-    if any(extras):
-        collections.deque(map(dict.update, verdicts, extras), maxlen=0)
+    same order), without a call per summary: a call's verdicts at once."""
+    verdicts = []
+    for summary in summaries:
+        crossing, scored = summary.first_crossing, summary.scored
+        verdict = {
+            "count": summary.count,
+            "max_score": summary.max_score,
+            "min_score": summary.min_score,
+            "mean_score": summary.total / scored if scored else None,
+            "last_score": summary.last_score,
+            "flagged": crossing is not None,
+            "first_crossing_token_index": crossing[0] if crossing else None,
+            "first_crossing_layer": crossing[1] if crossing else None,
+            "threshold": summary.threshold,
+        }
+        if summary.extra:
+            verdict.update(summary.extra)
+        verdicts.append(verdict)
     return verdicts
 
 
@@ -279,16 +252,16 @@ def start_summaries(probes: Sequence[Any], extra: Mapping[str, Any] | None = Non
     """The ``on_start`` of built-ins whose per-request state is one fresh summary
     of their rule's threshold (``extra``: its extra verdict entries), for every
     instance at once (their class's ``start_many``)."""
-    summaries = fresh_summaries(list(map(_THRESHOLD, map(_RULE, probes))), extra)
-    collections.deque(map(setattr, probes, itertools.repeat("summary"), summaries), maxlen=0)
+    for probe in probes:
+        probe.summary = ScoreSummary(probe.rule.threshold, extra=dict(extra or {}))
 
 
 def end_summaries(probes: Sequence[Any]) -> list[dict[str, Any]] | None:
-    """Each instance's ``summary.verdict()``, read a column at a time (their
-    class's ``end_many``); None when some summary is not a plain
+    """Each instance's ``summary.verdict()``, made in one loop (their class's
+    ``end_many``); None when some summary is not a plain
     :class:`ScoreSummary` (it may give its verdict its own way)."""
-    summaries = list(map(_SUMMARY, probes))
-    if not all_are(map(type, summaries), ScoreSummary):
+    summaries = [probe.summary for probe in probes]
+    if any(type(summary) is not ScoreSummary for summary in summaries):
         return None
     return summary_verdicts(summaries)
 
@@ -309,56 +282,39 @@ def add_blocks(summaries: Sequence[ScoreSummary], block: Any,
     width = spans[0][1] - spans[0][0]
     if width == 0 or len(block) != width * len(summaries) or not block.all():
         return False  # (``all``: no zero; every span has one length: checked below)
-    if set(itertools.starmap(operator.sub, spans)) != {-width}:  # (every span's length)
+    if any(stop - start != width for start, stop in spans):
         return False
     np = numpy_module()
     if np.isnan(block).any():
         return False
     rows = block.reshape(len(summaries), width)
     running = np.empty((len(summaries), width + 1))
-    running[:, 0] = list(map(_TOTAL, summaries))
+    running[:, 0] = [summary.total for summary in summaries]
     running[:, 1:] = rows
     with np.errstate(all="ignore"):  # inf - inf, an overflow: what the loop gives, unwarned
         totals = np.add.accumulate(running, axis=1)[:, -1].tolist()
     highs, lows = rows.max(axis=1).tolist(), rows.min(axis=1).tolist()
-    # Each field set over all the summaries at once, in C.
-    widths = itertools.repeat(width)
-    _set_each(summaries, "count", map(operator.add, map(_COUNT, summaries), widths))
-    _set_each(summaries, "scored", map(operator.add, map(_SCORED, summaries), widths))
-    _set_each(summaries, "total", totals)
-    _set_each(summaries, "last_score", rows[:, -1].tolist())
-    # The loop keeps the old extreme unless a score beats it (a NaN is kept):
-    # max(old, new) and min(old, new) keep ``old`` unless ``new`` beats it.
-    old_highs, old_lows = list(map(_MAX, summaries)), list(map(_MIN, summaries))
-    _set_each(summaries, "max_score", highs if all_are(old_highs, None)
-              else [high if old is None else max(old, high)
-                    for old, high in zip(old_highs, highs, strict=True)])
-    _set_each(summaries, "min_score", lows if all_are(old_lows, None)
-              else [low if old is None else min(old, low)
-                    for old, low in zip(old_lows, lows, strict=True)])
+    lasts = rows[:, -1].tolist()
+    for summary, total, high, low, last in zip(summaries, totals, highs, lows, lasts,
+                                               strict=True):
+        summary.count += width
+        summary.scored += width
+        summary.total = total
+        summary.last_score = last
+        # The loop keeps the old extreme unless a score beats it (a NaN is kept).
+        if summary.max_score is None or high > summary.max_score:
+            summary.max_score = high
+        if summary.min_score is None or low < summary.min_score:
+            summary.min_score = low
     if crossed is not None and crossed.any():
-        # Each summary that crossed and had not: its first crossed row's place.
         marks = crossed.reshape(len(summaries), width)
-        hit = marks.any(axis=1).nonzero()[0]
-        rows = np.asarray(list(map(_SPAN_START, spans)))[hit] + marks[hit].argmax(axis=1)
-        chosen = list(map(summaries.__getitem__, hit.tolist()))
-        places = zip(_column(np, token_indices)[rows].tolist(),
-                     _column(np, layers)[rows].tolist(), strict=True)
-        fresh = list(map(operator.is_, map(_FIRST_CROSSING, chosen), itertools.repeat(None)))
-        _set_each(list(itertools.compress(chosen, fresh)), "first_crossing",
-                  itertools.compress(places, fresh))
+        firsts = marks.argmax(axis=1).tolist()
+        for index in marks.any(axis=1).nonzero()[0].tolist():
+            summary = summaries[index]
+            if summary.first_crossing is None:
+                row = spans[index][0] + firsts[index]
+                summary.first_crossing = (int(token_indices[row]), int(layers[row]))
     return True
-
-
-def _column(np: Any, values: Sequence[int]) -> Any:
-    """An int column (an :class:`~undercurrent.records.IntColumn`, a list) as a
-    numpy array, its own array where it has one."""
-    return np.asarray(getattr(values, "array", values))
-
-
-def _set_each(summaries: Sequence[ScoreSummary], name: str, values: Iterable[Any]) -> None:
-    """Set field ``name`` of each summary to its value, in C."""
-    collections.deque(map(setattr, summaries, itertools.repeat(name), values), maxlen=0)
 
 
 def _add_crossed(summaries: Sequence[ScoreSummary], values: list[float], first: int,
@@ -399,13 +355,3 @@ def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[in
 
 _RULE = operator.attrgetter("rule")
 _SUMMARY = operator.attrgetter("summary")
-_SCORED = operator.attrgetter("scored")
-_TOTAL = operator.attrgetter("total")
-_FIRST_CROSSING = operator.attrgetter("first_crossing")
-_SPAN_START = operator.itemgetter(0)
-_COUNT = operator.attrgetter("count")
-_MAX = operator.attrgetter("max_score")
-_MIN = operator.attrgetter("min_score")
-_LAST = operator.attrgetter("last_score")
-_THRESHOLD = operator.attrgetter("threshold")
-_EXTRA = operator.attrgetter("extra")

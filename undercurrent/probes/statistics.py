@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copies, shallow_copy
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
@@ -73,10 +73,6 @@ class _StatisticProbe(ScoresRows):
         return (shallow_copy(self)
                 if type(self) in (NormProbe, MeanProbe) else None)
 
-    def copies_for_requests(self, count: int) -> list[Probe | None]:
-        # (the copies copy_for_request makes, made at once)
-        return (shallow_copies(self, count) if type(self) in (NormProbe, MeanProbe)
-                else super().copies_for_requests(count))
 
     def group_key(self) -> Any:
         return ("statistic", self.statistic_name)

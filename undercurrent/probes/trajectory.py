@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import collections
-import itertools
-import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.probes.arrays import map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copies, shallow_copy
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import (
     ScoreSummary,
@@ -163,15 +160,16 @@ class TrajectoryProbe(ScoresRows):
         if cls.on_start is not TrajectoryProbe.on_start or (
                 cls._reset is not TrajectoryProbe._reset):
             return False
-        statistics, sources = set(map(_STATISTIC, probes)), set(map(_SOURCE, probes))
-        if len(statistics) != 1 or len(sources) != 1:
+        first = probes[0]
+        assert isinstance(first, TrajectoryProbe)
+        statistic, source = first.statistic, first.source
+        if any(probe.statistic != statistic or probe.source != source  # type: ignore[attr-defined]
+               for probe in probes):
             return False
-        count = len(probes)
-        for name, kind in (("_slot", dict), ("_layers", list), ("_counts", list),
-                           ("_values", list)):
-            collections.deque(map(setattr, probes, itertools.repeat(name),
-                                  map(kind, itertools.repeat((), count))), maxlen=0)
-        start_summaries(probes, {"statistic": statistics.pop(), "source": sources.pop()})
+        for probe in probes:
+            probe._slot, probe._layers = {}, []  # type: ignore[attr-defined]
+            probe._counts, probe._values = [], []  # type: ignore[attr-defined]
+        start_summaries(probes, {"statistic": statistic, "source": source})
         return True
 
     def copy_for_request(self) -> TrajectoryProbe | None:
@@ -179,10 +177,6 @@ class TrajectoryProbe(ScoresRows):
         # the running statistics and the summary.
         return shallow_copy(self) if type(self) is TrajectoryProbe else None
 
-    def copies_for_requests(self, count: int) -> list[Probe | None]:
-        # (the copies copy_for_request makes, made at once)
-        return (shallow_copies(self, count) if type(self) is TrajectoryProbe
-                else super().copies_for_requests(count))
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:
@@ -271,9 +265,9 @@ class TrajectoryProbe(ScoresRows):
         verdicts = end_summaries(probes)
         if verdicts is None:
             return None
-        finals = map(dict, map(sorted, map(zip, map(_LAYERS, probes), map(_VALUES, probes))))
-        collections.deque(map(dict.__setitem__, verdicts, itertools.repeat("final_by_layer"),
-                              finals), maxlen=0)
+        for verdict, probe in zip(verdicts, probes, strict=True):
+            verdict["final_by_layer"] = dict(sorted(zip(
+                probe._layers, probe._values, strict=True)))  # type: ignore[attr-defined]
         return verdicts
 
 
@@ -367,10 +361,3 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
                 "layer": pattern * count}
     return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel(), flat, metadata,
                         all_scored=True)
-
-
-# (fields read in C over a call's instances: start_many, end_many)
-_STATISTIC = operator.attrgetter("statistic")
-_SOURCE = operator.attrgetter("source")
-_LAYERS = operator.attrgetter("_layers")
-_VALUES = operator.attrgetter("_values")

@@ -23,7 +23,6 @@ routed batch); the counters are updated once per batch, in vectors.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -34,7 +33,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from undercurrent.probes.base import Probe, RequestContext, scores_batches
@@ -47,8 +46,6 @@ from undercurrent.records import (
     ProbeSignal,
     ProbeStats,
     SignalAction,
-    all_are,
-    built_all,
 )
 from undercurrent.router.errors import OverflowPolicy
 from undercurrent.spec.types import (
@@ -165,46 +162,6 @@ _IS_ASYNC = operator.attrgetter("_is_async")
 _CLOSED = operator.attrgetter("_closed")
 _CAPACITY = operator.attrgetter("_queue_capacity")
 _QUEUED = operator.attrgetter("_queued")
-_OVERFLOW = operator.attrgetter("_overflow")
-_SCHEDULED = operator.attrgetter("_scheduled")
-_PROBE = operator.attrgetter("_probe")
-_STATE = operator.attrgetter("__dict__")
-_GROUP_KEY = operator.methodcaller("group_key")
-_MAY_ABORT = operator.methodcaller("may_abort")
-_CTX = operator.attrgetter("_ctx")
-_MUTEX = operator.attrgetter("_mutex")
-_TRY_ACQUIRE = operator.methodcaller("acquire", False)
-_RELEASE = operator.methodcaller("release")
-_QUEUE = operator.attrgetter("_queue")
-_BUSY = operator.attrgetter("_busy")
-_WAITING = operator.attrgetter("_waiting")
-_SLEEPERS = operator.attrgetter("_sleepers")
-_FINALISED = operator.attrgetter("_finalised")
-_START_FAILED = operator.attrgetter("_start_failed")
-_UNREAD = operator.attrgetter("_unread")
-_ERROR_NOTES = operator.attrgetter("_error_notes")
-_TRACEBACK = operator.attrgetter("_traceback")
-_SIGNALS = operator.attrgetter("_signals")
-_KEPT = operator.attrgetter("_kept")
-_NAME = operator.attrgetter("_name")
-_REQUEST_ID = operator.attrgetter("request_id")
-_RECEIVED = operator.attrgetter("_received")
-_PROCESSED = operator.attrgetter("_processed")
-_DROPPED = operator.attrgetter("_dropped")
-_ERRORS = operator.attrgetter("_errors")
-_TIMEOUTS = operator.attrgetter("_timeouts")
-_LATENCY_TOTAL = operator.attrgetter("_latency_total")
-_LATENCY_MAX = operator.attrgetter("_latency_max")
-_LATE_RESULTS = operator.attrgetter("_late_results")
-_BREAKER_OPEN = operator.attrgetter("_breaker_open")
-_PROBE_TYPE = operator.attrgetter("_probe_type")
-_EXECUTION_MODE = operator.attrgetter("_execution_mode")
-_INTERVENTION = operator.attrgetter("_intervention")
-
-
-def _set_each(bindings: Iterable[Binding], name: str, values: Iterable[Any]) -> None:
-    """Set field ``name`` of each binding to its value, in C."""
-    collections.deque(map(setattr, bindings, itertools.repeat(name), values), maxlen=0)
 
 
 @contextlib.contextmanager
@@ -212,19 +169,14 @@ def _all_locked(bindings: Sequence[Binding]) -> Iterator[bool]:
     """Take every binding's lock that is free; yields whether all were (the caller
     then does nothing unless so), and lets go of those taken. None is waited
     for: a thread holding one may be waiting for another."""
-    mutexes = list(map(_MUTEX, bindings))
-    taken = list(map(_TRY_ACQUIRE, mutexes))
+    mutexes = [binding._mutex for binding in bindings]
+    taken = [mutex.acquire(False) for mutex in mutexes]
     try:
         yield all(taken)
     finally:
-        collections.deque(map(_RELEASE, itertools.compress(mutexes, taken)), maxlen=0)
-
-
-# A result's fields and its metadata's keys, in the order result() gives them.
-_STATS_FIELDS = tuple(item.name for item in dataclasses.fields(ProbeStats))
-_RESULT_FIELDS = tuple(item.name for item in dataclasses.fields(ProbeResult))
-_METADATA_KEYS = ("probe_type", "execution_mode", "intervention", "max_latency_s",
-                  "late_results", "breaker_open")
+        for mutex, took in zip(mutexes, taken, strict=True):
+            if took:
+                mutex.release()
 
 
 class Binding:
@@ -339,33 +291,27 @@ class Binding:
         that is not started yet (its state is still the constructor's)."""
         assert not self._received and not self._closed and not self._error_notes
         assert self._signals is _NONE_KEPT and self._unread is _NONE_KEPT
-        count = len(probes)
-        if len(contexts) != count:
-            raise ValueError(f"siblings: {count} probes for {len(contexts)} contexts")
+        cls = type(self)
+        new = object.__new__
         template = dict(self.__dict__)
         template["_group"] = template["_async_group"] = None
         kind, native, is_async = type(self._probe), self._native, self._is_async
-        # Each field set over all of them at once, in C.
-        made_all: list[Binding] = list(map(object.__new__, itertools.repeat(type(self), count)))
-        collections.deque(map(dict.update, map(_STATE, made_all), itertools.repeat(template)),
-                          maxlen=0)
-        _set_each(made_all, "_ctx", contexts)
-        _set_each(made_all, "_mutex", itertools.starmap(_RLock, itertools.repeat((), count)))
-        if is_async:
-            _set_each(made_all, "_queue", itertools.starmap(deque, itertools.repeat((), count)))
-        if not all_are(map(type, probes), kind):  # (each probe served its own way)
-            collections.deque(map(Binding._take_probe, made_all, probes), maxlen=0)
-            return made_all
-        # Served as this one's probe: only their groups may differ.
-        _set_each(made_all, "_probe", probes)
-        if native and getattr(kind, "group_key", None) is not None:
-            keys = map(_GROUP_KEY, probes)
+        made_all = []
+        for probe, ctx in zip(probes, contexts, strict=True):
+            made: Binding = new(cls)
+            state = made.__dict__
+            state.update(template)
+            state["_ctx"] = ctx
+            state["_mutex"] = _RLock()
             if is_async:
-                _set_each(made_all, "_async_group", keys)
-            elif self._policy.mode is InterventionMode.REJECT:
-                _set_each(made_all, "_group", keys)
-        elif native:
-            collections.deque(map(Binding._set_group, made_all, probes), maxlen=0)
+                state["_queue"] = deque()
+            if type(probe) is kind:  # served as this one's: only its group may differ
+                state["_probe"] = probe
+                if native:
+                    made._set_group(probe)
+            else:
+                made._take_probe(probe)
+            made_all.append(made)
         return made_all
 
     # -- read-only views (every change goes through a transition method below) --------
@@ -420,19 +366,6 @@ class Binding:
             return (self._queue_capacity or 1) // 2
         may_abort = getattr(self._probe, "may_abort", None)
         return 0 if self._group is None or may_abort is None or may_abort() else sys.maxsize
-
-    @staticmethod
-    def least_window(bindings: Sequence[Binding]) -> int:
-        """The least :attr:`window_limit` of ``bindings`` (``sys.maxsize`` for
-        none), read in C where none is async and each is judged in a group."""
-        if any(map(_IS_ASYNC, bindings)) or any(map(operator.is_, map(_GROUP, bindings),
-                                                    itertools.repeat(None))):
-            return min(map(Binding.window_limit, bindings), default=sys.maxsize)
-        try:
-            may_abort = any(map(_MAY_ABORT, map(_PROBE, bindings)))
-        except AttributeError:  # (a probe that does not say: window_limit reads 0)
-            return min(map(Binding.window_limit, bindings), default=sys.maxsize)
-        return 0 if may_abort else sys.maxsize
 
     @property
     def queue_capacity(self) -> int:
@@ -773,13 +706,13 @@ class Binding:
         :meth:`~undercurrent.probes.base.Probe.start_many`: True when done, False
         with nothing done when the class starts each alone (or its
         ``start_many`` raised: then each :meth:`start` notes its own failure)."""
-        probes = list(map(_PROBE, bindings))
+        probes = [binding._probe for binding in bindings]
         kind = type(probes[0])
         start_many = getattr(kind, "start_many", None)
-        if start_many is None or not all_are(map(type, probes), kind):
+        if start_many is None or any(type(probe) is not kind for probe in probes):
             return False
         try:
-            return bool(start_many(probes, list(map(_CTX, bindings))))
+            return bool(start_many(probes, [binding._ctx for binding in bindings]))
         except Exception:  # (noted per binding by start, which meets it again)
             return False
 
@@ -799,12 +732,14 @@ class Binding:
         gives, made from the bindings' columns."""
         bindings = list(itertools.chain.from_iterable(columns))
         with _all_locked(bindings) as locked:
-            if not locked or any(map(_QUEUE, bindings)) or any(map(_BUSY, bindings)) or (
-                    any(map(_WAITING, bindings)) or any(map(_SLEEPERS, bindings))
-                    or any(map(_FINALISED, bindings))):
+            if not locked:
                 return None
-            _set_each(bindings, "_closed", itertools.repeat(True))
-            _set_each(bindings, "_finalised", itertools.repeat(True))
+            for binding in bindings:
+                if (binding._queue or binding._busy or binding._waiting or binding._sleepers
+                        or binding._finalised):
+                    return None
+            for binding in bindings:
+                binding._closed = binding._finalised = True
         verdicts: list[list[Any] | None] = [Binding._end_many(column) for column in columns]
         if None in verdicts:  # the others' on_end, in the order ending each request gives
             alone = [index for index, found in enumerate(verdicts) if found is None]
@@ -832,48 +767,51 @@ class Binding:
     def _end_many(bindings: Sequence[Binding]) -> list[Any] | None:
         """The verdicts of one point's finalised bindings from their probes' class's
         ``end_many``, or None (each probe's ``on_end`` is called then)."""
-        probes = list(map(_PROBE, bindings))
+        probes = [binding._probe for binding in bindings]
         kind = type(probes[0])
         end_many = getattr(kind, "end_many", None)
-        if (end_many is None or any(map(_START_FAILED, bindings))
-                or not all_are(map(type, probes), kind)):
+        if end_many is None or any(binding._start_failed for binding in bindings) or any(
+                type(probe) is not kind for probe in probes):
             return None
         try:
-            verdicts = end_many(probes, list(map(_CTX, bindings)))
+            verdicts = end_many(probes, [binding._ctx for binding in bindings])
         except Exception:  # (noted per binding by _verdict, which meets it again)
             return None
         return None if verdicts is None else list(verdicts)
 
     @staticmethod
     def _results(bindings: Sequence[Binding], verdicts: Sequence[Any]) -> list[ProbeResult]:
-        """:meth:`result` of each finalised binding with its verdict, the plain
-        ones (no error note, no signal kept) made a column at a time."""
-        if any(map(_ERROR_NOTES, bindings)) or not all_are(map(_TRACEBACK, bindings), None):
+        """:meth:`result` of each finalised binding with its verdict: the same
+        results, made in one loop, without a call per binding, for the plain
+        ones (no error note, no traceback)."""
+        if any(binding._error_notes or binding._traceback is not None for binding in bindings):
             return list(map(Binding.result, bindings, verdicts))
-        count = len(bindings)
-        # Signals still columns are built when first read, as result() leaves them.
-        unread = list(map(bool, map(_UNREAD, bindings)))
-        signals: Iterable[Sequence[ProbeSignal]] = (
-            LazySequence.each(map(_KEPT, bindings)) if all(unread)
-            else map(tuple, map(_SIGNALS, bindings)) if not any(unread)
-            else [LazySequence(binding._kept) if late else tuple(binding._signals)
-                  for binding, late in zip(bindings, unread, strict=True)])
-        processed = list(map(_PROCESSED, bindings))
-        totals = list(map(_LATENCY_TOTAL, bindings))
-        means = (list(map(operator.truediv, totals, processed)) if 0 not in processed
-                 else [total / number if number else 0.0
-                       for total, number in zip(totals, processed, strict=True)])
-        stats = built_all(ProbeStats, _STATS_FIELDS, list(zip(
-            map(_RECEIVED, bindings), processed, map(_DROPPED, bindings),
-            map(_ERRORS, bindings), map(_TIMEOUTS, bindings), means, strict=True)))
-        metadata = list(map(dict, map(zip, itertools.repeat(_METADATA_KEYS), zip(
-            map(_PROBE_TYPE, bindings), map(_EXECUTION_MODE, bindings),
-            map(_INTERVENTION, bindings), map(_LATENCY_MAX, bindings),
-            map(_LATE_RESULTS, bindings), map(_BREAKER_OPEN, bindings), strict=True))))
-        return built_all(ProbeResult, _RESULT_FIELDS, list(zip(
-            map(_REQUEST_ID, map(_CTX, bindings)), map(_NAME, bindings), verdicts,
-            signals, stats, itertools.repeat(None, count),
-            metadata, strict=True)))
+        new = object.__new__
+        results = []
+        for binding, verdict in zip(bindings, verdicts, strict=True):
+            processed = binding._processed
+            stats = new(ProbeStats)
+            stats.__dict__.update({
+                "received": binding._received, "processed": processed,
+                "dropped": binding._dropped, "errors": binding._errors,
+                "timeouts": binding._timeouts,
+                "mean_latency_s": binding._latency_total / processed if processed else 0.0})
+            result = new(ProbeResult)
+            result.__dict__.update({
+                "request_id": binding._ctx.request_id, "extraction_point_name": binding._name,
+                "verdict": verdict,
+                # (signals still columns are built when first read, as result() leaves them)
+                "signals": (LazySequence(binding._kept) if binding._unread
+                            else tuple(binding._signals)),
+                "stats": stats, "error": None,
+                "metadata": {"probe_type": binding._probe_type,
+                             "execution_mode": binding._execution_mode,
+                             "intervention": binding._intervention,
+                             "max_latency_s": binding._latency_max,
+                             "late_results": binding._late_results,
+                             "breaker_open": binding._breaker_open}})
+            results.append(result)
+        return results
 
     # -- accounting, called with the lock held -------------------------------------
 
@@ -983,26 +921,23 @@ class Binding:
         non-blocking policy, with room for its rows, and its lock free. Returns
         the bindings to hand to the scheduler (those not scheduled yet), or
         None with nothing done (each is then queued on its own)."""
+        block = OverflowPolicy.BLOCK
         with _all_locked(bindings) as locked:
-            capacities = list(map(_CAPACITY, bindings))
-            if (not locked or any(map(_CLOSED, bindings)) or None in capacities
-                    or OverflowPolicy.BLOCK in map(_OVERFLOW, bindings)):
+            if not locked:
                 return None
-            counts = list(map(operator.sub, stops, starts))
-            queued = list(map(operator.add, map(_QUEUED, bindings), counts))
-            if not all(map(operator.le, queued, capacities)):  # (some would drop)
-                return None
-            _set_each(bindings, "_received",
-                      map(operator.add, map(_RECEIVED, bindings), counts))
-            rows: list[_Rows] = list(map(object.__new__, itertools.repeat(_Rows, len(counts))))
-            for name, values in (("batch", itertools.repeat(batch)), ("start", starts),
-                                 ("stop", stops)):
-                collections.deque(map(setattr, rows, itertools.repeat(name), values), maxlen=0)
-            collections.deque(map(deque.append, map(_QUEUE, bindings), rows), maxlen=0)
-            _set_each(bindings, "_queued", queued)
-            handed = list(itertools.compress(bindings, map(operator.not_,
-                                                           map(_SCHEDULED, bindings))))
-            _set_each(handed, "_scheduled", itertools.repeat(True))
+            for binding, start, stop in zip(bindings, starts, stops, strict=True):
+                capacity = binding._queue_capacity
+                if (binding._closed or capacity is None or binding._overflow is block
+                        or binding._queued + stop - start > capacity):  # (some would drop)
+                    return None
+            handed = []
+            for binding, start, stop in zip(bindings, starts, stops, strict=True):
+                binding._received += stop - start
+                binding._queue.append(_Rows(batch, start, stop))
+                binding._queued += stop - start
+                if not binding._scheduled:
+                    binding._scheduled = True
+                    handed.append(binding)
             return handed
 
     def _drop_oldest(self, count: int) -> None:
@@ -1202,12 +1137,12 @@ class Binding:
         and its lock free; False, with nothing done, otherwise (each is then
         admitted on its own, waiting for its turn where it must)."""
         with _all_locked(bindings) as locked:
-            if not locked or any(map(_BUSY, bindings)) or any(map(_CLOSED, bindings)):
+            if not locked or any(binding._busy or binding._closed for binding in bindings):
                 return False  # (a finalised binding is closed)
-            _set_each(bindings, "_received",
-                      map(operator.add, map(_RECEIVED, bindings), counts))
-            _set_each(bindings, "_busy", itertools.repeat(True))
-            _set_each(bindings, "_in_flight", counts)
+            for binding, count in zip(bindings, counts, strict=True):
+                binding._received += count
+                binding._busy = True  # begin_call, inlined
+                binding._in_flight = count
             return True
 
     @staticmethod
@@ -1222,32 +1157,18 @@ class Binding:
         done, when a thread waits on one of them, one was finalised meanwhile,
         or a lock is taken (each then finishes on its own)."""
         with _all_locked(bindings) as locked:
-            if not locked or any(map(_SLEEPERS, bindings)) or any(map(_FINALISED, bindings)):
+            if not locked or any(binding._sleepers or binding._finalised
+                                 for binding in bindings):
                 return False
-            starts, stops = zip(*spans, strict=True)
-            unread: Any = None
-            if signals is not None:
-                kept = list(map(_UNREAD, bindings))
-                entries = zip(itertools.repeat(signals), itertools.repeat(batch), starts, stops,
-                              itertools.repeat(False), itertools.repeat(offset))
-                if all_are(kept, _NONE_KEPT):  # (each binding's first: lists of their own)
-                    unread = [[entry] for entry in entries]
-                elif _NONE_KEPT not in kept:
-                    collections.deque(map(list.append, kept, entries), maxlen=0)
-                else:
-                    return False
-            counts = list(map(operator.sub, stops, starts))
-            _set_each(bindings, "_busy", itertools.repeat(False))
-            _set_each(bindings, "_in_flight", itertools.repeat(0))
-            _set_each(bindings, "_processed",
-                      map(operator.add, map(_PROCESSED, bindings), counts))
-            _set_each(bindings, "_latency_total", map(
-                operator.add, map(_LATENCY_TOTAL, bindings),
-                map(operator.mul, itertools.repeat(share), counts)))
-            _set_each(bindings, "_latency_max",
-                      map(max, map(_LATENCY_MAX, bindings), itertools.repeat(share)))
-            if unread is not None:
-                _set_each(bindings, "_unread", unread)
+            for binding, (start, stop) in zip(bindings, spans, strict=True):
+                binding._busy = False  # end_call, inlined
+                binding._in_flight = 0
+                binding._processed += stop - start
+                binding._latency_total += share * (stop - start)
+                if share > binding._latency_max:
+                    binding._latency_max = share
+                if signals is not None:
+                    binding._unread_list().append((signals, batch, start, stop, False, offset))
             return True
 
     def take_queued(self, limit: int) -> ActivationBatch | None:

@@ -17,7 +17,6 @@ records one by one.
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,10 +53,6 @@ def _run_to_completion(binding: Binding, batch: ActivationBatch) -> BatchSignals
 
 
 _UNKNOWN: Any = object()
-_BINDING = operator.itemgetter(1)
-_START = operator.itemgetter(2)
-_STOP = operator.itemgetter(3)
-_PROBE = operator.attrgetter("probe")
 
 
 class GroupMembers(list[tuple[Any, Binding, int, int]]):
@@ -89,21 +84,23 @@ class GroupMembers(list[tuple[Any, Binding, int, int]]):
 
 def _together_of(members: Sequence[tuple[Any, Binding, int, int]]
                  ) -> tuple[Any, list[Any], list[tuple[int, int]]] | None:
-    if list(map(_START, members[1:])) != list(map(_STOP, members[:-1])):  # (not contiguous)
-        return None
+    previous = members[0][2]
+    for _, _, start, stop in members:
+        if start != previous:
+            return None
+        previous = stop
     judge_many = getattr(type(members[0][1].probe), "judge_many", None)
     if judge_many is None:
         return None
-    bindings, _, spans = (members.columns() if isinstance(members, GroupMembers)
-                          else _columns_of(members))
-    return judge_many, list(map(_PROBE, bindings)), spans
+    return (judge_many, [binding.probe for _, binding, _, _ in members],
+            [(start, stop) for _, _, start, stop in members])
 
 
 def _columns_of(members: Sequence[tuple[Any, Binding, int, int]]
                 ) -> tuple[list[Binding], list[int], list[tuple[int, int]]]:
-    starts, stops = list(map(_START, members)), list(map(_STOP, members))
-    return (list(map(_BINDING, members)), list(map(operator.sub, stops, starts)),
-            list(zip(starts, stops, strict=True)))
+    return ([binding for _, binding, _, _ in members],
+            [stop - start for _, _, start, stop in members],
+            [(start, stop) for _, _, start, stop in members])
 
 
 def _admit(members: Sequence[tuple[Any, Binding, int, int]]

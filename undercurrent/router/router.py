@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import operator
 import os
+import sys
 import threading
 import time
 import uuid
@@ -50,17 +51,6 @@ class _Request:
         self.request_id = request_id
         self.bindings = bindings
         self.abort_requested = False
-
-    @classmethod
-    def each(cls, ids: Sequence[str], bindings: Sequence[dict[str, Binding]]) -> list[_Request]:
-        """A request for each id with its bindings, made in C (a call's requests)."""
-        if len(ids) != len(bindings):
-            raise ValueError(f"{len(ids)} request ids for {len(bindings)} binding tables")
-        made: list[_Request] = list(map(object.__new__, itertools.repeat(cls, len(ids))))
-        for name, values in (("request_id", ids), ("bindings", bindings),
-                             ("abort_requested", itertools.repeat(False))):
-            collections.deque(map(setattr, made, itertools.repeat(name), values), maxlen=0)
-        return made
 
 
 class RequestHandle:
@@ -127,7 +117,6 @@ class _Routes:
 
 _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
-_REQUEST_ID = operator.attrgetter("request_id")
 _IS_ASYNC = operator.attrgetter("is_async")
 _SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
@@ -265,7 +254,7 @@ class Router:
         contexts = list(contexts)
         if not contexts:
             return
-        ids = list(map(_REQUEST_ID, contexts))
+        ids = [ctx.request_id for ctx in contexts]
         shown = ", ".join(repr(request_id) for request_id in ids[:3])
         label = (f"cannot register request {shown}" if len(ids) == 1 else
                  f"cannot register requests {shown}"
@@ -306,13 +295,13 @@ class Router:
         ]
         names = [binding.name for binding in firsts]
         others = contexts[1:]
-        columns = [binding.siblings(probes, RequestContext.each_at_point(others, item.point))
+        columns = [binding.siblings(probes, [ctx.at_point(item.point) for ctx in others])
                    for binding, (item, _), probes in zip(firsts, first, copies, strict=True)]
         rows = (zip(*columns, strict=True) if columns  # (each request's bindings)
                 else [()] * len(others))
         requests = [_Request(contexts[0].request_id, dict(zip(names, firsts, strict=True)))]
-        requests += _Request.each(ids[1:], list(map(dict, map(zip, itertools.repeat(names),
-                                                                rows))))
+        requests += [_Request(ctx.request_id, dict(zip(names, bindings, strict=True)))
+                     for ctx, bindings in zip(others, rows, strict=True)]
         # A point's probes whose class starts them together are started in one
         # call; the others one by one, request by request.
         started = ([Binding.start_together([first, *column])
@@ -346,18 +335,15 @@ class Router:
     def _fresh(self, built: list[tuple[CheckedPoint, Any]], count: int
                ) -> tuple[list[list[Any]], list[SpecProblem]]:
         """``count`` probes like each of ``built`` 's, for other requests: copied
-        when its class copies (:meth:`~undercurrent.probes.base.Probe.copies_for_requests`,
-        which asks :meth:`~undercurrent.probes.base.Probe.copy_for_request`), else
-        built again. Returns them per point, and the problems of those
+        when its class copies (:meth:`~undercurrent.probes.base.Probe.copy_for_request`),
+        else built again. Returns them per point, and the problems of those
         built again, the first of each point (then no probe is returned)."""
         fresh: list[list[Any]] = []
         problems: list[SpecProblem] = []
         for item, instance in built:
-            copies = getattr(instance, "copies_for_requests", None)
             copy_for_request = getattr(instance, "copy_for_request", None)
-            made = (list(copies(count)) if copies is not None
-                    else [copy_for_request() for _ in range(count)]
-                    if copy_for_request is not None else [None] * count)
+            made = ([copy_for_request() for _ in range(count)] if copy_for_request is not None
+                    else [None] * count)
             if None in made:  # (a class that builds anew, or declined to copy)
                 for index, probe in enumerate(made):
                     if probe is None:
@@ -483,7 +469,7 @@ class Router:
         bindings = self._point_bindings(name, request_ids)
         if bindings is None:
             return 0
-        return Binding.least_window(bindings)
+        return min(map(Binding.window_limit, bindings), default=sys.maxsize)
 
     def window_room(self, name: str, request_ids: Iterable[str]) -> int:
         """How many more rows of point ``name`` per request the async queues of
@@ -856,7 +842,7 @@ class Router:
         ended = Binding.end_idle_together(columns)
         if ended is None:
             return None
-        return list(map(dict, map(zip, itertools.repeat(names), zip(*ended, strict=True))))
+        return [dict(zip(names, row, strict=True)) for row in zip(*ended, strict=True)]
 
     @staticmethod
     def _end_bindings(request: _Request, timeout: float

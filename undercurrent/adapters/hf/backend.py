@@ -51,7 +51,6 @@ from undercurrent.adapters.session import (
     one_token_later,
     stop_position,
 )
-from undercurrent.records import all_are
 from undercurrent.spec.types import TensorType
 
 EventSink = Callable[[StreamEvent], None]
@@ -70,8 +69,6 @@ def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
 _GENERATED = operator.attrgetter("generated")
 _REQUEST_ID = operator.attrgetter("request_id")
 _FINISH_REASON = operator.attrgetter("finish_reason")
-_PROMPT_LEN = operator.attrgetter("prompt_len")
-_FIRST, _SECOND, _THIRD = (operator.itemgetter(index) for index in range(3))
 
 
 class _RowDriver:
@@ -147,15 +144,9 @@ class _RowDriver:
             return shifted
         self._advanced = False
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
-        if all_are(map(_FINISH_REASON, states), None) and all(map(_GENERATED, states)):
-            # (every request live and fed: its last token's index, read in C)
-            fed = list(zip(states, map(operator.sub, map(operator.add, map(
-                _PROMPT_LEN, states), map(len, map(_GENERATED, states))), itertools.repeat(1)),
-                range(len(states)), strict=True))
-        else:
-            fed = [(state, state.prompt_len + len(state.generated) - 1, row)
-                   for row, state in enumerate(states)
-                   if state.finish_reason is None and state.generated]
+        fed = [(state, state.prompt_len + len(state.generated) - 1, row)
+               for row, state in enumerate(states)
+               if state.finish_reason is None and state.generated]
         if steady is not None and one_token_later(
                 [(state, index + steady[2], row) for state, index, row in steady[1]], fed):
             # The same rows, each one token on, every request steady: the last
@@ -165,9 +156,7 @@ class _RowDriver:
             return shifted
         plan = StepPlan()
         # (planned at once: every request fed is steady, so the plan repeats)
-        repeats = plan.add_steady_tokens(list(zip(  # (each row's slot: (row, 0))
-            map(_FIRST, fed), map(_SECOND, fed), zip(map(_THIRD, fed), itertools.repeat(0)),
-            strict=True)))
+        repeats = plan.add_steady_tokens([(state, index, (row, 0)) for state, index, row in fed])
         if not repeats:
             for state, index, row in fed:
                 plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
