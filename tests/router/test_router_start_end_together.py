@@ -86,6 +86,20 @@ def calls(monkeypatch):
     return seen
 
 
+def _together_against_one_by_one(make_router, calls, points, started):
+    """Register, route and end IDS together (each point started together or not,
+    as ``started`` says; ended together), and check the results against the
+    one-by-one path's: returns them."""
+    router = make_router()
+    router.register_requests(_contexts(), points)
+    assert calls["start"] == started
+    _route(router, IDS, [p.name for p in points])
+    together = router.end_requests(IDS)
+    assert calls["end"][-1] is not None
+    assert _views(together) == _views(_one_by_one(make_router, points))
+    return together
+
+
 def _one_by_one(make_router, points, probes=None):
     router = make_router(probes=probes or {"recorder": Recorder})
     for ctx in _contexts():
@@ -186,14 +200,7 @@ def test_a_start_many_that_raises_leaves_each_probe_to_its_own_on_start(
     monkeypatch.setattr(LinearProbe, "start_many", classmethod(broken))
     monkeypatch.setattr(LinearProbe, "end_many", classmethod(
         lambda cls, probes, contexts: 1 / 0))
-    points = [_points()[0]]
-    router = make_router()
-    router.register_requests(_contexts(), points)
-    assert calls["start"] == [False]
-    _route(router, IDS, ["lin"])
-    together = router.end_requests(IDS)
-    assert calls["end"][-1] is not None
-    assert _views(together) == _views(_one_by_one(make_router, points))
+    together = _together_against_one_by_one(make_router, calls, [_points()[0]], [False])
     assert all(by_point["lin"].error is None for by_point in together)
 
 
@@ -467,12 +474,6 @@ def test_requests_whose_async_work_is_still_running_end_as_each_in_turn_ends(
 
 
 def test_capture_points_start_and_end_together_with_no_verdict(make_router, calls):
-    keep = [point("keep", probe_type="capture")]
-    router = make_router()
-    router.register_requests(_contexts(), keep)
-    assert calls["start"] == [True]
-    _route(router, IDS, ["keep"])
-    together = router.end_requests(IDS)
-    assert calls["end"][-1] is not None
-    assert _views(together) == _views(_one_by_one(make_router, keep))
+    together = _together_against_one_by_one(
+        make_router, calls, [point("keep", probe_type="capture")], [True])
     assert [(r["keep"].verdict, r["keep"].stats.processed) for r in together] == [(None, 3)] * 4

@@ -356,12 +356,8 @@ class LinearProbe(ScoresRows):
                  ) -> list[Any] | None:
         """Every instance's :meth:`on_end` verdict at once (this class's own
         ``on_end`` only)."""
-        if cls.on_end is not LinearProbe.on_end:
-            return None
-        verdicts = end_summaries(probes)
-        if verdicts is None:
-            return None
-        for verdict, probe in zip(verdicts, probes, strict=True):
+        verdicts = end_summaries(probes) if cls.on_end is LinearProbe.on_end else None
+        for verdict, probe in zip(verdicts or (), probes, strict=False):
             readout = probe.readout  # type: ignore[attr-defined]
             verdict["link"], verdict["source"] = readout.link, readout.source
         return verdicts

@@ -260,12 +260,8 @@ class TrajectoryProbe(ScoresRows):
     def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
                  ) -> list[Any] | None:
         """Every instance's :meth:`on_end` verdict at once (this class's own only)."""
-        if cls.on_end is not TrajectoryProbe.on_end:
-            return None
-        verdicts = end_summaries(probes)
-        if verdicts is None:
-            return None
-        for verdict, probe in zip(verdicts, probes, strict=True):
+        verdicts = end_summaries(probes) if cls.on_end is TrajectoryProbe.on_end else None
+        for verdict, probe in zip(verdicts or (), probes, strict=False):
             verdict["final_by_layer"] = dict(sorted(zip(
                 probe._layers, probe._values, strict=True)))  # type: ignore[attr-defined]
         return verdicts
