@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -144,3 +145,37 @@ def wait_until(condition: Any, limit_s: float = 30.0) -> bool:
 
 def recorder_registry_entries() -> dict[str, type]:
     return {"recorder": Recorder}
+
+
+def route_rows(router: Any, ids: list[str], names: Any, scale: float, tokens: int = 3) -> None:
+    """Route ``tokens`` tokens of rows of each point in ``names`` to each request in
+    ``ids``: one routed batch per point and token, a row per request, its value
+    ``scale * (request's index + 1) * (token + 1)`` (so each request's differ)."""
+    from undercurrent.records import ActivationBatch
+
+    for token in range(tokens):
+        for name in names:
+            rows = [record(rid, name, token, value=scale * (index + 1) * (token + 1))
+                    for index, rid in enumerate(ids)]
+            router.route_columns(ActivationBatch.from_records(rows),
+                                 [(rid, i, i + 1) for i, rid in enumerate(ids)])
+
+
+@contextlib.contextmanager
+def held_elsewhere(lock: Any) -> Any:
+    """``lock`` held by another thread for the length of the block."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        yield
+    finally:
+        release.set()
+        holder.join(30)

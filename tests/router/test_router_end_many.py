@@ -5,10 +5,9 @@ results, verdicts, signals and counts, and the same router totals."""
 from __future__ import annotations
 
 import pytest
-from router_helpers import Recorder, point, record
+from router_helpers import Recorder, point, route_rows
 
 from undercurrent.probes import RequestContext, save_linear_weights
-from undercurrent.records import ActivationBatch
 from undercurrent.router import RouterError
 
 IDS = ["a", "b", "c", "d"]
@@ -31,12 +30,7 @@ def _registered(make_router, tmp_path, probes=None):
     router = make_router(probes=probes or {"recorder": Recorder})
     router.register_requests([RequestContext(request_id=rid, prompt="hi", prompt_len=2)
                               for rid in IDS], _points(tmp_path))
-    for token in range(3):
-        for name in NAMES:
-            rows = [record(rid, name, token, value=0.1 * (index + 1) * (token + 1))
-                    for index, rid in enumerate(IDS)]
-            router.route_columns(ActivationBatch.from_records(rows),
-                                 [(rid, i, i + 1) for i, rid in enumerate(IDS)])
+    route_rows(router, IDS, NAMES, 0.1)
     return router
 
 

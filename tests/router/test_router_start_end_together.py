@@ -12,7 +12,7 @@ import dataclasses
 import threading
 
 import pytest
-from router_helpers import Recorder, point, record, wait_until
+from router_helpers import Recorder, held_elsewhere, point, record, route_rows, wait_until
 
 from undercurrent.probes import LinearProbe, NormProbe, Probe, RequestContext
 from undercurrent.probes.scoring import ScoreSummary, summary_verdicts
@@ -44,12 +44,7 @@ def _points():
 
 def _route(router, ids, names=NAMES):
     """Different rows for each request (values by request and token)."""
-    for token in range(3):
-        for name in names:
-            rows = [record(rid, name, token, value=0.3 * (index + 1) * (token + 1))
-                    for index, rid in enumerate(ids)]
-            router.route_columns(ActivationBatch.from_records(rows),
-                                 [(rid, i, i + 1) for i, rid in enumerate(ids)])
+    route_rows(router, ids, names, 0.3)
 
 
 def _view(result):
@@ -234,23 +229,10 @@ def test_ending_waits_for_busy_or_locked_bindings_the_usual_way(make_router):
     assert Binding.end_idle_together(columns) is None
     assert not any(binding.finalised for binding in columns[0])
     busy.end_call()
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with columns[0][1]._mutex:
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(30)
+    with held_elsewhere(columns[0][1]._mutex):
         assert Binding.end_idle_together(columns) is None
         assert not any(binding.finalised for binding in columns[0])
         assert not columns[0][0]._mutex._is_owned()  # (each lock taken was let go)
-    finally:
-        release.set()
-        holder.join(30)
     ended = router.end_requests(IDS)
     assert [by_point["lin"].stats.received for by_point in ended] == [3] * len(IDS)
 
@@ -355,22 +337,9 @@ def test_a_busy_finalised_or_locked_binding_is_admitted_and_settled_on_its_own(m
     spans = [(2 * i, 2 * i + 2) for i in range(len(IDS))]
     assert not Binding.finish_together(bindings, None, spans, None, 0.5, 0)
     assert state()[:3] == admitted[:3]
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with bindings[0]._mutex:
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(30)
+    with held_elsewhere(bindings[0]._mutex):
         assert not Binding.admit_together(bindings, counts)
         assert not Binding.finish_together(bindings[:3], None, spans[:3], None, 0.5, 0)
-    finally:
-        release.set()
-        holder.join(30)
     assert state()[:3] == admitted[:3]
     assert Binding.finish_together(bindings[:3], None, spans[:3], None, 0.5, 0)
     assert [(b.processed, b.busy, b.latency_total, b.latency_max) for b in bindings[:3]] == [
