@@ -298,7 +298,6 @@ class LinearProbe(ScoresRows):
         # The readout and rule are read-only; on_start makes the summary.
         return shallow_copy(self) if type(self) is LinearProbe else None
 
-
     def may_abort(self) -> bool:
         # A subclass may judge otherwise: it is taken at its word only through its own.
         return type(self) is not LinearProbe or self.rule.can_abort

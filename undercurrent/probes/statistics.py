@@ -73,7 +73,6 @@ class _StatisticProbe(ScoresRows):
         return (shallow_copy(self)
                 if type(self) in (NormProbe, MeanProbe) else None)
 
-
     def group_key(self) -> Any:
         return ("statistic", self.statistic_name)
 

@@ -177,7 +177,6 @@ class TrajectoryProbe(ScoresRows):
         # the running statistics and the summary.
         return shallow_copy(self) if type(self) is TrajectoryProbe else None
 
-
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:
         """Each layer's running statistic, row by row (a recurrence, in order)."""

@@ -729,7 +729,7 @@ class Binding:
         the other probes' ``on_end`` run one by one, request by request (the
         order ending each request gives), each failure noted as
         :meth:`end_if_idle` notes it. The results are the ones :meth:`result`
-        gives, made from the bindings' columns."""
+        gives, made in one loop."""
         bindings = list(itertools.chain.from_iterable(columns))
         with _all_locked(bindings) as locked:
             if not locked:
