@@ -149,11 +149,11 @@ def _summaries(draw: Any) -> list[ScoreSummary]:
 
 @settings(max_examples=200, deadline=None)
 @given(_summaries())
-def test_a_calls_verdicts_read_a_column_at_a_time_are_each_summarys_verdict(
+def test_a_calls_verdicts_made_at_once_are_each_summarys_verdict(
         summaries: list[ScoreSummary]) -> None:
     """``summary_verdicts`` (a call's requests ended together) gives each
     summary's ``verdict()``: the same keys in the same order, the same values
     (NaN included, compared by their text)."""
     got = summary_verdicts(summaries)
-    assert [list(verdict.items()).__repr__() for verdict in got] == [
-        list(summary.verdict().items()).__repr__() for summary in summaries]
+    assert [repr(list(verdict.items())) for verdict in got] == [
+        repr(list(summary.verdict().items())) for summary in summaries]
