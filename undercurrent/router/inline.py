@@ -92,8 +92,8 @@ def _together_of(members: Sequence[tuple[Any, Binding, int, int]]
     judge_many = getattr(type(members[0][1].probe), "judge_many", None)
     if judge_many is None:
         return None
-    return (judge_many, [binding.probe for _, binding, _, _ in members],
-            [(start, stop) for _, _, start, stop in members])
+    bindings, _, spans = _columns(members)
+    return judge_many, [binding.probe for binding in bindings], spans
 
 
 def _columns_of(members: Sequence[tuple[Any, Binding, int, int]]
@@ -103,12 +103,18 @@ def _columns_of(members: Sequence[tuple[Any, Binding, int, int]]
             [(start, stop) for _, _, start, stop in members])
 
 
+def _columns(members: Sequence[tuple[Any, Binding, int, int]]
+             ) -> tuple[list[Binding], list[int], list[tuple[int, int]]]:
+    """(the bindings, their row counts, their row spans) of members: a group's
+    kept ones, or worked out for a list of members."""
+    return members.columns() if isinstance(members, GroupMembers) else _columns_of(members)
+
+
 def _admit(members: Sequence[tuple[Any, Binding, int, int]]
            ) -> Sequence[tuple[Any, Binding, int, int]]:
     """The members whose bindings admit their rows (:meth:`Binding.admit_inline`),
     all at once when every one does (:meth:`Binding.admit_together`)."""
-    bindings, counts, _ = (members.columns() if isinstance(members, GroupMembers)
-                           else _columns_of(members))
+    bindings, counts, _ = _columns(members)
     if Binding.admit_together(bindings, counts):
         return members
     return [member for member in members if member[1].admit_inline(member[3] - member[2])]
@@ -199,8 +205,7 @@ def _settle_together(batch: ActivationBatch, admitted: Sequence[tuple[Any, Bindi
     kept = signals if signals.any_signal() else None
     aborting = kept is not None and kept.any_abort()
     if not aborting:
-        bindings, _, spans = (admitted.columns() if isinstance(admitted, GroupMembers)
-                              else _columns_of(admitted))
+        bindings, _, spans = _columns(admitted)
         if Binding.finish_together(bindings, index, spans, kept, share, first):
             return [(first, signals)]
     for request, binding, start, stop in admitted:
