@@ -115,6 +115,34 @@ def test_windows_give_what_routing_each_step_gives(monkeypatch, probe_type):
         assert result.stats.received == result.stats.processed == 3 * (MAX_NEW - 1)
 
 
+@pytest.mark.parametrize("probe_type", ["linear_probe", "norm_probe"])
+def test_held_steps_taken_as_they_come_give_what_the_general_path_gives(monkeypatch,
+                                                                        probe_type):
+    """After its first held step, a window takes each next steady step's rows as
+    the hooks hand them over (``_Window.take``): the same windows, outputs and
+    counts as when every step goes through the general path (``take`` refusing)."""
+    point = _point(probe_type) if probe_type != "norm_probe" else _point(
+        "norm_probe", threshold=0.11)
+    taken: list[bool] = []
+    original = delivery._Window.take
+
+    def take(window: Any, session: Any, batches: Any) -> bool:
+        taken.append(original(window, session, batches))
+        return taken[-1]
+
+    monkeypatch.setattr(delivery._Window, "take", take)
+    counted = Windows(monkeypatch)
+    fast = _generate(point, windows=True)
+    # MAX_NEW - 1 decode steps, all held in one window: the first starts it
+    # (its plan made afresh), every later one is taken as it comes.
+    assert counted.steps == [MAX_NEW - 1] and taken == [True] * (MAX_NEW - 2)
+    monkeypatch.setattr(delivery._Window, "take", lambda *args: False)
+    general = _generate(point, windows=True)
+    assert counted.steps == [MAX_NEW - 1] * 2
+    assert [_view(output) for output in fast] == [_view(output) for output in general]
+    assert any(output.signals for output in fast)
+
+
 def test_a_window_is_judged_before_a_request_ends_mid_generation(monkeypatch):
     """A request that ends early (its eos) is judged before it ends: the window
     is routed when the steady layout is left, and the other requests go on."""
@@ -333,15 +361,15 @@ def test_an_interrupt_while_steps_are_held_still_ends_every_request(monkeypatch)
     """A KeyboardInterrupt between two held steps: ``abandon`` judges what was
     held (or, if that fails too, drops it) and ends every request."""
     calls = {"steps": 0}
-    original = delivery._Window.hold
+    original = delivery._Window._add
 
-    def hold(*args: Any) -> None:
+    def add(*args: Any) -> None:  # (every step held comes here)
         calls["steps"] += 1
         if calls["steps"] == 3:
             raise KeyboardInterrupt
         original(*args)
 
-    monkeypatch.setattr(delivery._Window, "hold", hold)
+    monkeypatch.setattr(delivery._Window, "_add", add)
     backend = HFBackend(build_model("llama"), build_tokenizer())
     with Router() as router:
         session = CaptureSession(router, [_point()], windows=True)

@@ -329,6 +329,9 @@ def deliver_forward(session: Any, batches: Iterable[tuple[Any, Any, Any]],
     matches (:func:`matches_of_targets`).
     """
     batches = list(batches)
+    window = getattr(session, "window", None)
+    if window is not None and window.take(session, batches):
+        return  # (a decode step like the last one held: held as it came)
     plan = _whole_plan(batches)
     if plan is not None:
         sources = dict(zip(map(_KEY, map(_TARGETS, batches)), map(_ROWS_OF, batches),
@@ -888,7 +891,7 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
         if layout.windows is None:
             layout.windows = _window_steps(session, layout)
         if layout.windows:  # (routes nothing but a full window, in a step of its own)
-            _Window.hold(session, layout, layout.windows, delta, sources)
+            _Window.hold(session, layout, layout.windows, delta, sources, base)
             return True
         with _stepping(step):
             flush_window(session)
@@ -936,38 +939,76 @@ class _Window:
     most half of each queue, or as much of it as is free when the window gets
     there: :meth:`grow`) or :data:`WINDOW_BYTES` bytes."""
 
-    __slots__ = ("layout", "limit", "deltas", "steps", "size", "step_size")
+    __slots__ = ("layout", "limit", "deltas", "steps", "size", "step_size", "base", "shape")
 
-    def __init__(self, layout: _SteadyLayout, limit: int) -> None:
+    def __init__(self, layout: _SteadyLayout, limit: int, base: Any) -> None:
         self.layout = layout
         self.limit = limit
         self.deltas: list[int] = []
         self.steps: list[list[Any]] = []
         self.size = 0
         self.step_size = 0  # bytes a step adds (its pieces'), read from the first step
+        self.base = base  # the plan whose repeats the window holds
+        # The height of each forward batch a step brings, in the base plan's
+        # order of groups, where that is the point's order of layers (a step's
+        # pieces are then its batches' rows as they come, see take()); else None.
+        self.shape: list[int] | None = None
 
     @classmethod
     def hold(cls, session: Any, layout: _SteadyLayout, limit: int, delta: int,
-             sources: dict[Any, Any]) -> None:
-        """Add one step of ``layout`` (its captured ``sources``) to the session's
-        window of at most ``limit`` steps, routing a window of another layout first."""
+             sources: dict[Any, Any], base: Any) -> None:
+        """Add one step of ``layout`` (its captured ``sources``; ``base``: the plan
+        it repeats) to the session's window of at most ``limit`` steps, routing a
+        window of another layout first."""
         window = session.window
         if window is not None and window.layout is not layout:
             flush_window(session)
             window = None
         if window is None:
-            window = session.window = cls(layout, limit)
+            window = session.window = cls(layout, limit, base)
         point = layout.points[0]
         pieces = point.pieces(sources)
         if session.keep_records:  # records do not wait: each step's rows are kept now
             point.follow(kept=True).append(point.batch(delta, sources, pieces))
-        window.deltas.append(delta)
-        window.steps.append(pieces)
-        if not window.step_size:  # every step of one layout: the same pieces' shapes
-            window.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
-        window.size += window.step_size
-        if window.size >= WINDOW_BYTES or (len(window.steps) >= window.limit
-                                           and not window.grow(session)):
+        elif window.shape is None and point.whole and list(base.groups) == point.keys:
+            window.shape = [len(group.slots) for group in base.groups.values()]
+        window._add(session, delta, pieces)
+
+    def take(self, session: Any, batches: list[tuple[Any, Any, Any]]) -> bool:
+        """Hold a forward's ``batches`` as :func:`deliver_forward` would hold
+        them, where they are the next repeat of this window's plan with no
+        request ended since (the checks :func:`_whole_plan` and
+        :func:`_deliver_steady` make, made directly): each group of the plan
+        once, in the plan's order, with a row per slot, each group's rows the
+        layer's rows in request order (:attr:`shape`). False (nothing done)
+        otherwise: the general path then tells."""
+        shape = self.shape
+        if shape is None or len(batches) != len(shape):
+            return False
+        plan = getattr(batches[0][1], "plan", None)
+        if (plan is None or plan.base is not self.base
+                or (len(session.aborted), session.closes) != self.layout.ends
+                or [batch[1] for batch in batches] != list(plan.groups.values())):
+            return False  # (groups compared by identity: a shifted plan's own)
+        pieces = [batch[2] for batch in batches]
+        try:
+            if [rows.shape[0] for rows in pieces] != shape:
+                return False
+        except AttributeError:  # (rows of another kind)
+            return False
+        plan.delivered()
+        self._add(session, plan.delta, pieces)
+        return True
+
+    def _add(self, session: Any, delta: int, pieces: list[Any]) -> None:
+        """One step's ``pieces`` held; the window routed once full."""
+        self.deltas.append(delta)
+        self.steps.append(pieces)
+        if not self.step_size:  # every step of one layout: the same pieces' shapes
+            self.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
+        self.size += self.step_size
+        if self.size >= WINDOW_BYTES or (len(self.steps) >= self.limit
+                                         and not self.grow(session)):
             flush_window(session)
 
     def grow(self, session: Any) -> bool:
