@@ -3,9 +3,10 @@
 
 Wraps the capture path's stages (planning, the forward hooks, delivery, routing,
 registering and ending requests, the async workers' calls) with timers, runs the
-scenario (after warm-ups) and the plain baseline interleaved, and prints, for
-the fastest run, each stage's total per generation and per captured vector, and
-the garbage collector's time. cProfile (``benchmarks.profile``) counts calls
+scenario (after warm-ups) and the plain baseline interleaved, and prints each
+stage's total per generation and per captured vector, its calls and its time
+per call (medians over ``--repeats`` runs), the garbage collector's time, and
+the time spent around ``model.generate()``. cProfile (``benchmarks.profile``) counts calls
 exactly but inflates Python-heavy code; these timers add one wrapper call per
 stage call instead. Stages nest (delivery contains routing), so totals do not
 add up. ``--thread-time`` measures each stage in its thread's CPU time, which
@@ -20,6 +21,7 @@ import contextlib
 import functools
 import gc
 import importlib
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,27 +32,37 @@ from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
 
-#: (module, class or None, function, label): the stages timed.
+#: (module, class or None, function, label): the stages timed, in the order a
+#: generation reaches them; a label's indent says which stage above holds it.
 STAGES = (
     ("transformers.generation.utils", "GenerationMixin", "generate",
      "model.generate() (the model, the hooks and the callbacks)"),
     ("undercurrent.adapters.session", "CaptureSession", "open_requests", "register requests"),
-    ("undercurrent.adapters.session", "CaptureSession", "close_request", "end requests"),
-    ("undercurrent.adapters.session", "CaptureSession", "close_requests", "end requests"),
+    ("undercurrent.router.router", "Router", "register_requests",
+     "  with the router (probes bound and started)"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "plan_forward", "plan a forward"),
+    ("undercurrent.adapters.session", "StepPlan", "shifted",
+     "  the last plan, one token later"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "after_forward",
      "deliver a forward (all below)"),
+    ("undercurrent.adapters.delivery", "_Window", "take", "  hold a steady step as it comes"),
     ("undercurrent.adapters.hf.backend", "_RowDriver", "after_token", "read sampled tokens"),
+    ("undercurrent.adapters.session", "CaptureSession", "close_request", "end requests"),
+    ("undercurrent.adapters.session", "CaptureSession", "close_requests", "end requests"),
+    ("undercurrent.adapters.delivery", "_Window", "route", "  route the window held back"),
     ("undercurrent.router.router", "Router", "route_columns", "  route a point's batch"),
-    ("undercurrent.router.binding", "Binding", "admit_inline", "    admit (per request)"),
-    ("undercurrent.router.binding", "Binding", "finish_rows", "    settle (per request)"),
-    ("undercurrent.probes.linear", None, "batch_matrix", "    rows as a float64 matrix"),
-    ("undercurrent.probes.linear", "LinearReadout", "score_matrix",
-     "    linear scores (one matrix product)"),
+    ("undercurrent.probes.linear", "LinearReadout", "_score_whole",
+     "    linear scores (the rows as float64, one product)"),
+    ("undercurrent.router.binding", "Binding", "admit_together",
+     "    admit a group's bindings"),
     ("undercurrent.probes.scoring", "ScoreSummary", "batch_signals_many",
      "    thresholds and summaries (judge_many)"),
+    ("undercurrent.router.binding", "Binding", "finish_together",
+     "    settle a group's bindings"),
+    ("undercurrent.router.binding", "Binding", "enqueue_together", "    queue (async)"),
     ("undercurrent.router.binding", "Binding", "enqueue_batch", "    queue (async)"),
-    ("undercurrent.adapters.hf.hooks", "ModelHooks", "_queue", "hooks: hand over rows"),
+    ("undercurrent.router.router", "Router", "end_requests",
+     "  end them in the router (verdicts, results)"),
     ("undercurrent.router.scheduler", "AsyncScheduler", "_run_group", "workers: judge together"),
     ("undercurrent.router.scheduler", "AsyncScheduler", "_run_batch", "workers: judge one"),
 )
@@ -58,9 +70,12 @@ STAGES = (
 
 @contextlib.contextmanager
 def timed_stages(totals: collections.Counter[str],
-                 clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
-    """Inside the block, every stage adds its time to ``totals[label]``; the
-    original functions are back afterwards."""
+                 clock: Callable[[], float] = time.perf_counter,
+                 calls: collections.Counter[str] | None = None) -> Iterator[None]:
+    """Inside the block, every stage adds its time to ``totals[label]`` (and
+    one to ``calls[label]``, when given); the original functions are back
+    afterwards."""
+    counted = calls if calls is not None else collections.Counter()
     restore: list[tuple[Any, str, Any]] = []
     try:
         for module_name, owner, name, label in STAGES:
@@ -78,6 +93,7 @@ def timed_stages(totals: collections.Counter[str],
                     return _function(*args, **kwargs)
                 finally:
                     totals[_label] += clock() - started
+                    counted[_label] += 1
 
             restore.append((target, name, original))
             setattr(target, name, staticmethod(timed)
@@ -109,11 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         steady_allocator()
     set_threads(1)
     totals: collections.Counter[str] = collections.Counter()
-    with timed_stages(totals, time.thread_time if args.thread_time else time.perf_counter):
-        return _measure(args, totals)
+    calls: collections.Counter[str] = collections.Counter()
+    with timed_stages(totals, time.thread_time if args.thread_time else time.perf_counter,
+                      calls):
+        return _measure(args, totals, calls)
 
 
-def _measure(args: argparse.Namespace, totals: collections.Counter[str]) -> int:
+def _measure(args: argparse.Namespace, totals: collections.Counter[str],
+             calls: collections.Counter[str]) -> int:
     collected = [0.0, 0]
     started = [0.0]
 
@@ -126,13 +145,13 @@ def _measure(args: argparse.Namespace, totals: collections.Counter[str]) -> int:
 
     gc.callbacks.append(on_gc)
     try:
-        return _run(args, totals, collected)
+        return _run(args, totals, calls, collected)
     finally:
         gc.callbacks.remove(on_gc)
 
 
 def _run(args: argparse.Namespace, totals: collections.Counter[str],
-            collected: list[Any]) -> int:
+         calls: collections.Counter[str], collected: list[Any]) -> int:
     bundle = load_model(args.model)
     layers = layers_for(bundle, args.layers)
     batch = make_batch(bundle, prompts_for(args.batch))
@@ -143,34 +162,42 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
     for _ in range(2):
         probed.generate(batch, args.max_new_tokens)
         plain.generate(batch, args.max_new_tokens)
-    best, best_plain, kept, vectors = float("inf"), float("inf"), {}, 1
+    walls, plains, runs, vectors = [], [], [], 1
+    gc_label = "garbage collection"
     for _ in range(args.repeats):
         totals.clear()
+        calls.clear()
         collected[:] = [0.0, 0]
         wall = time.perf_counter()
         run = probed.generate(batch, args.max_new_tokens)
-        wall = time.perf_counter() - wall
-        if wall < best:
-            best, kept, vectors = wall, dict(totals), max(run.records or 0, 1)
-            kept[f"garbage collection ({collected[1]} runs)"] = collected[0]
+        walls.append(time.perf_counter() - wall)
+        vectors = max(run.records or 0, 1)
+        kept = {label: (seconds, calls[label]) for label, seconds in totals.items()}
+        kept[gc_label] = (collected[0], collected[1])
+        inside = totals.get(STAGES[0][3])
+        if inside:
+            kept["around model.generate() (registering, ending, held windows, texts)"] = (
+                walls[-1] - inside, 1)
+        runs.append(kept)
         wall = time.perf_counter()
         plain.generate(batch, args.max_new_tokens)
-        best_plain = min(best_plain, time.perf_counter() - wall)
+        plains.append(time.perf_counter() - wall)
     probed.close()
     plain.close()
-    print(f"{args.scenario}, batch {args.batch}, {args.layers} layers: {best * 1e3:.1f} ms, "
-          f"plain generate() {best_plain * 1e3:.1f} ms, {vectors} vectors, "
-          f"{(best - best_plain) / vectors * 1e6:.1f} µs per vector over plain")
-    print("| ms per generation | µs per vector | stage |")
-    print("|---|---|---|")
-    for label, seconds in kept.items():
+    best, best_plain = statistics.median(walls), statistics.median(plains)
+    print(f"{args.scenario}, batch {args.batch}, {args.layers} layers, medians of "
+          f"{args.repeats} runs: {best * 1e3:.1f} ms, plain generate() {best_plain * 1e3:.1f} ms, "
+          f"{vectors} vectors, {(best - best_plain) / vectors * 1e6:.1f} µs per vector over plain")
+    print("| ms per generation | µs per vector | calls | µs per call | stage |")
+    print("|---|---|---|---|---|")
+    labels = list(dict.fromkeys(label for *_, label in STAGES))
+    labels += [label for label in runs[0] if label not in labels]
+    for label in labels:
+        seconds = statistics.median(run.get(label, (0.0, 0))[0] for run in runs)
+        count = statistics.median(run.get(label, (0.0, 0))[1] for run in runs)
         if seconds:
-            print(f"| {seconds * 1e3:.1f} | {seconds / vectors * 1e6:.2f} | {label} |")
-    inside = kept.get(STAGES[0][3], 0.0)
-    if inside:
-        around = best - inside
-        print(f"| {around * 1e3:.1f} | {around / vectors * 1e6:.2f} | around model.generate() "
-              "(registering, ending, held windows, texts) |")
+            print(f"| {seconds * 1e3:.2f} | {seconds / vectors * 1e6:.2f} | {count:g} | "
+                  f"{seconds / max(count, 1) * 1e6:.1f} | {label} |")
     return 0
 
 
