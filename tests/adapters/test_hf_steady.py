@@ -69,19 +69,30 @@ def _points() -> list[ExtractionPoint]:
     ]
 
 
-#: Plans repeated one token later (StepPlan.shifted) in the last generation.
+#: Plans repeated one token later (StepPlan.shifted, or StepPlan.advanced, which
+#: moves a delivered one on) in the last generation.
 SHIFTS = [0]
 
 
 def _count_shifts(patch: pytest.MonkeyPatch) -> None:
     SHIFTS[0] = 0
-    original = StepPlan.shifted
+    original_shifted, original_advanced = StepPlan.shifted, StepPlan.advanced
+    advancing = [False]
 
     def shifted(plan: StepPlan, delta: int) -> StepPlan:
+        SHIFTS[0] += not advancing[0]  # (advanced() making a new one: counted there)
+        return original_shifted(plan, delta)
+
+    def advanced(plan: StepPlan, delta: int) -> StepPlan:
         SHIFTS[0] += 1
-        return original(plan, delta)
+        advancing[0] = True
+        try:
+            return original_advanced(plan, delta)
+        finally:
+            advancing[0] = False
 
     patch.setattr(StepPlan, "shifted", shifted)
+    patch.setattr(StepPlan, "advanced", advanced)
 
 
 def _generate(monkeypatch: pytest.MonkeyPatch, steady: Any, *, repeat: bool,

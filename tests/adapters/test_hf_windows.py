@@ -124,9 +124,11 @@ def test_held_steps_taken_as_they_come_give_what_the_general_path_gives(monkeypa
     point = _point(probe_type) if probe_type != "norm_probe" else _point(
         "norm_probe", threshold=0.11)
     taken: list[bool] = []
+    plans: list[Any] = []
     original = delivery._Window.take
 
     def take(window: Any, session: Any, batches: Any) -> bool:
+        plans.append(batches[0][1].plan)
         taken.append(original(window, session, batches))
         return taken[-1]
 
@@ -136,6 +138,8 @@ def test_held_steps_taken_as_they_come_give_what_the_general_path_gives(monkeypa
     # MAX_NEW - 1 decode steps, all held in one window: the first starts it
     # (its plan made afresh), every later one is taken as it comes.
     assert counted.steps == [MAX_NEW - 1] and taken == [True] * (MAX_NEW - 2)
+    # (one shifted plan, moved on from step to step once delivered: StepPlan.advanced)
+    assert all(plan is plans[0] for plan in plans) and plans[0].base is not None
     monkeypatch.setattr(delivery._Window, "take", lambda *args: False)
     general = _generate(point, windows=True)
     assert counted.steps == [MAX_NEW - 1] * 2

@@ -206,6 +206,30 @@ def test_a_shifted_plan_repeats_the_groups_and_matches_one_token_later():
         later.add_window(state, 8, 9, lambda t: ("r1", 0))
 
 
+def test_an_advanced_plan_is_moved_on_only_once_delivered():
+    """``advanced``: a base plan, or a shifted one still read (not delivered),
+    gives a new shifted plan; a delivered one is moved on itself, its groups
+    serving it again, with what ``shifted`` from the base gives at that delta."""
+    session = CaptureSession(None, [_layered_point("m", "generated[*]", "mlp_out",
+                                                   probe_type="none")])
+    state = session.open_request("r1", "x", [1, 2, 3])
+    state.generated.extend([10, 11])
+    base = StepPlan()
+    base.add_window(state, 4, 5, lambda t: ("r1", 0))
+    first = base.advanced(1)
+    assert first is not base and first.base is base and first.delta == 1
+    assert [m.token_index for m in first.matches] == [m.token_index + 1 for m in base.matches]
+    assert first.advanced(1) is not first  # not delivered: its groups still read it
+    first.delivered()
+    groups = list(first.groups.values())
+    assert first.advanced(2) is first and first.delta == 3
+    assert list(first.groups.values()) == groups and all(g.plan is first for g in groups)
+    again = base.shifted(3)
+    assert [(m.point.name, m.token_index, m.layers, m.rows, m.seq) for m in first.matches] == [
+        (m.point.name, m.token_index, m.layers, m.rows, m.seq) for m in again.matches]
+    assert [m.token_index for m in first.matches] == [m.token_index + 3 for m in base.matches]
+
+
 def test_steady_from_is_none_for_a_point_that_ends_skips_or_picks_one_token():
     for position, stride in (("generated[1:5]", 1), ("generated[*]", 2), ("prompt[-1]", 1),
                              ("generated[0]", 1)):

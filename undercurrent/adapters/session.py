@@ -516,6 +516,24 @@ class StepPlan:
             twin._slot_index, twin.index_cache = group._slot_index, group.index_cache
         return plan
 
+    def advanced(self, delta: int = 1) -> StepPlan:
+        """:meth:`shifted`, made by moving this plan itself ``delta`` tokens on
+        where it is a shifted plan already delivered (:meth:`delivered`: its
+        groups let go of it, so nothing reads it any more): its groups then
+        serve the next step too, and nothing is built. Otherwise a new shifted
+        plan. What a backend's decode loop asks for the next step of a steady
+        generation (a plan handed to another thread is not delivered yet when
+        the next one is made, so it is never moved)."""
+        groups = self.groups
+        if self.base is None or not groups or any(
+                group.plan is not None for group in groups.values()):
+            return self.shifted(delta)
+        self.delta += delta
+        self._matches = None  # (built from the base plan when read, at the new delta)
+        for group in groups.values():
+            group.plan = self
+        return self
+
     def _layout(self, point: ExtractionPoint) -> tuple[tuple[int, ...], list[CaptureGroup]]:
         """The point's layers in ascending order and the group of each."""
         found = self._layouts.get(id(point))

@@ -139,7 +139,7 @@ class _RowDriver:
             # Every request fed last step, each one token on (after_token saw to
             # it) and still live: the last plan again, one token later.
             self._advanced = False
-            shifted = steady[0].shifted(1)
+            shifted = steady[0].advanced(1)
             self._steady = (shifted, steady[1], steady[2] + 1)
             return shifted
         self._advanced = False
