@@ -67,6 +67,21 @@ def test_pieces_give_the_stacked_rows_values_without_stacking_them(name, dtype):
     assert "float64" not in batch.cache  # no whole float64 matrix was made
 
 
+@pytest.mark.parametrize("height", [1, REQUESTS])
+def test_pieces_that_need_grad_or_hold_one_row_give_the_stacked_rows_values(height):
+    """Pieces joined by one torch call: one row each (a window of one request)
+    or rows a graph is built on (outside generate()) read as their values."""
+    pieces = [torch.tensor(RNG.normal(size=(height, HIDDEN)), dtype=torch.float32,
+                           requires_grad=True) for _ in range(PIECES)]
+    rows = height * PIECES
+    stacked = torch.stack(pieces, 1).view(rows, HIDDEN).detach()
+    batch = _batch(DeferredRows(lambda: torch.stack(pieces, 1).view(rows, HIDDEN), pieces),
+                   rows)
+    for name, compute in COMPUTATIONS.items():
+        expected = compute(stacked.numpy().astype(np.float64))
+        assert map_rows(batch, compute).tolist() == expected.tolist(), name
+
+
 def test_kv_shaped_pieces_are_flattened_per_row():
     batch, stacked = _deferred(_pieces(torch.float32, (2, 3, 4)))
     assert map_rows(batch, l2_norms).tolist() == l2_norms(batch_matrix(stacked)).tolist()

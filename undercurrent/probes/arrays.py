@@ -153,8 +153,6 @@ def _all_on_cpu(tensors: Sequence[Any]) -> bool:
 
 
 _DEVICE = operator.attrgetter("device")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_NUMPY = operator.methodcaller("numpy")
 
 
 def _on_cpu(tensor: Any) -> bool:
@@ -170,16 +168,11 @@ def _float_rows(rows: Any) -> Any:
     matrix, one flattened row each."""
     np = numpy_module()
     if isinstance(rows, list) and rows and hasattr(rows[0], "detach"):
-        torch = sys.modules["torch"]
-        if rows[0].dtype == torch.float32:  # numpy converts while joining them
-            # (a tensor that needs no grad, as in generate(), is read as it is:
-            # one torch call per piece, not two)
-            arrays = (list(map(_NUMPY, rows)) if not any(map(_REQUIRES_GRAD, rows)) else
-                      [piece.detach().numpy() for piece in rows])
-            if arrays[0].ndim != 2:
-                arrays = [array.reshape(array.shape[0], -1) for array in arrays]
-            return np.concatenate(arrays, dtype=np.float64)
-        rows = torch.cat([piece.detach() for piece in rows])
+        # Joined by one torch call, whatever their number: a window of a small
+        # batch is many pieces of a few rows, and reading each as a numpy
+        # array costs a call per piece (92 pieces of one row: 117 µs against
+        # 16 µs; pieces of 64 rows: the same either way).
+        rows = sys.modules["torch"].cat(rows)
     if hasattr(rows, "detach"):
         rows = rows.detach()
         if rows.dtype == sys.modules["torch"].float32:
