@@ -11,7 +11,11 @@ cycle takes milliseconds and its cost is the capture path's own.
 
 Without ``--instructions`` it prints the fastest of ``--repeats`` cycles per
 stage (open, route, close), in µs: wall time, so it moves with the machine's
-load. With ``--instructions`` it runs itself twice under valgrind's callgrind
+load. ``--cold`` reads a 64 MiB array before each stage, as a model's forward
+passes sweep the CPU's caches between a generation's steps and around its
+start and end: the code and objects of the stage are then read from memory,
+as they are in a real call (session 24 measured 3x the warm time at batch 1,
+1.7x at batch 64). With ``--instructions`` it runs itself twice under valgrind's callgrind
 (``--repeats`` cycles, then ``--repeats`` + 10) and prints the instructions of
 one cycle (the difference over 10 cycles): exact, a few minutes, and what
 session 23 found the bytecode counts (``benchmarks.bytecodes``) can mislead
@@ -67,24 +71,34 @@ def make_call(batch: int) -> Any:
     return router, point, ids, route
 
 
-def cycle(call: Any, clock: Any = None) -> list[float]:
-    """One cycle (open, route, close); with ``clock``, each stage's seconds."""
+def cycle(call: Any, clock: Any = None, sweep: Any = None) -> list[float]:
+    """One cycle (open, route, close); with ``clock``, each stage's seconds;
+    ``sweep`` is called before each stage, outside its time."""
     from undercurrent.adapters.session import CaptureSession
 
     router, point, ids, route = call
-    times = []
     session = CaptureSession(router, [point])
-    started = clock() if clock else 0.0
-    session.open_requests([(request_id, "p", [1, 2, 3]) for request_id in ids])
-    for stage in (route, lambda: session.close_requests(
-            [(request_id, "t", "length") for request_id in ids])):
+    requests = [(request_id, "p", [1, 2, 3]) for request_id in ids]
+    ends = [(request_id, "t", "length") for request_id in ids]
+    times = []
+    for stage in (lambda: session.open_requests(requests), route,
+                  lambda: session.close_requests(ends)):
+        if sweep is not None:
+            sweep()
+        started = clock() if clock else 0.0
+        stage()
         if clock:
             times.append(clock() - started)
-            started = clock()
-        stage()
-    if clock:
-        times.append(clock() - started)
     return times
+
+
+def cache_sweep(mebibytes: int = 64) -> Any:
+    """A function reading ``mebibytes`` of memory: called between stages, it
+    leaves the CPU's caches holding that array, not the stage's code and data."""
+    import numpy as np
+
+    array = np.ones((mebibytes << 20) // 8)
+    return array.sum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30, help="cycles timed (or counted)")
     parser.add_argument("--instructions", action="store_true",
                         help="count one cycle's instructions under callgrind")
+    parser.add_argument("--cold", action="store_true",
+                        help="sweep the CPU's caches before each timed stage")
     parser.add_argument("--run", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run is not None:  # (a counted child: warm up twice, then the cycles)
@@ -111,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {args.batch}: {per_cycle / 1e6:.2f} M instructions per cycle, "
               f"{per_cycle / (args.batch * STEPS * LAYERS):,.0f} per routed vector")
         return 0
+    if args.cold and args.instructions:
+        parser.error("--cold times the stages; an instruction count does not move with it")
     call = make_call(args.batch)
+    sweep = cache_sweep() if args.cold else None
     cycle(call)
-    best = [min(stage) for stage in zip(*(cycle(call, time.perf_counter)
+    best = [min(stage) for stage in zip(*(cycle(call, time.perf_counter, sweep)
                                           for _ in range(args.repeats)), strict=True)]
-    print(f"batch {args.batch}, fastest of {args.repeats} cycles: open {best[0] * 1e6:.0f} µs, "
-          f"route {best[1] * 1e6:.0f} µs, close {best[2] * 1e6:.0f} µs")
+    print(f"batch {args.batch}, fastest of {args.repeats} {'cold ' if args.cold else ''}cycles: "
+          f"open {best[0] * 1e6:.0f} µs, route {best[1] * 1e6:.0f} µs, "
+          f"close {best[2] * 1e6:.0f} µs")
     return 0
 
 

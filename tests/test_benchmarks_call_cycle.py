@@ -24,3 +24,14 @@ def test_the_command_prints_each_stage(capsys):
     printed = capsys.readouterr().out
     assert "batch 2, fastest of 2 cycles: open" in printed and "close" in printed
     assert main(["--batch", "2", "--run", "1"]) == 0  # (what a counted child runs)
+
+
+def test_a_cold_cycle_sweeps_the_caches_before_each_stage(capsys):
+    from benchmarks.call_cycle import cache_sweep
+
+    swept: list[int] = []
+    sweep = cache_sweep(1)
+    stages = cycle(make_call(2), time.perf_counter, lambda: swept.append(int(sweep())))
+    assert len(stages) == 3 and swept == [(1 << 20) // 8] * 3
+    assert main(["--batch", "2", "--repeats", "2", "--cold"]) == 0
+    assert "fastest of 2 cold cycles: open" in capsys.readouterr().out
