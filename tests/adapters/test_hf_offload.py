@@ -323,14 +323,14 @@ def test_an_interrupt_skips_the_forwards_not_delivered_yet(tokenizer, monkeypatc
     after_token = backend_module._RowDriver.after_token
     tokens = []
 
-    def interrupting(self, input_ids):
+    def interrupting(self, input_ids, *args, **kwargs):
         tokens.append(1)
         if len(tokens) == 4:
             # On a busy machine the delivery thread may not have taken the first
             # forward yet: fail only once it holds it, as the test means to.
             holding.wait()
             raise KeyboardInterrupt
-        return after_token(self, input_ids)
+        return after_token(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(session_module, "deliver_forward", slow_first)
     monkeypatch.setattr(DeliveryThread, "close", close)

@@ -179,7 +179,10 @@ class _RowDriver:
     def after_forward(self) -> None:
         self.backend.hooks.flush(self.session)
 
-    def after_token(self, input_ids: torch.Tensor) -> torch.Tensor:
+    # generate()'s stopping criterion, called after each token is sampled (a
+    # StoppingCriteria's shape: ``(input_ids, scores, **kwargs) -> bool per row``)
+    def after_token(self, input_ids: torch.Tensor, scores: Any = None,
+                    **kwargs: Any) -> torch.Tensor:
         cancelled = self.cancel is not None and self.cancel.is_set()
         tokens = input_ids[:, -1].tolist()
         eos = self.backend.eos_token_ids
@@ -238,16 +241,6 @@ class _RowDriver:
                     edits=state.unread_edits()))
         done = [state.finish_reason is not None for state in self.states]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-class _AfterToken:
-    """StoppingCriteria shape: ``(input_ids, scores) -> bool per row``."""
-
-    def __init__(self, driver: _RowDriver) -> None:
-        self.driver = driver
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        return self.driver.after_token(input_ids)
 
 
 class HFBackend:
@@ -469,7 +462,7 @@ class HFBackend:
                 with torch.no_grad():
                     self.model.generate(
                         input_ids=input_ids, attention_mask=attention_mask,
-                        stopping_criteria=[_AfterToken(driver)],
+                        stopping_criteria=[driver.after_token],
                         use_cache=True, **self.sampling_kwargs(params))
                     self.hooks.flush(session)
                     if params.capture_last_token:

@@ -423,4 +423,7 @@ class ModelHooks:
             return
         if needs_sync:  # the non-blocking copies must land before anyone reads them
             torch.cuda.current_stream().synchronize()
+        window = session.window
+        if window is not None and window.take(session, pending):
+            return  # (a steady decode step held as it came: see delivery._Window.take)
         session.deliver(pending)
