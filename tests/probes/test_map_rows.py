@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from undercurrent.probes import LinearProbe, NormProbe, TrajectoryProbe
+from undercurrent.probes import LinearProbe, NormProbe, TrajectoryProbe, arrays
 from undercurrent.probes.arrays import BLOCK_ROWS, batch_matrix, map_rows
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.statistics import element_means, l2_norms
@@ -67,12 +67,16 @@ def test_pieces_give_the_stacked_rows_values_without_stacking_them(name, dtype):
     assert "float64" not in batch.cache  # no whole float64 matrix was made
 
 
-@pytest.mark.parametrize("height", [1, REQUESTS])
-def test_pieces_that_need_grad_or_hold_one_row_give_the_stacked_rows_values(height):
-    """Pieces joined by one torch call: one row each (a window of one request)
-    or rows a graph is built on (outside generate()) read as their values."""
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("height", [1, REQUESTS, 100])
+def test_small_and_large_pieces_give_the_stacked_rows_values(height, grad):
+    """Pieces of one row (a window of one request) or a few, joined by one torch
+    call, and pieces of many rows, joined by numpy (over ``_SMALL_PIECE``
+    values: 100 rows of 24), with or without a graph built on them (outside
+    generate()): each row read as its values."""
+    assert (100 * HIDDEN > arrays._SMALL_PIECE) and REQUESTS * HIDDEN <= arrays._SMALL_PIECE
     pieces = [torch.tensor(RNG.normal(size=(height, HIDDEN)), dtype=torch.float32,
-                           requires_grad=True) for _ in range(PIECES)]
+                           requires_grad=grad) for _ in range(PIECES)]
     rows = height * PIECES
     stacked = torch.stack(pieces, 1).view(rows, HIDDEN).detach()
     batch = _batch(DeferredRows(lambda: torch.stack(pieces, 1).view(rows, HIDDEN), pieces),
