@@ -236,3 +236,36 @@ def test_a_group_turn_takes_each_binding_s_whole_queue(monkeypatch):
     for request_id in ids:
         assert _view(together[request_id]) == _view(alone[request_id])
         assert together[request_id].stats.processed == steps * len(layers)
+
+
+def test_turns_count_a_group_key_once_per_group_limit_and_other_bindings_each(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(scheduler, "GROUP_LIMIT", 3)
+    bindings = ([SimpleNamespace(async_group="k")] * 7 + [SimpleNamespace(async_group=None)] * 2
+                + [SimpleNamespace(async_group="j")])
+    assert scheduler._turns(bindings) == 3 + 2 + 1  # k: 3 + 3 + 1; each None; j
+    monkeypatch.setattr(scheduler, "GROUP_LIMIT", 1)  # grouping off: one turn each
+    assert scheduler._turns(bindings) == len(bindings)
+
+
+def test_one_worker_is_woken_for_a_call_s_bindings_judged_together():
+    """Eight requests' bindings of one point, queued in one step: one worker
+    takes them all, so one is woken (the others would only take the
+    interpreter lock to find the ready line empty), and every row is judged."""
+    point = _point("trajectory_probe", (0, 1), None, "flag", "ewma", 8)
+    ids = [f"r{index}" for index in range(8)]
+    batch = _steps(np.random.default_rng(3), ids, (0, 1), 1)[0]
+    with Router(workers=4) as router:
+        for request_id in ids:
+            router.register_request(request_id, [point])
+        cond = router._scheduler._cond
+        woken = []
+        notify = cond.notify
+        cond.notify = lambda n=1: (woken.append(n), notify(n))
+        with router.step():
+            router.route_columns(batch)
+        cond.notify = notify  # (notify_all, at the router's exit, calls notify too)
+        results = [router.end_request(request_id)["p"] for request_id in ids]
+    assert woken == [1]
+    assert [result.stats.processed for result in results] == [2] * 8

@@ -26,6 +26,8 @@ retire once the stuck call returns.
 
 from __future__ import annotations
 
+import collections
+import operator
 import threading
 import time
 from collections import deque
@@ -76,17 +78,19 @@ class AsyncScheduler:
         self.schedule_many((binding,))
 
     def schedule_many(self, bindings: Sequence[Binding]) -> None:
-        """Put bindings with queued records on the ready line, waking one worker
-        per binding (at most every worker) in one go."""
+        """Put bindings with queued records on the ready line, waking in one go
+        as many workers as they make turns (:func:`_turns`; at most every
+        worker)."""
         if not bindings:
             return
+        turns = _turns(bindings)
         with self._cond:
             self._ready.extend(bindings)
             if not self._workers and not self._stopping:
                 for _ in range(self.target):
                     self._spawn_locked()
                 self._start_supervisor_locked()
-            self._cond.notify(len(bindings))
+            self._cond.notify(turns)
 
     def worker_count(self) -> int:
         """Worker threads alive now (more than ``workers`` while some are stalled)."""
@@ -239,6 +243,20 @@ class AsyncScheduler:
                     self._spawn_locked()
                     healthy += 1
                 self._cond.notify_all()
+
+
+_GROUP = operator.attrgetter("async_group")
+
+
+def _turns(bindings: Sequence[Binding]) -> int:
+    """How many workers' turns ``bindings`` make: one each, except that a
+    worker takes the ready bindings of one group key together (up to
+    :data:`GROUP_LIMIT`). Waking more workers than that wakes some for nothing:
+    each would take the interpreter lock from the generation thread only to
+    find the ready line empty."""
+    keys = collections.Counter(map(_GROUP, bindings))  # (counted in C)
+    alone = keys.pop(None, 0)
+    return alone + sum(-(-count // GROUP_LIMIT) for count in keys.values())
 
 
 def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int, int]]]]
