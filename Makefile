@@ -16,7 +16,7 @@ EXTRAS ?= hf,notebook,dev,sae
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.undercurrent-installed
 
-.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick lab notebooks
+.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick lab notebooks gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,12 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
+
+# The GPU checks (tools/gpu_check.sh) on a machine with an NVIDIA GPU: the CUDA tests, the
+# device's sync count and the scaling set on CUDA. Get CUDA builds with
+# `make gpu-check TORCH_PACKAGE=torch VLLM_PACKAGE=vllm`; OUT=DIR keeps the reports there.
+gpu-check: $(BENCH_STAMP)
+	PYTHON=$(BENCH_BIN)/python bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info

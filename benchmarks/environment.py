@@ -43,6 +43,17 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _gpus() -> list[str]:
+    """``"name, driver, memory"`` of each NVIDIA GPU ``nvidia-smi`` lists (none: [])."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
 def describe() -> dict[str, Any]:
     """Machine, versions, commit, date and the current load average."""
     versions = {}
@@ -61,5 +72,6 @@ def describe() -> dict[str, Any]:
         "memory_gib": None if memory is None else round(memory, 1),
         "load_average_start": os.getloadavg(),
         "git_commit": _git_commit(),
+        "gpus": _gpus(),
         "versions": versions,
     }

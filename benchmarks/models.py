@@ -154,14 +154,38 @@ def model_directory(key: str, root: Path) -> Path:
     return target
 
 
-def load_model(key: str) -> ModelBundle:
-    """Load a benchmark model by key: ``tiny`` or ``large``."""
+def load_model(key: str, device: str = "cpu", dtype: str | None = None) -> ModelBundle:
+    """Load a benchmark model by key: ``tiny`` or ``large``, built (seeded, float32)
+    on the CPU and then moved to ``device`` (``"cpu"``, ``"cuda"``) and cast to
+    ``dtype`` (a torch dtype name; None keeps float32). Every scenario of a job
+    shares these weights, so all of them run on the same device in the same dtype."""
     if key == "tiny":
-        return bundled_model()
-    if key == "large":
-        return random_llama(
+        bundle = bundled_model()
+    elif key == "large":
+        bundle = random_llama(
             "large",
             LARGE_LLAMA,
             "random-init Llama, hidden 1024, 8 layers, 16 heads (8 KV), MLP 2816",
         )
-    raise ValueError(f"unknown benchmark model {key!r}; expected 'tiny' or 'large'")
+    else:
+        raise ValueError(f"unknown benchmark model {key!r}; expected 'tiny' or 'large'")
+    if device == "cpu" and dtype in (None, "float32"):
+        return bundle
+    import torch
+
+    torch_dtype = None if dtype is None else getattr(torch, dtype, None)
+    if dtype is not None and not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {dtype!r} for the benchmark model")
+    bundle.model.to(device=device, dtype=torch_dtype)
+    bundle.description += f", on {device}" + (f" in {dtype}" if dtype else "")
+    return bundle
+
+
+def synchronize(model: Any) -> None:
+    """Wait for the model's device to finish queued work (a no-op off CUDA): a timed
+    generation ends when its last kernel has run, not when it was queued."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

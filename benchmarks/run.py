@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm", dest="vllm", action="store_true", default=None,
                         help="run the vLLM scenarios (default: on unless --quick)")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false")
+    parser.add_argument("--device", default="cpu",
+                        help="where the HF jobs run the model: cpu (default) or cuda; "
+                        "every timed generation waits for the device before its clock stops")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="cast the HF jobs' model to this dtype (default float32)")
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default heap (page faults and all) instead "
                         "of a steady one, see benchmarks/allocator.py")
@@ -163,7 +168,8 @@ def run_hf(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[str
             f"{args.repeats} repeats")
         outcome = runner.run("timing", model_key=model, batch_sizes=args.batch_sizes,
                              scenarios=args.scenarios, repeats=args.repeats, warmup=1,
-                             max_new_tokens=args.max_new_tokens, threads=args.threads)
+                             max_new_tokens=args.max_new_tokens, threads=args.threads,
+                             device=args.device, dtype=args.dtype)
         if not outcome["ok"]:
             errors.append(f"timing job for {model} failed: {outcome['error']}")
             log(errors[-1])
@@ -229,7 +235,8 @@ def run_scaling(args: argparse.Namespace,
         outcome = runner.run("scaling", model_key=model, batch_sizes=args.scaling_batch_sizes,
                              layer_sets=list(scaling.LAYER_SETS),
                              scenarios=list(scaling.SCENARIOS), repeats=args.repeats, warmup=1,
-                             max_new_tokens=args.max_new_tokens, threads=args.threads)
+                             max_new_tokens=args.max_new_tokens, threads=args.threads,
+                             device=args.device, dtype=args.dtype)
         if not outcome["ok"]:
             errors.append(f"scaling job for {model} failed: {outcome['error']}")
             log(errors[-1])
@@ -359,6 +366,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, An
     environment["torch_threads"] = args.threads or "default (one per core)"
     environment["mode"] = "quick (smoke)" if args.quick else "full"
     environment["allocator"] = allocator_label(not args.default_allocator)
+    environment["device"], environment["dtype"] = args.device, args.dtype or "float32"
     runner = ChildRunner(args.job_timeout, steady_heap=not args.default_allocator)
     rows: list[dict[str, Any]] = []
     errors: list[str] = []

@@ -272,6 +272,17 @@ def targets_table(checks: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _device_line(environment: dict[str, Any]) -> list[str]:
+    """A line naming the accelerator, versions and dtype of a run off the CPU."""
+    if environment.get("device", "cpu") == "cpu":
+        return []
+    versions = ", ".join(f"{k} {v}" for k, v in environment.get("versions", {}).items())
+    gpus = "; ".join(environment.get("gpus") or ["no GPU listed by nvidia-smi"])
+    return [f"- Device: {environment['device']} ({gpus}), model dtype "
+            f"{environment.get('dtype', 'float32')}; Python {environment.get('python')}, "
+            f"{versions}"]
+
+
 def summary(environment: dict[str, Any], rows: list[dict[str, Any]],
             checks: list[dict[str, Any]], errors: list[str], plot_renderer: str) -> str:
     """The scaling section's markdown (machine line, tables, targets, job errors)."""
@@ -281,6 +292,7 @@ def summary(environment: dict[str, Any], rows: list[dict[str, Any]],
         f"{environment['cpu_count']} cores, 1-minute load average {loads[0]:.1f} at the "
         f"start and {loads[-1]:.1f} at the end; torch threads per job: "
         f"{environment['torch_threads']}; plot: scaling.png ({plot_renderer})",
+        *_device_line(environment),
         "",
         *table(rows),
         "#### Scaling targets (reported, not asserted)",

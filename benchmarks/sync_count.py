@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +85,37 @@ def count_syncs() -> Iterator[Counter[tuple[str, str, str, str]]]:
             setattr(torch.Tensor, name, original)
 
 
+@contextmanager
+def cuda_sync_log() -> Iterator[list[tuple[str, str]]]:
+    """Every synchronising CUDA call torch makes (``torch.cuda.set_sync_debug_mode
+    ("warn")``: the device's own count, not a list of methods), as ``(thread name,
+    "file:line(function)")`` of the innermost Python frame outside torch that made it."""
+    import torch
+
+    calls: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "/warnings.py" not in f.filename]
+        where = (f"{frames[-1].filename}:{frames[-1].lineno}({frames[-1].name})"
+                 if frames else "?")
+        with lock:
+            calls.append((threading.current_thread().name, where))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     target = kwargs.get("device", args[0] if args else None)
     return isinstance(target, str) and target.startswith("cpu")
@@ -91,9 +124,12 @@ def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def measure(model: str = "tiny", batch_size: int = 8, layer_set: str = "all",
             max_new_tokens: int = 24,
             scenario: str = "uc_3_layers_async_trajectory",
-            offload: str = "always") -> dict[str, Any]:
-    """Warm up, then count syncing calls during one async-only generation."""
-    bundle = load_model(model)
+            offload: str = "always", device: str = "cpu",
+            dtype: str | None = None) -> dict[str, Any]:
+    """Warm up, then count syncing calls during one async-only generation. On CUDA,
+    also the device's own count of synchronising calls (``cuda_syncs``) during one
+    plain ``generate()`` and during the probed one, by (thread, caller)."""
+    bundle = load_model(model, device, dtype)
     batch = make_batch(bundle, prompts_for(batch_size))
     instance = scenario_by_name(scenario)()
     instance.setup(bundle, bundle.model, layers_for(bundle, layer_set))
@@ -101,10 +137,21 @@ def measure(model: str = "tiny", batch_size: int = 8, layer_set: str = "all",
     instance.generate(batch, max_new_tokens)
     with count_syncs() as counts:
         run = instance.generate(batch, max_new_tokens)
+    result = {"scenario": scenario, "batch_size": batch_size, "layer_set": layer_set,
+              "max_new_tokens": max_new_tokens, "records": run.records, "offload": offload,
+              "device": device, "counts": dict(counts)}
+    if device == "cuda":
+        plain = scenario_by_name("plain_generate")()
+        plain.setup(bundle, bundle.model, layers_for(bundle, layer_set))
+        plain.generate(batch, max_new_tokens)
+        syncs = {}
+        for label, each in (("plain generate()", plain), ("probed", instance)):
+            with cuda_sync_log() as calls:
+                each.generate(batch, max_new_tokens)
+            syncs[label] = Counter(calls)
+        result["cuda_syncs"] = syncs
     instance.close()
-    return {"scenario": scenario, "batch_size": batch_size, "layer_set": layer_set,
-            "max_new_tokens": max_new_tokens, "records": run.records, "offload": offload,
-            "counts": dict(counts)}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--offload", default="always", choices=["auto", "always", "never"],
                         help="ModelHooks.offload (default: always, the GPU path on any device)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     set_threads(args.threads)
     result = measure(args.model, args.batch, args.layers, args.max_new_tokens,
-                     offload=args.offload)
+                     offload=args.offload, device=args.device, dtype=args.dtype)
     counts = result["counts"]
     steps = args.max_new_tokens
     totals: Counter[tuple[str, str]] = Counter()
@@ -136,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     for (kind, who, method, caller), n in sorted(counts.items(),
                                                   key=lambda kv: (kv[0][:2], -kv[1])):
         print(f"| {kind} | {who} | `{method}` | `{caller}` | {n} | {n / steps:.1f} |")
+    for label, calls in result.get("cuda_syncs", {}).items():
+        print(f"CUDA synchronising calls in one {label} generation ({steps} new tokens): "
+              f"{sum(calls.values())}")
+        for (thread, where), n in calls.most_common():
+            print(f"  {n:5d}  {thread}  {where}")
     return 0
 
 

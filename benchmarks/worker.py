@@ -24,7 +24,7 @@ from benchmarks.measure import (
     peak_rss_bytes,
     reset_peak_rss,
 )
-from benchmarks.models import PROMPTS, ModelBundle, load_model
+from benchmarks.models import PROMPTS, ModelBundle, load_model, synchronize
 from benchmarks.scenarios import Batch, Scenario, scenario_by_name
 from benchmarks.scenarios.base import make_batch
 
@@ -38,9 +38,11 @@ def prompts_for(batch_size: int) -> list[str]:
 
 def _timed(scenario: Scenario, clock: FirstForwardClock, batch: Batch,
            max_new_tokens: int) -> tuple[GenerationRun, float, float, float | None]:
+    synchronize(scenario.model)  # on CUDA: nothing of the last run still queued
     cpu_start = time.process_time()
     start = clock.start()
     run = scenario.generate(batch, max_new_tokens)
+    synchronize(scenario.model)
     wall = time.perf_counter() - start
     return run, wall, time.process_time() - cpu_start, clock.time_to_first_token
 
@@ -128,20 +130,29 @@ def _time_cases(ready: dict[str, Any], skipped: dict[str, str], scenarios: list[
 
 
 def _model_facts(bundle: ModelBundle) -> dict[str, Any]:
+    import torch
+
+    device = next(bundle.model.parameters()).device
+    accelerator = ({"cuda_device": torch.cuda.get_device_name(device),
+                    "torch_cuda": torch.version.cuda} if device.type == "cuda" else {})
     return {
+        **accelerator,
         "model_description": bundle.description,
         "num_layers": bundle.num_layers,
         "layers": list(bundle.three_layers),
         "hidden_size": bundle.model.config.hidden_size,
         "parameters": sum(p.numel() for p in bundle.model.parameters()),
+        "device": str(next(bundle.model.parameters()).device),
+        "dtype": str(next(bundle.model.parameters()).dtype).removeprefix("torch."),
     }
 
 
 def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], repeats: int,
-               warmup: int, max_new_tokens: int, threads: int | None = None) -> dict[str, Any]:
+               warmup: int, max_new_tokens: int, threads: int | None = None,
+               device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
     """Time every scenario on one model: ``warmup`` + ``repeats`` interleaved rounds."""
     set_threads(threads)
-    bundle = load_model(model_key)
+    bundle = load_model(model_key, device, dtype)
     ready, skipped = _prepare(scenarios, bundle)
     cases: list[dict[str, Any]] = []
     for batch_size in batch_sizes:
@@ -154,11 +165,12 @@ def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], rep
 
 def scaling_job(model_key: str, batch_sizes: list[int], layer_sets: list[str],
                 scenarios: list[str], repeats: int, warmup: int, max_new_tokens: int,
-                threads: int | None = None) -> dict[str, Any]:
+                threads: int | None = None, device: str = "cpu",
+                dtype: str | None = None) -> dict[str, Any]:
     """The scaling set: for each layer set (``"3"`` or ``"all"``) set every scenario up
     on those layers, then time it at every batch size (interleaved rounds)."""
     set_threads(threads)
-    bundle = load_model(model_key)
+    bundle = load_model(model_key, device, dtype)
     cases: list[dict[str, Any]] = []
     for layer_set in layer_sets:
         layers = layers_for(bundle, layer_set)

@@ -33,11 +33,13 @@ class Batch:
 
 
 def make_batch(bundle: ModelBundle, prompts: list[str]) -> Batch:
-    """Tokenize ``prompts`` with left padding, the way every scenario sees them."""
+    """Tokenize ``prompts`` with left padding, the way every scenario sees them, as
+    tensors on the model's device (and as plain id lists)."""
     encoded = bundle.tokenizer(prompts, return_tensors="pt", padding=True)
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     lists = [row[kept.bool()].tolist() for row, kept in zip(ids, mask, strict=True)]
-    return Batch(list(prompts), ids, mask, lists)
+    device = next(bundle.model.parameters()).device  # the baselines' tensors go there
+    return Batch(list(prompts), ids.to(device), mask.to(device), lists)
 
 
 def new_tokens(sequences: Any, prompt_length: int) -> list[list[int]]:

@@ -100,6 +100,7 @@ def transformers_generate(model: Any, tokenizer: Any, prompts: list[str], *,
     import torch
 
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id

@@ -11,6 +11,8 @@ one left-padded batch; greedy and seeded sampling.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -114,8 +116,12 @@ def _expected(record, row, out, captured, width, prompt_len):
     return torch.stack([cache.keys[row, :, cache_pos], cache.values[row, :, cache_pos]])
 
 
-def _check(model_type, params):
+def _check(model_type, params, device=None, dtype=None):
+    """Records against the oracle; ``device``/``dtype``: on a copy of the model moved
+    there (records must still land on the CPU, in the model's dtype)."""
     model = build_model(model_type)
+    if device is not None:
+        model = copy.deepcopy(model).to(device=device, dtype=dtype)
     tokenizer = build_tokenizer()
     backend = HFBackend(model, tokenizer)
     out, captured, width = _oracle(model, tokenizer, params)
@@ -141,7 +147,9 @@ def _check(model_type, params):
             assert record.token_id == (list(output.prompt_token_ids) + list(output.token_ids))[
                 record.token_index]
             expected = _expected(record, row, out, captured, width, prompt_len)
-            torch.testing.assert_close(record.tensor, expected.to(record.tensor.dtype),
+            assert record.tensor.device.type == "cpu", record.key()
+            assert record.tensor.dtype == next(model.parameters()).dtype, record.key()
+            torch.testing.assert_close(record.tensor, expected.to("cpu", record.tensor.dtype),
                                        msg=lambda m, r=record: f"{r.key()} {r.tensor_type}: {m}")
             checked += 1
     assert checked > 0
@@ -152,6 +160,31 @@ def _check(model_type, params):
 def test_every_tensor_type_matches_transformers_greedy_batched(model_type):
     outputs = _check(model_type, SamplingParams(max_new_tokens=MAX_NEW))
     assert [o.prompt_len for o in outputs] == [7, 3, 5]  # <bos> counts, padding does not
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ON_DEVICES = [
+    ("cpu", torch.bfloat16),
+    pytest.param("cuda", torch.float32, marks=CUDA),
+    pytest.param("cuda", torch.bfloat16, marks=CUDA),
+    pytest.param("cuda", torch.float16, marks=CUDA),
+]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize(("device", "dtype"), ON_DEVICES)
+def test_every_tensor_type_matches_transformers_on_the_device_in_its_dtype(model_type, device,
+                                                                            dtype):
+    outputs = _check(model_type, SamplingParams(max_new_tokens=MAX_NEW), device, dtype)
+    assert [o.prompt_len for o in outputs] == [7, 3, 5]
+
+
+@pytest.mark.parametrize(("device", "dtype"), ON_DEVICES[:2])
+def test_seeded_sampling_matches_plain_generate_on_the_device(device, dtype):
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_k=20, seed=7)
+    first = _check("llama", params, device, dtype)
+    again = _check("llama", params, device, dtype)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

@@ -266,3 +266,33 @@ def test_capture_last_token_replays_the_edits_so_every_record_matches_a_full_for
         torch.testing.assert_close(record.tensor, states[record.token_index],
                                    rtol=1e-4, atol=1e-4)
     assert output.edited_tokens == tuple(range(NEW))  # the replay edits the last token too
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(("device", "dtype"), [
+    ("cpu", "bfloat16"),
+    pytest.param("cuda", "float32", marks=CUDA),
+    pytest.param("cuda", "bfloat16", marks=CUDA),
+])
+def test_add_on_the_model_s_device_and_dtype_equals_a_hand_hook(device, dtype):
+    """The vector reaches the rows' device and dtype: tokens and logits equal a hand
+    hook adding the same vector, cast the same way, on plain ``generate()``."""
+    probed = ProbedModel.from_pretrained("undercurrent/tiny", device=device, dtype=dtype)
+    try:
+        v = direction()
+        outputs, recorded = probed_generate(probed, PROMPTS, NEW, edits=[edit("add", v, 4.0)])
+        expected, oracle = hooked_generate(
+            probed, PROMPTS, NEW, 1, "residual_stream",
+            decode_rows(None, lambda h: h + 4.0 * v.to(device=h.device, dtype=h.dtype)))
+        plain, _ = hooked_generate(probed, PROMPTS, NEW, 1, "residual_stream",
+                                   lambda f, h: None)
+        assert [list(o.token_ids) for o in outputs] == expected
+        assert expected != plain
+        for row, output in enumerate(outputs):
+            count = len(output.token_ids)
+            assert recorded.row(row, count).device.type == device
+            assert torch.equal(recorded.row(row, count), oracle.row(row, count))
+    finally:
+        probed.close()

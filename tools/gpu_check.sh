@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (`make gpu-check`), on a machine with an NVIDIA GPU
+# and an environment that has CUDA torch and transformers (the project's `hf`
+# and `dev` extras). Writes what it finds to $OUT (default /tmp/gpu-check):
+#   env.txt      GPU, driver, Python, torch/CUDA and transformers versions
+#   tests.log    the HF suites that place models on CUDA (bf16/fp16, records on
+#                the CPU, memory given back at close, no host sync per step)
+#   sync.txt     the device's own count of synchronising calls per generation,
+#                plain generate() against async-only probing (benchmarks.sync_count)
+#   scaling.*    the scaling set on CUDA (benchmarks.run --scaling-only --device cuda)
+# Exit status: the tests' (the measurements only report).
+set -u
+OUT=${OUT:-/tmp/gpu-check}
+PY=${PYTHON:-python3}
+DTYPE=${GPU_DTYPE:-bfloat16}
+REPEATS=${GPU_REPEATS:-5}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+started=$(date +%s)
+stamp() { echo "[gpu-check $(( $(date +%s) - started ))s] $*"; }
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0]);
+print('torch', torch.__version__, 'cuda', torch.version.cuda,
+      'available', torch.cuda.is_available(), torch.cuda.get_device_name(0));
+print('transformers', transformers.__version__)"
+  "$PY" -c "import nnsight; print('nnsight', nnsight.__version__)" 2>&1 | tail -1
+  "$PY" -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+stamp "tests"
+"$PY" -m pytest -q -p no:cacheprovider -rs --timeout 600 \
+  tests/adapters/test_hf_cuda.py tests/adapters/test_hf_equivalence.py \
+  tests/adapters/test_hf_backend.py tests/adapters/test_hf_offload.py \
+  tests/steering/test_hf_edits.py tests/test_forward_only.py 2>&1 | tee "$OUT/tests.log"
+status=${PIPESTATUS[0]}
+
+stamp "sync count"
+"$PY" -m benchmarks.sync_count --device cuda --dtype "$DTYPE" --model large --batch 64 \
+  --layers all --offload auto 2>&1 | grep -v "Loading weights" | tee "$OUT/sync.txt"
+
+stamp "scaling set"
+"$PY" -m benchmarks.run --scaling-only --no-vllm --device cuda --dtype "$DTYPE" \
+  --scaling-models large tiny --scaling-batch-sizes 1 8 64 --repeats "$REPEATS" \
+  --max-new-tokens 24 --job-timeout 420 --out "$OUT/scaling-run" 2>&1 \
+  | grep -v "Loading weights" | tee "$OUT/scaling.log"
+for name in scaling.jsonl scaling.md environment.json; do
+  cp "$OUT/scaling-run/$name" "$OUT/scaling-$name" 2>/dev/null
+done
+rm -rf "$OUT/scaling-run"
+stamp "done; tests exit status $status"
+exit "$status"
