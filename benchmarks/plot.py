@@ -86,12 +86,14 @@ def _pillow(groups: dict[str, list[tuple[str, float, float, float]]], path: Path
 
 def _scaling_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
+    several = len({row.get("model") for row in rows}) > 1  # then each label names its model
     for row in rows:
         ratio = row.get("ratio_plain")
         if row.get("status") != "ok" or not ratio or ratio.get("median") is None \
                 or row["mode"] in ("plain_generate", "vllm_plain_eager"):
             continue  # the baseline is the dotted line at 1
-        label = f"{row['backend']} {row['layer_set']} layers: {row['mode']}"
+        model = f" {row['model']}" if several else ""
+        label = f"{row['backend']}{model} {row['layer_set']} layers: {row['mode']}"
         series.setdefault(label, []).append((row["batch_size"], ratio["median"]))
     return {label: sorted(points) for label, points in series.items()}
 

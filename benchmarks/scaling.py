@@ -181,11 +181,14 @@ def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: one table per backend, sorted by layer set, batch and scenario."""
+    """Markdown lines: one table per backend and model, sorted by layer set, batch and
+    scenario."""
     lines: list[str] = []
     order = {name: index for index, name in enumerate(SCENARIOS)}
-    for backend, size in (("hf", "batch"), ("vllm", "concurrent")):
-        members = [r for r in rows if r["backend"] == backend]
+    groups = [(backend, size, model) for backend, size in (("hf", "batch"), ("vllm", "concurrent"))
+              for model in dict.fromkeys(r.get("model") for r in rows)]
+    for backend, size, model in groups:
+        members = [r for r in rows if r["backend"] == backend and r.get("model") == model]
         if not members:
             continue
         first = next((r for r in members if r["status"] == "ok"), members[0])
@@ -220,7 +223,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's scaling targets on the measured rows: met, missed, or not measured."""
+    """The issue's scaling targets on the measured rows: met, missed, or not measured
+    (per model, each target named with its model, when the rows hold several)."""
+    models = list(dict.fromkeys(r.get("model") for r in rows))
+    if len(models) > 1:
+        return [{**check, "target": f"{model}: {check['target']}"} for model in models
+                for check in evaluate([r for r in rows if r.get("model") == model])]
     def find(backend: str, layer_set: str, batch: int, mode: str) -> dict[str, Any] | None:
         return next((r for r in rows if r["backend"] == backend and r["status"] == "ok"
                      and r["layer_set"] == layer_set and r["batch_size"] == batch

@@ -14,6 +14,7 @@ delivery thread) on CPU too; ``never`` shows delivery on the generation thread.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import traceback
@@ -94,13 +95,16 @@ def cuda_sync_log() -> Iterator[list[tuple[str, str]]]:
 
     calls: list[tuple[str, str]] = []
     lock = threading.Lock()
+    # torch's own frames are skipped by its package directory (not by "/torch/" in a
+    # path: an environment may live under such a folder, transformers with it)
+    skipped = (os.path.dirname(torch.__file__) + os.sep, warnings.__file__)
 
     def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
              line: Any = None) -> None:
         if "synchronizing" not in str(message):
             return
         frames = [f for f in traceback.extract_stack()[:-1]
-                  if "/torch/" not in f.filename and "/warnings.py" not in f.filename]
+                  if not f.filename.startswith(skipped)]
         where = (f"{frames[-1].filename}:{frames[-1].lineno}({frames[-1].name})"
                  if frames else "?")
         with lock:

@@ -55,8 +55,15 @@ def tokenizer():
 
 
 def _allocated() -> int:
+    """Bytes of live tensors on the GPU. torch keeps a cuBLAS workspace (32 MiB on
+    an H200) for each (cuBLAS handle, stream) that ran a matrix product, for the
+    process's lifetime, and counts it here: a generation on another thread (what
+    ``stream()`` runs) takes one. Those are torch's, not ours: cleared first."""
     gc.collect()
     torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
     return torch.cuda.memory_allocated()
 
 
