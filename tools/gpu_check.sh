@@ -5,9 +5,11 @@
 #   env.txt      GPU, driver, Python, torch/CUDA and transformers versions
 #   tests.log    the HF suites that place models on CUDA (bf16/fp16, records on
 #                the CPU, memory given back at close, no host sync per step)
+#   tests-vllm.log  the vLLM suites, when a (CUDA) vllm is installed
 #   sync.txt     the device's own count of synchronising calls per generation,
 #                plain generate() against async-only probing (benchmarks.sync_count)
-#   scaling.*    the scaling set on CUDA (benchmarks.run --scaling-only --device cuda)
+#   scaling-*    the scaling set on CUDA (benchmarks.run --scaling-only --device cuda),
+#                with vLLM's rows when vllm is installed
 # Exit status: the tests' (the measurements only report).
 set -u
 OUT=${OUT:-/tmp/gpu-check}
@@ -37,13 +39,21 @@ stamp "tests"
   tests/adapters/test_hf_backend.py tests/adapters/test_hf_offload.py \
   tests/steering/test_hf_edits.py tests/test_forward_only.py 2>&1 | tee "$OUT/tests.log"
 status=${PIPESTATUS[0]}
+VLLM_FLAG=--no-vllm
+if "$PY" -c "import vllm" >/dev/null 2>&1; then  # a CUDA build of vllm is installed
+  stamp "vLLM suites"
+  "$PY" -m pytest -q -p no:cacheprovider -rs --timeout 900 tests/vllm 2>&1 \
+    | tee "$OUT/tests-vllm.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  VLLM_FLAG=--vllm
+fi
 
 stamp "sync count"
 "$PY" -m benchmarks.sync_count --device cuda --dtype "$DTYPE" --model large --batch 64 \
   --layers all --offload auto 2>&1 | grep -v "Loading weights" | tee "$OUT/sync.txt"
 
 stamp "scaling set"
-"$PY" -m benchmarks.run --scaling-only --no-vllm --device cuda --dtype "$DTYPE" \
+"$PY" -m benchmarks.run --scaling-only "$VLLM_FLAG" --device cuda --dtype "$DTYPE" \
   --scaling-models large tiny --scaling-batch-sizes 1 8 64 --repeats "$REPEATS" \
   --max-new-tokens 24 --job-timeout 420 --out "$OUT/scaling-run" 2>&1 \
   | grep -v "Loading weights" | tee "$OUT/scaling.log"
