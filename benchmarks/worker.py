@@ -142,7 +142,7 @@ def _model_facts(bundle: ModelBundle) -> dict[str, Any]:
         "layers": list(bundle.three_layers),
         "hidden_size": bundle.model.config.hidden_size,
         "parameters": sum(p.numel() for p in bundle.model.parameters()),
-        "device": str(next(bundle.model.parameters()).device),
+        "device": str(device),
         "dtype": str(next(bundle.model.parameters()).dtype).removeprefix("torch."),
     }
 
