@@ -139,6 +139,31 @@ def test_scaling_targets_report_a_miss_as_a_miss():
     assert [c["met"] for c in checks if c["target"].startswith("vLLM")] == [None, None]
 
 
+def test_a_run_of_two_models_gets_a_table_targets_and_plot_lines_per_model():
+    def row(model: str, mode: str, ratio: float, us: float | None = None) -> dict:
+        scenario = {"plain_generate": "plain_generate"}.get(mode, mode)
+        return {"backend": "hf", "model": model, "model_description": f"the {model} model",
+                "layer_set": "all", "batch_size": 64, "mode": mode, "scenario": scenario,
+                "status": "ok", "ratio_plain": {"median": ratio, "min": ratio, "max": ratio},
+                "us_per_vector": None if us is None else {"median": us, "min": us, "max": us},
+                "records": 10, "repeats": 1, "max_new_tokens": 4}
+
+    rows = [row("tiny", "plain_generate", 1.0), row("tiny", "inline linear", 1.2, 3.0),
+            row("large", "plain_generate", 1.0), row("large", "inline linear", 1.02, 0.5)]
+    checks = {c["target"]: c["met"] for c in scaling.evaluate(rows)}
+    per_vector = "HF batch 64, all layers, inline linear: extra cost per captured vector " \
+        "over raw hooks <= 1 µs"
+    assert checks[f"tiny: {per_vector}"] is False
+    assert checks[f"large: {per_vector}"] is True
+    headings = [line for line in scaling.table(rows) if line.startswith("#### hf")]
+    assert [h.split(",")[0] for h in headings] == ["#### hf: the tiny model",
+                                                   "#### hf: the large model"]
+    from benchmarks.plot import _scaling_series
+
+    assert set(_scaling_series(rows)) == {"hf tiny all layers: inline linear",
+                                          "hf large all layers: inline linear"}
+
+
 def test_spread_reports_median_range_and_relative_spread():
     assert spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0,
                                         "spread_pct": 100.0}
