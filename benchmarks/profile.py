@@ -103,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="scenario whose calls are subtracted for the per-vector count")
     parser.add_argument("--threads", type=int)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     set_threads(args.threads)
-    bundle = load_model(args.model)
+    bundle = load_model(args.model, args.device, args.dtype)
     batch = make_batch(bundle, prompts_for(args.batch))
     layers = layers_for(bundle, args.layers)
     base_stats, _ = profile_scenario(args.baseline, bundle, batch, layers, args.max_new_tokens)
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     total = max(row[3] for row in stats.stats.values())
     share = undercurrent_share(stats)
     ours = share["callbacks_s"] + share["around_generate_s"]
-    print(f"{args.scenario} on {args.model}, batch {args.batch}, {args.layers} layers, "
+    print(f"{args.scenario} on {bundle.description}, batch {args.batch}, {args.layers} layers, "
           f"{args.max_new_tokens} tokens: {total:.3f} s profiled (main thread)")
     print(f"  undercurrent: {ours:.3f} s ({ours / total:.1%}): callbacks from torch/transformers "
           f"{share['callbacks_s']:.3f} s, around model.generate {share['around_generate_s']:.3f} s")

@@ -6,8 +6,9 @@
 #   tests.log    the HF suites that place models on CUDA (bf16/fp16, records on
 #                the CPU, memory given back at close, no host sync per step)
 #   tests-vllm.log  the vLLM suites, when a (CUDA) vllm is installed
-#   sync.txt     the device's own count of synchronising calls per generation,
-#                plain generate() against async-only probing (benchmarks.sync_count)
+#   measures.txt the device's own count of synchronising calls per generation,
+#                plain generate() against async-only probing (benchmarks.sync_count),
+#                and cProfile of inline linear and capture-only on CUDA (benchmarks.profile)
 #   scaling-*    the scaling set on CUDA (benchmarks.run --scaling-only --device cuda),
 #                with vLLM's rows when vllm is installed
 # Exit status: the tests' (the measurements only report).
@@ -48,9 +49,16 @@ if "$PY" -c "import vllm" >/dev/null 2>&1; then  # a CUDA build of vllm is insta
   VLLM_FLAG=--vllm
 fi
 
-stamp "sync count"
-"$PY" -m benchmarks.sync_count --device cuda --dtype "$DTYPE" --model large --batch 64 \
-  --layers all --offload auto 2>&1 | grep -v "Loading weights" | tee "$OUT/sync.txt"
+stamp "sync count and profiles"
+{
+  "$PY" -m benchmarks.sync_count --device cuda --dtype "$DTYPE" --model large --batch 64 \
+    --layers all --offload auto
+  # where the host's time goes on the GPU (the main thread's cProfile, over raw hooks)
+  for scenario in uc_inline_linear uc_3_layers_capture_only; do
+    "$PY" -m benchmarks.profile --device cuda --dtype "$DTYPE" --model tiny --batch 64 \
+      --layers all --max-new-tokens 24 --scenario "$scenario" --top 25
+  done
+} 2>&1 | grep -v "Loading weights" | tee "$OUT/measures.txt"
 
 stamp "scaling set"
 "$PY" -m benchmarks.run --scaling-only "$VLLM_FLAG" --device cuda --dtype "$DTYPE" \
