@@ -116,3 +116,27 @@ def transformers_generate(model: Any, tokenizer: Any, prompts: list[str], *,
         out = model.generate(input_ids=batch["input_ids"],
                              attention_mask=batch["attention_mask"], **kwargs, **outputs)
     return batch, out
+
+
+def generated_points(mode: str = "async", norm_mode: str = "async") -> list[Any]:
+    """Two points on every generated token: the residual stream at layers 0-2 to a
+    ``trajectory_probe`` (in ``mode``) and mlp_out at layer 1 to a ``norm_probe`` (in
+    ``norm_mode``)."""
+    from undercurrent.spec.types import ExtractionPoint
+
+    return [
+        ExtractionPoint(name="traj", layers=(0, 1, 2), tensor_type="residual_stream",
+                        position="generated[*]", probe_type="trajectory_probe",
+                        probe_kind="trajectory", execution_mode=mode),
+        ExtractionPoint(name="norm", layers=(1,), tensor_type="mlp_out",
+                        position="generated[*]", probe_type="norm_probe",
+                        probe_kind="trajectory", execution_mode=norm_mode),
+    ]
+
+
+def kv_point(mode: str = "async") -> Any:
+    """kv at layers 0 and 2 on every generated token, to the ``capture`` probe."""
+    from undercurrent.spec.types import ExtractionPoint
+
+    return ExtractionPoint(name="kv", layers=(0, 2), tensor_type="kv", position="generated[*]",
+                           probe_type="capture", probe_kind="trajectory", execution_mode=mode)

@@ -22,7 +22,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model, build_tokenizer, prompt, transformers_generate  # noqa: E402
+from hf_models import (  # noqa: E402
+    build_model,
+    build_tokenizer,
+    generated_points,
+    kv_point,
+    prompt,
+    transformers_generate,
+)
 
 from benchmarks.sync_count import cuda_sync_log  # noqa: E402
 from undercurrent import ProbedModel  # noqa: E402
@@ -37,16 +44,7 @@ PACKAGE = str(Path(__file__).resolve().parents[2] / "undercurrent")
 def _points(mode: str) -> list[ExtractionPoint]:
     """Residual stream at every layer and mlp_out at one, every generated token, and
     kv at two layers, all in ``mode``."""
-    return [
-        ExtractionPoint(name="traj", layers=(0, 1, 2), tensor_type="residual_stream",
-                        position="generated[*]", probe_type="trajectory_probe",
-                        probe_kind="trajectory", execution_mode=mode),
-        ExtractionPoint(name="norm", layers=(1,), tensor_type="mlp_out",
-                        position="generated[*]", probe_type="norm_probe",
-                        probe_kind="trajectory", execution_mode=mode),
-        ExtractionPoint(name="kv", layers=(0, 2), tensor_type="kv", position="generated[*]",
-                        probe_type="capture", probe_kind="trajectory", execution_mode=mode),
-    ]
+    return [*generated_points(mode, mode), kv_point(mode)]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+from hf_models import (  # noqa: E402
+    build_model,
+    build_tokenizer,
+    generated_points,
+    kv_point,
+    prompt,
+)
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import session as session_module  # noqa: E402
@@ -26,18 +32,10 @@ SYNCING = ("cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__")
 
 
 def _points(mode: str = "async") -> list[ExtractionPoint]:
-    return [
-        ExtractionPoint(name="traj", layers=(0, 1, 2), tensor_type="residual_stream",
-                        position="generated[*]", probe_type="trajectory_probe",
-                        probe_kind="trajectory", execution_mode=mode),
-        ExtractionPoint(name="norm", layers=(1,), tensor_type="mlp_out",
-                        position="generated[*]", probe_type="norm_probe",
-                        probe_kind="trajectory", execution_mode="async"),
-    ]
+    return generated_points(mode)
 
 
-KV = ExtractionPoint(name="kv", layers=(0, 2), tensor_type="kv", position="generated[*]",
-                    probe_type="capture", probe_kind="trajectory", execution_mode="async")
+KV = kv_point("async")
 
 
 @pytest.fixture(scope="module")
