@@ -1,5 +1,6 @@
 """``TrajectoryProbe.judge_many`` runs the recurrence of many instances at once
-(one array operation per row position, ``_judge_lanes``). The oracle is each
+(``_judge_lanes``: one array operation per step, or per row position where a
+step meets a layer twice). The oracle is each
 instance judging its own rows alone (``judge_rows``: one Python update per row,
 in order): the statistics, signals, summaries and running state must be equal,
 bit for bit, batch after batch, NaN and infinities included.
@@ -11,10 +12,11 @@ import math
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from undercurrent.probes import TrajectoryProbe
+from undercurrent.probes import TrajectoryProbe, trajectory
 from undercurrent.probes.trajectory import _judge_lanes
 from undercurrent.records import BatchSignals, as_list
 
@@ -72,13 +74,16 @@ def _one_by_one(probes: list[TrajectoryProbe], values: np.ndarray, spans: list[t
     action=st.sampled_from(["flag", "abort"]),
     min_count=st.integers(1, 3),
     pattern=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True),
+    again=st.booleans(),
     tokens_per_batch=st.integers(1, 3),
     batches=st.integers(1, 4),
 )
 def test_lanes_equal_each_instance_alone(data, count, statistic, alpha, threshold, action,
-                                         min_count, pattern, tokens_per_batch, batches):
+                                         min_count, pattern, again, tokens_per_batch, batches):
     options = {"statistic": statistic, "alpha": alpha, "threshold": threshold,
                "action": action, "min_count": min_count}
+    if again:  # a token meets its first layer twice: the lanes are not met step by step
+        pattern = [*pattern, pattern[0]]
     together, alone = _probes(count, options), _probes(count, options)
     width = len(pattern) * tokens_per_batch
     token = 7
@@ -98,6 +103,36 @@ def test_lanes_equal_each_instance_alone(data, count, statistic, alpha, threshol
             assert _same(mine.summary.verdict(), theirs.summary.verdict())
             assert _same({k: (r.count, r.value) for k, r in mine.running.items()},
                          {k: (r.count, r.value) for k, r in theirs.running.items()})
+    for mine, theirs in zip(together, alone, strict=True):
+        assert _same(mine.on_end(None), theirs.on_end(None))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("pattern", "by_step"), [([0, 1, 2, 3], True), ([2, 0, 2], False)])
+def test_lanes_go_a_step_at_a_time_where_each_step_meets_every_lane_once(monkeypatch, pattern,
+                                                                        by_step):
+    """A window's rows of every layer, step after step, take one array operation
+    per step (``_advance_steps``); rows meeting a lane twice in a step go a
+    column at a time. Both answer what each instance alone does, bit for bit."""
+    steps = []
+    advance = trajectory._advance_steps
+    monkeypatch.setattr(trajectory, "_advance_steps",
+                        lambda *args: steps.append(args[4].shape) or advance(*args))
+    options = {"statistic": "ewma", "alpha": 0.3, "threshold": 0.5}
+    together, alone = _probes(3, options), _probes(3, options)
+    rng = np.random.default_rng(5)
+    token = 4
+    for _ in range(3):  # fresh lanes first, then lanes with a running statistic
+        width = len(pattern) * 5
+        values = rng.random(3 * width)
+        layers = pattern * 5 * 3
+        tokens = [token + step for _ in range(3) for step in range(5) for _ in pattern]
+        token += 5
+        spans = [(i * width, (i + 1) * width) for i in range(3)]
+        lanes = _judge_lanes(together, values, spans, tokens, layers)
+        assert lanes is not None
+        assert _same(_columns(lanes), _one_by_one(alone, values, spans, tokens, layers))
+        assert any(as_list(lanes.actions))  # some rows cross: actions compared for real
+    assert steps == ([(3, 5, len(pattern))] * 3 if by_step else [])
     for mine, theirs in zip(together, alone, strict=True):
         assert _same(mine.on_end(None), theirs.on_end(None))  # type: ignore[arg-type]
 

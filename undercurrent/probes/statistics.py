@@ -26,8 +26,11 @@ from undercurrent.spec.types import ProbeKind
 
 
 def l2_norms(matrix: Any) -> Any:
-    """Euclidean norm of each row of a float64 matrix."""
-    return numpy_module().linalg.norm(matrix, axis=1)
+    """Euclidean norm of each row of a float64 matrix: what ``numpy.linalg.norm(matrix,
+    axis=1)`` computes for real rows (the square root of each row's sum of squares,
+    summed by ``add.reduce``), without its checks and copies per call."""
+    np = numpy_module()
+    return np.sqrt(np.add.reduce(matrix * matrix, axis=1))
 
 
 def l2_norm(tensor: Any) -> float:

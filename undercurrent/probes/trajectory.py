@@ -270,11 +270,13 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
                  spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
                  layers: Sequence[int]) -> BatchSignals | None:
     """:meth:`TrajectoryProbe.judge_many` with the recurrence run across the
-    instances at once: one array operation per row position instead of one
-    Python update per row. Only when the instances share their statistic,
-    ``alpha``, ``min_count`` and rule, their spans follow each other with the
-    same layers in the same order, and each instance has either seen exactly
-    these layers (in that order) or nothing yet; else None. Each lane (an
+    instances at once: one array operation per step over every lane where each
+    step meets every lane once in the same order (:func:`_advance_steps`), else
+    one per row position, instead of one Python update per row. Only when the
+    instances share their statistic, ``alpha``, ``min_count`` and rule, their
+    spans follow each other with the same layers in the same order, and each
+    instance has either seen exactly these layers (in that order) or nothing
+    yet; else None. Each lane (an
     instance's layer) gets exactly the arithmetic of :meth:`_advance`, element
     by element, so the statistics, signals and summaries are the same."""
     head = probes[0]
@@ -316,28 +318,39 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
         met_at.append(met[lane])
     seen = counts[:, lane_at] + np.asarray(met_at, dtype=np.int64)
     fresh = (counts == 0).any(axis=0).tolist()
-    state = [running[:, lane] for lane in range(len(lanes))]
     keep = 1.0 - alpha
     with np.errstate(all="ignore"):  # inf and NaN flow through as in Python floats
         scaled = alpha * observed if statistic == "ewma" else observed
-        for column, lane in enumerate(lane_at):
-            value, previous = observed[:, column], state[lane]
-            if statistic == "mean":
-                current = previous + (value - previous) / seen[:, column]
-            elif statistic == "max":  # max(previous, value): previous unless value > it
-                current = np.where(value > previous, value, previous)
-            else:  # alpha * value + (1.0 - alpha) * previous, alpha * value made above
-                current = scaled[:, column] + keep * previous
-            if met_at[column] == 1 and fresh[lane]:
-                current = np.where(seen[:, column] == 1, value, current)
-            state[lane] = current
-            statistics[:, column] = current
+        steps, cycle = divmod(width, len(lanes))
+        if not cycle and pattern == lanes * steps:
+            # Each step meets every lane once, in the same order (a window's rows
+            # of every layer, step after step): one array operation per step
+            # over all lanes, each element the same arithmetic as below.
+            running = _advance_steps(statistic, keep, running, fresh,
+                                     observed.reshape(count, steps, len(lanes)),
+                                     scaled.reshape(count, steps, len(lanes)),
+                                     seen.reshape(count, steps, len(lanes)),
+                                     statistics.reshape(count, steps, len(lanes)))
+        else:
+            state = [running[:, lane] for lane in range(len(lanes))]
+            for column, lane in enumerate(lane_at):
+                value, previous = observed[:, column], state[lane]
+                if statistic == "mean":
+                    current = previous + (value - previous) / seen[:, column]
+                elif statistic == "max":  # max(previous, value): previous unless value > it
+                    current = np.where(value > previous, value, previous)
+                else:  # alpha * value + (1.0 - alpha) * previous, alpha * value made above
+                    current = scaled[:, column] + keep * previous
+                if met_at[column] == 1 and fresh[lane]:
+                    current = np.where(seen[:, column] == 1, value, current)
+                state[lane] = current
+                statistics[:, column] = current
+            running = np.stack(state, axis=1)
         if rule.threshold is not None:
             crossed = (seen >= min_count) & (statistics >= rule.threshold)
         else:
             crossed = np.zeros((count, width), dtype=bool)
     counts = counts + np.asarray(met, dtype=np.int64)
-    running = np.stack(state, axis=1)
     for probe, new_counts, new_values in zip(probes, counts.tolist(), running.tolist(),
                                              strict=True):
         if not probe._layers:
@@ -356,3 +369,29 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
                 "layer": pattern * count}
     return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel(), flat, metadata,
                         all_scored=True)
+
+
+def _advance_steps(statistic: str, keep: float, running: Any, fresh: list[bool],
+                   observed: Any, scaled: Any, seen: Any, statistics: Any) -> Any:
+    """The lanes' recurrence a step at a time: ``observed``, ``scaled`` (alpha
+    times the values, for ewma), ``seen`` (each value's count) and ``statistics``
+    (written) are ``(instances, steps, lanes)`` views; ``running`` is each
+    instance's statistic per lane before the first step. Returns it after the
+    last. Element by element, the arithmetic of :meth:`TrajectoryProbe._advance`."""
+    np = numpy_module()
+    # A lane new to some instance starts at its first value there (count 1).
+    starts = np.asarray(fresh, dtype=bool)
+    previous = running
+    for step in range(observed.shape[1]):
+        value = observed[:, step]
+        if statistic == "mean":
+            current = previous + (value - previous) / seen[:, step]
+        elif statistic == "max":  # max(previous, value): previous unless value > it
+            current = np.where(value > previous, value, previous)
+        else:  # alpha * value + (1.0 - alpha) * previous, alpha * value made before
+            current = scaled[:, step] + keep * previous
+        if step == 0 and starts.any():
+            current = np.where((seen[:, 0] == 1) & starts, value, current)
+        statistics[:, step] = current
+        previous = current
+    return previous
