@@ -34,6 +34,8 @@ MODES = {
 HF_ONLY_MODES = {"inline trajectory": "uc_inline_trajectory"}
 SCENARIOS = (PLAIN, RAW, "nnsight", *MODES.values(), *HF_ONLY_MODES.values())
 VLLM_PLAIN = "vllm_plain_eager"
+#: The scenarios a target compares a probed one with (``ratio_to`` on each HF row).
+COMPARED = ("nnsight", MODES["inline linear"], HF_ONLY_MODES["inline trajectory"])
 #: The issue's targets at the largest batch (reported, never asserted).
 TARGET_BATCH = 64
 TARGET_US_PER_VECTOR = 1.0
@@ -90,6 +92,13 @@ def hf_rows(result: dict[str, Any], max_new_tokens: int) -> list[dict[str, Any]]
                                   lambda s, b: s["wall_s"] / b["wall_s"]),
                 us_per_vector=None if scenario in (PLAIN, RAW)
                 else _paired(samples, raw.get("samples"), _per_vector_us),
+                # Against the scenarios a target compares with, paired per round
+                # (a ratio of two medians would have no interval).
+                ratio_to={reference: _paired(samples, other["samples"],
+                                             lambda s, b: s["wall_s"] / b["wall_s"])
+                          for reference in COMPARED if reference != scenario
+                          for other in [cases.get((layer_set, batch, reference), {})]
+                          if other.get("status") == "ok"},
                 notes=samples[-1]["notes"] if samples else {},
             )
             row["tokens_match"], row["token_check"] = _token_check(
@@ -236,47 +245,85 @@ def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     checks = []
 
-    def add(target: str, value: float | None, limit: float, unit: str) -> None:
-        checks.append({"target": target, "value": value, "limit": limit,
-                       "met": None if value is None else value <= limit,
-                       "measured": "not measured" if value is None else f"{value:.3g}{unit}"})
+    def add(target: str, stat: dict[str, Any] | None, limit: float, unit: str) -> None:
+        checks.append(_check(target, stat, limit, unit))
+
+    def against(row: dict[str, Any] | None, mode: str) -> dict[str, Any] | None:
+        """``row``'s wall time over ``mode`` 's, paired per round; where the rows
+        carry no pairs (older results), the ratio of their medians to plain."""
+        if row is None:
+            return None
+        paired = (row.get("ratio_to") or {}).get(MODES.get(mode, HF_ONLY_MODES.get(mode, mode)))
+        if paired is not None:
+            return paired
+        ours = _median(row.get("ratio_plain"))
+        theirs = _median((find("hf", row["layer_set"], row["batch_size"], mode) or {})
+                         .get("ratio_plain"))
+        return {"median": ours / theirs} if ours and theirs else None
 
     inline = find("hf", "all", TARGET_BATCH, "inline linear")
     add(f"HF batch {TARGET_BATCH}, all layers, inline linear: extra cost per captured "
         f"vector over raw hooks <= {TARGET_US_PER_VECTOR:g} µs",
-        _median((inline or {}).get("us_per_vector")), TARGET_US_PER_VECTOR, " µs")
+        (inline or {}).get("us_per_vector"), TARGET_US_PER_VECTOR, " µs")
     add(f"HF batch {TARGET_BATCH}, all layers, inline linear: <= {TARGET_HF_RATIO}x plain "
-        "generate()", _median((inline or {}).get("ratio_plain")), TARGET_HF_RATIO, "x")
-    nnsight = find("hf", "all", TARGET_BATCH, "nnsight")
-    ours, theirs = _median((inline or {}).get("ratio_plain")), \
-        _median((nnsight or {}).get("ratio_plain"))
+        "generate()", (inline or {}).get("ratio_plain"), TARGET_HF_RATIO, "x")
     add(f"HF batch {TARGET_BATCH}, all layers: inline linear no slower than nnsight's "
-        "capture alone", ours / theirs if ours and theirs else None, 1.0, "x nnsight")
+        "capture alone", against(inline, "nnsight"), 1.0, "x nnsight")
     for layer_set in LAYER_SETS:
         for batch in sorted({r["batch_size"] for r in rows if r["backend"] == "hf"}):
-            asynchronous = _median((find("hf", layer_set, batch, "async trajectory") or {})
-                                   .get("ratio_plain"))
+            asynchronous = find("hf", layer_set, batch, "async trajectory")
             for inline_mode, what in (("inline linear", "inline"),
                                       ("inline trajectory", "the same probe inline")):
-                inline_ratio = _median((find("hf", layer_set, batch, inline_mode) or {})
-                                       .get("ratio_plain"))
-                if asynchronous and inline_ratio:
+                ratio = against(asynchronous, inline_mode)
+                if ratio is not None:
                     add(f"HF batch {batch}, {layer_set} layers: async no more expensive than "
-                        f"{what}", asynchronous / inline_ratio, 1.0, f"x {inline_mode}")
+                        f"{what}", ratio, 1.0, f"x {inline_mode}")
     for layer_set in LAYER_SETS:
         probed = find("vllm", layer_set, TARGET_BATCH, "inline linear")
         add(f"vLLM {TARGET_BATCH} concurrent, {layer_set} layers, inline linear: "
             f"<= {TARGET_VLLM_RATIO}x plain eager vLLM",
-            _median((probed or {}).get("ratio_plain")), TARGET_VLLM_RATIO, "x")
+            (probed or {}).get("ratio_plain"), TARGET_VLLM_RATIO, "x")
     return checks
+
+
+#: How a target's verdict reads in the targets table.
+VERDICTS = {"met": "yes", "missed": "**no (miss)**",
+            "unsettled": "**not shown** (the interval holds the limit)",
+            "not measured": "not measured"}
+
+
+def _check(target: str, stat: dict[str, Any] | None, limit: float, unit: str
+           ) -> dict[str, Any]:
+    """One target's check from the median (and, where the repeats give one, the
+    median's confidence interval) of a measure that must not exceed ``limit``:
+    met when the whole interval is at or below it, missed when the whole
+    interval is above it, unsettled when the interval holds the limit (this run
+    cannot tell; it is not reported as met). Without an interval, the median
+    alone decides."""
+    value = _median(stat)
+    low, high = (stat or {}).get("ci_low"), (stat or {}).get("ci_high")
+    if value is None:
+        verdict, measured = "not measured", "not measured"
+    elif low is None or high is None:
+        verdict = "met" if value <= limit else "missed"
+        measured = f"{value:.3g}{unit}"
+    else:
+        verdict = "met" if high <= limit else "missed" if low > limit else "unsettled"
+        measured = (f"{value:.3g}{unit} ({(stat or {})['ci_level']:.0%} interval "
+                    f"{low:.3g}–{high:.3g})")
+    return {"target": target, "value": value, "limit": limit, "verdict": verdict,
+            "met": None if value is None else verdict == "met",
+            "ci_low": low, "ci_high": high, "measured": measured}
 
 
 def targets_table(checks: list[dict[str, Any]]) -> list[str]:
     """Markdown lines for the scaling targets."""
-    lines = ["| target | measured | met |", "|---|---|---|"]
+    lines = ["| target | measured: median (confidence interval of the median) | met |",
+             "|---|---|---|"]
     for check in checks:
-        met = {True: "yes", False: "**no (miss)**", None: "not measured"}[check["met"]]
-        lines.append(f"| {check['target']} | {check['measured']} | {met} |")
+        verdict = check.get("verdict") or {True: "met", False: "missed",
+                                           None: "not measured"}[check["met"]]
+        lines.append(f"| {check['target']} | {check['measured']} | {VERDICTS[verdict]} |")
     return lines
 
 

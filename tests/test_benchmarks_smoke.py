@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import scaling
-from benchmarks.measure import spread
+from benchmarks.measure import median_interval, spread
 from benchmarks.report import _token_check
 from benchmarks.targets import evaluate
 
@@ -164,10 +164,69 @@ def test_a_run_of_two_models_gets_a_table_targets_and_plot_lines_per_model():
                                           "hf large all layers: inline linear"}
 
 
-def test_spread_reports_median_range_and_relative_spread():
+def test_spread_reports_median_range_relative_spread_and_interval():
     assert spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0,
-                                        "spread_pct": 100.0}
-    assert spread([])["median"] is None
+                                        "spread_pct": 100.0, "ci_low": 1.0, "ci_high": 3.0,
+                                        "ci_level": 0.75}
+    assert spread([])["median"] is None and spread([])["ci_low"] is None
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 6, 9, 15, 25, 40, 101])
+def test_the_median_interval_is_the_order_statistics_the_binomial_gives(count):
+    """The oracle is scipy's binomial distribution: the widest-inside pair of
+    order statistics (j-th smallest, j-th largest) whose coverage 1 - 2 P(B <= j - 1)
+    reaches 95%, or the min and the max with their own coverage."""
+    from scipy.stats import binom
+
+    values = [float(v) for v in reversed(range(100, 100 + count))]  # given unsorted
+    low, high, coverage = median_interval(values)
+    reaching = [j for j in range(1, (count + 1) // 2 + 1)
+                if 1 - 2 * binom.cdf(j - 1, count, 0.5) >= 0.95]
+    j = max(reaching, default=1)
+    assert (low, high) == (100.0 + j - 1, 100.0 + count - j)
+    assert coverage == pytest.approx(1 - 2 * binom.cdf(j - 1, count, 0.5), abs=1e-12)
+    if count == 25:
+        assert (j, round(coverage, 3)) == (8, 0.957)
+
+
+def test_a_target_is_met_only_when_its_whole_interval_is_within_the_limit():
+    def stat(median: float, low: float, high: float) -> dict:
+        return {"median": median, "ci_low": low, "ci_high": high, "ci_level": 0.957}
+
+    assert scaling._check("t", stat(1.01, 0.99, 1.04), 1.05, "x")["verdict"] == "met"
+    assert scaling._check("t", stat(1.09, 1.06, 1.12), 1.05, "x")["verdict"] == "missed"
+    unsettled = scaling._check("t", stat(1.04, 1.01, 1.08), 1.05, "x")
+    assert unsettled["verdict"] == "unsettled" and unsettled["met"] is False
+    assert unsettled["measured"] == "1.04x (96% interval 1.01–1.08)"
+    assert "not shown" in scaling.targets_table([unsettled])[-1]
+    assert scaling._check("t", None, 1.05, "x")["met"] is None
+
+
+def test_scaling_rows_pair_async_with_inline_per_round():
+    """The async-against-inline targets divide the two scenarios' wall times of
+    the same round, so they carry an interval; the smaller ratio of medians
+    would hide a round where async lost."""
+    walls = {"plain_generate": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+             "raw_forward_hooks": [1.0] * 6,
+             "uc_inline_linear": [1.1, 1.2, 1.1, 1.3, 1.1, 1.2],
+             "uc_3_layers_async_trajectory": [1.0, 1.3, 1.2, 1.2, 1.0, 1.4],
+             "uc_inline_trajectory": [1.1, 1.2, 1.1, 1.3, 1.1, 1.2]}
+    result = {"model": "tiny", "model_description": "tiny", "cases": [
+        {"layer_set": "all", "batch_size": 64, "scenario": name, "capture_layers": [0],
+         "status": "ok", "samples": [{"round": i, "wall_s": w, "cpu_s": w, "records": 10,
+                                      "notes": {}} for i, w in enumerate(values)]}
+        for name, values in walls.items()]}
+    rows = scaling.hf_rows(result, max_new_tokens=4)
+    by_mode = {row["mode"]: row for row in rows}
+    paired = by_mode["async trajectory"]["ratio_to"]["uc_inline_trajectory"]
+    expected = sorted(a / b for a, b in zip(walls["uc_3_layers_async_trajectory"],
+                                            walls["uc_inline_trajectory"], strict=True))
+    assert paired["median"] == pytest.approx((expected[2] + expected[3]) / 2)
+    assert (paired["ci_low"], paired["ci_high"]) == (expected[0], expected[-1])
+    checks = {c["target"]: c for c in scaling.evaluate(rows)}
+    same = checks["HF batch 64, all layers: async no more expensive than the same probe inline"]
+    assert same["value"] == pytest.approx(paired["median"])
+    assert same["verdict"] == "unsettled"  # rounds on both sides of 1
 
 
 def test_token_check_names_the_first_difference():
