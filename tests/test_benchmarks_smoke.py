@@ -139,6 +139,30 @@ def test_scaling_targets_report_a_miss_as_a_miss():
     assert [c["met"] for c in checks if c["target"].startswith("vLLM")] == [None, None]
 
 
+def test_the_vllm_target_takes_its_interval_over_process_pairs():
+    """A vLLM round's repeats share one plain and one probed process: the
+    verdict's interval is over each round's median ratio, not over the repeats."""
+    def outcome(walls: list[list[float]]) -> list[dict]:
+        return [{"ok": True, "result": {"layers": [0], "cases": [{
+            "concurrency": 64, "token_ids": [[1]], "samples": [
+                {"wall_s": wall, "cpu_s": wall, "records": 5, "ttft_s": 0.0, "new_tokens": 1}
+                for wall in round_walls]}]}} for round_walls in walls]
+
+    plain = outcome([[1.0] * 5, [1.0] * 5, [1.0] * 5])
+    probed = outcome([[1.01] * 5, [1.02] * 5, [1.3] * 5])  # one slow process pair
+    pooled = scaling.pooled_rounds([{(scaling.VLLM_PLAIN, "-"): plain[i],
+                                     ("inline linear", "all"): probed[i]} for i in range(3)])
+    rows = scaling.vllm_rows("tiny", pooled, max_new_tokens=1)
+    row = next(r for r in rows if r["mode"] == "inline linear")
+    processes = row["ratio_plain_processes"]
+    assert (processes["ci_low"], processes["ci_high"]) == (pytest.approx(1.01),
+                                                           pytest.approx(1.3))
+    assert processes["ci_level"] == 0.75  # three rounds: their min and max
+    check = next(c for c in scaling.evaluate(rows)
+                 if c["target"].startswith("vLLM 64 concurrent, all"))
+    assert check["verdict"] == "unsettled" and check["value"] == pytest.approx(1.02)
+
+
 def test_a_run_of_two_models_gets_a_table_targets_and_plot_lines_per_model():
     def row(model: str, mode: str, ratio: float, us: float | None = None) -> dict:
         scenario = {"plain_generate": "plain_generate"}.get(mode, mode)
@@ -197,7 +221,7 @@ def test_a_target_is_met_only_when_its_whole_interval_is_within_the_limit():
     assert scaling._check("t", stat(1.09, 1.06, 1.12), 1.05, "x")["verdict"] == "missed"
     unsettled = scaling._check("t", stat(1.04, 1.01, 1.08), 1.05, "x")
     assert unsettled["verdict"] == "unsettled" and unsettled["met"] is False
-    assert unsettled["measured"] == "1.04x (96% interval 1.01–1.08)"
+    assert unsettled["measured"] == "1.040x (96% interval 1.010–1.080)"
     assert "not shown" in scaling.targets_table([unsettled])[-1]
     assert scaling._check("t", None, 1.05, "x")["met"] is None
 
