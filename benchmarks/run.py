@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "every job in a fresh process, plain and probed in turn: each "
                         "probed repeat is paired with the plain repeat of its round, so "
                         "the medians span as many process pairs (default 1)")
+    parser.add_argument("--vllm-repeats", type=int,
+                        help="timed repeats per scenario in each vLLM scaling job (default: "
+                        "--repeats); the vLLM target's interval is over process pairs "
+                        "(--vllm-rounds), so more rounds tell more than more repeats")
     args = parser.parse_args(argv)
     quick = args.quick
     args.models = args.models or (["tiny"] if quick else ["tiny", "large"])
@@ -270,7 +274,8 @@ def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
                 + (f", round {number + 1} of {args.vllm_rounds}" if args.vllm_rounds > 1 else ""))
             outcomes[(label, layer_set)] = runner.run(
                 "vllm", isolated=True, scenario=scenario, model_key=model,
-                model_root=str(args.out / "models"), repeats=args.repeats,
+                model_root=str(args.out / "models"),
+                repeats=args.vllm_repeats or args.repeats,
                 max_new_tokens=args.max_new_tokens, threads=args.threads,
                 concurrencies=args.scaling_concurrency, mode=mode,
                 layer_set="3" if layer_set == "-" else layer_set)
