@@ -149,3 +149,18 @@ def test_a_linear_probe_of_another_width_names_the_activations_shape():
     with pytest.raises(ValueError, match=r"expects activations of size 24, got a tensor of "
                                          r"shape \(2, 5\) \(10 values once flattened\)"):
         probe.row_values(batch)
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1.0, 1e150, 1e200])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 128), (512, 128), (7, 1000)])
+def test_l2_norms_are_numpy_s_own_norms_bit_for_bit(shape, scale):
+    """``l2_norms`` skips ``numpy.linalg.norm`` 's per-call checks; the oracle is
+    that function itself, overflow, underflow, NaN and infinities included."""
+    matrix = RNG.standard_normal(shape) * scale
+    matrix[0, 0] = np.nan if shape[0] > 3 else matrix[0, 0]
+    matrix[-1, -1] = np.inf if shape[0] > 1 else matrix[-1, -1]
+    with np.errstate(all="ignore"):
+        got, expected = l2_norms(matrix), np.linalg.norm(matrix, axis=1)
+    assert got.dtype == expected.dtype == np.float64
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert got.tobytes() == expected.tobytes()
