@@ -276,9 +276,9 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
     instances share their statistic, ``alpha``, ``min_count`` and rule, their
     spans follow each other with the same layers in the same order, and each
     instance has either seen exactly these layers (in that order) or nothing
-    yet; else None. Each lane (an
-    instance's layer) gets exactly the arithmetic of :meth:`_advance`, element
-    by element, so the statistics, signals and summaries are the same."""
+    yet; else None. Each lane (an instance's layer) gets exactly the
+    arithmetic of :meth:`_advance`, element by element, so the statistics,
+    signals and summaries are the same."""
     head = probes[0]
     first, last = spans[0][0], spans[-1][1]
     width, count = spans[0][1] - first, len(probes)
@@ -374,10 +374,11 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
 def _advance_steps(statistic: str, keep: float, running: Any, fresh: list[bool],
                    observed: Any, scaled: Any, seen: Any, statistics: Any) -> Any:
     """The lanes' recurrence a step at a time: ``observed``, ``scaled`` (alpha
-    times the values, for ewma), ``seen`` (each value's count) and ``statistics``
-    (written) are ``(instances, steps, lanes)`` views; ``running`` is each
-    instance's statistic per lane before the first step. Returns it after the
-    last. Element by element, the arithmetic of :meth:`TrajectoryProbe._advance`."""
+    times the values, for ewma), ``seen`` (each value's count) and
+    ``statistics`` (written through: a view of a contiguous array) are
+    ``(instances, steps, lanes)`` views; ``running`` is each instance's
+    statistic per lane before the first step. Returns it after the last.
+    Element by element, the arithmetic of :meth:`TrajectoryProbe._advance`."""
     np = numpy_module()
     # A lane new to some instance starts at its first value there (count 1).
     starts = np.asarray(fresh, dtype=bool)
