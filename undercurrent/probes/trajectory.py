@@ -334,13 +334,9 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
         else:
             state = [running[:, lane] for lane in range(len(lanes))]
             for column, lane in enumerate(lane_at):
-                value, previous = observed[:, column], state[lane]
-                if statistic == "mean":
-                    current = previous + (value - previous) / seen[:, column]
-                elif statistic == "max":  # max(previous, value): previous unless value > it
-                    current = np.where(value > previous, value, previous)
-                else:  # alpha * value + (1.0 - alpha) * previous, alpha * value made above
-                    current = scaled[:, column] + keep * previous
+                value = observed[:, column]
+                current = _next(statistic, keep, state[lane], value, scaled[:, column],
+                                seen[:, column])
                 if met_at[column] == 1 and fresh[lane]:
                     current = np.where(seen[:, column] == 1, value, current)
                 state[lane] = current
@@ -385,14 +381,21 @@ def _advance_steps(statistic: str, keep: float, running: Any, fresh: list[bool],
     previous = running
     for step in range(observed.shape[1]):
         value = observed[:, step]
-        if statistic == "mean":
-            current = previous + (value - previous) / seen[:, step]
-        elif statistic == "max":  # max(previous, value): previous unless value > it
-            current = np.where(value > previous, value, previous)
-        else:  # alpha * value + (1.0 - alpha) * previous, alpha * value made before
-            current = scaled[:, step] + keep * previous
+        current = _next(statistic, keep, previous, value, scaled[:, step], seen[:, step])
         if step == 0 and starts.any():
             current = np.where((seen[:, 0] == 1) & starts, value, current)
         statistics[:, step] = current
         previous = current
     return previous
+
+
+def _next(statistic: str, keep: float, previous: Any, value: Any, scaled: Any,
+          seen: Any) -> Any:
+    """The lanes' statistics after ``value`` (``scaled``: alpha times it, for
+    ewma; ``seen``: its count), element by element what
+    :meth:`TrajectoryProbe._advance` computes for one row."""
+    if statistic == "mean":
+        return previous + (value - previous) / seen
+    if statistic == "max":  # max(previous, value): previous unless value > it
+        return numpy_module().where(value > previous, value, previous)
+    return scaled + keep * previous  # alpha * value + (1.0 - alpha) * previous
