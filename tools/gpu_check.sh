@@ -10,13 +10,15 @@
 #                plain generate() against async-only probing (benchmarks.sync_count),
 #                and cProfile of inline linear and capture-only on CUDA (benchmarks.profile)
 #   scaling-*    the scaling set on CUDA (benchmarks.run --scaling-only --device cuda),
-#                with vLLM's rows when vllm is installed
+#                with vLLM's rows when vllm is installed; GPU_BATCHES (default "1 8 64")
+#                and GPU_REPEATS (default 9; 6 is the fewest whose median interval reaches 95%)
 # Exit status: the tests' (the measurements only report).
 set -u
 OUT=${OUT:-/tmp/gpu-check}
 PY=${PYTHON:-python3}
 DTYPE=${GPU_DTYPE:-bfloat16}
-REPEATS=${GPU_REPEATS:-5}
+REPEATS=${GPU_REPEATS:-9}
+BATCHES=${GPU_BATCHES:-1 8 64}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 started=$(date +%s)
@@ -62,7 +64,7 @@ stamp "sync count and profiles"
 
 stamp "scaling set"
 "$PY" -m benchmarks.run --scaling-only "$VLLM_FLAG" --device cuda --dtype "$DTYPE" \
-  --scaling-models large tiny --scaling-batch-sizes 1 8 64 --repeats "$REPEATS" \
+  --scaling-models large tiny --scaling-batch-sizes $BATCHES --repeats "$REPEATS" \
   --max-new-tokens 24 --job-timeout 420 --out "$OUT/scaling-run" 2>&1 \
   | grep -v "Loading weights" | tee "$OUT/scaling.log"
 for name in scaling.jsonl scaling.md environment.json; do
