@@ -57,21 +57,25 @@ def count_syncs() -> Iterator[Counter[tuple[str, str, str, str]]]:
     who made it, method, undercurrent frame); restores the methods on exit.
 
     ``.to()`` counts only with an explicit host target (``"cpu"``): a ``.to(device)``
-    to the model's device is a host-to-device copy on a GPU, not a sync."""
+    to the model's device is a host-to-device copy on a GPU, not a sync. ``.copy_()``
+    counts when it copies into a host tensor and is not ``non_blocking`` (the hooks'
+    copies into pinned memory are, and do not sync)."""
     import torch
 
     counts: Counter[tuple[str, str, str, str]] = Counter()
     main = threading.main_thread()
-    originals = {name: getattr(torch.Tensor, name) for name in (*SYNCING, "to")}
+    originals = {name: getattr(torch.Tensor, name) for name in (*SYNCING, "to", "copy_")}
+    labels = {"to": "to('cpu')", "copy_": "copy_ to host"}
 
     def wrap(name: str, original: Any) -> Any:
         def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if name != "to" or _to_host(args, kwargs):
+            if (_to_host(args, kwargs) if name == "to" else
+                    _blocking_copy_to_host(self, args, kwargs) if name == "copy_" else True):
                 caller = _caller_in_undercurrent()
                 if caller is not None:
                     kind = "generation thread" if threading.current_thread() is main \
                         else "worker thread"
-                    label = "to('cpu')" if name == "to" else name
+                    label = labels.get(name, name)
                     counts[(kind, caller[0], label, caller[1])] += 1
             return original(self, *args, **kwargs)
 
@@ -118,6 +122,12 @@ def cuda_sync_log() -> Iterator[list[tuple[str, str]]]:
             yield calls
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def _blocking_copy_to_host(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                           ) -> bool:
+    blocking = not kwargs.get("non_blocking", args[1] if len(args) > 1 else False)
+    return blocking and target.device.type == "cpu"
 
 
 def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -17,7 +17,7 @@ def test_counts_host_copies_made_by_undercurrent_per_thread_and_restores_tensor(
     rows = [torch.ones(3), torch.zeros(3)]
     original = torch.Tensor.tolist
     with count_syncs() as counts:
-        as_float_matrix(rows)  # undercurrent: .to("cpu", float64) then .numpy()
+        as_float_matrix(rows)  # undercurrent: .copy_ into a float64 host tensor, .numpy()
         rows[0].tolist()  # this test's own call: not undercurrent's, not counted
         worker = threading.Thread(target=as_float_matrix, args=(rows,))
         worker.start()
@@ -25,9 +25,9 @@ def test_counts_host_copies_made_by_undercurrent_per_thread_and_restores_tensor(
     assert torch.Tensor.tolist is original
     by_key = {(kind, who, call): n for (kind, who, call, _where), n in counts.items()}
     assert by_key == {
-        ("generation thread", "undercurrent", "to('cpu')"): 1,
+        ("generation thread", "undercurrent", "copy_ to host"): 1,
         ("generation thread", "undercurrent", "numpy"): 1,
-        ("worker thread", "undercurrent", "to('cpu')"): 1,
+        ("worker thread", "undercurrent", "copy_ to host"): 1,
         ("worker thread", "undercurrent", "numpy"): 1,
     }
     assert all(where.startswith("probes/arrays.py:") for (*_, where) in counts)
@@ -56,3 +56,15 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
                   "  route a point's batch", "    thresholds and summaries (judge_many)"):
         assert totals[stage] > 0, stage
     assert (CaptureSession.open_requests, vars(ScoreSummary)["batch_signals_many"]) == before
+
+
+def test_a_copy_counts_when_it_blocks_into_host_memory():
+    from benchmarks.sync_count import _blocking_copy_to_host
+
+    host, source = torch.empty(3), torch.ones(3)
+    assert _blocking_copy_to_host(host, (source,), {})
+    assert _blocking_copy_to_host(host, (source, False), {})
+    assert not _blocking_copy_to_host(host, (source,), {"non_blocking": True})
+    assert not _blocking_copy_to_host(host, (source, True), {})
+    meta = torch.empty(3, device="meta")  # a target off the host: a copy to a device
+    assert not _blocking_copy_to_host(meta, (source,), {})

@@ -40,7 +40,7 @@ stamp "tests"
 "$PY" -m pytest -q -p no:cacheprovider -rs --timeout 600 \
   tests/adapters/test_hf_cuda.py tests/adapters/test_hf_equivalence.py \
   tests/adapters/test_hf_backend.py tests/adapters/test_hf_offload.py \
-  tests/steering/test_hf_edits.py tests/test_forward_only.py 2>&1 | tee "$OUT/tests.log"
+  tests/steering/test_hf_edits.py tests/test_forward_only.py tests/probes/test_map_rows.py 2>&1 | tee "$OUT/tests.log"
 status=${PIPESTATUS[0]}
 VLLM_FLAG=--no-vllm
 if "$PY" -c "import vllm" >/dev/null 2>&1; then  # a CUDA build of vllm is installed

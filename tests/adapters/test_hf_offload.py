@@ -93,14 +93,24 @@ def count_syncs():
             return original(self, *args, **kwargs)
         return counted
 
-    to_original = torch.Tensor.to
+    def copy_counted(original):
+        def counted(self, source, non_blocking=False):
+            # a blocking copy into host memory (the hooks' own copies are non-blocking)
+            if (not non_blocking and self.device.type == "cpu"
+                    and threading.current_thread() is generation and _in_hooks()):
+                counts["copy_ to host"] += 1
+            return original(self, source, non_blocking)
+        return counted
+
+    to_original, copy_original = torch.Tensor.to, torch.Tensor.copy_
     for owner, name, original in originals:
         setattr(owner, name, wrap(name, original))
     torch.Tensor.to = to_counted(to_original)
+    torch.Tensor.copy_ = copy_counted(copy_original)
     try:
         yield counts
     finally:
-        torch.Tensor.to = to_original
+        torch.Tensor.to, torch.Tensor.copy_ = to_original, copy_original
         for owner, name, original in originals:
             setattr(owner, name, original)
 

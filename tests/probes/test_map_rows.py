@@ -164,3 +164,47 @@ def test_l2_norms_are_numpy_s_own_norms_bit_for_bit(shape, scale):
     assert got.dtype == expected.dtype == np.float64
     assert np.array_equal(got, expected, equal_nan=True)
     assert got.tobytes() == expected.tobytes()
+
+
+def _same_values(got: Any, expected: Any) -> bool:
+    """Bit for bit (so -0.0 and subnormals count), NaN where NaN."""
+    nan = np.isnan(expected)
+    return bool((np.isnan(got) == nan).all()
+                and (got[~nan].view(np.uint64) == expected[~nan].view(np.uint64)).all())
+
+
+def test_host_float64_converts_every_bfloat16_and_float16_value_exactly():
+    """All 65,536 bit patterns of each 16-bit type, against numpy's own reading
+    of them: bfloat16 is the top half of a float32, float16 is numpy's."""
+    patterns = np.arange(-2 ** 15, 2 ** 15, dtype=np.int16).reshape(256, 256)
+    as_bf16 = (patterns.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    cases = {torch.bfloat16: as_bf16.astype(np.float64),
+             torch.float16: patterns.view(np.float16).astype(np.float64)}
+    for dtype, expected in cases.items():
+        got = arrays.host_float64(torch.from_numpy(patterns).view(dtype))
+        assert got.dtype == np.float64 and got.shape == (256, 256), dtype
+        assert _same_values(got, expected), dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "bool"])
+def test_host_float64_keeps_shape_and_values_of_other_tensors(dtype):
+    source = torch.from_numpy(RNG.normal(size=(6, 2, 5)) * 100).to(getattr(torch, dtype))
+    expected = source.numpy().astype(np.float64)
+    assert _same_values(arrays.host_float64(source), expected)
+    # a view that is not contiguous, and a tensor in a graph (outside generate())
+    transposed = source.transpose(0, 2)
+    assert _same_values(arrays.host_float64(transposed), expected.transpose(2, 1, 0))
+    if source.is_floating_point():
+        assert _same_values(arrays.host_float64(source.clone().requires_grad_()), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_float64_reads_pinned_and_cuda_bfloat16_rows():
+    """Where the hooks put rows captured on a GPU (pinned host memory), and rows
+    still on the device: the same values as from ordinary host memory."""
+    rows = torch.from_numpy(RNG.normal(size=(512, 128))).to(torch.bfloat16)
+    expected = arrays.host_float64(rows)
+    assert _same_values(arrays.host_float64(rows.pin_memory()), expected)
+    assert _same_values(arrays.host_float64(rows.cuda()), expected)
+    batch = _batch(rows.cuda(), len(rows))
+    assert _same_values(batch_matrix(batch), expected)
