@@ -208,3 +208,29 @@ def test_host_float64_reads_pinned_and_cuda_bfloat16_rows():
     assert _same_values(arrays.host_float64(rows.cuda()), expected)
     batch = _batch(rows.cuda(), len(rows))
     assert _same_values(batch_matrix(batch), expected)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_host_float64_converts_a_large_tensor_in_serial_chunks(layout, monkeypatch):
+    """Every copy stays within torch's serial size, chunk boundaries included
+    (sizes that do not divide evenly), and the values are the whole tensor's."""
+    monkeypatch.setattr(arrays, "SERIAL_ELEMENTS", 7)
+    source = torch.from_numpy(RNG.normal(size=(5, 3, 4))).to(torch.bfloat16)
+    if layout == "transposed":
+        source = source.transpose(0, 1)  # (3, 5, 4), not contiguous
+    copies: list[int] = []
+    original = torch.Tensor.copy_
+
+    def copy_(self, other, non_blocking=False):
+        copies.append(other.numel())
+        return original(self, other, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    got = arrays.host_float64(source)
+    monkeypatch.setattr(torch.Tensor, "copy_", original)
+    expected = source.to(torch.float32).numpy().astype(np.float64)
+    assert got.shape == expected.shape and _same_values(got, expected)
+    assert sum(copies) == source.numel()
+    # contiguous: chunks of 7 values; strided: whole slices of the first dimension
+    # (of 20 values, the fewest that can be taken: more than 7)
+    assert max(copies) == (7 if layout == "contiguous" else 20) and len(copies) > 1

@@ -43,23 +43,44 @@ def as_float_array(tensor: Any) -> Any:
     return np.asarray(tensor, dtype=np.float64)
 
 
-def host_float64(tensor: Any) -> Any:
-    """A torch tensor (any device and dtype) as a float64 numpy array of its shape:
-    copied (``Tensor.copy_``) into a new float64 tensor on the host.
+#: torch runs an element-wise copy of at most this many elements on the calling
+#: thread, without its intra-op thread pool (``at::internal::GRAIN_SIZE``).
+SERIAL_ELEMENTS = 32768
 
-    ``tensor.to("cpu", torch.float64)`` gives the same values, but on the H200
-    machine of benchmarks.md ("On a GPU", 16 torch threads) it took 6.5 ms for
-    512 x 128 bfloat16 values in pinned memory, where the hooks copy captured
-    rows from a GPU, and ``copy_`` into a float64 tensor 32 µs (with one torch
-    thread, both about 24 µs).
+
+def host_float64(tensor: Any) -> Any:
+    """A torch tensor (any device and dtype) as a float64 numpy array of its shape,
+    converted on the calling thread alone: a tensor on the host is copied
+    (``Tensor.copy_``) into a new float64 tensor in chunks of at most
+    :data:`SERIAL_ELEMENTS` values, each of which torch converts without its
+    thread pool.
+
+    On the H200 machine of benchmarks.md ("On a GPU", 16 torch threads), one
+    conversion of 512 x 128 bfloat16 values took about 25 µs when timed alone,
+    but 4 to 7 ms each inside a generation (the inline linear probe's window: 12
+    of them, 45 to 83 ms of cProfile's time per generation), and ``Tensor.to``
+    from pinned memory took 6 ms even alone. With one torch thread, every case
+    timed there took 21 to 30 µs. Converting a side path's rows on one thread
+    also leaves the other cores to the model.
 
     >>> import torch
     >>> host_float64(torch.tensor([[0.5, -2.0]], dtype=torch.bfloat16)).tolist()
     [[0.5, -2.0]]
     """
     torch = sys.modules["torch"]  # a tensor with ``detach`` comes from an imported torch
-    host = torch.empty(tensor.shape, dtype=torch.float64)
-    host.copy_(tensor.detach())
+    source = tensor.detach()
+    host = torch.empty(source.shape, dtype=torch.float64)
+    count = host.numel()
+    if count <= SERIAL_ELEMENTS or source.device.type != "cpu":
+        host.copy_(source)  # (from a device: one transfer)
+    elif source.is_contiguous():
+        flat, values = host.view(-1), source.view(-1)
+        for start in range(0, count, SERIAL_ELEMENTS):
+            flat[start:start + SERIAL_ELEMENTS].copy_(values[start:start + SERIAL_ELEMENTS])
+    else:  # a strided view: whole slices of its first dimension
+        step = max(1, SERIAL_ELEMENTS * len(source) // count)
+        for start in range(0, len(source), step):
+            host[start:start + step].copy_(source[start:start + step])
     return host.numpy()
 
 
