@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 def test_counts_host_copies_made_by_undercurrent_per_thread_and_restores_tensor():
     from undercurrent.probes.arrays import as_float_matrix
 
-    rows = [torch.ones(3), torch.zeros(3)]
+    # bfloat16: converted by a copy into a float64 host tensor (float32 by numpy)
+    rows = [torch.ones(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)]
     original = torch.Tensor.tolist
     with count_syncs() as counts:
         as_float_matrix(rows)  # undercurrent: .copy_ into a float64 host tensor, .numpy()

@@ -50,15 +50,16 @@ SERIAL_ELEMENTS = 32768
 
 def host_float64(tensor: Any) -> Any:
     """A torch tensor (any device and dtype) as a float64 numpy array of its shape,
-    converted on the calling thread alone: a tensor on the host is copied
+    converted on the calling thread alone. On the host, float32 and float64 take
+    numpy's conversion; other dtypes (bfloat16, float16, integers) are copied
     (``Tensor.copy_``) into a new float64 tensor in chunks of at most
     :data:`SERIAL_ELEMENTS` values, each of which torch converts without its
     thread pool.
 
     On the H200 machine of benchmarks.md ("On a GPU", 16 torch threads), one
     conversion of 512 x 128 bfloat16 values took about 25 µs when timed alone,
-    but 4 to 7 ms each inside a generation (the inline linear probe's window: 12
-    of them, 45 to 83 ms of cProfile's time per generation), and ``Tensor.to``
+    but 3.6 to 7 ms each inside a generation (the inline linear probe's window: 12
+    of them, 43 to 83 ms of cProfile's time per generation), and ``Tensor.to``
     from pinned memory took 6 ms even alone. With one torch thread, every case
     timed there took 21 to 30 µs. Converting a side path's rows on one thread
     also leaves the other cores to the model.
@@ -69,9 +70,12 @@ def host_float64(tensor: Any) -> Any:
     """
     torch = sys.modules["torch"]  # a tensor with ``detach`` comes from an imported torch
     source = tensor.detach()
+    on_host = source.device.type == "cpu"
+    if on_host and source.dtype in (torch.float32, torch.float64):
+        return numpy_module().asarray(source.numpy(), dtype="float64")
     host = torch.empty(source.shape, dtype=torch.float64)
     count = host.numel()
-    if count <= SERIAL_ELEMENTS or source.device.type != "cpu":
+    if count <= SERIAL_ELEMENTS or not on_host:
         host.copy_(source)  # (from a device: one transfer)
     elif source.is_contiguous():
         flat, values = host.view(-1), source.view(-1)
