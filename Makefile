@@ -83,7 +83,8 @@ bench-quick: $(STAMP)
 
 # The GPU checks (tools/gpu_check.sh) on a machine with an NVIDIA GPU: the CUDA tests, the
 # device's sync count and the scaling set on CUDA. Get CUDA builds with
-# `make gpu-check TORCH_PACKAGE=torch VLLM_PACKAGE=vllm`; OUT=DIR keeps the reports there.
+# `make gpu-check TORCH_PACKAGE=torch VLLM_PACKAGE=vllm`; OUT=DIR keeps the reports there,
+# GPU_STEPS/GPU_BATCHES/GPU_REPEATS choose what runs (see the script's header).
 gpu-check: $(BENCH_STAMP)
 	PYTHON=$(BENCH_BIN)/python bash tools/gpu_check.sh
 
