@@ -234,3 +234,28 @@ def test_host_float64_converts_a_large_tensor_in_serial_chunks(layout, monkeypat
     # contiguous: chunks of 7 values; strided: whole slices of the first dimension
     # (of 20 values, the fewest that can be taken: more than 7)
     assert max(copies) == (7 if layout == "contiguous" else 20) and len(copies) > 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_large_pieces_are_converted_into_their_rows_in_serial_copies(dtype, monkeypatch):
+    """Pieces over torch's serial size (a window of a wide model's rows) are
+    not joined by ``torch.cat``: each one is converted into its rows of the
+    float64 matrix, every copy within the limit, with the stacked rows' values."""
+    monkeypatch.setattr(arrays, "SERIAL_ELEMENTS", 50)
+    pieces = _pieces(getattr(torch, dtype), (3, 6))  # 5 rows of 18 values: 90 > 50
+    batch, stacked = _deferred(pieces)
+    copies: list[int] = []
+    original = torch.Tensor.copy_
+
+    def copy_(self, other, non_blocking=False):
+        copies.append(other.numel())
+        return original(self, other, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    monkeypatch.setattr(torch, "cat", None)  # (would raise if called)
+    values = map_rows(batch, l2_norms)
+    monkeypatch.undo()
+    rows = stacked.tensor
+    expected = rows.reshape(len(rows), -1).to(torch.float32).numpy().astype(np.float64)
+    assert values.tolist() == l2_norms(expected).tolist()
+    assert sum(copies) == sum(piece.numel() for piece in pieces) and max(copies) <= 50

@@ -8,6 +8,7 @@ is stacked by torch first and converted once.
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from collections.abc import Callable, Sequence
@@ -74,17 +75,42 @@ def host_float64(tensor: Any) -> Any:
     if on_host and source.dtype in (torch.float32, torch.float64):
         return numpy_module().asarray(source.numpy(), dtype="float64")
     host = torch.empty(source.shape, dtype=torch.float64)
-    count = host.numel()
-    if count <= SERIAL_ELEMENTS or not on_host:
+    if on_host:
+        _convert_serially(host, source)
+    else:
         host.copy_(source)  # (from a device: one transfer)
+    return host.numpy()
+
+
+def _convert_serially(host: Any, source: Any) -> None:
+    """Copy the host tensor ``source`` into ``host`` (float64, contiguous, of its
+    shape) in copies of at most :data:`SERIAL_ELEMENTS` values (a strided
+    ``source``: whole slices of its first dimension)."""
+    count = host.numel()
+    if count <= SERIAL_ELEMENTS:
+        host.copy_(source)
     elif source.is_contiguous():
         flat, values = host.view(-1), source.view(-1)
         for start in range(0, count, SERIAL_ELEMENTS):
             flat[start:start + SERIAL_ELEMENTS].copy_(values[start:start + SERIAL_ELEMENTS])
-    else:  # a strided view: whole slices of its first dimension
+    else:
         step = max(1, SERIAL_ELEMENTS * len(source) // count)
         for start in range(0, len(source), step):
             host[start:start + step].copy_(source[start:start + step])
+
+
+def _pieces_float64(pieces: Sequence[Any]) -> Any:
+    """Host tensors whose rows follow each other as one float64 matrix, one
+    flattened row each, each piece converted into its rows on this thread
+    (:func:`_convert_serially`): no joined copy of the pieces is made."""
+    torch = sys.modules["torch"]
+    heights = [len(piece) for piece in pieces]
+    width = math.prod(pieces[0].shape[1:])
+    host = torch.empty((sum(heights), width), dtype=torch.float64)
+    start = 0
+    for piece, height in zip(pieces, heights, strict=True):
+        _convert_serially(host[start:start + height], piece.detach().reshape(height, width))
+        start += height
     return host.numpy()
 
 
@@ -229,6 +255,9 @@ def _float_rows(rows: Any) -> Any:
             if arrays[0].ndim != 2:
                 arrays = [array.reshape(array.shape[0], -1) for array in arrays]
             return np.concatenate(arrays, dtype=np.float64)
+        if rows[0].numel() > SERIAL_ELEMENTS:
+            # (torch.cat would copy each such piece on torch's thread pool)
+            return _pieces_float64(rows)
         # Small pieces (a window of a small batch: a piece per step and layer,
         # a row per request) joined by one torch call: cheaper than a numpy
         # view of each (see _SMALL_PIECE).
