@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM concurrent requests of the scaling set (default 1 8 64)")
     parser.add_argument("--scaling-models", nargs="+", choices=["tiny", "large"],
                         help="models of the scaling set (default: the bundled tiny model)")
+    parser.add_argument("--no-scaling-hf", action="store_true",
+                        help="skip the scaling set's HF jobs (with --vllm: its vLLM jobs "
+                        "alone)")
+    parser.add_argument("--vllm-modes", nargs="+", choices=list(scaling.MODES),
+                        help="probe modes of the scaling set's vLLM jobs (default: all); "
+                        "the plain engine always runs")
     parser.add_argument("--vllm-rounds", type=int, default=1,
                         help="run the scaling set's vLLM jobs this many times, each time "
                         "every job in a fresh process, plain and probed in turn: each "
@@ -113,6 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         scaling.QUICK_BATCH_SIZES if quick else scaling.BATCH_SIZES)
     args.scaling_concurrency = args.scaling_concurrency or list(scaling.VLLM_CONCURRENCY)
     args.scaling_models = args.scaling_models or ["tiny"]
+    args.vllm_modes = args.vllm_modes or list(scaling.MODES)
     if args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill, one decode step)")
     if args.vllm_rounds < 1:
@@ -233,24 +240,30 @@ def run_scaling(args: argparse.Namespace,
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     for model in args.scaling_models:
-        log(f"scaling {model}: batch {args.scaling_batch_sizes} x layers "
-            f"{list(scaling.LAYER_SETS)} x {len(scaling.SCENARIOS)} scenarios, "
-            f"{args.repeats} repeats")
-        outcome = runner.run("scaling", model_key=model, batch_sizes=args.scaling_batch_sizes,
-                             layer_sets=list(scaling.LAYER_SETS),
-                             scenarios=list(scaling.SCENARIOS), repeats=args.repeats, warmup=1,
-                             max_new_tokens=args.max_new_tokens, threads=args.threads,
-                             device=args.device, dtype=args.dtype)
-        if not outcome["ok"]:
-            errors.append(f"scaling job for {model} failed: {outcome['error']}")
-            log(errors[-1])
-        else:
-            rows += scaling.hf_rows(outcome["result"], args.max_new_tokens)
+        if not args.no_scaling_hf:
+            rows += _run_scaling_hf(args, runner, model, errors)
         if args.vllm:
             vllm, vllm_errors = _run_scaling_vllm(args, runner, model)
             rows += vllm
             errors += vllm_errors
     return rows, errors
+
+
+def _run_scaling_hf(args: argparse.Namespace, runner: ChildRunner, model: str,
+                    errors: list[str]) -> list[dict[str, Any]]:
+    log(f"scaling {model}: batch {args.scaling_batch_sizes} x layers "
+        f"{list(scaling.LAYER_SETS)} x {len(scaling.SCENARIOS)} scenarios, "
+        f"{args.repeats} repeats")
+    outcome = runner.run("scaling", model_key=model, batch_sizes=args.scaling_batch_sizes,
+                         layer_sets=list(scaling.LAYER_SETS),
+                         scenarios=list(scaling.SCENARIOS), repeats=args.repeats, warmup=1,
+                         max_new_tokens=args.max_new_tokens, threads=args.threads,
+                         device=args.device, dtype=args.dtype)
+    if not outcome["ok"]:
+        errors.append(f"scaling job for {model} failed: {outcome['error']}")
+        log(errors[-1])
+        return []
+    return scaling.hf_rows(outcome["result"], args.max_new_tokens)
 
 
 def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
@@ -263,7 +276,7 @@ def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
         return [], []
     jobs = [(scaling.VLLM_PLAIN, "-", PLAIN, None)] + [
         (mode, layer_set, PROBED, mode)
-        for layer_set in scaling.LAYER_SETS for mode in scaling.MODES]
+        for layer_set in scaling.LAYER_SETS for mode in args.vllm_modes]
     rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
     errors = []
     for number in range(args.vllm_rounds):

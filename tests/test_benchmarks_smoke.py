@@ -346,3 +346,34 @@ def test_the_inline_linear_scenario_reads_activations_of_the_model_it_runs_on():
     assert "path" in args_on(BUNDLED_PROBE_WIDTH)
     wide = LinearProbe(**args_on(1024))
     assert wide.readout.weights.hidden == 1024
+
+
+def test_the_scaling_set_runs_only_the_jobs_asked_for(monkeypatch, tmp_path):
+    """``--no-scaling-hf`` leaves out the HF job and ``--vllm-modes`` the other
+    probed vLLM jobs; the plain engine runs in every round."""
+    from benchmarks import run, vllm_jobs
+
+    class Runner:
+        def __init__(self) -> None:
+            self.jobs: list[tuple[str, str | None, str | None]] = []
+
+        def run(self, kind: str, **job: object) -> dict:
+            self.jobs.append((kind, job.get("mode"), job.get("layer_set")))
+            return {"ok": False, "error": "not run"}
+
+    monkeypatch.setattr(vllm_jobs, "vllm_unavailable_reason", lambda: None)
+    args = run.parse_args(["--scaling-only", "--vllm", "--no-scaling-hf", "--vllm-modes",
+                           "inline linear", "--vllm-rounds", "2", "--out", str(tmp_path)])
+    runner = Runner()
+    rows, errors = run.run_scaling(args, runner)
+    round_jobs = [("vllm", None, "3"), ("vllm", "inline linear", "3"),
+                  ("vllm", "inline linear", "all")]
+    assert runner.jobs == round_jobs * 2
+    assert {row["mode"] for row in rows} == {scaling.VLLM_PLAIN, "inline linear"}
+    assert len(errors) == 6
+
+    every = run.parse_args(["--scaling-only", "--vllm", "--out", str(tmp_path)])
+    runner = Runner()
+    run.run_scaling(every, runner)
+    assert runner.jobs[0] == ("scaling", None, None)
+    assert {mode for kind, mode, _ in runner.jobs if kind == "vllm"} == {None, *scaling.MODES}
