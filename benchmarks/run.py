@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the plain engine always runs")
     parser.add_argument("--vllm-rounds", type=int, default=1,
                         help="run the scaling set's vLLM jobs this many times, each time "
-                        "every job in a fresh process, plain and probed in turn: each "
+                        "every job in a fresh process, plain and probed in turn (plain "
+                        "first in odd-numbered rounds, last in even-numbered ones): each "
                         "probed repeat is paired with the plain repeat of its round, so "
                         "the medians span as many process pairs (default 1)")
     parser.add_argument("--vllm-repeats", type=int,
@@ -281,7 +282,10 @@ def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
     errors = []
     for number in range(args.vllm_rounds):
         outcomes = {}
-        for label, layer_set, scenario, mode in jobs:
+        # The plain engine first in even rounds and last in odd ones: a drift
+        # along a round (a fresh process after the last one's teardown, the
+        # machine's load) then weighs on plain and probed alike.
+        for label, layer_set, scenario, mode in (jobs if number % 2 == 0 else jobs[::-1]):
             log(f"vLLM scaling {model} {label} ({layer_set} layers): "
                 f"{args.scaling_concurrency} concurrent requests"
                 + (f", round {number + 1} of {args.vllm_rounds}" if args.vllm_rounds > 1 else ""))

@@ -350,7 +350,8 @@ def test_the_inline_linear_scenario_reads_activations_of_the_model_it_runs_on():
 
 def test_the_scaling_set_runs_only_the_jobs_asked_for(monkeypatch, tmp_path):
     """``--no-scaling-hf`` leaves out the HF job and ``--vllm-modes`` the other
-    probed vLLM jobs; the plain engine runs in every round."""
+    probed vLLM jobs; the plain engine runs in every round, first in one round
+    and last in the next."""
     from benchmarks import run, vllm_jobs
 
     class Runner:
@@ -368,7 +369,7 @@ def test_the_scaling_set_runs_only_the_jobs_asked_for(monkeypatch, tmp_path):
     rows, errors = run.run_scaling(args, runner)
     round_jobs = [("vllm", None, "3"), ("vllm", "inline linear", "3"),
                   ("vllm", "inline linear", "all")]
-    assert runner.jobs == round_jobs * 2
+    assert runner.jobs == round_jobs + round_jobs[::-1]
     assert {row["mode"] for row in rows} == {scaling.VLLM_PLAIN, "inline linear"}
     assert len(errors) == 6
 
