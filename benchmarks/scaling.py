@@ -187,7 +187,9 @@ def _per_process(samples: list[dict[str, Any]], reference: list[dict[str, Any]] 
     ratios, one value per round (``round`` is (round, repeat) once pooled). A
     round's repeats share their two processes, whose speeds differ by a few
     percent, so they are not independent draws: the target's interval is taken
-    over the rounds instead (3 rounds: their min and max, which cover 75%)."""
+    over the rounds instead (3 rounds: their min and max, which cover 75%).
+    ``per_round`` keeps each round's value, in round order (which engine ran
+    first alternates from round to round)."""
     if not reference:
         return None
     by_round = {s["round"]: s for s in reference}
@@ -197,7 +199,8 @@ def _per_process(samples: list[dict[str, Any]], reference: list[dict[str, Any]] 
         if base is not None:
             key = sample["round"][0] if isinstance(sample["round"], (tuple, list)) else 0
             rounds.setdefault(key, []).append(sample["wall_s"] / base["wall_s"])
-    return spread([statistics.median(ratios) for ratios in rounds.values()])
+    medians = {key: statistics.median(ratios) for key, ratios in sorted(rounds.items())}
+    return {**spread(list(medians.values())), "per_round": list(medians.values())}
 
 
 def _median(stat: dict[str, Any] | None) -> float | None:

@@ -158,6 +158,7 @@ def test_the_vllm_target_takes_its_interval_over_process_pairs():
     assert (processes["ci_low"], processes["ci_high"]) == (pytest.approx(1.01),
                                                            pytest.approx(1.3))
     assert processes["ci_level"] == 0.75  # three rounds: their min and max
+    assert processes["per_round"] == [pytest.approx(v) for v in (1.01, 1.02, 1.3)]
     check = next(c for c in scaling.evaluate(rows)
                  if c["target"].startswith("vLLM 64 concurrent, all"))
     assert check["verdict"] == "unsettled" and check["value"] == pytest.approx(1.02)
