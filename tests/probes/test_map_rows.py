@@ -6,6 +6,8 @@ batch whose rows are stacked first."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -210,6 +212,23 @@ def test_host_float64_reads_pinned_and_cuda_bfloat16_rows():
     assert _same_values(batch_matrix(batch), expected)
 
 
+@contextmanager
+def _counted_copies() -> Iterator[list[int]]:
+    """The number of values each ``Tensor.copy_`` call copies, while inside."""
+    copies: list[int] = []
+    original = torch.Tensor.copy_
+
+    def copy_(self: Any, other: Any, non_blocking: bool = False) -> Any:
+        copies.append(other.numel())
+        return original(self, other, non_blocking)
+
+    torch.Tensor.copy_ = copy_
+    try:
+        yield copies
+    finally:
+        torch.Tensor.copy_ = original
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_host_float64_converts_a_large_tensor_in_serial_chunks(layout, monkeypatch):
     """Every copy stays within torch's serial size, chunk boundaries included
@@ -218,16 +237,8 @@ def test_host_float64_converts_a_large_tensor_in_serial_chunks(layout, monkeypat
     source = torch.from_numpy(RNG.normal(size=(5, 3, 4))).to(torch.bfloat16)
     if layout == "transposed":
         source = source.transpose(0, 1)  # (3, 5, 4), not contiguous
-    copies: list[int] = []
-    original = torch.Tensor.copy_
-
-    def copy_(self, other, non_blocking=False):
-        copies.append(other.numel())
-        return original(self, other, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    got = arrays.host_float64(source)
-    monkeypatch.setattr(torch.Tensor, "copy_", original)
+    with _counted_copies() as copies:
+        got = arrays.host_float64(source)
     expected = source.to(torch.float32).numpy().astype(np.float64)
     assert got.shape == expected.shape and _same_values(got, expected)
     assert sum(copies) == source.numel()
@@ -244,17 +255,10 @@ def test_large_pieces_are_converted_into_their_rows_in_serial_copies(dtype, monk
     monkeypatch.setattr(arrays, "SERIAL_ELEMENTS", 50)
     pieces = _pieces(getattr(torch, dtype), (3, 6))  # 5 rows of 18 values: 90 > 50
     batch, stacked = _deferred(pieces)
-    copies: list[int] = []
-    original = torch.Tensor.copy_
-
-    def copy_(self, other, non_blocking=False):
-        copies.append(other.numel())
-        return original(self, other, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-    monkeypatch.setattr(torch, "cat", None)  # (would raise if called)
-    values = map_rows(batch, l2_norms)
-    monkeypatch.undo()
+    with _counted_copies() as copies:
+        monkeypatch.setattr(torch, "cat", None)  # (would raise if called)
+        values = map_rows(batch, l2_norms)
+        monkeypatch.undo()
     rows = stacked.tensor
     expected = rows.reshape(len(rows), -1).to(torch.float32).numpy().astype(np.float64)
     assert values.tolist() == l2_norms(expected).tolist()
