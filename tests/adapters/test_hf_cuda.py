@@ -33,7 +33,7 @@ from hf_models import (  # noqa: E402
 
 from benchmarks.sync_count import cuda_sync_log  # noqa: E402
 from undercurrent import ProbedModel  # noqa: E402
-from undercurrent.spec.types import ExtractionPoint  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint, TensorType  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -199,3 +199,48 @@ def test_a_bfloat16_store_on_cuda_holds_what_generate_returns(tmp_path):
     for row, vector in zip(index.itertuples(index=False), vectors, strict=True):
         key = (row.request_id, row.extraction_point_name, int(row.layer), int(row.token_index))
         assert (vector.astype("float32") == expected[key]).all(), key
+
+
+@pytest.mark.parametrize("mode", ["async", "inline"])
+def test_cuda_rows_copy_into_pinned_memory_before_the_output_is_written_in_place(
+        tokenizer, mode):
+    """On CUDA a hook enqueues one non-blocking copy of its rows, taken from the
+    module's output itself (no device clone first), into pinned host memory. A
+    later forward hook on the same module that zeroes that output in place runs
+    after the copy on the stream: the records hold the values from before it."""
+    model = copy.deepcopy(build_model("llama")).to("cuda", torch.bfloat16)
+    point = ExtractionPoint(name="res", layers=(1,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="capture",
+                            probe_kind="trajectory", execution_mode=mode)
+    with ProbedModel(model, tokenizer, spec=[point]) as probed:
+        hooks = probed.backend.hooks
+        module = hooks.module_for(1, TensorType.RESIDUAL_STREAM)
+        before: list[torch.Tensor] = []  # each forward's output, before it is zeroed
+
+        def zero(module, args, output):
+            hidden = output if isinstance(output, torch.Tensor) else output[0]
+            before.append(hidden[:, -1].detach().cpu())
+            hidden.zero_()
+
+        queued = []
+        original = hooks._queue
+
+        def spy(tensor_type, targets, gathered):
+            original(tensor_type, targets, gathered)
+            queued.append(hooks._pending[-1][2])
+
+        hooks._queue = spy
+        handle = module.register_forward_hook(zero)  # after undercurrent's hook
+        try:
+            outputs = probed.generate(PROMPTS, max_new_tokens=5, records=True)
+        finally:
+            handle.remove()
+    assert queued and all(host.is_pinned() and host.is_contiguous() for host in queued)
+    assert len(before) == 5  # the prompt's forward, then decode steps 1-4
+    for row, output in enumerate(outputs):  # one batch: row i is prompt i
+        # generated token g is fed, and captured, at decode step g + 1
+        assert sorted(r.generated_index for r in output.records) == [0, 1, 2, 3]
+        for record in output.records:
+            expected = before[record.generated_index + 1][row]
+            assert record.tensor.abs().sum() > 0
+            assert torch.equal(record.tensor, expected), record.key()

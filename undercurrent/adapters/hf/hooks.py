@@ -311,12 +311,14 @@ class ModelHooks:
         if gathered.requires_grad:  # generate() runs without grad: then nothing to cut
             gathered = gathered.detach()
         if gathered.is_cuda:
-            # Non-blocking into pinned memory: the copy is only enqueued on the
-            # stream; flush() makes the reader wait for it (a stream sync, or a
+            # Non-blocking into pinned memory (what a non-blocking copy from CUDA
+            # to the CPU allocates): the copy is only enqueued on the stream, in
+            # one call; flush() makes the reader wait for it (a stream sync, or a
             # CUDA event the delivery thread waits on). Freed pinned blocks are
             # reused by torch's caching host allocator once their copies are done.
-            host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-            host.copy_(gathered, non_blocking=True)
+            # ``gathered`` may be a view of the module's output: kernels enqueued
+            # later on the stream (the next layers, in-place edits) run after it.
+            host = gathered.to("cpu", non_blocking=True, memory_format=torch.contiguous_format)
             self._needs_sync = True
         else:
             host = gathered  # already a fresh CPU tensor (indexing copies)
@@ -355,8 +357,11 @@ class ModelHooks:
                 if index is None:
                     index = group.index_cache[hidden.device] = self._gather_plan(group.slots,
                                                                                  hidden)
-                if type(index) is int:  # a fresh copy: the module's output flows on
-                    rows = hidden.select(1, index).clone(memory_format=torch.contiguous_format)
+                if type(index) is int:
+                    rows = hidden.select(1, index)
+                    if not rows.is_cuda:  # a fresh copy: the module's output flows on
+                        rows = rows.clone(memory_format=torch.contiguous_format)
+                    # (on CUDA, _queue's copy to the host is the fresh copy)
                 else:
                     rows = hidden[index]
                 if rows.requires_grad or rows.is_cuda:
