@@ -95,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "first in odd-numbered rounds, last in even-numbered ones): each "
                         "probed repeat is paired with the plain repeat of its round, so "
                         "the medians span as many process pairs (default 1)")
+    parser.add_argument("--no-vllm-one-engine", action="store_true",
+                        help="skip the scaling set's one-engine vLLM jobs (inline linear at "
+                        "the largest concurrency, plain and probed generations alternating "
+                        "on the same engine in one process: benchmarks.vllm_paired), run "
+                        "once per --vllm-rounds round")
     parser.add_argument("--vllm-repeats", type=int,
                         help="timed repeats per scenario in each vLLM scaling job (default: "
                         "--repeats); the vLLM target's interval is over process pairs "
@@ -280,6 +285,12 @@ def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
         for layer_set in scaling.LAYER_SETS for mode in args.vllm_modes]
     rounds: list[dict[tuple[str, str], dict[str, Any]]] = []
     errors = []
+    # The target's reading on one engine (benchmarks.vllm_paired): per layer set,
+    # one outcome per round.
+    top = max(args.scaling_concurrency)
+    one_engine: dict[str, list[dict[str, Any]]] = (
+        {} if args.no_vllm_one_engine or "inline linear" not in args.vllm_modes
+        else {layer_set: [] for layer_set in scaling.LAYER_SETS})
     for number in range(args.vllm_rounds):
         outcomes = {}
         # The plain engine first in even rounds and last in odd ones: a drift
@@ -300,8 +311,24 @@ def _run_scaling_vllm(args: argparse.Namespace, runner: ChildRunner,
                 errors.append(f"vLLM scaling job {model} {label} {layer_set} failed: "
                               f"{outcomes[(label, layer_set)]['error']}")
         rounds.append(outcomes)
+        for layer_set in one_engine:
+            log(f"vLLM scaling {model} inline linear ({layer_set} layers), one engine: "
+                f"{top} concurrent requests"
+                + (f", round {number + 1} of {args.vllm_rounds}" if args.vllm_rounds > 1 else ""))
+            outcome = runner.run(
+                "vllm_paired", isolated=True, model_key=model,
+                model_root=str(args.out / "models"), mode="inline linear",
+                layer_set=layer_set, concurrency=top,
+                repeats=args.vllm_repeats or args.repeats,
+                max_new_tokens=args.max_new_tokens, threads=args.threads)
+            one_engine[layer_set].append(outcome)
+            if not outcome["ok"]:
+                errors.append(f"vLLM one-engine job {model} {layer_set} failed: "
+                              f"{outcome['error']}")
     outcomes = scaling.pooled_rounds(rounds)
-    return scaling.vllm_rows(model, outcomes, args.max_new_tokens), errors
+    rows = scaling.vllm_rows(model, outcomes, args.max_new_tokens)
+    rows += scaling.one_engine_rows(model, top, one_engine, args.max_new_tokens)
+    return rows, errors
 
 
 def summary_markdown(environment: dict[str, Any], args: argparse.Namespace,

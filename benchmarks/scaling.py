@@ -181,6 +181,47 @@ def vllm_rows(model: str, outcomes: dict[tuple[str, str], dict[str, Any]],
     return rows
 
 
+#: The mode label of the one-engine vLLM rows (``benchmarks.vllm_paired``).
+ONE_ENGINE = "inline linear, one engine"
+
+
+def one_engine_rows(model: str, concurrency: int, outcomes: dict[str, list[dict[str, Any]]],
+                    max_new_tokens: int) -> list[dict[str, Any]]:
+    """Rows for the one-engine vLLM jobs (:func:`benchmarks.vllm_paired.paired_job`):
+    per layer set, the pairs of every round's process pooled. Within a process
+    plain and probed generations alternate on one engine, so a pair's ratio
+    carries no difference between engines; ``ratio_plain_processes`` keeps each
+    process's median (``per_round``) to show how far processes differ."""
+    rows = []
+    for layer_set, results in outcomes.items():
+        base_row: dict[str, Any] = {
+            "backend": "vllm", "model": model, "layer_set": layer_set, "mode": ONE_ENGINE,
+            "scenario": f"vllm {ONE_ENGINE}", "max_new_tokens": max_new_tokens,
+            "batch_size": concurrency, "concurrency": concurrency,
+        }
+        done = [result["result"] for result in results if result.get("ok")]
+        if not done:
+            failed = next(iter(results), {"error": "not run"})
+            error = (failed.get("error") or "").strip().splitlines()[-1:] or ["failed"]
+            rows.append({**base_row, "status": "error", "reason": error[0]})
+            continue
+        pairs = [pair for result in done for pair in result["pairs"]]
+        per_round = [statistics.median(p["probed_s"] / p["plain_s"] for p in result["pairs"])
+                     for result in done]
+        rows.append({
+            **base_row, "status": "ok", "reason": None, "capture_layers": done[0]["layers"],
+            "repeats": len(pairs), "records": pairs[0]["records"],
+            "wall_s": spread([p["probed_s"] for p in pairs]),
+            "ratio_plain": spread([p["probed_s"] / p["plain_s"] for p in pairs]),
+            "us_per_vector": spread([(p["probed_s"] - p["plain_s"]) / p["records"] * 1e6
+                                     for p in pairs if p["records"]]),
+            "ratio_plain_processes": {**spread(per_round), "per_round": per_round},
+            "tokens_match": True,
+            "token_check": "identical to plain on the same engine (checked every repeat)",
+        })
+    return rows
+
+
 def _per_process(samples: list[dict[str, Any]], reference: list[dict[str, Any]] | None
                  ) -> dict[str, float | None] | None:
     """The ratio to plain per process pair: the median of each round's paired
@@ -308,6 +349,11 @@ def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"<= {TARGET_VLLM_RATIO}x plain eager vLLM (per process pair)",
             probed.get("ratio_plain_processes") or probed.get("ratio_plain"),
             TARGET_VLLM_RATIO, "x")
+        one = find("vllm", layer_set, TARGET_BATCH, ONE_ENGINE)
+        if one is not None:
+            add(f"vLLM {TARGET_BATCH} concurrent, {layer_set} layers, inline linear: "
+                f"<= {TARGET_VLLM_RATIO}x plain eager vLLM (one engine, plain and probed "
+                "alternating)", one.get("ratio_plain"), TARGET_VLLM_RATIO, "x")
     return checks
 
 

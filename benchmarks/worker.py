@@ -245,6 +245,10 @@ def child_main(connection: Any, job: str, kwargs: dict[str, Any],
             from benchmarks.vllm_jobs import vllm_job
 
             result = vllm_job(**kwargs)
+        elif job == "vllm_paired":
+            from benchmarks.vllm_paired import paired_job
+
+            result = paired_job(**kwargs)
         else:
             result = jobs[job](**kwargs)
         connection.send({"ok": True, "result": result})

