@@ -87,12 +87,23 @@ def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
     return [tokens[rid] for rid in ordered], first
 
 
-def _probed_setup(layers: tuple[int, ...], mode: str | None) -> tuple[Any, Any, bool]:
-    """Spec, extra probe classes and ``records`` flag: the main table's three-layer
-    inline norm probe, or a scaling mode's scenario on ``layers``."""
+def _probed_setup(path: str, layer_set: str, mode: str | None
+                  ) -> tuple[tuple[int, ...], Any, Any, bool]:
+    """The layers ``layer_set`` names on the model saved at ``path`` (``"3"``: first,
+    middle, last; ``"all"``), and the spec, extra probe classes and ``records`` flag:
+    the main table's three-layer inline norm probe, or a scaling mode's scenario
+    on those layers, sized to the model's width."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
     from benchmarks.scenarios.probed import three_layer_point
     from undercurrent.spec import parse_dict
 
+    config = json.loads((Path(path) / "config.json").read_text())
+    num_layers = config["num_hidden_layers"]
+    layers = (tuple(range(num_layers)) if layer_set == "all"
+              else tuple(sorted({0, num_layers // 2, num_layers - 1})))
     if mode is None:
         points, probes, keep = [three_layer_point(layers)], None, False
     else:
@@ -101,8 +112,26 @@ def _probed_setup(layers: tuple[int, ...], mode: str | None) -> tuple[Any, Any, 
 
         scenario = scenario_by_name(MODES[mode])()
         scenario.layers = layers
+        # (what a scenario reads of its model: the width, for the linear probe's weights)
+        scenario.bundle = SimpleNamespace(model=SimpleNamespace(
+            config=SimpleNamespace(hidden_size=config["hidden_size"])))
         points, probes, keep = scenario.points(), scenario.probe_classes(), scenario.keep_records
-    return parse_dict({"version": "1", "extraction_points": points}), probes, keep
+    return layers, parse_dict({"version": "1", "extraction_points": points}), probes, keep
+
+
+def probed_records(outputs: list[Any], keep: bool) -> int:
+    """The vectors a probed generation captured (its records with ``keep``, else
+    what its probes received); raises when a probe raised, which would make the
+    timing a probe's failure path."""
+    for output in outputs:
+        for name, result in output.results.items():
+            if result.stats.errors:
+                last = str(result.metadata.get("traceback", "")).strip().splitlines()[-1:]
+                raise RuntimeError(f"probe of point {name!r} raised on request "
+                                   f"{output.request_id!r}: {last[0] if last else '?'}")
+    if keep:
+        return sum(len(o.records or ()) for o in outputs)
+    return sum(r.stats.received for o in outputs for r in o.results.values())
 
 
 def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_new_tokens: int,
@@ -112,16 +141,13 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
 
     ``mode`` (a key of ``benchmarks.scaling.MODES``) and ``layer_set`` (``"3"`` or
     ``"all"``) pick a scaling spec for the probed engine instead of the main table's."""
-    import json
     from pathlib import Path
 
     from benchmarks.models import model_directory
 
     set_threads(threads)
     path = str(model_directory(model_key, Path(model_root)))
-    num_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-    layers = (tuple(range(num_layers)) if layer_set == "all"
-              else tuple(sorted({0, num_layers // 2, num_layers - 1})))
+    layers, spec, probes, keep = _probed_setup(path, layer_set, mode)
     staging: str | None = None
     if scenario == PLAIN:
         engine, tokenizer, staging = _plain_engine(path)
@@ -132,7 +158,6 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
     else:
         from undercurrent.api import ProbedModel
 
-        spec, probes, keep = _probed_setup(layers, mode)
         probed = ProbedModel.from_pretrained(path, spec=spec, backend="vllm", probes=probes)
 
         def generate(prompts: list[str]) -> tuple[list[list[int]], float | None, int]:
@@ -152,10 +177,7 @@ def vllm_job(scenario: str, model_key: str, model_root: str, repeats: int, max_n
                 first = None
                 outputs = probed.generate(prompts, max_new_tokens=max_new_tokens,
                                           temperature=0.0, records=keep)
-            records = sum(r.stats.received for o in outputs for r in o.results.values())
-            if keep:
-                records = sum(len(o.records or ()) for o in outputs)
-            return [list(o.token_ids) for o in outputs], first, records
+            return [list(o.token_ids) for o in outputs], first, probed_records(outputs, keep)
 
     from transformers import AutoTokenizer
 

@@ -39,15 +39,12 @@ def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concu
     """One process: warm-up, then ``repeats`` pairs of (plain, probed) generations on
     one engine, the first of each pair alternating. Wall seconds per pair."""
     from benchmarks.models import model_directory
-    from benchmarks.vllm_jobs import _plain_generate, _probed_setup
+    from benchmarks.vllm_jobs import _plain_generate, _probed_setup, probed_records
     from undercurrent.api import ProbedModel
 
     set_threads(threads)
     path = str(model_directory(model_key, Path(model_root)))
-    num_layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
-    layers = (tuple(range(num_layers)) if layer_set == "all"
-              else tuple(sorted({0, num_layers // 2, num_layers - 1})))
-    spec, probes, keep = _probed_setup(layers, mode)
+    layers, spec, probes, keep = _probed_setup(path, layer_set, mode)
     prompts = prompts_for(concurrency)
     with ProbedModel.from_pretrained(path, spec=spec, backend="vllm", probes=probes) as probed:
         engine, tokenizer = probed.backend.engine, probed.backend.tokenizer
@@ -58,7 +55,7 @@ def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concu
         def probed_run() -> tuple[list[list[int]], int]:
             outputs = probed.generate(prompts, max_new_tokens=max_new_tokens,
                                       temperature=0.0, records=keep)
-            received = sum(r.stats.received for o in outputs for r in o.results.values())
+            received = probed_records(outputs, keep)
             if received == 0:
                 raise RuntimeError("the probed generation captured nothing")
             return [list(o.token_ids) for o in outputs], received

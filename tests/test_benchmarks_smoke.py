@@ -415,3 +415,23 @@ def test_one_engine_vllm_rows_pool_every_process_s_pairs_and_give_the_target_its
     assert check["verdict"] == "met" and check["ci_high"] == pytest.approx(1.04)
     assert "| all | 64 | inline linear, one engine | 100 |" in "\n".join(scaling.table(
         list(rows.values())))
+
+
+def test_a_vllm_job_refuses_a_generation_whose_probe_raised():
+    """A probed generation whose probe raised times the probe's failure path, not
+    probing: ``probed_records`` raises with the probe's last traceback line; else
+    it counts what the probes received (or the records, with ``records=True``)."""
+    from types import SimpleNamespace
+
+    from benchmarks.vllm_jobs import probed_records
+
+    def output(errors: int, received: int = 4, records=None):
+        stats = SimpleNamespace(errors=errors, received=received)
+        metadata = {"traceback": "Traceback\n  ...\nValueError: expects size 128"} if errors else {}
+        return SimpleNamespace(request_id="r0", records=records,
+                               results={"res": SimpleNamespace(stats=stats, metadata=metadata)})
+
+    assert probed_records([output(0), output(0)], keep=False) == 8
+    assert probed_records([output(0, records=[1, 2, 3])], keep=True) == 3
+    with pytest.raises(RuntimeError, match="'res' raised on request 'r0': ValueError: expects"):
+        probed_records([output(0), output(1)], keep=False)

@@ -183,7 +183,7 @@ class ProbedInlineLinear(_Probed):
     )
 
     def points(self) -> list[dict[str, Any]]:
-        bundle = getattr(self, "bundle", None)  # vLLM jobs build points without one
+        bundle = getattr(self, "bundle", None)  # (a vLLM job sets a stand-in: its config)
         hidden = None if bundle is None else int(bundle.model.config.hidden_size)
         args: dict[str, Any] = dict(LINEAR_PROBE_ARGS)
         if hidden is not None and hidden != BUNDLED_PROBE_WIDTH:
