@@ -117,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--thread-time", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                        help="the model's dtype (default: float32)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1; 0: torch's default)")
     parser.add_argument("--default-allocator", action="store_true",
                         help="glibc's default heap instead of a steady one "
                         "(benchmarks/allocator.py)")
     args = parser.parse_args(argv)
     if not args.default_allocator:
         steady_allocator()
-    set_threads(1)
+    set_threads(args.threads or None)
     totals: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
     with timed_stages(totals, time.thread_time if args.thread_time else time.perf_counter,
@@ -152,7 +157,7 @@ def _measure(args: argparse.Namespace, totals: collections.Counter[str],
 
 def _run(args: argparse.Namespace, totals: collections.Counter[str],
          calls: collections.Counter[str], collected: list[Any]) -> int:
-    bundle = load_model(args.model)
+    bundle = load_model(args.model, args.device, args.dtype)
     layers = layers_for(bundle, args.layers)
     batch = make_batch(bundle, prompts_for(args.batch))
     probed = scenario_by_name(args.scenario)()
@@ -185,7 +190,9 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
     probed.close()
     plain.close()
     best, best_plain = statistics.median(walls), statistics.median(plains)
-    print(f"{args.scenario}, batch {args.batch}, {args.layers} layers, medians of "
+    where = ("" if args.device == "cpu" and args.dtype is None
+             else f", on {args.device} in {args.dtype or 'float32'}")
+    print(f"{args.scenario}{where}, batch {args.batch}, {args.layers} layers, medians of "
           f"{args.repeats} runs: {best * 1e3:.1f} ms, plain generate() {best_plain * 1e3:.1f} ms, "
           f"{vectors} vectors, {(best - best_plain) / vectors * 1e6:.1f} µs per vector over plain")
     print("| ms per generation | µs per vector | calls | µs per call | stage |")

@@ -435,3 +435,17 @@ def test_a_vllm_job_refuses_a_generation_whose_probe_raised():
     assert probed_records([output(0, records=[1, 2, 3])], keep=True) == 3
     with pytest.raises(RuntimeError, match="'res' raised on request 'r0': ValueError: expects"):
         probed_records([output(0), output(1)], keep=False)
+
+
+def test_gpu_check_refuses_an_unknown_step_before_it_starts(tmp_path):
+    """``GPU_STEPS`` names the GPU checks' parts; a misspelt one is refused before
+    anything runs (a lent machine's minutes are few), naming the known ones."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.sh"
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out),
+                               "GPU_STEPS": "tests stagez"}, check=False)
+    assert done.returncode == 2
+    assert "unknown step 'stagez'" in done.stderr
+    assert "(tests, syncs, stages, scaling)" in done.stderr
+    assert not out.exists()

@@ -12,6 +12,9 @@
 #   scaling-*    the scaling set on CUDA (benchmarks.run --scaling-only --device cuda),
 #                with vLLM's rows when vllm is installed; GPU_BATCHES (default "1 8 64")
 #                and GPU_REPEATS (default 9; 6 is the fewest whose median interval reaches 95%)
+#   stages.txt   (step "stages", not in the default) benchmarks.stage_timers on CUDA for
+#                the async trajectory probe and the same probe inline: wall time and
+#                each thread's CPU time per stage
 # GPU_STEPS picks and orders the parts (default "tests syncs scaling"): with a few
 # minutes of a lent machine, put first what the run is for, e.g.
 #   GPU_STEPS="scaling tests" GPU_BATCHES=64 GPU_REPEATS=15 bash tools/gpu_check.sh
@@ -26,8 +29,8 @@ BATCHES=${GPU_BATCHES:-1 8 64}
 STEPS=${GPU_STEPS:-tests syncs scaling}
 for step in $STEPS; do
   case "$step" in
-    tests|syncs|scaling) ;;
-    *) echo "gpu_check: unknown step '$step' in GPU_STEPS (tests, syncs, scaling)" >&2
+    tests|syncs|stages|scaling) ;;
+    *) echo "gpu_check: unknown step '$step' in GPU_STEPS (tests, syncs, stages, scaling)" >&2
        exit 2 ;;
   esac
 done
@@ -83,6 +86,22 @@ run_syncs() {
   } 2>&1 | grep -v "Loading weights" | tee "$OUT/measures.txt"
 }
 
+run_stages() {
+  stamp "stage timers: async against the same probe inline"
+  # Where async's extra cost goes on the GPU's host: each stage's wall time, then
+  # each thread's CPU time in it (the delivery thread and the workers included).
+  {
+    for timing in "" --thread-time; do
+      for scenario in uc_inline_trajectory uc_3_layers_async_trajectory; do
+        # shellcheck disable=SC2086
+        "$PY" -m benchmarks.stage_timers --device cuda --dtype "$DTYPE" --threads 0 \
+          --model tiny --batch 64 --layers all --repeats 9 --scenario "$scenario" $timing
+        echo "(${timing:-wall time})"
+      done
+    done
+  } 2>&1 | grep -v "Loading weights" | tee "$OUT/stages.txt"
+}
+
 run_scaling() {
   stamp "scaling set"
   # (BATCHES unquoted: one argument per batch size)
@@ -101,6 +120,7 @@ for step in $STEPS; do
   case "$step" in
     tests) run_tests ;;
     syncs) run_syncs ;;
+    stages) run_stages ;;
     scaling) run_scaling ;;
   esac
 done
