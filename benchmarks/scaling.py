@@ -191,7 +191,9 @@ def one_engine_rows(model: str, concurrency: int, outcomes: dict[str, list[dict[
     per layer set, the pairs of every round's process pooled. Within a process
     plain and probed generations alternate on one engine, so a pair's ratio
     carries no difference between engines; ``ratio_plain_processes`` keeps each
-    process's median (``per_round``) to show how far processes differ."""
+    process's median (``per_round``) to show how far processes differ.
+    ``ratio_plain`` is over plain with undercurrent's output handling,
+    ``ratio_default_plain`` over plain with vLLM's defaults."""
     rows = []
     for layer_set, results in outcomes.items():
         base_row: dict[str, Any] = {
@@ -213,6 +215,8 @@ def one_engine_rows(model: str, concurrency: int, outcomes: dict[str, list[dict[
             "repeats": len(pairs), "records": pairs[0]["records"],
             "wall_s": spread([p["probed_s"] for p in pairs]),
             "ratio_plain": spread([p["probed_s"] / p["plain_s"] for p in pairs]),
+            "ratio_default_plain": spread([p["probed_s"] / p["default_plain_s"]
+                                           for p in pairs if "default_plain_s" in p]),
             "us_per_vector": spread([(p["probed_s"] - p["plain_s"]) / p["records"] * 1e6
                                      for p in pairs if p["records"]]),
             "ratio_plain_processes": {**spread(per_round), "per_round": per_round},

@@ -66,11 +66,20 @@ def _plain_engine(path: str) -> tuple[Any, Any, str | None]:
     return engine, AutoTokenizer.from_pretrained(path), staging
 
 
-def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str],
-                    max_new_tokens: int) -> tuple[list[list[int]], float | None]:
+def _plain_generate(engine: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int,
+                    *, lean: bool = False) -> tuple[list[list[int]], float | None]:
+    """Greedy generation of ``prompts`` on ``engine``, driven step by step: vLLM's
+    defaults (each request's text detokenized and its output built at every
+    step), or with ``lean`` the output handling undercurrent's ``generate()``
+    asks of vLLM when nothing streams and no probe may abort (no detokenizing,
+    each request reported once, when it finishes). (token ids per prompt, time
+    to the first token reported.)"""
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
-    sampling = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+    sampling = (SamplingParams(max_tokens=max_new_tokens, temperature=0.0, detokenize=False,
+                               output_kind=RequestOutputKind.FINAL_ONLY) if lean
+                else SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
     start = time.perf_counter()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"plain{index}-{start}", {"prompt_token_ids": tokenizer.encode(prompt)},

