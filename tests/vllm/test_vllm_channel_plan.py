@@ -254,3 +254,37 @@ def test_a_layer_count_the_driver_does_not_expect_is_refused_with_the_point_name
     batch.match_rows = wire.row_array([0, 0, 0])
     with pytest.raises(RuntimeError, match=r"point 'lin' but none at its layer\(s\) \[3\]"):
         step_deliveries(batch, [state])
+
+
+def test_a_shifted_claim_is_taken_only_against_the_batch_just_before_it():
+    # The worker says a batch repeats the last one a token later (StepBatch.shifted);
+    # the driver takes it so only for the same request table as the batch it read
+    # just before, and compares the columns of a batch that says nothing.
+    point = _points()[0]
+    session = CaptureSession(None, [point])
+    state = session.open_request("a", "", [1, 2, 3])
+    other = session.open_request("b", "", [1, 2, 3])
+
+    def batch(token: int, shifted: bool) -> wire.StepBatch:
+        groups = [wire.GroupRows(layer, "residual_stream", 0, index, 1)
+                  for index, layer in enumerate((0, 2, 3))]
+        return wire.StepBatch(step=token, banks=[torch.full((3, HIDDEN), float(token))],
+                              requests=["uc1"], groups=groups,
+                              matches=wire.match_array([(0, 0, token, 3)]),
+                              match_rows=wire.row_array([0, 0, 0]), shifted=shifted)
+
+    def delivered(deliveries: list[Any]) -> tuple[bool, list[int], list[float]]:
+        """Whether the plan was the last one shifted, its matches' tokens, its rows."""
+        plan = deliveries[0][1].plan
+        return (plan.base is not None, [match.token_index for match in plan.matches],
+                [float(rows[0, 0]) for _, _, rows in deliveries])
+
+    repeats = channel._Repeat()
+    # no batch before it: planned from its columns, whatever it says
+    assert delivered(repeats.deliveries(batch(3, True), [state])) == (False, [3], [3.0] * 3)
+    assert delivered(repeats.deliveries(batch(4, True), [state])) == (True, [4], [4.0] * 3)
+    # another request table: planned again
+    assert delivered(repeats.deliveries(batch(5, True), [other])) == (False, [5], [5.0] * 3)
+    # a batch that says nothing: its columns compared with the last one's
+    assert delivered(repeats.deliveries(batch(6, False), [other])) == (True, [6], [6.0] * 3)
+    assert delivered(repeats.deliveries(batch(8, False), [other])) == (False, [8], [8.0] * 3)

@@ -350,7 +350,8 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     wanted = ("residual_all", "final_norm")
     points = [dataclasses.replace(point, probe_type="keeper")
               for point in spec_points(num_layers) if point.name in wanted]
-    counts = {"shifted": 0, "driver repeats": 0, "kept layout": 0, "worker repeats": 0}
+    counts = {"shifted": 0, "driver repeats": 0, "kept layout": 0, "worker repeats": 0,
+              "worker says shifted": 0}
     shifted, steady, repeats = StepPlan.shifted, delivery._deliver_steady, channel._Repeat._repeats
     repeat_step = worker._Capture._repeat_step
 
@@ -371,6 +372,7 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     def counted_repeats(self, batch, keys, table):
         found = repeats(self, batch, keys, table)
         counts["driver repeats"] += found
+        counts["worker says shifted"] += found and batch.shifted
         return found
 
     monkeypatch.setattr(StepPlan, "shifted", counted_shift)
@@ -391,6 +393,8 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     # ids sent as columns): every record's token id below comes from those.
     assert counts["driver repeats"] >= counts["worker repeats"] > counts["driver repeats"] // 2, \
         counts
+    # Every repeat the driver takes, the worker's batch says is one (no columns compared).
+    assert counts["worker says shifted"] == counts["driver repeats"], counts
     for ours, theirs in zip(outputs, hf_outputs, strict=True):
         assert ours.token_ids == theirs.token_ids
         mine = {record.key(): record for record in _Keeper.kept[ours.request_id]}

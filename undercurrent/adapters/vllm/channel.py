@@ -101,24 +101,25 @@ class _Repeat:
     def __init__(self) -> None:
         self._plan: StepPlan | None = None
         self._keys: list[tuple[int, str, int]] = []
-        self._following: np.ndarray | None = None
-        self._rows: np.ndarray | None = None
+        self._last: tuple[np.ndarray, np.ndarray] | None = None  # its matches and rows
         self._table: list[RequestState | None] = []
+        # Per group of the plan kept: its key and tensor type, resolved once.
+        self._layout: list[tuple[tuple[int, TensorType], TensorType]] = []
 
     def deliveries(self, batch: wire.StepBatch, table: list[RequestState | None]
                    ) -> list[Delivery]:
         """:func:`step_deliveries` of ``batch``, from the previous plan shifted
         when ``batch`` repeats the previous step a token later."""
         keys = [(group.layer, group.tensor_type, group.count) for group in batch.groups]
-        plan = self._plan
+        plan, self._plan = self._plan, None  # (kept again below, once this batch is read)
         if plan is not None and self._repeats(batch, keys, table):
             plan = plan.shifted(1)
             banks = [_as_tensor(bank) for bank in batch.banks]
-            deliveries: list[Delivery] = []
-            for group in batch.groups:
-                tensor_type = TensorType(group.tensor_type)
-                deliveries.append((tensor_type, plan.groups[(group.layer, tensor_type)],
-                                   banks[group.bank][group.offset:group.offset + group.count]))
+            groups = plan.groups
+            deliveries: list[Delivery] = [
+                (tensor_type, groups[key],
+                 banks[group.bank][group.offset:group.offset + group.count])
+                for (key, tensor_type), group in zip(self._layout, batch.groups, strict=True)]
         else:
             deliveries = step_deliveries(batch, table)
             plan = deliveries[0][1].plan if deliveries else None
@@ -126,31 +127,35 @@ class _Repeat:
                 plan = None  # an untracked or steered request: planned every step
             elif plan is not None:
                 plan.repeatable = True
+                self._layout = [(group.key, group.key[1]) for _, group, _ in deliveries]
         self._plan, self._keys, self._table = plan, keys, table
-        # What the next batch's matches are when it repeats this one: each a
-        # token later (column 2), the rest the same.
-        following = batch.matches.copy()
-        following[:, 2] += 1
-        self._following, self._rows = following, batch.match_rows
+        self._last = (batch.matches, batch.match_rows)
         return deliveries
 
     def _repeats(self, batch: wire.StepBatch, keys: list[tuple[int, str, int]],
                  table: list[RequestState | None]) -> bool:
+        """Whether ``batch`` is the last batch a token later, for the same requests:
+        as the worker says (:attr:`~undercurrent.adapters.vllm.wire.StepBatch.shifted`),
+        else as its columns show."""
+        last = self._last
+        if last is None or keys != self._keys or table != self._table or not len(batch.matches):
+            return False
+        if batch.shifted:
+            return True
         # (ndarray comparisons, not numpy.array_equal: this runs at every step)
-        following, rows = self._following, self._rows
-        now, now_rows = batch.matches, batch.match_rows
-        return bool(following is not None and rows is not None and keys == self._keys
-                    and table == self._table and len(now) and now.shape == following.shape
-                    and now_rows.shape == rows.shape and (now_rows == rows).all()
-                    and (now == following).all())
+        (before, rows), now = last, batch.matches
+        if now.shape != before.shape or batch.match_rows.shape != rows.shape:
+            return False
+        following = before.copy()
+        following[:, 2] += 1
+        return bool((batch.match_rows == rows).all() and (now == following).all())
 
 
-def _take_tokens(states: dict[str, RequestState],
-                 tokens: Iterable[tuple[str, int, int]]) -> None:
-    """Put each (engine request id, generated index, token id) in its request's
-    generated tokens (the index is the next one, or one the driver has already)."""
-    for engine_id, index, token_id in tokens:
-        state = states.get(engine_id)
+def _take_tokens(tokens: Iterable[tuple[RequestState | None, int, int]]) -> None:
+    """Put each (request state, generated index, token id) in the request's
+    generated tokens (the index is the next one, or one the driver has already;
+    a state None is a request not tracked)."""
+    for state, index, token_id in tokens:
         if state is None:
             continue
         generated = state.generated
@@ -217,6 +222,11 @@ class StepServer:
         self.error: BaseException | None = None
         self._armed: list[tuple[str, str, int]] = []
         self._repeat = _Repeat()
+        # The request states of the last request table and token columns read,
+        # while ``_states`` is as it was then (``_version``).
+        self._version = 0
+        self._table: tuple[list[str], int, list[RequestState | None]] | None = None
+        self._fed: tuple[list[str], int, list[RequestState | None]] | None = None
         self.steps = 0
         self.rows = 0
         self._thread = threading.Thread(target=self._serve, name="undercurrent-vllm-steps",
@@ -232,11 +242,13 @@ class StepServer:
             self._states = {}
             self._steered = {}
             self._repeat = _Repeat()
+            self._version += 1
             self.error = None
 
     def track(self, engine_id: str, state: RequestState) -> None:
         with self.lock:
             self._states[engine_id] = state
+            self._version += 1
             if state.edits:
                 self._steered[engine_id] = state
 
@@ -246,6 +258,8 @@ class StepServer:
             self._states = {}
             self._steered = {}
             self._repeat = _Repeat()  # let go of the last step's plan and states
+            self._version += 1
+            self._table = self._fed = None
 
     def take_error(self) -> BaseException | None:
         with self.lock:
@@ -296,13 +310,13 @@ class StepServer:
         self.steps += 1
         self.rows += batch.num_rows
         states = self._states
-        _take_tokens(states, ((engine_id, first + offset, token_id)
-                              for engine_id, first, token_ids in batch.tokens
-                              for offset, token_id in enumerate(token_ids)))
+        _take_tokens((states.get(engine_id), first + offset, token_id)
+                     for engine_id, first, token_ids in batch.tokens
+                     for offset, token_id in enumerate(token_ids))
         if batch.token_columns is not None:
             engine_ids, firsts, token_ids = batch.token_columns
-            _take_tokens(states, zip(engine_ids, firsts.tolist(), token_ids.tolist(),
-                                     strict=True))
+            self._fed = fed = self._states_of(engine_ids, self._fed)
+            _take_tokens(zip(fed[2], firsts.tolist(), token_ids.tolist(), strict=True))
         for engine_id, name, tensor_type, layer, token_index in batch.edits:
             state = states.get(engine_id)
             if state is not None:
@@ -311,8 +325,8 @@ class StepServer:
                         for engine_id, state in self._steered.items()}
         aborts = len(session.aborted)
         # The batch's request table, resolved once: its matches index it.
-        table = [states.get(engine_id) for engine_id in batch.requests]
-        deliveries = self._repeat.deliveries(batch, table)
+        self._table = known = self._states_of(batch.requests, self._table)
+        deliveries = self._repeat.deliveries(batch, known[2])
         session.deliver(deliveries)
         for engine_id, before in armed_before.items():
             armed = states[engine_id].armed
@@ -325,6 +339,18 @@ class StepServer:
         if aborted:
             self._on_abort(aborted)
         return aborted
+
+    def _states_of(self, engine_ids: list[str],
+                   last: tuple[list[str], int, list[RequestState | None]] | None
+                   ) -> tuple[list[str], int, list[RequestState | None]]:
+        """The state of each of ``engine_ids`` (None: not tracked), as ``last`` has
+        them when it was made for the same ids since ``_states`` last changed (a
+        steady generation sends the same ids every step)."""
+        if last is not None and last[1] == self._version and (
+                last[0] is engine_ids or last[0] == engine_ids):
+            return last
+        states = self._states
+        return engine_ids, self._version, [states.get(engine_id) for engine_id in engine_ids]
 
     def close(self) -> None:
         with _LOCAL_LOCK:

@@ -32,7 +32,7 @@ from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MATCH_COLUMNS = ("request", "point", "token_index", "layers")
 """The columns of :attr:`StepBatch.matches`."""
@@ -84,10 +84,14 @@ class StepBatch:
     knows each record's token id before the step's output reaches it. A step
     that repeats the last one a token later sends them as ``token_columns``
     instead: (engine request ids, each one's generated index, each one's token
-    id), one token per request, the two arrays ``int64``. ``edits``
+    id), one token per request, the two arrays of integers. ``edits``
     holds ``(engine request id, edit name, tensor type, layer, token index)`` for
     every live edit the step applied (the records of an edited site say so).
     ``requests`` is the table of engine request ids the matches index.
+
+    ``shifted``: this batch's columns are the previous batch's a token later
+    (the same requests, groups and rows, every match's token one on), which
+    the driver then need not compare to know.
     """
 
     step: int
@@ -101,6 +105,7 @@ class StepBatch:
     matches: np.ndarray = field(default_factory=lambda: match_array([]))
     match_rows: np.ndarray = field(default_factory=lambda: row_array([]))
     token_columns: tuple[list[str], np.ndarray, np.ndarray] | None = None
+    shifted: bool = False
 
     def rows(self, group: GroupRows) -> Any:
         """The rows of ``group`` (a view into its bank, as it crossed)."""

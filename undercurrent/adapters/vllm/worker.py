@@ -116,10 +116,15 @@ class _Feed:
     tokens in its KV cache), and no request opened, released or aborted since
     (``version``). ``states`` are the requests fed, in slot order (``slots``),
     each of which has sent the driver every generated token it fed: a repeated
-    step sends each the one token it feeds."""
+    step sends each the one token it feeds.
+
+    What the repeated steps move on is counted here, not in each request's state:
+    ``repeated`` steps fed each state a token (its ``next_token``), ``sent`` of
+    them sent it (its ``generated_sent``); :meth:`settle` puts the counts on the
+    states before anything reads them (a step that does not repeat)."""
 
     __slots__ = ("version", "req_ids", "starts", "computed", "states", "slots",
-                 "prompt_lens", "engine_ids")
+                 "prompt_lens", "engine_ids", "repeated", "sent")
 
     def __init__(self, version: int, req_ids: list[str], starts: np.ndarray,
                  computed: np.ndarray, states: list[MirrorState], slots: list[int]) -> None:
@@ -130,6 +135,16 @@ class _Feed:
         self.slots = np.array(slots, dtype=np.int64)
         self.prompt_lens = np.array([state.prompt_len for state in states], dtype=np.int64)
         self.engine_ids = [state.request_id for state in states]
+        self.repeated = self.sent = 0
+
+    def settle(self) -> None:
+        """Move each state fed on by the repeated steps' counts."""
+        repeated, sent = self.repeated, self.sent
+        if repeated or sent:
+            for state in self.states:
+                state.next_token += repeated
+                state.generated_sent += sent
+            self.repeated = self.sent = 0
 
 
 class _Capture:
@@ -339,8 +354,10 @@ class _Capture:
         if self.tensor_parallel_size > 1 and any(s.has_triggers for s in self.states.values()):
             self._share_armed()
         feed, self.feed = self.feed, None
-        if feed is not None and self.repeat_feeds and self._repeat_step(feed):
-            return
+        if feed is not None:
+            if self.repeat_feeds and self._repeat_step(feed):
+                return
+            feed.settle()
         plan = StepPlan()
         fed: list[tuple[MirrorState, int, int, Any]] = []  # (state, start, stop, window)
         for window in self._windows():
@@ -424,9 +441,8 @@ class _Capture:
             return False
         # Each request fed feeds the token at its KV length (read when the step
         # ends, as the windows' tokens are).
-        self.fed_tokens = (feed, computed[feed.slots].astype(np.int64))
-        for state in feed.states:
-            state.next_token += 1
+        self.fed_tokens = (feed, computed[feed.slots])
+        feed.repeated += 1
         feed.computed = computed.copy()
         self.feed = feed
         plan = steady.plan.shifted(1)
@@ -509,7 +525,9 @@ class _Capture:
             matches = columns[2].copy()
             matches[:, 2] += 1
             requests, match_rows, groups = columns[1], columns[3], columns[4]
+            shifted = True
         else:
+            shifted = False
             requests, matches, match_rows = match_columns(plan, self.filled)
             number = {bank: len([rows for rows in banks[:bank] if rows is not None])
                       for bank, rows in enumerate(banks) if rows is not None}
@@ -525,7 +543,7 @@ class _Capture:
                  for rows in banks if rows is not None]
         batch = wire.StepBatch(step=self.step, groups=groups, banks=wired,
                                edits=self._applied_edits(), requests=requests,
-                               matches=matches, match_rows=match_rows)
+                               matches=matches, match_rows=match_rows, shifted=shifted)
         token_ids = self.runner.input_batch.token_ids_cpu
         for state, slot, first, stop in self.pending_tokens:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
@@ -534,9 +552,8 @@ class _Capture:
         if self.fed_tokens is not None:  # a repeated step: one token per request fed
             feed, positions = self.fed_tokens
             batch.token_columns = (feed.engine_ids, positions - feed.prompt_lens,
-                                   token_ids[feed.slots, positions].astype(np.int64))
-            for state in feed.states:
-                state.generated_sent += 1
+                                   token_ids[feed.slots, positions])
+            feed.sent += 1
         reply: wire.StepBatch | wire.StepReply
         try:
             # A Ctrl-C is held until the exchange is complete (inside generate(),
