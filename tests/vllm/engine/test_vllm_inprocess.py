@@ -350,9 +350,10 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     wanted = ("residual_all", "final_norm")
     points = [dataclasses.replace(point, probe_type="keeper")
               for point in spec_points(num_layers) if point.name in wanted]
-    counts = {"shifted": 0, "driver repeats": 0, "kept layout": 0, "worker repeats": 0,
-              "worker says shifted": 0}
+    counts = {"shifted": 0, "moved": 0, "driver repeats": 0, "kept layout": 0,
+              "worker repeats": 0, "worker says shifted": 0}
     shifted, steady, repeats = StepPlan.shifted, delivery._deliver_steady, channel._Repeat._repeats
+    advanced = StepPlan.advanced
     repeat_step = worker._Capture._repeat_step
 
     def counted_repeat_step(self, feed):
@@ -363,6 +364,12 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     def counted_shift(plan, delta=1):
         counts["shifted"] += 1
         return shifted(plan, delta)
+
+    def counted_advance(plan, delta=1):
+        # a plan moved on in place, or (not delivered yet) shifted: counted there
+        moved = advanced(plan, delta)
+        counts["moved"] += moved is plan
+        return moved
 
     def counted_delivery(session, plan, sources, *step):
         done = steady(session, plan, sources, *step)
@@ -376,6 +383,7 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
         return found
 
     monkeypatch.setattr(StepPlan, "shifted", counted_shift)
+    monkeypatch.setattr(StepPlan, "advanced", counted_advance)
     monkeypatch.setattr(channel._Repeat, "_repeats", counted_repeats)
     monkeypatch.setattr(delivery, "_deliver_steady", counted_delivery)
     monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat_step)
@@ -384,11 +392,12 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
         session = CaptureSession(router, points)
         outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
                                    session)
-    # The worker shifts its plan in every step the driver repeats, and the driver
-    # delivers each of those from its kept layout (and some plans it keeps to
-    # repeat, from their first step).
+    # The worker shifts its plan in every step the driver repeats (or moves the
+    # last one on, once sent), and so does the driver, which delivers each of those
+    # from its kept layout (and some plans it keeps to repeat, from their first step).
     assert counts["kept layout"] >= counts["driver repeats"] > 0, counts
-    assert counts["shifted"] == 2 * counts["driver repeats"], counts
+    assert counts["shifted"] + counts["moved"] == 2 * counts["driver repeats"], counts
+    assert counts["moved"] > 0, counts
     # Most of the worker's shifts come from the runner's arrays alone (its token
     # ids sent as columns): every record's token id below comes from those.
     assert counts["driver repeats"] >= counts["worker repeats"] > counts["driver repeats"] // 2, \

@@ -20,6 +20,7 @@ without building anything per captured vector.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import secrets
 import tempfile
@@ -27,7 +28,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -113,7 +114,7 @@ class _Repeat:
         keys = [(group.layer, group.tensor_type, group.count) for group in batch.groups]
         plan, self._plan = self._plan, None  # (kept again below, once this batch is read)
         if plan is not None and self._repeats(batch, keys, table):
-            plan = plan.shifted(1)
+            plan = plan.advanced(1)  # (the last plan moved on, once it is delivered)
             banks = [_as_tensor(bank) for bank in batch.banks]
             groups = plan.groups
             deliveries: list[Delivery] = [
@@ -163,6 +164,22 @@ def _take_tokens(tokens: Iterable[tuple[RequestState | None, int, int]]) -> None
             generated[index] = token_id
         elif index == len(generated):
             generated.append(token_id)
+
+
+def _take_columns(states: list[RequestState | None], firsts: list[int],
+                  token_ids: list[int]) -> None:
+    """:func:`_take_tokens` of token columns: ``states[i]`` generated ``token_ids[i]``
+    at index ``firsts[i]``. Where each is the next token of its request (a steady
+    step's), every one is appended in a single pass."""
+    if None not in states:
+        lists = list(map(_GENERATED, cast(list[RequestState], states)))
+        if list(map(len, lists)) == firsts:
+            list(map(list.append, lists, token_ids))
+            return
+    _take_tokens(zip(states, firsts, token_ids, strict=True))
+
+
+_GENERATED = operator.attrgetter("generated")
 
 
 def _as_tensor(bank: Any) -> Any:
@@ -316,7 +333,7 @@ class StepServer:
         if batch.token_columns is not None:
             engine_ids, firsts, token_ids = batch.token_columns
             self._fed = fed = self._states_of(engine_ids, self._fed)
-            _take_tokens(zip(fed[2], firsts.tolist(), token_ids.tolist(), strict=True))
+            _take_columns(fed[2], firsts.tolist(), token_ids.tolist())
         for engine_id, name, tensor_type, layer, token_index in batch.edits:
             state = states.get(engine_id)
             if state is not None:

@@ -188,9 +188,10 @@ class _Capture:
         self.filled: set[tuple[int, TensorType]] = set()
         self.step = 0
         # While every request fed is steady: the last plan, where each was fed, and
-        # the step's wire columns (see _begin_step and _end_step).
+        # the step's wire columns with the base plan and shift they were made at
+        # (see _begin_step and _end_step: the steady plan moves on in place).
         self.steady: _Steady | None = None
-        self.columns: tuple[StepPlan, list[str], np.ndarray, np.ndarray,
+        self.columns: tuple[StepPlan, int, list[str], np.ndarray, np.ndarray,
                             list[wire.GroupRows]] | None = None
         # The runner's batch of a steady step (see _repeat_step), what a repeated
         # step sends of its tokens, and the version of ``states`` (bumped when a
@@ -445,9 +446,9 @@ class _Capture:
         feed.repeated += 1
         feed.computed = computed.copy()
         self.feed = feed
-        plan = steady.plan.shifted(1)
-        self.steady = _Steady(plan, steady.places, steady.wanted, steady.live, steady.keys,
-                              steady.shift + 1)
+        # (the last plan itself moved on where it was sent: see StepPlan.advanced)
+        plan = steady.plan = steady.plan.advanced(1)
+        steady.shift += 1
         self._rehook(steady.wanted)
         self._place(plan)
         self.plan = plan
@@ -516,15 +517,14 @@ class _Capture:
         self.step += 1
         whole = len(self.filled) == len(plan.groups)  # (always, on a whole forward)
         columns = self.columns
-        last = None if columns is None else columns[0]
-        if (columns is not None and last is not None and plan.base is not None
-                and plan.base is (last if last.base is None else last.base)
-                and plan.delta == last.delta + 1 and whole):
+        base = plan if plan.base is None else plan.base
+        if (columns is not None and plan.base is not None and base is columns[0]
+                and plan.delta == columns[1] + 1 and whole):
             # The last step's plan a token later: its columns a token later, and
             # the same groups in the same banks.
-            matches = columns[2].copy()
+            matches = columns[3].copy()
             matches[:, 2] += 1
-            requests, match_rows, groups = columns[1], columns[3], columns[4]
+            requests, match_rows, groups = columns[2], columns[4], columns[5]
             shifted = True
         else:
             shifted = False
@@ -537,7 +537,8 @@ class _Capture:
                     bank, offset, count = self.slices[key]
                     groups.append(wire.GroupRows(key[0], key[1].value, number[bank], offset,
                                                  count))
-        self.columns = (plan, requests, matches, match_rows, groups) if whole else None
+        self.columns = ((base, plan.delta, requests, matches, match_rows, groups) if whole
+                        else None)
         # One device-to-host copy per row shape (hidden-size rows, kv rows).
         wired = [rows.cpu() if self.local is not None else _wire_bank(rows.cpu())
                  for rows in banks if rows is not None]
