@@ -71,14 +71,16 @@ STAGES = (
 @contextlib.contextmanager
 def timed_stages(totals: collections.Counter[str],
                  clock: Callable[[], float] = time.perf_counter,
-                 calls: collections.Counter[str] | None = None) -> Iterator[None]:
-    """Inside the block, every stage adds its time to ``totals[label]`` (and
-    one to ``calls[label]``, when given); the original functions are back
-    afterwards."""
+                 calls: collections.Counter[str] | None = None,
+                 stages: tuple[tuple[str, str | None, str, str], ...] = STAGES
+                 ) -> Iterator[None]:
+    """Inside the block, every stage (of :data:`STAGES`, or ``stages`` in that
+    form) adds its time to ``totals[label]`` (and one to ``calls[label]``, when
+    given); the original functions are back afterwards."""
     counted = calls if calls is not None else collections.Counter()
     restore: list[tuple[Any, str, Any]] = []
     try:
-        for module_name, owner, name, label in STAGES:
+        for module_name, owner, name, label in stages:
             target: Any = importlib.import_module(module_name)
             if owner is not None:
                 target = getattr(target, owner)
@@ -136,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         return _measure(args, totals, calls)
 
 
-def _measure(args: argparse.Namespace, totals: collections.Counter[str],
-             calls: collections.Counter[str]) -> int:
-    collected = [0.0, 0]
+@contextlib.contextmanager
+def collector_time() -> Iterator[list[Any]]:
+    """Inside the block, the garbage collector's seconds and collections add up
+    in the list yielded (``[seconds, collections]``; reset it to start over)."""
+    collected: list[Any] = [0.0, 0]
     started = [0.0]
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
@@ -150,9 +154,15 @@ def _measure(args: argparse.Namespace, totals: collections.Counter[str],
 
     gc.callbacks.append(on_gc)
     try:
-        return _run(args, totals, calls, collected)
+        yield collected
     finally:
         gc.callbacks.remove(on_gc)
+
+
+def _measure(args: argparse.Namespace, totals: collections.Counter[str],
+             calls: collections.Counter[str]) -> int:
+    with collector_time() as collected:
+        return _run(args, totals, calls, collected)
 
 
 def _run(args: argparse.Namespace, totals: collections.Counter[str],

@@ -288,3 +288,31 @@ def test_a_shifted_claim_is_taken_only_against_the_batch_just_before_it():
     # a batch that says nothing: its columns compared with the last one's
     assert delivered(repeats.deliveries(batch(6, False), [other])) == (True, [6], [6.0] * 3)
     assert delivered(repeats.deliveries(batch(8, False), [other])) == (False, [8], [8.0] * 3)
+
+
+def test_held_step_batches_go_to_the_driver_in_step_order_each_once(monkeypatch):
+    # With hold (no reply can change a step), the worker keeps step batches and
+    # sends them together: at HOLD_STEPS, or HOLD_BYTES of rows, when the driver
+    # asks (flush), or ahead of the next batch once the hold is over.
+    from undercurrent.adapters.vllm import worker
+
+    monkeypatch.setattr(worker, "HOLD_STEPS", 3)
+    monkeypatch.setattr(worker, "HOLD_BYTES", 1000)
+    capture = object.__new__(worker._Capture)
+    capture.hold, capture.held, capture.held_bytes = True, [], 0
+    sent: list[list[int]] = []
+    capture._exchange = lambda batch: sent.append(  # type: ignore[method-assign]
+        [earlier.step for earlier in batch.earlier] + [batch.step])
+    for step in range(1, 8):
+        capture._ship(wire.StepBatch(step=step), 10)
+    assert sent == [[1, 2, 3], [4, 5, 6]]
+    capture._ship(wire.StepBatch(step=8), 2000)  # over the bytes: sent with 7
+    capture.flush()  # nothing left to send
+    capture._ship(wire.StepBatch(step=9), 10)
+    capture.flush()
+    assert sent == [[1, 2, 3], [4, 5, 6], [7, 8], [9]]
+    capture._ship(wire.StepBatch(step=10), 10)
+    capture.hold = False  # (a later open without hold)
+    capture._ship(wire.StepBatch(step=11), 10)
+    capture._ship(wire.StepBatch(step=12), 10)
+    assert sent[4:] == [[10, 11], [12]] and capture.held == [] and capture.held_bytes == 0

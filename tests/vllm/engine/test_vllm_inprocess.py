@@ -5,6 +5,7 @@ streams, registration errors. One engine for the whole file."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar
 
 import pytest
@@ -144,8 +145,12 @@ def _stopping_model(backend, marked, generated_index, records=True):
 
 #: How the engine reports a call's requests: at every step (a probe that may
 #: abort), or only once each finishes, with the router made to say that no probe
-#: may abort (the aborted requests then take the tokens the worker sent).
-REPORTED = ["every step", "once finished"]
+#: may abort (the aborted requests then take the tokens the worker sent). Then
+#: the worker holds its steps back (no reply can change a step: see
+#: ``undercurrent_open``): "once finished" sends each step at once all the same,
+#: "held" lets them wait, so the probe's abort, which the router said could not
+#: come, reaches the driver steps later (or once the engine is done).
+REPORTED = ["every step", "once finished", "held"]
 
 
 def _reported(backend, monkeypatch, reported):
@@ -153,8 +158,10 @@ def _reported(backend, monkeypatch, reported):
     the engine gets."""
     from vllm.sampling_params import RequestOutputKind
 
-    if reported == "once finished":
+    if reported != "every step":
         monkeypatch.setattr(Router, "may_abort", lambda self, request_ids: False)
+    if reported == "once finished":
+        monkeypatch.setattr(worker, "HOLD_STEPS", 1)
     kinds = _sampling_spy(backend, monkeypatch, "output_kind")
     expected = (RequestOutputKind.CUMULATIVE if reported == "every step"
                 else RequestOutputKind.FINAL_ONLY)
@@ -185,8 +192,11 @@ def test_inline_abort_stops_only_that_request_before_its_next_token(backend, ref
             if reported == "every step":
                 # The engine itself committed no token after the aborting step.
                 assert backend.engine_token_counts[output.request_id] == 3
-            else:  # the engine reported nothing for it
+            elif reported == "once finished":  # the engine reported nothing for it
                 assert output.request_id not in backend.engine_token_counts
+            else:  # stopped late, or finished first: the output keeps what the probe saw
+                assert backend.engine_token_counts.get(output.request_id) in (
+                    None, len(plain.token_ids))
             assert max(r.generated_index for r in output.records) == 2
             assert output.results["guard"].flagged
         else:
@@ -209,7 +219,10 @@ def test_abort_on_a_prompt_token_leaves_the_output_empty(backend, reference, bas
         router.shutdown()
     assert kinds == [expected] * 6
     assert outputs[3].aborted and outputs[3].token_ids == () and outputs[3].text == ""
-    assert backend.engine_token_counts.get("r3", 0) == 0
+    if reported == "held":  # (the abort came late)
+        assert backend.engine_token_counts.get("r3", 0) in (0, len(baseline[3].token_ids))
+    else:
+        assert backend.engine_token_counts.get("r3", 0) == 0
     assert [o.token_ids for i, o in enumerate(outputs) if i != 3] == [
         o.token_ids for i, o in enumerate(baseline[:6]) if i != 3]
 
@@ -549,3 +562,44 @@ def test_a_call_no_probe_can_stop_is_reported_once_per_request_with_the_same_out
     assert kinds == ([RequestOutputKind.FINAL_ONLY] * count
                      + [RequestOutputKind.CUMULATIVE] * count)
     assert views[None] == views[True]
+
+
+def test_the_vllm_stage_timers_time_each_stage_and_put_every_function_back(
+        backend, reference, num_layers):
+    # benchmarks.vllm_stage_timers: every stage of a probed generation is reached
+    # through the functions it wraps (a renamed one would leave its row empty).
+    import collections
+
+    from benchmarks.stage_timers import timed_stages
+    from benchmarks.vllm_stage_timers import SITE_HOOKS, STAGES, timed_site_hooks
+
+    texts, _ = reference
+    points = [point for point in spec_points(num_layers) if point.name == "residual_all"]
+    before = (worker._Capture._output_hook, worker._Capture._begin_step,
+              channel.StepServer.answer)
+    totals: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+
+    def attach():
+        # The worker's step hooks are bound when it attaches: the tool loads its
+        # model inside the timers; this engine attaches again instead.
+        server = backend.server
+        backend.engine.collective_rpc("undercurrent_attach",
+                                      args=(server.address, server.authkey, os.getpid()))
+
+    try:
+        with timed_stages(totals, calls=calls, stages=STAGES), timed_site_hooks(totals, calls):
+            attach()
+            with Router() as router:
+                session = CaptureSession(router, points)
+                backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY, session)
+    finally:
+        attach()
+    missing = [label for *_, label in STAGES if not totals[label]]
+    # (a window is routed only when a steady point's decode steps were held)
+    assert missing in ([], ["      route the window held back"]), missing
+    assert calls[SITE_HOOKS] >= num_layers and totals[SITE_HOOKS] > 0
+    steps = calls["  engine steps (the model, the hooks, the answers)"]
+    assert calls["    worker: plan the step"] == steps > 0
+    assert (worker._Capture._output_hook, worker._Capture._begin_step,
+            channel.StepServer.answer) == before

@@ -422,9 +422,11 @@ class VLLMBackend:
         return VllmSampling(temperature=params.temperature, top_p=params.top_p,
                             top_k=params.top_k or 0, **shared)
 
-    def _open_in_worker(self, entries: list[tuple[str, RequestState, int]]) -> None:
+    def _open_in_worker(self, entries: list[tuple[str, RequestState, int]],
+                        hold: bool = False) -> None:
         """Tell the workers which points (capturing rank) and edits (every rank) each
-        request has."""
+        request has; ``hold``: the capturing worker may hold step batches back
+        (nothing the driver answers can change a step) until :meth:`_flush`."""
         union: list[ExtractionPoint] = []
         index_of: dict[str, int] = {}
         edit_union: list[Any] = []
@@ -448,7 +450,15 @@ class VLLMBackend:
         if requests:
             self.engine.collective_rpc(
                 "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests,
-                                           [wire.edit_to_wire(e) for e in edit_union]))
+                                           [wire.edit_to_wire(e) for e in edit_union], hold))
+
+    def _flush(self) -> None:
+        """Have the capturing worker send the step batches it held, and raise what
+        routing them raised."""
+        self.engine.collective_rpc("undercurrent_flush")
+        error = self.server.take_error()
+        if error is not None:
+            raise error
 
     def _add(self, engine_id: str, token_ids: list[int], sampling: Any) -> None:
         with self._input_lock:
@@ -486,16 +496,19 @@ class VLLMBackend:
                     self.server.track(engine_id, state)
                     entries.append((engine_id, state, 0))
                 self._check_seeded_batch(params, [s.prompt_len for _, s, _ in entries])
-                self._open_in_worker(entries)
                 # Without a stream or a probe that may stop a request, nothing
-                # reads a request's tokens before it finishes.
+                # reads a request's tokens before it finishes; without edits too,
+                # nothing the driver answers a step can change it, and the worker
+                # sends its steps several at a time.
                 final_only = not emit_tokens and not session.may_abort(
                     [state.request_id for state in opened])
+                hold = final_only and not any(state.edits for state in opened)
+                self._open_in_worker(entries, hold=hold)
                 sampling = self._sampling(params, final_only=final_only)
                 for engine_id, state, _ in entries:
                     self._add(engine_id, list(state.prompt_token_ids), sampling)
                 yield from self._drive(states, params, session, emit_tokens, ctrl_c,
-                                       final_only=final_only)
+                                       final_only=final_only, hold=hold)
             except BaseException:
                 self._abort_all(list(engine_ids))
                 session.abandon()
@@ -522,8 +535,8 @@ class VLLMBackend:
 
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool,
-               ctrl_c: HeldCtrlC | None = None, *, final_only: bool = False
-               ) -> Iterator[StreamEvent]:
+               ctrl_c: HeldCtrlC | None = None, *, final_only: bool = False,
+               hold: bool = False) -> Iterator[StreamEvent]:
         """Step the engine until every request is done; yield a stream's events and
         each request's final event.
 
@@ -531,7 +544,9 @@ class VLLMBackend:
         (:meth:`_sampling`). A request a probe aborts anyway then takes its
         tokens from those the worker sent with its rows, which hold every
         generated token up to the one whose record fired; the engine itself
-        reports nothing for it, so it has no :attr:`engine_token_counts`."""
+        reports nothing for it, so it has no :attr:`engine_token_counts`.
+        ``hold``: the worker held step batches back; they are asked for once
+        the engine is done."""
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
             state.stream_text = StreamText(params.stop) if emit_tokens else None
@@ -597,6 +612,11 @@ class VLLMBackend:
                     del stopping[engine_id]
                     done.add(engine_id)
                     reasons[engine_id] = "abort"
+        if hold:
+            self._flush()
+            # A probe that aborts though the router said none may (see may_abort)
+            # stops nothing now: the engine is done, and _finish cuts the output.
+            self._take_aborted()
         if any(state.edits for state in states.values()):
             self._take_edits(states)
         if params.capture_last_token:

@@ -32,7 +32,13 @@ from typing import Any, cast
 
 import numpy as np
 
-from undercurrent.adapters.session import CaptureGroup, CaptureSession, RequestState, StepPlan
+from undercurrent.adapters.session import (
+    CaptureGroup,
+    CaptureSession,
+    PairKey,
+    RequestState,
+    StepPlan,
+)
 from undercurrent.adapters.vllm import wire
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
@@ -128,7 +134,8 @@ class _Repeat:
                 plan = None  # an untracked or steered request: planned every step
             elif plan is not None:
                 plan.repeatable = True
-                self._layout = [(group.key, group.key[1]) for _, group, _ in deliveries]
+                self._layout = [(key, key[1]) for key in (
+                    cast(PairKey, group.key) for _, group, _ in deliveries)]
         self._plan, self._keys, self._table = plan, keys, table
         self._last = (batch.matches, batch.match_rows)
         return deliveries
@@ -304,9 +311,13 @@ class StepServer:
                 return
 
     def answer(self, batch: wire.StepBatch) -> wire.StepReply:
-        """Route one step's batch and say what the worker must know before it samples:
-        the requests an inline probe aborted and the triggered edits switched on."""
-        reply = wire.StepReply(step=batch.step, aborted=self._handle(batch))
+        """Route one step's batch (after the earlier ones it carries) and say what
+        the worker must know before it samples: the requests an inline probe
+        aborted and the triggered edits switched on."""
+        aborted = []
+        for earlier in batch.earlier:
+            aborted += self._handle(earlier)
+        reply = wire.StepReply(step=batch.step, aborted=aborted + self._handle(batch))
         reply.armed, self._armed = self._armed, []
         return reply
 

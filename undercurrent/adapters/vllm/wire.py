@@ -92,6 +92,10 @@ class StepBatch:
     ``shifted``: this batch's columns are the previous batch's a token later
     (the same requests, groups and rows, every match's token one on), which
     the driver then need not compare to know.
+
+    ``earlier``: the batches of earlier steps the worker held back (when no
+    reply could change a step: see ``undercurrent_open``'s ``hold``), in step
+    order; the driver routes them before this one, and its reply answers all.
     """
 
     step: int
@@ -106,6 +110,7 @@ class StepBatch:
     match_rows: np.ndarray = field(default_factory=lambda: row_array([]))
     token_columns: tuple[list[str], np.ndarray, np.ndarray] | None = None
     shifted: bool = False
+    earlier: list[StepBatch] = field(default_factory=list)
 
     def rows(self, group: GroupRows) -> Any:
         """The rows of ``group`` (a view into its bank, as it crossed)."""

@@ -12,6 +12,9 @@ into the step's bank of rows. At the end of the forward the worker sends one
 :class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
 reply, so inline probes run (and can abort) before the step's tokens are sampled (in
 the driver's own process, the in-process engine, it calls the driver's server instead).
+When no reply can change a step (no probe may abort and no edit waits for a signal:
+the driver says so when it opens the requests), the batches wait in the worker and go
+several steps at a time, the rest when the driver asks once the engine is done.
 
 Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
 are the full, all-reduced ones, identical on every rank. Live edits run on every
@@ -200,6 +203,10 @@ class _Capture:
         self.fed_tokens: tuple[_Feed, np.ndarray] | None = None
         self.version = 0
         self.placed: StepPlan | None = None  # the plan whose layout _place made last
+        # Batches held back (see open's ``hold``) and the bytes of their rows.
+        self.hold = False
+        self.held: list[wire.StepBatch] = []
+        self.held_bytes = 0
         self.handles.append(self.model.register_forward_pre_hook(self._begin_step))
         self.handles.append(self.model.register_forward_hook(self._end_step))
 
@@ -555,6 +562,36 @@ class _Capture:
             batch.token_columns = (feed.engine_ids, positions - feed.prompt_lens,
                                    token_ids[feed.slots, positions])
             feed.sent += 1
+        self._ship(batch, sum(int(bank.nbytes) for bank in wired))
+
+    def _ship(self, batch: wire.StepBatch, nbytes: int) -> None:
+        """Send ``batch`` (``nbytes`` of rows) with the batches held before it, or
+        hold it too (see :meth:`open`)."""
+        if self.hold:
+            # Nothing in the reply can change this step: the batch waits for the next
+            # one sent (or for flush()), unless enough wait already.
+            self.held.append(batch)
+            self.held_bytes += nbytes
+            if len(self.held) < HOLD_STEPS and self.held_bytes < HOLD_BYTES:
+                return
+        elif self.held:  # (a hold ended by a later open: what waited goes first)
+            self.held.append(batch)
+        self._exchange(self._take_held() if self.held else batch)
+
+    def _take_held(self) -> wire.StepBatch:
+        """The batches held, as one to send: the last, the others before it."""
+        held, self.held, self.held_bytes = self.held, [], 0
+        batch = held.pop()
+        batch.earlier = held
+        return batch
+
+    def flush(self) -> None:
+        """Send the batches held, if any (the driver asks before it reads its results)."""
+        if self.held:
+            self._exchange(self._take_held())
+
+    def _exchange(self, batch: wire.StepBatch) -> None:
+        """Send ``batch`` to the driver and apply its reply."""
         reply: wire.StepBatch | wire.StepReply
         try:
             # A Ctrl-C is held until the exchange is complete (inside generate(),
@@ -570,6 +607,7 @@ class _Capture:
             logger.warning("undercurrent: lost the driver connection (%s); capture stops",
                            error)
             self.states.clear()
+            self.held, self.held_bytes = [], 0
             self.version += 1
             return
         assert isinstance(reply, wire.StepReply)
@@ -585,7 +623,12 @@ class _Capture:
 
     # -- requests ----------------------------------------------------------
     def open(self, points: list[dict[str, Any]], requests: list[list[Any]],
-             edits: list[dict[str, Any]] | None = None) -> None:
+             edits: list[dict[str, Any]] | None = None, hold: bool = False) -> None:
+        """Track ``requests`` (see ``undercurrent_open``). ``hold``: no reply can
+        change a step, so step batches wait here (:data:`HOLD_STEPS`,
+        :data:`HOLD_BYTES`) and go to the driver several at once, the rest when
+        it asks (:meth:`flush`); each is routed as if sent alone."""
+        self.hold = bool(hold) and self.capturing
         resolved = [wire.point_from_wire(point) for point in points] if self.capturing else []
         edit_list = [wire.edit_from_wire(edit) for edit in edits or ()]
         for engine_id, prompt_len, point_indices, first_token, *rest in requests:
@@ -608,6 +651,8 @@ class _Capture:
         self.version += 1
         if not self.states:
             self._rehook(set())
+            # (held steps the driver did not ask for: it gave up on the generation)
+            self.held, self.held_bytes, self.hold = [], 0, False
 
     def close(self) -> None:
         for handle in self.handles:
@@ -616,6 +661,7 @@ class _Capture:
         self._rehook(set())
         self.states.clear()
         self.steered.clear()
+        self.held, self.held_bytes, self.hold = [], 0, False
         self.version += 1
         self.plan = None
         self.kernels.clear()
@@ -626,6 +672,12 @@ class _Capture:
         except OSError:
             pass
 
+
+#: With ``hold`` (see :meth:`_Capture.open`), at most this many step batches wait
+#: in the worker before they go to the driver together...
+HOLD_STEPS = 16
+#: ... holding at most this many bytes of rows.
+HOLD_BYTES = 32 << 20
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
 
@@ -706,13 +758,23 @@ class UndercurrentWorkerExtension:
         return True
 
     def undercurrent_open(self, points: list[dict[str, Any]], requests: list[list[Any]],
-                          edits: list[dict[str, Any]] | None = None) -> None:
+                          edits: list[dict[str, Any]] | None = None,
+                          hold: bool = False) -> None:
         """Start capturing (and editing) for ``requests``: ``[engine id, prompt length,
         point indices, first token index to capture, edit indices]``; ``edits`` are
-        resolved edits in wire form."""
+        resolved edits in wire form. ``hold``: no reply can change a step (no probe
+        may abort, no edit waits for a signal), so the capturing worker sends its
+        step batches together, several steps at a time (:data:`HOLD_STEPS`), and
+        the rest when :meth:`undercurrent_flush` asks."""
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
-            capture.open(points, requests, edits)
+            capture.open(points, requests, edits, hold)
+
+    def undercurrent_flush(self) -> None:
+        """Send the step batches held (see :meth:`undercurrent_open`) to the driver."""
+        capture = getattr(self, "_undercurrent", None)
+        if capture is not None and capture.capturing:
+            capture.flush()
 
     def undercurrent_take_edits(self) -> list[tuple[str, str, str, int, int]]:
         """The edits applied since the last batch (capturing rank; others return [])."""
