@@ -14,6 +14,7 @@ from vllm_engine_helpers import (
     MAX_NEW_TOKENS,
     compare,
     hf_reference,
+    no_hold,
     prompts,
     spec_points,
 )
@@ -161,7 +162,7 @@ def _reported(backend, monkeypatch, reported):
     if reported != "every step":
         monkeypatch.setattr(Router, "may_abort", lambda self, request_ids: False)
     if reported == "once finished":
-        monkeypatch.setattr(worker, "HOLD_STEPS", 1)
+        no_hold(monkeypatch)
     kinds = _sampling_spy(backend, monkeypatch, "output_kind")
     expected = (RequestOutputKind.CUMULATIVE if reported == "every step"
                 else RequestOutputKind.FINAL_ONLY)

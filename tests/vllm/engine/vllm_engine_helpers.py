@@ -152,3 +152,17 @@ def stop_at(record: Any, *, request_ids: Any = (), generated_index: int = 2) -> 
     if record.request_id in request_ids and record.generated_index == generated_index:
         return ProbeSignal(action="abort", score=1.0)
     return None
+
+
+def no_hold(monkeypatch: Any) -> None:
+    """Make the vLLM backend open its requests without ``hold``: the worker then
+    sends each step's batch at once even when no reply could change a step (the
+    worker may live in another process, so this is set where the driver asks)."""
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    opened = VLLMBackend._open_in_worker
+
+    def open_without_hold(self: Any, entries: Any, hold: bool = False) -> None:
+        opened(self, entries)
+
+    monkeypatch.setattr(VLLMBackend, "_open_in_worker", open_without_hold)
