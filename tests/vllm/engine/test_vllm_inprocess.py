@@ -604,3 +604,41 @@ def test_the_vllm_stage_timers_time_each_stage_and_put_every_function_back(
     assert calls["    worker: plan the step"] == steps > 0
     assert (worker._Capture._output_hook, worker._Capture._begin_step,
             channel.StepServer.answer) == before
+
+
+@pytest.mark.parametrize(("case", "held"), [
+    ("inline, no abort", True), ("inline, may abort", False), ("async", False),
+    ("stream", False)])
+def test_steps_are_held_only_when_no_reply_can_change_them(backend, reference, monkeypatch,
+                                                          case, held):
+    # The worker holds step batches back (sends them several at a time) only in a
+    # generate() whose probes cannot abort, with no async point (a burst could
+    # overflow a queue); each time, every record still reaches its probe.
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    texts, _ = reference
+    asked: list[bool] = []
+    opened = VLLMBackend._open_in_worker
+
+    def spy(self, entries, hold=False):
+        asked.append(hold)
+        return opened(self, entries, hold)
+
+    monkeypatch.setattr(VLLMBackend, "_open_in_worker", spy)
+    action = "abort" if case == "inline, may abort" else "flag"
+    spec = {"version": "1", "extraction_points": [{
+        "name": "norms", "layers": [0, 1], "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory",
+        "execution_mode": "async" if case == "async" else "inline",
+        "probe_args": {"threshold": 1.0e9, "action": action}}]}
+    model = ProbedModel(backend, spec=spec)
+    if case == "stream":
+        events = list(model.stream(texts[0], max_new_tokens=MAX_NEW_TOKENS))
+        outputs = [events[-1].output]
+    else:
+        outputs = model.generate(texts[:6], max_new_tokens=MAX_NEW_TOKENS)
+    assert asked == [held]
+    for output in outputs:
+        stats = output.results["norms"].stats
+        # (the last token generated is never fed to the model: no rows)
+        assert stats.received == stats.processed == 2 * (len(output.token_ids) - 1) > 0

@@ -38,7 +38,7 @@ from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
-from undercurrent.spec.types import ExtractionPoint, TensorType
+from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
 
 logger = logging.getLogger("undercurrent.vllm")
 
@@ -499,10 +499,13 @@ class VLLMBackend:
                 # Without a stream or a probe that may stop a request, nothing
                 # reads a request's tokens before it finishes; without edits too,
                 # nothing the driver answers a step can change it, and the worker
-                # sends its steps several at a time.
+                # sends its steps several at a time. (Not with async points: their
+                # queues take rows as the steps come, and a burst could overflow them.)
                 final_only = not emit_tokens and not session.may_abort(
                     [state.request_id for state in opened])
-                hold = final_only and not any(state.edits for state in opened)
+                hold = final_only and not any(
+                    state.edits or any(point.execution_mode is ExecutionMode.ASYNC
+                                       for point in state.points) for state in opened)
                 self._open_in_worker(entries, hold=hold)
                 sampling = self._sampling(params, final_only=final_only)
                 for engine_id, state, _ in entries:
