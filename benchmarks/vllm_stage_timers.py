@@ -6,7 +6,7 @@ engine (a ``ProbedModel(backend="vllm")``), it runs probed generations and
 plain ones with the same output handling (``benchmarks.vllm_paired``'s "lean"
 plain: no detokenizing, each request reported once), interleaved, after a
 warm-up of each, with timers around the engine's steps and requests, the
-worker's step hooks and site hooks, the driver's answer to each step, and
+worker's step hooks and site hooks, the driver's answers to the steps, and
 the driver's work before and after the steps. It prints each stage's time per
 generation for both (medians over ``--repeats`` generations), its calls, and
 the garbage collector's time. Stages nest (a step holds the worker's hooks,
