@@ -12,9 +12,10 @@ into the step's bank of rows. At the end of the forward the worker sends one
 :class:`~undercurrent.adapters.vllm.wire.StepBatch` to the driver and waits for the
 reply, so inline probes run (and can abort) before the step's tokens are sampled (in
 the driver's own process, the in-process engine, it calls the driver's server instead).
-When no reply can change a step (no probe may abort and no edit waits for a signal:
-the driver says so when it opens the requests), the batches wait in the worker and go
-several steps at a time, the rest when the driver asks once the engine is done.
+When no reply can change a step (in a ``generate()`` call whose probes cannot abort,
+with no edits and no async points: the driver says so when it opens the requests),
+the batches wait in the worker and go several steps at a time, the rest when the
+driver asks once the engine is done.
 
 Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
 are the full, all-reduced ones, identical on every rank. Live edits run on every
@@ -762,9 +763,9 @@ class UndercurrentWorkerExtension:
                           hold: bool = False) -> None:
         """Start capturing (and editing) for ``requests``: ``[engine id, prompt length,
         point indices, first token index to capture, edit indices]``; ``edits`` are
-        resolved edits in wire form. ``hold``: no reply can change a step (no probe
-        may abort, no edit waits for a signal), so the capturing worker sends its
-        step batches together, several steps at a time (:data:`HOLD_STEPS`), and
+        resolved edits in wire form. ``hold``: no reply can change a step (the
+        driver's call: no probe may abort, no edits), so the capturing worker sends
+        its step batches together, several steps at a time (:data:`HOLD_STEPS`), and
         the rest when :meth:`undercurrent_flush` asks."""
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
