@@ -25,6 +25,25 @@ VLLM_SCENARIOS = (PLAIN, PROBED)
 KV_CACHE_GIB = "1"
 
 
+def add_one_engine_arguments(parser: Any) -> None:
+    """The options of a one-engine measurement (``benchmarks.vllm_paired``,
+    ``benchmarks.vllm_stage_timers``): model, mode, layers, concurrency, tokens,
+    torch threads and where the benchmark models are saved."""
+    from pathlib import Path
+
+    from benchmarks.scaling import MODES
+
+    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--mode", default="inline linear", choices=sorted(MODES))
+    parser.add_argument("--layers", default="all", choices=["3", "all"])
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="where the benchmark models are saved (default: a temporary "
+                        "directory)")
+
+
 def vllm_unavailable_reason() -> str | None:
     """Why the vLLM scenarios cannot run here, or None."""
     if importlib.util.find_spec("vllm") is None:

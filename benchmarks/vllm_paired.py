@@ -93,21 +93,13 @@ def paired_job(model_key: str, model_root: str, mode: str, layer_set: str, concu
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.run import ChildRunner
-    from benchmarks.scaling import MODES, TARGET_VLLM_RATIO, _check, one_engine_rows
-    from benchmarks.vllm_jobs import vllm_unavailable_reason
+    from benchmarks.scaling import TARGET_VLLM_RATIO, _check, one_engine_rows
+    from benchmarks.vllm_jobs import add_one_engine_arguments, vllm_unavailable_reason
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
-    parser.add_argument("--mode", default="inline linear", choices=sorted(MODES))
-    parser.add_argument("--layers", default="all", choices=["3", "all"])
-    parser.add_argument("--concurrency", type=int, default=64)
+    add_one_engine_arguments(parser)
     parser.add_argument("--repeats", type=int, default=10, help="pairs per process")
     parser.add_argument("--rounds", type=int, default=3, help="processes, one after another")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--models-dir", type=Path, default=None,
-                        help="where the benchmark models are saved (default: a temporary "
-                        "directory)")
     parser.add_argument("--json", type=Path, default=None, help="write the pairs and summary here")
     args = parser.parse_args(argv)
     reason = vllm_unavailable_reason()

@@ -91,21 +91,12 @@ def timed_site_hooks(totals: collections.Counter[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.scaling import MODES
-    from benchmarks.vllm_jobs import vllm_unavailable_reason
+    from benchmarks.vllm_jobs import add_one_engine_arguments, vllm_unavailable_reason
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm_stage_timers",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
-    parser.add_argument("--mode", default="inline linear", choices=sorted(MODES))
-    parser.add_argument("--layers", default="all", choices=["3", "all"])
-    parser.add_argument("--concurrency", type=int, default=64)
+    add_one_engine_arguments(parser)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--models-dir", type=Path, default=None,
-                        help="where the benchmark models are saved (default: a temporary "
-                        "directory)")
     args = parser.parse_args(argv)
     reason = vllm_unavailable_reason()
     if reason is not None:
