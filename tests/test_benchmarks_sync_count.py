@@ -59,6 +59,42 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     assert (CaptureSession.open_requests, vars(ScoreSummary)["batch_signals_many"]) == before
 
 
+def test_stage_timers_time_an_async_trajectory_s_workers_and_put_every_function_back():
+    import collections
+
+    from benchmarks.stage_timers import timed_stages
+    from undercurrent import ProbedModel
+    from undercurrent.probes.trajectory import TrajectoryProbe
+    from undercurrent.router import Router, scheduler
+    from undercurrent.spec import parse_dict
+
+    before = (vars(TrajectoryProbe)["judge_many"], TrajectoryProbe.row_values,
+              scheduler._judge_taken)
+    spec = parse_dict({"version": "1", "extraction_points": [{
+        "name": "p", "layers": [0, 1], "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "trajectory_probe",
+        "probe_kind": "trajectory", "execution_mode": "async",
+        "probe_args": {"threshold": 1.0e9}}]})
+    totals: collections.Counter[str] = collections.Counter()
+    # One worker, never joined by another: each routing schedules both requests'
+    # bindings at once, and that worker takes them together (a group's turn).
+    with Router(workers=1, stall_timeout_s=3600.0) as router, ProbedModel.from_pretrained(
+            "undercurrent/tiny", spec=spec, router=router) as probed:
+        with timed_stages(totals):
+            outputs = probed.generate(["a b", "c d e"], max_new_tokens=3)
+    # (every row judged: the workers' stages ran before generate() returned)
+    assert all(output.results["p"].stats.processed == output.results["p"].stats.received > 0
+               for output in outputs)
+    for stage in ("workers: judge together", "  take each binding's queued rows",
+                  "  the turn's values and judgements (in the trajectory stages above)",
+                  "    settle each binding",
+                  "    trajectory: the rows' values (norms or scores)",
+                  "    trajectory: running statistics and summaries (judge_many)"):
+        assert totals[stage] > 0, stage
+    assert (vars(TrajectoryProbe)["judge_many"], TrajectoryProbe.row_values,
+            scheduler._judge_taken) == before
+
+
 def test_a_copy_counts_when_it_blocks_into_host_memory():
     from benchmarks.sync_count import _blocking_copy_to_host
 
