@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.models import MODEL_KEYS_HELP, model_key
+
 #: Functions whose count is a helper thread waiting, not work (see the docstring).
 SPINNING = ("exec_blas_async_wait", "blas_thread_server")
 BASELINE = "raw_forward_hooks"
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.instructions",
                                      description=__doc__.split("\n\n")[0])
     add_generation_arguments(parser)
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--model", default="tiny", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--by-function", type=int, default=0, metavar="N",
                         help="also list, per scenario, the N functions (C level: the "
                              "interpreter, numpy, torch, BLAS...) whose counts grew most "

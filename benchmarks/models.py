@@ -1,13 +1,18 @@
 """The models, tokenizer and prompts every benchmark scenario runs on.
 
-Two models: the bundled tiny model (or, before it exists, a tiny random Llama
-of the same kind) and a larger random-init Llama where compute dominates.
-Both are deterministic: the same seed gives the same weights in every process,
-so scenarios run in separate processes generate the same tokens.
+The models, by key: ``tiny``, the bundled tiny model (or, before it exists, a
+tiny random Llama of the same kind); ``large``, a larger random-init Llama where
+compute dominates; and ``deep<N>`` (``deep48``), a random-init Llama of the
+bundled model's widths with ``N`` decoder layers, for measuring the capture's
+cost against depth. All are deterministic: the same seed gives the same weights
+in every process, so scenarios run in separate processes generate the same
+tokens.
 """
 
 from __future__ import annotations
 
+import argparse
+import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +47,18 @@ TINY_LLAMA = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+#: The ``deep<N>`` models: the bundled model's widths (so the bundled probe file
+#: reads their rows), ``N`` decoder layers.
+DEEP_LLAMA = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+#: The depths a ``deep<N>`` key may ask for.
+DEEP_LAYERS = range(1, 257)
+_DEEP_KEY = re.compile(r"deep([0-9]+)")
+MODEL_KEYS_HELP = "tiny, large, or deep<N> (the bundled model's widths, N layers: deep48)"
 
 
 @dataclass
@@ -154,8 +171,25 @@ def model_directory(key: str, root: Path) -> Path:
     return target
 
 
+def model_key(text: str) -> str:
+    """``text`` if it names a benchmark model (``tiny``, ``large``, ``deep<N>``),
+    else :class:`argparse.ArgumentTypeError` saying what may be given (the
+    ``type`` of the tools' ``--model`` options)."""
+    if text in ("tiny", "large"):
+        return text
+    deep = _DEEP_KEY.fullmatch(text)
+    if deep is None:
+        raise argparse.ArgumentTypeError(f"unknown benchmark model {text!r}; expected "
+                                         f"{MODEL_KEYS_HELP}")
+    if int(deep.group(1)) not in DEEP_LAYERS:
+        raise argparse.ArgumentTypeError(
+            f"benchmark model {text!r}: a deep model has {DEEP_LAYERS.start} to "
+            f"{DEEP_LAYERS.stop - 1} layers")
+    return text
+
+
 def load_model(key: str, device: str = "cpu", dtype: str | None = None) -> ModelBundle:
-    """Load a benchmark model by key: ``tiny`` or ``large``, built (seeded, float32)
+    """Load a benchmark model by key: ``tiny``, ``large`` or ``deep<N>``, built (seeded, float32)
     on the CPU and then moved to ``device`` (``"cpu"``, ``"cuda"``) and cast to
     ``dtype`` (a torch dtype name; None keeps float32). Every scenario of a job
     shares these weights, so all of them run on the same device in the same dtype."""
@@ -168,7 +202,15 @@ def load_model(key: str, device: str = "cpu", dtype: str | None = None) -> Model
             "random-init Llama, hidden 1024, 8 layers, 16 heads (8 KV), MLP 2816",
         )
     else:
-        raise ValueError(f"unknown benchmark model {key!r}; expected 'tiny' or 'large'")
+        try:
+            model_key(key)
+        except argparse.ArgumentTypeError as error:
+            raise ValueError(str(error)) from None
+        layers = int(key[len("deep"):])
+        bundle = random_llama(
+            key, {**DEEP_LLAMA, "num_hidden_layers": layers},
+            f"random-init Llama of the bundled model's widths (hidden 128), {layers} layers",
+        )
     if device == "cpu" and dtype in (None, "float32"):
         return bundle
     import torch

@@ -19,7 +19,7 @@ import pstats
 from typing import Any
 
 import undercurrent
-from benchmarks.models import load_model
+from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.scenarios import SCALING_ONLY, SCENARIOS, scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     """Profile one scenario and print undercurrent's share, the calls per captured
     vector over a baseline, and the top functions."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__)
-    parser.add_argument("--model", default="large", choices=["tiny", "large"])
+    parser.add_argument("--model", default="large", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--scenario", default="uc_3_layers_inline_norm",

@@ -20,7 +20,7 @@ import argparse
 import time
 
 from benchmarks.allocator import steady_allocator
-from benchmarks.models import load_model
+from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--layers", default="all", choices=["3", "all"])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--model", default="tiny", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--default-allocator", action="store_true",
                         help="glibc's default heap instead of a steady one "

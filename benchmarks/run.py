@@ -25,6 +25,7 @@ from typing import Any
 from benchmarks import scaling
 from benchmarks.allocator import allocator_label
 from benchmarks.environment import describe
+from benchmarks.models import MODEL_KEYS_HELP, model_key
 from benchmarks.plot import write_plot, write_scaling_plot
 from benchmarks.report import attach_memory, capture_table, results_table, timing_rows, write_jsonl
 from benchmarks.scenarios import SCENARIOS
@@ -45,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CI smoke mode: tiny model, few tokens, 2 repeats, no vLLM")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"),
                         help="output directory (default benchmarks/out)")
-    parser.add_argument("--models", nargs="+", choices=["tiny", "large"])
+    parser.add_argument("--models", nargs="+", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--batch-sizes", nargs="+", type=int)
     parser.add_argument("--scenarios", nargs="+", choices=[s.name for s in SCENARIOS])
     parser.add_argument("--repeats", type=int, help="timed repeats per scenario")
@@ -81,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "2 with --quick)")
     parser.add_argument("--scaling-concurrency", nargs="+", type=int,
                         help="vLLM concurrent requests of the scaling set (default 1 8 64)")
-    parser.add_argument("--scaling-models", nargs="+", choices=["tiny", "large"],
-                        help="models of the scaling set (default: the bundled tiny model)")
+    parser.add_argument("--scaling-models", nargs="+", type=model_key,
+                        help="models of the scaling set (default: the bundled tiny model; "
+                        f"{MODEL_KEYS_HELP})")
     parser.add_argument("--no-scaling-hf", action="store_true",
                         help="skip the scaling set's HF jobs (with --vllm: its vLLM jobs "
                         "alone)")

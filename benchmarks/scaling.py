@@ -300,6 +300,45 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def depth_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: the HF rows with every layer captured, one column per model
+    in order of depth, where the rows hold models of several depths (``--scaling-models
+    deep12 deep24 deep48``); else none. A cell is the extra µs per captured vector
+    over raw hooks and, in brackets, the ratio to plain ``generate()`` (medians)."""
+    members = [r for r in rows if r["backend"] == "hf" and r["layer_set"] == "all"
+               and r["status"] == "ok"]
+    depths = {r["model"]: len(r["capture_layers"]) for r in members}
+    if len(set(depths.values())) < 2:
+        return []
+    models = sorted(depths, key=lambda model: (depths[model], model))
+    order = {name: index for index, name in enumerate(SCENARIOS)}
+    cells = {(r["model"], r["batch_size"], r["scenario"]): r for r in members}
+    lines = [
+        "#### Cost against depth (HF, every layer captured)",
+        "",
+        "Extra µs per captured vector over raw hooks (x plain `generate()`), medians of "
+        "the paired repeats.",
+        "",
+        "| batch | scenario | " + " | ".join(f"{model} ({depths[model]} layers)"
+                                            for model in models) + " |",
+        "|---|---|" + "---|" * len(models),
+    ]
+    for batch in sorted({r["batch_size"] for r in members}):
+        scenarios = sorted({r["scenario"] for r in members if r["batch_size"] == batch}
+                           - {PLAIN}, key=lambda name: order.get(name, len(order)))
+        for scenario in scenarios:
+            row_cells = []
+            for model in models:
+                row = cells.get((model, batch, scenario))
+                us, ratio = (_median((row or {}).get("us_per_vector")),
+                             _median((row or {}).get("ratio_plain")))
+                row_cells.append("—" if ratio is None else
+                                 f"{us:.2f} ({ratio:.3f}x)" if us is not None else
+                                 f"— ({ratio:.3f}x)")
+            lines.append(f"| {batch} | {mode_of(scenario)} | " + " | ".join(row_cells) + " |")
+    return [*lines, ""]
+
+
 def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's scaling targets on the measured rows: met, missed, or not measured
     (per model, each target named with its model, when the rows hold several)."""
@@ -426,6 +465,7 @@ def summary(environment: dict[str, Any], rows: list[dict[str, Any]],
         *_device_line(environment),
         "",
         *table(rows),
+        *depth_table(rows),
         "#### Scaling targets (reported, not asserted)",
         "",
         *targets_table(checks),

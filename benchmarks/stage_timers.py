@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from benchmarks.allocator import steady_allocator
-from benchmarks.models import load_model
+from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--scenario", default="uc_inline_linear")
     parser.add_argument("--layers", default="all", choices=["3", "all"])
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--model", default="tiny", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--thread-time", action="store_true")

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from benchmarks.models import load_model
+from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.profile import OURS
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -171,7 +171,8 @@ def measure(model: str = "tiny", batch_size: int = 8, layer_set: str = "all",
 def main(argv: list[str] | None = None) -> int:
     """Print the counts by thread, method and undercurrent caller."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sync_count", description=__doc__)
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--model", default="tiny", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", default="all", choices=["3", "all"])
     parser.add_argument("--max-new-tokens", type=int, default=24)

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss, spread
+from benchmarks.models import MODEL_KEYS_HELP, model_key
 from benchmarks.report import _token_check
 from benchmarks.worker import MIB, prompts_for, set_threads
 
@@ -33,7 +34,8 @@ def add_one_engine_arguments(parser: Any) -> None:
 
     from benchmarks.scaling import MODES
 
-    parser.add_argument("--model", default="tiny", choices=["tiny", "large"])
+    parser.add_argument("--model", default="tiny", type=model_key,
+                        help=MODEL_KEYS_HELP)
     parser.add_argument("--mode", default="inline linear", choices=sorted(MODES))
     parser.add_argument("--layers", default="all", choices=["3", "all"])
     parser.add_argument("--concurrency", type=int, default=64)
