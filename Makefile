@@ -16,7 +16,7 @@ EXTRAS ?= hf,notebook,dev,sae
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.undercurrent-installed
 
-.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick lab notebooks gpu-check
+.PHONY: demo test test-under-load venv lint typecheck system-deps clean bench bench-quick bench-depth lab notebooks gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,14 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
+
+# The capture's cost against depth (about 30 minutes): the HF scaling set on deep<N> models,
+# random Llamas of the bundled model's widths with N layers; scaling.md in benchmarks/out/depth
+# holds the "Cost against depth" table (docs/benchmarks.md, "Cost against depth").
+bench-depth: $(BENCH_STAMP)
+	$(BENCH_BIN)/python -m benchmarks.run --scaling-only --no-vllm --threads 1 --repeats 15 \
+		--scaling-models deep4 deep12 deep24 deep48 --scaling-batch-sizes 8 64 \
+		--out benchmarks/out/depth
 
 # The GPU checks (tools/gpu_check.sh) on a machine with an NVIDIA GPU: the CUDA tests, the
 # device's sync count and the scaling set on CUDA. Get CUDA builds with

@@ -450,3 +450,71 @@ def test_gpu_check_refuses_an_unknown_step_before_it_starts(tmp_path):
     assert "unknown step 'stagez'" in done.stderr
     assert "(tests, syncs, stages, scaling)" in done.stderr
     assert not out.exists()
+
+
+def test_a_deep_model_is_the_bundled_widths_at_the_depth_asked_for():
+    """``deep<N>``: any tool's ``--model`` (and ``--scaling-models``) takes it; the
+    model has N decoder layers of the bundled model's widths, so the inline
+    linear scenario reads its rows with the bundled probe file itself."""
+    import argparse
+
+    from benchmarks.models import load_model, model_key
+    from benchmarks.scenarios.probed import BUNDLED_PROBE_WIDTH
+
+    bundle = load_model("deep3")
+    assert bundle.num_layers == len(bundle.model.model.layers) == 3
+    assert bundle.model.config.hidden_size == BUNDLED_PROBE_WIDTH
+    assert bundle.three_layers == (0, 1, 2)
+    assert model_key("deep48") == "deep48" and model_key("large") == "large"
+    for wrong, said in (("deep0", "1 to 256 layers"), ("deep", "deep<N>"),
+                        ("huge", "unknown benchmark model 'huge'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            model_key(wrong)
+    with pytest.raises(ValueError, match="unknown benchmark model"):
+        load_model("deep-3")
+
+
+def test_a_scaling_job_on_a_deep_model_captures_every_layer_like_raw_hooks():
+    """A real job on ``deep2``: every probed scenario generates plain's tokens
+    and captures as many vectors as raw hooks (one per generated token fed back
+    and layer)."""
+    from benchmarks.worker import scaling_job
+
+    names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear",
+             "uc_3_layers_async_trajectory"]
+    result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
+                         repeats=1, warmup=0, max_new_tokens=3, threads=1)
+    rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=3)}
+    assert {row["status"] for row in rows.values()} == {"ok"}
+    assert rows["raw_forward_hooks"]["records"] == 2 * 2 * 2  # rows x tokens fed back x layers
+    for name in names[2:]:
+        assert rows[name]["records"] == rows["raw_forward_hooks"]["records"], name
+        assert rows[name]["tokens_match"] is True, rows[name]["token_check"]
+        assert rows[name]["capture_layers"] == [0, 1]
+
+
+def test_the_depth_table_sets_models_of_several_depths_side_by_side():
+    def row(model: str, depth: int, scenario: str, ratio: float, us: float | None) -> dict:
+        return {"backend": "hf", "model": model, "layer_set": "all", "status": "ok",
+                "capture_layers": list(range(depth)), "batch_size": 64,
+                "scenario": scenario, "mode": scaling.mode_of(scenario),
+                "ratio_plain": {"median": ratio, "min": ratio, "max": ratio},
+                "us_per_vector": None if us is None else {"median": us, "min": us, "max": us},
+                "model_description": model, "max_new_tokens": 24, "repeats": 1,
+                "records": depth}
+
+    rows = [row(model, depth, scenario, ratio, us)
+            for model, depth, runs in (
+                ("deep48", 48, [("plain_generate", 1.0, None), ("uc_inline_linear", 1.06, 0.3)]),
+                ("deep4", 4, [("plain_generate", 1.0, None), ("uc_inline_linear", 1.09, 0.82),
+                              ("raw_forward_hooks", 1.03, None)]))
+            for scenario, ratio, us in runs]
+    lines = scaling.depth_table(rows)
+    assert "| batch | scenario | deep4 (4 layers) | deep48 (48 layers) |" in lines
+    assert "| 64 | inline linear | 0.82 (1.090x) | 0.30 (1.060x) |" in lines
+    assert "| 64 | raw_forward_hooks | — (1.030x) | — |" in lines
+    assert not any("plain_generate" in line for line in lines)
+    assert scaling.depth_table([r for r in rows if r["model"] == "deep4"]) == []
+    assert "Cost against depth" in scaling.summary(
+        {"load_average_start": [0.1], "load_average_end": [0.2], "date": "d",
+         "git_commit": "c", "cpu_count": 2, "torch_threads": 1}, rows, [], [], "pillow")
