@@ -160,3 +160,53 @@ def test_lanes_refuse_instances_with_different_options():
     assert _judge_lanes(mixed, values, [(0, 1), (1, 2)], [1, 1], [0, 0]) is None
     alphas = [*_probes(1, {"alpha": 0.3}), *_probes(1, {"alpha": 0.4})]
     assert _judge_lanes(alphas, values, [(0, 1), (1, 2)], [1, 1], [0, 0]) is None
+
+
+def test_lanes_keep_their_state_between_calls_and_give_it_back_to_any_other_use():
+    """Instances judged together keep their running statistics in one block of
+    arrays from one call to the next (no lists read and written per call);
+    judging one alone, a different set or order of instances, or reading an
+    instance's state takes it back first. Every step answers what each
+    instance alone answers, bit for bit."""
+    options = {"statistic": "ewma", "alpha": 0.3, "threshold": 0.7}
+    together, alone = _probes(3, options), _probes(3, options)
+    rng = np.random.default_rng(11)
+    token = 1
+
+    def judge(which: list[int]) -> None:
+        nonlocal token
+        pattern = [4, 6]
+        values = rng.random(2 * len(which) * len(pattern))
+        layers = pattern * 2 * len(which)
+        tokens = [token + step for _ in which for step in range(2) for _ in pattern]
+        token += 2
+        spans = [(i * 4, (i + 1) * 4) for i in range(len(which))]
+        got = _judge_lanes([together[i] for i in which], values, spans, tokens, layers)
+        assert got is not None
+        expected = _one_by_one([alone[i] for i in which], values, spans, tokens, layers)
+        assert _same(_columns(got), expected)
+
+    judge([0, 1, 2])
+    block = together[0]._block
+    assert block is not None and all(probe._block is block for probe in together)
+    judge([0, 1, 2])
+    assert together[2]._block is block  # the same block, its arrays moved on in place
+    assert block.counts.tolist() == [[4, 4]] * 3
+    # One instance alone: it takes its state back, the others keep theirs.
+    values, tokens, layers = np.array([0.9, 0.2]), [token, token], [4, 6]
+    token += 1
+    mine, theirs = (probes[1].judge_rows(values, tokens, layers) for probes in (together, alone))
+    assert _same(_columns(mine), _columns(theirs))
+    assert together[1]._block is None and together[0]._block is block
+    judge([2, 0])  # another set, in another order: a new block
+    assert together[2]._block is together[0]._block is not block
+    judge([0, 1, 2])
+    for mine, theirs in zip(together, alone, strict=True):
+        assert _same({k: (r.count, r.value) for k, r in mine.running.items()},
+                     {k: (r.count, r.value) for k, r in theirs.running.items()})
+        assert _same(mine.summary.verdict(), theirs.summary.verdict())
+    assert together[0]._block is None  # read back: the lists are its state again
+    verdicts = TrajectoryProbe.end_many(together, [None] * 3)  # type: ignore[list-item]
+    assert _same(verdicts, [probe.on_end(None) for probe in alone])  # type: ignore[arg-type]
+    together[0].on_start(None)  # type: ignore[arg-type]
+    assert together[0]._block is None and together[0].running == {}

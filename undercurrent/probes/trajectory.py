@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from undercurrent.records import (
 from undercurrent.spec.types import ProbeKind
 
 STATISTICS = ("mean", "max", "ewma")
+_SAME_OBJECT = operator.is_
 SOURCES = ("linear", "norm")
 
 
@@ -36,6 +38,43 @@ class _Running:
 
     count: int = 0
     value: float = 0.0
+
+
+class _Lanes:
+    """The running statistics of instances judged together in lanes, kept as
+    arrays between calls (see :func:`_judge_lanes`): ``counts`` and ``running``
+    hold one row per instance of ``probes`` (in that order), one column per
+    lane (``lanes``: the layers, in the order the instances meet them). While
+    an instance's ``_block`` is this object, its row here is its state and its
+    own lists are stale (:meth:`TrajectoryProbe._sync` writes them back)."""
+
+    __slots__ = ("probes", "lanes", "counts", "running")
+
+    def __init__(self, probes: tuple[TrajectoryProbe, ...], lanes: list[int], counts: Any,
+                 running: Any) -> None:
+        self.probes = probes
+        self.lanes = lanes
+        self.counts = counts
+        self.running = running
+
+    def holds(self, probes: Sequence[TrajectoryProbe], lanes: list[int]) -> bool:
+        """Whether these are exactly its instances, in its order, each still
+        keeping its state here, meeting the same lanes."""
+        mine = self.probes
+        return (len(mine) == len(probes) and self.lanes == lanes
+                and all(map(_SAME_OBJECT, mine, probes))
+                and all(probe._block is self for probe in probes))
+
+    def write_back(self, probe: TrajectoryProbe) -> None:
+        """Give ``probe`` its state as its own lists again, and detach it (a
+        shallow copy of one of the instances, not one itself, is only
+        detached: ``on_start`` gives it its own state)."""
+        for row, mine in enumerate(self.probes):
+            if mine is probe:
+                probe._counts = self.counts[row].tolist()
+                probe._values = self.running[row].tolist()
+                break
+        probe._block = None
 
 
 class TrajectoryProbe(ScoresRows):
@@ -114,6 +153,10 @@ class TrajectoryProbe(ScoresRows):
         self._layers: list[int] = []
         self._counts: list[int] = []
         self._values: list[float] = []
+        # Set while the counts and values live in a block of instances judged
+        # together (_judge_lanes), which keeps them between calls: the lists
+        # above are then stale until _sync.
+        self._block: _Lanes | None = None
         self.summary = ScoreSummary(
             self.rule.threshold, extra={"statistic": self.statistic, "source": self.source}
         )
@@ -143,9 +186,15 @@ class TrajectoryProbe(ScoresRows):
             return self.readout.score_batch(batch)[0]
         return map_rows(batch, l2_norms)
 
+    def _sync(self) -> None:
+        """Take the running statistics back from a block of lanes, if one holds them."""
+        if self._block is not None:
+            self._block.write_back(self)
+
     @property
     def running(self) -> dict[int, _Running]:
         """Each layer's running statistic so far (count and value), by layer."""
+        self._sync()
         return {layer: _Running(count, value) for layer, count, value
                 in zip(self._layers, self._counts, self._values, strict=True)}
 
@@ -169,6 +218,7 @@ class TrajectoryProbe(ScoresRows):
         for probe in probes:
             probe._slot, probe._layers = {}, []  # type: ignore[attr-defined]
             probe._counts, probe._values = [], []  # type: ignore[attr-defined]
+            probe._block = None  # type: ignore[attr-defined]
         start_summaries(probes, {"statistic": statistic, "source": source})
         return True
 
@@ -193,6 +243,7 @@ class TrajectoryProbe(ScoresRows):
                  layers: list[int]) -> tuple[list[float], list[int]]:
         """Run the recurrence over rows in order and update the summary: (the
         running statistic of each row, its action code)."""
+        self._sync()
         statistics, crossed = [], []
         slot, counts, running = self._slot, self._counts, self._values
         rule, min_count, alpha = self.rule, self.min_count, self.alpha
@@ -251,6 +302,7 @@ class TrajectoryProbe(ScoresRows):
                             all_scored=True)
 
     def on_end(self, ctx: RequestContext) -> Any:
+        self._sync()
         verdict = self.summary.verdict()
         verdict["final_by_layer"] = dict(sorted(zip(self._layers, self._values, strict=True)))
         return verdict
@@ -261,6 +313,7 @@ class TrajectoryProbe(ScoresRows):
         """Every instance's :meth:`on_end` verdict at once (this class's own only)."""
         verdicts = end_summaries(probes) if cls.on_end is TrajectoryProbe.on_end else None
         for verdict, probe in zip(verdicts or (), probes, strict=False):
+            probe._sync()  # type: ignore[attr-defined]
             verdict["final_by_layer"] = dict(sorted(zip(
                 probe._layers, probe._values, strict=True)))  # type: ignore[attr-defined]
         return verdicts
@@ -296,13 +349,22 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
         return None
     pattern = grid[0].tolist()
     lanes = list(dict.fromkeys(pattern))  # each layer once, in the order _advance meets them
-    if any(probe._layers and probe._layers != lanes for probe in probes):
-        return None
-    empty = [0] * len(lanes)
-    counts = np.array([probe._counts if probe._layers else empty for probe in probes],
-                      dtype=np.int64)
-    running = np.array([probe._values if probe._layers else empty for probe in probes],
-                       dtype=np.float64)
+    block = head._block
+    if block is not None and block.holds(probes, lanes):
+        # Judged together last time too, and nothing else since: their state
+        # is the block's arrays, as that call left them.
+        counts, running = block.counts, block.running
+    else:
+        block = None
+        if any(probe._layers and probe._layers != lanes for probe in probes):
+            return None
+        for probe in probes:
+            probe._sync()
+        empty = [0] * len(lanes)
+        counts = np.array([probe._counts if probe._layers else empty for probe in probes],
+                          dtype=np.int64)
+        running = np.array([probe._values if probe._layers else empty for probe in probes],
+                           dtype=np.float64)
     observed = np.asarray(values[first:last], dtype=np.float64).reshape(count, width)
     statistics = np.empty((count, width), dtype=np.float64)
     lane_of = {layer: lane for lane, layer in enumerate(lanes)}
@@ -347,11 +409,13 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
         else:
             crossed = np.zeros((count, width), dtype=bool)
     counts = counts + np.asarray(met, dtype=np.int64)
-    for probe, new_counts, new_values in zip(probes, counts.tolist(), running.tolist(),
-                                             strict=True):
-        if not probe._layers:
-            probe._layers, probe._slot = list(lanes), dict(lane_of)
-        probe._counts, probe._values = new_counts, new_values
+    if block is None:  # the state kept in arrays from now on, for the next call
+        block = _Lanes(tuple(probes), lanes, counts, running)
+        for probe in probes:
+            if not probe._layers:
+                probe._layers, probe._slot = list(lanes), dict(lane_of)
+            probe._block = block
+    block.counts, block.running = counts, running
     flat = statistics.ravel()
     summaries = [probe.summary for probe in probes]
     if not add_blocks(summaries, flat, spans, crossed.ravel(), token_indices, layers):
