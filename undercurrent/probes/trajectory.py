@@ -28,8 +28,8 @@ from undercurrent.records import (
 from undercurrent.spec.types import ProbeKind
 
 STATISTICS = ("mean", "max", "ewma")
-_SAME_OBJECT = operator.is_
 SOURCES = ("linear", "norm")
+_SAME_OBJECT = operator.is_
 
 
 @dataclass
