@@ -262,6 +262,35 @@ def test_an_async_window_grows_only_into_free_room(monkeypatch, room, expected):
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
 
 
+@pytest.mark.parametrize("rooms, expected", [(None, None), ([8, 5], [1] * (MAX_NEW - 1)),
+                                             ([5], [])])
+def test_an_async_window_of_one_step_grows_where_two_fit(monkeypatch, rooms, expected):
+    """Half the queue holds one step (queue_depth 8, 3 layers: 4 rows), the
+    whole queue two: a window holds one step and grows to two where the queues
+    have room for them when it is full (the first window finds them empty).
+    Where they have room for one step only when a window is full (a worker
+    behind), it is routed at once; where they have room for one step only at
+    the first step, every step is routed as it comes. Either way the rows and
+    counts are those of routing each step."""
+    counted = Windows(monkeypatch)
+    if rooms is not None:  # (the room read at the first step, then each time a window fills)
+        asked = iter(range(1000))
+        monkeypatch.setattr(Router, "window_room", lambda router, name, ids: rooms[
+            min(next(asked), len(rooms) - 1)])
+    point = _point("trajectory_probe", mode="async", depth=8)
+    windowed = _generate(point, windows=True, overflow="block")
+    if rooms is None:  # the workers may lag: a window of one step where they do
+        assert counted.steps[0] == 2 and max(counted.steps) == 2, counted.steps
+        assert sum(counted.steps) == MAX_NEW - 1
+    else:
+        assert counted.steps == expected
+    stepped = _generate(point, windows=False, overflow="block")
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for output in windowed:
+        stats = output.results["watch"].stats
+        assert stats.received == stats.processed == 3 * (MAX_NEW - 1) and stats.dropped == 0
+
+
 def test_the_router_says_how_much_room_the_queues_have():
     """``Router.window_room``: the least free room over the requests' async
     queues (capacity less what is queued), unbounded without one, 0 for a
@@ -292,12 +321,12 @@ def test_the_router_says_how_much_room_the_queues_have():
 @pytest.mark.parametrize("point, probes", [
     (_point(action="abort"), None),
     (_point("flags_only"), {"flags_only": FlagsOnly}),
-    (_point(mode="async", depth=8), None),
+    (_point(mode="async", depth=5), None),
 ], ids=["abort", "user-probe", "async-small-queue"])
 def test_no_window_where_a_step_must_be_routed_before_the_next(monkeypatch, point, probes):
     """A probe that may abort (a threshold with ``action: abort``), an inline
     user probe (the router cannot know it never aborts) and an async point
-    whose queue holds less than two steps (queue_depth 8, 3 layers): every
+    whose queue holds less than two steps (queue_depth 5, 3 layers): every
     step is routed as it comes."""
     counted = Windows(monkeypatch)
     outputs = _generate(point, windows=True, probes=probes)

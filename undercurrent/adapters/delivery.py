@@ -913,16 +913,26 @@ WINDOW_BYTES = 64 << 20
 
 
 def _window_steps(session: Any, layout: _SteadyLayout) -> int:
-    """How many of ``layout`` 's steps a window holds (see :class:`_Window`); 0:
-    each step is routed as it comes."""
+    """How many of ``layout`` 's steps a window holds before it asks for more
+    room (see :class:`_Window`); 0: each step is routed as it comes."""
     point = layout.points[0]
     rows = getattr(session.router, "window_rows", None)
     if (not getattr(session, "windows", False) or rows is None or layout.edits
             or not point.routed_spans):
         return 0
-    steps = min(WINDOW_STEPS, rows(point.name, [request_id for request_id, _, _
-                                                in point.routed_spans]) // point.count)
-    return steps if steps > 1 else 0
+    ids = [request_id for request_id, _, _ in point.routed_spans]
+    steps: int = min(WINDOW_STEPS, rows(point.name, ids) // point.count)
+    if steps > 1:
+        return steps
+    # Half an async queue holds one step (a point of many layers): a window of
+    # one step, which grows where the queues have room for more when it is
+    # full (_Window.grow). Only where their room now holds two steps (at a
+    # layout's first step nothing of it is queued yet): where it cannot, such
+    # a window would route each step as it comes anyway.
+    room = getattr(session.router, "window_room", None)
+    if steps == 1 and room is not None and room(point.name, ids) // point.count > 1:
+        return 1
+    return 0
 
 
 class _Window:
@@ -937,7 +947,8 @@ class _Window:
     delivery, before a request ends, and when it holds the layout's number of
     steps (at most :data:`WINDOW_STEPS`; for an async point, rows filling at
     most half of each queue, or as much of it as is free when the window gets
-    there: :meth:`grow`) or :data:`WINDOW_BYTES` bytes."""
+    there: :meth:`grow`; where half a queue holds one step, a window of one
+    step that grows the same way) or :data:`WINDOW_BYTES` bytes."""
 
     __slots__ = ("layout", "limit", "deltas", "steps", "size", "step_size", "base", "shape")
 
