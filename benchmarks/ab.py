@@ -30,17 +30,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.instructions import add_generation_arguments
+from benchmarks.models import MODEL_KEYS_HELP, model_key
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN, RAW = "plain_generate", "raw_forward_hooks"
 
 
 def time_interleaved(scenario: str, *, batch: int, layers: str, tokens: int,
-                     repeats: int, threads: int | None = 1) -> dict[str, Any]:
+                     repeats: int, threads: int | None = 1,
+                     model: str = "tiny") -> dict[str, Any]:
     """One process's timings: plain ``generate()``, raw hooks and ``scenario``,
     each warmed up, then timed in turn ``repeats`` times (seconds per
     generation), with the scenario's captured vectors and where undercurrent
-    was imported from. ``threads``: torch's threads (None: left as they are)."""
+    was imported from. ``threads``: torch's threads (None: left as they are);
+    ``model``: the benchmark model's key (:func:`benchmarks.models.load_model`)."""
     from benchmarks.allocator import steady_allocator
 
     steady_allocator()
@@ -52,7 +55,7 @@ def time_interleaved(scenario: str, *, batch: int, layers: str, tokens: int,
 
     set_threads(threads)
 
-    bundle = load_model("tiny")
+    bundle = load_model(model)
     chosen = layers_for(bundle, layers)
     prompts = make_batch(bundle, prompts_for(batch))
     names = [PLAIN, RAW, scenario]
@@ -116,9 +119,10 @@ def _run_process(package_root: Path, args: argparse.Namespace, scenario: str,
     command = [sys.executable, "-c",
                "import json, sys; from benchmarks.ab import time_interleaved; "
                "json.dump(time_interleaved(*sys.argv[1:2], batch=int(sys.argv[2]), "
-               "layers=sys.argv[3], tokens=int(sys.argv[4]), repeats=int(sys.argv[5])), "
-               "sys.stdout)",
-               scenario, str(args.batch), args.layers, str(args.max_new_tokens), str(args.repeats)]
+               "layers=sys.argv[3], tokens=int(sys.argv[4]), repeats=int(sys.argv[5]), "
+               "model=sys.argv[6]), sys.stdout)",
+               scenario, str(args.batch), args.layers, str(args.max_new_tokens), str(args.repeats),
+               args.model]
     done = subprocess.run(command, env=env, cwd=lib.parent, capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
@@ -161,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="processes per version, run in turn (default 3)")
     parser.add_argument("--repeats", type=int, default=15,
                         help="interleaved timed generations per scenario and process")
+    parser.add_argument("--model", default="tiny", type=model_key, help=MODEL_KEYS_HELP)
     args = parser.parse_args(argv)
     summaries = compare(args)
     scenario = (args.scenario or ["uc_inline_linear"])[0]
-    print(f"tiny, batch {args.batch}, {args.layers} layers, {args.max_new_tokens} new tokens, "
-          f"{scenario}: {args.rounds} process(es) per version in turn, {args.repeats} "
+    print(f"{args.model}, batch {args.batch}, {args.layers} layers, {args.max_new_tokens} "
+          f"new tokens, {scenario}: {args.rounds} process(es) per version in turn, {args.repeats} "
           "interleaved repeats each")
     print("| version | extra µs per vector over raw hooks (median of the paired repeats) "
           "| the processes' medians | fastest run x fastest plain |")
