@@ -483,7 +483,7 @@ def test_a_scaling_job_on_a_deep_model_captures_every_layer_like_raw_hooks():
     names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear",
              "uc_3_layers_async_trajectory"]
     result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
-                         repeats=1, warmup=0, max_new_tokens=3, threads=1)
+                         repeats=1, warmup=0, max_new_tokens=3)
     rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=3)}
     assert {row["status"] for row in rows.values()} == {"ok"}
     assert rows["raw_forward_hooks"]["records"] == 2 * 2 * 2  # rows x tokens fed back x layers
