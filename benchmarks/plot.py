@@ -131,3 +131,58 @@ def write_scaling_plot(rows: list[dict[str, Any]], path: Path) -> str:
                 for label, points in series.items()}
         _pillow(bars, path)
         return f"pillow (plotly failed: {type(error).__name__})"
+
+
+def _depth_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """The HF rows with every layer captured, as (layers, extra µs per vector over
+    raw hooks) per batch size and mode, where the rows hold several depths."""
+    members = [row for row in rows if row.get("backend") == "hf" and row.get("status") == "ok"
+               and row.get("layer_set") == "all" and row.get("us_per_vector")
+               and row["us_per_vector"].get("median") is not None]
+    if len({len(row["capture_layers"]) for row in members}) < 2:
+        return {}
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in members:
+        label = f"batch {row['batch_size']}: {row['mode']}"
+        series.setdefault(label, []).append((len(row["capture_layers"]),
+                                             row["us_per_vector"]["median"]))
+    return {label: sorted(points) for label, points in sorted(series.items())}
+
+
+def write_depth_plot(rows: list[dict[str, Any]], path: Path) -> str | None:
+    """Extra µs per captured vector over raw hooks (median) against the number of
+    layers captured, one line per (batch size, mode), for a run on models of
+    several depths (``--scaling-models deep4 deep12 ...``); returns which renderer
+    drew it, or None (nothing written) when the rows hold one depth."""
+    series = _depth_series(rows)
+    if not series:
+        return None
+    try:
+        import plotly.graph_objects as go
+
+        figure = go.Figure()
+        depths: set[int] = set()
+        modes = sorted({label.split(": ", 1)[1] for label in series})
+        largest = max(int(label.split(":")[0].split()[1]) for label in series)
+        palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2")
+        for label, points in series.items():
+            depths.update(p[0] for p in points)
+            batch, mode = label.split(": ", 1)
+            figure.add_trace(go.Scatter(
+                x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
+                name=label, line={"color": palette[modes.index(mode) % len(palette)],
+                                  "dash": "solid" if batch == f"batch {largest}" else "dash"}))
+        figure.add_hline(y=0.0, line_dash="dot", annotation_text="raw hooks")
+        figure.update_layout(
+            title="Extra cost per captured vector against depth (HF, every layer captured); "
+                  f"solid: batch {largest}, dashed: smaller batches",
+            xaxis={"type": "log", "title": "decoder layers captured", "tickvals": sorted(depths)},
+            yaxis_title="µs per vector over raw hooks (median)", template="plotly_white",
+        )
+        figure.write_image(str(path), width=1100, height=650)
+        return "plotly+kaleido"
+    except Exception as error:  # no plotly or no Chromium for kaleido
+        bars = {label: [(f"{layers} layers", us, us, us) for layers, us in points]
+                for label, points in series.items()}
+        _pillow(bars, path)
+        return f"pillow (plotly failed: {type(error).__name__})"

@@ -26,7 +26,7 @@ from benchmarks import scaling
 from benchmarks.allocator import allocator_label
 from benchmarks.environment import describe
 from benchmarks.models import MODEL_KEYS_HELP, model_key
-from benchmarks.plot import write_plot, write_scaling_plot
+from benchmarks.plot import write_depth_plot, write_plot, write_scaling_plot
 from benchmarks.report import attach_memory, capture_table, results_table, timing_rows, write_jsonl
 from benchmarks.scenarios import SCENARIOS
 from benchmarks.targets import evaluate, targets_table
@@ -476,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
                                           [e for e in errors if "scaling" in e], renderer)
         (args.out / "scaling.md").write_text(scaling_summary)
         written += ["scaling.jsonl", "scaling.md", "scaling.png"]
+        if write_depth_plot(scaling_rows, args.out / "depth.png") is not None:
+            written.append("depth.png")  # (models of several depths)
         if args.update_docs:
             update_scaling_docs(scaling_summary, args.out / "scaling.png")
     log(f"wrote {', '.join(f'{args.out}/{name}' for name in written)}")

@@ -518,3 +518,23 @@ def test_the_depth_table_sets_models_of_several_depths_side_by_side():
     assert "Cost against depth" in scaling.summary(
         {"load_average_start": [0.1], "load_average_end": [0.2], "date": "d",
          "git_commit": "c", "cpu_count": 2, "torch_threads": 1}, rows, [], [], "pillow")
+
+
+def test_the_depth_plot_draws_each_mode_against_the_layers_captured(tmp_path):
+    from benchmarks.plot import _depth_series, write_depth_plot
+
+    def row(depth: int, batch: int, mode: str, us: float | None) -> dict:
+        return {"backend": "hf", "status": "ok", "layer_set": "all", "batch_size": batch,
+                "capture_layers": list(range(depth)), "mode": mode,
+                "us_per_vector": None if us is None else {"median": us}}
+
+    rows = [row(48, 64, "inline linear", 0.1), row(4, 64, "inline linear", 1.3),
+            row(4, 8, "nnsight", 11.5), row(48, 8, "nnsight", 8.7),
+            row(4, 64, "raw_forward_hooks", None)]
+    assert _depth_series(rows) == {"batch 64: inline linear": [(4, 1.3), (48, 0.1)],
+                                   "batch 8: nnsight": [(4, 11.5), (48, 8.7)]}
+    assert write_depth_plot(rows, tmp_path / "depth.png") is not None
+    assert (tmp_path / "depth.png").read_bytes()[:8] == PNG_MAGIC
+    assert write_depth_plot([r for r in rows if len(r["capture_layers"]) == 4],
+                            tmp_path / "one.png") is None
+    assert not (tmp_path / "one.png").exists()
