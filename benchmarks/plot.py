@@ -7,8 +7,20 @@ leaves a picture.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
+
+
+def _write_image(figure: Any, path: Path, width: int, height: int) -> None:
+    """``figure`` as a PNG at ``path``, through kaleido."""
+    with warnings.catch_warnings():
+        # Where kaleido's shared browser runs already in this process (a notebook
+        # that drew static pictures), plotly warns that its per-call browser
+        # options go unused; the picture is the same.
+        warnings.filterwarnings("ignore", message="The kopts argument is ignored",
+                                category=UserWarning)
+        figure.write_image(str(path), width=width, height=height)
 
 
 def _series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[str, float, float, float]]]:
@@ -55,7 +67,7 @@ def _plotly(groups: dict[str, list[tuple[str, float, float, float]]], path: Path
         yaxis_title="overhead ratio (x)", xaxis_tickangle=-30, template="plotly_white",
         legend={"orientation": "h", "y": -0.45},
     )
-    figure.write_image(str(path), width=1200, height=650)
+    _write_image(figure, path, 1200, 650)
 
 
 def _pillow(groups: dict[str, list[tuple[str, float, float, float]]], path: Path) -> None:
@@ -124,7 +136,7 @@ def write_scaling_plot(rows: list[dict[str, Any]], path: Path) -> str:
                    "tickvals": sorted(sizes)},
             yaxis_title="wall time x plain (median)", template="plotly_white",
         )
-        figure.write_image(str(path), width=1100, height=650)
+        _write_image(figure, path, 1100, 650)
         return "plotly+kaleido"
     except Exception as error:  # no plotly or no Chromium for kaleido
         bars = {label: [(f"batch {b}", r, r, r) for b, r in points]
@@ -179,7 +191,7 @@ def write_depth_plot(rows: list[dict[str, Any]], path: Path) -> str | None:
             xaxis={"type": "log", "title": "decoder layers captured", "tickvals": sorted(depths)},
             yaxis_title="µs per vector over raw hooks (median)", template="plotly_white",
         )
-        figure.write_image(str(path), width=1100, height=650)
+        _write_image(figure, path, 1100, 650)
         return "plotly+kaleido"
     except Exception as error:  # no plotly or no Chromium for kaleido
         bars = {label: [(f"{layers} layers", us, us, us) for layers, us in points]
