@@ -113,33 +113,44 @@ def _scaling_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, flo
 def write_scaling_plot(rows: list[dict[str, Any]], path: Path) -> str:
     """Overhead (x plain, median) against batch size / concurrency, one line per
     (backend, layer set, mode); returns which renderer drew it."""
-    series = _scaling_series(rows)
+    return _line_plot(
+        _scaling_series(rows), path, solid=lambda label: " all layers" in label,
+        baseline=(1.0, "plain"), x_name="batch",
+        title="Overhead against batch size (HF) / concurrent requests (vLLM); "
+              "solid: all layers, dashed: 3 layers",
+        x_title="batch size / concurrent requests", y_title="wall time x plain (median)")
+
+
+def _line_plot(series: dict[str, list[tuple[int, float]]], path: Path, *,
+               solid: Any, baseline: tuple[float, str], x_name: str, title: str,
+               x_title: str, y_title: str) -> str:
+    """One line per ``series`` label (``"...: mode"``, coloured by its mode; solid
+    where ``solid(label)``, else dashed) over a log x axis, a dotted line at
+    ``baseline`` (value, text); where plotly or kaleido fails, Pillow bars
+    labelled ``"{x_name} {x}"``. Returns which renderer drew it."""
     try:
         import plotly.graph_objects as go
 
         figure = go.Figure()
         modes = sorted({label.split(": ", 1)[1] for label in series})
         palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2")
-        sizes: set[int] = set()
+        ticks: set[int] = set()
         for label, points in series.items():
             mode = label.split(": ", 1)[1]
-            sizes.update(p[0] for p in points)
+            ticks.update(p[0] for p in points)
             figure.add_trace(go.Scatter(
                 x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
                 name=label, line={"color": palette[modes.index(mode) % len(palette)],
-                                  "dash": "solid" if " all layers" in label else "dash"}))
-        figure.add_hline(y=1.0, line_dash="dot", annotation_text="plain")
+                                  "dash": "solid" if solid(label) else "dash"}))
+        figure.add_hline(y=baseline[0], line_dash="dot", annotation_text=baseline[1])
         figure.update_layout(
-            title="Overhead against batch size (HF) / concurrent requests (vLLM); "
-                  "solid: all layers, dashed: 3 layers",
-            xaxis={"type": "log", "title": "batch size / concurrent requests",
-                   "tickvals": sorted(sizes)},
-            yaxis_title="wall time x plain (median)", template="plotly_white",
+            title=title, xaxis={"type": "log", "title": x_title, "tickvals": sorted(ticks)},
+            yaxis_title=y_title, template="plotly_white",
         )
         _write_image(figure, path, 1100, 650)
         return "plotly+kaleido"
     except Exception as error:  # no plotly or no Chromium for kaleido
-        bars = {label: [(f"batch {b}", r, r, r) for b, r in points]
+        bars = {label: [(f"{x_name} {x}", y, y, y) for x, y in points]
                 for label, points in series.items()}
         _pillow(bars, path)
         return f"pillow (plotly failed: {type(error).__name__})"
@@ -169,32 +180,10 @@ def write_depth_plot(rows: list[dict[str, Any]], path: Path) -> str | None:
     series = _depth_series(rows)
     if not series:
         return None
-    try:
-        import plotly.graph_objects as go
-
-        figure = go.Figure()
-        depths: set[int] = set()
-        modes = sorted({label.split(": ", 1)[1] for label in series})
-        largest = max(int(label.split(":")[0].split()[1]) for label in series)
-        palette = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2")
-        for label, points in series.items():
-            depths.update(p[0] for p in points)
-            batch, mode = label.split(": ", 1)
-            figure.add_trace(go.Scatter(
-                x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
-                name=label, line={"color": palette[modes.index(mode) % len(palette)],
-                                  "dash": "solid" if batch == f"batch {largest}" else "dash"}))
-        figure.add_hline(y=0.0, line_dash="dot", annotation_text="raw hooks")
-        figure.update_layout(
-            title="Extra cost per captured vector against depth (HF, every layer captured); "
-                  f"solid: batch {largest}, dashed: smaller batches",
-            xaxis={"type": "log", "title": "decoder layers captured", "tickvals": sorted(depths)},
-            yaxis_title="µs per vector over raw hooks (median)", template="plotly_white",
-        )
-        _write_image(figure, path, 1100, 650)
-        return "plotly+kaleido"
-    except Exception as error:  # no plotly or no Chromium for kaleido
-        bars = {label: [(f"{layers} layers", us, us, us) for layers, us in points]
-                for label, points in series.items()}
-        _pillow(bars, path)
-        return f"pillow (plotly failed: {type(error).__name__})"
+    largest = max(int(label.split(":")[0].split()[1]) for label in series)
+    return _line_plot(
+        series, path, solid=lambda label: label.startswith(f"batch {largest}:"),
+        baseline=(0.0, "raw hooks"), x_name="layers",
+        title="Extra cost per captured vector against depth (HF, every layer captured); "
+              f"solid: batch {largest}, dashed: smaller batches",
+        x_title="decoder layers captured", y_title="µs per vector over raw hooks (median)")
