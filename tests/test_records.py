@@ -84,6 +84,32 @@ def test_a_joined_batch_shares_the_values_of_the_batches_its_pieces_came_from():
     assert calls == [6, 6]
 
 
+def test_each_row_keeps_its_capture_time_through_slices_and_joins():
+    """``timestamps`` (rows captured at different times) reach each row's
+    record, through a slice and a join; a batch without them stamps every row
+    with its ``timestamp``, and joining batches captured at different times
+    keeps each row's."""
+
+    def batch(rows: int, stamp: float, stamps: list[float] | None = None) -> ActivationBatch:
+        return ActivationBatch([[float(i)] for i in range(rows)], request_ids=["a"] * rows,
+                               point_names=["p"] * rows, layers=list(range(rows)),
+                               tensor_type="mlp_out", token_indices=[4] * rows,
+                               is_generated=[True] * rows, generated_indices=[0] * rows,
+                               token_ids=[7] * rows, timestamp=stamp, timestamps=stamps)
+
+    window = batch(4, 10.0, [10.0, 10.0, 11.0, 12.0])
+    assert [r.timestamp for r in window.records()] == [10.0, 10.0, 11.0, 12.0]
+    assert [r.timestamp for r in window[1:3].records()] == [10.0, 11.0]
+    assert [r.timestamp for r in window.without_cache().records()] == [10.0, 10.0, 11.0, 12.0]
+    plain = batch(2, 20.0)
+    assert plain.timestamps is None and plain.column_timestamps() == [20.0, 20.0]
+    joined = ActivationBatch.concat([plain, batch(2, 21.0), window[2:]])
+    assert [r.timestamp for r in joined.records()] == [20.0, 20.0, 21.0, 21.0, 11.0, 12.0]
+    assert joined.timestamp == 20.0
+    same = ActivationBatch.concat([batch(1, 5.0), batch(2, 5.0)])
+    assert same.timestamps is None and [r.timestamp for r in same.records()] == [5.0] * 3
+
+
 def _deferred_batch(made: list[int]):
     np = pytest.importorskip("numpy")
     from undercurrent.records import ActivationBatch, DeferredRows

@@ -474,7 +474,9 @@ class ActivationBatch:
     ``is_generated``, ``generated_indices`` (None for prompt tokens),
     ``token_ids`` (None when unknown) and ``edits`` (None: no row was edited).
     ``tensor_type`` is one string for the whole batch; ``timestamp`` is when it
-    was captured.
+    was captured, and ``timestamps``, where its rows were captured at different
+    times (the decode steps of a window, batches joined by :meth:`concat`), each
+    row's (None: every row at ``timestamp``).
 
     Built by the adapters once per forward pass and extraction point (rows grouped
     by request, in token then layer order), routed whole, and sliced per request
@@ -492,7 +494,7 @@ class ActivationBatch:
 
     __slots__ = ("_tensor", "request_ids", "point_names", "layers", "tensor_type",
                  "token_indices", "is_generated", "generated_indices", "token_ids", "edits",
-                 "timestamp", "_records", "cache", "root", "offset", "parts")
+                 "timestamp", "timestamps", "_records", "cache", "root", "offset", "parts")
 
     def __init__(
         self,
@@ -508,6 +510,7 @@ class ActivationBatch:
         token_ids: Sequence[int | None],
         edits: Sequence[tuple[str, ...]] | None = None,
         timestamp: float | None = None,
+        timestamps: Sequence[float] | None = None,
         records: Sequence[ActivationRecord] | None = None,
     ) -> None:
         self._tensor = tensor
@@ -521,6 +524,7 @@ class ActivationBatch:
         self.token_ids = token_ids
         self.edits = edits
         self.timestamp = _now() if timestamp is None else timestamp
+        self.timestamps = timestamps
         self._records: list[ActivationRecord] | None = (
             None if records is None else list(records))
         self.cache: dict[Any, Any] = {}
@@ -573,6 +577,10 @@ class ActivationBatch:
         edits = None
         if any(batch.edits is not None for batch in batches):
             edits = [e for batch in batches for e in batch.column_edits()]
+        timestamps = None  # each row's capture time, where the batches' differ
+        if any(batch.timestamps is not None or batch.timestamp != first.timestamp
+               for batch in batches):
+            timestamps = [stamp for batch in batches for stamp in batch.column_timestamps()]
 
         def joined(name: str) -> list[Any]:
             return [value for batch in batches for value in getattr(batch, name)]
@@ -589,6 +597,7 @@ class ActivationBatch:
             token_ids=joined("token_ids"),
             edits=edits,
             timestamp=first.timestamp,
+            timestamps=timestamps,
             records=records,
         )
         if tensor is not None:
@@ -638,6 +647,7 @@ class ActivationBatch:
             made.is_generated, made.generated_indices = (self.is_generated,
                                                          self.generated_indices)
             made.token_ids, made.edits = self.token_ids, self.edits
+            made.timestamps = self.timestamps
         else:
             made.request_ids, made.point_names = self.request_ids[rows], self.point_names[rows]
             made.layers, made.token_indices = self.layers[rows], self.token_indices[rows]
@@ -645,6 +655,7 @@ class ActivationBatch:
                                                          self.generated_indices[rows])
             made.token_ids = self.token_ids[rows]
             made.edits = None if self.edits is None else self.edits[rows]
+            made.timestamps = None if self.timestamps is None else self.timestamps[rows]
         made.tensor_type, made.timestamp = self.tensor_type, self.timestamp
         made._records, made.cache, made.root, made.offset, made.parts = None, {}, None, 0, None
         return made
@@ -660,6 +671,12 @@ class ActivationBatch:
         kept = self._like(self._tensor)
         kept._records = self._records
         return kept
+
+    def column_timestamps(self) -> list[float]:
+        """Each row's capture time, as Python floats."""
+        if self.timestamps is None:
+            return [self.timestamp] * len(self)
+        return as_list(self.timestamps)
 
     def column_edits(self) -> Sequence[tuple[str, ...]]:
         """The ``edits`` column with an entry per row (empty tuples when None)."""
@@ -726,11 +743,12 @@ class ActivationBatch:
             layers, tokens = as_list(self.layers), as_list(self.token_indices)
             generated, is_generated = as_list(self.generated_indices), as_list(
                 self.is_generated)
-            token_ids, kind, stamp = as_list(self.token_ids), self.tensor_type, self.timestamp
+            token_ids, kind = as_list(self.token_ids), self.tensor_type
+            stamps = self.column_timestamps()
             self._records = [
                 ActivationRecord(ids[i], names[i], layers[i], kind, tokens[i],
-                                 is_generated[i], generated[i], token_ids[i], rows[i], stamp,
-                                 tuple(edits[i]))
+                                 is_generated[i], generated[i], token_ids[i], rows[i],
+                                 stamps[i], tuple(edits[i]))
                 for i in range(len(layers))
             ]
         return self._records

@@ -11,6 +11,7 @@ in (the linear readout sums by ``numpy.einsum``, not a threaded BLAS).
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -61,12 +62,15 @@ class Windows:
 
 def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
               eos: int | None = None, probes: dict[str, Any] | None = None,
-              overflow: str = "block") -> list[Any]:
+              overflow: str = "block", forwards: list[float] | None = None) -> list[Any]:
+    """``forwards``: each forward's start time (``time.time()``) is appended."""
     model = build_model("llama")  # one model per process: its eos is put back
     config = model.generation_config
     before = config.eos_token_id
     if eos is not None:
         config.eos_token_id = eos
+    timed = None if forwards is None else model.register_forward_pre_hook(
+        lambda *_: forwards.append(time.time()))
     try:
         backend = HFBackend(model, build_tokenizer())
         with Router(probes=probes or {}, default_overflow=overflow) as router:
@@ -75,6 +79,8 @@ def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
                                     session)
     finally:
         config.eos_token_id = before
+        if timed is not None:
+            timed.remove()
 
 
 def _view(output: Any) -> Any:
@@ -177,17 +183,27 @@ def test_windows_hold_at_most_window_steps(monkeypatch):
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
 
 
-def test_records_are_kept_step_by_step_when_signals_wait(monkeypatch):
-    """records=True: each step's records are kept as they come (their batch,
-    their tensors), and are the records routing each step keeps."""
+def test_records_are_kept_with_their_window_and_their_own_step_s_time(monkeypatch):
+    """records=True: the records of a window's steps are kept with the window
+    (rows of its one batch), and are the records routing each step keeps; each
+    carries the time its own step was captured, not the window's: after the
+    forward that captured it started and before the next one did."""
     counted = Windows(monkeypatch)
-    windowed = _generate(_point(), windows=True, records=True)
+    forwards: list[float] = []
+    windowed = _generate(_point(), windows=True, records=True, forwards=forwards)
     stepped = _generate(_point(), windows=False, records=True)
-    assert counted.steps
+    assert counted.steps == [MAX_NEW - 1]
+    assert len(forwards) == MAX_NEW
     for mine, theirs in zip(windowed, stepped, strict=True):
         assert len(mine.records) == len(theirs.records) == 3 * (MAX_NEW - 1)
         assert [_record_view(r) for r in mine.records] == [
             _record_view(r) for r in theirs.records]
+        for record in mine.records:
+            # generated token g is fed, and captured, by forward g + 1
+            fed_by = record.generated_index + 1
+            assert forwards[fed_by] <= record.timestamp
+            if fed_by + 1 < len(forwards):
+                assert record.timestamp <= forwards[fed_by + 1]
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
 
 

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import operator
 import sys
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -214,21 +215,32 @@ def _token_signals(runs: list[tuple[RoutedPoint, int, int, PlanMatch]]
 
 
 class RecordLog(Sequence[ActivationRecord]):
-    """A request's captured activations (``records=True``), as (batch, row)
-    references; the records are built when read (``len`` builds nothing). It
-    compares equal to a list of the same records, and ``+`` gives a list."""
+    """A request's captured activations (``records=True``), as row ranges of
+    captured batches; the records are built when read (``len`` builds nothing).
+    It compares equal to a list of the same records, and ``+`` gives a list."""
 
     def __init__(self) -> None:
         self._built: list[ActivationRecord] = []
-        self._pending: list[tuple[ActivationBatch, int]] = []
+        self._pending: list[tuple[ActivationBatch, int, int]] = []  # (batch, start, stop)
+        self._pending_rows = 0
         self.following: _Follow | None = None
         """The journal of captured batches whose entries hold this request's
         next records (its rows ``start:stop`` of each), if any."""
 
     def add(self, refs: Iterable[tuple[ActivationBatch, int]]) -> None:
+        """The records of rows ``(batch, row)``, in order."""
         if self.following is not None:
             self._catch_up(stop=True)
-        self._pending.extend(refs)
+        before = len(self._pending)
+        self._pending.extend((batch, row, row + 1) for batch, row in refs)
+        self._pending_rows += len(self._pending) - before
+
+    def add_rows(self, batch: ActivationBatch, start: int, stop: int) -> None:
+        """The records of rows ``start:stop`` of ``batch``, in order."""
+        if self.following is not None:
+            self._catch_up(stop=True)
+        self._pending.append((batch, start, stop))
+        self._pending_rows += stop - start
 
     def follow(self, journal: Journal, start: int, stop: int, match: Any = None) -> None:
         """From now on, rows ``start:stop`` of each batch added to ``journal`` are
@@ -241,8 +253,10 @@ class RecordLog(Sequence[ActivationRecord]):
     def _catch_up(self, *, stop: bool) -> None:
         follow = self.following
         assert follow is not None
-        rows = range(follow.start, follow.stop)
-        self._pending.extend((batch, row) for batch in follow.take(stop) for row in rows)
+        start, end = follow.start, follow.stop
+        batches = follow.take(stop)
+        self._pending.extend((batch, start, end) for batch in batches)
+        self._pending_rows += len(batches) * (end - start)
         if stop:
             self.following = None
 
@@ -250,19 +264,21 @@ class RecordLog(Sequence[ActivationRecord]):
         if self.following is not None:
             self._catch_up(stop=False)
         if self._pending:
-            pending, self._pending = self._pending, []
-            self._built.extend(batch.records()[row] for batch, row in pending)
+            pending, self._pending, self._pending_rows = self._pending, [], 0
+            built = self._built
+            for batch, start, stop in pending:
+                built += batch.records()[start:stop]
         return self._built
 
     def clear(self) -> None:
         """Forget every record (as ``list.clear``: a consumer frees the memory)."""
-        self._built, self._pending = [], []
+        self._built, self._pending, self._pending_rows = [], [], 0
         if self.following is not None:
             self.following.take(False)  # read: those are forgotten too
 
     def __len__(self) -> int:
         # counting builds nothing
-        count = len(self._built) + len(self._pending)
+        count = len(self._built) + self._pending_rows
         follow = self.following
         if follow is not None:
             count += (len(follow.journal) - follow.first) * (follow.stop - follow.start)
@@ -741,11 +757,13 @@ class _SteadyPoint:
             token_ids=token_ids,
         )
 
-    def window_batch(self, deltas: list[int], steps: list[list[Any]]) -> ActivationBatch:
+    def window_batch(self, deltas: list[int], steps: list[list[Any]],
+                     stamps: list[float]) -> ActivationBatch:
         """This point's batches ``deltas`` tokens after the base plan's (each
-        step's :meth:`pieces`) as one batch, grouped by request: each request's
-        rows of every step in turn, layer-minor (what routing each step's batch
-        in order hands its probe, in the same order)."""
+        step's :meth:`pieces`, captured at ``stamps``) as one batch, grouped by
+        request: each request's rows of every step in turn, layer-minor (what
+        routing each step's batch in order hands its probe, in the same order),
+        each row with its step's capture time."""
         count, width = self.count, len(self.requests)
         # Each piece is one (step, layer) with a row per request: stacked on dim 1,
         # row r of the result holds request r's pieces in (step, layer) order.
@@ -788,6 +806,9 @@ class _SteadyPoint:
             is_generated=[True] * total,
             generated_indices=IntColumn(generated_at.ravel()),
             token_ids=token_ids,
+            timestamp=stamps[0],
+            # (each request's rows: every step's time, once per layer)
+            timestamps=np.tile(np.repeat(np.asarray(stamps, dtype=np.float64), count), width),
         )
 
     def _bases(self) -> tuple[Any, Any]:
@@ -950,13 +971,15 @@ class _Window:
     there: :meth:`grow`; where half a queue holds one step, a window of one
     step that grows the same way) or :data:`WINDOW_BYTES` bytes."""
 
-    __slots__ = ("layout", "limit", "deltas", "steps", "size", "step_size", "base", "shape")
+    __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "size", "step_size", "base",
+                 "shape")
 
     def __init__(self, layout: _SteadyLayout, limit: int, base: Any) -> None:
         self.layout = layout
         self.limit = limit
         self.deltas: list[int] = []
         self.steps: list[list[Any]] = []
+        self.stamps: list[float] = []  # when each step was captured (its records' timestamp)
         self.size = 0
         self.step_size = 0  # bytes a step adds (its pieces'), read from the first step
         self.base = base  # the plan whose repeats the window holds
@@ -979,9 +1002,7 @@ class _Window:
             window = session.window = cls(layout, limit, base)
         point = layout.points[0]
         pieces = point.pieces(sources)
-        if session.keep_records:  # records do not wait: each step's rows are kept now
-            point.follow(kept=True).append(point.batch(delta, sources, pieces))
-        elif window.shape is None and point.whole and list(base.groups) == point.keys:
+        if window.shape is None and point.whole and list(base.groups) == point.keys:
             window.shape = [len(group.slots) for group in base.groups.values()]
         window._add(session, delta, pieces)
 
@@ -1015,6 +1036,7 @@ class _Window:
         """One step's ``pieces`` held; the window routed once full."""
         self.deltas.append(delta)
         self.steps.append(pieces)
+        self.stamps.append(time.time())
         if not self.step_size:  # every step of one layout: the same pieces' shapes
             self.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
         self.size += self.step_size
@@ -1042,10 +1064,15 @@ class _Window:
         return True
 
     def route(self, session: Any) -> None:
-        """Route the steps held, as one batch, and give each request its signals."""
+        """Route the steps held, as one batch, and give each request its signals
+        (and, with ``records=True``, its records of these steps)."""
         point = self.layout.points[0]
         steps = len(self.steps)
-        batch = point.window_batch(self.deltas, self.steps)
+        batch = point.window_batch(self.deltas, self.steps, self.stamps)
+        if session.keep_records:
+            kept = batch.without_cache()  # the activations, not what probes derived
+            for state, start, stop, _ in point.spans:
+                state.records.add_rows(kept, start * steps, stop * steps)
         signals = session.router.route_columns(batch, point.window_spans(steps))
         if not signals.any_signal():
             return
