@@ -20,7 +20,7 @@ from typing import Any
 
 import undercurrent
 from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
-from benchmarks.scenarios import SCALING_ONLY, SCENARIOS, scenario_by_name
+from benchmarks.scenarios import ON_REQUEST, SCALING_ONLY, SCENARIOS, scenario_by_name
 from benchmarks.scenarios.base import make_batch
 from benchmarks.worker import layers_for, prompts_for, set_threads
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--scenario", default="uc_3_layers_inline_norm",
-                        choices=[s.name for s in (*SCENARIOS, *SCALING_ONLY)])
+                        choices=[s.name for s in (*SCENARIOS, *SCALING_ONLY, *ON_REQUEST)])
     parser.add_argument("--layers", default="3", choices=["3", "all"],
                         help="capture the three default layers or every layer")
     parser.add_argument("--baseline", default="raw_forward_hooks",

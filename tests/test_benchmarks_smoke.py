@@ -477,11 +477,11 @@ def test_a_deep_model_is_the_bundled_widths_at_the_depth_asked_for():
 def test_a_scaling_job_on_a_deep_model_captures_every_layer_like_raw_hooks():
     """A real job on ``deep2``: every probed scenario generates plain's tokens
     and captures as many vectors as raw hooks (one per generated token fed back
-    and layer)."""
+    and layer), the guard too (it may abort, and never does)."""
     from benchmarks.worker import scaling_job
 
     names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear",
-             "uc_3_layers_async_trajectory"]
+             "uc_3_layers_async_trajectory", "uc_inline_linear_guard"]
     result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
                          repeats=1, warmup=0, max_new_tokens=3)
     rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=3)}

@@ -16,6 +16,7 @@ from benchmarks.scenarios.probed import (
     ProbedCaptureOnly,
     ProbedEmptySpec,
     ProbedInlineLinear,
+    ProbedInlineLinearGuard,
     ProbedInlineNorm,
     ProbedInlineTrajectory,
 )
@@ -36,15 +37,19 @@ SCENARIOS: tuple[type[Scenario], ...] = (
 BASELINE = PlainGenerate.name
 #: Scenarios only the scaling set runs (``benchmarks.scaling``), not the main tables.
 SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTrajectory)
+#: Scenarios no table runs, for the tools that time or profile one scenario
+#: (``benchmarks.ab``, ``benchmarks.stage_timers``, ``benchmarks.profile``).
+ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard,)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:
     """The scenario class registered under ``name``."""
-    for scenario in (*SCENARIOS, *SCALING_ONLY):
+    for scenario in (*SCENARIOS, *SCALING_ONLY, *ON_REQUEST):
         if scenario.name == name:
             return scenario
-    known = ", ".join(s.name for s in (*SCENARIOS, *SCALING_ONLY))
+    known = ", ".join(s.name for s in (*SCENARIOS, *SCALING_ONLY, *ON_REQUEST))
     raise KeyError(f"unknown benchmark scenario {name!r}; known: {known}")
 
 
-__all__ = ["BASELINE", "SCALING_ONLY", "SCENARIOS", "Batch", "Scenario", "scenario_by_name"]
+__all__ = ["BASELINE", "ON_REQUEST", "SCALING_ONLY", "SCENARIOS", "Batch", "Scenario",
+           "scenario_by_name"]

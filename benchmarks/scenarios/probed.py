@@ -191,6 +191,28 @@ class ProbedInlineLinear(_Probed):
         return [three_layer_point(self.layers, probe_type="linear_probe", probe_args=args)]
 
 
+class ProbedInlineLinearGuard(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` as a guard: ``action: abort`` at a threshold
+    above any score its sigmoid link gives (1.01), so it may abort a request
+    at any step but never does, and every scenario generates the same tokens.
+    What a live guard costs while it lets everything through."""
+
+    name: ClassVar[str] = "uc_inline_linear_guard"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe with action: abort (a threshold no score reaches)"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [{**point, "probe_args": {**point["probe_args"], "threshold": GUARD_THRESHOLD,
+                                         "action": "abort"}}
+                for point in super().points()]
+
+
+#: Above any score of a sigmoid link: the guard scenario never aborts.
+GUARD_THRESHOLD = 1.01
+
+
 #: The bundled probe file, usable at any layer: the scaling scenarios put it on
 #: every layer, which its layer metadata (layer 3) would otherwise refuse.
 LINEAR_PROBE_ARGS: dict[str, Any] = {

@@ -25,6 +25,8 @@ from test_hf_equivalence import PROMPTS  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
+from undercurrent.probes.linear import LinearProbe  # noqa: E402
+from undercurrent.probes.statistics import NormProbe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint, InterventionPolicy, ProbeKind  # noqa: E402
@@ -39,6 +41,8 @@ def _point(probe_type: str = "linear_probe", *, action: str = "flag",
     if probe_type in ("linear_probe", "trajectory_probe"):
         probe_args = {"weight": WEIGHT, "bias": 0.0, "threshold": 0.0, "action": action,
                       **probe_args}
+    elif action != "flag":
+        probe_args = {"action": action, **probe_args}
     return ExtractionPoint(name="watch", layers=(0, 1, 2), tensor_type="residual_stream",
                            position="generated[*]", probe_type=probe_type,
                            probe_kind="trajectory", execution_mode=mode,
@@ -151,6 +155,83 @@ def test_held_steps_taken_as_they_come_give_what_the_general_path_gives(monkeypa
     assert counted.steps == [MAX_NEW - 1] * 2
     assert [_view(output) for output in fast] == [_view(output) for output in general]
     assert any(output.signals for output in fast)
+
+
+def _abort_view(output: Any) -> Any:
+    abort = output.abort
+    return _view(output), None if abort is None else (
+        abort.extraction_point_name, abort.layer, abort.token_index, abort.generated_index)
+
+
+def _first_crossings(outputs: list[Any], threshold: float) -> dict[str, int | None]:
+    """Each request's first generated index with a score at or above ``threshold``."""
+    return {output.request_id: min((s.generated_index for s in output.signals
+                                    if s.score >= threshold), default=None)
+            for output in outputs}
+
+
+@pytest.mark.parametrize("probe_type", ["linear_probe", "norm_probe"])
+def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypatch,
+                                                                       probe_type):
+    """Probes that may abort, but tell from a step's values whether it would
+    (``foresees_aborts``): the steps are held in windows as for probes that
+    cannot abort, and the step that aborts is routed as it comes, after those
+    held. The outputs are those of routing each step: the same tokens, abort
+    (at the same token), signals, verdicts and counts, with fewer routings."""
+    watch = {"threshold": None} if probe_type == "linear_probe" else {}
+    scores = _generate(_point(probe_type, **watch), windows=False)
+    # A threshold that one request crosses from its third generated token on at
+    # the earliest and another never does (else the test would prove nothing).
+    candidates = sorted({s.score for output in scores for s in output.signals})
+    threshold = next((value for value in candidates
+                      if None in (found := _first_crossings(scores, value)).values()
+                      and any(index is not None and index >= 2 for index in found.values())),
+                     None)
+    assert threshold is not None, "no threshold aborts one request mid-generation"
+    point = _point(probe_type, threshold=threshold, action="abort")
+    routed: list[int] = []
+    original = Router.route_columns
+
+    def route_columns(router: Any, batch: Any, spans: Any = None) -> Any:
+        routed.append(len(batch))
+        return original(router, batch, spans)
+
+    monkeypatch.setattr(Router, "route_columns", route_columns)
+    computed: list[int] = []  # the rows of each batch whose values were computed
+    kind = LinearProbe if probe_type == "linear_probe" else NormProbe
+    values_of = kind.row_values
+
+    def row_values(probe: Any, batch: Any) -> Any:
+        computed.append(len(batch))
+        return values_of(probe, batch)
+
+    monkeypatch.setattr(kind, "row_values", row_values)
+    counted = Windows(monkeypatch)
+    windowed = _generate(point, windows=True)
+    held, windowed_routings = list(counted.steps), len(routed)
+    # Each step's values computed once, when it was held: never a window's again.
+    assert computed and max(computed) <= 3 * len(IDS)
+    stepped = _generate(point, windows=False)
+    assert counted.steps == held  # routing each step held none
+    assert held and max(held) > 1
+    assert windowed_routings < len(routed) - windowed_routings
+    aborted = [output for output in stepped if output.abort is not None]
+    assert aborted and len(aborted) < len(stepped)
+    assert all(output.finish_reason == "abort" for output in aborted)
+    assert [_abort_view(output) for output in windowed] == [
+        _abort_view(output) for output in stepped]
+
+
+def test_a_probe_that_cannot_tell_its_aborts_ahead_is_routed_step_by_step(monkeypatch):
+    """``trajectory_probe`` may abort on a running statistic (the state earlier
+    rows left), so it cannot tell from a step's values alone: its steps are
+    routed as they come, as before."""
+    counted = Windows(monkeypatch)
+    point = _point("trajectory_probe", threshold=10.0, action="abort")
+    windowed = _generate(point, windows=True)
+    assert counted.steps == []
+    assert [_view(output) for output in windowed] == [
+        _view(output) for output in _generate(point, windows=False)]
 
 
 def test_a_window_is_judged_before_a_request_ends_mid_generation(monkeypatch):
@@ -378,6 +459,53 @@ def test_the_router_says_how_many_rows_may_wait():
         assert router.window_rows("other", ["flag"]) == 0
 
 
+def _rows_batch(request_ids: list[str], rows: Any) -> Any:
+    from undercurrent.records import ActivationBatch
+
+    count = len(request_ids)
+    return ActivationBatch(rows, request_ids=request_ids, point_names=["watch"] * count,
+                           layers=[0] * count, tensor_type="residual_stream",
+                           token_indices=[5] * count, is_generated=[True] * count,
+                           generated_indices=[0] * count, token_ids=[1] * count)
+
+
+def test_the_router_tells_whether_routing_a_batch_would_abort():
+    """``Router.abort_guard``: for inline probes that may abort and tell it
+    from the values (linear and norm probes), whether some row reaches the
+    threshold, the values kept on the batch for its routing; None for a probe
+    that cannot tell (a running statistic, a user probe, a subclass), for
+    async points, for a request not live; True where the values fail."""
+    weight = torch.tensor(WEIGHT)
+    points = {"abort": _point(threshold=0.5, action="abort"),
+              "norm": _point("norm_probe", threshold=2.0, action="abort"),
+              "trajectory": _point("trajectory_probe", threshold=0.5, action="abort"),
+              "user": _point("flags_only"), "async": _point(mode="async", depth=40)}
+    with Router(probes={"flags_only": FlagsOnly}) as router:
+        for key, point in points.items():
+            for request in (key, f"{key}-2"):
+                router.register_request(request, [point])
+        ids = ["abort", "abort-2"]
+        guard = router.abort_guard("watch", ids)
+        assert guard is not None
+        below = torch.stack([-weight, -weight])  # sigmoid(-|w|^2) < 0.5 for both rows
+        above = torch.stack([-weight, weight])
+        batch = _rows_batch(ids, above)
+        assert guard(_rows_batch(ids, below)) is False
+        assert guard(batch) is True
+        assert batch.cache  # the scores, computed once for its routing
+        assert router.route_columns(batch).any_abort()
+        norm = router.abort_guard("watch", ["norm", "norm-2"])
+        assert norm is not None
+        assert norm(_rows_batch(["norm", "norm-2"], torch.ones(2, 32) * 0.1)) is False
+        assert norm(_rows_batch(["norm", "norm-2"], torch.ones(2, 32))) is True
+        for key in ("trajectory", "user", "async"):
+            assert router.abort_guard("watch", [key, f"{key}-2"]) is None, key
+        assert router.abort_guard("watch", ["abort", "norm"]) is None  # two classes
+        assert router.abort_guard("watch", ["abort", "never-registered"]) is None
+        # values that cannot be computed (the wrong width): routed now, to count the error
+        assert guard(_rows_batch(ids, torch.ones(2, 7))) is True
+
+
 
 class Interrupted(Exception):
     """Raised by the first result callback."""
@@ -461,3 +589,24 @@ def test_a_window_stacks_its_rows_only_for_a_probe_that_reads_them(monkeypatch, 
     assert len(counted.steps) >= 1 and bool(made) is stacked
     stepped = _generate(point, windows=False, probes=probes)
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+def test_steps_values_are_laid_out_as_the_window_batch_s_rows():
+    """``delivery._interleaved``: the values of each step (``count`` rows per
+    request, request after request) in a window batch's order (each request's
+    rows of every step in turn), for arrays (of rows of several values too),
+    lists, and tuples and dicts of them."""
+    np = pytest.importorskip("numpy")
+    steps, requests, count = 3, 2, 2
+    # (step, request, layer) of each row, as a step's rows come
+    rows = [[(step, request, layer) for request in range(requests) for layer in range(count)]
+            for step in range(steps)]
+    code = [np.array([100 * s + 10 * r + k for s, r, k in step], dtype=np.float64)
+            for step in rows]
+    wide = [np.stack([values, -values], axis=1) for values in code]
+    values = [(code[step], {"wide": wide[step], "where": rows[step]}) for step in range(steps)]
+    laid = delivery._interleaved(values, requests, count)
+    expected = [(s, r, k) for r in range(requests) for s in range(steps) for k in range(count)]
+    assert laid[1]["where"] == expected
+    assert laid[0].tolist() == [100.0 * s + 10 * r + k for s, r, k in expected]
+    assert laid[1]["wide"].tolist() == [[v, -v] for v in laid[0].tolist()]

@@ -157,3 +157,49 @@ def test_a_calls_verdicts_made_at_once_are_each_summarys_verdict(
     got = summary_verdicts(summaries)
     assert [repr(list(verdict.items())) for verdict in got] == [
         repr(list(summary.verdict().items())) for summary in summaries]
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=st.lists(SCORES, min_size=1, max_size=24),
+       threshold=st.one_of(st.none(), st.sampled_from([0.0, 3.0, -1e6, math.inf])),
+       action=st.sampled_from(["flag", "abort"]), requests=st.integers(1, 4))
+def test_an_abort_test_tells_what_judging_the_values_gives(scores, threshold, action,
+                                                          requests) -> None:
+    """``abort_test`` (linear and norm probes): whether judging the values would
+    abort some row, told without judging, is what judging them gives."""
+    from undercurrent.probes.linear import LinearProbe
+    from undercurrent.probes.statistics import NormProbe
+
+    column = np.asarray(scores * requests, dtype=np.float64)
+    width = len(scores)
+    spans = [(index * width, (index + 1) * width) for index in range(requests)]
+    tokens, layers = list(range(len(column))), [0] * len(column)
+    linear = [LinearProbe(weight=[1.0], bias=0.0, threshold=threshold, action=action)
+              for _ in range(requests)]
+    norms = [NormProbe(threshold=threshold, action=action) for _ in range(requests)]
+    told = LinearProbe.abort_test(linear)
+    assert told is not None and NormProbe.abort_test(norms) is not None
+    judged = LinearProbe.judge_many(linear, (column, {"logit": column}), spans, tokens, layers)
+    assert judged is not None
+    assert told((column, {"logit": column})) is judged.any_abort()
+    assert NormProbe.abort_test(norms)(column) is judged.any_abort()
+
+
+def test_no_abort_test_for_instances_judged_otherwise() -> None:
+    """None where the instances differ in class or rule, or are a subclass (it
+    may judge its own way): their steps are routed as they come."""
+    from undercurrent.probes.linear import LinearProbe
+    from undercurrent.probes.statistics import MeanProbe, NormProbe
+
+    class Mine(LinearProbe):
+        pass
+
+    def linear(threshold: float, cls: type = LinearProbe) -> Any:
+        return cls(weight=[1.0], bias=0.0, threshold=threshold, action="abort")
+
+    assert LinearProbe.abort_test([linear(1.0), linear(1.0)]) is not None
+    assert LinearProbe.abort_test([linear(1.0), linear(2.0)]) is None
+    assert LinearProbe.abort_test([linear(1.0, Mine)]) is None
+    assert NormProbe.abort_test([NormProbe(threshold=1.0), MeanProbe(threshold=1.0)]) is None
+    flags = LinearProbe.abort_test([LinearProbe(weight=[1.0], bias=0.0, threshold=0.0)])
+    assert flags is not None and flags((np.asarray([5.0]), {})) is False

@@ -836,13 +836,16 @@ def _stacked(pieces: list[Any]) -> DeferredRows:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits", "windows", "ends")
+    __slots__ = ("states", "points", "edits", "windows", "guard", "ends")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
         self.edits = any(state.edits for state in states)  # fixed when a request opens
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
+        # Where the point's probes may abort: whether routing a step's batch would
+        # (Router.abort_guard), asked of each step before it is held.
+        self.guard: Any = None
         # The session's (aborts, closes) when none of ``states`` had ended yet.
         self.ends: tuple[int, int] | None = None
 
@@ -911,13 +914,17 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
         point = points[0]
         if layout.windows is None:
             layout.windows = _window_steps(session, layout)
+        batch = None
         if layout.windows:  # (routes nothing but a full window, in a step of its own)
-            _Window.hold(session, layout, layout.windows, delta, sources, base)
-            return True
+            batch = _Window.hold(session, layout, layout.windows, delta, sources, base)
+            if batch is None:
+                return True
+            # (a step that would abort: routed now, after the steps held)
         with _stepping(step):
             flush_window(session)
-            _route_wave(session, states, [(point.batch(delta, sources), point.spans,
-                                           point.routed_spans)], point.follow(), layout.edits,
+            _route_wave(session, states, [(point.batch(delta, sources) if batch is None else batch,
+                                           point.spans, point.routed_spans)],
+                        point.follow(), layout.edits,
                         point.follow(kept=True) if session.keep_records else None)
         return True
     with _stepping(step):
@@ -945,6 +952,14 @@ def _window_steps(session: Any, layout: _SteadyLayout) -> int:
     steps: int = min(WINDOW_STEPS, rows(point.name, ids) // point.count)
     if steps > 1:
         return steps
+    if not steps:
+        # Probes that may abort, but tell from a step's values whether it
+        # would: its steps are held as well, and one that would abort is
+        # routed at once, after those held (_Window.hold).
+        guard = getattr(session.router, "abort_guard", None)
+        layout.guard = None if guard is None else guard(point.name, ids)
+        if layout.guard is not None:
+            return WINDOW_STEPS
     # Half an async queue holds one step (a point of many layers): a window of
     # one step, which grows where the queues have room for more when it is
     # full (_Window.grow). Only where their room now holds two steps (at a
@@ -960,7 +975,10 @@ class _Window:
     """Decode steps of one steady point whose routing waits, to be routed as one
     batch: for a ``generate()`` call (nothing reads a signal before its request
     ends) whose one point is inline and judged by probes that cannot abort, or
-    async (:meth:`~undercurrent.router.Router.window_rows`). Each request's rows
+    async (:meth:`~undercurrent.router.Router.window_rows`), or inline and
+    judged by probes that tell from a step's values whether it would abort
+    (:meth:`~undercurrent.router.Router.abort_guard`: a step that would is
+    routed at once, after the steps held). Each request's rows
     reach its probe (or its queue) in the order routing each step would give
     them, so the signals, verdicts and counts are the same; each probe is
     called, and each binding settled or queued on, once per window instead of
@@ -971,8 +989,8 @@ class _Window:
     there: :meth:`grow`; where half a queue holds one step, a window of one
     step that grows the same way) or :data:`WINDOW_BYTES` bytes."""
 
-    __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "size", "step_size", "base",
-                 "shape")
+    __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "values", "size", "step_size",
+                 "base", "shape")
 
     def __init__(self, layout: _SteadyLayout, limit: int, base: Any) -> None:
         self.layout = layout
@@ -980,6 +998,9 @@ class _Window:
         self.deltas: list[int] = []
         self.steps: list[list[Any]] = []
         self.stamps: list[float] = []  # when each step was captured (its records' timestamp)
+        # Under an abort guard, the probes' values of each step (computed to ask
+        # it): the window's, without computing them again; None once one lacks.
+        self.values: list[Any] | None = [] if layout.guard is not None else None
         self.size = 0
         self.step_size = 0  # bytes a step adds (its pieces'), read from the first step
         self.base = base  # the plan whose repeats the window holds
@@ -990,21 +1011,31 @@ class _Window:
 
     @classmethod
     def hold(cls, session: Any, layout: _SteadyLayout, limit: int, delta: int,
-             sources: dict[Any, Any], base: Any) -> None:
+             sources: dict[Any, Any], base: Any) -> ActivationBatch | None:
         """Add one step of ``layout`` (its captured ``sources``; ``base``: the plan
         it repeats) to the session's window of at most ``limit`` steps, routing a
-        window of another layout first."""
+        window of another layout first. Where routing the step would abort a
+        request (``layout.guard``), nothing is held: returns the step's batch
+        (its values computed), for the caller to route at once, after the
+        steps held."""
+        point = layout.points[0]
+        pieces = point.pieces(sources)
+        values = None
+        if layout.guard is not None:
+            batch = point.batch(delta, sources, pieces)
+            if layout.guard(batch):
+                return batch
+            values = batch.cache.get(layout.guard.key)
         window = session.window
         if window is not None and window.layout is not layout:
             flush_window(session)
             window = None
         if window is None:
             window = session.window = cls(layout, limit, base)
-        point = layout.points[0]
-        pieces = point.pieces(sources)
         if window.shape is None and point.whole and list(base.groups) == point.keys:
             window.shape = [len(group.slots) for group in base.groups.values()]
-        window._add(session, delta, pieces)
+        window._add(session, delta, pieces, values)
+        return None
 
     def take(self, session: Any, batches: list[tuple[Any, Any, Any]]) -> bool:
         """Hold a forward's ``batches`` as :func:`deliver_forward` would hold
@@ -1028,15 +1059,27 @@ class _Window:
                 return False
         except AttributeError:  # (rows of another kind)
             return False
+        guard, values = self.layout.guard, None
+        if guard is not None:
+            batch = self.layout.points[0].batch(plan.delta, {}, pieces)
+            if guard(batch):
+                return False  # (it would abort: the general path routes it, see hold)
+            values = batch.cache.get(guard.key)
         plan.delivered()
-        self._add(session, plan.delta, pieces)
+        self._add(session, plan.delta, pieces, values)
         return True
 
-    def _add(self, session: Any, delta: int, pieces: list[Any]) -> None:
-        """One step's ``pieces`` held; the window routed once full."""
+    def _add(self, session: Any, delta: int, pieces: list[Any], values: Any = None) -> None:
+        """One step's ``pieces`` held (with the probes' ``values`` of them, under an
+        abort guard); the window routed once full."""
         self.deltas.append(delta)
         self.steps.append(pieces)
         self.stamps.append(time.time())
+        if self.values is not None:
+            if values is None:
+                self.values = None
+            else:
+                self.values.append(values)
         if not self.step_size:  # every step of one layout: the same pieces' shapes
             self.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
         self.size += self.step_size
@@ -1069,6 +1112,10 @@ class _Window:
         point = self.layout.points[0]
         steps = len(self.steps)
         batch = point.window_batch(self.deltas, self.steps, self.stamps)
+        if self.values is not None and len(self.values) == steps:
+            # (each step's values, as scoring the window's rows would give them)
+            batch.cache[self.layout.guard.key] = _interleaved(self.values, len(point.requests),
+                                                              point.count)
         if session.keep_records:
             kept = batch.without_cache()  # the activations, not what probes derived
             for state, start, stop, _ in point.spans:
@@ -1083,6 +1130,27 @@ class _Window:
         routed = RoutedPoint(batch.index_view(), signals)
         for state, start, stop, match in point.spans:
             state.signals.add([(routed, start * steps, stop * steps, match)])
+
+
+def _interleaved(steps: list[Any], requests: int, count: int) -> Any:
+    """Per-row values of a window's steps (each step's rows: ``count`` per request,
+    request after request) in the window batch's order: each request's rows of
+    every step in turn (see :meth:`_SteadyPoint.window_batch`). Values are an
+    array or list, or a tuple or dict of them (as ``ActivationBatch.shared``
+    keeps them)."""
+    first = steps[0]
+    if isinstance(first, tuple):
+        return tuple(_interleaved([step[index] for step in steps], requests, count)
+                     for index in range(len(first)))
+    if isinstance(first, dict):
+        return {key: _interleaved([step[key] for step in steps], requests, count)
+                for key in first}
+    np = numpy_module()
+    if isinstance(first, np.ndarray):
+        stacked = np.stack(steps).reshape(len(steps), requests, count, *first.shape[1:])
+        return stacked.swapaxes(0, 1).reshape(len(steps) * requests * count, *first.shape[1:])
+    return [step[request * count + layer] for request in range(requests) for step in steps
+            for layer in range(count)]
 
 
 def flush_window(session: Any) -> None:

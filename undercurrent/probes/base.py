@@ -19,7 +19,7 @@ import functools
 import inspect
 import operator
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -231,6 +231,18 @@ class ScoresRows(Probe):
         steps' rows in one call (see :mod:`undercurrent.adapters.delivery`).
         The default, for any class that does not say otherwise: True."""
         return True
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        """For ``probes`` (one instance per request, of one point) whose ``abort``
+        depends on each row's own value, not on the state earlier rows left: a
+        function of the values :meth:`row_values` gives for a batch of their
+        rows that says whether judging them would give some row ``abort``,
+        judging nothing (no state changes). None where it cannot tell: the
+        default. With one, a ``generate()`` call holds the decode steps of a
+        probe that may abort in windows too, and routes a step at once only
+        where it would abort (see :mod:`undercurrent.adapters.delivery`)."""
+        return None
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:

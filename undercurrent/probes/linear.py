@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
@@ -19,6 +19,7 @@ from undercurrent.probes.scoring import (
     end_summaries,
     judge_summaries,
     start_summaries,
+    threshold_abort_test,
 )
 from undercurrent.probes.weights import (
     LINKS,
@@ -301,6 +302,14 @@ class LinearProbe(ScoresRows):
     def may_abort(self) -> bool:
         # A subclass may judge otherwise: it is taken at its word only through its own.
         return type(self) is not LinearProbe or self.rule.can_abort
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        # An abort is a score at or above the threshold (a subclass: not told).
+        if any(type(probe) is not LinearProbe for probe in probes):
+            return None
+        reaches = threshold_abort_test(probes)
+        return None if reaches is None else (lambda values: reaches(values[0]))
 
     def group_key(self) -> Any:
         # A subclass that judges each activation itself is not judged in groups.

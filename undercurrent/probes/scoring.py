@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,6 +351,28 @@ def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[in
         return None
     return ScoreSummary.batch_signals_many(list(map(_SUMMARY, probes)), rule, scores,
                                            spans, token_indices, layers, metadata)
+
+
+def threshold_abort_test(probes: Sequence[Any]) -> Callable[[Any], bool] | None:
+    """The ``abort_test`` of a built-in that keeps a ``rule`` and judges each row
+    by its score alone: whether some score of a float64 array reaches the
+    threshold of a rule whose crossing aborts. None unless the instances are
+    all of one class with one rule, as :func:`judge_summaries` needs."""
+    rule, kind = probes[0].rule, type(probes[0])
+    if set(map(type, probes)) != {kind} or list(map(_RULE, probes)).count(rule) != len(probes):
+        return None
+    if not rule.can_abort:
+        return _never
+    threshold = rule.threshold
+
+    def reaches(scores: Any) -> bool:
+        return bool((scores >= threshold).any())
+
+    return reaches
+
+
+def _never(scores: Any) -> bool:
+    return False
 
 
 _RULE = operator.attrgetter("rule")

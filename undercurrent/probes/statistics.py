@@ -9,7 +9,7 @@ dict plus ``statistic`` (``"l2_norm"`` or ``"mean"``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, map_rows, numpy_module
@@ -20,6 +20,7 @@ from undercurrent.probes.scoring import (
     end_summaries,
     judge_summaries,
     start_summaries,
+    threshold_abort_test,
 )
 from undercurrent.records import ActivationBatch, BatchSignals
 from undercurrent.spec.types import ProbeKind
@@ -81,6 +82,13 @@ class _StatisticProbe(ScoresRows):
 
     def may_abort(self) -> bool:
         return type(self) not in (NormProbe, MeanProbe) or self.rule.can_abort
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        # An abort is a statistic at or above the threshold (a subclass: not told).
+        if any(type(probe) not in (NormProbe, MeanProbe) for probe in probes):
+            return None
+        return threshold_abort_test(probes)
 
     def row_values(self, batch: ActivationBatch) -> Any:
         """One statistic per row of the batch's matrix."""

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -121,6 +121,27 @@ _IS_ASYNC = operator.attrgetter("is_async")
 _SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
                 for name in ("received", "processed", "dropped", "errors", "timeouts"))
+
+
+class AbortGuard:
+    """Whether routing a batch would abort a request (:meth:`Router.abort_guard`):
+    ``guard(batch)`` computes the probes' values (kept in ``batch.cache`` under
+    :attr:`key`) and asks their class's ``abort_test``; True as well where
+    computing them fails (routing the batch then counts the error)."""
+
+    __slots__ = ("key", "values_of", "test")
+
+    def __init__(self, key: Any, values_of: Callable[[ActivationBatch], Any],
+                 test: Callable[[Any], bool]) -> None:
+        self.key = key
+        self.values_of = values_of
+        self.test = test
+
+    def __call__(self, batch: ActivationBatch) -> bool:
+        try:
+            return bool(self.test(batch.shared(self.key, self.values_of)))
+        except Exception:  # noqa: BLE001 - routed now: judging it counts the error
+            return True
 
 
 class Router:
@@ -487,6 +508,34 @@ class Router:
         if bindings is None:
             return 0
         return Binding.least_room(bindings)
+
+    def abort_guard(self, name: str, request_ids: Iterable[str]) -> AbortGuard | None:
+        """For point ``name`` of these live requests, where :meth:`window_rows`
+        holds no row back because their probes may abort, but each binding is
+        judged in one group (inline, ``reject``) by probes of one class that
+        tell from a batch's values whether judging it would abort
+        (:meth:`~undercurrent.probes.base.ScoresRows.abort_test`): a
+        :class:`AbortGuard`, a function of a batch of these requests' rows of the
+        point (as :meth:`route_columns` takes it) that says whether routing it
+        would abort one of them. None otherwise.
+
+        The values are kept on the batch (under ``guard.key``), so routing it
+        computes them once.
+        Rows of a decode step that would not abort may then wait in a window
+        as the steps of a probe that cannot abort do (see
+        :mod:`undercurrent.adapters.delivery`): judging them later gives the
+        same signals, verdicts and counts."""
+        bindings = self._point_bindings(name, request_ids)
+        if not bindings:
+            return None
+        key = bindings[0].group
+        probes = [binding.probe for binding in bindings]
+        abort_test = getattr(type(probes[0]), "abort_test", None)
+        if (key is None or abort_test is None
+                or any(binding.is_async or binding.group != key for binding in bindings)):
+            return None
+        test = abort_test(probes)
+        return None if test is None else AbortGuard(key, probes[0].row_values, test)
 
     def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
         """The bindings of point ``name`` of these requests, in order; None when
