@@ -642,3 +642,67 @@ def test_steps_are_held_only_when_no_reply_can_change_them(backend, reference, m
         stats = output.results["norms"].stats
         # (the last token generated is never fed to the model: no rows)
         assert stats.received == stats.processed == 2 * (len(output.token_ids) - 1) > 0
+
+
+def test_a_built_in_guard_is_held_in_windows_and_stops_a_request_at_its_token(
+        backend, reference, monkeypatch):
+    """``norm_probe`` with ``action: abort`` on the vLLM engine: its decode steps
+    wait in windows (``Router.abort_guard`` asks each as it comes) and the step
+    that would abort is routed at once. The outputs are those of routing each
+    step (the router made to offer no guard): tokens, the abort and its token,
+    signals, verdicts and counts; and the engine commits no token after the
+    aborting step."""
+    texts, _ = reference
+    ids = [f"r{i}" for i in range(len(texts))]
+    point = {"name": "norms", "layers": [0, 1], "tensor_type": "residual_stream",
+             "position": "generated[*]", "probe_type": "norm_probe",
+             "probe_kind": "trajectory", "execution_mode": "inline"}
+
+    def run(probe_args: dict[str, Any]) -> list[Any]:
+        model = ProbedModel(backend, spec={"version": "1", "extraction_points": [
+            {**point, "probe_args": probe_args}]})
+        return model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS)
+
+    def view(output: Any) -> Any:
+        result = output.results["norms"]
+        abort = output.abort
+        return (output.token_ids, output.finish_reason,
+                None if abort is None else (abort.layer, abort.generated_index),
+                [(s.layer, s.generated_index, s.action.value, s.score) for s in output.signals],
+                result.verdict, result.stats.received, result.stats.processed)
+
+    scores = run({})
+    # One request reaches the threshold from its third generated token on at the
+    # earliest, another never (else the test would prove nothing).
+    def first_crossings(threshold: float) -> list[int | None]:
+        return [min((s.generated_index for s in output.signals if s.score >= threshold),
+                    default=None) for output in scores]
+
+    threshold = next((value for value in sorted({s.score for output in scores
+                                                 for s in output.signals})
+                      if None in (found := first_crossings(value))
+                      and any(index is not None and index >= 2 for index in found)), None)
+    assert threshold is not None
+    windows: list[int] = []
+    route = delivery._Window.route
+
+    def counted(window: Any, session: Any) -> None:
+        windows.append(len(window.steps))
+        route(window, session)
+
+    monkeypatch.setattr(delivery._Window, "route", counted)
+    guarded = run({"threshold": threshold, "action": "abort"})
+    held = list(windows)
+    aborted_tokens = {output.request_id: backend.engine_token_counts.get(output.request_id)
+                      for output in guarded if output.aborted}
+    monkeypatch.setattr(Router, "abort_guard", lambda self, name, request_ids: None)
+    stepped = run({"threshold": threshold, "action": "abort"})
+    # Steps held under the guard (continuous batching changes the batch often,
+    # so windows here are short); routing each step held none.
+    assert held and windows == held
+    aborted = [output for output in stepped if output.aborted]
+    assert aborted and len(aborted) < len(stepped)
+    assert [view(output) for output in guarded] == [view(output) for output in stepped]
+    for output in guarded:
+        if output.aborted:  # (the engine committed no token after the aborting step)
+            assert aborted_tokens[output.request_id] == len(output.token_ids)
