@@ -174,7 +174,7 @@ def _first_crossings(outputs: list[Any], threshold: float) -> dict[str, int | No
 def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypatch,
                                                                        probe_type):
     """Probes that may abort, but tell from a step's values whether it would
-    (``foresees_aborts``): the steps are held in windows as for probes that
+    (``ScoresRows.abort_test``): the steps are held in windows as for probes that
     cannot abort, and the step that aborts is routed as it comes, after those
     held. The outputs are those of routing each step: the same tokens, abort
     (at the same token), signals, verdicts and counts, with fewer routings."""
