@@ -1020,12 +1020,9 @@ class _Window:
         steps held."""
         point = layout.points[0]
         pieces = point.pieces(sources)
-        values = None
-        if layout.guard is not None:
-            batch = point.batch(delta, sources, pieces)
-            if layout.guard(batch):
-                return batch
-            values = batch.cache.get(layout.guard.key)
+        aborting, values = _guarded(layout, delta, sources, pieces)
+        if aborting is not None:
+            return aborting
         window = session.window
         if window is not None and window.layout is not layout:
             flush_window(session)
@@ -1059,12 +1056,9 @@ class _Window:
                 return False
         except AttributeError:  # (rows of another kind)
             return False
-        guard, values = self.layout.guard, None
-        if guard is not None:
-            batch = self.layout.points[0].batch(plan.delta, {}, pieces)
-            if guard(batch):
-                return False  # (it would abort: the general path routes it, see hold)
-            values = batch.cache.get(guard.key)
+        aborting, values = _guarded(self.layout, plan.delta, {}, pieces)
+        if aborting is not None:
+            return False  # (the general path routes it at once, see hold)
         plan.delivered()
         self._add(session, plan.delta, pieces, values)
         return True
@@ -1130,6 +1124,21 @@ class _Window:
         routed = RoutedPoint(batch.index_view(), signals)
         for state, start, stop, match in point.spans:
             state.signals.add([(routed, start * steps, stop * steps, match)])
+
+
+def _guarded(layout: _SteadyLayout, delta: int, sources: dict[Any, Any],
+             pieces: list[Any]) -> tuple[ActivationBatch | None, Any]:
+    """A step's ``pieces`` asked of the layout's abort guard, if any: (the step's
+    batch, its values computed, where routing it would abort; else None, and
+    the values the guard computed, to be held with the step: None without a
+    guard)."""
+    guard = layout.guard
+    if guard is None:
+        return None, None
+    batch = layout.points[0].batch(delta, sources, pieces)
+    if guard(batch):
+        return batch, None
+    return None, batch.cache.get(guard.key)
 
 
 def _interleaved(steps: list[Any], requests: int, count: int) -> Any:
