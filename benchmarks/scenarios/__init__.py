@@ -15,6 +15,7 @@ from benchmarks.scenarios.probed import (
     ProbedBlockUntilSignal,
     ProbedCaptureOnly,
     ProbedEmptySpec,
+    ProbedGuardAndObserver,
     ProbedInlineLinear,
     ProbedInlineLinearGuard,
     ProbedInlineNorm,
@@ -39,7 +40,7 @@ BASELINE = PlainGenerate.name
 SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTrajectory)
 #: Scenarios no table runs, for the tools that time or profile one scenario
 #: (``benchmarks.ab``, ``benchmarks.stage_timers``, ``benchmarks.profile``).
-ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard,)
+ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

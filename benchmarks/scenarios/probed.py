@@ -209,6 +209,27 @@ class ProbedInlineLinearGuard(ProbedInlineLinear):
                 for point in super().points()]
 
 
+class ProbedGuardAndObserver(ProbedInlineLinearGuard):
+    """The demo spec's shape (``specs/demo.yaml``) on the chosen layers: the
+    guard of :class:`ProbedInlineLinearGuard` and, on the same rows, an async
+    ``trajectory_probe`` that only flags. Two points of one capture: what a
+    spec of several points costs."""
+
+    name: ClassVar[str] = "uc_guard_and_observer"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe with action: abort (a threshold no score reaches) and observed by an "
+        "async trajectory_probe (flag only)"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        guard = super().points()[0]
+        observer = {**guard, "name": "observer", "probe_type": "trajectory_probe",
+                    "probe_kind": "trajectory", "execution_mode": "async",
+                    "probe_args": {"source": "norm"}}
+        return [{**guard, "name": "guard"}, observer]
+
+
 #: Above any score of a sigmoid link: the guard scenario never aborts.
 GUARD_THRESHOLD = 1.01
 
