@@ -10,6 +10,7 @@ in (the linear readout sums by ``numpy.einsum``, not a threaded BLAS).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -64,7 +65,8 @@ class Windows:
         monkeypatch.setattr(delivery._Window, "route", route)
 
 
-def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
+def _generate(point: ExtractionPoint | list[ExtractionPoint], *, windows: bool,
+              records: bool = False,
               eos: int | None = None, probes: dict[str, Any] | None = None,
               overflow: str = "block", forwards: list[float] | None = None) -> list[Any]:
     """``forwards``: each forward's start time (``time.time()``) is appended."""
@@ -78,7 +80,8 @@ def _generate(point: ExtractionPoint, *, windows: bool, records: bool = False,
     try:
         backend = HFBackend(model, build_tokenizer())
         with Router(probes=probes or {}, default_overflow=overflow) as router:
-            session = CaptureSession(router, [point], keep_records=records, windows=windows)
+            points = point if isinstance(point, list) else [point]
+            session = CaptureSession(router, points, keep_records=records, windows=windows)
             return backend.generate(PROMPTS, IDS, SamplingParams(max_new_tokens=MAX_NEW),
                                     session)
     finally:
@@ -178,17 +181,7 @@ def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypat
     cannot abort, and the step that aborts is routed as it comes, after those
     held. The outputs are those of routing each step: the same tokens, abort
     (at the same token), signals, verdicts and counts, with fewer routings."""
-    watch = {"threshold": None} if probe_type == "linear_probe" else {}
-    scores = _generate(_point(probe_type, **watch), windows=False)
-    # A threshold that one request crosses from its third generated token on at
-    # the earliest and another never does (else the test would prove nothing).
-    candidates = sorted({s.score for output in scores for s in output.signals})
-    threshold = next((value for value in candidates
-                      if None in (found := _first_crossings(scores, value)).values()
-                      and any(index is not None and index >= 2 for index in found.values())),
-                     None)
-    assert threshold is not None, "no threshold aborts one request mid-generation"
-    point = _point(probe_type, threshold=threshold, action="abort")
+    point = _point(probe_type, threshold=_guard_threshold(probe_type), action="abort")
     routed: list[int] = []
     original = Router.route_columns
 
@@ -286,6 +279,100 @@ def test_records_are_kept_with_their_window_and_their_own_step_s_time(monkeypatc
             if fed_by + 1 < len(forwards):
                 assert record.timestamp <= forwards[fed_by + 1]
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+def _named(name: str, point: ExtractionPoint, **fields: Any) -> ExtractionPoint:
+    return dataclasses.replace(point, name=name, **fields)
+
+
+def _guard_threshold(probe_type: str) -> float:
+    """An abort threshold for ``_point(probe_type)`` that one request crosses
+    from its third generated token on at the earliest and another never does
+    (else a test of it would prove nothing)."""
+    watch = {"threshold": None} if probe_type == "linear_probe" else {}
+    scores = _generate(_point(probe_type, **watch), windows=False)
+    candidates = sorted({s.score for output in scores for s in output.signals})
+    threshold = next((value for value in candidates
+                      if None in (found := _first_crossings(scores, value)).values()
+                      and any(index is not None and index >= 2 for index in found.values())),
+                     None)
+    assert threshold is not None, "no threshold aborts one request mid-generation"
+    return threshold
+
+
+class Routed:
+    """Counts the points of each window routed, and the routings of each point."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.windows: list[tuple[int, int]] = []  # (points, steps) per window
+        self.routings: dict[str, int] = {}
+        route, route_columns = delivery._Window.route, Router.route_columns
+
+        def counted_route(window: Any, session: Any) -> None:
+            self.windows.append((len(window.layout.points), len(window.steps)))
+            route(window, session)
+
+        def counted_columns(router: Any, batch: Any, spans: Any = None) -> Any:
+            name = batch.point_names[0]
+            self.routings[name] = self.routings.get(name, 0) + 1
+            return route_columns(router, batch, spans)
+
+        monkeypatch.setattr(delivery._Window, "route", counted_route)
+        monkeypatch.setattr(Router, "route_columns", counted_columns)
+
+
+@pytest.mark.parametrize("records", [False, True])
+def test_several_points_are_held_together_and_give_what_routing_each_step_gives(
+        monkeypatch, records):
+    """The demo spec's shape, a guard that aborts a request mid-generation and
+    an async observer of the same rows, with an inline point on fewer layers
+    beside them: the steps of all three are held in windows together, and the
+    step that aborts is routed at once. Outputs equal routing each step: the
+    tokens, the abort and its token, every point's signals in (layer, point)
+    order within a token, verdicts, counts and records, with fewer routings."""
+    guard = _named("guard", _point(threshold=_guard_threshold("linear_probe"),
+                                   action="abort"))
+    observer = _named("observer", _point("trajectory_probe", mode="async", depth=64))
+    narrow = _named("narrow", _point("norm_probe", threshold=0.11), layers=(1,))
+    points = [guard, observer, narrow]
+    counted = Routed(monkeypatch)
+    windowed = _generate(points, windows=True, records=records)
+    windows, routings = list(counted.windows), dict(counted.routings)
+    counted.windows.clear(), counted.routings.clear()
+    stepped = _generate(points, windows=False, records=records)
+    assert counted.windows == []  # (routing each step holds nothing)
+    assert windows and all(width == 3 for width, _ in windows)
+    assert max(steps for _, steps in windows) > 1
+    for name in ("guard", "observer", "narrow"):
+        assert routings[name] < counted.routings[name], name
+    aborted = [output for output in stepped if output.abort is not None]
+    assert aborted and len(aborted) < len(stepped)
+    assert [_abort_view(output) for output in windowed] == [
+        _abort_view(output) for output in stepped]
+    # Both inline points signal, so the order across points within a token is tested.
+    assert {s.extraction_point_name for output in stepped for s in output.signals} == {
+        "guard", "narrow"}
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        if records:
+            assert len(mine.records) == len(theirs.records) > 0
+            assert [_record_view(r) for r in mine.records] == [
+                _record_view(r) for r in theirs.records]
+            assert {r.extraction_point_name for r in mine.records} == {
+                "guard", "observer", "narrow"}
+        for result in mine.results.values():
+            assert result.stats.received == result.stats.processed > 0
+
+
+def test_several_points_wait_for_the_one_that_cannot(monkeypatch):
+    """Where one point's steps must be routed as they come (a trajectory probe
+    that may abort), no step of the others waits either: no window."""
+    counted = Routed(monkeypatch)
+    points = [_named("flag", _point()),
+              _named("guard", _point("trajectory_probe", threshold=10.0, action="abort"))]
+    windowed = _generate(points, windows=True)
+    assert counted.windows == []
+    assert [_view(output) for output in windowed] == [
+        _view(output) for output in _generate(points, windows=False)]
 
 
 class FlagsOnly(Probe):

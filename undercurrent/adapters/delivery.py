@@ -139,6 +139,30 @@ class _Follow:
         return fresh
 
 
+class _WindowRuns:
+    """A request's rows of a window of several points (:meth:`_Window.route`),
+    read step by step when first needed: per point (routed or captured batch,
+    the request's first row, rows per step, the match they serve), the rows
+    of step ``s`` being ``start + s * count`` to ``start + (s + 1) * count``."""
+
+    __slots__ = ("parts", "steps")
+
+    def __init__(self, parts: list[tuple[Any, int, int, Any]], steps: int) -> None:
+        self.parts = parts
+        self.steps = steps
+
+    def tokens(self) -> Iterator[list[tuple[Any, int, int, Any]]]:
+        """Each step's runs, as routing the step would have given them: one per
+        point, (batch, start, stop, match)."""
+        for step in range(self.steps):
+            yield [(source, start + step * count, start + (step + 1) * count, match)
+                   for source, start, count, match in self.parts]
+
+    def rows(self) -> int:
+        """How many rows it holds."""
+        return self.steps * sum(count for _, _, count, _ in self.parts)
+
+
 class SignalLog(Sequence[TokenSignal]):
     """A request's inline signals in routing order, kept as references to routed
     batches and built into ``TokenSignal`` s only when read."""
@@ -146,13 +170,20 @@ class SignalLog(Sequence[TokenSignal]):
     def __init__(self) -> None:
         self._built: list[TokenSignal] = []
         # Per (wave, request): the rows of each routed point, as (routed point,
-        # start, stop, the match they serve: it orders rows across points).
-        self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch]]] = []
+        # start, stop, the match they serve: it orders rows across points); or a
+        # window's steps of several points.
+        self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch]] | _WindowRuns] = []
         self.following: _Follow | None = None
         """The journal whose entries are this request's next signals, if any."""
 
     def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
         """Signals of one token: each point's rows (run order: by point)."""
+        if self.following is not None:
+            self._catch_up(stop=True)
+        self._pending.append(runs)
+
+    def add_window(self, runs: _WindowRuns) -> None:
+        """Signals of a window's steps, several points routed together."""
         if self.following is not None:
             self._catch_up(stop=True)
         self._pending.append(runs)
@@ -181,7 +212,11 @@ class SignalLog(Sequence[TokenSignal]):
         if self._pending:
             pending, self._pending = self._pending, []
             for runs in pending:
-                self._built.extend(_token_signals(runs))
+                if isinstance(runs, _WindowRuns):
+                    for token in runs.tokens():
+                        self._built.extend(_token_signals(token))
+                else:
+                    self._built.extend(_token_signals(runs))
         return self._built
 
     def __len__(self) -> int:
@@ -221,7 +256,8 @@ class RecordLog(Sequence[ActivationRecord]):
 
     def __init__(self) -> None:
         self._built: list[ActivationRecord] = []
-        self._pending: list[tuple[ActivationBatch, int, int]] = []  # (batch, start, stop)
+        # (batch, start, stop), or a window's steps of several points
+        self._pending: list[tuple[ActivationBatch, int, int] | _WindowRuns] = []
         self._pending_rows = 0
         self.following: _Follow | None = None
         """The journal of captured batches whose entries hold this request's
@@ -241,6 +277,14 @@ class RecordLog(Sequence[ActivationRecord]):
             self._catch_up(stop=True)
         self._pending.append((batch, start, stop))
         self._pending_rows += stop - start
+
+    def add_window(self, runs: _WindowRuns) -> None:
+        """The records of a window's steps, several points captured together: in
+        each step, in the order routing the step gives them."""
+        if self.following is not None:
+            self._catch_up(stop=True)
+        self._pending.append(runs)
+        self._pending_rows += runs.rows()
 
     def follow(self, journal: Journal, start: int, stop: int, match: Any = None) -> None:
         """From now on, rows ``start:stop`` of each batch added to ``journal`` are
@@ -266,8 +310,13 @@ class RecordLog(Sequence[ActivationRecord]):
         if self._pending:
             pending, self._pending, self._pending_rows = self._pending, [], 0
             built = self._built
-            for batch, start, stop in pending:
-                built += batch.records()[start:stop]
+            for entry in pending:
+                if isinstance(entry, _WindowRuns):
+                    for pieces in entry.tokens():
+                        built += [batch.records()[row] for batch, row in _record_refs(pieces)]
+                else:
+                    batch, start, stop = entry
+                    built += batch.records()[start:stop]
         return self._built
 
     def clear(self) -> None:
@@ -836,16 +885,17 @@ def _stacked(pieces: list[Any]) -> DeferredRows:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits", "windows", "guard", "ends")
+    __slots__ = ("states", "points", "edits", "windows", "guards", "ends")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
         self.edits = any(state.edits for state in states)  # fixed when a request opens
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
-        # Where the point's probes may abort: whether routing a step's batch would
-        # (Router.abort_guard), asked of each step before it is held.
-        self.guard: Any = None
+        # Where a point's probes may abort: (the point's index, whether routing a
+        # step's batch of it would: Router.abort_guard), asked of each step
+        # before it is held.
+        self.guards: list[tuple[int, Any]] = []
         # The session's (aborts, closes) when none of ``states`` had ended yet.
         self.ends: tuple[int, int] | None = None
 
@@ -910,27 +960,29 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
         layout.ends = ends
     delta = plan.delta
     points = layout.points
-    if len(points) == 1:
-        point = points[0]
-        if layout.windows is None:
-            layout.windows = _window_steps(session, layout)
-        batch = None
-        if layout.windows:  # (routes nothing but a full window, in a step of its own)
-            batch = _Window.hold(session, layout, layout.windows, delta, sources, base)
-            if batch is None:
-                return True
-            # (a step that would abort: routed now, after the steps held)
-        with _stepping(step):
-            flush_window(session)
-            _route_wave(session, states, [(point.batch(delta, sources) if batch is None else batch,
-                                           point.spans, point.routed_spans)],
-                        point.follow(), layout.edits,
-                        point.follow(kept=True) if session.keep_records else None)
-        return True
+    if layout.windows is None:
+        layout.windows = _window_steps(session, layout)
+    batches: list[ActivationBatch | None] | None = None
+    if layout.windows:  # (routes nothing but a full window, in a step of its own)
+        batches = _Window.hold(session, layout, layout.windows, delta, sources, base)
+        if batches is None:
+            return True
+        # (a step that would abort: routed now, after the steps held; the batches
+        # the guards made, their values computed, are routed)
+    made: list[ActivationBatch] = []
+    for index, point in enumerate(points):
+        ready = None if batches is None else batches[index]
+        made.append(point.batch(delta, sources) if ready is None else ready)
     with _stepping(step):
         flush_window(session)
-        _route_wave(session, states, [(point.batch(delta, sources), point.spans,
-                                       point.routed_spans) for point in points])
+        if len(points) == 1:
+            point = points[0]
+            _route_wave(session, states, [(made[0], point.spans, point.routed_spans)],
+                        point.follow(), layout.edits,
+                        point.follow(kept=True) if session.keep_records else None)
+        else:
+            _route_wave(session, states, [(batch, point.spans, point.routed_spans)
+                                          for batch, point in zip(made, points, strict=True)])
     return True
 
 
@@ -940,86 +992,115 @@ WINDOW_STEPS = 32
 WINDOW_BYTES = 64 << 20
 
 
+def _routed_ids(point: _SteadyPoint) -> list[str]:
+    """The ids of the requests whose rows of ``point`` are routed."""
+    return [request_id for request_id, _, _ in point.routed_spans]
+
+
 def _window_steps(session: Any, layout: _SteadyLayout) -> int:
     """How many of ``layout`` 's steps a window holds before it asks for more
-    room (see :class:`_Window`); 0: each step is routed as it comes."""
-    point = layout.points[0]
-    rows = getattr(session.router, "window_rows", None)
-    if (not getattr(session, "windows", False) or rows is None or layout.edits
-            or not point.routed_spans):
+    room (see :class:`_Window`); 0: each step is routed as it comes. The least
+    of what each point allows (:func:`_point_window`); the points whose
+    probes may abort get their guards (``layout.guards``)."""
+    if (not getattr(session, "windows", False)
+            or getattr(session.router, "window_rows", None) is None or layout.edits):
         return 0
-    ids = [request_id for request_id, _, _ in point.routed_spans]
-    steps: int = min(WINDOW_STEPS, rows(point.name, ids) // point.count)
+    guards: list[tuple[int, Any]] = []
+    least = WINDOW_STEPS
+    for index, point in enumerate(layout.points):
+        steps, guard = _point_window(session.router, point)
+        if not steps:
+            return 0
+        if guard is not None:
+            guards.append((index, guard))
+        least = min(least, steps)
+    layout.guards = guards
+    return least
+
+
+def _point_window(router: Any, point: _SteadyPoint) -> tuple[int, Any]:
+    """How many steps of ``point`` a window may hold (0: none), and the abort
+    guard its steps are asked of, if any."""
+    if not point.routed_spans:
+        return 0, None
+    ids = _routed_ids(point)
+    steps: int = min(WINDOW_STEPS, router.window_rows(point.name, ids) // point.count)
     if steps > 1:
-        return steps
+        return steps, None
     if not steps:
         # Probes that may abort, but tell from a step's values whether it
         # would: its steps are held as well, and one that would abort is
         # routed at once, after those held (_Window.hold).
-        guard = getattr(session.router, "abort_guard", None)
-        layout.guard = None if guard is None else guard(point.name, ids)
-        if layout.guard is not None:
-            return WINDOW_STEPS
+        guard = getattr(router, "abort_guard", None)
+        guard = None if guard is None else guard(point.name, ids)
+        return (0, None) if guard is None else (WINDOW_STEPS, guard)
     # Half an async queue holds one step (a point of many layers): a window of
     # one step, which grows where the queues have room for more when it is
     # full (_Window.grow). Only where their room now holds two steps (at a
     # layout's first step nothing of it is queued yet): where it cannot, such
     # a window would route each step as it comes anyway.
-    room = getattr(session.router, "window_room", None)
-    if steps == 1 and room is not None and room(point.name, ids) // point.count > 1:
-        return 1
-    return 0
+    room = getattr(router, "window_room", None)
+    if room is not None and room(point.name, ids) // point.count > 1:
+        return 1, None
+    return 0, None
 
 
 class _Window:
-    """Decode steps of one steady point whose routing waits, to be routed as one
-    batch: for a ``generate()`` call (nothing reads a signal before its request
-    ends) whose one point is inline and judged by probes that cannot abort, or
-    async (:meth:`~undercurrent.router.Router.window_rows`), or inline and
-    judged by probes that tell from a step's values whether it would abort
-    (:meth:`~undercurrent.router.Router.abort_guard`: a step that would is
-    routed at once, after the steps held). Each request's rows
-    reach its probe (or its queue) in the order routing each step would give
+    """Decode steps of a steady layout whose routing waits, to be routed as one
+    batch per point: for a ``generate()`` call (nothing reads a signal before
+    its request ends) where each point is inline and judged by probes that
+    cannot abort, or async (:meth:`~undercurrent.router.Router.window_rows`),
+    or inline and judged by probes that tell from a step's values whether it
+    would abort (:meth:`~undercurrent.router.Router.abort_guard`: a step that
+    would is routed at once, after the steps held). Each request's rows reach
+    its probes (or their queues) in the order routing each step would give
     them, so the signals, verdicts and counts are the same; each probe is
     called, and each binding settled or queued on, once per window instead of
-    once per step. A window is routed (:func:`flush_window`) before any other
-    delivery, before a request ends, and when it holds the layout's number of
-    steps (at most :data:`WINDOW_STEPS`; for an async point, rows filling at
-    most half of each queue, or as much of it as is free when the window gets
-    there: :meth:`grow`; where half a queue holds one step, a window of one
-    step that grows the same way) or :data:`WINDOW_BYTES` bytes."""
+    once per step. With several points, each request's signals and records of
+    the window are read step by step, each step's in the order routing it
+    gives (:class:`_WindowRuns`). A window is routed (:func:`flush_window`)
+    before any other delivery, before a request ends, and when it holds the
+    layout's number of steps (at most :data:`WINDOW_STEPS`; for an async
+    point, rows filling at most half of each queue, or as much of it as is
+    free when the window gets there: :meth:`grow`; where half a queue holds
+    one step, a window of one step that grows the same way) or
+    :data:`WINDOW_BYTES` bytes."""
 
     __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "values", "size", "step_size",
-                 "base", "shape")
+                 "base", "shape", "keys")
 
     def __init__(self, layout: _SteadyLayout, limit: int, base: Any) -> None:
         self.layout = layout
         self.limit = limit
         self.deltas: list[int] = []
-        self.steps: list[list[Any]] = []
+        # Per step held, each point's pieces (see _SteadyPoint.pieces).
+        self.steps: list[list[list[Any]]] = []
         self.stamps: list[float] = []  # when each step was captured (its records' timestamp)
-        # Under an abort guard, the probes' values of each step (computed to ask
-        # it): the window's, without computing them again; None once one lacks.
-        self.values: list[Any] | None = [] if layout.guard is not None else None
+        # Under abort guards, the probes' values of each step (computed to ask
+        # them), one per guard: the window's, without computing them again; None
+        # once one lacks.
+        self.values: list[list[Any]] | None = [] if layout.guards else None
         self.size = 0
         self.step_size = 0  # bytes a step adds (its pieces'), read from the first step
         self.base = base  # the plan whose repeats the window holds
         # The height of each forward batch a step brings, in the base plan's
-        # order of groups, where that is the point's order of layers (a step's
-        # pieces are then its batches' rows as they come, see take()); else None.
+        # order of groups, where each group is every point's rows of its layer
+        # as they come (a step's pieces are then its batches' rows, see take());
+        # else None. ``keys``: the groups' keys, in that order.
         self.shape: list[int] | None = None
+        self.keys: list[Any] = []
 
     @classmethod
     def hold(cls, session: Any, layout: _SteadyLayout, limit: int, delta: int,
-             sources: dict[Any, Any], base: Any) -> ActivationBatch | None:
+             sources: dict[Any, Any], base: Any) -> list[ActivationBatch | None] | None:
         """Add one step of ``layout`` (its captured ``sources``; ``base``: the plan
         it repeats) to the session's window of at most ``limit`` steps, routing a
         window of another layout first. Where routing the step would abort a
-        request (``layout.guard``), nothing is held: returns the step's batch
-        (its values computed), for the caller to route at once, after the
+        request (``layout.guards``), nothing is held: returns, per point, the
+        step's batch its guard made (its values computed; None for a point
+        without one, or not asked), for the caller to route at once, after the
         steps held."""
-        point = layout.points[0]
-        pieces = point.pieces(sources)
+        pieces = [point.pieces(sources) for point in layout.points]
         aborting, values = _guarded(layout, delta, sources, pieces)
         if aborting is not None:
             return aborting
@@ -1029,8 +1110,11 @@ class _Window:
             window = None
         if window is None:
             window = session.window = cls(layout, limit, base)
-        if window.shape is None and point.whole and list(base.groups) == point.keys:
-            window.shape = [len(group.slots) for group in base.groups.values()]
+        if window.shape is None and all(point.whole for point in layout.points):
+            keys = list(dict.fromkeys(key for point in layout.points for key in point.keys))
+            if list(base.groups) == keys:
+                window.keys = keys
+                window.shape = [len(group.slots) for group in base.groups.values()]
         window._add(session, delta, pieces, values)
         return None
 
@@ -1050,12 +1134,18 @@ class _Window:
                 or (len(session.aborted), session.closes) != self.layout.ends
                 or [batch[1] for batch in batches] != list(plan.groups.values())):
             return False  # (groups compared by identity: a shifted plan's own)
-        pieces = [batch[2] for batch in batches]
+        rows = [batch[2] for batch in batches]
         try:
-            if [rows.shape[0] for rows in pieces] != shape:
+            if [piece.shape[0] for piece in rows] != shape:
                 return False
         except AttributeError:  # (rows of another kind)
             return False
+        points = self.layout.points
+        if len(points) == 1:  # (the point's layers are the groups)
+            pieces = [rows]
+        else:
+            by_key = dict(zip(self.keys, rows, strict=True))
+            pieces = [list(map(by_key.__getitem__, point.keys)) for point in points]
         aborting, values = _guarded(self.layout, plan.delta, {}, pieces)
         if aborting is not None:
             return False  # (the general path routes it at once, see hold)
@@ -1063,9 +1153,10 @@ class _Window:
         self._add(session, plan.delta, pieces, values)
         return True
 
-    def _add(self, session: Any, delta: int, pieces: list[Any], values: Any = None) -> None:
-        """One step's ``pieces`` held (with the probes' ``values`` of them, under an
-        abort guard); the window routed once full."""
+    def _add(self, session: Any, delta: int, pieces: list[list[Any]],
+             values: list[Any] | None = None) -> None:
+        """One step's ``pieces`` (per point) held, with the probes' ``values`` of
+        them under abort guards (one per guard); the window routed once full."""
         self.deltas.append(delta)
         self.steps.append(pieces)
         self.stamps.append(time.time())
@@ -1075,15 +1166,18 @@ class _Window:
             else:
                 self.values.append(values)
         if not self.step_size:  # every step of one layout: the same pieces' shapes
-            self.step_size = sum(piece.element_size() * piece.nelement() for piece in pieces)
+            # (a piece two points share counted once)
+            unique = {id(piece): piece for point_pieces in pieces for piece in point_pieces}
+            self.step_size = sum(piece.element_size() * piece.nelement()
+                                 for piece in unique.values())
         self.size += self.step_size
         if self.size >= WINDOW_BYTES or (len(self.steps) >= self.limit
                                          and not self.grow(session)):
             flush_window(session)
 
     def grow(self, session: Any) -> bool:
-        """Raise the limit of a window that reached it, where the point's async
-        queues have room now for more steps than it holds (the workers have
+        """Raise the limit of a window that reached it, where the async queues of
+        its points have room now for more steps than it holds (the workers have
         taken what the last window queued): up to that room and
         :data:`WINDOW_STEPS`. Rows held up to the room find it when routed
         (:meth:`~undercurrent.router.Router.window_room`), so fewer, larger
@@ -1092,53 +1186,84 @@ class _Window:
         room = getattr(session.router, "window_room", None)
         if room is None or self.limit >= WINDOW_STEPS:
             return False
-        point = self.layout.points[0]
-        steps = min(WINDOW_STEPS, room(point.name, [request_id for request_id, _, _
-                                                    in point.routed_spans]) // point.count)
+        steps = min([WINDOW_STEPS] + [room(point.name, _routed_ids(point)) // point.count
+                                      for point in self.layout.points])
         if steps <= len(self.steps):
             return False
         self.limit = steps
         return True
 
     def route(self, session: Any) -> None:
-        """Route the steps held, as one batch, and give each request its signals
-        (and, with ``records=True``, its records of these steps)."""
-        point = self.layout.points[0]
+        """Route the steps held, as one batch per point, and give each request
+        its signals (and, with ``records=True``, its records of these steps)."""
+        layout = self.layout
+        points = layout.points
         steps = len(self.steps)
-        batch = point.window_batch(self.deltas, self.steps, self.stamps)
-        if self.values is not None and len(self.values) == steps:
-            # (each step's values, as scoring the window's rows would give them)
-            batch.cache[self.layout.guard.key] = _interleaved(self.values, len(point.requests),
-                                                              point.count)
-        if session.keep_records:
-            kept = batch.without_cache()  # the activations, not what probes derived
-            for state, start, stop, _ in point.spans:
-                state.records.add_rows(kept, start * steps, stop * steps)
-        signals = session.router.route_columns(batch, point.window_spans(steps))
-        if not signals.any_signal():
-            return
-        if signals.any_abort():  # window_rows admitted a probe that aborts
-            raise RuntimeError(
-                f"internal error: a probe of point {point.name!r} aborted a request while "
-                "its steps were judged in a window")
-        routed = RoutedPoint(batch.index_view(), signals)
-        for state, start, stop, match in point.spans:
-            state.signals.add([(routed, start * steps, stop * steps, match)])
+        values = self.values if self.values is not None and len(self.values) == steps else None
+        # (each guarded point's guard, and its values' place among a step's)
+        guarded = {index: (slot, guard) for slot, (index, guard) in enumerate(layout.guards)}
+        several = len(points) > 1
+        routed_parts: dict[int, list[tuple[Any, int, int, Any]]] = {}
+        kept_parts: dict[int, list[tuple[Any, int, int, Any]]] = {}
+        for index, point in enumerate(points):
+            batch = point.window_batch(self.deltas, [step[index] for step in self.steps],
+                                       self.stamps)
+            if values is not None and index in guarded:
+                # (each step's values, as scoring the window's rows would give them)
+                slot, guard = guarded[index]
+                batch.cache[guard.key] = _interleaved([step[slot] for step in values],
+                                                      len(point.requests), point.count)
+            if session.keep_records:
+                kept = batch.without_cache()  # the activations, not what probes derived
+                for state, start, stop, match in point.spans:
+                    if several:
+                        kept_parts.setdefault(id(state), []).append(
+                            (kept, start * steps, stop - start, match))
+                    else:
+                        state.records.add_rows(kept, start * steps, stop * steps)
+            signals = session.router.route_columns(batch, point.window_spans(steps))
+            if not signals.any_signal():
+                continue
+            if signals.any_abort():  # window_rows admitted a probe that aborts
+                raise RuntimeError(
+                    f"internal error: a probe of point {point.name!r} aborted a request "
+                    "while its steps were judged in a window")
+            routed = RoutedPoint(batch.index_view(), signals)
+            for state, start, stop, match in point.spans:
+                if several:
+                    routed_parts.setdefault(id(state), []).append(
+                        (routed, start * steps, stop - start, match))
+                else:
+                    state.signals.add([(routed, start * steps, stop * steps, match)])
+        if routed_parts or kept_parts:
+            for state in layout.states:
+                parts = kept_parts.get(id(state))
+                if parts:
+                    state.records.add_window(_WindowRuns(parts, steps))
+                parts = routed_parts.get(id(state))
+                if parts:
+                    state.signals.add_window(_WindowRuns(parts, steps))
 
 
 def _guarded(layout: _SteadyLayout, delta: int, sources: dict[Any, Any],
-             pieces: list[Any]) -> tuple[ActivationBatch | None, Any]:
-    """A step's ``pieces`` asked of the layout's abort guard, if any: (the step's
-    batch, its values computed, where routing it would abort; else None, and
-    the values the guard computed, to be held with the step: None without a
-    guard)."""
-    guard = layout.guard
-    if guard is None:
+             pieces: list[list[Any]]) -> tuple[list[ActivationBatch | None] | None,
+                                               list[Any] | None]:
+    """A step's ``pieces`` (per point) asked of the layout's abort guards, if
+    any: (per point, the step's batch its guard made, its values computed,
+    where routing it would abort; else None, and the values each guard
+    computed, to be held with the step: None without a guard)."""
+    guards = layout.guards
+    if not guards:
         return None, None
-    batch = layout.points[0].batch(delta, sources, pieces)
-    if guard(batch):
-        return batch, None
-    return None, batch.cache.get(guard.key)
+    points = layout.points
+    made: list[ActivationBatch | None] = [None] * len(points)
+    values = []
+    for index, guard in guards:
+        batch = made[index] = points[index].batch(delta, sources, pieces[index])
+        if guard(batch):
+            return made, None
+        values.append(batch.cache.get(guard.key))
+    return None, (None if any(value is None for value in values) else values)
 
 
 def _interleaved(steps: list[Any], requests: int, count: int) -> Any:
