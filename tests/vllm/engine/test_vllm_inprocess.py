@@ -475,7 +475,8 @@ def _window_view(output: Any) -> Any:
             return {key: close(item) for key, item in value.items()}
         return pytest.approx(value, rel=1e-12, abs=1e-12) if isinstance(value, float) else value
 
-    signals = [(s.layer, s.token_index, s.generated_index, s.action, close(s.score),
+    signals = [(s.extraction_point_name, s.layer, s.token_index, s.generated_index, s.action,
+                close(s.score),
                 {key: close(value) for key, value in s.signal.metadata.items()})
                for s in output.signals]
     results = {name: (close(result.verdict),
@@ -499,20 +500,28 @@ def _flagging_point(num_layers: int, probe_type: str, mode: str) -> Any:
 
 
 @pytest.mark.parametrize("probe_type, mode", [("linear_probe", "inline"),
-                                              ("trajectory_probe", "async")])
+                                              ("trajectory_probe", "async"),
+                                              ("both", "both")])
 def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, reference,
                                                                    num_layers, monkeypatch,
                                                                    probe_type, mode):
     # generate() with one inline linear probe that only flags, or one async
-    # trajectory probe (block overflow: nothing dropped): the driver holds the
-    # repeated steps of its kept layout and routes them as one batch per window.
-    # Under continuous batching a window ends whenever a request joins or leaves.
+    # trajectory probe (block overflow: nothing dropped), or both as two points
+    # of one spec: the driver holds the repeated steps of its kept layout and
+    # routes them as one batch per point and window. Under continuous batching
+    # a window ends whenever a request joins or leaves.
     texts, _ = reference
-    point = _flagging_point(num_layers, probe_type, mode)
+    if probe_type == "both":
+        points = [_flagging_point(num_layers, "linear_probe", "inline"),
+                  dataclasses.replace(_flagging_point(num_layers, "trajectory_probe", "async"),
+                                      name="observer")]
+    else:
+        points = [_flagging_point(num_layers, probe_type, mode)]
     windows: list[int] = []
     route = delivery._Window.route
 
     def counted(window, session):
+        assert len(window.layout.points) == len(points)
         windows.append(len(window.steps))
         route(window, session)
 
@@ -520,7 +529,7 @@ def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, refe
     views = {}
     for held in (True, False):
         with Router(default_overflow="block") as router:
-            session = CaptureSession(router, [point], windows=held)
+            session = CaptureSession(router, points, windows=held)
             outputs = backend.generate(texts, [f"w{i}" for i in range(len(texts))], GREEDY,
                                        session)
         views[held] = [_window_view(output) for output in outputs]
