@@ -5,6 +5,7 @@ delivery errors reaching the caller."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from collections import Counter
@@ -147,8 +148,13 @@ def test_async_only_capture_makes_no_host_sync_on_the_generation_thread(
 
 def test_an_inline_point_keeps_delivery_on_the_generation_thread(
         tokenizer, delivering_threads):
-    """The counter sees the inline path's syncs, so its zero above means something."""
-    pm = _probed(tokenizer, _points("inline"), "always")
+    """The counter sees the inline path's syncs, so its zero above means something.
+    The inline trajectory probe may abort (at a threshold it never reaches), so
+    each step is routed as it comes, inside the hooks' flush (steps its probe
+    could not abort would be held in windows, routed after the hooks ran)."""
+    traj, norm = _points("inline")
+    guard = dataclasses.replace(traj, probe_args={"threshold": 1e9, "action": "abort"})
+    pm = _probed(tokenizer, [guard, norm], "always")
     with count_syncs() as counts:
         pm.generate(PROMPTS, max_new_tokens=6)
     assert sum(counts.values()) > 0

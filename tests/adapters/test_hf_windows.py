@@ -30,7 +30,12 @@ from undercurrent.probes.linear import LinearProbe  # noqa: E402
 from undercurrent.probes.statistics import NormProbe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
-from undercurrent.spec.types import ExtractionPoint, InterventionPolicy, ProbeKind  # noqa: E402
+from undercurrent.spec.types import (  # noqa: E402
+    ExtractionPoint,
+    InterventionPolicy,
+    ProbeKind,
+    TensorType,
+)
 
 MAX_NEW = 10
 IDS = ["a", "b", "c"]
@@ -306,7 +311,13 @@ class Routed:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.windows: list[tuple[int, int]] = []  # (points, steps) per window
         self.routings: dict[str, int] = {}
+        self.taken: list[bool] = []  # what _Window.take answered, step by step
         route, route_columns = delivery._Window.route, Router.route_columns
+        take = delivery._Window.take
+
+        def counted_take(window: Any, session: Any, batches: Any) -> bool:
+            self.taken.append(take(window, session, batches))
+            return self.taken[-1]
 
         def counted_route(window: Any, session: Any) -> None:
             self.windows.append((len(window.layout.points), len(window.steps)))
@@ -318,6 +329,7 @@ class Routed:
             return route_columns(router, batch, spans)
 
         monkeypatch.setattr(delivery._Window, "route", counted_route)
+        monkeypatch.setattr(delivery._Window, "take", counted_take)
         monkeypatch.setattr(Router, "route_columns", counted_columns)
 
 
@@ -326,7 +338,8 @@ def test_several_points_are_held_together_and_give_what_routing_each_step_gives(
         monkeypatch, records):
     """The demo spec's shape, a guard that aborts a request mid-generation and
     an async observer of the same rows, with an inline point on fewer layers
-    beside them: the steps of all three are held in windows together, and the
+    and an async one of another tensor type beside them: the steps of all four
+    are held in windows together (taken as the hooks hand them over), and the
     step that aborts is routed at once. Outputs equal routing each step: the
     tokens, the abort and its token, every point's signals in (layer, point)
     order within a token, verdicts, counts and records, with fewer routings."""
@@ -334,16 +347,19 @@ def test_several_points_are_held_together_and_give_what_routing_each_step_gives(
                                    action="abort"))
     observer = _named("observer", _point("trajectory_probe", mode="async", depth=64))
     narrow = _named("narrow", _point("norm_probe", threshold=0.11), layers=(1,))
-    points = [guard, observer, narrow]
+    mlp = _named("mlp", _point("norm_probe", mode="async", depth=64), layers=(0, 2),
+                 tensor_type=TensorType.MLP_OUT)
+    points = [guard, observer, narrow, mlp]
     counted = Routed(monkeypatch)
     windowed = _generate(points, windows=True, records=records)
     windows, routings = list(counted.windows), dict(counted.routings)
+    assert counted.taken.count(True) > 1  # (held steps taken as they came)
     counted.windows.clear(), counted.routings.clear()
     stepped = _generate(points, windows=False, records=records)
     assert counted.windows == []  # (routing each step holds nothing)
-    assert windows and all(width == 3 for width, _ in windows)
+    assert windows and all(width == 4 for width, _ in windows)
     assert max(steps for _, steps in windows) > 1
-    for name in ("guard", "observer", "narrow"):
+    for name in ("guard", "observer", "narrow", "mlp"):
         assert routings[name] < counted.routings[name], name
     aborted = [output for output in stepped if output.abort is not None]
     assert aborted and len(aborted) < len(stepped)
@@ -358,7 +374,7 @@ def test_several_points_are_held_together_and_give_what_routing_each_step_gives(
             assert [_record_view(r) for r in mine.records] == [
                 _record_view(r) for r in theirs.records]
             assert {r.extraction_point_name for r in mine.records} == {
-                "guard", "observer", "narrow"}
+                "guard", "observer", "narrow", "mlp"}
         for result in mine.results.values():
             assert result.stats.received == result.stats.processed > 0
 

@@ -1123,18 +1123,25 @@ class _Window:
         them, where they are the next repeat of this window's plan with no
         request ended since (the checks :func:`_whole_plan` and
         :func:`_deliver_steady` make, made directly): each group of the plan
-        once, in the plan's order, with a row per slot, each group's rows the
-        layer's rows in request order (:attr:`shape`). False (nothing done)
+        once (in the plan's order, or in another where the hooks fire in
+        another), with a row per slot, each group's rows the layer's rows in
+        request order (:attr:`shape`). False (nothing done)
         otherwise: the general path then tells."""
         shape = self.shape
         if shape is None or len(batches) != len(shape):
             return False
         plan = getattr(batches[0][1], "plan", None)
         if (plan is None or plan.base is not self.base
-                or (len(session.aborted), session.closes) != self.layout.ends
-                or [batch[1] for batch in batches] != list(plan.groups.values())):
-            return False  # (groups compared by identity: a shifted plan's own)
-        rows = [batch[2] for batch in batches]
+                or (len(session.aborted), session.closes) != self.layout.ends):
+            return False
+        groups = list(plan.groups.values())
+        if [batch[1] for batch in batches] == groups:  # (by identity: a shifted plan's own)
+            rows = [batch[2] for batch in batches]
+        else:  # (the hooks' order, where it is not the plan's: points of several kinds)
+            by_group = {id(batch[1]): batch[2] for batch in batches}
+            if set(by_group) != set(map(id, groups)):
+                return False
+            rows = [by_group[id(group)] for group in groups]
         try:
             if [piece.shape[0] for piece in rows] != shape:
                 return False
