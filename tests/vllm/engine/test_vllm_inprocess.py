@@ -653,32 +653,37 @@ def test_steps_are_held_only_when_no_reply_can_change_them(backend, reference, m
         assert stats.received == stats.processed == 2 * (len(output.token_ids) - 1) > 0
 
 
+@pytest.mark.parametrize("observed", [False, True])
 def test_a_built_in_guard_is_held_in_windows_and_stops_a_request_at_its_token(
-        backend, reference, monkeypatch):
-    """``norm_probe`` with ``action: abort`` on the vLLM engine: its decode steps
-    wait in windows (``Router.abort_guard`` asks each as it comes) and the step
-    that would abort is routed at once. The outputs are those of routing each
-    step (the router made to offer no guard): tokens, the abort and its token,
-    signals, verdicts and counts; and the engine commits no token after the
-    aborting step."""
+        backend, reference, monkeypatch, observed):
+    """``norm_probe`` with ``action: abort`` on the vLLM engine (``observed``: with
+    an async ``trajectory_probe`` observing the same rows, the demo spec's
+    shape): its decode steps wait in windows (``Router.abort_guard`` asks each
+    as it comes) and the step that would abort is routed at once. The outputs
+    are those of routing each step (the router made to offer no guard):
+    tokens, the abort and its token, signals, verdicts and counts; and the
+    engine commits no token after the aborting step."""
     texts, _ = reference
     ids = [f"r{i}" for i in range(len(texts))]
     point = {"name": "norms", "layers": [0, 1], "tensor_type": "residual_stream",
              "position": "generated[*]", "probe_type": "norm_probe",
              "probe_kind": "trajectory", "execution_mode": "inline"}
+    observer = {**point, "name": "observer", "probe_type": "trajectory_probe",
+                "execution_mode": "async", "queue_depth": 64,
+                "probe_args": {"source": "norm"}}
 
     def run(probe_args: dict[str, Any]) -> list[Any]:
-        model = ProbedModel(backend, spec={"version": "1", "extraction_points": [
-            {**point, "probe_args": probe_args}]})
+        points = [{**point, "probe_args": probe_args}] + ([observer] if observed else [])
+        model = ProbedModel(backend, spec={"version": "1", "extraction_points": points})
         return model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS)
 
     def view(output: Any) -> Any:
-        result = output.results["norms"]
         abort = output.abort
         return (output.token_ids, output.finish_reason,
                 None if abort is None else (abort.layer, abort.generated_index),
                 [(s.layer, s.generated_index, s.action.value, s.score) for s in output.signals],
-                result.verdict, result.stats.received, result.stats.processed)
+                {name: (result.verdict, result.stats.received, result.stats.processed)
+                 for name, result in output.results.items()})
 
     scores = run({})
     # One request reaches the threshold from its third generated token on at the
@@ -696,6 +701,7 @@ def test_a_built_in_guard_is_held_in_windows_and_stops_a_request_at_its_token(
     route = delivery._Window.route
 
     def counted(window: Any, session: Any) -> None:
+        assert len(window.layout.points) == (2 if observed else 1)
         windows.append(len(window.steps))
         route(window, session)
 
