@@ -178,14 +178,22 @@ def _first_crossings(outputs: list[Any], threshold: float) -> dict[str, int | No
             for output in outputs}
 
 
-@pytest.mark.parametrize("probe_type", ["linear_probe", "norm_probe"])
+@pytest.mark.parametrize("probe_type, screened", [("linear_probe", True),
+                                                   ("linear_probe", False),
+                                                   ("norm_probe", False)])
 def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypatch,
-                                                                       probe_type):
+                                                                       probe_type, screened):
     """Probes that may abort, but tell from a step's values whether it would
     (``ScoresRows.abort_test``): the steps are held in windows as for probes that
     cannot abort, and the step that aborts is routed as it comes, after those
     held. The outputs are those of routing each step: the same tokens, abort
-    (at the same token), signals, verdicts and counts, with fewer routings."""
+    (at the same token), signals, verdicts and counts, with fewer routings.
+    Without a screen (``ScoresRows.abort_screen``), each step's values are
+    computed as it comes and reused by its window; a linear probe's screen
+    clears most steps before any value is computed, and their window's values
+    are computed at once."""
+    if probe_type == "linear_probe" and not screened:
+        monkeypatch.setattr(LinearProbe, "abort_screen", classmethod(lambda cls, probes: None))
     point = _point(probe_type, threshold=_guard_threshold(probe_type), action="abort")
     routed: list[int] = []
     original = Router.route_columns
@@ -207,8 +215,10 @@ def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypat
     counted = Windows(monkeypatch)
     windowed = _generate(point, windows=True)
     held, windowed_routings = list(counted.steps), len(routed)
-    # Each step's values computed once, when it was held: never a window's again.
-    assert computed and max(computed) <= 3 * len(IDS)
+    if screened:  # (steps cleared by the screen: a window's values computed at once)
+        assert computed and max(computed) > 3 * len(IDS)
+    else:  # each step's values computed once, when it was held: never a window's again
+        assert computed and max(computed) <= 3 * len(IDS)
     stepped = _generate(point, windows=False)
     assert counted.steps == held  # routing each step held none
     assert held and max(held) > 1

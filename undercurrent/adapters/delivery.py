@@ -1258,14 +1258,20 @@ def _guarded(layout: _SteadyLayout, delta: int, sources: dict[Any, Any],
     """A step's ``pieces`` (per point) asked of the layout's abort guards, if
     any: (per point, the step's batch its guard made, its values computed,
     where routing it would abort; else None, and the values each guard
-    computed, to be held with the step: None without a guard)."""
+    computed, to be held with the step: None without a guard, or where a
+    guard's screen cleared the step before any value was computed)."""
     guards = layout.guards
     if not guards:
         return None, None
     points = layout.points
     made: list[ActivationBatch | None] = [None] * len(points)
-    values = []
+    values: list[Any] = []
     for index, guard in guards:
+        screen = guard.screen
+        if screen is not None and not screen(pieces[index]):
+            # (cannot abort: no batch made; its values come with the window's)
+            values.append(None)
+            continue
         batch = made[index] = points[index].batch(delta, sources, pieces[index])
         if guard(batch):
             return made, None

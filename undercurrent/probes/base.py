@@ -233,6 +233,19 @@ class ScoresRows(Probe):
         return True
 
     @classmethod
+    def abort_screen(cls, probes: Sequence[ScoresRows]
+                     ) -> Callable[[Sequence[Any]], bool] | None:
+        """For ``probes`` that have an :meth:`abort_test`: a cheaper test of a
+        decode step's rows, given as the pieces they are stacked from (one
+        tensor per layer, a row per request), that may err only towards "may
+        abort". False must mean that judging those rows gives no row
+        ``abort``; True sends the step to :meth:`abort_test` on its values.
+        A step it clears is held without its values, which are computed with
+        its window's. None (the default): every step's values are computed
+        as it comes, for :meth:`abort_test`."""
+        return None
+
+    @classmethod
     def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
         """For ``probes`` (one instance per request, of one point) whose ``abort``
         depends on each row's own value, not on the state earlier rows left: a

@@ -7,11 +7,19 @@ link (``sigmoid``, ``softmax`` or ``identity``) to one score per activation.
 from __future__ import annotations
 
 import inspect
+import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import as_float_matrix, batch_matrix, map_rows, numpy_module
+from undercurrent.probes.arrays import (
+    SERIAL_ELEMENTS,
+    as_float_matrix,
+    batch_matrix,
+    map_rows,
+    numpy_module,
+)
 from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import (
     ScoreSummary,
@@ -199,6 +207,85 @@ class LinearReadout:
         return self._key
 
 
+class LogitScreen:
+    """Whether some row of a step may reach a binary readout's abort threshold,
+    computed cheaply: ``W . x`` in float32 on the captured pieces (no float64
+    matrix, no batch), compared with the threshold's logit less a margin that
+    covers what float32 may miss. ``screen(pieces)`` is True ("may abort":
+    the step's exact scores then decide) where the best float32 logit is
+    within the margin of the threshold's logit or above it, where a value is
+    not finite, or where the pieces are not CPU float tensors of the
+    readout's width; False only where no exact score reaches the threshold.
+
+    The margin: the exact score is computed in float64 from float64 weights;
+    float32 rounds each weight and each value (relative error 2^-24 each) and
+    each step of a dot product of ``n`` terms, so the float32 logit differs
+    from the exact one by at most about ``(n + 2) * 2^-24 * sum |w_i x_i|``,
+    and ``sum |w_i x_i|`` is at most ``sum |w_i| * max |x_i|``. The margin is
+    four times that, plus ``1e-9 * (1 + |threshold logit|)`` for the float64
+    logit and, for a sigmoid, what the float64 sigmoid may round up by
+    (``1e-15 / (t * (1 - t))`` in logits, at threshold ``t``)."""
+
+    __slots__ = ("weight", "bias", "limit", "hidden", "scale", "slack")
+
+    def __init__(self, weights: LinearWeights, limit: float, slack: float) -> None:
+        np = numpy_module()
+        self.weight = np.ascontiguousarray(weights.weight, dtype=np.float32)
+        self.bias = float(weights.bias)
+        self.limit = limit  # the logit (W . x + b) a score must reach
+        self.hidden = weights.hidden
+        self.scale = 4.0 * (self.hidden + 2) * 2.0 ** -24 * float(np.abs(weights.weight).sum())
+        self.slack = slack + 1e-9 * (1.0 + abs(limit))
+
+    @classmethod
+    def of(cls, readout: LinearReadout, rule: ThresholdRule
+           ) -> Callable[[Sequence[Any]], bool] | None:
+        """The screen of a binary ``readout`` with a ``sigmoid`` or ``identity``
+        link, judged by ``rule`` (which may abort); None for any other (a class
+        of several, a ``softmax``, a threshold every score reaches)."""
+        threshold = rule.threshold
+        if readout.weights.classes is None and threshold is not None and rule.can_abort:
+            if readout.link == "identity" and math.isfinite(threshold):
+                return cls(readout.weights, threshold, 0.0)
+            if readout.link == "sigmoid" and threshold > 1.0:
+                return _never_reached  # (no sigmoid reaches it, not even of inf)
+            if readout.link == "sigmoid" and threshold >= 1.0:
+                # A float64 sigmoid is below 1 - 1e-13 at every logit below 30.
+                return cls(readout.weights, 30.0, 0.0)
+            if readout.link == "sigmoid" and threshold > 0.0:
+                return cls(readout.weights, math.log(threshold) - math.log1p(-threshold),
+                           1e-15 / (threshold * (1.0 - threshold)))
+        return None
+
+    def __call__(self, pieces: Sequence[Any]) -> bool:
+        np = numpy_module()
+        torch = sys.modules.get("torch")
+        best = amax = -math.inf
+        for piece in pieces:
+            if (torch is None or not isinstance(piece, torch.Tensor)
+                    or piece.device.type != "cpu" or piece.requires_grad or not len(piece)):
+                return True
+            if piece.dtype != torch.float32:
+                if not piece.is_floating_point() or piece.numel() > SERIAL_ELEMENTS:
+                    return True  # (a large conversion would run on torch's thread pool)
+                piece = piece.float()
+            rows = piece.numpy().reshape(len(piece), -1)
+            if rows.shape[1] != self.hidden:
+                return True  # (the exact path says what is wrong)
+            # einsum: on this thread, whatever BLAS would do (see LinearReadout._logits)
+            top = float(np.einsum("ij,j->i", rows, self.weight).max())
+            low, high = float(rows.min()), float(rows.max())
+            if not (math.isfinite(top) and math.isfinite(low) and math.isfinite(high)):
+                return True  # (NaN or infinity: the exact scores decide)
+            best, amax = max(best, top), max(amax, high, -low)
+        margin = self.scale * amax + self.slack
+        return not math.isfinite(margin) or best + self.bias >= self.limit - margin
+
+
+def _never_reached(pieces: Sequence[Any]) -> bool:
+    return False
+
+
 def _resolve_weights(
     path: str | os.PathLike[str] | None, weight: Any, bias: Any
 ) -> LinearWeights:
@@ -310,6 +397,18 @@ class LinearProbe(ScoresRows):
             return None
         reaches = threshold_abort_test(probes)
         return None if reaches is None else (lambda values: reaches(values[0]))
+
+    @classmethod
+    def abort_screen(cls, probes: Sequence[ScoresRows]
+                     ) -> Callable[[Sequence[Any]], bool] | None:
+        # Where abort_test tells, a binary readout with a monotone link: the
+        # step's logits in float32 on the captured pieces, against the
+        # threshold's logit less what float32 may miss (see LogitScreen).
+        if cls.abort_test(probes) is None:
+            return None
+        first = probes[0]
+        assert isinstance(first, LinearProbe)
+        return LogitScreen.of(first.readout, first.rule)
 
     def group_key(self) -> Any:
         # A subclass that judges each activation itself is not judged in groups.

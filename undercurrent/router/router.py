@@ -127,15 +127,20 @@ class AbortGuard:
     """Whether routing a batch would abort a request (:meth:`Router.abort_guard`):
     ``guard(batch)`` computes the probes' values (kept in ``batch.cache`` under
     :attr:`key`) and asks their class's ``abort_test``; True as well where
-    computing them fails (routing the batch then counts the error)."""
+    computing them fails (routing the batch then counts the error).
+    :attr:`screen`, where the class has one (``abort_screen``), tells from a
+    step's captured pieces, before any batch is made, that it cannot abort
+    (False), or that the guard must be asked (True)."""
 
-    __slots__ = ("key", "values_of", "test")
+    __slots__ = ("key", "values_of", "test", "screen")
 
     def __init__(self, key: Any, values_of: Callable[[ActivationBatch], Any],
-                 test: Callable[[Any], bool]) -> None:
+                 test: Callable[[Any], bool],
+                 screen: Callable[[Sequence[Any]], bool] | None = None) -> None:
         self.key = key
         self.values_of = values_of
         self.test = test
+        self.screen = screen
 
     def __call__(self, batch: ActivationBatch) -> bool:
         try:
@@ -535,7 +540,11 @@ class Router:
                 or any(binding.is_async or binding.group != key for binding in bindings)):
             return None
         test = abort_test(probes)
-        return None if test is None else AbortGuard(key, probes[0].row_values, test)
+        if test is None:
+            return None
+        abort_screen = getattr(type(probes[0]), "abort_screen", None)
+        return AbortGuard(key, probes[0].row_values, test,
+                          None if abort_screen is None else abort_screen(probes))
 
     def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
         """The bindings of point ``name`` of these requests, in order; None when

@@ -1,0 +1,124 @@
+"""``LinearProbe.abort_screen``: a float32 test of a step's captured pieces that
+may only err towards "may abort". The oracle is the exact path: the rows'
+float64 scores (``LinearReadout.score_matrix``) and ``abort_test`` on them.
+Thresholds are drawn at a row's exact score, one float64 step either side of
+it, and anywhere, so that a screen clearing a step that reaches its threshold
+by the last bit would fail.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from undercurrent.probes.linear import LinearProbe  # noqa: E402
+
+VALUES = st.one_of(
+    st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, width=32),
+    st.sampled_from([0.0, -0.0, 1e-30, 3.0]),
+)
+SPECIAL = st.sampled_from([math.nan, math.inf, -math.inf])
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _exact_abort(weight: list[float], bias: float, link: str, threshold: float,
+                 pieces: list[Any]) -> bool:
+    """Whether judging the pieces' rows aborts, by the exact path (float64)."""
+    probe = LinearProbe(weight=weight, bias=bias, link=link, threshold=threshold, action="abort")
+    matrix = np.concatenate([piece.to(torch.float64).numpy().reshape(len(piece), -1)
+                             for piece in pieces])
+    test = LinearProbe.abort_test([probe])
+    assert test is not None
+    return test(probe.readout.score_matrix(matrix))
+
+
+@st.composite
+def cases(draw: Any) -> tuple[list[float], float, str, float, list[Any]]:
+    hidden = draw(st.integers(1, 40))
+    rows = draw(st.integers(1, 4))
+    layers = draw(st.integers(1, 3))
+    weight = draw(st.lists(st.floats(-10, 10, allow_nan=False, width=64),
+                           min_size=hidden, max_size=hidden))
+    bias = draw(st.floats(-5, 5, allow_nan=False, width=64))
+    link = draw(st.sampled_from(["sigmoid", "identity"]))
+    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
+    values = st.one_of(VALUES, SPECIAL) if draw(st.booleans()) else VALUES
+    pieces = [torch.tensor(draw(st.lists(values, min_size=rows * hidden,
+                                         max_size=rows * hidden)),
+                           dtype=dtype).reshape(rows, hidden) for _ in range(layers)]
+    plain = LinearProbe(weight=weight, bias=bias, link=link)
+    matrix = np.concatenate([piece.to(torch.float64).numpy() for piece in pieces])
+    scores = [score for score in plain.readout.score_matrix(matrix)[0].tolist()
+              if math.isfinite(score)]
+    where = draw(st.sampled_from(["a score", "below one", "above one", "anywhere"]))
+    if where != "anywhere" and scores:
+        score = draw(st.sampled_from(scores))
+        threshold = {"a score": score, "below one": np.nextafter(score, -math.inf),
+                     "above one": np.nextafter(score, math.inf)}[where]
+    elif link == "sigmoid":
+        threshold = draw(st.one_of(st.floats(0.0, 1.0, exclude_min=True),
+                                   st.sampled_from([1.0, 1.01, 0.5])))
+    else:
+        threshold = draw(st.floats(-1e4, 1e4, allow_nan=False))
+    return weight, bias, link, float(threshold), pieces
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases())
+def test_the_screen_clears_only_steps_that_cannot_abort(case) -> None:
+    weight, bias, link, threshold, pieces = case
+    assume(math.isfinite(threshold) and (link == "identity" or threshold > 0.0))
+    probe = LinearProbe(weight=weight, bias=bias, link=link, threshold=threshold, action="abort")
+    screen = LinearProbe.abort_screen([probe])
+    assert screen is not None
+    if not screen(pieces):
+        assert not _exact_abort(weight, bias, link, threshold, pieces)
+
+
+def test_the_screen_clears_steps_far_from_the_threshold_and_no_others() -> None:
+    """The screen is of use (it clears steps well below the threshold) and says
+    "may abort" for a step that reaches it, for rows with a NaN or infinity,
+    for rows of another width or kind; there is none for a probe that only
+    flags, a softmax readout or a threshold every sigmoid reaches, and a
+    sigmoid threshold above 1 is never reached."""
+    weight = [0.5, -0.25, 1.0]
+    low = torch.tensor([[0.1, 0.2, -0.3], [0.0, 0.0, 0.0]])
+    high = torch.tensor([[0.1, 0.2, -0.3], [5.0, 0.0, 5.0]])  # logit 7.5: sigmoid 0.9994
+
+    def screen(threshold: float, **args: Any) -> Any:
+        probe = LinearProbe(weight=weight, bias=0.0, threshold=threshold, action="abort",
+                            **args)
+        return LinearProbe.abort_screen([probe])
+
+    guard = screen(0.9)
+    assert guard is not None
+    assert guard([low, low]) is False
+    assert guard([low, high]) is True
+    assert _exact_abort(weight, 0.0, "sigmoid", 0.9, [low, high])
+    assert guard([torch.tensor([[math.nan, 0.0, 0.0]])]) is True
+    assert guard([torch.tensor([[math.inf, 0.0, 0.0]])]) is True
+    assert guard([torch.zeros(2, 4)]) is True  # (another width: the exact path says so)
+    assert guard([torch.zeros(2, 3, dtype=torch.int64)]) is True
+    assert guard([np.zeros((2, 3), dtype=np.float32)]) is True  # (not a tensor)
+    assert guard([low.to(torch.bfloat16)]) is False
+    assert screen(1.01)([high * 1e30]) is False
+    assert screen(0.9, link="identity")([low]) is False
+    assert screen(0.0) is None  # (every sigmoid reaches it)
+    flags = LinearProbe(weight=weight, bias=0.0, threshold=0.9, action="flag")
+    assert LinearProbe.abort_screen([flags]) is None
+    classes = LinearProbe(weight=[weight, weight], bias=[0.0, 0.0], link="softmax",
+                          class_index=0, threshold=0.9, action="abort")
+    assert LinearProbe.abort_screen([classes]) is None
+
+    class Mine(LinearProbe):
+        pass
+
+    assert Mine.abort_screen([Mine(weight=weight, bias=0.0, threshold=0.9,
+                                   action="abort")]) is None
