@@ -180,6 +180,7 @@ def _first_crossings(outputs: list[Any], threshold: float) -> dict[str, int | No
 
 @pytest.mark.parametrize("probe_type, screened", [("linear_probe", True),
                                                    ("linear_probe", False),
+                                                   ("norm_probe", True),
                                                    ("norm_probe", False)])
 def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypatch,
                                                                        probe_type, screened):
@@ -191,9 +192,10 @@ def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypat
     Without a screen (``ScoresRows.abort_screen``), each step's values are
     computed as it comes and reused by its window; a linear probe's screen
     clears most steps before any value is computed, and their window's values
-    are computed at once."""
-    if probe_type == "linear_probe" and not screened:
-        monkeypatch.setattr(LinearProbe, "abort_screen", classmethod(lambda cls, probes: None))
+    are computed at once (a norm probe's screen does the same)."""
+    kind = LinearProbe if probe_type == "linear_probe" else NormProbe
+    if not screened:
+        monkeypatch.setattr(kind, "abort_screen", classmethod(lambda cls, probes: None))
     point = _point(probe_type, threshold=_guard_threshold(probe_type), action="abort")
     routed: list[int] = []
     original = Router.route_columns
@@ -204,7 +206,6 @@ def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypat
 
     monkeypatch.setattr(Router, "route_columns", route_columns)
     computed: list[int] = []  # the rows of each batch whose values were computed
-    kind = LinearProbe if probe_type == "linear_probe" else NormProbe
     values_of = kind.row_values
 
     def row_values(probe: Any, batch: Any) -> Any:

@@ -212,6 +212,23 @@ def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
                            for start in range(0, len(batch), BLOCK_ROWS)])
 
 
+def float32_rows(piece: Any) -> Any:
+    """A captured piece (a torch tensor of rows on the CPU, in a float dtype) as
+    a float32 numpy matrix, one flattened row each, for an abort screen
+    (``ScoresRows.abort_screen``); None for anything else, or where the
+    conversion to float32 would be large enough to run on torch's thread pool
+    (the exact path then decides)."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(piece, torch.Tensor) or piece.device.type != "cpu"
+            or piece.requires_grad or not len(piece) or not piece.is_floating_point()):
+        return None
+    if piece.dtype != torch.float32:
+        if piece.numel() > SERIAL_ELEMENTS:
+            return None
+        piece = piece.float()
+    return piece.numpy().reshape(len(piece), -1)
+
+
 def _all_on_cpu(tensors: Sequence[Any]) -> bool:
     """:func:`_on_cpu` for every tensor, each distinct device looked at once (the
     pieces of a window are many tensors of one device)."""

@@ -9,14 +9,13 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from undercurrent.probes.arrays import (
-    SERIAL_ELEMENTS,
     as_float_matrix,
     batch_matrix,
+    float32_rows,
     map_rows,
     numpy_module,
 )
@@ -258,20 +257,16 @@ class LogitScreen:
         return None
 
     def __call__(self, pieces: Sequence[Any]) -> bool:
+        with numpy_module().errstate(all="ignore"):  # (NaN and overflow are answered)
+            return self._may_reach(pieces)
+
+    def _may_reach(self, pieces: Sequence[Any]) -> bool:
         np = numpy_module()
-        torch = sys.modules.get("torch")
         best = amax = -math.inf
         for piece in pieces:
-            if (torch is None or not isinstance(piece, torch.Tensor)
-                    or piece.device.type != "cpu" or piece.requires_grad or not len(piece)):
-                return True
-            if piece.dtype != torch.float32:
-                if not piece.is_floating_point() or piece.numel() > SERIAL_ELEMENTS:
-                    return True  # (a large conversion would run on torch's thread pool)
-                piece = piece.float()
-            rows = piece.numpy().reshape(len(piece), -1)
-            if rows.shape[1] != self.hidden:
-                return True  # (the exact path says what is wrong)
+            rows = float32_rows(piece)
+            if rows is None or rows.shape[1] != self.hidden:
+                return True  # (the exact path decides, or says what is wrong)
             # einsum: on this thread, whatever BLAS would do (see LinearReadout._logits)
             top = float(np.einsum("ij,j->i", rows, self.weight).max())
             low, high = float(rows.min()), float(rows.max())

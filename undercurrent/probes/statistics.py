@@ -9,10 +9,11 @@ dict plus ``statistic`` (``"l2_norm"`` or ``"mean"``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from undercurrent.probes.arrays import as_float_matrix, map_rows, numpy_module
+from undercurrent.probes.arrays import as_float_matrix, float32_rows, map_rows, numpy_module
 from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import (
     ScoreSummary,
@@ -90,6 +91,19 @@ class _StatisticProbe(ScoresRows):
             return None
         return threshold_abort_test(probes)
 
+    @classmethod
+    def abort_screen(cls, probes: Sequence[ScoresRows]
+                     ) -> Callable[[Sequence[Any]], bool] | None:
+        # Where abort_test tells, the statistic in float32 on the captured
+        # pieces, against the threshold less what float32 may miss.
+        test = cls.abort_test(probes)
+        if test is None or not isinstance(probes[0], _StatisticProbe):
+            return None
+        rule = probes[0].rule
+        if not rule.can_abort or rule.threshold is None or not math.isfinite(rule.threshold):
+            return None
+        return StatisticScreen(type(probes[0]) is NormProbe, rule.threshold)
+
     def row_values(self, batch: ActivationBatch) -> Any:
         """One statistic per row of the batch's matrix."""
         return map_rows(batch, self.statistics)
@@ -134,3 +148,55 @@ class MeanProbe(_StatisticProbe):
 
     def statistics(self, matrix: Any) -> Any:
         return element_means(matrix)
+
+
+class StatisticScreen:
+    """Whether some row of a step may reach a ``norm_probe`` (``norm``) or
+    ``mean_probe`` abort threshold, computed cheaply: the statistic in
+    float32 on the captured pieces (numpy, on this thread), against the
+    threshold less what float32 may miss. True ("may abort": the step's
+    exact statistics then decide) within that margin of the threshold or
+    above it, where a value is not finite, or where the pieces are not CPU
+    float tensors; False only where no exact statistic reaches it.
+
+    The margins, for rows of ``n`` values, ``u = 2^-24``: a float32 sum of
+    squares (terms of one sign) is within ``(n + 2) u`` of the exact one,
+    relative, less the squares below float32's normal range (at most ``n *
+    2^-126`` in all), so the exact norm is at most the float32 norm times ``1
+    + (n + 2) u``, plus ``sqrt(n) * 2^-63``; a float32 mean is within ``(n +
+    2) u * max |x|`` of the exact one. Each margin is taken four times over,
+    with ``1e-12 * (1 + |threshold|)`` for the float64 statistic."""
+
+    __slots__ = ("norm", "threshold", "slack")
+
+    def __init__(self, norm: bool, threshold: float) -> None:
+        self.norm = norm
+        self.threshold = threshold
+        self.slack = 1e-12 * (1.0 + abs(threshold))
+
+    def __call__(self, pieces: Sequence[Any]) -> bool:
+        with numpy_module().errstate(all="ignore"):  # (NaN and overflow are answered)
+            return self._may_reach(pieces)
+
+    def _may_reach(self, pieces: Sequence[Any]) -> bool:
+        np = numpy_module()
+        threshold, unit = self.threshold, 2.0 ** -24
+        for piece in pieces:
+            rows = float32_rows(piece)
+            if rows is None:
+                return True  # (the exact path decides)
+            width = rows.shape[1]
+            if self.norm:
+                top = float(np.sqrt(np.einsum("ij,ij->i", rows, rows).max()))
+                if not math.isfinite(top):
+                    return True  # (NaN, infinity, or squares past float32's range)
+                bound = top * (1.0 + 4.0 * (width + 2) * unit) + math.sqrt(width) * 2.0 ** -61
+            else:
+                top = float(rows.mean(axis=1).max())
+                low, high = float(rows.min()), float(rows.max())
+                if not (math.isfinite(top) and math.isfinite(low) and math.isfinite(high)):
+                    return True
+                bound = top + 4.0 * (width + 2) * unit * max(high, -low)
+            if bound + self.slack >= threshold:
+                return True
+        return False

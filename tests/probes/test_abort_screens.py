@@ -1,6 +1,7 @@
-"""``LinearProbe.abort_screen``: a float32 test of a step's captured pieces that
-may only err towards "may abort". The oracle is the exact path: the rows'
-float64 scores (``LinearReadout.score_matrix``) and ``abort_test`` on them.
+"""``abort_screen`` (linear, norm and mean probes): a float32 test of a step's
+captured pieces that may only err towards "may abort". The oracle is the
+exact path: the rows' float64 scores (``LinearReadout.score_matrix``, the
+statistics of ``NormProbe`` and ``MeanProbe``) and ``abort_test`` on them.
 Thresholds are drawn at a row's exact score, one float64 step either side of
 it, and anywhere, so that a screen clearing a step that reaches its threshold
 by the last bit would fail.
@@ -19,10 +20,11 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from undercurrent.probes.linear import LinearProbe  # noqa: E402
+from undercurrent.probes.statistics import MeanProbe, NormProbe  # noqa: E402
 
 VALUES = st.one_of(
     st.floats(min_value=-1e3, max_value=1e3, allow_nan=False, width=32),
-    st.sampled_from([0.0, -0.0, 1e-30, 3.0]),
+    st.sampled_from([0.0, -0.0, 1e-30, 3.0, 1e-25, 2e19]),
 )
 SPECIAL = st.sampled_from([math.nan, math.inf, -math.inf])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -70,6 +72,7 @@ def cases(draw: Any) -> tuple[list[float], float, str, float, list[Any]]:
     return weight, bias, link, float(threshold), pieces
 
 
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # (the oracle's NaN)
 @settings(max_examples=400, deadline=None)
 @given(cases())
 def test_the_screen_clears_only_steps_that_cannot_abort(case) -> None:
@@ -122,3 +125,63 @@ def test_the_screen_clears_steps_far_from_the_threshold_and_no_others() -> None:
 
     assert Mine.abort_screen([Mine(weight=weight, bias=0.0, threshold=0.9,
                                    action="abort")]) is None
+
+
+def _matrix(pieces: list[Any]) -> Any:
+    """The pieces' rows as the exact path reads them (float64)."""
+    return np.concatenate([piece.to(torch.float64).numpy().reshape(len(piece), -1)
+                           for piece in pieces])
+
+
+@st.composite
+def statistic_cases(draw: Any) -> tuple[type, float, list[Any]]:
+    kind = draw(st.sampled_from([NormProbe, MeanProbe]))
+    width = draw(st.integers(1, 40))
+    rows = draw(st.integers(1, 4))
+    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
+    values = st.one_of(VALUES, SPECIAL) if draw(st.booleans()) else VALUES
+    pieces = [torch.tensor(draw(st.lists(values, min_size=rows * width, max_size=rows * width)),
+                           dtype=dtype).reshape(rows, width)
+              for _ in range(draw(st.integers(1, 3)))]
+    scores = [score for score in kind().statistics(_matrix(pieces)).tolist()
+              if math.isfinite(score)]
+    where = draw(st.sampled_from(["a score", "below one", "above one", "anywhere"]))
+    if where != "anywhere" and scores:
+        score = draw(st.sampled_from(scores))
+        threshold = {"a score": score, "below one": np.nextafter(score, -math.inf),
+                     "above one": np.nextafter(score, math.inf)}[where]
+    else:
+        threshold = draw(st.one_of(st.floats(-1e4, 1e4, allow_nan=False),
+                                   st.sampled_from([0.0, 1e-30, 1e-20])))
+    return kind, float(threshold), pieces
+
+
+@pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # (the oracle's NaN)
+@settings(max_examples=400, deadline=None)
+@given(statistic_cases())
+def test_a_statistic_s_screen_clears_only_steps_that_cannot_abort(case) -> None:
+    kind, threshold, pieces = case
+    probe = kind(threshold=threshold, action="abort")
+    screen = kind.abort_screen([probe])
+    assert screen is not None
+    if not screen(pieces):
+        test = kind.abort_test([probe])
+        assert test is not None
+        assert not test(probe.statistics(_matrix(pieces)))
+
+
+def test_a_statistic_s_screen_clears_steps_far_from_the_threshold_and_no_others() -> None:
+    low = torch.tensor([[0.1, 0.2, -0.3], [0.0, 0.0, 0.0]])
+    high = torch.tensor([[3.0, 4.0, 0.0]])  # norm 5, mean 7/3
+    norm = NormProbe.abort_screen([NormProbe(threshold=5.0, action="abort")])
+    mean = MeanProbe.abort_screen([MeanProbe(threshold=7 / 3, action="abort")])
+    assert norm is not None and mean is not None
+    assert norm([low, low]) is False and mean([low, low]) is False
+    assert norm([low, high]) is True and mean([low, high]) is True
+    assert norm([torch.tensor([[math.nan, 0.0]])]) is True
+    assert mean([torch.tensor([[-math.inf, 0.0]])]) is True
+    assert norm([torch.full((1, 2), 1e20)]) is True  # (squares past float32's range)
+    assert norm([low.to(torch.bfloat16)]) is False
+    assert NormProbe.abort_screen([NormProbe(threshold=5.0)]) is None  # (flags only)
+    assert NormProbe.abort_screen([NormProbe(threshold=5.0, action="abort"),
+                                   MeanProbe(threshold=5.0, action="abort")]) is None
