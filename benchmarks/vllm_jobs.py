@@ -26,6 +26,13 @@ VLLM_SCENARIOS = (PLAIN, PROBED)
 KV_CACHE_GIB = "1"
 
 
+#: Scenarios the one-engine tools also time, on request (the scaling set does
+#: not): a guard that never aborts, and the demo spec's two points. Each
+#: point's rows count as vectors.
+ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
+                    "guard and observer": "uc_guard_and_observer"}
+
+
 def add_one_engine_arguments(parser: Any) -> None:
     """The options of a one-engine measurement (``benchmarks.vllm_paired``,
     ``benchmarks.vllm_stage_timers``): model, mode, layers, concurrency, tokens,
@@ -36,7 +43,8 @@ def add_one_engine_arguments(parser: Any) -> None:
 
     parser.add_argument("--model", default="tiny", type=model_key,
                         help=MODEL_KEYS_HELP)
-    parser.add_argument("--mode", default="inline linear", choices=sorted(MODES))
+    parser.add_argument("--mode", default="inline linear",
+                        choices=sorted([*MODES, *ON_REQUEST_MODES]))
     parser.add_argument("--layers", default="all", choices=["3", "all"])
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -140,7 +148,7 @@ def _probed_setup(path: str, layer_set: str, mode: str | None
         from benchmarks.scaling import MODES
         from benchmarks.scenarios import scenario_by_name
 
-        scenario = scenario_by_name(MODES[mode])()
+        scenario = scenario_by_name(MODES[mode] if mode in MODES else ON_REQUEST_MODES[mode])()
         scenario.layers = layers
         # (what a scenario reads of its model: the width, for the linear probe's weights)
         scenario.bundle = SimpleNamespace(model=SimpleNamespace(
