@@ -298,6 +298,7 @@ def test_records_are_kept_with_their_window_and_their_own_step_s_time(monkeypatc
 
 
 def _named(name: str, point: ExtractionPoint, **fields: Any) -> ExtractionPoint:
+    """``point`` renamed (a spec's points need distinct names), with ``fields`` changed."""
     return dataclasses.replace(point, name=name, **fields)
 
 
@@ -365,7 +366,8 @@ def test_several_points_are_held_together_and_give_what_routing_each_step_gives(
     windowed = _generate(points, windows=True, records=records)
     windows, routings = list(counted.windows), dict(counted.routings)
     assert counted.taken.count(True) > 1  # (held steps taken as they came)
-    counted.windows.clear(), counted.routings.clear()
+    counted.windows.clear()
+    counted.routings.clear()
     stepped = _generate(points, windows=False, records=records)
     assert counted.windows == []  # (routing each step holds nothing)
     assert windows and all(width == 4 for width, _ in windows)
