@@ -30,15 +30,40 @@ SPECIAL = st.sampled_from([math.nan, math.inf, -math.inf])
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+def _matrix(pieces: list[Any]) -> Any:
+    """The pieces' rows as the exact path reads them (float64)."""
+    return np.concatenate([piece.to(torch.float64).numpy().reshape(len(piece), -1)
+                           for piece in pieces])
+
+
+def _draw_pieces(draw: Any, width: int, rows: int, layers: int) -> list[Any]:
+    """A step's pieces: ``layers`` tensors of ``rows`` rows of ``width`` values,
+    of one drawn dtype, NaN and infinities among the values in some steps."""
+    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
+    values = st.one_of(VALUES, SPECIAL) if draw(st.booleans()) else VALUES
+    return [torch.tensor(draw(st.lists(values, min_size=rows * width, max_size=rows * width)),
+                         dtype=dtype).reshape(rows, width) for _ in range(layers)]
+
+
+def _near_a_score(draw: Any, scores: list[float], anywhere: Any) -> float:
+    """A threshold at one of the finite ``scores``, one float64 step below or
+    above it, or drawn from ``anywhere``."""
+    finite = [score for score in scores if math.isfinite(score)]
+    where = draw(st.sampled_from(["a score", "below one", "above one", "anywhere"]))
+    if where == "anywhere" or not finite:
+        return float(draw(anywhere))
+    score = draw(st.sampled_from(finite))
+    return float({"a score": score, "below one": np.nextafter(score, -math.inf),
+                  "above one": np.nextafter(score, math.inf)}[where])
+
+
 def _exact_abort(weight: list[float], bias: float, link: str, threshold: float,
                  pieces: list[Any]) -> bool:
     """Whether judging the pieces' rows aborts, by the exact path (float64)."""
     probe = LinearProbe(weight=weight, bias=bias, link=link, threshold=threshold, action="abort")
-    matrix = np.concatenate([piece.to(torch.float64).numpy().reshape(len(piece), -1)
-                             for piece in pieces])
     test = LinearProbe.abort_test([probe])
     assert test is not None
-    return test(probe.readout.score_matrix(matrix))
+    return test(probe.readout.score_matrix(_matrix(pieces)))
 
 
 @st.composite
@@ -50,26 +75,13 @@ def cases(draw: Any) -> tuple[list[float], float, str, float, list[Any]]:
                            min_size=hidden, max_size=hidden))
     bias = draw(st.floats(-5, 5, allow_nan=False, width=64))
     link = draw(st.sampled_from(["sigmoid", "identity"]))
-    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
-    values = st.one_of(VALUES, SPECIAL) if draw(st.booleans()) else VALUES
-    pieces = [torch.tensor(draw(st.lists(values, min_size=rows * hidden,
-                                         max_size=rows * hidden)),
-                           dtype=dtype).reshape(rows, hidden) for _ in range(layers)]
+    pieces = _draw_pieces(draw, hidden, rows, layers)
     plain = LinearProbe(weight=weight, bias=bias, link=link)
-    matrix = np.concatenate([piece.to(torch.float64).numpy() for piece in pieces])
-    scores = [score for score in plain.readout.score_matrix(matrix)[0].tolist()
-              if math.isfinite(score)]
-    where = draw(st.sampled_from(["a score", "below one", "above one", "anywhere"]))
-    if where != "anywhere" and scores:
-        score = draw(st.sampled_from(scores))
-        threshold = {"a score": score, "below one": np.nextafter(score, -math.inf),
-                     "above one": np.nextafter(score, math.inf)}[where]
-    elif link == "sigmoid":
-        threshold = draw(st.one_of(st.floats(0.0, 1.0, exclude_min=True),
-                                   st.sampled_from([1.0, 1.01, 0.5])))
-    else:
-        threshold = draw(st.floats(-1e4, 1e4, allow_nan=False))
-    return weight, bias, link, float(threshold), pieces
+    scores = plain.readout.score_matrix(_matrix(pieces))[0].tolist()
+    anywhere = (st.one_of(st.floats(0.0, 1.0, exclude_min=True),
+                          st.sampled_from([1.0, 1.01, 0.5])) if link == "sigmoid"
+                else st.floats(-1e4, 1e4, allow_nan=False))
+    return weight, bias, link, _near_a_score(draw, scores, anywhere), pieces
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # (the oracle's NaN)
@@ -127,33 +139,15 @@ def test_the_screen_clears_steps_far_from_the_threshold_and_no_others() -> None:
                                    action="abort")]) is None
 
 
-def _matrix(pieces: list[Any]) -> Any:
-    """The pieces' rows as the exact path reads them (float64)."""
-    return np.concatenate([piece.to(torch.float64).numpy().reshape(len(piece), -1)
-                           for piece in pieces])
-
-
 @st.composite
 def statistic_cases(draw: Any) -> tuple[type, float, list[Any]]:
     kind = draw(st.sampled_from([NormProbe, MeanProbe]))
     width = draw(st.integers(1, 40))
-    rows = draw(st.integers(1, 4))
-    dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
-    values = st.one_of(VALUES, SPECIAL) if draw(st.booleans()) else VALUES
-    pieces = [torch.tensor(draw(st.lists(values, min_size=rows * width, max_size=rows * width)),
-                           dtype=dtype).reshape(rows, width)
-              for _ in range(draw(st.integers(1, 3)))]
-    scores = [score for score in kind().statistics(_matrix(pieces)).tolist()
-              if math.isfinite(score)]
-    where = draw(st.sampled_from(["a score", "below one", "above one", "anywhere"]))
-    if where != "anywhere" and scores:
-        score = draw(st.sampled_from(scores))
-        threshold = {"a score": score, "below one": np.nextafter(score, -math.inf),
-                     "above one": np.nextafter(score, math.inf)}[where]
-    else:
-        threshold = draw(st.one_of(st.floats(-1e4, 1e4, allow_nan=False),
-                                   st.sampled_from([0.0, 1e-30, 1e-20])))
-    return kind, float(threshold), pieces
+    pieces = _draw_pieces(draw, width, draw(st.integers(1, 4)), draw(st.integers(1, 3)))
+    scores = kind().statistics(_matrix(pieces)).tolist()
+    anywhere = st.one_of(st.floats(-1e4, 1e4, allow_nan=False),
+                         st.sampled_from([0.0, 1e-30, 1e-20]))
+    return kind, _near_a_score(draw, scores, anywhere), pieces
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # (the oracle's NaN)
