@@ -477,18 +477,20 @@ def test_a_deep_model_is_the_bundled_widths_at_the_depth_asked_for():
 def test_a_scaling_job_on_a_deep_model_captures_every_layer_like_raw_hooks():
     """A real job on ``deep2``: every probed scenario generates plain's tokens
     and captures as many vectors as raw hooks (one per generated token fed back
-    and layer; per point), the guard too (it may abort, and never does)."""
+    and layer; per point), the guards too (they may abort, and never do)."""
     from benchmarks.worker import scaling_job
 
     names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear",
-             "uc_3_layers_async_trajectory", "uc_inline_linear_guard", "uc_guard_and_observer"]
+             "uc_3_layers_async_trajectory", "uc_inline_linear_guard", "uc_guard_and_observer",
+             "uc_sae_features"]
     result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
                          repeats=1, warmup=0, max_new_tokens=3)
     rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=3)}
     assert {row["status"] for row in rows.values()} == {"ok"}
     assert rows["raw_forward_hooks"]["records"] == 2 * 2 * 2  # rows x tokens fed back x layers
     for name in names[2:]:
-        points = 2 if name == "uc_guard_and_observer" else 1  # (each point counts its rows)
+        # (each point counts its rows)
+        points = 2 if name in ("uc_guard_and_observer", "uc_sae_features") else 1
         assert rows[name]["records"] == points * rows["raw_forward_hooks"]["records"], name
         assert rows[name]["tokens_match"] is True, rows[name]["token_check"]
         assert rows[name]["capture_layers"] == [0, 1]

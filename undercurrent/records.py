@@ -798,6 +798,9 @@ def join_values(pieces: Sequence[Any]) -> Any:
         return {key: join_values([piece[key] for piece in pieces]) for key in first}
     if isinstance(first, list):
         return [item for piece in pieces for item in piece]
+    join = getattr(type(first), "join_rows", None)  # (rows kept another way: SparseRows)
+    if join is not None:
+        return join(pieces)
     return concat_rows(pieces)
 
 

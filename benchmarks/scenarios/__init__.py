@@ -20,6 +20,7 @@ from benchmarks.scenarios.probed import (
     ProbedInlineLinearGuard,
     ProbedInlineNorm,
     ProbedInlineTrajectory,
+    ProbedSaeFeatures,
 )
 
 SCENARIOS: tuple[type[Scenario], ...] = (
@@ -40,7 +41,8 @@ BASELINE = PlainGenerate.name
 SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTrajectory)
 #: Scenarios no table runs, for the tools that time or profile one scenario
 #: (``benchmarks.ab``, ``benchmarks.stage_timers``, ``benchmarks.profile``).
-ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver)
+ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver,
+                                          ProbedSaeFeatures)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

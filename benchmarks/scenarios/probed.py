@@ -270,3 +270,37 @@ class ProbedBlockUntilSignal(_Probed):
                 intervention={"mode": "block_until_signal", "timeout_ms": 1000},
             )
         ]
+
+
+class ProbedSaeFeatures(_Probed):
+    """The shipped SAE spec's shape (``specs/sae_features.yaml``) on the chosen
+    layers: an inline ``sae_probe`` guard watching one feature (``action:
+    abort`` at a threshold no activation reaches, so every scenario generates
+    the same tokens) and, on the same rows, an async ``sae_probe`` reporting
+    each activation's top 8 features. The bundled SAE reads the bundled
+    model's width; its hook check is off, so any layer set may use it."""
+
+    name: ClassVar[str] = "uc_sae_features"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, encoded by the "
+        "bundled SAE: an inline sae_probe guard on one feature (action: abort, a threshold "
+        "no activation reaches) and an async sae_probe reporting the top 8 features"
+    )
+
+    def setup(self, bundle: Any, model: Any, layers: tuple[int, ...]) -> None:
+        hidden = int(model.config.hidden_size)
+        if hidden != BUNDLED_PROBE_WIDTH:
+            raise ValueError(f"{self.name} runs on the bundled model only: the bundled SAE "
+                             f"reads activations of {BUNDLED_PROBE_WIDTH} values, this model's "
+                             f"have {hidden}")
+        super().setup(bundle, model, layers)
+
+    def points(self) -> list[dict[str, Any]]:
+        sae = {"path": "undercurrent:models/tiny/sae", "check_hook": False}
+        guard = three_layer_point(self.layers, probe_type="sae_probe",
+                                  probe_args={**sae, "features": [2], "threshold": 1e9,
+                                              "action": "abort"})
+        features = {**guard, "name": "features", "probe_kind": "trajectory",
+                    "execution_mode": "async", "queue_depth": 64,
+                    "probe_args": {**sae, "top_k": 8}}
+        return [{**guard, "name": "guard"}, features]

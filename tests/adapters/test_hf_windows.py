@@ -23,10 +23,13 @@ pytest.importorskip("transformers")
 from hf_models import build_model, build_tokenizer  # noqa: E402
 from test_hf_equivalence import PROMPTS  # noqa: E402
 
+from tests.probes.sae_helpers import write_sae  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.probes.linear import LinearProbe  # noqa: E402
+from undercurrent.probes.sae import SaeScreen  # noqa: E402
+from undercurrent.probes.sae_files import SparseAutoencoder  # noqa: E402
 from undercurrent.probes.statistics import NormProbe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
@@ -390,6 +393,64 @@ def test_several_points_are_held_together_and_give_what_routing_each_step_gives(
                 "guard", "observer", "narrow", "mlp"}
         for result in mine.results.values():
             assert result.stats.received == result.stats.processed > 0
+
+
+def test_an_sae_guard_and_its_features_are_held_together_and_encode_each_row_once(
+        monkeypatch, tmp_path):
+    """The shipped SAE spec's shape (``specs/sae_features.yaml``): an inline
+    ``sae_probe`` guard on watched features that aborts a request
+    mid-generation, and an async ``sae_probe`` reporting the top features of
+    the same rows. Both are held in windows, the guard's steps screened
+    (``SaeScreen``) and the one that aborts routed at once; the two points
+    share each window's encoding, so each row is encoded once, not once per
+    point. Outputs equal routing each step, bit for bit (each row's product
+    is the same whatever batch it is in)."""
+    write_sae(tmp_path / "sae", architecture="topk", d_in=32, d_sae=24, seed=11,
+              hook_name=None, config={"k": 6})
+    sae = {"path": str(tmp_path / "sae"), "check_hook": False}
+    watch = _named("guard", _point("sae_probe", features=[1, 6], **sae))
+    scores = _generate(watch, windows=False)
+    candidates = sorted({s.score for output in scores for s in output.signals})
+    threshold = next(value for value in candidates
+                     if None in (found := _first_crossings(scores, value)).values()
+                     and any(index is not None and index >= 2 for index in found.values()))
+    guard = _named("guard", _point("sae_probe", action="abort", features=[1, 6],
+                                   threshold=threshold, **sae))
+    features = _named("features", _point("sae_probe", mode="async", depth=64, top_k=3, **sae))
+    points = [guard, features]
+    encoded: list[int] = []
+    screened: list[bool] = []
+    encode, screen = SparseAutoencoder.encode_sparse, SaeScreen.__call__
+
+    def counted_encode(self: Any, matrix: Any) -> Any:
+        encoded.append(len(matrix))
+        return encode(self, matrix)
+
+    def counted_screen(self: Any, pieces: Any) -> bool:
+        screened.append(screen(self, pieces))
+        return screened[-1]
+
+    monkeypatch.setattr(SparseAutoencoder, "encode_sparse", counted_encode)
+    monkeypatch.setattr(SaeScreen, "__call__", counted_screen)
+    counted = Routed(monkeypatch)
+    windowed = _generate(points, windows=True, records=True)
+    rows = sum(output.results["features"].stats.received for output in windowed)
+    assert counted.windows and all(width == 2 for width, _ in counted.windows)
+    assert max(steps for _, steps in counted.windows) > 1
+    assert False in screened and True in screened  # (cleared steps, and the one that aborts)
+    # each held row encoded once for both points (the steps a screen sent on, again)
+    assert sum(encoded) < 2 * rows, (sum(encoded), rows)
+    counted.windows.clear()
+    stepped = _generate(points, windows=False, records=True)
+    assert counted.windows == []
+    aborted = [output for output in stepped if output.abort is not None]
+    assert aborted and len(aborted) < len(stepped)
+    assert [_abort_view(output) for output in windowed] == [
+        _abort_view(output) for output in stepped]
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]
+        assert mine.results["features"].signals  # (the async point's own signals compared)
 
 
 def test_several_points_wait_for_the_one_that_cannot(monkeypatch):

@@ -1212,9 +1212,20 @@ class _Window:
         several = len(points) > 1
         routed_parts: dict[int, list[tuple[Any, int, int, Any]]] = {}
         kept_parts: dict[int, list[tuple[Any, int, int, Any]]] = {}
+        made: list[tuple[_SteadyPoint, list[list[Any]], ActivationBatch]] = []
         for index, point in enumerate(points):
-            batch = point.window_batch(self.deltas, [step[index] for step in self.steps],
-                                       self.stamps)
+            steps_of = [step[index] for step in self.steps]
+            batch = point.window_batch(self.deltas, steps_of, self.stamps)
+            if several:
+                # A point of the very rows of an earlier one (its layers, requests
+                # and captured pieces) shares its batch's cache: what one probe
+                # computed of them (their float64 matrix, an SAE's encoding) the
+                # other's finds, inline or on a worker.
+                for other, other_steps, other_batch in made:
+                    if _same_rows(point, steps_of, other, other_steps):
+                        batch.cache = other_batch.cache
+                        break
+                made.append((point, steps_of, batch))
             if values is not None and index in guarded:
                 # (each step's values, as scoring the window's rows would give them)
                 slot, guard = guarded[index]
@@ -1252,6 +1263,21 @@ class _Window:
                     state.signals.add_window(_WindowRuns(parts, steps))
 
 
+def _same_rows(point: _SteadyPoint, steps: list[list[Any]], other: _SteadyPoint,
+               other_steps: list[list[Any]]) -> bool:
+    """Whether two points' window batches hold the same rows in the same order:
+    the same layers of one tensor type, the same requests at the same tokens,
+    and each step's very pieces."""
+    return (point.keys == other.keys and len(point.requests) == len(other.requests)
+            and all(state is state_b and token == token_b for (state, token), (state_b, token_b)
+                    in zip(point.requests, other.requests, strict=True))
+            and all(map(_same_pieces, steps, other_steps)))
+
+
+def _same_pieces(pieces: list[Any], others: list[Any]) -> bool:
+    return len(pieces) == len(others) and all(map(operator.is_, pieces, others))
+
+
 def _guarded(layout: _SteadyLayout, delta: int, sources: dict[Any, Any],
              pieces: list[list[Any]]) -> tuple[list[ActivationBatch | None] | None,
                                                list[Any] | None]:
@@ -1284,7 +1310,8 @@ def _interleaved(steps: list[Any], requests: int, count: int) -> Any:
     request after request) in the window batch's order: each request's rows of
     every step in turn (see :meth:`_SteadyPoint.window_batch`). Values are an
     array or list, or a tuple or dict of them (as ``ActivationBatch.shared``
-    keeps them)."""
+    keeps them, or rows that join, as :class:`~undercurrent.probes.arrays.SparseRows`
+    do)."""
     first = steps[0]
     if isinstance(first, tuple):
         return tuple(_interleaved([step[index] for step in steps], requests, count)
@@ -1296,6 +1323,10 @@ def _interleaved(steps: list[Any], requests: int, count: int) -> Any:
     if isinstance(first, np.ndarray):
         stacked = np.stack(steps).reshape(len(steps), requests, count, *first.shape[1:])
         return stacked.swapaxes(0, 1).reshape(len(steps) * requests * count, *first.shape[1:])
+    join = getattr(type(first), "join_rows", None)  # (rows kept another way: SparseRows)
+    if join is not None:
+        return join([step[request * count:(request + 1) * count] for request in range(requests)
+                     for step in steps])
     return [step[request * count + layer] for request in range(requests) for step in steps
             for layer in range(count)]
 

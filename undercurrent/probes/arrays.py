@@ -175,7 +175,8 @@ def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
     joined: no float64 matrix of more than :data:`BLOCK_ROWS` rows is made.
 
     ``compute`` takes a float64 matrix (one flattened row each) and returns an
-    array with one entry (or one row of entries) per matrix row, each
+    array with one entry (or one row of entries) per matrix row (or
+    :class:`SparseRows`), each
     depending on its own row only, and the same whatever the matrix's height
     (the built-ins' norms, means and ``numpy.einsum`` products are). Rows an
     adapter will stack from pieces (:class:`~undercurrent.records.DeferredRows`,
@@ -201,15 +202,22 @@ def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
         # pieces[p].
         height = pieces[0].shape[0]
         step = max(1, BLOCK_ROWS // height)
-        joined = np.concatenate([compute(_float_rows(pieces[start:start + step]))
-                                 for start in range(0, len(pieces), step)])
+        blocks = [compute(_float_rows(pieces[start:start + step]))
+                  for start in range(0, len(pieces), step)]
+        join = getattr(type(blocks[0]), "join_rows", None)
+        if join is not None:  # (rows kept another way, SparseRows: joined, then reordered)
+            order = np.arange(len(pieces))[None, :] * height + np.arange(height)[:, None]
+            return join(blocks).take_rows(order.ravel())
+        joined = np.concatenate(blocks)
         joined = joined.reshape(len(pieces), height, *joined.shape[1:]).swapaxes(0, 1)
         return joined.reshape(len(batch), *joined.shape[2:])
     if len(batch) <= BLOCK_ROWS or not _on_cpu(batch.tensor):
         return compute(batch_matrix(batch))
     tensor = batch.tensor
-    return np.concatenate([compute(_float_rows(tensor[start:start + BLOCK_ROWS]))
-                           for start in range(0, len(batch), BLOCK_ROWS)])
+    blocks = [compute(_float_rows(tensor[start:start + BLOCK_ROWS]))
+              for start in range(0, len(batch), BLOCK_ROWS)]
+    join = getattr(type(blocks[0]), "join_rows", None)
+    return join(blocks) if join is not None else np.concatenate(blocks)
 
 
 def float32_rows(piece: Any) -> Any:
@@ -255,6 +263,175 @@ def _on_cpu(tensor: Any) -> bool:
     in one transfer, not a block or piece at a time)."""
     device = getattr(tensor, "device", None)
     return device is None or getattr(device, "type", "cpu") == "cpu"
+
+
+class SparseRows:
+    """Rows of mostly zero values, kept by their nonzero entries (compressed
+    rows): ``indptr`` (one more than the rows: row ``r`` 's entries are
+    ``indptr[r]:indptr[r + 1]``), and each entry's ``columns`` and ``values``,
+    row by row, each row's in column order; ``width`` is the number of columns.
+    A probe's row values (``ScoresRows.row_values``) may be one, or hold one:
+    it is sliced (``rows[start:stop]``), joined (:meth:`join_rows`) and
+    reordered (:meth:`take_rows`) as an array of its rows is, at the size of
+    its entries (an SAE's activations: a few dozen of thousands of features).
+
+    >>> import numpy as np
+    >>> rows = SparseRows.from_dense(np.array([[0.0, 2.0, 0.0], [1.0, 0.0, 3.0]]))
+    >>> rows.indptr.tolist(), rows.columns.tolist(), rows.values.tolist()
+    ([0, 1, 3], [1, 0, 2], [2.0, 1.0, 3.0])
+    >>> rows[1:].dense().tolist()
+    [[1.0, 0.0, 3.0]]
+    """
+
+    __slots__ = ("indptr", "columns", "values", "width")
+
+    def __init__(self, indptr: Any, columns: Any, values: Any, width: int) -> None:
+        self.indptr = indptr
+        self.columns = columns
+        self.values = values
+        self.width = width
+
+    @classmethod
+    def from_dense(cls, matrix: Any) -> SparseRows:
+        """The nonzero entries of a 2-D numpy matrix (NaN included)."""
+        np = numpy_module()
+        rows, width = matrix.shape
+        # (row by row, each row's columns in order; a flat index is found fastest)
+        flat = np.flatnonzero(matrix)
+        row_of = flat // width
+        indptr = np.zeros(rows + 1, dtype=np.intp)
+        np.cumsum(np.bincount(row_of, minlength=rows), out=indptr[1:])
+        return cls(indptr, flat - row_of * width, matrix.reshape(-1)[flat], int(width))
+
+    @classmethod
+    def from_columns(cls, columns: Any, values: Any, width: int) -> SparseRows:
+        """Rows of at most as many entries as ``columns`` (``(rows, m)``, each
+        row's in increasing order) has, ``values`` at them; zeros left out."""
+        np = numpy_module()
+        kept = values != 0
+        indptr = np.zeros(len(columns) + 1, dtype=np.intp)
+        np.cumsum(kept.sum(axis=1), out=indptr[1:])
+        return cls(indptr, columns[kept], values[kept], int(width))
+
+    def __len__(self) -> int:
+        return len(self.indptr) - 1
+
+    def __getitem__(self, rows: slice) -> SparseRows:
+        """Rows ``start:stop`` (a slice of step 1), sharing the entries."""
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise ValueError("SparseRows are sliced by ranges of rows")
+        stop = max(start, stop)
+        first, last = int(self.indptr[start]), int(self.indptr[stop])
+        return SparseRows(self.indptr[start:stop + 1] - first, self.columns[first:last],
+                          self.values[first:last], self.width)
+
+    @classmethod
+    def join_rows(cls, pieces: Sequence[SparseRows]) -> SparseRows:
+        """Consecutive rows joined into one (the inverse of slicing)."""
+        np = numpy_module()
+        if len(pieces) == 1:
+            return pieces[0]
+        counts = np.concatenate([np.diff(piece.indptr) for piece in pieces])
+        indptr = np.zeros(len(counts) + 1, dtype=np.intp)
+        np.cumsum(counts, out=indptr[1:])
+        return cls(indptr, np.concatenate([piece.columns for piece in pieces]),
+                   np.concatenate([piece.values for piece in pieces]), pieces[0].width)
+
+    def take_rows(self, order: Any) -> SparseRows:
+        """The rows in ``order`` (an integer array of row numbers)."""
+        np = numpy_module()
+        counts = np.diff(self.indptr)[order]
+        indptr = np.zeros(len(counts) + 1, dtype=np.intp)
+        np.cumsum(counts, out=indptr[1:])
+        # Each new entry's place among the old ones: its row's old start plus
+        # its rank within the row.
+        starts = np.repeat(self.indptr[:-1][order] - indptr[:-1], counts)
+        entries = starts + np.arange(int(indptr[-1]))
+        return SparseRows(indptr, self.columns[entries], self.values[entries], self.width)
+
+    def entry_rows(self) -> Any:
+        """The row of each entry."""
+        np = numpy_module()
+        return np.repeat(np.arange(len(self)), np.diff(self.indptr))
+
+    def dense(self) -> Any:
+        """The rows as a float64 matrix (zeros where no entry is)."""
+        np = numpy_module()
+        matrix = np.zeros((len(self), self.width))
+        matrix[self.entry_rows(), self.columns] = self.values
+        return matrix
+
+
+def top_columns(matrix: Any, k: int) -> Any:
+    """The columns of each row's ``k`` largest entries of a float64 matrix,
+    ``(rows, k)``, largest first, equal entries by lower column (a NaN counts
+    as -inf). A bound below each row's k-th largest is found first (the least
+    of the largest entries of k blocks of columns, each of ``width // k`` or
+    more: k entries are at or above it), so only the few entries at or above
+    it are sorted: several times
+    faster than a selection over every column (``numpy.argpartition``) for an
+    SAE's thousands of features.
+
+    >>> import numpy as np
+    >>> top_columns(np.array([[1.0, 5.0, 3.0, 5.0], [0.0, -1.0, 2.0, 7.0]]), 2).tolist()
+    [[1, 3], [3, 2]]
+    """
+    np = numpy_module()
+    rows, width = matrix.shape
+    k = min(k, width)
+    if not rows or k < 1:
+        return np.zeros((rows, max(k, 0)), dtype=np.intp)
+    ranked = matrix
+    missing = np.isnan(matrix)
+    if missing.any():
+        ranked = np.where(missing, -np.inf, matrix)
+    bound = np.maximum.reduceat(ranked, np.arange(k) * (width // k), axis=1).min(axis=1)
+    flat = np.flatnonzero(ranked >= bound[:, None])  # (a flat index is found fastest)
+    row_of = flat // width
+    column_of = flat - row_of * width
+    counts = np.bincount(row_of, minlength=rows)
+    slot = np.arange(len(row_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+    values = np.full((rows, int(counts.max())), np.inf)  # (negated: ascending sorts)
+    columns = np.full(values.shape, width, dtype=np.intp)
+    values[row_of, slot] = -ranked[row_of, column_of]
+    columns[row_of, slot] = column_of
+    # Each row's candidates are in column order: a stable sort keeps equal ones so.
+    order = np.argsort(values, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(columns, order, axis=1)
+
+
+#: Rows per matrix product in :func:`row_products`.
+PRODUCT_ROWS = 32
+
+
+def row_products(matrix: Any, weight: Any) -> Any:
+    """``matrix @ weight`` (a float64 matrix of rows, a float64 weight matrix),
+    computed as products of exactly :data:`PRODUCT_ROWS` rows, the last padded
+    with zero rows. A BLAS product may round a row differently with the height
+    of the product it is part of (a single row goes through a matrix-vector
+    product); products of one height give each row the same bits whatever
+    batch or window it comes in, as ``numpy.einsum`` does for a vector, at
+    BLAS speed.
+
+    >>> import numpy as np
+    >>> rows, weight = np.arange(6.0).reshape(3, 2), np.array([[1.0, 0.0, 2.0], [0.5, 1.0, 0.0]])
+    >>> row_products(rows, weight).tolist() == (rows @ weight).tolist()
+    True
+    """
+    np = numpy_module()
+    count = matrix.shape[0]
+    padded = count + (-count) % PRODUCT_ROWS
+    if padded != count or not matrix.flags.c_contiguous:
+        rows = np.zeros((padded, matrix.shape[1]))
+        rows[:count] = matrix
+    else:
+        rows = matrix
+    out = np.empty((padded, weight.shape[1]))
+    for start in range(0, padded, PRODUCT_ROWS):
+        np.matmul(rows[start:start + PRODUCT_ROWS], weight,
+                  out=out[start:start + PRODUCT_ROWS])
+    return out[:count]
 
 
 def _float_rows(rows: Any) -> Any:

@@ -8,16 +8,18 @@ verdict summarises every reported feature over the request.
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from undercurrent.probes.arrays import batch_matrix, numpy_module
-from undercurrent.probes.base import Probe, RequestContext
-from undercurrent.probes.sae_files import SparseAutoencoder, load_sae
+from undercurrent.probes.arrays import SparseRows, float32_rows, map_rows, numpy_module
+from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.sae_files import ENCODE_ROWS, SparseAutoencoder, load_sae
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
-from undercurrent.records import ActivationBatch, ActivationRecord, BatchSignals, ProbeSignal
+from undercurrent.records import ActivationBatch, BatchSignals, as_list
 from undercurrent.spec.types import ProbeKind
 
 DEFAULT_TOP_K = 5
@@ -94,7 +96,7 @@ def check_point_matches_hook(sae: SparseAutoencoder, point: Any) -> None:
         )
 
 
-class SaeProbe(Probe):
+class SaeProbe(ScoresRows):
     """``sae_probe``: encode each activation with an SAE and report its features.
 
     probe_args:
@@ -185,52 +187,168 @@ class SaeProbe(Probe):
         if ctx.extraction_point is not None:  # for callers that did not check the point
             self.check_point(ctx.extraction_point)
 
-    def on_activation(self, record: ActivationRecord) -> ProbeSignal | None:
-        return self.on_activations((record,))[0]
+    def copy_for_request(self) -> SaeProbe | None:
+        # The SAE and the settings are read-only; on_start makes the rest.
+        return shallow_copy(self) if type(self) is SaeProbe else None
 
-    def on_activations(self, records: Sequence[ActivationRecord]) -> list[ProbeSignal | None]:
-        return self.on_batch(ActivationBatch.from_records(records)).signals()
+    # -- judged in groups (ScoresRows) ------------------------------------------
+    def group_key(self) -> Any:
+        """Instances reading one SAE encode every row the same way."""
+        return ("sae_probe", id(self.sae))
 
-    def on_batch(self, batch: ActivationBatch) -> BatchSignals:
-        """Encode the batch's rows with one matrix product; one signal per row."""
-        np = numpy_module()
-        acts = self.sae.encode(batch_matrix(batch))
-        tokens = [int(token) for token in batch.token_indices]
-        layers = [int(layer) for layer in batch.layers]
-        self._accumulate(acts, tokens, layers)
+    def row_values(self, batch: ActivationBatch) -> tuple[SparseRows, list[int | None]]:
+        """Each row's feature activations, kept by the active ones
+        (:class:`~undercurrent.probes.arrays.SparseRows`; a product per block of
+        rows, each row's the same bits whatever batch it comes in), and its
+        generated index (a signal's metadata names it)."""
+        return map_rows(batch, self.sae.encode_sparse), as_list(batch.generated_indices)
+
+    def may_abort(self) -> bool:
+        return type(self) is not SaeProbe or self.rule.can_abort
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        # An abort is a row whose score (its largest watched, or top, activation)
+        # reaches the threshold: each row's own.
+        first = probes[0]
+        if not isinstance(first, SaeProbe) or not all(map(first._judges_as, probes)):
+            return None
+        rule = first.rule
+        if not rule.can_abort:
+            return _never
+        threshold = rule.threshold
+
+        def reaches(values: Any) -> bool:
+            return bool((first._scores(values[0]) >= threshold).any())
+
+        return reaches
+
+    @classmethod
+    def abort_screen(cls, probes: Sequence[ScoresRows]
+                     ) -> Callable[[Sequence[Any]], bool] | None:
+        # Watched features only: a bound on each from its encoder column alone,
+        # against the threshold (under top_k any feature may abort: none).
+        if cls.abort_test(probes) is None:
+            return None
+        first = probes[0]
+        assert isinstance(first, SaeProbe)
+        rule = first.rule
+        if (not rule.can_abort or first.features is None or rule.threshold is None
+                or not math.isfinite(rule.threshold)):
+            return None
+        return SaeScreen(first.sae, first.features, rule.threshold)
+
+    def _judges_as(self, other: Any) -> bool:
+        """Whether ``other`` judges rows as this one does (this very class, the
+        same SAE, rule and features)."""
+        return (type(other) is SaeProbe and type(self) is SaeProbe and other.sae is self.sae
+                and other.rule == self.rule and other.features == self.features
+                and other.top_k == self.top_k)
+
+    def judge_rows(self, values: Any, token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals:
+        acts, generated = values
+        tokens, layer_list = as_ints(token_indices), as_ints(layers)
+        self._accumulate(acts, tokens, layer_list)
+        features, activations, scores = self._chosen(acts)
+        metadata: dict[str, Sequence[Any]] = {
+            "features": features, "activations": activations, "layer": layer_list,
+            "token_index": tokens, "generated_index": list(generated)}
+        return self.summary.batch_signals(self.rule, scores, tokens, layer_list, metadata)
+
+    @classmethod
+    def judge_many(cls, probes: Sequence[ScoresRows], values: Any,
+                   spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
+                   layers: Sequence[int]) -> BatchSignals | None:
+        """Every request's rows judged in one pass, where all ``probes`` judge
+        alike: the reported features of the rows found once."""
+        first = probes[0]
+        if not isinstance(first, SaeProbe) or not all(map(first._judges_as, probes)):
+            return None
+        start, stop = spans[0][0], spans[-1][1]
+        acts, generated = values
+        acts = acts[start:stop]
+        tokens = as_ints(token_indices[start:stop])
+        layer_list = as_ints(layers[start:stop])
+        for probe, (begin, end) in zip(probes, spans, strict=True):
+            assert isinstance(probe, SaeProbe)
+            probe._accumulate(acts[begin - start:end - start], tokens[begin - start:end - start],
+                              layer_list[begin - start:end - start])
+        features, activations, scores = first._chosen(acts)
+        metadata: dict[str, Sequence[Any]] = {
+            "features": features, "activations": activations, "layer": layer_list,
+            "token_index": tokens, "generated_index": list(generated[start:stop])}
+        return ScoreSummary.batch_signals_many(
+            [probe.summary for probe in probes], first.rule, scores,  # type: ignore[attr-defined]
+            [(begin - start, end - start) for begin, end in spans], tokens, layer_list,
+            metadata)
+
+    def _chosen(self, acts: SparseRows) -> tuple[list[list[int]], list[list[float]], Any]:
+        """For each row of ``acts``: the features reported (every watched one,
+        or the active ones among the top ``top_k``, most active first, equal
+        activations by feature id), their activations, and the row's score
+        (:meth:`_scores`)."""
         if self.features is not None:
+            activations = self._watched(acts).tolist()
             ids = list(self.features)
-            chosen_rows = [(list(ids), acts[row, ids].tolist()) for row in range(len(batch))]
-        else:
-            chosen_rows = [self._top(row) for row in acts]
-        scores = [max(values) if values else 0.0 for _, values in chosen_rows]
-        metadata = {
-            "features": [ids for ids, _ in chosen_rows],
-            "activations": [values for _, values in chosen_rows],
-            "layer": layers,
-            "token_index": tokens,
-            "generated_index": list(batch.generated_indices),
-        }
-        return self.summary.batch_signals(self.rule, np.asarray(scores, dtype=np.float64),
-                                          tokens, layers, metadata)
+            return [list(ids) for _ in activations], activations, self._scores(acts)
+        features, activations = _ranked_positives(acts, self.top_k)
+        return features, activations, self._scores(acts)
 
-    def _top(self, row: Any) -> tuple[list[int], list[float]]:
+    def _watched(self, acts: SparseRows) -> Any:
+        """The watched features' activations, ``(rows, len(features))``."""
         np = numpy_module()
-        k = self.top_k
-        top = np.argpartition(-row, k - 1)[:k]
-        top = top[np.argsort(-row[top], kind="stable")]
-        kept = [int(i) for i in top if row[i] > 0]
-        return kept, [float(row[i]) for i in kept]
+        assert self.features is not None
+        place = np.full(acts.width, -1, dtype=np.intp)
+        place[list(self.features)] = np.arange(len(self.features))
+        where = place[acts.columns]
+        kept = where >= 0
+        watched = np.zeros((len(acts), len(self.features)))
+        watched[acts.entry_rows()[kept], where[kept]] = acts.values[kept]
+        return watched
 
-    def _accumulate(self, acts: Any, tokens: Sequence[int], layers: Sequence[int]) -> None:
+    def _scores(self, acts: SparseRows) -> Any:
+        """Each row's score, a float64 array: its largest watched activation
+        (NaN where one is), or under ``top_k`` its top activation (0.0 where
+        none is active)."""
         np = numpy_module()
-        self._peak = np.maximum(self._peak, acts.max(axis=0)) if self._rows else acts.max(axis=0)
-        self._total += acts.sum(axis=0)
-        self._rows += acts.shape[0]
+        if self.features is not None:
+            return self._watched(acts).max(axis=1)
+        best = np.zeros(len(acts))
+        active = acts.values > 0
+        np.maximum.at(best, acts.entry_rows()[active], acts.values[active])
+        return best
+
+    def _accumulate(self, acts: SparseRows, tokens: Sequence[int], layers: Sequence[int]
+                    ) -> None:
+        """Each feature's peak, total and first activation (and crossing) over
+        ``acts`` added to the request's: what a loop over the rows, each
+        feature's activation in turn, gives (an inactive feature adds 0.0,
+        which changes no total)."""
+        np = numpy_module()
+        if not len(acts):
+            return
+        if not self._rows:
+            self._peak = np.zeros(acts.width)  # (every activation is 0 or more)
+        columns, values = acts.columns, acts.values
+        with np.errstate(invalid="ignore"):  # (a NaN activation: a NaN peak, as a loop gives)
+            np.maximum.at(self._peak, columns, values)
+            np.add.at(self._total, columns, values)  # (entry by entry, row by row)
+        self._rows += len(acts)
+        rows = acts.entry_rows()
         where = np.array([list(tokens), list(layers)])
-        _first_hits(acts > 0, where, self._first_active)
-        if self.rule.threshold is not None:
-            _first_hits(acts >= self.rule.threshold, where, self._first_crossing)
+        _first_entries(columns, rows, values > 0, where, self._first_active)
+        threshold = self.rule.threshold
+        if threshold is None:
+            return
+        if threshold > 0:  # (an inactive feature does not cross it)
+            _first_entries(columns, rows, values >= threshold, where, self._first_crossing)
+            return
+        # Every activation, zeros included, may cross it: row by row, a block at a time.
+        for start in range(0, len(acts), ENCODE_ROWS):
+            block = acts[start:start + ENCODE_ROWS]
+            _first_hits(block.dense() >= threshold, where[:, start:start + len(block)],
+                        self._first_crossing)
 
     def _reported_features(self) -> list[int]:
         np = numpy_module()
@@ -264,6 +382,99 @@ class SaeProbe(Probe):
             d_sae=self.sae.d_sae,
         )
         return verdict
+
+
+class SaeScreen:
+    """Whether some row of a step may reach an ``sae_probe`` abort threshold on
+    its watched features, computed cheaply: a bound on each watched feature's
+    activation from its encoder column alone
+    (:meth:`~undercurrent.probes.sae_files.SparseAutoencoder.activation_bounds`),
+    on the captured pieces in float64 (the values the exact path reads). True
+    ("may abort": the step's encoding then decides) where a bound reaches the
+    threshold or is not a number, or where the pieces are not CPU float
+    tensors of the SAE's width; False only where no watched activation can
+    reach it."""
+
+    __slots__ = ("sae", "features", "threshold")
+
+    def __init__(self, sae: SparseAutoencoder, features: Sequence[int], threshold: float) -> None:
+        self.sae = sae
+        self.features = list(features)
+        self.threshold = threshold
+
+    def __call__(self, pieces: Sequence[Any]) -> bool:
+        np = numpy_module()
+        blocks = []
+        for piece in pieces:
+            rows = _float64_rows(piece)
+            if rows is None or rows.shape[1] != self.sae.d_in:
+                return True
+            blocks.append(rows)
+        if not blocks:
+            return True
+        matrix = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        with np.errstate(all="ignore"):  # (NaN and overflow are answered: "may abort")
+            bounds = self.sae.activation_bounds(matrix, self.features)
+            return not bool((bounds < self.threshold).all())
+
+
+def _float64_rows(piece: Any) -> Any:
+    """A captured piece as the float64 rows the exact path reads (a float64
+    tensor's own values; other float dtypes through float32, exactly), or None
+    where :func:`~undercurrent.probes.arrays.float32_rows` gives none."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(piece, torch.Tensor) and piece.dtype == torch.float64:
+        if piece.device.type != "cpu" or piece.requires_grad:
+            return None
+        return piece.numpy().reshape(len(piece), -1)
+    rows = float32_rows(piece)
+    return None if rows is None else rows.astype(numpy_module().float64)
+
+
+def _ranked_positives(acts: SparseRows, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """For each row of ``acts``, its ``k`` largest positive entries: (their
+    columns, their values), most first, equal values by column: each row's
+    positive entries laid out in column order, then sorted, stably."""
+    np = numpy_module()
+    rows = len(acts)
+    active = acts.values > 0
+    row_of, column_of = acts.entry_rows()[active], acts.columns[active]
+    if not len(row_of):
+        return [[] for _ in range(rows)], [[] for _ in range(rows)]
+    counts = np.bincount(row_of, minlength=rows)
+    slot = np.arange(len(row_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+    values = np.full((rows, int(counts.max())), -np.inf)
+    columns = np.zeros(values.shape, dtype=np.intp)
+    values[row_of, slot] = acts.values[active]
+    columns[row_of, slot] = column_of
+    order = np.argsort(-values, axis=1, kind="stable")[:, :k]
+    column_rows = np.take_along_axis(columns, order, axis=1).tolist()
+    value_rows = np.take_along_axis(values, order, axis=1).tolist()
+    kept = np.minimum(counts, k).tolist()
+    return ([row[:count] for row, count in zip(column_rows, kept, strict=True)],
+            [row[:count] for row, count in zip(value_rows, kept, strict=True)])
+
+
+def _never(values: Any) -> bool:
+    return False
+
+
+def as_ints(column: Any) -> list[int]:
+    """A column of indices as a list of Python ints."""
+    return [int(value) for value in as_list(column)]
+
+
+def _first_entries(columns: Any, rows: Any, hit: Any, where: Any, firsts: Any) -> None:
+    """Record, for each feature with an entry in ``hit`` (entries in row order)
+    and not hit before, the (token_index, layer) of its first hitting row
+    (``where`` is 2 x rows)."""
+    np = numpy_module()
+    hit_columns = columns[hit]
+    fresh = firsts[0, hit_columns] < 0  # (most features seen are seen again: left out first)
+    if not fresh.any():
+        return
+    features, first = np.unique(hit_columns[fresh], return_index=True)  # (first occurrences)
+    firsts[:, features] = where[:, rows[hit][fresh][first]]
 
 
 def _first_hits(mask: Any, where: Any, firsts: Any) -> None:

@@ -31,11 +31,12 @@ import functools
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.probes.arrays import numpy_module
+from undercurrent.probes.arrays import SparseRows, numpy_module, row_products, top_columns
 from undercurrent.probes.weights import ProbeFileError, resolve_probe_path
 
 SAE_CONFIG_FILE = "cfg.json"
@@ -54,6 +55,11 @@ _LAYER_NORM_EPS = 1e-5
 
 class SaeFileError(ProbeFileError):
     """An SAE folder that is missing, unreadable, or not in SAELens's format."""
+
+
+#: Rows :meth:`SparseAutoencoder.encode_sparse` encodes at a time (their
+#: features' matrix stays in the CPU's cache).
+ENCODE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,23 @@ class SparseAutoencoder:
         """Feature activations ``(rows, d_sae)`` for activations ``(rows, d_in)``."""
         return self._encode(self._checked(matrix))[0]
 
+    def encode_sparse(self, matrix: Any) -> SparseRows:
+        """:meth:`encode` kept by its nonzero activations
+        (:class:`~undercurrent.probes.arrays.SparseRows`), computed
+        :data:`ENCODE_ROWS` rows at a time: no matrix of every row's features
+        is made."""
+        matrix = self._checked(matrix)
+        blocks = [self._encode_block(matrix[start:start + ENCODE_ROWS])
+                  for start in range(0, max(len(matrix), 1), ENCODE_ROWS)]
+        return SparseRows.join_rows(blocks)
+
+    def _encode_block(self, matrix: Any) -> SparseRows:
+        if self.architecture != "topk":
+            return SparseRows.from_dense(self._encode(matrix)[0])
+        # (a topk SAE's active features are known: no matrix of every feature)
+        top, values = self._top(self._pre_activations(matrix)[0])
+        return SparseRows.from_columns(top, values, self.d_sae)
+
     def _checked(self, matrix: Any) -> Any:
         np = numpy_module()
         matrix = np.asarray(matrix, dtype=np.float64)
@@ -127,22 +150,55 @@ class SparseAutoencoder:
 
     def _encode(self, matrix: Any) -> tuple[Any, Any]:
         np = numpy_module()
-        inputs, out_scale = self._normalised_input(matrix)
-        if self.apply_b_dec_to_input:
-            inputs = inputs - self.b_dec
-        pre = inputs @ self.W_enc + self.b_enc
+        pre, out_scale = self._pre_activations(matrix)
         if self.architecture == "standard":
             return np.maximum(pre, 0.0), out_scale
         if self.architecture == "jumprelu":
             return np.where(pre > self.threshold, np.maximum(pre, 0.0), 0.0), out_scale
-        if self.rescale_acts_by_decoder_norm:
-            pre = pre * self.decoder_norms
-        assert self.k is not None
-        k = min(self.k, self.d_sae)
-        top = np.argpartition(-pre, k - 1, axis=1)[:, :k]
+        top, values = self._top(pre)
         acts = np.zeros_like(pre)
-        np.put_along_axis(acts, top, np.maximum(np.take_along_axis(pre, top, axis=1), 0.0), 1)
+        np.put_along_axis(acts, top, values, 1)
         return acts, out_scale
+
+    def _pre_activations(self, matrix: Any) -> tuple[Any, Any]:
+        """The encoder's pre-activations (scaled by the decoder norms where a
+        topk config says so), and the factor decode multiplies back by."""
+        inputs, out_scale = self._normalised_input(matrix)
+        if self.apply_b_dec_to_input:
+            inputs = inputs - self.b_dec
+        # (each row's product the same bits whatever batch it is in: row_products)
+        pre = row_products(inputs, self.W_enc) + self.b_enc
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            pre = pre * self.decoder_norms
+        return pre, out_scale
+
+    def _top(self, pre: Any) -> tuple[Any, Any]:
+        """A topk SAE's active features of each row, in column order, and their
+        activations (the pre-activation, or 0 where it is negative)."""
+        np = numpy_module()
+        assert self.k is not None
+        top = np.sort(top_columns(pre, min(self.k, self.d_sae)), axis=1)
+        return top, np.maximum(np.take_along_axis(pre, top, axis=1), 0.0)
+
+    def activation_bounds(self, matrix: Any, features: Sequence[int]) -> Any:
+        """For activations ``(rows, d_in)``, a bound at or above each of
+        ``features`` ' activations in each row, ``(rows, len(features))``,
+        computed from those features' encoder columns alone: every architecture
+        gives a feature 0 or its pre-activation (scaled by its decoder norm where
+        the config says so), and 1e-9 of the magnitude of the product's terms
+        is added for the rounding of another order of summation. For an abort
+        screen (``sae_probe``)."""
+        np = numpy_module()
+        inputs, _ = self._normalised_input(self._checked(matrix))
+        if self.apply_b_dec_to_input:
+            inputs = inputs - self.b_dec
+        weights, bias = self.W_enc[:, list(features)], self.b_enc[list(features)]
+        pre = inputs @ weights + bias
+        size = np.abs(inputs) @ np.abs(weights) + np.abs(bias)
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            scale = self.decoder_norms[list(features)]
+            pre, size = pre * scale, size * scale
+        return np.maximum(pre + 1e-9 * size, 0.0)
 
     def decoder_direction(self, feature: int) -> Any:
         """What one unit of ``feature`` adds to the reconstruction, in the SAE's input
