@@ -545,14 +545,16 @@ def test_the_depth_plot_draws_each_mode_against_the_layers_captured(tmp_path):
 
 def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path):
     """``benchmarks.vllm_paired`` / ``vllm_stage_timers`` modes beyond the scaling
-    set's: the guard, and the guard with an async observer (two points)."""
+    set's: the guard, the guard with an async observer (two points), and the
+    SAE spec's guard and reporter (on the bundled width only)."""
     import json
 
     from benchmarks.vllm_jobs import ON_REQUEST_MODES, _probed_setup
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4,
                                                       "hidden_size": 128}))
-    assert set(ON_REQUEST_MODES) == {"inline linear guard", "guard and observer"}
+    assert set(ON_REQUEST_MODES) == {"inline linear guard", "guard and observer",
+                                     "sae features"}
     layers, spec, _, keep = _probed_setup(str(tmp_path), "all", "guard and observer")
     assert layers == (0, 1, 2, 3) and keep is False
     guard, observer = spec.extraction_points
@@ -561,3 +563,11 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
     assert observer.probe_type == "trajectory_probe"
     _, spec, _, _ = _probed_setup(str(tmp_path), "3", "inline linear guard")
     assert [point.layers for point in spec.extraction_points] == [(0, 2, 3)]
+    _, spec, _, _ = _probed_setup(str(tmp_path), "3", "sae features")
+    guard, features = spec.extraction_points
+    assert guard.probe_type == features.probe_type == "sae_probe"
+    assert guard.probe_args["action"] == "abort" and features.execution_mode.value == "async"
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4,
+                                                      "hidden_size": 256}))
+    with pytest.raises(ValueError, match="bundled SAE reads activations of 128 values"):
+        _probed_setup(str(tmp_path), "3", "sae features")

@@ -287,15 +287,13 @@ class ProbedSaeFeatures(_Probed):
         "no activation reaches) and an async sae_probe reporting the top 8 features"
     )
 
-    def setup(self, bundle: Any, model: Any, layers: tuple[int, ...]) -> None:
-        hidden = int(model.config.hidden_size)
-        if hidden != BUNDLED_PROBE_WIDTH:
-            raise ValueError(f"{self.name} runs on the bundled model only: the bundled SAE "
-                             f"reads activations of {BUNDLED_PROBE_WIDTH} values, this model's "
-                             f"have {hidden}")
-        super().setup(bundle, model, layers)
-
     def points(self) -> list[dict[str, Any]]:
+        bundle = getattr(self, "bundle", None)  # (a vLLM job sets a stand-in: its config)
+        hidden = None if bundle is None else int(bundle.model.config.hidden_size)
+        if hidden is not None and hidden != BUNDLED_PROBE_WIDTH:
+            raise ValueError(f"{self.name} runs on models of the bundled width only: the "
+                             f"bundled SAE reads activations of {BUNDLED_PROBE_WIDTH} values, "
+                             f"this model's have {hidden}")
         sae = {"path": "undercurrent:models/tiny/sae", "check_hook": False}
         guard = three_layer_point(self.layers, probe_type="sae_probe",
                                   probe_args={**sae, "features": [2], "threshold": 1e9,
