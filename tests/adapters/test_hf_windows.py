@@ -453,6 +453,30 @@ def test_an_sae_guard_and_its_features_are_held_together_and_encode_each_row_onc
         assert mine.results["features"].signals  # (the async point's own signals compared)
 
 
+@pytest.mark.parametrize("position", ["prompt[-1]", "prompt[-1]+1", "generated[0:3]"])
+def test_points_that_end_let_the_others_be_held_once_they_have(monkeypatch, position):
+    """A point of one token (the last prompt token, the first generated one) or
+    of a bounded slice, beside one on every generated token: once it has read
+    its last token the others' steps are held in windows (not before: a plan
+    holding its captures is never repeated), with the outputs of routing each
+    step."""
+    counted = Routed(monkeypatch)
+    points = [_point(), _named("once", _point("norm_probe", threshold=0.11), layers=(2,),
+                               position=position)]
+    windowed = _generate(points, windows=True, records=True)
+    assert counted.windows and max(steps for _, steps in counted.windows) > 1
+    assert all(width == 1 for width, _ in counted.windows)  # (the point left has ended)
+    assert any(s.extraction_point_name == "once" for output in windowed
+               for s in output.signals)
+    counted.windows.clear()
+    stepped = _generate(points, windows=False, records=True)
+    assert counted.windows == []
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]
+
+
 def test_several_points_wait_for_the_one_that_cannot(monkeypatch):
     """Where one point's steps must be routed as they come (a trajectory probe
     that may abort), no step of the others waits either: no window."""

@@ -142,6 +142,16 @@ def held_back(text: str, stops: Sequence[str]) -> int:
     return 0
 
 
+def _same_points(lists: list[Sequence[ExtractionPoint]], points: Sequence[ExtractionPoint]
+                 ) -> bool:
+    """Whether each of ``lists`` holds the very ``points`` (the same list, most
+    often: a request's points until one retires), in order."""
+    if all(map(operator.is_, lists, itertools.repeat(points))):
+        return True
+    return all(len(each) == len(points) and all(map(operator.is_, each, points))
+               for each in lists)
+
+
 # A request state's fields, read in C over a call's or a step's requests.
 _STEADY_FROM = operator.attrgetter("steady_from")
 _POINTS = operator.attrgetter("points")
@@ -343,9 +353,23 @@ class RequestState:
             self._live_points = [point for point in self._live_points
                                  if (last := last_index[id(point)]) is None or last >= stop]
             self._bounded = any(last_index[id(point)] is not None for point in self._live_points)
+            if not self._bounded and self.steady_from is None and not self.edits:
+                self._steady_after(stop)
         if stop - start > 1 and len(found) > 1:
             found.sort(key=lambda item: item[0])
         return found
+
+    def _steady_after(self, stop: int) -> None:
+        """Once the points that end (one token, a bounded slice) have all retired
+        at ``stop``: :attr:`steady_from` from the points left, if every one of
+        them matches every token from some index on, and no earlier than
+        ``stop`` (a plan made before it held the retired points' captures)."""
+        live = self._live_points
+        if not live:
+            return
+        found = _steady_from([self._selectors[id(point)] for point in live])
+        if found is not None:
+            self.steady_from = max(found, stop)
 
     def unread_edits(self) -> tuple[AppliedEdit, ...]:
         """Edits applied since the last call (what a stream event carries)."""
@@ -576,14 +600,16 @@ class StepPlan:
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
-        points = states[0].points
+        # The points still able to match (all of them, until one that ends has
+        # retired: see RequestState._steady_after).
+        points = states[0]._live_points
         # Each request of these points, steady from its token on, neither aborted
         # nor closed: checked in C, a column at a time.
         steady_from = list(map(_STEADY_FROM, states))
-        if (not all(map(operator.is_, map(_POINTS, states), itertools.repeat(points)))
-                or None in steady_from or not all(map(operator.ge, tokens, steady_from))
+        if (None in steady_from or not all(map(operator.ge, tokens, steady_from))
                 or list(map(_ABORT, states)).count(None) != len(states)
-                or any(map(_CLOSED, states))):
+                or any(map(_CLOSED, states))
+                or not _same_points(list(map(_LIVE_POINTS, states)), points)):
             return False
         generated = all(map(operator.ge, tokens, map(_PROMPT_LEN, states)))  # no prompt token
         pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]

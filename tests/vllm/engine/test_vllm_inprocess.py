@@ -501,27 +501,36 @@ def _flagging_point(num_layers: int, probe_type: str, mode: str) -> Any:
 
 @pytest.mark.parametrize("probe_type, mode", [("linear_probe", "inline"),
                                               ("trajectory_probe", "async"),
-                                              ("both", "both")])
+                                              ("both", "both"),
+                                              ("prompt_read", "inline")])
 def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, reference,
                                                                    num_layers, monkeypatch,
                                                                    probe_type, mode):
     # generate() with one inline linear probe that only flags, or one async
     # trajectory probe (block overflow: nothing dropped), or both as two points
-    # of one spec: the driver holds the repeated steps of its kept layout and
-    # routes them as one batch per point and window. Under continuous batching
-    # a window ends whenever a request joins or leaves.
+    # of one spec, or the linear one beside a point reading the last prompt
+    # token (held once that point has read its token): the driver holds the
+    # repeated steps of its kept layout and routes them as one batch per point
+    # and window. Under continuous batching a window ends whenever a request
+    # joins or leaves.
     texts, _ = reference
     if probe_type == "both":
         points = [_flagging_point(num_layers, "linear_probe", "inline"),
                   dataclasses.replace(_flagging_point(num_layers, "trajectory_probe", "async"),
                                       name="observer")]
+    elif probe_type == "prompt_read":
+        points = [_flagging_point(num_layers, "linear_probe", "inline"),
+                  dataclasses.replace(_flagging_point(num_layers, "linear_probe", "inline"),
+                                      name="prompt_read", position="prompt[-1]",
+                                      layers=(num_layers - 1,))]
     else:
         points = [_flagging_point(num_layers, probe_type, mode)]
+    held_points = 1 if probe_type == "prompt_read" else len(points)
     windows: list[int] = []
     route = delivery._Window.route
 
     def counted(window, session):
-        assert len(window.layout.points) == len(points)
+        assert len(window.layout.points) == held_points
         windows.append(len(window.steps))
         route(window, session)
 
