@@ -26,6 +26,7 @@ from test_hf_equivalence import PROMPTS  # noqa: E402
 from tests.probes.sae_helpers import write_sae  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # noqa: E402
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
+from undercurrent.adapters.hf.backend import _RowDriver as HF_DRIVER  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.probes.linear import LinearProbe  # noqa: E402
 from undercurrent.probes.sae import SaeScreen  # noqa: E402
@@ -475,6 +476,33 @@ def test_points_that_end_let_the_others_be_held_once_they_have(monkeypatch, posi
     for mine, theirs in zip(windowed, stepped, strict=True):
         assert [_record_view(r) for r in mine.records] == [
             _record_view(r) for r in theirs.records]
+
+
+@pytest.mark.parametrize("mode", ["inline", "async"])
+def test_strided_points_are_held_a_stride_apart(monkeypatch, mode):
+    """Points of one stride and phase (every second generated token from the
+    second on): the plan is repeated a stride later, nothing is planned for the
+    tokens between, and the matching steps are held in windows. The oracle
+    plans and routes every step afresh: the same captures, signals, verdicts
+    and records."""
+    counted = Routed(monkeypatch)
+    points = [_named("a", _point(mode=mode), position="generated[1:]", stride=2),
+              _named("b", _point("norm_probe", threshold=0.11), layers=(1,),
+                     position="generated[3:]", stride=2)]
+    windowed = _generate(points, windows=True, records=True)
+    assert counted.windows and max(steps for _, steps in counted.windows) > 1
+    counted.windows.clear()
+    monkeypatch.setattr(HF_DRIVER, "repeat_plans", False)
+    stepped = _generate(points, windows=False, records=True)
+    assert counted.windows == []
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]
+        # generated 1, 3, 5, 7 of the 9 fed back, on 3 layers; from 3 on, on 1 layer
+        assert sorted((r.extraction_point_name, r.generated_index) for r in mine.records
+                      if r.layer == 1) == [("a", 1), ("a", 3), ("a", 5), ("a", 7),
+                                          ("b", 3), ("b", 5), ("b", 7)]
 
 
 def test_several_points_wait_for_the_one_that_cannot(monkeypatch):

@@ -1,16 +1,18 @@
-"""Property: decode steps held in windows (``delivery._Window``) give what
-routing each step as it comes gives, on random specs of a real model.
+"""Property: decode steps held in windows (``delivery._Window``) and plans
+repeated a stride later give what planning and routing each step afresh
+gives, on random specs of a real model.
 
 A spec of one to three points, each drawn at random: tensor type, layers,
-position (every generated token, with a stride or a slice, or one
-token), probe (every built-in that judges in
-groups, and a probe written per record), inline or async (a queue of 4 to 256
-vectors, ``block``: nothing dropped, however the workers keep up), and for an
-inline point ``flag`` or ``abort`` at a threshold drawn among the scores the
-point gives. The generation's eos token, its length, ``records=True`` and
-whether the driver repeats its last plan are drawn too. The oracle is the
-same generation with ``windows=False`` (each step routed as it comes, what
-``stream()`` does): the tokens, the finish reasons, any abort and its token,
+position (every generated token, with a stride or a slice, or one token),
+probe (every built-in that judges in groups, an SAE's watched or top
+features among them, and a probe written per record), inline or async (a
+queue of 4 to 256 vectors, ``block``: nothing dropped, however the workers
+keep up), and for an inline point ``flag`` or ``abort`` at a threshold drawn
+among the scores the point gives. The generation's eos token,
+``records=True`` and whether the driver repeats its last plan are drawn too.
+The oracle is the same generation with ``windows=False`` (each step routed
+as it comes, what ``stream()`` does) and every step planned afresh from the
+points' positions: the tokens, the finish reasons, any abort and its token,
 every signal in order with its score and metadata, each point's verdict and
 counts, and the records, compared exactly.
 """
@@ -163,7 +165,7 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
 
     monkeypatch.setattr(delivery._Window, "route", counted)
     watched = _run(_with_sae([entry.watching() for entry in drawn], sae_folder),
-                   windows=False, records=False, eos=eos, repeat=repeat)
+                   windows=False, records=False, eos=eos, repeat=False)
     scores: dict[str, list[float]] = {entry.point.name: [] for entry in drawn}
     for output in watched:
         for signal in output.signals:
@@ -174,7 +176,8 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
     windowed = _run(points, windows=True, records=records, eos=eos, repeat=repeat)
     held = list(routed)
     routed.clear()
-    stepped = _run(points, windows=False, records=records, eos=eos, repeat=repeat)
+    # (the oracle plans every step afresh: the repeated plans are checked too)
+    stepped = _run(points, windows=False, records=records, eos=eos, repeat=False)
     assert routed == []  # (routing each step holds nothing)
     assert [_abort_view(output) for output in windowed] == [
         _abort_view(output) for output in stepped]

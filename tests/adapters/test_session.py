@@ -230,13 +230,38 @@ def test_an_advanced_plan_is_moved_on_only_once_delivered():
     assert [m.token_index for m in first.matches] == [m.token_index + 3 for m in base.matches]
 
 
-def test_steady_from_is_none_for_a_point_that_ends_skips_or_picks_one_token():
-    for position, stride in (("generated[1:5]", 1), ("generated[*]", 2), ("prompt[-1]", 1),
+def test_steady_from_is_none_for_a_point_that_ends_or_picks_one_token():
+    for position, stride in (("generated[1:5]", 1), ("generated[1:5]", 2), ("prompt[-1]", 1),
                              ("generated[0]", 1)):
         state = RequestState("r", "x", [1, 2], [point(position, stride)])
         assert state.steady_from is None, position
     assert RequestState("r", "x", [1, 2], [point("generated[*]")]).steady_from == 2
     assert RequestState("r", "x", [1, 2], []).steady_from == 0
+
+
+def test_strided_points_are_steady_when_one_stride_and_one_phase_hold_for_all():
+    """From ``steady_from`` on, every ``steady_stride`` th token matches every
+    point and the tokens between match none; points of different strides, or
+    of one stride out of phase, are not steady."""
+    def steady(*points: ExtractionPoint) -> tuple[int | None, int]:
+        state = RequestState("r", "x", [1, 2, 3], list(points))
+        return state.steady_from, state.steady_stride
+
+    assert steady(point("generated[*]", 2)) == (3, 2)
+    assert steady(point("generated[1:]", 3)) == (4, 3)
+    # generated[1:] and generated[3:] at stride 2 match generated 3, 5, 7...
+    assert steady(point("generated[1:]", 2), point("generated[3:]", 2)) == (6, 2)
+    assert steady(point("generated[*]", 2), point("generated[1:]", 2)) == (None, 1)  # (phases)
+    assert steady(point("generated[*]", 2), point("generated[*]", 3)) == (None, 1)
+    # every token matched as the pattern says, from steady_from on, for good
+    for positions in (("generated[1:]", "generated[3:]"), ("generated[2:]", "generated[*]")):
+        points = [point(position, 2, name=position) for position in positions]
+        state = RequestState("r", "x", [1, 2, 3], points)
+        first, stride = state.steady_from, state.steady_stride
+        for token in range(first, first + 12):
+            found = {p.name for _, p in state.matches_in_window(token, token + 1)}
+            expected = {p.name for p in points} if (token - first) % stride == 0 else set()
+            assert found == expected, (positions, token)
 
 
 def test_an_inline_abort_at_one_prefill_token_stops_the_later_tokens_records_being_routed():

@@ -95,20 +95,28 @@ def _absolute_selector(point: ExtractionPoint, prompt_len: int
 
 
 def _steady_from(selectors: Iterable[tuple[int, int | None, int, int, int | None]]
-                 ) -> int | None:
-    """The first token index every one of ``selectors`` (from
-    :func:`_absolute_selector`) matches from on, for good (None when one of
-    them ends, skips tokens or picks one token)."""
-    first = 0
-    for start, end, _, stride, target in selectors:
-        if target is not None or end is not None or stride != 1:
+                 ) -> tuple[int, int] | None:
+    """``(first, stride)``: from token index ``first`` on, every one of
+    ``selectors`` (from :func:`_absolute_selector`) matches every ``stride`` th
+    token, ``first`` among them, for good, and none matches the tokens between
+    (None when one of them ends or picks one token, or when their strides or
+    their phases differ)."""
+    first, stride, base = 0, None, 0
+    for start, end, phase, each, target in selectors:
+        if target is not None or end is not None:
+            return None
+        if stride is None:
+            stride, base = each, phase
+        elif each != stride or (phase - base) % stride:
             return None
         first = max(first, start)
-    return first
+    if stride is None:
+        return first, 1
+    return first + (base - first) % stride, stride
 
 
 _Bounds = tuple[dict[int, int | None], bool,
-                dict[int, tuple[int, int | None, int, int, int | None]], int | None]
+                dict[int, tuple[int, int | None, int, int, int | None]], tuple[int, int] | None]
 
 
 def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
@@ -116,8 +124,9 @@ def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
     shared by the requests with that length): the last index each can match
     (None: unbounded), by ``id(point)``, for retiring it; whether one of them
     is bounded; each one's selector in absolute token indices (for one-token
-    windows); the first index from which every token matches every point
-    (:attr:`RequestState.steady_from` before edits)."""
+    windows); the first index from which every point matches every stride-th
+    token and none the others, and that stride (:attr:`RequestState.steady_from`
+    and ``steady_stride`` before edits)."""
     last_index = {id(point): point.position.last_index(prompt_len) for point in points}
     selectors = {id(point): _absolute_selector(point, prompt_len) for point in points}
     return (last_index, any(last is not None for last in last_index.values()), selectors,
@@ -154,6 +163,7 @@ def _same_points(lists: list[Sequence[ExtractionPoint]], points: Sequence[Extrac
 
 # A request state's fields, read in C over a call's or a step's requests.
 _STEADY_FROM = operator.attrgetter("steady_from")
+_STEADY_STRIDE = operator.attrgetter("steady_stride")
 _POINTS = operator.attrgetter("points")
 _ABORT = operator.attrgetter("abort")
 _CLOSED = operator.attrgetter("closed")
@@ -209,6 +219,12 @@ class RequestState:
     edits_read = 0
     stream_text: StreamText | None = None
     """The pieces a stream has sent (set by a streaming backend)."""
+    steady_from: int | None = None
+    """The first token index from which every ``steady_stride`` th token matches
+    every point, the tokens between none, and no edit applies (None: no such
+    index): from there on, each decode step that captures plans the same
+    captures ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
+    steady_stride = 1
 
     def __init__(
         self,
@@ -233,11 +249,9 @@ class RequestState:
             found = _bounds(self.points, self.prompt_len)
             if bounds is not None:
                 bounds[self.prompt_len] = found
-        self._last_index, self._bounded, self._selectors, steady_from = found
-        self.steady_from = None if edits else steady_from
-        """The first token index from which every token matches every point and no
-        edit applies (None: no such index): from there on, each decode step plans
-        the same captures one token later (:meth:`StepPlan.shifted`)."""
+        self._last_index, self._bounded, self._selectors, steady = found
+        if steady is not None and not edits:
+            self.steady_from, self.steady_stride = steady
         self.generated: list[int] = []
         self.records: RecordLog | None = RecordLog() if keep_records else None
         self.signals = SignalLog()
@@ -369,7 +383,10 @@ class RequestState:
             return
         found = _steady_from([self._selectors[id(point)] for point in live])
         if found is not None:
-            self.steady_from = max(found, stop)
+            first, stride = found
+            if first < stop:  # (the first of its matches from stop on)
+                first += -(-(stop - first) // stride) * stride
+            self.steady_from, self.steady_stride = first, stride
 
     def unread_edits(self) -> tuple[AppliedEdit, ...]:
         """Edits applied since the last call (what a stream event carries)."""
@@ -611,6 +628,11 @@ class StepPlan:
                 or any(map(_CLOSED, states))
                 or not _same_points(list(map(_LIVE_POINTS, states)), points)):
             return False
+        strides = list(map(_STEADY_STRIDE, states))
+        if strides.count(1) != len(strides) and any(
+                (token - first) % stride for token, first, stride
+                in zip(tokens, steady_from, strides, strict=True)):
+            return False  # (a token between a stride's: no point matches it)
         generated = all(map(operator.ge, tokens, map(_PROMPT_LEN, states)))  # no prompt token
         pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]
         if len(set(pairs)) != len(pairs) or len(set(slots)) != len(slots):

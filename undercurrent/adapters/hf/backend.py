@@ -90,9 +90,9 @@ class _RowDriver:
         self.cancel = cancel
         self.forwards = 0
         # The last decode plan and what an earlier one fed, (state, token index,
-        # row) per request, and the steps between them, while every one of them
-        # is steady (see plan_forward).
-        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]], int] | None = None
+        # row) per request, the steps between them, and the stride of the
+        # requests' points, while every one of them is steady (see plan_forward).
+        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]], int, int] | None = None
         # Set by after_token when every request was live and got one token: with
         # every request still live, the next decode step feeds each the token
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
@@ -137,10 +137,16 @@ class _RowDriver:
         if (steady is not None and self._advanced and len(steady[1]) == len(states)
                 and self._all_live()):
             # Every request fed last step, each one token on (after_token saw to
-            # it) and still live: the last plan again, one token later.
+            # it) and still live: the last plan again, a stride later (between,
+            # the tokens no point matches: nothing to plan).
             self._advanced = False
-            shifted = steady[0].advanced(1)
-            self._steady = (shifted, steady[1], steady[2] + 1)
+            plan, fed, steps, stride = steady
+            steps += 1
+            if steps % stride:
+                self._steady = (plan, fed, steps, stride)
+                return None
+            shifted = plan.advanced(stride)
+            self._steady = (shifted, fed, steps, stride)
             return shifted
         self._advanced = False
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
@@ -150,9 +156,14 @@ class _RowDriver:
         if steady is not None and one_token_later(
                 [(state, index + steady[2], row) for state, index, row in steady[1]], fed):
             # The same rows, each one token on, every request steady: the last
-            # plan again, one token later (nothing planned per request).
-            shifted = steady[0].shifted(1)
-            self._steady = (shifted, fed, 0)
+            # plan again, a stride later (nothing planned per request).
+            plan, _, steps, stride = steady
+            steps += 1
+            if steps % stride:
+                self._steady = (plan, steady[1], steps, stride)
+                return None
+            shifted = plan.shifted(stride)
+            self._steady = (shifted, fed, 0, stride)
             return shifted
         plan = StepPlan()
         # (planned at once: every request fed is steady, so the plan repeats)
@@ -160,10 +171,12 @@ class _RowDriver:
         if not repeats:
             for state, index, row in fed:
                 plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
-            repeats = not plan.edits and all(
+            repeats = not plan.edits and bool(fed) and all(
                 state.steady_from is not None and index >= state.steady_from
-                for state, index, _ in fed)
-        self._steady = (plan, fed, 0) if repeats else None
+                and not (index - state.steady_from) % state.steady_stride
+                for state, index, _ in fed) and len(
+                    {state.steady_stride for state, _, _ in fed}) == 1
+        self._steady = (plan, fed, 0, fed[0][0].steady_stride) if repeats else None
         plan.repeatable = repeats
         return plan
 

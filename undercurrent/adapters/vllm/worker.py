@@ -409,9 +409,11 @@ class _Capture:
             for state in self.states.values():
                 if state.live:
                     wanted |= state.wanted_pairs()
+        # (a layout of strided points is planned each step here: steady_stride 1)
         self.steady = _Steady(plan, places, wanted, live, set(self.states)) if (
             not plan.edits and all(stop - start == 1 and state.steady_from is not None
                                    and start >= state.steady_from
+                                   and state.steady_stride == 1
                                    for state, start, stop, _ in fed)) else None
         self._rehook(wanted)
         if not plan:
