@@ -458,15 +458,17 @@ def test_an_sae_guard_and_its_features_are_held_together_and_encode_each_row_onc
 def test_points_that_end_let_the_others_be_held_once_they_have(monkeypatch, position):
     """A point of one token (the last prompt token, the first generated one) or
     of a bounded slice, beside one on every generated token: once it has read
-    its last token the others' steps are held in windows (not before: a plan
-    holding its captures is never repeated), with the outputs of routing each
-    step."""
+    its last token the other's steps are held in windows (a plan holding its
+    captures is never repeated past them; a slice's steps are held with the
+    other's while it lasts), with the outputs of routing each step."""
     counted = Routed(monkeypatch)
     points = [_point(), _named("once", _point("norm_probe", threshold=0.11), layers=(2,),
                                position=position)]
     windowed = _generate(points, windows=True, records=True)
     assert counted.windows and max(steps for _, steps in counted.windows) > 1
-    assert all(width == 1 for width, _ in counted.windows)  # (the point left has ended)
+    assert counted.windows[-1][0] == 1  # (the point left, once the other has ended)
+    if position.startswith("generated"):  # (a slice: both held while it lasts)
+        assert counted.windows[0][0] == 2
     assert any(s.extraction_point_name == "once" for output in windowed
                for s in output.signals)
     counted.windows.clear()
@@ -503,6 +505,25 @@ def test_strided_points_are_held_a_stride_apart(monkeypatch, mode):
         assert sorted((r.extraction_point_name, r.generated_index) for r in mine.records
                       if r.layer == 1) == [("a", 1), ("a", 3), ("a", 5), ("a", 7),
                                           ("b", 3), ("b", 5), ("b", 7)]
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_slice_is_held_until_it_ends(monkeypatch, stride):
+    """A bounded slice (generated 1 to 6): its plan is repeated until the
+    slice's last token, never past it, and its steps are held in windows; the
+    oracle plans and routes every step afresh."""
+    counted = Routed(monkeypatch)
+    point = _named("slice", _point(), position="generated[1:7]", stride=stride)
+    windowed = _generate(point, windows=True, records=True)
+    assert counted.windows and max(steps for _, steps in counted.windows) > 1
+    counted.windows.clear()
+    monkeypatch.setattr(HF_DRIVER, "repeat_plans", False)
+    stepped = _generate(point, windows=False, records=True)
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]
+        assert sorted({r.generated_index for r in mine.records}) == list(range(1, 7, stride))
 
 
 def test_several_points_wait_for_the_one_that_cannot(monkeypatch):

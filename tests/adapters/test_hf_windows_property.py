@@ -41,7 +41,8 @@ from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
 
 LAYERS = 3  # (the tiny llama of hf_models)
 POSITIONS = [("generated[*]", 1), ("generated[*]", 2), ("generated[2:]", 1),
-             ("generated[0:5]", 1), ("generated[1:]", 3), ("prompt[-1]+1", 1), ("prompt[0]", 1)]
+             ("generated[0:5]", 1), ("generated[1:]", 3), ("generated[2:7]", 2),
+             ("prompt[-1]+1", 1), ("prompt[0]", 1)]
 # (a probe written per record, or a trajectory probe that may abort, has every
 # step of its spec routed as it comes: drawn less often than the others)
 PROBES = ["linear_probe", "linear_probe", "trajectory_probe", "norm_probe", "norm_probe",

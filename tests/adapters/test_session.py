@@ -230,13 +230,35 @@ def test_an_advanced_plan_is_moved_on_only_once_delivered():
     assert [m.token_index for m in first.matches] == [m.token_index + 3 for m in base.matches]
 
 
-def test_steady_from_is_none_for_a_point_that_ends_or_picks_one_token():
-    for position, stride in (("generated[1:5]", 1), ("generated[1:5]", 2), ("prompt[-1]", 1),
-                             ("generated[0]", 1)):
-        state = RequestState("r", "x", [1, 2], [point(position, stride)])
+def test_steady_from_is_none_for_a_point_that_picks_one_token():
+    for position in ("prompt[-1]", "generated[0]", "prompt[-1]+1"):
+        state = RequestState("r", "x", [1, 2], [point(position), point("generated[*]")])
         assert state.steady_from is None, position
     assert RequestState("r", "x", [1, 2], [point("generated[*]")]).steady_from == 2
     assert RequestState("r", "x", [1, 2], []).steady_from == 0
+
+
+def test_a_slice_is_steady_until_it_ends_and_the_points_left_from_then_on():
+    """A bounded slice is steady from its first token up to its end
+    (``steady_until``, exclusive); once it retires, the points left give the
+    pattern from then on."""
+    state = RequestState("r", "x", [1, 2], [point("generated[1:5]")])
+    assert (state.steady_from, state.steady_stride, state.steady_until) == (3, 1, 7)
+    state = RequestState("r", "x", [1, 2], [point("generated[1:6]", 2)])
+    assert (state.steady_from, state.steady_stride, state.steady_until) == (3, 2, 8)
+    state = RequestState("r", "x", [1, 2], [point("generated[9:10]", 3)])
+    assert (state.steady_from, state.steady_until) == (11, 12)
+    both = RequestState("r", "x", [1, 2], [point("generated[0:3]", name="slice"),
+                                           point("generated[*]", name="all")])
+    assert (both.steady_from, both.steady_until) == (2, 5)
+    for token in range(2, 4):  # (the slice's tokens: both match)
+        assert len(both.matches_in_window(token, token + 1)) == 2
+        assert both.steady_from == 2  # (nothing retired yet)
+    assert len(both.matches_in_window(4, 5)) == 2
+    # its last token planned, the slice retired: the point left is steady from
+    # the next token, for good
+    assert (both.steady_from, both.steady_stride, both.steady_until) == (5, 1, None)
+    assert [p.name for _, p in both.matches_in_window(5, 6)] == ["all"]
 
 
 def test_strided_points_are_steady_when_one_stride_and_one_phase_hold_for_all():

@@ -95,28 +95,35 @@ def _absolute_selector(point: ExtractionPoint, prompt_len: int
 
 
 def _steady_from(selectors: Iterable[tuple[int, int | None, int, int, int | None]]
-                 ) -> tuple[int, int] | None:
-    """``(first, stride)``: from token index ``first`` on, every one of
-    ``selectors`` (from :func:`_absolute_selector`) matches every ``stride`` th
-    token, ``first`` among them, for good, and none matches the tokens between
-    (None when one of them ends or picks one token, or when their strides or
-    their phases differ)."""
-    first, stride, base = 0, None, 0
+                 ) -> tuple[int, int, int | None] | None:
+    """``(first, stride, until)``: from token index ``first`` on, and before
+    ``until`` (None: for good), every one of ``selectors`` (from
+    :func:`_absolute_selector`) matches every ``stride`` th token, ``first``
+    among them, and none matches the tokens between (None when one of them
+    picks one token, when their strides or their phases differ, or when no
+    token is left before one ends)."""
+    first, stride, base, until = 0, None, 0, None
     for start, end, phase, each, target in selectors:
-        if target is not None or end is not None:
+        if target is not None:
             return None
         if stride is None:
             stride, base = each, phase
         elif each != stride or (phase - base) % stride:
             return None
         first = max(first, start)
+        if end is not None:
+            until = end if until is None else min(until, end)
     if stride is None:
-        return first, 1
-    return first + (base - first) % stride, stride
+        return first, 1, None
+    first += (base - first) % stride
+    if until is not None and first >= until:
+        return None
+    return first, stride, until
 
 
 _Bounds = tuple[dict[int, int | None], bool,
-                dict[int, tuple[int, int | None, int, int, int | None]], tuple[int, int] | None]
+                dict[int, tuple[int, int | None, int, int, int | None]],
+                tuple[int, int, int | None] | None]
 
 
 def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
@@ -164,6 +171,7 @@ def _same_points(lists: list[Sequence[ExtractionPoint]], points: Sequence[Extrac
 # A request state's fields, read in C over a call's or a step's requests.
 _STEADY_FROM = operator.attrgetter("steady_from")
 _STEADY_STRIDE = operator.attrgetter("steady_stride")
+_STEADY_UNTIL = operator.attrgetter("steady_until")
 _POINTS = operator.attrgetter("points")
 _ABORT = operator.attrgetter("abort")
 _CLOSED = operator.attrgetter("closed")
@@ -221,10 +229,12 @@ class RequestState:
     """The pieces a stream has sent (set by a streaming backend)."""
     steady_from: int | None = None
     """The first token index from which every ``steady_stride`` th token matches
-    every point, the tokens between none, and no edit applies (None: no such
-    index): from there on, each decode step that captures plans the same
-    captures ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
+    every point, the tokens between none, up to ``steady_until`` (exclusive;
+    None: for good), and no edit applies (None: no such index): from there
+    on, each decode step that captures plans the same captures
+    ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
     steady_stride = 1
+    steady_until: int | None = None
 
     def __init__(
         self,
@@ -251,7 +261,7 @@ class RequestState:
                 bounds[self.prompt_len] = found
         self._last_index, self._bounded, self._selectors, steady = found
         if steady is not None and not edits:
-            self.steady_from, self.steady_stride = steady
+            self.steady_from, self.steady_stride, self.steady_until = steady
         self.generated: list[int] = []
         self.records: RecordLog | None = RecordLog() if keep_records else None
         self.signals = SignalLog()
@@ -364,29 +374,31 @@ class RequestState:
                     point, self.prompt_len, start, stop))
         if self._bounded:
             last_index = self._last_index
+            live = len(self._live_points)
             self._live_points = [point for point in self._live_points
                                  if (last := last_index[id(point)]) is None or last >= stop]
             self._bounded = any(last_index[id(point)] is not None for point in self._live_points)
-            if not self._bounded and self.steady_from is None and not self.edits:
+            if len(self._live_points) != live and not self.edits:
                 self._steady_after(stop)
         if stop - start > 1 and len(found) > 1:
             found.sort(key=lambda item: item[0])
         return found
 
     def _steady_after(self, stop: int) -> None:
-        """Once the points that end (one token, a bounded slice) have all retired
-        at ``stop``: :attr:`steady_from` from the points left, if every one of
-        them matches every token from some index on, and no earlier than
-        ``stop`` (a plan made before it held the retired points' captures)."""
+        """Once points have retired at ``stop`` (they matched one token, or a
+        bounded slice ended): the steady pattern of the points left
+        (:attr:`steady_from`), from ``stop`` on (a plan made before it held the
+        retired points' captures), or none."""
+        self.steady_from = None
         live = self._live_points
-        if not live:
+        found = _steady_from([self._selectors[id(point)] for point in live]) if live else None
+        if found is None:
             return
-        found = _steady_from([self._selectors[id(point)] for point in live])
-        if found is not None:
-            first, stride = found
-            if first < stop:  # (the first of its matches from stop on)
-                first += -(-(stop - first) // stride) * stride
-            self.steady_from, self.steady_stride = first, stride
+        first, stride, until = found
+        if first < stop:  # (the first of its matches from stop on)
+            first += -(-(stop - first) // stride) * stride
+        if until is None or first < until:
+            self.steady_from, self.steady_stride, self.steady_until = first, stride, until
 
     def unread_edits(self) -> tuple[AppliedEdit, ...]:
         """Edits applied since the last call (what a stream event carries)."""
@@ -633,6 +645,11 @@ class StepPlan:
                 (token - first) % stride for token, first, stride
                 in zip(tokens, steady_from, strides, strict=True)):
             return False  # (a token between a stride's: no point matches it)
+        untils = list(map(_STEADY_UNTIL, states))
+        if untils.count(None) != len(untils) and any(
+                until is not None and token >= until
+                for token, until in zip(tokens, untils, strict=True)):
+            return False  # (past a slice's end)
         generated = all(map(operator.ge, tokens, map(_PROMPT_LEN, states)))  # no prompt token
         pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]
         if len(set(pairs)) != len(pairs) or len(set(slots)) != len(slots):

@@ -90,9 +90,11 @@ class _RowDriver:
         self.cancel = cancel
         self.forwards = 0
         # The last decode plan and what an earlier one fed, (state, token index,
-        # row) per request, the steps between them, and the stride of the
-        # requests' points, while every one of them is steady (see plan_forward).
-        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]], int, int] | None = None
+        # row) per request, the steps between them, the stride of the requests'
+        # points and the steps from that one before a slice of theirs ends (None:
+        # none ends), while every one of them is steady (see plan_forward).
+        self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]], int, int,
+                            int | None] | None = None
         # Set by after_token when every request was live and got one token: with
         # every request still live, the next decode step feeds each the token
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
@@ -135,35 +137,37 @@ class _RowDriver:
         steady = self._steady if self.repeat_plans else None
         states = self.states
         if (steady is not None and self._advanced and len(steady[1]) == len(states)
-                and self._all_live()):
+                and (steady[4] is None or steady[2] + 1 < steady[4]) and self._all_live()):
             # Every request fed last step, each one token on (after_token saw to
-            # it) and still live: the last plan again, a stride later (between,
-            # the tokens no point matches: nothing to plan).
+            # it) and still live, and before a slice's end: the last plan again,
+            # a stride later (between, the tokens no point matches: nothing to
+            # plan).
             self._advanced = False
-            plan, fed, steps, stride = steady
+            plan, fed, steps, stride, limit = steady
             steps += 1
             if steps % stride:
-                self._steady = (plan, fed, steps, stride)
+                self._steady = (plan, fed, steps, stride, limit)
                 return None
             shifted = plan.advanced(stride)
-            self._steady = (shifted, fed, steps, stride)
+            self._steady = (shifted, fed, steps, stride, limit)
             return shifted
         self._advanced = False
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
         fed = [(state, state.prompt_len + len(state.generated) - 1, row)
                for row, state in enumerate(states)
                if state.finish_reason is None and state.generated]
-        if steady is not None and one_token_later(
-                [(state, index + steady[2], row) for state, index, row in steady[1]], fed):
+        if (steady is not None and (steady[4] is None or steady[2] + 1 < steady[4])
+                and one_token_later(
+                    [(state, index + steady[2], row) for state, index, row in steady[1]], fed)):
             # The same rows, each one token on, every request steady: the last
             # plan again, a stride later (nothing planned per request).
-            plan, _, steps, stride = steady
+            plan, _, steps, stride, limit = steady
             steps += 1
             if steps % stride:
-                self._steady = (plan, steady[1], steps, stride)
+                self._steady = (plan, steady[1], steps, stride, limit)
                 return None
             shifted = plan.shifted(stride)
-            self._steady = (shifted, fed, 0, stride)
+            self._steady = (shifted, fed, 0, stride, None if limit is None else limit - steps)
             return shifted
         plan = StepPlan()
         # (planned at once: every request fed is steady, so the plan repeats)
@@ -174,9 +178,16 @@ class _RowDriver:
             repeats = not plan.edits and bool(fed) and all(
                 state.steady_from is not None and index >= state.steady_from
                 and not (index - state.steady_from) % state.steady_stride
+                and (state.steady_until is None or index < state.steady_until)
                 for state, index, _ in fed) and len(
                     {state.steady_stride for state, _, _ in fed}) == 1
-        self._steady = (plan, fed, 0, fed[0][0].steady_stride) if repeats else None
+        if repeats:
+            # (the steps from this one before which every request is in its slice)
+            limit = min((state.steady_until - index for state, index, _ in fed
+                         if state.steady_until is not None), default=None)
+            self._steady = (plan, fed, 0, fed[0][0].steady_stride, limit)
+        else:
+            self._steady = None
         plan.repeatable = repeats
         return plan
 

@@ -409,11 +409,13 @@ class _Capture:
             for state in self.states.values():
                 if state.live:
                     wanted |= state.wanted_pairs()
-        # (a layout of strided points is planned each step here: steady_stride 1)
+        # (a layout of strided points, or of a slice that ends, is planned each
+        # step here: steady_stride 1, no steady_until)
         self.steady = _Steady(plan, places, wanted, live, set(self.states)) if (
             not plan.edits and all(stop - start == 1 and state.steady_from is not None
                                    and start >= state.steady_from
                                    and state.steady_stride == 1
+                                   and state.steady_until is None
                                    for state, start, stop, _ in fed)) else None
         self._rehook(wanted)
         if not plan:
