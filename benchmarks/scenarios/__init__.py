@@ -21,6 +21,9 @@ from benchmarks.scenarios.probed import (
     ProbedInlineNorm,
     ProbedInlineTrajectory,
     ProbedSaeFeatures,
+    ProbedSlice,
+    ProbedStrided,
+    ProbedWithPromptRead,
 )
 
 SCENARIOS: tuple[type[Scenario], ...] = (
@@ -42,7 +45,8 @@ SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTraj
 #: Scenarios no table runs, for the tools that time or profile one scenario
 #: (``benchmarks.ab``, ``benchmarks.stage_timers``, ``benchmarks.profile``).
 ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver,
-                                          ProbedSaeFeatures)
+                                          ProbedSaeFeatures, ProbedStrided, ProbedSlice,
+                                          ProbedWithPromptRead)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

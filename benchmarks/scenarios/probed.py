@@ -302,3 +302,48 @@ class ProbedSaeFeatures(_Probed):
                     "execution_mode": "async", "queue_depth": 64,
                     "probe_args": {**sae, "top_k": 8}}
         return [{**guard, "name": "guard"}, features]
+
+
+class ProbedStrided(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` on every second generated token (``stride:
+    2``): a layout whose captures repeat every other step."""
+
+    name: ClassVar[str] = "uc_inline_linear_stride_2"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every second generated token, scored "
+        "inline by linear_probe"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [{**point, "stride": 2} for point in super().points()]
+
+
+class ProbedSlice(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` on a bounded slice of the generated tokens
+    (``generated[2:20]``): a layout that ends before the generation does."""
+
+    name: ClassVar[str] = "uc_inline_linear_slice"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for generated tokens 2 to 19, scored inline "
+        "by linear_probe"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [{**point, "position": "generated[2:20]"} for point in super().points()]
+
+
+class ProbedWithPromptRead(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` beside a point reading the last prompt token
+    at the last chosen layer (an inline ``norm_probe``): a spec with a point
+    that ends after one token."""
+
+    name: ClassVar[str] = "uc_inline_linear_and_prompt_read"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe, and the last prompt token at the last chosen layer, to norm_probe"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        (point,) = super().points()
+        read = three_layer_point((max(self.layers),), position="prompt[-1]")
+        return [point, {**read, "name": "prompt_read"}]
