@@ -26,10 +26,12 @@ retire once the stuck call returns.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import operator
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +92,7 @@ class AsyncScheduler:
                 for _ in range(self.target):
                     self._spawn_locked()
                 self._start_supervisor_locked()
+                _RUNNING.add(self)
             self._cond.notify(turns)
 
     def worker_count(self) -> int:
@@ -244,6 +247,29 @@ class AsyncScheduler:
                     healthy += 1
                 self._cond.notify_all()
 
+
+#: Schedulers whose workers have started: stopped and joined when the
+#: interpreter exits (:func:`_stop_at_exit`).
+_RUNNING: weakref.WeakSet[AsyncScheduler] = weakref.WeakSet()
+#: How long the interpreter's exit waits for each scheduler's workers.
+EXIT_JOIN_S = 10.0
+
+
+def _stop_at_exit() -> None:
+    """Stop every running scheduler and join its workers, before the
+    interpreter finalises. The workers are daemon threads, so a script that
+    ends without closing its router (``ProbedModel.close()``) does not wait
+    for them; but one still running then (finishing a turn, letting go of the
+    rows it judged) is stopped where it next takes the interpreter lock, in
+    whatever native frame it is in, and in torch's freeing of a tensor that
+    aborts the whole process ("terminate called without an active
+    exception"). Here, at exit, they finish first: the ready line is judged
+    (each scheduler waits at most :data:`EXIT_JOIN_S`)."""
+    for scheduler in list(_RUNNING):
+        scheduler.stop(wait=True, timeout_s=EXIT_JOIN_S)
+
+
+atexit.register(_stop_at_exit)
 
 _GROUP = operator.attrgetter("async_group")
 
