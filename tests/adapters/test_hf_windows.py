@@ -454,6 +454,21 @@ def test_an_sae_guard_and_its_features_are_held_together_and_encode_each_row_onc
         assert mine.results["features"].signals  # (the async point's own signals compared)
 
 
+def _as_planned_afresh(monkeypatch: pytest.MonkeyPatch, counted: Routed, points: Any,
+                       windowed: list[Any]) -> None:
+    """The oracle of the layouts a driver repeats: the same generation with every
+    step planned afresh from the points' positions and routed as it comes
+    gives the same outputs and records as ``windowed``."""
+    counted.windows.clear()
+    monkeypatch.setattr(HF_DRIVER, "repeat_plans", False)
+    stepped = _generate(points, windows=False, records=True)
+    assert counted.windows == []
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]
+
+
 @pytest.mark.parametrize("position", ["prompt[-1]", "prompt[-1]+1", "generated[0:3]"])
 def test_points_that_end_let_the_others_be_held_once_they_have(monkeypatch, position):
     """A point of one token (the last prompt token, the first generated one) or
@@ -471,13 +486,7 @@ def test_points_that_end_let_the_others_be_held_once_they_have(monkeypatch, posi
         assert counted.windows[0][0] == 2
     assert any(s.extraction_point_name == "once" for output in windowed
                for s in output.signals)
-    counted.windows.clear()
-    stepped = _generate(points, windows=False, records=True)
-    assert counted.windows == []
-    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
-    for mine, theirs in zip(windowed, stepped, strict=True):
-        assert [_record_view(r) for r in mine.records] == [
-            _record_view(r) for r in theirs.records]
+    _as_planned_afresh(monkeypatch, counted, points, windowed)
 
 
 @pytest.mark.parametrize("mode", ["inline", "async"])
@@ -493,14 +502,8 @@ def test_strided_points_are_held_a_stride_apart(monkeypatch, mode):
                      position="generated[3:]", stride=2)]
     windowed = _generate(points, windows=True, records=True)
     assert counted.windows and max(steps for _, steps in counted.windows) > 1
-    counted.windows.clear()
-    monkeypatch.setattr(HF_DRIVER, "repeat_plans", False)
-    stepped = _generate(points, windows=False, records=True)
-    assert counted.windows == []
-    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
-    for mine, theirs in zip(windowed, stepped, strict=True):
-        assert [_record_view(r) for r in mine.records] == [
-            _record_view(r) for r in theirs.records]
+    _as_planned_afresh(monkeypatch, counted, points, windowed)
+    for mine in windowed:
         # generated 1, 3, 5, 7 of the 9 fed back, on 3 layers; from 3 on, on 1 layer
         assert sorted((r.extraction_point_name, r.generated_index) for r in mine.records
                       if r.layer == 1) == [("a", 1), ("a", 3), ("a", 5), ("a", 7),
@@ -516,13 +519,8 @@ def test_a_slice_is_held_until_it_ends(monkeypatch, stride):
     point = _named("slice", _point(), position="generated[1:7]", stride=stride)
     windowed = _generate(point, windows=True, records=True)
     assert counted.windows and max(steps for _, steps in counted.windows) > 1
-    counted.windows.clear()
-    monkeypatch.setattr(HF_DRIVER, "repeat_plans", False)
-    stepped = _generate(point, windows=False, records=True)
-    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
-    for mine, theirs in zip(windowed, stepped, strict=True):
-        assert [_record_view(r) for r in mine.records] == [
-            _record_view(r) for r in theirs.records]
+    _as_planned_afresh(monkeypatch, counted, point, windowed)
+    for mine in windowed:
         assert sorted({r.generated_index for r in mine.records}) == list(range(1, 7, stride))
 
 
