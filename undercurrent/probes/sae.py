@@ -287,13 +287,17 @@ class SaeProbe(ScoresRows):
         """For each row of ``acts``: the features reported (every watched one,
         or the active ones among the top ``top_k``, most active first, equal
         activations by feature id), their activations, and the row's score
-        (:meth:`_scores`)."""
+        (what :meth:`_scores` gives, from the same work)."""
+        np = numpy_module()
         if self.features is not None:
-            activations = self._watched(acts).tolist()
+            watched = self._watched(acts)
             ids = list(self.features)
-            return [list(ids) for _ in activations], activations, self._scores(acts)
+            activations = watched.tolist()
+            return [list(ids) for _ in activations], activations, watched.max(axis=1)
         features, activations = _ranked_positives(acts, self.top_k)
-        return features, activations, self._scores(acts)
+        # (each row's most active first: its score, as _scores computes it)
+        scores = np.array([row[0] if row else 0.0 for row in activations], dtype=np.float64)
+        return features, activations, scores
 
     def _watched(self, acts: SparseRows) -> Any:
         """The watched features' activations, ``(rows, len(features))``."""
