@@ -442,6 +442,46 @@ def test_requests_whose_async_work_is_still_running_end_as_each_in_turn_ends(
     assert router.metrics()["totals"]["processed"] == 3 * len(IDS)
 
 
+def test_requests_before_one_still_working_end_together_while_it_works(
+        make_router, monkeypatch):
+    """A call whose last request's async probe is still working: the requests
+    before it, all idle, are ended together at once (not one by one), while
+    the last one's probe is held; it is ended after, with every row counted."""
+    from router_helpers import event
+
+    tries: list[tuple[int, bool]] = []
+    original = Router._end_together
+
+    def counted(requests):
+        tries.append((len(requests), (found := original(requests)) is not None))
+        return found
+
+    monkeypatch.setattr(Router, "_end_together", staticmethod(counted))
+    gate = event("idle-prefix-gate")
+    gate.clear()
+    router = make_router(probes={"recorder": Recorder})
+    slow = point("slow", mode="async", queue_depth=16, probe_args={"gate": "idle-prefix-gate"})
+    router.register_requests(_contexts(), [slow])
+    route_rows(router, IDS[-1:], ["slow"], 0.3)  # (rows for the last request only)
+    ended: list[list[dict]] = []
+    ender = threading.Thread(target=lambda: ended.append(router.end_requests(IDS)))
+    ender.start()
+    try:
+        # The three idle requests end together while the last one's probe waits.
+        assert wait_until(lambda: (3, True) in tries)
+        assert tries[:2] == [(4, False), (3, True)]
+        assert not ended
+    finally:
+        gate.set()
+        ender.join(60)
+    (results,) = ended
+    assert [by_point["slow"].request_id for by_point in results] == IDS
+    assert [by_point["slow"].stats.processed for by_point in results] == [0, 0, 0, 3]
+    assert [by_point["slow"].verdict for by_point in results] == [{"seen": []}] * 3 + [
+        {"seen": [0, 1, 2]}]
+    assert router.metrics()["totals"]["processed"] == 3
+
+
 def test_capture_points_start_and_end_together_with_no_verdict(make_router, calls):
     together = _together_against_one_by_one(
         make_router, calls, [point("keep", probe_type="capture")], [True])

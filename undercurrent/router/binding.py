@@ -1370,6 +1370,13 @@ class Binding:
             return ProbeResult.of(self._ctx.request_id, self._name, verdict, signals, stats,
                                   "; ".join(self._error_notes) or None, metadata)
 
+    def looks_idle(self) -> bool:
+        """Whether the binding is idle as :meth:`end_if_idle` asks, read without
+        its lock: a hint (a worker may change it the next moment), which
+        :meth:`end_if_idle` and :meth:`end_idle_together` check again under it."""
+        return not (self._queue or self._busy or self._waiting or self._sleepers
+                    or self._finalised)
+
     def end_if_idle(self) -> ProbeResult | None:
         """:meth:`close`, :meth:`wait_idle` and :meth:`end` at once, for a binding
         with nothing queued, in flight or waiting for its turn, and no thread

@@ -117,6 +117,15 @@ class _Routes:
 
 _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
+
+
+def _idle_prefix(requests: Sequence[_Request]) -> int:
+    """How many of ``requests``, from the first, have every binding idle now
+    (:meth:`Binding.looks_idle`: a hint, checked again when they are ended)."""
+    for index, request in enumerate(requests):
+        if not all(binding.looks_idle() for binding in request.bindings.values()):
+            return index
+    return len(requests)
 _IS_ASYNC = operator.attrgetter("is_async")
 _SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
 _COUNTS = tuple(operator.attrgetter(name)
@@ -858,22 +867,32 @@ class Router:
         """End each request's bindings in turn (drain, ``on_end``, result) and add
         their counts to the totals. The requests not ended yet are ended together
         where all their bindings are idle (:meth:`_end_together`: what ending
-        each in turn gives them), tried at the start and after each request that
-        had to wait for its bindings (the others' workers went on meanwhile). An
+        each in turn gives them), tried at the start, after each request that
+        had to wait for its bindings (the others' workers went on meanwhile) and
+        after 1, 2, 4... requests ended in turn since the last try; where some
+        are not idle yet (a worker's turn still settles them), the requests
+        before the first of them are ended together. An
         interrupt part-way ends every binding not ended yet without waiting
         (their queued rows count as dropped), so none stays open, then
         propagates."""
         finished: list[dict[str, ProbeResult]] = []
         try:
-            waited = True
+            waited, countdown, backoff = True, 0, 1
             while len(finished) < len(requests):
-                if waited:
-                    together = self._end_together(requests[len(finished):])
+                rest = requests[len(finished):]
+                if waited or not countdown:
+                    together = self._end_together(rest)
+                    if together is None:  # (a worker still settles some: the idle ones first)
+                        idle = _idle_prefix(rest)
+                        together = self._end_together(rest[:idle]) if idle < len(rest) else None
                     if together is not None:
                         finished += together
-                        break
-                ended, waited = self._end_bindings(requests[len(finished)], timeout)
+                        continue
+                    # (tried again after 1, 2, 4... requests ended in turn, or one that waited)
+                    countdown, backoff = backoff, backoff * 2
+                ended, waited = self._end_bindings(rest[0], timeout)
                 finished.append(ended)
+                countdown -= 1
         except BaseException:
             # (the interrupted request's bindings ended before the interrupt are
             # final: only their counts are read)
