@@ -708,7 +708,7 @@ class ActivationBatch:
         ``compute`` must be per row (row ``i`` of its result depends on row ``i``
         of the batch only) and return a row-sliceable value: an array or list, or
         a tuple or dict of them, or rows kept another way that slice and join
-        (``join_rows``) as an array does (``probes.arrays.SparseRows``).
+        (``join_rows``) as an array does (``probes.sparse.SparseRows``).
         """
         root = self if self.root is None else self.root
         found = root._whole_values(key, compute)

@@ -16,16 +16,17 @@ from hypothesis import strategies as st
 from sae_helpers import write_sae
 
 from undercurrent.probes import RequestContext
-from undercurrent.probes.arrays import (
+from undercurrent.probes.arrays import map_rows
+from undercurrent.probes.sae import SaeProbe, SaeScreen
+from undercurrent.probes.sae_files import load_sae
+from undercurrent.probes.sparse import (
     PRODUCT_ROWS,
+    RaggedColumn,
     SparseRows,
-    map_rows,
     row_products,
     top_columns,
 )
-from undercurrent.probes.sae import SaeProbe, SaeScreen
-from undercurrent.probes.sae_files import load_sae
-from undercurrent.records import ActivationBatch, DeferredRows
+from undercurrent.records import ActivationBatch, BatchSignals, DeferredRows, as_list
 
 torch = pytest.importorskip("torch")
 
@@ -191,6 +192,98 @@ def test_judging_many_at_once_is_each_judging_its_own_rows(tmp_path, architectur
         assert mine == theirs
     for mine_probe, their_probe in zip(together, alone, strict=True):
         assert _nan_free(mine_probe.on_end(None)) == _nan_free(their_probe.on_end(None))
+
+
+def _loop_verdict_features(dense: Any, tokens: list[int], layers: list[int],
+                           features: list[int], threshold: float | None) -> list[dict]:
+    """The verdict's feature rows computed by hand: one activation at a time,
+    in row order, as a researcher's loop over a request's rows would."""
+    found = []
+    for feature in features:
+        peak, total = 0.0, 0.0
+        first_active = first_crossing = (None, None)
+        for row, value in enumerate(dense[:, feature].tolist()):
+            peak = value if value != value or peak != peak else max(peak, value)
+            total += value
+            if value > 0 and first_active[0] is None:
+                first_active = (tokens[row], layers[row])
+            if (threshold is not None and value >= threshold
+                    and first_crossing[0] is None):
+                first_crossing = (tokens[row], layers[row])
+        found.append({"feature": feature, "max": peak, "mean": total / len(dense),
+                      "first_crossing_token_index": first_crossing[0],
+                      "first_crossing_layer": first_crossing[1],
+                      "first_active_token_index": first_active[0],
+                      "first_active_layer": first_active[1]})
+    return found
+
+
+@pytest.mark.parametrize("args", [{"top_k": 3, "threshold": 2.0},
+                                  {"features": [1, 5, 9], "threshold": 1.0},
+                                  {"top_k": 4, "threshold": -1.0}, {"top_k": 24}],
+                         ids=["top_k", "watched", "threshold_below_zero", "every_feature"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_many_requests_judged_together_end_as_a_loop_over_each_one_s_rows(
+        tmp_path, architecture, args):
+    """Every request's peaks, means and first activations (and crossings), added
+    up for all requests at once over two batches, are what a loop over each
+    request's own rows gives by hand; and ending them together (end_many) gives
+    each the verdict its own on_end gives."""
+    folder = _sae(tmp_path, architecture)
+    rng = np.random.default_rng(11)
+    spans = [(0, 4), (4, 9), (9, 9), (9, 16)]
+    count = spans[-1][1]
+    probes = [SaeProbe(path=folder, **args) for _ in spans]
+    for probe in probes:
+        probe.on_start(RequestContext("r", prompt_len=10))
+    passes = []
+    for step in range(2):
+        tensor = torch.tensor(rng.normal(size=(count, D_IN)) * 2, dtype=torch.float32)
+        batch = _batch(tensor, count)
+        batch.token_indices = [10 * step + i for i in range(count)]
+        signals = SaeProbe.judge_many(probes, probes[0].row_values(batch), spans,
+                                      batch.token_indices, batch.layers)
+        assert signals is not None
+        passes.append((tensor.double().numpy(), batch.token_indices, batch.layers))
+    verdicts = SaeProbe.end_many(probes, [None] * len(probes))
+    assert verdicts == [probe.on_end(None) for probe in probes]
+    seen = [probe for probe in probes if probe._rows]  # (ranked at once: every one has rows)
+    assert SaeProbe.end_many(seen, [None] * len(seen)) == [probe.on_end(None) for probe in seen]
+    sae = probes[0].sae
+    threshold = args.get("threshold")
+    for (start, stop), verdict in zip(spans, verdicts, strict=True):
+        if start == stop:
+            assert verdict["features"] == ([] if "top_k" in args else [
+                {"feature": f, "max": None, "mean": None,
+                 "first_crossing_token_index": None, "first_crossing_layer": None,
+                 "first_active_token_index": None, "first_active_layer": None}
+                for f in args["features"]])
+            continue
+        dense = np.concatenate([sae.encode(rows[start:stop]) for rows, _, _ in passes])
+        tokens = [t for _, toks, _ in passes for t in toks[start:stop]]
+        layers = [la for _, _, lays in passes for la in lays[start:stop]]
+        chosen = [row["feature"] for row in verdict["features"]]
+        if "top_k" in args:
+            peaks = dense.max(axis=0)
+            expected = [int(f) for f in np.argsort(-peaks, kind="stable")[:args["top_k"]]
+                        if peaks[f] > 0]
+            assert chosen == expected
+        assert verdict["features"] == _loop_verdict_features(dense, tokens, layers, chosen,
+                                                             threshold)
+
+
+def test_a_ragged_column_reads_as_its_rows_lists_and_slices_without_copying():
+    column = RaggedColumn(np.array([0, 2, 2, 5]), np.array([3.5, 1.0, 9.0, 8.0, 7.0]))
+    assert len(column) == 3 and as_list(column) == [[3.5, 1.0], [], [9.0, 8.0, 7.0]]
+    assert column[1:].tolist() == [[], [9.0, 8.0, 7.0]] and column[2:2].tolist() == []
+    assert column[1:3].values is column.values  # (the values are shared)
+    with pytest.raises(ValueError, match="ranges of rows"):
+        column[::2]
+    # A signal reads its row's list, as Python values.
+    signals = BatchSignals([0, 0, 0], [1.0, 2.0, 3.0], {"features": column},
+                           all_scored=True).signals()
+    assert [s.metadata["features"] for s in signals] == [[3.5, 1.0], [], [9.0, 8.0, 7.0]]
+    assert type(signals[0].metadata["features"][0]) is float
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -1310,7 +1310,7 @@ def _interleaved(steps: list[Any], requests: int, count: int) -> Any:
     request after request) in the window batch's order: each request's rows of
     every step in turn (see :meth:`_SteadyPoint.window_batch`). Values are an
     array or list, or a tuple or dict of them (as ``ActivationBatch.shared``
-    keeps them, or rows that join, as :class:`~undercurrent.probes.arrays.SparseRows`
+    keeps them, or rows that join, as :class:`~undercurrent.probes.sparse.SparseRows`
     do)."""
     first = steps[0]
     if isinstance(first, tuple):

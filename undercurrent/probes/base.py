@@ -222,7 +222,7 @@ class ScoresRows(Probe):
     def row_values(self, batch: ActivationBatch) -> Any:
         """Per-row values for the batch: an array or list with one entry per row,
         or a tuple or dict of them, or rows kept another way that slice and join
-        as an array does (:class:`~undercurrent.probes.arrays.SparseRows`). Row
+        as an array does (:class:`~undercurrent.probes.sparse.SparseRows`). Row
         ``i`` depends on row ``i`` only."""
         raise NotImplementedError
 

@@ -13,12 +13,13 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
-from undercurrent.probes.arrays import SparseRows, float32_rows, map_rows, numpy_module
-from undercurrent.probes.base import RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.arrays import float32_rows, map_rows, numpy_module
+from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.sae_files import ENCODE_ROWS, SparseAutoencoder, load_sae
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
+from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, summary_verdicts
+from undercurrent.probes.sparse import RaggedColumn, SparseRows
 from undercurrent.records import ActivationBatch, BatchSignals, as_list
 from undercurrent.spec.types import ProbeKind
 
@@ -198,7 +199,7 @@ class SaeProbe(ScoresRows):
 
     def row_values(self, batch: ActivationBatch) -> tuple[SparseRows, list[int | None]]:
         """Each row's feature activations, kept by the active ones
-        (:class:`~undercurrent.probes.arrays.SparseRows`; a product per block of
+        (:class:`~undercurrent.probes.sparse.SparseRows`; a product per block of
         rows, each row's the same bits whatever batch it comes in), and its
         generated index (a signal's metadata names it)."""
         return map_rows(batch, self.sae.encode_sparse), as_list(batch.generated_indices)
@@ -249,7 +250,7 @@ class SaeProbe(ScoresRows):
                    layers: Sequence[int]) -> BatchSignals:
         acts, generated = values
         tokens, layer_list = as_ints(token_indices), as_ints(layers)
-        self._accumulate(acts, tokens, layer_list)
+        SaeProbe._accumulate_many([self], acts, [(0, len(acts))], tokens, layer_list)
         features, activations, scores = self._chosen(acts)
         metadata: dict[str, Sequence[Any]] = {
             "features": features, "activations": activations, "layer": layer_list,
@@ -261,7 +262,8 @@ class SaeProbe(ScoresRows):
                    spans: Sequence[tuple[int, int]], token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals | None:
         """Every request's rows judged in one pass, where all ``probes`` judge
-        alike: the reported features of the rows found once."""
+        alike: the requests' running totals added together, and the reported
+        features of the rows found once."""
         first = probes[0]
         if not isinstance(first, SaeProbe) or not all(map(first._judges_as, probes)):
             return None
@@ -270,34 +272,31 @@ class SaeProbe(ScoresRows):
         acts = acts[start:stop]
         tokens = as_ints(token_indices[start:stop])
         layer_list = as_ints(layers[start:stop])
-        for probe, (begin, end) in zip(probes, spans, strict=True):
-            assert isinstance(probe, SaeProbe)
-            probe._accumulate(acts[begin - start:end - start], tokens[begin - start:end - start],
-                              layer_list[begin - start:end - start])
+        local = [(begin - start, end - start) for begin, end in spans]
+        SaeProbe._accumulate_many(probes, acts, local, tokens, layer_list)  # type: ignore[arg-type]
         features, activations, scores = first._chosen(acts)
         metadata: dict[str, Sequence[Any]] = {
             "features": features, "activations": activations, "layer": layer_list,
             "token_index": tokens, "generated_index": list(generated[start:stop])}
         return ScoreSummary.batch_signals_many(
             [probe.summary for probe in probes], first.rule, scores,  # type: ignore[attr-defined]
-            [(begin - start, end - start) for begin, end in spans], tokens, layer_list,
-            metadata)
+            local, tokens, layer_list, metadata)
 
-    def _chosen(self, acts: SparseRows) -> tuple[list[list[int]], list[list[float]], Any]:
+    def _chosen(self, acts: SparseRows) -> tuple[Any, Any, Any]:
         """For each row of ``acts``: the features reported (every watched one,
         or the active ones among the top ``top_k``, most active first, equal
         activations by feature id), their activations, and the row's score
-        (what :meth:`_scores` gives, from the same work)."""
+        (what :meth:`_scores` gives, from the same work). The first two are
+        columns of per-row lists kept as arrays (a 2-D array, or a
+        :class:`~undercurrent.probes.sparse.RaggedColumn`): lists are made only
+        when a signal is read."""
         np = numpy_module()
         if self.features is not None:
             watched = self._watched(acts)
-            ids = list(self.features)
-            activations = watched.tolist()
-            return [list(ids) for _ in activations], activations, watched.max(axis=1)
-        features, activations = _ranked_positives(acts, self.top_k)
-        # (each row's most active first: its score, as _scores computes it)
-        scores = np.array([row[0] if row else 0.0 for row in activations], dtype=np.float64)
-        return features, activations, scores
+            ids = np.broadcast_to(np.array(self.features, dtype=np.intp), watched.shape)
+            return ids, watched, watched.max(axis=1)
+        indptr, columns, values, tops = _ranked_positives(acts, self.top_k)
+        return RaggedColumn(indptr, columns), RaggedColumn(indptr, values), tops
 
     def _watched(self, acts: SparseRows) -> Any:
         """The watched features' activations, ``(rows, len(features))``."""
@@ -323,32 +322,58 @@ class SaeProbe(ScoresRows):
         np.maximum.at(best, acts.entry_rows()[active], acts.values[active])
         return best
 
-    def _accumulate(self, acts: SparseRows, tokens: Sequence[int], layers: Sequence[int]
-                    ) -> None:
+    @staticmethod
+    def _accumulate_many(probes: Sequence[SaeProbe], acts: SparseRows,
+                         spans: Sequence[tuple[int, int]], tokens: Sequence[int],
+                         layers: Sequence[int]) -> None:
         """Each feature's peak, total and first activation (and crossing) over
-        ``acts`` added to the request's: what a loop over the rows, each
-        feature's activation in turn, gives (an inactive feature adds 0.0,
-        which changes no total)."""
+        rows ``spans[i]`` of ``acts`` added to ``probes[i]`` 's, for every
+        probe at once (one rule for all): what a loop over each probe's rows,
+        each feature's activation in turn, gives (an inactive feature adds 0.0,
+        which changes no total). The probes' states are stacked, so one
+        operation updates every request; entries keep their row order within
+        each (request, feature), so each total is summed in the same order."""
         np = numpy_module()
         if not len(acts):
             return
-        if not self._rows:
-            self._peak = np.zeros(acts.width)  # (every activation is 0 or more)
-        columns, values = acts.columns, acts.values
-        with np.errstate(invalid="ignore"):  # (a NaN activation: a NaN peak, as a loop gives)
-            np.maximum.at(self._peak, columns, values)
-            np.add.at(self._total, columns, values)  # (entry by entry, row by row)
-        self._rows += len(acts)
+        width = acts.width
+        owner = np.full(len(acts), -1, dtype=np.intp)  # (rows outside every span: none)
+        for index, (begin, end) in enumerate(spans):
+            owner[begin:end] = index
         rows = acts.entry_rows()
+        entry_owner = owner[rows]
+        columns, values = acts.columns, acts.values
+        if (entry_owner < 0).any():
+            inside = entry_owner >= 0
+            rows, entry_owner = rows[inside], entry_owner[inside]
+            columns, values = columns[inside], values[inside]
+        keys = entry_owner * width + columns  # (a request's feature, in the stacked states)
+        peaks = np.stack([probe._peak for probe in probes])
+        totals = np.stack([probe._total for probe in probes])
+        with np.errstate(invalid="ignore"):  # (a NaN activation: a NaN peak, as a loop gives)
+            np.maximum.at(peaks.reshape(-1), keys, values)
+            np.add.at(totals.reshape(-1), keys, values)  # (entry by entry, row by row)
         where = np.array([list(tokens), list(layers)])
-        _first_entries(columns, rows, values > 0, where, self._first_active)
-        threshold = self.rule.threshold
-        if threshold is None:
-            return
-        if threshold > 0:  # (an inactive feature does not cross it)
-            _first_entries(columns, rows, values >= threshold, where, self._first_crossing)
-            return
-        # Every activation, zeros included, may cross it: row by row, a block at a time.
+        active = np.stack([probe._first_active for probe in probes], axis=1)
+        _first_entries(keys, rows, values > 0, where, active.reshape(2, -1))
+        threshold = probes[0].rule.threshold
+        crossing = None
+        if threshold is not None and threshold > 0:  # (an inactive feature does not cross it)
+            crossing = np.stack([probe._first_crossing for probe in probes], axis=1)
+            _first_entries(keys, rows, values >= threshold, where, crossing.reshape(2, -1))
+        for index, probe in enumerate(probes):
+            begin, end = spans[index]
+            probe._rows += end - begin
+            probe._peak, probe._total = peaks[index], totals[index]
+            probe._first_active = active[:, index]
+            if crossing is not None:
+                probe._first_crossing = crossing[:, index]
+            elif threshold is not None:
+                probe._first_crossings(acts[begin:end], where[:, begin:end], threshold)
+
+    def _first_crossings(self, acts: SparseRows, where: Any, threshold: float) -> None:
+        """The first crossing of each feature in ``acts`` where every activation,
+        zeros included, may cross ``threshold``: row by row, a block at a time."""
         for start in range(0, len(acts), ENCODE_ROWS):
             block = acts[start:start + ENCODE_ROWS]
             _first_hits(block.dense() >= threshold, where[:, start:start + len(block)],
@@ -361,23 +386,57 @@ class SaeProbe(ScoresRows):
         if not self._rows:
             return []
         order = np.argsort(-self._peak, kind="stable")[: self.top_k]
-        return [int(i) for i in order if self._peak[i] > 0]
+        return [int(feature) for feature in order[self._peak[order] > 0]]
 
     def on_end(self, ctx: RequestContext) -> Any:
-        verdict = self.summary.verdict()
+        return self._verdict(self.summary.verdict(), self._reported_features())
+
+    @classmethod
+    def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
+                 ) -> list[Any] | None:
+        """Every instance's :meth:`on_end` verdict at once (this class's own
+        only): the reported features of every request ranked in one sort."""
+        if cls.on_end is not SaeProbe.on_end or any(type(p) is not cls for p in probes):
+            return None
+        np = numpy_module()
+        saes = cast("Sequence[SaeProbe]", probes)
+        head = saes[0]
+        reported: list[list[int]]
+        if head.features is None and all(
+                probe.features is None and probe.top_k == head.top_k and probe._rows
+                for probe in saes):
+            peaks = np.stack([probe._peak for probe in saes])
+            order = np.argsort(-peaks, axis=1, kind="stable")[:, :head.top_k]
+            positive = np.take_along_axis(peaks, order, axis=1) > 0
+            reported = [row[kept].tolist() for row, kept in zip(order, positive, strict=True)]
+        else:
+            reported = [probe._reported_features() for probe in saes]
+        verdicts = summary_verdicts([probe.summary for probe in saes])
+        return [probe._verdict(verdict, features)
+                for probe, verdict, features in zip(saes, verdicts, reported, strict=True)]
+
+    def _verdict(self, verdict: dict[str, Any], features: list[int]) -> dict[str, Any]:
+        """``verdict`` (the summary's) with the ``features`` reported and the SAE's own keys."""
         rows = []
-        for feature in self._reported_features():
-            crossing = _first(self._first_crossing, feature)
-            active = _first(self._first_active, feature)
-            rows.append({
-                "feature": feature,
-                "max": float(self._peak[feature]) if self._rows else None,
-                "mean": float(self._total[feature] / self._rows) if self._rows else None,
-                "first_crossing_token_index": crossing[0],
-                "first_crossing_layer": crossing[1],
-                "first_active_token_index": active[0],
-                "first_active_layer": active[1],
-            })
+        if features:
+            count = self._rows
+            peaks = self._peak[features].tolist() if count else [None] * len(features)
+            means = ((self._total[features] / count).tolist() if count
+                     else [None] * len(features))
+            crossings = self._first_crossing[:, features].tolist()
+            actives = self._first_active[:, features].tolist()
+            for index, feature in enumerate(features):
+                crossing = _first(crossings[0][index], crossings[1][index])
+                active = _first(actives[0][index], actives[1][index])
+                rows.append({
+                    "feature": feature,
+                    "max": peaks[index],
+                    "mean": means[index],
+                    "first_crossing_token_index": crossing[0],
+                    "first_crossing_layer": crossing[1],
+                    "first_active_token_index": active[0],
+                    "first_active_layer": active[1],
+                })
         verdict.update(
             features=rows,
             source=self.sae.source,
@@ -435,28 +494,34 @@ def _float64_rows(piece: Any) -> Any:
     return None if rows is None else rows.astype(numpy_module().float64)
 
 
-def _ranked_positives(acts: SparseRows, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """For each row of ``acts``, its ``k`` largest positive entries: (their
-    columns, their values), most first, equal values by column: each row's
-    positive entries laid out in column order, then sorted, stably."""
+def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:
+    """For each row of ``acts``, its ``k`` largest positive entries, most
+    first, equal values by column (each row's positive entries laid out in
+    column order, then sorted, stably): the rows' boundaries (``indptr``),
+    the entries' columns and values, row after row, and each row's largest
+    value (0.0 where none is positive)."""
     np = numpy_module()
     rows = len(acts)
     active = acts.values > 0
     row_of, column_of = acts.entry_rows()[active], acts.columns[active]
-    if not len(row_of):
-        return [[] for _ in range(rows)], [[] for _ in range(rows)]
     counts = np.bincount(row_of, minlength=rows)
+    kept = np.minimum(counts, k)
+    indptr = np.zeros(rows + 1, dtype=np.intp)
+    np.cumsum(kept, out=indptr[1:])
+    tops = np.zeros(rows)
+    if not len(row_of):
+        return indptr, np.zeros(0, dtype=np.intp), np.zeros(0), tops
     slot = np.arange(len(row_of)) - np.repeat(np.cumsum(counts) - counts, counts)
     values = np.full((rows, int(counts.max())), -np.inf)
     columns = np.zeros(values.shape, dtype=np.intp)
     values[row_of, slot] = acts.values[active]
     columns[row_of, slot] = column_of
     order = np.argsort(-values, axis=1, kind="stable")[:, :k]
-    column_rows = np.take_along_axis(columns, order, axis=1).tolist()
-    value_rows = np.take_along_axis(values, order, axis=1).tolist()
-    kept = np.minimum(counts, k).tolist()
-    return ([row[:count] for row, count in zip(column_rows, kept, strict=True)],
-            [row[:count] for row, count in zip(value_rows, kept, strict=True)])
+    ranked = np.take_along_axis(values, order, axis=1)
+    within = np.arange(order.shape[1]) < kept[:, None]  # (row by row: entries in order)
+    has = kept > 0
+    tops[has] = ranked[has, 0]
+    return indptr, np.take_along_axis(columns, order, axis=1)[within], ranked[within], tops
 
 
 def _never(values: Any) -> bool:
@@ -468,17 +533,18 @@ def as_ints(column: Any) -> list[int]:
     return [int(value) for value in as_list(column)]
 
 
-def _first_entries(columns: Any, rows: Any, hit: Any, where: Any, firsts: Any) -> None:
-    """Record, for each feature with an entry in ``hit`` (entries in row order)
-    and not hit before, the (token_index, layer) of its first hitting row
-    (``where`` is 2 x rows)."""
+def _first_entries(keys: Any, rows: Any, hit: Any, where: Any, firsts: Any) -> None:
+    """Record, for each key (a feature, or a request's feature in stacked
+    states) with an entry in ``hit`` (entries in row order) and not hit
+    before, the (token_index, layer) of its first hitting row (``where`` is
+    2 x rows, ``firsts`` 2 x keys)."""
     np = numpy_module()
-    hit_columns = columns[hit]
-    fresh = firsts[0, hit_columns] < 0  # (most features seen are seen again: left out first)
+    hit_keys = keys[hit]
+    fresh = firsts[0, hit_keys] < 0  # (most features seen are seen again: left out first)
     if not fresh.any():
         return
-    features, first = np.unique(hit_columns[fresh], return_index=True)  # (first occurrences)
-    firsts[:, features] = where[:, rows[hit][fresh][first]]
+    found, first = np.unique(hit_keys[fresh], return_index=True)  # (first occurrences)
+    firsts[:, found] = where[:, rows[hit][fresh][first]]
 
 
 def _first_hits(mask: Any, where: Any, firsts: Any) -> None:
@@ -490,6 +556,6 @@ def _first_hits(mask: Any, where: Any, firsts: Any) -> None:
         firsts[:, fresh] = where[:, rows]
 
 
-def _first(firsts: Any, feature: int) -> tuple[int | None, int | None]:
-    token, layer = int(firsts[0, feature]), int(firsts[1, feature])
+def _first(token: int, layer: int) -> tuple[int | None, int | None]:
+    """A first crossing or activation as stored (-1: none yet) as (token_index, layer)."""
     return (None, None) if token < 0 else (token, layer)

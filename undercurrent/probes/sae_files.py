@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.probes.arrays import SparseRows, numpy_module, row_products, top_columns
+from undercurrent.probes.arrays import numpy_module
+from undercurrent.probes.sparse import SparseRows, row_products, top_columns
 from undercurrent.probes.weights import ProbeFileError, resolve_probe_path
 
 SAE_CONFIG_FILE = "cfg.json"
@@ -121,7 +122,7 @@ class SparseAutoencoder:
 
     def encode_sparse(self, matrix: Any) -> SparseRows:
         """:meth:`encode` kept by its nonzero activations
-        (:class:`~undercurrent.probes.arrays.SparseRows`), computed
+        (:class:`~undercurrent.probes.sparse.SparseRows`), computed
         :data:`ENCODE_ROWS` rows at a time: no matrix of every row's features
         is made."""
         matrix = self._checked(matrix)
