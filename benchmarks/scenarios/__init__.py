@@ -20,6 +20,7 @@ from benchmarks.scenarios.probed import (
     ProbedInlineLinearGuard,
     ProbedInlineNorm,
     ProbedInlineTrajectory,
+    ProbedInlineTrajectoryGuard,
     ProbedSaeFeatures,
     ProbedSlice,
     ProbedStrided,
@@ -46,7 +47,7 @@ SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTraj
 #: (``benchmarks.ab``, ``benchmarks.stage_timers``, ``benchmarks.profile``).
 ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver,
                                           ProbedSaeFeatures, ProbedStrided, ProbedSlice,
-                                          ProbedWithPromptRead)
+                                          ProbedWithPromptRead, ProbedInlineTrajectoryGuard)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

@@ -169,6 +169,25 @@ class ProbedInlineTrajectory(ProbedAsyncTrajectory):
         return [{**point, "execution_mode": "inline"} for point in super().points()]
 
 
+class ProbedInlineTrajectoryGuard(ProbedInlineTrajectory):
+    """:class:`ProbedInlineTrajectory` as a guard: ``action: abort`` on its
+    running EWMA at a threshold no norm reaches, so it may abort a request at
+    any step but never does (its steps are held while the probes' running
+    bound stays below it: ``RunningBound``)."""
+
+    name: ClassVar[str] = "uc_inline_trajectory_guard"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, judged inline by "
+        "the trajectory_probe with action: abort on its running EWMA (a threshold no "
+        "statistic reaches)"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [{**point, "probe_args": {**point["probe_args"], "threshold": 1e9,
+                                         "action": "abort"}}
+                for point in super().points()]
+
+
 class ProbedInlineLinear(_Probed):
     """The capture to an inline ``linear_probe`` reading the bundled probe file
     (its metadata check off, so any layer set may use it; the file's threshold

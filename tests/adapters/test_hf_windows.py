@@ -32,6 +32,7 @@ from undercurrent.probes.linear import LinearProbe  # noqa: E402
 from undercurrent.probes.sae import SaeScreen  # noqa: E402
 from undercurrent.probes.sae_files import SparseAutoencoder  # noqa: E402
 from undercurrent.probes.statistics import NormProbe  # noqa: E402
+from undercurrent.probes.trajectory import TrajectoryProbe  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
 from undercurrent.spec.types import (  # noqa: E402
@@ -235,16 +236,51 @@ def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypat
         _abort_view(output) for output in stepped]
 
 
-def test_a_probe_that_cannot_tell_its_aborts_ahead_is_routed_step_by_step(monkeypatch):
+@pytest.mark.parametrize("statistic, source", [("ewma", "linear"), ("mean", "linear"),
+                                               ("max", "linear"), ("ewma", "norm")])
+def test_a_running_statistic_that_may_abort_is_held_while_no_row_can_reach_it(
+        monkeypatch, statistic, source):
     """``trajectory_probe`` may abort on a running statistic (the state earlier
-    rows left), so it cannot tell from a step's values alone: its steps are
-    routed as they come, as before."""
+    rows left). Its steps are held in windows while no statistic can reach the
+    threshold (``RunningBound``: the largest statistic held and the largest
+    value asked of since; for norms, read from the captured pieces by its
+    screen), and routed as they come once one may: with a threshold above
+    every statistic, every step is held; with one some requests reach
+    mid-way, the steps before are held and the aborts, signals and verdicts
+    are what routing each step gives."""
+    args: dict[str, Any] = {"statistic": statistic}
+    if source == "norm":
+        args.update(source="norm", weight=None, bias=None)
+    watched = _generate(_point("trajectory_probe", **args, threshold=None), windows=False)
+    scores = sorted(s.score for output in watched for s in output.signals)
     counted = Windows(monkeypatch)
-    point = _point("trajectory_probe", threshold=10.0, action="abort")
-    windowed = _generate(point, windows=True)
-    assert counted.steps == []
+    above = _point("trajectory_probe", **args, threshold=scores[-1] + 1.0, action="abort")
+    computed: list[int] = []
+    row_values = TrajectoryProbe.row_values
+    monkeypatch.setattr(TrajectoryProbe, "row_values", lambda probe, batch: (
+        computed.append(len(batch)), row_values(probe, batch))[1])
+    windowed = _generate(above, windows=True)
+    assert sum(counted.steps) == MAX_NEW - 1  # (every decode step held)
+    # Norms are screened on the pieces: the values are computed once, the
+    # window's; scores are computed for each step's test (and kept).
+    assert len(computed) == (1 if source == "norm" else MAX_NEW - 1), computed
+    monkeypatch.setattr(TrajectoryProbe, "row_values", row_values)
+    assert all(output.abort is None for output in windowed)
     assert [_view(output) for output in windowed] == [
-        _view(output) for output in _generate(point, windows=False)]
+        _view(output) for output in _generate(above, windows=False)]
+    counted.steps.clear()
+    # (the highest peak of any request: that request reaches it, the others not)
+    peaks = sorted(max(s.score for s in output.signals) for output in watched)
+    assert peaks[-2] < peaks[-1]
+    reached = _point("trajectory_probe", **args, threshold=peaks[-1], action="abort")
+    windowed = _generate(reached, windows=True)
+    held = list(counted.steps)
+    stepped = _generate(reached, windows=False)
+    assert counted.steps == held  # (routing each step held none)
+    aborted = [output for output in stepped if output.abort is not None]
+    assert aborted and len(aborted) < len(stepped)
+    assert [_abort_view(output) for output in windowed] == [
+        _abort_view(output) for output in stepped]
 
 
 def test_a_window_is_judged_before_a_request_ends_mid_generation(monkeypatch):
@@ -524,16 +560,6 @@ def test_a_slice_is_held_until_it_ends(monkeypatch, stride):
         assert sorted({r.generated_index for r in mine.records}) == list(range(1, 7, stride))
 
 
-def test_several_points_wait_for_the_one_that_cannot(monkeypatch):
-    """Where one point's steps must be routed as they come (a trajectory probe
-    that may abort), no step of the others waits either: no window."""
-    counted = Routed(monkeypatch)
-    points = [_named("flag", _point()),
-              _named("guard", _point("trajectory_probe", threshold=10.0, action="abort"))]
-    windowed = _generate(points, windows=True)
-    assert counted.windows == []
-    assert [_view(output) for output in windowed] == [
-        _view(output) for output in _generate(points, windows=False)]
 
 
 class FlagsOnly(Probe):
@@ -545,6 +571,19 @@ class FlagsOnly(Probe):
         return ProbeSignal(score=float(record.tensor[0]),
                            metadata={"token_id": record.token_id,
                                      "generated_index": record.generated_index})
+
+
+def test_several_points_wait_for_the_one_that_cannot(monkeypatch):
+    """Where one point's steps must be routed as they come (a probe written per
+    record, which the router cannot know never aborts), no step of the others
+    waits either: no window."""
+    counted = Routed(monkeypatch)
+    points = [_named("flag", _point()), _named("guard", _point("flags_only"))]
+    probes = {"flags_only": FlagsOnly}
+    windowed = _generate(points, windows=True, probes=probes)
+    assert counted.windows == []
+    assert [_view(output) for output in windowed] == [
+        _view(output) for output in _generate(points, windows=False, probes=probes)]
 
 
 @pytest.mark.parametrize("probe_type, probes", [
@@ -720,9 +759,10 @@ def _rows_batch(request_ids: list[str], rows: Any) -> Any:
 def test_the_router_tells_whether_routing_a_batch_would_abort():
     """``Router.abort_guard``: for inline probes that may abort and tell it
     from the values (linear and norm probes), whether some row reaches the
-    threshold, the values kept on the batch for its routing; None for a probe
-    that cannot tell (a running statistic, a user probe, a subclass), for
-    async points, for a request not live; True where the values fail."""
+    threshold, the values kept on the batch for its routing; for a running
+    statistic, a bound; None for a probe that cannot tell (a user probe, a
+    subclass), for async points, for a request not live; True where the values
+    fail."""
     weight = torch.tensor(WEIGHT)
     points = {"abort": _point(threshold=0.5, action="abort"),
               "norm": _point("norm_probe", threshold=2.0, action="abort"),
@@ -746,7 +786,19 @@ def test_the_router_tells_whether_routing_a_batch_would_abort():
         assert norm is not None
         assert norm(_rows_batch(["norm", "norm-2"], torch.ones(2, 32) * 0.1)) is False
         assert norm(_rows_batch(["norm", "norm-2"], torch.ones(2, 32))) is True
-        for key in ("trajectory", "user", "async"):
+        # A running statistic: a bound, from what the probes hold and every
+        # step asked of since (those held are judged later).
+        running = ["trajectory", "trajectory-2"]
+        bound = router.abort_guard("watch", running)
+        assert bound is not None
+        assert bound(_rows_batch(running, below)) is False
+        high = _rows_batch(running, above)
+        assert bound(high) is True
+        assert bound(_rows_batch(running, below)) is True  # (the high step is not judged yet)
+        assert router.route_columns(high).any_abort()
+        fresh = router.abort_guard("watch", running)
+        assert fresh is not None and fresh(_rows_batch(running, below)) is True  # (held now)
+        for key in ("user", "async"):
             assert router.abort_guard("watch", [key, f"{key}-2"]) is None, key
         assert router.abort_guard("watch", ["abort", "norm"]) is None  # two classes
         assert router.abort_guard("watch", ["abort", "never-registered"]) is None

@@ -43,10 +43,10 @@ LAYERS = 3  # (the tiny llama of hf_models)
 POSITIONS = [("generated[*]", 1), ("generated[*]", 2), ("generated[2:]", 1),
              ("generated[0:5]", 1), ("generated[1:]", 3), ("generated[2:7]", 2),
              ("prompt[-1]+1", 1), ("prompt[0]", 1)]
-# (a probe written per record, or a trajectory probe that may abort, has every
-# step of its spec routed as it comes: drawn less often than the others)
-PROBES = ["linear_probe", "linear_probe", "trajectory_probe", "norm_probe", "norm_probe",
-          "mean_probe", "per_record", "sae_probe", "sae_probe"]
+# (a probe written per record that may abort has every step of its spec routed
+# as it comes: drawn less often than the others)
+PROBES = ["linear_probe", "linear_probe", "trajectory_probe", "trajectory_probe",
+          "norm_probe", "norm_probe", "mean_probe", "per_record", "sae_probe", "sae_probe"]
 
 
 class PerRecord(Probe):
@@ -99,14 +99,16 @@ def drawn_points(draw: Any, index: int) -> Drawn:
     position, stride = draw(st.sampled_from(POSITIONS))
     probe_type = draw(st.sampled_from(PROBES))
     mode = draw(st.sampled_from(["inline", "async"]))
-    if mode == "async" or (probe_type in ("trajectory_probe", "per_record")
-                           and draw(st.integers(0, 3))):
+    if mode == "async" or (probe_type == "per_record" and draw(st.integers(0, 3))):
         action = "flag"
     else:
         action = draw(st.sampled_from(["flag", "abort"]))
     args: dict[str, Any] = {"action": action}
-    if probe_type in ("linear_probe", "trajectory_probe"):
+    if probe_type == "linear_probe" or (probe_type == "trajectory_probe"
+                                        and draw(st.booleans())):
         args.update(weight=WEIGHT, bias=0.0)
+    if probe_type == "trajectory_probe":  # (each running statistic, of scores or norms)
+        args.update(statistic=draw(st.sampled_from(["ewma", "mean", "max"])))
     if probe_type == "sae_probe":  # (its path is the test's SAE: see _with_sae)
         args.update(draw(st.sampled_from([{"features": [1, 6]}, {"top_k": 3}])),
                     check_hook=False)

@@ -237,6 +237,19 @@ def float32_rows(piece: Any) -> Any:
     return piece.numpy().reshape(len(piece), -1)
 
 
+def float64_rows(piece: Any) -> Any:
+    """A captured piece as the float64 rows the exact path reads (a float64
+    tensor's own values; other float dtypes through float32, exactly), or None
+    where :func:`float32_rows` gives none."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(piece, torch.Tensor) and piece.dtype == torch.float64:
+        if piece.device.type != "cpu" or piece.requires_grad:
+            return None
+        return piece.numpy().reshape(len(piece), -1)
+    rows = float32_rows(piece)
+    return None if rows is None else rows.astype(numpy_module().float64)
+
+
 def _all_on_cpu(tensors: Sequence[Any]) -> bool:
     """:func:`_on_cpu` for every tensor, each distinct device looked at once (the
     pieces of a window are many tensors of one device)."""

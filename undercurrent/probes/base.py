@@ -249,14 +249,23 @@ class ScoresRows(Probe):
 
     @classmethod
     def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        """For ``probes`` (one instance per request, of one point) whose ``abort``
-        depends on each row's own value, not on the state earlier rows left: a
-        function of the values :meth:`row_values` gives for a batch of their
-        rows that says whether judging them would give some row ``abort``,
-        judging nothing (no state changes). None where it cannot tell: the
-        default. With one, a ``generate()`` call holds the decode steps of a
-        probe that may abort in windows too, and routes a step at once only
-        where it would abort (see :mod:`undercurrent.adapters.delivery`)."""
+        """For ``probes`` (one instance per request, of one point): a function of
+        the values :meth:`row_values` gives for a batch of their rows (a
+        decode step's) that says whether judging them would give some row
+        ``abort``, judging nothing (no state changes). None where it cannot
+        tell: the default. With one, a ``generate()`` call holds the decode
+        steps of a probe that may abort in windows too, and routes a step at
+        once only where it would abort (see :mod:`undercurrent.adapters.delivery`).
+
+        Where ``abort`` depends on each row's own value, the function answers
+        exactly. Where it depends on the state earlier rows left (a running
+        statistic), it may err only towards "would abort", and must allow for
+        the steps held since: it is asked of each step of the point in turn,
+        and the steps it cleared are judged later, in order, after the state
+        the instances hold when it is asked (it may keep what it needs of them,
+        as :class:`~undercurrent.probes.trajectory.RunningBound` does). Such a
+        function may carry its own screen (a ``screen`` attribute, used where
+        :meth:`abort_screen` gives none), which then sees the steps it clears."""
         return None
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],

@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
-from undercurrent.probes.arrays import float32_rows, map_rows, numpy_module
+from undercurrent.probes.arrays import float64_rows, map_rows, numpy_module
 from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.sae_files import ENCODE_ROWS, SparseAutoencoder, load_sae
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, summary_verdicts
@@ -469,7 +468,7 @@ class SaeScreen:
         np = numpy_module()
         blocks = []
         for piece in pieces:
-            rows = _float64_rows(piece)
+            rows = float64_rows(piece)
             if rows is None or rows.shape[1] != self.sae.d_in:
                 return True
             blocks.append(rows)
@@ -479,19 +478,6 @@ class SaeScreen:
         with np.errstate(all="ignore"):  # (NaN and overflow are answered: "may abort")
             bounds = self.sae.activation_bounds(matrix, self.features)
             return not bool((bounds < self.threshold).all())
-
-
-def _float64_rows(piece: Any) -> Any:
-    """A captured piece as the float64 rows the exact path reads (a float64
-    tensor's own values; other float dtypes through float32, exactly), or None
-    where :func:`~undercurrent.probes.arrays.float32_rows` gives none."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(piece, torch.Tensor) and piece.dtype == torch.float64:
-        if piece.device.type != "cpu" or piece.requires_grad:
-            return None
-        return piece.numpy().reshape(len(piece), -1)
-    rows = float32_rows(piece)
-    return None if rows is None else rows.astype(numpy_module().float64)
 
 
 def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from undercurrent.probes.arrays import map_rows, numpy_module
+from undercurrent.probes.arrays import float32_rows, map_rows, numpy_module
 from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import (
@@ -30,6 +31,7 @@ from undercurrent.spec.types import ProbeKind
 STATISTICS = ("mean", "max", "ewma")
 SOURCES = ("linear", "norm")
 _SAME_OBJECT = operator.is_
+_HELD_VALUES, _BLOCK = operator.attrgetter("_values"), operator.attrgetter("_block")
 
 
 @dataclass
@@ -180,6 +182,25 @@ class TrajectoryProbe(ScoresRows):
 
     def may_abort(self) -> bool:
         return type(self) is not TrajectoryProbe or self.rule.can_abort
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        """A bound, not a dry run: a running mean, max or EWMA never leaves the
+        range of its starting value and the values it takes in, so no row can
+        reach the threshold while the largest statistic the instances hold and
+        every value asked of since (held steps included) stay below it, by a
+        margin for rounding (:class:`RunningBound`). Only where every instance
+        is this very class with one rule (a subclass: not told)."""
+        first = probes[0]
+        if not isinstance(first, TrajectoryProbe) or any(
+                type(probe) is not TrajectoryProbe or probe.rule != first.rule
+                for probe in probes):
+            return None
+        rule = first.rule
+        if not rule.can_abort:
+            return _never
+        assert rule.threshold is not None
+        return RunningBound(cast("Sequence[TrajectoryProbe]", probes), rule.threshold)
 
     def row_values(self, batch: ActivationBatch) -> Any:
         if self.readout is not None:
@@ -429,6 +450,96 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
                 "layer": pattern * count}
     return BatchSignals((crossed * ACTION_CODES[rule.action]).ravel(), flat, metadata,
                         all_scored=True)
+
+
+class RunningBound:
+    """Whether judging a step's values may make a running statistic of
+    ``probes`` reach ``threshold``, asked of each decode step in turn
+    (:meth:`TrajectoryProbe.abort_test`); it errs only towards "may abort".
+
+    Each new statistic is a mean, max or weighted mean of the last one and a
+    value, so none exceeds the largest of what the instances hold now and the
+    values not yet judged. The values not yet judged are among those asked of
+    since this bound was made (the steps a window holds were asked of, in
+    order): their largest is kept. The bound is that largest value or the
+    largest statistic held now, whichever is larger, plus 1e-9 of it (each
+    EWMA step may round up by an ulp or two). NaN anywhere: "may abort".
+
+    For norms (``source: norm``) :attr:`screen` asks the same of a step's
+    captured pieces (a tensor per layer), from a bound on their norms computed
+    in float32, without a batch or the values kept (None for linear scores:
+    each step's are computed for the test)."""
+
+    __slots__ = ("probes", "threshold", "seen", "screen")
+
+    def __init__(self, probes: Sequence[TrajectoryProbe], threshold: float) -> None:
+        self.probes = list(probes)
+        self.threshold = threshold
+        self.seen = -math.inf  # the largest value asked of so far
+        self.screen: Callable[[Sequence[Any]], bool] | None = (
+            self._screen if probes[0].readout is None else None)
+
+    def __call__(self, values: Any) -> bool:
+        np = numpy_module()
+        if len(values):
+            self._see(float(np.max(values)))
+        return self._may_reach()
+
+    def _screen(self, pieces: Sequence[Any]) -> bool:
+        np = numpy_module()
+        blocks = []
+        for piece in pieces:
+            rows = float32_rows(piece)
+            if rows is None:  # (not CPU float rows: the values decide)
+                return True
+            blocks.append(rows)
+        if not blocks:
+            return self._may_reach()
+        matrix = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        # Each row's sum of squares in float32, in any order, is within n
+        # float32 rounding units (n: the row's length) of the exact one, and
+        # n of the smallest subnormal steps where squares underflow; twice
+        # that, added, bounds the float64 norm the exact path computes.
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):  # (inf, NaN: may)
+            squares = float(np.max(np.einsum("ij,ij->i", matrix, matrix)))
+        terms = 2.0 * (matrix.shape[1] + 1)
+        self._see(math.sqrt(squares * (1.0 + terms * 2.0 ** -24) + terms * 2.0 ** -149))
+        return self._may_reach()
+
+    def _see(self, largest: float) -> None:
+        if largest != largest or self.seen != self.seen:
+            self.seen = math.nan
+        elif largest > self.seen:
+            self.seen = largest
+
+    def _may_reach(self) -> bool:
+        bound = max(self.seen, _held_peak(self.probes))
+        if bound != bound or self.seen != self.seen:
+            return True
+        if bound == -math.inf:
+            return False
+        return not bound + 1e-9 * abs(bound) < self.threshold
+
+
+def _held_peak(probes: Sequence[TrajectoryProbe]) -> float:
+    """The largest running statistic the instances hold (-inf: none; NaN where
+    one is), read from the block of lanes that keeps them where they share one."""
+    np = numpy_module()
+    block = probes[0]._block
+    if block is not None and all(probe._block is block for probe in probes):
+        held = block.running
+    elif (block is None and not any(map(_HELD_VALUES, probes))
+          and not any(map(_BLOCK, probes))):
+        return -math.inf  # (nothing judged yet: a call's first window)
+    else:
+        held = np.concatenate([
+            np.ravel(probe._block.running) if probe._block is not None
+            else np.asarray(probe._values, dtype=np.float64) for probe in probes])
+    return float(held.max()) if held.size else -math.inf
+
+
+def _never(values: Any) -> bool:
+    return False
 
 
 def _advance_steps(statistic: str, keep: float, running: Any, fresh: list[bool],

@@ -552,8 +552,10 @@ class Router:
         if test is None:
             return None
         abort_screen = getattr(type(probes[0]), "abort_screen", None)
-        return AbortGuard(key, probes[0].row_values, test,
-                          None if abort_screen is None else abort_screen(probes))
+        screen = None if abort_screen is None else abort_screen(probes)
+        if screen is None:  # (a test that keeps state may screen with it: RunningBound)
+            screen = getattr(test, "screen", None)
+        return AbortGuard(key, probes[0].row_values, test, screen)
 
     def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
         """The bindings of point ``name`` of these requests, in order; None when
