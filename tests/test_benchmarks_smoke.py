@@ -482,7 +482,7 @@ def test_a_scaling_job_on_a_deep_model_captures_every_layer_like_raw_hooks():
 
     names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear",
              "uc_3_layers_async_trajectory", "uc_inline_linear_guard", "uc_guard_and_observer",
-             "uc_sae_features"]
+             "uc_sae_features", "uc_inline_trajectory_guard"]
     result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
                          repeats=1, warmup=0, max_new_tokens=3)
     rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=3)}
