@@ -662,26 +662,31 @@ def test_steps_are_held_only_when_no_reply_can_change_them(backend, reference, m
         assert stats.received == stats.processed == 2 * (len(output.token_ids) - 1) > 0
 
 
-@pytest.mark.parametrize("observed", [False, True])
+@pytest.mark.parametrize("observed, probe_type", [(False, "norm_probe"), (True, "norm_probe"),
+                                                  (False, "trajectory_probe")])
 def test_a_built_in_guard_is_held_in_windows_and_stops_a_request_at_its_token(
-        backend, reference, monkeypatch, observed):
+        backend, reference, monkeypatch, observed, probe_type):
     """``norm_probe`` with ``action: abort`` on the vLLM engine (``observed``: with
     an async ``trajectory_probe`` observing the same rows, the demo spec's
-    shape): its decode steps wait in windows (``Router.abort_guard`` asks each
-    as it comes) and the step that would abort is routed at once. The outputs
-    are those of routing each step (the router made to offer no guard):
-    tokens, the abort and its token, signals, verdicts and counts; and the
-    engine commits no token after the aborting step."""
+    shape), or a ``trajectory_probe`` aborting on the running EWMA of the norms:
+    its decode steps wait in windows (``Router.abort_guard`` asks each as it
+    comes; a running statistic is bounded) and the step that would abort is
+    routed at once. The outputs are those of routing each step (the router
+    made to offer no guard): tokens, the abort and its token, signals,
+    verdicts and counts; and the engine commits no token after the aborting
+    step."""
     texts, _ = reference
     ids = [f"r{i}" for i in range(len(texts))]
     point = {"name": "norms", "layers": [0, 1], "tensor_type": "residual_stream",
-             "position": "generated[*]", "probe_type": "norm_probe",
+             "position": "generated[*]", "probe_type": probe_type,
              "probe_kind": "trajectory", "execution_mode": "inline"}
     observer = {**point, "name": "observer", "probe_type": "trajectory_probe",
                 "execution_mode": "async", "queue_depth": 64,
                 "probe_args": {"source": "norm"}}
 
     def run(probe_args: dict[str, Any]) -> list[Any]:
+        if probe_type == "trajectory_probe":
+            probe_args = {"source": "norm", **probe_args}
         points = [{**point, "probe_args": probe_args}] + ([observer] if observed else [])
         model = ProbedModel(backend, spec={"version": "1", "extraction_points": points})
         return model.generate(texts, request_ids=ids, max_new_tokens=MAX_NEW_TOKENS)
