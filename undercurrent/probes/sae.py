@@ -9,6 +9,7 @@ verdict summarises every reported feature over the request.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from undercurrent.probes.arrays import float64_rows, map_rows, numpy_module
 from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.sae_files import ENCODE_ROWS, SparseAutoencoder, load_sae
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, summary_verdicts
-from undercurrent.probes.sparse import RaggedColumn, SparseRows
+from undercurrent.probes.sparse import RaggedColumn, SparseRows, top_columns
 from undercurrent.records import ActivationBatch, BatchSignals, as_list
 from undercurrent.spec.types import ProbeKind
 
@@ -174,6 +175,9 @@ class SaeProbe(ScoresRows):
         # (token_index, layer) of each feature's first crossing / activation; -1 = none yet
         self._first_crossing = np.full((2, d_sae), -1, dtype=np.int64)
         self._first_active = np.full((2, d_sae), -1, dtype=np.int64)
+        # Set while the arrays above are rows of a call's stacked states (see
+        # _accumulate_many): updated there in place, for every request at once.
+        self._stack: _Stacked | None = None
 
     def check_point(self, point: Any) -> None:
         """With ``check_hook``, raise ValueError when ``point`` contradicts the SAE's
@@ -347,27 +351,18 @@ class SaeProbe(ScoresRows):
             rows, entry_owner = rows[inside], entry_owner[inside]
             columns, values = columns[inside], values[inside]
         keys = entry_owner * width + columns  # (a request's feature, in the stacked states)
-        peaks = np.stack([probe._peak for probe in probes])
-        totals = np.stack([probe._total for probe in probes])
+        stack = _Stacked.of(probes)
         with np.errstate(invalid="ignore"):  # (a NaN activation: a NaN peak, as a loop gives)
-            np.maximum.at(peaks.reshape(-1), keys, values)
-            np.add.at(totals.reshape(-1), keys, values)  # (entry by entry, row by row)
+            np.maximum.at(stack.peaks.reshape(-1), keys, values)
+            np.add.at(stack.totals.reshape(-1), keys, values)  # (entry by entry, row by row)
         where = np.array([list(tokens), list(layers)])
-        active = np.stack([probe._first_active for probe in probes], axis=1)
-        _first_entries(keys, rows, values > 0, where, active.reshape(2, -1))
+        _first_entries(keys, rows, values > 0, where, stack.active.reshape(2, -1))
         threshold = probes[0].rule.threshold
-        crossing = None
         if threshold is not None and threshold > 0:  # (an inactive feature does not cross it)
-            crossing = np.stack([probe._first_crossing for probe in probes], axis=1)
-            _first_entries(keys, rows, values >= threshold, where, crossing.reshape(2, -1))
-        for index, probe in enumerate(probes):
-            begin, end = spans[index]
+            _first_entries(keys, rows, values >= threshold, where, stack.crossing.reshape(2, -1))
+        for probe, (begin, end) in zip(probes, spans, strict=True):
             probe._rows += end - begin
-            probe._peak, probe._total = peaks[index], totals[index]
-            probe._first_active = active[:, index]
-            if crossing is not None:
-                probe._first_crossing = crossing[:, index]
-            elif threshold is not None:
+            if threshold is not None and threshold <= 0:
                 probe._first_crossings(acts[begin:end], where[:, begin:end], threshold)
 
     def _first_crossings(self, acts: SparseRows, where: Any, threshold: float) -> None:
@@ -378,72 +373,18 @@ class SaeProbe(ScoresRows):
             _first_hits(block.dense() >= threshold, where[:, start:start + len(block)],
                         self._first_crossing)
 
-    def _reported_features(self) -> list[int]:
-        np = numpy_module()
-        if self.features is not None:
-            return list(self.features)
-        if not self._rows:
-            return []
-        order = np.argsort(-self._peak, kind="stable")[: self.top_k]
-        return [int(feature) for feature in order[self._peak[order] > 0]]
-
     def on_end(self, ctx: RequestContext) -> Any:
-        return self._verdict(self.summary.verdict(), self._reported_features())
+        return _verdicts([self], [self.summary.verdict()])[0]
 
     @classmethod
     def end_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]
                  ) -> list[Any] | None:
         """Every instance's :meth:`on_end` verdict at once (this class's own
-        only): the reported features of every request ranked in one sort."""
+        only): the reported features of every request ranked at once."""
         if cls.on_end is not SaeProbe.on_end or any(type(p) is not cls for p in probes):
             return None
-        np = numpy_module()
         saes = cast("Sequence[SaeProbe]", probes)
-        head = saes[0]
-        reported: list[list[int]]
-        if head.features is None and all(
-                probe.features is None and probe.top_k == head.top_k and probe._rows
-                for probe in saes):
-            peaks = np.stack([probe._peak for probe in saes])
-            order = np.argsort(-peaks, axis=1, kind="stable")[:, :head.top_k]
-            positive = np.take_along_axis(peaks, order, axis=1) > 0
-            reported = [row[kept].tolist() for row, kept in zip(order, positive, strict=True)]
-        else:
-            reported = [probe._reported_features() for probe in saes]
-        verdicts = summary_verdicts([probe.summary for probe in saes])
-        return [probe._verdict(verdict, features)
-                for probe, verdict, features in zip(saes, verdicts, reported, strict=True)]
-
-    def _verdict(self, verdict: dict[str, Any], features: list[int]) -> dict[str, Any]:
-        """``verdict`` (the summary's) with the ``features`` reported and the SAE's own keys."""
-        rows = []
-        if features:
-            count = self._rows
-            peaks = self._peak[features].tolist() if count else [None] * len(features)
-            means = ((self._total[features] / count).tolist() if count
-                     else [None] * len(features))
-            crossings = self._first_crossing[:, features].tolist()
-            actives = self._first_active[:, features].tolist()
-            for index, feature in enumerate(features):
-                crossing = _first(crossings[0][index], crossings[1][index])
-                active = _first(actives[0][index], actives[1][index])
-                rows.append({
-                    "feature": feature,
-                    "max": peaks[index],
-                    "mean": means[index],
-                    "first_crossing_token_index": crossing[0],
-                    "first_crossing_layer": crossing[1],
-                    "first_active_token_index": active[0],
-                    "first_active_layer": active[1],
-                })
-        verdict.update(
-            features=rows,
-            source=self.sae.source,
-            architecture=self.sae.architecture,
-            hook_name=self.sae.hook_name,
-            d_sae=self.sae.d_sae,
-        )
-        return verdict
+        return _verdicts(saes, summary_verdicts([probe.summary for probe in saes]))
 
 
 class SaeScreen:
@@ -478,6 +419,102 @@ class SaeScreen:
         with np.errstate(all="ignore"):  # (NaN and overflow are answered: "may abort")
             bounds = self.sae.activation_bounds(matrix, self.features)
             return not bool((bounds < self.threshold).all())
+
+
+class _Stacked:
+    """The states of instances judged together (a call's copies), stacked: one
+    row per instance of ``probes`` (in that order) in ``peaks`` and
+    ``totals``, and ``active`` and ``crossing`` (``(2, instances, d_sae)``).
+    While an instance's ``_stack`` is this object, its own arrays are views of
+    its rows, so what updates these updates them."""
+
+    __slots__ = ("probes", "peaks", "totals", "active", "crossing")
+
+    def __init__(self, probes: tuple[SaeProbe, ...]) -> None:
+        np = numpy_module()
+        self.probes = probes
+        self.peaks = np.stack([probe._peak for probe in probes])
+        self.totals = np.stack([probe._total for probe in probes])
+        self.active = np.stack([probe._first_active for probe in probes], axis=1)
+        self.crossing = np.stack([probe._first_crossing for probe in probes], axis=1)
+        for index, probe in enumerate(probes):
+            probe._peak, probe._total = self.peaks[index], self.totals[index]
+            probe._first_active = self.active[:, index]
+            probe._first_crossing = self.crossing[:, index]
+            probe._stack = self
+
+    @classmethod
+    def of(cls, probes: Sequence[SaeProbe]) -> _Stacked:
+        """The stack holding exactly ``probes`` (in order), each still in it;
+        else a new one, made from their arrays."""
+        stack = probes[0]._stack
+        if (stack is not None and len(stack.probes) == len(probes)
+                and all(map(operator.is_, stack.probes, probes))
+                and all(probe._stack is stack for probe in probes)):
+            return stack
+        return cls(tuple(probes))
+
+
+def _verdicts(probes: Sequence[SaeProbe], verdicts: list[dict[str, Any]]
+              ) -> list[dict[str, Any]]:
+    """Each probe's ``verdicts[i]`` (its summary's) with its reported features
+    and the SAE's own keys: every watched feature, or the features among its
+    ``top_k`` highest peaks that are active (most first, equal peaks by
+    feature id), each with its peak, mean and first activation and crossing.
+    Instances alike (a call's copies, each with rows) are read at once:
+    their states stacked, their top features selected together."""
+    np = numpy_module()
+    head = probes[0]
+    alike = all(probe.features == head.features and probe.top_k == head.top_k
+                and probe._rows for probe in probes)
+    if len(probes) > 1 and not alike:
+        return [_verdicts([probe], [verdict])[0]
+                for probe, verdict in zip(probes, verdicts, strict=True)]
+    if not head._rows:  # (nothing seen: every watched feature, its values None)
+        features = [] if head.features is None else list(head.features)
+        verdicts[0].update(features=[{**dict.fromkeys(_FEATURE_KEYS), "feature": feature}
+                                     for feature in features], **_sae_keys(head.sae))
+        return verdicts
+    stack = _Stacked.of(probes)
+    peaks = stack.peaks
+    if head.features is not None:
+        order = np.broadcast_to(np.array(head.features, dtype=np.intp),
+                                (len(probes), len(head.features)))
+        counts = [len(head.features)] * len(probes)
+    else:  # (the same order as a stable sort of every peak, NaN last: only > 0 kept)
+        order = top_columns(peaks, head.top_k)
+        counts = (np.take_along_axis(peaks, order, axis=1) > 0).sum(axis=1).tolist()
+    rows = np.array([probe._rows for probe in probes], dtype=np.float64)[:, None]
+    columns = {
+        "feature": order.tolist(),
+        "max": np.take_along_axis(peaks, order, axis=1).tolist(),
+        "mean": (np.take_along_axis(stack.totals, order, axis=1) / rows).tolist()}
+    for name, firsts in (("first_crossing", stack.crossing), ("first_active", stack.active)):
+        where = np.take_along_axis(firsts, np.broadcast_to(order, firsts.shape[:1] + order.shape),
+                                   axis=2)  # ((token, layer), probes, features)
+        tokens, layers = where[0].tolist(), where[1].tolist()
+        columns[f"{name}_token_index"] = [[None if t < 0 else t for t in row] for row in tokens]
+        columns[f"{name}_layer"] = [[None if t < 0 else la for t, la in zip(tr, lr, strict=True)]
+                                    for tr, lr in zip(tokens, layers, strict=True)]
+    names = list(_FEATURE_KEYS)
+    found = []
+    for index, (probe, verdict) in enumerate(zip(probes, verdicts, strict=True)):
+        values = [columns[name][index][:counts[index]] for name in names]
+        verdict.update(features=[dict(zip(names, entry, strict=True))
+                                 for entry in zip(*values, strict=True)],
+                       **_sae_keys(probe.sae))
+        found.append(verdict)
+    return found
+
+
+#: A verdict's feature entry, key by key.
+_FEATURE_KEYS = ("feature", "max", "mean", "first_crossing_token_index",
+                 "first_crossing_layer", "first_active_token_index", "first_active_layer")
+
+
+def _sae_keys(sae: SparseAutoencoder) -> dict[str, Any]:
+    return {"source": sae.source, "architecture": sae.architecture,
+            "hook_name": sae.hook_name, "d_sae": sae.d_sae}
 
 
 def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:
@@ -540,8 +577,3 @@ def _first_hits(mask: Any, where: Any, firsts: Any) -> None:
     if fresh.any():
         rows = mask.argmax(axis=0)[fresh]
         firsts[:, fresh] = where[:, rows]
-
-
-def _first(token: int, layer: int) -> tuple[int | None, int | None]:
-    """A first crossing or activation as stored (-1: none yet) as (token_index, layer)."""
-    return (None, None) if token < 0 else (token, layer)
