@@ -10,6 +10,7 @@ import sys
 import threading
 from collections import Counter
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,9 @@ from hf_models import (  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import session as session_module  # noqa: E402
-from undercurrent.spec.types import ExtractionPoint  # noqa: E402
+from undercurrent.probes import Probe  # noqa: E402
+from undercurrent.records import ProbeSignal  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
 
 PROMPTS = [prompt(3, 1, 4, 1, 5), prompt(2, 6), prompt(5, 3, 5, 8), prompt(9)]
 SYNCING = ("cpu", "item", "tolist", "numpy", "__bool__", "__int__", "__float__")
@@ -146,15 +149,27 @@ def test_async_only_capture_makes_no_host_sync_on_the_generation_thread(
     assert not pm.backend.hooks.delivering  # the thread is gone after generate()
 
 
+class MayAbort(Probe):
+    """A probe written per record that reads each activation's first value: the
+    router cannot know it never aborts."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def on_activation(self, record: Any) -> ProbeSignal:
+        return ProbeSignal(score=float(record.tensor.reshape(-1)[0]))
+
+
 def test_an_inline_point_keeps_delivery_on_the_generation_thread(
         tokenizer, delivering_threads):
     """The counter sees the inline path's syncs, so its zero above means something.
-    The inline trajectory probe may abort (at a threshold it never reaches), so
+    The inline probe written per record may abort (the router cannot tell), so
     each step is routed as it comes, inside the hooks' flush (steps its probe
     could not abort would be held in windows, routed after the hooks ran)."""
     traj, norm = _points("inline")
-    guard = dataclasses.replace(traj, probe_args={"threshold": 1e9, "action": "abort"})
-    pm = _probed(tokenizer, [guard, norm], "always")
+    guard = dataclasses.replace(traj, probe_type="may_abort", probe_args={})
+    pm = ProbedModel(build_model("llama"), tokenizer, spec=[guard, norm],
+                     probes={"may_abort": MayAbort})
+    pm.backend.hooks.offload = "always"
     with count_syncs() as counts:
         pm.generate(PROMPTS, max_new_tokens=6)
     assert sum(counts.values()) > 0
