@@ -29,13 +29,15 @@ KV_CACHE_GIB = "1"
 #: Scenarios the one-engine tools also time, on request (the scaling set does
 #: not): a guard that never aborts, the demo spec's two points, the SAE
 #: spec's two points, an inline linear probe beside a point reading the
-#: last prompt token, and a trajectory guard on its running EWMA that never
-#: aborts. Each point's rows count as vectors.
+#: last prompt token, a trajectory guard on its running EWMA that never
+#: aborts, and the inline linear probe on every second generated token. Each
+#: point's rows count as vectors.
 ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "guard and observer": "uc_guard_and_observer",
                     "sae features": "uc_sae_features",
                     "inline linear and prompt read": "uc_inline_linear_and_prompt_read",
-                    "inline trajectory guard": "uc_inline_trajectory_guard"}
+                    "inline trajectory guard": "uc_inline_trajectory_guard",
+                    "inline linear stride 2": "uc_inline_linear_stride_2"}
 
 
 def add_one_engine_arguments(parser: Any) -> None:

@@ -502,19 +502,24 @@ def _flagging_point(num_layers: int, probe_type: str, mode: str) -> Any:
 @pytest.mark.parametrize("probe_type, mode", [("linear_probe", "inline"),
                                               ("trajectory_probe", "async"),
                                               ("both", "both"),
-                                              ("prompt_read", "inline")])
+                                              ("prompt_read", "inline"),
+                                              ("stride_2", "inline")])
 def test_steps_routed_in_windows_give_what_routing_each_step_gives(backend, reference,
                                                                    num_layers, monkeypatch,
                                                                    probe_type, mode):
     # generate() with one inline linear probe that only flags, or one async
     # trajectory probe (block overflow: nothing dropped), or both as two points
     # of one spec, or the linear one beside a point reading the last prompt
-    # token (held once that point has read its token): the driver holds the
-    # repeated steps of its kept layout and routes them as one batch per point
-    # and window. Under continuous batching a window ends whenever a request
-    # joins or leaves.
+    # token (held once that point has read its token), or the linear one on
+    # every second generated token (the driver's plan shifted by the stride):
+    # the driver holds the repeated steps of its kept layout and routes them as
+    # one batch per point and window. Under continuous batching a window ends
+    # whenever a request joins or leaves.
     texts, _ = reference
-    if probe_type == "both":
+    if probe_type == "stride_2":
+        points = [dataclasses.replace(_flagging_point(num_layers, "linear_probe", "inline"),
+                                      stride=2)]
+    elif probe_type == "both":
         points = [_flagging_point(num_layers, "linear_probe", "inline"),
                   dataclasses.replace(_flagging_point(num_layers, "trajectory_probe", "async"),
                                       name="observer")]

@@ -99,9 +99,10 @@ def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
 
 
 class _Repeat:
-    """Steps that repeat the previous one a token later: the same requests (the
-    same states, none steered), the same groups and the same matches, each at
-    the next token. Such a step's plan is the previous plan shifted
+    """Steps that repeat the previous one some tokens later: the same requests
+    (the same states, none steered), the same groups and the same matches,
+    each the same number of tokens on (one; a strided layout's, its stride).
+    Such a step's plan is the previous plan shifted
     (:meth:`~undercurrent.adapters.session.StepPlan.shifted`): nothing is
     planned per match, and delivery reuses the layout it kept for the first."""
 
@@ -116,11 +117,12 @@ class _Repeat:
     def deliveries(self, batch: wire.StepBatch, table: list[RequestState | None]
                    ) -> list[Delivery]:
         """:func:`step_deliveries` of ``batch``, from the previous plan shifted
-        when ``batch`` repeats the previous step a token later."""
+        when ``batch`` repeats the previous step some tokens later."""
         keys = [(group.layer, group.tensor_type, group.count) for group in batch.groups]
         plan, self._plan = self._plan, None  # (kept again below, once this batch is read)
-        if plan is not None and self._repeats(batch, keys, table):
-            plan = plan.advanced(1)  # (the last plan moved on, once it is delivered)
+        delta = 0 if plan is None else self._repeats(batch, keys, table)
+        if plan is not None and delta:
+            plan = plan.advanced(delta)  # (the last plan moved on, once it is delivered)
             banks = [_as_tensor(bank) for bank in batch.banks]
             groups = plan.groups
             deliveries: list[Delivery] = [
@@ -141,22 +143,28 @@ class _Repeat:
         return deliveries
 
     def _repeats(self, batch: wire.StepBatch, keys: list[tuple[int, str, int]],
-                 table: list[RequestState | None]) -> bool:
-        """Whether ``batch`` is the last batch a token later, for the same requests:
-        as the worker says (:attr:`~undercurrent.adapters.vllm.wire.StepBatch.shifted`),
-        else as its columns show."""
+                 table: list[RequestState | None]) -> int:
+        """How many tokens later ``batch`` is the last batch, for the same requests
+        (0: it is not): one as the worker says
+        (:attr:`~undercurrent.adapters.vllm.wire.StepBatch.shifted`), else as its
+        columns show (every match the same number of tokens on: a strided
+        layout's captured steps come its stride apart)."""
         last = self._last
         if last is None or keys != self._keys or table != self._table or not len(batch.matches):
-            return False
+            return 0
         if batch.shifted:
-            return True
+            return 1
         # (ndarray comparisons, not numpy.array_equal: this runs at every step)
         (before, rows), now = last, batch.matches
         if now.shape != before.shape or batch.match_rows.shape != rows.shape:
-            return False
+            return 0
+        delta = int(now[0, 2] - before[0, 2])
+        if delta < 1:
+            return 0
         following = before.copy()
-        following[:, 2] += 1
-        return bool((batch.match_rows == rows).all() and (now == following).all())
+        following[:, 2] += delta
+        return delta if bool((batch.match_rows == rows).all()
+                             and (now == following).all()) else 0
 
 
 def _take_tokens(tokens: Iterable[tuple[RequestState | None, int, int]]) -> None:
