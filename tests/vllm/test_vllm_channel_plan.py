@@ -285,9 +285,39 @@ def test_a_shifted_claim_is_taken_only_against_the_batch_just_before_it():
     assert delivered(repeats.deliveries(batch(4, True), [state])) == (True, [4], [4.0] * 3)
     # another request table: planned again
     assert delivered(repeats.deliveries(batch(5, True), [other])) == (False, [5], [5.0] * 3)
-    # a batch that says nothing: its columns compared with the last one's
+    # a batch that says nothing: its columns compared with the last one's, each
+    # match the same number of tokens on (a strided layout's: its stride)
     assert delivered(repeats.deliveries(batch(6, False), [other])) == (True, [6], [6.0] * 3)
+    assert delivered(repeats.deliveries(batch(8, False), [other])) == (True, [8], [8.0] * 3)
+    # not on (the same token again, or one before): planned again
     assert delivered(repeats.deliveries(batch(8, False), [other])) == (False, [8], [8.0] * 3)
+    assert delivered(repeats.deliveries(batch(7, False), [other])) == (False, [7], [7.0] * 3)
+
+
+def test_a_batch_is_the_last_one_shifted_only_where_every_match_moved_alike():
+    # Two requests: both a stride on, the last plan shifted; one a token on and
+    # the other two, planned from the columns.
+    point = _points()[0]
+    session = CaptureSession(None, [point])
+    states = [session.open_request(rid, "", [1, 2, 3]) for rid in ("a", "b")]
+
+    def batch(tokens: tuple[int, int]) -> wire.StepBatch:
+        groups = [wire.GroupRows(layer, "residual_stream", 0, 2 * index, 2)
+                  for index, layer in enumerate((0, 2, 3))]
+        return wire.StepBatch(step=tokens[0], banks=[torch.zeros((6, HIDDEN))],
+                              requests=["uc1", "uc2"], groups=groups,
+                              matches=wire.match_array([(0, 0, tokens[0], 3),
+                                                        (1, 0, tokens[1], 3)]),
+                              match_rows=wire.row_array([0, 0, 0, 1, 1, 1]))
+
+    def shifted(tokens: tuple[int, int]) -> tuple[bool, list[int]]:
+        plan = repeats.deliveries(batch(tokens), states)[0][1].plan
+        return plan.base is not None, [match.token_index for match in plan.matches]
+
+    repeats = channel._Repeat()
+    assert shifted((3, 5)) == (False, [3, 5])
+    assert shifted((5, 7)) == (True, [5, 7])
+    assert shifted((6, 9)) == (False, [6, 9])
 
 
 def test_held_step_batches_go_to_the_driver_in_step_order_each_once(monkeypatch):
