@@ -431,6 +431,58 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
             assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
 
 
+@pytest.mark.parametrize("stride", [2, 3])
+def test_a_strided_layout_repeats_a_stride_later_and_captures_what_hf_captures(
+        backend, reference, num_layers, monkeypatch, stride):
+    # A strided point on every layer: once every request decodes, the worker
+    # plans nothing between captured steps and shifts its last plan (and its
+    # wire columns) a stride later, and the driver shifts its plan by the
+    # stride; what a probe is given must be what HF captures at those tokens.
+    texts, hf_outputs = reference
+    point = dataclasses.replace(
+        next(point for point in spec_points(num_layers) if point.name == "residual_all"),
+        probe_type="keeper", stride=stride)
+    deltas: list[int] = []
+    shifted = StepPlan.shifted
+
+    def counted_shift(plan, delta=1):
+        deltas.append(delta)
+        return shifted(plan, delta)
+
+    # Per worker step that plans (its sites then hooked): whether it is one
+    # between captured steps, the steady layout kept, nothing planned.
+    between: list[bool] = []
+    rehook = worker._Capture._rehook
+
+    def counted_rehook(self, wanted):
+        steady = self.steady
+        between.append(steady is not None and steady.stride == stride and steady.shift > 0)
+        return rehook(self, wanted)
+
+    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
+    monkeypatch.setattr(worker._Capture, "_rehook", counted_rehook)
+    _Keeper.kept = {}
+    with Router(probes={"keeper": _Keeper}) as router:
+        session = CaptureSession(router, [point])
+        outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
+                                   session)
+    assert stride in deltas, deltas  # (the worker's and the driver's plans, a stride on)
+    assert any(between), between
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        mine = {record.key(): record for record in _Keeper.kept.get(ours.request_id, [])}
+        expected = {record.key(): record for record in theirs.records
+                    if record.extraction_point_name == "residual_all"
+                    and record.generated_index is not None
+                    and record.generated_index % stride == 0}
+        assert set(mine) == set(expected) and mine
+        for key, record in mine.items():
+            other = expected[key]
+            assert (record.token_id, record.generated_index) == (other.token_id,
+                                                                  other.generated_index)
+            assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
+
+
 @pytest.mark.parametrize("mode", ["inline", "async"])
 def test_a_step_repeated_from_the_runners_arrays_gives_what_planning_it_gives(
         backend, reference, num_layers, monkeypatch, mode):

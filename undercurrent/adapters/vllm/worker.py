@@ -100,16 +100,21 @@ def match_columns(plan: StepPlan, reached: Collection[PairKey]
 
 class _Steady:
     """A step whose every request was steady: its plan, where each request was fed
-    ((state, token, flat position), ``shift`` steps before this plan's), the sites
-    it wanted, how many requests were live and which were open."""
+    ((state, token, flat position), ``shift`` steps before the step now), the
+    sites it wanted, how many requests were live and which were open, and the
+    requests' stride (a strided layout's steady step is one it captured: the
+    steps between plan nothing, and the next captured one is its plan a stride
+    later)."""
 
-    __slots__ = ("plan", "places", "shift", "wanted", "live", "keys")
+    __slots__ = ("plan", "places", "shift", "wanted", "live", "keys", "stride")
 
     def __init__(self, plan: StepPlan, places: list[tuple[MirrorState, int, int]],
-                 wanted: set[PairKey], live: int, keys: set[str], shift: int = 0) -> None:
+                 wanted: set[PairKey], live: int, keys: set[str], shift: int = 0,
+                 stride: int = 1) -> None:
         self.plan, self.places, self.wanted, self.live, self.keys = (plan, places, wanted,
                                                                      live, keys)
         self.shift = shift
+        self.stride = stride
 
 
 class _Feed:
@@ -390,16 +395,24 @@ class _Capture:
         places = [(state, start, window.row_of(start)) for state, start, _, window in fed]
         steady = self.steady
         live = sum(state.live for state in self.states.values())
+        between = False  # (a strided layout's step between its captured ones)
         if (steady is not None and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
                 and one_token_later(steady.places if not steady.shift else
                                     [(state, start + steady.shift, row)
                                      for state, start, row in steady.places], places)):
             # The same requests at the same positions, each one token on, all steady:
-            # the last plan again a token later; the sites wanted are the same too
+            # the last plan again a token later (a stride later, for a strided
+            # layout, and nothing between); the sites wanted are the same too
             # when the live requests are (nothing retires while steady).
-            plan = steady.plan.shifted(1)
             wanted = steady.wanted if (steady.live == live and
                                        self.states.keys() == steady.keys) else None
+            if steady.stride == 1:
+                plan = steady.plan.shifted(1)
+            elif (steady.shift + 1) % steady.stride:
+                steady.shift += 1
+                between = True
+            else:
+                plan = steady.plan.shifted(steady.stride)
         else:
             for state, start, stop, window in fed:
                 plan.add_window(state, start, stop, window.row_of)
@@ -409,21 +422,24 @@ class _Capture:
             for state in self.states.values():
                 if state.live:
                     wanted |= state.wanted_pairs()
-        # (a layout of strided points, or of a slice that ends, is planned each
-        # step here: steady_stride 1, no steady_until)
-        self.steady = _Steady(plan, places, wanted, live, set(self.states)) if (
-            not plan.edits and all(stop - start == 1 and state.steady_from is not None
-                                   and start >= state.steady_from
-                                   and state.steady_stride == 1
-                                   and state.steady_until is None
-                                   for state, start, stop, _ in fed)) else None
+        if not between:
+            # (a slice that ends is planned each step here: no steady_until)
+            stride = fed[0][0].steady_stride if fed else 1
+            self.steady = _Steady(plan, places, wanted, live, set(self.states),
+                                  stride=stride) if (
+                not plan.edits and all(stop - start == 1 and state.steady_from is not None
+                                       and start >= state.steady_from
+                                       and state.steady_stride == stride
+                                       and not (start - state.steady_from) % stride
+                                       and state.steady_until is None
+                                       for state, start, stop, _ in fed)) else None
         self._rehook(wanted)
         if not plan:
             return
         self._place(plan)
         self.plan = plan
-        if (self.steady is not None and self.capturing and plan.groups
-                and all(stop - state.prompt_len >= state.generated_sent
+        if (self.steady is not None and self.steady.stride == 1 and self.capturing
+                and plan.groups and all(stop - state.prompt_len >= state.generated_sent
                         for state, _, stop, _ in fed)):
             # After this step each request fed has sent every generated token it
             # fed (none was sent ahead by a replay): the next step may repeat it.
@@ -530,14 +546,17 @@ class _Capture:
         whole = len(self.filled) == len(plan.groups)  # (always, on a whole forward)
         columns = self.columns
         base = plan if plan.base is None else plan.base
+        later = 0 if columns is None else plan.delta - columns[1]
         if (columns is not None and plan.base is not None and base is columns[0]
-                and plan.delta == columns[1] + 1 and whole):
-            # The last step's plan a token later: its columns a token later, and
-            # the same groups in the same banks.
+                and later >= 1 and whole):
+            # The last step's plan some tokens later (one, or a strided layout's
+            # stride): its columns as many tokens later, and the same groups in
+            # the same banks (the driver is told a shift of one; it finds a
+            # stride's from the columns).
             matches = columns[3].copy()
-            matches[:, 2] += 1
+            matches[:, 2] += later
             requests, match_rows, groups = columns[2], columns[4], columns[5]
-            shifted = True
+            shifted = later == 1
         else:
             shifted = False
             requests, matches, match_rows = match_columns(plan, self.filled)
