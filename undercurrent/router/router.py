@@ -117,6 +117,10 @@ class _Routes:
 
 _STATS = operator.attrgetter("stats")
 _BINDINGS = operator.attrgetter("bindings")
+_IS_ASYNC = operator.attrgetter("is_async")
+_SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
+_COUNTS = tuple(operator.attrgetter(name)
+                for name in ("received", "processed", "dropped", "errors", "timeouts"))
 
 
 def _idle_prefix(requests: Sequence[_Request]) -> int:
@@ -126,10 +130,6 @@ def _idle_prefix(requests: Sequence[_Request]) -> int:
         if not all(binding.looks_idle() for binding in request.bindings.values()):
             return index
     return len(requests)
-_IS_ASYNC = operator.attrgetter("is_async")
-_SPAN_ID, _SPAN_START, _SPAN_STOP = (operator.itemgetter(i) for i in range(3))
-_COUNTS = tuple(operator.attrgetter(name)
-                for name in ("received", "processed", "dropped", "errors", "timeouts"))
 
 
 class AbortGuard:
