@@ -431,17 +431,26 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
             assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
 
 
-@pytest.mark.parametrize("stride", [2, 3])
-def test_a_strided_layout_repeats_a_stride_later_and_captures_what_hf_captures(
-        backend, reference, num_layers, monkeypatch, stride):
-    # A strided point on every layer: once every request decodes, the worker
-    # plans nothing between captured steps and shifts its last plan (and its
-    # wire columns) a stride later, and the driver shifts its plan by the
-    # stride; what a probe is given must be what HF captures at those tokens.
+@pytest.mark.parametrize("stride, first, stop", [(2, 0, None), (3, 0, None), (1, 2, 8),
+                                                (2, 1, 9)],
+                         ids=["stride_2", "stride_3", "slice", "strided_slice"])
+def test_a_strided_or_sliced_layout_repeats_and_captures_what_hf_captures(
+        backend, reference, num_layers, monkeypatch, stride, first, stop):
+    # A strided point on every layer, or one on a slice of the generated tokens
+    # (``generated[first:stop]``): once every request decodes, the worker
+    # repeats its plan (a stride later, planning nothing between captured
+    # steps; up to the slice's end, then plans from the windows), its wire
+    # columns too, and the driver shifts its plan by as many tokens; what a
+    # probe is given must be what HF captures at those tokens. Three short
+    # prompts, prefilled in one step, decode side by side, their strides and
+    # slices in phase (a request that joins later, out of phase, makes no step
+    # steady while it is in).
     texts, hf_outputs = reference
+    texts, hf_outputs = texts[:3], hf_outputs[:3]
+    position = "generated[*]" if stop is None else f"generated[{first}:{stop}]"
     point = dataclasses.replace(
         next(point for point in spec_points(num_layers) if point.name == "residual_all"),
-        probe_type="keeper", stride=stride)
+        probe_type="keeper", stride=stride, position=position)
     deltas: list[int] = []
     shifted = StepPlan.shifted
 
@@ -450,31 +459,40 @@ def test_a_strided_layout_repeats_a_stride_later_and_captures_what_hf_captures(
         return shifted(plan, delta)
 
     # Per worker step that plans (its sites then hooked): whether it is one
-    # between captured steps, the steady layout kept, nothing planned.
+    # between captured steps, the steady layout kept, nothing planned; and
+    # whether each step the runner's arrays told was repeated.
     between: list[bool] = []
-    rehook = worker._Capture._rehook
+    repeated: list[bool] = []
+    rehook, repeat_step = worker._Capture._rehook, worker._Capture._repeat_step
 
     def counted_rehook(self, wanted):
         steady = self.steady
         between.append(steady is not None and steady.stride == stride and steady.shift > 0)
         return rehook(self, wanted)
 
+    def counted_repeat(self, feed):
+        repeated.append(found := repeat_step(self, feed))
+        return found
+
     monkeypatch.setattr(StepPlan, "shifted", counted_shift)
     monkeypatch.setattr(worker._Capture, "_rehook", counted_rehook)
+    monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat)
     _Keeper.kept = {}
     with Router(probes={"keeper": _Keeper}) as router:
         session = CaptureSession(router, [point])
         outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
                                    session)
-    assert stride in deltas, deltas  # (the worker's and the driver's plans, a stride on)
-    assert any(between), between
+    assert stride in deltas, deltas  # (the worker's and the driver's plans, moved on)
+    assert any(between) if stride > 1 else any(repeated), (between, repeated)
     for ours, theirs in zip(outputs, hf_outputs, strict=True):
         assert ours.token_ids == theirs.token_ids
         mine = {record.key(): record for record in _Keeper.kept.get(ours.request_id, [])}
         expected = {record.key(): record for record in theirs.records
                     if record.extraction_point_name == "residual_all"
                     and record.generated_index is not None
-                    and record.generated_index % stride == 0}
+                    and record.generated_index >= first
+                    and (stop is None or record.generated_index < stop)
+                    and (record.generated_index - first) % stride == 0}
         assert set(mine) == set(expected) and mine
         for key, record in mine.items():
             other = expected[key]

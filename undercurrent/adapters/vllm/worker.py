@@ -101,20 +101,27 @@ def match_columns(plan: StepPlan, reached: Collection[PairKey]
 class _Steady:
     """A step whose every request was steady: its plan, where each request was fed
     ((state, token, flat position), ``shift`` steps before the step now), the
-    sites it wanted, how many requests were live and which were open, and the
+    sites it wanted, how many requests were live and which were open, the
     requests' stride (a strided layout's steady step is one it captured: the
     steps between plan nothing, and the next captured one is its plan a stride
-    later)."""
+    later), and ``limit``: the steps from this one within which every request
+    is before its slice's end (None: no slice ends); a step at or past it is
+    planned from the windows."""
 
-    __slots__ = ("plan", "places", "shift", "wanted", "live", "keys", "stride")
+    __slots__ = ("plan", "places", "shift", "wanted", "live", "keys", "stride", "limit")
 
     def __init__(self, plan: StepPlan, places: list[tuple[MirrorState, int, int]],
                  wanted: set[PairKey], live: int, keys: set[str], shift: int = 0,
-                 stride: int = 1) -> None:
+                 stride: int = 1, limit: int | None = None) -> None:
         self.plan, self.places, self.wanted, self.live, self.keys = (plan, places, wanted,
                                                                      live, keys)
         self.shift = shift
         self.stride = stride
+        self.limit = limit
+
+    def within(self) -> bool:
+        """Whether the next step is before every request's slice end."""
+        return self.limit is None or self.shift + 1 < self.limit
 
 
 class _Feed:
@@ -396,7 +403,8 @@ class _Capture:
         steady = self.steady
         live = sum(state.live for state in self.states.values())
         between = False  # (a strided layout's step between its captured ones)
-        if (steady is not None and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
+        if (steady is not None and not plan and steady.within()
+                and all(stop - start == 1 for _, start, stop, _ in fed)
                 and one_token_later(steady.places if not steady.shift else
                                     [(state, start + steady.shift, row)
                                      for state, start, row in steady.places], places)):
@@ -423,16 +431,18 @@ class _Capture:
                 if state.live:
                     wanted |= state.wanted_pairs()
         if not between:
-            # (a slice that ends is planned each step here: no steady_until)
             stride = fed[0][0].steady_stride if fed else 1
-            self.steady = _Steady(plan, places, wanted, live, set(self.states),
-                                  stride=stride) if (
-                not plan.edits and all(stop - start == 1 and state.steady_from is not None
-                                       and start >= state.steady_from
-                                       and state.steady_stride == stride
-                                       and not (start - state.steady_from) % stride
-                                       and state.steady_until is None
-                                       for state, start, stop, _ in fed)) else None
+            steady_now = not plan.edits and all(
+                stop - start == 1 and state.steady_from is not None
+                and start >= state.steady_from and state.steady_stride == stride
+                and not (start - state.steady_from) % stride
+                and (state.steady_until is None or start < state.steady_until)
+                for state, start, stop, _ in fed)
+            # (the steps before any request leaves its slice, from this one)
+            limit = min((state.steady_until - start for state, start, _, _ in fed
+                         if state.steady_until is not None), default=None) if steady_now else None
+            self.steady = _Steady(plan, places, wanted, live, set(self.states), stride=stride,
+                                  limit=limit) if steady_now else None
         self._rehook(wanted)
         if not plan:
             return
@@ -463,7 +473,8 @@ class _Capture:
         steady = self.steady
         # (The feed's arrays have ``count`` entries, and ``count + 1`` starts: compared
         # with ndarray operations, not numpy.array_equal, as this runs at every step.)
-        if (steady is None or feed.version != self.version or count != len(feed.req_ids)
+        if (steady is None or not steady.within() or feed.version != self.version
+                or count != len(feed.req_ids)
                 or not (computed == feed.computed + 1).all()
                 or not (runner.query_start_loc.np[:count + 1] == feed.starts).all()
                 or batch.req_ids[:count] != feed.req_ids):
