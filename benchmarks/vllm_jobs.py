@@ -30,14 +30,15 @@ KV_CACHE_GIB = "1"
 #: not): a guard that never aborts, the demo spec's two points, the SAE
 #: spec's two points, an inline linear probe beside a point reading the
 #: last prompt token, a trajectory guard on its running EWMA that never
-#: aborts, and the inline linear probe on every second generated token. Each
-#: point's rows count as vectors.
+#: aborts, and the inline linear probe on every second generated token or on
+#: a slice of them. Each point's rows count as vectors.
 ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "guard and observer": "uc_guard_and_observer",
                     "sae features": "uc_sae_features",
                     "inline linear and prompt read": "uc_inline_linear_and_prompt_read",
                     "inline trajectory guard": "uc_inline_trajectory_guard",
-                    "inline linear stride 2": "uc_inline_linear_stride_2"}
+                    "inline linear stride 2": "uc_inline_linear_stride_2",
+                    "inline linear slice": "uc_inline_linear_slice"}
 
 
 def add_one_engine_arguments(parser: Any) -> None:

@@ -576,7 +576,8 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
                                                       "hidden_size": 128}))
     assert set(ON_REQUEST_MODES) == {"inline linear guard", "guard and observer",
                                      "sae features", "inline linear and prompt read",
-                                     "inline trajectory guard", "inline linear stride 2"}
+                                     "inline trajectory guard", "inline linear stride 2",
+                                     "inline linear slice"}
     layers, spec, _, keep = _probed_setup(str(tmp_path), "all", "guard and observer")
     assert layers == (0, 1, 2, 3) and keep is False
     guard, observer = spec.extraction_points
