@@ -405,33 +405,48 @@ def test_an_async_generation_routes_its_windows_queued_together(make_router, mon
     assert [by_point["later"].stats.processed for by_point in together] == [3] * len(IDS)
 
 
+def _gated_call(make_router, monkeypatch, gate_name):
+    """A router whose requests (``IDS``) have one async point ``slow`` whose probe
+    waits on the event ``gate_name`` (cleared), and the tries to end requests
+    together it makes: (how many requests, whether they were ended)."""
+    from router_helpers import event
+
+    tries: list[tuple[int, bool]] = []
+    original = Router._end_together
+
+    def counted(requests):
+        tries.append((len(requests), (found := original(requests)) is not None))
+        return found
+
+    monkeypatch.setattr(Router, "_end_together", staticmethod(counted))
+    gate = event(gate_name)
+    gate.clear()
+    router = make_router(probes={"recorder": Recorder})
+    slow = point("slow", mode="async", queue_depth=16, probe_args={"gate": gate_name})
+    router.register_requests(_contexts(), [slow])
+    return tries, router, gate
+
+
+def _end_in_thread(router):
+    """``router.end_requests(IDS)`` started on another thread, and the list its
+    results land in."""
+    ended: list[list[dict]] = []
+    ender = threading.Thread(target=lambda: ended.append(router.end_requests(IDS)))
+    ender.start()
+    return ender, ended
+
+
 def test_requests_whose_async_work_is_still_running_end_as_each_in_turn_ends(
         make_router, monkeypatch):
     """Ending a call's requests while their async probes still work: each request
     waits for its own bindings in turn, and the ones left are ended together
     once they are all idle; every row is processed and counted."""
-    from router_helpers import event
-
-    tries: list[bool] = []
-    original = Router._end_together
-
-    def counted(requests):
-        tries.append((found := original(requests)) is not None)
-        return found
-
-    monkeypatch.setattr(Router, "_end_together", staticmethod(counted))
-    gate = event("end-together-gate")
-    gate.clear()
-    router = make_router(probes={"recorder": Recorder})
-    slow = point("slow", mode="async", queue_depth=16, probe_args={"gate": "end-together-gate"})
-    router.register_requests(_contexts(), [slow])
+    tries, router, gate = _gated_call(make_router, monkeypatch, "end-together-gate")
     _route(router, IDS, ["slow"])
-    ended: list[list[dict]] = []
-    ender = threading.Thread(target=lambda: ended.append(router.end_requests(IDS)))
-    ender.start()
+    ender, ended = _end_in_thread(router)
     try:
         assert wait_until(lambda: len(tries) >= 1)  # (the first try found work going on)
-        assert tries[0] is False
+        assert tries[0][1] is False
     finally:
         gate.set()
         ender.join(60)
@@ -447,25 +462,9 @@ def test_requests_before_one_still_working_end_together_while_it_works(
     """A call whose last request's async probe is still working: the requests
     before it, all idle, are ended together at once (not one by one), while
     the last one's probe is held; it is ended after, with every row counted."""
-    from router_helpers import event
-
-    tries: list[tuple[int, bool]] = []
-    original = Router._end_together
-
-    def counted(requests):
-        tries.append((len(requests), (found := original(requests)) is not None))
-        return found
-
-    monkeypatch.setattr(Router, "_end_together", staticmethod(counted))
-    gate = event("idle-prefix-gate")
-    gate.clear()
-    router = make_router(probes={"recorder": Recorder})
-    slow = point("slow", mode="async", queue_depth=16, probe_args={"gate": "idle-prefix-gate"})
-    router.register_requests(_contexts(), [slow])
+    tries, router, gate = _gated_call(make_router, monkeypatch, "idle-prefix-gate")
     route_rows(router, IDS[-1:], ["slow"], 0.3)  # (rows for the last request only)
-    ended: list[list[dict]] = []
-    ender = threading.Thread(target=lambda: ended.append(router.end_requests(IDS)))
-    ender.start()
+    ender, ended = _end_in_thread(router)
     try:
         # The three idle requests end together while the last one's probe waits.
         assert wait_until(lambda: (3, True) in tries)

@@ -68,10 +68,7 @@ class SparseRows:
 
     def __getitem__(self, rows: slice) -> SparseRows:
         """Rows ``start:stop`` (a slice of step 1), sharing the entries."""
-        start, stop, step = rows.indices(len(self))
-        if step != 1:
-            raise ValueError("SparseRows are sliced by ranges of rows")
-        stop = max(start, stop)
+        start, stop = _row_range(rows, len(self), "SparseRows are")
         first, last = int(self.indptr[start]), int(self.indptr[stop])
         return SparseRows(self.indptr[start:stop + 1] - first, self.columns[first:last],
                           self.values[first:last], self.width)
@@ -209,11 +206,9 @@ class RaggedColumn:
 
     def __getitem__(self, rows: slice) -> RaggedColumn:
         """Rows ``start:stop`` (a slice of step 1), sharing the values."""
-        start, stop, step = rows.indices(len(self))
-        if step != 1:
-            raise ValueError("a RaggedColumn is sliced by ranges of rows")
+        start, stop = _row_range(rows, len(self), "a RaggedColumn is")
         # (the boundaries keep their offsets into the shared values)
-        return RaggedColumn(self.indptr[start:max(start, stop) + 1], self.values)
+        return RaggedColumn(self.indptr[start:stop + 1], self.values)
 
     def tolist(self) -> list[list[Any]]:
         """Each row's values as a list of Python values."""
@@ -221,3 +216,13 @@ class RaggedColumn:
         flat = self.values[first:last].tolist()
         bounds = (self.indptr - first).tolist()
         return [flat[begin:end] for begin, end in itertools.pairwise(bounds)]
+
+
+def _row_range(rows: slice, count: int, what: str) -> tuple[int, int]:
+    """``rows`` (a slice of step 1) as (start, stop) within ``count`` rows,
+    ``stop`` never before ``start``; ``what`` names the sliced thing in the
+    error for any other step."""
+    start, stop, step = rows.indices(count)
+    if step != 1:
+        raise ValueError(f"{what} sliced by ranges of rows")
+    return start, max(start, stop)
