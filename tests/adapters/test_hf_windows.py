@@ -5,7 +5,7 @@ routed as it comes (``windows=False``, what ``stream()`` does): the same
 tokens, signals in order, verdicts and counts, records included, while the
 probes are called once per window. Scores are compared bit for bit: the
 built-ins score each row on its own, whatever the height of the matrix it is
-in (the linear readout sums by ``numpy.einsum``, not a threaded BLAS).
+in (the linear readout sums each row on its own, not by a threaded BLAS product).
 """
 
 from __future__ import annotations

@@ -190,14 +190,15 @@ def test_bad_arguments_say_what_is_wrong():
 
 
 @pytest.mark.parametrize("classes", [None, 3])
-def test_a_row_scores_the_same_bits_in_a_matrix_of_any_height(classes):
+@pytest.mark.parametrize("hidden", [128, 9001])  # (9001: summed in three pieces)
+def test_a_row_scores_the_same_bits_in_a_matrix_of_any_height(classes, hidden):
     """The readout's product is summed row by row on the calling thread
-    (einsum, no threaded BLAS): a row's score does not depend on the rows
-    scored with it, so a window of steps scores exactly what each step does."""
+    (one dot product per row, no threaded BLAS product): a row's score does
+    not depend on the rows scored with it, so a window of steps scores
+    exactly what each step does."""
     from undercurrent.probes.linear import LinearReadout
 
     rng = np.random.default_rng(3)
-    hidden = 128
     shape = (hidden,) if classes is None else (classes, hidden)
     readout = LinearReadout(weight=rng.normal(size=shape).tolist(),
                             bias=(0.1 if classes is None else [0.1] * classes),

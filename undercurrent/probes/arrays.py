@@ -165,6 +165,43 @@ def batch_matrix(batch: Any) -> Any:
     return matrix
 
 
+#: :func:`row_dots` sums a row's dot product in pieces of at most this many
+#: values, each one BLAS dot product: OpenBLAS (numpy's wheels) spreads a dot
+#: product of more than 10,000 values over its threads, whose helpers
+#: busy-wait between calls; a piece this size runs on the calling thread.
+DOT_WIDTH = 4096
+
+
+def row_dots(matrix: Any, weight: Any) -> Any:
+    """``matrix @ weight.T`` for a float matrix of rows (``n x width``) and a
+    weight vector (``width``) or matrix (``k x width``): an array of ``n``
+    (or ``n x k``) dot products, each summed from its own row alone, on the
+    calling thread, so a row gets the same bits whatever the matrix it is in
+    (its height, its other rows). One BLAS dot product per row and weight
+    (``numpy.vecdot``; ``numpy.einsum`` before numpy 2), in pieces of
+    :data:`DOT_WIDTH` values added in order for wider rows.
+
+    >>> import numpy as np
+    >>> row_dots(np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([0.5, 1.0])).tolist()
+    [2.5, 5.5]
+    >>> row_dots(np.array([[1.0, 2.0]]), np.array([[1.0, 0.0], [0.0, 1.0]])).tolist()
+    [[1.0, 2.0]]
+    """
+    np = numpy_module()
+    vecdot = getattr(np, "vecdot", None)
+    if vecdot is None:  # (numpy 1: each row's sum of products, by einsum)
+        return (np.einsum("ij,j->i", matrix, weight) if weight.ndim == 1
+                else np.einsum("ij,kj->ik", matrix, weight))
+    rows = matrix if weight.ndim == 1 else matrix[:, None, :]
+    width = matrix.shape[1]
+    if width <= DOT_WIDTH:
+        return vecdot(rows, weight)
+    total = vecdot(rows[..., :DOT_WIDTH], weight[..., :DOT_WIDTH])
+    for start in range(DOT_WIDTH, width, DOT_WIDTH):
+        total += vecdot(rows[..., start:start + DOT_WIDTH], weight[..., start:start + DOT_WIDTH])
+    return total
+
+
 #: :func:`map_rows` converts this many rows to float64 at a time: a block stays
 #: in the CPU's cache between its conversion and the computation reading it.
 BLOCK_ROWS = 512
@@ -178,7 +215,7 @@ def map_rows(batch: Any, compute: Callable[[Any], Any]) -> Any:
     array with one entry (or one row of entries) per matrix row (or
     :class:`~undercurrent.probes.sparse.SparseRows`), each
     depending on its own row only, and the same whatever the matrix's height
-    (the built-ins' norms, means and ``numpy.einsum`` products are). Rows an
+    (the built-ins' norms, means and :func:`row_dots` products are). Rows an
     adapter will stack from pieces (:class:`~undercurrent.records.DeferredRows`,
     on the CPU) are read piece by piece, so they are never stacked; other rows
     are converted in blocks of :data:`BLOCK_ROWS`. A batch whose float64

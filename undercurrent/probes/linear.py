@@ -18,6 +18,7 @@ from undercurrent.probes.arrays import (
     float32_rows,
     map_rows,
     numpy_module,
+    row_dots,
 )
 from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
 from undercurrent.probes.scoring import (
@@ -153,14 +154,12 @@ class LinearReadout:
                 f"{self.source}: expects activations of size {self.weights.hidden}, got a "
                 f"tensor of shape {shape} ({matrix.shape[1]} values once flattened)"
             )
-        # einsum, not ``@``: each row's dot product on this thread, the same
-        # whatever the matrix's height. A threaded BLAS would busy-wait for its
-        # helper threads, which a loaded machine (or an engine's own threads)
-        # may not run at once: milliseconds on a generation thread, for a
-        # product of a few hundred microseconds.
-        weight = self.weights.weight
-        product = (np.einsum("ij,j->i", matrix, weight) if weight.ndim == 1
-                   else np.einsum("ij,kj->ik", matrix, weight))
+        # row_dots, not ``@``: each row's dot product on this thread, the same
+        # whatever the matrix's height. A threaded BLAS product would busy-wait
+        # for its helper threads, which a loaded machine (or an engine's own
+        # threads) may not run at once: milliseconds on a generation thread, for
+        # a product of a few hundred microseconds.
+        product = row_dots(matrix, self.weights.weight)
         return np.asarray(product + self.weights.bias, np.float64)
 
     def _scores(self, logits: Any) -> tuple[Any, dict[str, Any]]:
@@ -261,14 +260,13 @@ class LogitScreen:
             return self._may_reach(pieces)
 
     def _may_reach(self, pieces: Sequence[Any]) -> bool:
-        np = numpy_module()
         best = amax = -math.inf
         for piece in pieces:
             rows = float32_rows(piece)
             if rows is None or rows.shape[1] != self.hidden:
                 return True  # (the exact path decides, or says what is wrong)
-            # einsum: on this thread, whatever BLAS would do (see LinearReadout._logits)
-            top = float(np.einsum("ij,j->i", rows, self.weight).max())
+            # (on this thread, whatever the BLAS: see LinearReadout._logits)
+            top = float(row_dots(rows, self.weight).max())
             low, high = float(rows.min()), float(rows.max())
             if not (math.isfinite(top) and math.isfinite(low) and math.isfinite(high)):
                 return True  # (NaN or infinity: the exact scores decide)

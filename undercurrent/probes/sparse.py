@@ -155,8 +155,8 @@ def row_products(matrix: Any, weight: Any) -> Any:
     with zero rows. A BLAS product may round a row differently with the height
     of the product it is part of (a single row goes through a matrix-vector
     product); products of one height give each row the same bits whatever
-    batch or window it comes in, as ``numpy.einsum`` does for a vector, at
-    BLAS speed.
+    batch or window it comes in, as :func:`~undercurrent.probes.arrays.row_dots`
+    does for a vector, at BLAS speed.
 
     >>> import numpy as np
     >>> rows, weight = np.arange(6.0).reshape(3, 2), np.array([[1.0, 0.0, 2.0], [0.5, 1.0, 0.0]])
