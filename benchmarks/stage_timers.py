@@ -70,11 +70,16 @@ STAGES = (
     ("undercurrent.router.router", "Router", "end_requests",
      "  end them in the router (verdicts, results)"),
     ("undercurrent.router.scheduler", "AsyncScheduler", "_run_group", "workers: judge together"),
+    ("undercurrent.router.binding", "Binding", "take_together",
+     "  take the group's queued rows (every binding at once)"),
     ("undercurrent.router.binding", "Binding", "take_queued_rows",
-     "  take each binding's queued rows"),
+     "  take each binding's queued rows (where not at once)"),
     ("undercurrent.router.scheduler", None, "_judge_taken",
      "  the turn's values and judgements (in the trajectory stages above)"),
-    ("undercurrent.router.binding", "Binding", "finish_ranges", "    settle each binding"),
+    ("undercurrent.router.binding", "Binding", "finish_ranges_together",
+     "    settle the group's bindings (at once)"),
+    ("undercurrent.router.binding", "Binding", "finish_ranges",
+     "    settle each binding (where not at once)"),
     ("undercurrent.router.scheduler", "AsyncScheduler", "_run_batch", "workers: judge one"),
 )
 

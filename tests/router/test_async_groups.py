@@ -7,7 +7,9 @@ checked against a recurrence computed here."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Any
 
 import pytest
@@ -166,11 +168,16 @@ def test_a_probe_without_judge_many_is_served_alone_with_its_own_errors(monkeypa
             0.5 * math.sqrt(HIDDEN))
 
 
-def test_a_binding_found_empty_is_not_handed_back_once_a_producer_queued_on_it():
+@pytest.mark.parametrize("together", [True, False], ids=["taken together", "each alone"])
+def test_a_binding_found_empty_is_not_handed_back_once_a_producer_queued_on_it(
+        monkeypatch, together):
     """A worker serving a group finds one binding empty (so it is unscheduled);
     before the turn ends a producer queues on it and schedules it itself. The
     worker must not hand it back too: on the ready line twice, two workers could
-    serve it at once, out of order."""
+    serve it at once, out of order. Taken together (``Binding.take_together``,
+    every lock free) or each alone (a lock was taken)."""
+    from undercurrent.router.binding import Binding
+
     point = _point("trajectory_probe", (0,), None, "flag", "ewma", 8)
     batch = ActivationBatch(np.ones((1, HIDDEN)), request_ids=["r0"], point_names=["p"],
                             layers=[0], tensor_type="residual_stream", token_indices=[3],
@@ -181,26 +188,108 @@ def test_a_binding_found_empty_is_not_handed_back_once_a_producer_queued_on_it()
         served, empty = (router._requests[r].bindings["p"] for r in ("r0", "r1"))
         assert served.enqueue_batch(batch)  # queued, not handed to any worker here
         producer_scheduled = []
-        take = empty.take_queued_rows
 
-        def take_then_a_producer_queues(limit):
-            found = take(limit)
-            assert found is None  # empty: unscheduled by this very call
+        def a_producer_queues():
             other = ActivationBatch(np.ones((1, HIDDEN)), request_ids=["r1"], point_names=["p"],
                                     layers=[0], tensor_type="residual_stream",
                                     token_indices=[3], is_generated=[True],
                                     generated_indices=[0], token_ids=[1])
             producer_scheduled.append(empty.enqueue_batch(other))
-            return found
 
-        empty.take_queued_rows = take_then_a_producer_queues
+        if together:
+            take_together = Binding.take_together
+
+            def take_then_a_producer_queues(bindings):
+                taken = take_together(bindings)
+                assert [binding for binding, _ in taken] == [served]  # the empty one left
+                a_producer_queues()
+                return taken
+
+            monkeypatch.setattr(Binding, "take_together",
+                                staticmethod(take_then_a_producer_queues))
+        else:
+            take = empty.take_queued_rows
+
+            def take_alone_then_a_producer_queues(limit):
+                found = take(limit)
+                assert found is None  # empty: unscheduled by this very call
+                a_producer_queues()
+                return found
+
+            monkeypatch.setattr(Binding, "take_together", staticmethod(lambda bindings: None))
+            empty.take_queued_rows = take_alone_then_a_producer_queues
         handed = scheduler.AsyncScheduler(1)._run_group([served, empty], scheduler._Worker())
         assert producer_scheduled == [True]  # the producer scheduled it itself
         assert empty not in handed
         assert served.processed == 1
-        del empty.take_queued_rows  # the real method again, for the router's worker
+        if not together:
+            del empty.take_queued_rows  # the real method again, for the router's worker
+        monkeypatch.undo()
         router._scheduler.schedule(empty)  # what the producer does with its True
         assert router.end_request("r1")["p"].stats.processed == 1
+
+
+def test_a_group_turn_is_taken_and_settled_at_once_only_with_every_lock_free():
+    """``Binding.take_together`` takes each binding's whole queue (one found empty
+    is unscheduled); ``finish_ranges_together`` settles them, or does nothing
+    while another thread holds one lock (each then finishes alone, waiting for
+    its lock)."""
+    from undercurrent.router.binding import Binding
+
+    @contextlib.contextmanager
+    def held_elsewhere(binding):
+        taken, done = threading.Event(), threading.Event()
+
+        def hold():
+            with binding._mutex:
+                taken.set()
+                done.wait()
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        taken.wait()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    point = _point("trajectory_probe", (0,), None, "flag", "ewma", 8)
+
+    def rows(request_id, count):
+        return ActivationBatch(np.ones((count, HIDDEN)), request_ids=[request_id] * count,
+                               point_names=["p"] * count, layers=[0] * count,
+                               tensor_type="residual_stream", token_indices=list(range(count)),
+                               is_generated=[True] * count, generated_indices=list(range(count)),
+                               token_ids=[1] * count)
+
+    with Router(workers=1) as router:
+        for request_id in ("r0", "r1", "r2"):
+            router.register_request(request_id, [point])
+        first, second, empty = (router._requests[r].bindings["p"] for r in ("r0", "r1", "r2"))
+        assert first.enqueue_batch(rows("r0", 2))  # (queued here, handed to no worker)
+        assert first.enqueue_batch(rows("r0", 1)) is False  # (scheduled already)
+        assert second.enqueue_batch(rows("r1", 1))
+        with held_elsewhere(first):  # a lock taken: nothing taken
+            assert Binding.take_together([first, second, empty]) is None
+        assert (first._queued, second._queued) == (3, 1)
+        taken = Binding.take_together([first, second, empty])
+        assert [(binding, [stop - start for _, start, stop in pieces])
+                for binding, pieces in taken] == [(first, [2, 1]), (second, [1])]
+        assert (first._busy, first._in_flight, first._queued) == (True, 3, 0)
+        assert (empty._scheduled, empty._busy) == (False, False)
+        ranges = [(binding, [(batch, start, stop, start) for batch, start, stop in pieces])
+                  for binding, pieces in taken]
+        with held_elsewhere(second):
+            assert Binding.finish_ranges_together(ranges, None, [0.3, 0.1], 0.1) is None
+        assert second._busy and second.processed == 0
+        assert Binding.finish_ranges_together(ranges, None, [0.3, 0.1], 0.1) == [False, False]
+        for binding, processed in ((first, 3), (second, 1)):
+            assert (binding.processed, binding._busy, binding._scheduled) == (processed, False,
+                                                                             False)
+        results = {r: router.end_request(r)["p"].stats for r in ("r0", "r1", "r2")}
+        assert [(stats.received, stats.processed, stats.dropped)
+                for stats in results.values()] == [(3, 3, 0), (1, 1, 0), (0, 0, 0)]
 
 
 def test_a_group_turn_takes_each_binding_s_whole_queue(monkeypatch):

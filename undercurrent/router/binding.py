@@ -1205,6 +1205,72 @@ class Binding:
             self._wake()  # room for a producer blocked on a full queue
         return [(piece.batch, piece.start, piece.stop) for piece in pieces]
 
+    @staticmethod
+    def take_together(bindings: Sequence[Binding]
+                      ) -> list[tuple[Binding, list[tuple[ActivationBatch, int, int]]]] | None:
+        """:meth:`take_queued_rows` of each async binding of a group's turn, up to
+        its queue's capacity, at once: (binding, its row ranges) for those with
+        rows queued, each then busy with its whole queue; one found empty (or
+        finalised) is unscheduled, as :meth:`take_queued_rows` leaves it. None,
+        with nothing done, unless every lock is free, every probe scores
+        batches and no queue holds more than its capacity (then each is taken
+        on its own)."""
+        taken: list[tuple[Binding, list[tuple[ActivationBatch, int, int]]]] = []
+        with _all_locked(bindings) as locked:
+            if not locked or not all(binding._batched
+                                     and binding._queued <= (binding._queue_capacity or 1)
+                                     for binding in bindings):
+                return None
+            for binding in bindings:
+                queue = binding._queue
+                if not queue or binding._finalised:
+                    binding._scheduled = False
+                else:
+                    taken.append((binding, [(rows.batch, rows.start, rows.stop)
+                                            for rows in queue]))
+                    queue.clear()
+                    binding._busy = True  # begin_call, inlined
+                    binding._in_flight = binding._queued
+                    binding._queued = 0
+                if binding._sleepers:
+                    binding._wake()  # room for a producer blocked on a full queue
+        return taken
+
+    @staticmethod
+    def finish_ranges_together(
+            bindings_pieces: Sequence[tuple[Binding, Sequence[tuple[ActivationBatch, int, int,
+                                                                    int]]]],
+            signals: BatchSignals | None, shares: Sequence[float], longest: float
+    ) -> list[bool] | None:
+        """:meth:`finish_ranges` of each binding of a group's turn, with its
+        pieces and its latency (``shares``), at once: per binding, whether it
+        stays scheduled. None, with nothing done, when a lock is taken (each
+        then finishes on its own)."""
+        bindings = [binding for binding, _ in bindings_pieces]
+        kept: list[bool] = []
+        with _all_locked(bindings) as locked:
+            if not locked:
+                return None
+            for (binding, pieces), latency in zip(bindings_pieces, shares, strict=True):
+                binding._busy = False  # end_call, inlined
+                binding._in_flight = 0
+                if not binding._finalised:
+                    binding._processed += sum(stop - start for _, start, stop, _ in pieces)
+                    binding._latency_total += latency
+                    if longest > binding._latency_max:
+                        binding._latency_max = longest
+                    if signals is not None:
+                        binding._unread_list().extend(
+                            (signals, batch, start, stop, True, offset)
+                            for batch, start, stop, offset in pieces)
+                more = bool(binding._queue) and not binding._finalised  # keep_scheduled
+                if not more:
+                    binding._scheduled = False
+                if binding._sleepers:
+                    binding._wake()
+                kept.append(more)
+        return kept
+
     def finish_call(self, batch: ActivationBatch, outcome: BatchOutcome, *,
                     observed: bool) -> bool:
         """The call marked by :meth:`admit_inline` / :meth:`take_queued` returned:

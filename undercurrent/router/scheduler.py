@@ -180,11 +180,13 @@ class AsyncScheduler:
         still have work. A group's turn costs one judging call for all its
         bindings, so each gives its whole queue: a window's rows, routed at
         once, are judged in one turn, not in ``batch_size`` slices."""
-        taken: list[tuple[Binding, list[tuple[ActivationBatch, int, int]]]] = []
-        for binding in bindings:
-            pieces = binding.take_queued_rows(binding.queue_capacity)
-            if pieces is not None:
-                taken.append((binding, pieces))
+        taken = Binding.take_together(bindings)
+        if taken is None:  # (a lock taken, or a probe that does not batch: each alone)
+            taken = []
+            for binding in bindings:
+                pieces = binding.take_queued_rows(binding.queue_capacity)
+                if pieces is not None:
+                    taken.append((binding, pieces))
         if not taken:
             return []
         worker.call_started = time.monotonic()
@@ -309,8 +311,14 @@ def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int,
         return None
     share = (time.perf_counter() - started) / len(tokens)
     kept = signals if signals.any_signal() else None
-    return [binding.finish_ranges(where, kept, share * (last - first), share)
-            for (binding, _), (first, last), where in zip(taken, spans, placed, strict=True)]
+    shares = [share * (last - first) for first, last in spans]
+    finished = Binding.finish_ranges_together(
+        [(binding, where) for (binding, _), where in zip(taken, placed, strict=True)],
+        kept, shares, share)
+    if finished is not None:
+        return finished
+    return [binding.finish_ranges(where, kept, latency, share)
+            for (binding, _), latency, where in zip(taken, shares, placed, strict=True)]
 
 
 _Joined = tuple[Any, list[tuple[int, int]], Sequence[int], Sequence[int],
