@@ -104,6 +104,9 @@ class _RowDriver:
         # aborted one: the session's aborts are as many as at the start).
         self._none_ended = True
         self._aborts = len(session.aborted)
+        # The longest request's generated tokens, while every request takes one a
+        # step (after_token's first path); None: not counted.
+        self._longest: int | None = None
         self.texts = [""] * len(states)
         self._generated = [state.generated for state in states]  # the lists themselves
         self.track_text = bool(params.stop) or on_event is not None
@@ -219,8 +222,12 @@ class _RowDriver:
             # (each request's list takes its token: one C-level pass, no Python per request)
             assert len(tokens) == len(self._generated)
             collections.deque(map(list.append, self._generated, tokens), maxlen=0)
+            # (Each took one token: the longest is one longer than at the last step
+            # that came this way, counted once.)
+            longest = self._longest = (max(map(len, self._generated)) if self._longest is None
+                                       else self._longest + 1)
             # (Checked for the whole batch at once: most steps end no request.)
-            ended = not eos.isdisjoint(tokens) or max(map(len, self._generated)) >= limit
+            ended = not eos.isdisjoint(tokens) or longest >= limit
             if ended:
                 for state, token in zip(states, tokens, strict=True):
                     if token in eos:
@@ -239,6 +246,7 @@ class _RowDriver:
                                 dtype=torch.bool, device=input_ids.device)
         self._advanced = False
         self._none_ended = False  # (this path does not tell: look at each request from now)
+        self._longest = None
         for row, state in enumerate(states):
             if state.finish_reason is not None:  # not live
                 continue
