@@ -66,10 +66,11 @@ def test_stage_timers_time_an_async_trajectory_s_workers_and_put_every_function_
     from undercurrent import ProbedModel
     from undercurrent.probes.trajectory import TrajectoryProbe
     from undercurrent.router import Router, scheduler
+    from undercurrent.router.binding import Binding
     from undercurrent.spec import parse_dict
 
     before = (vars(TrajectoryProbe)["judge_many"], TrajectoryProbe.row_values,
-              scheduler._judge_taken)
+              scheduler._judge_taken, vars(Binding)["take_together"])
     spec = parse_dict({"version": "1", "extraction_points": [{
         "name": "p", "layers": [0, 1], "tensor_type": "residual_stream",
         "position": "generated[*]", "probe_type": "trajectory_probe",
@@ -85,14 +86,15 @@ def test_stage_timers_time_an_async_trajectory_s_workers_and_put_every_function_
     # (every row judged: the workers' stages ran before generate() returned)
     assert all(output.results["p"].stats.processed == output.results["p"].stats.received > 0
                for output in outputs)
-    for stage in ("workers: judge together", "  take each binding's queued rows",
+    for stage in ("workers: judge together",
+                  "  take the group's queued rows (every binding at once)",
                   "  the turn's values and judgements (in the trajectory stages above)",
-                  "    settle each binding",
+                  "    settle the group's bindings (at once)",
                   "    trajectory: the rows' values (norms or scores)",
                   "    trajectory: running statistics and summaries (judge_many)"):
         assert totals[stage] > 0, stage
     assert (vars(TrajectoryProbe)["judge_many"], TrajectoryProbe.row_values,
-            scheduler._judge_taken) == before
+            scheduler._judge_taken, vars(Binding)["take_together"]) == before
 
 
 def test_a_copy_counts_when_it_blocks_into_host_memory():
