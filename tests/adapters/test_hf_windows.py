@@ -700,6 +700,13 @@ def test_the_router_says_how_much_room_the_queues_have():
             router._requests["b"].bindings["watch"].close()  # a closed queue takes nothing
             assert router.window_room("watch", ["a", "b"]) == 0
             assert router.window_room("watch", ["a", "inline"]) == 21
+        # The same requests asked of again once one ended, then came back: its
+        # binding as it is now (the bindings found before are not kept past it).
+        router.end_request("b")
+        assert router.window_room("watch", ["a", "b"]) == 0
+        router.register_request("b", [_point("trajectory_probe", mode="async", depth=4)])
+        assert router.window_room("watch", ["b", "a"]) == 4
+        assert router.window_room("watch", ["a", "b"]) == 4
 
 
 @pytest.mark.parametrize("point, probes", [

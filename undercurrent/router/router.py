@@ -232,6 +232,10 @@ class Router:
         self._version = 0  # bumped whenever _requests changes (cached routes then go)
         # route_columns' routes for a spans list given again, by the list's id.
         self._routes: dict[int, _Routes] = {}
+        # _point_bindings' answers, by point name and request ids (with the version
+        # they were found at): a window asks of the same requests at each of its
+        # checks for room.
+        self._points: dict[tuple[str, tuple[str, ...]], tuple[int, list[Binding]]] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._results_after_shutdown: dict[str, dict[str, ProbeResult]] = {}
         self._totals = dict.fromkeys(_COUNTERS, 0)
@@ -355,8 +359,7 @@ class Router:
             if not self._ended.keys().isdisjoint(ids):  # (ended moments ago: live again)
                 for request_id in ids:
                     self._ended.pop(request_id, None)
-            self._version += 1
-            self._routes.clear()  # stale now: let go of their bindings
+            self._requests_changed()
 
     def _refuse_live(self, ids: list[str], label: str) -> None:
         """Raise when one of the requests is live already (lock held)."""
@@ -557,15 +560,34 @@ class Router:
             screen = getattr(test, "screen", None)
         return AbortGuard(key, probes[0].row_values, test, screen)
 
+    def _requests_changed(self) -> None:
+        """A request was registered or ended (lock held): the routes and bindings
+        found before are stale, and let go of."""
+        self._version += 1
+        self._routes.clear()
+        self._points.clear()
+
     def _point_bindings(self, name: str, request_ids: Iterable[str]) -> list[Binding] | None:
         """The bindings of point ``name`` of these requests, in order; None when
         one of them is not live or lacks the point."""
+        key = (name, tuple(request_ids))
         with self._lock:  # (looked up in C: map over the ids, then over the requests)
-            requests = list(map(self._requests.get, request_ids))
+            version = self._version
+            found = self._points.get(key)
+            if found is not None and found[0] == version:
+                return found[1]
+            requests = list(map(self._requests.get, key[1]))
         if None in requests:
             return None
         bindings = list(map(operator.methodcaller("get", name), map(_BINDINGS, requests)))
-        return None if None in bindings else bindings
+        if None in bindings:
+            return None
+        with self._lock:
+            if self._version == version:  # (still live: kept until one is registered or ended)
+                if len(self._points) >= _ROUTES_KEPT:
+                    self._points.clear()
+                self._points[key] = (version, bindings)
+        return bindings
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:
         """Whether a probe may stop one of these live requests before it ends.
@@ -860,8 +882,7 @@ class Router:
                     self._ended[request_id] = None
         while len(self._ended) > _RECENTLY_ENDED:
             self._ended.popitem(last=False)
-        self._version += 1
-        self._routes.clear()  # stale now: let go of their bindings
+        self._requests_changed()
         return requests, stored
 
     def _finish_all(self, requests: Sequence[_Request], timeout: float
@@ -1001,8 +1022,7 @@ class Router:
             self._closed = True
             live = list(self._requests.values())
             self._requests.clear()
-            self._version += 1
-            self._routes.clear()  # stale now: let go of their bindings
+            self._requests_changed()
             for request in live:
                 self._ended[request.request_id] = None
         timeout = (self.drain_timeout_s if timeout_s is None else timeout_s) if wait else 0.0
