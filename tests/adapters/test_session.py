@@ -592,3 +592,104 @@ def test_requests_closed_together_give_every_field_closing_each_gives():
     theirs, _, _ = _closing_run(False)
     assert views(mine) == views(theirs)
     assert [type(output.signals).__name__ for output in mine] == ["LazySequence"] * 3
+
+
+def _edited_session(point_specs, edit_specs, prompt_lengths):
+    from undercurrent.spec.types import Edit
+    from undercurrent.steering.vectors import resolve_edits
+
+    points = [_layered_point(f"p{index}", position, tensor_type, layers=layers, stride=stride,
+                             probe_type="none")
+              for index, (position, tensor_type, layers, stride) in enumerate(point_specs)]
+    edits = resolve_edits([Edit(name=f"e{index}", layers=layers, tensor_type=tensor_type,
+                                position=position, stride=stride, op="add",
+                                vector=[1.0, 0.0, 0.0, 0.0], coefficient=1.0)
+                           for index, (position, tensor_type, layers, stride)
+                           in enumerate(edit_specs)], hidden_size=4)
+    session = CaptureSession(None, points, edits=edits)
+    states = [session.open_request(f"r{i}", "x", [1] * length)
+              for i, length in enumerate(prompt_lengths)]
+    return session, states
+
+
+def _edit_view(plan, states):
+    return ([(key, [(entry.resolved.edit.name, entry.slots) for entry in entries.values()])
+             for key, entries in plan.edits.items()],
+            [(state.request_id, state.applied, state.edited_sites) for state in states])
+
+
+_EDITED_CASES = [
+    # (points, edits, generated tokens before the step): points of several strides
+    # with an edit on every token, an edit every third token from the second, edits
+    # at two layers, no point at all, and steps where only some of them match.
+    ([("generated[*]", "residual_stream", (0, 1), 1), ("generated[*]", "mlp_out", (2,), 2)],
+     [("generated[*]", "residual_stream", (1,), 1)], 4),
+    ([("generated[*]", "residual_stream", (0,), 1)],
+     [("generated[1:]", "residual_stream", (2, 0), 3), ("generated[*]", "mlp_out", (1,), 1)], 4),
+    ([("generated[*]", "residual_stream", (0,), 1)],
+     [("generated[1:]", "residual_stream", (2, 0), 3)], 5),
+    ([], [("generated[*]", "residual_stream", (1, 3), 1)], 2),
+    ([("generated[*]", "mlp_out", (3,), 2)], [("generated[*]", "residual_stream", (0,), 2)], 4),
+    ([("generated[*]", "mlp_out", (3,), 2)], [("generated[*]", "residual_stream", (0,), 2)], 3),
+]
+
+
+@pytest.mark.parametrize("points, edits, before", _EDITED_CASES)
+def test_edited_tokens_planned_at_once_give_the_plan_and_logs_of_each_window(points, edits,
+                                                                            before):
+    """``add_edited_tokens``: the groups, matches, edit slots (in order) and each
+    request's log of applied edits that ``add_window`` of each request gives."""
+    lengths = [2, 3, 5]
+    mine, theirs = (_edited_session(points, edits, lengths) for _ in range(2))
+    plans = []
+    for (_, states), together in ((mine, True), (theirs, False)):
+        for state in states:
+            state.generated.extend([7] * (before + 1))
+        fed = [(state, state.prompt_len + before, (row, 0)) for row, state in enumerate(states)]
+        plan = StepPlan()
+        if together:
+            assert plan.add_edited_tokens(fed)
+        else:
+            for state, index, slot in fed:
+                plan.add_window(state, index, index + 1, lambda t, slot=slot: slot)
+        plans.append((plan, states))
+    (plan, states), (oracle, oracle_states) = plans
+    assert _plan_view(plan) == _plan_view(oracle)
+    assert _edit_view(plan, states) == _edit_view(oracle, oracle_states)
+    assert plan.one_each == oracle.one_each
+    # (something planned, but at a token between the strides of the last case)
+    assert bool(plan.edits or plan.groups) == (before != 3)
+
+
+def test_edited_tokens_are_planned_each_alone_where_requests_differ():
+    """Requests whose edits differ, a triggered edit, an edit that ends, a point
+    that picks one token, or an aborted request: ``add_edited_tokens`` plans
+    nothing and says so."""
+    from dataclasses import replace
+
+    every = [("generated[*]", "residual_stream", (1,), 1)]
+    point = [("generated[*]", "residual_stream", (0,), 1)]
+
+    def fed_of(states):
+        for state in states:
+            state.generated.extend([7, 7])
+        return [(state, state.prompt_len + 1, (row, 0)) for row, state in enumerate(states)]
+
+    _, states = _edited_session(point, [("generated[0:5]", "residual_stream", (1,), 1)], [2, 3])
+    assert not StepPlan().add_edited_tokens(fed_of(states))  # (an edit that ends)
+    _, states = _edited_session([("3", "residual_stream", (0,), 1)], every, [2, 3])
+    assert not StepPlan().add_edited_tokens(fed_of(states))  # (a point of one token)
+    _, states = _edited_session(point, every, [2, 3])
+    states[1]._live_edits = [replace(states[1]._live_edits[0])]  # (another edit object)
+    assert not StepPlan().add_edited_tokens(fed_of(states))
+    _, states = _edited_session(point, every, [2, 3])
+    trigger = replace(states[0]._live_edits[0].edit, when={"point": "p0", "action": "flag"})
+    for state in states:
+        state._live_edits = [replace(state._live_edits[0], edit=trigger)]
+    assert not StepPlan().add_edited_tokens(fed_of(states))  # (a triggered edit)
+    _, states = _edited_session(point, every, [2, 3])
+    states[0].abort = AbortInfo(extraction_point_name="p0", layer=0, token_index=3,
+                                generated_index=1, signal=ProbeSignal(score=1.0))
+    plan = StepPlan()
+    assert not plan.add_edited_tokens(fed_of(states))
+    assert not plan.edits and not plan.groups and not states[1].applied

@@ -181,6 +181,7 @@ _PROMPT_TOKEN_IDS = operator.attrgetter("prompt_token_ids")
 _FINISH_REASON = operator.attrgetter("finish_reason")
 _LIVE_EDITS = operator.attrgetter("_live_edits")
 _LIVE_POINTS = operator.attrgetter("_live_points")
+_BOUNDED = operator.attrgetter("_bounded")
 
 
 class StreamText:
@@ -650,6 +651,78 @@ class StepPlan:
                 until is not None and token >= until
                 for token, until in zip(tokens, untils, strict=True)):
             return False  # (past a slice's end)
+        return self._plan_rows(points, fed, states, tokens, slots)
+
+    def add_edited_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
+        """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
+        (state, token_index, slot) in order, planned at once where every request
+        is alike: a fresh plan; requests of the same points and the same edits,
+        every edit always on (no ``when``), no point or edit that picks one
+        token or ends (none retires); each request live, its token matched by
+        the same points and the same edits as every other's; no two matching
+        points sharing a (layer, tensor type), no slot given twice. The plan,
+        the edits' slots and each request's log of applied edits are what
+        :meth:`add_window` of each request in turn gives. Returns False,
+        planning nothing, otherwise (plan each request with :meth:`add_window`)."""
+        if self.base is not None or self.groups or self.edits or self._matches or not fed:
+            return False
+        states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
+        first = states[0]
+        points, edits = first._live_points, first._live_edits
+        if (not edits or list(map(_ABORT, states)).count(None) != len(states)
+                or any(map(_CLOSED, states)) or any(map(_BOUNDED, states))
+                or not _same_points(list(map(_LIVE_POINTS, states)), points)
+                or not _same_points(list(map(_LIVE_EDITS, states)), edits)):
+            return False
+        for resolved in edits:
+            edit = resolved.edit
+            if (edit.when is not None or not edit.position.is_continuous
+                    or edit.position.stop is not None):
+                return False
+        matching: tuple[list[ExtractionPoint], list[Any]] | None = None
+        for state, token in zip(states, tokens, strict=True):
+            selectors = state._selectors
+            found_points = []
+            for point in points:
+                start, end, base, stride, target = selectors[id(point)]
+                if target is not None or end is not None:
+                    return False  # (a point that retires: each request planned alone)
+                if token >= start and (stride == 1 or (token - base) % stride == 0):
+                    found_points.append(point)
+            generated = token - state.prompt_len  # (edits select generated tokens only)
+            found_edits = [resolved for resolved in edits
+                           if generated >= max(resolved.edit.position.start, 0)
+                           and not (generated - resolved.edit.position.start)
+                           % resolved.edit.stride]
+            if matching is None:
+                matching = (found_points, found_edits)
+            elif (found_points, found_edits) != matching:  # (the same, compared in order)
+                return False
+        assert matching is not None
+        found_points, found_edits = matching
+        if found_points and not self._plan_rows(found_points, fed, states, tokens, slots):
+            return False
+        self.one_each = False  # (as add_window leaves it)
+        for resolved in found_edits:  # (each pair's edits in the order add_edit makes them)
+            for layer in resolved.edit.layers:
+                entries = self.edits.setdefault((layer, resolved.edit.tensor_type), {})
+                entry = entries.get(id(resolved))
+                if entry is None:
+                    entry = entries[id(resolved)] = EditSlots(resolved)
+                entry.slots.extend(slots)
+        for state, token in zip(states, tokens, strict=True):
+            for resolved in found_edits:
+                for layer in resolved.edit.layers:
+                    state.log_edit(resolved, layer, token)
+        return True
+
+    def _plan_rows(self, points: Sequence[ExtractionPoint],
+                   fed: Sequence[tuple[RequestState, int, Hashable]], states: list[RequestState],
+                   tokens: list[int], slots: list[Hashable]) -> bool:
+        """The plan of ``points`` matching each request's one token (request ``k``
+        at row ``k`` of each group): what :meth:`add_window` of each gives. False,
+        planning nothing, where two points share a (layer, tensor type) or a slot
+        is given twice."""
         generated = all(map(operator.ge, tokens, map(_PROMPT_LEN, states)))  # no prompt token
         pairs = [(layer, point.tensor_type) for point in points for layer in set(point.layers)]
         if len(set(pairs)) != len(pairs) or len(set(slots)) != len(slots):

@@ -174,8 +174,9 @@ class _RowDriver:
             return shifted
         plan = StepPlan()
         # (planned at once: every request fed is steady, so the plan repeats)
-        repeats = plan.add_steady_tokens([(state, index, (row, 0)) for state, index, row in fed])
-        if not repeats:
+        tokens = [(state, index, (row, 0)) for state, index, row in fed]
+        repeats = plan.add_steady_tokens(tokens)
+        if not repeats and not plan.add_edited_tokens(tokens):
             for state, index, row in fed:
                 plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
             repeats = not plan.edits and bool(fed) and all(
