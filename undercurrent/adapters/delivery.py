@@ -172,12 +172,13 @@ class SignalLog(Sequence[TokenSignal]):
         # Per (wave, request): the rows of each routed point, as (routed point,
         # start, stop, the match they serve: it orders rows across points); or a
         # window's steps of several points.
-        self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch]] | _WindowRuns] = []
+        self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch | int]] | _WindowRuns] = []
         self.following: _Follow | None = None
         """The journal whose entries are this request's next signals, if any."""
 
-    def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch]]) -> None:
-        """Signals of one token: each point's rows (run order: by point)."""
+    def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch | int]]) -> None:
+        """Signals of one token: each point's rows (run order: by point), with the
+        match they serve or its order (see :func:`_order`)."""
         if self.following is not None:
             self._catch_up(stop=True)
         self._pending.append(runs)
@@ -229,9 +230,10 @@ class SignalLog(Sequence[TokenSignal]):
         return iter(self._flush())
 
 
-def _token_signals(runs: list[tuple[RoutedPoint, int, int, PlanMatch]]
+def _token_signals(runs: list[tuple[RoutedPoint, int, int, PlanMatch | int]]
                    ) -> list[TokenSignal]:
-    """One token's TokenSignals, in (layer, arrival) order across its points."""
+    """One token's TokenSignals, in (layer, arrival) order across its points (a
+    run's match, or its order where that is one number: see :func:`_order`)."""
     found: list[tuple[int, int, TokenSignal]] = []
     for routed, start, stop, match in runs:
         signals = routed.located()
@@ -241,7 +243,8 @@ def _token_signals(runs: list[tuple[RoutedPoint, int, int, PlanMatch]]
             if signal is None:
                 continue
             layer = int(batch.layers[row])
-            found.append((layer, match.order_of(offset), TokenSignal(
+            order = match if isinstance(match, int) else match.order_of(offset)
+            found.append((layer, order, TokenSignal(
                 batch.point_names[row], layer, int(batch.token_indices[row]),
                 batch.generated_indices[row], signal)))
     if len(runs) > 1:
@@ -604,7 +607,7 @@ def _route_wave(session: Any, live: list[Any],
     router = session.router
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
     # A request's runs of one token, by point; with one point, each is added at once.
-    runs: dict[str, list[tuple[RoutedPoint, int, int, PlanMatch]]] | None = (
+    runs: dict[str, list[tuple[RoutedPoint, int, int, PlanMatch | int]]] | None = (
         {} if len(points) > 1 else None)
     aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
     for batch, spans, routed_spans in points:
@@ -630,9 +633,10 @@ def _route_wave(session: Any, live: list[Any],
         for state, start, stop, match in spans:
             if journal is None:  # else: appended above, once for every request
                 if runs is None:
-                    state.signals.add([(routed, start, stop, match)])
+                    state.signals.add([(routed, start, stop, _order(match))])
                 else:
-                    runs.setdefault(state.request_id, []).append((routed, start, stop, match))
+                    runs.setdefault(state.request_id, []).append(
+                        (routed, start, stop, _order(match)))
             if any_abort and ABORT_CODE in codes[start:stop]:
                 row = codes.index(ABORT_CODE, start, stop)
                 key = (match.layers[row - start], match.order_of(row - start), routed, row)
@@ -665,6 +669,17 @@ def _route_wave(session: Any, live: list[Any],
                                     batch.generated_indices[row], signal)
             state.finish_reason = "abort"
             session.aborted.append(state)
+
+
+def _order(match: PlanMatch) -> PlanMatch | int:
+    """What a request's signal log keeps of the match its rows of one step serve:
+    the order of its rows among the step's (``seq``), where that is one number
+    for every layer, else the match. A log keeps its runs until the request's
+    signals are read, a step each: plain numbers there let each step's plan,
+    its matches and their row lists go when the step is delivered, rather
+    than staying until the request ends (for the garbage collector to walk
+    over again at each full collection)."""
+    return match.seq if match.orders is None else match
 
 
 # -- a plan repeated one token later (StepPlan.shifted): the batches' layout kept --
