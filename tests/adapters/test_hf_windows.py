@@ -917,3 +917,24 @@ def test_steps_values_are_laid_out_as_the_window_batch_s_rows():
     assert laid[1]["where"] == expected
     assert laid[0].tolist() == [100.0 * s + 10 * r + k for s, r, k in expected]
     assert laid[1]["wide"].tolist() == [[v, -v] for v in laid[0].tolist()]
+
+
+def test_steps_routed_as_they_come_keep_no_match_in_the_signal_logs():
+    """Points of two strides (no steady layout: each decode step planned and
+    routed as it comes): what a request's signal log keeps of each step is
+    its rows' order, so no step's matches outlive its delivery (they would
+    stay until the request's signals are read, for each full garbage
+    collection to walk). The signals are those the steps gave."""
+    import gc
+
+    every = _point()
+    second = dataclasses.replace(every, name="second", tensor_type=TensorType.MLP_OUT,
+                                 layers=(1,), stride=2)
+    outputs = _generate([every, second], windows=False)
+    gc.collect()
+    assert delivery.PlanMatch not in set(map(type, gc.get_objects()))
+    for output in outputs:
+        seen = [(s.extraction_point_name, s.generated_index) for s in output.signals]
+        assert seen.count(("second", 0)) == 1 and ("second", 1) not in seen
+        fed = len(output.token_ids) - 1  # (the last token sampled is never fed back)
+        assert len(seen) == 3 * fed + (fed + 1) // 2
