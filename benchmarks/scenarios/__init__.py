@@ -21,9 +21,11 @@ from benchmarks.scenarios.probed import (
     ProbedInlineNorm,
     ProbedInlineTrajectory,
     ProbedInlineTrajectoryGuard,
+    ProbedMixedStrides,
     ProbedSaeFeatures,
     ProbedSlice,
     ProbedStrided,
+    ProbedWithEdit,
     ProbedWithPromptRead,
 )
 
@@ -47,7 +49,8 @@ SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTraj
 #: (``benchmarks.ab``, ``benchmarks.stage_timers``, ``benchmarks.profile``).
 ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver,
                                           ProbedSaeFeatures, ProbedStrided, ProbedSlice,
-                                          ProbedWithPromptRead, ProbedInlineTrajectoryGuard)
+                                          ProbedWithPromptRead, ProbedInlineTrajectoryGuard,
+                                          ProbedMixedStrides, ProbedWithEdit)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

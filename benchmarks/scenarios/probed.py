@@ -45,6 +45,10 @@ class _Probed(Scenario):
         """The spec's extraction points for the chosen layers."""
         raise NotImplementedError
 
+    def edits(self) -> list[dict[str, Any]]:
+        """The spec's live edits (spec-dict form; none by default)."""
+        return []
+
     keep_records: ClassVar[bool] = False
 
     def probe_classes(self) -> dict[str, type] | None:
@@ -56,9 +60,11 @@ class _Probed(Scenario):
         from undercurrent.api import ProbedModel
         from undercurrent.spec import ProbeSpec, parse_dict
 
-        points = self.points()
+        points, edits = self.points(), self.edits()
         spec = (
-            parse_dict({"version": "1", "extraction_points": points}) if points else ProbeSpec()
+            parse_dict({"version": "2", "extraction_points": points, "edits": edits}) if edits
+            else parse_dict({"version": "1", "extraction_points": points}) if points
+            else ProbeSpec()
         )
         self.probed = ProbedModel(model, bundle.tokenizer, spec=spec, backend="hf",
                                   probes=self.probe_classes())
@@ -335,6 +341,51 @@ class ProbedStrided(ProbedInlineLinear):
 
     def points(self) -> list[dict[str, Any]]:
         return [{**point, "stride": 2} for point in super().points()]
+
+
+class ProbedMixedStrides(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` as two points: the lower half of the chosen
+    layers on every generated token, the upper half on every second one. No
+    plan repeats from one step to the next, so each decode step is planned and
+    routed as it comes (the general path)."""
+
+    name: ClassVar[str] = "uc_inline_linear_mixed_strides"
+    captures: ClassVar[str] = (
+        "residual stream at the lower half of the chosen layers for every generated token "
+        "and at the upper half for every second one, scored inline by linear_probe"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        point = super().points()[0]
+        layers = list(point["layers"])
+        half = max(1, len(layers) // 2)
+        if len(layers) < 2:
+            raise ValueError(f"{self.name} needs two layers or more, got {layers}")
+        return [{**point, "name": "every", "layers": layers[:half]},
+                {**point, "name": "second", "layers": layers[half:], "stride": 2}]
+
+
+class ProbedWithEdit(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` beside a live edit on every generated token
+    (``op: add`` of the bundled probe's direction at the middle chosen layer,
+    coefficient 0, so the tokens stay the baseline's while the edit is planned,
+    applied and logged as any other). Plans with edits do not repeat: each
+    decode step is planned and routed as it comes."""
+
+    name: ClassVar[str] = "uc_inline_linear_and_edit"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe, beside an add edit (coefficient 0) on every generated token"
+    )
+
+    def edits(self) -> list[dict[str, Any]]:
+        bundle = getattr(self, "bundle", None)
+        hidden = None if bundle is None else int(bundle.model.config.hidden_size)
+        vector: Any = ("undercurrent:models/tiny/probe.safetensors"
+                       if hidden in (None, BUNDLED_PROBE_WIDTH) else [1.0] * hidden)
+        return [{"name": "steer", "layers": self.layers[len(self.layers) // 2],
+                 "tensor_type": "residual_stream", "position": "generated[*]", "op": "add",
+                 "vector": vector, "coefficient": 0.0}]
 
 
 class ProbedSlice(ProbedInlineLinear):
