@@ -618,10 +618,10 @@ def _edit_view(plan, states):
             [(state.request_id, state.applied, state.edited_sites) for state in states])
 
 
-_EDITED_CASES = [
+_ALIKE_CASES = [
     # (points, edits, generated tokens before the step): points of several strides
     # with an edit on every token, an edit every third token from the second, edits
-    # at two layers, no point at all, and steps where only some of them match.
+    # at two layers, no point at all, no edit, and steps where only some match.
     ([("generated[*]", "residual_stream", (0, 1), 1), ("generated[*]", "mlp_out", (2,), 2)],
      [("generated[*]", "residual_stream", (1,), 1)], 4),
     ([("generated[*]", "residual_stream", (0,), 1)],
@@ -630,14 +630,16 @@ _EDITED_CASES = [
      [("generated[1:]", "residual_stream", (2, 0), 3)], 5),
     ([], [("generated[*]", "residual_stream", (1, 3), 1)], 2),
     ([("generated[*]", "mlp_out", (3,), 2)], [("generated[*]", "residual_stream", (0,), 2)], 4),
+    ([("generated[*]", "residual_stream", (0, 1), 1), ("generated[1:]", "mlp_out", (2,), 3)],
+     [], 4),
     ([("generated[*]", "mlp_out", (3,), 2)], [("generated[*]", "residual_stream", (0,), 2)], 3),
 ]
 
 
-@pytest.mark.parametrize("points, edits, before", _EDITED_CASES)
-def test_edited_tokens_planned_at_once_give_the_plan_and_logs_of_each_window(points, edits,
+@pytest.mark.parametrize("points, edits, before", _ALIKE_CASES)
+def test_alike_tokens_planned_at_once_give_the_plan_and_logs_of_each_window(points, edits,
                                                                             before):
-    """``add_edited_tokens``: the groups, matches, edit slots (in order) and each
+    """``add_alike_tokens``: the groups, matches, edit slots (in order) and each
     request's log of applied edits that ``add_window`` of each request gives."""
     lengths = [2, 3, 5]
     mine, theirs = (_edited_session(points, edits, lengths) for _ in range(2))
@@ -648,7 +650,7 @@ def test_edited_tokens_planned_at_once_give_the_plan_and_logs_of_each_window(poi
         fed = [(state, state.prompt_len + before, (row, 0)) for row, state in enumerate(states)]
         plan = StepPlan()
         if together:
-            assert plan.add_edited_tokens(fed)
+            assert plan.add_alike_tokens(fed)
         else:
             for state, index, slot in fed:
                 plan.add_window(state, index, index + 1, lambda t, slot=slot: slot)
@@ -661,9 +663,9 @@ def test_edited_tokens_planned_at_once_give_the_plan_and_logs_of_each_window(poi
     assert bool(plan.edits or plan.groups) == (before != 3)
 
 
-def test_edited_tokens_are_planned_each_alone_where_requests_differ():
+def test_alike_tokens_are_planned_each_alone_where_requests_differ():
     """Requests whose edits differ, a triggered edit, an edit that ends, a point
-    that picks one token, or an aborted request: ``add_edited_tokens`` plans
+    that picks one token, or an aborted request: ``add_alike_tokens`` plans
     nothing and says so."""
     from dataclasses import replace
 
@@ -676,20 +678,20 @@ def test_edited_tokens_are_planned_each_alone_where_requests_differ():
         return [(state, state.prompt_len + 1, (row, 0)) for row, state in enumerate(states)]
 
     _, states = _edited_session(point, [("generated[0:5]", "residual_stream", (1,), 1)], [2, 3])
-    assert not StepPlan().add_edited_tokens(fed_of(states))  # (an edit that ends)
+    assert not StepPlan().add_alike_tokens(fed_of(states))  # (an edit that ends)
     _, states = _edited_session([("3", "residual_stream", (0,), 1)], every, [2, 3])
-    assert not StepPlan().add_edited_tokens(fed_of(states))  # (a point of one token)
+    assert not StepPlan().add_alike_tokens(fed_of(states))  # (a point of one token)
     _, states = _edited_session(point, every, [2, 3])
     states[1]._live_edits = [replace(states[1]._live_edits[0])]  # (another edit object)
-    assert not StepPlan().add_edited_tokens(fed_of(states))
+    assert not StepPlan().add_alike_tokens(fed_of(states))
     _, states = _edited_session(point, every, [2, 3])
     trigger = replace(states[0]._live_edits[0].edit, when={"point": "p0", "action": "flag"})
     for state in states:
         state._live_edits = [replace(state._live_edits[0], edit=trigger)]
-    assert not StepPlan().add_edited_tokens(fed_of(states))  # (a triggered edit)
+    assert not StepPlan().add_alike_tokens(fed_of(states))  # (a triggered edit)
     _, states = _edited_session(point, every, [2, 3])
     states[0].abort = AbortInfo(extraction_point_name="p0", layer=0, token_index=3,
                                 generated_index=1, signal=ProbeSignal(score=1.0))
     plan = StepPlan()
-    assert not plan.add_edited_tokens(fed_of(states))
+    assert not plan.add_alike_tokens(fed_of(states))
     assert not plan.edits and not plan.groups and not states[1].applied

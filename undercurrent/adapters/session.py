@@ -653,15 +653,17 @@ class StepPlan:
             return False  # (past a slice's end)
         return self._plan_rows(points, fed, states, tokens, slots)
 
-    def add_edited_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
+    def add_alike_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
         (state, token_index, slot) in order, planned at once where every request
         is alike: a fresh plan; requests of the same points and the same edits,
         every edit always on (no ``when``), no point or edit that picks one
         token or ends (none retires); each request live, its token matched by
         the same points and the same edits as every other's; no two matching
-        points sharing a (layer, tensor type), no slot given twice. The plan,
-        the edits' slots and each request's log of applied edits are what
+        points sharing a (layer, tensor type), no slot given twice. These are
+        the decode steps :meth:`add_steady_tokens` declines that repeat no
+        plan: points of several strides, live edits. The plan, the edits'
+        slots and each request's log of applied edits are what
         :meth:`add_window` of each request in turn gives. Returns False,
         planning nothing, otherwise (plan each request with :meth:`add_window`)."""
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
@@ -669,7 +671,7 @@ class StepPlan:
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
         first = states[0]
         points, edits = first._live_points, first._live_edits
-        if (not edits or list(map(_ABORT, states)).count(None) != len(states)
+        if (not (edits or points) or list(map(_ABORT, states)).count(None) != len(states)
                 or any(map(_CLOSED, states)) or any(map(_BOUNDED, states))
                 or not _same_points(list(map(_LIVE_POINTS, states)), points)
                 or not _same_points(list(map(_LIVE_EDITS, states)), edits)):

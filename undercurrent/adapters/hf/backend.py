@@ -176,7 +176,7 @@ class _RowDriver:
         # (planned at once: every request fed is steady, so the plan repeats)
         tokens = [(state, index, (row, 0)) for state, index, row in fed]
         repeats = plan.add_steady_tokens(tokens)
-        if not repeats and not plan.add_edited_tokens(tokens):
+        if not repeats and not plan.add_alike_tokens(tokens):
             for state, index, row in fed:
                 plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
             repeats = not plan.edits and bool(fed) and all(
