@@ -170,18 +170,25 @@ class SignalLog(Sequence[TokenSignal]):
     def __init__(self) -> None:
         self._built: list[TokenSignal] = []
         # Per (wave, request): the rows of each routed point, as (routed point,
-        # start, stop, the match they serve: it orders rows across points); or a
-        # window's steps of several points.
-        self._pending: list[list[tuple[RoutedPoint, int, int, PlanMatch | int]] | _WindowRuns] = []
+        # start, stop, the match they serve: it orders rows across points), that
+        # one run itself where there is one; or a window's steps of several points.
+        self._pending: list[_Run | list[_Run] | _WindowRuns] = []
         self.following: _Follow | None = None
         """The journal whose entries are this request's next signals, if any."""
 
-    def add(self, runs: list[tuple[RoutedPoint, int, int, PlanMatch | int]]) -> None:
+    def add(self, runs: list[_Run]) -> None:
         """Signals of one token: each point's rows (run order: by point), with the
         match they serve or its order (see :func:`_order`)."""
         if self.following is not None:
             self._catch_up(stop=True)
         self._pending.append(runs)
+
+    def add_run(self, run: _Run) -> None:
+        """:meth:`add` of one point's rows of one token, kept as they are (no list
+        around them: a request keeps one per step until its signals are read)."""
+        if self.following is not None:
+            self._catch_up(stop=True)
+        self._pending.append(run)
 
     def add_window(self, runs: _WindowRuns) -> None:
         """Signals of a window's steps, several points routed together."""
@@ -203,7 +210,7 @@ class SignalLog(Sequence[TokenSignal]):
         follow = self.following
         assert follow is not None
         start, end, match = follow.start, follow.stop, follow.match
-        self._pending.extend([(routed, start, end, match)] for routed in follow.take(stop))
+        self._pending.extend((routed, start, end, match) for routed in follow.take(stop))
         if stop:
             self.following = None
 
@@ -216,6 +223,8 @@ class SignalLog(Sequence[TokenSignal]):
                 if isinstance(runs, _WindowRuns):
                     for token in runs.tokens():
                         self._built.extend(_token_signals(token))
+                elif isinstance(runs, tuple):  # (one run)
+                    self._built.extend(_token_signals([runs]))
                 else:
                     self._built.extend(_token_signals(runs))
         return self._built
@@ -230,8 +239,12 @@ class SignalLog(Sequence[TokenSignal]):
         return iter(self._flush())
 
 
-def _token_signals(runs: list[tuple[RoutedPoint, int, int, PlanMatch | int]]
-                   ) -> list[TokenSignal]:
+#: A point's rows of one token in a request's signal log: (routed point, start,
+#: stop, the match they serve or its order: see :func:`_order`).
+_Run = tuple["RoutedPoint", int, int, "PlanMatch | int"]
+
+
+def _token_signals(runs: list[_Run]) -> list[TokenSignal]:
     """One token's TokenSignals, in (layer, arrival) order across its points (a
     run's match, or its order where that is one number: see :func:`_order`)."""
     found: list[tuple[int, int, TokenSignal]] = []
@@ -607,7 +620,7 @@ def _route_wave(session: Any, live: list[Any],
     router = session.router
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
     # A request's runs of one token, by point; with one point, each is added at once.
-    runs: dict[str, list[tuple[RoutedPoint, int, int, PlanMatch | int]]] | None = (
+    runs: dict[str, list[_Run]] | None = (
         {} if len(points) > 1 else None)
     aborts: dict[str, tuple[int, int, RoutedPoint, int]] = {}
     for batch, spans, routed_spans in points:
@@ -633,7 +646,7 @@ def _route_wave(session: Any, live: list[Any],
         for state, start, stop, match in spans:
             if journal is None:  # else: appended above, once for every request
                 if runs is None:
-                    state.signals.add([(routed, start, stop, _order(match))])
+                    state.signals.add_run((routed, start, stop, _order(match)))
                 else:
                     runs.setdefault(state.request_id, []).append(
                         (routed, start, stop, _order(match)))

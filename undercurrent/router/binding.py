@@ -232,10 +232,12 @@ class Binding:
         # Both lists are made at the first signal kept (most bindings keep none):
         # until then, an empty tuple shared by every binding.
         self._signals: list[ProbeSignal] = _NONE_KEPT
-        self._unread: list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]] = _NONE_KEPT
-        """Signal columns not materialised yet: (columns, index batch, start, stop,
-        observed, offset): rows ``start:stop`` of the batch, row ``r`` being row
-        ``r - offset`` of the columns."""
+        self._unread: list[Any] = _NONE_KEPT
+        """Signal columns not materialised yet, six entries each, one after the
+        other (no tuple per entry: a binding keeps one per routed step until its
+        signals are read): columns, index batch, start, stop, observed, offset;
+        rows ``start:stop`` of the batch, row ``r`` being row ``r - offset`` of
+        the columns."""
         self._error_notes: list[str] = _NO_NOTES  # a list of its own at the first note
         self._logged_error = False
         self._traceback: str | None = None  # of the first exception the probe raised
@@ -509,7 +511,9 @@ class Binding:
         if self._unread:
             unread, self._unread = self._unread, []
             keep = self._signals.append
-            for columns, batch, start, stop, observed, offset in unread:
+            entries = iter(unread)  # (six at a time: see _unread)
+            for columns, batch, start, stop, observed, offset in zip(*[entries] * 6,
+                                                                     strict=True):
                 if (start - offset, stop - offset) != (0, len(columns)):
                     columns = columns[start - offset:stop - offset]
                 for signal in columns.signals(batch[start:stop]):
@@ -525,10 +529,10 @@ class Binding:
                      observed: bool = False) -> None:
         """Keep a batch's signals (lock held), as columns until read."""
         if columns.any_signal():  # the index columns only: the tensor may go
-            self._unread_list().append((columns, batch.index_view(), 0, len(batch), observed,
+            self._unread_list().extend((columns, batch.index_view(), 0, len(batch), observed,
                                         0))
 
-    def _unread_list(self) -> list[tuple[BatchSignals, ActivationBatch, int, int, bool, int]]:
+    def _unread_list(self) -> list[Any]:
         """The signal columns not materialised yet (a list of this binding's own
         from the first one kept on)."""
         if self._unread is _NONE_KEPT:
@@ -1168,7 +1172,7 @@ class Binding:
                 if share > binding._latency_max:
                     binding._latency_max = share
                 if signals is not None:
-                    binding._unread_list().append((signals, batch, start, stop, False, offset))
+                    binding._unread_list().extend((signals, batch, start, stop, False, offset))
             return True
 
     def take_queued(self, limit: int) -> ActivationBatch | None:
@@ -1260,9 +1264,9 @@ class Binding:
                     if longest > binding._latency_max:
                         binding._latency_max = longest
                     if signals is not None:
-                        binding._unread_list().extend(
-                            (signals, batch, start, stop, True, offset)
-                            for batch, start, stop, offset in pieces)
+                        unread = binding._unread_list()
+                        for batch, start, stop, offset in pieces:
+                            unread.extend((signals, batch, start, stop, True, offset))
                 more = bool(binding._queue) and not binding._finalised  # keep_scheduled
                 if not more:
                     binding._scheduled = False
@@ -1310,7 +1314,7 @@ class Binding:
             if error is not None:
                 self._count_errors(batch[start:stop], [error] * count)
             elif signals is not None and (offset is not None or signals.any_signal()):
-                self._unread_list().append((signals, batch, start, stop, False,
+                self._unread_list().extend((signals, batch, start, stop, False,
                                             start if offset is None else offset))
             return True
 
@@ -1330,8 +1334,9 @@ class Binding:
                 if longest > self._latency_max:
                     self._latency_max = longest
                 if signals is not None:
-                    self._unread_list().extend((signals, batch, start, stop, True, offset)
-                                               for batch, start, stop, offset in pieces)
+                    unread = self._unread_list()
+                    for batch, start, stop, offset in pieces:
+                        unread.extend((signals, batch, start, stop, True, offset))
             return self.keep_scheduled()
 
     def release_dropped(self, count: int) -> None:
