@@ -1256,23 +1256,7 @@ class Binding:
             if not locked:
                 return None
             for (binding, pieces), latency in zip(bindings_pieces, shares, strict=True):
-                binding._busy = False  # end_call, inlined
-                binding._in_flight = 0
-                if not binding._finalised:
-                    binding._processed += sum(stop - start for _, start, stop, _ in pieces)
-                    binding._latency_total += latency
-                    if longest > binding._latency_max:
-                        binding._latency_max = longest
-                    if signals is not None:
-                        unread = binding._unread_list()
-                        for batch, start, stop, offset in pieces:
-                            unread.extend((signals, batch, start, stop, True, offset))
-                more = bool(binding._queue) and not binding._finalised  # keep_scheduled
-                if not more:
-                    binding._scheduled = False
-                if binding._sleepers:
-                    binding._wake()
-                kept.append(more)
+                kept.append(binding._settle_ranges(pieces, signals, latency, longest))
         return kept
 
     def finish_call(self, batch: ActivationBatch, outcome: BatchOutcome, *,
@@ -1327,17 +1311,30 @@ class Binding:
         row range, row ``r`` of the batch being row ``r - offset`` of ``signals``
         (kept as observations). Returns what :meth:`keep_scheduled` returns."""
         with self._mutex:
-            self.end_call()
-            if not self._finalised:
-                self._processed += sum(stop - start for _, start, stop, _ in pieces)
-                self._latency_total += latency
-                if longest > self._latency_max:
-                    self._latency_max = longest
-                if signals is not None:
-                    unread = self._unread_list()
-                    for batch, start, stop, offset in pieces:
-                        unread.extend((signals, batch, start, stop, True, offset))
-            return self.keep_scheduled()
+            return self._settle_ranges(pieces, signals, latency, longest)
+
+    def _settle_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
+                       signals: BatchSignals | None, latency: float, longest: float) -> bool:
+        """:meth:`finish_ranges` with the lock held: the probe free again
+        (:meth:`end_call`), the rows settled unless the result was frozen, then
+        :meth:`keep_scheduled` (threads waiting on the binding woken once)."""
+        self._busy = False
+        self._in_flight = 0
+        if not self._finalised:
+            self._processed += sum(stop - start for _, start, stop, _ in pieces)
+            self._latency_total += latency
+            if longest > self._latency_max:
+                self._latency_max = longest
+            if signals is not None:
+                unread = self._unread_list()
+                for batch, start, stop, offset in pieces:
+                    unread.extend((signals, batch, start, stop, True, offset))
+        more = bool(self._queue) and not self._finalised
+        if not more:
+            self._scheduled = False
+        if self._sleepers:
+            self._wake()
+        return more
 
     def release_dropped(self, count: int) -> None:
         """An admitted call that never ran (an interrupt stopped the group first):
