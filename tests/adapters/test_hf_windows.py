@@ -41,6 +41,7 @@ from undercurrent.spec.types import (  # noqa: E402
     ProbeKind,
     TensorType,
 )
+from undercurrent.steering.vectors import resolve_edits  # noqa: E402
 
 MAX_NEW = 10
 IDS = ["a", "b", "c"]
@@ -78,8 +79,10 @@ class Windows:
 def _generate(point: ExtractionPoint | list[ExtractionPoint], *, windows: bool,
               records: bool = False,
               eos: int | None = None, probes: dict[str, Any] | None = None,
-              overflow: str = "block", forwards: list[float] | None = None) -> list[Any]:
-    """``forwards``: each forward's start time (``time.time()``) is appended."""
+              overflow: str = "block", forwards: list[float] | None = None,
+              edits: list[Any] | None = None) -> list[Any]:
+    """``forwards``: each forward's start time (``time.time()``) is appended;
+    ``edits``: live edits (``Edit`` s, resolved here) for every request."""
     model = build_model("llama")  # one model per process: its eos is put back
     config = model.generation_config
     before = config.eos_token_id
@@ -91,7 +94,9 @@ def _generate(point: ExtractionPoint | list[ExtractionPoint], *, windows: bool,
         backend = HFBackend(model, build_tokenizer())
         with Router(probes=probes or {}, default_overflow=overflow) as router:
             points = point if isinstance(point, list) else [point]
-            session = CaptureSession(router, points, keep_records=records, windows=windows)
+            resolved = () if not edits else resolve_edits(edits, hidden_size=len(WEIGHT))
+            session = CaptureSession(router, points, keep_records=records, windows=windows,
+                                     edits=resolved)
             return backend.generate(PROMPTS, IDS, SamplingParams(max_new_tokens=MAX_NEW),
                                     session)
     finally:
@@ -115,7 +120,7 @@ def _view(output: Any) -> Any:
 def _record_view(record: ActivationRecord) -> Any:
     return (record.request_id, record.extraction_point_name, record.layer,
             record.token_index, record.generated_index, record.token_id,
-            record.tensor.tolist())
+            record.tensor.tolist(), record.edits)
 
 
 @pytest.mark.parametrize("probe_type", ["linear_probe", "trajectory_probe", "norm_probe"])

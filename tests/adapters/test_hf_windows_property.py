@@ -9,12 +9,16 @@ features among them, and a probe written per record), inline or async (a
 queue of 4 to 256 vectors, ``block``: nothing dropped, however the workers
 keep up), and for an inline point ``flag`` or ``abort`` at a threshold drawn
 among the scores the point gives. The generation's eos token,
-``records=True`` and whether the driver repeats its last plan are drawn too.
-The oracle is the same generation with ``windows=False`` (each step routed
-as it comes, what ``stream()`` does) and every step planned afresh from the
-points' positions: the tokens, the finish reasons, any abort and its token,
-every signal in order with its score and metadata, each point's verdict and
-counts, and the records, compared exactly.
+``records=True``, whether the driver repeats its last plan, and a live edit
+for every request (none, or an ``add`` at some layers of one tensor type, on
+every generated token, from the third, every second one, or on a slice) are
+drawn too. The oracle is the same generation with ``windows=False`` (each
+step routed as it comes, what ``stream()`` does) and every step planned
+afresh, each request on its own, from the points' and edits' positions
+(``StepPlan.add_steady_tokens`` declines): the tokens, the finish reasons,
+any abort and its token, every signal in order with its score and metadata,
+each point's verdict and counts, the records with the edits at each, and each
+request's log of applied edits, compared exactly.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from test_hf_windows import WEIGHT, _abort_view, _generate, _record_view  # noqa
 from tests.probes.sae_helpers import write_sae  # noqa: E402
 from undercurrent.adapters import delivery  # noqa: E402
 from undercurrent.adapters.hf.backend import _RowDriver  # noqa: E402
+from undercurrent.adapters.session import StepPlan  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
 from undercurrent.probes.scoring import ThresholdRule  # noqa: E402
 from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
-from undercurrent.spec.types import ExtractionPoint, ProbeKind  # noqa: E402
+from undercurrent.spec.types import Edit, ExtractionPoint, ProbeKind  # noqa: E402
 
 LAYERS = 3  # (the tiny llama of hf_models)
 POSITIONS = [("generated[*]", 1), ("generated[*]", 2), ("generated[2:]", 1),
@@ -127,6 +132,28 @@ def specs(draw: Any) -> list[Drawn]:
     return [draw(drawn_points(index)) for index in range(count)]
 
 
+# (always on, every generated token: the steps repeat; from the third; every
+# second one, and a slice: each step planned)
+EDIT_POSITIONS = [("generated[*]", 1), ("generated[*]", 1), ("generated[2:]", 1),
+                  ("generated[*]", 2), ("generated[1:6]", 1)]
+
+
+@st.composite
+def drawn_edits(draw: Any, drawn: list[Drawn]) -> list[Edit]:
+    """None, or one ``add`` edit of a small vector for every request, most often
+    at a tensor type a point of ``drawn`` captures (its records then edited)."""
+    if draw(st.integers(0, 2)) == 0:
+        return []
+    position, stride = draw(st.sampled_from(EDIT_POSITIONS))
+    layers = tuple(sorted(draw(st.sets(st.integers(0, LAYERS - 1), min_size=1, max_size=2))))
+    tensor_type = draw(st.sampled_from(
+        [entry.point.tensor_type.value for entry in drawn] * 3 + ["residual_stream"]))
+    vector = [0.5 * ((index * 5) % 3 - 1) for index in range(len(WEIGHT))]
+    return [Edit(name="steer", layers=layers, tensor_type=tensor_type, position=position,
+                 stride=stride, op="add", vector=vector, coefficient=draw(
+                     st.sampled_from([0.0, 0.5, 2.0])))]
+
+
 @pytest.fixture(scope="module")
 def sae_folder(tmp_path_factory: Any) -> str:
     """A topk SAE of the tiny llama's width (its k of 24 features active)."""
@@ -142,23 +169,34 @@ def _with_sae(points: list[ExtractionPoint], folder: str) -> list[ExtractionPoin
 
 
 def _run(points: list[ExtractionPoint], *, windows: bool, records: bool, eos: int | None,
-         repeat: bool) -> list[Any]:
-    before = _RowDriver.repeat_plans
+         repeat: bool, edits: list[Edit], each: bool = False) -> list[Any]:
+    """``each``: every step planned request by request (the general path)."""
+    before = _RowDriver.repeat_plans, StepPlan.add_steady_tokens, StepPlan.add_alike_tokens
     _RowDriver.repeat_plans = repeat
+    if each:
+        StepPlan.add_steady_tokens = StepPlan.add_alike_tokens = (  # type: ignore[method-assign]
+            lambda self, fed: False)
     try:
         return _generate(points, windows=windows, records=records, eos=eos,
-                         probes={"per_record": PerRecord})
+                         probes={"per_record": PerRecord}, edits=edits)
     finally:
-        _RowDriver.repeat_plans = before
+        (_RowDriver.repeat_plans, StepPlan.add_steady_tokens,  # type: ignore[method-assign]
+         StepPlan.add_alike_tokens) = before
+
+
+@st.composite
+def specs_and_edits(draw: Any) -> tuple[list[Drawn], list[Edit]]:
+    drawn = draw(specs())
+    return drawn, draw(drawn_edits(drawn))
 
 
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(drawn=specs(), records=st.booleans(),
+@given(case=specs_and_edits(), records=st.booleans(),
        eos=st.sampled_from([None, None, None, 5, 17, 33, 60]),
        repeat=st.booleans())
 def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, sae_folder,
-                                                                   drawn, records, eos, repeat):
+                                                                   case, records, eos, repeat):
     routed: list[int] = []  # steps per window routed
     route = delivery._Window.route
 
@@ -167,8 +205,9 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
         route(window, session)
 
     monkeypatch.setattr(delivery._Window, "route", counted)
+    drawn, edits = case
     watched = _run(_with_sae([entry.watching() for entry in drawn], sae_folder),
-                   windows=False, records=False, eos=eos, repeat=False)
+                   windows=False, records=False, eos=eos, repeat=False, edits=edits)
     scores: dict[str, list[float]] = {entry.point.name: [] for entry in drawn}
     for output in watched:
         for signal in output.signals:
@@ -176,15 +215,18 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
                 scores[signal.extraction_point_name].append(signal.score)
     points = _with_sae([entry.with_threshold(scores[entry.point.name]) for entry in drawn],
                        sae_folder)
-    windowed = _run(points, windows=True, records=records, eos=eos, repeat=repeat)
+    windowed = _run(points, windows=True, records=records, eos=eos, repeat=repeat, edits=edits)
     held = list(routed)
     routed.clear()
-    # (the oracle plans every step afresh: the repeated plans are checked too)
-    stepped = _run(points, windows=False, records=records, eos=eos, repeat=False)
+    # (the oracle plans every step afresh, request by request: the repeated
+    # plans, and those planned at once, are checked too)
+    stepped = _run(points, windows=False, records=records, eos=eos, repeat=False, edits=edits,
+                   each=True)
     assert routed == []  # (routing each step holds nothing)
     assert [_abort_view(output) for output in windowed] == [
         _abort_view(output) for output in stepped]
     for mine, theirs in zip(windowed, stepped, strict=True):
+        assert mine.edits == theirs.edits
         if records:
             assert [_record_view(r) for r in mine.records] == [
                 _record_view(r) for r in theirs.records]
@@ -194,3 +236,6 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
     # (what was held: recorded for the statistics hypothesis keeps, not asserted)
     hypothesis.event(f"windows held: {'some' if held else 'none'}")
     hypothesis.event(f"aborted: {any(output.abort is not None for output in stepped)}")
+    hypothesis.event(f"edited: {any(output.edits for output in stepped)}")
+    hypothesis.event("records edited: " + str(records and any(
+        record.edits for output in stepped for record in output.records)))

@@ -711,14 +711,22 @@ class _SteadyPoint:
 
     __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "count", "requests", "known",
                  "request_ids", "point_names", "layers", "tokens", "generated", "spans",
-                 "routed_spans", "journal", "kept", "bases", "windowed")
+                 "routed_spans", "journal", "kept", "bases", "windowed", "edits")
 
-    def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str]) -> None:
+    def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str],
+                 edited: dict[Any, tuple[str, ...]] | None = None) -> None:
         first = items[0][1]
         point, layers = first.point, first.layers
         self.name = point.name
         self.tensor_type = point.tensor_type
         self.keys = [(layer, self.tensor_type) for layer in layers]
+        # The edits every step applies at each of its layers (a row's ``edits``),
+        # None where none applies at any (see _SteadyLayout.of).
+        self.edits: list[tuple[str, ...]] | None = None
+        if edited:
+            self.edits = [edited.get(key, ()) for key in self.keys]
+            if not any(self.edits):
+                self.edits = None
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         self.whole = False  # every pick None (each source is the layer's rows, in order)
         count = self.count = len(layers)
@@ -832,6 +840,7 @@ class _SteadyPoint:
             is_generated=[True] * len(self.tokens),
             generated_indices=IntColumn(self.generated + delta),
             token_ids=token_ids,
+            edits=None if self.edits is None else self.edits * len(self.requests),
         )
 
     def window_batch(self, deltas: list[int], steps: list[list[Any]],
@@ -883,6 +892,8 @@ class _SteadyPoint:
             is_generated=[True] * total,
             generated_indices=IntColumn(generated_at.ravel()),
             token_ids=token_ids,
+            # (each request's rows: every step's edits, a layer at a time)
+            edits=None if self.edits is None else self.edits * (len(deltas) * width),
             timestamp=stamps[0],
             # (each request's rows: every step's time, once per layer)
             timestamps=np.tile(np.repeat(np.asarray(stamps, dtype=np.float64), count), width),
@@ -918,7 +929,10 @@ class _SteadyLayout:
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
-        self.edits = any(state.edits for state in states)  # fixed when a request opens
+        # Whether a signal may arm an edit of these requests (a triggered edit,
+        # fixed when a request opens): then each step is routed as it comes.
+        self.edits = any(resolved.edit.when is not None
+                         for state in states for resolved in state.edits)
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
         # Where a point's probes may abort: (the point's index, whether routing a
         # step's batch of it would: Router.abort_guard), asked of each step
@@ -934,6 +948,9 @@ class _SteadyLayout:
         differ between requests, rows not torch tensors."""
         if not all(hasattr(rows, "detach") for rows in sources.values()):
             return None
+        edited = _edited_everywhere(base)
+        if edited is None:
+            return None
         if base.one_each:  # (StepPlan.add_steady_tokens: one point, each request once)
             matches = base.matches
             states = list(map(_STATE, matches))
@@ -942,7 +959,7 @@ class _SteadyLayout:
             if (not any(map(_CLOSED, states))
                     and list(map(_ABORT, states)).count(None) == len(states)):
                 return cls(states, [_SteadyPoint(list(zip(states, matches, strict=True)),
-                                                 session.registered)])
+                                                 session.registered, edited)])
         per_request: dict[str, tuple[Any, list[PlanMatch]]] = {}
         for match in base.matches:
             state = match.state
@@ -963,7 +980,24 @@ class _SteadyLayout:
             if any(match.layers != layers for _, match in items):
                 return None
         registered = session.registered
-        return cls(live, [_SteadyPoint(items, registered) for items in by_point.values()])
+        return cls(live, [_SteadyPoint(items, registered, edited)
+                          for items in by_point.values()])
+
+
+def _edited_everywhere(base: Any) -> dict[Any, tuple[str, ...]] | None:
+    """The names of the edits ``base`` applies at each (layer, tensor type), in
+    the order applied, where each applies to every row of the step (a steady
+    plan's always-on edits: :meth:`StepPlan.add_steady_tokens`); None where one
+    applies to some rows only (the general path tells each row's)."""
+    edited: dict[Any, tuple[str, ...]] = {}
+    if not base.edits:
+        return edited
+    slots = next(iter(base.groups.values())).slots if base.groups else None
+    for key, entries in base.edits.items():
+        if slots is not None and any(entry.slots != slots for entry in entries.values()):
+            return None
+        edited[key] = tuple(entry.resolved.edit.name for entry in entries.values())
+    return edited
 
 
 def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],

@@ -44,6 +44,7 @@ from undercurrent.adapters.delivery import (
     deliver_forward,
     flush_window,
 )
+from undercurrent.adapters.edit_log import EditLog
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.probes.base import RequestContext
 from undercurrent.records import LazySequence, ProbeResult, SignalAction, built
@@ -119,6 +120,31 @@ def _steady_from(selectors: Iterable[tuple[int, int | None, int, int, int | None
     if until is not None and first >= until:
         return None
     return first, stride, until
+
+
+def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequence[Any],
+                       prompt_len: int) -> tuple[int, int, int | None] | None:
+    """:func:`_steady_from` 's ``(first, stride, until)`` of a request's points
+    (``(0, 1, None)`` for none) once its ``edits`` are planned too: from
+    ``first`` on every token (stride 1) gets the same edits, where each edit is
+    always on (no ``when``), continuous (generated tokens) and unbounded, and
+    applies to every token; ``first`` then moves to the first token every edit
+    applies to. None where an edit is otherwise (each step planned)."""
+    if not edits or steady is None:
+        return steady
+    first, stride, until = steady
+    if stride != 1:
+        return None
+    for resolved in edits:
+        edit = resolved.edit
+        position = edit.position
+        if (edit.when is not None or not position.is_continuous or position.stop is not None
+                or edit.stride != 1):
+            return None
+        first = max(first, prompt_len + max(position.start, 0))
+    if until is not None and first >= until:
+        return None
+    return first, 1, until
 
 
 _Bounds = tuple[dict[int, int | None], bool,
@@ -231,9 +257,10 @@ class RequestState:
     steady_from: int | None = None
     """The first token index from which every ``steady_stride`` th token matches
     every point, the tokens between none, up to ``steady_until`` (exclusive;
-    None: for good), and no edit applies (None: no such index): from there
-    on, each decode step that captures plans the same captures
-    ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
+    None: for good), and each token gets the same edits: none, or always-on
+    edits of every token (the stride then 1; None: no such index). From there
+    on, each decode step that captures or edits plans the same captures and
+    edits ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
     steady_stride = 1
     steady_until: int | None = None
 
@@ -261,7 +288,8 @@ class RequestState:
             if bounds is not None:
                 bounds[self.prompt_len] = found
         self._last_index, self._bounded, self._selectors, steady = found
-        if steady is not None and not edits:
+        steady = _steady_with_edits(steady, edits, self.prompt_len)
+        if steady is not None:
             self.steady_from, self.steady_stride, self.steady_until = steady
         self.generated: list[int] = []
         self.records: RecordLog | None = RecordLog() if keep_records else None
@@ -273,8 +301,8 @@ class RequestState:
         self.edits = tuple(edits)
         self._live_edits: Sequence[Any] = list(self.edits) if self.edits else ()
         self.armed: dict[str, int] = {}
-        self.applied: list[AppliedEdit] = []
-        self.edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
+        self.applied = EditLog()
+        self._edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
 
     @property
     def live(self) -> bool:
@@ -349,7 +377,17 @@ class RequestState:
         generated = token_index - self.prompt_len if token_index >= self.prompt_len else None
         self.applied.append(AppliedEdit(name, layer, token_index, generated, tensor_type.value))
         site = (layer, tensor_type, token_index)
-        self.edited_sites[site] = (*self.edited_sites.get(site, ()), name)
+        self._edited_sites[site] = (*self._edited_sites.get(site, ()), name)
+
+    @property
+    def edited_sites(self) -> dict[tuple[int, TensorType, int], tuple[str, ...]]:
+        """The names of the edits applied at each (layer, tensor type, token index)
+        so far, in the order applied (a captured row's ``edits``)."""
+        sites = self._edited_sites
+        for entry in self.applied.take_unsited():  # (steady steps' edits, built now)
+            site = (entry.layer, TensorType(entry.tensor_type), entry.token_index)
+            sites[site] = (*sites.get(site, ()), entry.edit_name)
+        return sites
 
     def matches_in_window(self, start: int, stop: int) -> list[tuple[int, ExtractionPoint]]:
         """(token index, point) for every token in ``[start, stop)`` a point
@@ -379,7 +417,7 @@ class RequestState:
             self._live_points = [point for point in self._live_points
                                  if (last := last_index[id(point)]) is None or last >= stop]
             self._bounded = any(last_index[id(point)] is not None for point in self._live_points)
-            if len(self._live_points) != live and not self.edits:
+            if len(self._live_points) != live:
                 self._steady_after(stop)
         if stop - start > 1 and len(found) > 1:
             found.sort(key=lambda item: item[0])
@@ -392,7 +430,10 @@ class RequestState:
         retired points' captures), or none."""
         self.steady_from = None
         live = self._live_points
-        found = _steady_from([self._selectors[id(point)] for point in live]) if live else None
+        # (with no point left, the edits' own, if any)
+        found = (_steady_from([self._selectors[id(point)] for point in live])
+                 if live or self._live_edits else None)
+        found = _steady_with_edits(found, self._live_edits, self.prompt_len)
         if found is None:
             return
         first, stride, until = found
@@ -493,9 +534,13 @@ class StepPlan:
     """What delivery derives once from a plan that others repeat (kept on the
     base plan; see :mod:`undercurrent.adapters.delivery`)."""
     repeatable = False
-    """Set by a backend that keeps this plan to repeat it (no request of it is
-    steered): delivery may use the plan's layout from this step on, not only
-    from its first repeat."""
+    """Set by a backend that keeps this plan to repeat it: delivery may use the
+    plan's layout from this step on, not only from its first repeat."""
+    edit_steps: list[int] | None = None
+    """For a plan with edits that others repeat (:meth:`add_steady_tokens`): the
+    shift of each plan made from it, its own (0) first, appended as each is
+    made. Each request's :class:`~undercurrent.adapters.edit_log.EditLog`
+    follows it (every step applies the same edits, a token later)."""
     one_each = False
     """Set by :meth:`add_steady_tokens` for one point: match ``k`` is the ``k`` th
     request's (each request once), at row ``k`` of every group, for a generated
@@ -555,12 +600,17 @@ class StepPlan:
         decode step plans when every request it feeds is past its
         :attr:`RequestState.steady_from` and feeds the token after the one it fed
         in this plan, at the same slot. Nothing per match is built unless
-        :attr:`matches` is read. A plan with edits cannot be shifted."""
-        if self.edits:
-            raise ValueError("a step plan with edits cannot be shifted")
+        :attr:`matches` is read. The same edits apply at the same slots: only
+        a plan whose edits apply to every token from its own on repeats
+        (:attr:`edit_steps` logs the shift for its requests)."""
         base = self if self.base is None else self.base
         plan = StepPlan()
         plan.base, plan.delta, plan._matches = base, self.delta + delta, None
+        if base.edits:
+            if base.edit_steps is None:
+                raise ValueError("a step plan with edits that is not steady cannot be shifted")
+            plan.edits = base.edits
+            base.edit_steps.append(plan.delta)
         groups = plan.groups
         new = object.__new__
         for key, group in base.groups.items():
@@ -584,6 +634,8 @@ class StepPlan:
             return self.shifted(delta)
         self.delta += delta
         self._matches = None  # (built from the base plan when read, at the new delta)
+        if self.base.edit_steps is not None:
+            self.base.edit_steps.append(self.delta)
         for group in groups.values():
             group.plan = self
         return self
@@ -622,24 +674,29 @@ class StepPlan:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
         (state, token_index, slot) in order, planned at once where that gives the
         same plan: a fresh plan, requests of the same points, each live and past
-        its :attr:`RequestState.steady_from` (every point matches the token, no
-        edit applies), no two points sharing a (layer, tensor type), no slot given
-        twice. Each group then holds every slot in order, so request ``k`` sits
-        at row ``k`` of each of its groups. Returns False, planning nothing,
-        otherwise (plan each request with :meth:`add_window`)."""
+        its :attr:`RequestState.steady_from` (every point matches the token, and
+        the same edits apply: none, or the same always-on ones), no two points
+        sharing a (layer, tensor type), no slot given twice. Each group then
+        holds every slot in order, so request ``k`` sits at row ``k`` of each of
+        its groups; each edit applies at every slot. Each request's log of
+        applied edits follows :attr:`edit_steps` (this step's and its repeats').
+        Returns False, planning nothing, otherwise (plan each request with
+        :meth:`add_window`)."""
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
         # The points still able to match (all of them, until one that ends has
-        # retired: see RequestState._steady_after).
-        points = states[0]._live_points
-        # Each request of these points, steady from its token on, neither aborted
-        # nor closed: checked in C, a column at a time.
+        # retired: see RequestState._steady_after), and the edits.
+        first = states[0]
+        points, edits = first._live_points, first._live_edits
+        # Each request of these points and edits, steady from its token on,
+        # neither aborted nor closed: checked in C, a column at a time.
         steady_from = list(map(_STEADY_FROM, states))
         if (None in steady_from or not all(map(operator.ge, tokens, steady_from))
                 or list(map(_ABORT, states)).count(None) != len(states)
                 or any(map(_CLOSED, states))
-                or not _same_points(list(map(_LIVE_POINTS, states)), points)):
+                or not _same_points(list(map(_LIVE_POINTS, states)), points)
+                or not _same_points(list(map(_LIVE_EDITS, states)), edits)):
             return False
         strides = list(map(_STEADY_STRIDE, states))
         if strides.count(1) != len(strides) and any(
@@ -651,7 +708,16 @@ class StepPlan:
                 until is not None and token >= until
                 for token, until in zip(tokens, untils, strict=True)):
             return False  # (past a slice's end)
-        return self._plan_rows(points, fed, states, tokens, slots)
+        if not self._plan_rows(points, fed, states, tokens, slots):
+            return False
+        if edits:  # (each of them applies to every token from steady_from on)
+            self._plan_edit_slots(edits, slots)
+            self.edit_steps = journal = [0]
+            sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
+                     for resolved in edits for layer in resolved.edit.layers]
+            for state, token in zip(states, tokens, strict=True):
+                state.applied.follow(journal, token, state.prompt_len, sites)
+        return True
 
     def add_alike_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
@@ -705,18 +771,23 @@ class StepPlan:
         if found_points and not self._plan_rows(found_points, fed, states, tokens, slots):
             return False
         self.one_each = False  # (as add_window leaves it)
-        for resolved in found_edits:  # (each pair's edits in the order add_edit makes them)
+        self._plan_edit_slots(found_edits, slots)
+        for state, token in zip(states, tokens, strict=True):
+            for resolved in found_edits:
+                for layer in resolved.edit.layers:
+                    state.log_edit(resolved, layer, token)
+        return True
+
+    def _plan_edit_slots(self, edits: Sequence[Any], slots: list[Hashable]) -> None:
+        """Each of ``edits`` at every one of ``slots``, at each of its layers: each
+        pair's edits in the order :meth:`add_edit` of each request makes them."""
+        for resolved in edits:
             for layer in resolved.edit.layers:
                 entries = self.edits.setdefault((layer, resolved.edit.tensor_type), {})
                 entry = entries.get(id(resolved))
                 if entry is None:
                     entry = entries[id(resolved)] = EditSlots(resolved)
                 entry.slots.extend(slots)
-        for state, token in zip(states, tokens, strict=True):
-            for resolved in found_edits:
-                for layer in resolved.edit.layers:
-                    state.log_edit(resolved, layer, token)
-        return True
 
     def _plan_rows(self, points: Sequence[ExtractionPoint],
                    fed: Sequence[tuple[RequestState, int, Hashable]], states: list[RequestState],

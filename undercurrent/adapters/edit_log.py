@@ -1,0 +1,112 @@
+"""A request's log of applied edits (:class:`EditLog`), where the decode steps of
+a steady layout are kept as one journal shared by every request of the layout.
+
+A request's edits on a steady decode step (every request of the step at the
+same points and the same always-on edits, see
+:meth:`~undercurrent.adapters.session.StepPlan.add_steady_tokens`) are the
+same ones at the same sites, one token later each step: the step's plan is the
+last plan shifted (:meth:`~undercurrent.adapters.session.StepPlan.shifted`),
+and planning it does nothing per request. What each request applied is then
+the layout's list of shifts (:attr:`StepPlan.edit_steps`, one entry a step,
+appended once for every request) read against the request's first token and
+the layout's edits; :class:`EditLog` builds its :class:`AppliedEdit` s from
+it when read, in the order logging each step gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from undercurrent.adapters.outputs import AppliedEdit
+
+#: One (edit name, layer, tensor type value) a steady step applies, in the order
+#: it logs them: each edit in turn, each of its layers in turn.
+EditSite = tuple[str, int, str]
+
+
+class EditLog(Sequence[AppliedEdit]):
+    """A request's applied edits, in order (``AppliedEdit`` s, those of steady
+    steps built when read). ``append`` one; ``follow`` a steady layout's
+    journal of shifts until the next ``append`` or ``follow``."""
+
+    __slots__ = ("_built", "_following", "_unsited")
+
+    def __init__(self) -> None:
+        self._built: list[AppliedEdit] = []
+        # (journal, entries read, first token, prompt length, sites) while following
+        self._following: list[Any] | None = None
+        # Ranges of _built made from a journal, not yet given to take_unsited.
+        self._unsited: list[tuple[int, int]] = []
+
+    def append(self, applied: AppliedEdit) -> None:
+        if self._following is not None:
+            self._catch_up(stop=True)
+        self._built.append(applied)
+
+    def follow(self, journal: list[int], token_index: int, prompt_len: int,
+               sites: Sequence[EditSite]) -> None:
+        """From now on, each shift ``d`` appended to ``journal`` (the first of them
+        included, if there) means ``sites`` were edited at token ``token_index +
+        d`` (a generated token of a prompt of ``prompt_len`` tokens)."""
+        if self._following is not None:
+            self._catch_up(stop=True)
+        self._following = [journal, 0, token_index, prompt_len, tuple(sites)]
+
+    @property
+    def following(self) -> bool:
+        """Whether a journal's entries may still become this log's."""
+        return self._following is not None
+
+    def _catch_up(self, *, stop: bool) -> None:
+        following = self._following
+        assert following is not None
+        journal, read, token_index, prompt_len, sites = following
+        shifts = journal[read:]
+        following[1] = read + len(shifts)
+        if shifts:
+            start = len(self._built)
+            self._built.extend(
+                AppliedEdit(name, layer, token_index + shift, token_index + shift - prompt_len,
+                            tensor_type)
+                for shift in shifts for name, layer, tensor_type in sites)
+            self._unsited.append((start, len(self._built)))
+        if stop:
+            self._following = None
+
+    def _flush(self) -> list[AppliedEdit]:
+        if self._following is not None:
+            self._catch_up(stop=False)
+        return self._built
+
+    def clear(self) -> None:
+        """Forget every entry, and the journal followed."""
+        self._built, self._following, self._unsited = [], None, []
+
+    def take_unsited(self) -> list[AppliedEdit]:
+        """The entries built from a journal since the last call (for a request's
+        map of edited sites, kept from the others as they are logged)."""
+        self._flush()
+        ranges, self._unsited = self._unsited, []
+        return [entry for start, stop in ranges for entry in self._built[start:stop]]
+
+    def __len__(self) -> int:
+        return len(self._flush())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._flush()[index]
+
+    def __iter__(self) -> Iterator[AppliedEdit]:
+        return iter(self._flush())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, EditLog):
+            return self._flush() == other._flush()
+        if isinstance(other, list | tuple):
+            return self._flush() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable, compared by content)
+
+    def __repr__(self) -> str:
+        return f"EditLog({self._flush()!r})"
