@@ -3,14 +3,16 @@ addition, and undercurrent's ``add`` edit on ``generated[*]``, on HF and vLLM.
 
     python -m benchmarks.steering                 # HF and vLLM, the larger random Llama
     python -m benchmarks.steering --backend hf --model tiny --repeats 3
+    python -m benchmarks.steering --backend hf --model tiny --batch 64
 
-Each scenario generates the same 8 prompts (greedy, fixed length); the median of
-``--repeats`` timed runs (after one warm-up) is reported, in interleaved order.
-The HF raw hook and the edit produce the same tokens (checked). On vLLM the raw
-hook adds to every row of every step (it cannot tell prompt rows from generated
-ones without the scheduler's bookkeeping), so its tokens differ: it measures the
-cost of the addition, not the same result. The anchor is vllm-lens's +18% for a
-steering vector (its GPU figure); these are CPU figures on a shared machine.
+Each scenario generates the same 8 prompts (``--batch N``: N prompts, the 8 in
+turn; greedy, fixed length); the median of ``--repeats`` timed runs (after one
+warm-up) is reported, in interleaved order. The HF raw hook and the edit
+produce the same tokens (checked). On vLLM the raw hook adds to every row of
+every step (it cannot tell prompt rows from generated ones without the
+scheduler's bookkeeping), so its tokens differ: it measures the cost of the
+addition, not the same result. The anchor is vllm-lens's +18% for a steering
+vector (its GPU figure); these are CPU figures on a shared machine.
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ def _edit(layer: int, vector: Any) -> Any:
                 coefficient=COEFFICIENT)
 
 
-def hf_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
+def _prompts(batch: int | None) -> list[str]:
+    """``batch`` prompts, :data:`PROMPTS` in turn (all of them once: None)."""
+    count = len(PROMPTS) if batch is None else batch
+    return [PROMPTS[index % len(PROMPTS)] for index in range(count)]
+
+
+def hf_costs(bundle: Any, new_tokens: int, repeats: int,
+             batch: int | None = None) -> dict[str, float]:
     """Seconds per generate() call: plain, raw hook, undercurrent edit."""
     import torch
 
@@ -63,7 +72,8 @@ def hf_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
     model = bundle.model
     layer = bundle.num_layers // 2
     vector = _vector(model.config.hidden_size)
-    probed = ProbedModel(model, bundle.tokenizer, batch_size=len(PROMPTS))
+    prompts = _prompts(batch)
+    probed = ProbedModel(model, bundle.tokenizer, batch_size=len(prompts))
     edit = _edit(layer, vector)
 
     def add_on_decode(module: Any, args: Any, output: Any) -> Any:
@@ -74,7 +84,7 @@ def hf_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
         return (edited, *output[1:]) if isinstance(output, tuple) else edited
 
     def plain() -> Any:
-        return probed.generate(list(PROMPTS), max_new_tokens=new_tokens)
+        return probed.generate(prompts, max_new_tokens=new_tokens)
 
     def raw() -> Any:
         handle = model.model.layers[layer].register_forward_hook(add_on_decode)
@@ -84,7 +94,7 @@ def hf_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
             handle.remove()
 
     def steered() -> Any:
-        return probed.generate(list(PROMPTS), max_new_tokens=new_tokens, edits=[edit])
+        return probed.generate(prompts, max_new_tokens=new_tokens, edits=[edit])
 
     with torch.no_grad():
         same = [o.token_ids for o in raw()] == [o.token_ids for o in steered()]
@@ -94,7 +104,8 @@ def hf_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
                              repeats)
 
 
-def vllm_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
+def vllm_costs(bundle: Any, new_tokens: int, repeats: int,
+               batch: int | None = None) -> dict[str, float]:
     """Seconds per generate() call on an in-process vLLM engine (CPU build)."""
     from undercurrent import ProbedModel
     from undercurrent.adapters.vllm.backend import VLLMBackend
@@ -109,6 +120,7 @@ def vllm_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
             max_model_len=min(512, bundle.model.config.max_position_embeddings))
     probed = ProbedModel(backend)
     edit = _edit(layer, vector)
+    prompts = _prompts(batch)
 
     # The in-process engine runs the worker in this process, so the hook reads this
     # switch directly: installing it once keeps RPCs out of the timed runs.
@@ -129,7 +141,7 @@ def vllm_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
     backend.engine.collective_rpc(install)
 
     def plain() -> Any:
-        return probed.generate(list(PROMPTS), max_new_tokens=new_tokens)
+        return probed.generate(prompts, max_new_tokens=new_tokens)
 
     def raw() -> Any:
         switch["on"] = True
@@ -139,7 +151,7 @@ def vllm_costs(bundle: Any, new_tokens: int, repeats: int) -> dict[str, float]:
             switch["on"] = False
 
     def steered() -> Any:
-        return probed.generate(list(PROMPTS), max_new_tokens=new_tokens, edits=[edit])
+        return probed.generate(prompts, max_new_tokens=new_tokens, edits=[edit])
 
     try:
         if [o.token_ids for o in raw()] == [o.token_ids for o in plain()]:
@@ -164,18 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("tiny", "large"), default="large")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=None,
+                        help=f"prompts per call (default: the {len(PROMPTS)} prompts once)")
     args = parser.parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
 
     def bundle() -> Any:
         if args.model == "tiny":
             return bundled_model()
         return random_llama("large", LARGE_LLAMA, "random Llama, hidden 1024, 8 layers")
 
-    shown = f"{args.model} model, {len(PROMPTS)} prompts x {args.new_tokens} new tokens"
+    count = len(_prompts(args.batch))
+    shown = f"{args.model} model, {count} prompts x {args.new_tokens} new tokens"
     if args.backend in ("hf", "both"):
-        _report(f"HF ({shown})", hf_costs(bundle(), args.new_tokens, args.repeats))
+        _report(f"HF ({shown})", hf_costs(bundle(), args.new_tokens, args.repeats, args.batch))
     if args.backend in ("vllm", "both"):
-        _report(f"vLLM ({shown})", vllm_costs(bundle(), args.new_tokens, args.repeats))
+        _report(f"vLLM ({shown})",
+                vllm_costs(bundle(), args.new_tokens, args.repeats, args.batch))
     return 0
 
 

@@ -53,6 +53,13 @@ class EditLog(Sequence[AppliedEdit]):
             self._catch_up(stop=True)
         self._following = [journal, 0, token_index, prompt_len, tuple(sites)]
 
+    def freeze(self) -> None:
+        """Keep the entries of the journal followed so far, and no later one (its
+        request ended: what others append is theirs)."""
+        following = self._following
+        if following is not None:
+            following[0], following[1] = following[0][following[1]:], 0
+
     @property
     def following(self) -> bool:
         """Whether a journal's entries may still become this log's."""

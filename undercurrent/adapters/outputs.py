@@ -81,7 +81,8 @@ class GenerationOutput:
     was asked for ``records=True``: a sequence (a list, or a backend's log that
     builds the records when first read, equal to the list of them). ``edits``
     lists every live edit applied, one :class:`AppliedEdit` per (edit, layer,
-    token), in the order they ran.
+    token), in the order they ran (a tuple, or a
+    :class:`~undercurrent.records.LazySequence` equal to it).
     ``signals`` holds each inline signal located (:class:`TokenSignal`), in
     routing order; a backend may give a
     :class:`~undercurrent.records.LazySequence` that builds them when first
@@ -99,7 +100,7 @@ class GenerationOutput:
     results: Mapping[str, ProbeResult] = field(default_factory=dict)
     signals: Sequence[TokenSignal] = ()
     records: Sequence[ActivationRecord] | None = None
-    edits: tuple[AppliedEdit, ...] = ()
+    edits: Sequence[AppliedEdit] = ()
 
     @property
     def aborted(self) -> bool:

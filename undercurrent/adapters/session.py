@@ -518,6 +518,9 @@ class EditSlots:
 
     resolved: Any
     slots: list[Hashable] = field(default_factory=list)
+    index_cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """What an engine derives from :attr:`slots` once they are planned (e.g. index
+    tensors per device), shared by the plans :meth:`StepPlan.shifted` makes."""
 
 
 class StepPlan:
@@ -1038,6 +1041,7 @@ class CaptureSession:
         assert state.finish_reason is not None
         state.closed = True
         self.closes += 1
+        state.applied.freeze()
         # (every field given: built without the frozen __init__, one per request)
         return built(GenerationOutput, {
             "request_id": state.request_id,
@@ -1051,7 +1055,9 @@ class CaptureSession:
             "results": results,
             "signals": LazySequence(state.signals.__iter__),
             "records": state.records,
-            "edits": tuple(state.applied),
+            # (a steady layout's edits built when read, as the signals are)
+            "edits": (LazySequence(state.applied.__iter__) if state.applied.following
+                      else tuple(state.applied)),
         })
 
     def may_abort(self, request_ids: Iterable[str]) -> bool:

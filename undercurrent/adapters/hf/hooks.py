@@ -347,10 +347,20 @@ class ModelHooks:
             if hidden.dim() == 2:  # some blocks (OPT's fc2) see the batch flattened
                 hidden = hidden.view(-1, self.width, hidden.shape[-1])
             if edits is not None:
-                # In place: the module's output tensor is what flows on.
+                # In place: the module's output tensor is what flows on. (Kept on
+                # the entry: the plans of later steps that repeat it share it.)
                 for entry in edits:
-                    rows, cols = self._index(entry.slots, hidden.device)
-                    hidden[rows, cols] = self.kernels.apply(entry.resolved, hidden[rows, cols])
+                    where: Any = entry.index_cache.get(hidden.device)
+                    if where is None:
+                        where = entry.index_cache[hidden.device] = self._gather_plan(
+                            entry.slots, hidden)
+                    if type(where) is int:  # every row at one column: through a view
+                        view = hidden.select(1, where)
+                        view.copy_(self.kernels.apply(entry.resolved, view.contiguous()))
+                    else:
+                        rows, cols = where
+                        hidden[rows, cols] = self.kernels.apply(entry.resolved,
+                                                                hidden[rows, cols])
             if group is not None:
                 # Kept on the group: the plans of later steps that repeat it share it.
                 index = group.index_cache.get(hidden.device)

@@ -1,0 +1,215 @@
+"""Always-on edits on the steady path: a request whose every generated token from
+some index on gets the same edits (``add`` on ``generated[*]`` or
+``generated[a:]``, no ``when``, stride 1) has its decode steps planned once
+and repeated a token later with their edits, held in windows beside its
+probes, and its log of applied edits kept as one journal of shifts for every
+request (``EditLog``), built when read.
+
+The oracle is the same generation planned and routed step by step, request
+by request (``StepPlan.add_steady_tokens`` and ``add_alike_tokens``
+declining, each step routed as it comes): the tokens, signals, records with
+the edits at each, and the applied edits, compared exactly. The tokens
+themselves are checked against a hand-written forward hook in
+``tests/steering/test_hf_edits.py``, whose edit-only generations now take
+this path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_hf_windows import WEIGHT, Windows, _generate, _point, _record_view, _view  # noqa: E402
+
+from undercurrent.adapters.edit_log import EditLog  # noqa: E402
+from undercurrent.adapters.outputs import AppliedEdit  # noqa: E402
+from undercurrent.adapters.session import CaptureSession, StepPlan  # noqa: E402
+from undercurrent.records import LazySequence  # noqa: E402
+from undercurrent.spec.types import Edit, ExtractionPoint, TensorType  # noqa: E402
+from undercurrent.steering.vectors import resolve_edits  # noqa: E402
+
+VECTOR = [0.5 * ((index * 5) % 3 - 1) for index in range(len(WEIGHT))]
+
+
+def _edit(position: str = "generated[*]", *, layers: tuple[int, ...] = (1,),
+          tensor_type: str = "residual_stream", stride: int = 1,
+          when: dict[str, str] | None = None, name: str = "steer") -> Edit:
+    return Edit(name=name, layers=layers, tensor_type=tensor_type, position=position,
+                stride=stride, op="add", vector=VECTOR, coefficient=2.0, when=when)
+
+
+class Shifts:
+    """Counts the plans made a token later that apply edits."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.edited = 0
+        shifted, advanced = StepPlan.shifted, StepPlan.advanced
+
+        def counted_shifted(plan: StepPlan, delta: int = 1) -> StepPlan:
+            made = shifted(plan, delta)
+            self.edited += bool(made.edits)
+            return made
+
+        def counted_advanced(plan: StepPlan, delta: int = 1) -> StepPlan:
+            made = advanced(plan, delta)
+            self.edited += bool(made.edits) and made is plan
+            return made
+
+        monkeypatch.setattr(StepPlan, "shifted", counted_shifted)
+        monkeypatch.setattr(StepPlan, "advanced", counted_advanced)
+
+
+def _each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step planned request by request (the general path)."""
+    monkeypatch.setattr(StepPlan, "add_steady_tokens", lambda self, fed: False)
+    monkeypatch.setattr(StepPlan, "add_alike_tokens", lambda self, fed: False)
+
+
+def _full_view(output: Any) -> Any:
+    return (_view(output), [_record_view(record) for record in output.records],
+            list(output.edits))
+
+
+@pytest.mark.parametrize("edits", [
+    [_edit()],
+    [_edit("generated[3:]", layers=(0, 2))],  # (steady from the fourth generated token)
+    [_edit(layers=(1,)), _edit(layers=(1, 2), tensor_type="mlp_out", name="second")],
+])
+def test_steps_with_always_on_edits_repeat_their_plans_and_are_held_in_windows(
+        monkeypatch, edits):
+    windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
+    point = _point("linear_probe")  # (layers 0 to 2, every generated token)
+    mine = _generate(point, windows=True, records=True, edits=edits)
+    assert shifts.edited > 0 and windows.steps and max(windows.steps) > 1
+    assert all(type(output.edits) is LazySequence for output in mine)
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate(point, windows=False, records=True, edits=edits)
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
+    # (the records at an edited site say so, the others not)
+    sites = {(layer, edit.tensor_type) for edit in edits for layer in edit.layers}
+    for output in mine:
+        assert output.edits and {record.edits != () for record in output.records} == {
+            True, False}
+        for record in output.records:
+            edited = (record.layer, TensorType(record.tensor_type)) in sites
+            assert bool(record.edits) == (edited and record.generated_index >= min(
+                edit.position.start for edit in edits))
+
+
+def test_a_stream_of_steady_steered_steps_gives_each_event_its_edits(monkeypatch):
+    """``stream()`` reads each step's edits as it comes (``unread_edits``): the
+    journal is read a step at a time."""
+    from hf_models import build_model, build_tokenizer
+    from test_hf_equivalence import PROMPTS
+
+    from undercurrent.adapters import SamplingParams
+    from undercurrent.adapters.hf.backend import HFBackend
+    from undercurrent.router import Router
+
+    def events() -> list[Any]:
+        backend = HFBackend(build_model("llama"), build_tokenizer())
+        with Router() as router:
+            session = CaptureSession(router, [_point("linear_probe")],
+                                     edits=resolve_edits([_edit()], hidden_size=len(WEIGHT)))
+            return [(event.token_id, event.edits) for event in backend.stream(
+                PROMPTS[0], "a", SamplingParams(max_new_tokens=8), session)]
+
+    shifts = Shifts(monkeypatch)
+    mine = events()
+    assert shifts.edited > 0
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = events()
+    assert mine == theirs
+    assert [len(edits) for _, edits in mine[1:-1]] == [1] * (len(mine) - 2)
+
+
+def _state(edits: list[Edit], points: list[ExtractionPoint] | None = None,
+           prompt_len: int = 4) -> Any:
+    points = [ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
+                              position="generated[*]", probe_type="none",
+                              probe_kind="trajectory")] if points is None else points
+    session = CaptureSession(None, points,
+                             edits=resolve_edits(edits, hidden_size=len(VECTOR)))
+    return session.open_request("r", "x", [1] * prompt_len)
+
+
+@pytest.mark.parametrize(("edits", "stride", "steady_from"), [
+    ([], 1, 4),
+    ([_edit()], 1, 4),
+    ([_edit("generated[3:]")], 1, 7),
+    ([_edit("generated[*]", stride=2)], 1, None),  # (every second token)
+    ([_edit("generated[1:6]")], 1, None),  # (a slice that ends)
+    ([_edit("prompt[-1]")], 1, None),  # (a prompt token)
+    ([_edit(when={"point": "p", "action": "flag"})], 1, None),  # (triggered)
+    ([_edit()], 2, None),  # (points every second token, the edit on each)
+])
+def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, stride,
+                                                                       steady_from):
+    point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
+                            position="generated[*]", stride=stride, probe_type="none",
+                            probe_kind="trajectory")
+    assert _state(edits, [point]).steady_from == steady_from
+
+
+def test_edits_alone_are_steady_from_their_first_token_and_after_a_slice_of_points_ends():
+    assert _state([_edit("generated[2:]")], points=[]).steady_from == 6
+    slice_point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
+                                  position="generated[0:3]", probe_type="none",
+                                  probe_kind="trajectory")
+    state = _state([_edit()], [slice_point])
+    assert (state.steady_from, state.steady_until) == (4, 7)
+    state.matches_in_window(6, 7)  # (the slice's last token: the point retires)
+    assert (state.steady_from, state.steady_until) == (7, None)
+
+
+def test_an_edit_log_builds_a_journal_s_entries_in_order_and_keeps_what_it_followed():
+    journal = [0]
+    log, other = EditLog(), EditLog()
+    first = AppliedEdit("prompt", 0, 1, None, "residual_stream")
+    log.append(first)
+    sites = [("a", 1, "residual_stream"), ("b", 0, "mlp_out")]
+    log.follow(journal, 10, 4, sites)
+    other.follow(journal, 20, 6, sites)
+    journal.append(1)
+    assert log.following and len(log) == 5  # (built when read, and followed on)
+    journal.append(2)
+    other.freeze()  # (its request ended: later shifts are not its own)
+    journal.append(3)
+    assert list(log) == [first] + [
+        AppliedEdit(name, layer, 10 + shift, 6 + shift, tensor_type)
+        for shift in range(4) for name, layer, tensor_type in sites]
+    assert [entry.token_index for entry in other] == [20, 20, 21, 21, 22, 22]
+    log.append(first)  # (planned on its own again: the journal is no longer its)
+    journal.append(4)
+    assert not log.following and len(log) == 10 and log[-1] == first
+    assert log == list(log) and log != [first]
+
+
+def test_the_edited_sites_of_steady_steps_are_read_from_the_journal():
+    state = _state([_edit(layers=(0, 2))])
+    state.generated.extend([7, 7, 7])
+    plan = StepPlan()
+    assert plan.add_steady_tokens([(state, 4, (0, 0))])
+    plan.shifted(1)
+    plan.shifted(2)
+    assert state.edited_sites == {
+        (layer, TensorType.RESIDUAL_STREAM, token): ("steer",)
+        for layer in (0, 2) for token in (4, 5, 6)}
+    assert [(entry.layer, entry.token_index) for entry in state.applied] == [
+        (layer, token) for token in (4, 5, 6) for layer in (0, 2)]
+
+
+def test_a_plan_whose_edits_are_not_steady_cannot_be_shifted():
+    state = _state([_edit("generated[*]", stride=2)])
+    state.generated.extend([7, 7])
+    plan = StepPlan()
+    plan.add_window(state, 4, 5, lambda token: (0, 0))
+    assert plan.edits
+    with pytest.raises(ValueError, match="not steady cannot be shifted"):
+        plan.shifted(1)
