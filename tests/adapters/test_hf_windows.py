@@ -943,3 +943,37 @@ def test_steps_routed_as_they_come_keep_no_match_in_the_signal_logs():
         assert seen.count(("second", 0)) == 1 and ("second", 1) not in seen
         fed = len(output.token_ids) - 1  # (the last token sampled is never fed back)
         assert len(seen) == 3 * fed + (fed + 1) // 2
+
+
+@pytest.mark.parametrize(("strides", "period"), [((1, 2), 2), ((2, 3), 6)])
+def test_points_of_several_strides_repeat_each_plan_of_their_period(monkeypatch, strides,
+                                                                     period):
+    """Points of several strides plan the steps of one period (each step's plan
+    differs: which points match), then repeat each plan a period later
+    (``_RowDriver._cycle``), routed as it comes: the outputs and records of
+    every step planned request by request and routed as it comes."""
+    from undercurrent.adapters.session import StepPlan
+
+    every = dataclasses.replace(_point(), layers=(0, 2), stride=strides[0])
+    second = dataclasses.replace(every, name="second", tensor_type=TensorType.MLP_OUT,
+                                 layers=(1,), stride=strides[1])
+    repeated: list[int] = []
+    shifted = StepPlan.shifted
+
+    def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
+        made = shifted(plan, delta)
+        if made.base.alternates:
+            repeated.append(made.delta)
+        return made
+
+    monkeypatch.setattr(StepPlan, "shifted", counted)
+    windowed = _generate([every, second], windows=True, records=True)
+    assert repeated and set(repeated) == {period}  # (each plan a period later)
+    monkeypatch.undo()
+    monkeypatch.setattr(StepPlan, "add_steady_tokens", lambda self, fed: False)
+    monkeypatch.setattr(StepPlan, "add_alike_tokens", lambda self, fed: False)
+    stepped = _generate([every, second], windows=False, records=True)
+    assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+    for mine, theirs in zip(windowed, stepped, strict=True):
+        assert [_record_view(r) for r in mine.records] == [
+            _record_view(r) for r in theirs.records]

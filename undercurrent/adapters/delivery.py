@@ -1023,7 +1023,8 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
     delta = plan.delta
     points = layout.points
     if layout.windows is None:
-        layout.windows = _window_steps(session, layout)
+        # (a window holds the steps of one layout: alternating ones, none)
+        layout.windows = 0 if base.alternates else _window_steps(session, layout)
     batches: list[ActivationBatch | None] | None = None
     if layout.windows:  # (routes nothing but a full window, in a step of its own)
         batches = _Window.hold(session, layout, layout.windows, delta, sources, base)
@@ -1037,14 +1038,15 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
         made.append(point.batch(delta, sources) if ready is None else ready)
     with _stepping(step):
         flush_window(session)
-        if len(points) == 1:
+        if len(points) == 1 and not base.alternates:
             point = points[0]
             _route_wave(session, states, [(made[0], point.spans, point.routed_spans)],
                         point.follow(), layout.edits,
                         point.follow(kept=True) if session.keep_records else None)
-        else:
+        else:  # (each request handed its rows: see StepPlan.alternates)
             _route_wave(session, states, [(batch, point.spans, point.routed_spans)
-                                          for batch, point in zip(made, points, strict=True)])
+                                          for batch, point in zip(made, points, strict=True)],
+                        edits=layout.edits)
     return True
 
 

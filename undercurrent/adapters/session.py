@@ -31,6 +31,7 @@ and takes part in planning from the next forward on.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -423,6 +424,23 @@ class RequestState:
             found.sort(key=lambda item: item[0])
         return found
 
+    def repeats_every(self, token_index: int) -> int | None:
+        """The period after which the points matching ``token_index`` match again,
+        and every token from it on: the least common multiple of the points'
+        strides, where each point still able to match is continuous, unbounded
+        and selects tokens from ``token_index`` or before, and no edit applies
+        (None otherwise). Points of several strides then plan the same steps
+        again, a period later (what a backend may repeat)."""
+        if self._live_edits or self._bounded or self.aborted or self.closed:
+            return None
+        period = 1
+        for point in self._live_points:
+            first, end, _, stride, target = self._selectors[id(point)]
+            if target is not None or end is not None or first > token_index:
+                return None
+            period = math.lcm(period, stride)
+        return period
+
     def _steady_after(self, stop: int) -> None:
         """Once points have retired at ``stop`` (they matched one token, or a
         bounded slice ended): the steady pattern of the points left
@@ -539,6 +557,11 @@ class StepPlan:
     repeatable = False
     """Set by a backend that keeps this plan to repeat it: delivery may use the
     plan's layout from this step on, not only from its first repeat."""
+    alternates = False
+    """Set by a backend whose repeats of this plan alternate with the repeats of
+    others (a cycle of several plans: points of several strides): delivery then
+    hands each request its rows of each step, rather than have them follow one
+    layout's journal, and holds no window of its steps."""
     edit_steps: list[int] | None = None
     """For a plan with edits that others repeat (:meth:`add_steady_tokens`): the
     shift of each plan made from it, its own (0) first, appended as each is
@@ -584,7 +607,7 @@ class StepPlan:
             match.state = None  # type: ignore[assignment]
         self.groups, self.edits, self._layouts = {}, {}, {}
         self._matches, self.base, self.steady = [], None, None
-        self.one_each = False
+        self.one_each = self.alternates = False
 
     def delivered(self) -> None:
         """Called once nothing reads this plan through its groups any more (a

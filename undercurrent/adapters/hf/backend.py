@@ -95,6 +95,11 @@ class _RowDriver:
         # none ends), while every one of them is steady (see plan_forward).
         self._steady: tuple[StepPlan, list[tuple[RequestState, int, int]], int, int,
                             int | None] | None = None
+        # Where the decode steps repeat with a period of several steps (points of
+        # several strides): the period and, per step of it (the forward's index
+        # modulo the period), the last plan made for it (None: nothing planned),
+        # while every request is live (see plan_forward and _cycled).
+        self._cycle: tuple[int, dict[int, StepPlan | None]] | None = None
         # Set by after_token when every request was live and got one token: with
         # every request still live, the next decode step feeds each the token
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
@@ -154,6 +159,19 @@ class _RowDriver:
             shifted = plan.advanced(stride)
             self._steady = (shifted, fed, steps, stride, limit)
             return shifted
+        cycle = self._cycle
+        if cycle is not None and self._advanced and self._all_live():
+            # Every request fed last step, each one token on, and still live: where
+            # this step of the period was planned, that plan again, a period later.
+            period, plans = cycle
+            phase = index % period
+            if phase in plans:
+                self._advanced = False
+                last = plans[phase]
+                if last is None:
+                    return None
+                plans[phase] = shifted = last.advanced(period)
+                return shifted
         self._advanced = False
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
         fed = [(state, state.prompt_len + len(state.generated) - 1, row)
@@ -176,7 +194,8 @@ class _RowDriver:
         # (planned at once: every request fed is steady, so the plan repeats)
         tokens = [(state, index, (row, 0)) for state, index, row in fed]
         repeats = plan.add_steady_tokens(tokens)
-        if not repeats and not plan.add_alike_tokens(tokens):
+        alike = not repeats and plan.add_alike_tokens(tokens)
+        if not repeats and not alike:
             for state, index, row in fed:
                 plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
             repeats = not plan.edits and bool(fed) and all(
@@ -190,10 +209,39 @@ class _RowDriver:
             limit = min((state.steady_until - index for state, index, _ in fed
                          if state.steady_until is not None), default=None)
             self._steady = (plan, fed, 0, fed[0][0].steady_stride, limit)
+            self._cycle = None
         else:
             self._steady = None
-        plan.repeatable = repeats
+            # (a plan of requests alike: none of its points retired planning it)
+            self._cycle = self._cycled(plan, fed, index) if alike else None
+        plan.repeatable = repeats or self._cycle is not None
         return plan
+
+    def _cycled(self, plan: StepPlan, fed: list[tuple[RequestState, int, int]],
+                forward: int) -> tuple[int, dict[int, StepPlan | None]] | None:
+        """The cycle of plans with this decode step's (``plan``, planned at once
+        for the tokens ``fed``, at the ``forward`` th forward) in it, where every
+        request is fed
+        and live and each one's points match again a period later, and every
+        token from then on (:meth:`RequestState.repeats_every`, the same period
+        for each); else None. Within a period each step's plan differs (points
+        of several strides: the lower layers every token, the upper every second
+        one); each is repeated a period later (:meth:`StepPlan.advanced`)."""
+        if (not self.repeat_plans or plan.edits or len(fed) != len(self.states)
+                or not self._all_live()):
+            return None
+        periods = {state.repeats_every(token) for state, token, _ in fed}
+        if len(periods) != 1:
+            return None
+        (period,) = periods
+        if period is None:
+            return None
+        cycle = self._cycle
+        if cycle is None or cycle[0] != period:
+            cycle = (period, {})
+        cycle[1][forward % period] = plan if plan.groups else None
+        plan.alternates = period > 1
+        return cycle
 
     def _all_live(self) -> bool:
         """Every request still generating: known at once while none has ended."""
