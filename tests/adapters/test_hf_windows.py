@@ -950,8 +950,9 @@ def test_points_of_several_strides_repeat_each_plan_of_their_period(monkeypatch,
                                                                      period):
     """Points of several strides plan the steps of one period (each step's plan
     differs: which points match), then repeat each plan a period later
-    (``_RowDriver._cycle``), routed as it comes: the outputs and records of
-    every step planned request by request and routed as it comes."""
+    (``_RowDriver._cycle``), the steps of every plan held in one window
+    (``_Window.admits``): the outputs and records of every step planned
+    request by request and routed as it comes."""
     from undercurrent.adapters.session import StepPlan
 
     every = dataclasses.replace(_point(), layers=(0, 2), stride=strides[0])
@@ -967,8 +968,10 @@ def test_points_of_several_strides_repeat_each_plan_of_their_period(monkeypatch,
         return made
 
     monkeypatch.setattr(StepPlan, "shifted", counted)
+    windows = Windows(monkeypatch)
     windowed = _generate([every, second], windows=True, records=True)
     assert repeated and set(repeated) == {period}  # (each plan a period later)
+    assert max(windows.steps) > 2  # (steps of several plans in one window)
     monkeypatch.undo()
     monkeypatch.setattr(StepPlan, "add_steady_tokens", lambda self, fed: False)
     monkeypatch.setattr(StepPlan, "add_alike_tokens", lambda self, fed: False)

@@ -143,11 +143,14 @@ class _WindowRuns:
     """A request's rows of a window of several points (:meth:`_Window.route`),
     read step by step when first needed: per point (routed or captured batch,
     the request's first row, rows per step, the match they serve), the rows
-    of step ``s`` being ``start + s * count`` to ``start + (s + 1) * count``."""
+    of step ``s`` being ``start + s * count`` to ``start + (s + 1) * count``.
+    A part of five entries holds some of the steps only (a window of
+    alternating layouts): the fifth maps each of its steps to its place ``j``
+    among them (its rows ``start + j * count`` on)."""
 
     __slots__ = ("parts", "steps")
 
-    def __init__(self, parts: list[tuple[Any, int, int, Any]], steps: int) -> None:
+    def __init__(self, parts: list[tuple[Any, ...]], steps: int) -> None:
         self.parts = parts
         self.steps = steps
 
@@ -155,12 +158,19 @@ class _WindowRuns:
         """Each step's runs, as routing the step would have given them: one per
         point, (batch, start, stop, match)."""
         for step in range(self.steps):
-            yield [(source, start + step * count, start + (step + 1) * count, match)
-                   for source, start, count, match in self.parts]
+            runs = []
+            for part in self.parts:
+                source, start, count, match = part[:4]
+                place = step if len(part) == 4 else part[4].get(step)
+                if place is not None:
+                    runs.append((source, start + place * count, start + (place + 1) * count,
+                                 match))
+            yield runs
 
     def rows(self) -> int:
         """How many rows it holds."""
-        return self.steps * sum(count for _, _, count, _ in self.parts)
+        return sum(part[2] * (self.steps if len(part) == 4 else len(part[4]))
+                   for part in self.parts)
 
 
 class SignalLog(Sequence[TokenSignal]):
@@ -656,7 +666,7 @@ def _route_wave(session: Any, live: list[Any],
                 best = aborts.get(state.request_id)
                 if best is None or key[:2] < best[:2]:
                     aborts[state.request_id] = key
-            if state.edits:
+            if edits and state.edits:  # (an edit a signal may arm)
                 for row in range(start, stop):
                     if codes[row] not in (NO_SIGNAL, _CONTINUE):
                         state.arm(batch.point_names[row], CODE_ACTIONS[codes[row]],
@@ -1023,8 +1033,9 @@ def _deliver_steady(session: Any, plan: Any, sources: dict[Any, Any],
     delta = plan.delta
     points = layout.points
     if layout.windows is None:
-        # (a window holds the steps of one layout: alternating ones, none)
-        layout.windows = 0 if base.alternates else _window_steps(session, layout)
+        layout.windows = _window_steps(session, layout)
+        if base.alternates and layout.guards:  # (see _Window.admits)
+            layout.windows = 0
     batches: list[ActivationBatch | None] | None = None
     if layout.windows:  # (routes nothing but a full window, in a step of its own)
         batches = _Window.hold(session, layout, layout.windows, delta, sources, base)
@@ -1128,10 +1139,15 @@ class _Window:
     point, rows filling at most half of each queue, or as much of it as is
     free when the window gets there: :meth:`grow`; where half a queue holds
     one step, a window of one step that grows the same way) or
-    :data:`WINDOW_BYTES` bytes."""
+    :data:`WINDOW_BYTES` bytes.
+
+    The layouts of plans that alternate (:attr:`StepPlan.alternates`: points of
+    several strides, a cycle of plans) share a window where none has an abort
+    guard (:meth:`admits`): each point's steps, from whichever layout, are
+    routed as one batch (:meth:`_route_alternating`)."""
 
     __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "values", "size", "step_size",
-                 "base", "shape", "keys")
+                 "base", "shape", "keys", "layouts", "refs", "offsets", "sizes")
 
     def __init__(self, layout: _SteadyLayout, limit: int, base: Any) -> None:
         self.layout = layout
@@ -1153,6 +1169,47 @@ class _Window:
         # else None. ``keys``: the groups' keys, in that order.
         self.shape: list[int] | None = None
         self.keys: list[Any] = []
+        # Each step's layout, and for alternating layouts (see admits): each
+        # point's first layout's point, by name; each layout point's tokens
+        # after its name's first, as a shift; bytes a step of each layout adds.
+        self.layouts: list[_SteadyLayout] = []
+        self.refs: dict[str, _SteadyPoint] = {point.name: point for point in layout.points}
+        self.offsets: dict[int, int] = {id(point): 0 for point in layout.points}
+        self.sizes: dict[int, int] = {}
+
+    def admits(self, layout: _SteadyLayout, limit: int) -> bool:
+        """Whether a step of ``layout`` may join this window: one of its own
+        layout, or of another alternating with it (both bases
+        :attr:`StepPlan.alternates`, no abort guard) over the same requests in
+        the same order, where each point of a name held already has the same
+        layers and rows per request, at tokens a fixed shift from the first's.
+        The window's limit is then the least of both."""
+        if layout is self.layout or id(layout) in self.sizes:
+            return True
+        if (not self.base.alternates or layout.guards or self.layout.guards
+                or len(layout.states) != len(self.layout.states)
+                or not all(map(operator.is_, layout.states, self.layout.states))):
+            return False
+        offsets: dict[int, int] = {}
+        for point in layout.points:
+            ref = self.refs.get(point.name)
+            if ref is None:
+                continue
+            if point.keys != ref.keys or [span[:3] for span in point.spans] != [
+                    span[:3] for span in ref.spans]:
+                return False
+            shifts = point._bases()[0] - ref._bases()[0]
+            if len(shifts) and (shifts != shifts[0]).any():
+                return False
+            offsets[id(point)] = int(shifts[0]) if len(shifts) else 0
+        for point in layout.points:
+            if point.name not in self.refs:
+                self.refs[point.name] = point
+                offsets[id(point)] = 0
+        self.offsets.update(offsets)
+        self.limit = min(self.limit, limit)
+        self.sizes[id(layout)] = 0
+        return True
 
     @classmethod
     def hold(cls, session: Any, layout: _SteadyLayout, limit: int, delta: int,
@@ -1169,17 +1226,18 @@ class _Window:
         if aborting is not None:
             return aborting
         window = session.window
-        if window is not None and window.layout is not layout:
+        if window is not None and not window.admits(layout, limit):
             flush_window(session)
             window = None
         if window is None:
             window = session.window = cls(layout, limit, base)
-        if window.shape is None and all(point.whole for point in layout.points):
+        if (window.shape is None and window.layout is layout
+                and all(point.whole for point in layout.points)):
             keys = list(dict.fromkeys(key for point in layout.points for key in point.keys))
             if list(base.groups) == keys:
                 window.keys = keys
                 window.shape = [len(group.slots) for group in base.groups.values()]
-        window._add(session, delta, pieces, values)
+        window._add(session, delta, pieces, values, layout)
         return None
 
     def take(self, session: Any, batches: list[tuple[Any, Any, Any]]) -> bool:
@@ -1221,27 +1279,31 @@ class _Window:
         if aborting is not None:
             return False  # (the general path routes it at once, see hold)
         plan.delivered()
-        self._add(session, plan.delta, pieces, values)
+        self._add(session, plan.delta, pieces, values, self.layout)
         return True
 
     def _add(self, session: Any, delta: int, pieces: list[list[Any]],
-             values: list[Any] | None = None) -> None:
-        """One step's ``pieces`` (per point) held, with the probes' ``values`` of
-        them under abort guards (one per guard); the window routed once full."""
+             values: list[Any] | None, layout: _SteadyLayout) -> None:
+        """One step of ``layout``: its ``pieces`` (per point) held, with the probes'
+        ``values`` of them under abort guards (one per guard); the window routed
+        once full."""
         self.deltas.append(delta)
         self.steps.append(pieces)
         self.stamps.append(time.time())
+        self.layouts.append(layout)
         if self.values is not None:
             if values is None:
                 self.values = None
             else:
                 self.values.append(values)
-        if not self.step_size:  # every step of one layout: the same pieces' shapes
-            # (a piece two points share counted once)
-            unique = {id(piece): piece for point_pieces in pieces for piece in point_pieces}
-            self.step_size = sum(piece.element_size() * piece.nelement()
-                                 for piece in unique.values())
-        self.size += self.step_size
+        if layout is self.layout:
+            if not self.step_size:  # every step of one layout: the same pieces' shapes
+                self.step_size = _size(pieces)
+            self.size += self.step_size
+        else:
+            size = self.sizes[id(layout)] or _size(pieces)
+            self.sizes[id(layout)] = size
+            self.size += size
         if self.size >= WINDOW_BYTES or (len(self.steps) >= self.limit
                                          and not self.grow(session)):
             flush_window(session)
@@ -1258,7 +1320,7 @@ class _Window:
         if room is None or self.limit >= WINDOW_STEPS:
             return False
         steps = min([WINDOW_STEPS] + [room(point.name, _routed_ids(point)) // point.count
-                                      for point in self.layout.points])
+                                      for point in self.refs.values()])
         if steps <= len(self.steps):
             return False
         self.limit = steps
@@ -1267,6 +1329,9 @@ class _Window:
     def route(self, session: Any) -> None:
         """Route the steps held, as one batch per point, and give each request
         its signals (and, with ``records=True``, its records of these steps)."""
+        if self.sizes:  # (steps of alternating layouts)
+            self._route_alternating(session)
+            return
         layout = self.layout
         points = layout.points
         steps = len(self.steps)
@@ -1325,6 +1390,63 @@ class _Window:
                 parts = routed_parts.get(id(state))
                 if parts:
                     state.signals.add_window(_WindowRuns(parts, steps))
+
+    def _route_alternating(self, session: Any) -> None:
+        """:meth:`route` of steps of alternating layouts: each point (by name)
+        routed once, with its steps from every layout that has it (tokens on
+        from its first layout's, see :meth:`admits`); each request's signals
+        and records of a step from the matches of that step's layout."""
+        steps = len(self.steps)
+        by_name: dict[str, list[tuple[int, int, _SteadyPoint]]] = {}
+        for step, layout in enumerate(self.layouts):
+            for index, point in enumerate(layout.points):
+                by_name.setdefault(point.name, []).append((step, index, point))
+        routed_parts: dict[int, list[tuple[Any, ...]]] = {}
+        kept_parts: dict[int, list[tuple[Any, ...]]] = {}
+        offsets = self.offsets
+        for name, entries in by_name.items():
+            ref = self.refs[name]
+            count = len(entries)
+            batch = ref.window_batch(
+                [self.deltas[step] + offsets[id(point)] for step, _, point in entries],
+                [self.steps[step][index] for step, index, _ in entries],
+                [self.stamps[step] for step, _, _ in entries])
+            # Each layout's point of this name, and the place among the name's
+            # steps of each of its steps.
+            places: dict[int, tuple[_SteadyPoint, dict[int, int]]] = {}
+            for place, (step, _, point) in enumerate(entries):
+                places.setdefault(id(point), (point, {}))[1][step] = place
+            if session.keep_records:
+                kept = batch.without_cache()  # the activations, not what probes derived
+                for point, where in places.values():
+                    for state, start, stop, match in point.spans:
+                        kept_parts.setdefault(id(state), []).append(
+                            (kept, start * count, stop - start, match, where))
+            signals = session.router.route_columns(batch, ref.window_spans(count))
+            if not signals.any_signal():
+                continue
+            if signals.any_abort():  # window_rows admitted a probe that aborts
+                raise RuntimeError(
+                    f"internal error: a probe of point {name!r} aborted a request "
+                    "while its steps were judged in a window")
+            routed = RoutedPoint(batch.index_view(), signals)
+            for point, where in places.values():
+                for state, start, stop, match in point.spans:
+                    routed_parts.setdefault(id(state), []).append(
+                        (routed, start * count, stop - start, match, where))
+        for state in self.layout.states:
+            parts = kept_parts.get(id(state))
+            if parts:
+                state.records.add_window(_WindowRuns(parts, steps))
+            parts = routed_parts.get(id(state))
+            if parts:
+                state.signals.add_window(_WindowRuns(parts, steps))
+
+
+def _size(pieces: list[list[Any]]) -> int:
+    """Bytes a step's ``pieces`` (per point) hold, a piece two points share once."""
+    unique = {id(piece): piece for point_pieces in pieces for piece in point_pieces}
+    return sum(piece.element_size() * piece.nelement() for piece in unique.values())
 
 
 def _same_rows(point: _SteadyPoint, steps: list[list[Any]], other: _SteadyPoint,
