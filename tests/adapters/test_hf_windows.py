@@ -945,37 +945,45 @@ def test_steps_routed_as_they_come_keep_no_match_in_the_signal_logs():
         assert len(seen) == 3 * fed + (fed + 1) // 2
 
 
-@pytest.mark.parametrize(("strides", "period"), [((1, 2), 2), ((2, 3), 6)])
+@pytest.mark.parametrize(("strides", "period", "eos"), [((1, 2), 2, None), ((2, 3), 6, None),
+                                                        ((1, 2), 2, 17), ((1, 2), 2, 33)])
 def test_points_of_several_strides_repeat_each_plan_of_their_period(monkeypatch, strides,
-                                                                     period):
+                                                                     period, eos):
     """Points of several strides plan the steps of one period (each step's plan
     differs: which points match), then repeat each plan a period later
     (``_RowDriver._cycle``), the steps of every plan held in one window
-    (``_Window.admits``): the outputs and records of every step planned
-    request by request and routed as it comes."""
+    (``_Window.admits``), also once a request has ended (``eos``: the
+    requests left plan the period again): the outputs and records of every
+    step planned request by request and routed as it comes."""
     from undercurrent.adapters.session import StepPlan
 
     every = dataclasses.replace(_point(), layers=(0, 2), stride=strides[0])
     second = dataclasses.replace(every, name="second", tensor_type=TensorType.MLP_OUT,
                                  layers=(1,), stride=strides[1])
     repeated: list[int] = []
+    rows: list[int] = []  # the requests each repeated plan feeds
     shifted = StepPlan.shifted
 
     def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
         made = shifted(plan, delta)
         if made.base.alternates:
             repeated.append(made.delta)
+            rows.append(len(next(iter(made.groups.values())).slots))
         return made
 
     monkeypatch.setattr(StepPlan, "shifted", counted)
     windows = Windows(monkeypatch)
-    windowed = _generate([every, second], windows=True, records=True)
+    windowed = _generate([every, second], windows=True, records=True, eos=eos)
     assert repeated and set(repeated) == {period}  # (each plan a period later)
     assert max(windows.steps) > 2  # (steps of several plans in one window)
+    ended = [len(output.token_ids) for output in windowed if output.finish_reason == "eos"]
+    if eos is not None:  # (one ended before the others: plans repeated after it too)
+        assert ended and min(ended) < max(len(output.token_ids) for output in windowed)
+        assert min(rows) < len(windowed)  # (repeated for the requests left)
     monkeypatch.undo()
     monkeypatch.setattr(StepPlan, "add_steady_tokens", lambda self, fed: False)
     monkeypatch.setattr(StepPlan, "add_alike_tokens", lambda self, fed: False)
-    stepped = _generate([every, second], windows=False, records=True)
+    stepped = _generate([every, second], windows=False, records=True, eos=eos)
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
     for mine, theirs in zip(windowed, stepped, strict=True):
         assert [_record_view(r) for r in mine.records] == [

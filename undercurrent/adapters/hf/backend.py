@@ -71,6 +71,18 @@ _REQUEST_ID = operator.attrgetter("request_id")
 _FINISH_REASON = operator.attrgetter("finish_reason")
 
 
+class _Phase:
+    """A step of a cycle of plans (see ``_RowDriver._cycle``): its last plan (None:
+    nothing planned), what its first plan fed and at which forward, and whether
+    that was every request of the call."""
+
+    __slots__ = ("plan", "fed", "forward", "every")
+
+    def __init__(self, plan: StepPlan | None, fed: list[tuple[RequestState, int, int]],
+                 forward: int, every: bool) -> None:
+        self.plan, self.fed, self.forward, self.every = plan, fed, forward, every
+
+
 class _RowDriver:
     """Per-batch generation state shared by the generate() callbacks."""
 
@@ -98,8 +110,9 @@ class _RowDriver:
         # Where the decode steps repeat with a period of several steps (points of
         # several strides): the period and, per step of it (the forward's index
         # modulo the period), the last plan made for it (None: nothing planned),
-        # while every request is live (see plan_forward and _cycled).
-        self._cycle: tuple[int, dict[int, StepPlan | None]] | None = None
+        # what it fed at the forward it was planned for, that forward, and
+        # whether it fed every request (see plan_forward and _cycled).
+        self._cycle: tuple[int, dict[int, _Phase]] | None = None
         # Set by after_token when every request was live and got one token: with
         # every request still live, the next decode step feeds each the token
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
@@ -159,19 +172,14 @@ class _RowDriver:
             shifted = plan.advanced(stride)
             self._steady = (shifted, fed, steps, stride, limit)
             return shifted
-        cycle = self._cycle
-        if cycle is not None and self._advanced and self._all_live():
+        cycle = self._cycle if self.repeat_plans else None
+        period, entry = (0, None) if cycle is None else (cycle[0], cycle[1].get(index % cycle[0]))
+        if entry is not None and entry.every and self._advanced and self._all_live():
             # Every request fed last step, each one token on, and still live: where
-            # this step of the period was planned, that plan again, a period later.
-            period, plans = cycle
-            phase = index % period
-            if phase in plans:
-                self._advanced = False
-                last = plans[phase]
-                if last is None:
-                    return None
-                plans[phase] = shifted = last.advanced(period)
-                return shifted
+            # this step of the period was planned for every request, that plan
+            # again, a period later.
+            self._advanced = False
+            return self._repeat_phase(entry, period)
         self._advanced = False
         # (``finish_reason is None`` is ``state.live``, read directly: per request and step)
         fed = [(state, state.prompt_len + len(state.generated) - 1, row)
@@ -190,6 +198,12 @@ class _RowDriver:
             shifted = plan.shifted(stride)
             self._steady = (shifted, fed, 0, stride, None if limit is None else limit - steps)
             return shifted
+        if (entry is not None and one_token_later(
+                [(state, token + index - entry.forward - 1, row)
+                 for state, token, row in entry.fed], fed)):
+            # The requests this step of the period was planned for, at the same
+            # rows, each as many tokens on as steps have passed: its plan again.
+            return self._repeat_phase(entry, period)
         plan = StepPlan()
         # (planned at once: every request fed is steady, so the plan repeats)
         tokens = [(state, index, (row, 0)) for state, index, row in fed]
@@ -218,7 +232,7 @@ class _RowDriver:
         return plan
 
     def _cycled(self, plan: StepPlan, fed: list[tuple[RequestState, int, int]],
-                forward: int) -> tuple[int, dict[int, StepPlan | None]] | None:
+                forward: int) -> tuple[int, dict[int, _Phase]] | None:
         """The cycle of plans with this decode step's (``plan``, planned at once
         for the tokens ``fed``, at the ``forward`` th forward) in it, where every
         request is fed
@@ -227,8 +241,7 @@ class _RowDriver:
         for each); else None. Within a period each step's plan differs (points
         of several strides: the lower layers every token, the upper every second
         one); each is repeated a period later (:meth:`StepPlan.advanced`)."""
-        if (not self.repeat_plans or plan.edits or len(fed) != len(self.states)
-                or not self._all_live()):
+        if not self.repeat_plans or plan.edits or not fed:
             return None
         periods = {state.repeats_every(token) for state, token, _ in fed}
         if len(periods) != 1:
@@ -239,9 +252,19 @@ class _RowDriver:
         cycle = self._cycle
         if cycle is None or cycle[0] != period:
             cycle = (period, {})
-        cycle[1][forward % period] = plan if plan.groups else None
+        cycle[1][forward % period] = _Phase(plan if plan.groups else None, fed, forward,
+                                            len(fed) == len(self.states) and self._all_live())
         plan.alternates = period > 1
         return cycle
+
+    @staticmethod
+    def _repeat_phase(entry: _Phase, period: int) -> StepPlan | None:
+        """The plan of a step of the period (``entry``) a period later (None where
+        it planned nothing)."""
+        if entry.plan is None:
+            return None
+        entry.plan = shifted = entry.plan.advanced(period)
+        return shifted
 
     def _all_live(self) -> bool:
         """Every request still generating: known at once while none has ended."""
