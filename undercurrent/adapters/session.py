@@ -561,7 +561,8 @@ class StepPlan:
     """Set by a backend whose repeats of this plan alternate with the repeats of
     others (a cycle of several plans: points of several strides): delivery then
     hands each request its rows of each step, rather than have them follow one
-    layout's journal, and holds no window of its steps."""
+    layout's journal, and a window holds the steps of every plan of the cycle
+    (see ``delivery._Window.admits``)."""
     edit_steps: list[int] | None = None
     """For a plan with edits that others repeat (:meth:`add_steady_tokens`): the
     shift of each plan made from it, its own (0) first, appended as each is

@@ -234,13 +234,13 @@ class _RowDriver:
     def _cycled(self, plan: StepPlan, fed: list[tuple[RequestState, int, int]],
                 forward: int) -> tuple[int, dict[int, _Phase]] | None:
         """The cycle of plans with this decode step's (``plan``, planned at once
-        for the tokens ``fed``, at the ``forward`` th forward) in it, where every
-        request is fed
-        and live and each one's points match again a period later, and every
-        token from then on (:meth:`RequestState.repeats_every`, the same period
-        for each); else None. Within a period each step's plan differs (points
-        of several strides: the lower layers every token, the upper every second
-        one); each is repeated a period later (:meth:`StepPlan.advanced`)."""
+        for the tokens ``fed``, at the ``forward`` th forward) in it, where each
+        request fed matches again a period later, and at every token from then
+        on (:meth:`RequestState.repeats_every`, the same period for each); else
+        None. Within a period each step's plan differs (points of several
+        strides: the lower layers every token, the upper every second one); each
+        is repeated a period later (:meth:`StepPlan.advanced`) for the same
+        requests."""
         if not self.repeat_plans or plan.edits or not fed:
             return None
         periods = {state.repeats_every(token) for state, token, _ in fed}
