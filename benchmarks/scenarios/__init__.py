@@ -27,6 +27,7 @@ from benchmarks.scenarios.probed import (
     ProbedStrided,
     ProbedWithEdit,
     ProbedWithPromptRead,
+    ProbedWithTriggeredEdit,
 )
 
 SCENARIOS: tuple[type[Scenario], ...] = (
@@ -50,7 +51,8 @@ SCALING_ONLY: tuple[type[Scenario], ...] = (ProbedInlineLinear, ProbedInlineTraj
 ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAndObserver,
                                           ProbedSaeFeatures, ProbedStrided, ProbedSlice,
                                           ProbedWithPromptRead, ProbedInlineTrajectoryGuard,
-                                          ProbedMixedStrides, ProbedWithEdit)
+                                          ProbedMixedStrides, ProbedWithEdit,
+                                          ProbedWithTriggeredEdit)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

@@ -388,6 +388,30 @@ class ProbedWithEdit(ProbedInlineLinear):
                  "vector": vector, "coefficient": 0.0}]
 
 
+class ProbedWithTriggeredEdit(ProbedWithEdit):
+    """:class:`ProbedWithEdit` with the edit switched on by the probe's flag
+    (``when``), at a threshold no score reaches: the edit is never switched on,
+    so the tokens stay the baseline's while every step's signals are read for
+    the flag that would arm it. What a guard that steers when it fires costs
+    while it does not."""
+
+    name: ClassVar[str] = "uc_inline_linear_and_triggered_edit"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe, beside an add edit switched on by the probe's flag (a threshold no "
+        "score reaches: never switched on)"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        (point,) = super().points()
+        return [{**point, "probe_args": {**point["probe_args"], "threshold": 1e9,
+                                         "action": "flag"}}]
+
+    def edits(self) -> list[dict[str, Any]]:
+        return [{**edit, "when": {"point": "residual", "action": "flag"}}
+                for edit in super().edits()]
+
+
 class ProbedSlice(ProbedInlineLinear):
     """:class:`ProbedInlineLinear` on a bounded slice of the generated tokens
     (``generated[2:20]``): a layout that ends before the generation does."""

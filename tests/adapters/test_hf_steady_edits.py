@@ -146,7 +146,9 @@ def _state(edits: list[Edit], points: list[ExtractionPoint] | None = None,
     ([_edit("generated[*]", stride=2)], 1, None),  # (every second token)
     ([_edit("generated[1:6]")], 1, None),  # (a slice that ends)
     ([_edit("prompt[-1]")], 1, None),  # (a prompt token)
-    ([_edit(when={"point": "p", "action": "flag"})], 1, None),  # (triggered)
+    ([_edit(when={"point": "p", "action": "flag"})], 1, 4),  # (triggered: none armed yet)
+    ([_edit(), _edit("generated[*]", stride=2, name="second",
+                     when={"point": "p", "action": "flag"})], 1, 4),
     ([_edit()], 2, None),  # (points every second token, the edit on each)
 ])
 def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, stride,
@@ -155,6 +157,48 @@ def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, s
                             position="generated[*]", stride=stride, probe_type="none",
                             probe_kind="trajectory")
     assert _state(edits, [point]).steady_from == steady_from
+
+
+def test_a_triggered_edit_switched_on_ends_the_request_s_steady_steps():
+    from undercurrent.records import SignalAction
+
+    state = _state([_edit(when={"point": "p", "action": "flag"})])
+    assert state.steady_from == 4
+    assert not state.arm("p", SignalAction.ABORT, 5)  # (another action: nothing armed)
+    assert state.steady_from == 4
+    assert state.arm("p", SignalAction.FLAG, 5) and state.armed == {"steer": 5}
+    assert state.steady_from is None and not state.arm("p", SignalAction.FLAG, 6)
+
+
+def test_steps_before_a_triggered_edit_is_switched_on_repeat_their_plans(monkeypatch):
+    """A probe flags mid-generation and switches on an edit for that request:
+    the steps before repeat their plans (no window: a signal must arm the edit
+    for the next step), those after are planned as they come; the outputs,
+    records and applied edits are the general path's."""
+    import dataclasses
+
+    watched = _generate(_point("linear_probe", threshold=None), windows=False)
+    scores = sorted((s.score, s.generated_index) for output in watched for s in output.signals)
+    (second, _), (top, at) = scores[-2:]
+    assert top > second and at >= 1  # (one signal flags: after the first step)
+    point = _point("linear_probe", threshold=(top + second) / 2)
+    edit = dataclasses.replace(_edit(), when={"point": "watch", "action": "flag"})
+    windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
+    repeated: list[int] = []
+    advanced = StepPlan.advanced
+
+    def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
+        repeated.append(delta)
+        return advanced(plan, delta)
+
+    monkeypatch.setattr(StepPlan, "advanced", counted)
+    mine = _generate(point, windows=True, records=True, edits=[edit])
+    assert repeated and windows.steps == [] and shifts.edited == 0
+    assert [bool(output.edits) for output in mine].count(True) == 1
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate(point, windows=False, records=True, edits=[edit])
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
 
 
 def test_edits_alone_are_steady_from_their_first_token_and_after_a_slice_of_points_ends():

@@ -11,14 +11,15 @@ keep up), and for an inline point ``flag`` or ``abort`` at a threshold drawn
 among the scores the point gives. The generation's eos token,
 ``records=True``, whether the driver repeats its last plan, and a live edit
 for every request (none, or an ``add`` at some layers of one tensor type, on
-every generated token, from the third, every second one, or on a slice) are
-drawn too. The oracle is the same generation with ``windows=False`` (each
-step routed as it comes, what ``stream()`` does) and every step planned
-afresh, each request on its own, from the points' and edits' positions
-(``StepPlan.add_steady_tokens`` declines): the tokens, the finish reasons,
-any abort and its token, every signal in order with its score and metadata,
-each point's verdict and counts, the records with the edits at each, and each
-request's log of applied edits, compared exactly.
+every generated token, from the third, every second one, or on a slice, at
+times switched on by the first point's signals) are drawn too. The oracle is
+the same generation with ``windows=False`` (each step routed as it comes,
+what ``stream()`` does) and every step planned afresh, each request on its
+own, from the points' and edits' positions (``StepPlan.add_steady_tokens``
+declines): the tokens, the finish reasons, any abort and its token, every
+signal in order with its score and metadata, each point's verdict and
+counts, the records with the edits at each, and each request's log of
+applied edits, compared exactly.
 """
 
 from __future__ import annotations
@@ -141,16 +142,22 @@ EDIT_POSITIONS = [("generated[*]", 1), ("generated[*]", 1), ("generated[2:]", 1)
 @st.composite
 def drawn_edits(draw: Any, drawn: list[Drawn]) -> list[Edit]:
     """None, or one ``add`` edit of a small vector for every request, most often
-    at a tensor type a point of ``drawn`` captures (its records then edited)."""
+    at a tensor type a point of ``drawn`` captures (its records then edited);
+    where the first point is inline, at times switched on by its signals
+    (``when``: each request's edit from the token after the first it flags)."""
     if draw(st.integers(0, 2)) == 0:
         return []
+    first = drawn[0].point
+    when = None
+    if first.execution_mode.value == "inline" and draw(st.booleans()):
+        when = {"point": first.name, "action": first.probe_args.get("action", "flag")}
     position, stride = draw(st.sampled_from(EDIT_POSITIONS))
     layers = tuple(sorted(draw(st.sets(st.integers(0, LAYERS - 1), min_size=1, max_size=2))))
     tensor_type = draw(st.sampled_from(
         [entry.point.tensor_type.value for entry in drawn] * 3 + ["residual_stream"]))
     vector = [0.5 * ((index * 5) % 3 - 1) for index in range(len(WEIGHT))]
     return [Edit(name="steer", layers=layers, tensor_type=tensor_type, position=position,
-                 stride=stride, op="add", vector=vector, coefficient=draw(
+                 stride=stride, op="add", vector=vector, when=when, coefficient=draw(
                      st.sampled_from([0.0, 0.5, 2.0])))]
 
 
@@ -237,5 +244,6 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
     hypothesis.event(f"windows held: {'some' if held else 'none'}")
     hypothesis.event(f"aborted: {any(output.abort is not None for output in stepped)}")
     hypothesis.event(f"edited: {any(output.edits for output in stepped)}")
+    hypothesis.event(f"edit triggered: {bool(edits) and edits[0].when is not None}")
     hypothesis.event("records edited: " + str(records and any(
         record.edits for output in stepped for record in output.records)))

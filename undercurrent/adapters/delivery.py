@@ -668,9 +668,10 @@ def _route_wave(session: Any, live: list[Any],
                     aborts[state.request_id] = key
             if edits and state.edits:  # (an edit a signal may arm)
                 for row in range(start, stop):
-                    if codes[row] not in (NO_SIGNAL, _CONTINUE):
-                        state.arm(batch.point_names[row], CODE_ACTIONS[codes[row]],
-                                  int(batch.token_indices[row]))
+                    if codes[row] not in (NO_SIGNAL, _CONTINUE) and state.arm(
+                            batch.point_names[row], CODE_ACTIONS[codes[row]],
+                            int(batch.token_indices[row])):
+                        session.arms += 1
     if not kept_rows and not runs and not aborts:
         return
     for state in live:

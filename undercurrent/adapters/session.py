@@ -124,28 +124,31 @@ def _steady_from(selectors: Iterable[tuple[int, int | None, int, int, int | None
 
 
 def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequence[Any],
-                       prompt_len: int) -> tuple[int, int, int | None] | None:
+                       prompt_len: int, armed: Mapping[str, int] | None = None
+                       ) -> tuple[int, int, int | None] | None:
     """:func:`_steady_from` 's ``(first, stride, until)`` of a request's points
     (``(0, 1, None)`` for none) once its ``edits`` are planned too: from
     ``first`` on every token (stride 1) gets the same edits, where each edit is
     always on (no ``when``), continuous (generated tokens) and unbounded, and
     applies to every token; ``first`` then moves to the first token every edit
-    applies to. None where an edit is otherwise (each step planned)."""
+    applies to. A triggered edit not ``armed`` yet applies nowhere (until a
+    signal arms it: :meth:`RequestState.arm` then ends the request's steady
+    steps). None where an edit is otherwise (each step planned)."""
     if not edits or steady is None:
         return steady
     first, stride, until = steady
-    if stride != 1:
-        return None
     for resolved in edits:
         edit = resolved.edit
+        if edit.when is not None and (armed is None or edit.name not in armed):
+            continue
         position = edit.position
-        if (edit.when is not None or not position.is_continuous or position.stop is not None
-                or edit.stride != 1):
+        if (stride != 1 or edit.when is not None or not position.is_continuous
+                or position.stop is not None or edit.stride != 1):
             return None
         first = max(first, prompt_len + max(position.start, 0))
     if until is not None and first >= until:
         return None
-    return first, 1, until
+    return first, stride, until  # (1 where an edit applies)
 
 
 _Bounds = tuple[dict[int, int | None], bool,
@@ -359,14 +362,21 @@ class RequestState:
             ]
         return found
 
-    def arm(self, point_name: str, action: SignalAction, token_index: int) -> None:
-        """Switch on the triggered edits waiting for ``action`` from ``point_name``."""
+    def arm(self, point_name: str, action: SignalAction, token_index: int) -> bool:
+        """Switch on the triggered edits waiting for ``action`` from ``point_name``;
+        True where one was. The request's steps are then planned each as it
+        comes (no longer :attr:`steady_from`: its edits changed)."""
+        switched = False
         for resolved in self.edits:
             trigger = resolved.edit.when
             if (trigger is not None and trigger.point == point_name
                     and trigger.action.value == action.value
                     and resolved.edit.name not in self.armed):
                 self.armed[resolved.edit.name] = token_index
+                switched = True
+        if switched:
+            self.steady_from = None
+        return switched
 
     def log_edit(self, resolved: Any, layer: int, token_index: int) -> None:
         """Remember that ``resolved`` changes ``layer`` at ``token_index`` (this forward)."""
@@ -451,7 +461,7 @@ class RequestState:
         # (with no point left, the edits' own, if any)
         found = (_steady_from([self._selectors[id(point)] for point in live])
                  if live or self._live_edits else None)
-        found = _steady_with_edits(found, self._live_edits, self.prompt_len)
+        found = _steady_with_edits(found, self._live_edits, self.prompt_len, self.armed)
         if found is None:
             return
         first, stride, until = found
@@ -737,7 +747,10 @@ class StepPlan:
             return False  # (past a slice's end)
         if not self._plan_rows(points, fed, states, tokens, slots):
             return False
-        if edits:  # (each of them applies to every token from steady_from on)
+        # (each always-on edit applies to every token from steady_from on; a
+        # triggered one of a steady request is not armed: it applies nowhere)
+        edits = [resolved for resolved in edits if resolved.edit.when is None]
+        if edits:
             self._plan_edit_slots(edits, slots)
             self.edit_steps = journal = [0]
             sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
@@ -967,6 +980,9 @@ class CaptureSession:
         self.closes = 0
         """How many requests were closed (with :attr:`aborted`: whether any request
         ended since some earlier moment, without looking at every request)."""
+        self.arms = 0
+        """How many times a signal switched on a triggered edit (a backend that
+        repeats its plans plans again after one)."""
 
     # -- lifecycle -------------------------------------------------------
     def open_request(self, request_id: str, prompt: str, prompt_token_ids: Sequence[int],

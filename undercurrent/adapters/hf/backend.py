@@ -122,6 +122,7 @@ class _RowDriver:
         # aborted one: the session's aborts are as many as at the start).
         self._none_ended = True
         self._aborts = len(session.aborted)
+        self._arms = session.arms  # (a triggered edit switched on since: plan again)
         # The longest request's generated tokens, while every request takes one a
         # step (after_token's first path); None: not counted.
         self._longest: int | None = None
@@ -155,6 +156,10 @@ class _RowDriver:
             raise BackendError(
                 f"expected decode step {index} to feed one token per row, it fed {width}; "
                 "run generation with use_cache=True")
+        if self.session.arms != self._arms:
+            # A signal switched on a triggered edit: the plans kept lack it.
+            self._arms = self.session.arms
+            self._steady = self._cycle = None
         steady = self._steady if self.repeat_plans else None
         states = self.states
         if (steady is not None and self._advanced and len(steady[1]) == len(states)

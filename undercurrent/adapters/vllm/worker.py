@@ -68,6 +68,8 @@ class MirrorState(RequestState):
         # Recomputed windows (after a preemption) need their edits again.
         self.retire_edits = False
         self.has_triggers = any(resolved.edit.when is not None for resolved in self.edits)
+        if self.has_triggers:  # (the driver arms them: each step planned, as it comes)
+            self.steady_from = None
 
 
 def match_columns(plan: StepPlan, reached: Collection[PairKey]
