@@ -94,6 +94,20 @@ def run_edits_only(model) -> list:
                           prompt_edits=[untriggered(i) for i in range(COUNT)])
 
 
+#: The always-on edits of every request (``edits_for(0)``: ``add`` on every
+#: generated token, ``scale`` from the third) beside a point on every token.
+ALWAYS_ON_SPEC = {"version": "2", "extraction_points": [SPEC["extraction_points"][1]]}
+
+
+def run_always_on(model) -> list:
+    """Four requests, each with the same always-on edits: after the prefill every
+    step decodes all four (the engine's budget splits no prompt of theirs over
+    later steps), 20 tokens long."""
+    return model.generate(texts()[:4], max_new_tokens=20, records=True,
+                          request_ids=[f"r{i}" for i in range(4)],
+                          prompt_edits=[edits_for(0)] * 4)
+
+
 def check_same(outputs, reference) -> None:
     compare(outputs, reference)
     for ours, theirs in zip(outputs, reference, strict=True):
@@ -111,6 +125,9 @@ def reference(model_dir):
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=SPEC,
                      probes={"flag_at": flag_at}, batch_size=COUNT) as hf:
         outputs = run(hf)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=ALWAYS_ON_SPEC,
+                     batch_size=COUNT) as hf:
+        always_on = run_always_on(hf)
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), batch_size=COUNT) as hf:
         edits_only = run_edits_only(hf)
         plain = hf.generate(texts(), max_new_tokens=NEW,
@@ -128,7 +145,9 @@ def reference(model_dir):
         index = int(request[1:])
         assert outputs[index].edited_tokens[0] == 3
         assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
-    return outputs, edits_only
+    assert sum(a.token_ids[:NEW] != p.token_ids
+               for a, p in zip(always_on, plain, strict=False)) >= 2
+    return outputs, edits_only, always_on
 
 
 def _engine(model_dir, ranks):
@@ -141,7 +160,7 @@ def _engine(model_dir, ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
-    with_points, edits_only = reference
+    with_points, edits_only, _ = reference
     backend = _engine(model_dir, ranks)
     try:
         # Steps that capture nothing report their edits at the end of the call.
@@ -159,3 +178,44 @@ def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference
         backend.close()
 
 
+
+
+def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
+        model_dir, reference, monkeypatch):
+    """Every request steered by always-on edits: from the third generated token
+    the worker repeats each step's plan with its edits (``_edits_repeat``, then
+    the plan shifted a token at a time), and the tokens, records, edited flags
+    and applied edits are HF's."""
+    from undercurrent.adapters.session import StepPlan
+    from undercurrent.adapters.vllm import worker
+
+    repeated: list[bool] = []
+    edits_repeat = worker._edits_repeat
+
+    def counted(plan, fed):
+        repeated.append(edits_repeat(plan, fed))
+        return repeated[-1]
+
+    monkeypatch.setattr(worker, "_edits_repeat", counted)
+    edited_shifts: list[int] = []
+    shifted, advanced = StepPlan.shifted, StepPlan.advanced
+
+    def counted_shift(plan, delta=1):
+        made = shifted(plan, delta)
+        edited_shifts.append(bool(made.edits))
+        return made
+
+    def counted_advance(plan, delta=1):
+        made = advanced(plan, delta)
+        edited_shifts.append(bool(made.edits) and made is plan)
+        return made
+
+    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
+    monkeypatch.setattr(StepPlan, "advanced", counted_advance)
+    backend = _engine(model_dir, 1)
+    try:
+        with ProbedModel(backend, spec=ALWAYS_ON_SPEC) as model:
+            check_same(run_always_on(model), reference[2])
+    finally:
+        backend.close()
+    assert repeated and all(repeated) and sum(edited_shifts) >= 10

@@ -434,12 +434,14 @@ class _Capture:
                     wanted |= state.wanted_pairs()
         if not between:
             stride = fed[0][0].steady_stride if fed else 1
-            steady_now = not plan.edits and all(
+            steady_now = all(
                 stop - start == 1 and state.steady_from is not None
                 and start >= state.steady_from and state.steady_stride == stride
                 and not (start - state.steady_from) % stride
                 and (state.steady_until is None or start < state.steady_until)
                 for state, start, stop, _ in fed)
+            if steady_now and plan.edits:
+                steady_now = _edits_repeat(plan, fed)
             # (the steps before any request leaves its slice, from this one)
             limit = min((state.steady_until - start for state, start, _, _ in fed
                          if state.steady_until is not None), default=None) if steady_now else None
@@ -717,6 +719,24 @@ HOLD_STEPS = 16
 HOLD_BYTES = 32 << 20
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
+def _edits_repeat(plan: StepPlan, fed: list[tuple[MirrorState, int, int, Any]]) -> bool:
+    """Whether the edits of a steady step's ``plan`` repeat with it: a plan shifted
+    from one whose edits do, or a fresh one, whose requests' logs of applied
+    edits then follow its shifts (:attr:`StepPlan.edit_steps`; each request fed
+    is steady, so its edits are always on and apply at every token from its
+    one on, the same sites each step)."""
+    if plan.base is not None:
+        return plan.base.edit_steps is not None
+    journal: list[int] = []
+    plan.edit_steps = journal
+    for state, start, _, _ in fed:
+        if state._live_edits:
+            state.applied.follow(journal, start, state.prompt_len, [
+                (resolved.edit.name, layer, resolved.edit.tensor_type.value)
+                for resolved in state._live_edits for layer in resolved.edit.layers])
+    return True
 
 
 def _wire_bank(rows: Any) -> Any:
