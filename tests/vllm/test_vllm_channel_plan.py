@@ -346,3 +346,29 @@ def test_held_step_batches_go_to_the_driver_in_step_order_each_once(monkeypatch)
     capture._ship(wire.StepBatch(step=11), 10)
     capture._ship(wire.StepBatch(step=12), 10)
     assert sent[4:] == [[10, 11], [12]] and capture.held == [] and capture.held_bytes == 0
+
+
+def test_the_worker_plans_each_step_of_a_request_with_a_triggered_edit():
+    """The worker's copy of a request with an edit the driver switches on (``when``)
+    is never steady, also once its points that end have retired (the driver's
+    switch reaches the worker without ``RequestState.arm``); the same request
+    with the edit always on is steady once the edit applies."""
+    from undercurrent.spec.types import Edit
+    from undercurrent.steering.vectors import resolve_edits
+
+    points = [ExtractionPoint(name=name, layers=(0,), tensor_type="residual_stream",
+                              position=position, probe_type="none", probe_kind=kind)
+              for name, position, kind in (("every", "generated[*]", "trajectory"),
+                                           ("last", "prompt[-1]", "single_shot"))]
+
+    def edits(when: dict[str, str] | None) -> list[Any]:
+        return resolve_edits([Edit(name="steer", layers=(1,), tensor_type="residual_stream",
+                                   position="generated[*]", op="add", vector=[1.0] * HIDDEN,
+                                   coefficient=1.0, when=when)], hidden_size=HIDDEN)
+
+    triggered = MirrorState("uc1", 3, points, edits({"point": "every", "action": "flag"}))
+    always = MirrorState("uc2", 3, points, edits(None))
+    for state in (triggered, always):
+        state.matches_in_window(0, 3)  # (the prompt: "last" retires)
+    assert triggered.steady_from is None
+    assert always.steady_from == 3

@@ -131,15 +131,16 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
     ``first`` on every token (stride 1) gets the same edits, where each edit is
     always on (no ``when``), continuous (generated tokens) and unbounded, and
     applies to every token; ``first`` then moves to the first token every edit
-    applies to. A triggered edit not ``armed`` yet applies nowhere (until a
-    signal arms it: :meth:`RequestState.arm` then ends the request's steady
-    steps). None where an edit is otherwise (each step planned)."""
+    applies to. Given ``armed``, a triggered edit not in it yet applies nowhere
+    (until a signal arms it: :meth:`RequestState.arm` then ends the request's
+    steady steps); without, any triggered edit has each step planned. None
+    where an edit is otherwise (each step planned)."""
     if not edits or steady is None:
         return steady
     first, stride, until = steady
     for resolved in edits:
         edit = resolved.edit
-        if edit.when is not None and (armed is None or edit.name not in armed):
+        if edit.when is not None and armed is not None and edit.name not in armed:
             continue
         position = edit.position
         if (stride != 1 or edit.when is not None or not position.is_continuous
@@ -267,6 +268,10 @@ class RequestState:
     edits ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
     steady_stride = 1
     steady_until: int | None = None
+    steady_until_armed = True
+    """Whether a triggered edit not switched on yet leaves the request steady (its
+    backend plans again once :meth:`arm` switches one on); False: any triggered
+    edit has each step planned."""
 
     def __init__(
         self,
@@ -292,7 +297,8 @@ class RequestState:
             if bounds is not None:
                 bounds[self.prompt_len] = found
         self._last_index, self._bounded, self._selectors, steady = found
-        steady = _steady_with_edits(steady, edits, self.prompt_len)
+        steady = _steady_with_edits(steady, edits, self.prompt_len,
+                                    {} if self.steady_until_armed else None)
         if steady is not None:
             self.steady_from, self.steady_stride, self.steady_until = steady
         self.generated: list[int] = []
@@ -461,7 +467,8 @@ class RequestState:
         # (with no point left, the edits' own, if any)
         found = (_steady_from([self._selectors[id(point)] for point in live])
                  if live or self._live_edits else None)
-        found = _steady_with_edits(found, self._live_edits, self.prompt_len, self.armed)
+        found = _steady_with_edits(found, self._live_edits, self.prompt_len,
+                                   self.armed if self.steady_until_armed else None)
         if found is None:
             return
         first, stride, until = found

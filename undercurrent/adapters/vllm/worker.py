@@ -58,6 +58,9 @@ class MirrorState(RequestState):
     tokens after a preemption are not captured twice) and how many generated token
     ids the driver already has."""
 
+    # (the driver switches its triggered edits on: each of their steps planned)
+    steady_until_armed = False
+
     def __init__(self, engine_id: str, prompt_len: int, points: list[Any],
                  edits: list[Any] | None = None) -> None:
         super().__init__(engine_id, "", range(prompt_len), points, edits=edits or ())
@@ -68,8 +71,6 @@ class MirrorState(RequestState):
         # Recomputed windows (after a preemption) need their edits again.
         self.retire_edits = False
         self.has_triggers = any(resolved.edit.when is not None for resolved in self.edits)
-        if self.has_triggers:  # (the driver arms them: each step planned, as it comes)
-            self.steady_from = None
 
 
 def match_columns(plan: StepPlan, reached: Collection[PairKey]
