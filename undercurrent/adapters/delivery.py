@@ -1369,14 +1369,9 @@ class _Window:
                             (kept, start * steps, stop - start, match))
                     else:
                         state.records.add_rows(kept, start * steps, stop * steps)
-            signals = session.router.route_columns(batch, point.window_spans(steps))
-            if not signals.any_signal():
+            routed = _route_window_batch(session, batch, point.window_spans(steps), point.name)
+            if routed is None:
                 continue
-            if signals.any_abort():  # window_rows admitted a probe that aborts
-                raise RuntimeError(
-                    f"internal error: a probe of point {point.name!r} aborted a request "
-                    "while its steps were judged in a window")
-            routed = RoutedPoint(batch.index_view(), signals)
             for state, start, stop, match in point.spans:
                 if several:
                     routed_parts.setdefault(id(state), []).append(
@@ -1384,13 +1379,7 @@ class _Window:
                 else:
                     state.signals.add([(routed, start * steps, stop * steps, match)])
         if routed_parts or kept_parts:
-            for state in layout.states:
-                parts = kept_parts.get(id(state))
-                if parts:
-                    state.records.add_window(_WindowRuns(parts, steps))
-                parts = routed_parts.get(id(state))
-                if parts:
-                    state.signals.add_window(_WindowRuns(parts, steps))
+            _add_window_runs(layout.states, kept_parts, routed_parts, steps)
 
     def _route_alternating(self, session: Any) -> None:
         """:meth:`route` of steps of alternating layouts: each point (by name)
@@ -1423,25 +1412,41 @@ class _Window:
                     for state, start, stop, match in point.spans:
                         kept_parts.setdefault(id(state), []).append(
                             (kept, start * count, stop - start, match, where))
-            signals = session.router.route_columns(batch, ref.window_spans(count))
-            if not signals.any_signal():
+            routed = _route_window_batch(session, batch, ref.window_spans(count), name)
+            if routed is None:
                 continue
-            if signals.any_abort():  # window_rows admitted a probe that aborts
-                raise RuntimeError(
-                    f"internal error: a probe of point {name!r} aborted a request "
-                    "while its steps were judged in a window")
-            routed = RoutedPoint(batch.index_view(), signals)
             for point, where in places.values():
                 for state, start, stop, match in point.spans:
                     routed_parts.setdefault(id(state), []).append(
                         (routed, start * count, stop - start, match, where))
-        for state in self.layout.states:
-            parts = kept_parts.get(id(state))
-            if parts:
-                state.records.add_window(_WindowRuns(parts, steps))
-            parts = routed_parts.get(id(state))
-            if parts:
-                state.signals.add_window(_WindowRuns(parts, steps))
+        _add_window_runs(self.layout.states, kept_parts, routed_parts, steps)
+
+
+def _route_window_batch(session: Any, batch: ActivationBatch, spans: list[tuple[str, int, int]],
+                        name: str) -> RoutedPoint | None:
+    """Route one point's window batch; the routed point where it gave a signal
+    (None: none). A window holds no step whose probes may abort."""
+    signals = session.router.route_columns(batch, spans)
+    if not signals.any_signal():
+        return None
+    if signals.any_abort():  # window_rows admitted a probe that aborts
+        raise RuntimeError(
+            f"internal error: a probe of point {name!r} aborted a request "
+            "while its steps were judged in a window")
+    return RoutedPoint(batch.index_view(), signals)
+
+
+def _add_window_runs(states: Sequence[Any], kept_parts: dict[int, list[tuple[Any, ...]]],
+                     routed_parts: dict[int, list[tuple[Any, ...]]], steps: int) -> None:
+    """Give each of ``states`` its records and signals of a window of ``steps``
+    steps of several points (its parts, by ``id`` of the state)."""
+    for state in states:
+        parts = kept_parts.get(id(state))
+        if parts:
+            state.records.add_window(_WindowRuns(parts, steps))
+        parts = routed_parts.get(id(state))
+        if parts:
+            state.signals.add_window(_WindowRuns(parts, steps))
 
 
 def _size(pieces: list[list[Any]]) -> int:

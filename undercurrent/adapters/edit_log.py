@@ -93,6 +93,8 @@ class EditLog(Sequence[AppliedEdit]):
     def take_unsited(self) -> list[AppliedEdit]:
         """The entries built from a journal since the last call (for a request's
         map of edited sites, kept from the others as they are logged)."""
+        if self._following is None and not self._unsited:
+            return []  # (the usual case, read per request and step on the general path)
         self._flush()
         ranges, self._unsited = self._unsited, []
         return [entry for start, stop in ranges for entry in self._built[start:stop]]
