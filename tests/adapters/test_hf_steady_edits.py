@@ -159,7 +159,7 @@ def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, s
     assert _state(edits, [point]).steady_from == steady_from
 
 
-def test_a_triggered_edit_switched_on_ends_the_request_s_steady_steps():
+def test_a_triggered_edit_switched_on_moves_the_request_s_steady_steps_past_its_signal():
     from undercurrent.records import SignalAction
 
     state = _state([_edit(when={"point": "p", "action": "flag"})])
@@ -167,14 +167,29 @@ def test_a_triggered_edit_switched_on_ends_the_request_s_steady_steps():
     assert not state.arm("p", SignalAction.ABORT, 5)  # (another action: nothing armed)
     assert state.steady_from == 4
     assert state.arm("p", SignalAction.FLAG, 5) and state.armed == {"steer": 5}
-    assert state.steady_from is None and not state.arm("p", SignalAction.FLAG, 6)
+    # (on from the token after the signal's, every token on: steady again there)
+    assert state.steady_from == 6 and not state.arm("p", SignalAction.FLAG, 6)
+    # A switched-on edit from a later token on: steady from its first token.
+    late = _state([_edit("generated[9:]", when={"point": "p", "action": "flag"})])
+    assert late.arm("p", SignalAction.FLAG, 5) and late.steady_from == 13
+    # One that is strided, or ends: each step planned from the signal on.
+    for position, stride in (("generated[*]", 2), ("generated[0:20]", 1)):
+        other = _state([_edit(position, stride=stride, when={"point": "p", "action": "flag"})])
+        assert other.steady_from == 4
+        assert other.arm("p", SignalAction.FLAG, 5) and other.steady_from is None
+    # A backend whose switches come from elsewhere plans each step of such a request.
+    mirror = _state([_edit(when={"point": "p", "action": "flag"})])
+    mirror.steady_until_armed = False
+    assert mirror.arm("p", SignalAction.FLAG, 5) and mirror.steady_from is None
 
 
-def test_steps_before_a_triggered_edit_is_switched_on_repeat_their_plans(monkeypatch):
-    """A probe flags mid-generation and switches on an edit for that request:
-    the steps before repeat their plans (no window: a signal must arm the edit
-    for the next step), those after are planned as they come; the outputs,
-    records and applied edits are the general path's."""
+def test_steps_before_and_after_a_triggered_edit_is_switched_on_repeat_their_plans(
+        monkeypatch):
+    """A probe flags mid-generation and switches on an edit for that request
+    alone: the steps before repeat their plans (no window: a signal must arm
+    the edit for the next step), and so do those after, with the edit at that
+    request's row only; the outputs, records and applied edits are the
+    general path's."""
     import dataclasses
 
     watched = _generate(_point("linear_probe", threshold=None), windows=False)
@@ -193,8 +208,45 @@ def test_steps_before_a_triggered_edit_is_switched_on_repeat_their_plans(monkeyp
 
     monkeypatch.setattr(StepPlan, "advanced", counted)
     mine = _generate(point, windows=True, records=True, edits=[edit])
-    assert repeated and windows.steps == [] and shifts.edited == 0
+    assert repeated and windows.steps == [] and shifts.edited > 0
     assert [bool(output.edits) for output in mine].count(True) == 1
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate(point, windows=False, records=True, edits=[edit])
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
+
+
+def test_a_triggered_edit_switched_on_for_each_request_at_its_own_token_rides_the_steady_path(
+        monkeypatch):
+    """Every request's probe flags within its first three tokens, each at its
+    own: the steps between repeat their plans with the edit at the rows of
+    the requests switched on so far (each row's ``edits`` its own), and once
+    every request's edit is on, the steps are held in windows again. The
+    outputs, records and applied edits are the general path's."""
+    import dataclasses
+
+    from undercurrent.adapters import delivery
+
+    watched = _generate(_point("linear_probe", threshold=None), windows=False)
+    firsts = [max(s.score for s in output.signals if s.generated_index <= 2)
+              for output in watched]
+    point = _point("linear_probe", threshold=min(firsts) - 1e-9)
+    edit = dataclasses.replace(_edit(), when={"point": "watch", "action": "flag"})
+    windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
+    per_row: list[bool] = []
+    edited_everywhere = delivery._edited_everywhere
+
+    def seen(base: Any) -> Any:
+        found = edited_everywhere(base)
+        per_row.append(any(isinstance(names, dict) for names in found.values()))
+        return found
+
+    monkeypatch.setattr(delivery, "_edited_everywhere", seen)
+    mine = _generate(point, windows=True, records=True, edits=[edit])
+    assert shifts.edited > 0 and windows.steps and True in per_row
+    assert all(output.edits for output in mine)
+    assert len({output.edits[0].generated_index
+                for output in mine}) > 1  # (switched on at different tokens)
     monkeypatch.undo()
     _each_step(monkeypatch)
     theirs = _generate(point, windows=False, records=True, edits=[edit])
@@ -257,3 +309,30 @@ def test_a_plan_whose_edits_are_not_steady_cannot_be_shifted():
     assert plan.edits
     with pytest.raises(ValueError, match="not steady cannot be shifted"):
         plan.shifted(1)
+
+
+def test_edits_meeting_at_one_site_apply_in_each_request_s_order_whichever_is_planned_first():
+    """Two edits at one site, the first triggered: a request that has it switched
+    on gets it before the always-on one (its spec's order), even where a
+    request planned before it has only the second. The plan applies each
+    pair's edits in the order it lists them."""
+    from undercurrent.records import SignalAction
+
+    edits = resolve_edits([_edit(when={"point": "p", "action": "flag"}, name="first"),
+                           _edit(name="second")], hidden_size=len(VECTOR))
+    session = CaptureSession(None, [], edits=edits)
+    plain, switched = (session.open_request(request_id, "x", [1] * 4)
+                       for request_id in ("a", "b"))
+    assert switched.arm("p", SignalAction.FLAG, 4)
+    for planned in ([plain, switched], [switched, plain]):
+        plan = StepPlan()
+        for row, state in enumerate(planned):
+            state.generated.append(7)
+            plan.add_window(state, 5, 6, lambda token, row=row: (row, 0))
+        entries = list(plan.get_edits(1, TensorType.RESIDUAL_STREAM) or ())
+        assert [entry.resolved.edit.name for entry in entries] == ["first", "second"]
+        rows = {entry.resolved.edit.name: entry.slots for entry in entries}
+        assert rows["first"] == [(planned.index(switched), 0)]
+        assert sorted(rows["second"]) == [(0, 0), (1, 0)]
+        for state in planned:
+            state.generated.pop()

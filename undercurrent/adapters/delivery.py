@@ -722,7 +722,7 @@ class _SteadyPoint:
 
     __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "count", "requests", "known",
                  "request_ids", "point_names", "layers", "tokens", "generated", "spans",
-                 "routed_spans", "journal", "kept", "bases", "windowed", "edits")
+                 "routed_spans", "journal", "kept", "bases", "windowed", "edits", "row_edits")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str],
                  edited: dict[Any, tuple[str, ...]] | None = None) -> None:
@@ -732,12 +732,20 @@ class _SteadyPoint:
         self.tensor_type = point.tensor_type
         self.keys = [(layer, self.tensor_type) for layer in layers]
         # The edits every step applies at each of its layers (a row's ``edits``),
-        # None where none applies at any (see _SteadyLayout.of).
+        # None where none applies at any (see _SteadyLayout.of); where they
+        # differ between requests (a triggered edit switched on for some),
+        # ``row_edits``: each row's of a step, request-major, layer-minor.
         self.edits: list[tuple[str, ...]] | None = None
+        self.row_edits: list[tuple[str, ...]] | None = None
         if edited:
-            self.edits = [edited.get(key, ()) for key in self.keys]
-            if not any(self.edits):
-                self.edits = None
+            found = [edited.get(key, ()) for key in self.keys]
+            if any(isinstance(names, dict) for names in found):
+                self.row_edits = [
+                    names.get(row, ()) if isinstance(names, dict) else names
+                    for _, match in items
+                    for names, row in zip(found, match.rows, strict=True)]
+            elif any(found):
+                self.edits = found
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         self.whole = False  # every pick None (each source is the layer's rows, in order)
         count = self.count = len(layers)
@@ -851,7 +859,8 @@ class _SteadyPoint:
             is_generated=[True] * len(self.tokens),
             generated_indices=IntColumn(self.generated + delta),
             token_ids=token_ids,
-            edits=None if self.edits is None else self.edits * len(self.requests),
+            edits=(list(self.row_edits) if self.row_edits is not None else
+                   None if self.edits is None else self.edits * len(self.requests)),
         )
 
     def window_batch(self, deltas: list[int], steps: list[list[Any]],
@@ -904,11 +913,20 @@ class _SteadyPoint:
             generated_indices=IntColumn(generated_at.ravel()),
             token_ids=token_ids,
             # (each request's rows: every step's edits, a layer at a time)
-            edits=None if self.edits is None else self.edits * (len(deltas) * width),
+            edits=self._window_edits(len(deltas)),
             timestamp=stamps[0],
             # (each request's rows: every step's time, once per layer)
             timestamps=np.tile(np.repeat(np.asarray(stamps, dtype=np.float64), count), width),
         )
+
+    def _window_edits(self, steps: int) -> list[tuple[str, ...]] | None:
+        """The ``edits`` column of a window of ``steps`` steps: each request's rows
+        of every step together, a layer at a time."""
+        if self.row_edits is None:
+            return None if self.edits is None else self.edits * (steps * len(self.requests))
+        count, each = self.count, self.row_edits
+        return [names for start in range(0, len(each), count)
+                for names in each[start:start + count] * steps]
 
     def _bases(self) -> tuple[Any, Any]:
         """Each request's base token index and its index among the request's
@@ -940,9 +958,10 @@ class _SteadyLayout:
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
-        # Whether a signal may arm an edit of these requests (a triggered edit,
-        # fixed when a request opens): then each step is routed as it comes.
-        self.edits = any(resolved.edit.when is not None
+        # Whether a signal may arm an edit of these requests (a triggered edit
+        # not switched on yet: a layout is made again once one is): then each
+        # step is routed as it comes.
+        self.edits = any(resolved.edit.when is not None and resolved.edit.name not in state.armed
                          for state in states for resolved in state.edits)
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
         # Where a point's probes may abort: (the point's index, whether routing a
@@ -960,8 +979,6 @@ class _SteadyLayout:
         if not all(hasattr(rows, "detach") for rows in sources.values()):
             return None
         edited = _edited_everywhere(base)
-        if edited is None:
-            return None
         if base.one_each:  # (StepPlan.add_steady_tokens: one point, each request once)
             matches = base.matches
             states = list(map(_STATE, matches))
@@ -995,19 +1012,31 @@ class _SteadyLayout:
                           for items in by_point.values()])
 
 
-def _edited_everywhere(base: Any) -> dict[Any, tuple[str, ...]] | None:
-    """The names of the edits ``base`` applies at each (layer, tensor type), in
-    the order applied, where each applies to every row of the step (a steady
-    plan's always-on edits: :meth:`StepPlan.add_steady_tokens`); None where one
-    applies to some rows only (the general path tells each row's)."""
-    edited: dict[Any, tuple[str, ...]] = {}
-    if not base.edits:
-        return edited
-    slots = next(iter(base.groups.values())).slots if base.groups else None
+def _edited_everywhere(base: Any) -> dict[Any, Any]:
+    """The names of the edits ``base`` applies at each (layer, tensor type) it
+    captures, in the order applied (a steady plan's edits that are on:
+    :meth:`StepPlan.add_steady_tokens`): one tuple where each applies to every
+    row of the pair's group, else the names at each row (a dict by row; a row
+    with none is not in it)."""
+    edited: dict[Any, Any] = {}
+    groups = base.groups
     for key, entries in base.edits.items():
-        if slots is not None and any(entry.slots != slots for entry in entries.values()):
-            return None
-        edited[key] = tuple(entry.resolved.edit.name for entry in entries.values())
+        group = groups.get(key)
+        if group is None:  # (nothing captured there: no row tells of it)
+            continue
+        slots = group.slots
+        if all(entry.slots == slots for entry in entries.values()):
+            edited[key] = tuple(entry.resolved.edit.name for entry in entries.values())
+            continue
+        rows: dict[int, tuple[str, ...]] = {}
+        index = group._slot_index
+        for entry in entries.values():
+            name = entry.resolved.edit.name
+            for slot in entry.slots:
+                row = index.get(slot)
+                if row is not None:
+                    rows[row] = (*rows.get(row, ()), name)
+        edited[key] = rows
     return edited
 
 

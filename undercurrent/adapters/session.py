@@ -129,24 +129,33 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
     """:func:`_steady_from` 's ``(first, stride, until)`` of a request's points
     (``(0, 1, None)`` for none) once its ``edits`` are planned too: from
     ``first`` on every token (stride 1) gets the same edits, where each edit is
-    always on (no ``when``), continuous (generated tokens) and unbounded, and
-    applies to every token; ``first`` then moves to the first token every edit
-    applies to. Given ``armed``, a triggered edit not in it yet applies nowhere
-    (until a signal arms it: :meth:`RequestState.arm` then ends the request's
-    steady steps); without, any triggered edit has each step planned. None
-    where an edit is otherwise (each step planned)."""
+    on (always, or switched on), continuous (generated tokens) and unbounded,
+    and applies to every token; ``first`` then moves to the first token every
+    edit applies to. Given ``armed`` (edit name -> the token whose signal
+    switched it on), a triggered edit in it applies like an always-on one from
+    the token after, and one not in it yet applies nowhere (until a signal arms
+    it: :meth:`RequestState.arm` then works the request's steady steps out
+    again); without, any triggered edit has each step planned. None where an
+    edit is otherwise (each step planned)."""
     if not edits or steady is None:
         return steady
     first, stride, until = steady
     for resolved in edits:
         edit = resolved.edit
-        if edit.when is not None and armed is not None and edit.name not in armed:
-            continue
+        armed_at = None
+        if edit.when is not None:
+            if armed is None:
+                return None
+            armed_at = armed.get(edit.name)
+            if armed_at is None:
+                continue
         position = edit.position
-        if (stride != 1 or edit.when is not None or not position.is_continuous
+        if (stride != 1 or not position.is_continuous
                 or position.stop is not None or edit.stride != 1):
             return None
         first = max(first, prompt_len + max(position.start, 0))
+        if armed_at is not None:
+            first = max(first, armed_at + 1)
     if until is not None and first >= until:
         return None
     return first, stride, until  # (1 where an edit applies)
@@ -369,9 +378,13 @@ class RequestState:
         return found
 
     def arm(self, point_name: str, action: SignalAction, token_index: int) -> bool:
-        """Switch on the triggered edits waiting for ``action`` from ``point_name``;
-        True where one was. The request's steps are then planned each as it
-        comes (no longer :attr:`steady_from`: its edits changed)."""
+        """Switch on the triggered edits waiting for ``action`` from ``point_name``
+        (each from the token after ``token_index`` on); True where one was. The
+        request's :attr:`steady_from` is then worked out again (its edits
+        changed): where each edit switched on is continuous, unbounded and of
+        stride 1, the request is steady again from the first token it applies
+        to (with :attr:`steady_until_armed`; else its steps are planned each as
+        it comes)."""
         switched = False
         for resolved in self.edits:
             trigger = resolved.edit.when
@@ -381,7 +394,10 @@ class RequestState:
                 self.armed[resolved.edit.name] = token_index
                 switched = True
         if switched:
-            self.steady_from = None
+            if self.steady_until_armed:
+                self._steady_after(token_index + 1)
+            else:
+                self.steady_from = None
         return switched
 
     def log_edit(self, resolved: Any, layer: int, token_index: int) -> None:
@@ -556,6 +572,10 @@ class EditSlots:
     index_cache: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     """What an engine derives from :attr:`slots` once they are planned (e.g. index
     tensors per device), shared by the plans :meth:`StepPlan.shifted` makes."""
+    rank: int = field(default=0, compare=False, repr=False)
+    """The edit's place among its requests' edits (each request's are the
+    session's, then its own: an edit shared by several has the same place in
+    each), by which a pair's edits are applied (:meth:`StepPlan.add_edit`)."""
 
 
 class StepPlan:
@@ -754,9 +774,12 @@ class StepPlan:
             return False  # (past a slice's end)
         if not self._plan_rows(points, fed, states, tokens, slots):
             return False
-        # (each always-on edit applies to every token from steady_from on; a
-        # triggered one of a steady request is not armed: it applies nowhere)
-        edits = [resolved for resolved in edits if resolved.edit.when is None]
+        # (each edit that is on applies to every token from steady_from on: an
+        # always-on one, or a triggered one a signal switched on; one not
+        # switched on yet applies nowhere)
+        if any(resolved.edit.when is not None for resolved in edits):
+            self._plan_switched_edits(edits, states, tokens, slots)
+            return True
         if edits:
             self._plan_edit_slots(edits, slots)
             self.edit_steps = journal = [0]
@@ -765,6 +788,26 @@ class StepPlan:
             for state, token in zip(states, tokens, strict=True):
                 state.applied.follow(journal, token, state.prompt_len, sites)
         return True
+
+    def _plan_switched_edits(self, edits: Sequence[Any], states: list[RequestState],
+                             tokens: list[int], slots: list[Hashable]) -> None:
+        """:meth:`add_steady_tokens` 's edits where some are triggered: each edit
+        at the slots of the requests it is on for (always on, or switched on for
+        that request), in the order :meth:`add_window` of each request plans
+        them, and each request's log following the plan's shifts with the
+        sites of its own edits."""
+        on = [[resolved for resolved in edits
+               if resolved.edit.when is None or resolved.edit.name in state.armed]
+              for state in states]
+        self.edit_steps = journal = [0]
+        for resolved in edits:
+            where = [slot for slot, each in zip(slots, on, strict=True) if resolved in each]
+            if where:
+                self._plan_edit_slots([resolved], where)
+        for state, token, each in zip(states, tokens, on, strict=True):
+            sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
+                     for resolved in each for layer in resolved.edit.layers]
+            state.applied.follow(journal, token, state.prompt_len, sites)
 
     def add_alike_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
@@ -909,7 +952,15 @@ class StepPlan:
         edits = self.edits.setdefault((layer, resolved.edit.tensor_type), {})
         entry = edits.get(id(resolved))
         if entry is None:
-            entry = edits[id(resolved)] = EditSlots(resolved)
+            rank = next((index for index, mine in enumerate(state.edits) if mine is resolved),
+                        len(state.edits))
+            entry = edits[id(resolved)] = EditSlots(resolved, rank=rank)
+            if len(edits) > 1 and rank < max(other.rank for other in edits.values()):
+                # (planned after a request without the edits before it: each
+                # request's edits meet at the pair in its own order)
+                ordered = sorted(edits.items(), key=lambda item: item[1].rank)
+                edits.clear()
+                edits.update(ordered)
         entry.slots.append(slot)
         if log:
             state.log_edit(resolved, layer, token_index)
