@@ -156,9 +156,17 @@ def drawn_edits(draw: Any, drawn: list[Drawn]) -> list[Edit]:
     tensor_type = draw(st.sampled_from(
         [entry.point.tensor_type.value for entry in drawn] * 3 + ["residual_stream"]))
     vector = [0.5 * ((index * 5) % 3 - 1) for index in range(len(WEIGHT))]
-    return [Edit(name="steer", layers=layers, tensor_type=tensor_type, position=position,
-                 stride=stride, op="add", vector=vector, when=when, coefficient=draw(
-                     st.sampled_from([0.0, 0.5, 2.0])))]
+    edits = [Edit(name="steer", layers=layers, tensor_type=tensor_type, position=position,
+                  stride=stride, op="add", vector=vector, when=when, coefficient=draw(
+                      st.sampled_from([0.0, 0.5, 2.0])))]
+    placed = draw(st.sampled_from(["none", "none", "after", "before"]))
+    if placed != "none":
+        # An always-on clamp at the same sites, after or before it: the two do not
+        # commute, so each request's order where they meet shows in its tokens.
+        clamp = Edit(name="clamp", layers=layers, tensor_type=tensor_type,
+                     position="generated[*]", op="clamp", vector=vector, coefficient=0.3)
+        edits = [*edits, clamp] if placed == "after" else [clamp, *edits]
+    return edits
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +252,7 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
     hypothesis.event(f"windows held: {'some' if held else 'none'}")
     hypothesis.event(f"aborted: {any(output.abort is not None for output in stepped)}")
     hypothesis.event(f"edited: {any(output.edits for output in stepped)}")
-    hypothesis.event(f"edit triggered: {bool(edits) and edits[0].when is not None}")
+    hypothesis.event(f"edit triggered: {any(edit.when is not None for edit in edits)}")
+    hypothesis.event(f"edits meeting: {len(edits) > 1}")
     hypothesis.event("records edited: " + str(records and any(
         record.edits for output in stepped for record in output.records)))
