@@ -27,6 +27,7 @@ from benchmarks.scenarios.probed import (
     ProbedStrided,
     ProbedWithEdit,
     ProbedWithPromptRead,
+    ProbedWithSwitchedEdit,
     ProbedWithTriggeredEdit,
 )
 
@@ -52,7 +53,7 @@ ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAn
                                           ProbedSaeFeatures, ProbedStrided, ProbedSlice,
                                           ProbedWithPromptRead, ProbedInlineTrajectoryGuard,
                                           ProbedMixedStrides, ProbedWithEdit,
-                                          ProbedWithTriggeredEdit)
+                                          ProbedWithTriggeredEdit, ProbedWithSwitchedEdit)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

@@ -369,8 +369,9 @@ class ProbedWithEdit(ProbedInlineLinear):
     """:class:`ProbedInlineLinear` beside a live edit on every generated token
     (``op: add`` of the bundled probe's direction at the middle chosen layer,
     coefficient 0, so the tokens stay the baseline's while the edit is planned,
-    applied and logged as any other). Plans with edits do not repeat: each
-    decode step is planned and routed as it comes."""
+    applied and logged as any other). The edit gives every generated token the
+    same change, so the decode steps repeat their plan with it, held in windows
+    beside the probe."""
 
     name: ClassVar[str] = "uc_inline_linear_and_edit"
     captures: ClassVar[str] = (
@@ -410,6 +411,24 @@ class ProbedWithTriggeredEdit(ProbedWithEdit):
     def edits(self) -> list[dict[str, Any]]:
         return [{**edit, "when": {"point": "residual", "action": "flag"}}
                 for edit in super().edits()]
+
+
+class ProbedWithSwitchedEdit(ProbedWithTriggeredEdit):
+    """:class:`ProbedWithTriggeredEdit` at a threshold every score passes: each
+    request's first generated token flags and switches the edit on, so it
+    applies from the second generated token on (coefficient 0: the tokens stay
+    the baseline's). What a guard that steers costs once it has fired."""
+
+    name: ClassVar[str] = "uc_inline_linear_and_switched_edit"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe, beside an add edit switched on by the probe's flag (every score "
+        "flags: on from each request's second generated token)"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        (point,) = super().points()
+        return [{**point, "probe_args": {**point["probe_args"], "threshold": -1e9}}]
 
 
 class ProbedSlice(ProbedInlineLinear):
