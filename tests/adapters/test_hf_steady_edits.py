@@ -37,9 +37,10 @@ VECTOR = [0.5 * ((index * 5) % 3 - 1) for index in range(len(WEIGHT))]
 
 def _edit(position: str = "generated[*]", *, layers: tuple[int, ...] = (1,),
           tensor_type: str = "residual_stream", stride: int = 1,
-          when: dict[str, str] | None = None, name: str = "steer") -> Edit:
+          when: dict[str, str] | None = None, name: str = "steer",
+          coefficient: float = 2.0) -> Edit:
     return Edit(name=name, layers=layers, tensor_type=tensor_type, position=position,
-                stride=stride, op="add", vector=VECTOR, coefficient=2.0, when=when)
+                stride=stride, op="add", vector=VECTOR, coefficient=coefficient, when=when)
 
 
 class Shifts:
@@ -336,3 +337,51 @@ def test_edits_meeting_at_one_site_apply_in_each_request_s_order_whichever_is_pl
         assert sorted(rows["second"]) == [(0, 0), (1, 0)]
         for state in planned:
             state.generated.pop()
+
+
+@pytest.mark.parametrize(("strides", "edits", "period", "eos"), [
+    ((1, 2), [_edit()], 2, None),
+    ((2, 3), [_edit(layers=(0, 2))], 6, None),  # (steps that capture nothing still edit)
+    ((2, 2), [_edit("generated[3:]")], 2, None),  # (the cycle starts at the edit's first token)
+    # (adding nothing, the tokens are the unedited ones: eos ends a request once its
+    # log follows the cycle's shifts; with stride 3, the requests left follow anew)
+    ((1, 2), [_edit(coefficient=0.0), _edit(layers=(1,), tensor_type="mlp_out",
+                                            name="second", coefficient=0.0)], 2, 15),
+    ((1, 3), [_edit(coefficient=0.0)], 3, 60),
+])
+def test_points_of_several_strides_beside_always_on_edits_repeat_their_cycle(
+        monkeypatch, strides, edits, period, eos):
+    """Points of several strides beside edits on every generated token: the
+    steps of one period are planned with their edits, then each plan repeats a
+    period later with them, every request's log of applied edits following
+    one list of shifts for all the period's plans (also once a request has
+    ended, ``eos``: the requests left start a cycle again). The tokens,
+    signals, records with their edits and the applied edits are those of
+    every step planned request by request and routed as it comes."""
+    import dataclasses
+
+    every = dataclasses.replace(_point("linear_probe"), layers=(0, 2), stride=strides[0])
+    second = dataclasses.replace(every, name="second", tensor_type=TensorType.MLP_OUT,
+                                 layers=(1,), stride=strides[1])
+    repeated: list[int] = []
+    advanced = StepPlan.advanced
+
+    def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
+        made = advanced(plan, delta)
+        if made.edits:
+            repeated.append(delta)
+        return made
+
+    monkeypatch.setattr(StepPlan, "advanced", counted)
+    windows = Windows(monkeypatch)
+    mine = _generate([every, second], windows=True, records=True, eos=eos, edits=edits)
+    assert repeated and set(repeated) == {period}
+    assert windows.steps and max(windows.steps) > 1
+    if eos is not None:
+        ended = [len(output.token_ids) for output in mine if output.finish_reason == "eos"]
+        assert ended and min(ended) < max(len(output.token_ids) for output in mine)
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate([every, second], windows=False, records=True, eos=eos, edits=edits)
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
+    assert all(output.edits for output in mine)

@@ -460,11 +460,20 @@ class RequestState:
         """The period after which the points matching ``token_index`` match again,
         and every token from it on: the least common multiple of the points'
         strides, where each point still able to match is continuous, unbounded
-        and selects tokens from ``token_index`` or before, and no edit applies
-        (None otherwise). Points of several strides then plan the same steps
-        again, a period later (what a backend may repeat)."""
-        if self._live_edits or self._bounded or self.aborted or self.closed:
+        and selects tokens from ``token_index`` or before, and each edit is
+        always on (no ``when``), continuous, unbounded, of stride 1 and applies
+        to ``token_index`` (so to every token from it on); None otherwise.
+        Points of several strides then plan the same steps again, a period
+        later, with the same edits at every step (what a backend may repeat)."""
+        if self._bounded or self.aborted or self.closed:
             return None
+        for resolved in self._live_edits:
+            edit = resolved.edit
+            position = edit.position
+            if (edit.when is not None or not position.is_continuous
+                    or position.stop is not None or edit.stride != 1
+                    or token_index < self.prompt_len + max(position.start, 0)):
+                return None
         period = 1
         for point in self._live_points:
             first, end, _, stride, target = self._selectors[id(point)]
@@ -604,7 +613,13 @@ class StepPlan:
     """For a plan with edits that others repeat (:meth:`add_steady_tokens`): the
     shift of each plan made from it, its own (0) first, appended as each is
     made. Each request's :class:`~undercurrent.adapters.edit_log.EditLog`
-    follows it (every step applies the same edits, a token later)."""
+    follows it (every step applies the same edits, a token later). The plans
+    of a cycle (a backend repeating several plans in turn) share one list,
+    each appending its shifts plus its :attr:`edit_offset`."""
+    edit_offset = 0
+    """Added to each shift this plan's repeats append to :attr:`edit_steps`: how
+    many tokens after the token the list's followers count from this plan's
+    own tokens are."""
     one_each = False
     """Set by :meth:`add_steady_tokens` for one point: match ``k`` is the ``k`` th
     request's (each request once), at row ``k`` of every group, for a generated
@@ -674,7 +689,7 @@ class StepPlan:
             if base.edit_steps is None:
                 raise ValueError("a step plan with edits that is not steady cannot be shifted")
             plan.edits = base.edits
-            base.edit_steps.append(plan.delta)
+            base.edit_steps.append(plan.delta + base.edit_offset)
         groups = plan.groups
         new = object.__new__
         for key, group in base.groups.items():
@@ -699,7 +714,7 @@ class StepPlan:
         self.delta += delta
         self._matches = None  # (built from the base plan when read, at the new delta)
         if self.base.edit_steps is not None:
-            self.base.edit_steps.append(self.delta)
+            self.base.edit_steps.append(self.delta + self.base.edit_offset)
         for group in groups.values():
             group.plan = self
         return self

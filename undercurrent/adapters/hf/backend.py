@@ -111,8 +111,11 @@ class _RowDriver:
         # several strides): the period and, per step of it (the forward's index
         # modulo the period), the last plan made for it (None: nothing planned),
         # what it fed at the forward it was planned for, that forward, and
-        # whether it fed every request (see plan_forward and _cycled).
-        self._cycle: tuple[int, dict[int, _Phase]] | None = None
+        # whether it fed every request (see plan_forward and _cycled); and,
+        # where the plans have edits, the list of shifts their repeats append,
+        # once each request's log of applied edits follows it (_follow_cycle;
+        # None: not yet).
+        self._cycle: tuple[int, dict[int, _Phase], list[int] | None] | None = None
         # Set by after_token when every request was live and got one token: with
         # every request still live, the next decode step feeds each the token
         # after the one fed last (plan_forward then shifts the plan, comparing nothing).
@@ -179,6 +182,12 @@ class _RowDriver:
             return shifted
         cycle = self._cycle if self.repeat_plans else None
         period, entry = (0, None) if cycle is None else (cycle[0], cycle[1].get(index % cycle[0]))
+        if (entry is not None and cycle is not None and cycle[2] is None
+                and entry.plan is not None and entry.plan.edits):
+            # (a cycle with edits repeats once each request's log follows its steps)
+            self._cycle = self._follow_cycle(cycle, index)
+            if self._cycle is None:
+                entry = None
         if entry is not None and entry.every and self._advanced and self._all_live():
             # Every request fed last step, each one token on, and still live: where
             # this step of the period was planned for every request, that plan
@@ -237,16 +246,16 @@ class _RowDriver:
         return plan
 
     def _cycled(self, plan: StepPlan, fed: list[tuple[RequestState, int, int]],
-                forward: int) -> tuple[int, dict[int, _Phase]] | None:
+                forward: int) -> tuple[int, dict[int, _Phase], list[int] | None] | None:
         """The cycle of plans with this decode step's (``plan``, planned at once
         for the tokens ``fed``, at the ``forward`` th forward) in it, where each
         request fed matches again a period later, and at every token from then
         on (:meth:`RequestState.repeats_every`, the same period for each); else
         None. Within a period each step's plan differs (points of several
-        strides: the lower layers every token, the upper every second one); each
-        is repeated a period later (:meth:`StepPlan.advanced`) for the same
-        requests."""
-        if not self.repeat_plans or plan.edits or not fed:
+        strides: the lower layers every token, the upper every second one, with
+        the same edits at every step); each is repeated a period later
+        (:meth:`StepPlan.advanced`) for the same requests."""
+        if not self.repeat_plans or not fed:
             return None
         periods = {state.repeats_every(token) for state, token, _ in fed}
         if len(periods) != 1:
@@ -255,12 +264,48 @@ class _RowDriver:
         if period is None:
             return None
         cycle = self._cycle
-        if cycle is None or cycle[0] != period:
-            cycle = (period, {})
-        cycle[1][forward % period] = _Phase(plan if plan.groups else None, fed, forward,
+        if cycle is None or cycle[0] != period or cycle[2] is not None:
+            # (a cycle whose repeats were followed is not added to: a new one)
+            cycle = (period, {}, None)
+        cycle[1][forward % period] = _Phase(plan if plan else None, fed, forward,
                                             len(fed) == len(self.states) and self._all_live())
         plan.alternates = period > 1
         return cycle
+
+    def _follow_cycle(self, cycle: tuple[int, dict[int, _Phase], list[int] | None],
+                      forward: int) -> tuple[int, dict[int, _Phase], list[int] | None] | None:
+        """``cycle`` ready to repeat plans with edits at the ``forward`` th forward,
+        or None (plan this step afresh). Each step of the period must have been
+        planned for the requests fed now, at the same rows, each as many tokens
+        before as forwards have passed, every plan with the edits (each applies
+        to every token: :meth:`RequestState.repeats_every`). The plans then
+        share one list of shifts (:attr:`StepPlan.edit_steps`, each plan's
+        shifted by its :attr:`StepPlan.edit_offset` to count from this step),
+        which each request's log of applied edits follows from its token now:
+        one entry a step for every request, however the plans alternate."""
+        period, phases, _ = cycle
+        fed = [(state, state.prompt_len + len(state.generated) - 1, row)
+               for row, state in enumerate(self.states)
+               if state.finish_reason is None and state.generated]
+        if len(phases) != period or not fed:
+            return None
+        for phase in phases.values():
+            gap = forward - phase.forward
+            if (phase.plan is None or not phase.plan.edits or len(phase.fed) != len(fed)
+                    or not all(state is now and row == row_now and token + gap == token_now
+                               for (state, token, row), (now, token_now, row_now)
+                               in zip(phase.fed, fed, strict=True))):
+                return None
+        journal: list[int] = []
+        for phase in phases.values():
+            assert phase.plan is not None
+            base = phase.plan.base if phase.plan.base is not None else phase.plan
+            base.edit_steps, base.edit_offset = journal, phase.forward - forward
+        sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
+                 for resolved in fed[0][0]._live_edits for layer in resolved.edit.layers]
+        for state, token, _ in fed:
+            state.applied.follow(journal, token, state.prompt_len, sites)
+        return (period, phases, journal)
 
     @staticmethod
     def _repeat_phase(entry: _Phase, period: int) -> StepPlan | None:
