@@ -22,6 +22,7 @@ from benchmarks.scenarios.probed import (
     ProbedInlineTrajectory,
     ProbedInlineTrajectoryGuard,
     ProbedMixedStrides,
+    ProbedMixedStridesWithEdit,
     ProbedSaeFeatures,
     ProbedSlice,
     ProbedStrided,
@@ -53,7 +54,8 @@ ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAn
                                           ProbedSaeFeatures, ProbedStrided, ProbedSlice,
                                           ProbedWithPromptRead, ProbedInlineTrajectoryGuard,
                                           ProbedMixedStrides, ProbedWithEdit,
-                                          ProbedWithTriggeredEdit, ProbedWithSwitchedEdit)
+                                          ProbedWithTriggeredEdit, ProbedWithSwitchedEdit,
+                                          ProbedMixedStridesWithEdit)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

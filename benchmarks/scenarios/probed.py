@@ -389,6 +389,21 @@ class ProbedWithEdit(ProbedInlineLinear):
                  "vector": vector, "coefficient": 0.0}]
 
 
+class ProbedMixedStridesWithEdit(ProbedMixedStrides):
+    """:class:`ProbedMixedStrides` beside :class:`ProbedWithEdit` 's edit on every
+    generated token (coefficient 0): the steps of a period differ in what they
+    capture, and each applies the edit."""
+
+    name: ClassVar[str] = "uc_inline_linear_mixed_strides_and_edit"
+    captures: ClassVar[str] = (
+        "residual stream at the lower half of the chosen layers for every generated token "
+        "and at the upper half for every second one, scored inline by linear_probe, beside "
+        "an add edit (coefficient 0) on every generated token"
+    )
+
+    edits = ProbedWithEdit.edits
+
+
 class ProbedWithTriggeredEdit(ProbedWithEdit):
     """:class:`ProbedWithEdit` with the edit switched on by the probe's flag
     (``when``), at a threshold no score reaches: the edit is never switched on,
