@@ -38,7 +38,8 @@ ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "inline linear and prompt read": "uc_inline_linear_and_prompt_read",
                     "inline trajectory guard": "uc_inline_trajectory_guard",
                     "inline linear stride 2": "uc_inline_linear_stride_2",
-                    "inline linear slice": "uc_inline_linear_slice"}
+                    "inline linear slice": "uc_inline_linear_slice",
+                    "inline linear mixed strides": "uc_inline_linear_mixed_strides"}
 
 
 def add_one_engine_arguments(parser: Any) -> None:

@@ -62,7 +62,8 @@ def _points() -> list[ExtractionPoint]:
 def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
               unreached: dict[int, tuple[int, TensorType]], *,
               driver_ids: dict[str, str] = DRIVER_IDS, repeat: bool = False,
-              keep_records: bool = True) -> tuple[dict, dict, int]:
+              keep_records: bool = True, points_of: dict[str, tuple[str, ...]] = POINTS_OF,
+              windows: bool = False) -> tuple[dict, dict, int]:
     """Both deliveries of the same generation; ``unreached[step]`` is a site the worker
     does not reach in that step (its rows are not sent). Returns each path's outputs
     and how many steps the new path delivered as a whole plan (with ``repeat``: as
@@ -78,13 +79,13 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
     by_name = {p.name: p for p in points}
     worker_by_name = {p.name: p for p in worker_points}
     mirrors = {eid: MirrorState(eid, PROMPT_LENS[eid],
-                                [worker_by_name[name] for name in POINTS_OF[eid]])
+                                [worker_by_name[name] for name in points_of[eid]])
                for eid in engine_ids}
     outputs = []
     whole = 0
     with Router(default_overflow="block", workers=1) as new_router, \
             Router(default_overflow="block", workers=1) as old_router:
-        new = CaptureSession(new_router, points, keep_records=keep_records)
+        new = CaptureSession(new_router, points, keep_records=keep_records, windows=windows)
         old = CaptureSession(old_router, points, keep_records=True)
         sessions = {"new": new, "old": old}
         states: dict[str, dict[str, Any]] = {name: {} for name in sessions}
@@ -92,7 +93,7 @@ def _simulate(points: list[ExtractionPoint], steps: int, seed: int,
             prompt = [int(t) for t in rng.integers(3, 90, size=PROMPT_LENS[eid])]
             for name, session in sessions.items():
                 states[name][eid] = session.open_request(
-                    request_id, "", prompt, [by_name[n] for n in POINTS_OF[eid]])
+                    request_id, "", prompt, [by_name[n] for n in points_of[eid]])
         generated: dict[str, int] = dict.fromkeys(engine_ids, 0)
         fed = dict.fromkeys(engine_ids, 0)
         for step in range(steps):
@@ -236,6 +237,70 @@ def test_steps_that_repeat_the_last_a_token_later_deliver_what_planned_steps_del
              s.signal.score) for s in theirs.signals]
         for name, result in mine.results.items():
             assert _result_view(result) == _result_view(theirs.results[name]), name
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_a_cycle_of_layouts_repeats_each_plan_a_period_later(steady_deliveries, monkeypatch,
+                                                             windows):
+    """Points of several strides (``lin`` on every generated token, ``side`` on
+    every second one): the driver's steps alternate between two layouts, and
+    from the second turn of each on, each step is the plan of two steps
+    before, shifted (a plan that alternates: each request handed its rows),
+    with ``windows`` held in windows of both layouts' steps (as a generation
+    does). Records, signals and results are those of every step planned from
+    its columns, and those of one CaptureTarget per vector."""
+    import dataclasses
+
+    points = [dataclasses.replace(point, stride=2) if point.name == "side" else point
+              for point in _points() if point.name in ("lin", "side", "first")]
+    every = {"uc1": "a", "uc2": "b", "uc3": "c"}
+    both = dict.fromkeys(every, ("lin", "side", "first"))  # (the prefill reads prompt[0])
+    steps = 12
+    plans: list[tuple[int, bool]] = []  # per step: the shift (None: planned), alternates
+    deliveries = channel._Repeat.deliveries
+
+    def seen(repeat: Any, batch: Any, table: Any) -> Any:
+        made = deliveries(repeat, batch, table)
+        plan = made[0][1].plan  # (read now: a repeat moves the plan itself on)
+        plans.append((None if plan.base is None else plan.delta,
+                      (plan.base or plan).alternates))
+        return made
+
+    held: list[int] = []
+    route = delivery._Window.route
+
+    def counted(window: Any, session: Any) -> None:
+        held.append(len(window.steps))
+        route(window, session)
+
+    monkeypatch.setattr(delivery._Window, "route", counted)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(channel._Repeat, "deliveries", seen)
+        got, expected, repeated = _simulate(points, steps, 5, {}, driver_ids=every,
+                                            repeat=True, points_of=both, windows=windows)
+    assert bool(held) == windows and (not windows or max(held) > 2)
+    assert steady_deliveries.count >= repeated
+    want, _, planned = _simulate(points, steps, 5, {}, driver_ids=every, points_of=both)
+    assert planned == steps
+    # (the prefill, the first decode step of each layout, each planned again to
+    # alternate, then each step its layout's plan of two steps before)
+    assert plans[:5] == [(None, False)] * 3 + [(None, True)] * 2
+    assert plans[5:] == [(2 * (turn // 2 + 1), True) for turn in range(steps - 5)]
+    assert repeated == steps - 5
+    for outputs in (want, expected):
+        for eid, out in got.items():
+            theirs = outputs[eid]
+            assert out.token_ids == theirs.token_ids
+            assert [r.key() + (r.token_id,) for r in out.records] == [
+                r.key() + (r.token_id,) for r in theirs.records]
+            for record, other in zip(out.records, theirs.records, strict=True):
+                assert np.array_equal(np.asarray(record.tensor), np.asarray(other.tensor))
+            assert [(s.extraction_point_name, s.layer, s.token_index, s.signal.action,
+                     s.signal.score) for s in out.signals] == [
+                (s.extraction_point_name, s.layer, s.token_index, s.signal.action,
+                 s.signal.score) for s in theirs.signals]
+            for name, result in out.results.items():
+                assert _result_view(result) == _result_view(theirs.results[name]), name
 
 
 def test_a_layer_count_the_driver_does_not_expect_is_refused_with_the_point_named():

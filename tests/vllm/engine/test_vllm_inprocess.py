@@ -390,15 +390,15 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
         counts["kept layout"] += done
         return done
 
-    def counted_repeats(self, batch, keys, table):
-        found = repeats(self, batch, keys, table)
-        counts["driver repeats"] += found
-        counts["worker says shifted"] += found and batch.shifted
+    def counted_repeats(batch, keys, table, earlier, *, claimed):
+        found = repeats(batch, keys, table, earlier, claimed=claimed)
+        counts["driver repeats"] += bool(found)
+        counts["worker says shifted"] += bool(found) and claimed and batch.shifted
         return found
 
     monkeypatch.setattr(StepPlan, "shifted", counted_shift)
     monkeypatch.setattr(StepPlan, "advanced", counted_advance)
-    monkeypatch.setattr(channel._Repeat, "_repeats", counted_repeats)
+    monkeypatch.setattr(channel._Repeat, "_repeats", staticmethod(counted_repeats))
     monkeypatch.setattr(delivery, "_deliver_steady", counted_delivery)
     monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat_step)
     _Keeper.kept = {}
@@ -494,6 +494,61 @@ def test_a_strided_or_sliced_layout_repeats_and_captures_what_hf_captures(
                     and (stop is None or record.generated_index < stop)
                     and (record.generated_index - first) % stride == 0}
         assert set(mine) == set(expected) and mine
+        for key, record in mine.items():
+            other = expected[key]
+            assert (record.token_id, record.generated_index) == (other.token_id,
+                                                                  other.generated_index)
+            assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
+
+
+def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_driver(
+        backend, reference, num_layers, monkeypatch):
+    # The residual stream at the lower layers on every generated token and at the
+    # upper ones on every second: no step is steady, so the worker plans each
+    # decode step, for its requests at once (StepPlan.add_alike_tokens), and the
+    # driver repeats each of the two layouts' plans two tokens later, held in
+    # windows of both (channel._Repeat). What a probe is given must be what HF
+    # captures at those tokens.
+    texts, hf_outputs = reference
+    texts, hf_outputs = texts[:3], hf_outputs[:3]
+    base = next(point for point in spec_points(num_layers) if point.name == "residual_all")
+    half = num_layers // 2
+    lower = dataclasses.replace(base, name="lower", probe_type="keeper",
+                                layers=tuple(range(half)))
+    upper = dataclasses.replace(base, name="upper", probe_type="keeper",
+                                layers=tuple(range(half, num_layers)), stride=2)
+    alike: list[bool] = []
+    deltas: list[tuple[int, bool]] = []
+    add_alike, advanced = StepPlan.add_alike_tokens, StepPlan.advanced
+
+    def counted_alike(plan, fed):
+        alike.append(found := add_alike(plan, fed))
+        return found
+
+    def counted_advanced(plan, delta=1):
+        deltas.append((delta, (plan.base or plan).alternates))
+        return advanced(plan, delta)
+
+    monkeypatch.setattr(StepPlan, "add_alike_tokens", counted_alike)
+    monkeypatch.setattr(StepPlan, "advanced", counted_advanced)
+    _Keeper.kept = {}
+    with Router(probes={"keeper": _Keeper}) as router:
+        session = CaptureSession(router, [lower, upper], windows=True)
+        outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
+                                   session)
+    assert any(alike), alike  # (the worker's decode steps, planned at once)
+    assert (2, True) in deltas, deltas  # (the driver's plans of the two layouts, in turn)
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        # (each point's records by (layer, token); HF's under one point of every layer)
+        mine = {(record.layer, record.token_index): record
+                for record in _Keeper.kept.get(ours.request_id, [])}
+        expected = {(record.layer, record.token_index): record for record in theirs.records
+                    if record.extraction_point_name == "residual_all"
+                    and record.generated_index is not None
+                    and (record.layer < half or record.generated_index % 2 == 0)}
+        assert set(mine) == set(expected) and mine
+        assert len(mine) == len(_Keeper.kept[ours.request_id])
         for key, record in mine.items():
             other = expected[key]
             assert (record.token_id, record.generated_index) == (other.token_id,

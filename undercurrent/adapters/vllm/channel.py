@@ -98,64 +98,106 @@ def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
     return deliveries
 
 
+#: How many of the last steps' plans the driver keeps to repeat (a cycle of
+#: layouts, points of several strides, repeats within this many batches).
+CYCLE_STEPS = 8
+
+
+class _Seen:
+    """A step the driver delivered: its plan (moved on as it repeats), its
+    groups' keys, its request table, its matches and their rows, and per
+    group its key and tensor type, resolved once."""
+
+    __slots__ = ("plan", "keys", "table", "matches", "rows", "layout")
+
+    def __init__(self, plan: StepPlan, keys: list[tuple[int, str, int]],
+                 table: list[RequestState | None], matches: np.ndarray, rows: np.ndarray,
+                 layout: list[tuple[tuple[int, TensorType], TensorType]]) -> None:
+        self.plan, self.keys, self.table = plan, keys, table
+        self.matches, self.rows, self.layout = matches, rows, layout
+
+
 class _Repeat:
-    """Steps that repeat the previous one some tokens later: the same requests
+    """Steps that repeat an earlier one some tokens later: the same requests
     (the same states, none steered), the same groups and the same matches,
-    each the same number of tokens on (one; a strided layout's, its stride).
-    Such a step's plan is the previous plan shifted
+    each the same number of tokens on (the last step's one token on; a
+    strided layout's, its stride; a cycle of layouts', points of several
+    strides, its period). Such a step's plan is the earlier plan shifted
     (:meth:`~undercurrent.adapters.session.StepPlan.shifted`): nothing is
-    planned per match, and delivery reuses the layout it kept for the first."""
+    planned per match, and delivery reuses the layout it kept for the first.
+
+    The last :data:`CYCLE_STEPS` steps' plans are kept. A step repeating one
+    before the last (a cycle) repeats it where that plan alternates
+    (:attr:`~undercurrent.adapters.session.StepPlan.alternates`: delivery hands
+    each request its rows, as the plans of a cycle take turns); where it does
+    not yet, the step is planned from its columns once more as a plan that
+    alternates, repeated from its next turn on."""
 
     def __init__(self) -> None:
-        self._plan: StepPlan | None = None
-        self._keys: list[tuple[int, str, int]] = []
-        self._last: tuple[np.ndarray, np.ndarray] | None = None  # its matches and rows
-        self._table: list[RequestState | None] = []
-        # Per group of the plan kept: its key and tensor type, resolved once.
-        self._layout: list[tuple[tuple[int, TensorType], TensorType]] = []
+        self._seen: list[_Seen] = []  # (oldest first; the last step's last)
 
     def deliveries(self, batch: wire.StepBatch, table: list[RequestState | None]
                    ) -> list[Delivery]:
-        """:func:`step_deliveries` of ``batch``, from the previous plan shifted
-        when ``batch`` repeats the previous step some tokens later."""
+        """:func:`step_deliveries` of ``batch``, from an earlier plan shifted
+        when ``batch`` repeats an earlier step some tokens later."""
         keys = [(group.layer, group.tensor_type, group.count) for group in batch.groups]
-        plan, self._plan = self._plan, None  # (kept again below, once this batch is read)
-        delta = 0 if plan is None else self._repeats(batch, keys, table)
-        if plan is not None and delta:
-            plan = plan.advanced(delta)  # (the last plan moved on, once it is delivered)
+        seen = self._seen
+        found, delta, alternates = None, 0, False
+        if seen:
+            last = seen[-1]
+            delta = self._repeats(batch, keys, table, last, claimed=True)
+            if delta:
+                found = last
+            else:
+                for earlier in reversed(seen[:-1]):
+                    delta = self._repeats(batch, keys, table, earlier, claimed=False)
+                    if delta:  # (a cycle: plans of several layouts take turns)
+                        found, alternates = earlier, True
+                        break
+        if found is not None and (not alternates or (found.plan.base or found.plan).alternates):
+            seen.remove(found)
+            # (the earlier plan moved on, once it is delivered)
+            plan = found.plan = found.plan.advanced(delta)
             banks = [_as_tensor(bank) for bank in batch.banks]
             groups = plan.groups
             deliveries: list[Delivery] = [
                 (tensor_type, groups[key],
                  banks[group.bank][group.offset:group.offset + group.count])
-                for (key, tensor_type), group in zip(self._layout, batch.groups, strict=True)]
-        else:
-            deliveries = step_deliveries(batch, table)
-            plan = deliveries[0][1].plan if deliveries else None
-            if plan is not None and any(state is None or state.edits for state in table):
-                plan = None  # an untracked or steered request: planned every step
-            elif plan is not None:
-                plan.repeatable = True
-                self._layout = [(key, key[1]) for key in (
-                    cast(PairKey, group.key) for _, group, _ in deliveries)]
-        self._plan, self._keys, self._table = plan, keys, table
-        self._last = (batch.matches, batch.match_rows)
+                for (key, tensor_type), group in zip(found.layout, batch.groups, strict=True)]
+            found.matches, found.rows = batch.matches, batch.match_rows
+            seen.append(found)
+            return deliveries
+        if found is not None:
+            seen.remove(found)  # (planned again below, as a plan that alternates)
+        deliveries = step_deliveries(batch, table)
+        made = deliveries[0][1].plan if deliveries else None
+        if made is None or any(state is None or state.edits for state in table):
+            self._seen = []  # (an untracked or steered request: planned every step)
+            return deliveries
+        made.repeatable = True
+        made.alternates = alternates
+        layout = [(key, key[1]) for key in (
+            cast(PairKey, group.key) for _, group, _ in deliveries)]
+        seen.append(_Seen(made, keys, table, batch.matches, batch.match_rows, layout))
+        if len(seen) > CYCLE_STEPS:
+            del seen[0]
         return deliveries
 
-    def _repeats(self, batch: wire.StepBatch, keys: list[tuple[int, str, int]],
-                 table: list[RequestState | None]) -> int:
-        """How many tokens later ``batch`` is the last batch, for the same requests
-        (0: it is not): one as the worker says
-        (:attr:`~undercurrent.adapters.vllm.wire.StepBatch.shifted`), else as its
-        columns show (every match the same number of tokens on: a strided
-        layout's captured steps come its stride apart)."""
-        last = self._last
-        if last is None or keys != self._keys or table != self._table or not len(batch.matches):
+    @staticmethod
+    def _repeats(batch: wire.StepBatch, keys: list[tuple[int, str, int]],
+                 table: list[RequestState | None], earlier: _Seen, *, claimed: bool) -> int:
+        """How many tokens after ``earlier`` 's step ``batch`` repeats it, for the
+        same requests (0: it does not): one where the worker says so of the last
+        batch (``claimed``: :attr:`~undercurrent.adapters.vllm.wire.StepBatch.shifted`),
+        else as the columns show (every match the same number of tokens on: a
+        strided layout's captured steps come its stride apart, a cycle's its
+        period)."""
+        if keys != earlier.keys or table != earlier.table or not len(batch.matches):
             return 0
-        if batch.shifted:
+        if claimed and batch.shifted:
             return 1
         # (ndarray comparisons, not numpy.array_equal: this runs at every step)
-        (before, rows), now = last, batch.matches
+        before, rows, now = earlier.matches, earlier.rows, batch.matches
         if now.shape != before.shape or batch.match_rows.shape != rows.shape:
             return 0
         delta = int(now[0, 2] - before[0, 2])

@@ -425,8 +425,13 @@ class _Capture:
             else:
                 plan = steady.plan.shifted(steady.stride)
         else:
-            for state, start, stop, window in fed:
-                plan.add_window(state, start, stop, window.row_of)
+            # (a decode step of requests alike, points of several strides among
+            # them: planned at once, as each request's window would plan it)
+            if not (fed and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
+                    and plan.add_alike_tokens([(state, start, window.row_of(start))
+                                               for state, start, _, window in fed])):
+                for state, start, stop, window in fed:
+                    plan.add_window(state, start, stop, window.row_of)
             wanted = None
         if wanted is None:
             wanted = plan.pairs()
