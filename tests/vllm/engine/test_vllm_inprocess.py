@@ -504,11 +504,12 @@ def test_a_strided_or_sliced_layout_repeats_and_captures_what_hf_captures(
 def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_driver(
         backend, reference, num_layers, monkeypatch):
     # The residual stream at the lower layers on every generated token and at the
-    # upper ones on every second: no step is steady, so the worker plans each
-    # decode step, for its requests at once (StepPlan.add_alike_tokens), and the
-    # driver repeats each of the two layouts' plans two tokens later, held in
-    # windows of both (channel._Repeat). What a probe is given must be what HF
-    # captures at those tokens.
+    # upper ones on every second: no step is steady. The worker plans one period
+    # of decode steps, for its requests at once (StepPlan.add_alike_tokens), then
+    # repeats each plan two tokens later (worker._Cycle), and so does the driver,
+    # from the columns (channel._Repeat: plans that alternate, held in windows of
+    # both layouts). What a probe is given must be what HF captures at those
+    # tokens.
     texts, hf_outputs = reference
     texts, hf_outputs = texts[:3], hf_outputs[:3]
     base = next(point for point in spec_points(num_layers) if point.name == "residual_all")
@@ -537,7 +538,9 @@ def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_drive
         outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
                                    session)
     assert any(alike), alike  # (the worker's decode steps, planned at once)
-    assert (2, True) in deltas, deltas  # (the driver's plans of the two layouts, in turn)
+    # (the worker's plans of the period and the driver's, each two tokens later;
+    # only the driver's alternate: it hands each request its rows)
+    assert (2, False) in deltas and (2, True) in deltas, deltas
     for ours, theirs in zip(outputs, hf_outputs, strict=True):
         assert ours.token_ids == theirs.token_ids
         # (each point's records by (layer, token); HF's under one point of every layer)

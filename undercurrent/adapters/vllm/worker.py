@@ -127,6 +127,26 @@ class _Steady:
         return self.limit is None or self.shift + 1 < self.limit
 
 
+class _Cycle:
+    """Decode steps that repeat with a period of several steps (points of several
+    strides, no edit): per step of the period (the worker's forward count
+    modulo ``period``), its last plan, where each request was fed then
+    ((state, token, flat position)), the sites it wanted, how many requests
+    were live and which were open. A step feeding the same requests at the same
+    positions, each ``period`` tokens on, is that plan a period later."""
+
+    __slots__ = ("period", "phases")
+
+    def __init__(self, period: int) -> None:
+        self.period = period
+        self.phases: dict[int, _Steady] = {}
+
+
+#: The most base plans whose wire columns the worker keeps (a cycle's, to send
+#: each repeat's columns as its last ones moved on).
+KEPT_COLUMNS = 8
+
+
 class _Feed:
     """The runner's batch as a steady step saw it, to tell with a few array
     comparisons whether the next step feeds every slot its next token: the same
@@ -210,8 +230,16 @@ class _Capture:
         # the step's wire columns with the base plan and shift they were made at
         # (see _begin_step and _end_step: the steady plan moves on in place).
         self.steady: _Steady | None = None
-        self.columns: tuple[StepPlan, int, list[str], np.ndarray, np.ndarray,
-                            list[wire.GroupRows]] | None = None
+        # Per base plan (the steady one, or a cycle's), the last wire columns sent
+        # for it: the shift they were made at, the request table, the matches and
+        # their rows, and the groups; and the base plan of the last batch sent.
+        self.columns: dict[int, tuple[StepPlan, int, list[str], np.ndarray, np.ndarray,
+                                      list[wire.GroupRows]]] = {}
+        self.last_sent: StepPlan | None = None
+        # Points of several strides: the cycle of plans (see _Cycle), counted in
+        # the forwards that plan something.
+        self.cycle: _Cycle | None = None
+        self.forwards = 0
         # The runner's batch of a steady step (see _repeat_step), what a repeated
         # step sends of its tokens, and the version of ``states`` (bumped when a
         # request is opened, released or aborted).
@@ -406,6 +434,11 @@ class _Capture:
         steady = self.steady
         live = sum(state.live for state in self.states.values())
         between = False  # (a strided layout's step between its captured ones)
+        forward = self.forwards
+        self.forwards += 1
+        cycle = self.cycle
+        phase = None if cycle is None else cycle.phases.get(forward % cycle.period)
+        alike = False  # (planned afresh, for requests alike: a cycle's step, maybe)
         if (steady is not None and not plan and steady.within()
                 and all(stop - start == 1 for _, start, stop, _ in fed)
                 and one_token_later(steady.places if not steady.shift else
@@ -424,15 +457,28 @@ class _Capture:
                 between = True
             else:
                 plan = steady.plan.shifted(steady.stride)
+        elif (phase is not None and cycle is not None and not plan
+              and all(stop - start == 1 for _, start, stop, _ in fed)
+              and _later(phase.places, places, cycle.period)):
+            # The requests this step of the cycle was planned for, at the same
+            # positions, each a period on: its plan again, a period later.
+            plan = phase.plan = phase.plan.advanced(cycle.period)
+            phase.places = places
+            wanted = phase.wanted if (phase.live == live and
+                                      self.states.keys() == phase.keys) else None
         else:
             # (a decode step of requests alike, points of several strides among
             # them: planned at once, as each request's window would plan it)
-            if not (fed and not plan and all(stop - start == 1 for _, start, stop, _ in fed)
-                    and plan.add_alike_tokens([(state, start, window.row_of(start))
-                                               for state, start, _, window in fed])):
+            alike = (bool(fed) and not plan
+                     and all(stop - start == 1 for _, start, stop, _ in fed)
+                     and plan.add_alike_tokens([(state, start, window.row_of(start))
+                                                for state, start, _, window in fed]))
+            if not alike:
                 for state, start, stop, window in fed:
                     plan.add_window(state, start, stop, window.row_of)
             wanted = None
+            if not alike:
+                self.cycle = None
         if wanted is None:
             wanted = plan.pairs()
             for state in self.states.values():
@@ -453,6 +499,11 @@ class _Capture:
                          if state.steady_until is not None), default=None) if steady_now else None
             self.steady = _Steady(plan, places, wanted, live, set(self.states), stride=stride,
                                   limit=limit) if steady_now else None
+            if steady_now:
+                self.cycle = None
+            elif alike:
+                self.cycle = self._cycled(_Steady(plan, places, wanted, live, set(self.states)),
+                                          fed, forward)
         self._rehook(wanted)
         if not plan:
             return
@@ -470,6 +521,27 @@ class _Capture:
                               batch.num_computed_tokens_cpu[:count],
                               [state for state, _, _, _ in fed],
                               [window.slot for _, _, _, window in fed])
+
+    def _cycled(self, phase: _Steady, fed: list[tuple[MirrorState, int, int, Any]],
+                forward: int) -> _Cycle | None:
+        """The cycle with this step (``phase``: its plan, planned at once for the
+        requests ``fed``, at the ``forward`` th forward) in it, where each request
+        fed matches again a period later and at every token from then on
+        (:meth:`RequestState.repeats_every`, the same period of several steps
+        for each) and the plan has no edit; else None."""
+        if phase.plan.edits or not fed:
+            return None
+        periods = {state.repeats_every(start) for state, start, _, _ in fed}
+        if len(periods) != 1:
+            return None
+        (period,) = periods
+        if period is None or period < 2:
+            return None
+        cycle = self.cycle
+        if cycle is None or cycle.period != period:
+            cycle = _Cycle(period)
+        cycle.phases[forward % period] = phase
+        return cycle
 
     def _repeat_step(self, feed: _Feed) -> bool:
         """Plan this step as the last steady one a token later, when the runner's
@@ -565,19 +637,19 @@ class _Capture:
             return
         self.step += 1
         whole = len(self.filled) == len(plan.groups)  # (always, on a whole forward)
-        columns = self.columns
         base = plan if plan.base is None else plan.base
+        columns = self.columns.get(id(base))  # (each entry holds its base: no id reused)
         later = 0 if columns is None else plan.delta - columns[1]
-        if (columns is not None and plan.base is not None and base is columns[0]
-                and later >= 1 and whole):
-            # The last step's plan some tokens later (one, or a strided layout's
-            # stride): its columns as many tokens later, and the same groups in
-            # the same banks (the driver is told a shift of one; it finds a
-            # stride's from the columns).
+        if columns is not None and plan.base is not None and later >= 1 and whole:
+            # An earlier step's plan some tokens later (the last step's a token
+            # later, or a strided layout's stride; a cycle's, its period): its
+            # columns as many tokens later, and the same groups in the same
+            # banks (the driver is told a shift of one from the last batch; it
+            # finds any other from the columns).
             matches = columns[3].copy()
             matches[:, 2] += later
             requests, match_rows, groups = columns[2], columns[4], columns[5]
-            shifted = later == 1
+            shifted = later == 1 and self.last_sent is base
         else:
             shifted = False
             requests, matches, match_rows = match_columns(plan, self.filled)
@@ -589,8 +661,13 @@ class _Capture:
                     bank, offset, count = self.slices[key]
                     groups.append(wire.GroupRows(key[0], key[1].value, number[bank], offset,
                                                  count))
-        self.columns = ((base, plan.delta, requests, matches, match_rows, groups) if whole
-                        else None)
+        if whole:
+            if id(base) not in self.columns and len(self.columns) >= KEPT_COLUMNS:
+                self.columns.clear()
+            self.columns[id(base)] = (base, plan.delta, requests, matches, match_rows, groups)
+        else:
+            self.columns.pop(id(base), None)
+        self.last_sent = base
         # One device-to-host copy per row shape (hidden-size rows, kv rows).
         wired = [rows.cpu() if self.local is not None else _wire_bank(rows.cpu())
                  for rows in banks if rows is not None]
@@ -696,6 +773,8 @@ class _Capture:
         self.version += 1
         if not self.states:
             self._rehook(set())
+            self.cycle, self.last_sent = None, None
+            self.columns.clear()
             # (held steps the driver did not ask for: it gave up on the generation)
             self.held, self.held_bytes, self.hold = [], 0, False
 
@@ -725,6 +804,16 @@ HOLD_STEPS = 16
 HOLD_BYTES = 32 << 20
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
+def _later(before: list[tuple[MirrorState, int, int]], now: list[tuple[MirrorState, int, int]],
+           delta: int) -> bool:
+    """Whether a step feeding ``now`` ((state, token, flat position) per request)
+    feeds the requests ``before`` fed, at the same positions, each ``delta``
+    tokens on."""
+    return len(before) == len(now) and all(
+        fed[0] is was[0] and fed[1] == was[1] + delta and fed[2] == was[2]
+        for fed, was in zip(now, before, strict=True))
 
 
 def _edits_repeat(plan: StepPlan, fed: list[tuple[MirrorState, int, int, Any]]) -> bool:
