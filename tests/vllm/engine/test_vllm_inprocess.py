@@ -370,8 +370,8 @@ def test_steps_that_repeat_the_last_a_token_later_capture_what_hf_captures(
     advanced = StepPlan.advanced
     repeat_step = worker._Capture._repeat_step
 
-    def counted_repeat_step(self, feed):
-        found = repeat_step(self, feed)
+    def counted_repeat_step(self, feed, forward):
+        found = repeat_step(self, feed, forward)
         counts["worker repeats"] += found
         return found
 
@@ -470,8 +470,8 @@ def test_a_strided_or_sliced_layout_repeats_and_captures_what_hf_captures(
         between.append(steady is not None and steady.stride == stride and steady.shift > 0)
         return rehook(self, wanted)
 
-    def counted_repeat(self, feed):
-        repeated.append(found := repeat_step(self, feed))
+    def counted_repeat(self, feed, forward):
+        repeated.append(found := repeat_step(self, feed, forward))
         return found
 
     monkeypatch.setattr(StepPlan, "shifted", counted_shift)
@@ -506,10 +506,11 @@ def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_drive
     # The residual stream at the lower layers on every generated token and at the
     # upper ones on every second: no step is steady. The worker plans one period
     # of decode steps, for its requests at once (StepPlan.add_alike_tokens), then
-    # repeats each plan two tokens later (worker._Cycle), and so does the driver,
-    # from the columns (channel._Repeat: plans that alternate, held in windows of
-    # both layouts). What a probe is given must be what HF captures at those
-    # tokens.
+    # repeats each plan two tokens later (worker._Cycle), most steps told from the
+    # runner's arrays alone (their token ids sent as columns), and so does the
+    # driver, from the columns (channel._Repeat: plans that alternate, held in
+    # windows of both layouts). What a probe is given must be what HF captures at
+    # those tokens, token ids included.
     texts, hf_outputs = reference
     texts, hf_outputs = texts[:3], hf_outputs[:3]
     base = next(point for point in spec_points(num_layers) if point.name == "residual_all")
@@ -530,8 +531,16 @@ def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_drive
         deltas.append((delta, (plan.base or plan).alternates))
         return advanced(plan, delta)
 
+    from_arrays: list[bool] = []
+    repeat_step = worker._Capture._repeat_step
+
+    def counted_repeat(self, feed, forward):
+        from_arrays.append(found := repeat_step(self, feed, forward))
+        return found
+
     monkeypatch.setattr(StepPlan, "add_alike_tokens", counted_alike)
     monkeypatch.setattr(StepPlan, "advanced", counted_advanced)
+    monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat)
     _Keeper.kept = {}
     with Router(probes={"keeper": _Keeper}) as router:
         session = CaptureSession(router, [lower, upper], windows=True)
@@ -541,6 +550,7 @@ def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_drive
     # (the worker's plans of the period and the driver's, each two tokens later;
     # only the driver's alternate: it hands each request its rows)
     assert (2, False) in deltas and (2, True) in deltas, deltas
+    assert from_arrays.count(True) > len(from_arrays) // 2, from_arrays
     for ours, theirs in zip(outputs, hf_outputs, strict=True):
         assert ours.token_ids == theirs.token_ids
         # (each point's records by (layer, token); HF's under one point of every layer)
@@ -571,8 +581,8 @@ def test_a_step_repeated_from_the_runners_arrays_gives_what_planning_it_gives(
     repeated = []
     repeat_step = worker._Capture._repeat_step
 
-    def counted(self, feed):
-        found = repeat_step(self, feed)
+    def counted(self, feed, forward):
+        found = repeat_step(self, feed, forward)
         repeated.append(found)
         return found
 

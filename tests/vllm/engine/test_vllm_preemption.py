@@ -59,8 +59,8 @@ def test_preempted_requests_are_captured_once_with_hfs_records(backend, referenc
         counts["preempted"] += 1
         return preempt(self, *args, **kwargs)
 
-    def counted_repeat(self: Any, feed: Any) -> bool:
-        found = repeat_step(self, feed)
+    def counted_repeat(self: Any, feed: Any, forward: int) -> bool:
+        found = repeat_step(self, feed, forward)
         counts["repeated"] += found
         return found
 

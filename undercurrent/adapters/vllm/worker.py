@@ -130,16 +130,26 @@ class _Steady:
 class _Cycle:
     """Decode steps that repeat with a period of several steps (points of several
     strides, no edit): per step of the period (the worker's forward count
-    modulo ``period``), its last plan, where each request was fed then
-    ((state, token, flat position)), the sites it wanted, how many requests
-    were live and which were open. A step feeding the same requests at the same
-    positions, each ``period`` tokens on, is that plan a period later."""
+    modulo ``period``), its last plan, the sites it wanted, how many requests
+    were live and which were open (a :class:`_Steady`). Every step of the
+    cycle feeds the requests fed at the ``first`` th forward (``places``:
+    (state, token, flat position)) at the same positions, each one token on
+    per forward; a step that does is its plan a period later. ``last``: the
+    last forward that followed the cycle (a step repeated from the runner's
+    arrays alone follows it where the step before it did)."""
 
-    __slots__ = ("period", "phases")
+    __slots__ = ("period", "phases", "places", "first", "last")
 
-    def __init__(self, period: int) -> None:
+    def __init__(self, period: int, places: list[tuple[MirrorState, int, int]],
+                 forward: int) -> None:
         self.period = period
         self.phases: dict[int, _Steady] = {}
+        self.places, self.first, self.last = places, forward, forward
+
+    def follows(self, places: list[tuple[MirrorState, int, int]], forward: int) -> bool:
+        """Whether a step at the ``forward`` th forward feeding ``places`` feeds the
+        cycle's requests at their positions, each a token on per forward."""
+        return _later(self.places, places, forward - self.first)
 
 
 #: The most base plans whose wire columns the worker keeps (a cycle's, to send
@@ -405,9 +415,11 @@ class _Capture:
             return
         if self.tensor_parallel_size > 1 and any(s.has_triggers for s in self.states.values()):
             self._share_armed()
+        forward = self.forwards
+        self.forwards += 1
         feed, self.feed = self.feed, None
         if feed is not None:
-            if self.repeat_feeds and self._repeat_step(feed):
+            if self.repeat_feeds and self._repeat_step(feed, forward):
                 return
             feed.settle()
         plan = StepPlan()
@@ -434,8 +446,6 @@ class _Capture:
         steady = self.steady
         live = sum(state.live for state in self.states.values())
         between = False  # (a strided layout's step between its captured ones)
-        forward = self.forwards
-        self.forwards += 1
         cycle = self.cycle
         phase = None if cycle is None else cycle.phases.get(forward % cycle.period)
         alike = False  # (planned afresh, for requests alike: a cycle's step, maybe)
@@ -459,11 +469,11 @@ class _Capture:
                 plan = steady.plan.shifted(steady.stride)
         elif (phase is not None and cycle is not None and not plan
               and all(stop - start == 1 for _, start, stop, _ in fed)
-              and _later(phase.places, places, cycle.period)):
+              and cycle.follows(places, forward)):
             # The requests this step of the cycle was planned for, at the same
             # positions, each a period on: its plan again, a period later.
             plan = phase.plan = phase.plan.advanced(cycle.period)
-            phase.places = places
+            cycle.last = forward
             wanted = phase.wanted if (phase.live == live and
                                       self.states.keys() == phase.keys) else None
         else:
@@ -509,8 +519,10 @@ class _Capture:
             return
         self._place(plan)
         self.plan = plan
-        if (self.steady is not None and self.steady.stride == 1 and self.capturing
-                and plan.groups and all(stop - state.prompt_len >= state.generated_sent
+        cycled = self.cycle is not None and self.cycle.last == forward
+        if (((self.steady is not None and self.steady.stride == 1) or cycled)
+                and self.capturing and plan.groups
+                and all(stop - state.prompt_len >= state.generated_sent
                         for state, _, stop, _ in fed)):
             # After this step each request fed has sent every generated token it
             # fed (none was sent ahead by a replay): the next step may repeat it.
@@ -538,24 +550,34 @@ class _Capture:
         if period is None or period < 2:
             return None
         cycle = self.cycle
-        if cycle is None or cycle.period != period:
-            cycle = _Cycle(period)
+        if cycle is None or cycle.period != period or not cycle.follows(phase.places, forward):
+            cycle = _Cycle(period, phase.places, forward)  # (the steps planned before: stale)
         cycle.phases[forward % period] = phase
+        cycle.last = forward
         return cycle
 
-    def _repeat_step(self, feed: _Feed) -> bool:
-        """Plan this step as the last steady one a token later, when the runner's
-        batch says it is (see :class:`_Feed`): the plan shifted, nothing per request
-        but each one's next token (read from the runner's token table in one index
-        operation, sent as columns). False: plan it from the windows."""
+    def _repeat_step(self, feed: _Feed, forward: int) -> bool:
+        """Plan this step (the ``forward`` th) as the last steady one a token later,
+        or as its step of the cycle a period later, when the runner's batch says
+        it feeds each request of the last step the next token (see
+        :class:`_Feed`): the plan shifted, nothing per request but each one's
+        next token (read from the runner's token table in one index operation,
+        sent as columns). False: plan it from the windows."""
         runner = self.runner
         batch = runner.input_batch
         count = batch.num_reqs
         computed = batch.num_computed_tokens_cpu[:count]
         steady = self.steady
+        cycle = self.cycle if steady is None else None
+        phase = None
+        if cycle is not None and cycle.last == forward - 1:
+            phase = cycle.phases.get(forward % cycle.period)
+            if phase is not None and not phase.plan.groups:
+                phase = None  # (it sends nothing: its tokens go with a later step's)
         # (The feed's arrays have ``count`` entries, and ``count + 1`` starts: compared
         # with ndarray operations, not numpy.array_equal, as this runs at every step.)
-        if (steady is None or not steady.within() or feed.version != self.version
+        if ((phase is None and (steady is None or not steady.within()))
+                or feed.version != self.version
                 or count != len(feed.req_ids)
                 or not (computed == feed.computed + 1).all()
                 or not (runner.query_start_loc.np[:count + 1] == feed.starts).all()
@@ -568,9 +590,15 @@ class _Capture:
         feed.computed = computed.copy()
         self.feed = feed
         # (the last plan itself moved on where it was sent: see StepPlan.advanced)
-        plan = steady.plan = steady.plan.advanced(1)
-        steady.shift += 1
-        self._rehook(steady.wanted)
+        if phase is not None and cycle is not None:
+            plan = phase.plan = phase.plan.advanced(cycle.period)
+            cycle.last = forward
+            self._rehook(phase.wanted)
+        else:
+            assert steady is not None
+            plan = steady.plan = steady.plan.advanced(1)
+            steady.shift += 1
+            self._rehook(steady.wanted)
         self._place(plan)
         self.plan = plan
         return True
