@@ -484,9 +484,10 @@ class RequestState:
 
     def _steady_after(self, stop: int) -> None:
         """Once points have retired at ``stop`` (they matched one token, or a
-        bounded slice ended): the steady pattern of the points left
-        (:attr:`steady_from`), from ``stop`` on (a plan made before it held the
-        retired points' captures), or none."""
+        bounded slice ended), or a signal switched an edit on for the tokens
+        from ``stop`` on: the steady pattern of the points left and the edits
+        on (:attr:`steady_from`), from ``stop`` on (a plan made before it held
+        the retired points' captures, or lacked the edit), or none."""
         self.steady_from = None
         live = self._live_points
         # (with no point left, the edits' own, if any)
