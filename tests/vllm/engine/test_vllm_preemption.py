@@ -6,6 +6,7 @@ arrays (its capture mark then moves on without a pass over the requests)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -31,10 +32,27 @@ def points(num_layers):
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, points):
-    # The oracle runs before vLLM is imported in this process.
+def strided(num_layers):
+    # Points of several strides: the lower layers on every generated token, the
+    # upper ones on every second (the worker's steps repeat a cycle of plans).
+    (every,) = [point for point in spec_points(num_layers) if point.name == "residual_all"]
+    half = num_layers // 2
+    return [dataclasses.replace(every, name="lower", layers=tuple(range(half))),
+            dataclasses.replace(every, name="upper", layers=tuple(range(half, num_layers)),
+                                stride=2)]
+
+
+@pytest.fixture(scope="module")
+def references(model_dir, points, strided):
+    # The oracles run before vLLM is imported in this process.
     texts = prompts()
-    return texts, hf_reference(model_dir, texts, points, PARAMS)
+    return {"steady": (texts, hf_reference(model_dir, texts, points, PARAMS)),
+            "strided": (texts, hf_reference(model_dir, texts, strided, PARAMS))}
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["steady"]
 
 
 @pytest.fixture(scope="module")
@@ -74,4 +92,32 @@ def test_preempted_requests_are_captured_once_with_hfs_records(backend, referenc
     assert (counts["repeated"] > 0) is repeat_feeds, counts
     # compare: the same tokens, one record per key, the same keys and token ids, and
     # tensors within 1e-4 of HF's (a recomputed token captured again is a duplicate).
+    compare(outputs, hf_outputs)
+
+
+def test_preempted_requests_of_points_of_several_strides_are_captured_once(
+        backend, references, strided, monkeypatch):
+    """The same with points of several strides: the worker repeats a cycle of
+    plans (told from the runner's arrays where it can) and the driver repeats
+    its plans that alternate, while requests are taken out and recomputed."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    counts = {"preempted": 0, "repeated": 0}
+    preempt, repeat_step = Scheduler._preempt_request, worker._Capture._repeat_step
+
+    def counted_preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["preempted"] += 1
+        return preempt(self, *args, **kwargs)
+
+    def counted_repeat(self: Any, feed: Any, forward: int) -> bool:
+        found = repeat_step(self, feed, forward)
+        counts["repeated"] += found
+        return found
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counted_preempt)
+    monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat)
+    texts, hf_outputs = references["strided"]
+    session = CaptureSession(None, strided, keep_records=True)
+    outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], PARAMS, session)
+    assert counts["preempted"] > 0 and counts["repeated"] > 0, counts
     compare(outputs, hf_outputs)
