@@ -246,8 +246,8 @@ class _Capture:
         self.columns: dict[int, tuple[StepPlan, int, list[str], np.ndarray, np.ndarray,
                                       list[wire.GroupRows]]] = {}
         self.last_sent: StepPlan | None = None
-        # Points of several strides: the cycle of plans (see _Cycle), counted in
-        # the forwards that plan something.
+        # Points of several strides: the cycle of plans (see _Cycle), its steps
+        # counted in the forwards that find a request open.
         self.cycle: _Cycle | None = None
         self.forwards = 0
         # The runner's batch of a steady step (see _repeat_step), what a repeated
@@ -486,9 +486,8 @@ class _Capture:
             if not alike:
                 for state, start, stop, window in fed:
                     plan.add_window(state, start, stop, window.row_of)
-            wanted = None
-            if not alike:
                 self.cycle = None
+            wanted = None
         if wanted is None:
             wanted = plan.pairs()
             for state in self.states.values():
