@@ -226,17 +226,23 @@ def test_steps_that_repeat_the_last_a_token_later_deliver_what_planned_steps_del
             assert (mine.abort.extraction_point_name, mine.abort.layer,
                     mine.abort.token_index) == (theirs.abort.extraction_point_name,
                                                 theirs.abort.layer, theirs.abort.token_index)
-        if keep_records:
-            assert [r.key() + (r.token_id,) for r in mine.records] == [
-                r.key() + (r.token_id,) for r in theirs.records]
-            for record, other in zip(mine.records, theirs.records, strict=True):
-                assert np.array_equal(np.asarray(record.tensor), np.asarray(other.tensor))
-        assert [(s.extraction_point_name, s.layer, s.token_index, s.signal.action,
-                 s.signal.score) for s in mine.signals] == [
-            (s.extraction_point_name, s.layer, s.token_index, s.signal.action,
-             s.signal.score) for s in theirs.signals]
-        for name, result in mine.results.items():
-            assert _result_view(result) == _result_view(theirs.results[name]), name
+        _assert_same_routing(mine, theirs, records=keep_records)
+
+
+def _assert_same_routing(mine: Any, theirs: Any, *, records: bool = True) -> None:
+    """The same records (keys, token ids, values; with ``records``), inline
+    signals and probe results in two outputs of one request."""
+    if records:
+        assert [r.key() + (r.token_id,) for r in mine.records] == [
+            r.key() + (r.token_id,) for r in theirs.records]
+        for record, other in zip(mine.records, theirs.records, strict=True):
+            assert np.array_equal(np.asarray(record.tensor), np.asarray(other.tensor))
+    assert [(s.extraction_point_name, s.layer, s.token_index, s.signal.action,
+             s.signal.score) for s in mine.signals] == [
+        (s.extraction_point_name, s.layer, s.token_index, s.signal.action,
+         s.signal.score) for s in theirs.signals]
+    for name, result in mine.results.items():
+        assert _result_view(result) == _result_view(theirs.results[name]), name
 
 
 @pytest.mark.parametrize("windows", [False, True])
@@ -291,16 +297,7 @@ def test_a_cycle_of_layouts_repeats_each_plan_a_period_later(steady_deliveries, 
         for eid, out in got.items():
             theirs = outputs[eid]
             assert out.token_ids == theirs.token_ids
-            assert [r.key() + (r.token_id,) for r in out.records] == [
-                r.key() + (r.token_id,) for r in theirs.records]
-            for record, other in zip(out.records, theirs.records, strict=True):
-                assert np.array_equal(np.asarray(record.tensor), np.asarray(other.tensor))
-            assert [(s.extraction_point_name, s.layer, s.token_index, s.signal.action,
-                     s.signal.score) for s in out.signals] == [
-                (s.extraction_point_name, s.layer, s.token_index, s.signal.action,
-                 s.signal.score) for s in theirs.signals]
-            for name, result in out.results.items():
-                assert _result_view(result) == _result_view(theirs.results[name]), name
+            _assert_same_routing(out, theirs)
 
 
 def test_a_layer_count_the_driver_does_not_expect_is_refused_with_the_point_named():

@@ -65,9 +65,9 @@ def backend(model_dir, reference):
     loaded.close()
 
 
-@pytest.mark.parametrize("repeat_feeds", [True, False])
-def test_preempted_requests_are_captured_once_with_hfs_records(backend, reference, points,
-                                                               monkeypatch, repeat_feeds):
+def _count_preemptions_and_repeats(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts, as the engine runs: the requests the scheduler preempts, and the
+    worker's steps repeated from the runner's arrays."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     counts = {"preempted": 0, "repeated": 0}
@@ -84,6 +84,13 @@ def test_preempted_requests_are_captured_once_with_hfs_records(backend, referenc
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counted_preempt)
     monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat)
+    return counts
+
+
+@pytest.mark.parametrize("repeat_feeds", [True, False])
+def test_preempted_requests_are_captured_once_with_hfs_records(backend, reference, points,
+                                                               monkeypatch, repeat_feeds):
+    counts = _count_preemptions_and_repeats(monkeypatch)
     monkeypatch.setattr(worker._Capture, "repeat_feeds", repeat_feeds)
     texts, hf_outputs = reference
     session = CaptureSession(None, points, keep_records=True)
@@ -100,22 +107,7 @@ def test_preempted_requests_of_points_of_several_strides_are_captured_once(
     """The same with points of several strides: the worker repeats a cycle of
     plans (told from the runner's arrays where it can) and the driver repeats
     its plans that alternate, while requests are taken out and recomputed."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    counts = {"preempted": 0, "repeated": 0}
-    preempt, repeat_step = Scheduler._preempt_request, worker._Capture._repeat_step
-
-    def counted_preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
-        counts["preempted"] += 1
-        return preempt(self, *args, **kwargs)
-
-    def counted_repeat(self: Any, feed: Any, forward: int) -> bool:
-        found = repeat_step(self, feed, forward)
-        counts["repeated"] += found
-        return found
-
-    monkeypatch.setattr(Scheduler, "_preempt_request", counted_preempt)
-    monkeypatch.setattr(worker._Capture, "_repeat_step", counted_repeat)
+    counts = _count_preemptions_and_repeats(monkeypatch)
     texts, hf_outputs = references["strided"]
     session = CaptureSession(None, strided, keep_records=True)
     outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], PARAMS, session)
