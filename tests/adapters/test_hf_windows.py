@@ -199,13 +199,14 @@ def test_a_step_that_would_abort_is_routed_at_once_and_the_others_wait(monkeypat
     cannot abort, and the step that aborts is routed as it comes, after those
     held. The outputs are those of routing each step: the same tokens, abort
     (at the same token), signals, verdicts and counts, with fewer routings.
-    Without a screen (``ScoresRows.abort_screen``), each step's values are
+    Without a screen (``ScoresRows.signal_screen``), each step's values are
     computed as it comes and reused by its window; a linear probe's screen
     clears most steps before any value is computed, and their window's values
     are computed at once (a norm probe's screen does the same)."""
     kind = LinearProbe if probe_type == "linear_probe" else NormProbe
     if not screened:
-        monkeypatch.setattr(kind, "abort_screen", classmethod(lambda cls, probes: None))
+        monkeypatch.setattr(kind, "signal_screen",
+                            classmethod(lambda cls, probes, actions: None))
     point = _point(probe_type, threshold=_guard_threshold(probe_type), action="abort")
     routed: list[int] = []
     original = Router.route_columns
@@ -816,6 +817,52 @@ def test_the_router_tells_whether_routing_a_batch_would_abort():
         assert router.abort_guard("watch", ["abort", "never-registered"]) is None
         # values that cannot be computed (the wrong width): routed now, to count the error
         assert guard(_rows_batch(ids, torch.ones(2, 7))) is True
+
+
+def test_the_router_tells_whether_routing_a_batch_would_give_a_signal_of_some_action():
+    """``Router.signal_guard``: the same test for the actions asked (a ``flag``
+    that switches an edit on, say): a probe whose rule flags answers for
+    ``flag`` and never for ``abort``, and for both where both are asked; a
+    probe whose rule aborts never answers for ``flag`` alone; a norm probe
+    screens a step's pieces, a running statistic is bounded; a probe written
+    per record gets no guard."""
+    from undercurrent.records import SignalAction
+
+    flag, abort = frozenset({SignalAction.FLAG}), frozenset({SignalAction.ABORT})
+    weight = torch.tensor(WEIGHT)
+    below = torch.stack([-weight, -weight])
+    above = torch.stack([-weight, weight])
+    points = {"flags": _point(threshold=0.5), "aborts": _point(threshold=0.5, action="abort"),
+              "norm": _point("norm_probe", threshold=2.0),
+              "trajectory": _point("trajectory_probe", threshold=0.5),
+              "user": _point("flags_only")}
+    with Router(probes={"flags_only": FlagsOnly}) as router:
+        for key, point in points.items():
+            for request in (key, f"{key}-2"):
+                router.register_request(request, [point])
+        flags = ["flags", "flags-2"]
+        for actions, fires in ((flag, True), (abort, False), (flag | abort, True)):
+            guard = router.signal_guard("watch", flags, actions)
+            assert guard is not None
+            assert guard(_rows_batch(flags, below)) is False
+            assert guard(_rows_batch(flags, above)) is fires, actions
+        aborts = ["aborts", "aborts-2"]
+        never = router.signal_guard("watch", aborts, flag)
+        assert never is not None and never(_rows_batch(aborts, above)) is False
+        assert never.screen is not None and never.screen([above]) is False  # (no value made)
+        norm = ["norm", "norm-2"]
+        screened = router.signal_guard("watch", norm, flag)
+        assert screened is not None and screened.screen is not None
+        assert screened(_rows_batch(norm, torch.ones(2, 32))) is True
+        assert screened(_rows_batch(norm, torch.ones(2, 32) * 0.1)) is False
+        running = ["trajectory", "trajectory-2"]
+        bound = router.signal_guard("watch", running, flag)
+        assert bound is not None and bound(_rows_batch(running, below)) is False
+        assert bound(_rows_batch(running, above)) is True
+        assert router.signal_guard("watch", ["user", "user-2"], flag) is None
+        assert router.signal_guard("watch", ["user", "user-2"], abort) is None
+        # (abort_guard is signal_guard for abort alone)
+        assert router.abort_guard("watch", flags)(_rows_batch(flags, above)) is False
 
 
 

@@ -252,7 +252,9 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
     hypothesis.event(f"windows held: {'some' if held else 'none'}")
     hypothesis.event(f"aborted: {any(output.abort is not None for output in stepped)}")
     hypothesis.event(f"edited: {any(output.edits for output in stepped)}")
-    hypothesis.event(f"edit triggered: {any(edit.when is not None for edit in edits)}")
+    triggered = any(edit.when is not None for edit in edits)
+    hypothesis.event(f"edit triggered: {triggered}")
+    hypothesis.event(f"edit triggered, windows held: {triggered and bool(held)}")
     hypothesis.event(f"edits meeting: {len(edits) > 1}")
     hypothesis.event("records edited: " + str(records and any(
         record.edits for output in stepped for record in output.records)))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from undercurrent.adapters.outputs import AbortInfo, TokenSignal
 from undercurrent.probes.arrays import numpy_module
+from undercurrent.probes.base import ABORT_ONLY
 from undercurrent.records import (
     ABORT_CODE,
     ACTION_CODES,
@@ -953,20 +954,28 @@ def _stacked(pieces: list[Any]) -> DeferredRows:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits", "windows", "guards", "ends")
+    __slots__ = ("states", "points", "edits", "triggers", "windows", "guards", "ends")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
-        # Whether a signal may arm an edit of these requests (a triggered edit
-        # not switched on yet: a layout is made again once one is): then each
-        # step is routed as it comes.
-        self.edits = any(resolved.edit.when is not None and resolved.edit.name not in state.armed
-                         for state in states for resolved in state.edits)
+        # The signals that may switch on an edit of these requests (a triggered
+        # edit not switched on yet: a layout is made again once one is), as
+        # the actions each point's signals would do it with; ``edits``: any.
+        # A step whose rows of such a point may give one is routed as it
+        # comes, so that the edit applies from the next step (_window_steps).
+        triggers: dict[str, set[SignalAction]] = {}
+        for state in states:
+            for resolved in state.edits:
+                when = resolved.edit.when
+                if when is not None and resolved.edit.name not in state.armed:
+                    triggers.setdefault(when.point, set()).add(SignalAction(when.action.value))
+        self.triggers = {name: frozenset(actions) for name, actions in triggers.items()}
+        self.edits = bool(triggers)
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
-        # Where a point's probes may abort: (the point's index, whether routing a
-        # step's batch of it would: Router.abort_guard), asked of each step
-        # before it is held.
+        # Where a point's probes may abort, or switch an edit on: (the point's
+        # index, whether routing a step's batch of it would: Router.signal_guard),
+        # asked of each step before it is held.
         self.guards: list[tuple[int, Any]] = []
         # The session's (aborts, closes) when none of ``states`` had ended yet.
         self.ends: tuple[int, int] | None = None
@@ -1106,14 +1115,16 @@ def _window_steps(session: Any, layout: _SteadyLayout) -> int:
     """How many of ``layout`` 's steps a window holds before it asks for more
     room (see :class:`_Window`); 0: each step is routed as it comes. The least
     of what each point allows (:func:`_point_window`); the points whose
-    probes may abort get their guards (``layout.guards``)."""
-    if (not getattr(session, "windows", False)
-            or getattr(session.router, "window_rows", None) is None or layout.edits):
+    probes may abort, or give a signal that switches an edit on, get their
+    guards (``layout.guards``)."""
+    if not getattr(session, "windows", False) or getattr(session.router, "window_rows",
+                                                          None) is None:
         return 0
     guards: list[tuple[int, Any]] = []
     least = WINDOW_STEPS
+    triggers = layout.triggers
     for index, point in enumerate(layout.points):
-        steps, guard = _point_window(session.router, point)
+        steps, guard = _point_window(session.router, point, triggers.get(point.name))
         if not steps:
             return 0
         if guard is not None:
@@ -1123,22 +1134,25 @@ def _window_steps(session: Any, layout: _SteadyLayout) -> int:
     return least
 
 
-def _point_window(router: Any, point: _SteadyPoint) -> tuple[int, Any]:
-    """How many steps of ``point`` a window may hold (0: none), and the abort
-    guard its steps are asked of, if any."""
+def _point_window(router: Any, point: _SteadyPoint,
+                  trigger: frozenset[SignalAction] | None = None) -> tuple[int, Any]:
+    """How many steps of ``point`` a window may hold (0: none), and the guard
+    its steps are asked of, if any. ``trigger``: the actions of this point's
+    signals that would switch an edit on (see :attr:`_SteadyLayout.triggers`)."""
     if not point.routed_spans:
         return 0, None
     ids = _routed_ids(point)
     steps: int = min(WINDOW_STEPS, router.window_rows(point.name, ids) // point.count)
-    if steps > 1:
+    if steps > 1 and not trigger:
         return steps, None
-    if not steps:
-        # Probes that may abort, but tell from a step's values whether it
-        # would: its steps are held as well, and one that would abort is
-        # routed at once, after those held (_Window.hold).
-        guard = getattr(router, "abort_guard", None)
-        guard = None if guard is None else guard(point.name, ids)
-        return (0, None) if guard is None else (WINDOW_STEPS, guard)
+    if not steps or trigger:
+        # Probes that may abort, or switch an edit on, but tell from a step's
+        # values whether they would: its steps are held as well, and one that
+        # would is routed at once, after those held (_Window.hold).
+        actions = (trigger or frozenset()) | (frozenset() if steps else ABORT_ONLY)
+        guard = getattr(router, "signal_guard", None)
+        guard = None if guard is None else guard(point.name, ids, actions)
+        return (0, None) if guard is None else (steps or WINDOW_STEPS, guard)
     # Half an async queue holds one step (a point of many layers): a window of
     # one step, which grows where the queues have room for more when it is
     # full (_Window.grow). Only where their room now holds two steps (at a
@@ -1156,10 +1170,12 @@ class _Window:
     its request ends) where each point is inline and judged by probes that
     cannot abort, or async (:meth:`~undercurrent.router.Router.window_rows`),
     or inline and judged by probes that tell from a step's values whether it
-    would abort (:meth:`~undercurrent.router.Router.abort_guard`: a step that
-    would is routed at once, after the steps held). Each request's rows reach
-    its probes (or their queues) in the order routing each step would give
-    them, so the signals, verdicts and counts are the same; each probe is
+    would abort, or give a signal that switches a triggered edit on
+    (:meth:`~undercurrent.router.Router.signal_guard`: a step that may is
+    routed at once, after the steps held, so the edit applies from the
+    next). Each request's rows reach its probes (or their queues) in the
+    order routing each step would give them, so the signals, verdicts and
+    counts are the same; each probe is
     called, and each binding settled or queued on, once per window instead of
     once per step. With several points, each request's signals and records of
     the window are read step by step, each step's in the order routing it
@@ -1246,11 +1262,11 @@ class _Window:
              sources: dict[Any, Any], base: Any) -> list[ActivationBatch | None] | None:
         """Add one step of ``layout`` (its captured ``sources``; ``base``: the plan
         it repeats) to the session's window of at most ``limit`` steps, routing a
-        window of another layout first. Where routing the step would abort a
-        request (``layout.guards``), nothing is held: returns, per point, the
-        step's batch its guard made (its values computed; None for a point
-        without one, or not asked), for the caller to route at once, after the
-        steps held."""
+        window of another layout first. Where routing the step may abort a
+        request or switch an edit on (``layout.guards``), nothing is held:
+        returns, per point, the step's batch its guard made (its values
+        computed; None for a point without one, or not asked), for the caller
+        to route at once, after the steps held."""
         pieces = [point.pieces(sources) for point in layout.points]
         aborting, values = _guarded(layout, delta, sources, pieces)
         if aborting is not None:
@@ -1502,9 +1518,9 @@ def _same_pieces(pieces: list[Any], others: list[Any]) -> bool:
 def _guarded(layout: _SteadyLayout, delta: int, sources: dict[Any, Any],
              pieces: list[list[Any]]) -> tuple[list[ActivationBatch | None] | None,
                                                list[Any] | None]:
-    """A step's ``pieces`` (per point) asked of the layout's abort guards, if
-    any: (per point, the step's batch its guard made, its values computed,
-    where routing it would abort; else None, and the values each guard
+    """A step's ``pieces`` (per point) asked of the layout's guards, if any:
+    (per point, the step's batch its guard made, its values computed, where
+    routing it may abort or switch an edit on; else None, and the values each guard
     computed, to be held with the step: None without a guard, or where a
     guard's screen cleared the step before any value was computed)."""
     guards = layout.guards

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from undercurrent.records import ActivationBatch, BatchSignals, built
+from undercurrent.records import ActivationBatch, BatchSignals, SignalAction, built
 from undercurrent.spec.types import ProbeKind
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: The metadata of every context given none: one read-only empty mapping, shared.
 _NO_METADATA: Mapping[str, Any] = types.MappingProxyType({})
+#: The actions :meth:`ScoresRows.abort_test` asks about, as ``signal_test`` takes them.
+ABORT_ONLY = frozenset({SignalAction.ABORT})
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,25 @@ class ScoresRows(Probe):
         function may carry its own screen (a ``screen`` attribute, used where
         :meth:`abort_screen` gives none), which then sees the steps it clears."""
         return None
+
+    @classmethod
+    def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                    ) -> Callable[[Any], bool] | None:
+        """:meth:`abort_test` for any of ``actions``: whether judging the values
+        would give some row one of them, with the same contract. A decode step
+        that may give a signal switching on a triggered edit (``when``) is
+        routed at once, so the edit applies from the next step; the steps it
+        clears are held in windows (see :mod:`undercurrent.adapters.delivery`).
+        The default answers only for ``abort`` alone, with :meth:`abort_test`;
+        the built-ins answer for ``flag`` too."""
+        return cls.abort_test(probes) if actions == ABORT_ONLY else None
+
+    @classmethod
+    def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                      ) -> Callable[[Sequence[Any]], bool] | None:
+        """:meth:`abort_screen` for :meth:`signal_test` with ``actions`` (the
+        default: :meth:`abort_screen` for ``abort`` alone, else None)."""
+        return cls.abort_screen(probes) if actions == ABORT_ONLY else None
 
     def judge_rows(self, values: Any, token_indices: Sequence[int],
                    layers: Sequence[int]) -> BatchSignals:

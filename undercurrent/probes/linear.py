@@ -20,14 +20,21 @@ from undercurrent.probes.arrays import (
     numpy_module,
     row_dots,
 )
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import (
+    ABORT_ONLY,
+    Probe,
+    RequestContext,
+    ScoresRows,
+    shallow_copy,
+)
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
     end_summaries,
     judge_summaries,
+    never_signals,
     start_summaries,
-    threshold_abort_test,
+    threshold_signal_test,
 )
 from undercurrent.probes.weights import (
     LINKS,
@@ -42,6 +49,7 @@ from undercurrent.records import (
     ActivationRecord,
     BatchSignals,
     ProbeSignal,
+    SignalAction,
     as_list,
 )
 from undercurrent.spec.types import ExtractionPoint, ProbeKind
@@ -236,13 +244,16 @@ class LogitScreen:
         self.slack = slack + 1e-9 * (1.0 + abs(limit))
 
     @classmethod
-    def of(cls, readout: LinearReadout, rule: ThresholdRule
+    def of(cls, readout: LinearReadout, rule: ThresholdRule,
+           actions: frozenset[SignalAction] = ABORT_ONLY
            ) -> Callable[[Sequence[Any]], bool] | None:
         """The screen of a binary ``readout`` with a ``sigmoid`` or ``identity``
-        link, judged by ``rule`` (which may abort); None for any other (a class
-        of several, a ``softmax``, a threshold every score reaches)."""
+        link, judged by ``rule`` (which may give one of ``actions``); None for
+        any other (a class of several, a ``softmax``, a threshold every score
+        reaches)."""
         threshold = rule.threshold
-        if readout.weights.classes is None and threshold is not None and rule.can_abort:
+        if (readout.weights.classes is None and threshold is not None
+                and rule.gives(actions)):
             if readout.link == "identity" and math.isfinite(threshold):
                 return cls(readout.weights, threshold, 0.0)
             if readout.link == "sigmoid" and threshold > 1.0:
@@ -384,24 +395,36 @@ class LinearProbe(ScoresRows):
         return type(self) is not LinearProbe or self.rule.can_abort
 
     @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        # An abort is a score at or above the threshold (a subclass: not told).
+    def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                    ) -> Callable[[Any], bool] | None:
+        # A signal is a score at or above the threshold (a subclass: not told).
         if any(type(probe) is not LinearProbe for probe in probes):
             return None
-        reaches = threshold_abort_test(probes)
-        return None if reaches is None else (lambda values: reaches(values[0]))
+        reaches = threshold_signal_test(probes, actions)
+        if reaches is None or reaches is never_signals:
+            return reaches
+        return lambda values: reaches(values[0])
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        return cls.signal_test(probes, ABORT_ONLY)
+
+    @classmethod
+    def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                      ) -> Callable[[Sequence[Any]], bool] | None:
+        # Where signal_test tells, a binary readout with a monotone link: the
+        # step's logits in float32 on the captured pieces, against the
+        # threshold's logit less what float32 may miss (see LogitScreen).
+        if cls.signal_test(probes, actions) is None:
+            return None
+        first = probes[0]
+        assert isinstance(first, LinearProbe)
+        return LogitScreen.of(first.readout, first.rule, actions)
 
     @classmethod
     def abort_screen(cls, probes: Sequence[ScoresRows]
                      ) -> Callable[[Sequence[Any]], bool] | None:
-        # Where abort_test tells, a binary readout with a monotone link: the
-        # step's logits in float32 on the captured pieces, against the
-        # threshold's logit less what float32 may miss (see LogitScreen).
-        if cls.abort_test(probes) is None:
-            return None
-        first = probes[0]
-        assert isinstance(first, LinearProbe)
-        return LogitScreen.of(first.readout, first.rule)
+        return cls.signal_screen(probes, ABORT_ONLY)
 
     def group_key(self) -> Any:
         # A subclass that judges each activation itself is not judged in groups.

@@ -16,11 +16,22 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 from undercurrent.probes.arrays import float64_rows, map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import (
+    ABORT_ONLY,
+    Probe,
+    RequestContext,
+    ScoresRows,
+    shallow_copy,
+)
 from undercurrent.probes.sae_files import ENCODE_ROWS, SparseAutoencoder, load_sae
-from undercurrent.probes.scoring import ScoreSummary, ThresholdRule, summary_verdicts
+from undercurrent.probes.scoring import (
+    ScoreSummary,
+    ThresholdRule,
+    never_signals,
+    summary_verdicts,
+)
 from undercurrent.probes.sparse import RaggedColumn, SparseRows, top_columns
-from undercurrent.records import ActivationBatch, BatchSignals, as_list
+from undercurrent.records import ActivationBatch, BatchSignals, SignalAction, as_list
 from undercurrent.spec.types import ProbeKind
 
 DEFAULT_TOP_K = 5
@@ -211,15 +222,16 @@ class SaeProbe(ScoresRows):
         return type(self) is not SaeProbe or self.rule.can_abort
 
     @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        # An abort is a row whose score (its largest watched, or top, activation)
-        # reaches the threshold: each row's own.
+    def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                    ) -> Callable[[Any], bool] | None:
+        # A signal is a row whose score (its largest watched, or top,
+        # activation) reaches the threshold: each row's own.
         first = probes[0]
         if not isinstance(first, SaeProbe) or not all(map(first._judges_as, probes)):
             return None
         rule = first.rule
-        if not rule.can_abort:
-            return _never
+        if not rule.gives(actions):
+            return never_signals
         threshold = rule.threshold
 
         def reaches(values: Any) -> bool:
@@ -228,19 +240,28 @@ class SaeProbe(ScoresRows):
         return reaches
 
     @classmethod
-    def abort_screen(cls, probes: Sequence[ScoresRows]
-                     ) -> Callable[[Sequence[Any]], bool] | None:
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        return cls.signal_test(probes, ABORT_ONLY)
+
+    @classmethod
+    def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                      ) -> Callable[[Sequence[Any]], bool] | None:
         # Watched features only: a bound on each from its encoder column alone,
-        # against the threshold (under top_k any feature may abort: none).
-        if cls.abort_test(probes) is None:
+        # against the threshold (under top_k any feature may signal: none).
+        if cls.signal_test(probes, actions) is None:
             return None
         first = probes[0]
         assert isinstance(first, SaeProbe)
         rule = first.rule
-        if (not rule.can_abort or first.features is None or rule.threshold is None
+        if (not rule.gives(actions) or first.features is None or rule.threshold is None
                 or not math.isfinite(rule.threshold)):
             return None
         return SaeScreen(first.sae, first.features, rule.threshold)
+
+    @classmethod
+    def abort_screen(cls, probes: Sequence[ScoresRows]
+                     ) -> Callable[[Sequence[Any]], bool] | None:
+        return cls.signal_screen(probes, ABORT_ONLY)
 
     def _judges_as(self, other: Any) -> bool:
         """Whether ``other`` judges rows as this one does (this very class, the
@@ -545,10 +566,6 @@ def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:
     has = kept > 0
     tops[has] = ranked[has, 0]
     return indptr, np.take_along_axis(columns, order, axis=1)[within], ranked[within], tops
-
-
-def _never(values: Any) -> bool:
-    return False
 
 
 def as_ints(column: Any) -> list[int]:

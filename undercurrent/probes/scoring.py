@@ -78,6 +78,11 @@ class ThresholdRule:
         """Whether a score can give ``abort`` (a threshold, and ``action: abort``)."""
         return self.threshold is not None and self.action is SignalAction.ABORT
 
+    def gives(self, actions: frozenset[SignalAction]) -> bool:
+        """Whether a score can give one of ``actions`` (a threshold, and its
+        action among them)."""
+        return self.threshold is not None and self.action in actions
+
     def crossed(self, score: float) -> bool:
         """Whether ``score`` is at or above the threshold."""
         return self.threshold is not None and score >= self.threshold
@@ -353,16 +358,18 @@ def judge_summaries(probes: Sequence[Any], scores: Any, spans: Sequence[tuple[in
                                            spans, token_indices, layers, metadata)
 
 
-def threshold_abort_test(probes: Sequence[Any]) -> Callable[[Any], bool] | None:
-    """The ``abort_test`` of a built-in that keeps a ``rule`` and judges each row
-    by its score alone: whether some score of a float64 array reaches the
-    threshold of a rule whose crossing aborts. None unless the instances are
-    all of one class with one rule, as :func:`judge_summaries` needs."""
+def threshold_signal_test(probes: Sequence[Any], actions: frozenset[SignalAction]
+                          ) -> Callable[[Any], bool] | None:
+    """The ``signal_test`` of a built-in that keeps a ``rule`` and judges each
+    row by its score alone: whether some score of a float64 array reaches the
+    threshold of a rule whose crossing gives one of ``actions``. None unless
+    the instances are all of one class with one rule, as
+    :func:`judge_summaries` needs."""
     rule, kind = probes[0].rule, type(probes[0])
     if set(map(type, probes)) != {kind} or list(map(_RULE, probes)).count(rule) != len(probes):
         return None
-    if not rule.can_abort:
-        return _never
+    if not rule.gives(actions):
+        return never_signals
     threshold = rule.threshold
 
     def reaches(scores: Any) -> bool:
@@ -371,7 +378,10 @@ def threshold_abort_test(probes: Sequence[Any]) -> Callable[[Any], bool] | None:
     return reaches
 
 
-def _never(scores: Any) -> bool:
+def never_signals(values: Any) -> bool:
+    """The ``signal_test`` of probes whose rule gives none of the actions asked
+    (no step can), and its screen (the router clears every step with it,
+    computing no value)."""
     return False
 
 

@@ -14,16 +14,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, float32_rows, map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import (
+    ABORT_ONLY,
+    Probe,
+    RequestContext,
+    ScoresRows,
+    shallow_copy,
+)
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
     end_summaries,
     judge_summaries,
     start_summaries,
-    threshold_abort_test,
+    threshold_signal_test,
 )
-from undercurrent.records import ActivationBatch, BatchSignals
+from undercurrent.records import ActivationBatch, BatchSignals, SignalAction
 from undercurrent.spec.types import ProbeKind
 
 
@@ -85,24 +91,34 @@ class _StatisticProbe(ScoresRows):
         return type(self) not in (NormProbe, MeanProbe) or self.rule.can_abort
 
     @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        # An abort is a statistic at or above the threshold (a subclass: not told).
+    def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                    ) -> Callable[[Any], bool] | None:
+        # A signal is a statistic at or above the threshold (a subclass: not told).
         if any(type(probe) not in (NormProbe, MeanProbe) for probe in probes):
             return None
-        return threshold_abort_test(probes)
+        return threshold_signal_test(probes, actions)
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        return cls.signal_test(probes, ABORT_ONLY)
+
+    @classmethod
+    def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                      ) -> Callable[[Sequence[Any]], bool] | None:
+        # Where signal_test tells, the statistic in float32 on the captured
+        # pieces, against the threshold less what float32 may miss.
+        test = cls.signal_test(probes, actions)
+        if test is None or not isinstance(probes[0], _StatisticProbe):
+            return None
+        rule = probes[0].rule
+        if not rule.gives(actions) or rule.threshold is None or not math.isfinite(rule.threshold):
+            return None
+        return StatisticScreen(type(probes[0]) is NormProbe, rule.threshold)
 
     @classmethod
     def abort_screen(cls, probes: Sequence[ScoresRows]
                      ) -> Callable[[Sequence[Any]], bool] | None:
-        # Where abort_test tells, the statistic in float32 on the captured
-        # pieces, against the threshold less what float32 may miss.
-        test = cls.abort_test(probes)
-        if test is None or not isinstance(probes[0], _StatisticProbe):
-            return None
-        rule = probes[0].rule
-        if not rule.can_abort or rule.threshold is None or not math.isfinite(rule.threshold):
-            return None
-        return StatisticScreen(type(probes[0]) is NormProbe, rule.threshold)
+        return cls.signal_screen(probes, ABORT_ONLY)
 
     def row_values(self, batch: ActivationBatch) -> Any:
         """One statistic per row of the batch's matrix."""

@@ -10,13 +10,20 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from undercurrent.probes.arrays import float32_rows, map_rows, numpy_module
-from undercurrent.probes.base import Probe, RequestContext, ScoresRows, shallow_copy
+from undercurrent.probes.base import (
+    ABORT_ONLY,
+    Probe,
+    RequestContext,
+    ScoresRows,
+    shallow_copy,
+)
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
     add_blocks,
     end_summaries,
+    never_signals,
     start_summaries,
 )
 from undercurrent.probes.statistics import l2_norms
@@ -25,6 +32,7 @@ from undercurrent.records import (
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
+    SignalAction,
 )
 from undercurrent.spec.types import ProbeKind
 
@@ -185,6 +193,11 @@ class TrajectoryProbe(ScoresRows):
 
     @classmethod
     def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        return cls.signal_test(probes, ABORT_ONLY)
+
+    @classmethod
+    def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                    ) -> Callable[[Any], bool] | None:
         """A bound, not a dry run: a running mean, max or EWMA never leaves the
         range of its starting value and the values it takes in, so no row can
         reach the threshold while the largest statistic the instances hold and
@@ -197,8 +210,8 @@ class TrajectoryProbe(ScoresRows):
                 for probe in probes):
             return None
         rule = first.rule
-        if not rule.can_abort:
-            return _never
+        if not rule.gives(actions):
+            return never_signals
         assert rule.threshold is not None
         return RunningBound(cast("Sequence[TrajectoryProbe]", probes), rule.threshold)
 
@@ -536,10 +549,6 @@ def _held_peak(probes: Sequence[TrajectoryProbe]) -> float:
             np.ravel(probe._block.running) if probe._block is not None
             else np.asarray(probe._values, dtype=np.float64) for probe in probes])
     return float(held.max()) if held.size else -math.inf
-
-
-def _never(values: Any) -> bool:
-    return False
 
 
 def _advance_steps(statistic: str, keep: float, running: Any, fresh: list[bool],

@@ -15,14 +15,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from undercurrent.probes.base import RequestContext
+from undercurrent.probes.base import ABORT_ONLY, RequestContext
 from undercurrent.probes.registry import ProbeRegistry, UnknownProbeError, default_registry
+from undercurrent.probes.scoring import never_signals
 from undercurrent.records import (
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
     ProbeResult,
     ProbeSignal,
+    SignalAction,
 )
 from undercurrent.router.binding import Binding, describe_error, logger
 from undercurrent.router.errors import OverflowPolicy, RouterError
@@ -133,13 +135,14 @@ def _idle_prefix(requests: Sequence[_Request]) -> int:
 
 
 class AbortGuard:
-    """Whether routing a batch would abort a request (:meth:`Router.abort_guard`):
+    """Whether routing a batch would abort a request (:meth:`Router.abort_guard`),
+    or give one a signal of the actions asked (:meth:`Router.signal_guard`):
     ``guard(batch)`` computes the probes' values (kept in ``batch.cache`` under
-    :attr:`key`) and asks their class's ``abort_test``; True as well where
+    :attr:`key`) and asks their class's ``signal_test``; True as well where
     computing them fails (routing the batch then counts the error).
-    :attr:`screen`, where the class has one (``abort_screen``), tells from a
-    step's captured pieces, before any batch is made, that it cannot abort
-    (False), or that the guard must be asked (True)."""
+    :attr:`screen`, where the class has one (``signal_screen``), tells from a
+    step's captured pieces, before any batch is made, that it cannot give
+    such a signal (False), or that the guard must be asked (True)."""
 
     __slots__ = ("key", "values_of", "test", "screen")
 
@@ -542,22 +545,32 @@ class Router:
         as the steps of a probe that cannot abort do (see
         :mod:`undercurrent.adapters.delivery`): judging them later gives the
         same signals, verdicts and counts."""
+        return self.signal_guard(name, request_ids, ABORT_ONLY)
+
+    def signal_guard(self, name: str, request_ids: Iterable[str],
+                     actions: frozenset[SignalAction]) -> AbortGuard | None:
+        """:meth:`abort_guard` for a signal of any of ``actions``: whether routing
+        a batch would give one of these requests such a signal (a ``flag``
+        that switches on a triggered edit, say), from the probes'
+        :meth:`~undercurrent.probes.base.ScoresRows.signal_test`. None where
+        a binding is not judged inline in one group, or the probes cannot
+        tell."""
         bindings = self._point_bindings(name, request_ids)
         if not bindings:
             return None
         key = bindings[0].group
         probes = [binding.probe for binding in bindings]
-        abort_test = getattr(type(probes[0]), "abort_test", None)
-        if (key is None or abort_test is None
+        signal_test = getattr(type(probes[0]), "signal_test", None)
+        if (key is None or signal_test is None
                 or any(binding.is_async or binding.group != key for binding in bindings)):
             return None
-        test = abort_test(probes)
+        test = signal_test(probes, actions)
         if test is None:
             return None
-        abort_screen = getattr(type(probes[0]), "abort_screen", None)
-        screen = None if abort_screen is None else abort_screen(probes)
+        signal_screen = getattr(type(probes[0]), "signal_screen", None)
+        screen = None if signal_screen is None else signal_screen(probes, actions)
         if screen is None:  # (a test that keeps state may screen with it: RunningBound)
-            screen = getattr(test, "screen", None)
+            screen = never_signals if test is never_signals else getattr(test, "screen", None)
         return AbortGuard(key, probes[0].row_values, test, screen)
 
     def _requests_changed(self) -> None:

@@ -812,7 +812,7 @@ def test_a_built_in_guard_is_held_in_windows_and_stops_a_request_at_its_token(
     """``norm_probe`` with ``action: abort`` on the vLLM engine (``observed``: with
     an async ``trajectory_probe`` observing the same rows, the demo spec's
     shape), or a ``trajectory_probe`` aborting on the running EWMA of the norms:
-    its decode steps wait in windows (``Router.abort_guard`` asks each as it
+    its decode steps wait in windows (``Router.signal_guard`` asks each as it
     comes; a running statistic is bounded) and the step that would abort is
     routed at once. The outputs are those of routing each step (the router
     made to offer no guard): tokens, the abort and its token, signals,
@@ -867,7 +867,7 @@ def test_a_built_in_guard_is_held_in_windows_and_stops_a_request_at_its_token(
     held = list(windows)
     aborted_tokens = {output.request_id: backend.engine_token_counts.get(output.request_id)
                       for output in guarded if output.aborted}
-    monkeypatch.setattr(Router, "abort_guard", lambda self, name, request_ids: None)
+    monkeypatch.setattr(Router, "signal_guard", lambda self, name, request_ids, actions: None)
     stepped = run({"threshold": threshold, "action": "abort"})
     # Steps held under the guard (continuous batching changes the batch often,
     # so windows here are short); routing each step held none.
