@@ -30,8 +30,10 @@ KV_CACHE_GIB = "1"
 #: not): a guard that never aborts, the demo spec's two points, the SAE
 #: spec's two points, an inline linear probe beside a point reading the
 #: last prompt token, a trajectory guard on its running EWMA that never
-#: aborts, and the inline linear probe on every second generated token or on
-#: a slice of them. Each point's rows count as vectors.
+#: aborts, the inline linear probe on every second generated token or on
+#: a slice of them, and the inline linear probe beside a live edit (always
+#: on; switched on by a flag no score raises; switched on by each request's
+#: first flag). Each point's rows count as vectors.
 ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "guard and observer": "uc_guard_and_observer",
                     "sae features": "uc_sae_features",
@@ -39,7 +41,10 @@ ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "inline trajectory guard": "uc_inline_trajectory_guard",
                     "inline linear stride 2": "uc_inline_linear_stride_2",
                     "inline linear slice": "uc_inline_linear_slice",
-                    "inline linear mixed strides": "uc_inline_linear_mixed_strides"}
+                    "inline linear mixed strides": "uc_inline_linear_mixed_strides",
+                    "inline linear and edit": "uc_inline_linear_and_edit",
+                    "inline linear and triggered edit": "uc_inline_linear_and_triggered_edit",
+                    "inline linear and switched edit": "uc_inline_linear_and_switched_edit"}
 
 
 def add_one_engine_arguments(parser: Any) -> None:
@@ -163,6 +168,10 @@ def _probed_setup(path: str, layer_set: str, mode: str | None
         scenario.bundle = SimpleNamespace(model=SimpleNamespace(
             config=SimpleNamespace(hidden_size=config["hidden_size"])))
         points, probes, keep = scenario.points(), scenario.probe_classes(), scenario.keep_records
+        edits = scenario.edits()
+        if edits:  # (live edits: a spec of version 2)
+            return layers, parse_dict({"version": "2", "extraction_points": points,
+                                       "edits": edits}), probes, keep
     return layers, parse_dict({"version": "1", "extraction_points": points}), probes, keep
 
 

@@ -578,8 +578,8 @@ def test_the_depth_plot_draws_each_mode_against_the_layers_captured(tmp_path):
 def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path):
     """``benchmarks.vllm_paired`` / ``vllm_stage_timers`` modes beyond the scaling
     set's: the guard, the guard with an async observer (two points), the SAE
-    spec's guard and reporter (on the bundled width only), and points of two
-    strides."""
+    spec's guard and reporter (on the bundled width only), points of two
+    strides, and the probe beside a live edit."""
     import json
 
     from benchmarks.vllm_jobs import ON_REQUEST_MODES, _probed_setup
@@ -589,7 +589,9 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
     assert set(ON_REQUEST_MODES) == {"inline linear guard", "guard and observer",
                                      "sae features", "inline linear and prompt read",
                                      "inline trajectory guard", "inline linear stride 2",
-                                     "inline linear slice", "inline linear mixed strides"}
+                                     "inline linear slice", "inline linear mixed strides",
+                                     "inline linear and edit", "inline linear and triggered edit",
+                                     "inline linear and switched edit"}
     layers, spec, _, keep = _probed_setup(str(tmp_path), "all", "guard and observer")
     assert layers == (0, 1, 2, 3) and keep is False
     guard, observer = spec.extraction_points
@@ -601,6 +603,10 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
     _, spec, _, _ = _probed_setup(str(tmp_path), "all", "inline linear mixed strides")
     assert [(point.layers, point.stride) for point in spec.extraction_points] == [
         ((0, 1), 1), ((2, 3), 2)]
+    _, spec, _, _ = _probed_setup(str(tmp_path), "all", "inline linear and triggered edit")
+    (edit,) = spec.edits
+    assert edit.when is not None and edit.when.point == "residual" and edit.layers == (2,)
+    assert edit.vector == "undercurrent:models/tiny/probe.safetensors"  # (the bundled width)
     _, spec, _, _ = _probed_setup(str(tmp_path), "3", "sae features")
     guard, features = spec.extraction_points
     assert guard.probe_type == features.probe_type == "sae_probe"

@@ -410,11 +410,16 @@ def test_held_step_batches_go_to_the_driver_in_step_order_each_once(monkeypatch)
     assert sent[4:] == [[10, 11], [12]] and capture.held == [] and capture.held_bytes == 0
 
 
-def test_the_worker_plans_each_step_of_a_request_with_a_triggered_edit():
-    """The worker's copy of a request with an edit the driver switches on (``when``)
-    is never steady, also once its points that end have retired (the driver's
-    switch reaches the worker without ``RequestState.arm``); the same request
-    with the edit always on is steady once the edit applies."""
+def test_the_worker_s_copy_of_a_request_is_steady_again_once_the_driver_switches_its_edit_on():
+    """The worker's copy of a request with an edit the driver switches on
+    (``when``) is steady as if it had none until the switch reaches it
+    (``_Capture._arm``, from the driver's reply), once its points that end
+    have retired; the switch drops the plans the worker keeps (they lack the
+    edit) and makes the request steady again from the token after the
+    signal's. A switch named twice, or for a request that is gone, changes
+    nothing. The same request with the edit always on is steady once the
+    edit applies."""
+    from undercurrent.adapters.vllm import worker
     from undercurrent.spec.types import Edit
     from undercurrent.steering.vectors import resolve_edits
 
@@ -432,5 +437,18 @@ def test_the_worker_plans_each_step_of_a_request_with_a_triggered_edit():
     always = MirrorState("uc2", 3, points, edits(None))
     for state in (triggered, always):
         state.matches_in_window(0, 3)  # (the prompt: "last" retires)
-    assert triggered.steady_from is None
+    assert triggered.steady_from == 3 and triggered.edits_repeat_from(3)
     assert always.steady_from == 3
+    capture = object.__new__(worker._Capture)
+    capture.states = {"uc1": triggered}
+    kept = object()
+    capture.steady = capture.cycle = kept  # type: ignore[assignment]
+    capture._arm([("gone", "steer", 4)])
+    assert capture.steady is kept and capture.cycle is kept  # (nothing switched)
+    capture._arm([("uc1", "steer", 5)])
+    assert triggered.armed == {"steer": 5} and triggered.steady_from == 6
+    assert capture.steady is None and capture.cycle is None
+    assert not triggered.edits_repeat_from(5) and triggered.edits_repeat_from(6)
+    capture.steady = kept  # type: ignore[assignment]
+    capture._arm([("uc1", "steer", 7)])  # (named again: the first switch stands)
+    assert triggered.armed == {"steer": 5} and capture.steady is kept

@@ -1027,6 +1027,8 @@ def _edited_everywhere(base: Any) -> dict[Any, Any]:
     :meth:`StepPlan.add_steady_tokens`): one tuple where each applies to every
     row of the pair's group, else the names at each row (a dict by row; a row
     with none is not in it)."""
+    if base.edits_logged:
+        return _edited_as_logged(base)
     edited: dict[Any, Any] = {}
     groups = base.groups
     for key, entries in base.edits.items():
@@ -1046,6 +1048,31 @@ def _edited_everywhere(base: Any) -> dict[Any, Any]:
                 if row is not None:
                     rows[row] = (*rows.get(row, ()), name)
         edited[key] = rows
+    return edited
+
+
+def _edited_as_logged(base: Any) -> dict[Any, Any]:
+    """:func:`_edited_everywhere` of a plan that holds no edits, its requests'
+    logs saying what was applied at its rows (:attr:`StepPlan.edits_logged`):
+    per (layer, tensor type), one tuple where every row of its group has the
+    same edits, else the names at each row that has some (by row)."""
+    found: dict[Any, dict[int, tuple[str, ...]]] = {}
+    for match in base.matches:
+        sites = match.state.edited_sites
+        if not sites:
+            continue
+        tensor_type, token_index = match.point.tensor_type, match.token_index
+        for layer, row in zip(match.layers, match.rows, strict=True):
+            names = sites.get((layer, tensor_type, token_index))
+            if names:
+                found.setdefault((layer, tensor_type), {})[row] = names
+    edited: dict[Any, Any] = {}
+    for key, rows in found.items():
+        names = next(iter(rows.values()))
+        group = base.groups.get(key)
+        whole = group is not None and len(rows) == len(group.slots)
+        edited[key] = names if whole and all(
+            value == names for value in rows.values()) else rows
     return edited
 
 

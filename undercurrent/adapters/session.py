@@ -394,11 +394,17 @@ class RequestState:
                 self.armed[resolved.edit.name] = token_index
                 switched = True
         if switched:
-            if self.steady_until_armed:
-                self._steady_after(token_index + 1)
-            else:
-                self.steady_from = None
+            self.switched_on(token_index)
         return switched
+
+    def switched_on(self, token_index: int) -> None:
+        """A triggered edit was switched on by the signal of ``token_index``
+        (:attr:`armed` says so): :attr:`steady_from` worked out again from the
+        token after (with :attr:`steady_until_armed`; else each step planned)."""
+        if self.steady_until_armed:
+            self._steady_after(token_index + 1)
+        else:
+            self.steady_from = None
 
     def log_edit(self, resolved: Any, layer: int, token_index: int) -> None:
         """Remember that ``resolved`` changes ``layer`` at ``token_index`` (this forward)."""
@@ -481,6 +487,34 @@ class RequestState:
                 return None
             period = math.lcm(period, stride)
         return period
+
+    def edits_repeat_from(self, token_index: int) -> bool:
+        """Whether every token from ``token_index`` on gets the edits that token
+        gets: each edit either can apply to no token from it on, waits for a
+        signal not given yet (it applies nowhere until one is, and
+        :meth:`arm` says so), or is on (always, or switched on by a signal
+        before ``token_index``), continuous, unbounded, of stride 1, and
+        applies to ``token_index``. A backend that repeats a step's layout
+        with the edits each row had then gets every later step's right."""
+        if self.aborted or self.closed:
+            return False
+        armed, prompt_len = self.armed, self.prompt_len
+        for resolved in self._live_edits:
+            edit = resolved.edit
+            position = edit.position
+            last = position.last_index(prompt_len)
+            if last is not None and last < token_index:
+                continue  # (done: it applies to no token from here on)
+            if edit.when is not None:
+                armed_at = armed.get(edit.name)
+                if armed_at is None:
+                    continue
+                if token_index <= armed_at:
+                    return False
+            if (not position.is_continuous or position.stop is not None or edit.stride != 1
+                    or token_index < prompt_len + max(position.start, 0)):
+                return False
+        return True
 
     def _steady_after(self, stop: int) -> None:
         """Once points have retired at ``stop`` (they matched one token, or a
@@ -621,6 +655,11 @@ class StepPlan:
     """Added to each shift this plan's repeats append to :attr:`edit_steps`: how
     many tokens after the token the list's followers count from this plan's
     own tokens are."""
+    edits_logged = False
+    """Set on a plan rebuilt from a vLLM worker's columns: it holds no edits (the
+    worker applied them, and reported each to the requests' logs before the
+    step is delivered), so delivery reads the edits at its rows from the
+    requests' logs (``RequestState.edited_sites``) instead."""
     one_each = False
     """Set by :meth:`add_steady_tokens` for one point: match ``k`` is the ``k`` th
     request's (each request once), at row ``k`` of every group, for a generated

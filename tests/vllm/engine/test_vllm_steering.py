@@ -98,6 +98,39 @@ def run_edits_only(model) -> list:
 #: generated token, ``scale`` from the third) beside a point on every token.
 ALWAYS_ON_SPEC = {"version": "2", "extraction_points": [SPEC["extraction_points"][1]]}
 
+#: A guard on the bundled probe's score, whose flag switches on an edit for its
+#: request (every request has it, at a layer the guard captures: its records
+#: there say so); its threshold is set from the scores each request's first
+#: tokens get (see ``switched_threshold``).
+SWITCHED_COUNT, SWITCHED_NEW = 8, 16
+
+
+def switched_spec(threshold: float) -> dict:
+    return {"version": "2", "extraction_points": [
+        {"name": "guard", "layers": [2, 3], "tensor_type": "residual_stream",
+         "position": "generated[*]", "probe_type": "linear_probe", "probe_kind": "trajectory",
+         "probe_args": {"path": PROBE, "threshold": threshold, "action": "flag",
+                        "check_metadata": False}}]}
+
+
+SWITCHED_EDIT = [{"name": "switched", "layers": 2, "tensor_type": "residual_stream",
+                  "position": "generated[*]", "op": "add", "vector": vector(5),
+                  "coefficient": 3.0, "when": {"point": "guard", "action": "flag"}}]
+
+
+def run_switched(model) -> list:
+    return model.generate(texts()[:SWITCHED_COUNT], max_new_tokens=SWITCHED_NEW, records=True,
+                          request_ids=[f"s{i}" for i in range(SWITCHED_COUNT)],
+                          edits=SWITCHED_EDIT)
+
+
+def switched_threshold(watched: list) -> float:
+    """A threshold that half the requests' scores reach within their first
+    eight tokens (each at its own), and the others' never before."""
+    firsts = sorted(max(s.score for s in output.signals if s.generated_index < 8)
+                    for output in watched)
+    return (firsts[len(firsts) // 2 - 1] + firsts[len(firsts) // 2]) / 2
+
 
 def run_always_on(model) -> list:
     """Four requests, each with the same always-on edits: after the prefill every
@@ -128,6 +161,15 @@ def reference(model_dir):
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=ALWAYS_ON_SPEC,
                      batch_size=COUNT) as hf:
         always_on = run_always_on(hf)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir),
+                     spec=switched_spec(2.0), batch_size=COUNT) as hf:
+        threshold = switched_threshold(run_switched(hf))  # (a threshold no score reaches)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir),
+                     spec=switched_spec(threshold), batch_size=COUNT) as hf:
+        switched = run_switched(hf)
+    at = [output.edits[0].generated_index if output.edits else None for output in switched]
+    # (switched on at different tokens for some requests, never for others)
+    assert None in at and len({index for index in at if index is not None}) > 1
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), batch_size=COUNT) as hf:
         edits_only = run_edits_only(hf)
         plain = hf.generate(texts(), max_new_tokens=NEW,
@@ -147,7 +189,7 @@ def reference(model_dir):
         assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
     assert sum(a.token_ids[:NEW] != p.token_ids
                for a, p in zip(always_on, plain, strict=False)) >= 2
-    return outputs, edits_only, always_on
+    return outputs, edits_only, always_on, (threshold, switched)
 
 
 def _engine(model_dir, ranks):
@@ -160,7 +202,7 @@ def _engine(model_dir, ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
-    with_points, edits_only, _ = reference
+    with_points, edits_only, _, _ = reference
     backend = _engine(model_dir, ranks)
     try:
         # Steps that capture nothing report their edits at the end of the call.
@@ -184,10 +226,22 @@ def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
         model_dir, reference, monkeypatch):
     """Every request steered by always-on edits: from the third generated token
     the worker repeats each step's plan with its edits (``_edits_repeat``, then
-    the plan shifted a token at a time), and the tokens, records, edited flags
-    and applied edits are HF's."""
+    the plan shifted a token at a time), it sends its steps several at a time
+    (no answer of the driver can change a step: no triggered edit, no probe
+    that may abort), and the tokens, records, edited flags and applied edits
+    are HF's."""
     from undercurrent.adapters.session import StepPlan
     from undercurrent.adapters.vllm import worker
+    from undercurrent.adapters.vllm.channel import StepServer
+
+    sent: list[int] = []  # the steps each exchange carried
+    answer = StepServer.answer
+
+    def counted_answer(server, batch):
+        sent.append(1 + len(batch.earlier))
+        return answer(server, batch)
+
+    monkeypatch.setattr(StepServer, "answer", counted_answer)
 
     repeated: list[bool] = []
     edits_repeat = worker._edits_repeat
@@ -219,3 +273,52 @@ def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
     finally:
         backend.close()
     assert repeated and all(repeated) and sum(edited_shifts) >= 10
+    assert sent and max(sent) > 1
+
+
+def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(
+        model_dir, reference, monkeypatch):
+    """Every request's edit waits for its guard's flag (a built-in linear probe),
+    which comes at a different token for each of half of them: the worker
+    repeats its steps before and after each switch (the switch drops the plans
+    kept, and the request is steady again from the token after the signal's,
+    with the edit at its row), the driver repeats its plans too (its rows'
+    edits read from the requests' logs), and the tokens, records, edited flags
+    and applied edits are HF's."""
+    from undercurrent.adapters.session import StepPlan
+    from undercurrent.adapters.vllm import channel
+
+    threshold, theirs = reference[3]
+    edited_shifts: list[bool] = []
+    shifted, advanced = StepPlan.shifted, StepPlan.advanced
+
+    def counted_shift(plan, delta=1):
+        made = shifted(plan, delta)
+        edited_shifts.append(bool(made.edits))
+        return made
+
+    def counted_advance(plan, delta=1):
+        made = advanced(plan, delta)
+        edited_shifts.append(bool(made.edits) and made is plan)
+        return made
+
+    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
+    monkeypatch.setattr(StepPlan, "advanced", counted_advance)
+    planned: list[int] = []  # the driver's steps planned from their columns
+    step_deliveries = channel.step_deliveries
+
+    def counted_deliveries(batch, table):
+        planned.append(1)
+        return step_deliveries(batch, table)
+
+    monkeypatch.setattr(channel, "step_deliveries", counted_deliveries)
+    backend = _engine(model_dir, 1)
+    try:
+        with ProbedModel(backend, spec=switched_spec(threshold)) as model:
+            check_same(run_switched(model), theirs)
+    finally:
+        backend.close()
+    # (the worker repeats plans that apply the edit; the driver plans a few
+    # steps from their columns: at the start and after each switch)
+    assert sum(edited_shifts) >= 4
+    assert planned and len(planned) < SWITCHED_NEW // 2 + SWITCHED_COUNT

@@ -497,15 +497,18 @@ class VLLMBackend:
                     entries.append((engine_id, state, 0))
                 self._check_seeded_batch(params, [s.prompt_len for _, s, _ in entries])
                 # Without a stream or a probe that may stop a request, nothing
-                # reads a request's tokens before it finishes; without edits too,
-                # nothing the driver answers a step can change it, and the worker
-                # sends its steps several at a time. (Not with async points: their
-                # queues take rows as the steps come, and a burst could overflow them.)
+                # reads a request's tokens before it finishes; without triggered
+                # edits too (a signal switches one on for the next step), nothing
+                # the driver answers a step can change it, and the worker sends its
+                # steps several at a time (each with the edits it applied). (Not
+                # with async points: their queues take rows as the steps come,
+                # and a burst could overflow them.)
                 final_only = not emit_tokens and not session.may_abort(
                     [state.request_id for state in opened])
                 hold = final_only and not any(
-                    state.edits or any(point.execution_mode is ExecutionMode.ASYNC
-                                       for point in state.points) for state in opened)
+                    any(resolved.edit.when is not None for resolved in state.edits)
+                    or any(point.execution_mode is ExecutionMode.ASYNC
+                           for point in state.points) for state in opened)
                 self._open_in_worker(entries, hold=hold)
                 sampling = self._sampling(params, final_only=final_only)
                 for engine_id, state, _ in entries:

@@ -60,6 +60,7 @@ def step_deliveries(batch: wire.StepBatch, table: Sequence[RequestState | None]
     (:data:`~undercurrent.adapters.vllm.wire.NOT_CAPTURED`) is left out of it.
     """
     plan = StepPlan()
+    plan.edits_logged = True  # (the worker's edits are in the requests' logs)
     deliveries: list[Delivery] = []
     banks = [_as_tensor(bank) for bank in batch.banks]
     for group in batch.groups:
@@ -119,7 +120,8 @@ class _Seen:
 
 class _Repeat:
     """Steps that repeat an earlier one some tokens later: the same requests
-    (the same states, none steered), the same groups and the same matches,
+    (the same states, each steered one getting the same edits at every token
+    from here on: ``_edits_repeat``), the same groups and the same matches,
     each the same number of tokens on (the last step's one token on; a
     strided layout's, its stride; a cycle of layouts', points of several
     strides, its period). Such a step's plan is the earlier plan shifted
@@ -135,12 +137,17 @@ class _Repeat:
 
     def __init__(self) -> None:
         self._seen: list[_Seen] = []  # (oldest first; the last step's last)
+        self._arms = 0  # the session's triggered edits switched on, when last asked
 
-    def deliveries(self, batch: wire.StepBatch, table: list[RequestState | None]
-                   ) -> list[Delivery]:
+    def deliveries(self, batch: wire.StepBatch, table: list[RequestState | None],
+                   arms: int = 0) -> list[Delivery]:
         """:func:`step_deliveries` of ``batch``, from an earlier plan shifted
-        when ``batch`` repeats an earlier step some tokens later."""
+        when ``batch`` repeats an earlier step some tokens later. ``arms``: the
+        session's count of triggered edits switched on (a plan kept from
+        before one was lacks its edit at the rows it applies to now)."""
         keys = [(group.layer, group.tensor_type, group.count) for group in batch.groups]
+        if arms != self._arms:
+            self._arms, self._seen = arms, []
         seen = self._seen
         found, delta, alternates = None, 0, False
         if seen:
@@ -171,8 +178,10 @@ class _Repeat:
             seen.remove(found)  # (planned again below, as a plan that alternates)
         deliveries = step_deliveries(batch, table)
         made = deliveries[0][1].plan if deliveries else None
-        if made is None or any(state is None or state.edits for state in table):
-            self._seen = []  # (an untracked or steered request: planned every step)
+        if made is None or None in table or not _edits_repeat(batch, table):
+            # (an untracked request, or one whose edits differ from step to
+            # step: planned every step)
+            self._seen = []
             return deliveries
         made.repeatable = True
         made.alternates = alternates
@@ -207,6 +216,28 @@ class _Repeat:
         following[:, 2] += delta
         return delta if bool((batch.match_rows == rows).all()
                              and (now == following).all()) else 0
+
+
+def _edits_repeat(batch: wire.StepBatch, table: list[RequestState | None]) -> bool:
+    """Whether each steered request of ``batch`` gets, at every token from the
+    one it captures now on, the edits it got at this one
+    (:meth:`~undercurrent.adapters.session.RequestState.edits_repeat_from`):
+    then a repeat of this step's layout has its rows' edits right (read from
+    the requests' logs once, see ``StepPlan.edits_logged``)."""
+    steered = [index for index, state in enumerate(table)
+               if state is not None and state.edits]
+    if not steered:
+        return True
+    firsts: dict[int, int] = {}
+    for request, _, token_index, _ in batch.matches.tolist():
+        firsts.setdefault(request, token_index)
+    for index in steered:
+        token_index = firsts.get(index)
+        state = table[index]
+        assert state is not None
+        if token_index is None or not state.edits_repeat_from(token_index):
+            return False
+    return True
 
 
 def _take_tokens(tokens: Iterable[tuple[RequestState | None, int, int]]) -> None:
@@ -404,7 +435,7 @@ class StepServer:
         aborts = len(session.aborted)
         # The batch's request table, resolved once: its matches index it.
         self._table = known = self._states_of(batch.requests, self._table)
-        deliveries = self._repeat.deliveries(batch, known[2])
+        deliveries = self._repeat.deliveries(batch, known[2], session.arms)
         session.deliver(deliveries)
         for engine_id, before in armed_before.items():
             armed = states[engine_id].armed

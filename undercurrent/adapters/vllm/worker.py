@@ -58,8 +58,8 @@ class MirrorState(RequestState):
     tokens after a preemption are not captured twice) and how many generated token
     ids the driver already has."""
 
-    # (the driver switches its triggered edits on: each of their steps planned)
-    steady_until_armed = False
+    # (the driver switches its triggered edits on, and the worker's _arm works
+    # the request's steady steps out again, as RequestState.arm does)
 
     def __init__(self, engine_id: str, prompt_len: int, points: list[Any],
                  edits: list[Any] | None = None) -> None:
@@ -397,10 +397,18 @@ class _Capture:
             self._arm(armed or [])
 
     def _arm(self, armed: list[tuple[str, str, int]]) -> None:
+        """Switch on the triggered edits the driver's reply names (each from the
+        token after its signal's): each request's steady steps are worked out
+        again, and the plans kept to repeat (which lack the edit) are dropped."""
+        switched = False
         for engine_id, name, token_index in armed:
             state = self.states.get(engine_id)
-            if state is not None:
-                state.armed.setdefault(name, int(token_index))
+            if state is not None and name not in state.armed:
+                state.armed[name] = int(token_index)
+                state.switched_on(int(token_index))
+                switched = True
+        if switched:
+            self.steady = self.cycle = None
 
     #: Repeat a steady step from the runner's arrays (False: plan every step from
     #: each request's window, the path the repeats are tested against).
@@ -847,17 +855,21 @@ def _edits_repeat(plan: StepPlan, fed: list[tuple[MirrorState, int, int, Any]]) 
     """Whether the edits of a steady step's ``plan`` repeat with it: a plan shifted
     from one whose edits do, or a fresh one, whose requests' logs of applied
     edits then follow its shifts (:attr:`StepPlan.edit_steps`; each request fed
-    is steady, so its edits are always on and apply at every token from its
-    one on, the same sites each step)."""
+    is steady, so its edits that are on (always, or switched on before its
+    token) apply at every token from its one on, the same sites each step)."""
     if plan.base is not None:
         return plan.base.edit_steps is not None
     journal: list[int] = []
     plan.edit_steps = journal
     for state, start, _, _ in fed:
-        if state._live_edits:
-            state.applied.follow(journal, start, state.prompt_len, [
-                (resolved.edit.name, layer, resolved.edit.tensor_type.value)
-                for resolved in state._live_edits for layer in resolved.edit.layers])
+        # (a triggered edit not switched on yet applies nowhere: its request is
+        # steady as if it had none, and a switch drops this plan, see _arm)
+        sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
+                 for resolved in state._live_edits
+                 if resolved.edit.when is None or resolved.edit.name in state.armed
+                 for layer in resolved.edit.layers]
+        if sites:
+            state.applied.follow(journal, start, state.prompt_len, sites)
     return True
 
 
