@@ -452,3 +452,58 @@ def test_the_worker_s_copy_of_a_request_is_steady_again_once_the_driver_switches
     capture.steady = kept  # type: ignore[assignment]
     capture._arm([("uc1", "steer", 7)])  # (named again: the first switch stands)
     assert triggered.armed == {"steer": 5} and capture.steady is kept
+
+
+def test_the_driver_replays_each_request_s_log_of_applied_edits_as_the_worker_kept_it():
+    """The worker sends each steered request's log as a tape (its entries, the
+    journals it follows and where it stopped reading them) and each journal's
+    new shifts once for every request (``_Capture._applied_edits``); the
+    driver's copy (``StepServer.take_edits``, ``RequestState.replay_edits``)
+    ends with the same applied edits, in the same order, and the same edited
+    sites, whichever batch each part crossed in: a journal that grows after
+    the log stopped following it (the log reads no further), an entry
+    appended while following, a second journal with an entry of its own at
+    the start."""
+    from undercurrent.adapters.session import RequestState
+    from undercurrent.adapters.vllm import worker
+    from undercurrent.spec.types import Edit
+    from undercurrent.steering.vectors import resolve_edits
+
+    edits = resolve_edits([Edit(name="steer", layers=(1,), tensor_type="residual_stream",
+                                position="generated[*]", op="add", vector=[1.0] * HIDDEN)],
+                          hidden_size=HIDDEN)
+    mine = MirrorState("uc1", 3, [], edits)
+    theirs = RequestState("uc1", "", range(3), [], edits=edits)
+    capture = object.__new__(worker._Capture)
+    capture.steered, capture.journals, capture.journal_count = {"uc1": mine}, {}, 0
+    capture.steady = None
+    server = object.__new__(channel.StepServer)
+    server._journals, server._states = {}, {"uc1": theirs}
+    sites = [("steer", 1, "residual_stream")]
+
+    def send() -> None:
+        server.take_edits(capture._applied_edits())
+
+    residual = TensorType.RESIDUAL_STREAM
+    mine.log_applied("steer", residual, 1, 3)
+    journal: list[int] = []
+    mine.applied.follow(journal, 4, 3, sites)
+    journal += [0, 1]
+    send()
+    journal.append(2)
+    send()
+    journal.append(3)
+    mine.log_applied("steer", residual, 1, 9)  # (stops following after 4 entries)
+    journal.append(4)  # (others' entries: not this log's)
+    send()
+    other = [0]
+    mine.applied.follow(other, 10, 3, sites)
+    other.append(1)
+    send()
+    other.append(2)
+    send()
+    assert [entry.token_index for entry in mine.applied] == [3, 4, 5, 6, 7, 9, 10, 11, 12]
+    assert list(theirs.applied) == list(mine.applied)
+    assert theirs.edited_sites == mine.edited_sites
+    assert capture._applied_edits() == ([], [])  # (everything sent; the journals let go)
+    assert capture.journals == {}

@@ -30,7 +30,7 @@ class EditLog(Sequence[AppliedEdit]):
     steps built when read). ``append`` one; ``follow`` a steady layout's
     journal of shifts until the next ``append`` or ``follow``."""
 
-    __slots__ = ("_built", "_following", "_unsited")
+    __slots__ = ("_built", "_following", "_unsited", "_tape", "_read")
 
     def __init__(self) -> None:
         self._built: list[AppliedEdit] = []
@@ -38,11 +38,41 @@ class EditLog(Sequence[AppliedEdit]):
         self._following: list[Any] | None = None
         # Ranges of _built made from a journal, not yet given to take_unsited.
         self._unsited: list[tuple[int, int]] = []
+        # What was done to this log since take_tape, where recorded (see record).
+        self._tape: list[tuple[Any, ...]] | None = None
+        self._read = 0  # (the entries the journal followed last gave, once it stopped)
+
+    def record(self) -> None:
+        """Keep a tape of what is done to this log from now on, for a copy of it
+        elsewhere to replay (:meth:`take_tape`; ``RequestState.replay_edits``):
+        a vLLM worker's log, replayed on the driver, where a steady step's edits
+        are then one shift of a journal for every request instead of an entry
+        each."""
+        self._tape = []
+
+    def take_tape(self) -> list[tuple[Any, ...]]:
+        """What was done to this log since the last call, in order: ``("entry",
+        applied)``, ``("follow", journal, token index, sites)`` and ``("stop",
+        entries read)`` (a journal's following stopped after that many of its
+        entries: an entry or a follow comes next)."""
+        tape = self._tape
+        if not tape:
+            return []
+        self._tape = []
+        return tape
+
+    def stop_at(self, read: int) -> None:
+        """Stop following the journal after its first ``read`` entries (what a
+        tape's ``("stop", read)`` says of the log it was taken from)."""
+        assert self._following is not None
+        self._catch_up(stop=True, upto=read)
 
     def append(self, applied: AppliedEdit) -> None:
         if self._following is not None:
-            self._catch_up(stop=True)
+            self._stop()
         self._built.append(applied)
+        if self._tape is not None:
+            self._tape.append(("entry", applied))
 
     def follow(self, journal: list[int], token_index: int, prompt_len: int,
                sites: Sequence[EditSite]) -> None:
@@ -50,8 +80,15 @@ class EditLog(Sequence[AppliedEdit]):
         included, if there) means ``sites`` were edited at token ``token_index +
         d`` (a generated token of a prompt of ``prompt_len`` tokens)."""
         if self._following is not None:
-            self._catch_up(stop=True)
+            self._stop()
         self._following = [journal, 0, token_index, prompt_len, tuple(sites)]
+        if self._tape is not None:
+            self._tape.append(("follow", journal, token_index, tuple(sites)))
+
+    def _stop(self) -> None:
+        self._catch_up(stop=True)
+        if self._tape is not None:  # (how far it read: its copy reads as far)
+            self._tape.append(("stop", self._read))
 
     def freeze(self) -> None:
         """Keep the entries of the journal followed so far, and no later one (its
@@ -65,12 +102,14 @@ class EditLog(Sequence[AppliedEdit]):
         """Whether a journal's entries may still become this log's."""
         return self._following is not None
 
-    def _catch_up(self, *, stop: bool) -> None:
+    def _catch_up(self, *, stop: bool, upto: int | None = None) -> None:
         following = self._following
         assert following is not None
         journal, read, token_index, prompt_len, sites = following
-        shifts = journal[read:]
+        shifts = journal[read:upto]
         following[1] = read + len(shifts)
+        if stop:
+            self._read = following[1]
         if shifts:
             start = len(self._built)
             self._built.extend(
@@ -87,8 +126,10 @@ class EditLog(Sequence[AppliedEdit]):
         return self._built
 
     def clear(self) -> None:
-        """Forget every entry, and the journal followed."""
+        """Forget every entry, the journal followed and the tape."""
         self._built, self._following, self._unsited = [], None, []
+        if self._tape is not None:
+            self._tape = []
 
     def take_unsited(self) -> list[AppliedEdit]:
         """The entries built from a journal since the last call (for a request's

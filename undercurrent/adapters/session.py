@@ -410,6 +410,23 @@ class RequestState:
         """Remember that ``resolved`` changes ``layer`` at ``token_index`` (this forward)."""
         self.log_applied(resolved.edit.name, resolved.edit.tensor_type, layer, token_index)
 
+    def replay_edits(self, tape: Sequence[tuple[Any, ...]],
+                     journals: dict[int, list[int]]) -> None:
+        """Log what another log's tape says (:meth:`EditLog.take_tape`, as a vLLM
+        worker sends it: each entry as ``("entry", name, tensor type value,
+        layer, token index)``, each journal by its number in ``journals``,
+        this side's copies of them; one not there yet is empty so far)."""
+        applied = self.applied
+        for step in tape:
+            kind = step[0]
+            if kind == "entry":
+                self.log_applied(step[1], TensorType(step[2]), step[3], step[4])
+            elif kind == "follow":
+                applied.follow(journals.setdefault(step[1], []), step[2], self.prompt_len,
+                               step[3])
+            else:
+                applied.stop_at(step[1])
+
     def log_applied(self, name: str, tensor_type: TensorType, layer: int,
                     token_index: int) -> None:
         """Remember that edit ``name`` changed (layer, tensor type) at ``token_index``."""

@@ -624,7 +624,7 @@ class VLLMBackend:
             # stops nothing now: the engine is done, and _finish cuts the output.
             self._take_aborted()
         if any(state.edits for state in states.values()):
-            self._take_edits(states)
+            self._take_edits()
         if params.capture_last_token:
             self._capture_last_tokens(states, tokens, ctrl_c)
         finals = self._finish(list(states.values()),
@@ -645,15 +645,13 @@ class VLLMBackend:
             return 0
         return abort.generated_index + 1
 
-    def _take_edits(self, states: dict[str, RequestState]) -> None:
+    def _take_edits(self) -> None:
         """Collect the edits applied in steps that captured nothing (the worker reports
         those without a round trip per step)."""
         for applied in self.engine.collective_rpc("undercurrent_take_edits"):
-            for engine_id, name, tensor_type, layer, token_index in applied or ():
-                state = states.get(engine_id)
-                if state is not None:
-                    with self.server.lock:
-                        state.log_applied(name, TensorType(tensor_type), layer, token_index)
+            if applied:
+                with self.server.lock:
+                    self.server.take_edits(applied)
 
     def _capture_last_tokens(self, states: dict[str, RequestState],
                              tokens: dict[str, list[int]],

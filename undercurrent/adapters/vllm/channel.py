@@ -326,6 +326,8 @@ class StepServer:
         self._connection: Any = None
         self.error: BaseException | None = None
         self._armed: list[tuple[str, str, int]] = []
+        # The driver's copies of the worker's journals of applied edits, by number.
+        self._journals: dict[int, list[int]] = {}
         self._repeat = _Repeat()
         # The request states of the last request table and token columns read,
         # while ``_states`` is as it was then (``_version``).
@@ -341,11 +343,29 @@ class StepServer:
             _LOCAL_SERVERS[self.address] = (os.getpid(), self)
 
     # -- generation bookkeeping (main thread) ----------------------------------
+    def take_edits(self, edits: wire.AppliedEdits) -> None:
+        """Log the edits the worker says it applied (lock held): each journal
+        copied on, then each request's tape replayed in order."""
+        journals, tapes = edits
+        copies = self._journals
+        for number, shifts in journals:
+            copy = copies.get(number)
+            if copy is None:
+                copies[number] = list(shifts)
+            else:
+                copy.extend(shifts)
+        states = self._states
+        for engine_id, tape in tapes:
+            state = states.get(engine_id)
+            if state is not None:
+                state.replay_edits(tape, copies)
+
     def begin(self, session: CaptureSession) -> None:
         with self.lock:
             self._session = session
             self._states = {}
             self._steered = {}
+            self._journals = {}
             self._repeat = _Repeat()
             self._version += 1
             self.error = None
@@ -365,6 +385,7 @@ class StepServer:
             self._repeat = _Repeat()  # let go of the last step's plan and states
             self._version += 1
             self._table = self._fed = None
+            self._journals = {}
 
     def take_error(self) -> BaseException | None:
         with self.lock:
@@ -426,10 +447,7 @@ class StepServer:
             engine_ids, firsts, token_ids = batch.token_columns
             self._fed = fed = self._states_of(engine_ids, self._fed)
             _take_columns(fed[2], firsts.tolist(), token_ids.tolist())
-        for engine_id, name, tensor_type, layer, token_index in batch.edits:
-            state = states.get(engine_id)
-            if state is not None:
-                state.log_applied(name, TensorType(tensor_type), layer, token_index)
+        self.take_edits(batch.edits)
         armed_before = {engine_id: set(state.armed)
                         for engine_id, state in self._steered.items()}
         aborts = len(session.aborted)

@@ -32,7 +32,7 @@ from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MATCH_COLUMNS = ("request", "point", "token_index", "layers")
 """The columns of :attr:`StepBatch.matches`."""
@@ -66,6 +66,18 @@ class GroupRows:
     count: int
 
 
+#: What the worker's logs of applied edits did since the last batch:
+#: ``(journals, tapes)``. ``journals``: ``(number, shifts)`` for each journal
+#: (a steady layout's list of shifts, one a step, see ``StepPlan.edit_steps``)
+#: that gained entries, those entries. ``tapes``: ``(engine request id,
+#: steps)``, each request's ``EditLog.take_tape`` with every entry as
+#: ``("entry", edit name, tensor type, layer, token index)`` and every journal
+#: by its number (``("follow", number, token index, sites)``, ``("stop",
+#: entries read)``); the driver replays them in order
+#: (``RequestState.replay_edits``), its journals copies of the worker's.
+AppliedEdits = tuple[list[tuple[int, list[int]]], list[tuple[str, list[tuple[Any, ...]]]]]
+
+
 @dataclass
 class StepBatch:
     """Everything one engine step captured, for every request in it.
@@ -85,8 +97,8 @@ class StepBatch:
     that repeats the last one a token later sends them as ``token_columns``
     instead: (engine request ids, each one's generated index, each one's token
     id), one token per request, the two arrays of integers. ``edits``
-    holds ``(engine request id, edit name, tensor type, layer, token index)`` for
-    every live edit the step applied (the records of an edited site say so).
+    says which live edits the steps since the last batch applied (the records
+    of an edited site say so), as :data:`AppliedEdits`.
     ``requests`` is the table of engine request ids the matches index.
 
     ``shifted``: this batch's columns are the previous batch's a token later
@@ -104,7 +116,7 @@ class StepBatch:
     """The gathered rows: numpy arrays, or torch tensors for a dtype numpy lacks."""
     tokens: list[tuple[str, int, list[int]]] = field(default_factory=list)
     version: int = PROTOCOL_VERSION
-    edits: list[tuple[str, str, str, int, int]] = field(default_factory=list)
+    edits: AppliedEdits = field(default_factory=lambda: ([], []))
     requests: list[str] = field(default_factory=list)
     matches: np.ndarray = field(default_factory=lambda: match_array([]))
     match_rows: np.ndarray = field(default_factory=lambda: row_array([]))

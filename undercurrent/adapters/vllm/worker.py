@@ -67,7 +67,7 @@ class MirrorState(RequestState):
         self.point_index = {point.name: index for index, point in enumerate(self.points)}
         self.next_token = 0
         self.generated_sent = 0
-        self.applied_sent = 0
+        self.applied.record()  # (replayed on the driver: see _Capture._applied_edits)
         # Recomputed windows (after a preemption) need their edits again.
         self.retire_edits = False
         self.has_triggers = any(resolved.edit.when is not None for resolved in self.edits)
@@ -226,6 +226,10 @@ class _Capture:
         self.site_handles: dict[tuple[int, TensorType], Any] = {}
         self.states: dict[str, MirrorState] = {}
         self.steered: dict[str, MirrorState] = {}  # the states with edits: only they apply any
+        # The journals of applied edits the steered requests' logs follow, sent
+        # to the driver (see _applied_edits): by id, [journal, number, entries sent].
+        self.journals: dict[int, list[Any]] = {}
+        self.journal_count = 0
         self.plan: StepPlan | None = None
         self.pending_tokens: list[tuple[MirrorState, int, int, int]] = []
         # Per step: where each planned group's rows go, the row banks they fill
@@ -636,15 +640,55 @@ class _Capture:
             self.slices[key] = (bank, self.bank_rows[bank], len(slots))
             self.bank_rows[bank] += len(slots)
 
-    def _applied_edits(self) -> list[tuple[str, str, str, int, int]]:
-        """Edits applied since the last batch, for the driver (then forgotten here)."""
-        applied = []
+    def _applied_edits(self) -> wire.AppliedEdits:
+        """Edits applied since the last batch, for the driver (then forgotten
+        here): each steered request's log's tape (``EditLog.take_tape``: its
+        entries as tuples, its journals by number), and the entries each journal
+        gained since (a steady step's edits: one shift for every request that
+        follows it)."""
+        ops: list[tuple[str, list[tuple[Any, ...]]]] = []
         for engine_id, state in self.steered.items():
-            for entry in state.applied[state.applied_sent:]:
-                applied.append((engine_id, entry.edit_name, entry.tensor_type, entry.layer,
-                                entry.token_index))
-            state.applied_sent = len(state.applied)
-        return applied
+            tape = state.applied.take_tape()
+            if not tape:
+                continue
+            wired: list[tuple[Any, ...]] = []
+            for step in tape:
+                kind = step[0]
+                if kind == "entry":
+                    entry = step[1]
+                    wired.append(("entry", entry.edit_name, entry.tensor_type, entry.layer,
+                                  entry.token_index))
+                elif kind == "follow":
+                    wired.append(("follow", self._journal_number(step[1]), step[2],
+                                  list(step[3])))
+                else:
+                    wired.append(step)
+            ops.append((engine_id, wired))
+        journals: list[tuple[int, list[int]]] = []
+        current = self._current_journal()
+        for key, known in list(self.journals.items()):
+            journal, number, sent = known
+            if len(journal) > sent:
+                journals.append((number, journal[sent:]))
+                known[2] = len(journal)
+            elif journal is not current:  # (sent, and no step adds to it now)
+                del self.journals[key]
+        return journals, ops
+
+    def _journal_number(self, journal: list[int]) -> int:
+        known = self.journals.get(id(journal))
+        if known is None:
+            self.journal_count += 1
+            known = self.journals[id(journal)] = [journal, self.journal_count, 0]
+        return int(known[1])
+
+    def _current_journal(self) -> list[int] | None:
+        """The journal the steady plan's repeats add to, if any."""
+        steady = self.steady
+        if steady is None:
+            return None
+        plan = steady.plan
+        return (plan.base if plan.base is not None else plan).edit_steps
 
     def _end_step(self, module: Any, args: Any, output: Any) -> None:
         plan, self.plan = self.plan, None
@@ -967,11 +1011,11 @@ class UndercurrentWorkerExtension:
         if capture is not None and capture.capturing:
             capture.flush()
 
-    def undercurrent_take_edits(self) -> list[tuple[str, str, str, int, int]]:
-        """The edits applied since the last batch (capturing rank; others return [])."""
+    def undercurrent_take_edits(self) -> wire.AppliedEdits:
+        """The edits applied since the last batch (capturing rank; others: none)."""
         capture = self._undercurrent
         if capture is None or not capture.capturing:
-            return []
+            return [], []
         return capture._applied_edits()
 
     def undercurrent_release(self, engine_ids: list[str]) -> None:
