@@ -121,7 +121,7 @@ class _Seen:
 class _Repeat:
     """Steps that repeat an earlier one some tokens later: the same requests
     (the same states, each steered one getting the same edits at every token
-    from here on: ``_edits_repeat``), the same groups and the same matches,
+    from here on: ``_steady_edits``), the same groups and the same matches,
     each the same number of tokens on (the last step's one token on; a
     strided layout's, its stride; a cycle of layouts', points of several
     strides, its period). Such a step's plan is the earlier plan shifted
@@ -178,7 +178,7 @@ class _Repeat:
             seen.remove(found)  # (planned again below, as a plan that alternates)
         deliveries = step_deliveries(batch, table)
         made = deliveries[0][1].plan if deliveries else None
-        if made is None or None in table or not _edits_repeat(batch, table):
+        if made is None or None in table or not _steady_edits(batch, table):
             # (an untracked request, or one whose edits differ from step to
             # step: planned every step)
             self._seen = []
@@ -218,7 +218,7 @@ class _Repeat:
                              and (now == following).all()) else 0
 
 
-def _edits_repeat(batch: wire.StepBatch, table: list[RequestState | None]) -> bool:
+def _steady_edits(batch: wire.StepBatch, table: list[RequestState | None]) -> bool:
     """Whether each steered request of ``batch`` gets, at every token from the
     one it captures now on, the edits it got at this one
     (:meth:`~undercurrent.adapters.session.RequestState.edits_repeat_from`):
