@@ -389,3 +389,44 @@ def test_points_of_several_strides_beside_always_on_edits_repeat_their_cycle(
     theirs = _generate([every, second], windows=False, records=True, eos=eos, edits=edits)
     assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
     assert all(output.edits for output in mine)
+
+
+def test_points_of_several_strides_repeat_their_cycle_until_a_triggered_edit_is_switched_on(
+        monkeypatch):
+    """Points of strides 1 and 2 beside an edit one request's flag switches on
+    mid-generation: until then the edit applies nowhere, so the steps of the
+    period are planned at once and repeated a period later (routed as they
+    come: a signal may switch the edit on); the switch makes the driver plan
+    again. The tokens, signals, records with their edits and the applied
+    edits are those of every step planned request by request."""
+    import dataclasses
+
+    # (the guard reads from the third generated token on, at the highest
+    # threshold one request alone reaches: its flag comes once the cycle has
+    # repeated)
+    guard = dataclasses.replace(_point("linear_probe", threshold=None), layers=(0, 2),
+                                position="generated[2:]")
+    watched = _generate(guard, windows=False)
+    tops = sorted(max(s.score for s in output.signals) for output in watched)
+    assert tops[-1] > tops[-2]
+    every = dataclasses.replace(guard, probe_args={
+        **guard.probe_args, "threshold": (tops[-1] + tops[-2]) / 2})
+    second = dataclasses.replace(_point("linear_probe", threshold=None), name="second",
+                                 tensor_type=TensorType.MLP_OUT, layers=(1,), stride=2)
+    edit = dataclasses.replace(_edit(), when={"point": "watch", "action": "flag"})
+    repeated: list[int] = []
+    advanced = StepPlan.advanced
+
+    def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
+        made = advanced(plan, delta)
+        repeated.append(delta)
+        return made
+
+    monkeypatch.setattr(StepPlan, "advanced", counted)
+    mine = _generate([every, second], windows=True, records=True, edits=[edit])
+    assert 2 in repeated  # (a cycle of period 2 repeated, before the switch)
+    assert [bool(output.edits) for output in mine].count(True) == 1
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate([every, second], windows=False, records=True, edits=[edit])
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]

@@ -485,13 +485,17 @@ class RequestState:
         strides, where each point still able to match is continuous, unbounded
         and selects tokens from ``token_index`` or before, and each edit is
         always on (no ``when``), continuous, unbounded, of stride 1 and applies
-        to ``token_index`` (so to every token from it on); None otherwise.
+        to ``token_index`` (so to every token from it on), or triggered and not
+        switched on yet (it applies nowhere: a switch makes the backend plan
+        again); None otherwise.
         Points of several strides then plan the same steps again, a period
         later, with the same edits at every step (what a backend may repeat)."""
         if self._bounded or self.aborted or self.closed:
             return None
         for resolved in self._live_edits:
             edit = resolved.edit
+            if edit.when is not None and edit.name not in self.armed:
+                continue  # (it applies nowhere until a switch, which drops the cycle)
             position = edit.position
             if (edit.when is not None or not position.is_continuous
                     or position.stop is not None or edit.stride != 1
@@ -885,7 +889,8 @@ class StepPlan:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
         (state, token_index, slot) in order, planned at once where every request
         is alike: a fresh plan; requests of the same points and the same edits,
-        every edit always on (no ``when``), no point or edit that picks one
+        every edit always on (no ``when``; a triggered edit no request has
+        switched on yet applies nowhere, as if absent), no point or edit that picks one
         token or ends (none retires); each request live, its token matched by
         the same points and the same edits as every other's; no two matching
         points sharing a (layer, tensor type), no slot given twice. These are
@@ -904,10 +909,18 @@ class StepPlan:
                 or not _same_points(list(map(_LIVE_POINTS, states)), points)
                 or not _same_points(list(map(_LIVE_EDITS, states)), edits)):
             return False
+        if any(resolved.edit.when is not None for resolved in edits):
+            # A triggered edit no request has switched on applies nowhere yet:
+            # planned as if absent (a switch makes the backend plan again).
+            if any(resolved.edit.name in state.armed for state in states
+                   for resolved in edits if resolved.edit.when is not None):
+                return False
+            edits = [resolved for resolved in edits if resolved.edit.when is None]
+            if not (edits or points):
+                return False
         for resolved in edits:
             edit = resolved.edit
-            if (edit.when is not None or not edit.position.is_continuous
-                    or edit.position.stop is not None):
+            if not edit.position.is_continuous or edit.position.stop is not None:
                 return False
         matching: tuple[list[ExtractionPoint], list[Any]] | None = None
         for state, token in zip(states, tokens, strict=True):

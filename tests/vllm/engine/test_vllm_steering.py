@@ -118,6 +118,32 @@ SWITCHED_EDIT = [{"name": "switched", "layers": 2, "tensor_type": "residual_stre
                   "coefficient": 3.0, "when": {"point": "guard", "action": "flag"}}]
 
 
+def late_threshold(watched: list) -> float:
+    """The lowest score some request reaches while none reaches it before its
+    eighth generated token: every switch comes late."""
+    def firsts(threshold: float) -> list[int]:
+        return [min(s.generated_index for s in output.signals if s.score >= threshold)
+                for output in watched if any(s.score >= threshold for s in output.signals)]
+
+    scores = sorted({s.score for output in watched for s in output.signals}, reverse=True)
+    chosen = scores[0]
+    for score in scores:
+        if min(firsts(score)) < 8:
+            break
+        chosen = score
+    return chosen
+
+
+def strided_spec(threshold: float) -> dict:
+    """:func:`switched_spec` beside a point of stride 2: the steps before a switch
+    take turns in a cycle of two plans."""
+    spec = switched_spec(threshold)
+    return {**spec, "extraction_points": [*spec["extraction_points"], {
+        "name": "second", "layers": [1], "tensor_type": "mlp_out",
+        "position": "generated[*]", "stride": 2, "probe_type": "norm_probe",
+        "probe_kind": "trajectory"}]}
+
+
 def run_switched(model) -> list:
     return model.generate(texts()[:SWITCHED_COUNT], max_new_tokens=SWITCHED_NEW, records=True,
                           request_ids=[f"s{i}" for i in range(SWITCHED_COUNT)],
@@ -163,13 +189,19 @@ def reference(model_dir):
         always_on = run_always_on(hf)
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir),
                      spec=switched_spec(2.0), batch_size=COUNT) as hf:
-        threshold = switched_threshold(run_switched(hf))  # (a threshold no score reaches)
+        watched = run_switched(hf)  # (a threshold no score reaches)
+    threshold = switched_threshold(watched)
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir),
                      spec=switched_spec(threshold), batch_size=COUNT) as hf:
         switched = run_switched(hf)
     at = [output.edits[0].generated_index if output.edits else None for output in switched]
     # (switched on at different tokens for some requests, never for others)
     assert None in at and len({index for index in at if index is not None}) > 1
+    late = late_threshold(watched)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir),
+                     spec=strided_spec(late), batch_size=COUNT) as hf:
+        strided = run_switched(hf)
+    assert any(output.edits for output in strided)
     with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), batch_size=COUNT) as hf:
         edits_only = run_edits_only(hf)
         plain = hf.generate(texts(), max_new_tokens=NEW,
@@ -189,7 +221,7 @@ def reference(model_dir):
         assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
     assert sum(a.token_ids[:NEW] != p.token_ids
                for a, p in zip(always_on, plain, strict=False)) >= 2
-    return outputs, edits_only, always_on, (threshold, switched)
+    return outputs, edits_only, always_on, (threshold, switched), (late, strided)
 
 
 def _engine(model_dir, ranks):
@@ -202,7 +234,7 @@ def _engine(model_dir, ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
-    with_points, edits_only, _, _ = reference
+    with_points, edits_only, _, _, _ = reference
     backend = _engine(model_dir, ranks)
     try:
         # Steps that capture nothing report their edits at the end of the call.
@@ -322,3 +354,31 @@ def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(
     # steps from their columns: at the start and after each switch)
     assert sum(edited_shifts) >= 4
     assert planned and len(planned) < SWITCHED_NEW // 2 + SWITCHED_COUNT
+
+
+def test_a_guard_beside_a_strided_point_repeats_its_cycle_until_the_switch_and_matches_hf(
+        model_dir, reference, monkeypatch):
+    """The guard of the last test, at a threshold reached late, beside a point
+    of stride 2: before the switches the worker repeats a cycle of two plans
+    (the triggered edit applies nowhere yet: ``RequestState.repeats_every``),
+    a switch drops it, and the tokens, records, edited flags and applied
+    edits are HF's."""
+    from undercurrent.adapters.vllm import worker
+
+    threshold, theirs = reference[4]
+    cycles: list[bool] = []
+    cycled = worker._Capture._cycled
+
+    def counted(capture, phase, fed, forward):
+        found = cycled(capture, phase, fed, forward)
+        cycles.append(found is not None)
+        return found
+
+    monkeypatch.setattr(worker._Capture, "_cycled", counted)
+    backend = _engine(model_dir, 1)
+    try:
+        with ProbedModel(backend, spec=strided_spec(threshold)) as model:
+            check_same(run_switched(model), theirs)
+    finally:
+        backend.close()
+    assert True in cycles

@@ -301,8 +301,10 @@ class _RowDriver:
             assert phase.plan is not None
             base = phase.plan.base if phase.plan.base is not None else phase.plan
             base.edit_steps, base.edit_offset = journal, phase.forward - forward
+        # (a triggered edit in a cycle is not switched on yet: it applies nowhere)
         sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
-                 for resolved in fed[0][0]._live_edits for layer in resolved.edit.layers]
+                 for resolved in fed[0][0]._live_edits if resolved.edit.when is None
+                 for layer in resolved.edit.layers]
         for state, token, _ in fed:
             state.applied.follow(journal, token, state.prompt_len, sites)
         return (period, phases, journal)
