@@ -331,6 +331,31 @@ class ScoresRows(Probe):
         return self.on_batch(ActivationBatch.from_records(records)).signals()
 
 
+class TellsSignals(ScoresRows):
+    """A :class:`ScoresRows` class that answers :meth:`signal_test` and
+    :meth:`signal_screen` for any actions (the built-ins): its
+    :meth:`abort_test` and :meth:`abort_screen` are those for ``abort`` alone."""
+
+    @classmethod
+    def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                    ) -> Callable[[Any], bool] | None:
+        return None
+
+    @classmethod
+    def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
+                      ) -> Callable[[Sequence[Any]], bool] | None:
+        return None
+
+    @classmethod
+    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
+        return cls.signal_test(probes, ABORT_ONLY)
+
+    @classmethod
+    def abort_screen(cls, probes: Sequence[ScoresRows]
+                     ) -> Callable[[Sequence[Any]], bool] | None:
+        return cls.signal_screen(probes, ABORT_ONLY)
+
+
 def _owner(cls: type, name: str) -> type | None:
     """The class in ``cls``'s MRO that defines ``name``."""
     for klass in cls.__mro__:

@@ -25,6 +25,7 @@ from undercurrent.probes.base import (
     Probe,
     RequestContext,
     ScoresRows,
+    TellsSignals,
     shallow_copy,
 )
 from undercurrent.probes.scoring import (
@@ -304,7 +305,7 @@ def _resolve_weights(
     return linear_weights(weight, bias)
 
 
-class LinearProbe(ScoresRows):
+class LinearProbe(TellsSignals):
     """``linear_probe``: score each activation with ``link(W . x + b)``.
 
     probe_args:
@@ -406,10 +407,6 @@ class LinearProbe(ScoresRows):
         return lambda values: reaches(values[0])
 
     @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        return cls.signal_test(probes, ABORT_ONLY)
-
-    @classmethod
     def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
                       ) -> Callable[[Sequence[Any]], bool] | None:
         # Where signal_test tells, a binary readout with a monotone link: the
@@ -420,11 +417,6 @@ class LinearProbe(ScoresRows):
         first = probes[0]
         assert isinstance(first, LinearProbe)
         return LogitScreen.of(first.readout, first.rule, actions)
-
-    @classmethod
-    def abort_screen(cls, probes: Sequence[ScoresRows]
-                     ) -> Callable[[Sequence[Any]], bool] | None:
-        return cls.signal_screen(probes, ABORT_ONLY)
 
     def group_key(self) -> Any:
         # A subclass that judges each activation itself is not judged in groups.

@@ -17,10 +17,10 @@ from typing import Any, ClassVar, cast
 
 from undercurrent.probes.arrays import float64_rows, map_rows, numpy_module
 from undercurrent.probes.base import (
-    ABORT_ONLY,
     Probe,
     RequestContext,
     ScoresRows,
+    TellsSignals,
     shallow_copy,
 )
 from undercurrent.probes.sae_files import ENCODE_ROWS, SparseAutoencoder, load_sae
@@ -108,7 +108,7 @@ def check_point_matches_hook(sae: SparseAutoencoder, point: Any) -> None:
         )
 
 
-class SaeProbe(ScoresRows):
+class SaeProbe(TellsSignals):
     """``sae_probe``: encode each activation with an SAE and report its features.
 
     probe_args:
@@ -240,10 +240,6 @@ class SaeProbe(ScoresRows):
         return reaches
 
     @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        return cls.signal_test(probes, ABORT_ONLY)
-
-    @classmethod
     def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
                       ) -> Callable[[Sequence[Any]], bool] | None:
         # Watched features only: a bound on each from its encoder column alone,
@@ -257,11 +253,6 @@ class SaeProbe(ScoresRows):
                 or not math.isfinite(rule.threshold)):
             return None
         return SaeScreen(first.sae, first.features, rule.threshold)
-
-    @classmethod
-    def abort_screen(cls, probes: Sequence[ScoresRows]
-                     ) -> Callable[[Sequence[Any]], bool] | None:
-        return cls.signal_screen(probes, ABORT_ONLY)
 
     def _judges_as(self, other: Any) -> bool:
         """Whether ``other`` judges rows as this one does (this very class, the

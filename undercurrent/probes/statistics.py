@@ -15,10 +15,10 @@ from typing import Any
 
 from undercurrent.probes.arrays import as_float_matrix, float32_rows, map_rows, numpy_module
 from undercurrent.probes.base import (
-    ABORT_ONLY,
     Probe,
     RequestContext,
     ScoresRows,
+    TellsSignals,
     shallow_copy,
 )
 from undercurrent.probes.scoring import (
@@ -56,7 +56,7 @@ def element_mean(tensor: Any) -> float:
     return float(element_means(as_float_matrix([tensor]))[0])
 
 
-class _StatisticProbe(ScoresRows):
+class _StatisticProbe(TellsSignals):
     probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
     statistic_name = ""
 
@@ -99,10 +99,6 @@ class _StatisticProbe(ScoresRows):
         return threshold_signal_test(probes, actions)
 
     @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        return cls.signal_test(probes, ABORT_ONLY)
-
-    @classmethod
     def signal_screen(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]
                       ) -> Callable[[Sequence[Any]], bool] | None:
         # Where signal_test tells, the statistic in float32 on the captured
@@ -114,11 +110,6 @@ class _StatisticProbe(ScoresRows):
         if not rule.gives(actions) or rule.threshold is None or not math.isfinite(rule.threshold):
             return None
         return StatisticScreen(type(probes[0]) is NormProbe, rule.threshold)
-
-    @classmethod
-    def abort_screen(cls, probes: Sequence[ScoresRows]
-                     ) -> Callable[[Sequence[Any]], bool] | None:
-        return cls.signal_screen(probes, ABORT_ONLY)
 
     def row_values(self, batch: ActivationBatch) -> Any:
         """One statistic per row of the batch's matrix."""

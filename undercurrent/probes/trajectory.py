@@ -11,10 +11,10 @@ from typing import Any, cast
 
 from undercurrent.probes.arrays import float32_rows, map_rows, numpy_module
 from undercurrent.probes.base import (
-    ABORT_ONLY,
     Probe,
     RequestContext,
     ScoresRows,
+    TellsSignals,
     shallow_copy,
 )
 from undercurrent.probes.linear import LinearReadout
@@ -87,7 +87,7 @@ class _Lanes:
         probe._block = None
 
 
-class TrajectoryProbe(ScoresRows):
+class TrajectoryProbe(TellsSignals):
     """``trajectory_probe``: running mean, max or EWMA of a per-token value.
 
     Each activation yields a value: the linear score (``source: linear``, with the
@@ -190,10 +190,6 @@ class TrajectoryProbe(ScoresRows):
 
     def may_abort(self) -> bool:
         return type(self) is not TrajectoryProbe or self.rule.can_abort
-
-    @classmethod
-    def abort_test(cls, probes: Sequence[ScoresRows]) -> Callable[[Any], bool] | None:
-        return cls.signal_test(probes, ABORT_ONLY)
 
     @classmethod
     def signal_test(cls, probes: Sequence[ScoresRows], actions: frozenset[SignalAction]

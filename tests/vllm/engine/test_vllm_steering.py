@@ -167,6 +167,29 @@ def run_always_on(model) -> list:
                           prompt_edits=[edits_for(0)] * 4)
 
 
+def _count_edited_repeats(monkeypatch) -> list[bool]:
+    """For each plan made a step later (``StepPlan.shifted``, or ``advanced``
+    moving a plan on in place), whether it applies edits."""
+    from undercurrent.adapters.session import StepPlan
+
+    edited: list[bool] = []
+    shifted, advanced = StepPlan.shifted, StepPlan.advanced
+
+    def counted_shift(plan, delta=1):
+        made = shifted(plan, delta)
+        edited.append(bool(made.edits))
+        return made
+
+    def counted_advance(plan, delta=1):
+        made = advanced(plan, delta)
+        edited.append(bool(made.edits) and made is plan)
+        return made
+
+    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
+    monkeypatch.setattr(StepPlan, "advanced", counted_advance)
+    return edited
+
+
 def check_same(outputs, reference) -> None:
     compare(outputs, reference)
     for ours, theirs in zip(outputs, reference, strict=True):
@@ -262,7 +285,6 @@ def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
     (no answer of the driver can change a step: no triggered edit, no probe
     that may abort), and the tokens, records, edited flags and applied edits
     are HF's."""
-    from undercurrent.adapters.session import StepPlan
     from undercurrent.adapters.vllm import worker
     from undercurrent.adapters.vllm.channel import StepServer
 
@@ -283,21 +305,7 @@ def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
         return repeated[-1]
 
     monkeypatch.setattr(worker, "_edits_repeat", counted)
-    edited_shifts: list[int] = []
-    shifted, advanced = StepPlan.shifted, StepPlan.advanced
-
-    def counted_shift(plan, delta=1):
-        made = shifted(plan, delta)
-        edited_shifts.append(bool(made.edits))
-        return made
-
-    def counted_advance(plan, delta=1):
-        made = advanced(plan, delta)
-        edited_shifts.append(bool(made.edits) and made is plan)
-        return made
-
-    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
-    monkeypatch.setattr(StepPlan, "advanced", counted_advance)
+    edited_shifts = _count_edited_repeats(monkeypatch)
     backend = _engine(model_dir, 1)
     try:
         with ProbedModel(backend, spec=ALWAYS_ON_SPEC) as model:
@@ -317,25 +325,10 @@ def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(
     with the edit at its row), the driver repeats its plans too (its rows'
     edits read from the requests' logs), and the tokens, records, edited flags
     and applied edits are HF's."""
-    from undercurrent.adapters.session import StepPlan
     from undercurrent.adapters.vllm import channel
 
     threshold, theirs = reference[3]
-    edited_shifts: list[bool] = []
-    shifted, advanced = StepPlan.shifted, StepPlan.advanced
-
-    def counted_shift(plan, delta=1):
-        made = shifted(plan, delta)
-        edited_shifts.append(bool(made.edits))
-        return made
-
-    def counted_advance(plan, delta=1):
-        made = advanced(plan, delta)
-        edited_shifts.append(bool(made.edits) and made is plan)
-        return made
-
-    monkeypatch.setattr(StepPlan, "shifted", counted_shift)
-    monkeypatch.setattr(StepPlan, "advanced", counted_advance)
+    edited_shifts = _count_edited_repeats(monkeypatch)
     planned: list[int] = []  # the driver's steps planned from their columns
     step_deliveries = channel.step_deliveries
 
