@@ -502,15 +502,15 @@ def test_the_strided_slice_and_prompt_read_scenarios_capture_what_their_position
     plus the last prompt token at the last layer, every token at the first
     layer and every second at the other, and every token beside an edit that
     adds nothing (always on, switched on by a flag that never comes, or by the
-    first token's flag, or beside the two strides); each generates plain's
-    tokens."""
+    first token's flag, or beside the two strides) or beside edits that end;
+    each generates plain's tokens."""
     from benchmarks.worker import scaling_job
 
     names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear_stride_2",
              "uc_inline_linear_slice", "uc_inline_linear_and_prompt_read",
              "uc_inline_linear_mixed_strides", "uc_inline_linear_and_edit",
              "uc_inline_linear_and_triggered_edit", "uc_inline_linear_and_switched_edit",
-             "uc_inline_linear_mixed_strides_and_edit"]
+             "uc_inline_linear_mixed_strides_and_edit", "uc_inline_linear_and_ending_edits"]
     result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
                          repeats=1, warmup=0, max_new_tokens=6)
     rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=6)}
@@ -522,7 +522,8 @@ def test_the_strided_slice_and_prompt_read_scenarios_capture_what_their_position
                 "uc_inline_linear_and_edit": 2 * 5 * 2,
                 "uc_inline_linear_and_triggered_edit": 2 * 5 * 2,
                 "uc_inline_linear_and_switched_edit": 2 * 5 * 2,
-                "uc_inline_linear_mixed_strides_and_edit": 2 * (5 + 3)}
+                "uc_inline_linear_mixed_strides_and_edit": 2 * (5 + 3),
+                "uc_inline_linear_and_ending_edits": 2 * 5 * 2}
     for name, records in expected.items():
         assert rows[name]["records"] == records, name
         assert rows[name]["tokens_match"] is True, rows[name]["token_check"]
@@ -579,7 +580,7 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
     """``benchmarks.vllm_paired`` / ``vllm_stage_timers`` modes beyond the scaling
     set's: the guard, the guard with an async observer (two points), the SAE
     spec's guard and reporter (on the bundled width only), points of two
-    strides, and the probe beside a live edit."""
+    strides, and the probe beside a live edit or edits that end."""
     import json
 
     from benchmarks.vllm_jobs import ON_REQUEST_MODES, _probed_setup
@@ -591,7 +592,8 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
                                      "inline trajectory guard", "inline linear stride 2",
                                      "inline linear slice", "inline linear mixed strides",
                                      "inline linear and edit", "inline linear and triggered edit",
-                                     "inline linear and switched edit"}
+                                     "inline linear and switched edit",
+                                     "inline linear and ending edits"}
     layers, spec, _, keep = _probed_setup(str(tmp_path), "all", "guard and observer")
     assert layers == (0, 1, 2, 3) and keep is False
     guard, observer = spec.extraction_points
@@ -607,6 +609,9 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
     (edit,) = spec.edits
     assert edit.when is not None and edit.when.point == "residual" and edit.layers == (2,)
     assert edit.vector == "undercurrent:models/tiny/probe.safetensors"  # (the bundled width)
+    _, spec, _, _ = _probed_setup(str(tmp_path), "all", "inline linear and ending edits")
+    assert [(edit.name, str(edit.position)) for edit in spec.edits] == [
+        ("prompt", "prompt[-1]"), ("slice", "generated[2:12]"), ("once", "generated[16]")]
     _, spec, _, _ = _probed_setup(str(tmp_path), "3", "sae features")
     guard, features = spec.extraction_points
     assert guard.probe_type == features.probe_type == "sae_probe"

@@ -27,6 +27,7 @@ from benchmarks.scenarios.probed import (
     ProbedSlice,
     ProbedStrided,
     ProbedWithEdit,
+    ProbedWithEndingEdits,
     ProbedWithPromptRead,
     ProbedWithSwitchedEdit,
     ProbedWithTriggeredEdit,
@@ -55,7 +56,7 @@ ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAn
                                           ProbedWithPromptRead, ProbedInlineTrajectoryGuard,
                                           ProbedMixedStrides, ProbedWithEdit,
                                           ProbedWithTriggeredEdit, ProbedWithSwitchedEdit,
-                                          ProbedMixedStridesWithEdit)
+                                          ProbedMixedStridesWithEdit, ProbedWithEndingEdits)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

@@ -446,6 +446,26 @@ class ProbedWithSwitchedEdit(ProbedWithTriggeredEdit):
         return [{**point, "probe_args": {**point["probe_args"], "threshold": -1e9}}]
 
 
+class ProbedWithEndingEdits(ProbedWithEdit):
+    """:class:`ProbedInlineLinear` beside three edits that end (coefficient 0,
+    so the tokens stay the baseline's): :class:`ProbedWithEdit` 's on the last
+    prompt token, on generated tokens 2 to 11, and on generated token 16. The
+    steps between, within the slice and after the last repeat their plans."""
+
+    name: ClassVar[str] = "uc_inline_linear_and_ending_edits"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for every generated token, scored inline by "
+        "linear_probe, beside add edits (coefficient 0) on the last prompt token, on "
+        "generated tokens 2 to 11 and on generated token 16"
+    )
+
+    def edits(self) -> list[dict[str, Any]]:
+        (edit,) = super().edits()
+        return [{**edit, "name": name, "position": position}
+                for name, position in (("prompt", "prompt[-1]"), ("slice", "generated[2:12]"),
+                                       ("once", "generated[16]"))]
+
+
 class ProbedSlice(ProbedInlineLinear):
     """:class:`ProbedInlineLinear` on a bounded slice of the generated tokens
     (``generated[2:20]``): a layout that ends before the generation does."""

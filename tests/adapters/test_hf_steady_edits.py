@@ -102,6 +102,46 @@ def test_steps_with_always_on_edits_repeat_their_plans_and_are_held_in_windows(
                 edit.position.start for edit in edits))
 
 
+@pytest.mark.parametrize(("edits", "edited"), [
+    ([_edit("generated[1:6]")], True),  # (a slice that ends: steady in it, then after)
+    ([_edit("prompt[-1]", layers=(0, 2))], False),  # (the prefill's: every step steady)
+    ([_edit("generated[2]")], False),  # (one token: steady before it and after)
+    ([_edit("generated[1:4]"), _edit("generated[6]", name="late", layers=(2,))], True),
+    ([_edit(), _edit("generated[0:3]", name="early", tensor_type="mlp_out")], True),
+])
+def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
+        monkeypatch, edits, edited):
+    """A slice of tokens, a prompt token or one generated token edited: the
+    steps where the edits are the same at every token repeat their plans, and
+    are held in windows, before, while and after; the same generation planned
+    and routed a step at a time is the oracle."""
+    windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
+    point = _point("linear_probe")
+    mine = _generate(point, windows=True, records=True, edits=edits)
+    assert windows.steps and max(windows.steps) > 1
+    assert (shifts.edited > 0) == edited
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate(point, windows=False, records=True, edits=edits)
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
+    assert all(output.edits for output in mine)
+    # (the records say which edits changed them, at the tokens each selects)
+    for output in mine:
+        for record in output.records:
+            assert record.edits == tuple(
+                edit.name for edit in edits if record.layer in edit.layers
+                and TensorType(record.tensor_type) == edit.tensor_type
+                and _selects(edit, record.token_index, output.prompt_len))
+
+
+def _selects(edit: Edit, token_index: int, prompt_len: int) -> bool:
+    position = edit.position
+    if not position.is_continuous:
+        return position.target_index(prompt_len) == token_index
+    generated = token_index - prompt_len
+    return generated >= position.start and (position.stop is None or generated < position.stop)
+
+
 def test_a_stream_of_steady_steered_steps_gives_each_event_its_edits(monkeypatch):
     """``stream()`` reads each step's edits as it comes (``unread_edits``): the
     journal is read a step at a time."""
@@ -140,24 +180,53 @@ def _state(edits: list[Edit], points: list[ExtractionPoint] | None = None,
     return session.open_request("r", "x", [1] * prompt_len)
 
 
-@pytest.mark.parametrize(("edits", "stride", "steady_from"), [
-    ([], 1, 4),
-    ([_edit()], 1, 4),
-    ([_edit("generated[3:]")], 1, 7),
+@pytest.mark.parametrize(("edits", "stride", "steady"), [
+    ([], 1, (4, None)),
+    ([_edit()], 1, (4, None)),
+    ([_edit("generated[3:]")], 1, (7, None)),
     ([_edit("generated[*]", stride=2)], 1, None),  # (every second token)
-    ([_edit("generated[1:6]")], 1, None),  # (a slice that ends)
-    ([_edit("prompt[-1]")], 1, None),  # (a prompt token)
-    ([_edit(when={"point": "p", "action": "flag"})], 1, 4),  # (triggered: none armed yet)
+    ([_edit("generated[1:6]")], 1, (5, 10)),  # (a slice that ends: the tokens it edits)
+    ([_edit("prompt[-1]")], 1, (4, None)),  # (a prompt token: none generated)
+    ([_edit("generated[2]")], 1, (4, 6)),  # (one generated token: the steps before it)
+    ([_edit("generated[0]")], 1, None),  # (the first token edited: planned, then steady)
+    ([_edit("prompt[-1]")], 2, (4, None)),  # (points of a stride, no token edited)
+    ([_edit("generated[1:6]")], 2, None),  # (points of a stride, every token edited)
+    ([_edit("generated[1:6]"), _edit("generated[8]", name="late")], 1, (5, 10)),
+    ([_edit("generated[1:6]"), _edit("generated[3]", name="inside")], 1, (5, 7)),
+    ([_edit(when={"point": "p", "action": "flag"})], 1, (4, None)),  # (none armed yet)
     ([_edit(), _edit("generated[*]", stride=2, name="second",
-                     when={"point": "p", "action": "flag"})], 1, 4),
+                     when={"point": "p", "action": "flag"})], 1, (4, None)),
     ([_edit()], 2, None),  # (points every second token, the edit on each)
 ])
-def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, stride,
-                                                                       steady_from):
+def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, stride, steady):
     point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
                             position="generated[*]", stride=stride, probe_type="none",
                             probe_kind="trajectory")
-    assert _state(edits, [point]).steady_from == steady_from
+    state = _state(edits, [point])
+    assert (None if state.steady_from is None else (state.steady_from, state.steady_until)
+            ) == steady
+
+
+def test_a_request_is_steady_again_once_a_bounded_or_single_token_edit_has_applied():
+    """(``edits_in_window`` of the step that last applies an edit works the
+    request's steady steps out again, where the edit retires and where it is
+    kept, as in a vLLM worker, for recomputed windows)"""
+    for retire in (True, False):
+        state = _state([_edit("generated[1:6]"), _edit("generated[8]", name="late")])
+        state.retire_edits = retire
+        assert (state.steady_from, state.steady_until) == (5, 10)
+        assert [index for index, _ in state.edits_in_window(9, 10)] == [9]
+        assert (state.steady_from, state.steady_until) == (10, 12)  # (before the late one)
+        assert len(state._live_edits) == (1 if retire else 2)
+        assert [index for index, _ in state.edits_in_window(12, 13)] == [12]
+        assert (state.steady_from, state.steady_until) == (13, None)
+        assert state.edits_on_at(13) == [] and state.edit_sites_at(13) == []
+        assert state.edits_in_window(13, 20) == [] and state.steady_from == 13
+    # (the prefill plans a prompt edit, the decode steps are steady from the start)
+    state = _state([_edit("prompt[-1]")])
+    assert state.edits_prompt() and state.steady_from == 4
+    assert [index for index, _ in state.edits_in_window(0, 4)] == [3]
+    assert not _state([_edit("generated[0]")]).edits_prompt()
 
 
 def test_a_triggered_edit_switched_on_moves_the_request_s_steady_steps_past_its_signal():
@@ -173,11 +242,21 @@ def test_a_triggered_edit_switched_on_moves_the_request_s_steady_steps_past_its_
     # A switched-on edit from a later token on: steady from its first token.
     late = _state([_edit("generated[9:]", when={"point": "p", "action": "flag"})])
     assert late.arm("p", SignalAction.FLAG, 5) and late.steady_from == 13
-    # One that is strided, or ends: each step planned from the signal on.
-    for position, stride in (("generated[*]", 2), ("generated[0:20]", 1)):
-        other = _state([_edit(position, stride=stride, when={"point": "p", "action": "flag"})])
-        assert other.steady_from == 4
-        assert other.arm("p", SignalAction.FLAG, 5) and other.steady_from is None
+    # One that is strided: each step planned from the signal on.
+    other = _state([_edit(stride=2, when={"point": "p", "action": "flag"})])
+    assert other.steady_from == 4
+    assert other.arm("p", SignalAction.FLAG, 5) and other.steady_from is None
+    # One that ends: steady from the signal to its end, then without it.
+    bounded = _state([_edit("generated[0:20]", when={"point": "p", "action": "flag"})])
+    assert bounded.arm("p", SignalAction.FLAG, 5)
+    assert (bounded.steady_from, bounded.steady_until) == (6, 24)
+    bounded.edits_in_window(23, 24)
+    assert (bounded.steady_from, bounded.steady_until) == (24, None)
+    # One switched on past its end, or a single token's before it: never applies.
+    for position in ("generated[0:1]", "generated[0]"):
+        past = _state([_edit(position, when={"point": "p", "action": "flag"})])
+        assert past.arm("p", SignalAction.FLAG, 5)
+        assert (past.steady_from, past.steady_until) == (6, None)
     # A backend whose switches come from elsewhere plans each step of such a request.
     mirror = _state([_edit(when={"point": "p", "action": "flag"})])
     mirror.steady_until_armed = False

@@ -11,8 +11,9 @@ keep up), and for an inline point ``flag`` or ``abort`` at a threshold drawn
 among the scores the point gives. The generation's eos token,
 ``records=True``, whether the driver repeats its last plan, and a live edit
 for every request (none, or an ``add`` at some layers of one tensor type, on
-every generated token, from the third, every second one, or on a slice, at
-times switched on by the first point's signals) are drawn too. The oracle is
+every generated token, from the third, every second one, on a slice, the
+prompt's last token or one generated token, at times switched on by the
+first point's signals) are drawn too. The oracle is
 the same generation with ``windows=False`` (each step routed as it comes,
 what ``stream()`` does) and every step planned afresh, each request on its
 own, from the points' and edits' positions (``StepPlan.add_steady_tokens``
@@ -136,7 +137,8 @@ def specs(draw: Any) -> list[Drawn]:
 # (always on, every generated token: the steps repeat; from the third; every
 # second one, and a slice: each step planned)
 EDIT_POSITIONS = [("generated[*]", 1), ("generated[*]", 1), ("generated[2:]", 1),
-                  ("generated[*]", 2), ("generated[1:6]", 1)]
+                  ("generated[*]", 2), ("generated[1:6]", 1), ("prompt[-1]", 1),
+                  ("generated[3]", 1)]
 
 
 @st.composite

@@ -128,37 +128,62 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
                        ) -> tuple[int, int, int | None] | None:
     """:func:`_steady_from` 's ``(first, stride, until)`` of a request's points
     (``(0, 1, None)`` for none) once its ``edits`` are planned too: from
-    ``first`` on every token (stride 1) gets the same edits, where each edit is
-    on (always, or switched on), continuous (generated tokens) and unbounded,
-    and applies to every token; ``first`` then moves to the first token every
-    edit applies to. Given ``armed`` (edit name -> the token whose signal
-    switched it on), a triggered edit in it applies like an always-on one from
-    the token after, and one not in it yet applies nowhere (until a signal arms
-    it: :meth:`RequestState.arm` then works the request's steady steps out
-    again); without, any triggered edit has each step planned. None where an
-    edit is otherwise (each step planned)."""
+    ``first`` on, and before ``until``, every token gets the same edits.
+    An edit that applies to no token from ``first`` on (a prompt token's, a
+    slice that has ended) changes nothing. One that is on (always, or
+    switched on) and continuous, of stride 1, applies to every token from
+    its first (``first`` moves there) to its last (``until`` moves there);
+    one that edits a single token later on ends the steps before it. (Once
+    such an edit has applied, :meth:`RequestState.edits_in_window` works the
+    steps after it out again.) Given ``armed`` (edit name -> the token whose
+    signal switched it on), a triggered edit in it applies like an always-on
+    one from the token after, and one not in it yet applies nowhere (until a
+    signal arms it: :meth:`RequestState.arm` then works the request's steady
+    steps out again); without, any triggered edit has each step planned.
+    None where an edit is otherwise (each step planned: an edit of every
+    second token, one beside points of a stride)."""
     if not edits or steady is None:
         return steady
     first, stride, until = steady
     for resolved in edits:
         edit = resolved.edit
-        armed_at = None
+        begins = first
         if edit.when is not None:
             if armed is None:
                 return None
             armed_at = armed.get(edit.name)
             if armed_at is None:
                 continue
+            begins = max(first, armed_at + 1)
         position = edit.position
-        if (stride != 1 or not position.is_continuous
-                or position.stop is not None or edit.stride != 1):
+        last = position.last_index(prompt_len)
+        if last is not None and last < begins:
+            continue  # (it applies to none of the steps from first on)
+        if not position.is_continuous:  # (one token, from first on: the steps before it)
+            assert last is not None
+            until = last if until is None else min(until, last)
+            continue
+        if stride != 1 or edit.stride != 1:
             return None
-        first = max(first, prompt_len + max(position.start, 0))
-        if armed_at is not None:
-            first = max(first, armed_at + 1)
+        first = max(begins, prompt_len + max(position.start, 0))
+        if last is not None:
+            until = last + 1 if until is None else min(until, last + 1)
     if until is not None and first >= until:
         return None
     return first, stride, until  # (1 where an edit applies)
+
+
+def _edit_sites(edits: Sequence[Any]) -> list[tuple[str, int, str]]:
+    """(name, layer, tensor type value) of every site ``edits`` change, in the
+    order each request's log of applied edits takes them."""
+    return [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
+            for resolved in edits for layer in resolved.edit.layers]
+
+
+def _done(resolved: Any, prompt_len: int, token_index: int) -> bool:
+    """Whether ``resolved`` can apply to no token from ``token_index`` on."""
+    last = resolved.edit.position.last_index(prompt_len)
+    return last is not None and last < token_index
 
 
 _Bounds = tuple[dict[int, int | None], bool,
@@ -222,6 +247,7 @@ _FINISH_REASON = operator.attrgetter("finish_reason")
 _LIVE_EDITS = operator.attrgetter("_live_edits")
 _LIVE_POINTS = operator.attrgetter("_live_points")
 _BOUNDED = operator.attrgetter("_bounded")
+_EDIT_ENDS = operator.attrgetter("_edit_ends")
 
 
 class StreamText:
@@ -271,8 +297,8 @@ class RequestState:
     steady_from: int | None = None
     """The first token index from which every ``steady_stride`` th token matches
     every point, the tokens between none, up to ``steady_until`` (exclusive;
-    None: for good), and each token gets the same edits: none, or always-on
-    edits of every token (the stride then 1; None: no such index). From there
+    None: for good), and each token gets the same edits: none, or edits of
+    every token (the stride then 1; None: no such index). From there
     on, each decode step that captures or edits plans the same captures and
     edits ``steady_stride`` tokens later (:meth:`StepPlan.shifted`)."""
     steady_stride = 1
@@ -319,6 +345,11 @@ class RequestState:
         # signal), what was applied, and which edits changed each captured site.
         self.edits = tuple(edits)
         self._live_edits: Sequence[Any] = list(self.edits) if self.edits else ()
+        # The last token each edit that ends applies to, ascending, until passed
+        # (edits_in_window then works the steady steps out again).
+        self._edit_ends = sorted(
+            last for resolved in self.edits
+            if (last := resolved.edit.position.last_index(self.prompt_len)) is not None)
         self.armed: dict[str, int] = {}
         self.applied = EditLog()
         self._edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
@@ -341,6 +372,34 @@ class RequestState:
             return self.generated[generated_index]
         return None
 
+    def edits_on_at(self, token_index: int, edits: Sequence[Any] | None = None) -> list[Any]:
+        """Those of ``edits`` (default: the live ones) that apply to
+        ``token_index``: on (always, or switched on by the signal of an
+        earlier token) and selecting it, in their order."""
+        armed, prompt_len = self.armed, self.prompt_len
+        return [resolved for resolved in (self._live_edits if edits is None else edits)
+                if (resolved.edit.when is None
+                    or armed.get(resolved.edit.name, token_index) < token_index)
+                and _tokens_in_window(resolved.edit, prompt_len, token_index, token_index + 1)]
+
+    def edit_sites_at(self, token_index: int) -> list[tuple[str, int, str]]:
+        """(name, layer, tensor type value) of each site the edits that apply to
+        ``token_index`` change (:meth:`edits_on_at`), in the order its log of
+        applied edits takes them."""
+        return _edit_sites(self.edits_on_at(token_index))
+
+    def edits_prompt(self) -> bool:
+        """Whether an edit selects a token of the prompt (its prefill then
+        plans it, wherever the points match generated tokens only)."""
+        prompt_len = self.prompt_len
+        for resolved in self.edits:
+            position = resolved.edit.position
+            if not position.is_continuous:
+                target = position.target_index(prompt_len)
+                if target is not None and target < prompt_len:
+                    return True
+        return False
+
     def wanted_pairs(self) -> set[PairKey]:
         """(layer, tensor type) pairs the points still able to match, and the edits
         still able to apply, ask for."""
@@ -354,8 +413,9 @@ class RequestState:
         """(token index, resolved edit) for every token in ``[start, stop)`` an edit
         that is on applies to: an always-on edit wherever its position selects, a
         triggered one only past the token whose signal armed it (so a recomputed
-        window gets exactly the edits it had). Then retires (when ``retire_edits``)
-        the edits that cannot apply at or after ``stop``."""
+        window gets exactly the edits it had). Once an edit can apply to no
+        token at or after ``stop``, it retires (when ``retire_edits``) and the
+        request's steady steps are worked out again from ``stop`` on."""
         if not self._live_edits or self.aborted or self.closed:
             return []
         found: list[tuple[int, Any]] = []
@@ -369,13 +429,27 @@ class RequestState:
                 first = max(start, armed_at + 1)
             found.extend((index, resolved) for index in _tokens_in_window(
                 edit, self.prompt_len, first, stop))
+        if self._edit_ends and self._edit_ends[0] < stop:
+            self.pass_edit_ends(stop)
+        return found
+
+    def pass_edit_ends(self, stop: int) -> None:
+        """The tokens before ``stop`` are planned: each edit that can apply to
+        none from it on retires (where edits retire), and the request's steady
+        steps are worked out again from ``stop`` on without them
+        (:func:`_steady_with_edits`), once per edit."""
+        ends = self._edit_ends
+        if not ends or ends[0] >= stop:
+            return
+        while ends and ends[0] < stop:
+            del ends[0]
         if self.retire_edits:
             self._live_edits = [
                 resolved for resolved in self._live_edits
                 if (last := resolved.edit.position.last_index(self.prompt_len)) is None
                 or last >= stop
             ]
-        return found
+        self._steady_after(stop)
 
     def arm(self, point_name: str, action: SignalAction, token_index: int) -> bool:
         """Switch on the triggered edits waiting for ``action`` from ``point_name``
@@ -485,9 +559,10 @@ class RequestState:
         strides, where each point still able to match is continuous, unbounded
         and selects tokens from ``token_index`` or before, and each edit is
         always on (no ``when``), continuous, unbounded, of stride 1 and applies
-        to ``token_index`` (so to every token from it on), or triggered and not
+        to ``token_index`` (so to every token from it on), triggered and not
         switched on yet (it applies nowhere: a switch makes the backend plan
-        again); None otherwise.
+        again), or done (a prompt token's, a slice that has ended); None
+        otherwise.
         Points of several strides then plan the same steps again, a period
         later, with the same edits at every step (what a backend may repeat)."""
         if self._bounded or self.aborted or self.closed:
@@ -496,6 +571,8 @@ class RequestState:
             edit = resolved.edit
             if edit.when is not None and edit.name not in self.armed:
                 continue  # (it applies nowhere until a switch, which drops the cycle)
+            if _done(resolved, self.prompt_len, token_index):
+                continue
             position = edit.position
             if (edit.when is not None or not position.is_continuous
                     or position.stop is not None or edit.stride != 1
@@ -548,13 +625,15 @@ class RequestState:
         # (with no point left, the edits' own, if any)
         found = (_steady_from([self._selectors[id(point)] for point in live])
                  if live or self._live_edits else None)
+        if found is not None and found[0] < stop:  # (the first of its matches from stop on)
+            first, stride, until = found
+            found = (first + -(-(stop - first) // stride) * stride, stride, until)
+        # (an edit done before then changes nothing)
         found = _steady_with_edits(found, self._live_edits, self.prompt_len,
                                    self.armed if self.steady_until_armed else None)
         if found is None:
             return
         first, stride, until = found
-        if first < stop:  # (the first of its matches from stop on)
-            first += -(-(stop - first) // stride) * stride
         if until is None or first < until:
             self.steady_from, self.steady_stride, self.steady_until = first, stride, until
 
@@ -825,6 +904,10 @@ class StepPlan:
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
+        if any(map(_EDIT_ENDS, states)):
+            for state, token in zip(states, tokens, strict=True):
+                if state._edit_ends and state._edit_ends[0] < token:
+                    state.pass_edit_ends(token)  # (steady again from this token, maybe)
         # The points still able to match (all of them, until one that ends has
         # retired: see RequestState._steady_after), and the edits.
         first = states[0]
@@ -850,48 +933,51 @@ class StepPlan:
             return False  # (past a slice's end)
         if not self._plan_rows(points, fed, states, tokens, slots):
             return False
-        # (each edit that is on applies to every token from steady_from on: an
-        # always-on one, or a triggered one a signal switched on; one not
-        # switched on yet applies nowhere)
-        if any(resolved.edit.when is not None for resolved in edits):
-            self._plan_switched_edits(edits, states, tokens, slots)
+        if not edits:
             return True
-        if edits:
-            self._plan_edit_slots(edits, slots)
-            self.edit_steps = journal = [0]
-            sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
-                     for resolved in edits for layer in resolved.edit.layers]
-            for state, token in zip(states, tokens, strict=True):
-                state.applied.follow(journal, token, state.prompt_len, sites)
+        # Each request steady from its token on: an edit that applies to it
+        # (always on, or switched on by a signal, and selecting it) applies to
+        # every token of its steady steps, one that does not (not switched on
+        # yet, done, or a single token later on) to none.
+        on = [state.edits_on_at(token, edits) for state, token in zip(states, tokens, strict=True)]
+        same = on[0]
+        if all(len(each) == len(same) and all(map(operator.is_, each, same)) for each in on):
+            if same:
+                self._plan_edit_slots(same, slots)
+                self.edit_steps = journal = [0]
+                sites = _edit_sites(same)
+                for state, token in zip(states, tokens, strict=True):
+                    state.applied.follow(journal, token, state.prompt_len, sites)
+            return True
+        self._plan_edits_of_each(edits, on, states, tokens, slots)
         return True
 
-    def _plan_switched_edits(self, edits: Sequence[Any], states: list[RequestState],
-                             tokens: list[int], slots: list[Hashable]) -> None:
-        """:meth:`add_steady_tokens` 's edits where some are triggered: each edit
-        at the slots of the requests it is on for (always on, or switched on for
-        that request), in the order :meth:`add_window` of each request plans
-        them, and each request's log following the plan's shifts with the
-        sites of its own edits."""
-        on = [[resolved for resolved in edits
-               if resolved.edit.when is None or resolved.edit.name in state.armed]
-              for state in states]
+    def _plan_edits_of_each(self, edits: Sequence[Any], on: list[list[Any]],
+                            states: list[RequestState], tokens: list[int],
+                            slots: list[Hashable]) -> None:
+        """:meth:`add_steady_tokens` 's edits where they differ between requests
+        (``on``: those each request's token gets, a triggered one switched on
+        for some, a slice ended for others): each edit at the slots of the
+        requests it applies to, in the order :meth:`add_window` of each request
+        plans them, and each request's log following the plan's shifts with
+        the sites of its own edits."""
         self.edit_steps = journal = [0]
         for resolved in edits:
-            where = [slot for slot, each in zip(slots, on, strict=True) if resolved in each]
+            where = [slot for slot, each in zip(slots, on, strict=True)
+                     if any(mine is resolved for mine in each)]
             if where:
                 self._plan_edit_slots([resolved], where)
         for state, token, each in zip(states, tokens, on, strict=True):
-            sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
-                     for resolved in each for layer in resolved.edit.layers]
-            state.applied.follow(journal, token, state.prompt_len, sites)
+            state.applied.follow(journal, token, state.prompt_len, _edit_sites(each))
 
     def add_alike_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each
         (state, token_index, slot) in order, planned at once where every request
         is alike: a fresh plan; requests of the same points and the same edits,
         every edit always on (no ``when``; a triggered edit no request has
-        switched on yet applies nowhere, as if absent), no point or edit that picks one
-        token or ends (none retires); each request live, its token matched by
+        switched on yet applies nowhere, as if absent, and so does one done for
+        every request), no point or edit that picks one token or ends (none
+        retires); each request live, its token matched by
         the same points and the same edits as every other's; no two matching
         points sharing a (layer, tensor type), no slot given twice. These are
         the decode steps :meth:`add_steady_tokens` declines that repeat no
@@ -902,6 +988,9 @@ class StepPlan:
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
+        if any(map(_EDIT_ENDS, states)):  # (an edit that ended before this token retires)
+            for state, token in zip(states, tokens, strict=True):
+                state.pass_edit_ends(token)
         first = states[0]
         points, edits = first._live_points, first._live_edits
         if (not (edits or points) or list(map(_ABORT, states)).count(None) != len(states)
@@ -918,6 +1007,13 @@ class StepPlan:
             edits = [resolved for resolved in edits if resolved.edit.when is None]
             if not (edits or points):
                 return False
+        if any(not resolved.edit.position.is_continuous or resolved.edit.position.stop
+               is not None for resolved in edits):
+            # An edit done for every request (a prompt token's, a slice ended)
+            # applies nowhere; one that is not yet ends: each request planned alone.
+            edits = [resolved for resolved in edits
+                     if not all(_done(resolved, state.prompt_len, token)
+                                for state, token in zip(states, tokens, strict=True))]
         for resolved in edits:
             edit = resolved.edit
             if not edit.position.is_continuous or edit.position.stop is not None:

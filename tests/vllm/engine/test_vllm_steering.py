@@ -167,6 +167,23 @@ def run_always_on(model) -> list:
                           prompt_edits=[edits_for(0)] * 4)
 
 
+#: Edits that end, every request the same: the prompt's last token, a slice of
+#: generated tokens and one generated token (beside ``ALWAYS_ON_SPEC`` 's point).
+ENDING_EDITS = [
+    {"name": "pin", "layers": 0, "tensor_type": "attn_out", "position": "prompt[-1]",
+     "op": "clamp", "vector": vector(3), "coefficient": -3.0},
+    {"name": "window", "layers": 1, "tensor_type": "residual_stream",
+     "position": "generated[2:9]", "op": "add", "vector": vector(2), "coefficient": 4.0},
+    {"name": "once", "layers": 2, "tensor_type": "residual_stream", "position": "generated[11]",
+     "op": "add", "vector": vector(4), "coefficient": 6.0},
+]
+
+
+def run_ending(model) -> list:
+    return model.generate(texts()[:4], max_new_tokens=20, records=True,
+                          request_ids=[f"e{i}" for i in range(4)], edits=ENDING_EDITS)
+
+
 def _count_edited_repeats(monkeypatch) -> list[bool]:
     """For each plan made a step later (``StepPlan.shifted``, or ``advanced``
     moving a plan on in place), whether it applies edits."""
@@ -244,7 +261,12 @@ def reference(model_dir):
         assert outputs[index].token_ids[:4] == plain[index].token_ids[:4]
     assert sum(a.token_ids[:NEW] != p.token_ids
                for a, p in zip(always_on, plain, strict=False)) >= 2
-    return outputs, edits_only, always_on, (threshold, switched), (late, strided)
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=ALWAYS_ON_SPEC,
+                     batch_size=COUNT) as hf:
+        ending = run_ending(hf)
+    assert sum(e.token_ids[:NEW] != p.token_ids
+               for e, p in zip(ending, plain, strict=False)) >= 2
+    return outputs, edits_only, always_on, (threshold, switched), (late, strided), ending
 
 
 def _engine(model_dir, ranks):
@@ -257,7 +279,7 @@ def _engine(model_dir, ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
-    with_points, edits_only, _, _, _ = reference
+    with_points, edits_only, _, _, _, _ = reference
     backend = _engine(model_dir, ranks)
     try:
         # Steps that capture nothing report their edits at the end of the call.
@@ -314,6 +336,38 @@ def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
         backend.close()
     assert repeated and all(repeated) and sum(edited_shifts) >= 10
     assert sent and max(sent) > 1
+
+
+def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
+        model_dir, reference, monkeypatch):
+    """Every request with the same edits of the prompt's last token, of a slice
+    of generated tokens and of one generated token: the worker repeats each
+    step's plan within the slice (with its edit) and between and after them
+    (the steps planned afresh: those where an edit starts or ends),
+    and the tokens, records, edited flags and applied edits are HF's."""
+    from undercurrent.adapters.session import StepPlan
+
+    fresh: list[int] = []  # each decode step planned a request at a time
+    add_window = StepPlan.add_window
+
+    def counted(plan, state, start, stop, slot_of):
+        if stop - start == 1 and start >= state.prompt_len:
+            fresh.append(start - state.prompt_len)
+        return add_window(plan, state, start, stop, slot_of)
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    edited_shifts = _count_edited_repeats(monkeypatch)
+    backend = _engine(model_dir, 1)
+    try:
+        with ProbedModel(backend, spec=ALWAYS_ON_SPEC) as model:
+            check_same(run_ending(model), reference[5])
+    finally:
+        backend.close()
+    # (planned afresh only where an edit starts or ends for some request fed:
+    # two of them a step behind the others, their prompts' prefill split; each
+    # step after the last edit, and the slice's middle, repeated)
+    assert fresh and max(fresh) <= 12 and not {4, 5, 6} & set(fresh), fresh
+    assert sum(edited_shifts) >= 4  # (the slice's steps repeated with its edit)
 
 
 def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(

@@ -148,9 +148,9 @@ class _RowDriver:
                 raise BackendError(
                     f"expected the prefill forward to see {self.width} tokens, it saw {width}")
             for row, state in enumerate(self.states):
-                if state.steady_from is not None:
-                    # Its points match generated tokens only, and no edit applies:
-                    # nothing in its prompt to plan.
+                if state.steady_from is not None and not state.edits_prompt():
+                    # Its points match generated tokens only, and no edit applies
+                    # to its prompt: nothing in its prompt to plan.
                     continue
                 pad = self.width - state.prompt_len
                 plan.add_window(state, 0, state.prompt_len, _padded_slot(row, pad))
@@ -301,12 +301,10 @@ class _RowDriver:
             assert phase.plan is not None
             base = phase.plan.base if phase.plan.base is not None else phase.plan
             base.edit_steps, base.edit_offset = journal, phase.forward - forward
-        # (a triggered edit in a cycle is not switched on yet: it applies nowhere)
-        sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
-                 for resolved in fed[0][0]._live_edits if resolved.edit.when is None
-                 for layer in resolved.edit.layers]
+        # (a triggered edit in a cycle is not switched on yet: it applies nowhere;
+        # nor does one done, a prompt token's)
         for state, token, _ in fed:
-            state.applied.follow(journal, token, state.prompt_len, sites)
+            state.applied.follow(journal, token, state.prompt_len, state.edit_sites_at(token))
         return (period, phases, journal)
 
     @staticmethod

@@ -449,6 +449,8 @@ class _Capture:
             if start >= token_stop:
                 continue  # recomputed after a preemption: captured already
             state.next_token = token_stop
+            if state._edit_ends and state._edit_ends[0] < start:
+                state.pass_edit_ends(start)  # (steady again from this token, maybe)
             fed.append((state, start, token_stop, window))
             fed_generated = token_stop - state.prompt_len
             if fed_generated > state.generated_sent:
@@ -907,11 +909,9 @@ def _edits_repeat(plan: StepPlan, fed: list[tuple[MirrorState, int, int, Any]]) 
     plan.edit_steps = journal
     for state, start, _, _ in fed:
         # (a triggered edit not switched on yet applies nowhere: its request is
-        # steady as if it had none, and a switch drops this plan, see _arm)
-        sites = [(resolved.edit.name, layer, resolved.edit.tensor_type.value)
-                 for resolved in state._live_edits
-                 if resolved.edit.when is None or resolved.edit.name in state.armed
-                 for layer in resolved.edit.layers]
+        # steady as if it had none, and a switch drops this plan, see _arm; nor
+        # does one done, a prompt token's, kept live here for recomputed windows)
+        sites = state.edit_sites_at(start)
         if sites:
             state.applied.follow(journal, start, state.prompt_len, sites)
     return True
