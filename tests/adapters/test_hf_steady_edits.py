@@ -113,13 +113,25 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
         monkeypatch, edits, edited):
     """A slice of tokens, a prompt token or one generated token edited: the
     steps where the edits are the same at every token repeat their plans, and
-    are held in windows, before, while and after; the same generation planned
-    and routed a step at a time is the oracle."""
+    are held in windows, before, while and after (no decode step is planned a
+    request at a time: each where an edit starts or stops applying is planned
+    at once); the same generation planned and routed a step at a time is the
+    oracle."""
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
+    alone: list[int] = []  # the decode steps planned a request at a time
+    add_window = StepPlan.add_window
+
+    def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
+        if start >= state.prompt_len:
+            alone.append(start - state.prompt_len)
+        add_window(plan, state, start, stop, slot_of)
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
     point = _point("linear_probe")
     mine = _generate(point, windows=True, records=True, edits=edits)
     assert windows.steps and max(windows.steps) > 1
     assert (shifts.edited > 0) == edited
+    assert alone == []
     monkeypatch.undo()
     _each_step(monkeypatch)
     theirs = _generate(point, windows=False, records=True, edits=edits)
@@ -183,16 +195,20 @@ def _state(edits: list[Edit], points: list[ExtractionPoint] | None = None,
 @pytest.mark.parametrize(("edits", "stride", "steady"), [
     ([], 1, (4, None)),
     ([_edit()], 1, (4, None)),
-    ([_edit("generated[3:]")], 1, (7, None)),
+    ([_edit("generated[3:]")], 1, (4, 7)),  # (the steps before it starts)
     ([_edit("generated[*]", stride=2)], 1, None),  # (every second token)
-    ([_edit("generated[1:6]")], 1, (5, 10)),  # (a slice that ends: the tokens it edits)
+    ([_edit("generated[2:]", stride=2)], 1, (4, 6)),  # (before it starts)
+    ([_edit("generated[1:6]")], 1, (4, 5)),  # (a slice that ends: before it)
+    ([_edit("generated[0:5]")], 1, (4, 9)),  # (in it)
     ([_edit("prompt[-1]")], 1, (4, None)),  # (a prompt token: none generated)
     ([_edit("generated[2]")], 1, (4, 6)),  # (one generated token: the steps before it)
-    ([_edit("generated[0]")], 1, None),  # (the first token edited: planned, then steady)
+    ([_edit("generated[0]")], 1, (4, 5)),  # (the first token: that one alone)
+    ([_edit("generated[0]")], 2, None),  # (beside points of a stride, on at the first)
     ([_edit("prompt[-1]")], 2, (4, None)),  # (points of a stride, no token edited)
-    ([_edit("generated[1:6]")], 2, None),  # (points of a stride, every token edited)
-    ([_edit("generated[1:6]"), _edit("generated[8]", name="late")], 1, (5, 10)),
-    ([_edit("generated[1:6]"), _edit("generated[3]", name="inside")], 1, (5, 7)),
+    ([_edit("generated[0:5]")], 2, None),  # (points of a stride, every token edited)
+    ([_edit("generated[3:5]")], 2, (4, 7)),  # (points of a stride, before it)
+    ([_edit("generated[0:6]"), _edit("generated[8]", name="late")], 1, (4, 10)),
+    ([_edit("generated[0:6]"), _edit("generated[3]", name="inside")], 1, (4, 7)),
     ([_edit(when={"point": "p", "action": "flag"})], 1, (4, None)),  # (none armed yet)
     ([_edit(), _edit("generated[*]", stride=2, name="second",
                      when={"point": "p", "action": "flag"})], 1, (4, None)),
@@ -207,17 +223,24 @@ def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, s
             ) == steady
 
 
-def test_a_request_is_steady_again_once_a_bounded_or_single_token_edit_has_applied():
-    """(``edits_in_window`` of the step that last applies an edit works the
-    request's steady steps out again, where the edit retires and where it is
-    kept, as in a vLLM worker, for recomputed windows)"""
+def test_a_request_is_steady_again_where_each_edit_starts_and_after_it_ends():
+    """(``edits_in_window`` of the step before a token where an edit starts or
+    stops applying works the request's steady steps out again from there,
+    where the edit retires once done and where it is kept, as in a vLLM
+    worker, for recomputed windows)"""
     for retire in (True, False):
         state = _state([_edit("generated[1:6]"), _edit("generated[8]", name="late")])
         state.retire_edits = retire
-        assert (state.steady_from, state.steady_until) == (5, 10)
+        assert (state.steady_from, state.steady_until) == (4, 5)  # (before the slice)
+        assert state.edits_in_window(4, 5) == []
+        assert (state.steady_from, state.steady_until) == (5, 10)  # (in it)
         assert [index for index, _ in state.edits_in_window(9, 10)] == [9]
         assert (state.steady_from, state.steady_until) == (10, 12)  # (before the late one)
         assert len(state._live_edits) == (1 if retire else 2)
+        assert state.edit_sites_at(11) == []
+        assert [index for index, _ in state.edits_in_window(11, 12)] == []
+        assert (state.steady_from, state.steady_until) == (12, 13)  # (the late one's token)
+        assert state.edit_sites_at(12) == [("late", 1, "residual_stream")]
         assert [index for index, _ in state.edits_in_window(12, 13)] == [12]
         assert (state.steady_from, state.steady_until) == (13, None)
         assert state.edits_on_at(13) == [] and state.edit_sites_at(13) == []
@@ -239,9 +262,10 @@ def test_a_triggered_edit_switched_on_moves_the_request_s_steady_steps_past_its_
     assert state.arm("p", SignalAction.FLAG, 5) and state.armed == {"steer": 5}
     # (on from the token after the signal's, every token on: steady again there)
     assert state.steady_from == 6 and not state.arm("p", SignalAction.FLAG, 6)
-    # A switched-on edit from a later token on: steady from its first token.
+    # A switched-on edit from a later token on: steady up to its first token.
     late = _state([_edit("generated[9:]", when={"point": "p", "action": "flag"})])
-    assert late.arm("p", SignalAction.FLAG, 5) and late.steady_from == 13
+    assert late.arm("p", SignalAction.FLAG, 5)
+    assert (late.steady_from, late.steady_until) == (6, 13)
     # One that is strided: each step planned from the signal on.
     other = _state([_edit(stride=2, when={"point": "p", "action": "flag"})])
     assert other.steady_from == 4
@@ -337,8 +361,11 @@ def test_a_triggered_edit_switched_on_for_each_request_at_its_own_token_rides_th
     assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
 
 
-def test_edits_alone_are_steady_from_their_first_token_and_after_a_slice_of_points_ends():
-    assert _state([_edit("generated[2:]")], points=[]).steady_from == 6
+def test_edits_alone_are_steady_before_and_from_their_first_token_and_after_a_slice_ends():
+    alone = _state([_edit("generated[2:]")], points=[])
+    assert (alone.steady_from, alone.steady_until) == (0, 6)  # (nothing to do before)
+    alone.edits_in_window(5, 6)
+    assert (alone.steady_from, alone.steady_until) == (6, None)
     slice_point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
                                   position="generated[0:3]", probe_type="none",
                                   probe_kind="trajectory")

@@ -130,47 +130,59 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
     (``(0, 1, None)`` for none) once its ``edits`` are planned too: from
     ``first`` on, and before ``until``, every token gets the same edits.
     An edit that applies to no token from ``first`` on (a prompt token's, a
-    slice that has ended) changes nothing. One that is on (always, or
-    switched on) and continuous, of stride 1, applies to every token from
-    its first (``first`` moves there) to its last (``until`` moves there);
-    one that edits a single token later on ends the steps before it. (Once
-    such an edit has applied, :meth:`RequestState.edits_in_window` works the
-    steps after it out again.) Given ``armed`` (edit name -> the token whose
-    signal switched it on), a triggered edit in it applies like an always-on
-    one from the token after, and one not in it yet applies nowhere (until a
-    signal arms it: :meth:`RequestState.arm` then works the request's steady
-    steps out again); without, any triggered edit has each step planned.
-    None where an edit is otherwise (each step planned: an edit of every
-    second token, one beside points of a stride)."""
+    slice that has ended) changes nothing; one that starts later ends the
+    steps at its first token; one that is on at ``first`` must be of stride
+    1 beside points of stride 1 (it then applies to every token up to its
+    last: ``until`` moves past it). (At each token where an edit starts or
+    stops applying, :meth:`RequestState.pass_edit_marks` works the steps from
+    there out again.) Given ``armed`` (edit name -> the token whose signal
+    switched it on), a triggered edit in it applies like an always-on one from
+    the token after, and one not in it yet applies nowhere (until a signal arms
+    it: :meth:`RequestState.arm` then works the request's steady steps out
+    again); without, any triggered edit has each step planned. None where an
+    edit is otherwise (each step planned: an edit of every second token on,
+    one on beside points of a stride)."""
     if not edits or steady is None:
         return steady
     first, stride, until = steady
     for resolved in edits:
         edit = resolved.edit
-        begins = first
+        span = _edit_span(edit, prompt_len)
         if edit.when is not None:
             if armed is None:
                 return None
             armed_at = armed.get(edit.name)
-            if armed_at is None:
+            if armed_at is None or span is None:
                 continue
-            begins = max(first, armed_at + 1)
-        position = edit.position
-        last = position.last_index(prompt_len)
-        if last is not None and last < begins:
-            continue  # (it applies to none of the steps from first on)
-        if not position.is_continuous:  # (one token, from first on: the steps before it)
-            assert last is not None
-            until = last if until is None else min(until, last)
+            span = (max(span[0], armed_at + 1), span[1])
+        if span is None:
+            continue
+        begins, ends = span
+        if ends is not None and ends <= max(begins, first):
+            continue  # (it applies to no token from first on)
+        if begins > first:  # (the steps before its first token)
+            until = begins if until is None else min(until, begins)
             continue
         if stride != 1 or edit.stride != 1:
             return None
-        first = max(begins, prompt_len + max(position.start, 0))
-        if last is not None:
-            until = last + 1 if until is None else min(until, last + 1)
+        if ends is not None:
+            until = ends if until is None else min(until, ends)
     if until is not None and first >= until:
         return None
-    return first, stride, until  # (1 where an edit applies)
+    return first, stride, until
+
+
+def _edit_span(edit: Edit, prompt_len: int) -> tuple[int, int | None] | None:
+    """The absolute tokens ``edit`` selects after a prompt of ``prompt_len``
+    tokens lie in ``[begins, ends)`` (``ends`` None: for good), every
+    ``edit.stride`` th from ``begins``; None where it selects none."""
+    position = edit.position
+    if not position.is_continuous:
+        target = position.target_index(prompt_len)
+        return None if target is None else (target, target + 1)
+    begins = prompt_len + max(position.start, 0)
+    ends = None if position.stop is None else prompt_len + position.stop
+    return None if ends is not None and ends <= begins else (begins, ends)
 
 
 def _edit_sites(edits: Sequence[Any]) -> list[tuple[str, int, str]]:
@@ -247,7 +259,7 @@ _FINISH_REASON = operator.attrgetter("finish_reason")
 _LIVE_EDITS = operator.attrgetter("_live_edits")
 _LIVE_POINTS = operator.attrgetter("_live_points")
 _BOUNDED = operator.attrgetter("_bounded")
-_EDIT_ENDS = operator.attrgetter("_edit_ends")
+_EDIT_MARKS = operator.attrgetter("_edit_marks")
 
 
 class StreamText:
@@ -345,11 +357,12 @@ class RequestState:
         # signal), what was applied, and which edits changed each captured site.
         self.edits = tuple(edits)
         self._live_edits: Sequence[Any] = list(self.edits) if self.edits else ()
-        # The last token each edit that ends applies to, ascending, until passed
-        # (edits_in_window then works the steady steps out again).
-        self._edit_ends = sorted(
-            last for resolved in self.edits
-            if (last := resolved.edit.position.last_index(self.prompt_len)) is not None)
+        # Each token where an edit starts or stops applying, ascending, until
+        # planned (pass_edit_marks then works the steady steps out again).
+        self._edit_marks = sorted({
+            mark for resolved in self.edits
+            if (span := _edit_span(resolved.edit, self.prompt_len)) is not None
+            for mark in span if mark is not None})
         self.armed: dict[str, int] = {}
         self.applied = EditLog()
         self._edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
@@ -429,20 +442,21 @@ class RequestState:
                 first = max(start, armed_at + 1)
             found.extend((index, resolved) for index in _tokens_in_window(
                 edit, self.prompt_len, first, stop))
-        if self._edit_ends and self._edit_ends[0] < stop:
-            self.pass_edit_ends(stop)
+        if self._edit_marks and self._edit_marks[0] <= stop:
+            self.pass_edit_marks(stop)
         return found
 
-    def pass_edit_ends(self, stop: int) -> None:
-        """The tokens before ``stop`` are planned: each edit that can apply to
-        none from it on retires (where edits retire), and the request's steady
-        steps are worked out again from ``stop`` on without them
-        (:func:`_steady_with_edits`), once per edit."""
-        ends = self._edit_ends
-        if not ends or ends[0] >= stop:
+    def pass_edit_marks(self, stop: int) -> None:
+        """The tokens before ``stop`` are planned: where an edit starts or
+        stops applying at ``stop`` or before, each edit that can apply to no
+        token from ``stop`` on retires (where edits retire), and the request's
+        steady steps are worked out again from ``stop`` on
+        (:func:`_steady_with_edits`), once per such token."""
+        marks = self._edit_marks
+        if not marks or marks[0] > stop:
             return
-        while ends and ends[0] < stop:
-            del ends[0]
+        while marks and marks[0] <= stop:
+            del marks[0]
         if self.retire_edits:
             self._live_edits = [
                 resolved for resolved in self._live_edits
@@ -904,10 +918,10 @@ class StepPlan:
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
-        if any(map(_EDIT_ENDS, states)):
+        if any(map(_EDIT_MARKS, states)):
             for state, token in zip(states, tokens, strict=True):
-                if state._edit_ends and state._edit_ends[0] < token:
-                    state.pass_edit_ends(token)  # (steady again from this token, maybe)
+                if state._edit_marks and state._edit_marks[0] <= token:
+                    state.pass_edit_marks(token)  # (steady from this token, maybe)
         # The points still able to match (all of them, until one that ends has
         # retired: see RequestState._steady_after), and the edits.
         first = states[0]
@@ -988,9 +1002,9 @@ class StepPlan:
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
         states, tokens, slots = (list(column) for column in zip(*fed, strict=True))
-        if any(map(_EDIT_ENDS, states)):  # (an edit that ended before this token retires)
+        if any(map(_EDIT_MARKS, states)):  # (an edit that ended before this token retires)
             for state, token in zip(states, tokens, strict=True):
-                state.pass_edit_ends(token)
+                state.pass_edit_marks(token)
         first = states[0]
         points, edits = first._live_points, first._live_edits
         if (not (edits or points) or list(map(_ABORT, states)).count(None) != len(states)

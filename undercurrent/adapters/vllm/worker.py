@@ -449,8 +449,8 @@ class _Capture:
             if start >= token_stop:
                 continue  # recomputed after a preemption: captured already
             state.next_token = token_stop
-            if state._edit_ends and state._edit_ends[0] < start:
-                state.pass_edit_ends(start)  # (steady again from this token, maybe)
+            if state._edit_marks and state._edit_marks[0] <= start:
+                state.pass_edit_marks(start)  # (steady from this token, maybe)
             fed.append((state, start, token_stop, window))
             fed_generated = token_stop - state.prompt_len
             if fed_generated > state.generated_sent:
