@@ -437,7 +437,7 @@ def test_the_worker_s_copy_of_a_request_is_steady_again_once_the_driver_switches
     always = MirrorState("uc2", 3, points, edits(None))
     for state in (triggered, always):
         state.matches_in_window(0, 3)  # (the prompt: "last" retires)
-    assert triggered.steady_from == 3 and triggered.edits_repeat_from(3)
+    assert triggered.steady_from == 3 and triggered.edits_same_until(3) is None
     assert always.steady_from == 3
     capture = object.__new__(worker._Capture)
     capture.states = {"uc1": triggered}
@@ -448,7 +448,7 @@ def test_the_worker_s_copy_of_a_request_is_steady_again_once_the_driver_switches
     capture._arm([("uc1", "steer", 5)])
     assert triggered.armed == {"steer": 5} and triggered.steady_from == 6
     assert capture.steady is None and capture.cycle is None
-    assert not triggered.edits_repeat_from(5) and triggered.edits_repeat_from(6)
+    assert triggered.edits_same_until(5) == 6 and triggered.edits_same_until(6) is None
     capture.steady = kept  # type: ignore[assignment]
     capture._arm([("uc1", "steer", 7)])  # (named again: the first switch stands)
     assert triggered.armed == {"steer": 5} and capture.steady is kept

@@ -600,33 +600,40 @@ class RequestState:
             period = math.lcm(period, stride)
         return period
 
-    def edits_repeat_from(self, token_index: int) -> bool:
-        """Whether every token from ``token_index`` on gets the edits that token
-        gets: each edit either can apply to no token from it on, waits for a
-        signal not given yet (it applies nowhere until one is, and
-        :meth:`arm` says so), or is on (always, or switched on by a signal
-        before ``token_index``), continuous, unbounded, of stride 1, and
-        applies to ``token_index``. A backend that repeats a step's layout
-        with the edits each row had then gets every later step's right."""
+    def edits_same_until(self, token_index: int) -> int | None:
+        """The token before which every token from ``token_index`` on gets the
+        edits that token gets (None: every token from it on does;
+        ``token_index + 1``: it alone). Each edit either applies to no token
+        from it on, waits for a signal not given yet (it applies nowhere until
+        one is, and :meth:`arm` says so), starts later (the tokens before its
+        first), or is on at ``token_index`` (always, or switched on by the
+        signal of an earlier token): of stride 1, the tokens up to its last,
+        else that token alone. A backend that repeats a step's layout with the
+        edits each row had then gets the later steps' right up to there."""
         if self.aborted or self.closed:
-            return False
+            return token_index + 1
         armed, prompt_len = self.armed, self.prompt_len
+        until = None
         for resolved in self._live_edits:
             edit = resolved.edit
-            position = edit.position
-            last = position.last_index(prompt_len)
-            if last is not None and last < token_index:
-                continue  # (done: it applies to no token from here on)
+            span = _edit_span(edit, prompt_len)
+            if span is None:
+                continue
+            begins, ends = span
             if edit.when is not None:
                 armed_at = armed.get(edit.name)
                 if armed_at is None:
                     continue
-                if token_index <= armed_at:
-                    return False
-            if (not position.is_continuous or position.stop is not None or edit.stride != 1
-                    or token_index < prompt_len + max(position.start, 0)):
-                return False
-        return True
+                begins = max(begins, armed_at + 1)
+            if ends is not None and ends <= max(begins, token_index):
+                continue  # (done: it applies to no token from here on)
+            if begins > token_index or edit.stride == 1:
+                edge = begins if begins > token_index else ends
+                if edge is not None:
+                    until = edge if until is None else min(until, edge)
+                continue
+            return token_index + 1
+        return until
 
     def _steady_after(self, stop: int) -> None:
         """Once points have retired at ``stop`` (they matched one token, or a

@@ -343,9 +343,11 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
     """Every request with the same edits of the prompt's last token, of a slice
     of generated tokens and of one generated token: the worker repeats each
     step's plan within the slice (with its edit) and between and after them
-    (the steps planned afresh: those where an edit starts or ends),
-    and the tokens, records, edited flags and applied edits are HF's."""
+    (the steps planned afresh: those where an edit starts or ends), the
+    driver repeats its plans up to each such step, and the tokens, records,
+    edited flags and applied edits are HF's."""
     from undercurrent.adapters.session import StepPlan
+    from undercurrent.adapters.vllm import channel
 
     fresh: list[int] = []  # each decode step planned a request at a time
     add_window = StepPlan.add_window
@@ -357,6 +359,14 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
 
     monkeypatch.setattr(StepPlan, "add_window", counted)
     edited_shifts = _count_edited_repeats(monkeypatch)
+    planned: list[int] = []  # the driver's steps planned from their columns
+    step_deliveries = channel.step_deliveries
+
+    def counted_deliveries(batch, table):
+        planned.append(1)
+        return step_deliveries(batch, table)
+
+    monkeypatch.setattr(channel, "step_deliveries", counted_deliveries)
     backend = _engine(model_dir, 1)
     try:
         with ProbedModel(backend, spec=ALWAYS_ON_SPEC) as model:
@@ -368,6 +378,10 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
     # step after the last edit, and the slice's middle, repeated)
     assert fresh and max(fresh) <= 12 and not {4, 5, 6} & set(fresh), fresh
     assert sum(edited_shifts) >= 4  # (the slice's steps repeated with its edit)
+    # (the driver plans from columns where an edit starts or ends for some
+    # request, and repeats the rest: 10 of the 20 steps; 15 when each step up
+    # to the last edit's end was planned)
+    assert planned and len(planned) <= 12, len(planned)
 
 
 def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(

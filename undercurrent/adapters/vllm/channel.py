@@ -107,21 +107,26 @@ CYCLE_STEPS = 8
 class _Seen:
     """A step the driver delivered: its plan (moved on as it repeats), its
     groups' keys, its request table, its matches and their rows, and per
-    group its key and tensor type, resolved once."""
+    group its key and tensor type, resolved once; ``left``: how many tokens
+    on from its step the steered requests' edits stay the same (None: for
+    good), counted down as it repeats."""
 
-    __slots__ = ("plan", "keys", "table", "matches", "rows", "layout")
+    __slots__ = ("plan", "keys", "table", "matches", "rows", "layout", "left")
 
     def __init__(self, plan: StepPlan, keys: list[tuple[int, str, int]],
                  table: list[RequestState | None], matches: np.ndarray, rows: np.ndarray,
-                 layout: list[tuple[tuple[int, TensorType], TensorType]]) -> None:
+                 layout: list[tuple[tuple[int, TensorType], TensorType]],
+                 left: int | None = None) -> None:
         self.plan, self.keys, self.table = plan, keys, table
         self.matches, self.rows, self.layout = matches, rows, layout
+        self.left = left
 
 
 class _Repeat:
     """Steps that repeat an earlier one some tokens later: the same requests
     (the same states, each steered one getting the same edits at every token
-    from here on: ``_steady_edits``), the same groups and the same matches,
+    from here on, or up to a token where one changes: ``_steady_edits``), the
+    same groups and the same matches,
     each the same number of tokens on (the last step's one token on; a
     strided layout's, its stride; a cycle of layouts', points of several
     strides, its period). Such a step's plan is the earlier plan shifted
@@ -165,6 +170,8 @@ class _Repeat:
             seen.remove(found)
             # (the earlier plan moved on, once it is delivered)
             plan = found.plan = found.plan.advanced(delta)
+            if found.left is not None:
+                found.left -= delta
             banks = [_as_tensor(bank) for bank in batch.banks]
             groups = plan.groups
             deliveries: list[Delivery] = [
@@ -178,16 +185,17 @@ class _Repeat:
             seen.remove(found)  # (planned again below, as a plan that alternates)
         deliveries = step_deliveries(batch, table)
         made = deliveries[0][1].plan if deliveries else None
-        if made is None or None in table or not _steady_edits(batch, table):
-            # (an untracked request, or one whose edits differ from step to
-            # step: planned every step)
+        left = None if made is None or None in table else _steady_edits(batch, table)
+        if made is None or None in table or left == 1:
+            # (an untracked request, or one whose edits differ from the next
+            # step's: planned every step)
             self._seen = []
             return deliveries
         made.repeatable = True
         made.alternates = alternates
         layout = [(key, key[1]) for key in (
             cast(PairKey, group.key) for _, group, _ in deliveries)]
-        seen.append(_Seen(made, keys, table, batch.matches, batch.match_rows, layout))
+        seen.append(_Seen(made, keys, table, batch.matches, batch.match_rows, layout, left))
         if len(seen) > CYCLE_STEPS:
             del seen[0]
         return deliveries
@@ -200,17 +208,19 @@ class _Repeat:
         batch (``claimed``: :attr:`~undercurrent.adapters.vllm.wire.StepBatch.shifted`),
         else as the columns show (every match the same number of tokens on: a
         strided layout's captured steps come its stride apart, a cycle's its
-        period)."""
+        period), and not so far on that a steered request's edits have
+        changed (:attr:`_Seen.left`)."""
         if keys != earlier.keys or table != earlier.table or not len(batch.matches):
             return 0
+        left = earlier.left
         if claimed and batch.shifted:
-            return 1
+            return 1 if left is None or left > 1 else 0
         # (ndarray comparisons, not numpy.array_equal: this runs at every step)
         before, rows, now = earlier.matches, earlier.rows, batch.matches
         if now.shape != before.shape or batch.match_rows.shape != rows.shape:
             return 0
         delta = int(now[0, 2] - before[0, 2])
-        if delta < 1:
+        if delta < 1 or (left is not None and delta >= left):
             return 0
         following = before.copy()
         following[:, 2] += delta
@@ -218,26 +228,31 @@ class _Repeat:
                              and (now == following).all()) else 0
 
 
-def _steady_edits(batch: wire.StepBatch, table: list[RequestState | None]) -> bool:
-    """Whether each steered request of ``batch`` gets, at every token from the
-    one it captures now on, the edits it got at this one
-    (:meth:`~undercurrent.adapters.session.RequestState.edits_repeat_from`):
-    then a repeat of this step's layout has its rows' edits right (read from
-    the requests' logs once, see ``StepPlan.edits_logged``)."""
+def _steady_edits(batch: wire.StepBatch, table: list[RequestState | None]) -> int | None:
+    """How many tokens on from the one each steered request of ``batch``
+    captures now it gets the edits it got at this one (the fewest of them;
+    :meth:`~undercurrent.adapters.session.RequestState.edits_same_until`;
+    None: every token from it on, or no request steered; 1: this one alone):
+    up to there a repeat of this step's layout has its rows' edits right
+    (read from the requests' logs once, see ``StepPlan.edits_logged``)."""
     steered = [index for index, state in enumerate(table)
                if state is not None and state.edits]
     if not steered:
-        return True
+        return None
     firsts: dict[int, int] = {}
     for request, _, token_index, _ in batch.matches.tolist():
         firsts.setdefault(request, token_index)
+    left = None
     for index in steered:
         token_index = firsts.get(index)
         state = table[index]
         assert state is not None
-        if token_index is None or not state.edits_repeat_from(token_index):
-            return False
-    return True
+        if token_index is None:
+            return 1
+        until = state.edits_same_until(token_index)
+        if until is not None:
+            left = until - token_index if left is None else min(left, until - token_index)
+    return left
 
 
 def _take_tokens(tokens: Iterable[tuple[RequestState | None, int, int]]) -> None:
