@@ -491,15 +491,17 @@ class _Capture:
             wanted = phase.wanted if (phase.live == live and
                                       self.states.keys() == phase.keys) else None
         else:
-            # (a decode step of requests alike, points of several strides among
-            # them: planned at once, as each request's window would plan it)
-            alike = (bool(fed) and not plan
-                     and all(stop - start == 1 for _, start, stop, _ in fed)
-                     and plan.add_alike_tokens([(state, start, window.row_of(start))
-                                                for state, start, _, window in fed]))
-            if not alike:
+            # (a decode step of requests each steady from its token on, or of
+            # requests alike, points of several strides among them: planned at
+            # once, as each request's window would plan it)
+            decode = (bool(fed) and not plan
+                      and all(stop - start == 1 for _, start, stop, _ in fed))
+            at_once = decode and plan.add_steady_tokens(places)
+            alike = decode and not at_once and plan.add_alike_tokens(places)
+            if not alike and not at_once:
                 for state, start, stop, window in fed:
                     plan.add_window(state, start, stop, window.row_of)
+            if not alike:
                 self.cycle = None
             wanted = None
         if wanted is None:
@@ -905,6 +907,8 @@ def _edits_repeat(plan: StepPlan, fed: list[tuple[MirrorState, int, int, Any]]) 
     token) apply at every token from its one on, the same sites each step)."""
     if plan.base is not None:
         return plan.base.edit_steps is not None
+    if plan.edit_steps is not None:
+        return True  # (planned at once: its requests' logs follow its journal already)
     journal: list[int] = []
     plan.edit_steps = journal
     for state, start, _, _ in fed:
