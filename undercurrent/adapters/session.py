@@ -457,13 +457,17 @@ class RequestState:
             return
         while marks and marks[0] <= stop:
             del marks[0]
+        # (steady steps that start at stop or later were worked out with these
+        # edits in view: the same again; the prefill of a prompt token's edit)
+        worked_out = self.steady_from is not None and stop <= self.steady_from
         if self.retire_edits:
             self._live_edits = [
                 resolved for resolved in self._live_edits
                 if (last := resolved.edit.position.last_index(self.prompt_len)) is None
                 or last >= stop
             ]
-        self._steady_after(stop)
+        if not worked_out:
+            self._steady_after(stop)
 
     def arm(self, point_name: str, action: SignalAction, token_index: int) -> bool:
         """Switch on the triggered edits waiting for ``action`` from ``point_name``
@@ -960,7 +964,16 @@ class StepPlan:
         # (always on, or switched on by a signal, and selecting it) applies to
         # every token of its steady steps, one that does not (not switched on
         # yet, done, or a single token later on) to none.
-        on = [state.edits_on_at(token, edits) for state, token in zip(states, tokens, strict=True)]
+        on: list[list[Any]] = []
+        known: dict[tuple[int, int], list[Any]] = {}  # (by prompt length and token)
+        for state, token in zip(states, tokens, strict=True):
+            if state.armed:
+                on.append(state.edits_on_at(token, edits))
+                continue
+            found = known.get((state.prompt_len, token))
+            if found is None:
+                found = known[(state.prompt_len, token)] = state.edits_on_at(token, edits)
+            on.append(found)
         same = on[0]
         if all(len(each) == len(same) and all(map(operator.is_, each, same)) for each in on):
             if same:
