@@ -23,7 +23,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_hf_windows import WEIGHT, Windows, _generate, _point, _record_view, _view  # noqa: E402
+from test_hf_windows import (  # noqa: E402
+    MAX_NEW,
+    WEIGHT,
+    Windows,
+    _generate,
+    _point,
+    _record_view,
+    _view,
+)
 
 from undercurrent.adapters.edit_log import EditLog  # noqa: E402
 from undercurrent.adapters.outputs import AppliedEdit  # noqa: E402
@@ -146,6 +154,38 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
                 and _selects(edit, record.token_index, output.prompt_len))
 
 
+@pytest.mark.parametrize("position", ["generated[*]", "generated[2:]"])
+def test_an_edit_of_the_points_stride_repeats_with_their_strided_plan(monkeypatch, position):
+    """Points of every second token beside an edit of every second token, in
+    phase with them (from their first, or from the third token): the steady
+    steps are every second one, each with the edit, nothing planned between;
+    the general path is the oracle."""
+    import dataclasses
+
+    windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
+    alone: list[int] = []
+    add_window = StepPlan.add_window
+
+    def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
+        if start >= state.prompt_len:
+            alone.append(start - state.prompt_len)
+        add_window(plan, state, start, stop, slot_of)
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    point = dataclasses.replace(_point("linear_probe"), stride=2)
+    edits = [_edit(position, stride=2, layers=(0, 2))]
+    mine = _generate(point, windows=True, records=True, edits=edits)
+    assert shifts.edited > 0 and alone == []
+    assert windows.steps and max(windows.steps) > 1
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate(point, windows=False, records=True, edits=edits)
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
+    for output in mine:
+        assert [entry.generated_index for entry in output.edits if entry.layer == 0] == [
+            index for index in range(0, MAX_NEW - 1, 2) if index >= edits[0].position.start]
+
+
 def _selects(edit: Edit, token_index: int, prompt_len: int) -> bool:
     position = edit.position
     if not position.is_continuous:
@@ -213,6 +253,10 @@ def _state(edits: list[Edit], points: list[ExtractionPoint] | None = None,
     ([_edit(), _edit("generated[*]", stride=2, name="second",
                      when={"point": "p", "action": "flag"})], 1, (4, None)),
     ([_edit()], 2, None),  # (points every second token, the edit on each)
+    ([_edit(stride=2)], 2, (4, None)),  # (the edit on the tokens the points match)
+    ([_edit("generated[1:]", stride=2)], 2, (4, 5)),  # (before it: then between the points)
+    ([_edit("generated[2:9]", stride=2)], 2, (4, 6)),  # (before it, then in it)
+    ([_edit(stride=3)], 2, None),  # (another stride)
 ])
 def test_a_request_is_steady_only_where_every_token_gets_the_same_edits(edits, stride, steady):
     point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",

@@ -131,17 +131,18 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
     ``first`` on, and before ``until``, every token gets the same edits.
     An edit that applies to no token from ``first`` on (a prompt token's, a
     slice that has ended) changes nothing; one that starts later ends the
-    steps at its first token; one that is on at ``first`` must be of stride
-    1 beside points of stride 1 (it then applies to every token up to its
-    last: ``until`` moves past it). (At each token where an edit starts or
+    steps at its first token; one that is on at ``first`` must select the
+    tokens the points match (of their stride, ``first`` among them: it then
+    applies at every steady step up to its last, ``until`` moving past it). (At each token where an edit starts or
     stops applying, :meth:`RequestState.pass_edit_marks` works the steps from
     there out again.) Given ``armed`` (edit name -> the token whose signal
     switched it on), a triggered edit in it applies like an always-on one from
     the token after, and one not in it yet applies nowhere (until a signal arms
     it: :meth:`RequestState.arm` then works the request's steady steps out
     again); without, any triggered edit has each step planned. None where an
-    edit is otherwise (each step planned: an edit of every second token on,
-    one on beside points of a stride)."""
+    edit is otherwise (each step planned: an edit of every second token
+    beside points of every token, one of every token beside points of a
+    stride)."""
     if not edits or steady is None:
         return steady
     first, stride, until = steady
@@ -163,8 +164,8 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
         if begins > first:  # (the steps before its first token)
             until = begins if until is None else min(until, begins)
             continue
-        if stride != 1 or edit.stride != 1:
-            return None
+        if edit.stride != stride or (first - begins) % stride:
+            return None  # (it edits tokens no point matches, or skips some that one does)
         if ends is not None:
             until = ends if until is None else min(until, ends)
     if until is not None and first >= until:

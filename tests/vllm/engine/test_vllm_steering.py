@@ -179,6 +179,19 @@ ENDING_EDITS = [
 ]
 
 
+#: A point of every second generated token beside an edit of the same tokens.
+STRIDED_SPEC = {"version": "2", "extraction_points": [
+    {**SPEC["extraction_points"][1], "stride": 2}]}
+STRIDED_EDITS = [{"name": "every_second", "layers": 1, "tensor_type": "residual_stream",
+                  "position": "generated[*]", "stride": 2, "op": "add", "vector": vector(6),
+                  "coefficient": 4.0}]
+
+
+def run_strided_edit(model) -> list:
+    return model.generate(texts()[:2], max_new_tokens=16, records=True,
+                          request_ids=[f"t{i}" for i in range(2)], edits=STRIDED_EDITS)
+
+
 def run_ending(model) -> list:
     return model.generate(texts()[:4], max_new_tokens=20, records=True,
                           request_ids=[f"e{i}" for i in range(4)], edits=ENDING_EDITS)
@@ -266,7 +279,12 @@ def reference(model_dir):
         ending = run_ending(hf)
     assert sum(e.token_ids[:NEW] != p.token_ids
                for e, p in zip(ending, plain, strict=False)) >= 2
-    return outputs, edits_only, always_on, (threshold, switched), (late, strided), ending
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=STRIDED_SPEC,
+                     batch_size=COUNT) as hf:
+        strided_edit = run_strided_edit(hf)
+    assert all(len(output.edits) == 8 for output in strided_edit)  # (generated 0, 2, .. 14)
+    return (outputs, edits_only, always_on, (threshold, switched), (late, strided), ending,
+            strided_edit)
 
 
 def _engine(model_dir, ranks):
@@ -279,7 +297,7 @@ def _engine(model_dir, ranks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference, ranks):
-    with_points, edits_only, _, _, _, _ = reference
+    with_points, edits_only, *_ = reference
     backend = _engine(model_dir, ranks)
     try:
         # Steps that capture nothing report their edits at the end of the call.
@@ -382,6 +400,23 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
     # request, and repeats the rest: 10 of the 20 steps; 15 when each step up
     # to the last edit's end was planned)
     assert planned and len(planned) <= 12, len(planned)
+
+
+def test_an_edit_of_the_points_stride_repeats_with_their_strided_plan_and_matches_hf(
+        model_dir, reference, monkeypatch):
+    """A point of every second generated token beside an edit of the same
+    tokens, two requests (prefilled in one step: in phase, as a strided
+    layout must be to repeat): the worker repeats the captured steps' plan a
+    stride later with the edit (nothing planned between), and the tokens,
+    records, edited flags and applied edits are HF's."""
+    edited_shifts = _count_edited_repeats(monkeypatch)
+    backend = _engine(model_dir, 1)
+    try:
+        with ProbedModel(backend, spec=STRIDED_SPEC) as model:
+            check_same(run_strided_edit(model), reference[6])
+    finally:
+        backend.close()
+    assert sum(edited_shifts) >= 3
 
 
 def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(
