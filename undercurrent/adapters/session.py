@@ -133,9 +133,10 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
     slice that has ended) changes nothing; one that starts later ends the
     steps at its first token; one that is on at ``first`` must select the
     tokens the points match (of their stride, ``first`` among them: it then
-    applies at every steady step up to its last, ``until`` moving past it). (At each token where an edit starts or
-    stops applying, :meth:`RequestState.pass_edit_marks` works the steps from
-    there out again.) Given ``armed`` (edit name -> the token whose signal
+    applies at every steady step up to its last, ``until`` moving past it).
+    (At each token where an edit starts or stops applying,
+    :meth:`RequestState.pass_edit_marks` works the steps from there out
+    again.) Given ``armed`` (edit name -> the token whose signal
     switched it on), a triggered edit in it applies like an always-on one from
     the token after, and one not in it yet applies nowhere (until a signal arms
     it: :meth:`RequestState.arm` then works the request's steady steps out
