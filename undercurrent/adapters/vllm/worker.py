@@ -903,8 +903,8 @@ def _edits_repeat(plan: StepPlan, fed: list[tuple[MirrorState, int, int, Any]]) 
     """Whether the edits of a steady step's ``plan`` repeat with it: a plan shifted
     from one whose edits do, or a fresh one, whose requests' logs of applied
     edits then follow its shifts (:attr:`StepPlan.edit_steps`; each request fed
-    is steady, so its edits that are on (always, or switched on before its
-    token) apply at every token from its one on, the same sites each step)."""
+    is steady, so the edits that apply to its token (on, and selecting it)
+    apply at every steady step of its stretch, the same sites each step)."""
     if plan.base is not None:
         return plan.base.edit_steps is not None
     if plan.edit_steps is not None:
