@@ -72,6 +72,21 @@ class Shifts:
         monkeypatch.setattr(StepPlan, "advanced", counted_advanced)
 
 
+def _planned_alone(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The generated index of each decode step planned a request at a time
+    (``StepPlan.add_window``), appended as it is planned."""
+    alone: list[int] = []
+    add_window = StepPlan.add_window
+
+    def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
+        if start >= state.prompt_len:
+            alone.append(start - state.prompt_len)
+        add_window(plan, state, start, stop, slot_of)
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    return alone
+
+
 def _each_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step planned request by request (the general path)."""
     monkeypatch.setattr(StepPlan, "add_steady_tokens", lambda self, fed: False)
@@ -126,15 +141,7 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
     at once); the same generation planned and routed a step at a time is the
     oracle."""
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
-    alone: list[int] = []  # the decode steps planned a request at a time
-    add_window = StepPlan.add_window
-
-    def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
-        if start >= state.prompt_len:
-            alone.append(start - state.prompt_len)
-        add_window(plan, state, start, stop, slot_of)
-
-    monkeypatch.setattr(StepPlan, "add_window", counted)
+    alone = _planned_alone(monkeypatch)
     point = _point("linear_probe")
     mine = _generate(point, windows=True, records=True, edits=edits)
     assert windows.steps and max(windows.steps) > 1
@@ -163,15 +170,7 @@ def test_an_edit_of_the_points_stride_repeats_with_their_strided_plan(monkeypatc
     import dataclasses
 
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
-    alone: list[int] = []
-    add_window = StepPlan.add_window
-
-    def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
-        if start >= state.prompt_len:
-            alone.append(start - state.prompt_len)
-        add_window(plan, state, start, stop, slot_of)
-
-    monkeypatch.setattr(StepPlan, "add_window", counted)
+    alone = _planned_alone(monkeypatch)
     point = dataclasses.replace(_point("linear_probe"), stride=2)
     edits = [_edit(position, stride=2, layers=(0, 2))]
     mine = _generate(point, windows=True, records=True, edits=edits)

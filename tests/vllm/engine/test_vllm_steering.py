@@ -220,6 +220,22 @@ def _count_edited_repeats(monkeypatch) -> list[bool]:
     return edited
 
 
+def _count_column_plans(monkeypatch) -> list[int]:
+    """One entry for each step the driver plans from its columns
+    (``channel.step_deliveries``)."""
+    from undercurrent.adapters.vllm import channel
+
+    planned: list[int] = []
+    step_deliveries = channel.step_deliveries
+
+    def counted_deliveries(batch, table):
+        planned.append(1)
+        return step_deliveries(batch, table)
+
+    monkeypatch.setattr(channel, "step_deliveries", counted_deliveries)
+    return planned
+
+
 def check_same(outputs, reference) -> None:
     compare(outputs, reference)
     for ours, theirs in zip(outputs, reference, strict=True):
@@ -365,7 +381,6 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
     driver repeats its plans up to each such step, and the tokens, records,
     edited flags and applied edits are HF's."""
     from undercurrent.adapters.session import StepPlan
-    from undercurrent.adapters.vllm import channel
 
     fresh: list[int] = []  # each decode step planned a request at a time
     add_window = StepPlan.add_window
@@ -377,14 +392,7 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
 
     monkeypatch.setattr(StepPlan, "add_window", counted)
     edited_shifts = _count_edited_repeats(monkeypatch)
-    planned: list[int] = []  # the driver's steps planned from their columns
-    step_deliveries = channel.step_deliveries
-
-    def counted_deliveries(batch, table):
-        planned.append(1)
-        return step_deliveries(batch, table)
-
-    monkeypatch.setattr(channel, "step_deliveries", counted_deliveries)
+    planned = _count_column_plans(monkeypatch)
     backend = _engine(model_dir, 1)
     try:
         with ProbedModel(backend, spec=ALWAYS_ON_SPEC) as model:
@@ -428,18 +436,9 @@ def test_a_guard_switching_an_edit_on_keeps_the_steps_repeated_and_matches_hf(
     with the edit at its row), the driver repeats its plans too (its rows'
     edits read from the requests' logs), and the tokens, records, edited flags
     and applied edits are HF's."""
-    from undercurrent.adapters.vllm import channel
-
     threshold, theirs = reference[3]
     edited_shifts = _count_edited_repeats(monkeypatch)
-    planned: list[int] = []  # the driver's steps planned from their columns
-    step_deliveries = channel.step_deliveries
-
-    def counted_deliveries(batch, table):
-        planned.append(1)
-        return step_deliveries(batch, table)
-
-    monkeypatch.setattr(channel, "step_deliveries", counted_deliveries)
+    planned = _count_column_plans(monkeypatch)
     backend = _engine(model_dir, 1)
     try:
         with ProbedModel(backend, spec=switched_spec(threshold)) as model:
