@@ -119,19 +119,21 @@ SWITCHED_EDIT = [{"name": "switched", "layers": 2, "tensor_type": "residual_stre
 
 
 def late_threshold(watched: list) -> float:
-    """The lowest score some request reaches while none reaches it before its
-    eighth generated token: every switch comes late."""
-    def firsts(threshold: float) -> list[int]:
-        return [min(s.generated_index for s in output.signals if s.score >= threshold)
-                for output in watched if any(s.score >= threshold for s in output.signals)]
+    """A threshold some request's score reaches, where the first to reach it
+    does so as late as any threshold allows (later is better: the steps
+    before a switch repeat their cycle), midway between two scores some
+    distance apart: vLLM's scores differ from HF's in their last digits, and
+    one at the threshold, or near it, would switch on one backend and not on
+    the other."""
+    def first(threshold: float) -> int:
+        return min(s.generated_index for output in watched for s in output.signals
+                   if s.score >= threshold)
 
     scores = sorted({s.score for output in watched for s in output.signals}, reverse=True)
-    chosen = scores[0]
-    for score in scores:
-        if min(firsts(score)) < 8:
-            break
-        chosen = score
-    return chosen
+    candidates = [(high + low) / 2 for high, low in zip(scores, scores[1:], strict=False)
+                  if high - low > 1e-6]
+    # (the latest first switch; of those, the lowest threshold: the most switches)
+    return max(candidates, key=lambda threshold: (first(threshold), -threshold))
 
 
 def strided_spec(threshold: float) -> dict:
@@ -303,11 +305,11 @@ def reference(model_dir):
             strided_edit)
 
 
-def _engine(model_dir, ranks):
+def _engine(model_dir, ranks, budget=CHUNK_BUDGET):
     from undercurrent.adapters.vllm.backend import VLLMBackend
 
     return VLLMBackend.from_pretrained(model_dir, dtype="float32", max_model_len=256,
-                                       max_num_batched_tokens=CHUNK_BUDGET,
+                                       max_num_batched_tokens=budget,
                                        tensor_parallel_size=ranks)
 
 
@@ -470,7 +472,10 @@ def test_a_guard_beside_a_strided_point_repeats_its_cycle_until_the_switch_and_m
         return found
 
     monkeypatch.setattr(worker._Capture, "_cycled", counted)
-    backend = _engine(model_dir, 1)
+    # (every prompt prefilled in one step, so that the requests decode in
+    # phase: a prompt split over steps puts its request a token behind, and
+    # requests out of phase with a point of stride 2 make no cycle)
+    backend = _engine(model_dir, 1, budget=2048)
     try:
         with ProbedModel(backend, spec=strided_spec(threshold)) as model:
             check_same(run_switched(model), theirs)
