@@ -136,15 +136,17 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
         monkeypatch, edits, edited):
     """A slice of tokens, a prompt token or one generated token edited: the
     steps where the edits are the same at every token repeat their plans, and
-    are held in windows, before, while and after (no decode step is planned a
-    request at a time: each where an edit starts or stops applying is planned
-    at once); the same generation planned and routed a step at a time is the
-    oracle."""
+    are held in one window, before, while and after (no decode step is planned
+    a request at a time: each where an edit starts or stops applying is
+    planned at once); the same generation planned and routed a step at a time
+    is the oracle."""
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
     alone = _planned_alone(monkeypatch)
     point = _point("linear_probe")
     mine = _generate(point, windows=True, records=True, edits=edits)
-    assert windows.steps and max(windows.steps) > 1
+    # (one window holds every decode step: the layouts before, within and after
+    # an edit share it, each row with its own step's edits)
+    assert windows.steps == [MAX_NEW - 1]
     assert (shifts.edited > 0) == edited
     assert alone == []
     monkeypatch.undo()
@@ -293,6 +295,66 @@ def test_a_request_is_steady_again_where_each_edit_starts_and_after_it_ends():
     assert state.edits_prompt() and state.steady_from == 4
     assert [index for index, _ in state.edits_in_window(0, 4)] == [3]
     assert not _state([_edit("generated[0]")]).edits_prompt()
+
+
+def test_requests_opened_together_work_out_each_mark_once_per_prompt_length(monkeypatch):
+    """(``pass_edit_marks`` of requests opened together, with the same points
+    and edits and a prompt of one length, works their steady steps out once
+    per mark; each request then holds what working them out alone gives, a
+    request whose edit is switched on and one whose edits never retire
+    included)"""
+    from undercurrent.adapters.session import RequestState
+    from undercurrent.records import SignalAction
+
+    edits = [_edit("generated[1:6]"), _edit("generated[8]", name="late"),
+             _edit("generated[2:]", name="armed", when={"point": "p", "action": "flag"})]
+    point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="none",
+                            probe_kind="trajectory")
+
+    class _Router:
+        def register_requests(self, contexts: Any, points: Any) -> None:
+            pass
+
+        def register_request(self, request_id: str, points: Any, context: Any) -> None:
+            pass
+
+    def opened() -> list[Any]:
+        session = CaptureSession(_Router(), [point],
+                                 edits=resolve_edits(edits, hidden_size=len(VECTOR)))
+        states = session.open_requests([(f"r{index}", "x", [1] * length)
+                                        for index, length in enumerate([4, 6, 4, 6, 4])])
+        states[3].retire_edits = False
+        assert states[2].arm("p", SignalAction.FLAG, 4)
+        return states
+
+    def steps(states: list[Any]) -> list[Any]:
+        seen = []
+        for generated in range(12):
+            for state in states:
+                state.edits_in_window(state.prompt_len + generated,
+                                      state.prompt_len + generated + 1)
+                seen.append((state.steady_from, state.steady_stride, state.steady_until,
+                             [resolved.edit.name for resolved in state._live_edits]))
+        return seen
+
+    worked = []
+    steady_after = RequestState._steady_after
+
+    def counted(state: Any, stop: int) -> None:
+        worked.append((state.request_id, stop))
+        steady_after(state, stop)
+
+    monkeypatch.setattr(RequestState, "_steady_after", counted)
+    together = steps(opened())
+    # (the armed request, r2, each mark itself; r3's edits kept: its own key)
+    assert {request for request, _ in worked} == {"r0", "r1", "r2", "r3"}
+    assert len(worked) == len(set(worked))
+    monkeypatch.setattr(CaptureSession, "open_requests", lambda self, requests: [
+        self.open_request(*request) for request in requests])
+    alone = opened()
+    assert all(state._worked is None for state in alone)
+    assert steps(alone) == together
 
 
 def test_a_triggered_edit_switched_on_moves_the_request_s_steady_steps_past_its_signal():

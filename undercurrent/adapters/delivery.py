@@ -864,13 +864,15 @@ class _SteadyPoint:
                    None if self.edits is None else self.edits * len(self.requests)),
         )
 
-    def window_batch(self, deltas: list[int], steps: list[list[Any]],
-                     stamps: list[float]) -> ActivationBatch:
+    def window_batch(self, deltas: list[int], steps: list[list[Any]], stamps: list[float],
+                     points: list[_SteadyPoint] | None = None) -> ActivationBatch:
         """This point's batches ``deltas`` tokens after the base plan's (each
         step's :meth:`pieces`, captured at ``stamps``) as one batch, grouped by
         request: each request's rows of every step in turn, layer-minor (what
         routing each step's batch in order hands its probe, in the same order),
-        each row with its step's capture time."""
+        each row with its step's capture time. ``points``: each step's point,
+        where the steps are of several layouts (see :meth:`_Window.admits`):
+        each row has the edits of its step's point."""
         count, width = self.count, len(self.requests)
         # Each piece is one (step, layer) with a row per request: stacked on dim 1,
         # row r of the result holds request r's pieces in (step, layer) order.
@@ -914,11 +916,19 @@ class _SteadyPoint:
             generated_indices=IntColumn(generated_at.ravel()),
             token_ids=token_ids,
             # (each request's rows: every step's edits, a layer at a time)
-            edits=self._window_edits(len(deltas)),
+            edits=(self._window_edits(len(deltas)) if points is None
+                   else _steps_edits(points)),
             timestamp=stamps[0],
             # (each request's rows: every step's time, once per layer)
             timestamps=np.tile(np.repeat(np.asarray(stamps, dtype=np.float64), count), width),
         )
+
+    def step_edits(self) -> list[tuple[str, ...]]:
+        """The ``edits`` column of one step's batch: each request's rows, a
+        layer at a time (every row's ``()`` where no edit applies)."""
+        if self.row_edits is not None:
+            return self.row_edits
+        return (self.edits or [()] * self.count) * len(self.requests)
 
     def _window_edits(self, steps: int) -> list[tuple[str, ...]] | None:
         """The ``edits`` column of a window of ``steps`` steps: each request's rows
@@ -938,6 +948,21 @@ class _SteadyPoint:
             prompts = np.array([state.prompt_len for state, _ in self.requests], dtype=np.int64)
             self.bases = (bases, bases - prompts)
         return self.bases
+
+
+def _steps_edits(points: list[_SteadyPoint]) -> list[tuple[str, ...]] | None:
+    """The ``edits`` column of a window whose steps are of ``points`` in turn
+    (one per step, each of the same requests and layers as the first, with
+    edits of its own): each request's rows of every step together, a layer at
+    a time."""
+    first = points[0]
+    if all(point is first or (point.edits == first.edits and point.row_edits is None
+                              and first.row_edits is None) for point in points):
+        return first._window_edits(len(points))
+    count = first.count
+    each = [point.step_edits() for point in points]
+    return [names for start in range(0, count * len(first.requests), count)
+            for rows in each for names in rows[start:start + count]]
 
 
 def _stacked(pieces: list[Any]) -> DeferredRows:
@@ -1215,9 +1240,11 @@ class _Window:
     :data:`WINDOW_BYTES` bytes.
 
     The layouts of plans that alternate (:attr:`StepPlan.alternates`: points of
-    several strides, a cycle of plans) share a window where none has an abort
-    guard (:meth:`admits`): each point's steps, from whichever layout, are
-    routed as one batch (:meth:`_route_alternating`)."""
+    several strides, a cycle of plans), and those that follow each other where
+    the requests' edits change (an edit of ``generated[2:12]`` starting, then
+    ending), share a window where none has an abort guard (:meth:`admits`):
+    each point's steps, from whichever layout, are routed as one batch
+    (:meth:`_route_alternating`)."""
 
     __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "values", "size", "step_size",
                  "base", "shape", "keys", "layouts", "refs", "offsets", "sizes")
@@ -1252,14 +1279,17 @@ class _Window:
 
     def admits(self, layout: _SteadyLayout, limit: int) -> bool:
         """Whether a step of ``layout`` may join this window: one of its own
-        layout, or of another alternating with it (both bases
-        :attr:`StepPlan.alternates`, no abort guard) over the same requests in
-        the same order, where each point of a name held already has the same
-        layers and rows per request, at tokens a fixed shift from the first's.
-        The window's limit is then the least of both."""
+        layout, or of another over the same requests in the same order, neither
+        with an abort guard, where each point of a name held already has the
+        same layers and rows per request, at tokens a fixed shift from the
+        first's: a layout alternating with it (both bases
+        :attr:`StepPlan.alternates`), or the one the requests' steps repeat
+        once their edits change (an edit starting or ending: each row then
+        keeps its own step's edits, see :func:`_steps_edits`). The window's
+        limit is then the least of both."""
         if layout is self.layout or id(layout) in self.sizes:
             return True
-        if (not self.base.alternates or layout.guards or self.layout.guards
+        if (layout.guards or self.layout.guards
                 or len(layout.states) != len(self.layout.states)
                 or not all(map(operator.is_, layout.states, self.layout.states))):
             return False
@@ -1454,10 +1484,11 @@ class _Window:
             _add_window_runs(layout.states, kept_parts, routed_parts, steps)
 
     def _route_alternating(self, session: Any) -> None:
-        """:meth:`route` of steps of alternating layouts: each point (by name)
-        routed once, with its steps from every layout that has it (tokens on
-        from its first layout's, see :meth:`admits`); each request's signals
-        and records of a step from the matches of that step's layout."""
+        """:meth:`route` of steps of several layouts (alternating, or following
+        each other: see :meth:`admits`): each point (by name) routed once, with
+        its steps from every layout that has it (tokens on from its first
+        layout's) and each step's edits; each request's signals and records
+        of a step from the matches of that step's layout."""
         steps = len(self.steps)
         by_name: dict[str, list[tuple[int, int, _SteadyPoint]]] = {}
         for step, layout in enumerate(self.layouts):
@@ -1472,7 +1503,8 @@ class _Window:
             batch = ref.window_batch(
                 [self.deltas[step] + offsets[id(point)] for step, _, point in entries],
                 [self.steps[step][index] for step, index, _ in entries],
-                [self.stamps[step] for step, _, _ in entries])
+                [self.stamps[step] for step, _, _ in entries],
+                [point for _, _, point in entries])
             # Each layout's point of this name, and the place among the name's
             # steps of each of its steps.
             places: dict[int, tuple[_SteadyPoint, dict[int, int]]] = {}

@@ -36,7 +36,7 @@ import operator
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from undercurrent.adapters.delivery import (
     PlanMatch,
@@ -205,6 +205,17 @@ _Bounds = tuple[dict[int, int | None], bool,
                 tuple[int, int, int | None] | None]
 
 
+class _Worked(NamedTuple):
+    """What :meth:`RequestState.pass_edit_marks` worked out at a mark, for a
+    request of these live ``points`` and ``edits`` (the very objects): the
+    edits live after it, and ``(steady_from, steady_stride, steady_until)``."""
+
+    points: Sequence[ExtractionPoint]
+    edits: Sequence[Any]
+    live_edits: Sequence[Any]
+    steady: tuple[int | None, int, int | None]
+
+
 def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
     """Where ``points`` match after a prompt of ``prompt_len`` tokens (read only,
     shared by the requests with that length): the last index each can match
@@ -331,6 +342,7 @@ class RequestState:
         keep_records: bool = False,
         edits: Sequence[Any] = (),
         bounds: dict[int, _Bounds] | None = None,
+        worked: dict[tuple[Any, ...], _Worked] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -365,6 +377,9 @@ class RequestState:
             mark for resolved in self.edits
             if (span := _edit_span(resolved.edit, self.prompt_len)) is not None
             for mark in span if mark is not None})
+        # What pass_edit_marks worked out at a mark, for requests opened with
+        # this one (by prompt length, mark, and how edits retire and arm).
+        self._worked = worked
         self.armed: dict[str, int] = {}
         self.applied = EditLog()
         self._edited_sites: dict[tuple[int, TensorType, int], tuple[str, ...]] = {}
@@ -462,6 +477,23 @@ class RequestState:
         # (steady steps that start at stop or later were worked out with these
         # edits in view: the same again; the prefill of a prompt token's edit)
         worked_out = self.steady_from is not None and stop <= self.steady_from
+        worked, key = self._worked, None
+        if worked is not None and not self.armed:
+            # Requests opened together with the same points and edits, and a
+            # prompt of this length, work out the same at this mark: once.
+            key = (self.prompt_len, stop, worked_out, self.retire_edits,
+                   self.steady_until_armed)
+            found = worked.get(key)
+            if (found is not None and _same_points([self._live_points], found.points)
+                    and _same_points([self._live_edits], found.edits)):
+                self._live_edits = found.live_edits
+                if not worked_out:  # (as _steady_after leaves them)
+                    if found.steady[0] is None:
+                        self.steady_from = None
+                    else:
+                        self.steady_from, self.steady_stride, self.steady_until = found.steady
+                return
+        before = self._live_edits
         if self.retire_edits:
             self._live_edits = [
                 resolved for resolved in self._live_edits
@@ -470,6 +502,9 @@ class RequestState:
             ]
         if not worked_out:
             self._steady_after(stop)
+        if key is not None and worked is not None:
+            worked[key] = _Worked(self._live_points, before, self._live_edits,
+                                  (self.steady_from, self.steady_stride, self.steady_until))
 
     def arm(self, point_name: str, action: SignalAction, token_index: int) -> bool:
         """Switch on the triggered edits waiting for ``action`` from ``point_name``
@@ -1293,11 +1328,12 @@ class CaptureSession:
                         f"request id {request_id!r} is already open in this generation")
                 seen.add(request_id)
         bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
+        worked: dict[tuple[Any, ...], _Worked] = {}  # (see RequestState.pass_edit_marks)
         shared = tuple(self.edits)  # (each request's own edits after these)
         mine = self.request_edits
         states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
                                (*shared, *mine[request_id]) if request_id in mine else shared,
-                               bounds)
+                               bounds, worked)
                   for request_id, prompt, token_ids in requests]
         # (each request's context, as _context makes it: built in C, a field at a time)
         register_many(list(map(RequestContext.of_prompt, ids, map(_PROMPT, states),
