@@ -503,6 +503,43 @@ def test_an_edit_log_builds_a_journal_s_entries_in_order_and_keeps_what_it_follo
     assert log == list(log) and log != [first]
 
 
+def test_journals_stopped_at_a_change_of_edits_are_built_when_read_each_in_its_place(
+        monkeypatch):
+    """(a journal stopped when its request follows another, or logs an entry of
+    its own, keeps its shifts read so far; its entries are built when the log
+    is read, between the entries logged before and after it)"""
+    from undercurrent.adapters import edit_log
+
+    made: list[int] = []
+    entries = edit_log._entries
+
+    def counted(shifts: list[int], *args: Any) -> list[AppliedEdit]:
+        made.append(len(shifts))
+        return entries(shifts, *args)
+
+    monkeypatch.setattr(edit_log, "_entries", counted)
+    first, later = [0], [0]
+    log = EditLog()
+    head = AppliedEdit("prompt", 0, 3, None, "residual_stream")
+    log.append(head)
+    log.follow(first, 10, 4, [("a", 1, "residual_stream")])
+    first += [1, 2]
+    log.follow(later, 15, 4, [("b", 2, "mlp_out")])  # (the edits changed)
+    first.append(3)  # (another request's shift: not this log's)
+    later.append(1)
+    middle = AppliedEdit("once", 1, 17, 13, "residual_stream")
+    log.append(middle)
+    assert made == [] and log.pending and not log.following
+    assert list(log) == [head, *[AppliedEdit("a", 1, 10 + shift, 6 + shift, "residual_stream")
+                                 for shift in range(3)],
+                         AppliedEdit("b", 2, 15, 11, "mlp_out"),
+                         AppliedEdit("b", 2, 16, 12, "mlp_out"), middle]
+    assert made == [3, 2] and not log.pending
+    # (the journals' entries, for the edited sites, once)
+    assert [entry.edit_name for entry in log.take_unsited()] == ["a"] * 3 + ["b"] * 2
+    assert log.take_unsited() == []
+
+
 def test_the_edited_sites_of_steady_steps_are_read_from_the_journal():
     state = _state([_edit(layers=(0, 2))])
     state.generated.extend([7, 7, 7])

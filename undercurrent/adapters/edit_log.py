@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from undercurrent.adapters.outputs import AppliedEdit
+from undercurrent.records import built
 
 #: One (edit name, layer, tensor type value) a steady step applies, in the order
 #: it logs them: each edit in turn, each of its layers in turn.
@@ -30,12 +31,16 @@ class EditLog(Sequence[AppliedEdit]):
     steps built when read). ``append`` one; ``follow`` a steady layout's
     journal of shifts until the next ``append`` or ``follow``."""
 
-    __slots__ = ("_built", "_following", "_unsited", "_tape", "_read")
+    __slots__ = ("_built", "_following", "_unsited", "_tape", "_read", "_stopped")
 
     def __init__(self) -> None:
         self._built: list[AppliedEdit] = []
         # (journal, entries read, first token, prompt length, sites) while following
         self._following: list[Any] | None = None
+        # The journals followed and stopped since the entries were last built,
+        # as (where in _built their entries go, the shifts read, first token,
+        # prompt length, sites): built with the rest when read.
+        self._stopped: list[tuple[int, list[int], int, int, tuple[EditSite, ...]]] = []
         # Ranges of _built made from a journal, not yet given to take_unsited.
         self._unsited: list[tuple[int, int]] = []
         # What was done to this log since take_tape, where recorded (see record).
@@ -109,32 +114,52 @@ class EditLog(Sequence[AppliedEdit]):
         shifts = journal[read:upto]
         following[1] = read + len(shifts)
         if stop:
+            # (its entries built when read, in their place: a change of edits
+            # stops every request's journal at once)
             self._read = following[1]
-        if shifts:
-            start = len(self._built)
-            self._built.extend(
-                AppliedEdit(name, layer, token_index + shift, token_index + shift - prompt_len,
-                            tensor_type)
-                for shift in shifts for name, layer, tensor_type in sites)
-            self._unsited.append((start, len(self._built)))
-        if stop:
             self._following = None
+            if shifts:
+                self._stopped.append((len(self._built), shifts, token_index, prompt_len,
+                                      sites))
+        elif shifts:
+            self._build_stopped()
+            start = len(self._built)
+            self._built += _entries(shifts, token_index, prompt_len, sites)
+            self._unsited.append((start, len(self._built)))
+
+    def _build_stopped(self) -> None:
+        """Build the entries of the journals stopped since the last call, each
+        in its place among the others."""
+        stopped, self._stopped = self._stopped, []
+        if not stopped:
+            return
+        before, built, done = self._built, [], 0
+        for place, shifts, token_index, prompt_len, sites in stopped:
+            built += before[done:place]
+            done = place
+            start = len(built)
+            built += _entries(shifts, token_index, prompt_len, sites)
+            self._unsited.append((start, len(built)))
+        built += before[done:]
+        self._built = built
 
     def _flush(self) -> list[AppliedEdit]:
+        if self._stopped:
+            self._build_stopped()
         if self._following is not None:
             self._catch_up(stop=False)
         return self._built
 
     def clear(self) -> None:
         """Forget every entry, the journal followed and the tape."""
-        self._built, self._following, self._unsited = [], None, []
+        self._built, self._following, self._unsited, self._stopped = [], None, [], []
         if self._tape is not None:
             self._tape = []
 
     def take_unsited(self) -> list[AppliedEdit]:
         """The entries built from a journal since the last call (for a request's
         map of edited sites, kept from the others as they are logged)."""
-        if self._following is None and not self._unsited:
+        if self._following is None and not self._unsited and not self._stopped:
             return []  # (the usual case, read per request and step on the general path)
         self._flush()
         ranges, self._unsited = self._unsited, []
@@ -142,6 +167,12 @@ class EditLog(Sequence[AppliedEdit]):
 
     def __len__(self) -> int:
         return len(self._flush())
+
+    @property
+    def pending(self) -> bool:
+        """Whether some entries are still to be built (a journal followed, or
+        stopped since they were last read)."""
+        return self._following is not None or bool(self._stopped)
 
     def __getitem__(self, index: Any) -> Any:
         return self._flush()[index]
@@ -160,3 +191,16 @@ class EditLog(Sequence[AppliedEdit]):
 
     def __repr__(self) -> str:
         return f"EditLog({self._flush()!r})"
+
+
+def _entries(shifts: list[int], token_index: int, prompt_len: int,
+             sites: Sequence[EditSite]) -> list[AppliedEdit]:
+    """The entries of a journal's ``shifts`` read from token ``token_index``
+    (a prompt of ``prompt_len`` tokens): ``sites`` at each shifted token, each
+    made as :class:`AppliedEdit` 's own ``__init__`` makes it."""
+    return [built(AppliedEdit, {"edit_name": name, "layer": layer, "token_index": token,
+                                "generated_index": token - prompt_len,
+                                "tensor_type": tensor_type})
+            for token in [token_index + shift for shift in shifts]
+            for name, layer, tensor_type in sites]
+

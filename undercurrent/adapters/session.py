@@ -1407,7 +1407,7 @@ class CaptureSession:
             "signals": LazySequence(state.signals.__iter__),
             "records": state.records,
             # (a steady layout's edits built when read, as the signals are)
-            "edits": (LazySequence(state.applied.__iter__) if state.applied.following
+            "edits": (LazySequence(state.applied.__iter__) if state.applied.pending
                       else tuple(state.applied)),
         })
 
