@@ -203,4 +203,3 @@ def _entries(shifts: list[int], token_index: int, prompt_len: int,
                                 "tensor_type": tensor_type})
             for token in [token_index + shift for shift in shifts]
             for name, layer, tensor_type in sites]
-
