@@ -288,3 +288,48 @@ def test_records_of_one_point_followed_from_the_kept_layout_are_those_of_plannin
         assert len(mine.records) > 0
         assert [_record_view(r) for r in mine.records] == [_record_view(r) for r in theirs.records]
     assert [_view(output) for output in repeated] == [_view(output) for output in planned]
+
+
+def test_once_every_point_has_matched_its_tokens_no_later_step_plans_anything(monkeypatch):
+    """Points on prompt tokens and a slice of generated tokens that ends: once
+    the slice has ended for every request, no point is left that can match, and
+    the later decode forwards plan nothing (no request is planned, no plan
+    made). The records are still exactly what transformers computes."""
+    Keeper.kept = {}
+    planned: list[int] = []
+    add_window = StepPlan.add_window
+
+    def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
+        planned.append(start - state.prompt_len)  # (the generated index, < 0 in the prompt)
+        add_window(plan, state, start, stop, slot_of)
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    points = [
+        ExtractionPoint(name="last", layers=(0, 2), tensor_type="residual_stream",
+                        position="prompt[-1]", probe_type="keeper", probe_kind="single_shot"),
+        ExtractionPoint(name="first", layers=(1,), tensor_type="attn_out",
+                        position="generated[0:2]", probe_type="keeper",
+                        probe_kind="trajectory"),
+    ]
+    backend = HFBackend(build_model("llama"), build_tokenizer())
+    with Router(probes={"keeper": Keeper}) as router:
+        outputs = backend.generate(PROMPTS, ["a", "b", "c"],
+                                   SamplingParams(max_new_tokens=MAX_NEW),
+                                   CaptureSession(router, points))
+    # The prefill plans each prompt from token 0; the decode forwards of generated
+    # tokens 0 and 1 are planned at once; the one of 2 (past the slice) plans each
+    # request alone and finds nothing left: the later ones plan nothing at all.
+    assert planned == [-output.prompt_len for output in outputs] + [2] * len(PROMPTS)
+    model = build_model("llama")
+    out, captured, width = _oracle(model, build_tokenizer(), SamplingParams(
+        max_new_tokens=MAX_NEW))
+    for row, output in enumerate(outputs):
+        assert list(output.token_ids) == out.sequences[row, width:].tolist()
+        records = Keeper.kept[output.request_id]
+        last = output.prompt_len - 1
+        assert sorted((r.extraction_point_name, r.layer, r.token_index) for r in records) == [
+            ("first", 1, output.prompt_len), ("first", 1, output.prompt_len + 1),
+            ("last", 0, last), ("last", 2, last)]
+        for record in records:
+            want = _expected(record, row, out, captured, width, output.prompt_len)
+            torch.testing.assert_close(record.tensor, want, rtol=1e-5, atol=1e-5)

@@ -402,6 +402,14 @@ class RequestState:
             return self.generated[generated_index]
         return None
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether no point is left that may match a later token, nor an edit
+        that may apply to one: each has retired (it matched its one token, its
+        slice ended, its tokens are done). Retired ones never come back, so no
+        later step of this request plans anything."""
+        return not self._live_points and not self._live_edits
+
     def edits_on_at(self, token_index: int, edits: Sequence[Any] | None = None) -> list[Any]:
         """Those of ``edits`` (default: the live ones) that apply to
         ``token_index``: on (always, or switched on by the signal of an

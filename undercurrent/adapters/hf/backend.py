@@ -126,6 +126,10 @@ class _RowDriver:
         self._none_ended = True
         self._aborts = len(session.aborted)
         self._arms = session.arms  # (a triggered edit switched on since: plan again)
+        # Set once no request has a point left that may match, nor an edit that
+        # may apply (points that matched their prompt tokens, slices that
+        # ended, edits done): every later forward plans nothing.
+        self._spent = False
         # The longest request's generated tokens, while every request takes one a
         # step (after_token's first path); None: not counted.
         self._longest: int | None = None
@@ -159,6 +163,8 @@ class _RowDriver:
             raise BackendError(
                 f"expected decode step {index} to feed one token per row, it fed {width}; "
                 "run generation with use_cache=True")
+        if self._spent:
+            return None
         if self.session.arms != self._arms:
             # A signal switched on a triggered edit: the plans kept lack it.
             self._arms = self.session.arms
@@ -225,13 +231,19 @@ class _RowDriver:
         alike = not repeats and plan.add_alike_tokens(tokens)
         if not repeats and not alike:
             for state, index, row in fed:
-                plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
+                if not state.exhausted:  # (else no point nor edit is left to plan)
+                    plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
             repeats = not plan.edits and bool(fed) and all(
                 state.steady_from is not None and index >= state.steady_from
                 and not (index - state.steady_from) % state.steady_stride
                 and (state.steady_until is None or index < state.steady_until)
                 for state, index, _ in fed) and len(
                     {state.steady_stride for state, _, _ in fed}) == 1
+        if not plan and all(state.exhausted for state in states):
+            # Nothing planned, and no request has a point or edit left (each
+            # retires for good): no later step plans anything either.
+            self._spent = True
+            return None
         if repeats:
             # (the steps from this one before which every request is in its slice)
             limit = min((state.steady_until - index for state, index, _ in fed

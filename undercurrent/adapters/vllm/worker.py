@@ -500,7 +500,8 @@ class _Capture:
             alike = decode and not at_once and plan.add_alike_tokens(places)
             if not alike and not at_once:
                 for state, start, stop, window in fed:
-                    plan.add_window(state, start, stop, window.row_of)
+                    if not state.exhausted:  # (else no point nor edit is left to plan)
+                        plan.add_window(state, start, stop, window.row_of)
             if not alike:
                 self.cycle = None
             wanted = None
