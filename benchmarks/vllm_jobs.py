@@ -34,7 +34,8 @@ KV_CACHE_GIB = "1"
 #: a slice of them, and the inline linear probe beside a live edit (always
 #: on; switched on by a flag no score raises; switched on by each request's
 #: first flag) or beside edits that end (the last prompt token's, a slice of
-#: generated tokens, one generated token). Each point's rows count as vectors.
+#: generated tokens, one generated token), and the inline linear probe on
+#: the last prompt token alone. Each point's rows count as vectors.
 ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "guard and observer": "uc_guard_and_observer",
                     "sae features": "uc_sae_features",
@@ -46,7 +47,8 @@ ON_REQUEST_MODES = {"inline linear guard": "uc_inline_linear_guard",
                     "inline linear and edit": "uc_inline_linear_and_edit",
                     "inline linear and triggered edit": "uc_inline_linear_and_triggered_edit",
                     "inline linear and switched edit": "uc_inline_linear_and_switched_edit",
-                    "inline linear and ending edits": "uc_inline_linear_and_ending_edits"}
+                    "inline linear and ending edits": "uc_inline_linear_and_ending_edits",
+                    "inline linear prompt last": "uc_inline_linear_prompt_last"}
 
 
 def add_one_engine_arguments(parser: Any) -> None:

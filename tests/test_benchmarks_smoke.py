@@ -502,15 +502,17 @@ def test_the_strided_slice_and_prompt_read_scenarios_capture_what_their_position
     plus the last prompt token at the last layer, every token at the first
     layer and every second at the other, and every token beside an edit that
     adds nothing (always on, switched on by a flag that never comes, or by the
-    first token's flag, or beside the two strides) or beside edits that end;
-    each generates plain's tokens."""
+    first token's flag, or beside the two strides) or beside edits that end,
+    and the last prompt token alone at both layers; each generates plain's
+    tokens."""
     from benchmarks.worker import scaling_job
 
     names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear_stride_2",
              "uc_inline_linear_slice", "uc_inline_linear_and_prompt_read",
              "uc_inline_linear_mixed_strides", "uc_inline_linear_and_edit",
              "uc_inline_linear_and_triggered_edit", "uc_inline_linear_and_switched_edit",
-             "uc_inline_linear_mixed_strides_and_edit", "uc_inline_linear_and_ending_edits"]
+             "uc_inline_linear_mixed_strides_and_edit", "uc_inline_linear_and_ending_edits",
+             "uc_inline_linear_prompt_last"]
     result = scaling_job("deep2", batch_sizes=[2], layer_sets=["all"], scenarios=names,
                          repeats=1, warmup=0, max_new_tokens=6)
     rows = {row["scenario"]: row for row in scaling.hf_rows(result, max_new_tokens=6)}
@@ -523,7 +525,8 @@ def test_the_strided_slice_and_prompt_read_scenarios_capture_what_their_position
                 "uc_inline_linear_and_triggered_edit": 2 * 5 * 2,
                 "uc_inline_linear_and_switched_edit": 2 * 5 * 2,
                 "uc_inline_linear_mixed_strides_and_edit": 2 * (5 + 3),
-                "uc_inline_linear_and_ending_edits": 2 * 5 * 2}
+                "uc_inline_linear_and_ending_edits": 2 * 5 * 2,
+                "uc_inline_linear_prompt_last": 2 * 2}
     for name, records in expected.items():
         assert rows[name]["records"] == records, name
         assert rows[name]["tokens_match"] is True, rows[name]["token_check"]

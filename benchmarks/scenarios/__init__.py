@@ -23,6 +23,7 @@ from benchmarks.scenarios.probed import (
     ProbedInlineTrajectoryGuard,
     ProbedMixedStrides,
     ProbedMixedStridesWithEdit,
+    ProbedPromptLast,
     ProbedSaeFeatures,
     ProbedSlice,
     ProbedStrided,
@@ -56,7 +57,8 @@ ON_REQUEST: tuple[type[Scenario], ...] = (ProbedInlineLinearGuard, ProbedGuardAn
                                           ProbedWithPromptRead, ProbedInlineTrajectoryGuard,
                                           ProbedMixedStrides, ProbedWithEdit,
                                           ProbedWithTriggeredEdit, ProbedWithSwitchedEdit,
-                                          ProbedMixedStridesWithEdit, ProbedWithEndingEdits)
+                                          ProbedMixedStridesWithEdit, ProbedWithEndingEdits,
+                                          ProbedPromptLast)
 
 
 def scenario_by_name(name: str) -> type[Scenario]:

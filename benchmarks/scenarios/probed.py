@@ -480,6 +480,22 @@ class ProbedSlice(ProbedInlineLinear):
         return [{**point, "position": "generated[2:20]"} for point in super().points()]
 
 
+class ProbedPromptLast(ProbedInlineLinear):
+    """:class:`ProbedInlineLinear` on the last prompt token only
+    (``prompt[-1]``): the usual probing study's capture, one vector per
+    request and layer from the prefill, and nothing left to capture once the
+    prompt is read (the decode steps plan nothing)."""
+
+    name: ClassVar[str] = "uc_inline_linear_prompt_last"
+    captures: ClassVar[str] = (
+        "residual stream at the chosen layers for the last prompt token only, scored inline "
+        "by linear_probe"
+    )
+
+    def points(self) -> list[dict[str, Any]]:
+        return [{**point, "position": "prompt[-1]"} for point in super().points()]
+
+
 class ProbedWithPromptRead(ProbedInlineLinear):
     """:class:`ProbedInlineLinear` beside a point reading the last prompt token
     at the last chosen layer (an inline ``norm_probe``): a spec with a point
