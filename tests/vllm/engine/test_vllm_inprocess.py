@@ -569,6 +569,42 @@ def test_points_of_several_strides_are_planned_at_once_and_repeated_by_the_drive
             assert float((record.tensor - other.tensor).abs().max()) <= 1e-4, key
 
 
+def test_a_request_with_no_point_left_is_not_planned_and_captures_what_hf_captures(
+        backend, reference, num_layers, monkeypatch):
+    # Points that end (the last prompt token, the first generated one): once a
+    # request is past both, no point is left that can match, and the worker
+    # plans nothing for it at the later steps (no window of it is planned);
+    # what the probe is given is still what HF captures.
+    texts, hf_outputs = reference
+    names = ("attn_last_prompt", "attn_first_generated")
+    points = [dataclasses.replace(point, probe_type="keeper")
+              for point in spec_points(num_layers) if point.name in names]
+    planned: list[tuple[str, int, bool]] = []  # (request, first token, nothing left)
+    add_window = StepPlan.add_window
+
+    def counted(plan, state, start, stop, slot_of):
+        planned.append((state.request_id, start, state.exhausted))
+        return add_window(plan, state, start, stop, slot_of)
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    _Keeper.kept = {}
+    with Router(probes={"keeper": _Keeper}) as router:
+        session = CaptureSession(router, points)
+        outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
+                                   session)
+    assert planned and not any(exhausted for _, _, exhausted in planned), planned
+    # (each request planned up to its first generated token, never past it)
+    assert max(start for _, start, _ in planned) <= max(output.prompt_len for output in outputs)
+    for ours, theirs in zip(outputs, hf_outputs, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        mine = {record.key(): record for record in _Keeper.kept.get(ours.request_id, [])}
+        expected = {record.key(): record for record in theirs.records
+                    if record.extraction_point_name in names}
+        assert set(mine) == set(expected) and len(mine) == 2 + 1  # (layers 0 and last; 1)
+        for key, record in mine.items():
+            assert float((record.tensor - expected[key].tensor).abs().max()) <= 1e-4, key
+
+
 @pytest.mark.parametrize("mode", ["inline", "async"])
 def test_a_step_repeated_from_the_runners_arrays_gives_what_planning_it_gives(
         backend, reference, num_layers, monkeypatch, mode):
