@@ -583,7 +583,8 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
     """``benchmarks.vllm_paired`` / ``vllm_stage_timers`` modes beyond the scaling
     set's: the guard, the guard with an async observer (two points), the SAE
     spec's guard and reporter (on the bundled width only), points of two
-    strides, and the probe beside a live edit or edits that end."""
+    strides, the probe beside a live edit or edits that end, and the probe on
+    the last prompt token alone."""
     import json
 
     from benchmarks.vllm_jobs import ON_REQUEST_MODES, _probed_setup
@@ -596,7 +597,11 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
                                      "inline linear slice", "inline linear mixed strides",
                                      "inline linear and edit", "inline linear and triggered edit",
                                      "inline linear and switched edit",
-                                     "inline linear and ending edits"}
+                                     "inline linear and ending edits",
+                                     "inline linear prompt last"}
+    _, spec, _, _ = _probed_setup(str(tmp_path), "all", "inline linear prompt last")
+    assert [(point.layers, str(point.position)) for point in spec.extraction_points] == [
+        ((0, 1, 2, 3), "prompt[-1]")]
     layers, spec, _, keep = _probed_setup(str(tmp_path), "all", "guard and observer")
     assert layers == (0, 1, 2, 3) and keep is False
     guard, observer = spec.extraction_points
