@@ -678,3 +678,78 @@ def test_points_of_several_strides_repeat_their_cycle_until_a_triggered_edit_is_
     _each_step(monkeypatch)
     theirs = _generate([every, second], windows=False, records=True, edits=[edit])
     assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
+
+
+def test_prompts_planned_at_once_give_what_planning_each_request_s_prompt_gives(monkeypatch):
+    """The prefill plans every prompt with what each prompt length matches,
+    retires and gets worked out once (``StepPlan.add_prompts``); the oracle is
+    each request's prompt planned alone (``add_window``). Prompts of three
+    lengths, two of each; points on prompt tokens (one that retires, one
+    beside generated tokens), an absolute token and generated tokens; edits on
+    a prompt token and on a slice of generated tokens: the tokens, signals,
+    results, records (with the edits at each) and applied edits are the same,
+    and the batched run plans no prompt alone."""
+    from hf_models import build_model, build_tokenizer, prompt
+
+    import undercurrent.adapters.hf.backend as hf_backend
+    from undercurrent.adapters import SamplingParams
+    from undercurrent.adapters.hf.backend import HFBackend
+    from undercurrent.router import Router
+
+    prompts = [prompt(3, 1, 4, 1, 5, 9), prompt(2, 6), prompt(5, 3, 5, 8),
+               prompt(2, 7, 1, 8, 2, 8), prompt(1, 4), prompt(1, 4, 1, 4)]
+    ids = [f"p{index}" for index in range(len(prompts))]
+    linear = {"weight": WEIGHT, "bias": 0.0, "threshold": 0.0, "action": "flag"}
+    points = [
+        ExtractionPoint(name="last", layers=(0, 2), tensor_type="residual_stream",
+                        position="prompt[-1]", probe_type="linear_probe",
+                        probe_kind="single_shot", probe_args=linear),
+        ExtractionPoint(name="first", layers=(1,), tensor_type="attn_out",
+                        position="prompt[0]", probe_type="norm_probe", probe_kind="single_shot"),
+        ExtractionPoint(name="absolute", layers=(1,), tensor_type="mlp_out", position=1,
+                        probe_type="norm_probe", probe_kind="single_shot"),
+        ExtractionPoint(name="watch", layers=(0, 1, 2), tensor_type="residual_stream",
+                        position="generated[*]", probe_type="linear_probe",
+                        probe_kind="trajectory", probe_args=linear),
+    ]
+    edits = resolve_edits([_edit("prompt[-1]", name="prompt_edit", layers=(0, 1)),
+                           _edit("generated[2:5]", name="slice_edit")],
+                          hidden_size=len(WEIGHT))
+
+    def generate(batched: bool) -> tuple[list[Any], list[tuple[str, int]]]:
+        # (each window planned alone: its request and first generated index, < 0
+        # for a prompt)
+        alone: list[tuple[str, int]] = []
+        add_window = StepPlan.add_window
+
+        def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
+            alone.append((state.request_id, start - state.prompt_len))
+            add_window(plan, state, start, stop, slot_of)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(StepPlan, "add_window", counted)
+            patch.setattr(hf_backend._RowDriver, "batch_prompts", batched)
+            backend = HFBackend(build_model("llama"), build_tokenizer())
+            with Router() as router:
+                session = CaptureSession(router, points, keep_records=True, edits=edits)
+                outputs = backend.generate(prompts, ids, SamplingParams(max_new_tokens=MAX_NEW),
+                                           session)
+        return outputs, alone
+
+    batched, alone = generate(True)
+    planned, each = generate(False)
+    prefills = [(request, -output.prompt_len) for request, output in zip(ids, planned,
+                                                                          strict=True)]
+    assert each[:len(prompts)] == prefills and len({index for _, index in prefills}) == 3
+    # The decode steps are planned alike: each request left as its prompt alone
+    # leaves it (its points retired, its steady steps and edit marks worked out).
+    assert alone == each[len(prompts):]
+    assert any(output.signals for output in planned)
+    for mine, theirs in zip(batched, planned, strict=True):
+        assert _view(mine) == _view(theirs)
+        assert [_record_view(r) for r in mine.records] == [_record_view(r)
+                                                           for r in theirs.records]
+        assert list(mine.edits) == list(theirs.edits)
+        assert {edit.edit_name for edit in mine.edits} == {"prompt_edit", "slice_edit"}
+        assert {r.extraction_point_name for r in mine.records} == {"last", "first", "absolute",
+                                                                   "watch"}

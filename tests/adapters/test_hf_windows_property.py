@@ -187,18 +187,21 @@ def _with_sae(points: list[ExtractionPoint], folder: str) -> list[ExtractionPoin
 
 def _run(points: list[ExtractionPoint], *, windows: bool, records: bool, eos: int | None,
          repeat: bool, edits: list[Edit], each: bool = False) -> list[Any]:
-    """``each``: every step planned request by request (the general path)."""
-    before = _RowDriver.repeat_plans, StepPlan.add_steady_tokens, StepPlan.add_alike_tokens
+    """``each``: every step planned request by request (the general path), the
+    prefill's prompts too."""
+    before = (_RowDriver.repeat_plans, _RowDriver.batch_prompts, StepPlan.add_steady_tokens,
+              StepPlan.add_alike_tokens)
     _RowDriver.repeat_plans = repeat
     if each:
+        _RowDriver.batch_prompts = False
         StepPlan.add_steady_tokens = StepPlan.add_alike_tokens = (  # type: ignore[method-assign]
             lambda self, fed: False)
     try:
         return _generate(points, windows=windows, records=records, eos=eos,
                          probes={"per_record": PerRecord}, edits=edits)
     finally:
-        (_RowDriver.repeat_plans, StepPlan.add_steady_tokens,  # type: ignore[method-assign]
-         StepPlan.add_alike_tokens) = before
+        (_RowDriver.repeat_plans, _RowDriver.batch_prompts,  # type: ignore[method-assign]
+         StepPlan.add_steady_tokens, StepPlan.add_alike_tokens) = before
 
 
 @st.composite
@@ -235,8 +238,8 @@ def test_windows_give_what_routing_each_step_gives_on_random_specs(monkeypatch, 
     windowed = _run(points, windows=True, records=records, eos=eos, repeat=repeat, edits=edits)
     held = list(routed)
     routed.clear()
-    # (the oracle plans every step afresh, request by request: the repeated
-    # plans, and those planned at once, are checked too)
+    # (the oracle plans every step afresh, request by request, the prompts too:
+    # the repeated plans, and those planned at once, are checked too)
     stepped = _run(points, windows=False, records=records, eos=eos, repeat=False, edits=edits,
                    each=True)
     assert routed == []  # (routing each step holds nothing)

@@ -265,6 +265,7 @@ _STEADY_UNTIL = operator.attrgetter("steady_until")
 _POINTS = operator.attrgetter("points")
 _ABORT = operator.attrgetter("abort")
 _CLOSED = operator.attrgetter("closed")
+_ARMED = operator.attrgetter("armed")
 _PROMPT_LEN = operator.attrgetter("prompt_len")
 _PROMPT = operator.attrgetter("prompt")
 _PROMPT_TOKEN_IDS = operator.attrgetter("prompt_token_ids")
@@ -958,6 +959,71 @@ class StepPlan:
             matches.append(PlanMatch(state, point, token_index, layers,
                                      [group.row_of(slot) for group in groups], len(matches)))
         self.add_edit_window(state, start, stop, slot_of)
+
+    def add_prompts(self, fed: Sequence[tuple[RequestState, Callable[[int], Hashable]]]
+                    ) -> bool:
+        """:meth:`add_window` of each (state, slot_of)'s whole prompt (tokens
+        ``[0, prompt_len)``) in order, with what a prompt matches, gets and
+        retires worked out once per prompt length: a fresh plan; requests of
+        the same points and edits (the very objects), none aborted, closed or
+        armed, and each of them alike in how its edits retire and arm (so
+        prompts of one length match the same tokens and leave the same points,
+        edits and steady steps). The plan, the edits' slots in their order, and
+        each request's points left, steady steps and log of applied edits are
+        what :meth:`add_window` of each request gives. Returns False, planning
+        nothing, otherwise (plan each request with :meth:`add_window`)."""
+        if self.base is not None or self.groups or self.edits or self._matches or not fed:
+            return False
+        states = [state for state, _ in fed]
+        first = states[0]
+        points, edits = first._live_points, first._live_edits
+        if (list(map(_ABORT, states)).count(None) != len(states) or any(map(_CLOSED, states))
+                or any(map(_ARMED, states))
+                or len({(state.retire_edits, state.steady_until_armed) for state in states}) != 1
+                or not _same_points(list(map(_LIVE_POINTS, states)), points)
+                or not _same_points(list(map(_LIVE_EDITS, states)), edits)):
+            return False
+        # By prompt length: its matches and its edits (token index, point or
+        # edit), and what its first request was left with once matched: the
+        # points left where one retired (None: none did), whether one left may
+        # retire, and its steady steps.
+        known: dict[int, tuple[list[tuple[int, ExtractionPoint]], list[tuple[int, Any]],
+                               Sequence[ExtractionPoint] | None, bool,
+                               tuple[int | None, int, int | None]]] = {}
+        matches = self._matches
+        assert matches is not None
+        for state, slot_of in fed:
+            length = state.prompt_len
+            found = known.get(length)
+            if found is None:  # (worked out on this request, as add_window does)
+                live = len(state._live_points)
+                matched = state.matches_in_window(0, length)
+                left = state._live_points if len(state._live_points) != live else None
+                steady = (state.steady_from, state.steady_stride, state.steady_until)
+                found = known[length] = (matched, state.edits_in_window(0, length), left,
+                                         state._bounded, steady)
+            else:  # (what that request was left with, and its edit marks passed)
+                matched, _, left, bounded, steady = found
+                if left is not None:  # (a point retired: the steady steps worked out again)
+                    state._live_points, state._bounded = left, bounded
+                    if steady[0] is None:  # (as _steady_after leaves them)
+                        state.steady_from = None
+                    else:
+                        state.steady_from, state.steady_stride, state.steady_until = steady
+                if state._edit_marks and state._edit_marks[0] <= length:
+                    state.pass_edit_marks(length)
+            for token_index, point in matched:
+                slot = slot_of(token_index)
+                layers, groups = self._layout(point)
+                matches.append(PlanMatch(state, point, token_index, layers,
+                                         [group.row_of(slot) for group in groups],
+                                         len(matches)))
+            for token_index, resolved in found[1]:
+                slot = slot_of(token_index)
+                for layer in resolved.edit.layers:
+                    self.add_edit(state, resolved, layer, token_index, slot)
+        self.one_each = False  # (as add_window leaves it)
+        return True
 
     def add_steady_tokens(self, fed: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
         """:meth:`add_window` of the one token ``token_index`` at ``slot`` for each

@@ -89,6 +89,10 @@ class _RowDriver:
     #: Repeat the last decode plan one token later while every request is steady
     #: (False: plan every step, the path the repeats are tested against).
     repeat_plans = True
+    #: Plan the prefill's prompts with what each prompt length matches worked
+    #: out once (False: each request's window planned alone, the path that is
+    #: tested against).
+    batch_prompts = True
 
     def __init__(self, backend: HFBackend, states: list[RequestState], width: int,
                  params: SamplingParams, session: CaptureSession,
@@ -151,13 +155,14 @@ class _RowDriver:
             if width != self.width:
                 raise BackendError(
                     f"expected the prefill forward to see {self.width} tokens, it saw {width}")
-            for row, state in enumerate(self.states):
-                if state.steady_from is not None and not state.edits_prompt():
-                    # Its points match generated tokens only, and no edit applies
-                    # to its prompt: nothing in its prompt to plan.
-                    continue
-                pad = self.width - state.prompt_len
-                plan.add_window(state, 0, state.prompt_len, _padded_slot(row, pad))
+            prompts = [(state, _padded_slot(row, self.width - state.prompt_len))
+                       for row, state in enumerate(self.states)
+                       # (else its points match generated tokens only, and no edit
+                       # applies to its prompt: nothing in its prompt to plan)
+                       if state.steady_from is None or state.edits_prompt()]
+            if not (self.batch_prompts and plan.add_prompts(prompts)):
+                for state, slot_of in prompts:
+                    plan.add_window(state, 0, state.prompt_len, slot_of)
             return plan
         if width != 1:
             raise BackendError(
