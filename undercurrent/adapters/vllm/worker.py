@@ -451,7 +451,11 @@ class _Capture:
             state.next_token = token_stop
             if state._edit_marks and state._edit_marks[0] <= start:
                 state.pass_edit_marks(start)  # (steady from this token, maybe)
-            fed.append((state, start, token_stop, window))
+            if not state.exhausted:
+                # (else no point nor edit is left to plan: it is left out of the
+                # step's layout, and only its tokens are sent, at the steps not
+                # repeated; the driver takes the engine's tokens when it ends)
+                fed.append((state, start, token_stop, window))
             fed_generated = token_stop - state.prompt_len
             if fed_generated > state.generated_sent:
                 self.pending_tokens.append((state, window.slot, state.generated_sent,
@@ -500,15 +504,14 @@ class _Capture:
             alike = decode and not at_once and plan.add_alike_tokens(places)
             if not alike and not at_once:
                 for state, start, stop, window in fed:
-                    if not state.exhausted:  # (else no point nor edit is left to plan)
-                        plan.add_window(state, start, stop, window.row_of)
+                    plan.add_window(state, start, stop, window.row_of)
             if not alike:
                 self.cycle = None
             wanted = None
         if wanted is None:
             wanted = plan.pairs()
             for state in self.states.values():
-                if state.live:
+                if state.live and not state.exhausted:  # (else it wants no site)
                     wanted |= state.wanted_pairs()
         if not between:
             stride = fed[0][0].steady_stride if fed else 1
