@@ -121,24 +121,34 @@ def test_repeated_decode_plans_capture_what_transformers_computes(monkeypatch,
     # generated 2 on, so the forwards of 0, 1 and 2 are planned, the later repeat 2's;
     # 2's plan, kept to be repeated, is delivered from its layout as well.
     assert steady == MAX_NEW - 3
-    model = build_model("llama")
-    out, captured, width = _oracle(model, build_tokenizer(), SamplingParams(
-        max_new_tokens=MAX_NEW))
-    for row, output in enumerate(outputs):
-        assert list(output.token_ids) == out.sequences[row, width:].tolist()
-        records = Keeper.kept[output.request_id]
+
+    def expected_keys(output: Any) -> list[tuple[str, int, int]]:
         fed = range(output.prompt_len, output.prompt_len + MAX_NEW - 1)
-        expected_keys = sorted(
-            [("keep", layer, index) for index in fed for layer in (0, 1, 2)]
-            + [("late", 2, index) for index in fed if index >= output.prompt_len + 2])
-        assert sorted((r.extraction_point_name, r.layer, r.token_index)
-                      for r in records) == expected_keys
-        for record in records:
+        return ([("keep", layer, index) for index in fed for layer in (0, 1, 2)]
+                + [("late", 2, index) for index in fed if index >= output.prompt_len + 2])
+
+    _assert_records_of_transformers(outputs, expected_keys)
+    for output in outputs:
+        for record in Keeper.kept[output.request_id]:
             generated = record.token_index - output.prompt_len
             assert record.is_generated and record.generated_index == generated
             assert record.token_id == output.token_ids[generated]
             assert record.tensor_type == ("residual_stream" if record.extraction_point_name
                                           == "keep" else "attn_out")
+
+
+def _assert_records_of_transformers(outputs: list[Any], expected_keys: Any) -> None:
+    """Each output's tokens are plain ``generate()``'s, the records ``Keeper``
+    kept for it are those of ``expected_keys(output)`` ((point, layer, token
+    index) each), and each tensor is the one transformers computes."""
+    out, captured, width = _oracle(build_model("llama"), build_tokenizer(), SamplingParams(
+        max_new_tokens=MAX_NEW))
+    for row, output in enumerate(outputs):
+        assert list(output.token_ids) == out.sequences[row, width:].tolist()
+        records = Keeper.kept[output.request_id]
+        assert sorted((r.extraction_point_name, r.layer, r.token_index)
+                      for r in records) == sorted(expected_keys(output))
+        for record in records:
             want = _expected(record, row, out, captured, width, output.prompt_len)
             torch.testing.assert_close(record.tensor, want, rtol=1e-5, atol=1e-5)
 
@@ -320,16 +330,6 @@ def test_once_every_point_has_matched_its_tokens_no_later_step_plans_anything(mo
     # of 2 (past the slice) plans each request alone and finds nothing left: the
     # later ones plan nothing at all. (The prefill plans the prompts at once.)
     assert [index for index in planned if index >= 0] == [2] * len(PROMPTS)
-    model = build_model("llama")
-    out, captured, width = _oracle(model, build_tokenizer(), SamplingParams(
-        max_new_tokens=MAX_NEW))
-    for row, output in enumerate(outputs):
-        assert list(output.token_ids) == out.sequences[row, width:].tolist()
-        records = Keeper.kept[output.request_id]
-        last = output.prompt_len - 1
-        assert sorted((r.extraction_point_name, r.layer, r.token_index) for r in records) == [
-            ("first", 1, output.prompt_len), ("first", 1, output.prompt_len + 1),
-            ("last", 0, last), ("last", 2, last)]
-        for record in records:
-            want = _expected(record, row, out, captured, width, output.prompt_len)
-            torch.testing.assert_close(record.tensor, want, rtol=1e-5, atol=1e-5)
+    _assert_records_of_transformers(outputs, lambda output: [
+        ("first", 1, output.prompt_len), ("first", 1, output.prompt_len + 1),
+        ("last", 0, output.prompt_len - 1), ("last", 2, output.prompt_len - 1)])
