@@ -605,6 +605,109 @@ def test_a_request_with_no_point_left_is_not_planned_and_captures_what_hf_captur
             assert float((record.tensor - expected[key].tensor).abs().max()) <= 1e-4, key
 
 
+def test_steps_after_every_request_has_no_point_left_walk_no_window(
+        backend, reference, num_layers, monkeypatch):
+    # Once every request is past its points (the last prompt token, the first
+    # generated one), a step that feeds each request its next token plans
+    # nothing without walking the requests' windows; planning every step from
+    # the windows is the oracle: the same tokens, records and results.
+    texts, _ = reference
+    names = ("attn_last_prompt", "attn_first_generated")
+    points = [point for point in spec_points(num_layers) if point.name in names]
+    walks: list[int] = []  # the forwards that walked the windows
+    idle: list[int] = []  # those that planned nothing without
+    windows, idle_step = worker._Capture._windows, worker._Capture._idle_step
+
+    def walked(self):
+        walks.append(self.forwards)
+        return windows(self)
+
+    def kept_idle(self, feed):
+        found = idle_step(self, feed)
+        if found:
+            idle.append(self.forwards)
+        return found
+
+    monkeypatch.setattr(worker._Capture, "_windows", walked)
+    monkeypatch.setattr(worker._Capture, "_idle_step", kept_idle)
+    views, forwards = {}, {}
+    for feeds in (True, False):
+        monkeypatch.setattr(worker._Capture, "repeat_feeds", feeds)
+        walks.clear()
+        idle.clear()
+        with Router() as router:
+            session = CaptureSession(router, points, keep_records=True)
+            outputs = backend.generate(texts, [f"x{i}" for i in range(len(texts))], GREEDY,
+                                       session)
+        first = min(walks)  # (the worker counts forwards from its start)
+        forwards[feeds] = [forward - first for forward in sorted(walks + idle)]
+        if feeds:
+            # (prefills are split across steps, so requests run out of points at
+            # different steps; after the first idle step only a request leaving
+            # the runner's batch makes a step walk the windows again)
+            assert len(idle) >= 3, (walks, idle)
+            later = [forward for forward in walks if forward > min(idle)]
+            assert len(later) < len(texts), (walks, idle)
+        else:
+            assert not idle, idle
+        views[feeds] = [
+            (output.token_ids, output.finish_reason,
+             [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
+             {name: (result.stats.received, result.stats.processed, result.stats.dropped,
+                     result.verdict)
+              for name, result in output.results.items()})
+            for output in outputs]
+        assert all(len(output.records) == 2 + 1 for output in outputs)
+    assert forwards[True] == forwards[False]  # (every forward walks or is idle)
+    assert views[True] == views[False]
+
+
+def test_whole_prompts_planned_at_once_give_what_hf_and_each_prompt_planned_alone_give(
+        backend, model_dir, num_layers, monkeypatch):
+    # Short prompts of three lengths (two of two of them) fit one step's token
+    # budget: the worker plans their prefill at once (StepPlan.add_prompts),
+    # with what each prompt length matches worked out once. Planning each
+    # prompt from its window is the oracle, and HF the independent one: the
+    # same tokens and records, and the same results.
+    texts = [prompts()[index] for index in (0, 1, 4, 0, 1)]
+    assert sum(len(text.split()) + 1 for text in texts) <= CHUNK_BUDGET
+    points = spec_points(num_layers)
+    alone: list[int] = []  # the first token of each window planned alone
+    at_once: list[bool] = []
+    add_window, add_prompts = StepPlan.add_window, StepPlan.add_prompts
+
+    def counted(plan, state, start, stop, slot_of):
+        alone.append(start)
+        return add_window(plan, state, start, stop, slot_of)
+
+    def batched(plan, fed):
+        at_once.append(add_prompts(plan, fed))
+        return at_once[-1]
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    monkeypatch.setattr(StepPlan, "add_prompts", batched)
+    views = {}
+    for whole in (True, False):
+        monkeypatch.setattr(worker._Capture, "batch_prompts", whole)
+        alone.clear()
+        at_once.clear()
+        with Router() as router:
+            session = CaptureSession(router, points, keep_records=True)
+            outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
+                                       session)
+        # (batched: one step planned every prompt, none alone; else each alone)
+        assert at_once == ([True] if whole else []), at_once
+        assert alone.count(0) == (0 if whole else len(texts)), alone
+        views[whole] = [
+            (output.token_ids, [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
+             {name: (result.stats.received, result.stats.processed, result.verdict)
+              for name, result in output.results.items()})
+            for output in outputs]
+        if whole:
+            compare(outputs, hf_reference(model_dir, texts, points, GREEDY))
+    assert views[True] == views[False]
+
+
 @pytest.mark.parametrize("mode", ["inline", "async"])
 def test_a_step_repeated_from_the_runners_arrays_gives_what_planning_it_gives(
         backend, reference, num_layers, monkeypatch, mode):

@@ -170,13 +170,20 @@ class _Feed:
     What the repeated steps move on is counted here, not in each request's state:
     ``repeated`` steps fed each state a token (its ``next_token``), ``sent`` of
     them sent it (its ``generated_sent``); :meth:`settle` puts the counts on the
-    states before anything reads them (a step that does not repeat)."""
+    states before anything reads them (a step that does not repeat).
+
+    An ``idle`` feed is a step that planned nothing (every request it fed
+    exhausted: :attr:`~undercurrent.adapters.session.RequestState.exhausted`):
+    a later step that feeds each slot its next token plans nothing either, and
+    sends nothing (``states``: the requests it fed, their tokens sent later)."""
 
     __slots__ = ("version", "req_ids", "starts", "computed", "states", "slots",
-                 "prompt_lens", "engine_ids", "repeated", "sent")
+                 "prompt_lens", "engine_ids", "repeated", "sent", "idle")
 
     def __init__(self, version: int, req_ids: list[str], starts: np.ndarray,
-                 computed: np.ndarray, states: list[MirrorState], slots: list[int]) -> None:
+                 computed: np.ndarray, states: list[MirrorState], slots: list[int],
+                 idle: bool = False) -> None:
+        self.idle = idle
         self.version, self.req_ids = version, req_ids
         # Copies: the runner reuses its buffers from step to step.
         self.starts, self.computed = starts.copy(), computed.copy()
@@ -185,6 +192,23 @@ class _Feed:
         self.prompt_lens = np.array([state.prompt_len for state in states], dtype=np.int64)
         self.engine_ids = [state.request_id for state in states]
         self.repeated = self.sent = 0
+
+    def next_computed(self, runner: Any, version: int) -> np.ndarray | None:
+        """The runner's KV lengths now (its buffer) where its batch feeds every
+        slot of this step its next token and no request was opened, released or
+        aborted since (``version``); else None. (``count`` entries and
+        ``count + 1`` starts: compared with ndarray operations, not
+        numpy.array_equal, as this runs at every step.)"""
+        batch = runner.input_batch
+        count = batch.num_reqs
+        computed: np.ndarray = batch.num_computed_tokens_cpu[:count]
+        if (self.version != version
+                or count != len(self.req_ids)
+                or not (computed == self.computed + 1).all()
+                or not (runner.query_start_loc.np[:count + 1] == self.starts).all()
+                or batch.req_ids[:count] != self.req_ids):
+            return None
+        return computed
 
     def settle(self) -> None:
         """Move each state fed on by the repeated steps' counts."""
@@ -417,6 +441,9 @@ class _Capture:
     #: Repeat a steady step from the runner's arrays (False: plan every step from
     #: each request's window, the path the repeats are tested against).
     repeat_feeds = True
+    #: Plan a step of whole prompts at once (:meth:`StepPlan.add_prompts`; False:
+    #: each prompt from its window, the path that is tested against).
+    batch_prompts = True
 
     def _begin_step(self, module: Any, args: Any) -> None:
         self.plan = None
@@ -431,7 +458,8 @@ class _Capture:
         self.forwards += 1
         feed, self.feed = self.feed, None
         if feed is not None:
-            if self.repeat_feeds and self._repeat_step(feed, forward):
+            if self.repeat_feeds and (self._idle_step(feed) if feed.idle
+                                      else self._repeat_step(feed, forward)):
                 return
             feed.settle()
         plan = StepPlan()
@@ -502,6 +530,13 @@ class _Capture:
                       and all(stop - start == 1 for _, start, stop, _ in fed))
             at_once = decode and plan.add_steady_tokens(places)
             alike = decode and not at_once and plan.add_alike_tokens(places)
+            if (not decode and self.batch_prompts and fed
+                    and all(start == 0 and stop == state.prompt_len
+                            for state, start, stop, _ in fed)):
+                # (each request's whole prompt, none chunked: planned at once
+                # for requests alike, as each one's window would plan it)
+                at_once = plan.add_prompts([(state, window.row_of)
+                                            for state, _, _, window in fed])
             if not alike and not at_once:
                 for state, start, stop, window in fed:
                     plan.add_window(state, start, stop, window.row_of)
@@ -535,6 +570,8 @@ class _Capture:
                                           fed, forward)
         self._rehook(wanted)
         if not plan:
+            if not fed and self.repeat_feeds:
+                self._go_idle()
             return
         self._place(plan)
         self.plan = plan
@@ -582,10 +619,6 @@ class _Capture:
         :class:`_Feed`): the plan shifted, nothing per request but each one's
         next token (read from the runner's token table in one index operation,
         sent as columns). False: plan it from the windows."""
-        runner = self.runner
-        batch = runner.input_batch
-        count = batch.num_reqs
-        computed = batch.num_computed_tokens_cpu[:count]
         steady = self.steady
         cycle = self.cycle if steady is None else None
         phase = None
@@ -593,14 +626,10 @@ class _Capture:
             phase = cycle.phases.get(forward % cycle.period)
             if phase is not None and not phase.plan.groups:
                 phase = None  # (it sends nothing: its tokens go with a later step's)
-        # (The feed's arrays have ``count`` entries, and ``count + 1`` starts: compared
-        # with ndarray operations, not numpy.array_equal, as this runs at every step.)
-        if ((phase is None and (steady is None or not steady.within()))
-                or feed.version != self.version
-                or count != len(feed.req_ids)
-                or not (computed == feed.computed + 1).all()
-                or not (runner.query_start_loc.np[:count + 1] == feed.starts).all()
-                or batch.req_ids[:count] != feed.req_ids):
+        if phase is None and (steady is None or not steady.within()):
+            return False
+        computed = feed.next_computed(self.runner, self.version)
+        if computed is None:
             return False
         # Each request fed feeds the token at its KV length (read when the step
         # ends, as the windows' tokens are).
@@ -620,6 +649,40 @@ class _Capture:
             self._rehook(steady.wanted)
         self._place(plan)
         self.plan = plan
+        return True
+
+    def _go_idle(self) -> None:
+        """After a step that planned nothing for any request (each one fed is
+        exhausted, or none is open): where it fed every request one token, keep
+        the runner's batch, so that the steps after it that feed each the next
+        token plan nothing without walking the windows (:meth:`_idle_step`)."""
+        runner = self.runner
+        batch = runner.input_batch
+        count = batch.num_reqs
+        starts = runner.query_start_loc.np[:count + 1]
+        if not count or not (np.diff(starts) == 1).all():
+            return  # (a prefill, or nothing fed: planned from the windows next time)
+        req_ids = batch.req_ids[:count]
+        fed = [(state, slot) for slot, state in enumerate(
+            map(self.states.get, map(engine_request_id, req_ids)))
+            if state is not None and state.live]
+        if not all(state.exhausted for state, _ in fed):
+            return  # (one that skipped a window recomputed after a preemption)
+        self.feed = _Feed(self.version, req_ids, starts, batch.num_computed_tokens_cpu[:count],
+                          [state for state, _ in fed], [slot for _, slot in fed], idle=True)
+
+    def _idle_step(self, feed: _Feed) -> bool:
+        """Plan nothing for this step when the runner's batch feeds every
+        request of the ``idle`` feed's step its next token: each was exhausted
+        there, and a retired point or edit never comes back (see :class:`_Feed`).
+        Its tokens are sent with the next step that sends rows, or taken from
+        the engine when it ends. False: plan it from the windows."""
+        computed = feed.next_computed(self.runner, self.version)
+        if computed is None:
+            return False
+        feed.computed = computed.copy()
+        feed.repeated += 1
+        self.feed = feed
         return True
 
     def _place(self, plan: StepPlan) -> None:
