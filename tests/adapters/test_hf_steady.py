@@ -333,3 +333,59 @@ def test_once_every_point_has_matched_its_tokens_no_later_step_plans_anything(mo
     _assert_records_of_transformers(outputs, lambda output: [
         ("first", 1, output.prompt_len), ("first", 1, output.prompt_len + 1),
         ("last", 0, output.prompt_len - 1), ("last", 2, output.prompt_len - 1)])
+
+
+def test_steps_before_every_point_s_first_token_plan_nothing(monkeypatch):
+    """Points whose first token comes later (a slice from generated token 4, and
+    generated token 6 alone): the decode forwards feeding generated tokens 0
+    to 3 plan nothing, request by request or at once, and the records are still
+    exactly what transformers computes. Planning every step (``repeat_plans``
+    False) plans each request at each of them."""
+    points = [
+        ExtractionPoint(name="slice", layers=(0, 2), tensor_type="residual_stream",
+                        position="generated[4:7]", probe_type="keeper",
+                        probe_kind="trajectory"),
+        ExtractionPoint(name="one", layers=(1,), tensor_type="attn_out",
+                        position="generated[6]", probe_type="keeper", probe_kind="single_shot"),
+    ]
+
+    def generate(repeat: bool) -> tuple[list[Any], list[int], list[bool]]:
+        Keeper.kept = {}
+        windows: list[int] = []  # (the generated index of each window planned alone)
+        plans: list[bool] = []  # (per forward: whether it made a plan)
+        add_window, plan_forward = StepPlan.add_window, hf_backend._RowDriver.plan_forward
+
+        def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
+            windows.append(start - state.prompt_len)
+            add_window(plan, state, start, stop, slot_of)
+
+        def planned(driver: Any, width: int) -> Any:
+            plan = plan_forward(driver, width)
+            plans.append(plan is not None and bool(plan))
+            return plan
+
+        with monkeypatch.context() as patch:
+            patch.setattr(StepPlan, "add_window", counted)
+            patch.setattr(hf_backend._RowDriver, "plan_forward", planned)
+            patch.setattr(hf_backend._RowDriver, "repeat_plans", repeat)
+            backend = HFBackend(build_model("llama"), build_tokenizer())
+            with Router(probes={"keeper": Keeper}) as router:
+                outputs = backend.generate(PROMPTS, ["a", "b", "c"],
+                                           SamplingParams(max_new_tokens=MAX_NEW),
+                                           CaptureSession(router, points))
+        return outputs, windows, plans
+
+    outputs, windows, plans = generate(True)
+    # (forward 0 is the prefill; forward k feeds generated token k - 1)
+    assert plans[:5] == [False] * 5 and plans[5:8] == [True] * 3, plans
+    assert not [index for index in windows if index < 4], windows
+    _assert_records_of_transformers(outputs, lambda output: [
+        *[("slice", layer, output.prompt_len + index) for layer in (0, 2) for index in (4, 5, 6)],
+        ("one", 1, output.prompt_len + 6)])
+    kept = {request: [(r.extraction_point_name, r.layer, r.token_index) for r in records]
+            for request, records in Keeper.kept.items()}
+    _, every, _ = generate(False)
+    assert sorted(index for index in every if 0 <= index < 4) == [
+        index for index in range(4) for _ in PROMPTS]
+    assert {request: [(r.extraction_point_name, r.layer, r.token_index) for r in records]
+            for request, records in Keeper.kept.items()} == kept

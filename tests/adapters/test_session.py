@@ -54,6 +54,37 @@ def test_window_matching_equals_matches_token_by_token(position, stride, prompt_
     assert [i for t in range(total) for i, _ in state.matches_in_window(t, t + 1)] == expected
 
 
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("prompt_len", [1, 4])
+def test_no_token_before_quiet_until_is_matched_or_edited(position, stride, prompt_len):
+    # quiet_until is a lower bound on the tokens a request's points match and
+    # its edits apply to, exact where the first one matches its first token;
+    # a request with nothing left is quiet for good.
+    from undercurrent.adapters.session import NEVER
+    from undercurrent.spec.types import Edit
+    from undercurrent.steering.vectors import resolve_edits
+
+    total = prompt_len + 9
+    p = point(position, stride)
+    expected = [t for t in range(total) if p.matches(
+        t, t >= prompt_len, prompt_len, t - prompt_len if t >= prompt_len else None)]
+    state = RequestState("r", "x", list(range(prompt_len)), [p])
+    assert all(t >= state.quiet_until for t in expected)
+    if expected and (stride == 1 or ":" not in position and "*" not in position):
+        assert expected[0] == state.quiet_until
+    quiet = state.quiet_until
+    state.matches_in_window(0, total)  # (a point retires past its last token)
+    assert (state.quiet_until == NEVER) == state.exhausted
+    # An edit brings the bound forward to its first token where that is sooner.
+    for start in (8, 1):
+        edit = Edit(name="e", layers=(0,), tensor_type="residual_stream",
+                    position=f"generated[{start}:]", op="add", vector=(1.0, 0.0))
+        edited = RequestState("r", "x", list(range(prompt_len)), [p],
+                              edits=resolve_edits([edit], hidden_size=2))
+        assert edited.quiet_until == min(quiet, prompt_len + start)
+
+
 def test_points_retire_once_they_cannot_match():
     state = RequestState("r", "x", [1, 2, 3], [point("prompt[-1]", name="a"),
                                                point("generated[0:2]", name="b"),

@@ -200,9 +200,14 @@ def _done(resolved: Any, prompt_len: int, token_index: int) -> bool:
     return last is not None and last < token_index
 
 
+NEVER = 2**62
+"""A token index past any generation (:attr:`RequestState.quiet_until` of a
+request with no point nor edit left)."""
+
+
 _Bounds = tuple[dict[int, int | None], bool,
                 dict[int, tuple[int, int | None, int, int, int | None]],
-                tuple[int, int, int | None] | None]
+                tuple[int, int, int | None] | None, int]
 
 
 class _Worked(NamedTuple):
@@ -216,6 +221,16 @@ class _Worked(NamedTuple):
     steady: tuple[int | None, int, int | None]
 
 
+class _Quiet(NamedTuple):
+    """:attr:`RequestState.quiet_until` of a request of these live ``points``
+    and ``edits`` (the very objects), kept beside :class:`_Worked` entries for
+    the requests opened with it (by prompt length)."""
+
+    points: Sequence[ExtractionPoint]
+    edits: Sequence[Any]
+    quiet: int
+
+
 def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
     """Where ``points`` match after a prompt of ``prompt_len`` tokens (read only,
     shared by the requests with that length): the last index each can match
@@ -223,11 +238,20 @@ def _bounds(points: Sequence[ExtractionPoint], prompt_len: int) -> _Bounds:
     is bounded; each one's selector in absolute token indices (for one-token
     windows); the first index from which every point matches every stride-th
     token and none the others, and that stride (:attr:`RequestState.steady_from`
-    and ``steady_stride`` before edits)."""
+    and ``steady_stride`` before edits); the first index any of them may match
+    (:attr:`RequestState.quiet_until` before edits)."""
     last_index = {id(point): point.position.last_index(prompt_len) for point in points}
     selectors = {id(point): _absolute_selector(point, prompt_len) for point in points}
     return (last_index, any(last is not None for last in last_index.values()), selectors,
-            _steady_from(selectors.values()))
+            _steady_from(selectors.values()), _first_match(selectors.values()))
+
+
+def _first_match(selectors: Iterable[tuple[int, int | None, int, int, int | None]]) -> int:
+    """The first token index any of ``selectors`` (from :func:`_absolute_selector`)
+    may match: a lower bound (a single-token one's target, -1 where it has
+    none; :data:`NEVER` for none)."""
+    return min((first if target is None else target
+                for first, _, _, _, target in selectors), default=NEVER)
 
 
 def stop_position(text: str, stops: Sequence[str]) -> int | None:
@@ -333,6 +357,8 @@ class RequestState:
     """Whether a triggered edit not switched on yet leaves the request steady (its
     backend plans again once :meth:`arm` switches one on); False: any triggered
     edit has each step planned."""
+    # (the points and edits left that quiet_until was worked out for, and it)
+    _quiet: _Quiet | None = None
 
     def __init__(
         self,
@@ -343,7 +369,7 @@ class RequestState:
         keep_records: bool = False,
         edits: Sequence[Any] = (),
         bounds: dict[int, _Bounds] | None = None,
-        worked: dict[tuple[Any, ...], _Worked] | None = None,
+        worked: dict[tuple[Any, ...], _Worked | _Quiet] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -358,7 +384,7 @@ class RequestState:
             found = _bounds(self.points, self.prompt_len)
             if bounds is not None:
                 bounds[self.prompt_len] = found
-        self._last_index, self._bounded, self._selectors, steady = found
+        self._last_index, self._bounded, self._selectors, steady, self._first = found
         steady = _steady_with_edits(steady, edits, self.prompt_len,
                                     {} if self.steady_until_armed else None)
         if steady is not None:
@@ -410,6 +436,37 @@ class RequestState:
         slice ended, its tokens are done). Retired ones never come back, so no
         later step of this request plans anything."""
         return not self._live_points and not self._live_edits
+
+    @property
+    def quiet_until(self) -> int:
+        """The first token index at which a point left may match or an edit
+        left may apply: a lower bound (each one's first token, whatever its
+        stride or trigger; :data:`NEVER` when none is left, see
+        :attr:`exhausted`). A token before it matches nothing, gets no edit and
+        retires nothing, so a step that feeds this request such a token plans
+        nothing for it."""
+        points, edits = self._live_points, self._live_edits
+        if points is self.points and not edits:  # (every point left, no edit)
+            return self._first
+        known = self._quiet
+        if known is not None and known[0] is points and known[1] is edits:
+            return known[2]
+        prompt_len, worked = self.prompt_len, self._worked
+        if worked is not None:  # (requests opened together: once per prompt length)
+            found = worked.get(("quiet", prompt_len))
+            if (isinstance(found, _Quiet) and _same_points([points], found.points)
+                    and _same_points([edits], found.edits)):
+                self._quiet = found
+                return found.quiet
+        firsts = [_first_match(map(self._selectors.__getitem__, map(id, points)))]
+        for resolved in edits:
+            span = _edit_span(resolved.edit, prompt_len)
+            if span is not None:
+                firsts.append(span[0])
+        known = self._quiet = _Quiet(points, edits, min(firsts))
+        if worked is not None:
+            worked["quiet", prompt_len] = known
+        return known.quiet
 
     def edits_on_at(self, token_index: int, edits: Sequence[Any] | None = None) -> list[Any]:
         """Those of ``edits`` (default: the live ones) that apply to
@@ -493,7 +550,7 @@ class RequestState:
             key = (self.prompt_len, stop, worked_out, self.retire_edits,
                    self.steady_until_armed)
             found = worked.get(key)
-            if (found is not None and _same_points([self._live_points], found.points)
+            if (isinstance(found, _Worked) and _same_points([self._live_points], found.points)
                     and _same_points([self._live_edits], found.edits)):
                 self._live_edits = found.live_edits
                 if not worked_out:  # (as _steady_after leaves them)
@@ -1402,7 +1459,8 @@ class CaptureSession:
                         f"request id {request_id!r} is already open in this generation")
                 seen.add(request_id)
         bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
-        worked: dict[tuple[Any, ...], _Worked] = {}  # (see RequestState.pass_edit_marks)
+        # (see RequestState.pass_edit_marks and quiet_until)
+        worked: dict[tuple[Any, ...], _Worked | _Quiet] = {}
         shared = tuple(self.edits)  # (each request's own edits after these)
         mine = self.request_edits
         states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,

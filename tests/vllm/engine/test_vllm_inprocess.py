@@ -28,7 +28,7 @@ from undercurrent.api import ProbedModel
 from undercurrent.probes import Probe, probe
 from undercurrent.records import ProbeSignal
 from undercurrent.router import Router
-from undercurrent.spec.types import ProbeKind
+from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
 
@@ -659,6 +659,64 @@ def test_steps_after_every_request_has_no_point_left_walk_no_window(
             for output in outputs]
         assert all(len(output.records) == 2 + 1 for output in outputs)
     assert forwards[True] == forwards[False]  # (every forward walks or is idle)
+    assert views[True] == views[False]
+
+
+def test_steps_before_every_point_s_first_token_plan_nothing_and_capture_what_hf_does(
+        backend, model_dir, num_layers, monkeypatch):
+    # Points whose first token comes later (a slice from generated token 4,
+    # generated token 6 alone): the steps feeding generated tokens 0 to 3 plan
+    # no request (the first finds none due, the others are idle without walking
+    # the windows). HF is the oracle, and planning every step from the windows.
+    texts = [prompts()[index] for index in (0, 1, 4, 0, 1)]  # (one step's prefill)
+    last = num_layers - 1
+    points = [
+        ExtractionPoint(name="slice", layers=(0, last), tensor_type="residual_stream",
+                        position="generated[4:7]", probe_type="norm_probe",
+                        probe_kind="trajectory"),
+        ExtractionPoint(name="one", layers=(1,), tensor_type="attn_out",
+                        position="generated[6]", probe_type="norm_probe",
+                        probe_kind="single_shot"),
+    ]
+    windows: list[int] = []  # (the generated index of each window planned alone)
+    idle: list[bool] = []
+    add_window, idle_step = StepPlan.add_window, worker._Capture._idle_step
+
+    def counted(plan, state, start, stop, slot_of):
+        windows.append(start - state.prompt_len)
+        return add_window(plan, state, start, stop, slot_of)
+
+    def kept_idle(self, feed):
+        idle.append(idle_step(self, feed))
+        return idle[-1]
+
+    monkeypatch.setattr(StepPlan, "add_window", counted)
+    monkeypatch.setattr(worker._Capture, "_idle_step", kept_idle)
+    views = {}
+    for feeds in (True, False):
+        monkeypatch.setattr(worker._Capture, "repeat_feeds", feeds)
+        windows.clear()
+        idle.clear()
+        with Router() as router:
+            session = CaptureSession(router, points, keep_records=True)
+            outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
+                                       session)
+        early = sorted(index for index in windows if 0 <= index < 4)
+        if feeds:
+            # (generated tokens 1 to 3 idle; the step of 4 is planned afresh)
+            assert early == [] and idle[:4] == [True] * 3 + [False], (windows, idle)
+        else:
+            assert early == [index for index in range(4) for _ in texts] and not idle
+        views[feeds] = [
+            (output.token_ids, [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
+             {name: (result.stats.received, result.stats.processed, result.verdict)
+              for name, result in output.results.items()})
+            for output in outputs]
+        if feeds:
+            # (some requests end on EOS within the slice)
+            assert all(output.records and min(r.generated_index for r in output.records) == 4
+                       for output in outputs)
+            compare(outputs, hf_reference(model_dir, texts, points, GREEDY))
     assert views[True] == views[False]
 
 

@@ -44,6 +44,7 @@ from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import (
+    NEVER,
     CaptureSession,
     RequestState,
     StepPlan,
@@ -134,6 +135,10 @@ class _RowDriver:
         # may apply (points that matched their prompt tokens, slices that
         # ended, edits done): every later forward plans nothing.
         self._spent = False
+        # The decode steps still to come that plan nothing: no request's token
+        # reaches its first point or edit left (RequestState.quiet_until) while
+        # each takes one token a step.
+        self._quiet = 0
         # The longest request's generated tokens, while every request takes one a
         # step (after_token's first path); None: not counted.
         self._longest: int | None = None
@@ -174,6 +179,12 @@ class _RowDriver:
             # A signal switched on a triggered edit: the plans kept lack it.
             self._arms = self.session.arms
             self._steady = self._cycle = None
+        if self._quiet:
+            if self._advanced and self._all_live():  # (each a token on: still before)
+                self._advanced = False
+                self._quiet -= 1
+                return None
+            self._quiet = 0
         steady = self._steady if self.repeat_plans else None
         states = self.states
         if (steady is not None and self._advanced and len(steady[1]) == len(states)
@@ -210,6 +221,17 @@ class _RowDriver:
         fed = [(state, state.prompt_len + len(state.generated) - 1, row)
                for row, state in enumerate(states)
                if state.finish_reason is None and state.generated]
+        if fed and self.repeat_plans:
+            quiet = min(state.quiet_until - index for state, index, _ in fed)
+            if quiet > 0:
+                # No request's token reaches its first point or edit left (the
+                # steps before a slice starts, say): nothing to plan, nor at the
+                # steps after this one before the nearest of them.
+                self._steady = self._cycle = None
+                self._quiet = quiet - 1
+                if quiet > NEVER // 2 and all(state.exhausted for state in states):
+                    self._spent = True
+                return None
         if (steady is not None and (steady[4] is None or steady[2] + 1 < steady[4])
                 and one_token_later(
                     [(state, index + steady[2], row) for state, index, row in steady[1]], fed)):

@@ -40,7 +40,13 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from undercurrent.adapters.session import PairKey, RequestState, StepPlan, one_token_later
+from undercurrent.adapters.session import (
+    NEVER,
+    PairKey,
+    RequestState,
+    StepPlan,
+    one_token_later,
+)
 from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
 from undercurrent.adapters.vllm.channel import local_server
@@ -62,8 +68,12 @@ class MirrorState(RequestState):
     # the request's steady steps out again, as RequestState.arm does)
 
     def __init__(self, engine_id: str, prompt_len: int, points: list[Any],
-                 edits: list[Any] | None = None) -> None:
-        super().__init__(engine_id, "", range(prompt_len), points, edits=edits or ())
+                 edits: list[Any] | None = None, bounds: dict[int, Any] | None = None,
+                 worked: dict[tuple[Any, ...], Any] | None = None) -> None:
+        # (``bounds``: shared by the requests of these very points; ``worked``, by
+        # those opened together: see RequestState)
+        super().__init__(engine_id, "", range(prompt_len), points, edits=edits or (),
+                         bounds=bounds, worked=worked)
         self.point_index = {point.name: index for index, point in enumerate(self.points)}
         self.next_token = 0
         self.generated_sent = 0
@@ -172,25 +182,31 @@ class _Feed:
     them sent it (its ``generated_sent``); :meth:`settle` puts the counts on the
     states before anything reads them (a step that does not repeat).
 
-    An ``idle`` feed is a step that planned nothing (every request it fed
-    exhausted: :attr:`~undercurrent.adapters.session.RequestState.exhausted`):
-    a later step that feeds each slot its next token plans nothing either, and
-    sends nothing (``states``: the requests it fed, their tokens sent later)."""
+    An ``idle`` feed is a step that planned nothing, where no request's token
+    reached its first point or edit left
+    (:attr:`~undercurrent.adapters.session.RequestState.quiet_until`): a later
+    step that feeds each slot its next token, before the ``quiet`` th from it,
+    plans nothing either, and sends nothing (``states``: the requests it fed,
+    their tokens sent later). A request with nothing left
+    (:attr:`~undercurrent.adapters.session.RequestState.exhausted`) is quiet
+    for good."""
 
     __slots__ = ("version", "req_ids", "starts", "computed", "states", "slots",
                  "prompt_lens", "engine_ids", "repeated", "sent", "idle")
 
     def __init__(self, version: int, req_ids: list[str], starts: np.ndarray,
                  computed: np.ndarray, states: list[MirrorState], slots: list[int],
-                 idle: bool = False) -> None:
-        self.idle = idle
+                 idle: int = 0) -> None:
+        self.idle = idle  # (the steps from this one that plan nothing: 0, not idle)
         self.version, self.req_ids = version, req_ids
         # Copies: the runner reuses its buffers from step to step.
         self.starts, self.computed = starts.copy(), computed.copy()
         self.states = states
         self.slots = np.array(slots, dtype=np.int64)
-        self.prompt_lens = np.array([state.prompt_len for state in states], dtype=np.int64)
-        self.engine_ids = [state.request_id for state in states]
+        # (what a repeated step sends of each one's token: an idle one sends none)
+        self.prompt_lens = np.array([] if idle else [state.prompt_len for state in states],
+                                    dtype=np.int64)
+        self.engine_ids = [] if idle else [state.request_id for state in states]
         self.repeated = self.sent = 0
 
     def next_computed(self, runner: Any, version: int) -> np.ndarray | None:
@@ -464,6 +480,8 @@ class _Capture:
             feed.settle()
         plan = StepPlan()
         fed: list[tuple[MirrorState, int, int, Any]] = []  # (state, start, stop, window)
+        spent: list[MirrorState] = []  # (those fed with nothing left)
+        skipped = False  # (a window recomputed after a preemption, captured already)
         for window in self._windows():
             state = self.states.get(engine_request_id(window.request_id))
             if state is None or not state.live:
@@ -475,6 +493,7 @@ class _Capture:
                 plan.add_edit_window(state, window.token_start, min(start, token_stop),
                                      window.row_of, log=False)
             if start >= token_stop:
+                skipped = True
                 continue  # recomputed after a preemption: captured already
             state.next_token = token_stop
             if state._edit_marks and state._edit_marks[0] <= start:
@@ -484,6 +503,8 @@ class _Capture:
                 # step's layout, and only its tokens are sent, at the steps not
                 # repeated; the driver takes the engine's tokens when it ends)
                 fed.append((state, start, token_stop, window))
+            else:
+                spent.append(state)
             fed_generated = token_stop - state.prompt_len
             if fed_generated > state.generated_sent:
                 self.pending_tokens.append((state, window.slot, state.generated_sent,
@@ -495,6 +516,8 @@ class _Capture:
         cycle = self.cycle
         phase = None if cycle is None else cycle.phases.get(forward % cycle.period)
         alike = False  # (planned afresh, for requests alike: a cycle's step, maybe)
+        quiet = 0  # (the steps from this one before a request fed reaches its first
+        # point or edit left)
         if (steady is not None and not plan and steady.within()
                 and all(stop - start == 1 for _, start, stop, _ in fed)
                 and one_token_later(steady.places if not steady.shift else
@@ -528,7 +551,11 @@ class _Capture:
             # once, as each request's window would plan it)
             decode = (bool(fed) and not plan
                       and all(stop - start == 1 for _, start, stop, _ in fed))
-            at_once = decode and plan.add_steady_tokens(places)
+            # (no request's token reaches its first point or edit left: nothing
+            # to plan, and the steps after it before the nearest are idle)
+            if decode and self.repeat_feeds:
+                quiet = max(0, min(state.quiet_until - start for state, start, _, _ in fed))
+            at_once = quiet > 0 or (decode and plan.add_steady_tokens(places))
             alike = decode and not at_once and plan.add_alike_tokens(places)
             if (not decode and self.batch_prompts and fed
                     and all(start == 0 and stop == state.prompt_len
@@ -543,6 +570,10 @@ class _Capture:
             if not alike:
                 self.cycle = None
             wanted = None
+        if wanted is None and quiet:
+            # (what each request fed wants is what it wanted when last planned:
+            # nothing retired since; the sites stay as they are until it is due)
+            wanted = set(self.site_handles)
         if wanted is None:
             wanted = plan.pairs()
             for state in self.states.values():
@@ -570,8 +601,9 @@ class _Capture:
                                           fed, forward)
         self._rehook(wanted)
         if not plan:
-            if not fed and self.repeat_feeds:
-                self._go_idle()
+            if (quiet or not fed) and self.repeat_feeds and not skipped:
+                self._go_idle(quiet if fed else NEVER,
+                              [state for state, _, _, _ in fed] + spent)
             return
         self._place(plan)
         self.plan = plan
@@ -651,32 +683,32 @@ class _Capture:
         self.plan = plan
         return True
 
-    def _go_idle(self) -> None:
-        """After a step that planned nothing for any request (each one fed is
-        exhausted, or none is open): where it fed every request one token, keep
-        the runner's batch, so that the steps after it that feed each the next
-        token plan nothing without walking the windows (:meth:`_idle_step`)."""
+    def _go_idle(self, quiet: int, states: list[MirrorState]) -> None:
+        """After a step that planned nothing, where none of the requests it fed
+        (``states``) reaches its first point or edit left before the ``quiet``
+        th step from this one: if it fed each request one token, keep the
+        runner's batch, so that the steps after it that feed each the next
+        token, before that one, plan nothing without walking the windows
+        (:meth:`_idle_step`)."""
         runner = self.runner
         batch = runner.input_batch
         count = batch.num_reqs
         starts = runner.query_start_loc.np[:count + 1]
-        if not count or not (np.diff(starts) == 1).all():
+        if quiet < 2 or not count or not (np.diff(starts) == 1).all():
             return  # (a prefill, or nothing fed: planned from the windows next time)
-        req_ids = batch.req_ids[:count]
-        fed = [(state, slot) for slot, state in enumerate(
-            map(self.states.get, map(engine_request_id, req_ids)))
-            if state is not None and state.live]
-        if not all(state.exhausted for state, _ in fed):
-            return  # (one that skipped a window recomputed after a preemption)
-        self.feed = _Feed(self.version, req_ids, starts, batch.num_computed_tokens_cpu[:count],
-                          [state for state, _ in fed], [slot for _, slot in fed], idle=True)
+        self.feed = _Feed(self.version, batch.req_ids[:count], starts,
+                          batch.num_computed_tokens_cpu[:count], states, [], idle=quiet)
 
     def _idle_step(self, feed: _Feed) -> bool:
         """Plan nothing for this step when the runner's batch feeds every
-        request of the ``idle`` feed's step its next token: each was exhausted
-        there, and a retired point or edit never comes back (see :class:`_Feed`).
-        Its tokens are sent with the next step that sends rows, or taken from
-        the engine when it ends. False: plan it from the windows."""
+        request of the ``idle`` feed's step its next token, and it comes before
+        the ``idle`` th step from there: no token is one a point left may match
+        or an edit left may apply to, and a retired point or edit never comes
+        back (see :class:`_Feed`). Its tokens are sent with the next step that
+        sends rows, or taken from the engine when it ends. False: plan it from
+        the windows."""
+        if feed.repeated + 1 >= feed.idle:
+            return False
         computed = feed.next_computed(self.runner, self.version)
         if computed is None:
             return False
@@ -903,10 +935,16 @@ class _Capture:
         self.hold = bool(hold) and self.capturing
         resolved = [wire.point_from_wire(point) for point in points] if self.capturing else []
         edit_list = [wire.edit_from_wire(edit) for edit in edits or ()]
+        # (where each set of points matches, by prompt length; what requests opened
+        # together work out alike: see RequestState)
+        bounds: dict[tuple[int, ...], dict[int, Any]] = {}
+        worked: dict[tuple[Any, ...], Any] = {}
         for engine_id, prompt_len, point_indices, first_token, *rest in requests:
-            chosen = [resolved[int(i)] for i in point_indices] if self.capturing else []
+            indices = tuple(map(int, point_indices)) if self.capturing else ()
+            chosen = [resolved[i] for i in indices]
             chosen_edits = [edit_list[int(i)] for i in (rest[0] if rest else ())]
-            state = MirrorState(str(engine_id), int(prompt_len), chosen, chosen_edits)
+            state = MirrorState(str(engine_id), int(prompt_len), chosen, chosen_edits,
+                                bounds.setdefault(indices, {}), worked)
             # A replay (capture of the last token) starts capture past tokens seen before.
             state.next_token = int(first_token)
             state.generated_sent = max(0, int(first_token) - int(prompt_len))
