@@ -306,14 +306,21 @@ def test_once_every_point_has_matched_its_tokens_no_later_step_plans_anything(mo
     the later decode forwards plan nothing (no request is planned, no plan
     made). The records are still exactly what transformers computes."""
     Keeper.kept = {}
-    planned: list[int] = []
-    add_window = StepPlan.add_window
+    planned: list[int] = []  # (each window's generated index, < 0 in the prompt)
+    add_window, add_alike_windows = StepPlan.add_window, StepPlan.add_alike_windows
 
     def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
-        planned.append(start - state.prompt_len)  # (the generated index, < 0 in the prompt)
+        planned.append(start - state.prompt_len)
         add_window(plan, state, start, stop, slot_of)
 
+    def counted_alike(plan: StepPlan, fed: Any) -> bool:
+        done = add_alike_windows(plan, fed)
+        if done:
+            planned.extend(start - state.prompt_len for state, start, _, _ in fed)
+        return done
+
     monkeypatch.setattr(StepPlan, "add_window", counted)
+    monkeypatch.setattr(StepPlan, "add_alike_windows", counted_alike)
     points = [
         ExtractionPoint(name="last", layers=(0, 2), tensor_type="residual_stream",
                         position="prompt[-1]", probe_type="keeper", probe_kind="single_shot"),
@@ -327,8 +334,8 @@ def test_once_every_point_has_matched_its_tokens_no_later_step_plans_anything(mo
                                    SamplingParams(max_new_tokens=MAX_NEW),
                                    CaptureSession(router, points))
     # The decode forwards of generated tokens 0 and 1 are planned at once; the one
-    # of 2 (past the slice) plans each request alone and finds nothing left: the
-    # later ones plan nothing at all. (The prefill plans the prompts at once.)
+    # of 2 (past the slice) plans each request's window (at once: they are alike)
+    # and finds nothing left: the later ones plan nothing at all.
     assert [index for index in planned if index >= 0] == [2] * len(PROMPTS)
     _assert_records_of_transformers(outputs, lambda output: [
         ("first", 1, output.prompt_len), ("first", 1, output.prompt_len + 1),
@@ -339,8 +346,9 @@ def test_steps_before_every_point_s_first_token_plan_nothing(monkeypatch):
     """Points whose first token comes later (a slice from generated token 4, and
     generated token 6 alone): the decode forwards feeding generated tokens 0
     to 3 plan nothing, request by request or at once, and the records are still
-    exactly what transformers computes. Planning every step (``repeat_plans``
-    False) plans each request at each of them."""
+    exactly what transformers computes. Planning every step request by
+    request (``repeat_plans`` and ``batch_windows`` False) plans each request
+    at each of them."""
     points = [
         ExtractionPoint(name="slice", layers=(0, 2), tensor_type="residual_stream",
                         position="generated[4:7]", probe_type="keeper",
@@ -368,6 +376,7 @@ def test_steps_before_every_point_s_first_token_plan_nothing(monkeypatch):
             patch.setattr(StepPlan, "add_window", counted)
             patch.setattr(hf_backend._RowDriver, "plan_forward", planned)
             patch.setattr(hf_backend._RowDriver, "repeat_plans", repeat)
+            patch.setattr(hf_backend._RowDriver, "batch_windows", repeat)
             backend = HFBackend(build_model("llama"), build_tokenizer())
             with Router(probes={"keeper": Keeper}) as router:
                 outputs = backend.generate(PROMPTS, ["a", "b", "c"],

@@ -728,7 +728,7 @@ def test_prompts_planned_at_once_give_what_planning_each_request_s_prompt_gives(
 
         with monkeypatch.context() as patch:
             patch.setattr(StepPlan, "add_window", counted)
-            patch.setattr(hf_backend._RowDriver, "batch_prompts", batched)
+            patch.setattr(hf_backend._RowDriver, "batch_windows", batched)
             backend = HFBackend(build_model("llama"), build_tokenizer())
             with Router() as router:
                 session = CaptureSession(router, points, keep_records=True, edits=edits)

@@ -189,18 +189,18 @@ def _run(points: list[ExtractionPoint], *, windows: bool, records: bool, eos: in
          repeat: bool, edits: list[Edit], each: bool = False) -> list[Any]:
     """``each``: every step planned request by request (the general path), the
     prefill's prompts too."""
-    before = (_RowDriver.repeat_plans, _RowDriver.batch_prompts, StepPlan.add_steady_tokens,
+    before = (_RowDriver.repeat_plans, _RowDriver.batch_windows, StepPlan.add_steady_tokens,
               StepPlan.add_alike_tokens)
     _RowDriver.repeat_plans = repeat
     if each:
-        _RowDriver.batch_prompts = False
+        _RowDriver.batch_windows = False
         StepPlan.add_steady_tokens = StepPlan.add_alike_tokens = (  # type: ignore[method-assign]
             lambda self, fed: False)
     try:
         return _generate(points, windows=windows, records=records, eos=eos,
                          probes={"per_record": PerRecord}, edits=edits)
     finally:
-        (_RowDriver.repeat_plans, _RowDriver.batch_prompts,  # type: ignore[method-assign]
+        (_RowDriver.repeat_plans, _RowDriver.batch_windows,  # type: ignore[method-assign]
          StepPlan.add_steady_tokens, StepPlan.add_alike_tokens) = before
 
 

@@ -1019,19 +1019,29 @@ class StepPlan:
 
     def add_prompts(self, fed: Sequence[tuple[RequestState, Callable[[int], Hashable]]]
                     ) -> bool:
-        """:meth:`add_window` of each (state, slot_of)'s whole prompt (tokens
-        ``[0, prompt_len)``) in order, with what a prompt matches, gets and
-        retires worked out once per prompt length: a fresh plan; requests of
-        the same points and edits (the very objects), none aborted, closed or
-        armed, and each of them alike in how its edits retire and arm (so
-        prompts of one length match the same tokens and leave the same points,
-        edits and steady steps). The plan, the edits' slots in their order, and
-        each request's points left, steady steps and log of applied edits are
-        what :meth:`add_window` of each request gives. Returns False, planning
-        nothing, otherwise (plan each request with :meth:`add_window`)."""
+        """:meth:`add_alike_windows` of each (state, slot_of)'s whole prompt
+        (tokens ``[0, prompt_len)``): what a prompt matches, gets and retires
+        worked out once per prompt length."""
+        return self.add_alike_windows([(state, 0, state.prompt_len, slot_of)
+                                       for state, slot_of in fed])
+
+    def add_alike_windows(self, fed: Sequence[tuple[RequestState, int, int,
+                                                    Callable[[int], Hashable]]]) -> bool:
+        """:meth:`add_window` of each (state, start, stop, slot_of) in order, with
+        what a window matches, gets and retires worked out once per prompt
+        length and window (a prefill's prompts; a decode step's tokens, the
+        same generated token for each, where a slice ends): a fresh plan;
+        requests of the same points and edits (the very objects), none aborted,
+        closed or armed, and each of them alike in how its edits retire and arm
+        (so windows of one prompt length and place match the same tokens and
+        leave the same points, edits and steady steps). The plan, the edits'
+        slots in their order, and each request's points left, steady steps and
+        log of applied edits are what :meth:`add_window` of each request
+        gives. Returns False, planning nothing, otherwise (plan each request
+        with :meth:`add_window`)."""
         if self.base is not None or self.groups or self.edits or self._matches or not fed:
             return False
-        states = [state for state, _ in fed]
+        states = [state for state, _, _, _ in fed]
         first = states[0]
         points, edits = first._live_points, first._live_edits
         if (list(map(_ABORT, states)).count(None) != len(states) or any(map(_CLOSED, states))
@@ -1040,25 +1050,26 @@ class StepPlan:
                 or not _same_points(list(map(_LIVE_POINTS, states)), points)
                 or not _same_points(list(map(_LIVE_EDITS, states)), edits)):
             return False
-        # By prompt length: its matches and its edits (token index, point or
-        # edit), and what its first request was left with once matched: the
-        # points left where one retired (None: none did), whether one left may
-        # retire, and its steady steps.
-        known: dict[int, tuple[list[tuple[int, ExtractionPoint]], list[tuple[int, Any]],
-                               Sequence[ExtractionPoint] | None, bool,
-                               tuple[int | None, int, int | None]]] = {}
+        # By prompt length and window: its matches and its edits (token index,
+        # point or edit), and what its first request was left with once matched:
+        # the points left where one retired (None: none did), whether one left
+        # may retire, and its steady steps.
+        known: dict[tuple[int, int, int],
+                    tuple[list[tuple[int, ExtractionPoint]], list[tuple[int, Any]],
+                          Sequence[ExtractionPoint] | None, bool,
+                          tuple[int | None, int, int | None]]] = {}
         matches = self._matches
         assert matches is not None
-        for state, slot_of in fed:
-            length = state.prompt_len
-            found = known.get(length)
+        for state, start, stop, slot_of in fed:
+            key = (state.prompt_len, start, stop)
+            found = known.get(key)
             if found is None:  # (worked out on this request, as add_window does)
                 live = len(state._live_points)
-                matched = state.matches_in_window(0, length)
+                matched = state.matches_in_window(start, stop)
                 left = state._live_points if len(state._live_points) != live else None
                 steady = (state.steady_from, state.steady_stride, state.steady_until)
-                found = known[length] = (matched, state.edits_in_window(0, length), left,
-                                         state._bounded, steady)
+                found = known[key] = (matched, state.edits_in_window(start, stop), left,
+                                      state._bounded, steady)
             else:  # (what that request was left with, and its edit marks passed)
                 matched, _, left, bounded, steady = found
                 if left is not None:  # (a point retired: the steady steps worked out again)
@@ -1067,8 +1078,8 @@ class StepPlan:
                         state.steady_from = None
                     else:
                         state.steady_from, state.steady_stride, state.steady_until = steady
-                if state._edit_marks and state._edit_marks[0] <= length:
-                    state.pass_edit_marks(length)
+                if state._edit_marks and state._edit_marks[0] <= stop:
+                    state.pass_edit_marks(stop)
             for token_index, point in matched:
                 slot = slot_of(token_index)
                 layers, groups = self._layout(point)

@@ -695,6 +695,7 @@ def test_steps_before_every_point_s_first_token_plan_nothing_and_capture_what_hf
     views = {}
     for feeds in (True, False):
         monkeypatch.setattr(worker._Capture, "repeat_feeds", feeds)
+        monkeypatch.setattr(worker._Capture, "batch_windows", feeds)
         windows.clear()
         idle.clear()
         with Router() as router:
@@ -746,7 +747,7 @@ def test_whole_prompts_planned_at_once_give_what_hf_and_each_prompt_planned_alon
     monkeypatch.setattr(StepPlan, "add_prompts", batched)
     views = {}
     for whole in (True, False):
-        monkeypatch.setattr(worker._Capture, "batch_prompts", whole)
+        monkeypatch.setattr(worker._Capture, "batch_windows", whole)
         alone.clear()
         at_once.clear()
         with Router() as router:

@@ -90,10 +90,12 @@ class _RowDriver:
     #: Repeat the last decode plan one token later while every request is steady
     #: (False: plan every step, the path the repeats are tested against).
     repeat_plans = True
-    #: Plan the prefill's prompts with what each prompt length matches worked
-    #: out once (False: each request's window planned alone, the path that is
-    #: tested against).
-    batch_prompts = True
+    #: Plan the windows of requests alike at once, with what each prompt length
+    #: and window matches worked out once: the prefill's prompts, and a decode
+    #: step no faster path plans, where a slice ends say
+    #: (:meth:`StepPlan.add_alike_windows`; False: each request's window planned
+    #: alone, the path that is tested against).
+    batch_windows = True
 
     def __init__(self, backend: HFBackend, states: list[RequestState], width: int,
                  params: SamplingParams, session: CaptureSession,
@@ -165,7 +167,7 @@ class _RowDriver:
                        # (else its points match generated tokens only, and no edit
                        # applies to its prompt: nothing in its prompt to plan)
                        if state.steady_from is None or state.edits_prompt()]
-            if not (self.batch_prompts and plan.add_prompts(prompts)):
+            if not (self.batch_windows and plan.add_prompts(prompts)):
                 for state, slot_of in prompts:
                     plan.add_window(state, 0, state.prompt_len, slot_of)
             return plan
@@ -257,9 +259,11 @@ class _RowDriver:
         repeats = plan.add_steady_tokens(tokens)
         alike = not repeats and plan.add_alike_tokens(tokens)
         if not repeats and not alike:
-            for state, index, row in fed:
-                if not state.exhausted:  # (else no point nor edit is left to plan)
-                    plan.add_window(state, index, index + 1, _fixed_slot(row, 0))
+            due = [(state, index, index + 1, _fixed_slot(row, 0)) for state, index, row in fed
+                   if not state.exhausted]  # (else no point nor edit is left to plan)
+            if not (self.batch_windows and due and plan.add_alike_windows(due)):
+                for state, start, stop, slot_of in due:
+                    plan.add_window(state, start, stop, slot_of)
             repeats = not plan.edits and bool(fed) and all(
                 state.steady_from is not None and index >= state.steady_from
                 and not (index - state.steady_from) % state.steady_stride

@@ -457,9 +457,10 @@ class _Capture:
     #: Repeat a steady step from the runner's arrays (False: plan every step from
     #: each request's window, the path the repeats are tested against).
     repeat_feeds = True
-    #: Plan a step of whole prompts at once (:meth:`StepPlan.add_prompts`; False:
-    #: each prompt from its window, the path that is tested against).
-    batch_prompts = True
+    #: Plan the windows of requests alike at once: a step of whole prompts, and
+    #: a decode step no faster path plans (:meth:`StepPlan.add_alike_windows`;
+    #: False: each request from its window, the path that is tested against).
+    batch_windows = True
 
     def _begin_step(self, module: Any, args: Any) -> None:
         self.plan = None
@@ -557,13 +558,17 @@ class _Capture:
                 quiet = max(0, min(state.quiet_until - start for state, start, _, _ in fed))
             at_once = quiet > 0 or (decode and plan.add_steady_tokens(places))
             alike = decode and not at_once and plan.add_alike_tokens(places)
-            if (not decode and self.batch_prompts and fed
+            if (not decode and self.batch_windows and fed
                     and all(start == 0 and stop == state.prompt_len
                             for state, start, stop, _ in fed)):
                 # (each request's whole prompt, none chunked: planned at once
                 # for requests alike, as each one's window would plan it)
                 at_once = plan.add_prompts([(state, window.row_of)
                                             for state, _, _, window in fed])
+            elif decode and not at_once and not alike and self.batch_windows:
+                # (a decode step no faster path plans: a slice that ends, say)
+                at_once = plan.add_alike_windows([(state, start, stop, window.row_of)
+                                                  for state, start, stop, window in fed])
             if not alike and not at_once:
                 for state, start, stop, window in fed:
                     plan.add_window(state, start, stop, window.row_of)
