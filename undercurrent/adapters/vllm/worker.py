@@ -185,7 +185,7 @@ class _Feed:
     An ``idle`` feed is a step that planned nothing, where no request's token
     reached its first point or edit left
     (:attr:`~undercurrent.adapters.session.RequestState.quiet_until`): a later
-    step that feeds each slot its next token, before the ``quiet`` th from it,
+    step that feeds each slot its next token, before the ``idle`` th from it,
     plans nothing either, and sends nothing (``states``: the requests it fed,
     their tokens sent later). A request with nothing left
     (:attr:`~undercurrent.adapters.session.RequestState.exhausted`) is quiet
