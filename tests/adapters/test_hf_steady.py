@@ -357,10 +357,10 @@ def test_steps_before_every_point_s_first_token_plan_nothing(monkeypatch):
                         position="generated[6]", probe_type="keeper", probe_kind="single_shot"),
     ]
 
-    def generate(repeat: bool) -> tuple[list[Any], list[int], list[bool]]:
+    def generate(repeat: bool) -> tuple[list[Any], list[int], list[bool | None]]:
         Keeper.kept = {}
         windows: list[int] = []  # (the generated index of each window planned alone)
-        plans: list[bool] = []  # (per forward: whether it made a plan)
+        plans: list[bool | None] = []  # (per forward: no plan, or whether it plans any)
         add_window, plan_forward = StepPlan.add_window, hf_backend._RowDriver.plan_forward
 
         def counted(plan: StepPlan, state: Any, start: int, stop: int, slot_of: Any) -> None:
@@ -369,7 +369,7 @@ def test_steps_before_every_point_s_first_token_plan_nothing(monkeypatch):
 
         def planned(driver: Any, width: int) -> Any:
             plan = plan_forward(driver, width)
-            plans.append(plan is not None and bool(plan))
+            plans.append(None if plan is None else bool(plan))
             return plan
 
         with monkeypatch.context() as patch:
@@ -385,8 +385,9 @@ def test_steps_before_every_point_s_first_token_plan_nothing(monkeypatch):
         return outputs, windows, plans
 
     outputs, windows, plans = generate(True)
-    # (forward 0 is the prefill; forward k feeds generated token k - 1)
-    assert plans[:5] == [False] * 5 and plans[5:8] == [True] * 3, plans
+    # (forward 0 is the prefill, with nothing in the prompts to plan; forward k
+    # feeds generated token k - 1: no plan made before generated token 4)
+    assert plans[:8] == [False] + [None] * 4 + [True] * 3, plans
     assert not [index for index in windows if index < 4], windows
     _assert_records_of_transformers(outputs, lambda output: [
         *[("slice", layer, output.prompt_len + index) for layer in (0, 2) for index in (4, 5, 6)],
