@@ -605,6 +605,23 @@ def test_a_request_with_no_point_left_is_not_planned_and_captures_what_hf_captur
             assert float((record.tensor - expected[key].tensor).abs().max()) <= 1e-4, key
 
 
+def _kept_run(backend, texts, points, prefix):
+    """Generate ``texts`` keeping records: the outputs, and what each gives
+    (tokens, finish reason, records with their token ids and tensors, each
+    point's counts and verdict)."""
+    with Router() as router:
+        session = CaptureSession(router, points, keep_records=True)
+        outputs = backend.generate(texts, [f"{prefix}{i}" for i in range(len(texts))], GREEDY,
+                                   session)
+    return outputs, [
+        (output.token_ids, output.finish_reason,
+         [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
+         {name: (result.stats.received, result.stats.processed, result.stats.dropped,
+                 result.verdict)
+          for name, result in output.results.items()})
+        for output in outputs]
+
+
 def test_steps_after_every_request_has_no_point_left_walk_no_window(
         backend, reference, num_layers, monkeypatch):
     # Once every request is past its points (the last prompt token, the first
@@ -635,10 +652,7 @@ def test_steps_after_every_request_has_no_point_left_walk_no_window(
         monkeypatch.setattr(worker._Capture, "repeat_feeds", feeds)
         walks.clear()
         idle.clear()
-        with Router() as router:
-            session = CaptureSession(router, points, keep_records=True)
-            outputs = backend.generate(texts, [f"x{i}" for i in range(len(texts))], GREEDY,
-                                       session)
+        outputs, view = _kept_run(backend, texts, points, "x")
         first = min(walks)  # (the worker counts forwards from its start)
         forwards[feeds] = [forward - first for forward in sorted(walks + idle)]
         if feeds:
@@ -650,13 +664,7 @@ def test_steps_after_every_request_has_no_point_left_walk_no_window(
             assert len(later) < len(texts), (walks, idle)
         else:
             assert not idle, idle
-        views[feeds] = [
-            (output.token_ids, output.finish_reason,
-             [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
-             {name: (result.stats.received, result.stats.processed, result.stats.dropped,
-                     result.verdict)
-              for name, result in output.results.items()})
-            for output in outputs]
+        views[feeds] = view
         assert all(len(output.records) == 2 + 1 for output in outputs)
     assert forwards[True] == forwards[False]  # (every forward walks or is idle)
     assert views[True] == views[False]
@@ -698,21 +706,14 @@ def test_steps_before_every_point_s_first_token_plan_nothing_and_capture_what_hf
         monkeypatch.setattr(worker._Capture, "batch_windows", feeds)
         windows.clear()
         idle.clear()
-        with Router() as router:
-            session = CaptureSession(router, points, keep_records=True)
-            outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
-                                       session)
+        outputs, view = _kept_run(backend, texts, points, "r")
         early = sorted(index for index in windows if 0 <= index < 4)
         if feeds:
             # (generated tokens 1 to 3 idle; the step of 4 is planned afresh)
             assert early == [] and idle[:4] == [True] * 3 + [False], (windows, idle)
         else:
             assert early == [index for index in range(4) for _ in texts] and not idle
-        views[feeds] = [
-            (output.token_ids, [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
-             {name: (result.stats.received, result.stats.processed, result.verdict)
-              for name, result in output.results.items()})
-            for output in outputs]
+        views[feeds] = view
         if feeds:
             # (some requests end on EOS within the slice)
             assert all(output.records and min(r.generated_index for r in output.records) == 4
@@ -750,18 +751,11 @@ def test_whole_prompts_planned_at_once_give_what_hf_and_each_prompt_planned_alon
         monkeypatch.setattr(worker._Capture, "batch_windows", whole)
         alone.clear()
         at_once.clear()
-        with Router() as router:
-            session = CaptureSession(router, points, keep_records=True)
-            outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], GREEDY,
-                                       session)
+        outputs, view = _kept_run(backend, texts, points, "r")
         # (batched: one step planned every prompt, none alone; else each alone)
         assert at_once == ([True] if whole else []), at_once
         assert alone.count(0) == (0 if whole else len(texts)), alone
-        views[whole] = [
-            (output.token_ids, [(r.key(), r.token_id, r.tensor.tolist()) for r in output.records],
-             {name: (result.stats.received, result.stats.processed, result.verdict)
-              for name, result in output.results.items()})
-            for output in outputs]
+        views[whole] = view
         if whole:
             compare(outputs, hf_reference(model_dir, texts, points, GREEDY))
     assert views[True] == views[False]
