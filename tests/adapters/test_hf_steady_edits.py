@@ -72,6 +72,34 @@ class Shifts:
         monkeypatch.setattr(StepPlan, "advanced", counted_advanced)
 
 
+class Taken:
+    """What ``_Window.take`` answered each decode step it was asked, beside
+    whether that step's plan was made afresh (not a repeat of a plan held)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from undercurrent.adapters import delivery
+
+        self.answers: list[tuple[bool, bool]] = []  # (taken, plan made afresh)
+        take = delivery._Window.take
+
+        def counted(window: Any, session: Any, batches: Any) -> bool:
+            plan = getattr(batches[0][1], "plan", None) if batches else None
+            fresh = plan is None or plan.base is None  # (read before: take lets go of it)
+            self.answers.append((take(window, session, batches), fresh))
+            return self.answers[-1][0]
+
+        monkeypatch.setattr(delivery._Window, "take", counted)
+
+    def check(self) -> None:
+        """Every repeat of a plan whose steps the window holds was taken as the
+        hooks handed it over, whichever of the window's layouts it repeats;
+        only the plans made afresh went through the general path."""
+        assert self.answers  # (asked from the window's second step on)
+        assert [taken for taken, fresh in self.answers if not fresh] == [True] * sum(
+            not fresh for _, fresh in self.answers)
+        assert not any(taken for taken, fresh in self.answers if fresh)
+
+
 def _planned_alone(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The generated index of each decode step planned a request at a time
     (``StepPlan.add_window``), appended as it is planned."""
@@ -141,12 +169,14 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
     planned at once); the same generation planned and routed a step at a time
     is the oracle."""
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
-    alone = _planned_alone(monkeypatch)
+    alone, taken = _planned_alone(monkeypatch), Taken(monkeypatch)
     point = _point("linear_probe")
     mine = _generate(point, windows=True, records=True, edits=edits)
     # (one window holds every decode step: the layouts before, within and after
-    # an edit share it, each row with its own step's edits)
+    # an edit share it, each row with its own step's edits; the repeats of
+    # each layout's plan taken as they came)
     assert windows.steps == [MAX_NEW - 1]
+    taken.check()
     assert (shifts.edited > 0) == edited
     assert alone == []
     monkeypatch.undo()
@@ -625,10 +655,12 @@ def test_points_of_several_strides_beside_always_on_edits_repeat_their_cycle(
         return made
 
     monkeypatch.setattr(StepPlan, "advanced", counted)
-    windows = Windows(monkeypatch)
+    windows, taken = Windows(monkeypatch), Taken(monkeypatch)
     mine = _generate([every, second], windows=True, records=True, eos=eos, edits=edits)
     assert repeated and set(repeated) == {period}
     assert windows.steps and max(windows.steps) > 1
+    if eos is None:  # (each plan of the period repeated, whichever layout: taken)
+        taken.check()
     if eos is not None:
         ended = [len(output.token_ids) for output in mine if output.finish_reason == "eos"]
         assert ended and min(ended) < max(len(output.token_ids) for output in mine)

@@ -1247,7 +1247,7 @@ class _Window:
     (:meth:`_route_alternating`)."""
 
     __slots__ = ("layout", "limit", "deltas", "steps", "stamps", "values", "size", "step_size",
-                 "base", "shape", "keys", "layouts", "refs", "offsets", "sizes")
+                 "base", "shapes", "layouts", "refs", "offsets", "sizes")
 
     def __init__(self, layout: _SteadyLayout, limit: int, base: Any) -> None:
         self.layout = layout
@@ -1262,13 +1262,13 @@ class _Window:
         self.values: list[list[Any]] | None = [] if layout.guards else None
         self.size = 0
         self.step_size = 0  # bytes a step adds (its pieces'), read from the first step
-        self.base = base  # the plan whose repeats the window holds
-        # The height of each forward batch a step brings, in the base plan's
-        # order of groups, where each group is every point's rows of its layer
-        # as they come (a step's pieces are then its batches' rows, see take());
-        # else None. ``keys``: the groups' keys, in that order.
-        self.shape: list[int] | None = None
-        self.keys: list[Any] = []
+        self.base = base  # the plan whose repeats the window holds first
+        # Per base plan whose repeats the window holds (the first, and those of
+        # the layouts it admits), by ``id``: (the base, its layout, the keys of
+        # its groups in its order, and the height of each forward batch a step
+        # brings), where each group is every point's rows of its layer as they
+        # come (a step's pieces are then its batches' rows, see take()).
+        self.shapes: dict[int, tuple[Any, _SteadyLayout, list[Any], list[int]]] = {}
         # Each step's layout, and for alternating layouts (see admits): each
         # point's first layout's point, by name; each layout point's tokens
         # after its name's first, as a shift; bytes a step of each layout adds.
@@ -1334,30 +1334,31 @@ class _Window:
             window = None
         if window is None:
             window = session.window = cls(layout, limit, base)
-        if (window.shape is None and window.layout is layout
-                and all(point.whole for point in layout.points)):
+        if id(base) not in window.shapes and all(point.whole for point in layout.points):
             keys = list(dict.fromkeys(key for point in layout.points for key in point.keys))
             if list(base.groups) == keys:
-                window.keys = keys
-                window.shape = [len(group.slots) for group in base.groups.values()]
+                window.shapes[id(base)] = (base, layout, keys,
+                                           [len(group.slots) for group in base.groups.values()])
         window._add(session, delta, pieces, values, layout)
         return None
 
     def take(self, session: Any, batches: list[tuple[Any, Any, Any]]) -> bool:
         """Hold a forward's ``batches`` as :func:`deliver_forward` would hold
-        them, where they are the next repeat of this window's plan with no
+        them, where they are the next repeat of a plan whose repeats this
+        window holds (its first layout's, or one it admitted), with no
         request ended since (the checks :func:`_whole_plan` and
         :func:`_deliver_steady` make, made directly): each group of the plan
         once (in the plan's order, or in another where the hooks fire in
         another), with a row per slot, each group's rows the layer's rows in
-        request order (:attr:`shape`). False (nothing done)
+        request order (:attr:`shapes`). False (nothing done)
         otherwise: the general path then tells."""
-        shape = self.shape
-        if shape is None or len(batches) != len(shape):
+        plan: Any = getattr(batches[0][1], "plan", None) if batches else None
+        known = None if plan is None or plan.base is None else self.shapes.get(id(plan.base))
+        if known is None:
             return False
-        plan = getattr(batches[0][1], "plan", None)
-        if (plan is None or plan.base is not self.base
-                or (len(session.aborted), session.closes) != self.layout.ends):
+        base, layout, keys, shape = known
+        if (base is not plan.base or len(batches) != len(shape)
+                or (len(session.aborted), session.closes) != layout.ends):
             return False
         groups = list(plan.groups.values())
         if [batch[1] for batch in batches] == groups:  # (by identity: a shifted plan's own)
@@ -1372,17 +1373,17 @@ class _Window:
                 return False
         except AttributeError:  # (rows of another kind)
             return False
-        points = self.layout.points
+        points = layout.points
         if len(points) == 1:  # (the point's layers are the groups)
             pieces = [rows]
         else:
-            by_key = dict(zip(self.keys, rows, strict=True))
+            by_key = dict(zip(keys, rows, strict=True))
             pieces = [list(map(by_key.__getitem__, point.keys)) for point in points]
-        aborting, values = _guarded(self.layout, plan.delta, {}, pieces)
+        aborting, values = _guarded(layout, plan.delta, {}, pieces)
         if aborting is not None:
             return False  # (the general path routes it at once, see hold)
         plan.delivered()
-        self._add(session, plan.delta, pieces, values, self.layout)
+        self._add(session, plan.delta, pieces, values, layout)
         return True
 
     def _add(self, session: Any, delta: int, pieces: list[list[Any]],
