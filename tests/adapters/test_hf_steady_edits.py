@@ -168,15 +168,29 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
     a request at a time: each where an edit starts or stops applying is
     planned at once); the same generation planned and routed a step at a time
     is the oracle."""
+    from undercurrent.adapters import delivery
+
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
     alone, taken = _planned_alone(monkeypatch), Taken(monkeypatch)
+    moved: list[bool] = []  # whether each change's layout was the last one moved
+    move = delivery._SteadyLayout.moved
+
+    def counted(layout: Any, *args: Any) -> Any:
+        made = move(layout, *args)
+        moved.append(made is not None)
+        return made
+
+    monkeypatch.setattr(delivery._SteadyLayout, "moved", counted)
     point = _point("linear_probe")
     mine = _generate(point, windows=True, records=True, edits=edits)
     # (one window holds every decode step: the layouts before, within and after
     # an edit share it, each row with its own step's edits; the repeats of
-    # each layout's plan taken as they came)
+    # each layout's plan taken as they came, and each layout after a change
+    # the one before it moved, not worked out again per request)
     assert windows.steps == [MAX_NEW - 1]
     taken.check()
+    # (every case but the prompt token's edit changes during the decode steps)
+    assert all(moved) and bool(moved) == (edits[0].position.kind.value != "prompt")
     assert (shifts.edited > 0) == edited
     assert alone == []
     monkeypatch.undo()
@@ -422,40 +436,58 @@ def test_a_triggered_edit_switched_on_moves_the_request_s_steady_steps_past_its_
     assert mirror.arm("p", SignalAction.FLAG, 5) and mirror.steady_from is None
 
 
+@pytest.mark.parametrize("early", [False, True])
 def test_steps_before_and_after_a_triggered_edit_is_switched_on_repeat_their_plans(
-        monkeypatch):
+        monkeypatch, early):
     """A probe flags mid-generation and switches on an edit for that request
     alone: the steps before repeat their plans and are held in a window (the
     probe's scores tell that none flags), the step that flags is routed as it
     comes (so the edit applies from the next step), and the steps after repeat
     their plans with the edit at that request's row only, held again; the
-    outputs, records and applied edits are the general path's."""
+    outputs, records and applied edits are the general path's. ``early``: an
+    edit of the first generated token beside it (adding nothing), whose end
+    moves the layout held (``_SteadyLayout.moved``) before the step that
+    flags is routed from it."""
     import dataclasses
+
+    from undercurrent.adapters import delivery
 
     watched = _generate(_point("linear_probe", threshold=None), windows=False)
     scores = sorted((s.score, s.generated_index) for output in watched for s in output.signals)
     (second, _), (top, at) = scores[-2:]
     assert top > second and at >= 1  # (one signal flags: after the first step)
     point = _point("linear_probe", threshold=(top + second) / 2)
-    edit = dataclasses.replace(_edit(), when={"point": "watch", "action": "flag"})
+    edits = [dataclasses.replace(_edit(), when={"point": "watch", "action": "flag"})]
+    if early:
+        edits.append(_edit("generated[0:1]", name="early", layers=(2,), coefficient=0.0))
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
     repeated: list[int] = []
     advanced = StepPlan.advanced
+    moved: list[bool] = []
+    move = delivery._SteadyLayout.moved
 
     def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
         repeated.append(delta)
         return advanced(plan, delta)
 
+    def counted_move(layout: Any, *args: Any) -> Any:
+        made = move(layout, *args)
+        moved.append(made is not None)
+        return made
+
     monkeypatch.setattr(StepPlan, "advanced", counted)
-    mine = _generate(point, windows=True, records=True, edits=[edit])
+    monkeypatch.setattr(delivery._SteadyLayout, "moved", counted_move)
+    mine = _generate(point, windows=True, records=True, edits=edits)
     assert repeated and shifts.edited > 0
+    assert (True in moved) == early
     # (the steps before the flag's held in one window, routed when it came;
     # those after, where the other requests' edits may still switch on, too)
     assert windows.steps[0] == at and len(windows.steps) > 1
-    assert [bool(output.edits) for output in mine].count(True) == 1
+    assert [any(entry.edit_name == "steer" for entry in output.edits)
+            for output in mine].count(True) == 1
     monkeypatch.undo()
     _each_step(monkeypatch)
-    theirs = _generate(point, windows=False, records=True, edits=[edit])
+    theirs = _generate(point, windows=False, records=True, edits=edits)
     assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]
 
 

@@ -712,6 +712,7 @@ def _order(match: PlanMatch) -> PlanMatch | int:
 
 _MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
 _STATE = operator.attrgetter("state")
+_TOKEN_INDEX = operator.attrgetter("token_index")
 _CLOSED = operator.attrgetter("closed")
 _ABORT = operator.attrgetter("abort")
 _ROWS = operator.attrgetter("rows")
@@ -738,15 +739,7 @@ class _SteadyPoint:
         # ``row_edits``: each row's of a step, request-major, layer-minor.
         self.edits: list[tuple[str, ...]] | None = None
         self.row_edits: list[tuple[str, ...]] | None = None
-        if edited:
-            found = [edited.get(key, ()) for key in self.keys]
-            if any(isinstance(names, dict) for names in found):
-                self.row_edits = [
-                    names.get(row, ()) if isinstance(names, dict) else names
-                    for _, match in items
-                    for names, row in zip(found, match.rows, strict=True)]
-            elif any(found):
-                self.edits = found
+        self._set_edits(edited, [match for _, match in items])
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         self.whole = False  # every pick None (each source is the layer's rows, in order)
         count = self.count = len(layers)
@@ -782,6 +775,58 @@ class _SteadyPoint:
         self.kept = Journal()
         self.bases: tuple[Any, Any] | None = None  # see _bases
         self.windowed: dict[int, list[tuple[str, int, int]]] = {}  # see window_spans
+
+    def _set_edits(self, edited: dict[Any, tuple[str, ...]] | None,
+                   matches: Sequence[PlanMatch]) -> None:
+        """:attr:`edits` and :attr:`row_edits` from the edits the base plan
+        applies at each (layer, tensor type) (see :func:`_edited_everywhere`)."""
+        self.edits = self.row_edits = None
+        if edited:
+            found = [edited.get(key, ()) for key in self.keys]
+            if any(isinstance(names, dict) for names in found):
+                self.row_edits = [
+                    names.get(row, ()) if isinstance(names, dict) else names
+                    for match in matches
+                    for names, row in zip(found, match.rows, strict=True)]
+            elif any(found):
+                self.edits = found
+
+    def moved(self, matches: list[PlanMatch],
+              edited: dict[Any, tuple[str, ...]] | None) -> _SteadyPoint | None:
+        """This point's batch in the layout of another base plan whose
+        ``matches`` are this one's requests (in order), of the same point and
+        layers, at the same rows, each at a token the same shift on (where the
+        edits that apply change: an edit starting or ending for every
+        request), with ``edited`` the new plan's edits; None where they are
+        not. What does not depend on the tokens or the edits is shared (the
+        columns of ids, names and layers, the gathering picks, the routed
+        spans), not worked out again per request."""
+        spans = self.spans
+        first = matches[0] if matches else None
+        if (first is None or len(matches) != len(spans) or first.point.name != self.name
+                or first.layers != tuple(layer for layer, _ in self.keys)
+                or not all(map(operator.eq, map(_ROWS, matches), map(_ROWS, map(_MATCH, spans))))):
+            return None
+        np = numpy_module()
+        tokens = np.fromiter(map(_TOKEN_INDEX, matches), dtype=np.int64, count=len(matches))
+        bases, offsets = self._bases()
+        shifts = tokens - bases
+        shift = int(shifts[0])
+        if (shifts != shift).any():
+            return None
+        moved = _SteadyPoint.__new__(_SteadyPoint)
+        for name in ("name", "tensor_type", "keys", "picks", "whole", "count", "known",
+                     "request_ids", "point_names", "layers", "routed_spans", "windowed"):
+            setattr(moved, name, getattr(self, name))
+        moved._set_edits(edited, matches)
+        states = list(map(_STATE, matches))
+        moved.requests = list(zip(states, tokens.tolist(), strict=True))
+        moved.tokens, moved.generated = self.tokens + shift, self.generated + shift
+        moved.spans = [(state, start, stop, match) for (state, start, stop, _), match
+                       in zip(spans, matches, strict=True)]
+        moved.journal, moved.kept = Journal(), Journal()
+        moved.bases = (tokens, offsets + shift)
+        return moved
 
     def follow(self, *, kept: bool = False) -> Journal:
         """This point's journal of routed batches (``kept``: of captured ones),
@@ -979,11 +1024,12 @@ def _stacked(pieces: list[Any]) -> DeferredRows:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits", "triggers", "windows", "guards", "ends")
+    __slots__ = ("states", "points", "edits", "triggers", "windows", "guards", "ends", "one_each")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
+        self.one_each = False  # made of a plan of one point, each request once (see of)
         # The signals that may switch on an edit of these requests (a triggered
         # edit not switched on yet: a layout is made again once one is), as
         # the actions each point's signals would do it with; ``edits``: any.
@@ -1020,8 +1066,17 @@ class _SteadyLayout:
             # tells which are live): looked at in C.
             if (not any(map(_CLOSED, states))
                     and list(map(_ABORT, states)).count(None) == len(states)):
-                return cls(states, [_SteadyPoint(list(zip(states, matches, strict=True)),
-                                                 session.registered, edited)])
+                window = getattr(session, "window", None)
+                if window is not None and window.layouts:
+                    # (the requests' edits changed: the last layout held, moved)
+                    moved: _SteadyLayout | None = window.layouts[-1].moved(
+                        states, matches, edited)
+                    if moved is not None:
+                        return moved
+                layout = cls(states, [_SteadyPoint(list(zip(states, matches, strict=True)),
+                                                   session.registered, edited)])
+                layout.one_each = True
+                return layout
         per_request: dict[str, tuple[Any, list[PlanMatch]]] = {}
         for match in base.matches:
             state = match.state
@@ -1044,6 +1099,28 @@ class _SteadyLayout:
         registered = session.registered
         return cls(live, [_SteadyPoint(items, registered, edited)
                           for items in by_point.values()])
+
+
+    def moved(self, states: list[Any], matches: list[PlanMatch],
+              edited: dict[Any, Any]) -> _SteadyLayout | None:
+        """The layout of another base plan of one point, each of the same
+        ``states`` once, in order, at the same rows, each at a token the same
+        shift on (:meth:`_SteadyPoint.moved`), where this one is such a plan's
+        too; else None. Where neither may switch an edit on and this one's
+        window was worked out from the router's limits alone (more than one
+        step, no guard), the new one's is the same."""
+        if (not self.one_each or len(states) != len(self.states)
+                or not all(map(operator.is_, states, self.states))):
+            return None
+        point = self.points[0].moved(matches, edited)
+        if point is None:
+            return None
+        layout = _SteadyLayout(states, [point])
+        layout.one_each = True
+        if (not layout.triggers and not self.triggers and not self.guards
+                and self.windows is not None and self.windows > 1):
+            layout.windows = self.windows
+        return layout
 
 
 def _edited_everywhere(base: Any) -> dict[Any, Any]:
