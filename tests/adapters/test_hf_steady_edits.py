@@ -16,6 +16,7 @@ this path.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -160,14 +161,16 @@ def test_steps_with_always_on_edits_repeat_their_plans_and_are_held_in_windows(
     ([_edit("generated[1:4]"), _edit("generated[6]", name="late", layers=(2,))], True),
     ([_edit(), _edit("generated[0:3]", name="early", tensor_type="mlp_out")], True),
 ])
+@pytest.mark.parametrize("several", [False, True])
 def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
-        monkeypatch, edits, edited):
+        monkeypatch, edits, edited, several):
     """A slice of tokens, a prompt token or one generated token edited: the
     steps where the edits are the same at every token repeat their plans, and
     are held in one window, before, while and after (no decode step is planned
     a request at a time: each where an edit starts or stops applying is
     planned at once); the same generation planned and routed a step at a time
-    is the oracle."""
+    is the oracle. ``several``: a second point beside the first (of another
+    tensor type and layers, judged by another probe)."""
     from undercurrent.adapters import delivery
 
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
@@ -181,7 +184,10 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
         return made
 
     monkeypatch.setattr(delivery._SteadyLayout, "moved", counted)
-    point = _point("linear_probe")
+    point: Any = _point("linear_probe")
+    if several:
+        point = [point, dataclasses.replace(_point("norm_probe", threshold=0.11), name="mlp",
+                                            layers=(0, 2), tensor_type=TensorType.MLP_OUT)]
     mine = _generate(point, windows=True, records=True, edits=edits)
     # (one window holds every decode step: the layouts before, within and after
     # an edit share it, each row with its own step's edits; the repeats of

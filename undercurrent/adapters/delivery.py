@@ -711,8 +711,10 @@ def _order(match: PlanMatch) -> PlanMatch | int:
 
 
 _MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
+_STATE_OF_SPAN = operator.itemgetter(0)
 _STATE = operator.attrgetter("state")
 _TOKEN_INDEX = operator.attrgetter("token_index")
+_SECOND = operator.itemgetter(1)  # a (state, match) item's match
 _CLOSED = operator.attrgetter("closed")
 _ABORT = operator.attrgetter("abort")
 _ROWS = operator.attrgetter("rows")
@@ -722,8 +724,8 @@ class _SteadyPoint:
     """One point's batch in every plan that repeats a base plan: what does not
     change from one step to the next, computed once."""
 
-    __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "count", "requests", "known",
-                 "request_ids", "point_names", "layers", "tokens", "generated", "spans",
+    __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "heights", "count", "requests",
+                 "known", "request_ids", "point_names", "layers", "tokens", "generated", "spans",
                  "routed_spans", "journal", "kept", "bases", "windowed", "edits", "row_edits")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str],
@@ -742,6 +744,7 @@ class _SteadyPoint:
         self._set_edits(edited, [match for _, match in items])
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         self.whole = False  # every pick None (each source is the layer's rows, in order)
+        self.heights: list[int] | None = None  # the first sources' heights (see moved)
         count = self.count = len(layers)
         states = [state for state, _ in items]
         matches = [match for _, match in items]
@@ -791,20 +794,23 @@ class _SteadyPoint:
             elif any(found):
                 self.edits = found
 
-    def moved(self, matches: list[PlanMatch],
-              edited: dict[Any, tuple[str, ...]] | None) -> _SteadyPoint | None:
+    def moved(self, matches: list[PlanMatch], edited: dict[Any, tuple[str, ...]] | None,
+              sources: dict[Any, Any]) -> _SteadyPoint | None:
         """This point's batch in the layout of another base plan whose
         ``matches`` are this one's requests (in order), of the same point and
         layers, at the same rows, each at a token the same shift on (where the
         edits that apply change: an edit starting or ending for every
-        request), with ``edited`` the new plan's edits; None where they are
-        not. What does not depend on the tokens or the edits is shared (the
-        columns of ids, names and layers, the gathering picks, the routed
-        spans), not worked out again per request."""
+        request), with ``edited`` the new plan's edits and ``sources`` its
+        first step's rows; None where they are not. What does not depend on
+        the tokens or the edits is shared (the columns of ids, names and
+        layers, the routed spans, and the gathering picks where the sources
+        are as high as those they were made for), not worked out again per
+        request."""
         spans = self.spans
         first = matches[0] if matches else None
         if (first is None or len(matches) != len(spans) or first.point.name != self.name
                 or first.layers != tuple(layer for layer, _ in self.keys)
+                or not all(map(operator.is_, map(_STATE, matches), map(_STATE_OF_SPAN, spans)))
                 or not all(map(operator.eq, map(_ROWS, matches), map(_ROWS, map(_MATCH, spans))))):
             return None
         np = numpy_module()
@@ -815,9 +821,12 @@ class _SteadyPoint:
         if (shifts != shift).any():
             return None
         moved = _SteadyPoint.__new__(_SteadyPoint)
-        for name in ("name", "tensor_type", "keys", "picks", "whole", "count", "known",
-                     "request_ids", "point_names", "layers", "routed_spans", "windowed"):
+        for name in ("name", "tensor_type", "keys", "picks", "whole", "heights", "count",
+                     "known", "request_ids", "point_names", "layers", "routed_spans", "windowed"):
             setattr(moved, name, getattr(self, name))
+        if self.picks is not None and self.heights != [
+                sources[key].shape[0] if key in sources else -1 for key in self.keys]:
+            moved.picks, moved.whole, moved.heights = None, False, None  # (made again)
         moved._set_edits(edited, matches)
         states = list(map(_STATE, matches))
         moved.requests = list(zip(states, tokens.tolist(), strict=True))
@@ -857,6 +866,7 @@ class _SteadyPoint:
         it is exactly that)."""
         if self.picks is None:
             self.picks = []
+            self.heights = [sources[key].shape[0] for key in self.keys]
             for column, key in enumerate(self.keys):
                 # (each request's row of this layer, read in C)
                 rows = list(map(operator.itemgetter(column),
@@ -1024,12 +1034,11 @@ def _stacked(pieces: list[Any]) -> DeferredRows:
 class _SteadyLayout:
     """The batches of every plan that repeats one base plan, one per point."""
 
-    __slots__ = ("states", "points", "edits", "triggers", "windows", "guards", "ends", "one_each")
+    __slots__ = ("states", "points", "edits", "triggers", "windows", "guards", "ends")
 
     def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
         self.states = states
         self.points = points
-        self.one_each = False  # made of a plan of one point, each request once (see of)
         # The signals that may switch on an edit of these requests (a triggered
         # edit not switched on yet: a layout is made again once one is), as
         # the actions each point's signals would do it with; ``edits``: any.
@@ -1059,6 +1068,9 @@ class _SteadyLayout:
         if not all(hasattr(rows, "detach") for rows in sources.values()):
             return None
         edited = _edited_everywhere(base)
+        window = getattr(session, "window", None)
+        last: _SteadyLayout | None = (window.layouts[-1] if window is not None
+                                      and window.layouts else None)
         if base.one_each:  # (StepPlan.add_steady_tokens: one point, each request once)
             matches = base.matches
             states = list(map(_STATE, matches))
@@ -1066,17 +1078,12 @@ class _SteadyLayout:
             # tells which are live): looked at in C.
             if (not any(map(_CLOSED, states))
                     and list(map(_ABORT, states)).count(None) == len(states)):
-                window = getattr(session, "window", None)
-                if window is not None and window.layouts:
-                    # (the requests' edits changed: the last layout held, moved)
-                    moved: _SteadyLayout | None = window.layouts[-1].moved(
-                        states, matches, edited)
+                if last is not None:  # (the requests' edits changed: the last layout, moved)
+                    moved = last.moved(states, [matches], edited, sources)
                     if moved is not None:
                         return moved
-                layout = cls(states, [_SteadyPoint(list(zip(states, matches, strict=True)),
-                                                   session.registered, edited)])
-                layout.one_each = True
-                return layout
+                return cls(states, [_SteadyPoint(list(zip(states, matches, strict=True)),
+                                                 session.registered, edited)])
         per_request: dict[str, tuple[Any, list[PlanMatch]]] = {}
         for match in base.matches:
             state = match.state
@@ -1096,27 +1103,35 @@ class _SteadyLayout:
             layers = items[0][1].layers
             if any(match.layers != layers for _, match in items):
                 return None
+        if last is not None:
+            moved = last.moved(live, [list(map(_SECOND, items)) for items in by_point.values()],
+                               edited, sources)
+            if moved is not None:
+                return moved
         registered = session.registered
         return cls(live, [_SteadyPoint(items, registered, edited)
                           for items in by_point.values()])
 
-
-    def moved(self, states: list[Any], matches: list[PlanMatch],
-              edited: dict[Any, Any]) -> _SteadyLayout | None:
-        """The layout of another base plan of one point, each of the same
-        ``states`` once, in order, at the same rows, each at a token the same
-        shift on (:meth:`_SteadyPoint.moved`), where this one is such a plan's
-        too; else None. Where neither may switch an edit on and this one's
-        window was worked out from the router's limits alone (more than one
-        step, no guard), the new one's is the same."""
-        if (not self.one_each or len(states) != len(self.states)
+    def moved(self, states: list[Any], matches: list[list[PlanMatch]],
+              edited: dict[Any, Any], sources: dict[Any, Any]) -> _SteadyLayout | None:
+        """The layout of another base plan of the same ``states``, in order, whose
+        ``matches`` of each point (in this layout's order of points) are this
+        one's at the same rows, each at a token the same shift on
+        (:meth:`_SteadyPoint.moved`; ``sources``: its first step's rows); else
+        None. What a change of the requests' edits makes (an edit starting or
+        ending for every request). Where neither may switch an edit on and
+        this one's window was worked out from the router's limits alone (more
+        than one step, no guard), the new one's is the same."""
+        if (len(states) != len(self.states) or len(matches) != len(self.points)
                 or not all(map(operator.is_, states, self.states))):
             return None
-        point = self.points[0].moved(matches, edited)
-        if point is None:
-            return None
-        layout = _SteadyLayout(states, [point])
-        layout.one_each = True
+        points = []
+        for point, mine in zip(self.points, matches, strict=True):
+            moved = point.moved(mine, edited, sources)
+            if moved is None:
+                return None
+            points.append(moved)
+        layout = _SteadyLayout(states, points)
         if (not layout.triggers and not self.triggers and not self.guards
                 and self.windows is not None and self.windows > 1):
             layout.windows = self.windows
