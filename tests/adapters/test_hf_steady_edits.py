@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -603,9 +605,11 @@ def test_journals_stopped_at_a_change_of_edits_are_built_when_read_each_in_its_p
                          AppliedEdit("b", 2, 15, 11, "mlp_out"),
                          AppliedEdit("b", 2, 16, 12, "mlp_out"), middle]
     assert made == [3, 2] and not log.pending
-    # (the journals' entries, for the edited sites, once)
-    assert [entry.edit_name for entry in log.take_unsited()] == ["a"] * 3 + ["b"] * 2
-    assert log.take_unsited() == []
+    # (the journals' entries, for the edited sites, once, each journal's shifts
+    # read so far, and no entry built for it)
+    assert log.take_unsited() == [([0, 1, 2], 10, (("a", 1, "residual_stream"),)),
+                                  ([0, 1], 15, (("b", 2, "mlp_out"),))]
+    assert log.take_unsited() == [] and made == [3, 2]
 
 
 def test_the_edited_sites_of_steady_steps_are_read_from_the_journal():
@@ -823,3 +827,52 @@ def test_prompts_planned_at_once_give_what_planning_each_request_s_prompt_gives(
         assert {edit.edit_name for edit in mine.edits} == {"prompt_edit", "slice_edit"}
         assert {r.extraction_point_name for r in mine.records} == {"last", "first", "absolute",
                                                                    "watch"}
+
+
+_LOG_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("follow"), st.integers(0, 2), st.integers(0, 40), st.integers(1, 2)),
+    st.tuples(st.just("shift"), st.integers(0, 2), st.integers(1, 3)),
+    st.tuples(st.just("entry"), st.integers(0, 40)),
+    st.tuples(st.just("take"),),
+    st.tuples(st.just("read"),),
+    st.tuples(st.just("freeze"),),
+), max_size=30)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(_LOG_STEPS)
+def test_a_log_s_unsited_journal_pieces_name_the_entries_built_from_journals(steps):
+    """Whatever a log does (follow journals that others also append to, log
+    entries of its own, be read, be frozen), the journals' pieces it hands
+    over for the edited sites (``take_unsited``), each given once, name
+    exactly the entries it builds from the journals, in order."""
+    journals: list[list[int]] = [[], [], []]
+    log = EditLog()
+    pieces: list[tuple[list[int], int, tuple[Any, ...]]] = []
+    frozen = False
+    for step in steps:
+        if step[0] == "follow" and not frozen:
+            _, which, token, count = step
+            log.follow(journals[which], token, 4,
+                       [(f"e{which}", layer, "residual_stream") for layer in range(count)])
+        elif step[0] == "shift":
+            _, which, shift = step
+            journals[which].append((journals[which] or [0])[-1] + shift)
+        elif step[0] == "entry" and not frozen:
+            log.append(AppliedEdit("own", 0, step[1], None, "mlp_out"))
+        elif step[0] == "take":
+            pieces += log.take_unsited()
+        elif step[0] == "read":
+            list(log)
+        elif step[0] == "freeze":
+            log.freeze()
+            frozen = True
+    log.freeze()
+    pieces += log.take_unsited()
+    assert log.take_unsited() == []
+    named = [(name, layer, token_index + shift, tensor_type)
+             for shifts, token_index, sites in pieces for shift in shifts
+             for name, layer, tensor_type in sites]
+    built = [(entry.edit_name, entry.layer, entry.token_index, entry.tensor_type)
+             for entry in log if entry.edit_name != "own"]
+    assert named == built

@@ -41,8 +41,10 @@ class EditLog(Sequence[AppliedEdit]):
         # as (where in _built their entries go, the shifts read, first token,
         # prompt length, sites): built with the rest when read.
         self._stopped: list[tuple[int, list[int], int, int, tuple[EditSite, ...]]] = []
-        # Ranges of _built made from a journal, not yet given to take_unsited.
-        self._unsited: list[tuple[int, int]] = []
+        # The shifts of journals no longer followed, not yet given to
+        # take_unsited, as (shifts, first token, sites); the journal followed
+        # keeps how many of its shifts were given (its sixth field).
+        self._unsited: list[tuple[list[int], int, tuple[EditSite, ...]]] = []
         # What was done to this log since take_tape, where recorded (see record).
         self._tape: list[tuple[Any, ...]] | None = None
         self._read = 0  # (the entries the journal followed last gave, once it stopped)
@@ -86,7 +88,7 @@ class EditLog(Sequence[AppliedEdit]):
         d`` (a generated token of a prompt of ``prompt_len`` tokens)."""
         if self._following is not None:
             self._stop()
-        self._following = [journal, 0, token_index, prompt_len, tuple(sites)]
+        self._following = [journal, 0, token_index, prompt_len, tuple(sites), 0]
         if self._tape is not None:
             self._tape.append(("follow", journal, token_index, tuple(sites)))
 
@@ -100,7 +102,11 @@ class EditLog(Sequence[AppliedEdit]):
         request ended: what others append is theirs)."""
         following = self._following
         if following is not None:
-            following[0], following[1] = following[0][following[1]:], 0
+            journal, read, token_index, _, sites, sited = following
+            if sited < len(journal):
+                self._unsited.append((journal[sited:], token_index, sites))
+            frozen = journal[read:]
+            following[0], following[1], following[5] = frozen, 0, len(frozen)
 
     @property
     def following(self) -> bool:
@@ -110,7 +116,7 @@ class EditLog(Sequence[AppliedEdit]):
     def _catch_up(self, *, stop: bool, upto: int | None = None) -> None:
         following = self._following
         assert following is not None
-        journal, read, token_index, prompt_len, sites = following
+        journal, read, token_index, prompt_len, sites, sited = following
         shifts = journal[read:upto]
         following[1] = read + len(shifts)
         if stop:
@@ -121,11 +127,12 @@ class EditLog(Sequence[AppliedEdit]):
             if shifts:
                 self._stopped.append((len(self._built), shifts, token_index, prompt_len,
                                       sites))
+            end = len(journal) if upto is None else upto
+            if sited < end:
+                self._unsited.append((journal[sited:end], token_index, sites))
         elif shifts:
             self._build_stopped()
-            start = len(self._built)
             self._built += _entries(shifts, token_index, prompt_len, sites)
-            self._unsited.append((start, len(self._built)))
 
     def _build_stopped(self) -> None:
         """Build the entries of the journals stopped since the last call, each
@@ -137,9 +144,7 @@ class EditLog(Sequence[AppliedEdit]):
         for place, shifts, token_index, prompt_len, sites in stopped:
             built += before[done:place]
             done = place
-            start = len(built)
             built += _entries(shifts, token_index, prompt_len, sites)
-            self._unsited.append((start, len(built)))
         built += before[done:]
         self._built = built
 
@@ -156,14 +161,19 @@ class EditLog(Sequence[AppliedEdit]):
         if self._tape is not None:
             self._tape = []
 
-    def take_unsited(self) -> list[AppliedEdit]:
-        """The entries built from a journal since the last call (for a request's
-        map of edited sites, kept from the others as they are logged)."""
-        if self._following is None and not self._unsited and not self._stopped:
+    def take_unsited(self) -> list[tuple[list[int], int, tuple[EditSite, ...]]]:
+        """The journals' entries logged since the last call, as (shifts, first
+        token, sites) in the order logged: ``sites`` edited at each token
+        ``first + shift`` (for a request's map of edited sites, kept from the
+        others as they are logged; no :class:`AppliedEdit` is built for it)."""
+        following = self._following
+        if not self._unsited and (following is None or following[5] == len(following[0])):
             return []  # (the usual case, read per request and step on the general path)
-        self._flush()
-        ranges, self._unsited = self._unsited, []
-        return [entry for start, stop in ranges for entry in self._built[start:stop]]
+        pieces, self._unsited = self._unsited, []
+        if following is not None and following[5] < len(following[0]):
+            pieces.append((following[0][following[5]:], following[2], following[4]))
+            following[5] = len(following[0])
+        return pieces
 
     def __len__(self) -> int:
         return len(self._flush())

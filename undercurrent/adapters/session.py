@@ -282,6 +282,9 @@ def _same_points(lists: list[Sequence[ExtractionPoint]], points: Sequence[Extrac
                for each in lists)
 
 
+#: Each tensor type by its value (what an applied edit's ``tensor_type`` holds).
+_TENSOR_TYPES = {tensor_type.value: tensor_type for tensor_type in TensorType}
+
 # A request state's fields, read in C over a call's or a step's requests.
 _STEADY_FROM = operator.attrgetter("steady_from")
 _STEADY_STRIDE = operator.attrgetter("steady_stride")
@@ -635,9 +638,15 @@ class RequestState:
         """The names of the edits applied at each (layer, tensor type, token index)
         so far, in the order applied (a captured row's ``edits``)."""
         sites = self._edited_sites
-        for entry in self.applied.take_unsited():  # (steady steps' edits, built now)
-            site = (entry.layer, TensorType(entry.tensor_type), entry.token_index)
-            sites[site] = (*sites.get(site, ()), entry.edit_name)
+        # (steady steps' edits, read from their journals: no entry built for it)
+        for shifts, token_index, edited in self.applied.take_unsited():
+            keyed = [(layer, _TENSOR_TYPES[tensor_type], name)
+                     for name, layer, tensor_type in edited]
+            for shift in shifts:
+                token = token_index + shift
+                for layer, tensor_type, name in keyed:
+                    site = (layer, tensor_type, token)
+                    sites[site] = (*sites.get(site, ()), name)
         return sites
 
     def matches_in_window(self, start: int, stop: int) -> list[tuple[int, ExtractionPoint]]:
@@ -864,8 +873,10 @@ class StepPlan:
     """What delivery derives once from a plan that others repeat (kept on the
     base plan; see :mod:`undercurrent.adapters.delivery`)."""
     repeatable = False
-    """Set by a backend that keeps this plan to repeat it: delivery may use the
-    plan's layout from this step on, not only from its first repeat."""
+    """Set by a backend that keeps this plan to repeat it, or that wants its
+    step held as a repeat's would be though it is not repeated (the vLLM
+    driver's step whose edits differ from the next one's): delivery may use
+    the plan's layout from this step on, not only from its first repeat."""
     alternates = False
     """Set by a backend whose repeats of this plan alternate with the repeats of
     others (a cycle of several plans: points of several strides): delivery then

@@ -185,14 +185,17 @@ class _Repeat:
             seen.remove(found)  # (planned again below, as a plan that alternates)
         deliveries = step_deliveries(batch, table)
         made = deliveries[0][1].plan if deliveries else None
-        left = None if made is None or None in table else _steady_edits(batch, table)
-        if made is None or None in table or left == 1:
-            # (an untracked request, or one whose edits differ from the next
-            # step's: planned every step)
+        if made is None or None in table:  # (an untracked request: planned every step)
             self._seen = []
             return deliveries
+        left = _steady_edits(batch, table)
         made.repeatable = True
         made.alternates = alternates
+        if left == 1:
+            # (its edits differ from the next step's: delivered from a layout of
+            # its own, held in a window as a repeat would be, but not repeated)
+            self._seen = []
+            return deliveries
         layout = [(key, key[1]) for key in (
             cast(PairKey, group.key) for _, group, _ in deliveries)]
         seen.append(_Seen(made, keys, table, batch.matches, batch.match_rows, layout, left))
