@@ -457,8 +457,9 @@ class RequestState:
         prompt_len, worked = self.prompt_len, self._worked
         if worked is not None:  # (requests opened together: once per prompt length)
             found = worked.get(("quiet", prompt_len))
-            if (isinstance(found, _Quiet) and _same_points([points], found.points)
-                    and _same_points([edits], found.edits)):
+            if isinstance(found, _Quiet) and (
+                    (found.points is points or _same_points([points], found.points))
+                    and (found.edits is edits or _same_points([edits], found.edits))):
                 self._quiet = found
                 return found.quiet
         firsts = [_first_match(map(self._selectors.__getitem__, map(id, points)))]
@@ -553,8 +554,11 @@ class RequestState:
             key = (self.prompt_len, stop, worked_out, self.retire_edits,
                    self.steady_until_armed)
             found = worked.get(key)
-            if (isinstance(found, _Worked) and _same_points([self._live_points], found.points)
-                    and _same_points([self._live_edits], found.edits)):
+            if isinstance(found, _Worked) and (
+                    (found.points is self._live_points
+                     or _same_points([self._live_points], found.points))
+                    and (found.edits is self._live_edits
+                         or _same_points([self._live_edits], found.edits))):
                 self._live_edits = found.live_edits
                 if not worked_out:  # (as _steady_after leaves them)
                     if found.steady[0] is None:

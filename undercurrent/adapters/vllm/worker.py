@@ -581,9 +581,15 @@ class _Capture:
             wanted = set(self.site_handles)
         if wanted is None:
             wanted = plan.pairs()
+            # (requests of the very same points and edits left want the same
+            # sites: asked once for them)
+            asked: set[tuple[int, int]] = set()
             for state in self.states.values():
                 if state.live and not state.exhausted:  # (else it wants no site)
-                    wanted |= state.wanted_pairs()
+                    mine = (id(state._live_points), id(state._live_edits))
+                    if mine not in asked:
+                        asked.add(mine)
+                        wanted |= state.wanted_pairs()
         if not between:
             stride = fed[0][0].steady_stride if fed else 1
             steady_now = all(
