@@ -85,6 +85,29 @@ def test_no_token_before_quiet_until_is_matched_or_edited(position, stride, prom
         assert edited.quiet_until == min(quiet, prompt_len + start)
 
 
+def test_quiet_steps_are_the_least_gap_and_stop_at_the_first_request_due():
+    from undercurrent.adapters.session import NEVER, quiet_steps
+
+    asked: list[str] = []
+
+    class Quiet:  # (a request's quiet_until, counting the requests asked)
+        def __init__(self, name: str, until: int) -> None:
+            self.name, self.until = name, until
+
+        @property
+        def quiet_until(self) -> int:
+            asked.append(self.name)
+            return self.until
+
+    far, near, due = Quiet("far", 30), Quiet("near", 12), Quiet("due", 9)
+    assert quiet_steps([(far, 10), (near, 10)]) == 2 and asked == ["far", "near"]
+    asked.clear()
+    # (one due: nothing quiet, and no request after it asked)
+    assert quiet_steps([(far, 10), (due, 10), (near, 10)]) == 0 and asked == ["far", "due"]
+    assert quiet_steps([(Quiet("done", NEVER), 10)]) == NEVER - 10
+    assert quiet_steps([]) == NEVER
+
+
 def test_points_retire_once_they_cannot_match():
     state = RequestState("r", "x", [1, 2, 3], [point("prompt[-1]", name="a"),
                                                point("generated[0:2]", name="b"),

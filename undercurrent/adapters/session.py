@@ -1390,6 +1390,21 @@ class StepPlan:
         return bool(self.groups) or bool(self.edits)
 
 
+def quiet_steps(fed: Iterable[tuple[RequestState, int]]) -> int:
+    """The steps from this one before any request of ``fed`` ((state, token
+    index fed)) is fed a token its first point or edit left may take, each
+    taking one token a step: the least :attr:`RequestState.quiet_until` less
+    the token, and 0 as soon as one request's token is due (the others are
+    not asked: a step where one is due plans)."""
+    least = NEVER
+    for state, token_index in fed:
+        gap = state.quiet_until - token_index
+        if gap <= 0:
+            return 0
+        least = min(least, gap)
+    return least
+
+
 def one_token_later(before: Sequence[tuple[RequestState, int, Hashable]],
                     now: Sequence[tuple[RequestState, int, Hashable]]) -> bool:
     """Whether a step feeding ``now`` ((state, token index, slot) per request)

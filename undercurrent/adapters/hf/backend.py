@@ -50,6 +50,7 @@ from undercurrent.adapters.session import (
     StepPlan,
     StreamText,
     one_token_later,
+    quiet_steps,
     stop_position,
 )
 from undercurrent.spec.types import TensorType
@@ -224,7 +225,7 @@ class _RowDriver:
                for row, state in enumerate(states)
                if state.finish_reason is None and state.generated]
         if fed and self.repeat_plans:
-            quiet = min(state.quiet_until - index for state, index, _ in fed)
+            quiet = quiet_steps([(state, index) for state, index, _ in fed])
             if quiet > 0:
                 # No request's token reaches its first point or edit left (the
                 # steps before a slice starts, say): nothing to plan, nor at the

@@ -46,6 +46,7 @@ from undercurrent.adapters.session import (
     RequestState,
     StepPlan,
     one_token_later,
+    quiet_steps,
 )
 from undercurrent.adapters.vllm import layout as layouts
 from undercurrent.adapters.vllm import wire
@@ -555,7 +556,7 @@ class _Capture:
             # (no request's token reaches its first point or edit left: nothing
             # to plan, and the steps after it before the nearest are idle)
             if decode and self.repeat_feeds:
-                quiet = max(0, min(state.quiet_until - start for state, start, _, _ in fed))
+                quiet = quiet_steps([(state, start) for state, start, _, _ in fed])
             at_once = quiet > 0 or (decode and plan.add_steady_tokens(places))
             alike = decode and not at_once and plan.add_alike_tokens(places)
             if (not decode and self.batch_windows and fed
