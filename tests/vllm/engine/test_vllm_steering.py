@@ -395,12 +395,26 @@ def test_edits_that_end_leave_the_steps_around_them_repeated_and_match_hf(
     monkeypatch.setattr(StepPlan, "add_window", counted)
     edited_shifts = _count_edited_repeats(monkeypatch)
     planned = _count_column_plans(monkeypatch)
+    from undercurrent.adapters import delivery
+
+    alone: list[int] = []  # (decode steps the driver routed as they came)
+    deliver_matches = delivery._deliver_matches
+
+    def counted_alone(session, matches, sources):
+        if matches and all(match.token_index >= match.state.prompt_len for match in matches):
+            alone.append(matches[0].token_index - matches[0].state.prompt_len)
+        return deliver_matches(session, matches, sources)
+
+    monkeypatch.setattr(delivery, "_deliver_matches", counted_alone)
     backend = _engine(model_dir, 1)
     try:
         with ProbedModel(backend, spec=ALWAYS_ON_SPEC) as model:
             check_same(run_ending(model), reference[5])
     finally:
         backend.close()
+    # (the steps whose edits differ from the next one's are not repeated, but
+    # held in the window like the others, not routed as they come)
+    assert alone == [], alone
     # (planned afresh only where an edit starts or ends for some request fed:
     # two of them a step behind the others, their prompts' prefill split; each
     # step after the last edit, and the slice's middle, repeated)
