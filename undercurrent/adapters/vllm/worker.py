@@ -29,7 +29,9 @@ so it cannot clash with vLLM's own.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import os
 import signal
 import threading
@@ -762,10 +764,12 @@ class _Capture:
         gained since (a steady step's edits: one shift for every request that
         follows it)."""
         ops: list[tuple[str, list[tuple[Any, ...]]]] = []
-        for engine_id, state in self.steered.items():
+        steered = self.steered
+        # (only the logs whose tape has something, told in C: at a steady step,
+        # whose edits are journal shifts, none has)
+        for engine_id, state in itertools.compress(steered.items(),
+                                                   map(_TAPE, steered.values())):
             tape = state.applied.take_tape()
-            if not tape:
-                continue
             wired: list[tuple[Any, ...]] = []
             for step in tape:
                 kind = step[0]
@@ -1004,6 +1008,9 @@ HOLD_STEPS = 16
 HOLD_BYTES = 32 << 20
 
 _NUMPY_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
+_TAPE = operator.attrgetter("applied._tape")  # a request's log's tape (None: not kept)
 
 
 def _later(before: list[tuple[MirrorState, int, int]], now: list[tuple[MirrorState, int, int]],
