@@ -103,6 +103,23 @@ class Taken:
         assert not any(taken for taken, fresh in self.answers if fresh)
 
 
+def _moves(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each layout asked to move to a new plan's (``_SteadyLayout.moved``,
+    after a change of edits) did, appended as each is asked."""
+    from undercurrent.adapters import delivery
+
+    moved: list[bool] = []
+    move = delivery._SteadyLayout.moved
+
+    def counted(layout: Any, *args: Any) -> Any:
+        made = move(layout, *args)
+        moved.append(made is not None)
+        return made
+
+    monkeypatch.setattr(delivery._SteadyLayout, "moved", counted)
+    return moved
+
+
 def _planned_alone(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The generated index of each decode step planned a request at a time
     (``StepPlan.add_window``), appended as it is planned."""
@@ -173,19 +190,9 @@ def test_steps_around_edits_that_end_repeat_their_plans_and_are_held_in_windows(
     planned at once); the same generation planned and routed a step at a time
     is the oracle. ``several``: a second point beside the first (of another
     tensor type and layers, judged by another probe)."""
-    from undercurrent.adapters import delivery
-
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
     alone, taken = _planned_alone(monkeypatch), Taken(monkeypatch)
-    moved: list[bool] = []  # whether each change's layout was the last one moved
-    move = delivery._SteadyLayout.moved
-
-    def counted(layout: Any, *args: Any) -> Any:
-        made = move(layout, *args)
-        moved.append(made is not None)
-        return made
-
-    monkeypatch.setattr(delivery._SteadyLayout, "moved", counted)
+    moved = _moves(monkeypatch)
     point: Any = _point("linear_probe")
     if several:
         point = [point, dataclasses.replace(_point("norm_probe", threshold=0.11), name="mlp",
@@ -456,10 +463,6 @@ def test_steps_before_and_after_a_triggered_edit_is_switched_on_repeat_their_pla
     edit of the first generated token beside it (adding nothing), whose end
     moves the layout held (``_SteadyLayout.moved``) before the step that
     flags is routed from it."""
-    import dataclasses
-
-    from undercurrent.adapters import delivery
-
     watched = _generate(_point("linear_probe", threshold=None), windows=False)
     scores = sorted((s.score, s.generated_index) for output in watched for s in output.signals)
     (second, _), (top, at) = scores[-2:]
@@ -471,20 +474,13 @@ def test_steps_before_and_after_a_triggered_edit_is_switched_on_repeat_their_pla
     windows, shifts = Windows(monkeypatch), Shifts(monkeypatch)
     repeated: list[int] = []
     advanced = StepPlan.advanced
-    moved: list[bool] = []
-    move = delivery._SteadyLayout.moved
+    moved = _moves(monkeypatch)
 
     def counted(plan: StepPlan, delta: int = 1) -> StepPlan:
         repeated.append(delta)
         return advanced(plan, delta)
 
-    def counted_move(layout: Any, *args: Any) -> Any:
-        made = move(layout, *args)
-        moved.append(made is not None)
-        return made
-
     monkeypatch.setattr(StepPlan, "advanced", counted)
-    monkeypatch.setattr(delivery._SteadyLayout, "moved", counted_move)
     mine = _generate(point, windows=True, records=True, edits=edits)
     assert repeated and shifts.edited > 0
     assert (True in moved) == early
