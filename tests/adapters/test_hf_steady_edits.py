@@ -365,7 +365,7 @@ def test_requests_opened_together_work_out_each_mark_once_per_prompt_length(monk
     from undercurrent.adapters.session import RequestState
     from undercurrent.records import SignalAction
 
-    edits = [_edit("generated[1:6]"), _edit("generated[8]", name="late"),
+    edits = [_edit("generated[2:4]"), _edit("generated[5:7]", name="late"),
              _edit("generated[2:]", name="armed", when={"point": "p", "action": "flag"})]
     point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
                             position="generated[*]", probe_type="none",
@@ -872,3 +872,42 @@ def test_a_log_s_unsited_journal_pieces_name_the_entries_built_from_journals(ste
     built = [(entry.edit_name, entry.layer, entry.token_index, entry.tensor_type)
              for entry in log if entry.edit_name != "own"]
     assert named == built
+
+
+def test_windows_that_start_at_a_moved_layout_admit_the_next_one_at_its_own_shift(
+        monkeypatch):
+    """Windows of three steps each: a later window starts at a layout moved
+    after a change of edits and admits the next change's layout, moved from
+    the same first one; each row is at its own token, as the oracle (each
+    step planned and routed as it comes) has it."""
+    from undercurrent.adapters import delivery
+
+    monkeypatch.setattr(delivery, "WINDOW_STEPS", 3)
+    windows, taken, moved = Windows(monkeypatch), Taken(monkeypatch), _moves(monkeypatch)
+    admitted: list[tuple[int, int]] = []  # (a moved point's shift, its window's first's)
+    admits = delivery._Window.admits
+
+    def counted(window: Any, layout: Any, limit: int) -> bool:
+        fresh = layout is not window.layout and id(layout) not in window.sizes
+        answer = admits(window, layout, limit)
+        if answer and fresh:
+            for point in layout.points:
+                ref = window.refs[point.name]
+                if point.origin is not None and ref.origin is not None:
+                    admitted.append((point.origin[1], ref.origin[1]))
+        return answer
+
+    monkeypatch.setattr(delivery._Window, "admits", counted)
+    edits = [_edit("generated[2:4]"), _edit("generated[5:7]", name="late", layers=(0, 2))]
+    point = _point("linear_probe")
+    mine = _generate(point, windows=True, records=True, edits=edits)
+    assert windows.steps == [3, 3, 3]
+    taken.check()
+    assert moved and all(moved)
+    # (a window whose first layout was moved admitted a later one: both shifts
+    # from the first layout, not from each other)
+    assert any(ref_shift and shift != ref_shift for shift, ref_shift in admitted)
+    monkeypatch.undo()
+    _each_step(monkeypatch)
+    theirs = _generate(point, windows=False, records=True, edits=edits)
+    assert [_full_view(output) for output in mine] == [_full_view(output) for output in theirs]

@@ -726,7 +726,8 @@ class _SteadyPoint:
 
     __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "heights", "count", "requests",
                  "known", "request_ids", "point_names", "layers", "tokens", "generated", "spans",
-                 "routed_spans", "journal", "kept", "bases", "windowed", "edits", "row_edits")
+                 "routed_spans", "journal", "kept", "bases", "windowed", "edits", "row_edits",
+                 "origin")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str],
                  edited: dict[Any, tuple[str, ...]] | None = None) -> None:
@@ -778,6 +779,9 @@ class _SteadyPoint:
         self.kept = Journal()
         self.bases: tuple[Any, Any] | None = None  # see _bases
         self.windowed: dict[int, list[tuple[str, int, int]]] = {}  # see window_spans
+        # The point this one was moved from, first of all (see moved), and how
+        # many tokens on this one's rows are from its: None for that first one.
+        self.origin: tuple[_SteadyPoint, int] | None = None
 
     def _set_edits(self, edited: dict[Any, tuple[str, ...]] | None,
                    matches: Sequence[PlanMatch]) -> None:
@@ -813,12 +817,11 @@ class _SteadyPoint:
                 or not all(map(operator.is_, map(_STATE, matches), map(_STATE_OF_SPAN, spans)))
                 or not all(map(operator.eq, map(_ROWS, matches), map(_ROWS, map(_MATCH, spans))))):
             return None
-        np = numpy_module()
-        tokens = np.fromiter(map(_TOKEN_INDEX, matches), dtype=np.int64, count=len(matches))
-        bases, offsets = self._bases()
-        shifts = tokens - bases
-        shift = int(shifts[0])
-        if (shifts != shift).any():
+        # (each request's token the same shift on from its base: told in C)
+        tokens = list(map(_TOKEN_INDEX, matches))
+        bases = list(map(_SECOND, self.requests))
+        shift = tokens[0] - bases[0]
+        if list(map(operator.sub, tokens, bases)).count(shift) != len(tokens):
             return None
         moved = _SteadyPoint.__new__(_SteadyPoint)
         for name in ("name", "tensor_type", "keys", "picks", "whole", "heights", "count",
@@ -829,12 +832,15 @@ class _SteadyPoint:
             moved.picks, moved.whole, moved.heights = None, False, None  # (made again)
         moved._set_edits(edited, matches)
         states = list(map(_STATE, matches))
-        moved.requests = list(zip(states, tokens.tolist(), strict=True))
+        moved.requests = list(zip(states, tokens, strict=True))
         moved.tokens, moved.generated = self.tokens + shift, self.generated + shift
         moved.spans = [(state, start, stop, match) for (state, start, stop, _), match
                        in zip(spans, matches, strict=True)]
         moved.journal, moved.kept = Journal(), Journal()
-        moved.bases = (tokens, offsets + shift)
+        moved.bases = None if self.bases is None else (self.bases[0] + shift,
+                                                       self.bases[1] + shift)
+        origin = self.origin
+        moved.origin = (self, shift) if origin is None else (origin[0], origin[1] + shift)
         return moved
 
     def follow(self, *, kept: bool = False) -> Journal:
@@ -1005,6 +1011,12 @@ class _SteadyPoint:
         return self.bases
 
 
+def _moves(point: _SteadyPoint) -> tuple[_SteadyPoint, int]:
+    """The point ``point`` was moved from, first of all, and how many tokens
+    on ``point`` 's rows are from its (itself and 0 where it was not moved)."""
+    return (point, 0) if point.origin is None else point.origin
+
+
 def _steps_edits(points: list[_SteadyPoint]) -> list[tuple[str, ...]] | None:
     """The ``edits`` column of a window whose steps are of ``points`` in turn
     (one per step, each of the same requests and layers as the first, with
@@ -1036,7 +1048,8 @@ class _SteadyLayout:
 
     __slots__ = ("states", "points", "edits", "triggers", "windows", "guards", "ends")
 
-    def __init__(self, states: list[Any], points: list[_SteadyPoint]) -> None:
+    def __init__(self, states: list[Any], points: list[_SteadyPoint],
+                 triggers: dict[str, frozenset[SignalAction]] | None = None) -> None:
         self.states = states
         self.points = points
         # The signals that may switch on an edit of these requests (a triggered
@@ -1044,13 +1057,16 @@ class _SteadyLayout:
         # the actions each point's signals would do it with; ``edits``: any.
         # A step whose rows of such a point may give one is routed as it
         # comes, so that the edit applies from the next step (_window_steps).
-        triggers: dict[str, set[SignalAction]] = {}
-        for state in states:
-            for resolved in state.edits:
-                when = resolved.edit.when
-                if when is not None and resolved.edit.name not in state.armed:
-                    triggers.setdefault(when.point, set()).add(SignalAction(when.action.value))
-        self.triggers = {name: frozenset(actions) for name, actions in triggers.items()}
+        # (``triggers``: known already, see moved)
+        if triggers is None:
+            found: dict[str, set[SignalAction]] = {}
+            for state in states:
+                for resolved in state.edits:
+                    when = resolved.edit.when
+                    if when is not None and resolved.edit.name not in state.armed:
+                        found.setdefault(when.point, set()).add(SignalAction(when.action.value))
+            triggers = {name: frozenset(actions) for name, actions in found.items()}
+        self.triggers = triggers
         self.edits = bool(triggers)
         self.windows: int | None = None  # steps a _Window holds (0: none); None: not asked
         # Where a point's probes may abort, or switch an edit on: (the point's
@@ -1131,7 +1147,9 @@ class _SteadyLayout:
             if moved is None:
                 return None
             points.append(moved)
-        layout = _SteadyLayout(states, points)
+        # (a request's edits never change, and one switched on stays on: where
+        # none of these requests had a triggered edit waiting, none has now)
+        layout = _SteadyLayout(states, points, None if self.triggers else {})
         if (not layout.triggers and not self.triggers and not self.guards
                 and self.windows is not None and self.windows > 1):
             layout.windows = self.windows
@@ -1389,6 +1407,12 @@ class _Window:
         for point in layout.points:
             ref = self.refs.get(point.name)
             if ref is None:
+                continue
+            moves, ref_moves = _moves(point), _moves(ref)
+            if moves[0] is ref_moves[0]:
+                # (both moved from one point: the same keys and spans, tokens
+                # each a shift from its own)
+                offsets[id(point)] = moves[1] - ref_moves[1]
                 continue
             if point.keys != ref.keys or [span[:3] for span in point.spans] != [
                     span[:3] for span in ref.spans]:
