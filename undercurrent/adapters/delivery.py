@@ -779,9 +779,10 @@ class _SteadyPoint:
         self.kept = Journal()
         self.bases: tuple[Any, Any] | None = None  # see _bases
         self.windowed: dict[int, list[tuple[str, int, int]]] = {}  # see window_spans
-        # The point this one was moved from, first of all (see moved), and how
-        # many tokens on this one's rows are from its: None for that first one.
-        self.origin: tuple[_SteadyPoint, int] | None = None
+        # Where this point's rows come from: a mark shared by the points moved
+        # from one point (see moved), and how many tokens on from that
+        # point's this one's rows are (0 for that point itself).
+        self.origin: tuple[object, int] = (object(), 0)
 
     def _set_edits(self, edited: dict[Any, tuple[str, ...]] | None,
                    matches: Sequence[PlanMatch]) -> None:
@@ -839,8 +840,7 @@ class _SteadyPoint:
         moved.journal, moved.kept = Journal(), Journal()
         moved.bases = None if self.bases is None else (self.bases[0] + shift,
                                                        self.bases[1] + shift)
-        origin = self.origin
-        moved.origin = (self, shift) if origin is None else (origin[0], origin[1] + shift)
+        moved.origin = (self.origin[0], self.origin[1] + shift)
         return moved
 
     def follow(self, *, kept: bool = False) -> Journal:
@@ -1009,12 +1009,6 @@ class _SteadyPoint:
             prompts = np.array([state.prompt_len for state, _ in self.requests], dtype=np.int64)
             self.bases = (bases, bases - prompts)
         return self.bases
-
-
-def _moves(point: _SteadyPoint) -> tuple[_SteadyPoint, int]:
-    """The point ``point`` was moved from, first of all, and how many tokens
-    on ``point`` 's rows are from its (itself and 0 where it was not moved)."""
-    return (point, 0) if point.origin is None else point.origin
 
 
 def _steps_edits(points: list[_SteadyPoint]) -> list[tuple[str, ...]] | None:
@@ -1408,11 +1402,11 @@ class _Window:
             ref = self.refs.get(point.name)
             if ref is None:
                 continue
-            moves, ref_moves = _moves(point), _moves(ref)
-            if moves[0] is ref_moves[0]:
+            origin, ref_origin = point.origin, ref.origin
+            if origin[0] is ref_origin[0]:
                 # (both moved from one point: the same keys and spans, tokens
                 # each a shift from its own)
-                offsets[id(point)] = moves[1] - ref_moves[1]
+                offsets[id(point)] = origin[1] - ref_origin[1]
                 continue
             if point.keys != ref.keys or [span[:3] for span in point.spans] != [
                     span[:3] for span in ref.spans]:
