@@ -278,8 +278,9 @@ def _same_points(lists: list[Sequence[ExtractionPoint]], points: Sequence[Extrac
     often: a request's points until one retires), in order."""
     if all(map(operator.is_, lists, itertools.repeat(points))):
         return True
+    # (each distinct list once: requests opened together share theirs, found in C)
     return all(len(each) == len(points) and all(map(operator.is_, each, points))
-               for each in lists)
+               for each in dict(zip(map(id, lists), lists, strict=True)).values())
 
 
 #: Each tensor type by its value (what an applied edit's ``tensor_type`` holds).
@@ -372,7 +373,7 @@ class RequestState:
         keep_records: bool = False,
         edits: Sequence[Any] = (),
         bounds: dict[int, _Bounds] | None = None,
-        worked: dict[tuple[Any, ...], _Worked | _Quiet] | None = None,
+        worked: dict[tuple[Any, ...], _Worked | _Quiet | list[Any]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -400,7 +401,9 @@ class RequestState:
         # still apply, the triggered ones switched on (name -> token index of the
         # signal), what was applied, and which edits changed each captured site.
         self.edits = tuple(edits)
-        self._live_edits: Sequence[Any] = list(self.edits) if self.edits else ()
+        # (the edits themselves until one retires: requests given the same
+        # tuple share it, and compare theirs by identity; replaced, never changed)
+        self._live_edits: Sequence[Any] = self.edits
         # Each token where an edit starts or stops applying, ascending, until
         # planned (pass_edit_marks then works the steady steps out again).
         self._edit_marks = sorted({
@@ -568,11 +571,14 @@ class RequestState:
                 return
         before = self._live_edits
         if self.retire_edits:
-            self._live_edits = [
-                resolved for resolved in self._live_edits
-                if (last := resolved.edit.position.last_index(self.prompt_len)) is None
-                or last >= stop
-            ]
+            live = [resolved for resolved in before
+                    if (last := resolved.edit.position.last_index(self.prompt_len)) is None
+                    or last >= stop]
+            if len(live) != len(before):  # (else the same object: compared by identity)
+                # (requests opened together, whatever their prompt's length, share
+                # the edits left as one object)
+                self._live_edits = live if worked is None else worked.setdefault(
+                    ("live", *map(id, live)), live)
         if not worked_out:
             self._steady_after(stop)
         if key is not None and worked is not None:
@@ -1501,7 +1507,7 @@ class CaptureSession:
                 seen.add(request_id)
         bounds: dict[int, _Bounds] = {}  # (the same points for all: by prompt length)
         # (see RequestState.pass_edit_marks and quiet_until)
-        worked: dict[tuple[Any, ...], _Worked | _Quiet] = {}
+        worked: dict[tuple[Any, ...], _Worked | _Quiet | list[Any]] = {}
         shared = tuple(self.edits)  # (each request's own edits after these)
         mine = self.request_edits
         states = [RequestState(request_id, prompt, token_ids, self.points, self.keep_records,
