@@ -544,8 +544,8 @@ def test_a_layout_of_steady_tokens_planned_at_once_is_the_general_paths():
     fast = _SteadyLayout.of(plan, session, sources)
     plan.one_each = False
     general = _SteadyLayout.of(plan, session, sources)
-    fields = ("name", "keys", "count", "requests", "known", "request_ids", "point_names",
-              "layers", "spans", "routed_spans")
+    fields = ("name", "keys", "count", "states", "base_tokens", "known", "request_ids",
+              "point_names", "layers", "spans", "routed_spans")
     assert fast is not None and general is not None and fast.states == general.states
     for mine, theirs in zip(fast.points, general.points, strict=True):
         for name in fields:

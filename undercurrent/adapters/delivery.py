@@ -179,7 +179,8 @@ class SignalLog(Sequence[TokenSignal]):
     batches and built into ``TokenSignal`` s only when read."""
 
     def __init__(self) -> None:
-        self._built: list[TokenSignal] = []
+        # (None until read: most logs are read once, or never)
+        self._built: list[TokenSignal] | None = None
         # Per (wave, request): the rows of each routed point, as (routed point,
         # start, stop, the match they serve: it orders rows across points), that
         # one run itself where there is one; or a window's steps of several points.
@@ -228,17 +229,20 @@ class SignalLog(Sequence[TokenSignal]):
     def _flush(self) -> list[TokenSignal]:
         if self.following is not None:
             self._catch_up(stop=False)
+        built = self._built
+        if built is None:
+            built = self._built = []
         if self._pending:
             pending, self._pending = self._pending, []
             for runs in pending:
                 if isinstance(runs, _WindowRuns):
                     for token in runs.tokens():
-                        self._built.extend(_token_signals(token))
+                        built.extend(_token_signals(token))
                 elif isinstance(runs, tuple):  # (one run)
-                    self._built.extend(_token_signals([runs]))
+                    built.extend(_token_signals([runs]))
                 else:
-                    self._built.extend(_token_signals(runs))
-        return self._built
+                    built.extend(_token_signals(runs))
+        return built
 
     def __len__(self) -> int:
         return len(self._flush())
@@ -713,8 +717,12 @@ def _order(match: PlanMatch) -> PlanMatch | int:
 _MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
 _STATE_OF_SPAN = operator.itemgetter(0)
 _STATE = operator.attrgetter("state")
+_PROMPT_LEN = operator.attrgetter("prompt_len")
 _TOKEN_INDEX = operator.attrgetter("token_index")
+_FIRST = operator.itemgetter(0)  # a (state, match) item's state
 _SECOND = operator.itemgetter(1)  # a (state, match) item's match
+_REQUEST_ID = operator.attrgetter("request_id")
+_GENERATED = operator.attrgetter("generated")
 _CLOSED = operator.attrgetter("closed")
 _ABORT = operator.attrgetter("abort")
 _ROWS = operator.attrgetter("rows")
@@ -724,10 +732,10 @@ class _SteadyPoint:
     """One point's batch in every plan that repeats a base plan: what does not
     change from one step to the next, computed once."""
 
-    __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "heights", "count", "requests",
-                 "known", "request_ids", "point_names", "layers", "tokens", "generated", "spans",
-                 "routed_spans", "journal", "kept", "bases", "windowed", "edits", "row_edits",
-                 "origin")
+    __slots__ = ("name", "tensor_type", "keys", "picks", "whole", "heights", "count", "states",
+                 "base_tokens", "known", "request_ids", "point_names", "layers", "tokens",
+                 "generated", "spans", "routed_spans", "journal", "kept", "bases", "windowed",
+                 "edits", "row_edits", "origin")
 
     def __init__(self, items: list[tuple[Any, PlanMatch]], registered: set[str],
                  edited: dict[Any, tuple[str, ...]] | None = None) -> None:
@@ -742,28 +750,33 @@ class _SteadyPoint:
         # ``row_edits``: each row's of a step, request-major, layer-minor.
         self.edits: list[tuple[str, ...]] | None = None
         self.row_edits: list[tuple[str, ...]] | None = None
-        self._set_edits(edited, [match for _, match in items])
+        states = list(map(_FIRST, items))
+        matches = list(map(_SECOND, items))
+        self._set_edits(edited, matches)
         self.picks: list[Any] | None = None  # index tensors, made from the first sources
         self.whole = False  # every pick None (each source is the layer's rows, in order)
         self.heights: list[int] | None = None  # the first sources' heights (see moved)
         count = self.count = len(layers)
-        states = [state for state, _ in items]
-        matches = [match for _, match in items]
-        tokens = [match.token_index for match in matches]
-        self.requests = list(zip(states, tokens, strict=True))
-        ids = [state.request_id for state in states]
-        self.known = [state.generated for state in states]  # (the lists themselves)
+        tokens = list(map(_TOKEN_INDEX, matches))
+        # Each request, and its token in the base plan (two columns: no pair
+        # per request for the collector to track)
+        self.states, self.base_tokens = states, tokens
+        ids = list(map(_REQUEST_ID, states))
+        self.known = list(map(_GENERATED, states))  # (the lists themselves)
         # (each request's id once per layer, repeated in C)
         self.request_ids = ids if count == 1 else list(
             itertools.chain.from_iterable(zip(*[ids] * count, strict=True)))
         self.point_names = [point.name] * (count * len(items))
         self.layers = list(layers) * len(items)
-        # Each row's token index and generated index in the base plan, as int64
-        # arrays: a step's columns are these plus its shift (IntColumns).
+        # Each request's base token and its index among the request's generated
+        # tokens (``bases``), and each row's, as int64 arrays: a step's
+        # columns are a row's plus the step's shift (IntColumns).
         np = numpy_module()
-        self.tokens = np.repeat(np.array(tokens, dtype=np.int64), count)
-        self.generated = self.tokens - np.repeat(
-            np.array([state.prompt_len for state in states], dtype=np.int64), count)
+        bases = np.array(tokens, dtype=np.int64)
+        offsets = bases - np.array(list(map(_PROMPT_LEN, states)), dtype=np.int64)
+        self.bases: tuple[Any, Any] = (bases, offsets)
+        self.tokens = np.repeat(bases, count)
+        self.generated = np.repeat(offsets, count)
         # (each request's rows: ``count`` from ``row * count``; zipped in C)
         starts = range(0, count * len(items), count)
         stops = range(count, count * (len(items) + 1), count)
@@ -777,7 +790,6 @@ class _SteadyPoint:
         # (signals) and captured ones (records=True).
         self.journal = Journal()
         self.kept = Journal()
-        self.bases: tuple[Any, Any] | None = None  # see _bases
         self.windowed: dict[int, list[tuple[str, int, int]]] = {}  # see window_spans
         # Where this point's rows come from: a mark shared by the points moved
         # from one point (see moved), and how many tokens on from that
@@ -820,26 +832,25 @@ class _SteadyPoint:
             return None
         # (each request's token the same shift on from its base: told in C)
         tokens = list(map(_TOKEN_INDEX, matches))
-        bases = list(map(_SECOND, self.requests))
+        bases = self.base_tokens
         shift = tokens[0] - bases[0]
         if list(map(operator.sub, tokens, bases)).count(shift) != len(tokens):
             return None
         moved = _SteadyPoint.__new__(_SteadyPoint)
         for name in ("name", "tensor_type", "keys", "picks", "whole", "heights", "count",
-                     "known", "request_ids", "point_names", "layers", "routed_spans", "windowed"):
+                     "states", "known", "request_ids", "point_names", "layers", "routed_spans",
+                     "windowed"):
             setattr(moved, name, getattr(self, name))
         if self.picks is not None and self.heights != [
                 sources[key].shape[0] if key in sources else -1 for key in self.keys]:
             moved.picks, moved.whole, moved.heights = None, False, None  # (made again)
         moved._set_edits(edited, matches)
-        states = list(map(_STATE, matches))
-        moved.requests = list(zip(states, tokens, strict=True))
+        moved.base_tokens = tokens
         moved.tokens, moved.generated = self.tokens + shift, self.generated + shift
         moved.spans = [(state, start, stop, match) for (state, start, stop, _), match
                        in zip(spans, matches, strict=True)]
         moved.journal, moved.kept = Journal(), Journal()
-        moved.bases = None if self.bases is None else (self.bases[0] + shift,
-                                                       self.bases[1] + shift)
+        moved.bases = (self.bases[0] + shift, self.bases[1] + shift)
         moved.origin = (self.origin[0], self.origin[1] + shift)
         return moved
 
@@ -900,7 +911,7 @@ class _SteadyPoint:
         """This point's batch ``delta`` tokens after the base plan's (``pieces``:
         its :meth:`pieces`, when gathered already)."""
         count = self.count
-        _, offsets = self._bases()
+        _, offsets = self.bases
         try:
             # Each request's token, read in C: the token a steady step feeds is
             # generated already (its index among the request's generated tokens
@@ -908,7 +919,8 @@ class _SteadyPoint:
             token_ids: list[int | None] = list(map(list.__getitem__, self.known,
                                                    (offsets + delta).tolist()))
         except IndexError:  # (one not known yet: None for it, as token_id_at says)
-            token_ids = [state.token_id_at(token + delta) for state, token in self.requests]
+            token_ids = [state.token_id_at(token + delta)
+                         for state, token in zip(self.states, self.base_tokens, strict=True)]
         if count > 1:  # each request's id once per layer
             token_ids = list(itertools.chain.from_iterable(zip(*[token_ids] * count, strict=True)))
         return ActivationBatch(
@@ -922,7 +934,7 @@ class _SteadyPoint:
             generated_indices=IntColumn(self.generated + delta),
             token_ids=token_ids,
             edits=(list(self.row_edits) if self.row_edits is not None else
-                   None if self.edits is None else self.edits * len(self.requests)),
+                   None if self.edits is None else self.edits * len(self.states)),
         )
 
     def window_batch(self, deltas: list[int], steps: list[list[Any]], stamps: list[float],
@@ -934,7 +946,7 @@ class _SteadyPoint:
         each row with its step's capture time. ``points``: each step's point,
         where the steps are of several layouts (see :meth:`_Window.admits`):
         each row has the edits of its step's point."""
-        count, width = self.count, len(self.requests)
+        count, width = self.count, len(self.states)
         # Each piece is one (step, layer) with a row per request: stacked on dim 1,
         # row r of the result holds request r's pieces in (step, layer) order.
         # Stacked when first read (a probe judging without the rows never does).
@@ -944,10 +956,10 @@ class _SteadyPoint:
         # Row (r, j) of request r's rows: its base token plus the j-th shift.
         shifts = np.repeat(np.asarray(deltas, dtype=np.int64), count)
         per_request = len(shifts)
-        bases, offsets = self._bases()
+        bases, offsets = self.bases
         generated_at = offsets[:, None] + shifts  # each row's index in its request's tokens
         request_ids: list[str] = []
-        for state, _ in self.requests:
+        for state in self.states:
             request_ids += [state.request_id] * per_request
         known = self.known
         lengths = np.array([len(tokens) for tokens in known], dtype=np.int64)
@@ -961,7 +973,8 @@ class _SteadyPoint:
             token_ids = IntColumn(laid[starts[:, None] + generated_at].ravel())
         else:
             each_shift = shifts.tolist()  # (once, not once per request)
-            token_ids = [state.token_id_at(token + shift) for state, token in self.requests
+            token_ids = [state.token_id_at(token + shift)
+                         for state, token in zip(self.states, self.base_tokens, strict=True)
                          for shift in each_shift]
         total = per_request * width
         return ActivationBatch(
@@ -989,26 +1002,16 @@ class _SteadyPoint:
         layer at a time (every row's ``()`` where no edit applies)."""
         if self.row_edits is not None:
             return self.row_edits
-        return (self.edits or [()] * self.count) * len(self.requests)
+        return (self.edits or [()] * self.count) * len(self.states)
 
     def _window_edits(self, steps: int) -> list[tuple[str, ...]] | None:
         """The ``edits`` column of a window of ``steps`` steps: each request's rows
         of every step together, a layer at a time."""
         if self.row_edits is None:
-            return None if self.edits is None else self.edits * (steps * len(self.requests))
+            return None if self.edits is None else self.edits * (steps * len(self.states))
         count, each = self.count, self.row_edits
         return [names for start in range(0, len(each), count)
                 for names in each[start:start + count] * steps]
-
-    def _bases(self) -> tuple[Any, Any]:
-        """Each request's base token index and its index among the request's
-        generated tokens, as int64 arrays (made once)."""
-        if self.bases is None:
-            np = numpy_module()
-            bases = np.array([token for _, token in self.requests], dtype=np.int64)
-            prompts = np.array([state.prompt_len for state, _ in self.requests], dtype=np.int64)
-            self.bases = (bases, bases - prompts)
-        return self.bases
 
 
 def _steps_edits(points: list[_SteadyPoint]) -> list[tuple[str, ...]] | None:
@@ -1022,7 +1025,7 @@ def _steps_edits(points: list[_SteadyPoint]) -> list[tuple[str, ...]] | None:
         return first._window_edits(len(points))
     count = first.count
     each = [point.step_edits() for point in points]
-    return [names for start in range(0, count * len(first.requests), count)
+    return [names for start in range(0, count * len(first.states), count)
             for rows in each for names in rows[start:start + count]]
 
 
@@ -1411,7 +1414,7 @@ class _Window:
             if point.keys != ref.keys or [span[:3] for span in point.spans] != [
                     span[:3] for span in ref.spans]:
                 return False
-            shifts = point._bases()[0] - ref._bases()[0]
+            shifts = point.bases[0] - ref.bases[0]
             if len(shifts) and (shifts != shifts[0]).any():
                 return False
             offsets[id(point)] = int(shifts[0]) if len(shifts) else 0
@@ -1573,7 +1576,7 @@ class _Window:
                 # (each step's values, as scoring the window's rows would give them)
                 slot, guard = guarded[index]
                 batch.cache[guard.key] = _interleaved([step[slot] for step in values],
-                                                      len(point.requests), point.count)
+                                                      len(point.states), point.count)
             if session.keep_records:
                 kept = batch.without_cache()  # the activations, not what probes derived
                 for state, start, stop, match in point.spans:
@@ -1675,9 +1678,9 @@ def _same_rows(point: _SteadyPoint, steps: list[list[Any]], other: _SteadyPoint,
     """Whether two points' window batches hold the same rows in the same order:
     the same layers of one tensor type, the same requests at the same tokens,
     and each step's very pieces."""
-    return (point.keys == other.keys and len(point.requests) == len(other.requests)
-            and all(state is state_b and token == token_b for (state, token), (state_b, token_b)
-                    in zip(point.requests, other.requests, strict=True))
+    return (point.keys == other.keys and len(point.states) == len(other.states)
+            and all(map(operator.is_, point.states, other.states))
+            and point.base_tokens == other.base_tokens
             and all(map(_same_pieces, steps, other_steps)))
 
 

@@ -34,17 +34,21 @@ class EditLog(Sequence[AppliedEdit]):
     __slots__ = ("_built", "_following", "_unsited", "_tape", "_read", "_stopped")
 
     def __init__(self) -> None:
-        self._built: list[AppliedEdit] = []
+        # (None until the first entry: a request with no edit keeps no list)
+        self._built: list[AppliedEdit] | None = None
         # (journal, entries read, first token, prompt length, sites) while following
         self._following: list[Any] | None = None
         # The journals followed and stopped since the entries were last built,
         # as (where in _built their entries go, the shifts read, first token,
         # prompt length, sites): built with the rest when read.
-        self._stopped: list[tuple[int, list[int], int, int, tuple[EditSite, ...]]] = []
+        # (None until the first: most requests never stop one, and a list each
+        # would only be more objects for the collector to track)
+        self._stopped: list[tuple[int, list[int], int, int, tuple[EditSite, ...]]] | None = None
         # The shifts of journals no longer followed, not yet given to
         # take_unsited, as (shifts, first token, sites); the journal followed
-        # keeps how many of its shifts were given (its sixth field).
-        self._unsited: list[tuple[list[int], int, tuple[EditSite, ...]]] = []
+        # keeps how many of its shifts were given (its sixth field). (None
+        # until the first, as _stopped.)
+        self._unsited: list[tuple[list[int], int, tuple[EditSite, ...]]] | None = None
         # What was done to this log since take_tape, where recorded (see record).
         self._tape: list[tuple[Any, ...]] | None = None
         self._read = 0  # (the entries the journal followed last gave, once it stopped)
@@ -77,7 +81,10 @@ class EditLog(Sequence[AppliedEdit]):
     def append(self, applied: AppliedEdit) -> None:
         if self._following is not None:
             self._stop()
-        self._built.append(applied)
+        if self._built is None:
+            self._built = [applied]
+        else:
+            self._built.append(applied)
         if self._tape is not None:
             self._tape.append(("entry", applied))
 
@@ -104,7 +111,7 @@ class EditLog(Sequence[AppliedEdit]):
         if following is not None:
             journal, read, token_index, _, sites, sited = following
             if sited < len(journal):
-                self._unsited.append((journal[sited:], token_index, sites))
+                self._add_unsited((journal[sited:], token_index, sites))
             frozen = journal[read:]
             following[0], following[1], following[5] = frozen, 0, len(frozen)
 
@@ -125,22 +132,33 @@ class EditLog(Sequence[AppliedEdit]):
             self._read = following[1]
             self._following = None
             if shifts:
-                self._stopped.append((len(self._built), shifts, token_index, prompt_len,
-                                      sites))
+                stopped = (len(self._built or ()), shifts, token_index, prompt_len, sites)
+                if self._stopped is None:
+                    self._stopped = [stopped]
+                else:
+                    self._stopped.append(stopped)
             end = len(journal) if upto is None else upto
             if sited < end:
-                self._unsited.append((journal[sited:end], token_index, sites))
+                self._add_unsited((journal[sited:end], token_index, sites))
         elif shifts:
             self._build_stopped()
+            if self._built is None:
+                self._built = []
             self._built += _entries(shifts, token_index, prompt_len, sites)
+
+    def _add_unsited(self, piece: tuple[list[int], int, tuple[EditSite, ...]]) -> None:
+        if self._unsited is None:
+            self._unsited = [piece]
+        else:
+            self._unsited.append(piece)
 
     def _build_stopped(self) -> None:
         """Build the entries of the journals stopped since the last call, each
         in its place among the others."""
-        stopped, self._stopped = self._stopped, []
+        stopped, self._stopped = self._stopped, None
         if not stopped:
             return
-        before, built, done = self._built, [], 0
+        before, built, done = self._built or [], [], 0
         for place, shifts, token_index, prompt_len, sites in stopped:
             built += before[done:place]
             done = place
@@ -153,11 +171,13 @@ class EditLog(Sequence[AppliedEdit]):
             self._build_stopped()
         if self._following is not None:
             self._catch_up(stop=False)
+        if self._built is None:
+            self._built = []
         return self._built
 
     def clear(self) -> None:
         """Forget every entry, the journal followed and the tape."""
-        self._built, self._following, self._unsited, self._stopped = [], None, [], []
+        self._built = self._following = self._unsited = self._stopped = None
         if self._tape is not None:
             self._tape = []
 
@@ -169,7 +189,7 @@ class EditLog(Sequence[AppliedEdit]):
         following = self._following
         if not self._unsited and (following is None or following[5] == len(following[0])):
             return []  # (the usual case, read per request and step on the general path)
-        pieces, self._unsited = self._unsited, []
+        pieces, self._unsited = self._unsited or [], None
         if following is not None and following[5] < len(following[0]):
             pieces.append((following[0][following[5]:], following[2], following[4]))
             following[5] = len(following[0])

@@ -69,6 +69,20 @@ _PLAIN_ROWS = (list, tuple)
 _PLAIN_ROW_TYPES = set(_PLAIN_ROWS)
 
 
+def plain_ids(row: Sequence[Any]) -> tuple[int, ...]:
+    """``row`` (token ids) as a tuple of plain ints: the row itself where it is
+    one already (a prompt :func:`check_input_ids` gave is not copied again:
+    one tuple per prompt, not one per step of its way to the model).
+
+    >>> row = (1, 2)
+    >>> plain_ids(row) is row, plain_ids([1, True])
+    (True, (1, 1))
+    """
+    if type(row) is tuple and list(map(type, row)).count(int) == len(row):
+        return row
+    return tuple(map(int, row))
+
+
 def check_input_ids(input_ids: Any, vocab_size: int | None = None) -> list[tuple[int, ...]]:
     """``input_ids`` as one tuple of token ids per prompt.
 
@@ -125,26 +139,27 @@ def prompt_inputs(prompts: Any, input_ids: Any, vocab_size: int | None = None
 
 
 def tokenize_prompts(prompts: Sequence[PromptInput],
-                     tokenizer: Any) -> tuple[list[str], list[list[int]]]:
-    """Each prompt's text and token ids: a text prompt encoded with ``tokenizer``
-    (every text prompt in one call, each encoded as it would be alone), a
-    token-id prompt kept as it is and decoded (special tokens included) for its
-    text. A prompt that encodes to no tokens is refused."""
+                     tokenizer: Any) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Each prompt's text and token ids (a tuple of ints, :func:`plain_ids`): a
+    text prompt encoded with ``tokenizer`` (every text prompt in one call, each
+    encoded as it would be alone), a token-id prompt kept as it is and decoded
+    (special tokens included) for its text. A prompt that encodes to no tokens
+    is refused."""
     strings = [prompt for prompt in prompts if isinstance(prompt, str)]
     batch = iter(tokenizer(strings)["input_ids"] if strings else ())
     decode = (text_decoder(tokenizer, skip_special_tokens=False)
               if len(strings) < len(prompts) else None)
     if decode is not None and not strings:  # token ids only: converted and decoded at once
-        encoded = [list(map(int, prompt)) for prompt in prompts]
+        encoded = list(map(plain_ids, prompts))
         if all(encoded):
             return list(map(decode, encoded)), encoded
     texts, encoded = [], []
     for prompt in prompts:
         if isinstance(prompt, str):
-            text, ids = prompt, list(map(int, next(batch)))
+            text, ids = prompt, plain_ids(next(batch))
         else:
             assert decode is not None
-            ids = list(map(int, prompt))
+            ids = plain_ids(prompt)
             text = decode(ids)
         if not ids:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens")
@@ -154,7 +169,7 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
 
 
 def text_decoder(tokenizer: Any, *, skip_special_tokens: bool = True
-                 ) -> Callable[[list[int]], str]:
+                 ) -> Callable[[Sequence[int]], str]:
     """``ids -> str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))``.
 
     A transformers tokenizer backed by a ``tokenizers`` tokenizer, whose class

@@ -47,6 +47,7 @@ from undercurrent.adapters.delivery import (
 )
 from undercurrent.adapters.edit_log import EditLog
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
+from undercurrent.adapters.prompts import plain_ids
 from undercurrent.probes.base import RequestContext
 from undercurrent.records import LazySequence, ProbeResult, SignalAction, built
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
@@ -377,7 +378,7 @@ class RequestState:
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.prompt_token_ids = tuple(map(int, prompt_token_ids))
+        self.prompt_token_ids = plain_ids(prompt_token_ids)
         self.prompt_len = len(self.prompt_token_ids)
         self.points = tuple(points)
         self._live_points: Sequence[ExtractionPoint] = self.points  # (replaced, never changed)
@@ -406,10 +407,11 @@ class RequestState:
         self._live_edits: Sequence[Any] = self.edits
         # Each token where an edit starts or stops applying, ascending, until
         # planned (pass_edit_marks then works the steady steps out again).
-        self._edit_marks = sorted({
+        # (no list where there is no edit: one object fewer per request)
+        self._edit_marks: list[int] | tuple[()] = sorted({
             mark for resolved in self.edits
             if (span := _edit_span(resolved.edit, self.prompt_len)) is not None
-            for mark in span if mark is not None})
+            for mark in span if mark is not None}) if self.edits else ()
         # What pass_edit_marks worked out at a mark, for requests opened with
         # this one (by prompt length, mark, and how edits retire and arm).
         self._worked = worked

@@ -39,6 +39,10 @@ from undercurrent.spec.types import ProbeKind
 STATISTICS = ("mean", "max", "ewma")
 SOURCES = ("linear", "norm")
 _SAME_OBJECT = operator.is_
+_STATISTIC = operator.attrgetter("statistic")
+_ALPHA = operator.attrgetter("alpha")
+_MIN_COUNT = operator.attrgetter("min_count")
+_RULE = operator.attrgetter("rule")
 _HELD_VALUES, _BLOCK = operator.attrgetter("_values"), operator.attrgetter("_block")
 
 
@@ -368,11 +372,14 @@ def _judge_lanes(probes: Sequence[TrajectoryProbe], values: Any,
     if width <= 0 or last - first != width * count:
         return None
     statistic, alpha, min_count, rule = head.statistic, head.alpha, head.min_count, head.rule
-    for index, (probe, (start, stop)) in enumerate(zip(probes, spans, strict=True)):
-        if (start != first + index * width or stop != start + width
-                or probe.statistic != statistic or probe.alpha != alpha
-                or probe.min_count != min_count or (probe.rule is not rule and probe.rule != rule)):
-            return None
+    # (each span the next ``width`` rows, and every instance's options the
+    # first's: compared in C, a column at a time)
+    if (len(spans) != count or list(spans) != list(zip(
+            range(first, last, width), range(first + width, last + 1, width), strict=True))
+            or any(list(map(option, probes)).count(value) != count
+                   for option, value in ((_STATISTIC, statistic), (_ALPHA, alpha),
+                                         (_MIN_COUNT, min_count), (_RULE, rule)))):
+        return None
     np = numpy_module()
     grid = np.asarray(layers[first:last], dtype=np.int64).reshape(count, width)
     if count > 1 and not (grid[1:] == grid[0]).all():

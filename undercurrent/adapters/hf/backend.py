@@ -594,11 +594,11 @@ class HFBackend:
             cancel.set()
             worker.join()
 
-    def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[list[int]]]:
+    def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[tuple[int, ...]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
         return tokenize_prompts(prompts, self.tokenizer)
 
-    def _left_padded(self, encoded: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _left_padded(self, encoded: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` and ``attention_mask`` of token-id rows, left-padded to the
         longest, on the model's device (generation and the last-token replay)."""
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
@@ -612,8 +612,8 @@ class HFBackend:
         return (torch.from_numpy(input_ids).to(self.device),
                 torch.from_numpy(kept.astype(np.int64)).to(self.device))
 
-    def _encode_batch(self, prompts: list[PromptInput]) -> tuple[list[list[int]], torch.Tensor,
-                                                                 torch.Tensor]:
+    def _encode_batch(self, prompts: list[PromptInput]
+                      ) -> tuple[list[tuple[int, ...]], torch.Tensor, torch.Tensor]:
         """Token ids, left-padded ``input_ids`` and ``attention_mask`` of a batch."""
         _, encoded = self._tokenize(prompts)
         return (encoded, *self._left_padded(encoded))
@@ -693,7 +693,7 @@ class HFBackend:
             session.release_plans()  # every request is closed: nothing reads the plans now
             self._lock.release()
 
-    def _check_context(self, encoded: list[list[int]], params: SamplingParams) -> None:
+    def _check_context(self, encoded: Sequence[Sequence[int]], params: SamplingParams) -> None:
         """Refuse, before anything runs, a prompt that cannot fit the model's context
         with ``max_new_tokens`` after it (past it, learned position embeddings fail
         with an index error and rotary ones silently degrade)."""
