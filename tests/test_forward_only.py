@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "adapters"))
 from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.adapters.prompts import plain_ids  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint  # noqa: E402
 
 LAYERS = 3  # the tiny llama's decoder layers
@@ -141,6 +142,27 @@ def test_input_ids_are_fed_as_given_without_a_bos(probed, tokenizer):
     first = next(r for r in output.records if r.extraction_point_name == "first" and r.layer == 0)
     assert first.token_id == ids[0]
     torch.testing.assert_close(first.tensor, states.hidden_states[1][0, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_ids_come_back_as_plain_ints_whatever_form_they_were_given_in(probed, tokenizer):
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    given = [list(ids), tuple(ids), np.array(ids), torch.tensor(ids)]
+    outputs = probed.generate(input_ids=given, max_new_tokens=2)
+    for output in outputs:
+        assert output.prompt_token_ids == tuple(ids)
+        assert set(map(type, output.prompt_token_ids)) == {int}
+        assert output.token_ids == outputs[0].token_ids
+    given[0][0] = ids[0] + 1  # (the caller's list changed after the call: not the output's)
+    assert outputs[0].prompt_token_ids == tuple(ids)
+
+
+def test_plain_ids_keep_a_tuple_of_plain_ints_and_convert_anything_else():
+    row = (3, 1, 4)
+    assert plain_ids(row) is row
+    for other in ([3, 1, 4], (3, np.int64(1), 4), np.array([3, 1, 4]), (3, True, 4)):
+        made = plain_ids(other)
+        assert type(made) is tuple and set(map(type, made)) == {int}
+        assert made == (3, 1, 4)  # (True is 1, as int gives it)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "fragment"), [
