@@ -196,8 +196,9 @@ class SignalLog(Sequence[TokenSignal]):
         self._pending.append(runs)
 
     def add_run(self, run: _Run) -> None:
-        """:meth:`add` of one point's rows of one token, kept as they are (no list
-        around them: a request keeps one per step until its signals are read)."""
+        """:meth:`add` of one point's rows of one token (or of a window's steps of
+        one point), kept as they are: no list around them, since a request
+        keeps one per step (or window) until its signals are read."""
         if self.following is not None:
             self._catch_up(stop=True)
         self._pending.append(run)
@@ -1593,7 +1594,7 @@ class _Window:
                     routed_parts.setdefault(id(state), []).append(
                         (routed, start * steps, stop - start, match))
                 else:
-                    state.signals.add([(routed, start * steps, stop * steps, match)])
+                    state.signals.add_run((routed, start * steps, stop * steps, match))
         if routed_parts or kept_parts:
             _add_window_runs(layout.states, kept_parts, routed_parts, steps)
 
