@@ -69,29 +69,20 @@ class RequestContext:
         """``RequestContext(...)`` of these fields, no point and no metadata, for a
         ``prompt_token_ids`` tuple: what the constructor makes, without its one
         ``object.__setattr__`` per field (an adapter makes one per request)."""
-        if cls is not RequestContext:  # (a subclass's fields: all of them)
-            return built(cls, {"request_id": request_id, "prompt": prompt,
-                               "prompt_len": prompt_len, "model_name": model_name,
-                               "prompt_token_ids": prompt_token_ids, "extraction_point": None,
-                               "metadata": _NO_METADATA})
-        return _context(cls, (request_id, prompt, prompt_len, model_name, prompt_token_ids,
-                              None, _NO_METADATA))
+        return built(cls, {"request_id": request_id, "prompt": prompt,
+                           "prompt_len": prompt_len, "model_name": model_name,
+                           "prompt_token_ids": prompt_token_ids, "extraction_point": None,
+                           "metadata": _NO_METADATA})
 
     def at_point(self, point: ExtractionPoint) -> RequestContext:
         """This context with ``extraction_point`` set to ``point`` (what
         ``dataclasses.replace`` gives; the other fields, checked already, are
         shared, not checked again: the router makes one per probe it binds)."""
-        kind = type(self)
-        if kind is not RequestContext:  # (a subclass's fields: all of them)
-            made: RequestContext = object.__new__(kind)
-            fields = made.__dict__
-            fields.update(self.__dict__)
-            fields["extraction_point"] = point
-            return made
-        (request_id, prompt, prompt_len, model_name, prompt_token_ids, _,
-         metadata) = _CONTEXT_VALUES(self)
-        return _context(kind, (request_id, prompt, prompt_len, model_name, prompt_token_ids,
-                               point, metadata))
+        made: RequestContext = object.__new__(type(self))
+        fields = made.__dict__
+        fields.update(self.__dict__)
+        fields["extraction_point"] = point
+        return made
 
 
 class Probe:
@@ -475,30 +466,12 @@ def shallow_copy(instance: Any) -> Any:
     """A new instance of ``instance`` 's class sharing its attributes (for a
     probe, :meth:`Probe.on_start` then replaces the per-request ones)."""
     made = object.__new__(type(instance))
-    # (each attribute set on its own, in the template's order: the copy keeps
-    # them inline, as an instance ``__init__`` made does, with no dict object
-    # for the collector to track; copying into ``made.__dict__`` makes one,
-    # and once many instances of a class have one, Python gives every later
-    # instance of it one too)
-    for name, value in instance.__dict__.items():
-        _SET(made, name, value)
+    made.__dict__.update(instance.__dict__)
     return made
 
 
 
-_SET = object.__setattr__
-# A context's fields, in the order its constructor sets them.
+_STATE = operator.attrgetter("__dict__")
+# A context's fields, in the order of_prompt gives them.
 _CONTEXT_FIELDS = ("request_id", "prompt", "prompt_len", "model_name", "prompt_token_ids",
                    "extraction_point", "metadata")
-_CONTEXT_VALUES = operator.attrgetter(*_CONTEXT_FIELDS)
-
-
-def _context(kind: type[RequestContext], values: tuple[Any, ...]) -> RequestContext:
-    """A :class:`RequestContext` holding ``values`` (every field, in order, each
-    already what the constructor would keep), each set on its own as the
-    constructor sets it, so the context keeps them inline: no dict object per
-    context (one per request and point) for the collector to track."""
-    made: RequestContext = object.__new__(kind)
-    for name, value in zip(_CONTEXT_FIELDS, values, strict=True):
-        _SET(made, name, value)
-    return made
