@@ -716,11 +716,10 @@ def _order(match: PlanMatch) -> PlanMatch | int:
 
 
 _MATCH = operator.itemgetter(3)  # a span's match: (state, start, stop, match)
-_STATE_OF_SPAN = operator.itemgetter(0)
+_FIRST = operator.itemgetter(0)  # a span's state, or a (state, match) item's
 _STATE = operator.attrgetter("state")
 _PROMPT_LEN = operator.attrgetter("prompt_len")
 _TOKEN_INDEX = operator.attrgetter("token_index")
-_FIRST = operator.itemgetter(0)  # a (state, match) item's state
 _SECOND = operator.itemgetter(1)  # a (state, match) item's match
 _REQUEST_ID = operator.attrgetter("request_id")
 _GENERATED = operator.attrgetter("generated")
@@ -828,7 +827,7 @@ class _SteadyPoint:
         first = matches[0] if matches else None
         if (first is None or len(matches) != len(spans) or first.point.name != self.name
                 or first.layers != tuple(layer for layer, _ in self.keys)
-                or not all(map(operator.is_, map(_STATE, matches), map(_STATE_OF_SPAN, spans)))
+                or not all(map(operator.is_, map(_STATE, matches), map(_FIRST, spans)))
                 or not all(map(operator.eq, map(_ROWS, matches), map(_ROWS, map(_MATCH, spans))))):
             return None
         # (each request's token the same shift on from its base: told in C)
