@@ -6,7 +6,11 @@ registering and ending requests, the async workers' calls) with timers, runs the
 scenario (after warm-ups) and the plain baseline interleaved, and prints each
 stage's total per generation and per captured vector, its calls and its time
 per call (medians over ``--repeats`` runs), the garbage collector's time, and
-the time spent around ``model.generate()``. cProfile (``benchmarks.profile``) counts calls
+the time spent around ``model.generate()``. It also times the model's inner
+forwards (its decoder: the layers and the hooks on them) in the probed and
+the plain runs alike, and prints them and the rest of each generation side by
+side: where the two differ says whether the overhead is in the forwards or in
+the Python work before, between and after them. cProfile (``benchmarks.profile``) counts calls
 exactly but inflates Python-heavy code; these timers add one wrapper call per
 stage call instead. Stages nest (delivery contains routing), so totals do not
 add up. ``--thread-time`` measures each stage in its thread's CPU time, which
@@ -176,6 +180,35 @@ def collector_time() -> Iterator[list[Any]]:
         gc.callbacks.remove(on_gc)
 
 
+@contextlib.contextmanager
+def timed_forwards(model: Any, clock: Callable[[], float] = time.perf_counter
+                   ) -> Iterator[list[Any]]:
+    """Inside the block, the seconds and calls of ``model`` 's inner forwards
+    (``model.base_model``, its decoder, when it has one; else ``model``'s own)
+    add up in the list yielded (``[seconds, forwards]``; reset it to start
+    over). Timed by a forward pre-hook and a forward hook on that module,
+    removed afterwards; the decoder's own hooks (the capture's, on its
+    layers) run inside what is timed."""
+    inner = getattr(model, "base_model", None)
+    module = inner if inner is not None else model
+    timed: list[Any] = [0.0, 0]
+    started = [0.0]
+
+    def before(module: Any, args: Any) -> None:
+        started[0] = clock()
+
+    def after(module: Any, args: Any, output: Any) -> None:
+        timed[0] += clock() - started[0]
+        timed[1] += 1
+
+    handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        yield timed
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _measure(args: argparse.Namespace, totals: collections.Counter[str],
              calls: collections.Counter[str]) -> int:
     with collector_time() as collected:
@@ -195,25 +228,31 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
         probed.generate(batch, args.max_new_tokens)
         plain.generate(batch, args.max_new_tokens)
     walls, plains, runs, vectors = [], [], [], 1
+    forwards: list[tuple[float, float]] = []  # (probed, plain) inner forwards' seconds
     gc_label = "garbage collection"
-    for _ in range(args.repeats):
-        totals.clear()
-        calls.clear()
-        collected[:] = [0.0, 0]
-        wall = time.perf_counter()
-        run = probed.generate(batch, args.max_new_tokens)
-        walls.append(time.perf_counter() - wall)
-        vectors = max(run.records or 0, 1)
-        kept = {label: (seconds, calls[label]) for label, seconds in totals.items()}
-        kept[gc_label] = (collected[0], collected[1])
-        inside = totals.get(STAGES[0][3])
-        if inside:
-            kept["around model.generate() (registering, ending, held windows, texts)"] = (
-                walls[-1] - inside, 1)
-        runs.append(kept)
-        wall = time.perf_counter()
-        plain.generate(batch, args.max_new_tokens)
-        plains.append(time.perf_counter() - wall)
+    with timed_forwards(bundle.model) as inner:  # (wall time, as the generations')
+        for _ in range(args.repeats):
+            totals.clear()
+            calls.clear()
+            collected[:] = [0.0, 0]
+            inner[:] = [0.0, 0]
+            wall = time.perf_counter()
+            run = probed.generate(batch, args.max_new_tokens)
+            walls.append(time.perf_counter() - wall)
+            vectors = max(run.records or 0, 1)
+            kept = {label: (seconds, calls[label]) for label, seconds in totals.items()}
+            kept[gc_label] = (collected[0], collected[1])
+            inside = totals.get(STAGES[0][3])
+            if inside:
+                kept["around model.generate() (registering, ending, held windows, texts)"] = (
+                    walls[-1] - inside, 1)
+            runs.append(kept)
+            probed_inner = inner[0]
+            inner[:] = [0.0, 0]
+            wall = time.perf_counter()
+            plain.generate(batch, args.max_new_tokens)
+            plains.append(time.perf_counter() - wall)
+            forwards.append((probed_inner, inner[0]))
     probed.close()
     plain.close()
     best, best_plain = statistics.median(walls), statistics.median(plains)
@@ -232,6 +271,15 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
         if seconds:
             print(f"| {seconds * 1e3:.2f} | {seconds / vectors * 1e6:.2f} | {count:g} | "
                   f"{seconds / max(count, 1) * 1e6:.1f} | {label} |")
+    probed_in = statistics.median(probed for probed, _ in forwards)
+    plain_in = statistics.median(plain for _, plain in forwards)
+    probed_out = statistics.median(wall - probed for wall, (probed, _) in zip(walls, forwards,
+                                                                             strict=True))
+    plain_out = statistics.median(wall - plain for wall, (_, plain) in zip(plains, forwards,
+                                                                          strict=True))
+    print(f"the model's inner forwards (its decoder, hooks included): probed {probed_in * 1e3:.2f}"
+          f" ms, plain {plain_in * 1e3:.2f} ms; the rest of a generation: probed "
+          f"{probed_out * 1e3:.2f} ms, plain {plain_out * 1e3:.2f} ms (medians, wall time)")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,3 +42,21 @@ def steady_deliveries(monkeypatch: pytest.MonkeyPatch) -> DeliveryCount:
     monkeypatch.setattr(delivery, "_deliver_steady", counted)
     monkeypatch.setattr(delivery._Window, "take", counted_take)
     return counter
+
+
+@pytest.fixture
+def no_gc_callbacks() -> Iterator[None]:
+    """No garbage-collector callback runs during the test (those the process
+    has are put back afterwards). CPython reports what a gc callback raises
+    as unraisable and drops it, so a Ctrl-C (``KeyboardInterrupt``) that
+    arrives while one runs never reaches the code it was meant for; hypothesis
+    installs such a callback for the rest of the session once a property
+    test has run. A test that sends a Ctrl-C at a random moment and counts
+    where it lands would then miss one now and then on a busy machine."""
+    saved = list(gc.callbacks)
+    gc.callbacks.clear()
+    try:
+        yield
+    finally:
+        added = [callback for callback in gc.callbacks if callback not in saved]
+        gc.callbacks[:] = saved + added

@@ -59,6 +59,26 @@ def test_stage_timers_time_the_capture_path_and_put_every_function_back():
     assert (CaptureSession.open_requests, vars(ScoreSummary)["batch_signals_many"]) == before
 
 
+def test_stage_timers_time_each_inner_forward_of_a_generation_and_remove_their_hooks():
+    from benchmarks.stage_timers import timed_forwards
+    from undercurrent import ProbedModel
+
+    ticks = iter(range(1000))  # a clock that moves one second a reading
+    with ProbedModel.from_pretrained("undercurrent/tiny") as probed:
+        model = probed.backend.model  # type: ignore[attr-defined]
+        inner = model.base_model
+        assert inner is not model
+        hooks = (dict(inner._forward_pre_hooks), dict(inner._forward_hooks))
+        with timed_forwards(model, clock=lambda: float(next(ticks))) as timed:
+            probed.generate(["a b", "c d e"], max_new_tokens=3)
+            # the prefill and two decode steps (the third token is never fed)
+            assert timed == [3.0, 3]
+            timed[:] = [0.0, 0]
+            probed.generate(["a b"], max_new_tokens=2)
+            assert timed == [2.0, 2]
+        assert (dict(inner._forward_pre_hooks), dict(inner._forward_hooks)) == hooks
+
+
 def test_stage_timers_time_an_async_trajectory_s_workers_and_put_every_function_back():
     import collections
 

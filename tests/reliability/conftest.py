@@ -42,6 +42,12 @@ def ctrl_c_reaches_python() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_not_lost_in_gc_callbacks(no_gc_callbacks: None) -> None:
+    """Every test here may send a Ctrl-C at a random moment: none is lost in a
+    garbage-collector callback (see ``no_gc_callbacks``)."""
+
+
 class Figures:
     """``figures.add("item", key=value, ...)``: numbers for the report."""
 

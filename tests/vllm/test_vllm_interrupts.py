@@ -12,6 +12,9 @@ import pytest
 
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC
 
+# (a Ctrl-C raised while a garbage-collector callback runs would be lost: none runs here)
+pytestmark = pytest.mark.usefixtures("no_gc_callbacks")
+
 
 @pytest.fixture(autouse=True)
 def default_handler() -> Iterator[None]:
