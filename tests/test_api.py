@@ -122,6 +122,28 @@ def test_no_spec_means_no_router_and_plain_generation():
     pm.close()
 
 
+def test_a_spec_file_is_read_as_a_file_whatever_its_name(tmp_path):
+    # A path whose folder or name holds "extraction_points" is still a file;
+    # one line of flow YAML that names no file is still YAML text.
+    from undercurrent.api import load_spec
+    from undercurrent.notebook import SpecEditor
+    from undercurrent.spec import load_yaml_file
+    original = Path(__file__).parent.parent / "specs" / "classic_single_token.yaml"
+    folder = tmp_path / "extraction_points"
+    folder.mkdir()
+    path = folder / "my_extraction_points.yaml"
+    path.write_bytes(original.read_bytes())
+    expected = load_yaml_file(original)
+    assert len(expected) >= 1
+    assert load_spec(str(path)) == load_spec(path) == expected
+    assert SpecEditor.from_spec(str(path)).spec == expected
+    flow = ("{extraction_points: [{name: p, layers: 1, tensor_type: residual_stream, "
+            "position: 0, probe_type: norm_probe, probe_kind: single_shot}]}")
+    assert [point.name for point in load_spec(flow)] == ["p"]
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        load_spec(str(folder / "missing_extraction_points.yaml"))
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(BackendError, match="unknown backend 'nope'"):
         ProbedModel.from_pretrained("/nonexistent", backend="nope")

@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from undercurrent.adapters.arguments import check_model_path, dtype_name
@@ -41,6 +40,7 @@ from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
+from undercurrent.spec.loader import is_file, is_yaml_text
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
 from undercurrent.steering.registration import as_edits, register_edits
 from undercurrent.store.capture import CaptureSummary, capture_activations
@@ -64,9 +64,9 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
         return parse_dict(spec)
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if "\n" in text or "extraction_points" in text:
+        if is_yaml_text(spec):
             return parse_yaml(text)
-        if not Path(text).is_file():
+        if not is_file(text):
             raise FileNotFoundError(
                 f"spec {text!r} is not a file; pass a YAML file path, YAML text, a dict, "
                 "a ProbeSpec or a list of ExtractionPoint")

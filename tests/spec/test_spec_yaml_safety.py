@@ -95,6 +95,19 @@ def test_python_object_tags_are_never_constructed() -> None:
     assert "YAML error" in message_of(text)
 
 
+@pytest.mark.parametrize("value,fragment", [
+    ("!!bool 8", "the value '8' is not a valid !!bool"),  # (a KeyError inside PyYAML)
+    ("!!int ''", "the value '' is not a valid !!int"),  # (an IndexError)
+    ("!!timestamp abc", "the value 'abc' is not a valid !!timestamp"),  # (an AttributeError)
+    ("!!timestamp 2001-13-45", "!!timestamp (month must be in 1..12)"),  # (a ValueError)
+    ("!!int abc", "!!int (invalid literal"),
+])
+def test_a_tagged_value_pyyaml_cannot_read_is_a_yaml_error_at_its_line(
+        value: str, fragment: str) -> None:
+    message = message_of(VALID + f"    probe_args: {{x: {value}}}\n")
+    assert "YAML error at line 8, column 21: the value " in message and fragment in message
+
+
 def test_an_alias_bomb_is_refused_quickly() -> None:
     lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     for level in range(1, 10):

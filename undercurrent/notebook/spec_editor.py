@@ -53,6 +53,7 @@ from undercurrent.spec import (
     to_yaml,
 )
 from undercurrent.spec.fields import edit_fields, point_fields
+from undercurrent.spec.loader import is_yaml_text
 from undercurrent.spec.serialize import _dump as dump_spec_yaml
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,8 +130,7 @@ class SpecEditor:
         """
         if isinstance(spec_or_path, ProbeSpec):
             spec = spec_or_path
-        elif isinstance(spec_or_path, str) and ("\n" in spec_or_path
-                                                or "extraction_points" in spec_or_path):
+        elif is_yaml_text(spec_or_path):
             spec = parse_yaml(spec_or_path)
         else:
             spec = load_yaml_file(Path(spec_or_path))

@@ -12,6 +12,7 @@ as :class:`SpecDeprecationWarning` once the spec has been checked.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -428,6 +429,29 @@ def parse_yaml(text: str | bytes, *, source: str | None = None) -> ProbeSpec:
     bombs are rejected. Raises :class:`SpecValidationError`.
     """
     return parse_dict(load_yaml_data(text, source), source=source)
+
+
+def is_yaml_text(value: str | os.PathLike[str]) -> bool:
+    """Whether a spec given as a string is YAML text rather than a file's path: a
+    path object never is; a string is when it has several lines, or is one line
+    that names no file and holds ``extraction_points:`` (flow YAML). A file
+    whose name contains "extraction_points" is still a file.
+
+    >>> is_yaml_text("{extraction_points: []}"), is_yaml_text("specs/a.yaml")
+    (True, False)
+    """
+    if not isinstance(value, str):
+        return False
+    return "\n" in value or ("extraction_points" in value and ":" in value
+                             and not is_file(value))
+
+
+def is_file(text: str) -> bool:
+    """Whether ``text`` names a file (False for a name the OS refuses outright)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def load_yaml_file(path: str | Path) -> ProbeSpec:

@@ -64,6 +64,25 @@ class BoundedSafeLoader(yaml.SafeLoader):
             _measure_expansion(node, {}, set())
         return node
 
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        # A tagged scalar PyYAML cannot read (``!!bool 8``, ``!!int ''``,
+        # ``!!timestamp abc``) fails inside its constructors with whatever Python
+        # error the conversion raises: each becomes a YAML error at the node.
+        try:
+            return super().construct_object(node, deep=deep)  # type: ignore[no-untyped-call]
+        except (yaml.YAMLError, RecursionError):
+            raise
+        except Exception as error:  # noqa: BLE001 - any conversion failure, reported
+            tag = node.tag.rsplit(":", 1)[-1]
+            value = node.value if isinstance(node.value, str) else None
+            shown = "" if value is None else f" {value[:40]!r}"
+            detail = _conversion_error(error)
+            raise ConstructorError(
+                None, None,
+                f"the value{shown} is not a valid !!{tag}" + (f" ({detail})" if detail else ""),
+                node.start_mark,
+            ) from None
+
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
         first_seen: dict[Any, Mark] = {}
         for key_node, _ in node.value:
@@ -84,6 +103,15 @@ class BoundedSafeLoader(yaml.SafeLoader):
                 )
             first_seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
+
+
+def _conversion_error(error: BaseException) -> str:
+    """What a PyYAML constructor's own Python error says about a value: its
+    message, or nothing where that is only PyYAML's internals (a ``KeyError``
+    naming the value, an ``IndexError`` of an empty string)."""
+    if isinstance(error, KeyError | IndexError | AttributeError):
+        return ""
+    return str(error)
 
 
 def _measure_expansion(node: Node, memo: dict[int, tuple[int, int]], active: set[int]) -> int:
@@ -182,16 +210,17 @@ def load_yaml_data(text: str | bytes, source: str | None = None) -> Any:
         return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         raise SpecValidationError([_yaml_problem(error)], source=source) from None
-    except (ValueError, TypeError, OverflowError) as error:
-        # Explicit tags on bad scalars (`!!int abc`, `!!timestamp 2001-13-45`) and
-        # integers past Python's digit limit fail inside PyYAML's constructors with
-        # plain Python errors, not YAMLError.
-        raise SpecValidationError(
-            [SpecProblem(f"YAML error: a value cannot be read: {error}")], source=source
-        ) from None
     except RecursionError:
         raise SpecValidationError(
             [SpecProblem(f"the document nests too deeply (more than {MAX_DEPTH} levels)")],
+            source=source,
+        ) from None
+    except Exception as error:  # noqa: BLE001 - the loader's contract: no raw error escapes
+        # (every constructor failure is a YAML error at its node already; this is
+        # the net for anything PyYAML raises outside one)
+        raise SpecValidationError(
+            [SpecProblem(f"YAML error: the document cannot be read ({type(error).__name__}: "
+                         f"{error})")],
             source=source,
         ) from None
 
