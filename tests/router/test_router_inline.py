@@ -82,6 +82,20 @@ def test_block_until_signal_returns_at_the_deadline_while_the_probe_is_still_run
     assert result.signals[0].metadata["reason"] == "timeout"  # the fallback is visible
 
 
+def test_a_deadline_past_the_platform_s_longest_wait_waits_for_the_probe(make_router):
+    # 10**13 ms is past threading.TIMEOUT_MAX (a raw OverflowError from the wait
+    # before): such a deadline is "wait for the probe", and its signal comes back.
+    assert 10**13 / 1000 > threading.TIMEOUT_MAX
+    router = make_router()
+    router.register_request("r", [point("p", intervention=block(10**13),
+                                        probe_args={"abort_at": 1})])
+    first, second = (router.route(record("r", "p", t)) for t in range(2))
+    assert first.action is SignalAction.CONTINUE and "fallback" not in first.metadata
+    assert second.action is SignalAction.ABORT and "fallback" not in second.metadata
+    result = router.end_request("r", timeout_s=float("inf"))["p"]
+    assert result.stats.timeouts == 0 and result.stats.processed == 2
+
+
 def test_on_timeout_abort_aborts_the_request(make_router):
     gate = event("gate")
     router = make_router()

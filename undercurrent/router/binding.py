@@ -1012,7 +1012,9 @@ class Binding:
             cond = self._cond = threading.Condition(self._mutex)
         self._sleepers += 1
         try:
-            cond.wait(timeout)
+            # (past the platform's longest wait, ~292 years, a wait is untimed: the
+            # callers loop on their deadline, so it only ends the same way sooner)
+            cond.wait(None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout)
         finally:
             self._sleepers -= 1
 

@@ -118,7 +118,8 @@ class AsyncScheduler:
                 if thread is threading.current_thread():
                     continue
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                thread.join(remaining)
+                thread.join(None if remaining is None or remaining >= threading.TIMEOUT_MAX
+                            else remaining)
 
     # -- workers --------------------------------------------------------------------
 
