@@ -241,7 +241,9 @@ def test_enum_values_are_case_sensitive() -> None:
 @pytest.mark.parametrize(
     "position",
     ["prompt[]", "generated[-1]", "generated[5:5]", "generated[6:2]", "prompt[1] +1",
-     "last", -1, 2.0, [1], "generated[*]+1", "prompt[1:3]", None],
+     "last", -1, 2.0, [1], "generated[*]+1", "prompt[1:3]", None,
+     # digits of other scripts (Arabic-Indic, full-width) are not positions
+     "\u0661\u0662", "\uff15", "prompt[\u0661]", "generated[0:\u0665]"],
 )
 def test_positions_outside_the_grammar_list_the_accepted_forms(position: object) -> None:
     _, field, message = only_problem(position=position)

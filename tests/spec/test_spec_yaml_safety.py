@@ -108,6 +108,34 @@ def test_a_tagged_value_pyyaml_cannot_read_is_a_yaml_error_at_its_line(
     assert "YAML error at line 8, column 21: the value " in message and fragment in message
 
 
+@pytest.mark.parametrize("field,value,fragment", [
+    ("layers", "010", "010 has a leading zero, which YAML 1.1 reads as the octal number 8"),
+    ("layers", "[1, 010]", "reads as the octal number 8"),
+    ("position", "5:20", "5:20 is a base-60 number in YAML 1.1 (it reads as 320)"),
+    ("layers", "1:30", "(it reads as 90)"),
+    ("probe_args", "{t: 1:30.5}", "(it reads as 90.5)"),
+])
+def test_numbers_yaml_1_1_reads_unlike_a_person_are_refused_at_their_line(
+        field: str, value: str, fragment: str) -> None:
+    text = VALID.replace("    layers: 1\n", "").replace("    position: 0\n", "")
+    text += "    layers: 1\n    position: 0\n".replace(
+        f"    {field}: " + ("1" if field == "layers" else "0"), f"    {field}: {value}")
+    if field == "probe_args":
+        text += f"    probe_args: {value}\n"
+    message = message_of(text)
+    assert "YAML error at line" in message and fragment in message
+    assert "quote it if you meant text" in message
+
+
+def test_numbers_a_person_reads_as_yaml_does_are_kept() -> None:
+    text = VALID + "    probe_args: {a: 0x10, b: 1_000, c: 0, d: -0, e: 0.5, f: 010.5, g: '010'}\n"
+    assert dict(parse_yaml(text)[0].probe_args) == {
+        "a": 16, "b": 1000, "c": 0, "d": 0, "e": 0.5, "f": 10.5, "g": "010"}
+    # Quoted, it is text: the position's own check answers, not YAML.
+    message = message_of(VALID.replace("position: 0", "position: '5:20'"))
+    assert "YAML error" not in message and "field 'position'" in message
+
+
 def test_an_alias_bomb_is_refused_quickly() -> None:
     lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
     for level in range(1, 10):

@@ -115,9 +115,9 @@ class PositionSelector:
         return str(format_position(self))
 
 
-_SINGLE = re.compile(r"^(prompt|generated)\[(-?\d+)\]([+-]\d+)?$")
-_SLICE = re.compile(r"^generated\[(\d+):(\d*)\]$")
-_ABSOLUTE = re.compile(r"^\d+$")
+_SINGLE = re.compile(r"^(prompt|generated)\[(-?\d+)\]([+-]\d+)?$", re.ASCII)
+_SLICE = re.compile(r"^generated\[(\d+):(\d*)\]$", re.ASCII)
+_ABSOLUTE = re.compile(r"^\d+$", re.ASCII)
 
 
 def parse_position(value: object) -> PositionSelector:

@@ -11,13 +11,14 @@ Every failure becomes a :class:`SpecValidationError`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from yaml.constructor import ConstructorError
 from yaml.error import Mark, MarkedYAMLError
-from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 
@@ -38,8 +39,18 @@ class SpecLimitError(MarkedYAMLError):
     """A document that breaks one of the size or nesting bounds."""
 
 
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+_SURPRISING_NUMBER_TAG = "tag:undercurrent,2026:surprising-number"
+"""What a plain number YAML 1.1 reads unlike a person resolves to: an octal
+(``010`` is 8) or a base-60 number (``5:20`` is 320, ``1:30`` is 90)."""
+
+_OCTAL = re.compile(r"[-+]?0[0-7_]+$")
+
+
 class BoundedSafeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that rejects duplicate keys, deep nesting and alias bombs."""
+    """``yaml.SafeLoader`` that rejects duplicate keys, deep nesting, alias bombs
+    and the numbers YAML 1.1 reads unlike a person (octal and base 60)."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -63,6 +74,27 @@ class BoundedSafeLoader(yaml.SafeLoader):
         if node is not None:
             _measure_expansion(node, {}, set())
         return node
+
+    def resolve(self, kind: type[Node], value: Any, implicit: tuple[bool, bool]) -> str:
+        tag: str = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
+        if (kind is ScalarNode and implicit[0] and tag in (_INT_TAG, _FLOAT_TAG)
+                and (":" in value or (tag == _INT_TAG and _OCTAL.match(value)))):
+            return _SURPRISING_NUMBER_TAG
+        return tag
+
+    def construct_surprising_number(self, node: ScalarNode) -> Any:
+        """Refuse a plain octal or base-60 number, naming what YAML 1.1 reads."""
+        text = str(node.value)
+        if ":" in text:
+            read = (self.construct_yaml_int(node) if "." not in text  # type: ignore[no-untyped-call]
+                    else self.construct_yaml_float(node))  # type: ignore[no-untyped-call]
+            problem = (f"{text} is a base-60 number in YAML 1.1 (it reads as {read}); "
+                       "quote it if you meant text")
+        else:
+            problem = (f"{text} has a leading zero, which YAML 1.1 reads as the octal "
+                       f"number {self.construct_yaml_int(node)}; write it without the "  # type: ignore[no-untyped-call]
+                       "leading zero, or quote it if you meant text")
+        raise ConstructorError(None, None, problem, node.start_mark)
 
     def construct_object(self, node: Node, deep: bool = False) -> Any:
         # A tagged scalar PyYAML cannot read (``!!bool 8``, ``!!int ''``,
@@ -103,6 +135,10 @@ class BoundedSafeLoader(yaml.SafeLoader):
                 )
             first_seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
+
+
+BoundedSafeLoader.add_constructor(_SURPRISING_NUMBER_TAG,
+                                  BoundedSafeLoader.construct_surprising_number)
 
 
 def _conversion_error(error: BaseException) -> str:
