@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -431,7 +431,7 @@ def parse_yaml(text: str | bytes, *, source: str | None = None) -> ProbeSpec:
     return parse_dict(load_yaml_data(text, source), source=source)
 
 
-def is_yaml_text(value: str | os.PathLike[str]) -> bool:
+def is_yaml_text(value: str | os.PathLike[str]) -> TypeGuard[str]:
     """Whether a spec given as a string is YAML text rather than a file's path: a
     path object never is; a string is when it has several lines, or is one line
     that names no file and holds ``extraction_points:`` (flow YAML). A file

@@ -86,13 +86,13 @@ class BoundedSafeLoader(yaml.SafeLoader):
         """Refuse a plain octal or base-60 number, naming what YAML 1.1 reads."""
         text = str(node.value)
         if ":" in text:
-            read = (self.construct_yaml_int(node) if "." not in text  # type: ignore[no-untyped-call]
-                    else self.construct_yaml_float(node))  # type: ignore[no-untyped-call]
+            read = (self.construct_yaml_int(node) if "." not in text
+                    else self.construct_yaml_float(node))
             problem = (f"{text} is a base-60 number in YAML 1.1 (it reads as {read}); "
                        "quote it if you meant text")
         else:
             problem = (f"{text} has a leading zero, which YAML 1.1 reads as the octal "
-                       f"number {self.construct_yaml_int(node)}; write it without the "  # type: ignore[no-untyped-call]
+                       f"number {self.construct_yaml_int(node)}; write it without the "
                        "leading zero, or quote it if you meant text")
         raise ConstructorError(None, None, problem, node.start_mark)
 
@@ -101,7 +101,7 @@ class BoundedSafeLoader(yaml.SafeLoader):
         # ``!!timestamp abc``) fails inside its constructors with whatever Python
         # error the conversion raises: each becomes a YAML error at the node.
         try:
-            return super().construct_object(node, deep=deep)  # type: ignore[no-untyped-call]
+            return super().construct_object(node, deep=deep)
         except (yaml.YAMLError, RecursionError):
             raise
         except Exception as error:  # noqa: BLE001 - any conversion failure, reported
