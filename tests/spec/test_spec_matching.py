@@ -120,6 +120,37 @@ def test_check_rejects_a_blocking_intervention_on_an_async_point() -> None:
         check_extraction_points([point])
 
 
+@pytest.mark.parametrize("stride,shown", [(True, "a boolean (true)"), (1.0, "a number (1.0)")])
+def test_a_hand_built_stride_equal_to_the_default_but_not_an_int_is_refused_as_in_yaml(
+        stride: object, shown: str) -> None:
+    point = dataclasses.replace(trajectory_point(), stride=stride)
+    with pytest.raises(SpecValidationError) as caught:
+        check_extraction_points([point])
+    assert [(p.field, shown in p.message) for p in caught.value.problems] == [("stride", True)]
+    assert check_extraction_points([dataclasses.replace(trajectory_point(), stride=1)]) is None
+
+
+def test_parse_dict_takes_numpy_numbers_as_a_hand_built_point_does() -> None:
+    np = pytest.importorskip("numpy")
+    from undercurrent.spec import parse_dict
+    raw = dict(name="a", layers=[np.int64(3), np.int32(5)], tensor_type="kv",
+               position=np.int64(2), probe_type="x", probe_kind="trajectory",
+               probe_args={"w": np.float32(1.5)})
+    spread = dict(raw, name="b", layers=np.array([1, 2]), position="generated[*]",
+                  stride=np.int64(2), execution_mode="async", queue_depth=np.int16(4))
+    first, second = parse_dict({"extraction_points": [raw, spread]})
+    assert first.layers == (3, 5) and first.position == parse_position(2)
+    assert all(type(layer) is int for layer in first.layers + second.layers)
+    assert second.layers == (1, 2) and second.stride == 2 and second.queue_depth == 4
+    assert type(second.stride) is int and type(second.queue_depth) is int
+    assert type(first.probe_args["w"]) is np.float32  # (probe_args pass through as given)
+    assert first == ExtractionPoint(name="a", layers=(np.int64(3), np.int32(5)),
+                                    tensor_type="kv", position=2, probe_type="x",  # type: ignore[arg-type]
+                                    probe_kind="trajectory", probe_args={"w": np.float32(1.5)})  # type: ignore[arg-type]
+    with pytest.raises(SpecValidationError, match="item 0 is a bool"):
+        parse_dict({"extraction_points": [dict(raw, layers=[np.bool_(True)])]})
+
+
 def test_check_rejects_bad_values_and_duplicate_names() -> None:
     bad = dataclasses.replace(trajectory_point(), layers=(-1,), stride=0)
     with pytest.raises(SpecValidationError) as caught:

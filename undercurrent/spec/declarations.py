@@ -115,13 +115,24 @@ def to_spec_data(obj: Any) -> dict[str, Any]:
     for field in dataclasses.fields(obj):
         info = field_info(field)
         value = getattr(obj, field.name)
-        if not info.always and has_default(field) and value == default_of(field):
+        if not info.always and has_default(field) and _is_default(value, default_of(field)):
             continue
         if info.compact and isinstance(value, tuple) and len(value) == 1:
             data[field.name] = plain_data(value[0])
         else:
             data[field.name] = plain_data(value)
     return data
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` is the field's default, and may be left out: equal to it,
+    and not a bool or a float standing in for an int default (``stride=True`` or
+    ``1.0`` is written, for the spec's check to refuse, as in YAML)."""
+    if value != default:
+        return False
+    if isinstance(default, int) and not isinstance(default, bool):
+        return type(value) is not bool and not isinstance(value, float)
+    return True
 
 
 def plain_data(value: Any) -> Any:

@@ -12,6 +12,7 @@ as :class:`SpecDeprecationWarning` once the spec has been checked.
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import warnings
@@ -156,6 +157,29 @@ def _check_nested(check: _PointCheck, name: str, raw: Any) -> None:
         check.values[name] = build(**parts)
 
 
+def _plain_numbers(value: Any, depth: int = 0) -> Any:
+    """A field's value with numpy (or other) integers and reals as plain ``int``
+    and ``float``, in the value and in a list's or a mapping's items (one level:
+    ``layers``, an edit's ``vector``, ``intervention``), and a 1-D array as a
+    list, as a hand-built point takes them. The caller leaves ``probe_args``
+    out (a probe may want numpy values); a bool stays a bool, for its check to
+    name."""
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if depth == 0 and isinstance(value, list | tuple):
+        return [_plain_numbers(item, 1) for item in value]
+    if depth == 0 and getattr(value, "ndim", None) == 1 and callable(
+            getattr(value, "tolist", None)):  # (a 1-D numpy array or tensor)
+        return _plain_numbers(value.tolist())
+    if depth == 0 and isinstance(value, dict):
+        return {key: _plain_numbers(item, 1) for key, item in value.items()}
+    return value
+
+
 def _check_point(raw: Mapping[Any, Any], index: int) -> _PointCheck:
     name = raw.get("name")
     check = _PointCheck(index=index, name=name if isinstance(name, str) else None)
@@ -165,7 +189,8 @@ def _check_point(raw: Mapping[Any, Any], index: int) -> _PointCheck:
                 key if isinstance(key, str) else None,
                 _unknown_key_message(key, _POINT_KEYS, "extraction point"),
             )
-    data = {key: value for key, value in raw.items() if key in POINT_FIELD_ADAPTERS}
+    data = {key: value if key == "probe_args" else _plain_numbers(value)
+            for key, value in raw.items() if key in POINT_FIELD_ADAPTERS}
     renames = {**DEPRECATED_POINT_KEYS, **ALIAS_POINT_KEYS}
     for old, new in renames.items():
         if old not in data:
@@ -199,7 +224,8 @@ def _check_edit(raw: Mapping[Any, Any], index: int) -> _PointCheck:
         if key not in EDIT_FIELD_ADAPTERS:
             check.add(key if isinstance(key, str) else None,
                       _unknown_key_message(key, _EDIT_KEYS, "edit"))
-    data = {key: value for key, value in raw.items() if key in EDIT_FIELD_ADAPTERS}
+    data = {key: _plain_numbers(value) for key, value in raw.items()
+            if key in EDIT_FIELD_ADAPTERS}
     _check_fields(check, data, EDIT_FIELD_ADAPTERS, "")
     for key in REQUIRED_EDIT_KEYS:
         if key not in data:

@@ -84,7 +84,9 @@ _SpecDumper.add_representer(list, _represent_list)
 
 
 def to_yaml(spec: ProbeSpec) -> str:
-    """The spec as YAML text, which :func:`parse_yaml` reads back to an equal spec.
+    """The spec as YAML text, which :func:`parse_yaml` reads back to an equal spec
+    (but for a tuple in ``probe_args``, which comes back as a list: YAML has one
+    kind of sequence).
 
     Raises :class:`SpecValidationError` naming the point when its ``probe_args``
     hold a value YAML cannot represent (an arbitrary Python object).
