@@ -130,6 +130,34 @@ def test_a_hand_built_stride_equal_to_the_default_but_not_an_int_is_refused_as_i
     assert check_extraction_points([dataclasses.replace(trajectory_point(), stride=1)]) is None
 
 
+@pytest.mark.parametrize("given,field,fragment", [
+    ({"tensor_type": "resid"}, "tensor_type", "expected one of: residual_stream"),
+    ({"probe_kind": "x"}, "probe_kind", "expected one of: single_shot, trajectory"),
+    ({"execution_mode": "asink"}, "execution_mode", "did you mean 'async'?"),
+    ({"position": "gen[*]"}, "position", "'generated[*]'"),
+])
+def test_a_hand_built_point_that_cannot_be_normalised_is_refused_naming_it_and_the_field(
+        given: dict[str, str], field: str, fragment: str) -> None:
+    raw = {**dict(name="p", layers=(1,), tensor_type="kv", position="generated[*]",
+                  probe_type="x", probe_kind="trajectory"), **given}
+    with pytest.raises(SpecValidationError) as caught:
+        ExtractionPoint(**raw)  # type: ignore[arg-type]
+    assert [(p.point_name, p.field) for p in caught.value.problems] == [("p", field)]
+    assert f"extraction point 'p', field '{field}': " in str(caught.value)
+    assert fragment in str(caught.value)
+
+
+def test_every_problem_of_a_hand_built_edit_is_named_as_in_spec_form() -> None:
+    from undercurrent.spec import Edit
+    with pytest.raises(SpecValidationError) as caught:
+        Edit(name="w", layers=2, tensor_type="residual_stream", position="generated[*]",  # type: ignore[arg-type]
+             op="addd", vector=[[1.0] * 4])  # type: ignore[arg-type]
+    assert [(p.section, p.point_name, p.field) for p in caught.value.problems] == [
+        ("edits", "w", "op"), ("edits", "w", "vector")]
+    assert "edit 'w', field 'vector': item 0 is a list" in str(caught.value)
+    assert "did you mean 'add'?" in str(caught.value)
+
+
 def test_parse_dict_takes_numpy_numbers_as_a_hand_built_point_does() -> None:
     np = pytest.importorskip("numpy")
     from undercurrent.spec import parse_dict

@@ -124,6 +124,23 @@ def to_spec_data(obj: Any) -> dict[str, Any]:
     return data
 
 
+def given_spec_data(obj: Any) -> dict[str, Any]:
+    """:func:`to_spec_data` of an object whose values may not be normalised yet
+    (a hand-built point being refused): each field in spec form where it can
+    be, as given where it cannot (a string that names no enum value, a nested
+    list), for the spec's check to name."""
+    data: dict[str, Any] = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if has_default(field) and _is_default(value, default_of(field)):
+            continue
+        try:
+            data[field.name] = plain_data(value)
+        except Exception:  # noqa: BLE001 - shown as given, for the check to name
+            data[field.name] = value
+    return data
+
+
 def _is_default(value: Any, default: Any) -> bool:
     """Whether ``value`` is the field's default, and may be left out: equal to it,
     and not a bool or a float standing in for an int default (``stride=True`` or

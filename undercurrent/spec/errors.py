@@ -32,6 +32,9 @@ class SpecProblem:
             if self.point_name:
                 where += f" (name {self.point_name!r})"
             parts.append(where)
+        elif self.point_name:  # (a hand-built point or edit: in no list)
+            kind = "edit" if self.section == "edits" else "extraction point"
+            parts.append(f"{kind} {self.point_name!r}")
         if self.field:
             parts.append(f"field {self.field!r}")
         return ", ".join(parts) if parts else "spec"
@@ -48,7 +51,7 @@ class SpecProblem:
         return ErrorDetail(loc=tuple(loc), msg=self.message, type=error_type)
 
     def __str__(self) -> str:
-        if self.point_index is None and not self.field:
+        if self.point_index is None and not self.field and not self.point_name:
             return self.message  # a problem with the document as a whole
         return f"{self.location()}: {self.message}"
 

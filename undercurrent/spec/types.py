@@ -15,7 +15,7 @@ import numbers
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from undercurrent.spec.declarations import spec_field
 from undercurrent.spec.position import PositionSelector, parse_position
@@ -103,6 +103,28 @@ def _plain_int(value: Any) -> Any:
     return value
 
 
+def _refuse_as_the_spec_does(obj: ExtractionPoint | Edit, error: Exception) -> NoReturn:
+    """Raise the spec's own problems for a hand-built point or edit whose values
+    cannot be normalised (``tensor_type="resid"``, ``op="addd"``, a vector of
+    lists): what the same point or edit in spec form is refused with, located by
+    its name; ``error`` itself where the spec's check finds nothing."""
+    # (the loader builds these types: imported here, when one is refused)
+    from undercurrent.spec.declarations import given_spec_data
+    from undercurrent.spec.errors import SpecProblem, SpecValidationError
+    from undercurrent.spec.loader import edit_problems, point_problems
+
+    is_edit = isinstance(obj, Edit)
+    raw = given_spec_data(obj)
+    problems = (edit_problems if is_edit else point_problems)(raw)
+    if not problems:
+        raise error
+    name = raw.get("name") if isinstance(raw.get("name"), str) else None
+    raise SpecValidationError([
+        SpecProblem(problem.message, problem.field, None, name,
+                    "edits" if is_edit else "extraction_points")
+        for problem in problems]) from None
+
+
 def _frozen_mapping(data: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return types.MappingProxyType(copy.deepcopy(dict(data or {})))
 
@@ -173,7 +195,14 @@ class ExtractionPoint:
 
     def __post_init__(self) -> None:
         # Normalise what hand-built points commonly pass (a list, an int, a str
-        # enum value) so every consumer can rely on the declared types.
+        # enum value) so every consumer can rely on the declared types; what
+        # cannot be is refused with the spec's own messages.
+        try:
+            self._normalise()
+        except (ValueError, TypeError) as error:
+            _refuse_as_the_spec_does(self, error)
+
+    def _normalise(self) -> None:
         layers = self.layers
         if isinstance(layers, int):
             layers = (layers,)
@@ -333,6 +362,12 @@ class Edit:
         default=None)
 
     def __post_init__(self) -> None:
+        try:
+            self._normalise()
+        except (ValueError, TypeError) as error:
+            _refuse_as_the_spec_does(self, error)
+
+    def _normalise(self) -> None:
         layers = self.layers
         if isinstance(layers, int):
             layers = (layers,)
