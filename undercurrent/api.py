@@ -426,7 +426,9 @@ class ProbedModel:
         ``reduce={point: "last_token" | "mean_generated" | "project:K"}``,
         ``shard="i/N"`` (write part i of N of the prompt list, so N processes can
         share one directory), ``shard_prompts`` (prompts per committed shard),
-        ``top_p``, ``top_k`` and ``stop``. Read it with
+        ``top_p``, ``top_k`` and ``stop``. Every argument is checked before anything
+        is written: a call refused for a bad value (an empty prompt list included)
+        leaves ``out_dir`` as it found it. Read it with
         :func:`undercurrent.open_activations`; see ``docs/store.md``.
         """
         return capture_activations(

@@ -11,7 +11,8 @@ from typing import Any
 from undercurrent.adapters.capabilities import CapabilityError
 from undercurrent.api import ProbedModel
 from undercurrent.spec import SpecValidationError
-from undercurrent.store.format import StoreError, parse_part
+from undercurrent.store.capture import capture_settings
+from undercurrent.store.format import StoreError, parse_reductions
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -57,13 +58,14 @@ def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a ``.txt`` (one per non-empty line) or ``.jsonl`` file."""
     source = Path(path)
     text = source.read_text(encoding="utf-8")
-    if source.suffix == ".txt":
-        return [line for line in text.splitlines() if line.strip()]
-    if source.suffix != ".jsonl":
+    if source.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"{str(source)!r}: prompts must be a .txt or .jsonl file")
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
+            continue
+        if source.suffix == ".txt":
+            prompts.append(line)
             continue
         try:
             item = json.loads(line)
@@ -75,6 +77,9 @@ def read_prompts(path: str | Path) -> list[str]:
             raise ValueError(f"{source}:{number}: expected a JSON string or an object with a "
                              "string 'prompt'")
         prompts.append(item)
+    if not prompts:
+        raise ValueError(f"{source}: no prompts in this file (it is empty or blank); a "
+                         f"{source.suffix} prompts file needs at least one prompt")
     return prompts
 
 
@@ -89,11 +94,15 @@ def _reductions(items: list[str]) -> dict[str, str]:
 
 
 def run_capture(args: argparse.Namespace) -> int:
+    # Bad argument values are exit 2 and are caught before the model loads; what is
+    # left for model.capture to refuse is the spec, the model or the store (exit 1).
     try:
         prompts = read_prompts(args.prompts)
         reductions = _reductions(args.reduce)
-        parse_part(args.shard)
-    except (OSError, ValueError) as error:
+        capture_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         seed=args.seed, batch_size=args.batch_size,
+                         storage_dtype=args.storage_dtype, reduce=reductions, shard=args.shard)
+    except (OSError, ValueError, TypeError) as error:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_USAGE
     try:
@@ -103,6 +112,13 @@ def run_capture(args: argparse.Namespace) -> int:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_FAILURE
     with model:
+        try:
+            # Only the spec knows its point names: --reduce naming another is still
+            # a bad argument.
+            parse_reductions(reductions, [point.name for point in model.points])
+        except ValueError as error:
+            print(f"capture: {error}", file=sys.stderr)
+            return EXIT_USAGE
         try:
             summary = model.capture(
                 prompts, args.out, max_new_tokens=args.max_new_tokens,

@@ -75,3 +75,25 @@ def test_sweep_figure_draws_accuracy_auc_and_chance(labelled):
     assert list(figure.data[1].y) == frame["auc"].tolist()
     with pytest.raises(ValueError, match="empty"):
         sweep_figure(frame.iloc[:0])
+
+
+def test_layers_may_be_numpy_integers_but_not_bools(labelled):
+    from undercurrent.notebook import fit_linear_probe
+
+    store, _, labels = labelled
+    layer_one = store.select(layer=1).index
+    assert len(layer_one) and set(layer_one["layer"]) == {1}
+    assert store.select(layer=np.int64(1)).index.equals(layer_one)
+    both = store.select(layer=[np.int32(1), 3]).index
+    assert both.equals(store.select(layer=np.array([1, 3])).index)
+    assert set(both["layer"]) == {1, 3}
+    fit = fit_linear_probe(store, labels, point="resid", layer=np.int64(2), seed=0)
+    assert fit.layer == 2 and fit.metrics == fit_linear_probe(
+        store, labels, point="resid", layer=2, seed=0).metrics
+    frame = sweep_linear_probes(store, labels, point="resid", layers=np.array([1, 3]))
+    assert frame["layer"].tolist() == [1, 3]
+    for call in (lambda: store.select(layer=True), lambda: store.select(layer=[1, False]),
+                 lambda: store.select(layer="1"),
+                 lambda: sweep_linear_probes(store, labels, point="resid", layers=[True])):
+        with pytest.raises(TypeError, match="not a bool"):
+            call()

@@ -11,6 +11,7 @@ construction those ``generate(records=True)`` returns.
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import time
@@ -19,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from undercurrent.adapters.base import Backend
+from undercurrent.adapters.base import Backend, SamplingParams, stop_strings
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.spec import extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
     STORAGE_DTYPES,
+    Reduction,
     parse_part,
     parse_reductions,
     part_name,
@@ -101,27 +103,30 @@ def capture_activations(
     progress: bool = True,
 ) -> CaptureSummary:
     """Implementation of :meth:`undercurrent.api.ProbedModel.capture` (see there)."""
+    # Every argument is checked before the writer touches out_dir: a call refused
+    # for a bad value leaves the directory as it found it, so the corrected call
+    # is not refused as "a different capture".
     prompts = check_prompts(prompts)
+    if not prompts:
+        raise ValueError("capture needs at least one prompt; no prompts were given (the "
+                         "prompt list is empty)")
     if not model.points:
         raise ValueError("capture needs a spec with at least one extraction point")
-    if storage_dtype is not None:
-        storage_dtype = str(storage_dtype).removeprefix("torch.")
-        if storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype={storage_dtype!r}: use one of "
-                             f"{list(STORAGE_DTYPES)} or None (the model's dtype)")
-    index, count = parse_part(shard)
     names = [point.name for point in model.points]
-    reductions = parse_reductions(reduce, names)
-    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    settings = capture_settings(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=seed, stop=stop, batch_size=batch_size, storage_dtype=storage_dtype,
+        reduce=reduce, shard=shard, point_names=names)
+    index, count = settings.part
     identity = {
         "model": model.backend.model_name,
         "points": [extraction_point_to_dict(point) for point in model.points],
-        "reductions": {name: r.as_dict() for name, r in reductions.items()},
-        "storage_dtype": storage_dtype,
-        "sampling": {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                     "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stops},
+        "reductions": {name: r.as_dict() for name, r in settings.reductions.items()},
+        "storage_dtype": settings.storage_dtype,
+        "sampling": settings.sampling,
         "prompts": {"count": len(prompts), "sha256": prompts_digest(prompts)},
     }
+    batch_size = settings.batch_size
     if batch_size is None:
         batch_size = VLLM_CHUNK if model.backend.name == "vllm" else model.batch_size
     started = time.perf_counter()
@@ -153,6 +158,70 @@ def capture_activations(
     return CaptureSummary(path=Path(out_dir), requests=writer.requests, vectors=writer.vectors,
                           bytes=writer.bytes, skipped=len(mine) - len(todo),
                           seconds=time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """The checked arguments of one capture (all but the prompts).
+
+    ``sampling`` is what ``store.json`` records of the sampling settings (plain
+    JSON values); ``batch_size`` None means the backend's default; ``part`` is
+    ``(i, N)`` of ``shard="i/N"``; ``reductions`` maps each point (or, when no
+    point names were given, each point ``reduce`` names) to its reduction.
+    """
+
+    sampling: dict[str, Any]
+    batch_size: int | None
+    storage_dtype: str | None
+    part: tuple[int, int]
+    reductions: dict[str, Reduction]
+
+
+def capture_settings(
+    *,
+    max_new_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    batch_size: int | None = None,
+    storage_dtype: str | None = None,
+    reduce: Mapping[str, Any] | None = None,
+    shard: str | tuple[int, int] | None = None,
+    point_names: Sequence[str] | None = None,
+) -> CaptureSettings:
+    """Check the arguments of a capture without touching the disk or the model.
+
+    A bad value is a ``ValueError`` (or ``TypeError`` for a wrong type) naming the
+    argument and what it accepts. ``point_names`` None checks only the form of each
+    reduction (the CLI does that before loading the spec's model).
+    """
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, top_k=top_k, seed=seed, stop=stop_strings(stop))
+    # Plain values: store.json is JSON, and a numpy scalar must not fail its writing.
+    sampling = {"max_new_tokens": int(params.max_new_tokens),
+                "temperature": float(params.temperature), "top_p": float(params.top_p),
+                "top_k": None if params.top_k is None else int(params.top_k),
+                "seed": None if params.seed is None else int(params.seed),
+                "stop": list(params.stop)}
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+            raise TypeError(f"batch_size must be an integer >= 1 (prompts per generate() "
+                            f"call) or None (the model's default), got "
+                            f"{type(batch_size).__name__} ({batch_size!r:.40})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1 (prompts per generate() "
+                             f"call) or None (the model's default), got {batch_size}")
+        batch_size = int(batch_size)
+    if storage_dtype is not None:
+        storage_dtype = str(storage_dtype).removeprefix("torch.")
+        if storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype={storage_dtype!r}: use one of "
+                             f"{list(STORAGE_DTYPES)} or None (the model's dtype)")
+    return CaptureSettings(sampling=sampling, batch_size=batch_size,
+                           storage_dtype=storage_dtype, part=parse_part(shard),
+                           reductions=parse_reductions(reduce, point_names))
 
 
 def release_freed_memory() -> None:

@@ -161,14 +161,27 @@ class Reduction:
 
 
 def parse_reductions(reduce: Mapping[str, Any] | None,
-                     point_names: Sequence[str]) -> dict[str, Reduction]:
-    """``{point name: Reduction}`` for every point (identity where none was asked)."""
+                     point_names: Sequence[str] | None) -> dict[str, Reduction]:
+    """``{point name: Reduction}`` for every point (identity where none was asked).
+
+    ``point_names`` None checks only the reductions' form, before a spec is loaded,
+    and gives the named points alone.
+    """
     chosen = dict(reduce or {})
+    if point_names is None:
+        return {name: _parse_reduction(name, value) for name, value in chosen.items()}
     unknown = sorted(set(chosen) - set(point_names))
     if unknown:
         raise ValueError(f"reduce names unknown point(s) {unknown}; the spec's points are "
                          f"{list(point_names)}")
-    return {name: Reduction.parse(chosen.get(name)) for name in point_names}
+    return {name: _parse_reduction(name, chosen.get(name)) for name in point_names}
+
+
+def _parse_reduction(point_name: str, value: Any) -> Reduction:
+    try:
+        return Reduction.parse(value)
+    except ValueError as error:
+        raise ValueError(f"reduce[{point_name!r}]: {error}") from None
 
 
 # -- parts (scale-out) ----------------------------------------------------------------------

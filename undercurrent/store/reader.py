@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,29 @@ POSITIONS = ("all", "prompt", "generated", "last", "last_prompt")
 """Row filters of :meth:`ActivationStore.select`: every row, prompt or generated tokens
 only, each request's last captured token, or its last captured prompt token (per
 point and layer)."""
+
+
+def layer_indices(layers: Any, argument: str = "layer") -> list[int]:
+    """``layers`` (one layer index, or an iterable of them) as a list of plain ints.
+
+    numpy integers count as layer indices; a bool does not (``True`` is not layer
+    1), nor does a string: either is a ``TypeError`` naming ``argument``.
+    """
+    if _is_layer_index(layers):
+        return [int(layers)]
+    if isinstance(layers, (str, bytes, bool)) or not isinstance(layers, Iterable):
+        raise TypeError(f"{argument} must be a layer index (an integer, not a bool) or a "
+                        f"list of them, got {type(layers).__name__} ({layers!r:.40})")
+    found = list(layers)
+    for position, item in enumerate(found):
+        if not _is_layer_index(item):
+            raise TypeError(f"{argument}[{position}] is {type(item).__name__} ({item!r:.40}); "
+                            "a layer index is an integer (not a bool)")
+    return [int(item) for item in found]
+
+
+def _is_layer_index(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def open_activations(path: str | os.PathLike[str]) -> ActivationStore:
@@ -234,8 +258,7 @@ class ActivationStore:
         if point is not None:
             index = index[index["extraction_point_name"] == point]
         if layer is not None:
-            layers = [layer] if isinstance(layer, int) else list(layer)
-            index = index[index["layer"].isin(layers)]
+            index = index[index["layer"].isin(layer_indices(layer))]
         if tensor_type is not None:
             index = index[index["tensor_type"] == tensor_type]
         index = _positions(index, positions)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from undercurrent.analysis.fitting import fit_linear_probe
+from undercurrent.store.reader import layer_indices
 
 SWEEP_COLUMNS: tuple[str, ...] = (
     "point",
@@ -66,7 +67,7 @@ def sweep_linear_probes(
         raise ValueError(f"sweep_linear_probes: no rows for point={point!r}, "
                          f"positions={positions!r} (the store has points {store.points})")
     chosen = sorted(int(v) for v in view.index["layer"].unique()) if layers is None \
-        else [int(v) for v in layers]
+        else layer_indices(layers, "layers")
     rows = []
     for layer in chosen:
         fit = fit_linear_probe(view, labels, layer=layer, test_size=test_size, C=C,

@@ -1,0 +1,128 @@
+"""Every argument of a capture is checked before anything is written: a call refused
+for a bad value (a sampling setting, ``batch_size``, an empty prompt list) leaves
+its directory as it found it, so the corrected call is not refused as "a
+different capture"; the CLI answers bad values with exit 2 and one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from store_helpers import SPEC, corpus_prompts
+
+from undercurrent import open_activations
+
+pytest.importorskip("torch")
+pytest.importorskip("pyarrow")
+
+PROMPTS = corpus_prompts(3, seed=11)[0]
+GOOD = dict(max_new_tokens=2, batch_size=2, progress=False)
+
+
+def _listing(root):
+    return sorted((str(path.relative_to(root)), path.stat().st_size)
+                  for path in root.rglob("*"))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(top_p=0), "top_p must be in"),
+    (dict(top_k=0), "top_k must be >= 1"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+])
+def test_a_refused_sampling_value_writes_nothing_and_the_corrected_call_runs(
+        tiny, tmp_path, bad, message):
+    out = tmp_path / "d1"
+    with pytest.raises(ValueError, match=message):
+        tiny.capture(PROMPTS, out, **{**GOOD, **bad})
+    assert not out.exists()
+    summary = tiny.capture(PROMPTS, out, **GOOD)
+    assert summary.requests == len(PROMPTS)
+
+
+def test_a_refused_call_leaves_an_existing_store_unchanged(tiny, tmp_path):
+    out = tmp_path / "store"
+    tiny.capture(PROMPTS, out, **GOOD)
+    before = _listing(out)
+    manifest = (out / "store.json").read_text()
+    for bad in (dict(max_new_tokens=0), dict(top_p=2.0), dict(batch_size=-1),
+                dict(storage_dtype="int8"), dict(reduce={"resid": "nope"}),
+                dict(shard="3/2")):
+        with pytest.raises(ValueError):
+            tiny.capture(PROMPTS, out, **{**GOOD, **bad})
+        assert _listing(out) == before, bad
+    assert (out / "store.json").read_text() == manifest
+    assert tiny.capture(PROMPTS, out, **GOOD).skipped == len(PROMPTS)
+
+
+@pytest.mark.parametrize("batch_size, error", [
+    (0, ValueError), (-3, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError),
+])
+def test_batch_size_must_be_an_integer_of_at_least_one(tiny, tmp_path, batch_size, error):
+    out = tmp_path / "d1"
+    with pytest.raises(error, match=r"batch_size must be an integer >= 1 .* or None"):
+        tiny.capture(PROMPTS, out, **{**GOOD, "batch_size": batch_size})
+    assert not out.exists()
+
+
+def test_numpy_integers_are_accepted_and_recorded_as_plain_numbers(tiny, tmp_path):
+    out = tmp_path / "d1"
+    summary = tiny.capture(PROMPTS, out, progress=False, max_new_tokens=np.int64(2),
+                           batch_size=np.int64(2), top_k=np.int32(5), seed=np.int64(1))
+    assert summary.requests == len(PROMPTS)
+    sampling = open_activations(out).manifest["sampling"]
+    assert (sampling["max_new_tokens"], sampling["top_k"], sampling["seed"]) == (2, 5, 1)
+
+
+def test_an_empty_prompt_list_is_refused_and_writes_nothing(tiny, tmp_path):
+    out = tmp_path / "d1"
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match="no prompts were given"):
+            tiny.capture(empty, out, **GOOD)
+        assert not out.exists()
+    assert tiny.capture(PROMPTS, out, **GOOD).requests == len(PROMPTS)
+
+
+def _cli_base(tmp_path, out):
+    from undercurrent.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    base = ["capture", "--spec", str(spec), "--out", str(out), "--model", "tiny",
+            "--no-progress", "--max-new-tokens", "2"]
+    return main, base, prompts
+
+
+@pytest.mark.parametrize("bad, named", [
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--batch-size", "0"], "batch_size"),
+    (["--batch-size", "-4"], "batch_size"),
+    (["--reduce", "resid=foo"], "'resid'"),
+    (["--reduce", "nope=last_token"], "'nope'"),
+])
+def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
+        tmp_path, capsys, bad, named):
+    out = tmp_path / "o"
+    main, base, prompts = _cli_base(tmp_path, out)
+    assert main([*base, "--prompts", str(prompts), *bad]) == 2
+    err = capsys.readouterr().err
+    line = [text for text in err.splitlines() if text.startswith("capture:")]
+    assert len(line) == 1 and named in line[0], err
+    assert not out.exists()
+
+
+def test_cli_refuses_a_prompts_file_without_prompts(tmp_path, capsys):
+    out = tmp_path / "o"
+    main, base, prompts = _cli_base(tmp_path, out)
+    for name, text in (("empty.txt", ""), ("blank.txt", "\n  \n"), ("empty.jsonl", "\n")):
+        empty = tmp_path / name
+        empty.write_text(text)
+        assert main([*base, "--prompts", str(empty)]) == 2
+        err = capsys.readouterr().err
+        assert f"{empty}: no prompts" in err, err
+        assert not out.exists()
+    assert main([*base, "--prompts", str(prompts)]) == 0
+    assert len(open_activations(out).outputs) == len(PROMPTS)
