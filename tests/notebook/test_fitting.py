@@ -204,3 +204,52 @@ def test_generation_outputs_can_be_passed_directly():
     via_frame = fit_linear_probe(records_frame(records), labels, test_size=0)
     np.testing.assert_array_equal(direct.weight, via_frame.weight)
     assert direct.layer == 1
+
+
+def test_a_training_split_without_one_of_the_labels_is_refused_before_scikit_learn_fits():
+    # Five requests, one of them labelled 1: seed 2 holds that request out, so the
+    # training split has a single class.
+    frame = records_frame(make_records(requests=5, layers=(0,), prompt_len=0, hidden=8))
+    labels = {"req0": 1, "req1": 0, "req2": 0, "req3": 0, "req4": 0}
+    with pytest.raises(ValueError, match=r"^fit_linear_probe: the training split lacks some "
+                       r"labels \(\[1\] only held out; .*lower test_size or add data"):
+        fit_linear_probe(frame, labels, seed=2)
+    assert fit_linear_probe(frame, labels, test_size=0).metrics["n_train"] == 20
+
+
+def test_non_finite_activations_are_refused_naming_the_rows():
+    X, y = _blobs(n=40)
+    X[3, 1], X[7, 0] = np.inf, np.nan
+    with pytest.raises(ValueError, match=r"^fit_linear_probe: 2 activation rows of 40 hold NaN "
+                       r"or infinity: row 3, row 7; "):
+        fit_linear_probe(X, y)
+
+
+def test_non_finite_activations_in_a_frame_name_request_token_and_layer():
+    records = make_records(requests=8, layers=(0,), prompt_len=0, hidden=4)
+    records[5] = replace(records[5], tensor=np.full(4, np.nan, dtype=np.float32))
+    labels = {f"req{r}": r % 2 for r in range(8)}
+    with pytest.raises(ValueError, match=r"1 activation row of 32 holds NaN or infinity: "
+                       r"request 'req1' token_index 1 layer 0; "):
+        fit_linear_probe(records_frame(records), labels)
+
+
+def test_missing_labels_are_refused_naming_the_requests_or_rows():
+    frame = records_frame(make_records(requests=6, layers=(0,), prompt_len=0, hidden=4))
+    none_label = {"req0": 0, "req1": None, "req2": 1, "req3": 0, "req4": 1, "req5": None}
+    with pytest.raises(ValueError, match=r"^fit_linear_probe: 8 rows have no label \(None or "
+                       r"NaN\): request\(s\) \['req1', 'req5'\]; "):
+        fit_linear_probe(frame, none_label)
+    nan_label = {f"req{r}": ["benign", "harmful"][r % 2] for r in range(6)} | {"req3": math.nan}
+    with pytest.raises(ValueError, match=r"no label \(None or NaN\): request\(s\) \['req3'\]"):
+        fit_linear_probe(frame, nan_label)
+    frame["label"] = frame["request"].map({f"req{r}": float(r % 2) for r in range(5)})
+    with pytest.raises(ValueError, match=r"4 rows have no label .*: request\(s\) \['req5'\]"):
+        fit_linear_probe(frame, "label")
+    X, y = _blobs(n=40)
+    per_row = y.astype(float)
+    per_row[[2, 9]] = np.nan
+    with pytest.raises(ValueError, match=r"2 rows have no label \(None or NaN\): row 2, row 9"):
+        fit_linear_probe(X, per_row)
+    # Requests the frame does not hold may be unlabelled: their labels are never read.
+    assert fit_linear_probe(frame, {**nan_label, "req3": "benign", "other": None}, test_size=0)

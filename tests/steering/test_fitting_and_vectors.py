@@ -194,3 +194,23 @@ def test_the_bundled_guard_switches_steering_on_instead_of_aborting() -> None:
         # it scores, so its live scores collapse once the edit is on.
         after = [s.score for s in output.signals if s.generated_index > first_flag + 1]
         assert max(after) < 0.05
+
+
+def test_non_finite_activations_and_missing_labels_are_refused_not_averaged() -> None:
+    X = np.array([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    with_nan = X.copy()
+    with_nan[2, 1] = np.nan
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: 1 activation row of 4 holds "
+                       r"NaN or infinity: row 2; "):
+        fit_steering_vector(with_nan, [1, 1, 0, 0], normalize=True)
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: 1 row has no label \(None or "
+                       r"NaN\): row 3; "):
+        fit_steering_vector(X, ["harmful", "harmful", "benign", None])
+    from undercurrent.records import ActivationRecord
+
+    records = [ActivationRecord(f"r{r}", "pt", 0, "residual_stream", 5 + t, True, t, 7,
+                                torch.full((2,), float(r))) for r in range(4) for t in range(2)]
+    labels = {"r0": "benign", "r1": float("nan"), "r2": "harmful", "r3": "harmful"}
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: 2 rows have no label .*"
+                       r"request\(s\) \['r1'\]"):
+        fit_steering_vector(records_frame(records), labels)

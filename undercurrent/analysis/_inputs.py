@@ -3,11 +3,14 @@
 Frames and plots accept whatever a researcher has at hand: a list of
 ``ActivationRecord``s, one ``GenerationOutput`` or a list of them (anything with
 ``.records`` / ``.results``), a ``{point name: ProbeResult}`` dict, or a list of
-those. These helpers flatten all of that, in order.
+those. These helpers flatten all of that, in order, and find the rows of what
+they hold that a fit cannot use (missing labels, non-finite activations).
 """
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -108,3 +111,40 @@ def tensor_to_numpy(tensor: Any) -> tuple[Any, str]:
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
+
+
+def missing_labels(labels: Any) -> Any:
+    """A boolean numpy mask over ``labels``: True where a label is missing (None,
+    NaN, or pandas' ``NA``).
+
+    Look at the labels as given, before ``np.asarray``: numpy turns
+    ``["benign", float("nan")]`` into the strings ``"benign"`` and ``"nan"``, and
+    the missing label would pass for a label like any other.
+    """
+    import numpy as np
+
+    if isinstance(labels, np.ndarray) and labels.ndim == 1 and labels.dtype.kind != "O":
+        if labels.dtype.kind in "fc":
+            return np.isnan(labels)
+        return np.zeros(len(labels), dtype=bool)
+    return np.fromiter((is_missing_label(value) for value in labels), dtype=bool,
+                       count=len(labels))
+
+
+def is_missing_label(value: Any) -> bool:
+    """Whether one label is missing: None, a float NaN, or pandas' ``NA``."""
+    import numpy as np
+
+    if value is None:
+        return True
+    if isinstance(value, (float, np.floating)):
+        return math.isnan(value)
+    pandas = sys.modules.get("pandas")  # pandas' NA can only come from pandas, if loaded
+    return pandas is not None and value is pandas.NA
+
+
+def non_finite_rows(matrix: Any) -> Any:
+    """Positions of the rows of a 2-D array holding a NaN or an infinity."""
+    import numpy as np
+
+    return np.flatnonzero(~np.isfinite(matrix).all(axis=1))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis._inputs import missing_labels, non_finite_rows
 from undercurrent.analysis.frames import activation_matrix, label_rows, records_frame, select_rows
 from undercurrent.probes.weights import apply_link, save_linear_weights
 from undercurrent.records import ActivationRecord
@@ -170,6 +171,15 @@ def fit_linear_probe(
         )
     classes = _order_positive_last(classes, positive)
     train_rows, test_rows = _split(labels, groups, test_size, seed)
+    trained = _sorted_classes(labels[train_rows])
+    if len(trained) < len(classes):
+        # Checked here: scikit-learn's own message says nothing of the split.
+        held_out = [c for c in classes if c not in trained]
+        raise ValueError(
+            f"fit_linear_probe: the training split lacks some labels ({held_out} only held "
+            f"out; training has {trained}, all labels {classes}); "
+            "lower test_size or add data (test_size=0 trains on every row)"
+        )
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
@@ -178,11 +188,6 @@ def fit_linear_probe(
         C=C, max_iter=max_iter, random_state=seed, class_weight=class_weight
     )
     model.fit(scaler.transform(X[train_rows]), labels[train_rows])
-    if len(model.classes_) < len(classes):
-        raise ValueError(
-            "fit_linear_probe: the training split lacks some labels "
-            f"(has {list(model.classes_)}, all labels {classes}); lower test_size or add data"
-        )
     scale = scaler.scale_
     weight = model.coef_ / scale
     bias = model.intercept_ - (model.coef_ * (scaler.mean_ / scale)).sum(axis=1)
@@ -221,8 +226,14 @@ def _design(
     point: str | None,
     tensor_type: str | None,
     group_by: Any,
+    caller: str = "fit_linear_probe",
 ) -> tuple[Any, Any, Any, int | None, str | None]:
-    """``(X, labels, groups, layer, tensor_type)`` from whatever the caller passed."""
+    """``(X, labels, groups, layer, tensor_type)`` from whatever the caller passed.
+
+    Refuses rows a fit cannot use, naming them: missing labels (None or NaN) and
+    activations holding NaN or infinity. ``caller`` names the public function in
+    messages.
+    """
     import numpy as np
 
     frame = _as_frame(data)
@@ -230,21 +241,31 @@ def _design(
         X = np.asarray(data, dtype=np.float64)
         if X.ndim != 2:
             raise ValueError(
-                f"fit_linear_probe: an activation array must be 2-D (rows, features), got "
+                f"{caller}: an activation array must be 2-D (rows, features), got "
                 f"shape {X.shape}; use activation_matrix(frame) to build one"
             )
         if y is None or isinstance(y, (str, Mapping)):
             raise ValueError(
-                "fit_linear_probe: with an array, y must be one label per row "
+                f"{caller}: with an array, y must be one label per row "
                 "(column names and {request: label} mappings need a records frame)"
             )
         groups = None if group_by in (None, "auto") else np.asarray(group_by)
+
+        def where(rows: Any) -> str:
+            names = None if groups is None else groups.tolist()  # plain 'r1', not np.str_
+            return _first_few([
+                f"row {row}" + ("" if names is None else f" (group {names[row]!r})")
+                for row in rows[:_NAMED_ROWS + 1]
+            ])
+
+        _refuse_unlabelled(caller, missing_labels(y), where)
+        _refuse_non_finite(caller, X, where)
         return X, np.asarray(y), groups, layer, tensor_type
 
     selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
     if selected.empty:
         raise ValueError(
-            f"fit_linear_probe: no rows for point={point!r}, layer={layer!r}, "
+            f"{caller}: no rows for point={point!r}, layer={layer!r}, "
             f"tensor_type={tensor_type!r}; the frame has layers "
             f"{sorted(frame['layer'].unique().tolist())}"
         )
@@ -256,13 +277,18 @@ def _design(
         values = selected[column].unique().tolist()
         if chosen is None and len(values) > 1:
             raise ValueError(
-                f"fit_linear_probe: the frame mixes {column}s {sorted(values)}; a probe reads "
+                f"{caller}: the frame mixes {column}s {sorted(values)}; a probe reads "
                 f"one, so pass {argument}=... (e.g. {argument}={sorted(values)[0]!r})"
             )
     layer = int(selected["layer"].iloc[0])
     tensor_type = str(selected["tensor_type"].iloc[0])
     X = activation_matrix(selected, dtype="float64")
-    labels = _frame_labels(frame, selected, y, label_rows)
+    labels = _frame_labels(frame, selected, y, caller)
+    _refuse_non_finite(caller, X, lambda rows: _first_few([
+        f"request {request!r} token_index {token} layer {row_layer}"
+        for request, token, row_layer in selected[["request", "token_index", "layer"]]
+        .iloc[rows[:_NAMED_ROWS + 1]].itertuples(index=False)
+    ], separator="; "))
     if group_by == "auto":
         counts = selected["request"].value_counts()
         groups = selected["request"].to_numpy() if (counts > 1).any() else None
@@ -273,6 +299,40 @@ def _design(
     else:
         groups = np.asarray(group_by)
     return X, labels, groups, layer, tensor_type
+
+
+def _refuse_unlabelled(caller: str, missing: Any, where: Any) -> None:
+    """Raise when any label is missing; ``where(row positions)`` says where."""
+    import numpy as np
+
+    rows = np.flatnonzero(missing)
+    if len(rows):
+        raise ValueError(
+            f"{caller}: {len(rows)} {'row has' if len(rows) == 1 else 'rows have'} no label "
+            f"(None or NaN): {where(rows)}; label every row that is fitted, or drop the "
+            "unlabelled ones first"
+        )
+
+
+def _refuse_non_finite(caller: str, X: Any, where: Any) -> None:
+    """Raise when an activation row holds NaN or infinity; ``where(row positions)`` says where."""
+    rows = non_finite_rows(X)
+    if len(rows):
+        raise ValueError(
+            f"{caller}: {len(rows)} activation {'row' if len(rows) == 1 else 'rows'} of "
+            f"{len(X)} {'holds' if len(rows) == 1 else 'hold'} NaN or infinity: "
+            f"{where(rows)}; drop those rows (or fix the capture) first"
+        )
+
+
+_NAMED_ROWS = 5
+"""How many offending rows (or requests) an error message names."""
+
+
+def _first_few(places: list[str], separator: str = ", ") -> str:
+    """The first ``_NAMED_ROWS`` of ``places`` joined, with `` ...`` when there are more."""
+    more = " ..." if len(places) > _NAMED_ROWS else ""
+    return separator.join(places[:_NAMED_ROWS]) + more
 
 
 def _as_frame(data: Any) -> Any:
@@ -291,28 +351,43 @@ def _as_frame(data: Any) -> Any:
     return None
 
 
-def _frame_labels(frame: Any, selected: Any, y: Any, label_rows: Any) -> Any:
+def _frame_labels(frame: Any, selected: Any, y: Any, caller: str) -> Any:
+    """One label per selected row, from per-row labels, a column or ``{request: label}``.
+
+    Rows whose label is missing (None or NaN) are refused, naming their requests.
+    """
     import numpy as np
 
     if y is None:
         raise ValueError(
-            "fit_linear_probe: give labels y (per row, a column name, or {request: label})"
+            f"{caller}: give labels y (per row, a column name, or {{request: label}})"
         )
     if isinstance(y, str):
         if y not in selected.columns:
-            raise ValueError(f"fit_linear_probe: the frame has no label column {y!r}")
-        return selected[y].to_numpy()
-    if isinstance(y, Mapping):
-        return np.asarray(label_rows(selected, y))
-    labels = np.asarray(y)
-    if len(labels) == len(selected):
-        return labels
-    if len(labels) == len(frame):
-        return labels[frame.index.get_indexer(selected.index)]
-    raise ValueError(
-        f"fit_linear_probe: {len(labels)} labels, but the frame has {len(frame)} rows and "
-        f"{len(selected)} after filtering; give one label per row"
-    )
+            raise ValueError(f"{caller}: the frame has no label column {y!r}")
+        given = selected[y].to_numpy()
+        missing = missing_labels(given)
+    elif isinstance(y, Mapping):
+        given = label_rows(selected, y)
+        missing = missing_labels(given)
+    elif len(y) == len(selected):
+        given, missing = y, missing_labels(y)
+    elif len(y) == len(frame):
+        rows = frame.index.get_indexer(selected.index)
+        given, missing = np.asarray(y)[rows], missing_labels(y)[rows]
+    else:
+        raise ValueError(
+            f"{caller}: {len(y)} labels, but the frame has {len(frame)} rows and "
+            f"{len(selected)} after filtering; give one label per row"
+        )
+
+    def where(rows: Any) -> str:
+        requests = sorted({str(request) for request in selected["request"].iloc[rows]})
+        more = " ..." if len(requests) > _NAMED_ROWS else ""
+        return f"request(s) {requests[:_NAMED_ROWS]}{more}"
+
+    _refuse_unlabelled(caller, missing, where)
+    return np.asarray(given)
 
 
 def _sorted_classes(labels: Any) -> list[Any]:

@@ -100,10 +100,12 @@ def fit_steering_vector(
     ``data`` and ``labels`` are what :func:`~undercurrent.analysis.fitting.fit_linear_probe`
     takes (a records frame with per-row labels, a column name or a ``{request:
     label}`` mapping; records; outputs; or an ``(n, hidden)`` array with one label
-    per row), filtered by ``point`` / ``layer`` / ``tensor_type`` the same way.
-    Exactly two distinct labels are needed; ``positive`` picks the one the vector
-    points towards (default: the larger of the two when sorted, so ``1`` over
-    ``0``, ``"harmful"`` over ``"benign"``). ``normalize=True`` returns a unit vector.
+    per row), filtered by ``point`` / ``layer`` / ``tensor_type`` the same way, and
+    refused the same way when a label is missing (None or NaN) or an activation is
+    NaN or infinite (a mean over it would be NaN). Exactly two distinct labels are
+    needed; ``positive`` picks the one the vector points towards (default: the
+    larger of the two when sorted, so ``1`` over ``0``, ``"harmful"`` over
+    ``"benign"``). ``normalize=True`` returns a unit vector.
 
     >>> import numpy as np
     >>> sv = fit_steering_vector(np.array([[1., 0.], [3., 0.], [0., 2.]]), [1, 1, 0])
@@ -112,7 +114,8 @@ def fit_steering_vector(
     """
     import numpy as np
 
-    X, y, _, layer, tensor_type = _design(data, labels, layer, point, tensor_type, None)
+    X, y, _, layer, tensor_type = _design(data, labels, layer, point, tensor_type, None,
+                                          caller="fit_steering_vector")
     if len(X) != len(y):
         raise ValueError(f"fit_steering_vector: {len(X)} activation rows but {len(y)} labels; "
                          "give one label per row (or a {request: label} mapping)")
