@@ -31,7 +31,7 @@ extraction_points:
     layers: -1
     tensor_type: residual
     position: "prompt[-1]"
-    probe_type: x
+    probe_type: norm_probe
     probe_kind: single_shot
 """
 

@@ -92,6 +92,30 @@ def test_validate_json_reports_probe_problems_with_their_point_and_field(tmp_pat
         0, "guard", "probe_type")
 
 
+def test_validate_reports_probe_problems_with_the_spec_s_own_in_one_pass(tmp_path, capsys):
+    # A spec with its own problems still has its points' probes checked, where
+    # their fields allow: every problem at once, each point's together.
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        POINT.format(probe_type="linear_prob", probe_kind="single_shot",
+                     probe_args="{path: p.safetensors}").replace("layers: [1]", "layers: [-1]")
+        + POINT.format(probe_type="norm_probe", probe_kind="trajectory",
+                       probe_args="{treshold: 1}").split("extraction_points:\n")[1]
+        .replace("guard", "other").replace("residual_stream", "resid"),
+        encoding="utf-8")
+    code, line = _validate(capsys, str(path))
+    assert code == 1 and line.startswith(f"{path}: INVALID (4 problems): ")
+    located = [part.split(": ")[0] for part in line.split("INVALID (4 problems): ")[1]
+               .split("; extraction_points")]
+    assert located == [
+        "extraction_points[0] (name 'guard'), field 'layers'",
+        "[0] (name 'guard'), field 'probe_type'",
+        "[1] (name 'other'), field 'tensor_type'",
+        "[1] (name 'other'), field 'probe_args'",
+    ]
+    assert "did you mean 'linear_probe'?" in line and "did you mean 'threshold'?" in line
+
+
 def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     # A process of its own: --probes registers probe types process-wide.
     return subprocess.run([sys.executable, "-m", "undercurrent", *argv], cwd=cwd,

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from undercurrent.notebook.storage import save_records
 from undercurrent.probes.registry import default_registry
 from undercurrent.router.validation import probe_problems
 from undercurrent.spec import (
+    ProbeKind,
     SpecDeprecationWarning,
     SpecProblem,
     SpecValidationError,
@@ -40,6 +42,7 @@ from undercurrent.spec import (
     load_yaml_file,
     to_yaml,
 )
+from undercurrent.spec.yaml_source import load_yaml_data, read_spec_file
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -143,7 +146,11 @@ def _validate_one(path: str, strict: bool) -> dict[str, Any]:
         try:
             spec = load_yaml_file(path)
         except SpecValidationError as error:
+            # All at once: the spec's problems, and each point's probe checked
+            # where its own fields allow (what a valid spec would be told next).
             report["problems"] = [_problem_dict(problem) for problem in error.problems]
+            report["problems"] += _raw_probe_problems(path, error.problems)
+            report["problems"].sort(key=_by_point)  # (stable: each point's in order)
             spec = None
     deprecations = [w.message for w in caught if isinstance(w.message, SpecDeprecationWarning)]
     notes = [_problem_dict(message.problem) for message in deprecations]
@@ -175,6 +182,45 @@ def _probe_problems(spec: Any) -> list[dict[str, Any]]:
         problems += [_problem_dict(SpecProblem(message, field, index, point.name))
                      for field, message in faults]
     return problems
+
+
+def _raw_probe_problems(path: str, found: Sequence[SpecProblem]) -> list[dict[str, Any]]:
+    """:func:`_probe_problems` of an invalid spec's points, read from its raw data:
+    each point whose ``probe_type`` is a string the spec check did not fault has
+    its probe checked (its ``probe_kind`` where that is valid, its ``probe_args``
+    where they are a mapping the check did not fault). Nothing when the file is
+    not readable YAML."""
+    try:
+        data = load_yaml_data(read_spec_file(path), path)
+    except SpecValidationError:
+        return []
+    points = data.get("extraction_points") if isinstance(data, dict) else None
+    problems: list[dict[str, Any]] = []
+    for index, raw in enumerate(points if isinstance(points, list) else []):
+        faulted = {problem.field for problem in found if problem.point_index == index
+                   and problem.section == "extraction_points"}
+        probe_type = raw.get("probe_type") if isinstance(raw, dict) else None
+        if not isinstance(probe_type, str) or not probe_type.strip() or (
+                "probe_type" in faulted):
+            continue
+        kinds = [kind for kind in ProbeKind if kind.value == raw.get("probe_kind")]
+        args = raw.get("probe_args")
+        if "probe_args" in faulted or not isinstance(args, dict):
+            args = {}
+        stand_in = types.SimpleNamespace(probe_type=probe_type,
+                                         probe_kind=(kinds or [ProbeKind.SINGLE_SHOT])[0])
+        _, faults = probe_problems(stand_in, default_registry, args)  # type: ignore[arg-type]
+        name = raw.get("name") if isinstance(raw.get("name"), str) else None
+        problems += [_problem_dict(SpecProblem(message, field, index, name))
+                     for field, message in faults
+                     if field != "probe_kind" or (kinds and "probe_kind" not in faulted)]
+    return problems
+
+
+def _by_point(problem: dict[str, Any]) -> tuple[int, int]:
+    """Sort key: the document's problems, then each point's, then each edit's."""
+    index = problem["point_index"]
+    return (0, 0) if index is None else (1 if problem["section"] != "edits" else 2, index)
 
 
 def _problem_dict(problem: Any) -> dict[str, Any]:
