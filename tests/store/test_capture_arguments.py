@@ -126,3 +126,38 @@ def test_cli_refuses_a_prompts_file_without_prompts(tmp_path, capsys):
         assert not out.exists()
     assert main([*base, "--prompts", str(prompts)]) == 0
     assert len(open_activations(out).outputs) == len(PROMPTS)
+
+
+def test_values_past_float16_s_range_are_stored_as_infinity_with_a_warning_naming_them(
+        tmp_path):
+    # A large steering edit at layer 1 drives layer 2's residual stream past 65504:
+    # float16 storage keeps infinity there, and says so, naming point and layers.
+    from undercurrent import ProbedModel
+    from undercurrent.store import StoreOverflowWarning
+
+    spec = """
+version: "2"
+extraction_points:
+  - {name: resid, layers: [0, 2], tensor_type: residual_stream, position: "generated[*]",
+     probe_type: norm_probe, probe_kind: trajectory}
+edits:
+  - {name: push, layers: 1, tensor_type: residual_stream, position: "generated[*]",
+     op: add, vector: [1.0, 0.0], coefficient: 100000.0}
+"""
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec.replace(
+            "[1.0, 0.0]", str([1.0] + [0.0] * 127))) as model:
+        with pytest.warns(StoreOverflowWarning) as caught:
+            model.capture(PROMPTS[:2], tmp_path / "f16", max_new_tokens=3,
+                          storage_dtype="float16", progress=False)
+        model.capture(PROMPTS[:2], tmp_path / "f32", max_new_tokens=3, progress=False)
+    messages = [str(warning.message) for warning in caught]
+    assert messages and all(m.startswith("point 'resid', layer(s) [2]: ") for m in messages)
+    assert all("storage_dtype='bfloat16' or 'float32'" in m for m in messages)
+    half = open_activations(tmp_path / "f16").select(point="resid", layer=2).vectors()
+    full = open_activations(tmp_path / "f32").select(point="resid", layer=2).vectors()
+    past = np.abs(full) > 65504
+    assert past.any() and np.isinf(half[past]).all() and np.isfinite(half[~past]).all()
+    counted = sum(int(m.split(": ")[1].split(" ")[0]) for m in messages)
+    assert counted == int(past.sum())
+    layer0 = open_activations(tmp_path / "f16").select(point="resid", layer=0).vectors()
+    assert np.isfinite(layer0).all()

@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "capture_activations": "undercurrent.store.capture",
     "Reduction": "undercurrent.store.format",
     "StoreError": "undercurrent.store.format",
+    "StoreOverflowWarning": "undercurrent.store.format",
     "INDEX_COLUMNS": "undercurrent.store.format",
     "OUTPUT_COLUMNS": "undercurrent.store.format",
     "sweep_linear_probes": "undercurrent.store.sweep",
@@ -38,6 +39,7 @@ __all__ = [
     "CaptureSummary",
     "Reduction",
     "StoreError",
+    "StoreOverflowWarning",
     "capture_activations",
     "open_activations",
     "sweep_figure",
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
         OUTPUT_COLUMNS,
         Reduction,
         StoreError,
+        StoreOverflowWarning,
     )
     from undercurrent.store.reader import POSITIONS, ActivationStore, open_activations
     from undercurrent.store.sweep import SWEEP_COLUMNS, sweep_figure, sweep_linear_probes

@@ -84,6 +84,12 @@ class StoreError(RuntimeError):
     capture's directory, a second writer on the same part)."""
 
 
+class StoreOverflowWarning(UserWarning):
+    """Captured values too large for the storage dtype (float16 holds at most
+    65504) were stored as infinity: the warning names the point, the layers and
+    how many values, and the dtype that holds them."""
+
+
 # -- reductions ----------------------------------------------------------------------------
 
 _TOKEN_REDUCTIONS = ("all", "last_token", "mean_generated")
@@ -267,7 +273,22 @@ def to_storage(array: Any, dtype_name: str) -> Any:
 
     if dtype_name == "bfloat16":
         return float32_to_bfloat16_bits(np.asarray(array, dtype=np.float32))
-    return np.ascontiguousarray(array, dtype=np.dtype(dtype_name))
+    with np.errstate(over="ignore"):  # (overflow is counted by overflowed_rows)
+        return np.ascontiguousarray(array, dtype=np.dtype(dtype_name))
+
+
+def overflowed_rows(array: Any, stored: Any) -> Any:
+    """Per row of ``array``, how many of its finite values ``stored`` (its
+    :func:`to_storage` form) holds as infinity: the values past the storage
+    dtype's range. None when there are none (the usual case, checked first)."""
+    import numpy as np
+
+    if stored.dtype == np.uint16 or np.isfinite(stored).all():  # (bfloat16: float32's range)
+        return None
+    rows = len(stored)
+    lost = np.isinf(stored).reshape(rows, -1) & np.isfinite(array).reshape(rows, -1)
+    counts = lost.sum(axis=1)
+    return counts if counts.any() else None
 
 
 def disk_dtype(dtype_name: str) -> Any:

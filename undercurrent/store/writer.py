@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,10 @@ from undercurrent.store.format import (
     TMP_PREFIX,
     Reduction,
     StoreError,
+    StoreOverflowWarning,
     committed_shards,
     fsync_dir,
+    overflowed_rows,
     read_json,
     to_storage,
     write_json,
@@ -150,7 +153,16 @@ class StoreWriter:
             if key not in self._projections:
                 self._projections[key] = reduction.projection(flat.shape[1])
             array = flat @ self._projections[key]
-        return found, to_storage(array, self.storage_dtype or dtype)
+        stored = to_storage(array, self.storage_dtype or dtype)
+        lost = overflowed_rows(array, stored)
+        if lost is not None:
+            layers = sorted({found[row][0] for row in np.flatnonzero(lost)})
+            warnings.warn(StoreOverflowWarning(
+                f"point {name!r}, layer(s) {layers}: {int(lost.sum())} captured value(s) "
+                f"past {self.storage_dtype or dtype}'s range (largest "
+                f"{float(np.nanmax(np.abs(array))):.4g}) were stored as infinity; capture "
+                "with storage_dtype='bfloat16' or 'float32' to keep them"), stacklevel=2)
+        return found, stored
 
     def commit(self) -> None:
         """Finish the open shard and make it visible (an atomic rename)."""
