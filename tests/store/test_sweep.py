@@ -97,3 +97,27 @@ def test_layers_may_be_numpy_integers_but_not_bools(labelled):
                  lambda: sweep_linear_probes(store, labels, point="resid", layers=[True])):
         with pytest.raises(TypeError, match="not a bool"):
             call()
+
+
+def test_missing_labels_of_a_store_are_refused_naming_the_requests_or_prompts(labelled):
+    # A NaN among string labels would become the label "nan" once numpy holds them:
+    # each form of labels is checked as given.
+    store, prompts, labels = labelled
+    named = ["harmful" if label else "benign" for label in labels]
+    ids = request_ids(len(prompts))
+    by_request = dict(zip(ids, named, strict=True))
+    by_request[ids[3]] = float("nan")
+    with pytest.raises(ValueError, match=rf"request_id value\(s\) \['{ids[3]}'\]"):
+        fit_linear_probe_on(store, by_request)
+    per_prompt = list(named)
+    per_prompt[5] = None
+    with pytest.raises(ValueError, match=r"no label \(None or NaN\) for prompt_index value\(s\) "
+                                         r"\['5'\]"):
+        fit_linear_probe_on(store, per_prompt)
+    assert fit_linear_probe_on(store, named).metrics["n_train"] > 0
+
+
+def fit_linear_probe_on(store, labels):
+    from undercurrent.notebook import fit_linear_probe
+
+    return fit_linear_probe(store, labels, point="resid", layer=2, seed=0)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from undercurrent.analysis._inputs import missing_labels
 from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
     INDEX_COLUMNS,
@@ -51,6 +52,18 @@ def layer_indices(layers: Any, argument: str = "layer") -> list[int]:
             raise TypeError(f"{argument}[{position}] is {type(item).__name__} ({item!r:.40}); "
                             "a layer index is an integer (not a bool)")
     return [int(item) for item in found]
+
+
+def _refuse_missing(labels: Any, keys: Any, column: str) -> None:
+    """Raise naming the ``keys`` (request ids, prompt indices or rows) whose label
+    is missing (None or NaN), checked before numpy turns a NaN among strings into
+    the string ``"nan"``."""
+    missing = missing_labels(labels)
+    if missing.any():
+        named = sorted({str(key) for key, gone in zip(keys, missing, strict=True) if gone})
+        raise ValueError(f"no label (None or NaN) for {column} value(s) {named[:5]}"
+                         + (" ..." if len(named) > 5 else "")
+                         + "; label them, or select rows without them first")
 
 
 def _is_layer_index(value: Any) -> bool:
@@ -360,14 +373,19 @@ class ActivationStore:
             if missing:
                 raise KeyError(f"no label for {column} value(s) {missing[:5]}"
                                + (" ..." if len(missing) > 5 else ""))
-            return np.asarray([y[v] for v in values])
-        labels = np.asarray(y)
-        if len(labels) == len(index):
-            return labels
+            given = [y[v] for v in values]
+            _refuse_missing(given, values, column)
+            return np.asarray(given)
+        if not hasattr(y, "__len__"):
+            y = list(y)
         n_prompts = self.manifest["prompts"]["count"]
-        if len(labels) == n_prompts:
-            return labels[index["prompt_index"].to_numpy()]
-        raise ValueError(f"{len(labels)} labels: give one per prompt ({n_prompts}), one per "
+        if len(y) == len(index):
+            _refuse_missing(y, range(len(y)), "row")
+            return np.asarray(y)
+        if len(y) == n_prompts:
+            _refuse_missing(y, range(n_prompts), "prompt_index")
+            return np.asarray(y)[index["prompt_index"].to_numpy()]
+        raise ValueError(f"{len(y)} labels: give one per prompt ({n_prompts}), one per "
                          f"row ({len(index)}), or a {{request_id: label}} mapping")
 
     # -- summary -----------------------------------------------------------------------
