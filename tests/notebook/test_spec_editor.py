@@ -54,6 +54,38 @@ def test_invalid_position_shows_the_parsers_message_next_to_the_field_and_never_
     assert editor.errors["position"].value == "" and editor.valid
 
 
+@pytest.mark.parametrize("text", ["\u00b2", "\u0663", "\uff15"])
+def test_a_position_of_other_digits_is_the_parsers_message_not_an_exception(text):
+    # "²" passed str.isdigit and then int() raised out of the handler, leaving the
+    # editor valid with the previous spec; "٣" became position 3.
+    editor = SpecEditor(model=4)
+    editor.fields["position"].value = text
+    assert f"position {text!r} is not valid" in editor.errors["position"].value
+    assert not editor.valid
+
+
+def test_large_stride_and_timeout_survive_an_edit_and_bad_ones_get_the_loaders_message():
+    # The controls were bounded (stride <= 1e6, timeout_ms <= 3.6e6): editing any
+    # other field rewrote a loaded spec's larger values, and 0 became 1, silently.
+    text = """version: "1"
+extraction_points:
+- {name: p, layers: [1, 2], tensor_type: residual_stream, position: "generated[*]",
+   stride: 2000000, probe_type: norm_probe, probe_kind: trajectory,
+   intervention: {mode: block_until_signal, timeout_ms: 5000000, on_timeout: abort}}
+"""
+    editor = SpecEditor.from_spec(text, model=4)
+    editor.fields["name"].value = "q"
+    (point,) = editor.spec
+    assert (point.name, point.stride, point.intervention.timeout_ms) == ("q", 2_000_000,
+                                                                         5_000_000)
+    editor.fields["stride"].value = 0
+    assert "stride must be >= 1, got 0" in editor.field_problems()["stride"][0]
+    editor.fields["stride"].value = 3
+    editor.fields["timeout_ms"].value = 0
+    assert not editor.valid
+    assert editor.field_problems()["timeout_ms"] == ["intervention.timeout_ms must be >= 1, got 0"]
+
+
 def test_stride_and_until_appear_only_for_continuous_positions_and_vanish_from_the_yaml():
     editor = SpecEditor(model=4)
     assert not _shown(editor, "stride") and not _shown(editor, "until")
@@ -145,6 +177,9 @@ def test_without_a_model_layers_are_typed_and_checked():
     ("banana", "layers: 'banana' is not a layer index"),
     ("1,,2", "layers '1,,2' has an empty entry at place 2"),
     ("1,", "layers '1,' has an empty entry at place 2"),
+    # digits to str.isdigit, but not layer indices to the loader (int("²") raised before)
+    ("1, \u00b2", "layers: '\u00b2' is not a layer index"),
+    ("\u0663", "layers: '\u0663' is not a layer index"),
 ])
 def test_unreadable_layer_text_gets_one_message_with_its_subject(text, expected):
     editor = SpecEditor()
@@ -164,6 +199,7 @@ def test_an_empty_layer_selection_is_reported_with_its_subject():
     ("-3", "queue_depth must be at least 1, got -3"),
     ("0", "queue_depth must be at least 1, got 0"),
     ("eight", "queue_depth 'eight' is not a whole number"),
+    ("\u0661\u0666", "queue_depth '\u0661\u0666' is not a whole number"),  # (int() reads 16)
 ])
 def test_queue_depth_messages_say_what_is_wrong(text, expected):
     editor = SpecEditor(model=4)

@@ -88,7 +88,8 @@ class PointDraft(PositionedDraft):
 def position_value(text: str) -> int | str:
     """The position as spec data: ``"7"`` -> ``7`` (an absolute index), else the text."""
     stripped = text.strip()
-    return int(stripped) if stripped.isdigit() else text
+    # (ASCII digits only: "²" and "٣" are digits to str.isdigit, not to the loader)
+    return int(stripped) if stripped.isascii() and stripped.isdigit() else text
 
 
 def position_problem(text: str) -> str | None:
@@ -197,6 +198,8 @@ def parse_queue_depth(text: str) -> tuple[int | None, str | None]:
     """``"16"`` -> ``16``; also returns a message naming the field when the text is unusable."""
     stripped = text.strip()
     try:
+        if not stripped.isascii():  # (int() reads "١٦" as 16; the loader does not)
+            raise ValueError(stripped)
         depth = int(stripped)
     except ValueError:
         return None, (
@@ -227,7 +230,7 @@ def parse_layers_text(text: str) -> tuple[list[int], str | None]:
             return layers, (
                 f"layers {text.strip()!r} has an empty entry at place {position}; {example}"
             )
-        if not part.isdigit():
+        if not (part.isascii() and part.isdigit()):
             return layers, f"layers: {part!r} is not a layer index; {example}"
         layers.append(int(part))
     return layers, None

@@ -184,7 +184,7 @@ class SpecEditor:
                 + [(m.value, m.value) for m in InterventionMode],
                 layout=wide,
             ),
-            "timeout_ms": w.BoundedIntText(min=1, max=3_600_000, layout=wide),
+            "timeout_ms": w.IntText(value=50, layout=wide),
         })
 
     def _edit_controls(self, w: Any) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def _control(w: Any, field: SpecField, name: str, capabilities: Any) -> Any:
     if field.kind == "boolean":
         return w.Checkbox(indent=True, layout=wide)
     if field.kind == "integer" and not field.optional:
-        return w.BoundedIntText(min=1, max=1_000_000, layout=wide)
+        return w.IntText(value=1, layout=wide)
     if field.kind == "mapping":
         return w.Textarea(placeholder=_PLACEHOLDERS.get(name, ""),
                           layout=w.Layout(width="380px", height="70px"))

@@ -480,7 +480,7 @@ class LinearProbe(TellsSignals):
 
 def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:
     file_layer = weights.metadata.get("layer")
-    if file_layer is not None and file_layer.lstrip("-").isdigit():
+    if file_layer is not None and file_layer.isascii() and file_layer.lstrip("-").isdigit():
         if int(file_layer) not in point.layers:
             raise ValueError(
                 f"{weights.source} was fitted on layer {file_layer}, but extraction point "

@@ -84,6 +84,11 @@ class StoreError(RuntimeError):
     capture's directory, a second writer on the same part)."""
 
 
+def _ascii_digits(text: str) -> bool:
+    """Whether ``text`` is digits 0-9 only (``str.isdigit`` also takes "²", "٣")."""
+    return text.isascii() and text.isdigit()
+
+
 class StoreOverflowWarning(UserWarning):
     """Captured values too large for the storage dtype (float16 holds at most
     65504) were stored as infinity: the warning names the point, the layers and
@@ -140,7 +145,7 @@ class Reduction:
         for part in (p.strip() for p in value.split("+")):
             if part in _TOKEN_REDUCTIONS:
                 tokens = part
-            elif part.startswith("project:") and part[len("project:"):].isdigit():
+            elif part.startswith("project:") and _ascii_digits(part[len("project:"):]):
                 project = int(part[len("project:"):])
             else:
                 raise ValueError(
@@ -198,7 +203,7 @@ def parse_part(shard: str | tuple[int, int] | None) -> tuple[int, int]:
         return 0, 1
     if isinstance(shard, str):
         pieces = shard.split("/")
-        if len(pieces) != 2 or not all(p.strip().isdigit() for p in pieces):
+        if len(pieces) != 2 or not all(_ascii_digits(p.strip()) for p in pieces):
             raise ValueError(f"shard {shard!r} must look like 'i/N' (e.g. '0/4'), "
                              "with 0 <= i < N")
         index, count = int(pieces[0]), int(pieces[1])
