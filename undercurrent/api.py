@@ -24,6 +24,8 @@ from undercurrent.adapters.base import (
     BackendError,
     SamplingParams,
     backend_class,
+    check_batch_size,
+    check_flag,
     stop_strings,
 )
 from undercurrent.adapters.capabilities import Capabilities, check_points
@@ -79,6 +81,14 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
     return ProbeSpec(tuple(points))
 
 
+def _check_request_id(request_id: Any, name: str) -> None:
+    """A request id is a non-empty string: results, records and frames carry it."""
+    if not isinstance(request_id, str) or not request_id:
+        shown = "an empty string" if request_id == "" else (
+            f"{type(request_id).__name__} ({request_id!r:.40})")
+        raise TypeError(f"{name} must be a non-empty string, got {shown}")
+
+
 def _is_backend(obj: Any) -> bool:
     return all(callable(getattr(obj, name, None))
                for name in ("capabilities", "generate", "stream", "close"))
@@ -120,6 +130,8 @@ class ProbedModel:
                 f"ProbedModel(model) takes a loaded model or backend, got the path {model!r}; "
                 "load it with ProbedModel.from_pretrained(path, spec=...)"
             )
+        check_batch_size(batch_size, optional=False)
+        check_flag("capture_last_token", capture_last_token)
         self.backend: Backend
         if _is_backend(model):
             self.backend = model
@@ -185,6 +197,8 @@ class ProbedModel:
                        capture_last_token=capture_last_token)
 
         name = os.fspath(model_or_path)
+        check_batch_size(batch_size, optional=False)  # (before any engine loads)
+        check_flag("capture_last_token", capture_last_token)
         loader = backend_class(backend)
         path = resolve_model_path(name)
         check_model_path(path)
@@ -282,7 +296,14 @@ class ProbedModel:
         return prompt_inputs(prompts, input_ids, getattr(self.backend, "vocab_size", None))
 
     def _request_ids(self, count: int, request_ids: Sequence[str] | None) -> list[str]:
-        ids = list(request_ids) if request_ids is not None else self._new_ids(count)
+        if request_ids is None:
+            return self._new_ids(count)
+        if isinstance(request_ids, (str, bytes)):  # (not one id per character)
+            raise TypeError(f"request_ids must be a list of strings, one per prompt, got "
+                            f"the {type(request_ids).__name__} {request_ids!r:.40}")
+        ids = list(request_ids)
+        for index, request_id in enumerate(ids):
+            _check_request_id(request_id, f"request_ids[{index}]")
         if len(ids) != count or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
         return ids
@@ -326,9 +347,11 @@ class ProbedModel:
         ids = self._request_ids(len(inputs), request_ids)
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
+        batch_size = check_batch_size(batch_size)
         shared, per_request = self._call_edits(edits, prompt_edits, ids)
         # Nothing reads a signal before its request ends: steps may be judged in windows.
-        session = self._session(records, shared, per_request, windows=True)
+        session = self._session(check_flag("records", records), shared, per_request,
+                                windows=True)
         return self.backend.generate(inputs, ids, params, session,
                                      batch_size=batch_size or self.batch_size)
 
@@ -364,8 +387,10 @@ class ProbedModel:
                              "use generate() for several")
         params = self._params(max_new_tokens, temperature, top_p, top_k, seed, stop,
                               capture_last_token)
+        if request_id is not None:
+            _check_request_id(request_id, "request_id")
         shared, _ = self._call_edits(edits, None, ())
-        session = self._session(records, shared)
+        session = self._session(check_flag("records", records), shared)
         return self.backend.stream(inputs[0], request_id or self._new_id(), params, session)
 
     def prompt_activations(
@@ -394,6 +419,7 @@ class ProbedModel:
         # One token with nothing fed back is exactly the prefill forward: every
         # backend captures the prompt there, and the sampled token is dropped.
         params = SamplingParams(max_new_tokens=1)
+        batch_size = check_batch_size(batch_size)
         session = self._session(True)
         outputs = self.backend.generate(inputs, ids, params, session,
                                         batch_size=batch_size or self.batch_size)

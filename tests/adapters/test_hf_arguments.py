@@ -83,6 +83,103 @@ def test_stop_accepts_a_string_a_list_and_a_tuple(probed) -> None:
     assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
+@pytest.mark.parametrize("stop", ["", ["you", ""]])
+def test_an_empty_stop_string_is_refused_not_skipped(probed, stop) -> None:
+    # It matched nowhere (the matcher skipped it): a call ran to its length silently.
+    with pytest.raises(ValueError, match=r"stop strings must not be empty; stop\[\d\] is ''"):
+        probed.generate([words(3)], max_new_tokens=2, stop=stop)
+
+
+# -- batch size, request ids, flags, seed ---------------------------------------
+
+@pytest.mark.parametrize(("batch_size", "error"), [
+    (0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)])
+def test_a_bad_batch_size_is_refused_naming_it_and_no_prompt_is_lost(
+        probed, batch_size, error) -> None:
+    # -1 returned [] (both prompts dropped) and 0 used the default before.
+    for call in (lambda: probed.generate([words(3)] * 2, max_new_tokens=1,
+                                         batch_size=batch_size),
+                 lambda: probed.prompt_activations([words(3)] * 2, batch_size=batch_size),
+                 lambda: ProbedModel(gpt2_with_short_context(), build_tokenizer(),
+                                     batch_size=batch_size)):
+        with pytest.raises(error, match=r"^batch_size must be an integer >= 1 \(prompts per "
+                                        r"generate\(\) call\)"):
+            call()
+    assert len(probed.generate([words(3)] * 3, max_new_tokens=1, batch_size=2)) == 3
+
+
+@pytest.mark.parametrize(("request_ids", "error", "fragment"), [
+    ("xy", TypeError, "request_ids must be a list of strings, one per prompt, got the str"),
+    ([1, "b"], TypeError, "request_ids[0] must be a non-empty string, got int (1)"),
+    (["a", None], TypeError, "request_ids[1] must be a non-empty string, got NoneType"),
+    (["a", ""], TypeError, "request_ids[1] must be a non-empty string, got an empty string"),
+])
+def test_request_ids_are_non_empty_strings_one_per_prompt(
+        probed, request_ids, error, fragment) -> None:
+    with pytest.raises(error) as caught:
+        probed.generate([words(3)] * 2, max_new_tokens=1, request_ids=request_ids)
+    assert fragment in str(caught.value)
+    for request_id in (5, ""):
+        with pytest.raises(TypeError, match="request_id must be a non-empty string"):
+            probed.stream(words(3), max_new_tokens=1, request_id=request_id)
+    out = probed.generate([words(3)] * 2, max_new_tokens=1, request_ids=["a", "b"])
+    assert [o.request_id for o in out] == ["a", "b"]
+
+
+@pytest.mark.parametrize("name", ["records", "capture_last_token"])
+def test_flags_are_bools_not_truthy_values(probed, name) -> None:
+    # "no" was taken as True: capture_last_token="no" captured the extra token.
+    with pytest.raises(TypeError, match=f"^{name} must be True or False"):
+        probed.generate([words(3)], max_new_tokens=1, **{name: "no"})
+    if name == "capture_last_token":
+        with pytest.raises(TypeError, match=f"^{name} must be True or False"):
+            ProbedModel(gpt2_with_short_context(), build_tokenizer(), capture_last_token="no")
+
+
+def test_a_seed_past_torch_s_range_is_named(probed) -> None:
+    with pytest.raises(ValueError, match=r"^seed must be in \[0, 2\*\*63\)"):
+        probed.generate([words(3)], max_new_tokens=1, temperature=1.0, seed=2**70)
+
+
+def test_a_seeded_call_samples_repeated_prompts_apart_and_reproducibly(probed) -> None:
+    # Each batch was seeded with the same seed: 16 prompts in batches of 8 gave 8
+    # samples, each twice. The batch starting at prompt i is seeded with seed + i.
+    def samples(batch_size):
+        return [o.token_ids for o in probed.generate(
+            [words(3)] * 16, max_new_tokens=12, temperature=1.0, seed=0,
+            batch_size=batch_size)]
+
+    by_eight = samples(8)
+    assert by_eight == samples(8)  # reproducible
+    assert by_eight[:8] != by_eight[8:]
+    assert len(set(by_eight)) > 8
+    by_one = samples(1)
+    assert len(set(by_one)) > 1 and by_one == samples(1)
+    torch.manual_seed(0)  # the first batch is seeded as plain generate() would be
+    ids = probed.generate([words(3)], max_new_tokens=1)[0].prompt_token_ids
+    plain = gpt2_with_short_context().generate(
+        torch.tensor([ids] * 8), attention_mask=torch.ones(8, len(ids), dtype=torch.long),
+        max_new_tokens=12, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        pad_token_id=0)
+    # (the tokenizer's eos ends a probed row; the plain oracle has none, so runs on)
+    assert [tuple(row[len(ids):len(ids) + len(ours)].tolist())
+            for row, ours in zip(plain, by_eight[:8], strict=True)] == by_eight[:8]
+
+
+def test_two_probed_models_on_one_model_generate_one_at_a_time() -> None:
+    # The lock was per ProbedModel: two on one model ran together and mixed their
+    # hooks' captures. A stream holds the model's lock until it is closed.
+    model = gpt2_with_short_context()
+    with ProbedModel(model, build_tokenizer()) as first, \
+            ProbedModel(model, build_tokenizer()) as second:
+        events = first.stream(words(3), max_new_tokens=4)
+        next(events)  # generating now, in the stream's thread
+        with pytest.raises(Exception, match="this model is already generating"):
+            second.generate([words(3)], max_new_tokens=1)
+        events.close()
+        assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
+
+
 # -- context length -------------------------------------------------------------
 
 @pytest.mark.parametrize(("prompt_len", "max_new_tokens"),

@@ -65,6 +65,10 @@ class SamplingParams:
             _check_number("top_k", self.top_k, integer=True)
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63) (torch.manual_seed's range), got "
+                             f"{self.seed}")
+        check_flag("capture_last_token", self.capture_last_token)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -95,7 +99,42 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     for index, item in enumerate(stop):
         if not isinstance(item, str):
             raise TypeError(f"{accepted}; stop[{index}] is {type(item).__name__} ({item!r:.40})")
+    empty = [index for index, item in enumerate(stop) if not item]
+    if empty:  # (it would match everywhere, so the matcher skips it: never silently)
+        raise ValueError(f"stop strings must not be empty; stop[{empty[0]}] is ''")
     return tuple(stop)
+
+
+def call_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th prompt (or batch starting there) of a call
+    seeded with ``seed``: ``seed + index``, within torch's and vLLM's range."""
+    return (seed + index) % 2**63
+
+
+def check_batch_size(batch_size: Any, *, optional: bool = True) -> int | None:
+    """``batch_size`` as a plain int >= 1 (None where ``optional``: the default).
+
+    A ``TypeError`` for a bool, a float or a string, a ``ValueError`` for a value
+    below 1, each naming ``batch_size`` and what it takes (prompts per
+    ``generate()`` call): a bad one would lose prompts or loop forever."""
+    accepted = "batch_size must be an integer >= 1 (prompts per generate() call)" + (
+        " or None (the default)" if optional else "")
+    if batch_size is None and optional:
+        return None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
+        raise TypeError(f"{accepted}, got {type(batch_size).__name__} ({batch_size!r:.40})")
+    if batch_size < 1:
+        raise ValueError(f"{accepted}, got {batch_size}")
+    return int(batch_size)
+
+
+def check_flag(name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` when it is a bool (or None where ``optional``); else a ``TypeError``
+    naming ``name`` ("no" is not False)."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got "
+                    f"{type(value).__name__} ({value!r:.40})")
 
 
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:

@@ -11,7 +11,6 @@ construction those ``generate(records=True)`` returns.
 
 from __future__ import annotations
 
-import numbers
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from undercurrent.adapters.base import Backend, SamplingParams, stop_strings
+from undercurrent.adapters.base import Backend, SamplingParams, check_batch_size, stop_strings
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.spec import extraction_point_to_dict
@@ -205,15 +204,7 @@ def capture_settings(
                 "top_k": None if params.top_k is None else int(params.top_k),
                 "seed": None if params.seed is None else int(params.seed),
                 "stop": list(params.stop)}
-    if batch_size is not None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral):
-            raise TypeError(f"batch_size must be an integer >= 1 (prompts per generate() "
-                            f"call) or None (the model's default), got "
-                            f"{type(batch_size).__name__} ({batch_size!r:.40})")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1 (prompts per generate() "
-                             f"call) or None (the model's default), got {batch_size}")
-        batch_size = int(batch_size)
+    batch_size = check_batch_size(batch_size)
     if storage_dtype is not None:
         storage_dtype = str(storage_dtype).removeprefix("torch.")
         if storage_dtype not in STORAGE_DTYPES:

@@ -24,12 +24,14 @@ maps a request's absolute token indices to (row, column) of the batch.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import itertools
 import operator
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 from undercurrent.adapters.arguments import check_model_path, dtype_name
-from undercurrent.adapters.base import BackendError, SamplingParams
+from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks
@@ -441,6 +443,21 @@ class _RowDriver:
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
+_GENERATION_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = (
+    weakref.WeakKeyDictionary())
+_LOCKS_LOCK = threading.Lock()
+
+
+def _generation_lock(model: Any) -> threading.Lock:
+    """The one lock of ``model``'s generations, shared by every backend wrapping it
+    (two ProbedModels on one model would mix their hooks' captures)."""
+    with _LOCKS_LOCK:
+        lock = _GENERATION_LOCKS.get(model)
+        if lock is None:
+            lock = _GENERATION_LOCKS[model] = threading.Lock()
+        return lock
+
+
 class HFBackend:
     """Live capture on a transformers ``*ForCausalLM`` model and its tokenizer.
 
@@ -471,7 +488,7 @@ class HFBackend:
         self.eos_token_ids = frozenset(eos)
         self.context_length = context_length(model.config)
         self._decode = text_decoder(tokenizer)
-        self._lock = threading.Lock()
+        self._lock = _generation_lock(model)
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | None = None, dtype: Any = None,
@@ -548,9 +565,14 @@ class HFBackend:
         size = batch_size or self.batch_size
         outputs: list[GenerationOutput] = []
         for start in range(0, len(prompts), size):
+            # A seeded call seeds the batch starting at prompt i with seed + i: the
+            # same call gives the same samples, and batches do not repeat each
+            # other's random draws (repeated prompts get different samples).
+            batch_params = params if params.seed is None or not start else (
+                dataclasses.replace(params, seed=call_seed(params.seed, start)))
             outputs.extend(self._run_batch(list(prompts[start:start + size]),
                                            list(request_ids[start:start + size]),
-                                           params, session, None, None))
+                                           batch_params, session, None, None))
         return outputs
 
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
@@ -639,7 +661,7 @@ class HFBackend:
             raise BackendError("this HFBackend is closed; load the model again")
         if not self._lock.acquire(blocking=False):
             raise BackendError("this model is already generating (one call at a time per "
-                               "ProbedModel; hooks are per model)")
+                               "model, whichever ProbedModel wraps it: hooks are per model)")
         try:
             texts, encoded = self._tokenize(prompts)
             input_ids, attention_mask = self._left_padded(encoded)

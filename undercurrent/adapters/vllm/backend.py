@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from undercurrent.adapters.base import BackendError, SamplingParams
+from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
@@ -511,8 +511,14 @@ class VLLMBackend:
                            for point in state.points) for state in opened)
                 self._open_in_worker(entries, hold=hold)
                 sampling = self._sampling(params, final_only=final_only)
-                for engine_id, state, _ in entries:
-                    self._add(engine_id, list(state.prompt_token_ids), sampling)
+                for index, (engine_id, state, _) in enumerate(entries):
+                    # A seeded call seeds its i-th request with seed + i (as the HF
+                    # backend seeds its batches): repeated prompts sample apart.
+                    self._add(engine_id, list(state.prompt_token_ids),
+                              sampling if params.seed is None or not index
+                              else self._sampling(dataclasses.replace(
+                                  params, seed=call_seed(params.seed, index)),
+                                  final_only=final_only))
                 yield from self._drive(states, params, session, emit_tokens, ctrl_c,
                                        final_only=final_only, hold=hold)
             except BaseException:
