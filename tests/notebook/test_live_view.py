@@ -1,8 +1,9 @@
 """LiveView: stream events in, coloured tokens, score lines and abort markers out.
 
 A scripted model yields real ``StreamEvent``s (the adapters' own types), so the
-view is checked against known scores; the end-to-end run on the bundled model
-lives in ``test_live_view_model.py``.
+view is checked against known scores; the last tests run the bundled model with
+probes that return chosen scores (NaN, a prompt-token abort, an abort without a
+score), and ``test_end_to_end.py`` runs a fitted probe in the view.
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ from __future__ import annotations
 import html
 import re
 
+import pytest
+
 from undercurrent.adapters.outputs import AbortInfo, GenerationOutput, StreamEvent, TokenSignal
+from undercurrent.models import tiny_model_path
 from undercurrent.notebook import LiveView
+from undercurrent.probes import probe
 from undercurrent.records import ProbeSignal, SignalAction
+from undercurrent.spec import ExtractionPoint, ProbeSpec
 
 
 class ScriptedModel:
@@ -271,3 +277,104 @@ def test_a_run_shows_the_live_widget_then_a_snapshot_that_widget_frontends_hide(
     assert "harmful" in snapshot["text/html"] and "done: 1 prompt" in snapshot["text/html"]
     view.run("a", labels=["again"])
     assert len(shown) == 3  # the widget is not shown twice; the new run adds its snapshot
+
+
+# -- the bundled model, with probes whose scores the tests choose --------------------------
+
+NAN_FIRST = [float("nan"), 0.2, 0.9, 0.4, 0.7, 0.1]
+
+
+@probe(register=False)
+def nan_first(record):
+    """A score per generated token, NaN on the first."""
+    return NAN_FIRST[record.generated_index % len(NAN_FIRST)]
+
+
+@probe(register=False)
+def high(record):
+    return 0.97
+
+
+@probe(register=False)
+def abort_without_score(record):
+    return ProbeSignal(SignalAction.ABORT, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_with():
+    """``tiny_with(position, probe_type, **probe_args)``: the bundled model probed by one
+    point ``watch`` (layer 1) running one of the probes above."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if not (tiny_model_path() / "config.json").exists():  # pragma: no cover - ships with repo
+        pytest.skip("the bundled model is not built yet")
+    from undercurrent import ProbedModel
+    from undercurrent.router import Router
+
+    base = ProbedModel.from_pretrained("undercurrent/tiny")
+    router = Router(probes={"nan_first": nan_first, "high": high,
+                            "abort_without_score": abort_without_score})
+
+    def make(position: str, probe_type: str, **probe_args) -> ProbedModel:
+        point = ExtractionPoint(name="watch", layers=(1,), tensor_type="residual_stream",
+                                position=position, probe_type=probe_type,
+                                probe_kind="single_shot", probe_args=probe_args)
+        return ProbedModel(base.backend, spec=ProbeSpec((point,)), router=router)
+
+    yield make
+    router.shutdown()
+    base.close()
+
+
+def test_a_nan_score_counts_as_no_score_and_the_others_keep_the_zero_one_scale(tiny_with):
+    view = LiveView(tiny_with("generated[*]", "nan_first"))
+    view.run(["hello there"], display=False, max_new_tokens=6)
+    text = html.unescape(view.text.value)
+    assert _token_scores(view)[:5] == ["", "0.200000", "0.900000", "0.400000", "0.700000"]
+    assert 'title="token 0: no score"' in text and "nan" not in text.lower()
+    assert "rgba(214,39,40,0.80)" in text  # 0.9 on the 0..1 scale, as without the NaN
+    assert ">0</span>" in view.header.value and ">1</span>" in view.header.value  # the key
+    assert "nan" not in view.header.value
+    assert tuple(view.figure.layout.yaxis.range) == (-0.03, 1.03)  # still probabilities
+
+
+def test_a_prompt_token_abort_and_its_score_are_drawn_inside_the_token_axis(tiny_with):
+    view = LiveView(tiny_with("prompt[-1]", "high", threshold=0.9, action="abort"))
+    (output,) = view.run(["hello there"], display=False, max_new_tokens=6)
+    assert output.aborted and output.abort.generated_index is None
+    (marker,) = [t for t in view.figure.data if t.name.endswith(": abort")]
+    (line,) = [t for t in view.figure.data if not t.name.endswith(": abort")]
+    low, high_end = view.figure.layout.xaxis.range
+    assert list(marker.x) == [-1] == list(line.x) and low < -1 < high_end
+    assert high_end == 5.5 and "prompt" in view.figure.layout.xaxis.title.text
+    assert "at prompt token" in html.unescape(view.message.value)
+    view.clear()  # an empty view starts at generated token 0 again
+    assert tuple(view.figure.layout.xaxis.range)[0] == -0.5
+
+
+def test_each_run_returns_its_own_outputs_and_the_view_keeps_them_all(tiny_with):
+    view = LiveView(tiny_with("generated[*]", "nan_first"))
+    first = view.run(["a", "b"], display=False, max_new_tokens=8)
+    again = view.run(["again"], display=False, max_new_tokens=4)
+    assert [o.prompt for o in first] == ["a", "b"] and [o.prompt for o in again] == ["again"]
+    assert view.outputs == first + again
+    assert len(view.state.requests) == 3  # the view still shows every run
+
+
+def test_a_point_the_spec_does_not_have_is_refused_naming_the_spec_points(tiny_with):
+    model = tiny_with("generated[*]", "nan_first")
+    with pytest.raises(ValueError, match=r"no extraction point 'W'; its points are: watch$"):
+        LiveView(model, point="W")
+    with pytest.raises(ValueError, match=r"'wacth' \(did you mean 'watch'\?\)"):
+        LiveView(model, point="wacth")
+    assert LiveView(model, point="watch").point == "watch"
+
+
+def test_an_abort_without_a_score_is_drawn_at_the_top_of_the_scale(tiny_with):
+    view = LiveView(tiny_with("generated[2]", "abort_without_score"))
+    (output,) = view.run(["hello there"], display=False, max_new_tokens=6)
+    assert output.abort.generated_index == 2 and output.abort.signal.score is None
+    (marker,) = [t for t in view.figure.data if t.name.endswith(": abort")]
+    low, top = view.figure.layout.yaxis.range
+    assert list(marker.x) == [2] and list(marker.y) == [1.0] and low < 1.0 < top
+    assert "(no score)" in marker.hovertemplate

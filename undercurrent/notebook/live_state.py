@@ -3,13 +3,24 @@
 Kept apart from the widgets so the bookkeeping is testable on its own. Events
 are ``StreamEvent``s: a token event carries the decoded piece, and the inline
 signals that arrived since the previous event (a generated token's own signals
-come with the next event), each located by a ``TokenSignal``.
+come with the next event), each located by a ``TokenSignal``. A NaN score is
+taken as no score: it is not kept, so it neither shades a token nor moves the
+scale, and the token reads "no score".
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def known_score(score: Any) -> float | None:
+    """``score`` as a float, or None where the probe gave none (``None`` or NaN)."""
+    if score is None:
+        return None
+    value = float(score)
+    return None if math.isnan(value) else value
 
 
 @dataclass
@@ -19,9 +30,9 @@ class RequestTrace:
     ``label`` is what the live view calls the request. ``pieces`` are the
     generated token texts in order; ``scores`` maps
     ``(point, layer)`` to ``{x: score}`` where ``x`` is the generated index
-    (negative for prompt tokens: ``prompt[-1]`` is -1); ``actions`` maps the same
-    keys to ``{x: action}`` for flags and aborts; ``steered`` holds the generated
-    indices of tokens sampled under a live edit.
+    (negative for prompt tokens: ``prompt[-1]`` is -1), NaN scores left out;
+    ``actions`` maps the same keys to ``{x: action}`` for flags and aborts;
+    ``steered`` holds the generated indices of tokens sampled under a live edit.
     """
 
     request_id: str
@@ -46,6 +57,17 @@ class RequestTrace:
                 return by_token[generated_index]
         return None
 
+    def abort_position(self) -> int | None:
+        """The ``x`` of the token where a probe aborted (negative in the prompt), or None
+        (no abort, or a prompt token's abort before the output tells the prompt length)."""
+        if self.abort is None:
+            return None
+        if self.abort.generated_index is not None:
+            return int(self.abort.generated_index)
+        if self.output is None:
+            return None
+        return int(self.abort.token_index - self.output.prompt_len)
+
     def abort_message(self) -> str | None:
         """A sentence saying which point stopped the request, where, and with what score."""
         if self.abort is None:
@@ -53,7 +75,7 @@ class RequestTrace:
         abort = self.abort
         where = (f"generated token {abort.generated_index}" if abort.generated_index is not None
                  else f"prompt token {abort.token_index}")
-        score = abort.signal.score
+        score = known_score(abort.signal.score)
         return (
             f"aborted by {abort.extraction_point_name!r} (layer {abort.layer}) at {where}"
             + ("" if score is None else f", score {score:.3f}")
@@ -108,8 +130,9 @@ class LiveState:
         else:
             return  # a prompt token's signal: placed from the final output, which knows prompt_len
         signal = located.signal
-        if signal.score is not None:
-            trace.scores.setdefault(key, {})[x] = float(signal.score)
+        score = known_score(signal.score)
+        if score is not None:
+            trace.scores.setdefault(key, {})[x] = score
         action = getattr(signal.action, "value", signal.action)
         if action != "continue":
             trace.actions.setdefault(key, {})[x] = action

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import copy
 import html
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from undercurrent.notebook import static
 from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
-from undercurrent.notebook.live_state import LiveState, RequestTrace
+from undercurrent.notebook.live_state import LiveState, RequestTrace, known_score
+from undercurrent.spec.messages import did_you_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     from undercurrent.api import ProbedModel
@@ -29,6 +31,9 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 PREVIEW_CHARS = 24
 """How much of a prompt a default label shows."""
+
+DEFAULT_TOKEN_AXIS_END = 15.5
+"""Where the token axis ends before a run names ``max_new_tokens`` (``stream``'s 16)."""
 
 
 def _modules() -> tuple[Any, Any]:
@@ -62,15 +67,32 @@ def default_label(number: int, prompt: str) -> str:
     return f"prompt {number}: {preview}" if preview else f"prompt {number}"
 
 
+def _check_point(model: Any, point: str | None) -> None:
+    """Refuse a ``point=`` the model's spec does not declare (it would colour nothing)."""
+    names = getattr(getattr(model, "spec", None), "names", None)
+    if point is None or names is None or point in names:
+        return
+    known = ", ".join(names) or "none"
+    raise ValueError(
+        f"LiveView(point={point!r}): the model's spec has no extraction point {point!r}"
+        f"{did_you_mean(point, names)}; its points are: {known}"
+    )
+
+
 class LiveView:
     """Runs ``ProbedModel.stream`` and updates a text view and a score plot as tokens arrive.
 
     ``model`` is a ``ProbedModel`` (anything whose ``stream(prompt, **kwargs)``
     yields ``StreamEvent``s). ``point`` picks which extraction point colours the
-    text (default: the first that scored the token). ``score_range`` fixes the
-    colour scale (default ``(0, 1)`` while every score is a probability, else the
-    range seen); probabilities also fix the plot's score axis to [0, 1].
-    ``threshold`` draws a dashed line on the plot.
+    text (default: the first that scored the token); a name the model's spec
+    does not have is refused. ``score_range`` fixes the colour scale (default
+    ``(0, 1)`` while every score is a probability, else the range seen; a NaN
+    score counts as no score); probabilities also fix the plot's score axis to
+    [0, 1]. ``threshold`` draws a dashed line on the plot. Scores and aborts at
+    prompt tokens sit at negative x (``prompt[-1]`` is -1), the token axis
+    widened to show them; an abort without a score sits at the top of the scale.
+    ``outputs`` holds every output the view has collected, over all runs until
+    :meth:`clear`.
 
     Displayed, the view is a widget; stored notebooks and readers without a
     kernel get an HTML snapshot (progress, coloured tokens, messages and a PNG
@@ -86,6 +108,7 @@ class LiveView:
         threshold: float | None = None,
         title: str = "Probe score per generated token",
     ) -> None:
+        _check_point(model, point)
         w, go = _modules()
         self.model = model
         self.point = point
@@ -120,6 +143,7 @@ class LiveView:
         self._run_total = 0
         self._run_index = 0
         self._max_new_tokens: int | None = None
+        self._token_axis_end = DEFAULT_TOKEN_AXIS_END
         self._running = False
         self._set_axes()
         self._render_header()
@@ -189,7 +213,8 @@ class LiveView:
         display: bool = True,
         **stream_kwargs: Any,
     ) -> list[Any]:
-        """Stream each prompt in turn, updating the view per token; return the outputs.
+        """Stream each prompt in turn, updating the view per token; return this run's
+        outputs, one per prompt in order (``outputs`` keeps those of every run).
 
         ``labels`` names each prompt's request in the text and the legend (default
         ``prompt N: <start of the prompt>``). ``stream_kwargs`` go to
@@ -210,7 +235,9 @@ class LiveView:
         self._max_new_tokens = stream_kwargs.get("max_new_tokens")
         if self._max_new_tokens is not None:
             # A fixed token axis: the plot does not rescale with every token.
-            self.figure.update_xaxes(range=[-0.5, self._max_new_tokens - 0.5], autorange=False)
+            self._token_axis_end = self._max_new_tokens - 0.5
+            self._set_token_axis()
+        first_output = len(self.outputs)
         self._running = True
         if display and not self._displayed:
             self._show()
@@ -228,7 +255,7 @@ class LiveView:
             self._store_figure_state()
             if self._shown_by_run:
                 self._show_snapshot()
-        return list(self.outputs)
+        return self.outputs[first_output:]
 
     def update(self, event: Any) -> None:
         """Apply one ``StreamEvent`` to the header, the text, the plot and the abort message."""
@@ -302,9 +329,10 @@ class LiveView:
         if self.score_range is not None:
             return self.score_range
         point = self.colour_point()
+        # An infinite score would make the range infinite; it shades as the end it lies past.
         seen = [score for trace in self.state.requests.values()
                 for (name, _layer), by_token in trace.scores.items() if name == point
-                for score in by_token.values()]
+                for score in by_token.values() if math.isfinite(score)]
         if not seen or (min(seen) >= 0.0 and max(seen) <= 1.0):
             return (0.0, 1.0)
         low, high = min(seen), max(seen)
@@ -329,8 +357,20 @@ class LiveView:
         if (yaxis.autorange, yaxis.range) != (
                 wanted["autorange"], None if wanted["range"] is None else tuple(wanted["range"])):
             self.figure.update_yaxes(**wanted)
-        if not self.figure.data and self._max_new_tokens is None:
-            self.figure.update_xaxes(range=[-0.5, 15.5], autorange=False)
+        self._set_token_axis()
+
+    def _set_token_axis(self) -> None:
+        """A fixed token axis from the first prompt token that has a score or an abort
+        (negative x: ``prompt[-1]`` is -1) or else token 0, to ``max_new_tokens``."""
+        first = min([0, *(x for trace in self.state.requests.values()
+                          for by_token in trace.scores.values() for x in by_token),
+                     *(x for trace in self.state.requests.values()
+                       if (x := trace.abort_position()) is not None)])
+        wanted = (first - 0.5, self._token_axis_end)
+        title = "generated token" if first == 0 else "token (negative: prompt, -1 its last)"
+        xaxis = self.figure.layout.xaxis
+        if xaxis.range is None or tuple(xaxis.range) != wanted or xaxis.title.text != title:
+            self.figure.update_xaxes(range=list(wanted), autorange=False, title_text=title)
 
     def progress_text(self) -> str:
         """``prompt 2/6 · token 17/32 · 1 aborted`` while running; a summary when done."""
@@ -393,15 +433,15 @@ class LiveView:
                     if scatter.name != name:  # a second line appeared for this request
                         scatter.name = name
             if trace.abort is not None and trace.request_id not in self._abort_traces:
-                abort = trace.abort
-                x = abort.generated_index
-                if x is None and trace.output is not None:
-                    x = abort.token_index - trace.output.prompt_len
+                score = known_score(trace.abort.signal.score)
+                message = trace.abort_message() or ""
+                if score is None:  # drawn at the top of the scale, so it is on the plot
+                    message += " (no score)"
                 self.figure.add_scatter(
-                    x=[x], y=[abort.signal.score], mode="markers",
-                    marker={"symbol": "x", "size": 16, "color": "#b00020"},
+                    x=[trace.abort_position()], y=[self._scale()[1] if score is None else score],
+                    mode="markers", marker={"symbol": "x", "size": 16, "color": "#b00020"},
                     name=f"{trace.label or trace.request_id}: abort",
                     legendgroup=trace.request_id, showlegend=False,
-                    hovertemplate=html.escape(trace.abort_message() or "") + "<extra></extra>",
+                    hovertemplate=html.escape(message) + "<extra></extra>",
                 )
                 self._abort_traces[trace.request_id] = len(self.figure.data) - 1
