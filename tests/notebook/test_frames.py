@@ -241,3 +241,48 @@ def test_signals_frame_places_each_signal_by_its_own_location():
     assert frame["generated_index"].tolist() == [0, 1]
     unlocated = signals_frame([result])  # hand-built, no location anywhere
     assert unlocated["token_index"].isna().all()
+
+
+def test_empty_records_frame_has_the_dtypes_of_a_full_one(records):
+    class Tok:
+        def decode(self, ids):
+            return f"w{ids[0]}"
+
+    empty = records_frame([]).dtypes
+    assert empty.equals(records_frame(records).dtypes)
+    assert empty.equals(records_frame(records, tokenizer=Tok()).dtypes)
+
+
+@pytest.mark.parametrize("scores", [[math.nan, 0.2, 0.9], [0.2, math.nan, 0.9],
+                                    [0.2, 0.9, math.nan]])
+def test_results_frame_scores_ignore_nan_wherever_it_falls(scores):
+    frame = results_frame([make_result("r0", "p", scores)])
+    row = frame.iloc[0]
+    assert row["max_score"] == pytest.approx(0.9)
+    assert row["mean_score"] == pytest.approx(0.55)
+    assert row["last_score"] == pytest.approx(0.9)
+    assert row["n_signals"] == 3
+
+
+def test_results_frame_scores_are_nan_when_every_score_is_nan():
+    row = results_frame([make_result("r0", "p", [math.nan, None])]).iloc[0]
+    assert math.isnan(row["max_score"]) and math.isnan(row["mean_score"])
+    assert math.isnan(row["last_score"])
+
+
+def test_signals_frame_reads_numpy_locations_and_treats_nan_as_missing():
+    from undercurrent.records import ProbeResult, ProbeSignal, ProbeStats, SignalAction
+
+    def located_by(metadata):
+        signal = ProbeSignal(action=SignalAction.CONTINUE, score=0.5, metadata=metadata)
+        return ProbeResult(request_id="r0", extraction_point_name="p", verdict=None,
+                           signals=(signal,), stats=ProbeStats())
+
+    frame = signals_frame([
+        located_by({"generated_index": np.int64(3), "layer": np.int32(1),
+                    "token_index": np.float64(8.0)}),
+        located_by({"generated_index": float("nan"), "layer": np.float32("nan")}),
+    ])
+    assert frame["generated_index"].iloc[0] == 3 and frame["layer"].iloc[0] == 1
+    assert frame["token_index"].iloc[0] == 8
+    assert frame["generated_index"].isna().iloc[1] and frame["layer"].isna().iloc[1]

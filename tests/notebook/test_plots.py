@@ -7,14 +7,17 @@ import plotly.graph_objects as go
 import pytest
 from nb_builders import make_records, make_result
 
+from undercurrent.models import tiny_model_path
 from undercurrent.notebook import (
     activation_matrix,
     heatmap_figure,
     projection_figure,
+    record_tensors,
     records_frame,
     trajectory_figure,
     verdict_figure,
 )
+from undercurrent.records import ProbeResult, ProbeSignal, ProbeStats, SignalAction
 
 
 def test_trajectory_has_one_line_per_request_point_layer_and_marks_aborts():
@@ -139,3 +142,90 @@ def test_heatmap_and_projection_use_the_names_given_for_requests():
     projection = projection_figure(records, {"req0": 0, "req1": 1}, layer=0, names=names)
     hover = [text for trace in projection.data for text in trace.text]
     assert hover and all(text.startswith(("p0 (benign) ·", "p1 (harmful) ·")) for text in hover)
+
+
+@pytest.fixture(scope="module")
+def three_points_frame():
+    """Real records of one request: residual stream at layers 0-3, mlp_out and kv at 1."""
+    if not (tiny_model_path() / "config.json").exists():  # pragma: no cover - ships with repo
+        pytest.skip("the bundled model is not built yet")
+    from undercurrent import ProbedModel
+    from undercurrent.spec import parse_yaml
+
+    spec = parse_yaml("""
+extraction_points:
+  - {name: resid, layers: [0, 1, 2, 3], tensor_type: residual_stream,
+     position: "generated[0:3]", probe_type: norm_probe, probe_kind: trajectory}
+  - {name: mlp, layers: [1], tensor_type: mlp_out,
+     position: "generated[0:3]", probe_type: norm_probe, probe_kind: trajectory}
+  - {name: kv, layers: [1], tensor_type: kv,
+     position: "generated[0:3]", probe_type: norm_probe, probe_kind: trajectory}
+""")
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    try:
+        (output,) = model.generate(["the cat sat on"], max_new_tokens=4, records=True)
+    finally:
+        model.close()
+    return records_frame(output)
+
+
+def test_heatmap_of_several_points_has_one_row_per_point_and_layer(three_points_frame):
+    frame = three_points_frame
+    figure = heatmap_figure(frame)
+    (heat,) = figure.data
+    rows = ["resid L0", "resid L1", "resid L2", "resid L3", "mlp L1", "kv L1"]
+    assert list(heat.y) == rows
+    z = np.asarray(heat.z)
+    tokens = sorted(frame["token_index"].unique())
+    assert z.shape == (len(rows), len(tokens))
+    for row, tensor in zip(frame.itertuples(index=False), record_tensors(frame), strict=True):
+        cell = z[rows.index(f"{row.point} L{row.layer}"), tokens.index(row.token_index)]
+        assert cell == pytest.approx(np.linalg.norm(tensor.astype(np.float64)), rel=1e-6)
+    assert not np.isnan(z).any()
+    assert figure.layout.yaxis.title.text == "point · layer"
+    resid = heatmap_figure(frame, point="resid").data[0]
+    assert list(resid.y) == ["L0", "L1", "L2", "L3"]
+
+
+def test_heatmap_refuses_two_records_for_the_same_cell():
+    records = make_records(requests=1, layers=(0,), prompt_len=1, generated=1)
+    with pytest.raises(ValueError, match="more than one record for point 'resid', layer 0"):
+        heatmap_figure(records + records)
+
+
+def _signal(action: str, score: float | None, generated_index: int) -> ProbeSignal:
+    return ProbeSignal(action=SignalAction(action), score=score,
+                       metadata={"generated_index": generated_index})
+
+
+def _result(request: str, *signals: ProbeSignal) -> ProbeResult:
+    return ProbeResult(request_id=request, extraction_point_name="p", verdict=None,
+                       signals=signals, stats=ProbeStats())
+
+
+def test_trajectory_draws_aborts_and_flags_that_have_no_score():
+    figure = trajectory_figure([
+        _result("r0", _signal("continue", 0.3, 0), _signal("continue", 0.5, 1),
+                _signal("abort", None, 2)),
+        _result("r1", _signal("flag", None, 0), _signal("continue", 0.7, 1)),
+        _result("r2", _signal("abort", None, 0)),
+    ], threshold=0.9)
+    traces = {trace.name: trace for trace in figure.data}
+    assert list(traces["r0 · p abort"].x) == [2]
+    assert list(traces["r0 · p abort"].y) == pytest.approx([0.5])  # the line's last score
+    assert list(traces["r0 · p abort"].text) == ["no score"]
+    assert list(traces["r1 · p flag"].y) == pytest.approx([0.7])  # none before: the next
+    assert list(traces["r2 · p abort"].y) == pytest.approx([0.9])  # no line: the threshold
+    assert list(traces["r0 · p"].x) == [0, 1]  # the line joins the scores alone
+    assert "r2 · p" not in traces
+
+
+def test_trajectory_names_the_accepted_x_columns():
+    with pytest.raises(ValueError, match="x='nope'.*'generated_index', 'token_index'"):
+        trajectory_figure({"p": make_result("r0", "p", [0.5])}, x="nope")
+
+
+def test_projection_names_the_filter_and_what_the_frame_holds_when_nothing_is_left():
+    frame = records_frame(make_records(requests=2, layers=(0, 1)))
+    with pytest.raises(ValueError, match=r"layer=9.*points \['resid'\] and layers \[0, 1\]"):
+        projection_figure(frame, layer=9)

@@ -17,6 +17,7 @@ numpy matrices kept beside it (``frame.attrs["activations"]``, an
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -139,9 +140,9 @@ RESULT_COLUMNS: tuple[str, ...] = (
 ``verdict`` is whatever the probe's ``on_end`` returned; ``flagged`` is True when
 any signal flagged or aborted; ``aborted`` when any signal asked to abort;
 ``n_signals``/``n_flags`` count signals and non-continue signals;
-``max_score``/``mean_score``/``last_score`` summarise the signals' scores (NaN when
-there are none); ``error`` is the probe's error or None; the last six columns are
-the binding's ``ProbeStats``.
+``max_score``/``mean_score``/``last_score`` summarise the signals' scores, a NaN score
+counting as no score like None (NaN when there are none); ``error`` is the probe's
+error or None; the last six columns are the binding's ``ProbeStats``.
 """
 
 # Signal metadata keys that locate a signal on the token axis.
@@ -235,7 +236,9 @@ def _add_record(
 
 
 def _typed_record_frame(frame: Any) -> Any:
-    """Give the record columns their documented dtypes (nullable ints where needed)."""
+    """Give the record columns their documented dtypes (nullable ints where needed),
+    the same for an empty frame as for a full one (pandas would make an empty
+    column float64, and a column of decoded texts ``str``)."""
     types = {
         "request": "object",
         "point": "object",
@@ -245,8 +248,11 @@ def _typed_record_frame(frame: Any) -> Any:
         "is_generated": "bool",
         "generated_index": "Int64",
         "token_id": "Int64",
+        "token_text": "object",
         "timestamp": "float64",
         "dtype": "object",
+        "shape": "object",
+        "edits": "object",
         "row": "int64",
     }
     return frame.astype({k: v for k, v in types.items() if k in frame.columns})
@@ -274,7 +280,7 @@ def signals_frame(results: Any) -> Any:
     ProbeResult}`` dict, a list of those, or a list of ``ProbeResult``s. Each
     signal says where it was emitted (its ``layer``, ``token_index`` and
     ``generated_index``); a signal built by hand without them falls back to
-    the same keys in its metadata.
+    the same keys in its metadata (Python or numpy numbers; NaN counts as missing).
     """
     pd = _pandas()
     rows: list[dict[str, Any]] = []
@@ -289,10 +295,10 @@ def signals_frame(results: Any) -> Any:
             located = getattr(signal, "token_index", None) is not None
             for key in _LOCATION_KEYS:
                 value = getattr(signal, key, None) if located else metadata.get(key)
-                row[key] = int(value) if isinstance(value, (int, float)) else None
+                row[key] = _location(value)
             row.update(
                 action=SignalAction(signal.action).value,
-                score=math.nan if signal.score is None else float(signal.score),
+                score=_score(signal.score),
                 flagged=signal.action is not SignalAction.CONTINUE,
                 timestamp=signal.timestamp,
                 metadata=metadata,
@@ -315,8 +321,24 @@ def signals_frame(results: Any) -> Any:
     )
 
 
+def _location(value: Any) -> int | None:
+    """A location from a signal or its metadata as an int: Python or numpy numbers
+    count; None, NaN (and infinity) and anything else are missing."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not isinstance(value, numbers.Real):
+        return None
+    number = float(value)
+    return int(number) if math.isfinite(number) else None
+
+
 def results_frame(results: Any) -> Any:
-    """One row per ``ProbeResult``, with the columns in ``RESULT_COLUMNS``."""
+    """One row per ``ProbeResult``, with the columns in ``RESULT_COLUMNS``.
+
+    ``max_score``, ``mean_score`` and ``last_score`` are over the signals that have
+    a score: a NaN score counts as no score, like None, so they do not depend on
+    where a NaN falls, and are NaN only when no signal has a score.
+    """
     pd = _pandas()
     rows = [_result_row(result) for result in flatten_results(results)]
     frame = pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
@@ -341,8 +363,15 @@ def results_frame(results: Any) -> Any:
     )
 
 
+def _score(score: float | None) -> float:
+    """A signal's score as a float, NaN when it has none."""
+    return math.nan if score is None else float(score)
+
+
 def _result_row(result: ProbeResult) -> dict[str, Any]:
-    scores = [float(s.score) for s in result.signals if s.score is not None]
+    # NaN is "no score", like None: max() would otherwise depend on where it falls.
+    scores = [score for score in (_score(s.score) for s in result.signals)
+              if not math.isnan(score)]
     actions = [SignalAction(s.action) for s in result.signals]
     stats = result.stats
     return {

@@ -57,8 +57,11 @@ def trajectory_figure(
     ``signals`` is a signals frame or anything :func:`signals_frame` accepts
     (``GenerationOutput``s are best: their inline signals carry token indices).
     ``x`` is the frame column on the token axis; rows where it is missing fall
-    back to ``signal_index``. Flags are drawn as open circles, aborts as red
-    crosses; ``threshold`` adds a dashed line.
+    back to ``signal_index`` (``x`` may be ``"generated_index"``, ``"token_index"``,
+    ``"signal_index"``, ``"timestamp"`` or a numeric column of your own). Flags are
+    drawn as open circles, aborts as red crosses; one without a score (the probe
+    gave none) sits on the line's last score before it and says "no score" on
+    hover. ``threshold`` adds a dashed line.
 
     ``names`` (``{request: name}``) names the lines in the legend and on hover.
     ``color_by`` (a frame column, or ``{request: label}``) gives every line of a
@@ -67,11 +70,16 @@ def trajectory_figure(
     """
     go = _graph_objects()
     frame = _as_frame(signals, signals_frame)
+    if x not in frame.columns:
+        raise ValueError(
+            f"trajectory_figure: x={x!r} is not a column of the signals frame; x is one "
+            f"of {', '.join(repr(axis) for axis in _TOKEN_AXES)} or a numeric column you "
+            f"added (the frame has {list(frame.columns)})"
+        )
     if requests is not None:
         frame = frame[frame["request"].isin(requests)]
     if points is not None:
         frame = frame[frame["point"].isin(points)]
-    frame = frame[frame["score"].notna()]
     groups = _groups(frame, color_by)
     palette = _palette(groups)
     figure = go.Figure()
@@ -80,6 +88,8 @@ def trajectory_figure(
     for (request, point, layer), group in frame.groupby(keys, sort=False, dropna=False):
         positions = group[x].astype("Float64").fillna(group["signal_index"].astype("Float64"))
         xs = positions.astype(float).tolist()
+        scores = group["score"].tolist()
+        scored = group["score"].notna().tolist()
         shown = str((names or {}).get(request, request))
         name = shown
         if several or groups is None:
@@ -92,29 +102,33 @@ def trajectory_figure(
                      "line": {"color": palette.colour[key]},
                      "marker": {"color": palette.colour[key]}}
             palette.shown.add(key)
-        figure.add_trace(
-            go.Scatter(
-                x=xs,
-                y=group["score"].tolist(),
-                mode="lines+markers",
-                hovertemplate=f"{name}<br>{x}=%{{x}}<br>score=%{{y:.3f}}<extra></extra>",
-                **style,
+        if any(scored):
+            figure.add_trace(
+                go.Scatter(
+                    x=[position for position, has in zip(xs, scored, strict=True) if has],
+                    y=[score for score, has in zip(scores, scored, strict=True) if has],
+                    mode="lines+markers",
+                    hovertemplate=f"{name}<br>{x}=%{{x}}<br>score=%{{y:.3f}}<extra></extra>",
+                    **style,
+                )
             )
-        )
+        heights = _marker_heights(group["score"], threshold)
         for action, symbol, color in (("flag", "circle-open", "orange"), ("abort", "x", "red")):
-            marked = group["action"] == action
-            if marked.any():
+            hits = [i for i, taken in enumerate((group["action"] == action).tolist()) if taken]
+            if hits:
                 figure.add_trace(
                     go.Scatter(
-                        x=[xs[i] for i, hit in enumerate(marked.tolist()) if hit],
-                        y=group["score"][marked].tolist(),
+                        x=[xs[i] for i in hits],
+                        y=[heights[i] for i in hits],
+                        text=[f"score={scores[i]:.3f}" if scored[i] else "no score"
+                              for i in hits],
                         mode="markers",
                         marker={"symbol": symbol, "size": 14, "color": color,
                                 "line": {"width": 2, "color": color}},
                         name=f"{name} {action}",
                         legendgroup=style["legendgroup"],
                         showlegend=False,
-                        hovertemplate=f"{action}<br>score=%{{y:.3f}}<extra></extra>",
+                        hovertemplate=f"{action}<br>%{{text}}<extra></extra>",
                     )
                 )
     if threshold is not None:
@@ -125,6 +139,18 @@ def trajectory_figure(
     figure.update_layout(title=title, xaxis_title=x.replace("_", " "), yaxis_title="score",
                          template="plotly_white", legend_title=legend)
     return figure
+
+
+_TOKEN_AXES = ("generated_index", "token_index", "signal_index", "timestamp")
+"""The signals frame's columns ``trajectory_figure`` can put on its x axis."""
+
+
+def _marker_heights(scores: Any, threshold: float | None) -> list[float]:
+    """Where each signal's flag or abort marker sits: at its score, or, for a signal
+    the probe gave no score, at the line's last score before it (the first score
+    after it when none came before; the threshold, else 0, when the line has none)."""
+    fallback = 0.0 if threshold is None else float(threshold)
+    return [float(height) for height in scores.ffill().bfill().fillna(fallback).tolist()]
 
 
 class _Palette:
@@ -182,6 +208,11 @@ def heatmap_figure(
     of the numpy array, e.g. a fitted probe's score
     ``lambda a: fit.predict_proba(a[None])[0, 1]``. Token texts label the x axis
     when the frame has them.
+
+    A request captured at several points (or tensor types) gets one row per
+    (point, layer), labelled ``"resid L1"``, ``"mlp L1"``, grouped by point; the
+    rows share one colour scale, so pass ``point=`` to draw one point alone. Two
+    records for the same cell (point, layer, tensor type and token) are refused.
     """
     import numpy as np
 
@@ -198,32 +229,66 @@ def heatmap_figure(
             f"requests are {sorted(frame['request'].unique().tolist())[:10]}"
         )
     compute = _value_function(value)
-    tokens = sorted(selected["token_index"].unique().tolist())
-    layers = sorted(selected["layer"].unique().tolist())
-    grid = np.full((len(layers), len(tokens)), np.nan)
+    tokens = {token: i for i, token in enumerate(sorted(selected["token_index"].unique()))}
+    sites = _heatmap_sites(selected)
+    grid = np.full((len(sites), len(tokens)), np.nan)
+    filled = np.zeros(grid.shape, dtype=bool)
     for row, tensor in zip(selected.itertuples(index=False), record_tensors(selected),
                            strict=True):
-        grid[layers.index(row.layer), tokens.index(row.token_index)] = compute(tensor)
-    labels = _token_labels(selected, tokens)
+        cell = (sites[(row.point, row.layer, row.tensor_type)], tokens[row.token_index])
+        if filled[cell]:
+            raise ValueError(
+                f"heatmap_figure: request {request!r} has more than one record for point "
+                f"{row.point!r}, layer {row.layer}, {row.tensor_type}, token "
+                f"{row.token_index}; is the frame two runs with the same request ids?"
+            )
+        filled[cell] = True
+        grid[cell] = compute(tensor)
+    labels = _token_labels(selected, list(tokens))
     label = value if isinstance(value, str) else getattr(value, "__name__", "value")
+    axis = "layer" if len({(point, kind) for point, _, kind in sites}) == 1 else "point · layer"
     figure = go.Figure(
         go.Heatmap(
             z=grid,
             x=labels,
-            y=[f"L{layer}" for layer in layers],
+            y=_site_labels(list(sites)),
             colorscale="Viridis",
             colorbar={"title": label},
-            hovertemplate="token %{x}<br>layer %{y}<br>" + label + "=%{z:.3f}<extra></extra>",
+            hovertemplate=f"token %{{x}}<br>{axis} %{{y}}<br>{label}=%{{z:.3f}}<extra></extra>",
         )
     )
     figure.update_layout(
         title=title or f"{label} by layer and token ({(names or {}).get(request, request)})",
         xaxis_title="token",
-        yaxis_title="layer",
+        yaxis_title=axis,
         template="plotly_white",
     )
     figure.update_xaxes(type="category")
     return figure
+
+
+def _heatmap_sites(frame: Any) -> dict[tuple[Any, int, Any], int]:
+    """``{(point, layer, tensor type): heatmap row}``: points in the frame's order,
+    layers ascending within a point."""
+    points = {point: i for i, point in enumerate(dict.fromkeys(frame["point"]))}
+    kinds = {kind: i for i, kind in enumerate(dict.fromkeys(frame["tensor_type"]))}
+    found = set(zip(frame["point"], frame["layer"].astype(int), frame["tensor_type"],
+                    strict=True))
+    ordered = sorted(found, key=lambda site: (points[site[0]], site[1], kinds[site[2]]))
+    return {site: row for row, site in enumerate(ordered)}
+
+
+def _site_labels(sites: list[tuple[Any, int, Any]]) -> list[str]:
+    """Row labels: ``"L1"`` for one point, ``"resid L1"`` for several, with the tensor
+    type added where one point holds several."""
+    several_points = len({point for point, _, _ in sites}) > 1
+    mixed_kinds = len({(point, kind) for point, _, kind in sites}) > len(
+        {point for point, _, _ in sites})
+    return [
+        (f"{point} " if several_points or mixed_kinds else "") + f"L{layer}"
+        + (f" {kind}" if mixed_kinds else "")
+        for point, layer, kind in sites
+    ]
 
 
 def _value_function(value: str | ValueFunction) -> ValueFunction:
@@ -278,8 +343,10 @@ def projection_figure(
     hover: list[str] | None = None
     if isinstance(data, pd.DataFrame) or hasattr(data, "records") or _is_record_list(data):
         frame = _as_frame(data, records_frame)
+        # Filter inside activation_matrix, so a filter matching nothing is refused
+        # with the filter given and the points and layers the frame holds.
+        matrix = activation_matrix(frame, point=point, layer=layer, dtype="float64")
         frame = select_rows(frame, point=point, layer=layer)
-        matrix = activation_matrix(frame, dtype="float64")
         if isinstance(labels, str):
             labels = frame[labels].tolist()
         elif isinstance(labels, Mapping):
