@@ -174,5 +174,6 @@ def test_run_reports_a_bad_generation_option_in_one_line_without_a_traceback(tmp
     code = main(["run", str(_spec(tmp_path)), "--model", "tiny", "--prompt", "the cat",
                  "--max-new-tokens", "0"])
     captured = capsys.readouterr()
-    assert code == 1 and "Traceback" not in captured.err
-    assert captured.err.strip().splitlines()[-1] == "run: max_new_tokens must be >= 1, got 0"
+    # A bad option value is a usage error (2), refused before the model loads.
+    assert code == 2 and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines() == ["run: max_new_tokens must be >= 1, got 0"]

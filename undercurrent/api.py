@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from undercurrent.adapters.arguments import check_model_path, dtype_name
+from undercurrent.adapters.arguments import check_device, check_model_path, dtype_name
 from undercurrent.adapters.base import (
     Backend,
     BackendError,
@@ -202,6 +202,8 @@ class ProbedModel:
         loader = backend_class(backend)
         path = resolve_model_path(name)
         check_model_path(path)
+        if backend == "hf":  # (vLLM places its engine itself)
+            check_device(device)
         dtype = dtype_name(dtype)
         if backend == "hf":
             backend_kwargs.setdefault("batch_size", batch_size)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.capabilities import CapabilityError
 from undercurrent.api import ProbedModel
 from undercurrent.spec import SpecValidationError
@@ -102,6 +103,8 @@ def run_capture(args: argparse.Namespace) -> int:
         capture_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          seed=args.seed, batch_size=args.batch_size,
                          storage_dtype=args.storage_dtype, reduce=reductions, shard=args.shard)
+        if args.backend == "hf":
+            check_device(args.device)
     except (OSError, ValueError, TypeError) as error:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -22,14 +22,17 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from undercurrent import __version__
-from undercurrent.adapters.base import BackendError
+from undercurrent.adapters.arguments import check_device
+from undercurrent.adapters.base import BackendError, SamplingParams, stop_strings
 from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
 from undercurrent.api import ProbedModel
 from undercurrent.capture_cli import add_capture_command
 from undercurrent.demo import add_demo_command
+from undercurrent.errors import one_line
 from undercurrent.notebook.storage import save_records
 from undercurrent.probes.registry import default_registry
 from undercurrent.router.validation import probe_problems
@@ -108,8 +111,6 @@ def _add_probes_option(parser: argparse.ArgumentParser) -> None:
 def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
     """Import each ``--probes`` module (a name, or a path to a .py file); print one
     line and return the usage exit code for the first that fails, else None."""
-    from pathlib import Path
-
     if modules and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module next to the spec, as python -m would
     for module in modules:
@@ -223,6 +224,18 @@ def _by_point(problem: dict[str, Any]) -> tuple[int, int]:
     return (0, 0) if index is None else (1 if problem["section"] != "edits" else 2, index)
 
 
+def check_output_file(path: str, option: str, suffixes: Sequence[str]) -> None:
+    """Refuse, before any work, an output file the command could not write: a
+    directory, a missing folder, or a suffix other than ``suffixes``."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path!r} is a directory; give a file path")
+    if not target.parent.is_dir():
+        raise ValueError(f"{option} {path!r}: the folder {str(target.parent)!r} does not exist")
+    if target.suffix.lower() not in suffixes:
+        raise ValueError(f"{option} {path!r} must end in {' or '.join(suffixes)}")
+
+
 def _problem_dict(problem: Any) -> dict[str, Any]:
     return {
         "message": problem.message,
@@ -276,13 +289,29 @@ def _add_schema_command(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--indent", type=int, default=2, help="JSON indentation (default 2; 0 for compact)"
+        "--indent", type=_indent, default=2,
+        help="JSON indentation, 0 to 8 (default 2; 0 for compact)"
     )
     parser.set_defaults(handler=_run_schema)
 
 
+def _indent(text: str) -> int:
+    """``--indent``: an int from 0 to 8 (argparse's usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 8, got {value}")
+    return value
+
+
 def _run_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(json_schema(), indent=args.indent or None))
+    try:
+        print(json.dumps(json_schema(), indent=args.indent or None), flush=True)
+    except OSError as error:  # (a full disk, a closed pipe)
+        print(f"schema: cannot write the schema: {error.strerror or error}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -306,22 +335,39 @@ def _add_inspect_model_command(subparsers: Any) -> None:
 
 
 def _run_inspect_model(args: argparse.Namespace) -> int:
+    if args.emit_spec:
+        try:
+            check_output_file(args.emit_spec, "--emit-spec", (".yaml", ".yml"))
+        except ValueError as error:
+            print(f"inspect-model: {error}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         report = inspect_model(args.model)
     except (OSError, ValueError) as error:
-        print(f"inspect-model: cannot read {args.model!r}: {error}", file=sys.stderr)
+        print(f"inspect-model: cannot read {args.model!r}: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE
-    if args.emit_spec:
-        with open(args.emit_spec, "w", encoding="utf-8") as handle:
-            handle.write(to_yaml(starter_spec(int(report["num_layers"]))))
+    problem = report["backends"].get("hf", {}).get("error")
+    if args.emit_spec and problem is None:  # (no starter spec for a model it cannot run)
+        try:
+            with open(args.emit_spec, "w", encoding="utf-8") as handle:
+                handle.write(to_yaml(starter_spec(int(report["num_layers"]))))
+        except OSError as error:
+            print(f"inspect-model: cannot write --emit-spec {args.emit_spec!r}: "
+                  f"{error.strerror or error}", file=sys.stderr)
+            return EXIT_FAILURE
         report["emitted_spec"] = args.emit_spec
     if args.format == "json":
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-        if args.emit_spec:
+        if args.emit_spec and problem is None:
             print(f"starter spec written to {args.emit_spec}")
-    return EXIT_OK if "error" not in report["backends"].get("hf", {}) else EXIT_FAILURE
+    if problem is not None:
+        print(f"inspect-model: {args.model!r} cannot be run by the hf backend: "
+              f"{one_line(problem)}" + ("; no starter spec written" if args.emit_spec else ""),
+              file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 # --- run ----------------------------------------------------------------------------------
@@ -362,6 +408,17 @@ def _run_run(args: argparse.Namespace) -> int:
             print(f"run: --records needs pandas and pyarrow ({', '.join(missing)} missing); "
                   "install them with pip install 'undercurrent[notebook]'", file=sys.stderr)
             return EXIT_USAGE
+    # Bad option values are exit 2, found before the model loads.
+    try:
+        SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       seed=args.seed, stop=stop_strings(args.stop))
+        if args.backend == "hf":
+            check_device(args.device)
+        if args.records:
+            check_output_file(args.records, "--records", (".parquet",))
+    except (ValueError, TypeError) as error:
+        print(f"run: {one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
     # What a user can get wrong (the spec, its probes, the model, the options) is
     # one message and exit 1; a traceback is left for real bugs. ValueError covers
     # SpecValidationError, CapabilityError, RouterError and ProbeFileError.
@@ -370,7 +427,7 @@ def _run_run(args: argparse.Namespace) -> int:
         model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
                                             device=args.device)
     except user_errors as error:
-        print(f"run: {error}", file=sys.stderr)
+        print(f"run: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE
     with model:
         try:
@@ -378,7 +435,7 @@ def _run_run(args: argparse.Namespace) -> int:
                                      temperature=args.temperature, seed=args.seed,
                                      stop=args.stop, records=bool(args.records))
         except user_errors as error:
-            print(f"run: {error}", file=sys.stderr)
+            print(f"run: {one_line(error)}", file=sys.stderr)
             return EXIT_FAILURE
     if args.format == "json":
         print(json.dumps([output.summary() for output in outputs], indent=2, default=str))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from undercurrent.api import ProbedModel
+from undercurrent.errors import one_line
 from undercurrent.models import tiny_model_path, tiny_probe_path
 from undercurrent.models.corpus import LABEL_NAMES, chat_prompt, first_revealing_index
 from undercurrent.notebook.plots import trajectory_figure
@@ -36,6 +37,9 @@ from undercurrent.probes.weights import load_linear_weights
 
 DEFAULT_REPORT = "undercurrent-demo.html"
 GUARD_POINT = "harm_guard"
+DEMO_MAX_NEW_TOKENS = 200
+"""The longest reply the demo asks for: the bundled model's 256 positions hold
+the longest chat-formatted request and this many tokens."""
 TRAJECTORY_POINT = "harm_trajectory"
 
 DEMO_REQUESTS: tuple[tuple[str, str], ...] = (
@@ -257,6 +261,7 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
     out_stream = stream if stream is not None else sys.stdout
     if color is None:
         color = out_stream.isatty() and os.environ.get("NO_COLOR") is None
+    check_demo_arguments(out, max_new_tokens)
     spec_path = Path(spec) if spec is not None else default_spec_path(steer)
     if not spec_path.is_file():
         raise FileNotFoundError(
@@ -274,6 +279,12 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
     _unguarded(model, tokenizer, runs, max_new_tokens)
     with ProbedModel(model, tokenizer, spec=str(spec_path), probe_defaults=_probe_defaults(),
                      model_name=model_dir) as probed:
+        if GUARD_POINT not in probed.spec.names:
+            raise ValueError(
+                f"demo spec {str(spec_path)!r} has no point {GUARD_POINT!r} (its points: "
+                f"{', '.join(probed.spec.names) or 'none'}): the demo reads its guard's scores "
+                "there; start from specs/demo.yaml")
+        steering = bool(probed.spec.edits)
         threshold = _guard_threshold(probed)
         painter = _Painter(color, threshold)
         action = "switches steering on" if probed.spec.edits else "aborts"
@@ -295,10 +306,11 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
     out_stream.write(format_table(rows) + "\n\n")
     report = write_report(runs, threshold, Path(out))
     right = sum(row["correct"] for row in rows)
-    handled = "harmful steered" if steer else "harmful aborted"
+    # (what the spec did, whichever flag chose it: --steer with an aborting spec aborts)
+    handled = "harmful steered" if steering else "harmful aborted"
     out_stream.write(f"{right}/{len(rows)} requests handled as their intent asks "
                      f"({handled}, benign completed)\n")
-    if steer:
+    if steering:
         out_stream.write("note: once steered, the guard reads the edited stream; its scores "
                          "fall because the edit removes the direction it scores, not because "
                          "the reply became harmless (compare the replies above)\n")
@@ -329,8 +341,33 @@ def add_demo_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_run_demo_command)
 
 
+def check_demo_arguments(out: str | os.PathLike[str], max_new_tokens: int) -> None:
+    """Refuse, before the model loads, a report path that cannot be written and a
+    ``max_new_tokens`` the bundled model cannot run (its context is 256 tokens)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not (
+            1 <= max_new_tokens <= DEMO_MAX_NEW_TOKENS):
+        raise ValueError(f"max_new_tokens must be an integer from 1 to {DEMO_MAX_NEW_TOKENS} "
+                         f"(the bundled model's context holds the requests and the reply), "
+                         f"got {max_new_tokens!r}")
+    target = Path(out)
+    if target.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory; give the report's file path "
+                         f"(e.g. {str(target / DEFAULT_REPORT)!r})")
+    if not target.parent.is_dir():
+        raise ValueError(f"--out {str(out)!r}: the folder {str(target.parent)!r} does not exist")
+
+
 def _run_demo_command(args: argparse.Namespace) -> int:
     color = {"auto": None, "always": True, "never": False}[args.color]
-    run_demo(spec=args.spec, out=args.out, color=color, max_new_tokens=args.max_new_tokens,
-             steer=args.steer)
+    try:
+        check_demo_arguments(args.out, args.max_new_tokens)
+    except ValueError as error:
+        print(f"demo: {error}", file=sys.stderr)
+        return 2
+    try:
+        run_demo(spec=args.spec, out=args.out, color=color, max_new_tokens=args.max_new_tokens,
+                 steer=args.steer)
+    except (ValueError, OSError) as error:  # (a spec, file or model problem: one line)
+        print(f"demo: {one_line(error)}", file=sys.stderr)
+        return 1
     return 0

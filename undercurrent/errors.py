@@ -51,3 +51,13 @@ class ProblemsError(ValueError):
 def plain_details(problems: Sequence[object], error_type: str) -> list[ErrorDetail]:
     """Details for problems that carry no location: ``msg`` is each one's text."""
     return [ErrorDetail(loc=(), msg=str(problem), type=error_type) for problem in problems]
+
+
+def one_line(error: BaseException | str) -> str:
+    """An error's message on one line, as the command line prints it: several
+    problems (one per line under "2 problems:") joined by "; "."""
+    lines = [line.strip().removeprefix("- ") for line in str(error).splitlines()]
+    lines = [line for line in lines if line]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} " + "; ".join(lines[1:])
+    return "; ".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,15 @@ from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
 
 from undercurrent.cli import main  # noqa: E402
 from undercurrent.spec import load_yaml_file  # noqa: E402
+
+SPEC_FILE = Path(__file__).resolve().parents[2] / "specs" / "classic_single_token.yaml"
+NORM_SPEC = """\
+extraction_points:
+  - {name: first, layers: [1], tensor_type: residual_stream, position: "generated[*]",
+     probe_type: norm_probe, probe_kind: trajectory}
+  - {name: second, layers: [1], tensor_type: mlp_out, position: "prompt[-1]",
+     probe_type: norm_probe, probe_kind: single_shot}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +74,81 @@ def test_run_prints_text_and_verdicts_and_saves_records(saved_model, tmp_path, c
     pandas = pytest.importorskip("pandas")
     frame = pandas.read_parquet(records)
     assert len(frame) == 2 * (1 + 3)  # per prompt: prompt[-1] + 3 fed generated tokens
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    # (transformers' own progress bar, when a model loads, is not ours)
+    lines = [line for line in captured.err.strip().splitlines()
+             if not line.startswith("Loading weights")]
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(("option", "fragment"), [
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "nan"], "temperature must be a finite number, got nan"),
+    (["--temperature", "0.7", "--seed", "-1"], "seed must be in [0, 2**63)"),
+    (["--stop", ""], "stop strings must not be empty"),
+    (["--device", "bogus"], "device 'bogus' is not a device torch knows"),
+    (["--records", "records.csv"], "--records 'records.csv' must end in .parquet"),
+])
+def test_run_refuses_a_bad_option_value_with_exit_2_before_loading_the_model(
+        saved_model, tmp_path, capsys, option, fragment):
+    # Each was exit 1 after the model loaded (a bad --device, or a --records path
+    # that cannot be written, a traceback after generating).
+    code = main(["run", str(SPEC_FILE), "--model", str(tmp_path / "never-loaded"),
+                 "--prompt", "hi", *option])
+    assert code == 2
+    line = _one_line_error(capsys)
+    assert line.startswith("run: ") and fragment in line
+
+
+def test_run_refuses_a_records_path_that_is_a_folder_or_in_a_missing_one(tmp_path, capsys):
+    for path, fragment in ((tmp_path, "is a directory"),
+                           (tmp_path / "missing" / "r.parquet", "does not exist")):
+        assert main(["run", str(SPEC_FILE), "--model", "tiny", "--prompt", "hi",
+                     "--records", str(path)]) == 2
+        assert fragment in _one_line_error(capsys)
+
+
+def test_run_prints_several_problems_on_one_line(saved_model, tmp_path, capsys):
+    spec_path = tmp_path / "far.yaml"
+    spec_path.write_text(NORM_SPEC.replace("layers: [1]", "layers: [10]"))
+    assert main(["run", str(spec_path), "--model", str(saved_model), "--prompt", "hi"]) == 1
+    line = _one_line_error(capsys)
+    assert line.startswith("run: ") and "out of range" in line
+
+
+def test_inspect_model_refuses_an_emit_spec_path_it_cannot_write(saved_model, tmp_path, capsys):
+    for path in (tmp_path, tmp_path / "missing" / "s.yaml", tmp_path / "s.txt"):
+        assert main(["inspect-model", str(saved_model), "--emit-spec", str(path)]) == 2
+        assert _one_line_error(capsys).startswith("inspect-model: --emit-spec ")
+
+
+@pytest.mark.parametrize("indent", ["-1", "9", "1000000"])
+def test_schema_indent_is_bounded(capsys, indent):
+    assert main(["schema", "--indent", indent]) == 2
+    assert "--indent" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "fragment"), [
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer from 1 to 200"),
+    (["--max-new-tokens", "1000"], "max_new_tokens must be an integer from 1 to 200"),
+])
+def test_demo_refuses_a_bad_option_value_with_exit_2(capsys, option, fragment):
+    assert main(["demo", *option]) == 2
+    assert fragment in _one_line_error(capsys)
+
+
+def test_demo_refuses_an_out_path_it_cannot_write_and_a_spec_without_its_guard(
+        tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in _one_line_error(capsys)
+    starter = tmp_path / "starter.yaml"
+    starter.write_text(NORM_SPEC)
+    assert main(["demo", "--spec", str(starter), "--out", str(tmp_path / "r.html")]) == 1
+    assert "has no point 'harm_guard'" in _one_line_error(capsys)
+    assert main(["demo", "--spec", str(tmp_path / "nope.yaml")]) == 1
+    assert "not found" in _one_line_error(capsys)

@@ -47,6 +47,23 @@ def looks_like_local_path(name: str) -> bool:
             or os.sep != "/" and os.sep in name)
 
 
+def check_device(device: Any) -> None:
+    """Refuse a ``device`` torch does not know, or a CUDA device on a torch build
+    without CUDA, naming the argument (torch's own errors name neither)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device {device!r} is not a device torch knows; use e.g. 'cpu', "
+                         "'cuda' or 'cuda:1' (or leave it out)") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asks for CUDA, but this torch has no CUDA "
+                         "device (torch.cuda.is_available() is False); use 'cpu'")
+
+
 def check_model_path(name: str) -> None:
     """Refuse a model path that does not exist and cannot be a hub id, naming it
     (transformers would answer "Repo id must be in the form ...")."""

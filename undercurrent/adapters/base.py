@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ class SamplingParams:
         check_flag("capture_last_token", self.capture_last_token)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

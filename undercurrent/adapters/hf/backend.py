@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from undercurrent.adapters.arguments import check_model_path, dtype_name
+from undercurrent.adapters.arguments import check_device, check_model_path, dtype_name
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import text_config
@@ -499,6 +499,7 @@ class HFBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         check_model_path(path)
+        check_device(device)
         name = dtype_name(dtype)
         try:
             model: Any = AutoModelForCausalLM.from_pretrained(
