@@ -181,7 +181,11 @@ def test_an_unknown_tensor_type_is_refused_by_every_spec_route(tiny) -> None:
         with pytest.raises(SpecValidationError, match="'logits' is not allowed; expected one "
                                                       "of: residual_stream"):
             ProbedModel(model, tokenizer, spec=spec)
-    with pytest.raises(ValueError, match="'logits' is not a valid TensorType"):
+    # Built by hand, the same message, naming the point (a SpecValidationError is
+    # a ValueError too).
+    with pytest.raises(SpecValidationError, match="extraction point 'x', field 'tensor_type': "
+                                                  "'logits' is not allowed; expected one of: "
+                                                  "residual_stream"):
         point("x", tensor_type="logits")
 
 

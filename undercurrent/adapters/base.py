@@ -66,7 +66,7 @@ class SamplingParams:
             _check_number("top_k", self.top_k, integer=True)
         if self.seed is not None:
             _check_number("seed", self.seed, integer=True)
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= int(self.seed) < 2**63:
             raise ValueError(f"seed must be in [0, 2**63) (torch.manual_seed's range), got "
                              f"{self.seed}")
         check_flag("capture_last_token", self.capture_last_token)
@@ -112,7 +112,7 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
 def call_seed(seed: int, index: int) -> int:
     """The seed of the ``index``-th prompt (or batch starting there) of a call
     seeded with ``seed``: ``seed + index``, within torch's and vLLM's range."""
-    return (seed + index) % 2**63
+    return (int(seed) + index) % 2**63  # (plain ints: a numpy seed would overflow)
 
 
 def check_batch_size(batch_size: Any, *, optional: bool = True) -> int | None:

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from undercurrent.adapters.base import Backend, SamplingParams, check_batch_size, stop_strings
+from undercurrent.adapters.base import (
+    Backend,
+    SamplingParams,
+    call_seed,
+    check_batch_size,
+    stop_strings,
+)
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.spec import extraction_point_to_dict
@@ -137,10 +143,13 @@ def capture_activations(
     try:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
+            # Seeded as generate() seeds the batch starting at prompt chunk[0] of the
+            # whole list (seed + chunk[0]): the store holds what generate() returns.
             outputs = model.generate(
                 [prompts[k] for k in chunk], request_ids=[request_id_for(k) for k in chunk],
                 records=True, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_p=top_p, top_k=top_k, seed=seed, stop=stop, batch_size=len(chunk))
+                top_p=top_p, top_k=top_k, stop=stop, batch_size=len(chunk),
+                seed=None if seed is None else call_seed(seed, chunk[0]))
             tokens = sum(len(output.token_ids) for output in outputs)
             vectors = writer.add(outputs, chunk)
             del outputs
