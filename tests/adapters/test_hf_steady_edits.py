@@ -569,6 +569,24 @@ def test_an_edit_log_builds_a_journal_s_entries_in_order_and_keeps_what_it_follo
     assert log == list(log) and log != [first]
 
 
+def test_an_edit_log_cut_at_a_token_keeps_the_entries_before_it_and_follows_no_further():
+    # (a request the engine ran past its end: its entries from that token on go,
+    # those of a journal it followed included, and later shifts are not its own)
+    journal = [0, 1]
+    log = EditLog()
+    first = AppliedEdit("prompt", 0, 1, None, "residual_stream")
+    log.append(first)
+    log.follow(journal, 10, 4, [("a", 1, "residual_stream")])
+    journal += [2, 3]
+    log.cut(12)
+    journal.append(4)
+    assert not log.following and not log.pending
+    assert list(log) == [first] + [AppliedEdit("a", 1, 10 + shift, 6 + shift, "residual_stream")
+                                   for shift in range(2)]
+    log.cut(0)
+    assert list(log) == []
+
+
 def test_journals_stopped_at_a_change_of_edits_are_built_when_read_each_in_its_place(
         monkeypatch):
     """(a journal stopped when its request follows another, or logs an entry of

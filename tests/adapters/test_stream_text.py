@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from undercurrent.adapters.session import StreamText, held_back, stop_position
+from undercurrent.adapters.session import StopMatch, StreamText, held_back, stop_position
 
 
 def test_held_back_is_the_longest_end_that_could_begin_a_stop_string() -> None:
@@ -99,3 +99,21 @@ def test_without_stop_strings_every_piece_is_sent_at_once(probed) -> None:
     assert events[-1].text == ""
     assert "".join(event.text for event in events) == output.text
     assert all(event.text for event in events[:-1])
+
+
+def test_a_stop_match_finds_the_token_that_first_completes_a_stop_string() -> None:
+    pieces = {1: "say", 2: " y", 3: "ou", 4: " and", 5: " you", 9: ""}
+    decoded: list[int] = []
+
+    def decode(ids) -> str:
+        decoded.append(len(ids))
+        return "".join(pieces[i] for i in ids)
+
+    match = StopMatch(["you"], decode, eos={9})
+    assert match.scan([1, 2]) is None
+    assert match.scan([1, 2, 3, 4, 5]) == 2  # ("say you": the third token, once)
+    assert match.scan([1, 2, 3, 4, 5, 5]) == 2 and decoded == [1, 2, 3]
+    # An end-of-sequence token ends the request as such: it completes no stop
+    # string, whatever its text (a decode that skips it gives the same text).
+    assert StopMatch(["say"], lambda ids: "say" if ids[-1] == 9 else "", {9}).scan([9, 9]) is None
+    assert StopMatch([""], decode).scan([1, 2]) is None  # (an empty stop string matches nothing)

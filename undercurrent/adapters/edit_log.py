@@ -115,6 +115,15 @@ class EditLog(Sequence[AppliedEdit]):
             frozen = journal[read:]
             following[0], following[1], following[5] = frozen, 0, len(frozen)
 
+    def cut(self, end: int) -> None:
+        """Follow no journal further and drop the entries at token ``end`` or
+        after it (a request that ended before the model was fed its token
+        ``end``, where the engine ran past that before it stopped it)."""
+        entries = self._flush()
+        if self._following is not None:
+            self._catch_up(stop=True)  # (every shift read: nothing left to build)
+        self._built = [entry for entry in entries if entry.token_index < end]
+
     @property
     def following(self) -> bool:
         """Whether a journal's entries may still become this log's."""

@@ -34,7 +34,7 @@ import itertools
 import math
 import operator
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -261,6 +261,36 @@ def stop_position(text: str, stops: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+class StopMatch:
+    """Where a request's stop strings first end it: the generated index of the
+    token after which its text (the generated tokens decoded, without the
+    prompt) first holds one, as the HF backend's stopping criterion finds it
+    (an end-of-sequence token ends a request as such, so it completes no stop
+    string). :meth:`scan` reads the tokens as they come, each checked once."""
+
+    __slots__ = ("stops", "decode", "eos", "checked", "index")
+
+    def __init__(self, stops: Sequence[str], decode: Callable[[Sequence[int]], str],
+                 eos: Collection[int] = ()) -> None:
+        self.stops = tuple(stops)
+        self.decode = decode
+        self.eos = eos
+        self.checked = 0
+        self.index: int | None = None
+        """The generated index of the token that completed a stop string (None: none yet)."""
+
+    def scan(self, generated: Sequence[int]) -> int | None:
+        """:attr:`index`, once the tokens of ``generated`` not checked yet are
+        (``generated``: the request's generated tokens so far, or more)."""
+        while self.index is None and self.checked < len(generated):
+            token = generated[self.checked]
+            self.checked += 1
+            if token not in self.eos and stop_position(
+                    self.decode(generated[:self.checked]), self.stops) is not None:
+                self.index = self.checked - 1
+        return self.index
+
+
 def held_back(text: str, stops: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that could begin a stop string (a proper
     prefix of one): a stream holds it back until the next token says whether the
@@ -349,6 +379,9 @@ class RequestState:
     edits_read = 0
     stream_text: StreamText | None = None
     """The pieces a stream has sent (set by a streaming backend)."""
+    stop_match: StopMatch | None = None
+    """Where the call's stop strings end this request (set by a backend that
+    finds them itself while rows may still come from the tokens after)."""
     steady_from: int | None = None
     """The first token index from which every ``steady_stride`` th token matches
     every point, the tokens between none, up to ``steady_until`` (exclusive;

@@ -97,8 +97,9 @@ def _sampling_spy(backend, monkeypatch, field):
     return seen
 
 
-def test_vllm_detokenizes_only_for_stop_strings_and_the_texts_are_hfs(
-        backend, reference, monkeypatch):
+def test_vllm_never_detokenizes_and_the_texts_are_hfs(backend, reference, monkeypatch):
+    # The texts come from the driver's decode, and stop strings are matched on
+    # them (vLLM's own text would go unread, built for every request at every step).
     texts, hf_outputs = reference
     detokenize = _sampling_spy(backend, monkeypatch, "detokenize")
     ids = [f"r{i}" for i in range(len(texts))]
@@ -113,9 +114,39 @@ def test_vllm_detokenizes_only_for_stop_strings_and_the_texts_are_hfs(
     (stopped,) = backend.generate([texts[index]], ["s"],
                                   dataclasses.replace(GREEDY, stop=(stop,)),
                                   CaptureSession(None, []))
-    assert detokenize == [True]
+    assert detokenize == [False]
     plain = hf_outputs[index].text
     assert stopped.finish_reason == "stop" and stopped.text == plain[:plain.find(stop)]
+
+
+def test_stop_strings_end_requests_where_the_hf_backend_ends_them(backend, model_dir,
+                                                                  reference, num_layers):
+    # Matched on the generated text, as the HF backend matches them. vLLM's own
+    # text reads the first token in the prompt's context, with the space before
+    # it: a stop string of that space and the first word ended a request at its
+    # first token there, where the HF backend runs on.
+    texts, hf_outputs = reference
+    ids = [f"r{i}" for i in range(len(texts))]
+    first = " " + hf_outputs[0].text.split()[0]
+    words = [o.text.split() for o in hf_outputs]
+    later = min({w for each in words for w in each[1:-1]},
+                key=lambda w: (-sum(w in each[1:-1] for each in words), w))
+    reasons = set()
+    for stops, last in [((first,), False), ((later,), False), ((" " + later, first), False),
+                        ((later,), True)]:
+        # (capture_last_token: each finished sequence fed once more, up to the
+        # token that completed the stop string, whose rows that replay captures)
+        params = dataclasses.replace(GREEDY, stop=stops, capture_last_token=last)
+        expected = hf_reference(model_dir, texts, spec_points(num_layers), params)
+        session = CaptureSession(None, spec_points(num_layers), keep_records=True)
+        outputs = backend.generate(texts, ids, params, session)
+        compare(outputs, expected)
+        assert [o.text for o in outputs] == [o.text for o in expected], stops
+        events = list(backend.stream(texts[0], "s0", params, CaptureSession(None, [])))
+        assert [e.token_id for e in events[:-1]] == list(expected[0].token_ids)
+        assert "".join(event.text for event in events) == expected[0].text
+        reasons |= {o.finish_reason for o in outputs}
+    assert {"stop", "length"} <= reasons
 
 
 def test_capture_last_token_adds_the_last_tokens_records_like_hf(backend, model_dir,

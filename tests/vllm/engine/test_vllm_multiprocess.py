@@ -3,6 +3,8 @@ layout): the same records as the HF backend, aborts within one engine step."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 
 import pytest
@@ -153,3 +155,63 @@ def test_an_abort_that_overtakes_the_outputs_keeps_every_token_up_to_the_abortin
     assert held == [True], "the driver was never held until the abort arrived"
     assert output.aborted and output.token_ids == plain[:3]
     assert output.abort.generated_index == 2
+
+
+@pytest.mark.parametrize("reported", ["every step", "held"])
+def test_a_stop_string_leaves_no_record_past_its_token(backend, model_dir, reference,
+                                                       num_layers, monkeypatch, reported):
+    # The engine core runs ahead of the driver, which ends a request once it reads
+    # the token that completes a stop string: the worker may have captured that
+    # token and later ones by then (every one of them, where it holds its steps
+    # back). None of their rows reaches a probe, as under the HF backend, which
+    # never feeds the stop string's token to the model.
+    texts, hf_outputs = reference
+    if reported == "every step":
+        monkeypatch.setattr(CaptureSession, "may_abort", lambda self, request_ids: True)
+    stop = common_word(hf_outputs)
+    params = dataclasses.replace(GREEDY, stop=(stop,))
+    points = spec_points(num_layers)
+    expected = hf_reference(model_dir, texts, points, params)
+    assert sum(output.finish_reason == "stop" for output in expected) > len(texts) // 2
+    session = CaptureSession(None, points, keep_records=True)
+    outputs = backend.generate(texts, [f"r{i}" for i in range(len(texts))], params, session)
+    compare(outputs, expected)
+    assert [output.text for output in outputs] == [output.text for output in expected]
+
+
+def common_word(outputs) -> str:
+    """The word found inside (after the first word, before the last) the most of
+    ``outputs`` ' texts (of those, the first in order)."""
+    counts = collections.Counter(word for output in outputs
+                                 for word in set(output.text.split()[1:-1]))
+    return min(counts, key=lambda word: (-counts[word], word))
+
+
+def test_a_stop_string_leaves_no_applied_edit_past_its_token(backend, model_dir):
+    # An always-on edit of every generated token, on requests a stop string ends:
+    # the worker may have edited the stop string's token before the driver read
+    # it; the output logs the edits the HF backend applies, no more.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    hidden = AutoConfig.from_pretrained(model_dir).hidden_size
+    texts = prompts()[:8]
+    ids = [f"e{i}" for i in range(len(texts))]
+    spec = {"version": "2", "extraction_points": [
+        {"name": "resid", "layers": [1, 2], "tensor_type": "residual_stream",
+         "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory"}],
+        "edits": [{"name": "push", "layers": 1, "tensor_type": "residual_stream",
+                   "position": "generated[*]", "op": "add", "coefficient": 2.0,
+                   "vector": [0.01 * ((7 * i) % 13 - 6) for i in range(hidden)]}]}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    with ProbedModel(model, AutoTokenizer.from_pretrained(model_dir), spec=spec) as hf:
+        stop = common_word(hf.generate(texts, max_new_tokens=MAX_NEW_TOKENS))
+        expected = hf.generate(texts, max_new_tokens=MAX_NEW_TOKENS, stop=[stop], records=True,
+                               request_ids=ids)
+    assert sum(output.finish_reason == "stop" for output in expected) > len(texts) // 2
+    outputs = ProbedModel(backend, spec=spec).generate(
+        texts, max_new_tokens=MAX_NEW_TOKENS, stop=[stop], records=True, request_ids=ids)
+    compare(outputs, expected)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        assert list(ours.edits) == list(theirs.edits), ours.request_id
+        assert {r.key(): r.edits for r in ours.records} == {
+            r.key(): r.edits for r in theirs.records}

@@ -32,7 +32,13 @@ from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
-from undercurrent.adapters.session import CaptureSession, RequestState, StreamText, stop_position
+from undercurrent.adapters.session import (
+    CaptureSession,
+    RequestState,
+    StopMatch,
+    StreamText,
+    stop_position,
+)
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC
@@ -425,19 +431,19 @@ class VLLMBackend:
     def _sampling(self, params: SamplingParams, *, final_only: bool = False) -> Any:
         """vLLM's sampling parameters for ``params``.
 
-        vLLM detokenizes only for stop strings: the texts of the outputs and of
-        a stream's events come from :meth:`decode`, so without stop strings
-        vLLM's own incremental texts, built for every request at every step,
-        would go unread. ``final_only``: vLLM reports each request once, when
-        it finishes, instead of at every step (:meth:`_drive` then reads an
-        aborted request's tokens from the worker's; see there)."""
+        vLLM does not detokenize: the texts of the outputs and of a stream's
+        events come from :meth:`decode`, and :meth:`_drive` matches the stop
+        strings on them (:class:`StopMatch`), as the HF backend does. vLLM's
+        own text reads the first generated token in the prompt's context (a
+        stop string that begins with a space would end a request at its first
+        token where the HF backend runs on). ``final_only``: vLLM reports each
+        request once, when it finishes, instead of at every step (:meth:`_drive`
+        then reads an aborted request's tokens from the worker's; see there)."""
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
-        stop = list(params.stop) or None
         shared: dict[str, Any] = {
-            "max_tokens": params.max_new_tokens, "stop": stop, "seed": params.seed,
-            "detokenize": stop is not None,
+            "max_tokens": params.max_new_tokens, "seed": params.seed, "detokenize": False,
             "output_kind": RequestOutputKind.FINAL_ONLY if final_only
             else RequestOutputKind.CUMULATIVE}
         if params.greedy:
@@ -516,6 +522,9 @@ class VLLMBackend:
                         self.check(state.points)
                     engine_ids[engine_id] = request_id
                     states[engine_id] = state
+                    if params.stop:
+                        state.stop_match = StopMatch(params.stop, self.decode,
+                                                     self.eos_token_ids)
                     self.server.track(engine_id, state)
                     entries.append((engine_id, state, 0))
                 self._check_context(params, [s.prompt_len for _, s, _ in entries])
@@ -527,9 +536,11 @@ class VLLMBackend:
                 # steps several at a time (each with the edits it applied). (Not
                 # with async points: their queues take rows as the steps come,
                 # and a burst could overflow them.)
-                final_only = not emit_tokens and not session.may_abort(
+                quiet = not emit_tokens and not session.may_abort(
                     [state.request_id for state in opened])
-                hold = final_only and not any(
+                # (stop strings are matched here on each request's tokens as they come)
+                final_only = quiet and not params.stop
+                hold = quiet and not any(
                     any(resolved.edit.when is not None for resolved in state.edits)
                     or any(point.execution_mode is ExecutionMode.ASYNC
                            for point in state.points) for state in opened)
@@ -593,7 +604,9 @@ class VLLMBackend:
         # the abort can arrive while the outputs carrying the tokens up to the
         # aborting one are still on their way. Such a request is dropped from the
         # engine's output processor only once those tokens are in, or they are lost.
+        # A request a stop string ends is stopped the same way, with its reason.
         stopping: dict[str, int] = {}
+        stopped: set[str] = set()
         engine = self.engine
         while engine.has_unfinished_requests():
             outputs = engine.step()
@@ -604,7 +617,9 @@ class VLLMBackend:
                 raise error
             for engine_id in self._take_aborted():
                 if engine_id not in done:
-                    keep = stopping[engine_id] = self._tokens_to_keep(states[engine_id])
+                    keep = self._tokens_to_keep(states[engine_id])
+                    # (an abort comes before the stop string's token, or not at all)
+                    stopping[engine_id] = min(keep, stopping.get(engine_id, keep))
                     if final_only:
                         with self.server.lock:
                             tokens[engine_id] = list(states[engine_id].generated[:keep])
@@ -623,8 +638,15 @@ class VLLMBackend:
                 if engine_id in stopping:
                     fresh = fresh[:max(0, stopping[engine_id] - len(tokens[engine_id]))]
                 state = states[engine_id]
+                match = state.stop_match
                 for token_id in fresh:
                     tokens[engine_id].append(int(token_id))
+                    if match is not None and engine_id not in stopping:
+                        with self.server.lock:
+                            index = match.scan(tokens[engine_id])
+                        if index is not None:
+                            stopping[engine_id] = index + 1
+                            stopped.add(engine_id)
                     if state.stream_text is not None:
                         piece = state.stream_text.piece(self.decode(tokens[engine_id]))
                         generated_index = len(tokens[engine_id]) - 1
@@ -636,6 +658,8 @@ class VLLMBackend:
                                           token_index=state.prompt_len + generated_index,
                                           generated_index=generated_index, signals=signals,
                                           edits=edits)
+                    if engine_id in stopping and len(tokens[engine_id]) >= stopping[engine_id]:
+                        break  # (the stop string's token: none after it is the output's)
                 if output.finished:
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
@@ -647,7 +671,8 @@ class VLLMBackend:
                 for engine_id in complete:
                     del stopping[engine_id]
                     done.add(engine_id)
-                    reasons[engine_id] = "abort"
+                    # (an abort as well is said by _finish, which keeps fewer tokens)
+                    reasons[engine_id] = "stop" if engine_id in stopped else "abort"
         if hold:
             self._flush()
             # A probe that aborts though the router said none may (see may_abort)
@@ -702,7 +727,7 @@ class VLLMBackend:
             sequences[replay_id] = sequence
             with self.server.lock:
                 state.generated[:] = generated
-            self.server.track(replay_id, state)
+            self.server.track(replay_id, state, replay=True)
         if not entries:
             return
         self._open_in_worker(entries)
@@ -728,6 +753,12 @@ class VLLMBackend:
             if state.aborted:
                 tokens = tokens[:self._tokens_to_keep(state)]
                 reason = "abort"
+            elif reason == "stop" and state.stop_match is not None:
+                # (an engine core in its own process may have fed the model the
+                # stop string's token, and edited it, before the driver read it)
+                assert state.stop_match.index is not None
+                with self.server.lock:
+                    state.applied.cut(state.prompt_len + state.stop_match.index)
             closing.append((state, tokens, reason))
         with self.server.lock:
             texts = []

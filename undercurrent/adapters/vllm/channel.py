@@ -19,6 +19,7 @@ without building anything per captured vector.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
@@ -341,6 +342,7 @@ class StepServer:
         self._session: CaptureSession | None = None
         self._states: dict[str, RequestState] = {}
         self._steered: dict[str, RequestState] = {}  # the states with edits
+        self._stopping: dict[str, RequestState] = {}  # the states with stop strings
         self._connection: Any = None
         self.error: BaseException | None = None
         self._armed: list[tuple[str, str, int]] = []
@@ -383,23 +385,30 @@ class StepServer:
             self._session = session
             self._states = {}
             self._steered = {}
+            self._stopping = {}
             self._journals = {}
             self._repeat = _Repeat()
             self._version += 1
             self.error = None
 
-    def track(self, engine_id: str, state: RequestState) -> None:
+    def track(self, engine_id: str, state: RequestState, *, replay: bool = False) -> None:
+        """Route the rows of engine request ``engine_id`` to ``state``. ``replay``:
+        the request feeds ``state`` 's finished sequence once more to capture its
+        last token (``capture_last_token``), past where a stop string ended it."""
         with self.lock:
             self._states[engine_id] = state
             self._version += 1
             if state.edits:
                 self._steered[engine_id] = state
+            if state.stop_match is not None and not replay:
+                self._stopping[engine_id] = state
 
     def end(self) -> None:
         with self.lock:
             self._session = None
             self._states = {}
             self._steered = {}
+            self._stopping = {}
             self._repeat = _Repeat()  # let go of the last step's plan and states
             self._version += 1
             self._table = self._fed = None
@@ -466,6 +475,8 @@ class StepServer:
             self._fed = fed = self._states_of(engine_ids, self._fed)
             _take_columns(fed[2], firsts.tolist(), token_ids.tolist())
         self.take_edits(batch.edits)
+        if self._stopping:
+            batch = self._before_stops(batch)
         armed_before = {engine_id: set(state.armed)
                         for engine_id, state in self._steered.items()}
         aborts = len(session.aborted)
@@ -484,6 +495,32 @@ class StepServer:
         if aborted:
             self._on_abort(aborted)
         return aborted
+
+    def _before_stops(self, batch: wire.StepBatch) -> wire.StepBatch:
+        """``batch`` without its matches at or past the token that completed a stop
+        string of their request. The engine ends such a request only once the
+        driver reads that token, and an engine core in its own process runs
+        ahead of the driver: the worker may capture it, and tokens after it,
+        which the HF backend never feeds to the model."""
+        ends = {}
+        for engine_id, state in self._stopping.items():
+            assert state.stop_match is not None
+            index = state.stop_match.scan(state.generated)
+            if index is not None:
+                ends[engine_id] = state.prompt_len + index
+        table = [(position, ends[engine_id]) for position, engine_id in enumerate(batch.requests)
+                 if engine_id in ends]
+        matches = batch.matches
+        if not table or not len(matches):
+            return batch
+        keep = np.ones(len(matches), dtype=bool)
+        for position, end in table:
+            keep &= (matches[:, 0] != position) | (matches[:, 2] < end)
+        if keep.all():
+            return batch
+        rows = np.repeat(keep, matches[:, 3])
+        return dataclasses.replace(batch, matches=matches[keep],
+                                   match_rows=batch.match_rows[rows], shifted=False)
 
     def _states_of(self, engine_ids: list[str],
                    last: tuple[list[str], int, list[RequestState | None]] | None
