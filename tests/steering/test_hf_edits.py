@@ -211,6 +211,31 @@ def test_spec_edits_apply_to_every_request_and_stream_takes_edits(tiny):
     assert streamed[-1].output.steered_tokens == tuple(range(1, NEW))
 
 
+@pytest.mark.parametrize("ending", ["capture_last_token", "abort"])
+def test_a_stream_s_events_carry_every_applied_edit_the_last_one_included(tiny, ending):
+    # The last event carries the edits no token's event did: those of
+    # capture_last_token's extra forward, or of the forward pass whose
+    # activations aborted the request (no token is sampled from it).
+    v = direction(seed=17, scale=0.1)
+    spec = [ExtractionPoint(
+        name="guard", layers=(2,), tensor_type="residual_stream", position="generated[3]",
+        probe_type="norm_probe", probe_kind="single_shot",
+        probe_args={"threshold": 0.0, "action": "abort" if ending == "abort" else "flag"})]
+    with ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=spec) as probed:
+        events = list(probed.stream(PROMPTS[0], max_new_tokens=NEW, edits=[edit("add", v)],
+                                    capture_last_token=ending == "capture_last_token"))
+    output = events[-1].output
+    assert output.aborted == (ending == "abort")
+    last = output.prompt_len + len(output.token_ids) - 1
+    assert output.edits[-1].token_index == last  # (the aborting token's, or the last's)
+    assert events[-1].edits == (output.edits[-1],)
+    if ending == "abort":  # (token g's event: the edit of the token fed to sample it)
+        assert [[a.generated_index for a in event.edits] for event in events] == [
+            [], [0], [1], [2], [3]]
+    assert [a for event in events for a in event.edits] == list(output.edits)
+    assert [s for event in events for s in event.signals] == list(output.signals)
+
+
 def test_registration_refuses_a_wrong_size_an_unknown_point_and_an_async_trigger(tiny):
     with pytest.raises(SpecValidationError, match=r"edits\[0\] \(name 'steer'\), field "
                                                   r"'vector': has 3 numbers .* hidden size is 128"):

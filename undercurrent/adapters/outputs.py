@@ -81,7 +81,10 @@ class GenerationOutput:
     was asked for ``records=True``: a sequence (a list, or a backend's log that
     builds the records when first read, equal to the list of them). ``edits``
     lists every live edit applied, one :class:`AppliedEdit` per (edit, layer,
-    token), in the order they ran (a tuple, or a
+    token), in the order of the forward passes that applied them; within one
+    pass, in the order the request's edits are listed (the spec's, the call's,
+    then the prompt's), each edit's layers in its ``layers`` order, not in the
+    order the model reaches the layers (a tuple, or a
     :class:`~undercurrent.records.LazySequence` equal to it).
     ``signals`` holds each inline signal located (:class:`TokenSignal`), in
     routing order; a backend may give a
@@ -146,7 +149,11 @@ class StreamEvent:
     sampled, so its signals come with the next event). ``edits`` are the live edits
     applied since the previous event: those of the forward pass that sampled this
     token (non-empty means the token was sampled under an edit). The last event has
-    ``finished=True``, ``token_id=None`` and the complete ``output``.
+    ``finished=True``, ``token_id=None`` and the complete ``output``, with the
+    signals and edits no event carried yet: the last token's signals, the edits
+    of the forward pass whose activations aborted the request, those of
+    ``capture_last_token`` 's extra forward. The events' ``edits`` joined equal
+    ``output.edits``, as their ``signals`` joined equal ``output.signals``.
 
     The ``text`` of all events joined, the last one's included, equals
     ``output.text``: a stop string is never streamed (``output.text`` ends before

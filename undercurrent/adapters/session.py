@@ -819,10 +819,20 @@ class RequestState:
         if until is None or first < until:
             self.steady_from, self.steady_stride, self.steady_until = first, stride, until
 
-    def unread_edits(self) -> tuple[AppliedEdit, ...]:
-        """Edits applied since the last call (what a stream event carries)."""
-        fresh = tuple(self.applied[self.edits_read:])
-        self.edits_read = len(self.applied)
+    def unread_edits(self, before: int | None = None) -> tuple[AppliedEdit, ...]:
+        """Edits applied since the last call (what a stream event carries);
+        ``before``: only those at tokens before that index (the log holds them
+        in token order), the others left for the next call."""
+        applied = self.applied
+        end = len(applied)
+        if before is not None:
+            start = end = self.edits_read
+            while end < len(applied) and applied[end].token_index < before:
+                end += 1
+            if end == start:
+                return ()
+        fresh = tuple(applied[self.edits_read:end])
+        self.edits_read = end
         return fresh
 
     def unread_signals(self) -> tuple[TokenSignal, ...]:

@@ -12,11 +12,13 @@ import pytest
 from vllm_engine_helpers import (
     CHUNK_BUDGET,
     MAX_NEW_TOKENS,
+    check_streamed_edits,
     compare,
     hf_reference,
     no_hold,
     prompts,
     spec_points,
+    steered_guard_spec,
 )
 
 from undercurrent.adapters import delivery
@@ -274,6 +276,18 @@ def test_stream_yields_each_token_with_its_signals_then_the_output(backend, refe
     signals = [s for event in events for s in event.signals]
     # Generated tokens 0..n-2 are fed back to the model, and each got one signal.
     assert [s.generated_index for s in signals] == list(range(len(tokens) - 1))
+
+
+def test_a_stream_s_last_event_carries_the_edits_of_the_aborting_forward(backend, reference,
+                                                                         num_layers):
+    # No token is sampled from the forward pass whose activations abort the
+    # request; its edits come with the last event, so the events' edits joined
+    # equal the output's (as their signals joined equal its signals).
+    # Each token's event carries the edits of the step that sampled it, as under
+    # the HF backend, though the steps before the guard's token capture nothing.
+    texts, _ = reference
+    check_streamed_edits(list(ProbedModel(backend, spec=steered_guard_spec(
+        backend, num_layers)).stream(texts[4], max_new_tokens=MAX_NEW_TOKENS)))
 
 
 def test_stop_strings_end_the_text_before_the_stop_string(backend, reference, baseline):

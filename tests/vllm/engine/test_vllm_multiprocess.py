@@ -11,11 +11,13 @@ import pytest
 from vllm_engine_helpers import (
     CHUNK_BUDGET,
     MAX_NEW_TOKENS,
+    check_streamed_edits,
     compare,
     hf_reference,
     no_hold,
     prompts,
     spec_points,
+    steered_guard_spec,
     stop_at,
 )
 
@@ -215,3 +217,11 @@ def test_a_stop_string_leaves_no_applied_edit_past_its_token(backend, model_dir)
         assert list(ours.edits) == list(theirs.edits), ours.request_id
         assert {r.key(): r.edits for r in ours.records} == {
             r.key(): r.edits for r in theirs.records}
+
+
+def test_a_stream_s_events_carry_the_edits_of_the_steps_that_sampled_their_tokens(
+        backend, num_layers):
+    # The engine core runs ahead of the driver: a later step's edits may be in
+    # before a token's event is made, and wait for the next event.
+    check_streamed_edits(list(ProbedModel(backend, spec=steered_guard_spec(
+        backend, num_layers)).stream(prompts()[4], max_new_tokens=MAX_NEW_TOKENS)))

@@ -241,7 +241,7 @@ def _count_column_plans(monkeypatch) -> list[int]:
 def check_same(outputs, reference) -> None:
     compare(outputs, reference)
     for ours, theirs in zip(outputs, reference, strict=True):
-        assert sorted(ours.edits, key=repr) == sorted(theirs.edits, key=repr), ours.request_id
+        assert list(ours.edits) == list(theirs.edits), ours.request_id
         edited = {r.key(): r.edits for r in ours.records}
         assert edited == {r.key(): r.edits for r in theirs.records}, ours.request_id
 
@@ -322,7 +322,7 @@ def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference
         alone = run_edits_only(ProbedModel(backend))
         for ours, theirs in zip(alone, edits_only, strict=True):
             assert ours.token_ids == theirs.token_ids, ours.request_id
-            assert sorted(ours.edits, key=repr) == sorted(theirs.edits, key=repr)
+            assert list(ours.edits) == list(theirs.edits)
         assert sum(bool(o.edits) for o in alone) == COUNT // 2 - len(TRIGGERED)
         with ProbedModel(backend, spec=SPEC, probes={"flag_at": flag_at}) as model:
             check_same(run(model), with_points)

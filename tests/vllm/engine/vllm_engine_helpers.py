@@ -166,3 +166,29 @@ def no_hold(monkeypatch: Any) -> None:
         opened(self, entries)
 
     monkeypatch.setattr(VLLMBackend, "_open_in_worker", open_without_hold)
+
+
+def steered_guard_spec(backend: Any, num_layers: int) -> dict[str, Any]:
+    """An edit of every generated token at the last layer, and a guard that aborts
+    each request at its generated token 3 (capturing nothing before it)."""
+    return {"version": "2", "extraction_points": [{
+        "name": "guard", "layers": 0, "tensor_type": "residual_stream",
+        "position": "generated[3]", "probe_type": "norm_probe", "probe_kind": "single_shot",
+        "probe_args": {"threshold": 0.0, "action": "abort"}}],
+        "edits": [{"name": "push", "layers": num_layers - 1, "tensor_type": "residual_stream",
+                   "position": "generated[*]", "op": "add", "coefficient": 0.5,
+                   "vector": [0.01] * backend.capabilities().hidden_size}]}
+
+
+def check_streamed_edits(events: list[Any]) -> None:
+    """A stream of :func:`steered_guard_spec`: the event of generated token g
+    carries the edit of the token fed to the step that sampled it (g - 1; none
+    for the prefill's token 0), and the last event the aborting step's edit (no
+    token is sampled from it): the events' edits joined equal the output's, as
+    their signals joined equal its signals."""
+    output = events[-1].output
+    assert output.aborted and len(output.token_ids) == 4
+    assert [[a.generated_index for a in event.edits] for event in events] == [
+        [], [0], [1], [2], [3]]
+    assert [a for event in events for a in event.edits] == list(output.edits)
+    assert [s for event in events for s in event.signals] == list(output.signals)

@@ -596,7 +596,8 @@ class HFBackend:
                 events.put(StreamEvent(
                     request_id=request_id, token_id=None, text=rest, token_index=None,
                     generated_index=None, signals=state.unread_signals(),
-                    aborted=output.aborted, finished=True, output=output))
+                    edits=state.unread_edits(), aborted=output.aborted, finished=True,
+                    output=output))
             except BaseException as error:  # noqa: BLE001 - handed to the consumer
                 events.put(error)
             finally:

@@ -452,10 +452,12 @@ class VLLMBackend:
                             top_k=params.top_k or 0, **shared)
 
     def _open_in_worker(self, entries: list[tuple[str, RequestState, int]],
-                        hold: bool = False) -> None:
+                        hold: bool = False, each_step: bool = False) -> None:
         """Tell the workers which points (capturing rank) and edits (every rank) each
         request has; ``hold``: the capturing worker may hold step batches back
-        (nothing the driver answers can change a step) until :meth:`_flush`."""
+        (nothing the driver answers can change a step) until :meth:`_flush`;
+        ``each_step``: a stream, whose events carry each step's edits (the worker
+        sends those of a step that captures nothing at once)."""
         union: list[ExtractionPoint] = []
         index_of: dict[str, int] = {}
         edit_union: list[Any] = []
@@ -479,7 +481,8 @@ class VLLMBackend:
         if requests:
             self.engine.collective_rpc(
                 "undercurrent_open", args=([wire.point_to_wire(p) for p in union], requests,
-                                           [wire.edit_to_wire(e) for e in edit_union], hold))
+                                           [wire.edit_to_wire(e) for e in edit_union], hold,
+                                           each_step))
 
     def _flush(self) -> None:
         """Have the capturing worker send the step batches it held, and raise what
@@ -544,7 +547,7 @@ class VLLMBackend:
                     any(resolved.edit.when is not None for resolved in state.edits)
                     or any(point.execution_mode is ExecutionMode.ASYNC
                            for point in state.points) for state in opened)
-                self._open_in_worker(entries, hold=hold)
+                self._open_in_worker(entries, hold=hold, each_step=emit_tokens)
                 sampling = self._sampling(params, final_only=final_only)
                 for index, (engine_id, state, _) in enumerate(entries):
                     # A seeded call seeds its i-th request with seed + i (as the HF
@@ -652,7 +655,10 @@ class VLLMBackend:
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()
-                            edits = state.unread_edits()
+                            # (those of the forwards up to the one that sampled this
+                            # token: an engine core in its own process runs ahead)
+                            edits = state.unread_edits(before=state.prompt_len
+                                                       + generated_index)
                         yield StreamEvent(request_id=state.request_id, token_id=int(token_id),
                                           text=piece,
                                           token_index=state.prompt_len + generated_index,
@@ -773,14 +779,14 @@ class VLLMBackend:
             outputs = session.close_requests([
                 (state.request_id, text, reason)
                 for (state, _, reason), text in zip(closing, texts, strict=True)])
-            # A stream's final event carries the signals no event carried yet;
-            # generate() keeps only the output (its signals are built when read).
-            signals = [state.unread_signals() if state.stream_text is not None else ()
-                       for state in states]
+            # A stream's final event carries the signals and edits no event carried
+            # yet; generate() keeps only the output (its signals are built when read).
+            unread = [(state.unread_signals(), state.unread_edits())
+                      if state.stream_text is not None else ((), ()) for state in states]
         return [StreamEvent(request_id=state.request_id, token_id=None, text="",
-                            token_index=None, generated_index=None, signals=state_signals,
-                            aborted=output.aborted, finished=True, output=output)
-                for state, output, state_signals in zip(states, outputs, signals, strict=True)]
+                            token_index=None, generated_index=None, signals=signals,
+                            edits=edits, aborted=output.aborted, finished=True, output=output)
+                for state, output, (signals, edits) in zip(states, outputs, unread, strict=True)]
 
     def close(self) -> None:
         """Remove the hooks and shut the engine down."""

@@ -475,6 +475,8 @@ class StepServer:
             self._fed = fed = self._states_of(engine_ids, self._fed)
             _take_columns(fed[2], firsts.tolist(), token_ids.tolist())
         self.take_edits(batch.edits)
+        if not batch.groups:  # (a stream's step that only edited: its edits alone)
+            return []
         if self._stopping:
             batch = self._before_stops(batch)
         armed_before = {engine_id: set(state.armed)

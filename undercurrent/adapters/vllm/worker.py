@@ -306,6 +306,8 @@ class _Capture:
         self.placed: StepPlan | None = None  # the plan whose layout _place made last
         # Batches held back (see open's ``hold``) and the bytes of their rows.
         self.hold = False
+        # A stream's requests (see open's ``each_step``): a step's edits go at once.
+        self.each_step = False
         self.held: list[wire.StepBatch] = []
         self.held_bytes = 0
         self.handles.append(self.model.register_forward_pre_hook(self._begin_step))
@@ -831,7 +833,13 @@ class _Capture:
         banks, self.banks = self.banks, [None, None]
         if not plan.groups:
             # Edits alone need no round trip: what they changed rides with the next
-            # batch (before its records are built) or is taken at the end.
+            # batch (before its records are built) or is taken at the end; a
+            # stream's go now, for the event of the token this step samples.
+            if self.each_step:
+                edits = self._applied_edits()
+                if edits[0] or edits[1]:
+                    self.step += 1
+                    self._ship(wire.StepBatch(step=self.step, edits=edits), 0)
             return
         self.step += 1
         whole = len(self.filled) == len(plan.groups)  # (always, on a whole forward)
@@ -943,12 +951,16 @@ class _Capture:
 
     # -- requests ----------------------------------------------------------
     def open(self, points: list[dict[str, Any]], requests: list[list[Any]],
-             edits: list[dict[str, Any]] | None = None, hold: bool = False) -> None:
+             edits: list[dict[str, Any]] | None = None, hold: bool = False,
+             each_step: bool = False) -> None:
         """Track ``requests`` (see ``undercurrent_open``). ``hold``: no reply can
         change a step, so step batches wait here (:data:`HOLD_STEPS`,
         :data:`HOLD_BYTES`) and go to the driver several at once, the rest when
-        it asks (:meth:`flush`); each is routed as if sent alone."""
+        it asks (:meth:`flush`); each is routed as if sent alone. ``each_step``:
+        a stream, whose events carry the edits of the step that sampled their
+        token: a step that edits and captures nothing sends its edits too."""
         self.hold = bool(hold) and self.capturing
+        self.each_step = bool(each_step) and self.capturing
         resolved = [wire.point_from_wire(point) for point in points] if self.capturing else []
         edit_list = [wire.edit_from_wire(edit) for edit in edits or ()]
         # (where each set of points matches, by prompt length; what requests opened
@@ -980,7 +992,7 @@ class _Capture:
             self.cycle, self.last_sent = None, None
             self.columns.clear()
             # (held steps the driver did not ask for: it gave up on the generation)
-            self.held, self.held_bytes, self.hold = [], 0, False
+            self.held, self.held_bytes, self.hold, self.each_step = [], 0, False, False
 
     def close(self) -> None:
         for handle in self.handles:
@@ -989,7 +1001,7 @@ class _Capture:
         self._rehook(set())
         self.states.clear()
         self.steered.clear()
-        self.held, self.held_bytes, self.hold = [], 0, False
+        self.held, self.held_bytes, self.hold, self.each_step = [], 0, False, False
         self.version += 1
         self.plan = None
         self.kernels.clear()
@@ -1122,16 +1134,17 @@ class UndercurrentWorkerExtension:
 
     def undercurrent_open(self, points: list[dict[str, Any]], requests: list[list[Any]],
                           edits: list[dict[str, Any]] | None = None,
-                          hold: bool = False) -> None:
+                          hold: bool = False, each_step: bool = False) -> None:
         """Start capturing (and editing) for ``requests``: ``[engine id, prompt length,
         point indices, first token index to capture, edit indices]``; ``edits`` are
         resolved edits in wire form. ``hold``: no reply can change a step (the
         driver's call: no probe may abort, no edits), so the capturing worker sends
         its step batches together, several steps at a time (:data:`HOLD_STEPS`), and
-        the rest when :meth:`undercurrent_flush` asks."""
+        the rest when :meth:`undercurrent_flush` asks. ``each_step``: a stream (a
+        step that only edits sends its edits at once: see ``_Capture.open``)."""
         capture = getattr(self, "_undercurrent", None)
         if capture is not None:
-            capture.open(points, requests, edits, hold)
+            capture.open(points, requests, edits, hold, each_step)
 
     def undercurrent_flush(self) -> None:
         """Send the step batches held (see :meth:`undercurrent_open`) to the driver."""
