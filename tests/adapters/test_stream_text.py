@@ -117,3 +117,33 @@ def test_a_stop_match_finds_the_token_that_first_completes_a_stop_string() -> No
     # string, whatever its text (a decode that skips it gives the same text).
     assert StopMatch(["say"], lambda ids: "say" if ids[-1] == 9 else "", {9}).scan([9, 9]) is None
     assert StopMatch([""], decode).scan([1, 2]) is None  # (an empty stop string matches nothing)
+
+
+@pytest.mark.parametrize("strip_first_space", [False, True])
+def test_a_stop_match_reads_a_window_of_tokens_and_finds_what_the_whole_text_holds(
+        strip_first_space) -> None:
+    # Each check decodes the last tokens only (a window long enough for the
+    # longest stop string), then the whole text where the window holds one: the
+    # same token as decoding the whole text at every token, on random texts. A
+    # decode that drops the space its first token begins with (as sentencepiece
+    # decodes do) reads a window's first token unlike the whole text's.
+    rng = random.Random(11)
+    pieces = {i: piece for i, piece in enumerate(
+        ["a", "b", " a", " b", "ab", " ", "ba ", "\u00e9", "b\u00e9a"])}
+
+    def decode(ids) -> str:
+        text = "".join(pieces[i] for i in ids)
+        return text[1:] if strip_first_space and text.startswith(" ") else text
+
+    lengths: list[int] = []
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab \u00e9") for _ in range(rng.randint(2, 5)))
+                 for _ in range(rng.randint(1, 2))]
+        tokens = [rng.randrange(len(pieces)) for _ in range(rng.randint(1, 80))]
+        expected = next((k for k in range(len(tokens))
+                         if stop_position(decode(tokens[:k + 1]), stops) is not None), None)
+        match = StopMatch(stops, lambda ids: lengths.append(len(ids)) or decode(ids))
+        assert match.scan(tokens) == expected, (stops, tokens)
+        assert match.window == 4 * max(map(len, stops)) + 8
+    # (most checks read a window, not the text so far; some read more, to confirm)
+    assert max(lengths) > 28 and sorted(lengths)[len(lengths) // 2] <= 28

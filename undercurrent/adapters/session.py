@@ -264,17 +264,23 @@ def stop_position(text: str, stops: Sequence[str]) -> int | None:
 class StopMatch:
     """Where a request's stop strings first end it: the generated index of the
     token after which its text (the generated tokens decoded, without the
-    prompt) first holds one, as the HF backend's stopping criterion finds it
-    (an end-of-sequence token ends a request as such, so it completes no stop
-    string). :meth:`scan` reads the tokens as they come, each checked once."""
+    prompt) first holds one (an end-of-sequence token ends a request as such,
+    so it completes no stop string). Both backends end a request there.
 
-    __slots__ = ("stops", "decode", "eos", "checked", "index")
+    :meth:`scan` reads the tokens as they come, each checked once, on the text
+    of the last tokens only (:attr:`window` of them: enough for the longest
+    stop string, at four bytes a character, whatever the window's first token
+    decodes to on its own), then, where that holds one, on the whole text: a
+    check costs the same at the thousandth token as at the tenth."""
+
+    __slots__ = ("stops", "decode", "eos", "window", "checked", "index")
 
     def __init__(self, stops: Sequence[str], decode: Callable[[Sequence[int]], str],
                  eos: Collection[int] = ()) -> None:
         self.stops = tuple(stops)
         self.decode = decode
         self.eos = eos
+        self.window = 4 * max(map(len, self.stops), default=0) + 8
         self.checked = 0
         self.index: int | None = None
         """The generated index of the token that completed a stop string (None: none yet)."""
@@ -283,12 +289,18 @@ class StopMatch:
         """:attr:`index`, once the tokens of ``generated`` not checked yet are
         (``generated``: the request's generated tokens so far, or more)."""
         while self.index is None and self.checked < len(generated):
-            token = generated[self.checked]
+            last = self.checked
             self.checked += 1
-            if token not in self.eos and stop_position(
-                    self.decode(generated[:self.checked]), self.stops) is not None:
-                self.index = self.checked - 1
+            if generated[last] in self.eos:
+                continue
+            first = max(0, self.checked - self.window)
+            if self._holds(generated[first:self.checked]) and (
+                    first == 0 or self._holds(generated[:self.checked])):
+                self.index = last
         return self.index
+
+    def _holds(self, tokens: Sequence[int]) -> bool:
+        return stop_position(self.decode(tokens), self.stops) is not None
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:

@@ -1018,9 +1018,9 @@ def test_steps_are_held_only_when_no_reply_can_change_them(backend, reference, m
     asked: list[bool] = []
     opened = VLLMBackend._open_in_worker
 
-    def spy(self, entries, hold=False):
+    def spy(self, entries, hold=False, each_step=False):
         asked.append(hold)
-        return opened(self, entries, hold)
+        return opened(self, entries, hold, each_step)
 
     monkeypatch.setattr(VLLMBackend, "_open_in_worker", spy)
     action = "abort" if case == "inline, may abort" else "flag"

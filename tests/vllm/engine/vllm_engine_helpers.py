@@ -162,8 +162,9 @@ def no_hold(monkeypatch: Any) -> None:
 
     opened = VLLMBackend._open_in_worker
 
-    def open_without_hold(self: Any, entries: Any, hold: bool = False) -> None:
-        opened(self, entries)
+    def open_without_hold(self: Any, entries: Any, hold: bool = False,
+                          each_step: bool = False) -> None:
+        opened(self, entries, each_step=each_step)
 
     monkeypatch.setattr(VLLMBackend, "_open_in_worker", open_without_hold)
 

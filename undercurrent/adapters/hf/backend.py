@@ -50,6 +50,7 @@ from undercurrent.adapters.session import (
     CaptureSession,
     RequestState,
     StepPlan,
+    StopMatch,
     StreamText,
     one_token_later,
     quiet_steps,
@@ -149,10 +150,15 @@ class _RowDriver:
         self._longest: int | None = None
         self.texts = [""] * len(states)
         self._generated = [state.generated for state in states]  # the lists themselves
+        # (stop strings or a stream: each row's token looked at on its own)
         self.track_text = bool(params.stop) or on_event is not None
         if on_event is not None:
             for state in states:
                 state.stream_text = StreamText(params.stop)
+        if params.stop:
+            for state in states:
+                state.stop_match = StopMatch(params.stop, backend.decode,
+                                             backend.eos_token_ids)
 
     # called by ModelHooks before every forward
     def plan_forward(self, width: int) -> StepPlan | None:
@@ -423,11 +429,12 @@ class _RowDriver:
                 continue
             token = int(tokens[row])
             self.session.add_token(state, token)
-            if self.track_text:
+            if self.on_event is not None:
                 self.texts[row] = self.backend.decode(state.generated)
+            match = state.stop_match
             if token in eos:
                 state.finish_reason = "eos"
-            elif self.params.stop and stop_position(self.texts[row], self.params.stop) is not None:
+            elif match is not None and match.scan(state.generated) is not None:
                 state.finish_reason = "stop"
             elif len(state.generated) >= self.params.max_new_tokens:
                 state.finish_reason = "length"
@@ -521,6 +528,10 @@ class HFBackend:
     @property
     def model_name(self) -> str:
         return self._model_name
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
