@@ -15,6 +15,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from undercurrent.analysis import activation_matrix
 from undercurrent.notebook import fit_linear_probe, records_frame
 from undercurrent.probes.weights import LINEAR_PROBE_FORMAT
 
@@ -207,13 +208,14 @@ def test_generation_outputs_can_be_passed_directly():
 
 
 def test_a_training_split_without_one_of_the_labels_is_refused_before_scikit_learn_fits():
-    # Five requests, one of them labelled 1: seed 2 holds that request out, so the
-    # training split has a single class.
+    # Five requests, one of them labelled 1: holding out four of them (test_size
+    # 0.8: the lone 1 has the largest share of the four) leaves the training split
+    # a single class.
     frame = records_frame(make_records(requests=5, layers=(0,), prompt_len=0, hidden=8))
     labels = {"req0": 1, "req1": 0, "req2": 0, "req3": 0, "req4": 0}
     with pytest.raises(ValueError, match=r"^fit_linear_probe: the training split lacks some "
                        r"labels \(\[1\] only held out; .*lower test_size or add data"):
-        fit_linear_probe(frame, labels, seed=2)
+        fit_linear_probe(frame, labels, test_size=0.8)
     assert fit_linear_probe(frame, labels, test_size=0).metrics["n_train"] == 20
 
 
@@ -253,3 +255,45 @@ def test_missing_labels_are_refused_naming_the_requests_or_rows():
         fit_linear_probe(X, per_row)
     # Requests the frame does not hold may be unlabelled: their labels are never read.
     assert fit_linear_probe(frame, {**nan_label, "req3": "benign", "other": None}, test_size=0)
+
+
+@pytest.mark.parametrize("test_size, held, ones", [
+    (0.15, 3, 1), (0.25, 5, 1), (0.4, 8, 2), (0.65, 13, 3), (0.85, 17, 4), (0.99, 19, 5),
+    (0.01, 1, 0)])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_split_by_request_holds_out_the_share_of_requests_test_size_asks(
+        test_size, held, ones, seed):
+    # Whole requests on each side: test_size of them to the nearest request (at
+    # least one, never all), each label giving its share (5 of the 20 are 1s; the
+    # largest remainder takes the odd one).
+    frame = records_frame(make_records(requests=20, layers=(0,), prompt_len=0, hidden=8))
+    labels = {f"req{i}": int(i % 4 == 0) for i in range(20)}
+    import undercurrent.analysis.fitting as fitting
+
+    y = np.array([labels[request] for request in frame["request"]])
+    train, test = fitting._split(y, frame["request"].to_numpy(), test_size, seed)
+    held_out = set(frame["request"].to_numpy()[test])
+    assert len(held_out) == held and not held_out & set(frame["request"].to_numpy()[train])
+    assert sum(labels[request] for request in held_out) == ones
+    assert len(test) == held * 4 and len(train) == (20 - held) * 4
+
+
+@pytest.mark.parametrize("kind", ["list", "array", "series"])
+def test_group_ids_may_be_a_list_an_array_or_a_series(kind):
+    frame = records_frame(make_records(requests=12, layers=(0,), prompt_len=0, hidden=8))
+    labels = {f"req{i}": i % 2 for i in range(12)}
+    given = {"list": frame["request"].tolist(), "array": frame["request"].to_numpy(),
+             "series": frame["request"]}[kind]
+    fit = fit_linear_probe(frame, labels, group_by=given)
+    auto = fit_linear_probe(frame, labels)
+    np.testing.assert_array_equal(fit.weight, auto.weight)
+    X = activation_matrix(frame)
+    y = [labels[request] for request in frame["request"]]
+    on_array = fit_linear_probe(X, y, group_by=given)
+    np.testing.assert_array_equal(on_array.weight, auto.weight)
+    with pytest.raises(ValueError, match=r"group_by gives 3 group id\(s\) \(shape \(3,\)\) "
+                                         r"for 48 row\(s\)"):
+        fit_linear_probe(X, y, group_by=np.array(["a", "b", "c"]))
+    with pytest.raises(ValueError, match=r"with an array, group_by must be one group id per "
+                                         r"row \(a column name such as 'request' needs"):
+        fit_linear_probe(X, y, group_by="request")

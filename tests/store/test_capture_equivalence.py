@@ -192,3 +192,53 @@ def test_repr_and_len(store):
     text = repr(store)
     assert "prompts=10/10" in text and f"vectors={len(store)}" in text
     assert "'resid'" in text
+
+
+def test_a_steered_store_says_which_edits_each_vector_had(tiny, prompts, tmp_path):
+    # Each row keeps its record's edits (the names applied at its very site), so
+    # the store's records_frame says what the live one says.
+    import yaml
+    from store_helpers import SPEC
+
+    from undercurrent import ProbedModel
+    from undercurrent.notebook import records_frame
+
+    spec = {"version": "2", "extraction_points": yaml.safe_load(SPEC)["extraction_points"],
+            "edits": [{"name": "push", "layers": 1, "tensor_type": "residual_stream",
+                       "position": "generated[1:]", "op": "add", "coefficient": -30.0,
+                       "vector": "undercurrent:models/tiny/probe.safetensors"}]}
+    steered = ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=spec)
+    live = steered.generate(prompts[:3], request_ids=request_ids(3), records=True,
+                            max_new_tokens=5)
+    steered.capture(prompts[:3], tmp_path, progress=False, max_new_tokens=5)
+    keys = ["request", "point", "layer", "token_index"]
+    stored = open_activations(tmp_path).records_frame(tensors=False)
+    both = stored.merge(records_frame(live), on=keys, suffixes=("", "_live"))
+    assert len(both) == len(stored) == sum(len(output.records) for output in live)
+    assert list(both["edits"]) == list(both["edits_live"])
+    assert {names for names in both["edits"]} == {(), ("push",)}
+
+
+def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, tmp_path):
+    # Half the prompts stored (part 1 of 2), two rows each of one point: as many
+    # rows as prompts. A list of that length could be either; it is refused, and
+    # a mapping or a Series indexed like the rows says which.
+    spec = {"version": "1", "extraction_points": [{
+        "name": "res", "layers": [3], "tensor_type": "residual_stream",
+        "position": "generated[0:2]", "probe_type": "norm_probe",
+        "probe_kind": "single_shot"}]}
+    from undercurrent import ProbedModel
+
+    model = ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=spec)
+    chosen = prompts[:8]
+    model.capture(chosen, tmp_path, progress=False, max_new_tokens=3, shard="1/2")
+    store = open_activations(tmp_path)
+    index = store.index
+    assert len(index) == len(chosen) and list(index["prompt_index"]) == [4, 4, 5, 5, 6, 6, 7, 7]
+    labels = ["a", "b", "a", "b", "a", "a", "b", "b"]
+    with pytest.raises(ValueError, match=r"8 labels for 8 prompts and 8 rows, whose rows are "
+                                         r"not one per prompt in order: .*dict\(enumerate"):
+        store.row_labels(labels, index)
+    assert list(store.row_labels(dict(enumerate(labels)), index)) == [
+        "a", "a", "a", "a", "b", "b", "b", "b"]
+    assert list(store.row_labels(pd.Series(labels, index=index.index), index)) == labels

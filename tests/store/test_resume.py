@@ -154,6 +154,45 @@ def test_a_finished_store_resumes_to_nothing_and_refuses_other_captures(tiny, pr
     assert len(open_activations(tmp_path).outputs) == 4
 
 
+STEER = {"name": "push", "layers": 1, "tensor_type": "residual_stream",
+         "position": "generated[*]", "op": "add",
+         "vector": "undercurrent:models/tiny/probe.safetensors", "coefficient": -30.0}
+
+
+@pytest.mark.parametrize("other", ["steered", "steered otherwise", "capture_last_token",
+                                   "bfloat16"])
+def test_a_part_generated_otherwise_is_refused_as_another_capture(tiny, prompts, tmp_path,
+                                                                  other):
+    # Steering edits, capture_last_token and the model's dtype change what is
+    # generated and stored: a store is one capture, every part and resume alike.
+    import torch
+    import yaml
+
+    from undercurrent import ProbedModel
+
+    points = yaml.safe_load(SPEC)["extraction_points"]
+    first = ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec={
+        "version": "2", "extraction_points": points,
+        "edits": [STEER]} if other == "steered otherwise" else SPEC)
+    first.capture(prompts[:4], tmp_path, progress=False, shard="0/2", **OPTIONS)
+    model = tiny.backend.model
+    second = ProbedModel(
+        model.to(torch.bfloat16) if other == "bfloat16" else model, tiny.backend.tokenizer,
+        spec={"version": "2", "extraction_points": points,
+              "edits": [dict(STEER, coefficient=-20.0)]} if other.startswith("steered")
+        else SPEC, capture_last_token=other == "capture_last_token")
+    try:
+        with pytest.raises(StoreError, match=r"a different generation; a store .* model "
+                                             r"dtype, spec \(its edits included\), "
+                                             r"capture_last_token"):
+            second.capture(prompts[:4], tmp_path, progress=False, shard="1/2", **OPTIONS)
+    finally:
+        model.to(torch.float32)
+    assert len(open_activations(tmp_path).outputs) == 2
+    first.capture(prompts[:4], tmp_path, progress=False, shard="1/2", **OPTIONS)
+    assert len(open_activations(tmp_path).outputs) == 4
+
+
 def test_an_interrupt_commits_whole_batches_and_a_failed_write_commits_nothing(
         tiny, prompts, tmp_path, monkeypatch):
     from undercurrent.store import writer

@@ -164,6 +164,11 @@ class Backend(Protocol):
         """A name for the loaded model (path or hub id), passed to probes."""
         ...
 
+    @property
+    def dtype(self) -> str:
+        """The dtype the model computes in (``"float32"``, ``"bfloat16"``, ...)."""
+        ...
+
     def capabilities(self) -> Capabilities:
         """Tensor types and valid layer indices on the loaded model."""
         ...

@@ -249,7 +249,13 @@ def _design(
                 f"{caller}: with an array, y must be one label per row "
                 "(column names and {request: label} mappings need a records frame)"
             )
-        groups = None if group_by in (None, "auto") else np.asarray(group_by)
+        if isinstance(group_by, str) and group_by != "auto":
+            raise ValueError(
+                f"{caller}: with an array, group_by must be one group id per row "
+                f"(a column name such as {group_by!r} needs a records frame)"
+            )
+        groups = None if group_by is None or isinstance(group_by, str) else _groups(
+            caller, group_by, len(X))
 
         def where(rows: Any) -> str:
             names = None if groups is None else groups.tolist()  # plain 'r1', not np.str_
@@ -289,7 +295,9 @@ def _design(
         for request, token, row_layer in selected[["request", "token_index", "layer"]]
         .iloc[rows[:_NAMED_ROWS + 1]].itertuples(index=False)
     ], separator="; "))
-    if group_by == "auto":
+    # (a sequence of group ids is compared with no string: an array would compare
+    # element by element)
+    if isinstance(group_by, str) and group_by == "auto":
         counts = selected["request"].value_counts()
         groups = selected["request"].to_numpy() if (counts > 1).any() else None
     elif group_by is None:
@@ -297,8 +305,21 @@ def _design(
     elif isinstance(group_by, str):
         groups = selected[group_by].to_numpy()
     else:
-        groups = np.asarray(group_by)
+        groups = _groups(caller, group_by, len(X))
     return X, labels, groups, layer, tensor_type
+
+
+def _groups(caller: str, group_by: Any, rows: int) -> Any:
+    """``group_by`` 's group ids as an array, one per row of the design."""
+    import numpy as np
+
+    groups = np.asarray(group_by)
+    if groups.shape != (rows,):
+        raise ValueError(
+            f"{caller}: group_by gives {groups.size} group id(s) (shape {groups.shape}) "
+            f"for {rows} row(s); give one per row, a column name, \"auto\" or None"
+        )
+    return groups
 
 
 def _refuse_unlabelled(caller: str, missing: Any, where: Any) -> None:
@@ -426,23 +447,33 @@ def _split(labels: Any, groups: Any, test_size: float, seed: int) -> tuple[Any, 
             rows, test_size=test_size, random_state=seed, stratify=stratify
         )
         return np.sort(train), np.sort(test)
-    import warnings
-
-    from sklearn.model_selection import StratifiedGroupKFold
-
-    n_groups = len(np.unique(groups))
-    n_splits = min(max(2, round(1 / test_size)), n_groups)
-    if n_splits < 2:
+    names, group_of = np.unique(groups, return_inverse=True)
+    n_groups = len(names)
+    if n_groups < 2:
         raise ValueError(
             "fit_linear_probe: a held-out split by request needs at least two requests; "
             "pass test_size=0 or group_by=None"
         )
-    folds = StratifiedGroupKFold(n_splits=n_splits, shuffle=True, random_state=seed)
-    with warnings.catch_warnings():
-        # A class with fewer groups than folds only makes the split less balanced.
-        warnings.simplefilter("ignore", UserWarning)
-        train, test = next(folds.split(rows, labels, groups))
-    return train, test
+    # Whole groups held out, test_size of them to the nearest group (at least
+    # one, never all), stratified: each label's groups (a group's label: its
+    # most frequent) give their share, by largest remainder, drawn at random.
+    wanted = min(max(1, round(test_size * n_groups)), n_groups - 1)
+    classes, label_of = np.unique(labels, return_inverse=True)
+    counts = np.zeros((n_groups, len(classes)), dtype=np.int64)
+    np.add.at(counts, (group_of, label_of), 1)
+    group_label = counts.argmax(axis=1)
+    rng = np.random.default_rng(seed)
+    members = [rng.permutation(np.flatnonzero(group_label == c)) for c in range(len(classes))]
+    exact = np.array([wanted * len(each) / n_groups for each in members])
+    share = np.floor(exact).astype(np.int64)
+    left = wanted - int(share.sum())
+    # (the largest remainders first; ties in a random order)
+    order = sorted(range(len(members)), key=lambda c: (-(exact[c] - share[c]), rng.random()))
+    for c in order[:left]:
+        share[c] += 1
+    held = np.concatenate([each[:n] for each, n in zip(members, share, strict=True)])
+    test = rows[np.isin(group_of, held)]
+    return np.setdiff1d(rows, test), test
 
 
 def _metrics(

@@ -11,6 +11,8 @@ construction those ``generate(records=True)`` returns.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import time
@@ -28,7 +30,7 @@ from undercurrent.adapters.base import (
 )
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
-from undercurrent.spec import extraction_point_to_dict
+from undercurrent.spec import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
     STORAGE_DTYPES,
@@ -88,6 +90,20 @@ def request_id_for(prompt_index: int) -> str:
     return f"p{prompt_index:06d}"
 
 
+def generation_identity(model: CapturingModel) -> dict[str, Any]:
+    """What else makes a capture's vectors what they are: the dtype the model
+    computes in, ``capture_last_token`` and the spec's steering edits (their
+    names, and a digest of them whole, vectors included: a store would
+    otherwise take steered and plain generations as parts of one capture)."""
+    spec = getattr(model, "spec", None)
+    edits = [edit_to_dict(edit) for edit in getattr(spec, "edits", ())]
+    digest = hashlib.sha256(json.dumps(edits, sort_keys=True, default=str).encode())
+    return {"dtype": model.backend.dtype,
+            "capture_last_token": bool(getattr(model, "capture_last_token", False)),
+            "edits": {"names": [edit["name"] for edit in edits],
+                      "sha256": digest.hexdigest()} if edits else None}
+
+
 def capture_activations(
     model: CapturingModel,
     prompts: Sequence[str],
@@ -130,6 +146,7 @@ def capture_activations(
         "storage_dtype": settings.storage_dtype,
         "sampling": settings.sampling,
         "prompts": {"count": len(prompts), "sha256": prompts_digest(prompts)},
+        "generation": generation_identity(model),
     }
     batch_size = settings.batch_size
     if batch_size is None:

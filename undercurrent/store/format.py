@@ -49,13 +49,17 @@ INDEX_COLUMNS: tuple[str, ...] = (
     "is_generated",
     "generated_index",
     "token_id",
+    "edits",
     "shard",
     "row",
 )
 """Columns of ``ActivationStore.index``: one row per stored vector.
 
 ``row`` is the vector's row in its shard's file for its point; ``generated_index``
-and ``token_id`` are nullable (``<NA>`` for prompt tokens / unknown ids). For a
+and ``token_id`` are nullable (``<NA>`` for prompt tokens / unknown ids);
+``edits`` lists the names of the live edits applied at the vector's very site
+(its record's ``edits``; empty when none; missing from stores written before
+undercurrent stored it). For a
 point stored with a token reduction (``last_token`` or ``mean_generated``) the
 token columns describe the last token the row covers.
 """

@@ -297,7 +297,11 @@ class ActivationStore:
         out["shape"] = [tuple(self._point_meta(s, p)["shape"]) for s, p in
                         zip(frame["shard"].astype(str), frame["extraction_point_name"],
                             strict=True)]
-        out["edits"] = [()] * len(out)
+        # (a list per row as parquet reads it back; a store written before the
+        # column was stored says none)
+        stored = frame["edits"] if "edits" in frame else [None] * len(frame)
+        out["edits"] = [tuple(names) if isinstance(names, list | np.ndarray) else ()
+                        for names in stored]
         positions = np.arange(len(frame), dtype=np.int64)
         blocks: dict[int, list[Any]] = {}
         if tensors and len(frame):
@@ -376,15 +380,32 @@ class ActivationStore:
             given = [y[v] for v in values]
             _refuse_missing(given, values, column)
             return np.asarray(given)
+        if hasattr(y, "index") and hasattr(y.index, "equals") and y.index.equals(index.index):
+            # (a pandas Series indexed like the rows: one label per row, whatever
+            # the counts)
+            given = y.tolist()
+            _refuse_missing(given, range(len(given)), "row")
+            return np.asarray(given)
         if not hasattr(y, "__len__"):
             y = list(y)
         n_prompts = self.manifest["prompts"]["count"]
+        prompt_index = index["prompt_index"].to_numpy()
+        if len(y) == len(index) == n_prompts and not (
+                prompt_index == np.arange(n_prompts)).all():
+            # (one per row and one per prompt read the same only where the rows are
+            # the prompts, in order)
+            raise ValueError(
+                f"{len(y)} labels for {n_prompts} prompts and {len(index)} rows, whose "
+                "rows are not one per prompt in order: give one label per prompt as "
+                "{prompt_index: label} (dict(enumerate(labels))) or {request_id: label}, "
+                "or one per row as a pandas Series indexed like the rows "
+                "(pd.Series(labels, index=index.index))")
         if len(y) == len(index):
             _refuse_missing(y, range(len(y)), "row")
             return np.asarray(y)
         if len(y) == n_prompts:
             _refuse_missing(y, range(n_prompts), "prompt_index")
-            return np.asarray(y)[index["prompt_index"].to_numpy()]
+            return np.asarray(y)[prompt_index]
         raise ValueError(f"{len(y)} labels: give one per prompt ({n_prompts}), one per "
                          f"row ({len(index)}), or a {{request_id: label}} mapping")
 

@@ -40,7 +40,8 @@ from undercurrent.store.format import (
 )
 
 # What must agree between the parts of one store (and between a run and its resume).
-IDENTITY_KEYS = ("model", "points", "reductions", "storage_dtype", "sampling", "prompts")
+IDENTITY_KEYS = ("model", "points", "reductions", "storage_dtype", "sampling", "prompts",
+                 "generation")
 
 
 class StoreWriter:
@@ -266,12 +267,12 @@ class _ParquetAppender:
 
 def _arrow_schema(pa: Any, columns: Sequence[tuple[str, str]]) -> Any:
     types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(),
-             "bool": pa.bool_(), "ints": pa.list_(pa.int64())}
+             "bool": pa.bool_(), "ints": pa.list_(pa.int64()), "strs": pa.list_(pa.string())}
     return pa.schema([(name, types[kind]) for name, kind in columns])
 
 
 _INDEX_TYPES = {"request_id": "str", "extraction_point_name": "str", "tensor_type": "str",
-                "shard": "str", "is_generated": "bool"}
+                "shard": "str", "is_generated": "bool", "edits": "strs"}
 _INDEX_SCHEMA = [(name, _INDEX_TYPES.get(name, "int")) for name in INDEX_COLUMNS]
 _OUTPUT_TYPES = {"prompt_index": "int", "token_ids": "ints", "prompt_token_ids": "ints",
                  "aborted": "bool", "abort_layer": "int", "abort_token_index": "int",
@@ -331,6 +332,7 @@ class _OpenShard:
             "is_generated": [record.is_generated for record in records],
             "generated_index": [record.generated_index for record in records],
             "token_id": [record.token_id for record in records],
+            "edits": [list(record.edits) for record in records],
             "shard": [self.name] * len(records),
             "row": range(first, first + len(records)),
         })
@@ -439,10 +441,14 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
     wanted = json.loads(json.dumps(dict(manifest)))
     differ = [key for key in IDENTITY_KEYS if existing.get(key) != wanted.get(key)]
     if differ:
+        older = ("; it was written before undercurrent recorded the generation settings "
+                 "(model dtype, capture_last_token, steering edits)"
+                 if "generation" in differ and "generation" not in existing else "")
         raise StoreError(
-            f"{str(root)!r} holds a capture with a different {', '.join(differ)}; a store "
-            "(every --shard part, every resume) needs the same model, spec, reductions, "
-            "storage dtype, sampling settings and prompt list. Use another directory.")
+            f"{str(root)!r} holds a capture with a different {', '.join(differ)}{older}; a "
+            "store (every --shard part, every resume) needs the same model, model dtype, "
+            "spec (its edits included), capture_last_token, reductions, storage dtype, "
+            "sampling settings and prompt list. Use another directory.")
 
 
 def _completed_prompts(root: Path) -> set[int]:

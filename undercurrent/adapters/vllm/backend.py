@@ -279,6 +279,10 @@ class VLLMBackend:
     def model_name(self) -> str:
         return self._model_name
 
+    @property
+    def dtype(self) -> str:
+        return str(self.engine.model_config.dtype).removeprefix("torch.")
+
     def capabilities(self) -> Capabilities:
         """Every tensor type at single-worker scale; ``kv`` is refused under tensor
         parallelism (each rank holds a shard of the heads)."""
