@@ -161,3 +161,20 @@ edits:
     assert counted == int(past.sum())
     layer0 = open_activations(tmp_path / "f16").select(point="resid", layer=0).vectors()
     assert np.isfinite(layer0).all()
+
+
+def test_a_mean_of_generated_tokens_on_a_prompt_point_is_refused_before_writing(
+        tiny, tmp_path):
+    # (it would store nothing for that point, silently)
+    out = tmp_path / "d3"
+    with pytest.raises(ValueError, match=r"reduce\['mlp'\]='mean_generated' averages a "
+                       r"request's generated tokens, but point 'mlp' \(position "
+                       r"'prompt\[-2\]'\) selects prompt tokens only"):
+        tiny.capture(PROMPTS, out, reduce={"resid": "mean_generated", "mlp": "mean_generated"},
+                     **GOOD)
+    assert not out.exists()
+    summary = tiny.capture(PROMPTS, out, reduce={"resid": "mean_generated",
+                                                 "mlp": "last_token"}, **GOOD)
+    assert summary.requests == len(PROMPTS)
+    assert set(open_activations(out).index["extraction_point_name"]) == {
+        "resid", "kv_last_prompt", "mlp"}

@@ -31,6 +31,7 @@ from undercurrent.adapters.base import (
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.spec import edit_to_dict, extraction_point_to_dict
+from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
     STORAGE_DTYPES,
@@ -138,6 +139,14 @@ def capture_activations(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=stop, batch_size=batch_size, storage_dtype=storage_dtype,
         reduce=reduce, shard=shard, point_names=names)
+    for point in model.points:
+        if (settings.reductions[point.name].tokens == "mean_generated"
+                and point.position.kind is PositionKind.PROMPT):
+            raise ValueError(
+                f"reduce[{point.name!r}]='mean_generated' averages a request's generated "
+                f"tokens, but point {point.name!r} (position {str(point.position)!r}) "
+                "selects prompt tokens only: nothing would be stored; use 'last_token' "
+                "or no reduction")
     index, count = settings.part
     identity = {
         "model": model.backend.model_name,
