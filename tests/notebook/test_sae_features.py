@@ -88,6 +88,10 @@ def test_features_frame_decodes_tokens_and_keeps_generated_indices(run):
     for row in rows.itertuples(index=False):
         assert row.token_text == tokenizer.decode([ids[row.token]])
         assert row.generated_index == row.token - output.prompt_len
+    # Outputs in nested lists (one list per call, say) give the same frame, texts
+    # included, as signals_frame flattens them
+    nested = features_frame([outputs[:1], (outputs[1:],)], tokenizer=tokenizer)
+    assert nested.equals(frame)
     # ProbeResults alone still give the frame, without token texts
     bare = features_frame([o.results for o in outputs])
     assert len(bare) == len(frame) and bare["token_text"].isna().all()

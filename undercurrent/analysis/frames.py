@@ -623,9 +623,12 @@ def _token_ids_by_request(results: Any) -> dict[str, list[int]]:
     """``{request id: prompt + generated token ids}`` for the GenerationOutputs in
     ``results`` (a ``ProbeResult`` alone does not know its tokens)."""
     found: dict[str, list[int]] = {}
-    outputs = [results] if hasattr(results, "token_ids") else results
-    if isinstance(outputs, (list, tuple)):
-        for output in outputs:
-            if hasattr(output, "token_ids") and hasattr(output, "prompt_token_ids"):
-                found[output.request_id] = [*output.prompt_token_ids, *output.token_ids]
+    # (nested lists and tuples walked as the results are: flatten_results)
+    pending = [results]
+    while pending:
+        item = pending.pop()
+        if hasattr(item, "token_ids") and hasattr(item, "prompt_token_ids"):
+            found[item.request_id] = [*item.prompt_token_ids, *item.token_ids]
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
     return found
