@@ -153,6 +153,12 @@ def test_half_precision_storage_matches_to_its_precision(tiny, prompts, oracle, 
         np.testing.assert_array_equal(np.asarray(found[key], dtype=np.float32), rounded)
     assert summary.bytes * 2 == sum(v.nbytes for v in expected.values())
     assert store.nbytes == summary.bytes
+    # (the frame's dtype is the captured tensors', as in the live frame; the
+    # vectors come back widened from the storage dtype)
+    from undercurrent.notebook import records_frame
+
+    assert set(store.records_frame(tensors=False)["dtype"]) == set(
+        records_frame(oracle)["dtype"]) == {"float32"}
 
 
 def test_reductions_equal_the_reduced_oracle(tiny, prompts, oracle, tmp_path):

@@ -291,9 +291,12 @@ class ActivationStore:
         out = out.drop(columns=["row"]).reset_index(drop=True)
         out["token_text"] = None
         out["timestamp"] = float("nan")
-        out["dtype"] = [self._point_meta(s, p)["dtype"] for s, p in
-                        zip(frame["shard"].astype(str), frame["extraction_point_name"],
-                            strict=True)]
+        # (the captured tensors' dtype, as in a live frame: the model's, which a
+        # store records; a store written before it did says what it stores)
+        computed = (self.manifest.get("generation") or {}).get("dtype")
+        out["dtype"] = [computed] * len(out) if computed else [
+            self._point_meta(s, p)["dtype"] for s, p in
+            zip(frame["shard"].astype(str), frame["extraction_point_name"], strict=True)]
         out["shape"] = [tuple(self._point_meta(s, p)["shape"]) for s, p in
                         zip(frame["shard"].astype(str), frame["extraction_point_name"],
                             strict=True)]
