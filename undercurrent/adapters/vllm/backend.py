@@ -405,6 +405,15 @@ class VLLMBackend:
             core.engine_core.aborts_queue.put_nowait(internal)
         with self._input_lock:
             self._aborted.extend(engine_ids)
+        if self.multiprocess:
+            # The core sends no output for a request dropped this way: a driver
+            # already waiting in step() for the output of its last running
+            # request would wait for good. An empty output wakes it (that step()
+            # returns nothing; the loop then takes the abort); one that comes
+            # when the driver is not waiting makes a step() return nothing.
+            from vllm.v1.engine import EngineCoreOutputs
+
+            core.outputs_queue.put_nowait(EngineCoreOutputs())
 
     def _take_aborted(self) -> list[str]:
         with self._input_lock:
