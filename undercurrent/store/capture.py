@@ -99,7 +99,7 @@ def generation_identity(model: CapturingModel) -> dict[str, Any]:
     spec = getattr(model, "spec", None)
     edits = [edit_to_dict(edit) for edit in getattr(spec, "edits", ())]
     digest = hashlib.sha256(json.dumps(edits, sort_keys=True, default=str).encode())
-    return {"dtype": model.backend.dtype,
+    return {"dtype": getattr(model.backend, "dtype", None),  # (a backend may not say)
             "capture_last_token": bool(getattr(model, "capture_last_token", False)),
             "edits": {"names": [edit["name"] for edit in edits],
                       "sha256": digest.hexdigest()} if edits else None}

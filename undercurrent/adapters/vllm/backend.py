@@ -772,10 +772,10 @@ class VLLMBackend:
             if state.aborted:
                 tokens = tokens[:self._tokens_to_keep(state)]
                 reason = "abort"
-            elif reason == "stop" and state.stop_match is not None:
+            elif (reason == "stop" and state.stop_match is not None
+                  and state.stop_match.index is not None):
                 # (an engine core in its own process may have fed the model the
                 # stop string's token, and edited it, before the driver read it)
-                assert state.stop_match.index is not None
                 with self.server.lock:
                     state.applied.cut(state.prompt_len + state.stop_match.index)
             closing.append((state, tokens, reason))
