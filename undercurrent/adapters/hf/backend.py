@@ -151,7 +151,7 @@ class _RowDriver:
         self.texts = [""] * len(states)
         self._generated = [state.generated for state in states]  # the lists themselves
         # (stop strings or a stream: each row's token looked at on its own)
-        self.track_text = bool(params.stop) or on_event is not None
+        self.per_row = bool(params.stop) or on_event is not None
         if on_event is not None:
             for state in states:
                 state.stream_text = StreamText(params.stop)
@@ -388,7 +388,7 @@ class _RowDriver:
         tokens = input_ids[:, -1].tolist()
         eos = self.backend.eos_token_ids
         states = self.states
-        if not cancelled and not self.track_text and self._all_live():
+        if not cancelled and not self.per_row and self._all_live():
             # Every request live, no stop strings, nobody streaming: each takes
             # its token and may end on EOS or length (what the loop below does
             # for such a request), and the next step feeds each the next token.
