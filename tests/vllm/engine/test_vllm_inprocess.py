@@ -746,7 +746,9 @@ def test_steps_before_every_point_s_first_token_plan_nothing_and_capture_what_hf
     monkeypatch.setattr(StepPlan, "add_window", counted)
     monkeypatch.setattr(worker._Capture, "_idle_step", kept_idle)
     views = {}
-    for feeds in (True, False):
+    # (twice with the repeats: the second call's first step finds nothing left of
+    # the first call's steps, whatever ran before)
+    for feeds in (True, True, False):
         monkeypatch.setattr(worker._Capture, "repeat_feeds", feeds)
         monkeypatch.setattr(worker._Capture, "batch_windows", feeds)
         windows.clear()

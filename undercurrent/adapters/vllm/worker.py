@@ -989,7 +989,9 @@ class _Capture:
         self.version += 1
         if not self.states:
             self._rehook(set())
-            self.cycle, self.last_sent = None, None
+            # (and nothing of the steps of these requests is repeated for the next
+            # call's: its first step is planned from its windows)
+            self.cycle, self.last_sent, self.steady, self.feed = None, None, None, None
             self.columns.clear()
             # (held steps the driver did not ask for: it gave up on the generation)
             self.held, self.held_bytes, self.hold, self.each_step = [], 0, False, False
