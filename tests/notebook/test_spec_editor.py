@@ -308,6 +308,29 @@ def test_from_spec_round_trips_every_example_spec(name):
     assert SpecEditor.from_spec(original).spec == original
 
 
+def test_with_a_model_layers_keep_the_loaded_order_when_another_field_changes():
+    # An edit's layers order its applied edits: a rename and back, with the layer
+    # picker of a model, exports the spec it loaded; a new selection is ascending.
+    text = """
+version: "2"
+extraction_points:
+  - {name: g, layers: [3, 1], tensor_type: residual_stream, position: "generated[*]",
+     probe_type: norm_probe, probe_kind: single_shot}
+edits:
+  - {name: e, layers: [2, 0], tensor_type: residual_stream, position: "generated[*]",
+     op: add, vector: "undercurrent:models/tiny/probe.safetensors"}
+"""
+    original = parse_yaml(text)
+    editor = SpecEditor.from_spec(text, model=4)
+    for fields in (editor.fields, editor.edit_fields):
+        name = fields["name"].value
+        fields["name"].value = name + "2"
+        fields["name"].value = name
+    assert parse_yaml(editor.to_yaml()) == original
+    editor.fields["layers"].value = (1, 2, 3)
+    assert editor.spec[0].layers == (1, 2, 3)
+
+
 def test_from_spec_reports_model_problems_for_a_loaded_spec():
     editor = SpecEditor.from_spec(SPECS / "continuous_trajectory.yaml", model=4)
     assert not editor.valid

@@ -217,7 +217,8 @@ class DraftForm:
         values: dict[str, Any] = {}
         for field, control in self.fields.items():
             if field == "layers" and self.capabilities is not None:
-                values["layers"] = tuple(sorted(int(v) for v in control.value))
+                values["layers"] = _layers_kept_in_order(
+                    self.drafts[self.current].layers, control.value)
                 values["layers_text"] = None
             elif field == "layers":
                 values["layers_text"] = control.value
@@ -350,3 +351,12 @@ def _ignore_argument(action: Callable[[], Any]) -> Callable[[Any], None]:
         action()
 
     return handler
+
+
+def _layers_kept_in_order(before: Sequence[int], selected: Sequence[Any]) -> tuple[int, ...]:
+    """The layers ``selected`` in a multi-select: the draft's own, in its order, where
+    the selection is still the draft's layers (an edit's layers order its applied
+    edits: a change elsewhere in the form keeps a loaded spec's order), else
+    ascending."""
+    chosen = sorted({int(value) for value in selected})
+    return tuple(before) if sorted(before) == chosen else tuple(chosen)
