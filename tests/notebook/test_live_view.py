@@ -361,6 +361,20 @@ def test_each_run_returns_its_own_outputs_and_the_view_keeps_them_all(tiny_with)
     assert len(view.state.requests) == 3  # the view still shows every run
 
 
+def test_text_held_back_for_a_stop_string_that_never_came_is_shown(tiny_with):
+    # The stream holds back text that could begin a stop string; what never became
+    # one comes with the last event: the view's text is the output's, in full.
+    model = tiny_with("generated[*]", "nan_first")
+    (output,) = model.generate(["hello there"], max_new_tokens=6)
+    last = output.text.rstrip()[-1]
+    view = LiveView(model)
+    (shown,) = view.run(["hello there"], display=False, max_new_tokens=6, stop=[last + "\x00"])
+    assert shown.text == output.text and shown.finish_reason == "length"
+    pieces = view.state.requests[shown.request_id].pieces
+    assert len(pieces) == len(shown.token_ids) and "".join(pieces) == output.text
+    assert html.unescape(re.sub(r"<[^>]+>", "", view.text.value)).endswith(output.text.rstrip())
+
+
 def test_a_point_the_spec_does_not_have_is_refused_naming_the_spec_points(tiny_with):
     model = tiny_with("generated[*]", "nan_first")
     with pytest.raises(ValueError, match=r"no extraction point 'W'; its points are: watch$"):

@@ -28,7 +28,9 @@ class RequestTrace:
     """One request's stream so far.
 
     ``label`` is what the live view calls the request. ``pieces`` are the
-    generated token texts in order; ``scores`` maps
+    generated token texts in order, joined equal to the output's text (text a
+    stream held back, as it could begin a stop string, is the piece of the token
+    whose event carried it); ``scores`` maps
     ``(point, layer)`` to ``{x: score}`` where ``x`` is the generated index
     (negative for prompt tokens: ``prompt[-1]`` is -1), NaN scores left out;
     ``actions`` maps the same keys to ``{x: action}`` for flags and aborts;
@@ -118,6 +120,13 @@ class LiveState:
                 text_tokens = len(event.output.token_ids)
                 if text_tokens and len(trace.pieces) < text_tokens:
                     trace.pieces.extend([""] * (text_tokens - len(trace.pieces)))
+        if event.token_id is None and event.text:
+            # (text a stream held back, as it could begin a stop string that never
+            # came: the last token's)
+            if trace.pieces:
+                trace.pieces[-1] += event.text
+            else:
+                trace.pieces.append(event.text)
         return trace
 
     @staticmethod
