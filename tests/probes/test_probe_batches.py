@@ -17,6 +17,7 @@ from probe_helpers import activation
 from sae_helpers import write_sae
 
 from undercurrent.probes import (
+    CaptureProbe,
     DualPositionProbe,
     LinearProbe,
     MeanProbe,
@@ -29,8 +30,8 @@ from undercurrent.probes import (
     save_linear_weights,
 )
 from undercurrent.probes.arrays import as_float_matrix
+from undercurrent.probes.base import scores_records_at_once
 from undercurrent.records import ProbeSignal, SignalAction
-from undercurrent.router.binding import batches_natively
 from undercurrent.spec.types import ProbeKind
 
 CTX = RequestContext("r")
@@ -235,7 +236,7 @@ def test_batch_scores_match_a_plain_oracle_for_bfloat16_kv_tensors():
 def test_every_builtin_scores_batches_natively_so_the_router_hands_it_whole_batches(cls):
     assert cls.on_activations is not Probe.on_activations
     probe = cls() if cls in (NormProbe, MeanProbe, TrajectoryProbe) else cls(weight=W1, bias=B1)
-    assert batches_natively(probe)
+    assert scores_records_at_once(probe)
 
 
 def test_the_default_on_activations_calls_on_activation_once_per_record_in_order():
@@ -250,7 +251,7 @@ def test_the_default_on_activations_calls_on_activation_once_per_record_in_order
             return ProbeSignal(score=record.token_index * 10 + record.layer)
 
     probe = Echo()
-    assert not batches_natively(probe)
+    assert not scores_records_at_once(probe)
     records = [activation(np.zeros(2), token=t, layer=layer)
                for t in (3, 4) for layer in (0, 1, 2)]
     signals = probe.on_activations(records)
@@ -385,3 +386,39 @@ def test_whether_a_class_scores_batches_follows_a_patch_made_after_it_was_asked(
     assert scores_batches(probe) is True
     monkeypatch.undo()
     assert scores_batches(probe) is False
+
+
+@pytest.mark.parametrize("base", [NormProbe, CaptureProbe])
+@pytest.mark.parametrize(("mode", "layers"), [("inline", (0,)), ("inline", (0, 1)),
+                                              ("async", (0, 1))])
+def test_a_builtin_s_subclass_with_its_own_on_activation_gets_every_record(base, mode, layers):
+    # The override is served per record however many records a routed batch holds
+    # (several layers, an async worker's turn), never the built-in's own scoring.
+    from undercurrent.router import Router
+    from undercurrent.spec.types import ExtractionPoint
+
+    seen: list[tuple[int, int]] = []
+
+    class Flagger(base):  # type: ignore[valid-type,misc]
+        def on_activation(self, record):
+            seen.append((record.token_index, record.layer))
+            return ProbeSignal(SignalAction.FLAG, score=-float(record.token_index))
+
+    assert not scores_records_at_once(Flagger())
+    router = Router(probes={"flagger": Flagger})
+    point = ExtractionPoint(name="p", layers=layers, tensor_type="residual_stream",
+                            position="generated[*]", probe_type="flagger",
+                            probe_kind="trajectory", execution_mode=mode)
+    try:
+        router.register_request("r", [point], RequestContext("r"))
+        for token in range(3):
+            router.route_batch([activation(np.ones(4), token=token, layer=layer)
+                                for layer in layers])
+        result = router.end_request("r")["p"]
+    finally:
+        router.shutdown()
+    expected = [(token, layer) for token in range(3) for layer in layers]
+    assert seen == expected
+    assert [(s.action, s.score) for s in result.signals] == [
+        (SignalAction.FLAG, -float(token)) for token, _ in expected]
+    assert result.stats.received == result.stats.processed == len(expected)

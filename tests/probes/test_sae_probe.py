@@ -12,6 +12,7 @@ from probe_helpers import activation
 from sae_helpers import write_sae
 
 from undercurrent.probes import RequestContext, get_probe, list_probes
+from undercurrent.probes.base import scores_records_at_once
 from undercurrent.probes.sae import SaeProbe, hook_site
 from undercurrent.probes.sae_files import (
     SaeFileError,
@@ -20,7 +21,6 @@ from undercurrent.probes.sae_files import (
     sae_decoder_direction,
 )
 from undercurrent.records import SignalAction
-from undercurrent.router.binding import batches_natively
 from undercurrent.spec import parse_dict
 
 
@@ -157,9 +157,9 @@ def test_top_k_reports_the_most_active_features_in_order(tmp_path):
     assert verdict["features"][0]["first_crossing_token_index"] is None
 
 
-def test_sae_probe_scores_batches_natively(tmp_path):
+def test_sae_probe_scores_scores_records_at_once(tmp_path):
     write_sae(tmp_path)
-    assert batches_natively(SaeProbe(path=tmp_path))
+    assert scores_records_at_once(SaeProbe(path=tmp_path))
 
 
 @pytest.mark.parametrize(("hook", "site"), [

@@ -393,6 +393,19 @@ def _class_scores_batches(cls: type) -> bool:
     return True
 
 
+def scores_records_at_once(probe: Any) -> bool:
+    """Whether the router hands ``probe`` a call's records in one
+    :meth:`Probe.on_activations` call: its class overrides ``on_activations``,
+    and no subclass below that override redefines ``on_activation`` (a built-in's
+    subclass with its own ``on_activation`` is served per record)."""
+    cls = type(probe)
+    many = _owner(cls, "on_activations")
+    if many is None or many is Probe:
+        return False
+    one = _owner(cls, "on_activation")
+    return one is None or one is many or not issubclass(one, many)
+
+
 def supported_kinds(cls: type) -> tuple[ProbeKind, ...]:
     """The ``probe_kind`` a probe class declares, normalised to a tuple of enums.
 

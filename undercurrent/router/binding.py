@@ -36,7 +36,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from undercurrent.probes.base import Probe, RequestContext, scores_batches
+from undercurrent.probes.base import (
+    RequestContext,
+    scores_batches,
+    scores_records_at_once,
+)
 from undercurrent.records import (
     ActivationBatch,
     ActivationRecord,
@@ -94,12 +98,6 @@ class _Where:
     def __init__(self, token_index: int, layer: int) -> None:
         self.token_index = token_index
         self.layer = layer
-
-
-def batches_natively(probe: Any) -> bool:
-    """Whether the probe's class overrides :meth:`Probe.on_activations`."""
-    method = getattr(type(probe), "on_activations", None)
-    return method is not None and method is not Probe.on_activations
 
 
 def _check_signal(signal: Any, method: str) -> None:
@@ -267,7 +265,7 @@ class Binding:
         and in which group, if any."""
         self._probe = probe
         self._native = native = scores_batches(probe)
-        self._batched = native or batches_natively(probe)
+        self._batched = native or scores_records_at_once(probe)
         if native:
             self._set_group(probe)
 
