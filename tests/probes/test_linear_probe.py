@@ -96,6 +96,40 @@ def test_softmax_multiclass_scores_the_chosen_class_by_index_or_label(tmp_path):
         LinearProbe(path=path, class_index="huge")
 
 
+@pytest.mark.parametrize("mode", ["inline", "async"])
+def test_points_with_the_same_weights_and_other_label_names_each_name_their_own(
+        tmp_path, mode):
+    # Two files of equal weights, labelled apart, on the same rows of a generation:
+    # the values one point computes are not the other's (its labels are its file's).
+    pytest.importorskip("transformers")
+    from undercurrent import ProbedModel
+    from undercurrent.spec import ProbeSpec
+
+    rng = np.random.default_rng(3)
+    weight, bias = rng.normal(size=(3, 128)) * 0.05, rng.normal(size=3)
+    names = {"abc": ["a", "b", "c"], "xyz": ["x", "y", "z"]}
+    points = tuple(ExtractionPoint(
+        name=name, layers=(1, 2), tensor_type="residual_stream", position="generated[*]",
+        probe_type="linear_probe", probe_kind="trajectory", execution_mode=mode,
+        probe_args={"path": str(save_linear_weights(tmp_path / f"{name}.safetensors",
+                                                    weight, bias, label_names=labels)),
+                    "class_index": labels[1]})
+        for name, labels in names.items())
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=ProbeSpec(points))
+    try:
+        (output,) = model.generate(["the cat"], max_new_tokens=5, records=True)
+    finally:
+        model.close()
+    for name, labels in names.items():
+        records = [r for r in output.records if r.extraction_point_name == name]
+        signals = output.results[name].signals
+        assert len(signals) == len(records) == 8
+        for signal, record in zip(signals, records, strict=True):
+            logits = weight @ record.tensor.float().numpy().astype(np.float64) + bias
+            assert signal.metadata["label"] == labels[1]
+            assert signal.metadata["top_label"] == labels[int(np.argmax(logits))]
+
+
 def test_two_class_softmax_defaults_to_the_second_class():
     weight = np.stack([np.zeros(8), W])
     probe = LinearProbe(weight=weight, bias=[0.0, B])

@@ -208,9 +208,10 @@ class LinearReadout:
     @property
     def key(self) -> tuple[Any, ...]:
         """Equal for readouts that score every activation the same way (same
-        weights, bias, link and class)."""
+        weights, bias, link and class) and name its labels alike."""
         if self._key is None:
-            self._key = ("linear_readout", self.link, self.class_index, self.weights.digest)
+            self._key = ("linear_readout", self.link, self.class_index, self.weights.digest,
+                         tuple(self.label_names or ()))
         return self._key
 
 
