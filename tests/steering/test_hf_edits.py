@@ -191,6 +191,39 @@ def test_a_triggered_edit_applies_from_the_pass_after_the_flagging_token(tiny):
     assert {e.generated_index for e in outputs[1].edits} == set(range(3, len(tokens[1]) - 1))
 
 
+@pytest.mark.parametrize("watched", ["generated[2]", "generated[0:3]"])
+def test_a_triggered_strided_edit_applies_at_its_own_tokens_beside_points_of_another_phase(
+        tiny, watched):
+    # An edit of the even tokens, switched on by a flag at generated token 2,
+    # beside a point of the odd tokens (the one token after the flag is in the
+    # point's phase, not the edit's): the edit applies from token 4 at every second
+    # token, as a hand hook on the even tokens from 4 gives.
+    v = direction(seed=12)
+    watch = ExtractionPoint(name="watch", layers=(0,), tensor_type="residual_stream",
+                            position=watched, probe_type="flag_at", probe_kind="single_shot",
+                            probe_args={"word": "office", "at": 2})
+    odd = ExtractionPoint(name="odd", layers=(2,), tensor_type="residual_stream",
+                          position="generated[1:]", stride=2, probe_type="norm_probe",
+                          probe_kind="single_shot")
+    steer = edit("add", v, 8.0, layer=2, stride=2, when={"point": "watch", "action": "flag"})
+    with ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=[watch, odd],
+                     probes={"flag_at": FlagAt}) as probed:
+        outputs = probed.generate(PROMPTS, max_new_tokens=NEW, edits=[steer])
+
+    def even_from_4(forward: int, hidden: torch.Tensor):  # (forward k feeds token k - 1)
+        fed = forward - 1
+        if fed < 4 or fed % 2 or hidden.shape[1] != 1:
+            return None
+        out = hidden.clone()
+        out[1, 0] += 8.0 * v
+        return out
+
+    expected, _ = hooked_generate(tiny, PROMPTS, NEW, 2, "residual_stream", even_from_4)
+    assert [list(o.token_ids) for o in outputs] == expected
+    assert outputs[1].edited_tokens == tuple(range(4, NEW - 1, 2))
+    assert outputs[0].edits == () and outputs[2].edits == ()
+
+
 def test_spec_edits_apply_to_every_request_and_stream_takes_edits(tiny):
     v = direction(seed=13)
     spec = {"version": "2", "extraction_points": [],

@@ -157,7 +157,10 @@ def _steady_with_edits(steady: tuple[int, int, int | None] | None, edits: Sequen
             armed_at = armed.get(edit.name)
             if armed_at is None or span is None:
                 continue
-            span = (max(span[0], armed_at + 1), span[1])
+            if armed_at + 1 > span[0]:
+                # (its first token from the one after: of its stride, from its own first)
+                behind = armed_at + 1 - span[0]
+                span = (span[0] + -(-behind // edit.stride) * edit.stride, span[1])
         if span is None:
             continue
         begins, ends = span
