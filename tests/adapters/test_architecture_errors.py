@@ -44,6 +44,15 @@ def test_both_backends_raise_the_one_architecture_error():
         layers=[types.SimpleNamespace(self_attn=object())]))
     with pytest.raises(UnsupportedArchitectureError, match="layer 0 has no MLP block"):
         layout.locate(layerless)
+    # A class of vLLM's Transformers modeling backend, with layers where a native
+    # model has them: refused all the same (tests/vllm/engine/test_vllm_refusals.py
+    # loads one).
+    wrapped = type("TransformersForCausalLM", (), {
+        "__module__": "vllm.model_executor.models.transformers"})()
+    wrapped.model = types.SimpleNamespace(layers=[types.SimpleNamespace(
+        self_attn=object(), mlp=object())])
+    with pytest.raises(UnsupportedArchitectureError, match="Transformers modeling backend"):
+        layout.locate(wrapped)
 
 
 class _OpaqueCache:

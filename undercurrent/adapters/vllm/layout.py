@@ -17,6 +17,8 @@ _LAYER_LISTS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_ne
                 "transformer.layers", "model.language_model.layers")
 _ATTENTION = ("self_attn", "attn", "attention", "self_attention")
 _MLP = ("mlp", "feed_forward", "ffn")
+#: The module of vLLM's Transformers modeling backend (its fallback model classes).
+_TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
 _FINAL_NORMS = ("model.norm", "model.decoder.final_layer_norm", "transformer.ln_f",
                 "gpt_neox.final_layer_norm", "transformer.norm_f", "model.language_model.norm")
 
@@ -68,6 +70,15 @@ def locate(model: Any) -> ModelLayout:
     :class:`~undercurrent.adapters.capabilities.UnsupportedArchitectureError` (the
     same error the Hugging Face backend raises for a model it cannot hook)."""
     class_name = type(model).__name__
+    if (type(model).__module__.startswith(_TRANSFORMERS_BACKEND)
+            or class_name.startswith("Transformers")):
+        # (it wraps the transformers model, whose layers are found below but see
+        # the step's tokens flattened: their rows are not the requests' own)
+        raise UnsupportedArchitectureError(
+            f"vLLM runs this model through its Transformers modeling backend (class "
+            f"{class_name!r}: model_impl='transformers', or no native vLLM class for the "
+            "architecture); the vLLM adapter hooks vLLM's native model classes only: use "
+            "backend='hf' for this model")
     layers = next((found for path in _LAYER_LISTS
                    if (found := _resolve(model, path)) is not None), None)
     if layers is None or len(layers) == 0:
