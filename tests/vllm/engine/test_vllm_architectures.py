@@ -1,0 +1,66 @@
+"""Decoder families other than Llama on the vLLM backend, each a random tiny model
+(float32) with the bundled tokenizer: every tensor type at prompt and generated
+positions gives the HF backend's tokens and records. OPT has no MLP module: its
+``mlp_out`` is the ``fc2`` projection on both backends."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from vllm_engine_helpers import compare, hf_reference, prompts, spec_points
+
+from undercurrent.adapters.base import SamplingParams
+from undercurrent.adapters.session import CaptureSession
+from undercurrent.api import ProbedModel
+from undercurrent.models import tiny_model_path
+
+CONFIGS = {
+    "gpt2": dict(n_embd=128, n_layer=3, n_head=2, n_positions=256),
+    "opt": dict(hidden_size=128, ffn_dim=256, num_hidden_layers=3, num_attention_heads=2,
+                max_position_embeddings=256, word_embed_proj_dim=128),
+    "qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                  tie_word_embeddings=False),
+}
+
+
+def build(model_type: str, directory: Path) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=189, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0, **CONFIGS[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():  # (weights large enough that every layer moves the tokens)
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_path() / name, directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_each_family_gives_the_hf_backend_s_tokens_and_records(model_type, tmp_path):
+    model_dir = build(model_type, tmp_path)
+    texts = [" ".join(text.split()[:40]) for text in prompts(6)]
+    params = SamplingParams(max_new_tokens=6)
+    points = spec_points(3)
+    expected = hf_reference(model_dir, texts, points, params)
+    with ProbedModel.from_pretrained(model_dir) as hf:
+        layers = hf.capabilities().layers
+    loaded = ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                         max_model_len=256)
+    try:
+        assert loaded.capabilities().layers == layers
+        session = CaptureSession(None, points, keep_records=True)
+        outputs = loaded.backend.generate(texts, [f"r{i}" for i in range(len(texts))], params,
+                                          session)
+    finally:
+        loaded.close()
+    assert all(output.records for output in outputs)
+    compare(outputs, expected, atol=1e-3)  # (float32 rounding of activations in the tens)
