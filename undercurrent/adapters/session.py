@@ -637,13 +637,17 @@ class RequestState:
 
     def arm(self, point_name: str, action: SignalAction, token_index: int) -> bool:
         """Switch on the triggered edits waiting for ``action`` from ``point_name``
-        (each from the token after ``token_index`` on); True where one was. The
+        (each from the token after ``token_index`` on; from the first generated
+        token where ``token_index`` is a prompt token, as where the prompt is fed
+        in one pass, though vLLM may feed its later tokens in later passes);
+        True where one was. The
         request's :attr:`steady_from` is then worked out again (its edits
         changed): where each edit switched on is continuous, unbounded and of
         stride 1, the request is steady again from the first token it applies
         to (with :attr:`steady_until_armed`; else its steps are planned each as
         it comes)."""
         switched = False
+        token_index = max(token_index, self.prompt_len - 1)
         for resolved in self.edits:
             trigger = resolved.edit.when
             if (trigger is not None and trigger.point == point_name

@@ -290,6 +290,45 @@ def test_a_stream_s_last_event_carries_the_edits_of_the_aborting_forward(backend
         backend, num_layers)).stream(texts[4], max_new_tokens=MAX_NEW_TOKENS)))
 
 
+def test_an_edit_switched_on_at_a_prompt_token_applies_from_the_first_generated_one(
+        model_dir, backend, reference, num_layers):
+    # A flag on prompt[0] switches on edits of prompt[-1] and of the generated
+    # tokens. The HF backend feeds the prompt in one pass, so the prompt's edit
+    # never applies; vLLM feeds a prompt longer than a step's budget in several,
+    # and must not apply it to the later ones either. HF is the oracle.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts, _ = reference
+    texts = texts[-3:]  # (the last two are longer than a step's token budget)
+    assert max(len(text.split()) for text in texts) > CHUNK_BUDGET
+    spec = {"version": "2", "extraction_points": [
+        {"name": "flagger", "layers": 0, "tensor_type": "residual_stream",
+         "position": "prompt[0]", "probe_type": "norm_probe", "probe_kind": "single_shot",
+         "probe_args": {"threshold": 0.0, "action": "flag"}},
+        {"name": "after", "layers": [2, num_layers - 1], "tensor_type": "residual_stream",
+         "position": "prompt[-1]", "probe_type": "norm_probe", "probe_kind": "single_shot"},
+        {"name": "generated", "layers": 2, "tensor_type": "residual_stream",
+         "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory"}],
+        "edits": [
+            {"name": f"on_{where}", "layers": 1, "tensor_type": "residual_stream",
+             "position": position, "op": "add", "coefficient": 3.0,
+             "vector": [((i * 7) % 5 - 2) / 2.0 for i in range(128)],
+             "when": {"point": "flagger", "action": "flag"}}
+            for where, position in (("prompt", "prompt[-1]"), ("generated", "generated[*]"))]}
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    with ProbedModel(hf_model, AutoTokenizer.from_pretrained(model_dir), spec=spec,
+                     batch_size=len(texts)) as hf:
+        expected = hf.generate(texts, max_new_tokens=6, records=True,
+                               request_ids=[f"t{i}" for i in range(len(texts))])
+    with ProbedModel(backend, spec=spec) as model:
+        outputs = model.generate(texts, max_new_tokens=6, records=True,
+                                 request_ids=[f"t{i}" for i in range(len(texts))])
+    compare(outputs, expected)
+    for ours, theirs in zip(outputs, expected, strict=True):
+        assert {e.edit_name for e in theirs.edits} == {"on_generated"}
+        assert list(ours.edits) == list(theirs.edits)
+
+
 def test_stop_strings_end_the_text_before_the_stop_string(backend, reference, baseline):
     texts, _ = reference
     candidates = []
