@@ -178,3 +178,34 @@ def test_a_mean_of_generated_tokens_on_a_prompt_point_is_refused_before_writing(
     assert summary.requests == len(PROMPTS)
     assert set(open_activations(out).index["extraction_point_name"]) == {
         "resid", "kv_last_prompt", "mlp"}
+
+
+@pytest.mark.parametrize(("position", "generated"), [
+    ("prompt[-1]+1", True), ("generated[0]-1", False), ("generated[2]-2", True),
+    ("prompt[-2]", False)])
+def test_a_mean_of_generated_tokens_follows_the_tokens_an_offset_selects(
+        tiny, tmp_path, position, generated):
+    # prompt[-1]+1 is generated token 0 (stored: the mean of that one token);
+    # generated[0]-1 is the last prompt token (refused: it would store nothing).
+    from undercurrent import ProbedModel
+    from undercurrent.spec import ExtractionPoint, ProbeSpec
+
+    point = ExtractionPoint(name="p", layers=(2,), tensor_type="residual_stream",
+                            position=position, probe_type="norm_probe",
+                            probe_kind="single_shot")
+    model = ProbedModel(tiny.backend, spec=ProbeSpec((point,)))
+    out = tmp_path / "offset"
+    if not generated:
+        with pytest.raises(ValueError, match=r"selects prompt tokens only"):
+            model.capture(PROMPTS, out, reduce={"p": "mean_generated"}, **GOOD)
+        assert not out.exists()
+        return
+    model.capture(PROMPTS, out, reduce={"p": "mean_generated"}, **GOOD)
+    live = model.generate(PROMPTS, records=True, max_new_tokens=GOOD["max_new_tokens"],
+                          batch_size=GOOD["batch_size"])
+    stored = open_activations(out).vectors()
+    assert stored.shape[0] == len(PROMPTS)
+    for row, output in zip(stored, live, strict=True):
+        (record,) = output.records
+        assert record.is_generated
+        np.testing.assert_allclose(row, record.tensor.float().numpy(), rtol=0, atol=1e-6)

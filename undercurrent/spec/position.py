@@ -63,6 +63,18 @@ class PositionSelector:
         """True for ``generated[*]`` and slices: they match many tokens."""
         return self.kind in (PositionKind.GENERATED_ALL, PositionKind.GENERATED_SLICE)
 
+    @property
+    def prompt_only(self) -> bool:
+        """True where no prompt length makes it select a generated token: a prompt
+        token's selector whose offset stays in the prompt (``prompt[-1]``,
+        ``prompt[0]``, ``generated[0]-1``; not ``prompt[-1]+1``, which is
+        ``generated[0]``, nor ``prompt[2]+3``, past a short prompt's end)."""
+        if self.kind is PositionKind.PROMPT:
+            return self.index + self.offset < 0 if self.index < 0 else self.offset <= 0
+        if self.kind is PositionKind.GENERATED:
+            return self.index + self.offset < 0
+        return False
+
     def target_index(self, prompt_len: int) -> int | None:
         """The one absolute token index a single-token selector picks, or None when
         the selector is continuous or points outside the sequence."""

@@ -31,7 +31,6 @@ from undercurrent.adapters.base import (
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.spec import edit_to_dict, extraction_point_to_dict
-from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
     STORAGE_DTYPES,
@@ -141,7 +140,7 @@ def capture_activations(
         reduce=reduce, shard=shard, point_names=names)
     for point in model.points:
         if (settings.reductions[point.name].tokens == "mean_generated"
-                and point.position.kind is PositionKind.PROMPT):
+                and point.position.prompt_only):
             raise ValueError(
                 f"reduce[{point.name!r}]='mean_generated' averages a request's generated "
                 f"tokens, but point {point.name!r} (position {str(point.position)!r}) "
