@@ -56,13 +56,16 @@ def add_capture_command(subparsers: Any) -> None:
 
 
 def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a ``.txt`` (one per non-empty line) or ``.jsonl`` file."""
+    """Prompts from a ``.txt`` (one per non-empty line) or ``.jsonl`` file. Lines
+    end at a newline alone (``\n``, ``\r\n`` or ``\r``): other characters Python
+    counts as line breaks (U+2028, form feed, ...) stay in their prompt, as in a
+    JSON string; a UTF-8 byte order mark before the first line is dropped."""
     source = Path(path)
-    text = source.read_text(encoding="utf-8")
+    text = source.read_text(encoding="utf-8-sig")
     if source.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"{str(source)!r}: prompts must be a .txt or .jsonl file")
     prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         if source.suffix == ".txt":

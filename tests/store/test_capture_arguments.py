@@ -128,6 +128,22 @@ def test_cli_refuses_a_prompts_file_without_prompts(tmp_path, capsys):
     assert len(open_activations(out).outputs) == len(PROMPTS)
 
 
+def test_prompts_files_break_lines_at_newlines_only_and_drop_a_byte_order_mark(tmp_path):
+    # U+2028 and a form feed are text inside a prompt (a JSON string may hold them
+    # raw); a UTF-8 BOM, as some editors write, is not part of the first prompt.
+    import json
+
+    from undercurrent.capture_cli import read_prompts
+
+    prompts = ["user : a\u2028b ? assistant :", "user : c\fd ? assistant :", "e\u0085f"]
+    txt, jsonl = tmp_path / "p.txt", tmp_path / "p.jsonl"
+    txt.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(prompts).encode() + b"\n\n")
+    jsonl.write_bytes(b"\xef\xbb\xbf" + "\n".join(
+        json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts).encode())
+    assert read_prompts(txt) == prompts
+    assert read_prompts(jsonl) == prompts
+
+
 def test_values_past_float16_s_range_are_stored_as_infinity_with_a_warning_naming_them(
         tmp_path):
     # A large steering edit at layer 1 drives layer 2's residual stream past 65504:
