@@ -34,8 +34,10 @@ def _cli(*args: str) -> subprocess.Popen:
 def test_parts_are_disjoint_and_cover_the_prompts():
     for n_prompts in (0, 1, 7, 100):
         for count in (1, 2, 3, 8):
-            parts = [list(part_range(i, count, n_prompts)) for i in range(count)]
-            assert sorted(sum(parts, [])) == list(range(n_prompts))
+            for grid in (1, 3, 4):
+                parts = [list(part_range(i, count, n_prompts, grid)) for i in range(count)]
+                assert sorted(sum(parts, [])) == list(range(n_prompts))
+                assert all(part[0] % grid == 0 for part in parts if part)
     assert parse_part("2/4") == (2, 4)
     for bad in ("4/4", "1", "a/b", "-1/2"):
         with pytest.raises(ValueError, match="i/N|0 <= i < N"):
@@ -105,3 +107,21 @@ def test_one_writer_per_part_and_one_capture_per_directory(tmp_path):
     finally:
         first.close()
     StoreWriter(tmp_path, identity, "part0000of0001").close()  # the lock was released
+
+
+def test_seeded_sampling_in_parts_and_resumed_stores_what_generate_samples(tiny, tmp_path):
+    # On the HF backend a seeded batch is sampled from one generator: parts and
+    # resumes take generate()'s batches, so the texts are generate()'s, and a
+    # resume with another batch size is refused (it would sample other texts).
+    prompts = corpus_prompts(10, seed=5)[0]
+    settings = dict(max_new_tokens=8, temperature=1.0, seed=3, batch_size=4, progress=False)
+    live = tiny.generate(prompts, max_new_tokens=8, temperature=1.0, seed=3, batch_size=4)
+    for parts in ("0/1", "0/3 1/3 2/3", "2/3 0/3 1/3"):
+        out = tmp_path / parts.replace("/", "of").replace(" ", "_")
+        for part in parts.split():
+            tiny.capture(prompts, out, shard=part, **settings)
+        texts = open_activations(out).outputs.sort_values("prompt_index")["text"]
+        assert list(texts) == [output.text for output in live], parts
+    assert len({output.text for output in live}) > 1  # (sampled: the texts differ)
+    with pytest.raises(StoreError, match="different sampling.*batch size"):
+        tiny.capture(prompts, tmp_path / "0of1", **{**settings, "batch_size": 3})

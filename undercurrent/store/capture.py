@@ -12,11 +12,12 @@ construction those ``generate(records=True)`` returns.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -147,34 +148,42 @@ def capture_activations(
                 "selects prompt tokens only: nothing would be stored; use 'last_token' "
                 "or no reduction")
     index, count = settings.part
+    batch_size = settings.batch_size
+    if batch_size is None:
+        batch_size = VLLM_CHUNK if model.backend.name == "vllm" else model.batch_size
+    # Seeded sampling on the HF backend draws each batch from one generator seeded
+    # for the batch (vLLM seeds each prompt): the batches are then part of what is
+    # stored. Every part and resume takes the batches generate() would, the prompts
+    # [k * batch_size, (k + 1) * batch_size), and the batch size is recorded.
+    grid = (batch_size if model.backend.name != "vllm" and seed is not None
+            and settings.sampling["temperature"] > 0 else None)
+    sampling = settings.sampling if grid is None else {**settings.sampling, "batch_size": grid}
     identity = {
         "model": model.backend.model_name,
         "points": [extraction_point_to_dict(point) for point in model.points],
         "reductions": {name: r.as_dict() for name, r in settings.reductions.items()},
         "storage_dtype": settings.storage_dtype,
-        "sampling": settings.sampling,
+        "sampling": sampling,
         "prompts": {"count": len(prompts), "sha256": prompts_digest(prompts)},
         "generation": generation_identity(model),
     }
-    batch_size = settings.batch_size
-    if batch_size is None:
-        batch_size = VLLM_CHUNK if model.backend.name == "vllm" else model.batch_size
     started = time.perf_counter()
     writer = StoreWriter(out_dir, identity, part_name(index, count), resume=resume,
                          shard_prompts=shard_prompts)
-    mine = part_range(index, count, len(prompts))
+    mine = part_range(index, count, len(prompts), grid or 1)
     todo = [k for k in mine if k not in writer.completed]
     bar = _progress(len(todo), len(mine) - len(todo), progress)
     try:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start:start + batch_size]
+        for chunk in _chunks(todo, batch_size, grid):
             # Seeded as generate() seeds the batch starting at prompt chunk[0] of the
-            # whole list (seed + chunk[0]): the store holds what generate() returns.
+            # whole list (seed + chunk[0]; with a grid, its batch's first prompt):
+            # the store holds what generate() returns.
+            first = chunk[0] if grid is None else chunk[0] - chunk[0] % grid
             outputs = model.generate(
                 [prompts[k] for k in chunk], request_ids=[request_id_for(k) for k in chunk],
                 records=True, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_p=top_p, top_k=top_k, stop=stop, batch_size=len(chunk),
-                seed=None if seed is None else call_seed(seed, chunk[0]))
+                seed=None if seed is None else call_seed(seed, first))
             tokens = sum(len(output.token_ids) for output in outputs)
             vectors = writer.add(outputs, chunk)
             del outputs
@@ -191,6 +200,17 @@ def capture_activations(
     return CaptureSummary(path=Path(out_dir), requests=writer.requests, vectors=writer.vectors,
                           bytes=writer.bytes, skipped=len(mine) - len(todo),
                           seconds=time.perf_counter() - started)
+
+
+def _chunks(todo: list[int], batch_size: int, grid: int | None) -> Iterator[list[int]]:
+    """The batches of prompt indices ``todo``: ``batch_size`` at a time, or, on a
+    ``grid``, those of each ``[k * grid, (k + 1) * grid)`` together."""
+    if grid is None:
+        for start in range(0, len(todo), batch_size):
+            yield todo[start:start + batch_size]
+        return
+    for _, cell in itertools.groupby(todo, key=lambda k: k // grid):
+        yield list(cell)
 
 
 @dataclass(frozen=True)

@@ -218,9 +218,12 @@ def parse_part(shard: str | tuple[int, int] | None) -> tuple[int, int]:
     return index, count
 
 
-def part_range(index: int, count: int, n_prompts: int) -> range:
-    """The prompt indices of part ``index`` of ``count``: contiguous, disjoint, covering."""
-    return range(index * n_prompts // count, (index + 1) * n_prompts // count)
+def part_range(index: int, count: int, n_prompts: int, grid: int = 1) -> range:
+    """The prompt indices of part ``index`` of ``count``: contiguous, disjoint,
+    covering; each bound a multiple of ``grid`` (or the end)."""
+    cells = -(-n_prompts // grid)
+    return range(min(index * cells // count * grid, n_prompts),
+                 min((index + 1) * cells // count * grid, n_prompts))
 
 
 def part_name(index: int, count: int) -> str:

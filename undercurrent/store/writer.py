@@ -448,7 +448,8 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
             f"{str(root)!r} holds a capture with a different {', '.join(differ)}{older}; a "
             "store (every --shard part, every resume) needs the same model, model dtype, "
             "spec (its edits included), capture_last_token, reductions, storage dtype, "
-            "sampling settings and prompt list. Use another directory.")
+            "sampling settings (and, for seeded sampling on the HF backend, batch size) "
+            "and prompt list. Use another directory.")
 
 
 def _completed_prompts(root: Path) -> set[int]:
