@@ -128,6 +128,24 @@ def test_cli_refuses_a_prompts_file_without_prompts(tmp_path, capsys):
     assert len(open_activations(out).outputs) == len(PROMPTS)
 
 
+def test_a_capture_the_model_refuses_leaves_no_directory_and_the_corrected_one_runs(
+        tiny, tmp_path):
+    # Past the bundled model's context: refused by generate() itself, after the
+    # store's directory was made; it is removed, so the corrected call is not
+    # refused as a capture with other sampling settings.
+    out = tmp_path / "ctx"
+    with pytest.raises(ValueError, match="the model's context is"):
+        tiny.capture(PROMPTS, out, **{**GOOD, "max_new_tokens": 400})
+    assert not out.exists()
+    assert tiny.capture(PROMPTS, out, **GOOD).requests == len(PROMPTS)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(ValueError, match="the model's context is"):
+        tiny.capture(PROMPTS, existing, **{**GOOD, "max_new_tokens": 400})
+    assert existing.is_dir() and not any(existing.iterdir())  # (kept, as it was)
+    assert tiny.capture(PROMPTS, existing, **GOOD).requests == len(PROMPTS)
+
+
 def test_prompts_files_break_lines_at_newlines_only_and_drop_a_byte_order_mark(tmp_path):
     # U+2028 and a form feed are text inside a prompt (a JSON string may hold them
     # raw); a UTF-8 BOM, as some editors write, is not part of the first prompt.

@@ -212,12 +212,23 @@ def test_an_interrupt_commits_whole_batches_and_a_failed_write_commits_nothing(
     assert sorted(open_activations(tmp_path / "a").outputs["prompt_index"]) == [0, 1]
     monkeypatch.setattr(type(tiny), "generate", generate)
 
+    add_outputs = writer._OpenShard.add_outputs
+    writes = {"n": 0}
+
     def broken(self, outputs, indices):
-        raise OSError("disk full")
+        writes["n"] += 1
+        if writes["n"] == 2:
+            raise OSError("disk full")
+        return add_outputs(self, outputs, indices)
 
     monkeypatch.setattr(writer._OpenShard, "add_outputs", broken)
     with pytest.raises(OSError, match="disk full"):
         tiny.capture(prompts, tmp_path / "b", progress=False, **OPTIONS)
+    # (the shard open holds half a batch: it is dropped, the whole one with it)
     store = open_activations(tmp_path / "b")
     assert len(store) == 0 and store.n_prompts == 0
     assert not list((tmp_path / "b" / "shards").glob(".tmp-*"))
+    writes["n"] = 1
+    with pytest.raises(OSError, match="disk full"):  # (its first batch: nothing stored,
+        tiny.capture(prompts, tmp_path / "c", progress=False, **OPTIONS)  # and no directory)
+    assert not (tmp_path / "c").exists()

@@ -65,10 +65,13 @@ class StoreWriter:
                            for name, value in identity["reductions"].items()}
         self.storage_dtype: str | None = identity["storage_dtype"]
         self.point_order = [point["name"] for point in identity["points"]]
+        # (what this writer makes, removed where nothing is stored: see abandon)
+        self._made = [path for path in (self.root, self.root / SHARDS) if not path.exists()]
         (self.root / SHARDS).mkdir(parents=True, exist_ok=True)
         self._lock = _lock_part(self.root / SHARDS / f".lock-{part}", part)
         try:
-            _ensure_manifest(self.root, {"format": STORE_FORMAT, **identity})
+            if _ensure_manifest(self.root, {"format": STORE_FORMAT, **identity}):
+                self._made.append(self.root / MANIFEST)
             mine = [p for p in committed_shards(self.root) if p.name.startswith(part + "-")]
             if mine and not resume:
                 raise StoreError(
@@ -182,7 +185,10 @@ class StoreWriter:
 
     def abandon(self) -> None:
         """After an error or interrupt: commit the open shard if it holds only whole
-        batches (they are complete prompts), else drop it; release the lock."""
+        batches (they are complete prompts), else drop it; release the lock. A
+        directory this writer made and nothing was stored in (a call refused by the
+        model, e.g. past its context) is left as it was found: what this writer made
+        of it is removed."""
         try:
             if self._open is not None:
                 if self._open.whole and self._open.prompt_indices:
@@ -192,6 +198,17 @@ class StoreWriter:
                     self._open = None
         finally:
             self._lock.close()
+        lock = self.root / SHARDS / f".lock-{self.part}"
+        if (self.requests == 0 and self.root / MANIFEST in self._made
+                and [p.name for p in lock.parent.iterdir()] == [lock.name]):
+            # (no other writer has begun: its lock file would be there)
+            with contextlib.suppress(OSError):
+                lock.unlink()
+                for path in reversed(self._made):
+                    if path.is_dir():
+                        path.rmdir()  # (empty, or left as it is)
+                    else:
+                        path.unlink()
 
 
 def _point_entries(outputs: Sequence[Any], prompt_indices: Sequence[int]
@@ -421,14 +438,17 @@ def _lock_part(path: Path, part: str) -> _PartLock:
     return _PartLock(handle)
 
 
-def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
-    """Create ``store.json`` atomically, or check that the existing one matches."""
+def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> bool:
+    """Create ``store.json`` atomically, or check that the existing one matches;
+    True where this call created it."""
     target = root / MANIFEST
+    made = False
     if not target.exists():
         tmp = root / f"{TMP_PREFIX}{MANIFEST}.{os.getpid()}"
         write_json(tmp, dict(manifest))
         try:
             os.link(tmp, target)  # fails if another writer created it first
+            made = True
         except FileExistsError:
             pass
         finally:
@@ -450,6 +470,7 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> None:
             "spec (its edits included), capture_last_token, reductions, storage dtype, "
             "sampling settings (and, for seeded sampling on the HF backend, batch size) "
             "and prompt list. Use another directory.")
+    return made
 
 
 def _completed_prompts(root: Path) -> set[int]:
