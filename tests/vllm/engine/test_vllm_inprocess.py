@@ -320,9 +320,8 @@ def test_an_edit_switched_on_at_a_prompt_token_applies_from_the_first_generated_
                      batch_size=len(texts)) as hf:
         expected = hf.generate(texts, max_new_tokens=6, records=True,
                                request_ids=[f"t{i}" for i in range(len(texts))])
-    with ProbedModel(backend, spec=spec) as model:
-        outputs = model.generate(texts, max_new_tokens=6, records=True,
-                                 request_ids=[f"t{i}" for i in range(len(texts))])
+    outputs = ProbedModel(backend, spec=spec).generate(  # (the file's engine: kept open)
+        texts, max_new_tokens=6, records=True, request_ids=[f"t{i}" for i in range(len(texts))])
     compare(outputs, expected)
     for ours, theirs in zip(outputs, expected, strict=True):
         assert {e.edit_name for e in theirs.edits} == {"on_generated"}
