@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.adapters.arguments import check_device
-from undercurrent.adapters.capabilities import CapabilityError
+from undercurrent.adapters.base import BackendError
 from undercurrent.api import ProbedModel
-from undercurrent.spec import SpecValidationError
-from undercurrent.store.capture import capture_settings
-from undercurrent.store.format import StoreError, parse_reductions
+from undercurrent.store.capture import capture_settings, check_point_reductions
+from undercurrent.store.format import StoreError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -111,17 +110,21 @@ def run_capture(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError) as error:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_USAGE
+    # What a user can get wrong in the spec, its probes, the model or the store is
+    # one message and exit 1 (ValueError covers SpecValidationError,
+    # CapabilityError, RouterError and ProbeFileError), as for `run`.
+    user_errors = (ValueError, OSError, BackendError, StoreError)
     try:
         model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
                                             device=args.device)
-    except (SpecValidationError, CapabilityError, OSError) as error:
+    except user_errors as error:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_FAILURE
     with model:
         try:
-            # Only the spec knows its point names: --reduce naming another is still
-            # a bad argument.
-            parse_reductions(reductions, [point.name for point in model.points])
+            # Only the spec knows its point names and positions: --reduce naming
+            # another, or asking what would store nothing, is still a bad argument.
+            check_point_reductions(model.points, reductions)
         except ValueError as error:
             print(f"capture: {error}", file=sys.stderr)
             return EXIT_USAGE
@@ -131,7 +134,7 @@ def run_capture(args: argparse.Namespace) -> int:
                 temperature=args.temperature, seed=args.seed, batch_size=args.batch_size,
                 storage_dtype=args.storage_dtype, resume=not args.no_resume,
                 progress=not args.no_progress, reduce=reductions, shard=args.shard)
-        except (StoreError, ValueError) as error:
+        except user_errors as error:
             print(f"capture: {error}", file=sys.stderr)
             return EXIT_FAILURE
     print(f"{summary.requests} prompts ({summary.skipped} already done), {summary.vectors} "

@@ -102,6 +102,7 @@ def _cli_base(tmp_path, out):
     (["--batch-size", "-4"], "batch_size"),
     (["--reduce", "resid=foo"], "'resid'"),
     (["--reduce", "nope=last_token"], "'nope'"),
+    (["--reduce", "kv_last_prompt=mean_generated"], "prompt tokens only"),
 ])
 def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
         tmp_path, capsys, bad, named):
@@ -112,6 +113,25 @@ def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
     line = [text for text in err.splitlines() if text.startswith("capture:")]
     assert len(line) == 1 and named in line[0], err
     assert not out.exists()
+
+
+def test_cli_a_spec_whose_probe_file_is_missing_is_one_line_and_exit_1(tmp_path, capsys):
+    out = tmp_path / "o"
+    main, base, prompts = _cli_base(tmp_path, out)
+    spec = tmp_path / "missing.yaml"
+    spec.write_text("""
+version: "1"
+extraction_points:
+  - {name: guard, layers: 2, tensor_type: residual_stream, position: "generated[*]",
+     probe_type: linear_probe, probe_kind: single_shot,
+     probe_args: {path: no_such_probe.safetensors}}
+""")
+    at = base.index("--spec") + 1
+    assert main([*base[:at], str(spec), *base[at + 1:], "--prompts", str(prompts)]) == 1
+    err = capsys.readouterr().err
+    line = [text for text in err.splitlines() if text.startswith("capture:")]
+    assert len(line) == 1 and "no_such_probe.safetensors" in line[0], err
+    assert "Traceback" not in err and not out.exists()
 
 
 def test_cli_refuses_a_prompts_file_without_prompts(tmp_path, capsys):

@@ -139,14 +139,7 @@ def capture_activations(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=stop, batch_size=batch_size, storage_dtype=storage_dtype,
         reduce=reduce, shard=shard, point_names=names)
-    for point in model.points:
-        if (settings.reductions[point.name].tokens == "mean_generated"
-                and point.position.prompt_only):
-            raise ValueError(
-                f"reduce[{point.name!r}]='mean_generated' averages a request's generated "
-                f"tokens, but point {point.name!r} (position {str(point.position)!r}) "
-                "selects prompt tokens only: nothing would be stored; use 'last_token' "
-                "or no reduction")
+    check_point_reductions(model.points, settings.reductions)
     index, count = settings.part
     batch_size = settings.batch_size
     if batch_size is None:
@@ -200,6 +193,22 @@ def capture_activations(
     return CaptureSummary(path=Path(out_dir), requests=writer.requests, vectors=writer.vectors,
                           bytes=writer.bytes, skipped=len(mine) - len(todo),
                           seconds=time.perf_counter() - started)
+
+
+def check_point_reductions(points: Sequence[ExtractionPoint], reduce: Mapping[str, Any]
+                           ) -> dict[str, Reduction]:
+    """The reductions ``reduce`` asks of the spec's ``points`` (see
+    :func:`parse_reductions`), refusing what would store nothing: a mean of the
+    generated tokens of a point on prompt tokens only."""
+    reductions = parse_reductions(reduce, [point.name for point in points])
+    for point in points:
+        if reductions[point.name].tokens == "mean_generated" and point.position.prompt_only:
+            raise ValueError(
+                f"reduce[{point.name!r}]='mean_generated' averages a request's generated "
+                f"tokens, but point {point.name!r} (position {str(point.position)!r}) "
+                "selects prompt tokens only: nothing would be stored; use 'last_token' "
+                "or no reduction")
+    return reductions
 
 
 def _chunks(todo: list[int], batch_size: int, grid: int | None) -> Iterator[list[int]]:
