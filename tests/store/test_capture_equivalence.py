@@ -248,3 +248,7 @@ def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, 
     assert list(store.row_labels(dict(enumerate(labels)), index)) == [
         "a", "a", "a", "a", "b", "b", "b", "b"]
     assert list(store.row_labels(pd.Series(labels, index=index.index), index)) == labels
+    # (a Series is read by the rows' labels, as pandas aligns: in any order)
+    shuffled = pd.Series(labels, index=index.index).iloc[[3, 0, 7, 1, 6, 2, 5, 4]]
+    assert list(store.row_labels(shuffled, index)) == labels
+    assert list(store.row_labels(shuffled, index.iloc[::-1])) == labels[::-1]

@@ -383,10 +383,11 @@ class ActivationStore:
             given = [y[v] for v in values]
             _refuse_missing(given, values, column)
             return np.asarray(given)
-        if hasattr(y, "index") and hasattr(y.index, "equals") and y.index.equals(index.index):
+        if (hasattr(y, "reindex") and hasattr(y.index, "equals") and len(y) == len(index)
+                and y.index.is_unique and index.index.isin(y.index).all()):
             # (a pandas Series indexed like the rows: one label per row, whatever
-            # the counts)
-            given = y.tolist()
+            # the counts, taken by the rows' labels, in whatever order it holds them)
+            given = y.reindex(index.index).tolist()
             _refuse_missing(given, range(len(given)), "row")
             return np.asarray(given)
         if not hasattr(y, "__len__"):
