@@ -161,3 +161,33 @@ def test_python_dash_m_undercurrent_runs_the_same_command(invalid_spec: Path) ->
         capture_output=True, text=True, check=False,
     )
     assert bad.returncode == 1 and "INVALID" in bad.stdout
+
+
+def test_run_reports_a_spec_s_deprecations_as_warnings(
+    old_spec: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As validate does: one line each on stderr, the run itself unchanged.
+    assert main(["run", str(old_spec), "--model", "tiny", "--max-new-tokens", "1",
+                 "--prompt", "hi"]) == 0
+    captured = capsys.readouterr()
+    told = [line for line in captured.err.splitlines() if line.startswith("run: warning:")]
+    assert len(told) == 1 and "key 'layer' is deprecated" in told[0], captured.err
+    assert "--- 'hi'" in captured.out
+
+
+def test_a_spec_s_deprecations_point_at_the_caller_through_probed_model(
+    old_spec: Path,
+) -> None:
+    # Python shows a DeprecationWarning under its default filters only where it
+    # points at the caller's code: so it does through ProbedModel(spec=...).
+    import warnings
+
+    pytest.importorskip("torch")
+    from undercurrent import ProbedModel
+    from undercurrent.spec import SpecDeprecationWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ProbedModel.from_pretrained("undercurrent/tiny", spec=str(old_spec)).close()
+    (warning,) = [w for w in caught if issubclass(w.category, SpecDeprecationWarning)]
+    assert warning.filename == __file__

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError
 from undercurrent.api import ProbedModel
+from undercurrent.errors import one_line
+from undercurrent.spec import SpecDeprecationWarning
 from undercurrent.store.capture import capture_settings, check_point_reductions
 from undercurrent.store.format import StoreError
 
@@ -52,6 +57,25 @@ def add_capture_command(subparsers: Any) -> None:
                         help="refuse a directory that already holds this part's shards")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=run_capture)
+
+
+@contextlib.contextmanager
+def spec_deprecations_told(command: str) -> Iterator[None]:
+    """Print each :class:`SpecDeprecationWarning` raised inside (a spec loaded
+    with older key names) as one ``<command>: warning: ...`` line on stderr, as
+    ``validate`` reports them; other warnings go on as they would."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SpecDeprecationWarning)
+        try:
+            yield
+        finally:
+            told = [w for w in caught if isinstance(w.message, SpecDeprecationWarning)]
+            others = [w for w in caught if not isinstance(w.message, SpecDeprecationWarning)]
+    for warning in told:
+        print(f"{command}: warning: {one_line(warning.message)}", file=sys.stderr)
+    for warning in others:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                               warning.lineno)
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -115,8 +139,9 @@ def run_capture(args: argparse.Namespace) -> int:
     # CapabilityError, RouterError and ProbeFileError), as for `run`.
     user_errors = (ValueError, OSError, BackendError, StoreError)
     try:
-        model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
-                                            device=args.device)
+        with spec_deprecations_told("capture"):
+            model = ProbedModel.from_pretrained(args.model, spec=args.spec,
+                                                backend=args.backend, device=args.device)
     except user_errors as error:
         print(f"capture: {error}", file=sys.stderr)
         return EXIT_FAILURE

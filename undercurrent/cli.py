@@ -30,7 +30,7 @@ from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError, SamplingParams, stop_strings
 from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
 from undercurrent.api import ProbedModel
-from undercurrent.capture_cli import add_capture_command
+from undercurrent.capture_cli import add_capture_command, spec_deprecations_told
 from undercurrent.demo import add_demo_command
 from undercurrent.errors import one_line
 from undercurrent.notebook.storage import save_records
@@ -424,8 +424,9 @@ def _run_run(args: argparse.Namespace) -> int:
     # SpecValidationError, CapabilityError, RouterError and ProbeFileError.
     user_errors = (ValueError, OSError, BackendError)
     try:
-        model = ProbedModel.from_pretrained(args.model, spec=args.spec, backend=args.backend,
-                                            device=args.device)
+        with spec_deprecations_told("run"):
+            model = ProbedModel.from_pretrained(args.model, spec=args.spec,
+                                                backend=args.backend, device=args.device)
     except user_errors as error:
         print(f"run: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE

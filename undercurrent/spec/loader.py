@@ -410,13 +410,19 @@ def _parse_edits(raw_edits: Any, point_index: Mapping[str, int],
 
 
 def _warning_stacklevel() -> int:
-    """Stack level of the first frame outside undercurrent.spec (where the user called)."""
+    """Stack level of the first frame outside undercurrent (where the user called,
+    through ``parse_yaml`` or ``ProbedModel(spec=...)`` alike): Python's default
+    filters show a DeprecationWarning only where it points at the caller's code."""
     level = 1
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("undercurrent.spec"):
+    while frame is not None and _in_package(frame.f_globals.get("__name__", "")):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
+
+
+def _in_package(module: str) -> bool:
+    return module == "undercurrent" or module.startswith("undercurrent.")
 
 
 def parse_dict(data: Any, *, source: str | None = None) -> ProbeSpec:
