@@ -185,10 +185,10 @@ class StoreWriter:
 
     def abandon(self) -> None:
         """After an error or interrupt: commit the open shard if it holds only whole
-        batches (they are complete prompts), else drop it; release the lock. A
-        directory this writer made and nothing was stored in (a call refused by the
-        model, e.g. past its context) is left as it was found: what this writer made
-        of it is removed."""
+        batches (they are complete prompts), else drop it; release the lock. A call
+        that stored nothing (one the model refused at its first batch, e.g. past
+        its context) leaves the directory as it found it: what this writer made
+        there is removed, unless another writer has begun there."""
         try:
             if self._open is not None:
                 if self._open.whole and self._open.prompt_indices:
