@@ -136,6 +136,19 @@ def test_select_positions(store):
         store.select(positions="middle")
 
 
+def test_a_view_reports_its_own_rows(store):
+    # The oracle: the view's own vectors and index, read back.
+    assert store.nbytes == sum(store.vectors(store.select(point=name).index).nbytes
+                               for name in store.points)
+    view = store.select(point="resid", layer=1, positions="generated")
+    assert view.points == ["resid"] and view.layers == [1]
+    assert view.nbytes == view.vectors().nbytes < store.nbytes
+    assert view.n_prompts == view.index["prompt_index"].nunique()
+    assert repr(view).startswith("ActivationStore view(")
+    empty = store.select(point="resid", layer=99)
+    assert (len(empty), empty.points, empty.nbytes, empty.n_prompts) == (0, [], 0, 0)
+
+
 @pytest.mark.parametrize("storage_dtype", ["float16", "bfloat16"])
 def test_half_precision_storage_matches_to_its_precision(tiny, prompts, oracle, tmp_path,
                                                          storage_dtype):

@@ -96,6 +96,7 @@ class ActivationStore:
         self._maps: dict[tuple[str, str], Any]
         self._outputs: Any
         self._results: Any
+        self._view = _parent is not None
         if _parent is not None:
             self.manifest = _parent.manifest
             self._shards = _parent._shards
@@ -414,10 +415,15 @@ class ActivationStore:
                          f"row ({len(index)}), or a {{request_id: label}} mapping")
 
     # -- summary -----------------------------------------------------------------------
+    # (a view from select() reports its own rows: points, layers, prompts, bytes)
     @property
     def points(self) -> list[str]:
-        """Point names in the spec's order."""
-        return [point["name"] for point in self.manifest["points"]]
+        """Point names in the spec's order (a view: those it holds rows of)."""
+        names = [point["name"] for point in self.manifest["points"]]
+        if not self._view:
+            return names
+        held = set(self.index["extraction_point_name"].unique().tolist())
+        return [name for name in names if name in held]
 
     @property
     def layers(self) -> list[int]:
@@ -430,16 +436,27 @@ class ActivationStore:
 
     @property
     def nbytes(self) -> int:
-        """Vector bytes of the whole store on disk."""
+        """Vector bytes on disk of the whole store (a view: of its rows)."""
         import numpy as np
 
-        return sum(meta["rows"] * disk_dtype(meta["dtype"]).itemsize
-                   * int(np.prod(meta["shape"], dtype=np.int64))
-                   for shard in self._shards.values() for meta in shard["points"].values())
+        def size(meta: Mapping[str, Any]) -> int:
+            return disk_dtype(meta["dtype"]).itemsize * int(np.prod(meta["shape"],
+                                                                    dtype=np.int64))
+
+        if not self._view:
+            return sum(meta["rows"] * size(meta) for shard in self._shards.values()
+                       for meta in shard["points"].values())
+        counts = self.index.groupby([self.index["shard"].astype(str),
+                                     "extraction_point_name"]).size()
+        return sum(int(n) * size(self._point_meta(shard, point))
+                   for (shard, point), n in counts.items())
 
     @property
     def n_prompts(self) -> int:
-        """Prompts committed in this store (all parts)."""
+        """Prompts committed in this store, all parts (a view: those it holds rows
+        of)."""
+        if self._view:
+            return int(self.index["prompt_index"].nunique())
         return sum(len(shard["prompt_indices"]) for shard in self._shards.values())
 
     def __len__(self) -> int:
@@ -448,7 +465,8 @@ class ActivationStore:
         return len(self._index)
 
     def __repr__(self) -> str:
-        return (f"ActivationStore({str(self.path)!r}, model={self.manifest['model']!r}, "
+        kind = "ActivationStore view" if self._view else "ActivationStore"
+        return (f"{kind}({str(self.path)!r}, model={self.manifest['model']!r}, "
                 f"prompts={self.n_prompts}/{self.manifest['prompts']['count']}, "
                 f"vectors={len(self)}, points={self.points}, shards={len(self._shards)}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")
