@@ -440,8 +440,8 @@ class ActivationStore:
         import numpy as np
 
         def size(meta: Mapping[str, Any]) -> int:
-            return disk_dtype(meta["dtype"]).itemsize * int(np.prod(meta["shape"],
-                                                                    dtype=np.int64))
+            itemsize: int = disk_dtype(meta["dtype"]).itemsize
+            return itemsize * int(np.prod(meta["shape"], dtype=np.int64))
 
         if not self._view:
             return sum(meta["rows"] * size(meta) for shard in self._shards.values()
