@@ -6,6 +6,7 @@ different capture"; the CLI answers bad values with exit 2 and one line."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 from store_helpers import SPEC, corpus_prompts
 
@@ -263,3 +264,24 @@ def test_a_mean_of_generated_tokens_follows_the_tokens_an_offset_selects(
         (record,) = output.records
         assert record.is_generated
         np.testing.assert_allclose(row, record.tensor.float().numpy(), rtol=0, atol=1e-6)
+
+
+def test_stored_aborts_equal_the_outputs_with_integer_columns(tmp_path):
+    # The demo's guard aborts some prompts and not others: the stored abort columns equal
+    # the outputs of the same generate() call, and the integer ones stay integers
+    # (nullable) rather than floats with NaN for the requests that ran on.
+    from undercurrent import ProbedModel
+    from undercurrent.demo import default_spec_path
+
+    prompts = corpus_prompts(6, seed=2)[0]
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=default_spec_path()) as guard:
+        outputs = guard.generate(prompts, max_new_tokens=12, batch_size=3)
+        guard.capture(prompts, tmp_path / "guard", max_new_tokens=12, batch_size=3,
+                      progress=False)
+    stored = open_activations(tmp_path / "guard").outputs
+    assert 0 < sum(o.aborted for o in outputs) < len(outputs)
+    assert stored["aborted"].tolist() == [o.aborted for o in outputs]
+    for column, field in (("abort_layer", "layer"), ("abort_token_index", "token_index")):
+        assert str(stored[column].dtype) == "Int64", column
+        assert [None if value is pd.NA else int(value) for value in stored[column]] == [
+            None if o.abort is None else getattr(o.abort, field) for o in outputs]

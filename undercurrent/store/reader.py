@@ -134,6 +134,8 @@ class ActivationStore:
         """One row per prompt (``OUTPUT_COLUMNS``), ordered by ``prompt_index``."""
         if self._outputs is None:
             frame = self._concat("outputs.parquet", _empty_outputs)
+            # (nullable integers: NA for the requests that ran on, not float NaN)
+            frame = frame.astype({"abort_layer": "Int64", "abort_token_index": "Int64"})
             self._outputs = frame.sort_values("prompt_index", ignore_index=True)
         return self._outputs
 
