@@ -403,7 +403,13 @@ def evaluate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 #: How a target's verdict reads in the targets table.
 VERDICTS = {"met": "yes", "missed": "**no (miss)**",
             "unsettled": "**not shown** (the interval holds the limit)",
+            "too few": "**not shown** (too few repeats for an interval)",
             "not measured": "not measured"}
+
+#: The least coverage of an interval that judges a target: 3 repeats (min-max,
+#: 75%). One repeat's "interval" is a point (0%) and two cover 50%: their median
+#: alone would call a target met or missed that the repeats' spread straddles.
+MIN_VERDICT_COVERAGE = 0.75
 
 
 def _check(target: str, stat: dict[str, Any] | None, limit: float, unit: str
@@ -412,8 +418,9 @@ def _check(target: str, stat: dict[str, Any] | None, limit: float, unit: str
     median's confidence interval) of a measure that must not exceed ``limit``:
     met when the whole interval is at or below it, missed when the whole
     interval is above it, unsettled when the interval holds the limit (this run
-    cannot tell; it is not reported as met). Without an interval, the median
-    alone decides."""
+    cannot tell; it is not reported as met). An interval covering less than
+    ``MIN_VERDICT_COVERAGE`` (fewer than 3 repeats) judges nothing: "too few".
+    Without an interval, the median alone decides."""
     value = _median(stat)
     low, high = (stat or {}).get("ci_low"), (stat or {}).get("ci_high")
     digits = 2 if unit.strip() == "µs" else 3
@@ -423,7 +430,9 @@ def _check(target: str, stat: dict[str, Any] | None, limit: float, unit: str
         verdict = "met" if value <= limit else "missed"
         measured = f"{value:.{digits}f}{unit}"
     else:
-        verdict = "met" if high <= limit else "missed" if low > limit else "unsettled"
+        verdict = ("too few" if (stat or {}).get("ci_level", 1.0) < MIN_VERDICT_COVERAGE
+                   else "met" if high <= limit else "missed" if low > limit
+                   else "unsettled")
         measured = (f"{value:.{digits}f}{unit} ({(stat or {})['ci_level']:.0%} interval "
                     f"{low:.{digits}f}–{high:.{digits}f})")
     return {"target": target, "value": value, "limit": limit, "verdict": verdict,

@@ -280,8 +280,9 @@ def vllm_rows(model_key: str, results: dict[str, Any] | None, reason: str | None
         for concurrency in VLLM_CONCURRENCY:
             row: dict[str, Any] = {
                 "backend": "vllm", "model": model_key,
-                "model_description": f"{model_key} model, eager vLLM on CPU (vLLM casts "
-                "float32 to bfloat16 on CPU; RSS summed over the engine's processes)",
+                "model_description": f"{model_key} model, eager vLLM on CPU (in the "
+                "checkpoint's dtype, as undercurrent's backend loads it; RSS summed over "
+                "the engine's processes)",
                 "batch_size": concurrency, "concurrency": concurrency, "scenario": scenario,
                 "family": "baseline" if scenario == PLAIN else "undercurrent",
                 "captures": "nothing" if scenario == PLAIN else

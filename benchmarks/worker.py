@@ -62,25 +62,41 @@ def _sample(run: GenerationRun, wall: float, cpu: float, ttft: float | None) -> 
 def _prepare(names: list[str], bundle: ModelBundle, layers: tuple[int, ...] | None = None,
              ) -> tuple[dict[str, Any], dict[str, str]]:
     """Set up every runnable scenario capturing ``layers`` (default: the bundle's three);
-    returns {name: (scenario, clock)} and {name: reason}."""
+    returns {name: (scenario, clock)} and {name: reason}. Every model gets one clock
+    (its only hook outside the scenarios'); :func:`_release` removes them."""
     ready: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    clocks: dict[int, FirstForwardClock] = {}
+    runnable: list[tuple[str, Any, Any]] = []
     for name in names:
         scenario = scenario_by_name(name)()
         reason = scenario.unavailable_reason()
         if reason is not None:
             skipped[name] = f"skipped: {reason}"
             continue
+        # (copied before any setup or clock touches the shared model: a copy made
+        # later would carry their hooks)
         model = copy.deepcopy(bundle.model) if scenario.own_model else bundle.model
+        runnable.append((name, scenario, model))
+    clocks: dict[int, FirstForwardClock] = {}
+    for name, scenario, model in runnable:
         try:
             scenario.setup(bundle, model, layers or bundle.three_layers)
         except Exception as error:  # a broken alternative must not sink the run
             skipped[name] = f"error in setup: {type(error).__name__}: {error}"
             continue
-        clock = clocks.setdefault(id(model), FirstForwardClock(model))
-        ready[name] = (scenario, clock)
+        if id(model) not in clocks:
+            clocks[id(model)] = FirstForwardClock(model)
+        ready[name] = (scenario, clocks[id(model)])
     return ready, skipped
+
+
+def _release(ready: dict[str, Any]) -> None:
+    """Close the scenarios and remove their clocks' hooks."""
+    clocks = {id(clock): clock for _scenario, clock in ready.values()}
+    for scenario, _clock in ready.values():
+        scenario.close()
+    for clock in clocks.values():
+        clock.close()
 
 
 def set_threads(threads: int | None) -> None:
@@ -95,7 +111,8 @@ def _time_cases(ready: dict[str, Any], skipped: dict[str, str], scenarios: list[
                 batch: Batch, warmup: int, repeats: int,
                 max_new_tokens: int) -> list[dict[str, Any]]:
     """``warmup`` + ``repeats`` interleaved rounds of every ready scenario on ``batch``
-    (rotating the order each round); one case per scenario."""
+    (rotating the order each round); one case per scenario. A scenario whose runs
+    generate different tokens is an error."""
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in ready}
     tokens: dict[str, list[list[int]]] = {}
     failed: dict[str, str] = {}
@@ -111,7 +128,13 @@ def _time_cases(ready: dict[str, Any], skipped: dict[str, str], scenarios: list[
             except Exception as error:
                 failed[name] = f"error: {type(error).__name__}: {error}"
                 continue
-            tokens.setdefault(name, run.token_ids)
+            # (greedy: every run must give the first run's tokens, which the
+            # report compares with the baseline's)
+            first = tokens.setdefault(name, run.token_ids)
+            if run.token_ids != first:
+                failed[name] = (f"error: round {round_index} (warm-up rounds included) "
+                                "generated other tokens than the scenario's first run")
+                continue
             if round_index >= warmup:
                 sample = _sample(run, wall, cpu, ttft)
                 sample["round"] = round_index - warmup
@@ -158,8 +181,7 @@ def timing_job(model_key: str, batch_sizes: list[int], scenarios: list[str], rep
     for batch_size in batch_sizes:
         batch = make_batch(bundle, prompts_for(batch_size))
         cases += _time_cases(ready, skipped, scenarios, batch, warmup, repeats, max_new_tokens)
-    for scenario, _clock in ready.values():
-        scenario.close()
+    _release(ready)
     return {"model": model_key, **_model_facts(bundle), "cases": cases}
 
 
@@ -181,8 +203,7 @@ def scaling_job(model_key: str, batch_sizes: list[int], layer_sets: list[str],
                                     max_new_tokens):
                 case.update(layer_set=layer_set, capture_layers=list(layers))
                 cases.append(case)
-        for scenario, _clock in ready.values():
-            scenario.close()
+        _release(ready)
     return {"model": model_key, **_model_facts(bundle), "cases": cases}
 
 

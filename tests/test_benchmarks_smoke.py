@@ -225,6 +225,17 @@ def test_a_target_is_met_only_when_its_whole_interval_is_within_the_limit():
     assert unsettled["measured"] == "1.040x (96% interval 1.010–1.080)"
     assert "not shown" in scaling.targets_table([unsettled])[-1]
     assert scaling._check("t", None, 1.05, "x")["met"] is None
+    # One or two repeats make no interval worth the name (0%, 50% coverage): the
+    # target is not judged, whichever side of the limit their median falls.
+    for values in ([1.09], [1.09, 1.12], [0.90, 1.00]):
+        low, high, level = median_interval(values)
+        few = scaling._check("t", {"median": sorted(values)[0], "ci_low": low,
+                                   "ci_high": high, "ci_level": level}, 1.10, "x")
+        assert few["verdict"] == "too few" and few["met"] is False, values
+        assert "too few repeats" in scaling.targets_table([few])[-1]
+    low, high, level = median_interval([0.90, 1.00, 1.05])
+    assert scaling._check("t", {"median": 1.0, "ci_low": low, "ci_high": high,
+                                "ci_level": level}, 1.10, "x")["verdict"] == "met"
 
 
 def test_scaling_rows_pair_async_with_inline_per_round():
@@ -628,3 +639,61 @@ def test_the_one_engine_tools_also_take_the_guard_and_the_demo_s_shape(tmp_path)
                                                       "hidden_size": 256}))
     with pytest.raises(ValueError, match="bundled SAE reads activations of 128 values"):
         _probed_setup(str(tmp_path), "3", "sae features")
+
+
+def test_every_timed_model_carries_one_clock_hook_and_none_is_left_behind():
+    """Every scenario times through one clock hook on its model's output head:
+    the shared model's and each own copy's, in every layer set of a scaling job
+    (a copy made after a clock would carry it too), and releasing removes them."""
+    from benchmarks.models import load_model
+    from benchmarks.worker import _prepare, _release, layers_for
+
+    bundle = load_model("tiny")
+    names = ["plain_generate", "raw_forward_hooks", "uc_inline_linear",
+             "uc_3_layers_capture_only"]
+    head = bundle.model.get_output_embeddings()
+    for layer_set in ("3", "all"):
+        ready, skipped = _prepare(names, bundle, layers_for(bundle, layer_set))
+        assert sorted(ready) == sorted(names), skipped
+        assert len({id(scenario.model) for scenario, _ in ready.values()}) > 1
+        for name, (scenario, _clock) in ready.items():
+            hooks = scenario.model.get_output_embeddings()._forward_hooks
+            assert len(hooks) == 1, (layer_set, name, len(hooks))
+        _release(ready)
+        assert not head._forward_hooks
+
+
+def test_a_scenario_whose_timed_runs_change_tokens_is_an_error(monkeypatch):
+    """Greedy runs repeat: a scenario's timed runs that generate other tokens than
+    its first (warm-up) run make it an error, not "identical to plain"."""
+    import benchmarks.worker as worker
+    from benchmarks.measure import GenerationRun
+
+    class Clock:
+        time_to_first_token = 0.0
+
+        def start(self) -> float:
+            return 0.0
+
+    class Scenario:
+        model = None
+
+        def __init__(self, drifts: bool) -> None:
+            self.drifts, self.calls = drifts, 0
+
+        def generate(self, batch, max_new_tokens):
+            self.calls += 1
+            return GenerationRun([[9, 9, 9]] if self.drifts and self.calls > 1 else [[1, 2, 3]])
+
+    class Batch:
+        size, prompt_length = 1, 4
+
+    monkeypatch.setattr(worker, "synchronize", lambda model: None)
+    ready = {"plain_generate": (Scenario(False), Clock()),
+             "uc_3_layers_inline_norm": (Scenario(True), Clock())}
+    cases = {case["scenario"]: case for case in worker._time_cases(
+        ready, {}, list(ready), Batch(), warmup=1, repeats=3, max_new_tokens=3)}
+    assert cases["plain_generate"]["status"] == "ok"
+    assert len(cases["plain_generate"]["samples"]) == 3
+    drifting = cases["uc_3_layers_inline_norm"]
+    assert drifting["status"] == "error" and "round 1" in drifting["reason"]
