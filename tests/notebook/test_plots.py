@@ -14,6 +14,7 @@ from undercurrent.notebook import (
     projection_figure,
     record_tensors,
     records_frame,
+    signals_frame,
     trajectory_figure,
     verdict_figure,
 )
@@ -124,6 +125,23 @@ def test_trajectory_coloured_by_label_has_one_colour_and_one_legend_entry_per_la
     assert figure.layout.legend.title.text == "label"
     (abort,) = [t for t in figure.data if t.name.endswith("abort")]
     assert abort.legendgroup == "harmful"
+
+
+def test_trajectory_colours_frames_joined_with_repeated_row_labels():
+    # Two runs' signals frames joined the usual way (pd.concat) repeat the row
+    # labels 0..n of each: colouring reads each line's group by position.
+    import pandas as pd
+
+    first = signals_frame([{"p": make_result("r0", "p", [0.1, 0.2])}])
+    second = signals_frame([{"p": make_result("r1", "p", [0.3, 0.4])}])
+    both = pd.concat([first.assign(label="benign"), second.assign(label="harmful")])
+    assert both.index.has_duplicates
+    for color_by in ("label", {"r0": "benign", "r1": "harmful"}):
+        figure = trajectory_figure(both, color_by=color_by)
+        lines = {t.legendgroup: t for t in figure.data if t.mode == "lines+markers"}
+        assert sorted(lines) == ["benign", "harmful"]
+        assert list(lines["harmful"].y) == [0.3, 0.4]
+        assert lines["benign"].line.color != lines["harmful"].line.color
 
 
 def test_trajectory_color_by_names_the_missing_groups():

@@ -80,6 +80,8 @@ def trajectory_figure(
         frame = frame[frame["request"].isin(requests)]
     if points is not None:
         frame = frame[frame["point"].isin(points)]
+    # (row labels of one position each: frames joined with pd.concat repeat them)
+    frame = frame.reset_index(drop=True)
     groups = _groups(frame, color_by)
     palette = _palette(groups)
     figure = go.Figure()
