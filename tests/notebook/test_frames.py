@@ -76,7 +76,13 @@ def test_records_frame_accepts_generation_outputs_and_lists_of_them(records):
     outputs = [SimpleNamespace(records=records[:5]), SimpleNamespace(records=records[5:])]
     assert len(records_frame(outputs)) == len(records)
     assert len(records_frame(outputs[0])) == 5
-    assert len(records_frame(SimpleNamespace(records=None))) == 0
+    # An output generated without records=True holds none: said, not an empty frame
+    # that a later step refuses for another reason.
+    unkept = [outputs[0], SimpleNamespace(request_id="req7", records=None)]
+    with pytest.raises(ValueError, match=r"records\[1\].*'req7'.*records=True"):
+        records_frame(unkept)
+    with pytest.raises(ValueError, match="records=True"):
+        activation_matrix(unkept)
 
 
 def test_records_frame_rejects_results_with_a_message_naming_the_input():

@@ -39,6 +39,10 @@ def _collect_records(source: Any, found: list[ActivationRecord], where: str) -> 
         records = source.records
         if callable(records):  # a batch that builds its records on demand
             _collect_records(records(), found, where=f"{where}.records()")
+        elif records is None:
+            raise ValueError(
+                f"{where}: {type(source).__name__} {getattr(source, 'request_id', '')!r} "
+                "holds no records: generate with records=True to keep them")
         else:
             _collect_records(records, found, where=f"{where}.records")
         return
