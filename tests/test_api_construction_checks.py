@@ -63,3 +63,29 @@ def test_probe_args_the_probe_does_not_take_are_refused_at_construction(tiny):
         ProbedModel(tiny.backend, spec=_spec(probe_args={"treshold": 3.0}))
     with pytest.raises(RouterError, match="could not build probe_type 'norm_probe'.*action"):
         ProbedModel(tiny.backend, spec=_spec(probe_args={"action": "explode"}))
+
+
+@pytest.mark.parametrize("args, message", [
+    ("{threshold: yes, action: abort}", "threshold must be a number, got the boolean True"),
+    ("{threshold: .inf, action: abort}", "threshold must be a finite number"),
+    ("{threshold: -.inf}", "threshold must be a finite number"),
+    ("{action: abort}", "action 'abort' needs a threshold"),
+])
+def test_a_threshold_that_cannot_act_as_written_is_refused_at_construction(tiny, args,
+                                                                             message):
+    # A YAML boolean read as 1.0, an infinite threshold, or an abort with no
+    # threshold would each run, and never (or always) act as the spec reads.
+    spec = ("extraction_points:\n  - {name: guard, layers: [1], tensor_type: "
+            "residual_stream, position: 'generated[*]', probe_type: norm_probe, "
+            f"probe_kind: single_shot, probe_args: {args}}}\n")
+    with pytest.raises(RouterError, match=message):
+        ProbedModel(tiny.backend, spec=spec)
+
+
+def test_a_threshold_yaml_reads_as_text_still_acts(tiny):
+    # YAML 1.1 reads 1e-3 (no dot) as a string: it is the number it spells.
+    spec = ("extraction_points:\n  - {name: guard, layers: [1], tensor_type: "
+            "residual_stream, position: 'generated[*]', probe_type: norm_probe, "
+            "probe_kind: single_shot, probe_args: {threshold: 1e-3, action: abort}}\n")
+    output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=4)[0]
+    assert output.aborted and output.abort.generated_index == 0

@@ -12,6 +12,7 @@ from undercurrent.spec import (
     ExtractionPoint,
     InterventionMode,
     InterventionPolicy,
+    OnTimeout,
     ProbeKind,
     SpecValidationError,
     TensorType,
@@ -177,6 +178,32 @@ def test_parse_dict_takes_numpy_numbers_as_a_hand_built_point_does() -> None:
                                     probe_kind="trajectory", probe_args={"w": np.float32(1.5)})  # type: ignore[arg-type]
     with pytest.raises(SpecValidationError, match="item 0 is a bool"):
         parse_dict({"extraction_points": [dict(raw, layers=[np.bool_(True)])]})
+
+
+def test_a_hand_built_point_takes_one_numpy_layer_position_and_a_policy_mapping() -> None:
+    # What a notebook hands over: np.argmax's layer and position, and the
+    # intervention as YAML writes it; the same point as the loader builds.
+    np = pytest.importorskip("numpy")
+    from undercurrent.spec import Edit, parse_dict
+
+    best = np.int64(2)
+    policy = {"mode": "block_until_signal", "timeout_ms": 50, "on_timeout": "abort"}
+    point = ExtractionPoint(name="a", layers=best, tensor_type="kv", position=best,  # type: ignore[arg-type]
+                            probe_type="x", probe_kind="single_shot",  # type: ignore[arg-type]
+                            intervention=policy)  # type: ignore[arg-type]
+    (loaded,) = parse_dict({"extraction_points": [dict(
+        name="a", layers=2, tensor_type="kv", position=2, probe_type="x",
+        probe_kind="single_shot", intervention=policy)]})
+    assert point == loaded and type(point.layers[0]) is int
+    assert point.intervention.on_timeout is OnTimeout.ABORT
+    assert check_extraction_points([point]) is None
+    edit = Edit(name="e", layers=best, tensor_type="residual_stream",  # type: ignore[arg-type]
+                position="generated[*]", op="add", vector=(1.0,))  # type: ignore[arg-type]
+    assert edit.layers == (2,) and type(edit.layers[0]) is int
+    with pytest.raises(SpecValidationError, match="intervention"):
+        ExtractionPoint(name="a", layers=1, tensor_type="kv", position=0,  # type: ignore[arg-type]
+                        probe_type="x", probe_kind="single_shot",  # type: ignore[arg-type]
+                        intervention={"mode": "reject", "timout_ms": 5})  # type: ignore[arg-type]
 
 
 def test_check_rejects_bad_values_and_duplicate_names() -> None:

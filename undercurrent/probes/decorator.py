@@ -102,8 +102,8 @@ def _build_class(function: Callable[..., Any], probe_name: str) -> type[Probe]:
             if missing:
                 raise TypeError(f"probe {probe_name!r} needs probe_args {missing}")
             self.rule = ThresholdRule.from_options(
-                probe_args.get("threshold"), probe_args.get("action", "flag")
-            )
+                probe_args.get("threshold"), probe_args.get("action", "flag"),
+                scores_only=False)  # (a True is a hit whatever the threshold)
             # Options the function declares itself are passed through, rule ones included.
             self.options = {k: v for k, v in probe_args.items() if k in options}
             self.summary = ScoreSummary(self.rule.threshold)

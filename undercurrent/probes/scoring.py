@@ -39,15 +39,20 @@ def parse_action(value: Any, *, option: str = "action") -> SignalAction:
 
 
 def parse_threshold(value: Any, *, option: str = "threshold") -> float | None:
-    """None, or a finite float; strings from file metadata are accepted."""
+    """None, or a finite float. Numeric strings are accepted: file metadata holds
+    text, and YAML 1.1 reads ``1e-3`` (no dot) as a string. A boolean is refused
+    (YAML reads ``yes`` as True, which float() would take as 1.0)."""
     if value is None:
         return None
+    if isinstance(value, bool):
+        raise ValueError(f"{option} must be a number, got the boolean {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{option} must be a number, got {value!r}") from None
-    if math.isnan(number):
-        raise ValueError(f"{option} must be a number, got NaN")
+    if not math.isfinite(number):
+        raise ValueError(f"{option} must be a finite number, got {value!r} (a threshold "
+                         "of inf is never reached, -inf always is)")
     return number
 
 
@@ -67,10 +72,17 @@ class ThresholdRule:
     action: SignalAction = SignalAction.FLAG
 
     @classmethod
-    def from_options(cls, threshold: Any = None, action: Any = "flag") -> ThresholdRule:
+    def from_options(cls, threshold: Any = None, action: Any = "flag", *,
+                     scores_only: bool = True) -> ThresholdRule:
         """Validate the ``threshold``/``action`` probe_args. Equal rules are one
-        object (the probes of many requests then compare theirs by identity)."""
+        object (the probes of many requests then compare theirs by identity).
+        ``scores_only``: the probe acts only on a score at the threshold, so
+        ``action: abort`` without a threshold (which would never abort) is refused;
+        a probe that also acts on a True (``@probe``'s) passes False."""
         threshold, action = parse_threshold(threshold), parse_action(action)
+        if scores_only and threshold is None and action is SignalAction.ABORT:
+            raise ValueError("action 'abort' needs a threshold: without one no score "
+                             "ever aborts (give probe_args threshold: ...)")
         return _rule(threshold, action) if cls is ThresholdRule else cls(threshold, action)
 
     @property

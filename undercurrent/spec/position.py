@@ -18,6 +18,7 @@ accept ``stride`` / ``until``.
 from __future__ import annotations
 
 import enum
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -145,6 +146,8 @@ def parse_position(value: object) -> PositionSelector:
         return value
     if isinstance(value, bool):
         raise PositionError(f"position {value!r} is a boolean; expected {ACCEPTED_POSITION_FORMS}")
+    if isinstance(value, numbers.Integral):  # a numpy integer too (np.argmax's)
+        value = int(value)
     if isinstance(value, int):
         if value < 0:
             raise PositionError(
@@ -154,7 +157,8 @@ def parse_position(value: object) -> PositionSelector:
         return PositionSelector(PositionKind.ABSOLUTE, index=value)
     if not isinstance(value, str):
         raise PositionError(
-            f"position must be an int or a string, got {type(value).__name__}; "
+            "position must be an int or a string, got "
+            f"{'null' if value is None else type(value).__name__}; "
             f"expected {ACCEPTED_POSITION_FORMS}"
         )
     text = value.strip()

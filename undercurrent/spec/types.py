@@ -103,6 +103,15 @@ def _plain_int(value: Any) -> Any:
     return value
 
 
+def _layer_tuple(layers: Any) -> tuple[Any, ...]:
+    """``layers`` as a tuple of plain ints: one layer (a numpy integer too, as
+    ``np.argmax`` gives) or an iterable of them; anything else for the spec check
+    to name."""
+    if isinstance(layers, numbers.Integral) and not isinstance(layers, bool):
+        return (int(layers),)
+    return tuple(_plain_int(layer) for layer in layers)
+
+
 def _refuse_as_the_spec_does(obj: ExtractionPoint | Edit, error: Exception) -> NoReturn:
     """Raise the spec's own problems for a hand-built point or edit whose values
     cannot be normalised (``tensor_type="resid"``, ``op="addd"``, a vector of
@@ -203,10 +212,7 @@ class ExtractionPoint:
             _refuse_as_the_spec_does(self, error)
 
     def _normalise(self) -> None:
-        layers = self.layers
-        if isinstance(layers, int):
-            layers = (layers,)
-        object.__setattr__(self, "layers", tuple(_plain_int(layer) for layer in layers))
+        object.__setattr__(self, "layers", _layer_tuple(self.layers))
         object.__setattr__(self, "stride", _plain_int(self.stride))
         object.__setattr__(self, "queue_depth", _plain_int(self.queue_depth))
         object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
@@ -218,6 +224,8 @@ class ExtractionPoint:
             object.__setattr__(self, "position", parse_position(self.position))
         if not isinstance(self.probe_args, types.MappingProxyType):
             object.__setattr__(self, "probe_args", _frozen_mapping(self.probe_args))
+        if isinstance(self.intervention, Mapping):  # as YAML gives it
+            object.__setattr__(self, "intervention", InterventionPolicy(**self.intervention))
 
     def __hash__(self) -> int:
         return hash((self.name, self.layers, self.tensor_type, self.position, self.probe_type))
@@ -368,10 +376,7 @@ class Edit:
             _refuse_as_the_spec_does(self, error)
 
     def _normalise(self) -> None:
-        layers = self.layers
-        if isinstance(layers, int):
-            layers = (layers,)
-        object.__setattr__(self, "layers", tuple(layers))
+        object.__setattr__(self, "layers", _layer_tuple(self.layers))
         object.__setattr__(self, "tensor_type", TensorType(self.tensor_type))
         object.__setattr__(self, "op", EditOp(self.op))
         if not isinstance(self.position, PositionSelector):
