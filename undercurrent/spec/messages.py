@@ -75,6 +75,8 @@ def pydantic_problem(error: Mapping[str, Any], allowed: type[enum.Enum] | None) 
         if "[key]" in error.get("loc", ()):
             return f"keys must be strings, got {describe_value(value)}{hint}"
         return f"{prefix}must be a string, got {describe_value(value)}{hint}"
+    if kind in ("bool_type", "bool_parsing"):
+        return f"{prefix}must be true or false, got {describe_value(value)}"
     if kind == "dict_type":
         return f"{prefix}must be a mapping, got {describe_value(value)}"
     if kind in ("spec_rule", "value_error"):
