@@ -94,3 +94,23 @@ def test_the_schema_accepts_older_spellings_without_the_new_ones() -> None:
 def test_the_schema_rejects_unknown_versions() -> None:
     assert schema_errors(raw_spec(version="3")) != []
     assert schema_errors(raw_spec(version=1)) != []
+
+
+def test_the_schema_reads_versions_digits_and_empty_edits_as_the_loader_does() -> None:
+    from undercurrent.spec import SpecValidationError, parse_dict
+
+    for data, valid in [
+        (raw_spec(version=" 2 ", edits=[]), True),
+        (raw_spec(version="2", edits=None), True),
+        (raw_spec(version="1", edits=None), False),
+        (raw_spec(raw_point(position="prompt[\u0661]")), False),  # an Arabic-Indic 1
+        (raw_spec(raw_point(position="generated[1:3]")), True),
+    ]:
+        try:
+            parse_dict(data)
+            parsed = True
+        except SpecValidationError:
+            parsed = False
+        assert parsed is valid, data
+        assert (schema_errors(data) == []) is valid, data
+

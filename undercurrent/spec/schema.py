@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -61,9 +62,9 @@ EDIT_VERSIONS = ("2",)
 VECTOR_FILE_SUFFIXES = (".safetensors", ".npz")
 """File types an edit's ``vector`` may name (never pickle)."""
 
-POSITION_PATTERN = (
-    r"^\s*(\d+|prompt\[-?\d+\]([+-]\d+)?|generated\[\d+\]([+-]\d+)?"
-    r"|generated\[\*\]|generated\[\d+:\d*\])\s*$"
+POSITION_PATTERN = (  # ([0-9], not \d: a validator's \d may match any Unicode digit)
+    r"^\s*([0-9]+|prompt\[-?[0-9]+\]([+-][0-9]+)?|generated\[[0-9]+\]([+-][0-9]+)?"
+    r"|generated\[\*\]|generated\[[0-9]+:[0-9]*\])\s*$"
 )
 
 
@@ -425,6 +426,11 @@ EDIT_FIELD_ADAPTERS = _field_adapters(EditFields)
 WHEN_FIELD_ADAPTERS = _field_adapters(WhenFields)
 
 
+def _one_of_words(words: Sequence[str]) -> str:
+    """A pattern matching exactly one of ``words``, spaces around it allowed."""
+    return r"^\s*(" + "|".join(re.escape(word) for word in words) + r")\s*$"
+
+
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of a spec file (for editors and ``undercurrent schema``).
 
@@ -446,13 +452,21 @@ def json_schema() -> dict[str, Any]:
     ]
     schema["$defs"]["EditFields"]["title"] = "Edit"
     schema["$defs"]["WhenFields"]["title"] = "Edit trigger"
-    schema["properties"]["version"]["enum"] = list(SPEC_VERSIONS)
+    # (the loader strips spaces around the version, and reads ``edits:`` with
+    # nothing under it as no edits)
+    schema["properties"]["version"].update(pattern=_one_of_words(SPEC_VERSIONS),
+                                           examples=list(SPEC_VERSIONS))
+    edits = schema["properties"]["edits"]
+    schema["properties"]["edits"] = {
+        **{key: edits.pop(key) for key in ("title", "description") if key in edits},
+        "anyOf": [edits, {"type": "null"}]}
     # ``edits`` belongs to version "2": a file that omits version (so "1") or says
     # "1" must not have it.
     schema["allOf"] = [
         {
-            "if": {"not": {"properties": {"version": {"enum": list(EDIT_VERSIONS)}},
-                           "required": ["version"]}},
+            "if": {"not": {"properties": {"version": {
+                "type": "string", "pattern": _one_of_words(EDIT_VERSIONS)}},
+                "required": ["version"]}},
             "then": {"not": {"required": ["edits"]}},
         }
     ]
