@@ -282,3 +282,28 @@ def test_dtype_spellings_load_the_model_in_that_dtype(dtype) -> None:
         assert pm.backend.model.dtype == torch.bfloat16
     with ProbedModel.from_pretrained("undercurrent/tiny") as pm:
         assert pm.backend.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("num_beams", 2), ("num_return_sequences", 2), ("prompt_lookup_num_tokens", 3),
+    ("prefill_chunk_size", 4)])
+def test_a_generation_config_that_decodes_otherwise_is_refused_naming_it(setting, value):
+    # Plain generate() would search beams, return several rows per prompt, accept
+    # several tokens per step or prefill in chunks: records and stops would follow
+    # the wrong rows. Refused for any spec (an empty one too) and stream alike.
+    from undercurrent.adapters.base import BackendError
+
+    model = gpt2_with_short_context()
+    with ProbedModel(model, build_tokenizer(), spec=[]) as pm:
+        before = pm.generate(words(6), max_new_tokens=3)[0].token_ids
+        setattr(model.generation_config, setting, value)
+        try:
+            with pytest.raises(BackendError, match=re.escape(
+                    f"generation_config sets {setting}={value}")) as refused:
+                pm.generate([words(6), words(7)], max_new_tokens=3)
+            assert f"model.generation_config.{setting} = " in str(refused.value)
+            with pytest.raises(BackendError, match=setting):
+                list(pm.stream(words(6), max_new_tokens=3))
+        finally:
+            setattr(model.generation_config, setting, 1 if setting.startswith("num_") else None)
+        assert pm.generate(words(6), max_new_tokens=3)[0].token_ids == before

@@ -465,6 +465,17 @@ def _generation_lock(model: Any) -> threading.Lock:
         return lock
 
 
+#: ``generation_config`` settings that decode otherwise than one row per prompt and
+#: one token per forward pass (``num_*``: above 1; the others: set at all).
+_OTHER_DECODING = {
+    "num_beams": "beam search",
+    "num_beam_groups": "group beam search",
+    "num_return_sequences": "several sequences per prompt",
+    "prompt_lookup_num_tokens": "prompt-lookup (assisted) decoding",
+    "prefill_chunk_size": "a prompt prefilled in chunks",
+}
+
+
 class HFBackend:
     """Live capture on a transformers ``*ForCausalLM`` model and its tokenizer.
 
@@ -653,6 +664,21 @@ class HFBackend:
         _, encoded = self._tokenize(prompts)
         return (encoded, *self._left_padded(encoded))
 
+    def _check_decoding(self) -> None:
+        """Refuse a ``generation_config`` that would make ``generate()`` decode
+        otherwise than one row per prompt and one new token per forward pass,
+        which every record and stop rests on (the call itself has no such option)."""
+        config = self.model.generation_config
+        for name, what in _OTHER_DECODING.items():
+            value = getattr(config, name, None)
+            counted = name.startswith("num_")
+            if value is not None and (not counted or value > 1):
+                raise BackendError(
+                    f"the model's generation_config sets {name}={value!r} ({what}), which "
+                    "undercurrent does not run: it decodes one sequence per prompt, one "
+                    "token per forward pass (greedy or sampling). Set "
+                    f"model.generation_config.{name} = {1 if counted else None}")
+
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
         to run plain ``generate()`` as the oracle)."""
@@ -676,6 +702,7 @@ class HFBackend:
             raise BackendError("this model is already generating (one call at a time per "
                                "model, whichever ProbedModel wraps it: hooks are per model)")
         try:
+            self._check_decoding()
             texts, encoded = self._tokenize(prompts)
             input_ids, attention_mask = self._left_padded(encoded)
             self._check_context(encoded, params)
