@@ -119,6 +119,21 @@ def test_a_stop_match_finds_the_token_that_first_completes_a_stop_string() -> No
     assert StopMatch([""], decode).scan([1, 2]) is None  # (an empty stop string matches nothing)
 
 
+def test_a_stop_match_reads_past_tokens_that_decode_to_nothing() -> None:
+    # Special tokens decode to "" (skip_special_tokens): a run of them inside a
+    # stop string longer than the window of tokens still completes it.
+    pieces = {0: "", 1: "w5", 2: " w6", 3: " w7"}
+
+    def decode(ids) -> str:
+        return "".join(pieces[i] for i in ids)
+
+    for empty in (5, 27, 40, 200):
+        tokens = [3, 1, *[0] * empty, 2, 3]
+        assert StopMatch(["w5 w6"], decode).scan(tokens) == empty + 2, empty
+        assert StopMatch(["w7w5 w6 w7"], decode).scan(tokens) == empty + 3, empty
+        assert StopMatch(["w6 w5"], decode).scan(tokens) is None
+
+
 @pytest.mark.parametrize("strip_first_space", [False, True])
 def test_a_stop_match_reads_a_window_of_tokens_and_finds_what_the_whole_text_holds(
         strip_first_space) -> None:

@@ -273,17 +273,20 @@ class StopMatch:
     :meth:`scan` reads the tokens as they come, each checked once, on the text
     of the last tokens only (:attr:`window` of them: enough for the longest
     stop string, at four bytes a character, whatever the window's first token
-    decodes to on its own), then, where that holds one, on the whole text: a
-    check costs the same at the thousandth token as at the tenth."""
+    decodes to on its own; more where tokens decode to nothing, as special
+    tokens do, until the text read is that long), then, where that holds one,
+    on the whole text: a check costs the same at the thousandth token as at the
+    tenth."""
 
-    __slots__ = ("stops", "decode", "eos", "window", "checked", "index")
+    __slots__ = ("stops", "decode", "eos", "window", "longest", "checked", "index")
 
     def __init__(self, stops: Sequence[str], decode: Callable[[Sequence[int]], str],
                  eos: Collection[int] = ()) -> None:
         self.stops = tuple(stops)
         self.decode = decode
         self.eos = eos
-        self.window = 4 * max(map(len, self.stops), default=0) + 8
+        self.longest = max(map(len, self.stops), default=0)
+        self.window = 4 * self.longest + 8
         self.checked = 0
         self.index: int | None = None
         """The generated index of the token that completed a stop string (None: none yet)."""
@@ -297,7 +300,14 @@ class StopMatch:
             if generated[last] in self.eos:
                 continue
             first = max(0, self.checked - self.window)
-            if self._holds(generated[first:self.checked]) and (
+            text = self.decode(generated[first:self.checked])
+            # (a stop string ending here lies in the text's last `longest`
+            # characters; a few more cover a first token that decodes alone
+            # unlike in the whole text)
+            while first > 0 and len(text) < self.longest + 4:
+                first = max(0, first - self.window)
+                text = self.decode(generated[first:self.checked])
+            if stop_position(text, self.stops) is not None and (
                     first == 0 or self._holds(generated[:self.checked])):
                 self.index = last
         return self.index
