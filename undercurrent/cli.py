@@ -17,11 +17,12 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from undercurrent import __version__
 from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError, SamplingParams, stop_strings
 from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
+from undercurrent.adapters.prompts import check_prompts
 from undercurrent.api import ProbedModel
 from undercurrent.capture_cli import add_capture_command, spec_deprecations_told
 from undercurrent.demo import add_demo_command
@@ -396,6 +398,23 @@ def _add_run_command(subparsers: Any) -> None:
     parser.set_defaults(handler=_run_run)
 
 
+def _json_ready(value: Any) -> Any:
+    """``value`` as strict JSON data: numpy scalars and arrays as numbers and
+    lists, NaN and infinities as null (which JSON has no word for), anything
+    else that is not JSON as its text."""
+    if isinstance(value, Mapping):
+        return {str(key): _json_ready(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_ready(item) for item in value]
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        return _json_ready(value.tolist())  # (a numpy scalar's tolist is its item)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    return str(value)
+
+
 def _run_run(args: argparse.Namespace) -> int:
     failed_import = _import_probe_modules("run", args.probes)
     if failed_import is not None:
@@ -412,6 +431,7 @@ def _run_run(args: argparse.Namespace) -> int:
     try:
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        seed=args.seed, stop=stop_strings(args.stop))
+        check_prompts(args.prompts)
         if args.backend == "hf":
             check_device(args.device)
         if args.records:
@@ -439,7 +459,8 @@ def _run_run(args: argparse.Namespace) -> int:
             print(f"run: {one_line(error)}", file=sys.stderr)
             return EXIT_FAILURE
     if args.format == "json":
-        print(json.dumps([output.summary() for output in outputs], indent=2, default=str))
+        print(json.dumps(_json_ready([output.summary() for output in outputs]), indent=2,
+                         allow_nan=False))
     else:
         for output in outputs:
             print(f"--- {output.prompt!r}")

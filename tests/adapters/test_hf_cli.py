@@ -76,6 +76,65 @@ def test_run_prints_text_and_verdicts_and_saves_records(saved_model, tmp_path, c
     assert len(frame) == 2 * (1 + 3)  # per prompt: prompt[-1] + 3 fed generated tokens
 
 
+PROBES = """\
+import numpy as np
+from undercurrent.probes import Probe, register_probe
+from undercurrent.records import ProbeSignal
+from undercurrent.spec import ProbeKind
+
+class Odd(Probe):
+    probe_kind = ProbeKind.TRAJECTORY
+    def __init__(self, *, fail: bool = False):
+        self.fail = fail
+    def on_start(self, ctx):
+        if self.fail:
+            raise RuntimeError("boom at start")
+    def on_activation(self, record):
+        return ProbeSignal("continue", score=0.5)
+    def on_end(self, ctx):
+        return {"np": np.float32(0.5), "arr": np.arange(3), "nan": float("nan"),
+                "inf": -float("inf"), "pair": (1, 2)}
+
+register_probe("odd_verdicts", Odd)
+"""
+
+
+def test_run_json_is_strict_json_with_plain_values_and_each_probe_error(saved_model, tmp_path,
+                                                                        capsys):
+    # NaN/inf have no JSON spelling (null), numpy values are numbers and lists,
+    # and a point whose probe raised says so, as the text format does.
+    (tmp_path / "odd_probes.py").write_text(PROBES)
+    spec = tmp_path / "odd.yaml"
+    spec.write_text("extraction_points:\n" + "".join(
+        f"  - {{name: {name}, layers: [1], tensor_type: residual_stream, position: "
+        f"'generated[*]', probe_type: odd_verdicts, probe_kind: trajectory, "
+        f"probe_args: {{fail: {fail}}}}}\n" for name, fail in (("ok", "false"),
+                                                                  ("broken", "true"))))
+    code = main(["run", str(spec), "--model", str(saved_model), "--probes",
+                 str(tmp_path / "odd_probes.py"), "--prompt", prompt(1, 2),
+                 "--max-new-tokens", "3", "--format", "json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    (summary,) = json.loads(captured.out, parse_constant=refuse)
+    assert summary["verdicts"]["ok"] == {"np": 0.5, "arr": [0, 1, 2], "nan": None,
+                                         "inf": None, "pair": [1, 2]}
+    assert list(summary["errors"]) == ["broken"]
+    assert summary["errors"]["broken"].startswith("on_start: RuntimeError: boom at start")
+
+
+def test_run_refuses_a_prompt_that_is_not_text_with_exit_2(saved_model, capsys):
+    # Bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape).
+    code = main(["run", str(SPEC_FILE), "--model", str(saved_model), "--prompt",
+                 "w1 caf\udce9"])
+    assert code == 2
+    assert "prompts[0] is not valid text: character 6 is the lone surrogate" in (
+        _one_line_error(capsys))
+
+
 def _one_line_error(capsys) -> str:
     captured = capsys.readouterr()
     # (transformers' own progress bar, when a model loads, is not ours)

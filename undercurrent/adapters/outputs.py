@@ -123,7 +123,8 @@ class GenerationOutput:
         return steered_indices(self.edits, len(self.token_ids))
 
     def summary(self) -> dict[str, Any]:
-        """A compact, printable view: text, abort and each point's verdict."""
+        """A compact, printable view: text, abort, each point's verdict, and the
+        error of each point whose probe raised."""
         return {
             "request_id": self.request_id,
             "text": self.text,
@@ -136,6 +137,8 @@ class GenerationOutput:
                 "score": self.abort.signal.score,
             },
             "verdicts": {name: result.verdict for name, result in self.results.items()},
+            "errors": {name: str(result.error) for name, result in self.results.items()
+                       if result.error is not None},
         }
 
 

@@ -38,7 +38,22 @@ def check_prompts(prompts: Any) -> list[str]:
                 f"prompts[{index}] is {type(item).__name__} ({item!r:.60}); every prompt "
                 "must be a string (decode bytes first; pass token ids as input_ids=)"
             )
+        if not item.isascii():
+            _refuse_lone_surrogates(item, f"prompts[{index}]")
     return items
+
+
+def _refuse_lone_surrogates(text: str, where: str) -> None:
+    """Refuse text no tokenizer can encode: a lone surrogate, which is what bytes
+    that are not UTF-8 become when read with ``errors="surrogateescape"`` (as
+    Python reads command-line arguments)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{where} is not valid text: character {error.start} is the lone surrogate "
+            f"{text[error.start]!r} (bytes that are not UTF-8, as a shell passes them); "
+            "decode the bytes with their real encoding first") from None
 
 
 def _token_rows(input_ids: Any) -> list[Any]:
