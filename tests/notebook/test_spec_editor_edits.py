@@ -196,6 +196,45 @@ def test_when_offers_the_inline_points_and_an_async_trigger_gets_the_loaders_mes
     assert "runs async" in message and "make it execution_mode: inline" in message
 
 
+def test_after_its_trigger_is_renamed_picking_the_new_name_from_the_dropdown_repairs_the_edit():
+    editor = _with_guard()
+    editor.edit_fields["vector"].value = "1"
+    editor.edit_fields["when_point"].value = "guard"
+    editor.fields["name"].value = "watch"
+    dropdown = editor.edit_fields["when_point"]
+    # Every choice is shown by its name, the stale one kept so the user sees it.
+    assert dropdown.options == (("(always on)", ""), ("watch", "watch"), ("guard", "guard"))
+    assert not editor.valid
+    dropdown.index = 1  # what the browser sends: the index of "watch"
+    assert editor.edit_drafts[0].when_point == "watch"
+    assert editor.valid, editor.problems
+    assert yaml.safe_load(editor.to_yaml())["edits"][0]["when"] == {"point": "watch",
+                                                                     "action": "flag"}
+    assert dropdown.options == (("(always on)", ""), ("watch", "watch"))
+
+
+@pytest.mark.parametrize("breakage", ["removed", "made async"])
+def test_after_its_trigger_is_removed_or_made_async_always_on_can_be_picked(breakage):
+    editor = _with_guard()
+    editor.edit_fields["vector"].value = "1"
+    editor.edit_fields["when_point"].value = "guard"
+    if breakage == "removed":
+        editor.add_point()
+        editor.select("guard")
+        editor.remove_point()
+    else:
+        editor.fields["probe_type"].value = "trajectory_probe"
+        editor.fields["probe_kind"].value = "trajectory"
+        editor.fields["execution_mode"].value = "async"
+    dropdown = editor.edit_fields["when_point"]
+    assert dropdown.options[-1] == ("guard", "guard")
+    assert not editor.valid
+    dropdown.index = 0  # "(always on)"
+    assert editor.edit_drafts[0].when_point == ""
+    assert editor.valid, editor.problems
+    assert "when" not in yaml.safe_load(editor.to_yaml())["edits"][0]
+
+
 def test_a_version_1_spec_gaining_an_edit_becomes_version_2_and_back():
     original = load_yaml_file(SPECS / "classic_single_token.yaml")
     assert original.version == "1"

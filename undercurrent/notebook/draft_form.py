@@ -339,11 +339,18 @@ class DraftForm:
 
 
 def ensure_option(dropdown: Any, value: str) -> None:
-    """Add ``value`` to a dropdown's options (a loaded spec may name an unknown value)."""
+    """Add ``value`` to a dropdown's options (a loaded spec may name an unknown value,
+    an edit's trigger point may have been renamed or removed).
+
+    Options given as ``(label, value)`` pairs get a pair: ipywidgets reads the
+    options as pairs only when every one is, so a bare value among pairs would
+    turn each pair into a value of its own.
+    """
     options = list(dropdown.options)
+    pairs = any(isinstance(option, tuple) for option in options)
     values = [option[1] if isinstance(option, tuple) else option for option in options]
     if value not in values:
-        dropdown.options = options + [value]
+        dropdown.options = options + [(str(value), value) if pairs else value]
 
 
 def _ignore_argument(action: Callable[[], Any]) -> Callable[[Any], None]:
