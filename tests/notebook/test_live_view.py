@@ -392,3 +392,43 @@ def test_an_abort_without_a_score_is_drawn_at_the_top_of_the_scale(tiny_with):
     low, top = view.figure.layout.yaxis.range
     assert list(marker.x) == [2] and list(marker.y) == [1.0] and low < 1.0 < top
     assert "(no score)" in marker.hovertemplate
+
+
+def test_an_async_points_scores_colour_the_text_and_draw_a_line_once_the_request_ends():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from undercurrent import ProbedModel
+    from undercurrent.notebook import signals_frame
+    from undercurrent.spec import parse_yaml
+
+    # The stream carries no async signal: the view reads them from the output's results.
+    spec = parse_yaml("""
+version: "1"
+extraction_points:
+  - {name: norm, layers: 1, tensor_type: residual_stream, position: "generated[*]",
+     probe_type: norm_probe, probe_kind: single_shot}
+  - {name: traj, layers: 3, tensor_type: residual_stream, position: "generated[*]",
+     probe_type: trajectory_probe, probe_kind: trajectory, execution_mode: async,
+     probe_args: {path: "undercurrent:models/tiny/probe.safetensors", statistic: ewma,
+                  alpha: 0.3}}
+""")
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    try:
+        view = LiveView(model, point="traj")
+        (output,) = view.run(["user : how do i open my car ? assistant :"], display=False,
+                             max_new_tokens=8)
+    finally:
+        model.close()
+    frame = signals_frame([output])
+    expected = {
+        point: dict(zip(rows["generated_index"].tolist(), rows["score"].tolist(), strict=True))
+        for point, rows in frame.groupby("point")}
+    assert len(expected["traj"]) >= 7 and not any(
+        s.extraction_point_name == "traj" for s in output.signals)
+    trace = view.state.requests[output.request_id]
+    assert trace.scores == {("norm", 1): expected["norm"], ("traj", 3): expected["traj"]}
+    assert _token_scores(view)[:len(expected["traj"])] == [
+        f"{expected['traj'][g]:.6f}" for g in sorted(expected["traj"])]
+    (line,) = [t for t in view.figure.data if t.name.endswith("· traj · L3")]
+    assert list(line.x) == sorted(expected["traj"])
+    assert list(line.y) == [expected["traj"][g] for g in sorted(expected["traj"])]

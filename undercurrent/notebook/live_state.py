@@ -3,7 +3,10 @@
 Kept apart from the widgets so the bookkeeping is testable on its own. Events
 are ``StreamEvent``s: a token event carries the decoded piece, and the inline
 signals that arrived since the previous event (a generated token's own signals
-come with the next event), each located by a ``TokenSignal``. A NaN score is
+come with the next event), each located by a ``TokenSignal``. A stream carries
+no async point's signals: they are read from the final output's results (each
+signal located by the router), so an async point's scores appear when its
+request finishes. A NaN score is
 taken as no score: it is not kept, so it neither shades a token nor moves the
 scale, and the token reads "no score".
 """
@@ -100,7 +103,7 @@ class LiveState:
         """Fold one ``StreamEvent`` into its request's trace and return the trace."""
         trace = self.trace(event.request_id)
         for located in event.signals:
-            self._add_signal(trace, located)
+            self._add_signal(trace, located.extraction_point_name, located, located.signal)
         if event.token_id is not None and event.generated_index is not None:
             while len(trace.pieces) <= event.generated_index:
                 trace.pieces.append("")
@@ -114,8 +117,12 @@ class LiveState:
                 trace.prompt = event.output.prompt
                 trace.abort = event.output.abort
                 # Signals the stream may not have delivered one by one (e.g. the last token's).
+                inline = set()
                 for located in event.output.signals:
-                    self._add_signal(trace, located)
+                    inline.add(located.extraction_point_name)
+                    self._add_signal(trace, located.extraction_point_name, located,
+                                     located.signal)
+                self._add_async_signals(trace, event.output.results, inline)
                 trace.steered.update(getattr(event.output, "steered_tokens", ()))
                 text_tokens = len(event.output.token_ids)
                 if text_tokens and len(trace.pieces) < text_tokens:
@@ -129,16 +136,30 @@ class LiveState:
                 trace.pieces.append(event.text)
         return trace
 
+    @classmethod
+    def _add_async_signals(cls, trace: RequestTrace, results: Any, inline: set[str]) -> None:
+        """The signals of the points the stream did not carry (async points), from
+        their ``ProbeResult``s; each signal says where it was emitted, as in
+        ``signals_frame``."""
+        for name, result in results.items():
+            if name in inline:
+                continue  # an inline point: its signals came with the events
+            for signal in result.signals:
+                if signal.layer is None or signal.token_index is None:
+                    continue  # not located (a router always locates those it keeps)
+                cls._add_signal(trace, name, signal, signal)
+
     @staticmethod
-    def _add_signal(trace: RequestTrace, located: Any) -> None:
-        key = (located.extraction_point_name, located.layer)
+    def _add_signal(trace: RequestTrace, point: str, located: Any, signal: Any) -> None:
+        """Keep ``signal``'s score and action at the token ``located`` names (a
+        ``TokenSignal``, or a ``ProbeSignal`` located by the router)."""
+        key = (point, located.layer)
         if located.generated_index is not None:
             x = located.generated_index
         elif trace.output is not None:
             x = located.token_index - trace.output.prompt_len
         else:
             return  # a prompt token's signal: placed from the final output, which knows prompt_len
-        signal = located.signal
         score = known_score(signal.score)
         if score is not None:
             trace.scores.setdefault(key, {})[x] = score

@@ -85,14 +85,15 @@ class LiveView:
     ``model`` is a ``ProbedModel`` (anything whose ``stream(prompt, **kwargs)``
     yields ``StreamEvent``s). ``point`` picks which extraction point colours the
     text (default: the first that scored the token); a name the model's spec
-    does not have is refused. ``score_range`` fixes the colour scale (default
-    ``(0, 1)`` while every score is a probability, else the range seen; a NaN
-    score counts as no score); probabilities also fix the plot's score axis to
-    [0, 1]. ``threshold`` draws a dashed line on the plot. Scores and aborts at
-    prompt tokens sit at negative x (``prompt[-1]`` is -1), the token axis
-    widened to show them; an abort without a score sits at the top of the scale.
-    ``outputs`` holds every output the view has collected, over all runs until
-    :meth:`clear`.
+    does not have is refused. An async point's scores (which a stream does not
+    carry) are shown when each request finishes, from its output's results.
+    ``score_range`` fixes the colour scale (default ``(0, 1)`` while every score
+    is a probability, else the range seen; a NaN score counts as no score);
+    probabilities also fix the plot's score axis to [0, 1]. ``threshold`` draws
+    a dashed line on the plot. Scores and aborts at prompt tokens sit at
+    negative x (``prompt[-1]`` is -1), the token axis widened to show them; an
+    abort without a score sits at the top of the scale. ``outputs`` holds every
+    output the view has collected, over all runs until :meth:`clear`.
 
     Displayed, the view is a widget; stored notebooks and readers without a
     kernel get an HTML snapshot (progress, coloured tokens, messages and a PNG
