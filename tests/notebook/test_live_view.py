@@ -432,3 +432,25 @@ extraction_points:
     (line,) = [t for t in view.figure.data if t.name.endswith("· traj · L3")]
     assert list(line.x) == sorted(expected["traj"])
     assert list(line.y) == [expected["traj"][g] for g in sorted(expected["traj"])]
+
+
+def test_request_ids_name_each_prompts_request_and_one_id_is_refused_for_several(tiny_with):
+    model = tiny_with("generated[*]", "nan_first")
+    view = LiveView(model)
+    prompts = ["how do i open my car ?", "what is a lock ?"]
+    with pytest.raises(ValueError, match=r"request_id='same' names one request, but 2 prompts"):
+        view.run(prompts, display=False, max_new_tokens=4, request_id="same")
+    assert not view.state.requests and not view.outputs  # refused before streaming
+    outputs = view.run(prompts, display=False, max_new_tokens=4, request_ids=["a", "b"])
+    assert [o.request_id for o in outputs] == ["a", "b"]
+    assert {k: "".join(t.pieces) for k, t in view.state.requests.items()} == {
+        o.request_id: o.text for o in outputs}
+    (one,) = view.run(prompts[:1], display=False, max_new_tokens=4, request_id="c")
+    assert one.request_id == "c" and len(view.state.requests) == 3
+    with pytest.raises(ValueError, match=r"already shows a request 'a'.*clear\(\)"):
+        view.run(prompts[:1], display=False, max_new_tokens=4, request_ids=["a"])
+    with pytest.raises(ValueError, match=r"2 prompts but 1 request_ids"):
+        view.run(prompts, display=False, max_new_tokens=4, request_ids=["d"])
+    with pytest.raises(ValueError, match=r"unique, 'd' is given more than once"):
+        view.run(prompts, display=False, max_new_tokens=4, request_ids=["d", "d"])
+    assert len(view.state.requests) == 3

@@ -79,6 +79,41 @@ def _check_point(model: Any, point: str | None) -> None:
     )
 
 
+def _request_ids(prompt_count: int, request_id: Any, request_ids: Sequence[str] | None,
+                 shown: Any) -> list[str | None]:
+    """The request id each prompt's stream gets (None: the model makes one), from
+    ``request_ids=`` or a one-prompt run's ``request_id=``; refuses ids that would
+    put two requests on one line of the view (``shown``: the ids it shows)."""
+    if request_id is not None:
+        if request_ids is not None:
+            raise TypeError("LiveView.run: give request_id= (one prompt) or request_ids= "
+                            "(one id per prompt), not both")
+        if prompt_count != 1:
+            raise ValueError(
+                f"LiveView.run: request_id={request_id!r} names one request, but "
+                f"{prompt_count} prompts were given (each prompt is a request of its own): "
+                "give request_ids=[...] with one id per prompt, or no id")
+        request_ids = [request_id]
+    if request_ids is None:
+        return [None] * prompt_count
+    if isinstance(request_ids, (str, bytes)):  # (not one id per character)
+        raise TypeError("LiveView.run: request_ids must be a list of strings, one per "
+                        f"prompt, got the {type(request_ids).__name__} {request_ids!r:.40}")
+    ids: list[str | None] = list(request_ids)
+    if len(ids) != prompt_count:
+        raise ValueError(f"LiveView.run: {prompt_count} prompts but {len(ids)} request_ids; "
+                         "give one id per prompt")
+    repeated = sorted({i for i in ids if ids.count(i) > 1}, key=str)
+    if repeated:
+        raise ValueError(f"LiveView.run: request_ids must be unique, {repeated[0]!r} is "
+                         "given more than once")
+    again = [i for i in ids if i in shown]
+    if again:
+        raise ValueError(f"LiveView.run: the view already shows a request {again[0]!r} "
+                         "(from an earlier run); give a new id, or call clear() first")
+    return ids
+
+
 class LiveView:
     """Runs ``ProbedModel.stream`` and updates a text view and a score plot as tokens arrive.
 
@@ -211,6 +246,7 @@ class LiveView:
         prompts: str | Sequence[str],
         *,
         labels: Sequence[str] | None = None,
+        request_ids: Sequence[str] | None = None,
         display: bool = True,
         **stream_kwargs: Any,
     ) -> list[Any]:
@@ -218,7 +254,9 @@ class LiveView:
         outputs, one per prompt in order (``outputs`` keeps those of every run).
 
         ``labels`` names each prompt's request in the text and the legend (default
-        ``prompt N: <start of the prompt>``). ``stream_kwargs`` go to
+        ``prompt N: <start of the prompt>``). ``request_ids`` gives each prompt's
+        request its id (one per prompt, unique, none the view already shows);
+        ``request_id=`` is for a run of one prompt. ``stream_kwargs`` go to
         ``model.stream`` (``max_new_tokens``, sampling options). With
         ``display=True`` the view shows itself first when it is not on screen yet,
         so the updates can be watched, and adds a static snapshot of the finished
@@ -232,6 +270,8 @@ class LiveView:
                 f"LiveView.run: {len(prompt_list)} prompts but {len(label_list)} labels; "
                 "give one label per prompt"
             )
+        id_list = _request_ids(len(prompt_list), stream_kwargs.pop("request_id", None),
+                               request_ids, self.state.requests)
         self._run_total, self._run_index = len(prompt_list), 0
         self._max_new_tokens = stream_kwargs.get("max_new_tokens")
         if self._max_new_tokens is not None:
@@ -247,7 +287,10 @@ class LiveView:
                 self._run_index = index + 1
                 self._prompt = prompt
                 self._label = None if label_list is None else label_list[index]
-                for event in self.model.stream(prompt, **stream_kwargs):
+                kwargs = dict(stream_kwargs)
+                if id_list[index] is not None:
+                    kwargs["request_id"] = id_list[index]
+                for event in self.model.stream(prompt, **kwargs):
                     self.update(event)
         finally:
             self._running = False
