@@ -331,6 +331,23 @@ edits:
     assert editor.spec[0].layers == (1, 2, 3)
 
 
+def test_from_spec_refuses_probe_args_yaml_cannot_write_as_to_yaml_does():
+    import numpy as np
+
+    from undercurrent.spec import ExtractionPoint, ProbeSpec, to_yaml
+
+    point = ExtractionPoint(name="a", layers=1, tensor_type="residual_stream",
+                            position="prompt[-1]", probe_type="linear_probe",
+                            probe_kind="single_shot", probe_args={"threshold": np.float32(0.5)})
+    spec = ProbeSpec([point])
+    with pytest.raises(SpecValidationError) as written:
+        to_yaml(spec)
+    with pytest.raises(SpecValidationError) as loaded:
+        SpecEditor.from_spec(spec)
+    assert str(loaded.value) == str(written.value)
+    assert "extraction_points[0] (name 'a'), field 'probe_args'" in str(loaded.value)
+
+
 def test_from_spec_reports_model_problems_for_a_loaded_spec():
     editor = SpecEditor.from_spec(SPECS / "continuous_trajectory.yaml", model=4)
     assert not editor.valid

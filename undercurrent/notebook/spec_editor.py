@@ -55,6 +55,7 @@ from undercurrent.spec import (
 from undercurrent.spec.fields import edit_fields, point_fields
 from undercurrent.spec.loader import is_yaml_text
 from undercurrent.spec.serialize import _dump as dump_spec_yaml
+from undercurrent.spec.serialize import yaml_data
 
 if TYPE_CHECKING:  # pragma: no cover
     from undercurrent.api import ProbedModel
@@ -103,6 +104,10 @@ class SpecEditor:
     """
 
     def __init__(self, spec: ProbeSpec | None = None, *, model: ModelArgument = None) -> None:
+        if spec is not None:
+            # The form holds probe_args as YAML text: a spec to_yaml refuses (a numpy
+            # scalar in probe_args) is refused here with its SpecValidationError.
+            yaml_data(spec)
         self.capabilities = resolve_capabilities(model)
         self._model_check = None if self.capabilities is None else ModelCheck(self.capabilities)
         self._spec: ProbeSpec | None = None
@@ -126,7 +131,9 @@ class SpecEditor:
         (version "1" or "2": the edits come with it).
 
         Loading goes through the spec loader, so an invalid file raises
-        ``SpecValidationError`` naming the problems (there is nothing to edit yet).
+        ``SpecValidationError`` naming the problems (there is nothing to edit yet);
+        so does a ``ProbeSpec`` that ``to_yaml`` cannot write (``probe_args``
+        holding a value YAML cannot represent, such as a numpy scalar).
         """
         if isinstance(spec_or_path, ProbeSpec):
             spec = spec_or_path

@@ -83,13 +83,13 @@ def _represent_list(dumper: yaml.SafeDumper, items: list[Any]) -> yaml.Node:
 _SpecDumper.add_representer(list, _represent_list)
 
 
-def to_yaml(spec: ProbeSpec) -> str:
-    """The spec as YAML text, which :func:`parse_yaml` reads back to an equal spec
-    (but for a tuple in ``probe_args``, which comes back as a list: YAML has one
-    kind of sequence).
+def yaml_data(spec: ProbeSpec) -> dict[str, Any]:
+    """:func:`probe_spec_to_dict` with every ``probe_args`` made plain for the YAML
+    dumper (dicts and lists).
 
     Raises :class:`SpecValidationError` naming the point when its ``probe_args``
-    hold a value YAML cannot represent (an arbitrary Python object).
+    hold a value YAML cannot represent (an arbitrary Python object, a numpy
+    scalar): what :func:`to_yaml` and the notebook's ``SpecEditor`` refuse.
     """
     data = probe_spec_to_dict(spec)
     for index, point in enumerate(data["extraction_points"]):
@@ -103,6 +103,18 @@ def to_yaml(spec: ProbeSpec) -> str:
                 f"cannot be written as YAML: {error}", "probe_args", index, point["name"]
             )
             raise SpecValidationError([problem]) from None
+    return data
+
+
+def to_yaml(spec: ProbeSpec) -> str:
+    """The spec as YAML text, which :func:`parse_yaml` reads back to an equal spec
+    (but for a tuple in ``probe_args``, which comes back as a list: YAML has one
+    kind of sequence).
+
+    Raises :class:`SpecValidationError` naming the point when its ``probe_args``
+    hold a value YAML cannot represent (see :func:`yaml_data`).
+    """
+    data = yaml_data(spec)
     text = _dump(data, allow_unicode=True)
     # PyYAML writes a few code points (NEL, line and paragraph separators) unescaped
     # that its reader then folds into line breaks; escape everything when that bites.
