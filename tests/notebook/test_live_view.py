@@ -166,6 +166,35 @@ def test_labels_name_the_requests_in_the_text_the_legend_and_the_messages():
     assert "<b>harmful</b>: aborted by" in view.message.value
 
 
+def test_labels_are_shown_as_written_in_the_legend_not_read_as_markup():
+    model = ScriptedModel({"a": [0.1, 0.95], "b": [0.2]}, abort_at={"a": 1})
+    view = LiveView(model)
+    view.run(["a", "b"], labels=["<i>L1</i>", "x & y"], display=False)
+    # plotly reads a trace's name and hover text as HTML: both come escaped.
+    lines = [t for t in view.figure.data if t.showlegend is not False]
+    assert [t.name for t in lines] == ["&lt;i&gt;L1&lt;/i&gt;", "x &amp; y"]
+    assert [t.hovertemplate.split("<br>")[0] for t in lines] == [t.name for t in lines]
+    (marker,) = [t for t in view.figure.data if t.showlegend is False]
+    assert marker.name == "&lt;i&gt;L1&lt;/i&gt;: abort"
+    assert "<b>&lt;i&gt;L1&lt;/i&gt;</b>" in view.text.value
+
+
+def test_line_ends_in_a_token_are_drawn_as_symbols_not_line_breaks():
+    class LineEnds(ScriptedModel):
+        def stream(self, prompt, **kwargs):
+            for event in super().stream(prompt, **kwargs):
+                if event.generated_index == 0:
+                    event = StreamEvent(event.request_id, event.token_id, "\r\n",
+                                        event.token_index, 0, signals=event.signals)
+                yield event
+
+    view = LiveView(LineEnds({"a": [0.1, 0.5]}))
+    view.run("a", display=False)
+    tokens = re.findall(r'<span class="uc-token"[^>]*>([^<]*)</span>', view.text.value)
+    assert tokens == ["␍↵", " w1"]
+    assert "\r" not in view.text.value and "\n" not in view.text.value
+
+
 def test_default_labels_number_the_prompts_and_preview_them():
     long_prompt = "user : how do i bake a loaf of bread at home ? assistant :"
     model = ScriptedModel({long_prompt: [0.1], "b": [0.2]})

@@ -55,7 +55,9 @@ def request_line_html(trace: RequestTrace, scale: tuple[float, float],
     spans = []
     for index, piece in enumerate(trace.pieces):
         score = trace.score_of(index, point)
-        shown = html.escape(piece, quote=False).replace("\n", "↵")
+        # Line ends are drawn, not broken: an HTML reader turns a CR (or CR LF) into
+        # a line break of its own.
+        shown = html.escape(piece, quote=False).replace("\r", "␍").replace("\n", "↵")
         if score is None:
             style, title = "", f"token {index}: no score"
         else:

@@ -450,9 +450,11 @@ class LiveView:
         self.message.value = abort_messages_html(self.state.requests.values())
 
     def _trace_name(self, trace: RequestTrace, point: str, layer: int) -> str:
-        """The request's label, with point and layer once the request has several lines."""
+        """The request's label, with point and layer once the request has several lines
+        (escaped: plotly reads a trace's name as HTML)."""
         label = trace.label or trace.request_id
-        return label if len(trace.scores) == 1 else f"{label} · {point} · L{layer}"
+        name = label if len(trace.scores) == 1 else f"{label} · {point} · L{layer}"
+        return html.escape(name, quote=False)
 
     def _render_plot(self, trace: RequestTrace) -> None:
         with self.figure.batch_update():
@@ -466,7 +468,7 @@ class LiveView:
                     self.figure.add_scatter(
                         x=xs, y=ys, mode="lines+markers", name=name,
                         legendgroup=trace.request_id,
-                        hovertemplate=html.escape(name) + "<br>token %{x}<br>score %{y:.3f}"
+                        hovertemplate=name + "<br>token %{x}<br>score %{y:.3f}"
                         "<extra></extra>",
                     )
                     self._traces[key] = len(self.figure.data) - 1
@@ -484,7 +486,7 @@ class LiveView:
                 self.figure.add_scatter(
                     x=[trace.abort_position()], y=[self._scale()[1] if score is None else score],
                     mode="markers", marker={"symbol": "x", "size": 16, "color": "#b00020"},
-                    name=f"{trace.label or trace.request_id}: abort",
+                    name=html.escape(f"{trace.label or trace.request_id}: abort", quote=False),
                     legendgroup=trace.request_id, showlegend=False,
                     hovertemplate=html.escape(message) + "<extra></extra>",
                 )
