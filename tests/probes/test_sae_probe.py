@@ -103,6 +103,23 @@ def test_old_log_threshold_files_and_pre_6_topk_configs_are_read(tmp_path):
     assert (sae.architecture, sae.k, sae.hook_name) == ("topk", 3, "blocks.1.hook_mlp_out")
 
 
+def test_pre_6_topk_architecture_takes_k_from_activation_fn_kwargs(tmp_path):
+    # SAELens 5.x wrote TopK SAEs with architecture "topk" and k only in the kwargs
+    w = write_sae(tmp_path, hook_name=None)
+    old = {"d_in": 4, "d_sae": 6, "architecture": "topk", "activation_fn_str": "topk",
+           "activation_fn_kwargs": {"k": 3}, "hook_point": "blocks.3.hook_resid_post",
+           "apply_b_dec_to_input": True, "normalize_activations": "none"}
+    (tmp_path / "cfg.json").write_text(json.dumps(old))
+    sae = load_sae(tmp_path)
+    assert (sae.architecture, sae.k) == ("topk", 3)
+    pre = (X - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    expected = np.zeros_like(pre)
+    for row in range(len(pre)):
+        top = np.argsort(-pre[row])[:3]
+        expected[row, top] = relu(pre[row, top])
+    np.testing.assert_allclose(sae.encode(X), expected, rtol=0, atol=1e-12)
+
+
 def test_watched_features_signal_scores_and_verdict_by_hand(tmp_path):
     w = write_sae(tmp_path)
     acts = relu((X - w["b_dec"]) @ w["W_enc"] + w["b_enc"])

@@ -21,7 +21,8 @@ product, following the config's own fields as SAELens's inference classes do:
 - ``apply_b_dec_to_input``: subtract ``b_dec`` before the encoder.
 
 Pre-6.0 configs (``hook_point``, ``activation_fn: topk`` with
-``activation_fn_kwargs.k``) are read the way SAELens upgrades them.
+``activation_fn_kwargs.k``, ``architecture: topk`` with ``k`` only in
+``activation_fn_kwargs``) are read the way SAELens upgrades them.
 Arithmetic is float64 whatever the file's dtype.
 """
 
@@ -312,11 +313,15 @@ def _upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
     if "hook_point" in upgraded and "hook_name" not in upgraded:
         upgraded["hook_name"] = upgraded["hook_point"]
     activation_fn = upgraded.get("activation_fn", upgraded.get("activation_fn_str"))
-    kwargs = upgraded.get("activation_fn_kwargs") or {}
-    if "architecture" not in upgraded or upgraded["architecture"] == "standard":
-        if activation_fn == "topk" and isinstance(kwargs, dict) and kwargs.get("k") is not None:
+    kwargs = upgraded.get("activation_fn_kwargs")
+    kwargs_k = kwargs.get("k") if isinstance(kwargs, dict) else None
+    if kwargs_k is not None:
+        # SAELens < 6 kept a TopK SAE's k in activation_fn_kwargs, whether its
+        # architecture said "standard" (or nothing) with activation_fn topk, or "topk"
+        if activation_fn == "topk" and upgraded.get("architecture", "standard") == "standard":
             upgraded["architecture"] = "topk"
-            upgraded.setdefault("k", kwargs["k"])
+        if upgraded.get("architecture") == "topk":
+            upgraded.setdefault("k", kwargs_k)
     upgraded.setdefault("architecture", "standard")
     if isinstance(upgraded.get("normalize_activations"), bool):
         upgraded["normalize_activations"] = (
