@@ -263,6 +263,37 @@ def test_decoder_direction_and_clamp_delta_by_hand(tmp_path):
     np.testing.assert_allclose(clamped - decode(target), X - decode(acts), atol=1e-12)
 
 
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+def test_rescale_acts_by_decoder_norm_applies_to_topk_alone_in_encode_and_decode(
+        tmp_path, architecture):
+    # SAELens's TopK SAE reads the flag (encode scales by |W_dec[i]|, decode divides
+    # the rows by it); its standard and JumpReLU SAEs have no such field
+    w = write_sae(tmp_path, architecture=architecture,
+                  config={"rescale_acts_by_decoder_norm": True})
+    rescaled = architecture == "topk"
+    norms = np.linalg.norm(w["W_dec"], axis=1) if rescaled else np.ones(6)
+    pre = ((X - w["b_dec"]) @ w["W_enc"] + w["b_enc"]) * norms
+    if architecture == "standard":
+        acts = relu(pre)
+    elif architecture == "jumprelu":
+        acts = np.where(pre > w["threshold"], relu(pre), 0.0)
+    else:
+        acts = np.zeros_like(pre)
+        for row in range(len(pre)):
+            top = np.argsort(-pre[row])[:2]
+            acts[row, top] = relu(pre[row, top])
+    sae = load_sae(tmp_path)
+    np.testing.assert_allclose(sae.encode(X), acts, atol=1e-12)
+    decoder = w["W_dec"] / norms[:, None]
+    np.testing.assert_allclose(sae.decoder_direction(2), decoder[2], atol=1e-12)
+    decode = lambda f: f @ decoder + w["b_dec"]  # noqa: E731
+    feature = int(np.argmax(acts[0]))  # (active in row 0: a clamp that changes it)
+    target = acts.copy()
+    target[:, feature] = 5.0
+    clamped = X + sae.clamp_delta(X, feature, 5.0)
+    np.testing.assert_allclose(clamped - decode(target), X - decode(acts), atol=1e-12)
+
+
 def test_clamp_delta_undoes_the_input_normalisation(tmp_path):
     w = write_sae(tmp_path, config={"normalize_activations": "layer_norm"})
     sae = load_sae(tmp_path)

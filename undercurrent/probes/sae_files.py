@@ -93,6 +93,13 @@ class SparseAutoencoder:
         return numpy_module().linalg.norm(self.W_dec, axis=1)
 
     @property
+    def rescales_by_decoder_norm(self) -> bool:
+        """Whether ``rescale_acts_by_decoder_norm`` applies: to a topk SAE only
+        (SAELens's other inference SAEs have no such field and ignore it, in
+        encode and decode alike)."""
+        return self.architecture == "topk" and self.rescale_acts_by_decoder_norm
+
+    @property
     def d_in(self) -> int:
         """The activation size the SAE reads."""
         return int(self.W_enc.shape[0])
@@ -170,7 +177,7 @@ class SparseAutoencoder:
             inputs = inputs - self.b_dec
         # (each row's product the same bits whatever batch it is in: row_products)
         pre = row_products(inputs, self.W_enc) + self.b_enc
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+        if self.rescales_by_decoder_norm:
             pre = pre * self.decoder_norms
         return pre, out_scale
 
@@ -197,19 +204,20 @@ class SparseAutoencoder:
         weights, bias = self.W_enc[:, list(features)], self.b_enc[list(features)]
         pre = inputs @ weights + bias
         size = np.abs(inputs) @ np.abs(weights) + np.abs(bias)
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+        if self.rescales_by_decoder_norm:
             scale = self.decoder_norms[list(features)]
             pre, size = pre * scale, size * scale
         return np.maximum(pre + 1e-9 * size, 0.0)
 
     def decoder_direction(self, feature: int) -> Any:
         """What one unit of ``feature`` adds to the reconstruction, in the SAE's input
-        space: ``W_dec[feature]`` (divided by its norm when the config sets
-        ``rescale_acts_by_decoder_norm``, as SAELens's decode does)."""
+        space: ``W_dec[feature]`` (divided by its norm when a topk SAE's config
+        sets ``rescale_acts_by_decoder_norm``, as SAELens's decode does; other
+        architectures ignore that field, as SAELens does)."""
         np = numpy_module()
         index = self.feature_index(feature)
         row = np.array(self.W_dec[index], dtype=np.float64)
-        if self.rescale_acts_by_decoder_norm:
+        if self.rescales_by_decoder_norm:
             row = row / self.decoder_norms[index]
         return row
 
