@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -245,6 +246,41 @@ def test_clear_errors_for_bad_folders_and_arguments(tmp_path):
     probe = SaeProbe(path=tmp_path / "ok")
     with pytest.raises(ValueError, match="expects activations of size d_in=4, got 5"):
         probe.on_activations([activation(torch.zeros(5))])
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"activation_fn": "gelu"}, "field activation_fn 'gelu' is not supported for a standard"),
+    ({"activation_fn_str": "tanh-relu"}, "field activation_fn_str 'tanh-relu' is not supported"),
+    ({"activation_fn": "no_such_fn"}, r"by architecture: standard: relu; jumprelu: relu or "),
+    ({"activation_fn": "topk"}, "activation_fn is 'topk' but gives no k"),
+    ({"architecture": "topk", "k": 2, "activation_fn": "relu"},
+     "activation_fn 'relu' is not supported for a topk SAE"),
+    ({"apply_b_dec_to_input": "false"}, "apply_b_dec_to_input must be true or false, got 'false'"),
+    ({"rescale_acts_by_decoder_norm": 1}, "rescale_acts_by_decoder_norm must be true or false"),
+    ({"architecture": "topk", "k": 7}, r"k=7 is more than the SAE's d_sae=6 features"),
+])
+def test_config_fields_the_encoder_would_not_follow_are_refused(tmp_path, config, message):
+    # (each was read as a plain ReLU SAE, or as apply_b_dec_to_input true)
+    write_sae(tmp_path, config=config)
+    with pytest.raises(SaeFileError, match=f"SAE folder '{re.escape(str(tmp_path))}'.*{message}"):
+        load_sae(tmp_path)
+
+
+@pytest.mark.parametrize(("architecture", "activation_fn"), [
+    ("standard", "relu"), ("jumprelu", "relu"), ("jumprelu", "jumprelu"), ("topk", "topk")])
+def test_the_activation_function_each_architecture_computes_is_accepted(
+        tmp_path, architecture, activation_fn):
+    w = write_sae(tmp_path, architecture=architecture,
+                  config={"activation_fn_str": activation_fn})
+    pre = (X - w["b_dec"]) @ w["W_enc"] + w["b_enc"]
+    got = load_sae(tmp_path).encode(X)
+    if architecture == "standard":
+        np.testing.assert_allclose(got, relu(pre), atol=1e-12)
+    elif architecture == "jumprelu":
+        np.testing.assert_allclose(got, np.where(pre > w["threshold"], relu(pre), 0.0),
+                                   atol=1e-12)
+    else:
+        assert ((got > 0).sum(axis=1) <= 2).all()
 
 
 def test_decoder_direction_and_clamp_delta_by_hand(tmp_path):

@@ -18,7 +18,10 @@ product, following the config's own fields as SAELens's inference classes do:
   ``expected_average_only_in`` and ``covariance_whitening`` leave the input as
   it is (SAELens folds those into the weights before saving, and its inference
   SAE applies nothing for them);
-- ``apply_b_dec_to_input``: subtract ``b_dec`` before the encoder.
+- ``apply_b_dec_to_input``: subtract ``b_dec`` before the encoder;
+- ``activation_fn`` (``activation_fn_str`` before 6.0), where given, must be
+  the architecture's own (``relu``; ``relu`` or ``jumprelu``; ``topk``): any
+  other is refused, not read as ReLU.
 
 Pre-6.0 configs (``hook_point``, ``activation_fn: topk`` with
 ``activation_fn_kwargs.k``, ``architecture: topk`` with ``k`` only in
@@ -44,6 +47,14 @@ from undercurrent.probes.weights import ProbeFileError, resolve_probe_path
 SAE_CONFIG_FILE = "cfg.json"
 SAE_WEIGHTS_FILE = "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "jumprelu", "topk")
+# The activation functions a config may name for each architecture (SAELens < 6
+# wrote activation_fn_str "relu" for JumpReLU SAEs; a TopK SAE also needs its k).
+_ACTIVATION_FUNCTIONS = {
+    "standard": ("relu",),
+    "jumprelu": ("relu", "jumprelu"),
+    "topk": ("topk",),
+}
+_BOOLEAN_FIELDS = ("apply_b_dec_to_input", "rescale_acts_by_decoder_norm")
 # What SAELens's inference SAE does to its input for each normalize_activations value.
 _INPUT_NORMALISATIONS = {
     "none": "none",
@@ -375,6 +386,13 @@ def _build(
             f"{source}: architecture {architecture!r} is not supported; sae_probe reads "
             f"{', '.join(ARCHITECTURES)}"
         )
+    _check_activation_function(source, config, architecture)
+    for name in _BOOLEAN_FIELDS:
+        if name in config and not isinstance(config[name], bool):
+            raise SaeFileError(
+                f"{source}: {SAE_CONFIG_FILE} field {name} must be true or false, got "
+                f"{config[name]!r}"
+            )
     normalisation = config.get("normalize_activations", "none")
     if normalisation not in _INPUT_NORMALISATIONS:
         raise SaeFileError(
@@ -431,6 +449,11 @@ def _build(
         k = config.get("k")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise SaeFileError(f"{source}: a topk SAE needs k, an int >= 1, got {k!r}")
+        if k > d_sae:
+            raise SaeFileError(
+                f"{source}: k={k} is more than the SAE's d_sae={d_sae} features; a topk "
+                f"SAE keeps k of them (1..{d_sae})"
+            )
     for name in needed:
         if not np.isfinite(arrays[name]).all():
             raise SaeFileError(f"{source}: {name} holds NaN or inf")
@@ -449,9 +472,31 @@ def _build(
         b_dec=arrays["b_dec"],
         threshold=arrays.get("threshold") if architecture == "jumprelu" else None,
         k=k,
-        apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", True)),
+        apply_b_dec_to_input=config.get("apply_b_dec_to_input", True),
         normalize_activations=normalisation,
-        rescale_acts_by_decoder_norm=bool(config.get("rescale_acts_by_decoder_norm", False)),
+        rescale_acts_by_decoder_norm=config.get("rescale_acts_by_decoder_norm", False),
         hook_name=str(hook_name) if hook_name is not None else None,
         config=config,
     )
+
+
+def _check_activation_function(source: str, config: dict[str, Any], architecture: str) -> None:
+    """Refuse an activation function other than the one ``architecture`` computes
+    (SAELens < 6 named it in ``activation_fn_str``; it is not read as ReLU)."""
+    allowed = _ACTIVATION_FUNCTIONS[architecture]
+    for name in ("activation_fn", "activation_fn_str"):
+        value = config.get(name)
+        if value is None or value in allowed:
+            continue
+        if value == "topk" and architecture == "standard":
+            raise SaeFileError(
+                f"{source}: {SAE_CONFIG_FILE} field {name} is 'topk' but gives no k; a TopK "
+                "SAE names it in activation_fn_kwargs.k (SAELens < 6) or as k with "
+                "architecture 'topk'"
+            )
+        supported = "; ".join(f"{arch}: {' or '.join(functions)}"
+                              for arch, functions in _ACTIVATION_FUNCTIONS.items())
+        raise SaeFileError(
+            f"{source}: {SAE_CONFIG_FILE} field {name} {value!r} is not supported for a "
+            f"{architecture} SAE; the supported ones, by architecture: {supported} (with k)"
+        )
