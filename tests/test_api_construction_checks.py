@@ -89,3 +89,29 @@ def test_a_threshold_yaml_reads_as_text_still_acts(tiny):
             "probe_kind: single_shot, probe_args: {threshold: 1e-3, action: abort}}\n")
     output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=4)[0]
     assert output.aborted and output.abort.generated_index == 0
+
+
+def test_a_linear_probe_of_another_size_than_the_hidden_size_is_refused_at_construction(tiny):
+    # (it raised on every token, into ProbeResult.error, and an abort guard never fired)
+    spec = _spec(probe_type="linear_probe", probe_args={
+        "weight": [0.1] * 5, "bias": 0.0, "threshold": 0.5, "action": "abort"})
+    with pytest.raises(RouterError, match=r"extraction_points\[0\] \(name 'guard'\): probe_type "
+                                          r"'linear_probe' refuses it: inline probe_args: the "
+                                          r"weight has 5 numbers per activation but the "
+                                          r"model's hidden size is 128"):
+        ProbedModel(tiny.backend, spec=spec)
+    with pytest.raises(RouterError, match="weight has 5 numbers"):  # (whatever check_metadata)
+        ProbedModel(tiny.backend, spec=_spec(probe_type="linear_probe", probe_args={
+            "weight": [0.1] * 5, "bias": 0.0, "check_metadata": False}))
+
+
+def test_a_kv_point_is_not_held_to_the_hidden_size(tiny):
+    # a kv activation is (2, kv heads, head dim): 2 * 2 * 64 = 256 values on the tiny model
+    capabilities = tiny.capabilities()
+    size = 2 * capabilities.num_kv_heads * capabilities.head_dim
+    assert size != capabilities.hidden_size
+    spec = _spec(tensor_type="kv", probe_type="linear_probe",
+                 probe_args={"weight": [0.01] * size, "bias": 0.0})
+    output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=3)[0]
+    result = output.results["guard"]
+    assert result.error is None and result.stats.processed == len(output.token_ids) - 1

@@ -143,7 +143,8 @@ class ProbedModel:
                 f"backend={backend!r} loads its engine itself: use "
                 f"ProbedModel.from_pretrained(path, backend={backend!r})")
         self.spec = load_spec(spec)
-        check_points(self.backend.capabilities(), self.spec)
+        capabilities = self.backend.capabilities()
+        check_points(capabilities, self.spec)
         self._spec_edits = self._register_edits((), self.spec.edits)
         backend_check = getattr(self.backend, "check", None)
         if backend_check is not None:
@@ -162,8 +163,9 @@ class ProbedModel:
         router_check = getattr(self.router, "check", None) if self.spec else None
         if router_check is not None:
             # Unknown probe types, bad probe_args and points a probe refuses (a probe
-            # file fitted on another layer) are refused here, not at generate().
-            router_check(list(self.spec))
+            # file fitted on another layer, an SAE of another hidden size) are
+            # refused here, not at generate().
+            router_check(list(self.spec), hidden_size=capabilities.hidden_size)
 
     @classmethod
     def from_pretrained(

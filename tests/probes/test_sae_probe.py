@@ -415,3 +415,25 @@ def test_a_contradicting_point_is_refused_before_generation():
     with pytest.raises(Exception, match=r"trained on layer 3 .* captures layers \[1\]"):
         with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as model:
             model.generate(["user : hello . assistant :"], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("check_hook", [True, False])
+def test_an_sae_of_another_size_than_the_hidden_size_is_refused_at_construction(
+        tmp_path, check_hook):
+    # as an edit naming the SAE is; it raised at the first token instead, into
+    # ProbeResult.error, and an abort guard never fired
+    from undercurrent.api import ProbedModel
+    from undercurrent.router import RouterError
+
+    write_sae(tmp_path, d_in=64, d_sae=8, hook_name="blocks.3.hook_resid_post")
+    spec = {"version": "1", "extraction_points": [{
+        "name": "guard", "layers": 3, "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "sae_probe", "probe_kind": "trajectory",
+        "probe_args": {"path": str(tmp_path), "features": [1], "threshold": 0.5,
+                       "action": "abort", "check_hook": check_hook}}]}
+    message = (f"extraction_points[0] (name 'guard'): probe_type 'sae_probe' refuses it: SAE "
+               f"folder '{tmp_path}' reads activations of size d_in=64 but the model's "
+               "hidden size is 128")
+    with pytest.raises(RouterError) as refused:
+        ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    assert message in str(refused.value)

@@ -118,6 +118,17 @@ class Probe:
         runs on a point it rejects. The default accepts every point.
         """
 
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Refuse a model whose hidden size (the size of a ``residual_stream``,
+        ``attn_out``, ``mlp_out`` or ``final_norm`` activation) this instance
+        cannot read: raise ``ValueError`` saying what size it reads.
+
+        :class:`~undercurrent.api.ProbedModel` calls it when it is built, after
+        :meth:`check_point`, for each point of those tensor types (not ``kv``),
+        when the backend knows the hidden size; a refusal refuses the spec. The
+        default accepts every size.
+        """
+
     def on_start(self, ctx: RequestContext) -> None:
         """Called once, before the first activation of the request.
 

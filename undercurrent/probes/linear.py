@@ -361,6 +361,16 @@ class LinearProbe(TellsSignals):
         if self.check_metadata:
             _check_point_matches_file(self.readout.weights, point)
 
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Raise ValueError when the weight reads activations of another size than
+        the model's hidden size (whatever ``check_metadata`` says)."""
+        if self.readout.weights.hidden != hidden_size:
+            raise ValueError(
+                f"{self.readout.source}: the weight has {self.readout.weights.hidden} numbers "
+                f"per activation but the model's hidden size is {hidden_size}; it must have "
+                "one number per hidden unit"
+            )
+
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold)
         if ctx.extraction_point is not None:  # the router checked; direct callers may not

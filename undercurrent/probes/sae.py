@@ -197,6 +197,15 @@ class SaeProbe(TellsSignals):
         if self.check_hook:
             check_point_matches_hook(self.sae, point)
 
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Raise ValueError when the SAE reads activations of another size than
+        the model's hidden size (whatever ``check_hook`` says)."""
+        if self.sae.d_in != hidden_size:
+            raise ValueError(
+                f"{self.sae.source} reads activations of size d_in={self.sae.d_in} but the "
+                f"model's hidden size is {hidden_size}"
+            )
+
     def on_start(self, ctx: RequestContext) -> None:
         self._reset()
         if ctx.extraction_point is not None:  # for callers that did not check the point

@@ -39,7 +39,7 @@ from undercurrent.router.validation import (
     point_problem,
 )
 from undercurrent.spec.errors import SpecProblem
-from undercurrent.spec.types import InterventionPolicy, OnTimeout
+from undercurrent.spec.types import InterventionPolicy, OnTimeout, TensorType
 
 _RECENTLY_ENDED = 4096
 _CHECKED_KEPT = 16  # point lists remembered as checked (see Router._check_points)
@@ -396,40 +396,44 @@ class Router:
             fresh.append(made)
         return ([], problems) if problems else (fresh, problems)
 
-    def check(self, points: Iterable[Any]) -> None:
+    def check(self, points: Iterable[Any], hidden_size: int | None = None) -> None:
         """Run every registration check on ``points`` without registering a request.
 
         Builds each point's probe (and lets it refuse the point, see
         :meth:`~undercurrent.probes.Probe.check_point`), then discards it. Raises
         :class:`RouterError` listing every problem :meth:`register_request` would
         refuse (``ProbedModel`` calls it when built, so a bad spec fails there,
-        not at the first ``generate()``).
+        not at the first ``generate()``). With the model's ``hidden_size``, a
+        probe that cannot read activations of that size is refused too (see
+        :meth:`~undercurrent.probes.Probe.check_hidden_size`; not on ``kv``
+        points, whose activations have another size).
         """
         checked, problems = self._check_points(list(points))
-        problems += self._instantiate(checked)[1]
+        problems += self._instantiate(checked, hidden_size)[1]
         if problems:
             raise RouterError("extraction points refused", problems)
 
     def _instantiate(
-        self, checked: list[CheckedPoint]
+        self, checked: list[CheckedPoint], hidden_size: int | None = None
     ) -> tuple[list[tuple[CheckedPoint, Any]], list[SpecProblem]]:
         """Build one probe per checked point; returns (each point that got one with
         its probe, the problems of those that did not: a constructor that raised,
-        a probe that refused its point)."""
+        a probe that refused its point or, given, the model's hidden size)."""
         problems: list[SpecProblem] = []
         built: list[tuple[CheckedPoint, Any]] = []
         for item in checked:
-            instance, problem = self._build(item)
+            instance, problem = self._build(item, hidden_size)
             if problem is not None:
                 problems.append(problem)
             else:
                 built.append((item, instance))
         return built, problems
 
-    def _build(self, item: CheckedPoint) -> tuple[Any, SpecProblem | None]:
+    def _build(self, item: CheckedPoint, hidden_size: int | None = None
+               ) -> tuple[Any, SpecProblem | None]:
         """A probe for a checked point, by its class's constructor: (the probe,
         None), or (None, the problem) when the constructor raised or the probe
-        refused the point."""
+        refused the point (or, given, the model's hidden size)."""
         probe_type = item.point.probe_type
         args = merged_probe_args(self.probe_defaults, item.point)
         try:
@@ -441,10 +445,14 @@ class Router:
                 f"{sorted(args)}: {describe_error(exc)}",
                 "probe_args",
             )
-        check_point = getattr(instance, "check_point", None)
-        if check_point is not None:
+        checks: list[tuple[Any, Any]] = [(getattr(instance, "check_point", None), item.point)]
+        if hidden_size is not None and item.point.tensor_type != TensorType.KV:
+            checks.append((getattr(instance, "check_hidden_size", None), hidden_size))
+        for check, argument in checks:
+            if check is None:
+                continue
             try:
-                check_point(item.point)
+                check(argument)
             except Exception as exc:  # a refusal, or a check that failed: both refuse
                 return None, point_problem(
                     item.index, item.point, f"probe_type {probe_type!r} refuses it: {exc}")
