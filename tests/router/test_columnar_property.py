@@ -111,7 +111,8 @@ def _probe_args(probe_type: str, threshold: float | None, action: str) -> dict[s
     if probe_type == "trajectory_probe":
         args.update(statistic="ewma", alpha=0.5)
     if probe_type not in ("capture", "picky"):
-        args.update(threshold=threshold, action=action)
+        # (abort needs a threshold: without one the built-ins refuse it)
+        args.update(threshold=threshold, action=action if threshold is not None else "flag")
     return args
 
 

@@ -99,7 +99,7 @@ def test_version_1_stays_the_seed_format_and_rejects_edits_as_an_unknown_key() -
     ({"vector_key": "w"}, "vector_key", "list of numbers"),
     ({"coefficient": "big"}, "coefficient", "must be a number"),
     ({"coefficient": float("inf")}, "coefficient", "finite"),
-    ({"norm_match": "yes"}, "norm_match", "bool"),
+    ({"norm_match": "yes"}, "norm_match", "true or false"),
     ({"norm_match": True, "op": "clamp"}, "norm_match", "only applies to op 'add'"),
     ({"position": "prompt[-1]", "stride": 2}, "stride", "continuous position"),
     ({"position": "somewhere"}, "position", "generated[*]"),
