@@ -719,6 +719,7 @@ class HFBackend:
                 self.hooks.start_delivery(session, states)
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
+                self.hooks.new_cache()
                 with torch.no_grad():
                     self.model.generate(
                         input_ids=input_ids, attention_mask=attention_mask,
@@ -807,6 +808,7 @@ class HFBackend:
         if "position_ids" in _forward_parameters(self.model):
             kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         self.hooks.plan = plan
+        self.hooks.new_cache()
         self.model(input_ids=input_ids, **kwargs)
         self.hooks.flush(session)
 

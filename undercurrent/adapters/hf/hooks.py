@@ -48,6 +48,16 @@ try:  # the cache base class moved between releases; the hook only needs isinsta
 except ImportError:  # pragma: no cover - very old transformers
     _CACHE_TYPES = ()
 
+# Cache layers whose ``keys``/``values`` do not hold the full-precision tokens
+# just written: a quantized layer moves them into packed storage.
+_UNREADABLE_CACHE_LAYERS: tuple[type, ...]
+try:
+    from transformers.cache_utils import QuantizedLayer
+
+    _UNREADABLE_CACHE_LAYERS = (QuantizedLayer,)
+except ImportError:  # pragma: no cover - older transformers: no per-layer classes
+    _UNREADABLE_CACHE_LAYERS = ()
+
 
 def _first_tensor(output: Any) -> torch.Tensor:
     """Modules return a tensor, a tuple (tensor first) or a ModelOutput."""
@@ -115,6 +125,11 @@ class ModelHooks:
         self.kernels = EditKernels()
         self._kv_problem: str | None = None
         self._kv_checked = False
+        # Columns fed to the model since its cache was created (new_cache()), and
+        # those fed before the current forward: where a preallocated (static)
+        # cache layer writes this forward's tokens.
+        self._columns_fed = 0
+        self._columns_cached = 0
 
     # -- capability ------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -286,8 +301,16 @@ class ModelHooks:
             self.width = int(embeds.shape[1]) if embeds is not None else 0
         else:
             self.width = int(input_ids.shape[1])
+        self._columns_cached = self._columns_fed
+        self._columns_fed += self.width
         if self.on_forward is not None:
             self.plan = self.on_forward(self.width)
+
+    def new_cache(self) -> None:
+        """The model's next forward starts a new cache (each ``generate()`` call
+        creates one, a forward without ``past_key_values`` too): nothing is cached
+        before it."""
+        self._columns_fed = 0
 
     def set_plan(self, plan: StepPlan | None, width: int) -> None:
         """Use ``plan`` for the next forward (when no generation driver is attached)."""
@@ -399,11 +422,22 @@ class ModelHooks:
                 f"internal error: kv capture at layer {layer} of {type(self.model).__name__} "
                 "found no cache object, although the registration-time check found one")
         cache_layer = cache.layers[layer]
+        if isinstance(cache_layer, _UNREADABLE_CACHE_LAYERS):
+            raise BackendError(
+                f"kv cannot be read from {type(self.model).__name__}'s "
+                f"{type(cache_layer).__name__} at layer {layer}: a quantized cache keeps "
+                "the keys and values quantized, not as the layer wrote them; generate "
+                "with a dynamic or static cache (generation_config.cache_implementation "
+                "None, 'dynamic' or 'static') to capture kv")
         keys, values = cache_layer.keys, cache_layer.values
         stored = int(keys.shape[-2])
-        # The layer just appended `width` tokens at the end of its cache; a
-        # sliding-window layer may have dropped the oldest of them already.
-        positions = [stored - self.width + _cell(slot)[1] for slot in group.slots]
+        # The layer wrote this forward's `width` tokens after the `_columns_cached`
+        # ones before it. A dynamic layer holds just those: they end its tensor.
+        # A static one is preallocated (cache_implementation="static") and they
+        # end where the count does. A sliding-window layer, full, keeps its
+        # latest tokens at the end, and may have dropped the oldest of these.
+        end = min(self._columns_cached + self.width, stored)
+        positions = [end - self.width + _cell(slot)[1] for slot in group.slots]
         targets: CaptureGroup | list[Any] = group
         if min(positions) < 0:
             keep = {i for i, pos in enumerate(positions) if pos >= 0}
