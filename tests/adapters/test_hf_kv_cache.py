@@ -1,6 +1,7 @@
 """kv records read from every cache layout ``generate()`` may use, against an oracle
 built by transformers alone: the cache a fresh ``DynamicCache`` holds after one
-forward of each sequence by itself (no padding, no sliding-window trimming)."""
+forward of each sequence by itself (no padding, no sliding-window trimming), and,
+for Falcon's grouped heads, the values its fused projection computes."""
 
 from __future__ import annotations
 
@@ -91,6 +92,42 @@ def test_kv_records_equal_a_plain_forward_whatever_cache_generate_uses(
             cached = oracle.layers[layer]
             want = torch.stack([cached.keys[0, :, t], cached.values[0, :, t]])
             torch.testing.assert_close(tensor, want, rtol=1e-5, atol=1e-6)
+
+
+def test_falcon_grouped_kv_heads_give_one_record_head_per_kv_head():
+    # Falcon-40B/180B's layout: transformers caches each kv head once per query head.
+    model = _model("falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   new_decoder_architecture=True, num_kv_heads=2)
+    kv_heads, head_dim, group = 2, 8, 2  # (4 query heads share 2 kv heads)
+    projected = []
+    handles = [layer.self_attention.query_key_value.register_forward_hook(
+        lambda module, args, output: projected.append(output.detach().clone()))
+        for layer in model.transformer.h]
+    try:
+        outputs = _generate_kv(model)
+        with ProbedModel(model, build_tokenizer()) as pm:
+            caps = pm.capabilities()
+        projected.clear()
+        fed = PROMPTS[0] + list(outputs[0].token_ids)[:-1]
+        oracle = _oracle_cache(model, fed)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert (caps.num_kv_heads, caps.head_dim) == (kv_heads, head_dim)
+    records = list(outputs[0].records)
+    assert len(records) == 2 * len(fed)
+    for record in records:
+        assert tuple(record.tensor.shape) == (2, kv_heads, head_dim)
+        # Values (no rotary) straight from the fused projection: per kv head, the
+        # query heads of its group, then its key, then its value.
+        fused = projected[record.layer][0, record.token_index]
+        value = fused.view(kv_heads, group + 2, head_dim)[:, -1]
+        torch.testing.assert_close(record.tensor[1], value, rtol=1e-5, atol=1e-6)
+        # Keys (after rotary) from the cache: each kv head's copies are equal.
+        keys = oracle.layers[record.layer].keys[0, :, record.token_index].view(
+            kv_heads, group, head_dim)
+        assert torch.equal(keys, keys[:, :1].expand_as(keys))
+        torch.testing.assert_close(record.tensor[0], keys[:, 0], rtol=1e-5, atol=1e-6)
 
 
 def test_kv_from_a_quantized_cache_is_refused_not_left_empty(monkeypatch):

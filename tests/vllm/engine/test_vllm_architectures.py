@@ -1,7 +1,8 @@
 """Decoder families other than Llama on the vLLM backend, each a random tiny model
 (float32) with the bundled tokenizer: every tensor type at prompt and generated
 positions gives the HF backend's tokens and records. OPT has no MLP module: its
-``mlp_out`` is the ``fc2`` projection on both backends."""
+``mlp_out`` is the ``fc2`` projection on both backends. Falcon uses its new decoder
+architecture (grouped kv heads, as Falcon-40B/180B)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ CONFIGS = {
     "gpt2": dict(n_embd=128, n_layer=3, n_head=2, n_positions=256),
     "opt": dict(hidden_size=128, ffn_dim=256, num_hidden_layers=3, num_attention_heads=2,
                 max_position_embeddings=256, word_embed_proj_dim=128),
+    # Falcon-40B/180B's layout: 2 kv heads shared by 4 query heads, which
+    # transformers caches once per query head (the HF backend keeps one copy)
+    "falcon": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=256),
     "qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                   tie_word_embeddings=False),
@@ -52,11 +57,14 @@ def test_each_family_gives_the_hf_backend_s_tokens_and_records(model_type, tmp_p
     points = spec_points(3)
     expected = hf_reference(model_dir, texts, points, params)
     with ProbedModel.from_pretrained(model_dir) as hf:
-        layers = hf.capabilities().layers
+        caps = hf.capabilities()
     loaded = ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
                                          max_model_len=256)
     try:
-        assert loaded.capabilities().layers == layers
+        vllm_caps = loaded.capabilities()
+        assert vllm_caps.layers == caps.layers
+        # (a kv record is (2, num_kv_heads, head_dim) on both: compare() checks shapes)
+        assert (vllm_caps.num_kv_heads, vllm_caps.head_dim) == (caps.num_kv_heads, caps.head_dim)
         session = CaptureSession(None, points, keep_records=True)
         outputs = loaded.backend.generate(texts, [f"r{i}" for i in range(len(texts))], params,
                                           session)

@@ -125,6 +125,8 @@ class ModelHooks:
         self.kernels = EditKernels()
         self._kv_problem: str | None = None
         self._kv_checked = False
+        #: The model's key/value heads per layer (what a kv record holds).
+        self.num_kv_heads: int | None = config_dimensions(model.config)["num_kv_heads"]
         # Columns fed to the model since its cache was created (new_cache()), and
         # those fed before the current forward: where a preallocated (static)
         # cache layer writes this forward's tokens.
@@ -182,6 +184,25 @@ class ModelHooks:
         if not isinstance(keys, torch.Tensor):
             return (f"{name}'s cache ({type(cache).__name__}) has no per-layer keys/values "
                     "tensors to read kv from")
+        return self._kv_heads_problem(keys)
+
+    def _kv_heads_problem(self, keys: torch.Tensor) -> str | None:
+        """Why the cache's heads cannot be read as the config's kv heads, or None.
+        A cache may hold each kv head once per query head of its group (Falcon's
+        new decoder architecture broadcasts them before caching): the copies must
+        be equal, and the capture keeps the first of each group."""
+        heads = int(keys.shape[1])
+        kv_heads = self.num_kv_heads
+        if heads == kv_heads:
+            return None
+        name = type(self.model).__name__
+        if not kv_heads or heads % kv_heads:
+            return (f"{name}'s cache holds {heads} key heads per layer, which is not a "
+                    f"multiple of the config's {kv_heads} kv heads")
+        grouped = keys.reshape(keys.shape[0], kv_heads, heads // kv_heads, *keys.shape[2:])
+        if not torch.equal(grouped, grouped[:, :, :1].expand_as(grouped)):
+            return (f"{name}'s cache holds {heads} distinct key heads per layer, but its "
+                    f"config says {kv_heads} kv heads")
         return None
 
     def module_for(self, layer: int, tensor_type: TensorType) -> Any:
@@ -430,6 +451,9 @@ class ModelHooks:
                 "with a dynamic or static cache (generation_config.cache_implementation "
                 "None, 'dynamic' or 'static') to capture kv")
         keys, values = cache_layer.keys, cache_layer.values
+        if keys.shape[1] != self.num_kv_heads:  # each kv head once per query head
+            repeats = int(keys.shape[1]) // (self.num_kv_heads or 1)
+            keys, values = keys[:, ::repeats], values[:, ::repeats]
         stored = int(keys.shape[-2])
         # The layer wrote this forward's `width` tokens after the `_columns_cached`
         # ones before it. A dynamic layer holds just those: they end its tensor.

@@ -305,7 +305,8 @@ class VLLMBackend:
             "vllm", str(getattr(config, "model_type", shape["model_class"])),
             int(shape["num_layers"]), tensor_types=types,
             hidden_size=getattr(config, "hidden_size", None),
-            num_kv_heads=getattr(config, "num_key_value_heads", None),
+            # (vLLM's own reading: configs name it differently, Falcon's num_kv_heads)
+            num_kv_heads=int(self.engine.model_config.get_total_num_kv_heads()),
             head_dim=shape["head_dim"], notes=notes,
         )
 
