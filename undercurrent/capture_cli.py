@@ -13,6 +13,7 @@ from typing import Any
 
 from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError
+from undercurrent.adapters.prompts import refuse_lone_surrogates
 from undercurrent.api import ProbedModel
 from undercurrent.errors import one_line
 from undercurrent.spec import SpecDeprecationWarning
@@ -84,9 +85,15 @@ def read_prompts(path: str | Path) -> list[str]:
     counts as line breaks (U+2028, form feed, ...) stay in their prompt, as in a
     JSON string; a UTF-8 byte order mark before the first line is dropped."""
     source = Path(path)
-    text = source.read_text(encoding="utf-8-sig")
     if source.suffix not in (".txt", ".jsonl"):
         raise ValueError(f"{str(source)!r}: prompts must be a .txt or .jsonl file")
+    try:
+        text = source.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = error.object[:error.start].count(b"\n") + 1
+        raise ValueError(f"{source}:{line}: not UTF-8 text (byte {error.object[error.start]:#04x}"
+                         f" at byte {error.start} of the file); save the prompts as UTF-8"
+                         ) from None
     prompts = []
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -103,6 +110,7 @@ def read_prompts(path: str | Path) -> list[str]:
         if not isinstance(item, str):
             raise ValueError(f"{source}:{number}: expected a JSON string or an object with a "
                              "string 'prompt'")
+        refuse_lone_surrogates(item, f"{source}:{number}: the prompt")  # (a "\udcff" escape)
         prompts.append(item)
     if not prompts:
         raise ValueError(f"{source}: no prompts in this file (it is empty or blank); a "
@@ -132,7 +140,7 @@ def run_capture(args: argparse.Namespace) -> int:
         if args.backend == "hf":
             check_device(args.device)
     except (OSError, ValueError, TypeError) as error:
-        print(f"capture: {error}", file=sys.stderr)
+        print(f"capture: {one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     # What a user can get wrong in the spec, its probes, the model or the store is
     # one message and exit 1 (ValueError covers SpecValidationError,
@@ -143,7 +151,7 @@ def run_capture(args: argparse.Namespace) -> int:
             model = ProbedModel.from_pretrained(args.model, spec=args.spec,
                                                 backend=args.backend, device=args.device)
     except user_errors as error:
-        print(f"capture: {error}", file=sys.stderr)
+        print(f"capture: {one_line(error)}", file=sys.stderr)
         return EXIT_FAILURE
     with model:
         try:
@@ -151,7 +159,7 @@ def run_capture(args: argparse.Namespace) -> int:
             # another, or asking what would store nothing, is still a bad argument.
             check_point_reductions(model.points, reductions)
         except ValueError as error:
-            print(f"capture: {error}", file=sys.stderr)
+            print(f"capture: {one_line(error)}", file=sys.stderr)
             return EXIT_USAGE
         try:
             summary = model.capture(
@@ -160,7 +168,7 @@ def run_capture(args: argparse.Namespace) -> int:
                 storage_dtype=args.storage_dtype, resume=not args.no_resume,
                 progress=not args.no_progress, reduce=reductions, shard=args.shard)
         except user_errors as error:
-            print(f"capture: {error}", file=sys.stderr)
+            print(f"capture: {one_line(error)}", file=sys.stderr)
             return EXIT_FAILURE
     print(f"{summary.requests} prompts ({summary.skipped} already done), {summary.vectors} "
           f"vectors, {summary.bytes / 2**20:.1f} MiB written to {summary.path} in "

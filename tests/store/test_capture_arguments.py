@@ -149,6 +149,37 @@ def test_cli_refuses_a_prompts_file_without_prompts(tmp_path, capsys):
     assert len(open_activations(out).outputs) == len(PROMPTS)
 
 
+def test_cli_names_the_prompt_file_and_line_that_is_not_text(tmp_path, capsys):
+    # Latin-1 bytes, and a JSON "\\udcff" escape (a lone surrogate no tokenizer
+    # can encode): exit 2 naming the file and line, before the model loads.
+    out = tmp_path / "o"
+    main, base, _ = _cli_base(tmp_path, out)
+    latin, escaped = tmp_path / "latin.txt", tmp_path / "escaped.jsonl"
+    latin.write_bytes(b"user : a ?\ncaf\xe9 ?\n")
+    escaped.write_text('"user : a ?"\n"caf\\udcff"\n')
+    for path, fragment in ((latin, f"{latin}:2: not UTF-8 text (byte 0xe9"),
+                           (escaped, f"{escaped}:2: the prompt is not valid text")):
+        assert main([*base, "--prompts", str(path)]) == 2
+        err = capsys.readouterr().err
+        lines = [text for text in err.splitlines() if text.startswith("capture:")]
+        assert len(lines) == 1 and fragment in lines[0], err
+    assert not out.exists()
+
+
+def test_cli_a_spec_with_several_problems_is_one_line(tmp_path, capsys):
+    out = tmp_path / "o"
+    main, base, prompts = _cli_base(tmp_path, out)
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("extraction_points:\n  - {name: a, layers: [1], tensor_type: resid, "
+                    "position: 'generated[*]', probe_type: norm_probe, probe_kind: sometimes}\n")
+    at = base.index("--spec") + 1
+    assert main([*base[:at], str(spec), *base[at + 1:], "--prompts", str(prompts)]) == 1
+    err = capsys.readouterr().err
+    lines = [text for text in err.splitlines() if text.strip()
+             and not text.startswith("Loading weights")]
+    assert len(lines) == 1 and "'resid'" in lines[0] and "'sometimes'" in lines[0], err
+
+
 def test_a_capture_the_model_refuses_leaves_no_directory_and_the_corrected_one_runs(
         tiny, tmp_path):
     # Past the bundled model's context: refused by generate() itself, after the

@@ -39,11 +39,11 @@ def check_prompts(prompts: Any) -> list[str]:
                 "must be a string (decode bytes first; pass token ids as input_ids=)"
             )
         if not item.isascii():
-            _refuse_lone_surrogates(item, f"prompts[{index}]")
+            refuse_lone_surrogates(item, f"prompts[{index}]")
     return items
 
 
-def _refuse_lone_surrogates(text: str, where: str) -> None:
+def refuse_lone_surrogates(text: str, where: str) -> None:
     """Refuse text no tokenizer can encode: a lone surrogate, which is what bytes
     that are not UTF-8 become when read with ``errors="surrogateescape"`` (as
     Python reads command-line arguments)."""
