@@ -90,8 +90,8 @@ def read_prompts(path: str | Path) -> list[str]:
     try:
         text = source.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
-        line = error.object[:error.start].count(b"\n") + 1
-        raise ValueError(f"{source}:{line}: not UTF-8 text (byte {error.object[error.start]:#04x}"
+        at = error.object[:error.start].count(b"\n") + 1
+        raise ValueError(f"{source}:{at}: not UTF-8 text (byte {error.object[error.start]:#04x}"
                          f" at byte {error.start} of the file); save the prompts as UTF-8"
                          ) from None
     prompts = []
