@@ -51,9 +51,18 @@ def test_inspect_model_text_and_starter_spec(saved_model, tmp_path, capsys):
     assert len(spec) == 2 and all(point.layers == (1,) for point in spec)
 
 
-def test_inspect_model_on_a_missing_path_fails_clearly(tmp_path, capsys):
+def test_inspect_model_on_a_missing_path_fails_clearly(tmp_path, capsys, monkeypatch):
     assert main(["inspect-model", str(tmp_path / "nope")]) == 1
-    assert "cannot read" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot read" in err and "does not exist; pass a directory" in err, err
+    # A relative owner/name whose owner is a local directory is a path, not a
+    # hub id to look up (no network, no retries): the same clear refusal.
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for command in (["inspect-model", "models/nope"],
+                    ["run", str(SPEC_FILE), "--model", "models/nope", "--prompt", "w1"]):
+        assert main(command) == 1
+        assert "model path 'models/nope' does not exist" in _one_line_error(capsys)
 
 
 def test_run_prints_text_and_verdicts_and_saves_records(saved_model, tmp_path, capsys):

@@ -42,9 +42,11 @@ def dtype_name(dtype: Any) -> str | None:
 
 def looks_like_local_path(name: str) -> bool:
     """True when ``name`` cannot be a hub id (``owner/name`` or ``name``): absolute,
-    relative with ``.``/``~``, or more than one ``/``."""
+    relative with ``.``/``~``, or more than one ``/``; or is meant as a local path:
+    an ``owner/name`` whose ``owner`` is a directory here (``models/llama``)."""
     return (os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-            or os.sep != "/" and os.sep in name)
+            or os.sep != "/" and os.sep in name
+            or name.count("/") == 1 and os.path.isdir(name.split("/")[0]))
 
 
 def check_device(device: Any) -> None:

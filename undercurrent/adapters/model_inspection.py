@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from undercurrent.adapters.arguments import check_model_path
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import config_dimensions, find_architecture
 from undercurrent.adapters.vllm import capabilities_from_config
@@ -18,7 +19,9 @@ def load_config(name_or_path: str) -> Any:
     """The transformers config of a local path, a reachable hub id or ``"tiny"``."""
     from transformers import AutoConfig  # heavy: only when a model is inspected
 
-    return AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    path = resolve_model_path(name_or_path)
+    check_model_path(path)
+    return AutoConfig.from_pretrained(path)
 
 
 def hf_capabilities(config: Any) -> Capabilities:
