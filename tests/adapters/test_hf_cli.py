@@ -85,6 +85,16 @@ def test_run_prints_text_and_verdicts_and_saves_records(saved_model, tmp_path, c
     assert len(frame) == 2 * (1 + 3)  # per prompt: prompt[-1] + 3 fed generated tokens
 
 
+def test_a_model_directory_without_a_tokenizer_is_named_with_the_fix(tmp_path, capsys):
+    bare = tmp_path / "bare"
+    build_model("llama").save_pretrained(bare)  # weights and config, no tokenizer
+    capsys.readouterr()  # (transformers' own progress bar)
+    assert main(["run", str(SPEC_FILE), "--model", str(bare), "--prompt", "w1"]) == 1
+    line = _one_line_error(capsys)
+    assert f"model path '{bare}' has no tokenizer transformers can load" in line, line
+    assert "tokenizer.save_pretrained(path)" in line
+
+
 PROBES = """\
 import numpy as np
 from undercurrent.probes import Probe, register_probe

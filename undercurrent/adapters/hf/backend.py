@@ -56,6 +56,7 @@ from undercurrent.adapters.session import (
     quiet_steps,
     stop_position,
 )
+from undercurrent.errors import one_line
 from undercurrent.spec.types import TensorType
 
 EventSink = Callable[[StreamEvent], None]
@@ -533,7 +534,14 @@ class HFBackend:
         if device is not None:
             model = model.to(device)
         model.eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as error:
+            raise ValueError(
+                f"model path {str(path)!r} has no tokenizer transformers can load "
+                f"({one_line(error)}); save one beside the weights "
+                "(tokenizer.save_pretrained(path)), or pass the model and its tokenizer: "
+                "ProbedModel(model, tokenizer)") from error
         return cls(model, tokenizer, model_name=model_name or str(path), batch_size=batch_size)
 
     @property
