@@ -144,6 +144,14 @@ def test_a_probes_module_that_cannot_be_imported_is_a_usage_error(tmp_path):
                                    "ModuleNotFoundError: No module named 'no_such_module_here'")
 
 
+def test_a_probes_module_that_exits_when_imported_is_a_usage_error(tmp_path):
+    # (a script's sys.exit(0) would end validate with exit 0 and no word on the spec)
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n", encoding="utf-8")
+    done = _cli(tmp_path, "validate", "--probes", "exits.py", str(_spec(tmp_path)))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "validate: cannot import --probes 'exits.py': SystemExit: 0"
+
+
 # -- run --------------------------------------------------------------------------------
 
 

@@ -128,9 +128,12 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                 spec.loader.exec_module(loaded)
             else:
                 importlib.import_module(module)
-        except Exception as error:  # any failure of user code is reported, not raised
+        # Any failure of user code is reported, not raised; so is a module that
+        # exits when imported (a script's sys.exit or argparse), which would end
+        # this command with its own code and no word on the specs.
+        except (Exception, SystemExit) as error:
             print(f"{command}: cannot import --probes {module!r}: "
-                  f"{type(error).__name__}: {error}", file=sys.stderr)
+                  f"{type(error).__name__}: {one_line(str(error))}", file=sys.stderr)
             return EXIT_USAGE
     return None
 
