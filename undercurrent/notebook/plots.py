@@ -7,6 +7,7 @@ PNG with kaleido. Nothing here reaches the network.
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -96,10 +97,11 @@ def trajectory_figure(
         name = shown
         if several or groups is None:
             name += f" · {point}" + ("" if _missing(layer) else f" · L{int(layer)}")
+        name = _as_text(name)
         style: dict[str, Any] = {"name": name, "legendgroup": name}
         if groups is not None:
             key = groups[group.index[0]]
-            style = {"name": str(key), "legendgroup": str(key),
+            style = {"name": _as_text(key), "legendgroup": str(key),
                      "showlegend": key not in palette.shown,
                      "line": {"color": palette.colour[key]},
                      "marker": {"color": palette.colour[key]}}
@@ -184,6 +186,12 @@ def _groups(frame: Any, color_by: str | Mapping[str, Any] | None) -> Any:
 def _palette(groups: Any) -> _Palette:
     keys = [] if groups is None else sorted(set(groups.tolist()), key=str)
     return _Palette(keys)
+
+
+def _as_text(value: Any) -> str:
+    """``value`` shown as written: plotly reads trace names and hover text as HTML
+    (a label ``<i>L1</i>`` would be set in italics, a ``<`` could swallow the rest)."""
+    return html.escape(str(value), quote=False)
 
 
 def _missing(value: Any) -> bool:
@@ -377,9 +385,10 @@ def projection_figure(
                 x=coords[rows, 0],
                 y=coords[rows, 1],
                 mode="markers",
-                name=label,
-                text=None if hover is None else [hover[i] for i in rows],
-                hovertemplate="%{text}<extra>" + label + "</extra>" if hover else None,
+                name=_as_text(label),
+                text=None if hover is None else [_as_text(hover[i]) for i in rows],
+                hovertemplate="%{text}<extra>" + _as_text(label) + "</extra>" if hover
+                else None,
                 marker={"size": 7, "opacity": 0.8},
             )
         )
@@ -531,9 +540,9 @@ def top_features_by_label_figure(
             if int(feature) not in chosen:
                 chosen.append(int(feature))
     figure = go.Figure([
-        go.Bar(name=str(label), x=[f"f{f}" for f in chosen],
+        go.Bar(name=_as_text(label), x=[f"f{f}" for f in chosen],
                y=[float(table.loc[f, label]) for f in chosen],
-               hovertemplate="feature %{x}<br>mean peak=%{y:.3f}<extra>" + str(label)
+               hovertemplate="feature %{x}<br>mean peak=%{y:.3f}<extra>" + _as_text(label)
                + "</extra>")
         for label in table.columns
     ])
