@@ -41,7 +41,8 @@ print(prompts[0])
 print(prompts[1])
 
 # %% [markdown]
-# Capture: every layer's residual stream on the first 12 generated tokens. A
+# Capture: every layer's residual stream on the generated tokens fed back to
+# the model (11 of the 12: the last one sampled is never fed). A
 # capture point still names a probe; the cheap `norm_probe` will do.
 # `records=True` keeps the `ActivationRecord`s on each output.
 
