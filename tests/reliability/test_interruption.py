@@ -128,6 +128,35 @@ def test_an_interrupt_raised_by_an_inline_probe_reaches_the_caller_at_once(
     figures.add("interruption", **{f"probe_{error}_to_caller_s": round(elapsed, 3)})
 
 
+@pytest.mark.timeout(120)
+def test_an_interrupt_ends_every_request_without_waiting_for_async_queues(tiny) -> None:
+    # An async probe that never returns on its own, and a drain timeout far past
+    # the test's: the interrupt reaches the caller without draining (each request
+    # waited for the whole timeout in turn), with every request ended and every
+    # record counted, and the model is clean for the next call.
+    from reliability_support import Hangs
+
+    from undercurrent.router import Router
+
+    model, tokenizer = tiny
+    router = Router(probes=TEST_PROBES, drain_timeout_s=3600.0)
+    spec = [point("hung", probe_type="hangs", execution_mode="async"),
+            point("interrupts", probe_type="interrupts", probe_args={"at": 3})]
+    Hangs.release.clear()
+    Interrupts.armed.set()
+    try:
+        with ProbedModel(model, tokenizer, spec=spec, router=router) as pm:
+            with pytest.raises(KeyboardInterrupt):
+                pm.generate(PROMPTS, max_new_tokens=NEW)
+            assert router.live_requests() == () and live_hooks(model) == 0
+            totals = router.metrics()["totals"]
+            assert totals["dropped"] > 0
+            assert totals["received"] == totals["processed"] + totals["dropped"]
+    finally:
+        Hangs.release.set()
+        router.shutdown()
+
+
 @pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
                                                                        figures) -> None:

@@ -1690,7 +1690,10 @@ class CaptureSession:
 
     def abandon(self) -> None:
         """End every request still registered (after an error or interrupt), so the
-        router holds no live request and no worker keeps waiting."""
+        router holds no live request and no worker keeps waiting. Nothing waits
+        for async queues to drain (no result is returned: what is still queued
+        counts as dropped), and a second interrupt while ending them still ends
+        every one, then propagates."""
         router = self.router
         if router is None:  # nothing was registered
             return
@@ -1698,12 +1701,23 @@ class CaptureSession:
             flush_window(self)  # the steps held back are judged: their rows are counted
         except BaseException:  # noqa: BLE001 - the first error is what the caller sees
             self.window = None
-        for request_id in list(self._registered):
-            self._registered.discard(request_id)
+        ids = list(self._registered)
+        self._registered.clear()
+        try:  # one call: an interrupt part-way ends every binding not ended yet
+            router.end_requests(ids, timeout_s=0.0)
+            return
+        except Exception:  # noqa: BLE001 - some id was not live: each in turn below
+            pass
+        interrupted: BaseException | None = None
+        for request_id in ids:
             try:
-                router.end_request(request_id)
+                router.end_request(request_id, timeout_s=0.0)
             except Exception:  # noqa: BLE001 - cleanup must reach every request
                 pass
+            except BaseException as error:  # noqa: BLE001 - raised once all are ended
+                interrupted = interrupted or error
+        if interrupted is not None:
+            raise interrupted
 
     def release_plans(self) -> None:
         """Release every plan delivered so far that is still alive
