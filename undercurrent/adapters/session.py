@@ -1703,15 +1703,17 @@ class CaptureSession:
             self.window = None
         ids = list(self._registered)
         self._registered.clear()
-        try:  # one call: an interrupt part-way ends every binding not ended yet
-            router.end_requests(ids, timeout_s=0.0)
-            return
-        except Exception:  # noqa: BLE001 - some id was not live: each in turn below
-            pass
+        end_many = getattr(router, "end_requests", None)  # (the Router's; not a protocol's)
+        if end_many is not None:
+            try:  # one call: an interrupt part-way ends every binding not ended yet
+                end_many(ids, timeout_s=0.0)
+                return
+            except Exception:  # noqa: BLE001 - some id was not live: each in turn below
+                pass
         interrupted: BaseException | None = None
         for request_id in ids:
             try:
-                router.end_request(request_id, timeout_s=0.0)
+                router.end_request(request_id)
             except Exception:  # noqa: BLE001 - cleanup must reach every request
                 pass
             except BaseException as error:  # noqa: BLE001 - raised once all are ended
