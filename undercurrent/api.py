@@ -469,9 +469,14 @@ class ProbedModel:
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         """Remove every hook (the model behaves exactly as before) and shut down the
-        router this object built. Idempotent."""
+        router this object built. Idempotent. A generation running in another thread
+        ends first (the HF backend waits for it); from inside this model's own
+        generation (a probe or a callback) it is refused."""
         if self._closed:
             return
+        check_closable = getattr(self.backend, "check_closable", None)
+        if check_closable is not None:
+            check_closable()  # (inside its own generation: refused, nothing closed)
         self._closed = True
         try:
             self.backend.close()

@@ -72,3 +72,58 @@ def test_a_script_that_ends_without_closing_its_router_exits_cleanly(tmp_path):
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "terminate called" not in completed.stderr
     assert mark.read_text() == "finished"
+
+
+HELD_STREAM = textwrap.dedent('''
+    import sys
+    import threading
+
+    import torch
+
+    from undercurrent import ProbedModel
+    from undercurrent.probes import Probe
+    from undercurrent.spec.types import ExtractionPoint
+
+    MARK = sys.argv[1]
+    reached = threading.Event()
+
+
+    class WaitsForTheEnd(Probe):
+        """At the third generated token, waits until the script has ended."""
+
+        probe_kind = "trajectory"
+
+        def on_activation(self, record):
+            if record.generated_index == 2:
+                reached.set()
+                threading.main_thread().join()  # (the script has ended)
+                held = [torch.zeros(256) for _ in range(64)]
+                del held
+                with open(MARK, "w") as out:
+                    out.write("went on")
+            return None
+
+
+    point = ExtractionPoint(name="p", layers=(0, 1), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="waits",
+                            probe_kind="trajectory")
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=[point],
+                                        probes={"waits": WaitsForTheEnd})
+    stream = model.stream("user : how do i bake bread ? assistant :", max_new_tokens=40)
+    next(stream)
+    reached.wait()
+    # (the script ends here: the stream is held open, its generation mid-way)
+''')
+
+
+def test_a_script_that_ends_holding_an_open_stream_exits_cleanly(tmp_path):
+    # The stream's generation (a daemon thread) is cancelled and waited for at exit,
+    # instead of being stopped inside torch while the interpreter finalises.
+    mark = tmp_path / "mark"
+    script = tmp_path / "held_stream.py"
+    script.write_text(HELD_STREAM)
+    completed = subprocess.run([sys.executable, str(script), str(mark)], capture_output=True,
+                               text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "terminate called" not in completed.stderr
+    assert mark.read_text() == "went on"

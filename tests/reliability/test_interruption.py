@@ -157,6 +157,71 @@ def test_an_interrupt_ends_every_request_without_waiting_for_async_queues(tiny) 
         router.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_close_from_another_thread_waits_for_the_running_generation(tiny, baseline) -> None:
+    # close() while generate() runs in another thread removed the hooks mid-way:
+    # the call returned normally with every probe's records cut short. It now
+    # waits for the call to end; the outputs equal a fresh model's.
+    from reliability_support import Recorder
+
+    model, tokenizer = tiny
+    reached, release, progress = threading.Event(), threading.Event(), threading.Event()
+
+    class Gate(Recorder):
+        def on_activation(self, record: Any) -> Any:
+            if record.generated_index == 2 and not reached.is_set():
+                reached.set()
+                release.wait()
+            return super().on_activation(record)
+
+    class TellsItWaits(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            progress.set()  # (close() is waiting for the generation)
+            return super().wait(timeout)
+
+    pm = ProbedModel(model, tokenizer, spec=[*SPEC[:3], point("gate", probe_type="gate")],
+                     probes={**TEST_PROBES, "gate": Gate})
+    pm.backend._idle = TellsItWaits()
+    done: dict[str, Any] = {}
+    generating = threading.Thread(target=lambda: done.update(
+        outputs=pm.generate(PROMPTS, max_new_tokens=NEW)))
+    generating.start()
+    reached.wait()
+    closing = threading.Thread(target=lambda: (pm.close(), progress.set()))
+    closing.start()
+    progress.wait()  # (close() returned, or waits for the call)
+    release.set()
+    generating.join()
+    closing.join()
+    assert live_hooks(model) == 0
+    assert [o.token_ids for o in done["outputs"]] == [o.token_ids for o in baseline]
+    kept = ("inline", "async", "blocking")
+    assert [{name: v[name] for name in kept} for v in _verdicts(done["outputs"])] == [
+        {name: v[name] for name in kept} for v in _verdicts(baseline)]
+
+
+def test_close_from_inside_the_model_s_own_generation_is_refused(tiny) -> None:
+    # (waiting there would wait for itself)
+    from reliability_support import Recorder
+
+    model, tokenizer = tiny
+    holder: dict[str, Any] = {}
+
+    class Closes(Recorder):
+        def on_activation(self, record: Any) -> Any:
+            if record.generated_index == 1:
+                holder["pm"].close()
+            return super().on_activation(record)
+
+    with ProbedModel(model, tokenizer, spec=[point("closes", probe_type="closes")],
+                     probes={"closes": Closes}) as pm:
+        holder["pm"] = pm
+        (output,) = pm.generate(PROMPTS[:1], max_new_tokens=4)
+        assert "close() was called from inside this model's own generation" in str(
+            output.results["closes"].error)
+    assert live_hooks(model) == 0
+
+
 @pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
                                                                        figures) -> None:

@@ -23,6 +23,7 @@ maps a request's absolute token indices to (row, column) of the batch.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import inspect
@@ -466,6 +467,20 @@ def _generation_lock(model: Any) -> threading.Lock:
         return lock
 
 
+#: The open streams' (cancel, worker) pairs. A stream left open when the
+#: interpreter exits (a generator held in a variable) has its generation cancelled
+#: and waited for first: a daemon thread still inside torch while Python finalises
+#: aborts the process ("terminate called without an active exception").
+_LIVE_STREAMS: set[tuple[threading.Event, threading.Thread]] = set()
+
+
+@atexit.register
+def _end_live_streams() -> None:
+    for cancel, worker in list(_LIVE_STREAMS):
+        cancel.set()
+        worker.join()
+
+
 #: ``generation_config`` settings that decode otherwise than one row per prompt and
 #: one token per forward pass (``num_*``: above 1; the others: set at all).
 _OTHER_DECODING = {
@@ -497,6 +512,10 @@ class HFBackend:
             getattr(model.config, "_name_or_path", "") or type(model).__name__)
         self.hooks = ModelHooks(model)
         self._closed = False
+        # The thread generating with this backend (None: idle): close() waits for
+        # it, so a generation is never cut short by its hooks going away.
+        self._generating: int | None = None
+        self._idle = threading.Condition()
         pad = getattr(tokenizer, "pad_token_id", None)
         eos = self._eos_ids()
         if pad is None:
@@ -635,6 +654,8 @@ class HFBackend:
 
         worker = threading.Thread(target=work, name=f"undercurrent-stream-{request_id}",
                                   daemon=True)
+        live = (cancel, worker)
+        _LIVE_STREAMS.add(live)
         worker.start()
         try:
             while True:
@@ -647,6 +668,7 @@ class HFBackend:
         finally:
             cancel.set()
             worker.join()
+            _LIVE_STREAMS.discard(live)
 
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[tuple[int, ...]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
@@ -704,11 +726,14 @@ class HFBackend:
                    params: SamplingParams,
                    session: CaptureSession, on_event: EventSink | None,
                    cancel: threading.Event | None) -> list[GenerationOutput]:
-        if self._closed:
-            raise BackendError("this HFBackend is closed; load the model again")
-        if not self._lock.acquire(blocking=False):
-            raise BackendError("this model is already generating (one call at a time per "
-                               "model, whichever ProbedModel wraps it: hooks are per model)")
+        with self._idle:
+            if self._closed:
+                raise BackendError("this HFBackend is closed; load the model again")
+            if not self._lock.acquire(blocking=False):
+                raise BackendError("this model is already generating (one call at a time "
+                                   "per model, whichever ProbedModel wraps it: hooks are "
+                                   "per model)")
+            self._generating = threading.get_ident()
         try:
             self._check_decoding()
             texts, encoded = self._tokenize(prompts)
@@ -762,7 +787,10 @@ class HFBackend:
             return outputs
         finally:
             session.release_plans()  # every request is closed: nothing reads the plans now
-            self._lock.release()
+            with self._idle:
+                self._generating = None
+                self._lock.release()
+                self._idle.notify_all()
 
     def _check_context(self, encoded: Sequence[Sequence[int]], params: SamplingParams) -> None:
         """Refuse, before anything runs, a prompt that cannot fit the model's context
@@ -820,10 +848,25 @@ class HFBackend:
         self.model(input_ids=input_ids, **kwargs)
         self.hooks.flush(session)
 
+    def check_closable(self) -> None:
+        """Refuse a close() from inside this backend's own generation (a probe or a
+        callback on the generating thread): waiting there would wait for itself."""
+        if self._generating == threading.get_ident():
+            raise BackendError("close() was called from inside this model's own "
+                               "generation (a probe or a callback); close it once the "
+                               "call has returned")
+
     def close(self) -> None:
-        """Remove every hook; the model behaves exactly as before."""
+        """Remove every hook; the model behaves exactly as before. A generation
+        running in another thread (or an open stream's) ends first: close() waits
+        for it, and no call starts after. Called from inside this backend's own
+        generation (a probe or a callback), it is refused."""
+        with self._idle:
+            self.check_closable()
+            self._closed = True
+            while self._generating is not None:
+                self._idle.wait()
         self.hooks.remove()
-        self._closed = True
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
