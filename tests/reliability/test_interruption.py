@@ -184,7 +184,7 @@ def test_close_from_another_thread_waits_for_the_running_generation(tiny, baseli
     pm.backend._idle = TellsItWaits()
     done: dict[str, Any] = {}
     generating = threading.Thread(target=lambda: done.update(
-        outputs=pm.generate(PROMPTS, max_new_tokens=NEW)))
+        outputs=pm.generate(PROMPTS, max_new_tokens=NEW, batch_size=1)))  # (every batch)
     generating.start()
     reached.wait()
     closing = threading.Thread(target=lambda: (pm.close(), progress.set()))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -614,16 +615,37 @@ class HFBackend:
         """Batched generation (``batch_size`` prompts per ``generate()`` call)."""
         size = batch_size or self.batch_size
         outputs: list[GenerationOutput] = []
-        for start in range(0, len(prompts), size):
-            # A seeded call seeds the batch starting at prompt i with seed + i: the
-            # same call gives the same samples, and batches do not repeat each
-            # other's random draws (repeated prompts get different samples).
-            batch_params = params if params.seed is None or not start else (
-                dataclasses.replace(params, seed=call_seed(params.seed, start)))
-            outputs.extend(self._run_batch(list(prompts[start:start + size]),
-                                           list(request_ids[start:start + size]),
-                                           batch_params, session, None, None))
+        with self._one_call():
+            for start in range(0, len(prompts), size):
+                # A seeded call seeds the batch starting at prompt i with seed + i: the
+                # same call gives the same samples, and batches do not repeat each
+                # other's random draws (repeated prompts get different samples).
+                batch_params = params if params.seed is None or not start else (
+                    dataclasses.replace(params, seed=call_seed(params.seed, start)))
+                outputs.extend(self._run_batch(list(prompts[start:start + size]),
+                                               list(request_ids[start:start + size]),
+                                               batch_params, session, None, None))
         return outputs
+
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the model for one call (every batch of it): refused when this backend
+        is closed or the model already generates; close() waits for it to end."""
+        with self._idle:
+            if self._closed:
+                raise BackendError("this HFBackend is closed; load the model again")
+            if not self._lock.acquire(blocking=False):
+                raise BackendError("this model is already generating (one call at a time "
+                                   "per model, whichever ProbedModel wraps it: hooks are "
+                                   "per model)")
+            self._generating = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._generating = None
+                self._lock.release()
+                self._idle.notify_all()
 
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
@@ -638,8 +660,9 @@ class HFBackend:
 
         def work() -> None:
             try:
-                (output,) = self._run_batch([prompt], [request_id], params, session,
-                                            events.put, cancel)
+                with self._one_call():
+                    (output,) = self._run_batch([prompt], [request_id], params, session,
+                                                events.put, cancel)
                 state = session.requests[request_id]
                 rest = state.stream_text.rest(output.text) if state.stream_text else ""
                 events.put(StreamEvent(
@@ -726,14 +749,7 @@ class HFBackend:
                    params: SamplingParams,
                    session: CaptureSession, on_event: EventSink | None,
                    cancel: threading.Event | None) -> list[GenerationOutput]:
-        with self._idle:
-            if self._closed:
-                raise BackendError("this HFBackend is closed; load the model again")
-            if not self._lock.acquire(blocking=False):
-                raise BackendError("this model is already generating (one call at a time "
-                                   "per model, whichever ProbedModel wraps it: hooks are "
-                                   "per model)")
-            self._generating = threading.get_ident()
+        """One batch, generated; the caller holds the model (:meth:`_one_call`)."""
         try:
             self._check_decoding()
             texts, encoded = self._tokenize(prompts)
@@ -787,10 +803,6 @@ class HFBackend:
             return outputs
         finally:
             session.release_plans()  # every request is closed: nothing reads the plans now
-            with self._idle:
-                self._generating = None
-                self._lock.release()
-                self._idle.notify_all()
 
     def _check_context(self, encoded: Sequence[Sequence[int]], params: SamplingParams) -> None:
         """Refuse, before anything runs, a prompt that cannot fit the model's context
