@@ -21,10 +21,12 @@ would silently be missing).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,7 +43,7 @@ from undercurrent.adapters.session import (
 )
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
-from undercurrent.adapters.vllm.interrupts import HeldCtrlC
+from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
@@ -151,6 +153,12 @@ class VLLMBackend:
         self._closed = False
         self._staging: str | None = None
         self._busy = threading.Lock()
+        # The thread whose call holds the engine (None: idle), and the streams
+        # handed out: close() ends an open stream, waits for a call running in
+        # another thread, and refuses one from inside the engine's own call.
+        self._generating: int | None = None
+        self._idle = threading.Condition()
+        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
         self._input_lock = threading.Lock()
         self._aborted: list[str] = []
         self._internal_ids: dict[str, str] = {}
@@ -440,7 +448,9 @@ class VLLMBackend:
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One event per generated token, then a final one with the output."""
-        yield from self._run([prompt], [request_id], params, session, emit_tokens=True)
+        events = self._run([prompt], [request_id], params, session, emit_tokens=True)
+        self._streams.add(events)  # (close() ends it, if it is still open then)
+        return events
 
     def _sampling(self, params: SamplingParams, *, final_only: bool = False) -> Any:
         """vLLM's sampling parameters for ``params``.
@@ -515,11 +525,13 @@ class VLLMBackend:
     def _run(self, prompts: list[PromptInput], request_ids: list[str], params: SamplingParams,
              session: CaptureSession, *, emit_tokens: bool,
              ctrl_c: HeldCtrlC | None = None) -> Iterator[StreamEvent]:
-        if self._closed:
-            raise BackendError("this VLLMBackend is closed; load the model again")
-        if not self._busy.acquire(blocking=False):
-            raise BackendError("this vLLM engine is already generating (one call at a time "
-                               "per ProbedModel)")
+        with self._idle:
+            if self._closed:
+                raise BackendError("this VLLMBackend is closed; load the model again")
+            if not self._busy.acquire(blocking=False):
+                raise BackendError("this vLLM engine is already generating (one call at a "
+                                   "time per ProbedModel)")
+            self._generating = threading.get_ident()
         engine_ids: dict[str, str] = {}
         self.engine_token_counts = {}
         try:
@@ -574,19 +586,29 @@ class VLLMBackend:
                 yield from self._drive(states, params, session, emit_tokens, ctrl_c,
                                        final_only=final_only, hold=hold)
             except BaseException:
-                self._abort_all(list(engine_ids))
-                session.abandon()
+                with ctrl_c_deferred():  # (a second Ctrl-C waits for the cleanup)
+                    try:
+                        self._abort_all(list(engine_ids))
+                    finally:
+                        session.abandon()
                 raise
         finally:
-            self.server.end()
-            session.release_plans()  # every request is closed: nothing reads the plans now
-            if engine_ids:
+            with ctrl_c_deferred():
                 try:
-                    self.engine.collective_rpc("undercurrent_release", args=(list(engine_ids),))
-                except Exception:  # noqa: BLE001 - an engine that died has nothing to release
-                    pass
-            self._internal_ids.clear()
-            self._busy.release()
+                    self.server.end()
+                    session.release_plans()  # every request is closed: no plan is read now
+                    if engine_ids:
+                        try:
+                            self.engine.collective_rpc("undercurrent_release",
+                                                       args=(list(engine_ids),))
+                        except Exception:  # noqa: BLE001 - a dead engine has nothing to release
+                            pass
+                finally:
+                    self._internal_ids.clear()
+                    with self._idle:
+                        self._generating = None
+                        self._busy.release()
+                        self._idle.notify_all()
 
     def _abort_all(self, engine_ids: list[str]) -> None:
         try:
@@ -802,11 +824,30 @@ class VLLMBackend:
                             edits=edits, aborted=output.aborted, finished=True, output=output)
                 for state, output, (signals, edits) in zip(states, outputs, unread, strict=True)]
 
+    def check_closable(self) -> None:
+        """Refuse a close() from inside the engine's own call (a probe or a callback
+        on the thread generating): waiting there would wait for itself. A stream
+        suspended on this thread is not running: close() ends it."""
+        if self._generating == threading.get_ident() and not any(
+                inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED
+                for stream in list(self._streams)):
+            raise BackendError("close() was called from inside this engine's own "
+                               "generation (a probe or a callback); close it once the "
+                               "call has returned")
+
     def close(self) -> None:
-        """Remove the hooks and shut the engine down."""
+        """End the streams still open, wait for a call running in another thread,
+        then remove the hooks and shut the engine down."""
         if self._closed:
             return
-        self._closed = True
+        self.check_closable()
+        for stream in list(self._streams):
+            if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:
+                stream.close()  # (its cleanup ends its requests and frees the engine)
+        with self._idle:
+            self._closed = True
+            while self._generating is not None:
+                self._idle.wait()
         try:
             self.engine.collective_rpc("undercurrent_detach")
         except Exception:  # noqa: BLE001 - the engine may already be gone

@@ -13,8 +13,10 @@ driver's thread); elsewhere, or inside another hold, it does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 #: The hold whose handler is installed (set and read on the main thread only): a
@@ -27,11 +29,13 @@ class HeldCtrlC:
     """``with HeldCtrlC() as ctrl_c:``: the first Ctrl-C is held until the block
     ends or :meth:`raise_held` is called; later ones raise at once."""
 
-    __slots__ = ("held", "active")
+    __slots__ = ("held", "active", "deferring")
 
     def __init__(self) -> None:
         self.held = False
         self.active = False
+        self.deferring = False
+        """While set, every Ctrl-C is held (see :func:`ctrl_c_deferred`)."""
 
     def __enter__(self) -> HeldCtrlC:
         global _installed
@@ -43,7 +47,7 @@ class HeldCtrlC:
         return self
 
     def _hold(self, signum: int, frame: Any) -> None:
-        if self.held:
+        if self.held and not self.deferring:
             raise KeyboardInterrupt
         self.held = True
 
@@ -60,3 +64,24 @@ class HeldCtrlC:
             _installed = None
         if self.held and kind is None:
             raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold every Ctrl-C until the block ends, the second one too: for cleanup that
+    must run whole (aborting a call's requests, ending them with the router,
+    freeing the engine for the next call), where a second Ctrl-C cut in half left
+    requests live or the engine held for good. Inside an active hold, that hold
+    keeps what arrives (and raises it when it ends, or when asked); otherwise a
+    hold of its own raises it when the block ends."""
+    hold = _installed
+    if hold is not None:
+        hold.deferring = True
+        try:
+            yield
+        finally:
+            hold.deferring = False
+        return
+    with HeldCtrlC() as own:
+        own.deferring = True
+        yield

@@ -1,0 +1,162 @@
+"""The vLLM backend's lifecycle under misuse: a Ctrl-C landing in the cleanup of an
+interrupted call (or of a stream left early) still ends every request and frees
+the engine; close() from another thread waits for the running call, ends a
+stream left open, and is refused from inside the engine's own call."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from vllm_engine_helpers import prompts
+
+from undercurrent.adapters.base import BackendError
+from undercurrent.api import ProbedModel
+from undercurrent.probes import Probe
+from undercurrent.records import ProbeSignal
+from undercurrent.spec.types import ExtractionPoint
+
+NEW = 8
+TEXTS = prompts(4)
+
+
+class Recorder(Probe):
+    """Counts what it receives; ``hook(probe, record)`` runs first when set."""
+
+    probe_kind = "trajectory"
+    hook: Any = None
+
+    def on_start(self, ctx: Any) -> None:
+        self.seen = 0
+
+    def on_activation(self, record: Any) -> ProbeSignal:
+        if type(self).hook is not None:
+            type(self).hook(self, record)
+        self.seen += 1
+        return ProbeSignal("continue", score=float(self.seen))
+
+    def on_end(self, ctx: Any) -> dict[str, int]:
+        return {"seen": self.seen}
+
+
+def _point(name: str) -> ExtractionPoint:
+    return ExtractionPoint(name=name, layers=(0, 1), tensor_type="residual_stream",
+                           position="generated[*]", probe_type="recorder",
+                           probe_kind="trajectory")
+
+
+def _load(model_dir: str) -> ProbedModel:
+    return ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                       max_model_len=256, spec=[_point("inline")],
+                                       probes={"recorder": Recorder})
+
+
+def _summary(outputs: list[Any]) -> list[tuple[Any, ...]]:
+    return [(tuple(o.token_ids), o.results["inline"].verdict["seen"],
+             o.results["inline"].stats.received) for o in outputs]
+
+
+@pytest.fixture(autouse=True)
+def _no_hook():
+    yield
+    Recorder.hook = None
+
+
+def _interrupt_at(generated_index: int):
+    def hook(probe: Any, record: Any) -> None:
+        if record.generated_index == generated_index:
+            Recorder.hook = None
+            raise KeyboardInterrupt
+    return hook
+
+
+def test_an_interrupt_in_the_cleanup_still_ends_every_request_and_frees_the_engine(
+        model_dir, monkeypatch):
+    with _load(model_dir) as pm:
+        baseline = _summary(pm.generate(TEXTS, max_new_tokens=NEW))
+        engine = pm.backend.engine
+        # A second Ctrl-C landing in each cleanup step of an interrupted call: after
+        # the engine aborts its requests, and in the worker's release of them.
+        abort_request, collective_rpc = engine.abort_request, engine.collective_rpc
+
+        def abort_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+            abort_request(*args, **kwargs)
+            raise KeyboardInterrupt
+
+        def release_then_interrupt(method: Any, *args: Any, **kwargs: Any) -> Any:
+            result = collective_rpc(method, *args, **kwargs)
+            if method == "undercurrent_release":
+                raise KeyboardInterrupt
+            return result
+
+        for name, replacement in (("abort_request", abort_then_interrupt),
+                                  ("collective_rpc", release_then_interrupt)):
+            with monkeypatch.context() as patched:
+                patched.setattr(engine, name, replacement)
+                Recorder.hook = _interrupt_at(2)
+                with pytest.raises(KeyboardInterrupt):
+                    pm.generate(TEXTS, max_new_tokens=NEW)
+            assert pm.router.live_requests() == (), name
+            assert _summary(pm.generate(TEXTS, max_new_tokens=NEW)) == baseline, name
+        # One Ctrl-C in the cleanup of a stream its consumer left early.
+        with monkeypatch.context() as patched:
+            patched.setattr(engine, "collective_rpc", release_then_interrupt)
+            stream = pm.stream(TEXTS[0], max_new_tokens=NEW)
+            next(stream)
+            with pytest.raises(KeyboardInterrupt):
+                stream.close()
+        assert pm.router.live_requests() == ()
+        assert _summary(pm.generate(TEXTS, max_new_tokens=NEW)) == baseline
+
+
+def test_close_waits_for_a_call_in_another_thread_and_is_refused_inside_one(model_dir):
+    pm = _load(model_dir)
+    baseline = _summary(pm.generate(TEXTS, max_new_tokens=NEW))
+
+    def closes(probe: Any, record: Any) -> None:
+        if record.generated_index == 1:
+            Recorder.hook = None
+            pm.close()
+
+    Recorder.hook = closes  # (raises into the probe's result: the call goes on)
+    (inside,) = pm.generate(TEXTS[:1], max_new_tokens=NEW)
+    assert "close() was called from inside this engine's own generation" in str(
+        inside.results["inline"].error)
+    reached, release, progress = threading.Event(), threading.Event(), threading.Event()
+
+    def gate(probe: Any, record: Any) -> None:
+        if record.generated_index == 2 and not reached.is_set():
+            reached.set()
+            release.wait()
+
+    class TellsItWaits(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            progress.set()  # (close() waits for the call)
+            return super().wait(timeout)
+
+    pm.backend._idle = TellsItWaits()
+    Recorder.hook = gate
+    done: dict[str, Any] = {}
+    generating = threading.Thread(target=lambda: done.update(
+        outputs=pm.generate(TEXTS, max_new_tokens=NEW)))
+    generating.start()
+    reached.wait()
+    closing = threading.Thread(target=lambda: (pm.close(), progress.set()))
+    closing.start()
+    progress.wait()  # (close() returned, or waits for the call)
+    release.set()
+    generating.join()
+    closing.join()
+    assert _summary(done["outputs"]) == baseline
+    with pytest.raises(BackendError, match="closed"):
+        pm.generate(TEXTS[:1], max_new_tokens=NEW)
+
+
+def test_close_ends_a_stream_left_open(model_dir):
+    pm = _load(model_dir)
+    stream = pm.stream(TEXTS[0], max_new_tokens=NEW)
+    next(stream)
+    pm.close()
+    assert list(stream) == []  # (ended: its requests aborted, the engine freed)
+    assert pm.router.live_requests() == ()
