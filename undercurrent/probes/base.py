@@ -323,7 +323,7 @@ class ScoresRows(Probe):
         """The values shared with the batch this one was sliced (or joined) from
         (or, when computing them for those whole batches fails, for this batch's
         own rows, so a failure is this instance's alone), then :meth:`judge_rows`."""
-        key = self.group_key()
+        key = shared_key(self)
         if key is None:
             values = self.row_values(batch)
         else:
@@ -373,6 +373,38 @@ def _owner(cls: type, name: str) -> type | None:
         if name in vars(klass):
             return klass
     return None
+
+
+#: What makes a :class:`ScoresRows` probe's values, or scores its batches its way.
+_VALUE_METHODS = ("row_values", "statistics", "on_batch")
+_OWN_VALUES: dict[type, bool] = {}
+
+
+def shared_key(probe: Any) -> Any:
+    """The key under which ``probe`` shares its row values (its
+    :meth:`ScoresRows.group_key`), or None: where a class of its own, below the
+    one whose ``group_key`` it inherits, redefines ``row_values``, ``statistics``
+    or ``on_batch`` (a user's subclass of a built-in that computes other values,
+    or scores batches its own way), it computes its own values, never the
+    parent's shared ones nor shares its own as theirs. Such a class that does
+    mean to share defines ``group_key`` too."""
+    cls = type(probe)
+    own = _OWN_VALUES.get(cls)
+    if own is None:
+        own = _OWN_VALUES[cls] = _makes_own_values(cls)
+    return None if own else probe.group_key()
+
+
+def _makes_own_values(cls: type) -> bool:
+    owner = _owner(cls, "group_key")
+    for klass in cls.__mro__:
+        if klass is owner:
+            return False
+        # (the built-ins split their values across their own classes)
+        if not klass.__module__.startswith("undercurrent.") and any(
+                name in vars(klass) for name in _VALUE_METHODS):
+            return True
+    return False
 
 
 #: scores_batches' answers, by class and the methods its answer depends on (a

@@ -16,6 +16,7 @@ from undercurrent.probes.base import (
     ScoresRows,
     TellsSignals,
     shallow_copy,
+    shared_key,
 )
 from undercurrent.probes.linear import LinearReadout
 from undercurrent.probes.scoring import (
@@ -185,7 +186,8 @@ class TrajectoryProbe(TellsSignals):
 
     def batch_values(self, batch: ActivationBatch) -> Any:
         """:meth:`value` of every row of a batch (float64 array), one matrix operation."""
-        return batch.shared(self.group_key(), self.row_values)
+        key = shared_key(self)
+        return self.row_values(batch) if key is None else batch.shared(key, self.row_values)
 
     def group_key(self) -> Any:
         if self.readout is not None:

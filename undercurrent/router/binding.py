@@ -40,6 +40,7 @@ from undercurrent.probes.base import (
     RequestContext,
     scores_batches,
     scores_records_at_once,
+    shared_key,
 )
 from undercurrent.records import (
     ActivationBatch,
@@ -275,8 +276,7 @@ class Binding:
         # for every request (ScoresRows.group_key): judged in a group by the router.
         # Async, with such a probe: a worker judges it with the other bindings of
         # the same key it finds ready (router/scheduler.py).
-        group_key = getattr(probe, "group_key", None)
-        key = None if group_key is None else group_key()
+        key = None if getattr(probe, "group_key", None) is None else shared_key(probe)
         if self._is_async:
             self._async_group = key
         elif self._policy.mode is InterventionMode.REJECT:
