@@ -307,3 +307,20 @@ def test_a_generation_config_that_decodes_otherwise_is_refused_naming_it(setting
         finally:
             setattr(model.generation_config, setting, 1 if setting.startswith("num_") else None)
         assert pm.generate(words(6), max_new_tokens=3)[0].token_ids == before
+
+
+def test_a_text_prompt_encoding_to_a_token_the_model_has_no_embedding_for_is_named():
+    # The tokenizer has 64 tokens, the model 64 embeddings; a special token added to
+    # the tokenizer alone (id 64) reached the embedding as an IndexError (vLLM read
+    # a padding row). Refused like the same ids given as input_ids.
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    assert tokenizer.convert_tokens_to_ids("<extra>") == 64
+    with ProbedModel(gpt2_with_short_context(), tokenizer) as pm:
+        refused = re.escape("('w1 <extra> w2') encodes to token id 64 (token 2), outside "
+                            "this model's vocabulary [0, 64)")
+        with pytest.raises(ValueError, match=r"prompts\[1\] " + refused):
+            pm.generate([words(3), "w1 <extra> w2"], max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"prompts\[0\] " + refused):
+            pm.prompt_activations(["w1 <extra> w2"])
+        assert len(pm.generate(words(3), max_new_tokens=2)[0].token_ids) == 2

@@ -48,6 +48,26 @@ def test_pieces_joined_equal_the_final_text_on_random_texts() -> None:
         assert not any(stop in final for stop in stops)
 
 
+@pytest.mark.parametrize("stops", [[], ["\u20ac"], ["c\u20ac"], ["x"]])
+def test_a_character_split_across_byte_tokens_is_sent_whole(stops) -> None:
+    # A byte-level tokenizer's tokens are bytes: the text decoded so far ends in
+    # U+FFFD while a character's bytes are incomplete, then the character.
+    text = "a\U0001F600b\u00e9c\u20ac"
+    tokens = [bytes([byte]) for byte in text.encode()]
+    stream = StreamText(stops)
+    sent = []
+    for count in range(1, len(tokens) + 1):
+        decoded = b"".join(tokens[:count]).decode("utf-8", errors="replace")
+        sent.append(stream.piece(decoded))
+        if stop_position(decoded, stops) is not None:
+            break
+    cut = stop_position(text, stops)
+    final = text if cut is None else text[:cut]
+    sent.append(stream.rest(final))
+    assert "".join(sent) == final
+    assert "\ufffd" not in "".join(sent)
+
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 

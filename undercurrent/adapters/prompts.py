@@ -153,13 +153,15 @@ def prompt_inputs(prompts: Any, input_ids: Any, vocab_size: int | None = None
     return list(check_prompts(prompts))
 
 
-def tokenize_prompts(prompts: Sequence[PromptInput],
-                     tokenizer: Any) -> tuple[list[str], list[tuple[int, ...]]]:
+def tokenize_prompts(prompts: Sequence[PromptInput], tokenizer: Any,
+                     vocab_size: int | None = None) -> tuple[list[str], list[tuple[int, ...]]]:
     """Each prompt's text and token ids (a tuple of ints, :func:`plain_ids`): a
     text prompt encoded with ``tokenizer`` (every text prompt in one call, each
     encoded as it would be alone), a token-id prompt kept as it is and decoded
     (special tokens included) for its text. A prompt that encodes to no tokens
-    is refused."""
+    is refused, and so is a text prompt that encodes to an id past
+    ``vocab_size`` (a token the tokenizer has and the model has no embedding
+    for: HF's embedding raises on it, vLLM's reads a padding row)."""
     strings = [prompt for prompt in prompts if isinstance(prompt, str)]
     batch = iter(tokenizer(strings)["input_ids"] if strings else ())
     decode = (text_decoder(tokenizer, skip_special_tokens=False)
@@ -169,9 +171,16 @@ def tokenize_prompts(prompts: Sequence[PromptInput],
         if all(encoded):
             return list(map(decode, encoded)), encoded
     texts, encoded = [], []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             text, ids = prompt, plain_ids(next(batch))
+            if vocab_size is not None and ids and max(ids) >= vocab_size:
+                position = next(i for i, token in enumerate(ids) if token >= vocab_size)
+                raise ValueError(
+                    f"prompts[{index}] ({prompt!r:.60}) encodes to token id {ids[position]} "
+                    f"(token {position}), outside this model's vocabulary [0, {vocab_size}): "
+                    "its tokenizer has tokens the model has no embedding for (an added "
+                    "special token?)")
         else:
             assert decode is not None
             ids = plain_ids(prompt)

@@ -370,12 +370,18 @@ class StreamText:
         self.sent = ""
 
     def piece(self, text: str) -> str:
-        """The new piece for the decoded generated text so far."""
+        """The new piece for the decoded generated text so far. A character whose
+        bytes are split across tokens (byte-level tokenizers: an emoji, CJK) decodes
+        to U+FFFD until its last byte comes: what ends in it is held back, so the
+        character is sent whole once complete (as transformers' TextStreamer and
+        vLLM's detokenizer do)."""
         cut = stop_position(text, self.stops) if self.stops else None
         if cut is not None:
             text = text[:cut]
-        elif self.stops:
-            text = text[:len(text) - held_back(text, self.stops)]
+        else:
+            text = text.rstrip("\ufffd")
+            if self.stops:
+                text = text[:len(text) - held_back(text, self.stops)]
         return self._advance(text)
 
     def rest(self, final_text: str) -> str:

@@ -695,7 +695,7 @@ class HFBackend:
 
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[tuple[int, ...]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
-        return tokenize_prompts(prompts, self.tokenizer)
+        return tokenize_prompts(prompts, self.tokenizer, self.vocab_size)
 
     def _left_padded(self, encoded: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids`` and ``attention_mask`` of token-id rows, left-padded to the

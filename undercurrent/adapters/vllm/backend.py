@@ -541,7 +541,7 @@ class VLLMBackend:
             states: dict[str, RequestState] = {}
             try:
                 entries = []
-                texts, encoded = tokenize_prompts(prompts, self.tokenizer)
+                texts, encoded = tokenize_prompts(prompts, self.tokenizer, self.vocab_size)
                 opened = session.open_requests(list(zip(request_ids, texts, encoded,
                                                         strict=True)))
                 for state in opened:
