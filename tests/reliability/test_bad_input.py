@@ -138,7 +138,7 @@ def test_a_prompt_that_encodes_to_no_tokens_is_a_clear_error(tiny, reference) ->
             return self.inner.decode(ids, **kwargs)
 
     with ProbedModel(model, NoBos(tokenizer), spec=SPEC, probes=TEST_PROBES) as pm:
-        with pytest.raises(ValueError, match="prompt '' encodes to no tokens"):
+        with pytest.raises(ValueError, match=r"prompts\[1\] \(''\) encodes to no tokens"):
             pm.generate(["t1", ""], max_new_tokens=2)
         assert live_hooks(model) == 0 and pm.router.live_requests() == ()
         assert len(pm.generate(["t1"], max_new_tokens=2)[0].token_ids) == 2

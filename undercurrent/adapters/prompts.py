@@ -186,7 +186,7 @@ def tokenize_prompts(prompts: Sequence[PromptInput], tokenizer: Any,
             ids = plain_ids(prompt)
             text = decode(ids)
         if not ids:
-            raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+            raise ValueError(f"prompts[{index}] ({prompt!r:.60}) encodes to no tokens")
         texts.append(text)
         encoded.append(ids)
     return texts, encoded
