@@ -10,7 +10,7 @@ numpy matrices kept beside it (``frame.attrs["activations"]``, an
 :class:`Activations`), with the ``row`` column pointing into them, and
 :func:`activation_matrix` hands them out without copying where it can.
 
->>> frame = records_frame(output.records, tokenizer=model.tokenizer)  # doctest: +SKIP
+>>> frame = records_frame(output.records, tokenizer=model.backend.tokenizer)  # doctest: +SKIP
 >>> X = activation_matrix(frame, layer=2)      # (rows, features), no copy  # doctest: +SKIP
 """
 
