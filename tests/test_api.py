@@ -158,3 +158,30 @@ def test_bad_arguments_are_named():
         pm.generate("x", max_new_tokens=0)
     with pytest.raises(ValueError, match="request_ids"):
         pm.generate(["a", "b"], request_ids=["same", "same"])
+
+
+def test_outputs_with_records_pickle_and_deep_copy_whole():
+    # (notebook caches, joblib and multiprocessing pickle what a call returns: its
+    # lazily built records and signals come back as plain lists and tuples)
+    import copy
+    import pickle
+
+    import numpy as np
+
+    spec = ("extraction_points:\n  - {name: resid, layers: [1, 3], tensor_type: "
+            "residual_stream, position: 'generated[*]', probe_type: norm_probe, "
+            "probe_kind: trajectory}\n")
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=spec) as pm:
+        outputs = pm.generate(["user : how do i bake bread ? assistant :"] * 3,
+                              max_new_tokens=6, records=True)
+    for again in (pickle.loads(pickle.dumps(outputs)), copy.deepcopy(outputs)):
+        for before, after in zip(outputs, again, strict=True):
+            assert after.token_ids == before.token_ids and after.text == before.text
+            assert len(after.records) == len(before.records) == 10
+            for one, other in zip(before.records, after.records, strict=True):
+                assert (one.layer, one.token_index, one.token_id) == (
+                    other.layer, other.token_index, other.token_id)
+                np.testing.assert_array_equal(np.asarray(one.tensor), np.asarray(other.tensor))
+            assert after.signals == before.signals
+            assert after.results["resid"].verdict == before.results["resid"].verdict
+            assert after.results["resid"].signals == before.results["resid"].signals

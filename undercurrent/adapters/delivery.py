@@ -286,6 +286,11 @@ class RecordLog(Sequence[ActivationRecord]):
     captured batches; the records are built when read (``len`` builds nothing).
     It compares equal to a list of the same records, and ``+`` gives a list."""
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (pickled, or deep-copied, as the list of its records: the captured
+        # batches it reads from hold locks and builders neither can copy)
+        return (list, (list(self),))
+
     def __init__(self) -> None:
         self._built: list[ActivationRecord] = []
         # (batch, start, stop), or a window's steps of several points
