@@ -160,3 +160,26 @@ def test_close_ends_a_stream_left_open(model_dir):
     pm.close()
     assert list(stream) == []  # (ended: its requests aborted, the engine freed)
     assert pm.router.live_requests() == ()
+
+
+def test_a_script_that_never_closes_leaves_no_staged_model_behind(tmp_path):
+    # The bundled model's directory holds a probe file, so vLLM loads a staged copy
+    # of it (links in a temporary directory): removed at exit without close() too.
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "unclosed.py"
+    script.write_text(
+        "from undercurrent import ProbedModel\n"
+        "pm = ProbedModel.from_pretrained('undercurrent/tiny', backend='vllm', "
+        "dtype='float32', max_model_len=128)\n"
+        "print(len(pm.generate('user : hi ? assistant :', max_new_tokens=2)[0].token_ids))\n")
+    staging = tmp_path / "tmp"
+    staging.mkdir()
+    completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                               timeout=600, check=False,
+                               env=dict(os.environ, TMPDIR=str(staging)))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().splitlines()[-1] == "2"
+    assert not list(staging.glob("undercurrent-vllm-model-*"))

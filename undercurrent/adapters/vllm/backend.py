@@ -280,6 +280,8 @@ class VLLMBackend:
             remove_staging(staging)
             raise
         backend._staging = staging
+        # (removed by close(); else when the backend is collected, or at exit)
+        weakref.finalize(backend, remove_staging, staging)
         return backend
 
     # -- description -------------------------------------------------------
