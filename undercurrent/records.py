@@ -6,6 +6,7 @@ CPU ``torch.Tensor`` from the shipped adapters, or a numpy array in tests).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import sys
@@ -20,6 +21,30 @@ T = TypeVar("T")
 
 def _now() -> float:
     return time.time()
+
+
+_capture = threading.local()
+
+
+def capture_time() -> float:
+    """When the activations being batched were captured: now, unless the
+    backend routes them later than it captured them and says when, in this
+    thread (:func:`captured_at`)."""
+    stamp = getattr(_capture, "stamp", None)
+    return time.time() if stamp is None else stamp
+
+
+@contextlib.contextmanager
+def captured_at(stamp: float | None) -> Iterator[None]:
+    """Within the block, batches made in this thread without a timestamp take
+    ``stamp`` (None: now): the vLLM driver routes a step the worker held back
+    with the time the worker captured it."""
+    before = getattr(_capture, "stamp", None)
+    _capture.stamp = stamp
+    try:
+        yield
+    finally:
+        _capture.stamp = before
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -523,7 +548,7 @@ class ActivationBatch:
         self.generated_indices = generated_indices
         self.token_ids = token_ids
         self.edits = edits
-        self.timestamp = _now() if timestamp is None else timestamp
+        self.timestamp = capture_time() if timestamp is None else timestamp
         self.timestamps = timestamps
         self._records: list[ActivationRecord] | None = (
             None if records is None else list(records))

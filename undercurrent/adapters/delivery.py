@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import operator
 import sys
-import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -48,6 +47,7 @@ from undercurrent.records import (
     ProbeSignal,
     SignalAction,
     as_list,
+    capture_time,
     concat_rows,
 )
 
@@ -1511,7 +1511,7 @@ class _Window:
         once full."""
         self.deltas.append(delta)
         self.steps.append(pieces)
-        self.stamps.append(time.time())
+        self.stamps.append(capture_time())
         self.layouts.append(layout)
         if self.values is not None:
             if values is None:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 from vllm_engine_helpers import (
+    CAPTURE_TIME_SPEC,
     CHUNK_BUDGET,
     MAX_NEW_TOKENS,
     check_streamed_edits,
@@ -19,6 +20,7 @@ from vllm_engine_helpers import (
     prompts,
     spec_points,
     steered_guard_spec,
+    token_times,
 )
 
 from undercurrent.adapters import delivery
@@ -1080,6 +1082,33 @@ def test_steps_are_held_only_when_no_reply_can_change_them(backend, reference, m
         stats = output.results["norms"].stats
         # (the last token generated is never fed to the model: no rows)
         assert stats.received == stats.processed == 2 * (len(output.token_ids) - 1) > 0
+
+
+def test_steps_held_back_keep_each_step_s_capture_time(backend, reference):
+    # The worker holds a quiet call's steps back and sends them together; each
+    # record still carries the time its own step was captured (not the burst's
+    # arrival): after the forward that fed its token began, before the next did.
+    # The oracle: a plain forward pre-hook on the engine's model.
+    import bisect
+    import time
+
+    texts, _ = reference
+    began: list[float] = []
+
+    def hook_model(worker):
+        return worker.model_runner.get_model().register_forward_pre_hook(
+            lambda module, args: began.append(time.time()))
+
+    [handle] = backend.engine.collective_rpc(hook_model)
+    try:
+        model = ProbedModel(backend, spec=CAPTURE_TIME_SPEC)
+        outputs = model.generate(texts[:3], max_new_tokens=MAX_NEW_TOKENS, records=True)
+    finally:
+        handle.remove()
+    for times in token_times(outputs):
+        forwards = [bisect.bisect_right(began, stamp) - 1 for stamp in times]
+        # each token in a forward of its own, later tokens in later forwards
+        assert forwards[0] >= 0 and forwards == sorted(set(forwards)), (forwards, len(began))
 
 
 @pytest.mark.parametrize("observed, probe_type", [(False, "norm_probe"), (True, "norm_probe"),

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 from vllm_engine_helpers import (
+    CAPTURE_TIME_SPEC,
     CHUNK_BUDGET,
     MAX_NEW_TOKENS,
     check_streamed_edits,
@@ -19,6 +20,7 @@ from vllm_engine_helpers import (
     spec_points,
     steered_guard_spec,
     stop_at,
+    token_times,
 )
 
 from undercurrent.adapters.base import SamplingParams
@@ -66,6 +68,29 @@ def guarded(backend, router, request_ids, generated_index=2):
         "probe_type": "stop_at", "probe_kind": "single_shot",
         "probe_args": {"request_ids": sorted(request_ids),
                        "generated_index": generated_index}}]})
+
+
+def test_steps_held_back_keep_each_step_s_capture_time(backend, reference, monkeypatch):
+    # The worker holds a quiet call's steps back and sends them together; each
+    # step's capture time crosses the socket with it, and its records carry it
+    # (the in-process file checks the times against the model's forwards).
+    from undercurrent.adapters.vllm.channel import StepServer
+
+    texts, _ = reference
+    captured: list[float | None] = []
+    answer = StepServer.answer
+
+    def spy(self, batch):
+        captured.extend(getattr(each, "captured", None) for each in [*batch.earlier, batch])
+        return answer(self, batch)
+
+    monkeypatch.setattr(StepServer, "answer", spy)
+    model = ProbedModel(backend, spec=CAPTURE_TIME_SPEC)
+    outputs = model.generate(texts[:3], max_new_tokens=MAX_NEW_TOKENS, records=True)
+    assert None not in captured
+    for times in token_times(outputs):
+        assert set(times) <= set(captured)
+        assert times == sorted(set(times))  # (each token its own, later ones later)
 
 
 @pytest.mark.parametrize("reported", ["every step", "once finished", "held"])

@@ -193,3 +193,25 @@ def check_streamed_edits(events: list[Any]) -> None:
         [], [0], [1], [2], [3]]
     assert [a for event in events for a in event.edits] == list(output.edits)
     assert [s for event in events for s in event.signals] == list(output.signals)
+
+
+
+CAPTURE_TIME_SPEC = {"version": "1", "extraction_points": [{
+    "name": "norms", "layers": [0, 1], "tensor_type": "residual_stream",
+    "position": "generated[*]", "probe_type": "norm_probe", "probe_kind": "trajectory",
+    "probe_args": {"threshold": 1.0e9, "action": "flag"}}]}
+"""A call no probe can stop: the worker holds its steps back and sends them together."""
+
+
+def token_times(outputs: list[Any]) -> list[list[float]]:
+    """Each output's records' times, one per generated token in order (checked:
+    every layer of a token carries its step's one time)."""
+    each = []
+    for output in outputs:
+        stamps: dict[int, set[float]] = {}
+        for record in output.records:
+            stamps.setdefault(record.generated_index, set()).add(record.timestamp)
+        assert len(stamps) == len(output.token_ids) - 1 >= 3
+        assert all(len(times) == 1 for times in stamps.values()), stamps
+        each.append([stamps[index].pop() for index in sorted(stamps)])
+    return each

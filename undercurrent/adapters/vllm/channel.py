@@ -41,6 +41,7 @@ from undercurrent.adapters.session import (
     StepPlan,
 )
 from undercurrent.adapters.vllm import wire
+from undercurrent.records import captured_at
 from undercurrent.spec.types import ExtractionPoint, TensorType
 
 logger = logging.getLogger("undercurrent.vllm")
@@ -485,7 +486,8 @@ class StepServer:
         # The batch's request table, resolved once: its matches index it.
         self._table = known = self._states_of(batch.requests, self._table)
         deliveries = self._repeat.deliveries(batch, known[2], session.arms)
-        session.deliver(deliveries)
+        with captured_at(batch.captured):  # (a step held back: when it was captured)
+            session.deliver(deliveries)
         for engine_id, before in armed_before.items():
             armed = states[engine_id].armed
             self._armed += [(engine_id, name, armed[name]) for name in armed

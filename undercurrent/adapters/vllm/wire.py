@@ -32,7 +32,7 @@ from undercurrent.spec.serialize import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MATCH_COLUMNS = ("request", "point", "token_index", "layers")
 """The columns of :attr:`StepBatch.matches`."""
@@ -108,6 +108,10 @@ class StepBatch:
     ``earlier``: the batches of earlier steps the worker held back (when no
     reply could change a step: see ``undercurrent_open``'s ``hold``), in step
     order; the driver routes them before this one, and its reply answers all.
+
+    ``captured``: when the worker gathered the step's rows (``time.time()``, on
+    the driver's machine); its records carry it, not the time they reached the
+    driver (None: that time).
     """
 
     step: int
@@ -123,6 +127,7 @@ class StepBatch:
     token_columns: tuple[list[str], np.ndarray, np.ndarray] | None = None
     shifted: bool = False
     earlier: list[StepBatch] = field(default_factory=list)
+    captured: float | None = None
 
     def rows(self, group: GroupRows) -> Any:
         """The rows of ``group`` (a view into its bank, as it crossed)."""

@@ -35,6 +35,7 @@ import operator
 import os
 import signal
 import threading
+import time
 from collections.abc import Collection
 from multiprocessing.connection import Client
 from typing import Any, cast
@@ -879,7 +880,8 @@ class _Capture:
                  for rows in banks if rows is not None]
         batch = wire.StepBatch(step=self.step, groups=groups, banks=wired,
                                edits=self._applied_edits(), requests=requests,
-                               matches=matches, match_rows=match_rows, shifted=shifted)
+                               matches=matches, match_rows=match_rows, shifted=shifted,
+                               captured=time.time())
         token_ids = self.runner.input_batch.token_ids_cpu
         for state, slot, first, stop in self.pending_tokens:
             ids = token_ids[slot, state.prompt_len + first:state.prompt_len + stop].tolist()
