@@ -10,7 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from undercurrent import ProbedModel  # noqa: E402
-from undercurrent.router import RouterError  # noqa: E402
+from undercurrent.router import Router, RouterError  # noqa: E402
 
 BUNDLED_PROBE = "undercurrent:models/tiny/probe.safetensors"  # fitted on layer 3
 
@@ -115,3 +115,30 @@ def test_a_kv_point_is_not_held_to_the_hidden_size(tiny):
     output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=3)[0]
     result = output.results["guard"]
     assert result.error is None and result.stats.processed == len(output.token_ids) - 1
+
+
+class _CheckWithoutSize(Router):
+    """A router whose ``check`` was written before it took ``hidden_size``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: list[list[str]] = []
+
+    def check(self, points):  # type: ignore[override]
+        self.checked.append([point.name for point in points])
+        super().check(points)
+
+
+def test_a_router_whose_check_takes_no_hidden_size_is_used_and_the_size_still_checked(tiny):
+    # (ProbedModel called check(points, hidden_size=...) and a check(points) raised TypeError)
+    router = _CheckWithoutSize()
+    output = ProbedModel(tiny.backend, spec=_spec(), router=router).generate(
+        "the cat", max_new_tokens=2)[0]
+    assert router.checked == [["guard"]] and output.results["guard"].error is None
+    wrong_size = _spec(probe_type="linear_probe", probe_args={
+        "weight": [0.1] * 5, "bias": 0.0, "threshold": 0.5, "action": "abort"})
+    with pytest.raises(RouterError, match=r"refuses it: inline probe_args: the weight has 5 "
+                                          r"numbers per activation but the model's hidden "
+                                          r"size is 128"):
+        ProbedModel(tiny.backend, spec=wrong_size, router=_CheckWithoutSize())
+    router.shutdown()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -94,6 +95,37 @@ def _is_backend(obj: Any) -> bool:
                for name in ("capabilities", "generate", "stream", "close"))
 
 
+def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` can be called with the keyword argument ``name``."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: do not guess
+        return False
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD or (
+        parameter.name == name and parameter.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for parameter in parameters)
+
+
+def _router_check(router: Any, points: list[ExtractionPoint], hidden_size: int | None) -> None:
+    """Run the router's registration checks on ``points`` with the model's hidden size.
+
+    A router's ``check(points, hidden_size=None)`` gets the size; a ``check(points)``
+    that takes none (a subclass written before the keyword, or a router of your
+    own) is called without it, and the size is then checked on its own by the
+    router's ``check_hidden_size(points, hidden_size)`` where it has one (every
+    :class:`Router` does). A router with no ``check`` is not checked here."""
+    check = getattr(router, "check", None)
+    if check is None:
+        return
+    if _takes_keyword(check, "hidden_size"):
+        check(points, hidden_size=hidden_size)
+        return
+    check(points)
+    size_check = getattr(router, "check_hidden_size", None)
+    if size_check is not None and hidden_size is not None:
+        size_check(points, hidden_size)
+
+
 class ProbedModel:
     """A model with probes attached: generate text and probe it live.
 
@@ -160,12 +192,11 @@ class ProbedModel:
         self.capture_last_token = capture_last_token
         self._ids = itertools.count()
         self._closed = False
-        router_check = getattr(self.router, "check", None) if self.spec else None
-        if router_check is not None:
+        if self.spec:
             # Unknown probe types, bad probe_args and points a probe refuses (a probe
             # file fitted on another layer, an SAE of another hidden size) are
             # refused here, not at generate().
-            router_check(list(self.spec), hidden_size=capabilities.hidden_size)
+            _router_check(self.router, list(self.spec), capabilities.hidden_size)
 
     @classmethod
     def from_pretrained(

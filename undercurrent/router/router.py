@@ -73,6 +73,20 @@ class RequestHandle:
         return self.router.abort_requested(self.request_id)
 
 
+def _refusal(item: CheckedPoint, check: Callable[[Any], Any] | None, argument: Any
+             ) -> SpecProblem | None:
+    """The problem when a probe's ``check`` (``check_point`` or ``check_hidden_size``,
+    None when the probe has none) refuses ``argument``; None when it accepts it."""
+    if check is None:
+        return None
+    try:
+        check(argument)
+    except Exception as exc:  # a refusal, or a check that failed: both refuse
+        return point_problem(item.index, item.point,
+                             f"probe_type {item.point.probe_type!r} refuses it: {exc}")
+    return None
+
+
 def _resolve_registry(probes: Any) -> ProbeRegistry:
     if probes is None:
         return default_registry
@@ -449,14 +463,36 @@ class Router:
         if hidden_size is not None and item.point.tensor_type != TensorType.KV:
             checks.append((getattr(instance, "check_hidden_size", None), hidden_size))
         for check, argument in checks:
-            if check is None:
+            problem = _refusal(item, check, argument)
+            if problem is not None:
+                return None, problem
+        return instance, None
+
+    def check_hidden_size(self, points: Iterable[Any], hidden_size: int) -> None:
+        """Refuse the points whose probe cannot read activations of ``hidden_size``
+        (:meth:`~undercurrent.probes.Probe.check_hidden_size`; not ``kv`` points),
+        and nothing else: raises :class:`RouterError` listing them.
+
+        It is the part of :meth:`check` that needs the model. ``ProbedModel``
+        calls it after a ``check(points)`` that takes no ``hidden_size`` (a
+        subclass that overrides :meth:`check`), so the model's size is still
+        checked. Points refused for another reason, or whose probe cannot be
+        built, are left to :meth:`check` and :meth:`register_request`.
+        """
+        checked, _ = self._check_points(list(points))
+        problems: list[SpecProblem] = []
+        for item in checked:
+            if item.point.tensor_type == TensorType.KV:
                 continue
             try:
-                check(argument)
-            except Exception as exc:  # a refusal, or a check that failed: both refuse
-                return None, point_problem(
-                    item.index, item.point, f"probe_type {probe_type!r} refuses it: {exc}")
-        return instance, None
+                instance = item.probe_class(**merged_probe_args(self.probe_defaults, item.point))
+            except Exception:
+                continue  # not a size problem: register_request names it
+            problem = _refusal(item, getattr(instance, "check_hidden_size", None), hidden_size)
+            if problem is not None:
+                problems.append(problem)
+        if problems:
+            raise RouterError("extraction points refused", problems)
 
     def _check_points(self, points: list[Any]) -> tuple[list[CheckedPoint], list[SpecProblem]]:
         """:func:`check_request_points` with this router's defaults. Points that
