@@ -453,7 +453,7 @@ class ProbedModel:
         ids = self._request_ids(len(inputs), request_ids)
         # One token with nothing fed back is exactly the prefill forward: every
         # backend captures the prompt there, and the sampled token is dropped.
-        params = SamplingParams(max_new_tokens=1)
+        params = SamplingParams(max_new_tokens=1, prompt_only=True)
         batch_size = check_batch_size(batch_size)
         session = self._session(True)
         outputs = self.backend.generate(inputs, ids, params, session,

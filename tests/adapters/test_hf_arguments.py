@@ -324,3 +324,13 @@ def test_a_text_prompt_encoding_to_a_token_the_model_has_no_embedding_for_is_nam
         with pytest.raises(ValueError, match=r"prompts\[0\] " + refused):
             pm.prompt_activations(["w1 <extra> w2"])
         assert len(pm.generate(words(3), max_new_tokens=2)[0].token_ids) == 2
+
+
+def test_a_prompt_activations_refusal_names_no_max_new_tokens(probed) -> None:
+    # prompt_activations takes no max_new_tokens: its refusal said "with max_new_tokens=1"
+    with pytest.raises(ValueError) as caught:
+        probed.prompt_activations([words(POSITIONS + 1)])
+    message = str(caught.value)
+    assert message == (f"prompt 0 has {POSITIONS + 1} tokens but the model's context is "
+                       f"{POSITIONS}: shorten the prompt to at most {POSITIONS} tokens"), message
+    assert probed.prompt_activations([words(POSITIONS)])[0].finish_reason == "forward"

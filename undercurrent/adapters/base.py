@@ -47,6 +47,9 @@ class SamplingParams:
     ``stop`` strings end a request (its text ends before the stop string);
     ``capture_last_token`` runs one extra forward step so the last sampled token,
     which generation never feeds back to the model, gets activations too.
+    ``prompt_only`` marks a call that only wants the prompt's forward pass
+    (``ProbedModel.prompt_activations``: one token, sampled and dropped), so a
+    refusal speaks of the prompt and not of ``max_new_tokens``.
     """
 
     max_new_tokens: int = 16
@@ -56,6 +59,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     capture_last_token: bool = False
+    prompt_only: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", stop_strings(self.stop))
@@ -70,6 +74,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63) (torch.manual_seed's range), got "
                              f"{self.seed}")
         check_flag("capture_last_token", self.capture_last_token)
+        check_flag("prompt_only", self.prompt_only)
+        if self.prompt_only and (self.max_new_tokens != 1 or self.capture_last_token):
+            raise ValueError("prompt_only runs the prompt's forward pass alone: it takes "
+                             "max_new_tokens=1 and no capture_last_token")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):

@@ -191,6 +191,17 @@ def test_a_call_past_max_model_len_is_refused_before_it_runs(probed):
     assert len(output.token_ids) == 4 or output.finish_reason == "eos"
 
 
+def test_a_prompt_activations_past_max_model_len_is_told_the_prompt_that_fits(probed):
+    # (it advised max_new_tokens=1, an argument prompt_activations does not take)
+    with pytest.raises(ValueError) as refused:
+        probed.prompt_activations(input_ids=[[1] + [20] * 255])  # 256 tokens
+    message = str(refused.value)
+    assert "max_new_tokens" not in message, message
+    assert message.endswith("max_model_len is 256: shorten the prompt to at most 255 tokens")
+    (output,) = probed.prompt_activations(input_ids=[[1] + [20] * 254])
+    assert output.finish_reason == "forward"
+
+
 def test_a_seeded_call_samples_repeated_prompts_apart_and_reproducibly(probed):
     # One shared seed gave every copy of a prompt the same sample; request i is
     # seeded with seed + i.

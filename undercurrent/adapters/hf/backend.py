@@ -43,6 +43,7 @@ import torch
 from undercurrent.adapters.arguments import check_device, check_model_path, dtype_name
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities
+from undercurrent.adapters.context import context_problem
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
@@ -809,12 +810,10 @@ class HFBackend:
         with ``max_new_tokens`` after it (past it, learned position embeddings fail
         with an index error and rotary ones silently degrade)."""
         limit = self.context_length
-        if limit is None or context_problem(max(map(len, encoded)), params.max_new_tokens, limit,
-                                            params.capture_last_token) is None:
+        if limit is None or context_problem(max(map(len, encoded)), params, limit) is None:
             return  # (the longest prompt fits: every one does)
         for index, ids in enumerate(encoded):
-            problem = context_problem(len(ids), params.max_new_tokens, limit,
-                                      params.capture_last_token)
+            problem = context_problem(len(ids), params, limit)
             if problem is not None:
                 raise ValueError(f"prompt {index} {problem}")
 
@@ -892,34 +891,6 @@ def context_length(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
-
-
-def positions_needed(prompt_len: int, max_new_tokens: int, capture_last_token: bool) -> int:
-    """Positions the model is fed for a prompt and ``max_new_tokens``: the prompt, then
-    every generated token but the last (which is sampled and never fed back), unless
-    ``capture_last_token`` runs the extra forward that feeds it too."""
-    return prompt_len + max_new_tokens - (0 if capture_last_token else 1)
-
-
-def context_problem(prompt_len: int, max_new_tokens: int, limit: int,
-                    capture_last_token: bool = False) -> str | None:
-    """Why a ``prompt_len``-token prompt with ``max_new_tokens`` cannot run in a
-    ``limit``-position context (None when it can), with advice that works."""
-    needed = positions_needed(prompt_len, max_new_tokens, capture_last_token)
-    if needed <= limit:
-        return None
-    room = limit - positions_needed(prompt_len, 1, capture_last_token) + 1
-    if room >= 1:
-        fix = f"use max_new_tokens <= {room}"
-    else:
-        longest = limit - positions_needed(0, max_new_tokens, capture_last_token)
-        fix = (f"shorten the prompt to at most {longest} tokens" if longest >= 1 else
-               f"shorten the prompt to at most {limit - positions_needed(0, 1, capture_last_token)}"
-               " tokens and use max_new_tokens=1")
-    why = ("capture_last_token feeds the last generated token too" if capture_last_token
-           else "the last generated token is never fed back")
-    return (f"has {prompt_len} tokens; with max_new_tokens={max_new_tokens} the model is fed "
-            f"{needed} positions ({why}) but the model's context is {limit}: {fix}")
 
 
 _FORWARD_PARAMS: dict[type, frozenset[str]] = {}

