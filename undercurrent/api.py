@@ -43,9 +43,10 @@ from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
+from undercurrent.spec.errors import SpecValidationError
 from undercurrent.spec.loader import is_file, is_yaml_text
 from undercurrent.spec.types import ExtractionPoint, ProbeSpec
-from undercurrent.steering.registration import as_edits, register_edits
+from undercurrent.steering.registration import as_edits, placed, register_edits
 from undercurrent.store.capture import CaptureSummary, capture_activations
 
 __all__ = ["AbortInfo", "AppliedEdit", "GenerationOutput", "ProbedModel", "StreamEvent",
@@ -177,7 +178,7 @@ class ProbedModel:
         self.spec = load_spec(spec)
         capabilities = self.backend.capabilities()
         check_points(capabilities, self.spec)
-        self._spec_edits = self._register_edits((), self.spec.edits)
+        self._spec_edits = self._register_edits((), "edits", self.spec.edits)
         backend_check = getattr(self.backend, "check", None)
         if backend_check is not None:
             # Engine-specific refusals (e.g. prompt positions under vLLM prefix
@@ -273,30 +274,47 @@ class ProbedModel:
                 f"layers={caps.num_layers}, points={list(self.spec.names)})")
 
     # -- generation --------------------------------------------------------
-    def _register_edits(self, registered: Sequence[Any], more: Sequence[Any]) -> list[Any]:
+    def _register_edits(self, registered: Sequence[tuple[str, Sequence[Any]]], section: str,
+                        more: Sequence[Any]) -> list[Any]:
         """Resolve the ``more`` edits on this model, checked next to the ``registered``
-        ones (names unique) and the spec's points; no edits, nothing imported."""
+        ones (names unique) and the spec's points; no edits, nothing imported.
+
+        ``registered`` is (list name, edits) per list already checked and
+        ``section`` names the list ``more`` came from, so a problem names the edit
+        where the user wrote it (``prompt_edits[1][0]``, a duplicate's first use
+        in ``the spec's edits[2]``), not its place in the merged list."""
         if not more:
             return []
-
-        combined = [*as_edits(registered), *as_edits(more)]
-        resolved = register_edits(combined, list(self.spec), self.backend.capabilities())
-        return resolved[len(registered):]
+        earlier = [(name, index, edit) for name, edits in registered
+                   for index, edit in enumerate(as_edits(edits))]
+        try:
+            added = as_edits(more)
+        except SpecValidationError as error:
+            raise SpecValidationError(
+                placed(error.problems, lambda index: (section, index))) from None
+        places = [(name, index) for name, index, _ in earlier]
+        places += [(section, index) for index in range(len(added))]
+        combined = [*(edit for _, _, edit in earlier), *added]
+        resolved = register_edits(combined, list(self.spec), self.backend.capabilities(),
+                                  places)
+        return resolved[len(earlier):]
 
     def _call_edits(self, edits: Sequence[Any] | None, prompt_edits: Sequence[Any] | None,
                     request_ids: Sequence[str]) -> tuple[list[Any], dict[str, list[Any]]]:
         """Resolved edits for every prompt of a call, and per request id."""
-        spec_edits = [resolved.edit for resolved in self._spec_edits]
-        shared = self._register_edits(spec_edits, edits or ())
+        spec_edits = ("the spec's edits", [resolved.edit for resolved in self._spec_edits])
+        shared = self._register_edits([spec_edits], "edits", edits or ())
         if prompt_edits is None:
             return shared, {}
         if isinstance(prompt_edits, (str, Mapping)) or len(prompt_edits) != len(request_ids):
             raise ValueError(
                 f"prompt_edits must be a list with one entry per prompt ({len(request_ids)}), "
                 "each a list of edits or None")
-        shared_edits = [*spec_edits, *(resolved.edit for resolved in shared)]
-        per_request = {request_id: self._register_edits(shared_edits, extra)
-                       for request_id, extra in zip(request_ids, prompt_edits, strict=True)
+        call_edits = ("edits", [resolved.edit for resolved in shared])
+        per_request = {request_id: self._register_edits([spec_edits, call_edits],
+                                                        f"prompt_edits[{index}]", extra)
+                       for index, (request_id, extra) in enumerate(
+                           zip(request_ids, prompt_edits, strict=True))
                        if extra}
         return shared, per_request
 

@@ -354,3 +354,33 @@ def test_add_on_the_model_s_device_and_dtype_equals_a_hand_hook(device, dtype):
             assert torch.equal(recorded.row(row, count), oracle.row(row, count))
     finally:
         probed.close()
+
+
+def test_a_call_time_edit_problem_names_the_list_and_position_the_user_wrote(tiny):
+    # The edits of a call were checked merged (spec, then edits=, then one prompt's
+    # list), and a problem was named by its place in that merged list.
+    spec = {"version": "2", "extraction_points": [], "edits": [
+        {"name": "s", "layers": 0, "tensor_type": "mlp_out", "position": 0, "op": "add",
+         "vector": [1.0] * HIDDEN}]}
+    two = PROMPTS[:2]
+    with ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=spec) as probed:
+        cases = [
+            ({"edits": [edit(name="a"), edit(name="a")]},
+             "edits[1] (name 'a'), field 'name': duplicate name 'a': already used by edits[0]"),
+            ({"edits": [edit(name="a")], "prompt_edits": [None, [edit(name="b"), edit(name="a")]]},
+             "prompt_edits[1][1] (name 'a'), field 'name': duplicate name 'a': already used by "
+             "edits[0]"),
+            ({"prompt_edits": [None, [edit(name="b"), edit(name="b")]]},
+             "prompt_edits[1][1] (name 'b'), field 'name': duplicate name 'b': already used by "
+             "prompt_edits[1][0]"),
+            ({"prompt_edits": [[edit(name="s")], None]},
+             "prompt_edits[0][0] (name 's'), field 'name': duplicate name 's': already used by "
+             "the spec's edits[0]"),
+            ({"prompt_edits": [[edit(name="ok")], [edit(name="c", vector=torch.ones(3))]]},
+             "prompt_edits[1][0] (name 'c'), field 'vector': has 3 numbers"),
+            ({"prompt_edits": [None, [{"name": "m"}]]}, "prompt_edits[1][0] (name 'm')"),
+        ]
+        for arguments, message in cases:
+            with pytest.raises(SpecValidationError) as caught:
+                probed.generate(two, max_new_tokens=1, **arguments)
+            assert message in str(caught.value), (arguments, str(caught.value))

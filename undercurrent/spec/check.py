@@ -7,7 +7,8 @@ their serialized form); the router calls it when a request is registered.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 from undercurrent.spec.loader import edit_problems, point_problems
@@ -61,10 +62,16 @@ def check_extraction_points(points: Iterable[ExtractionPoint]) -> None:
         raise SpecValidationError(problems)
 
 
-def check_edits(edits: Iterable[Edit], points: Iterable[ExtractionPoint] = ()) -> None:
+def check_edits(edits: Iterable[Edit], points: Iterable[ExtractionPoint] = (),
+                places: Sequence[tuple[str, int]] | None = None) -> None:
     """Raise :class:`SpecValidationError` listing every problem of hand-built ``edits``
     next to ``points``: each edit's own rules, names unique across points and edits,
     and each ``when`` naming an inline point among ``points``.
+
+    ``places`` says where the user wrote each edit, as (list, index) pairs (by
+    default ``("edits", i)``): edits gathered from several lists (the spec's, a
+    call's ``edits=``, one prompt's ``prompt_edits`` entry) are named in the
+    problems, a duplicate's first use included, by the list they came from.
 
     >>> from undercurrent.spec import Edit
     >>> edit = Edit(name="e", layers=(0,), tensor_type="mlp_out", position="prompt[-1]",
@@ -76,26 +83,29 @@ def check_edits(edits: Iterable[Edit], points: Iterable[ExtractionPoint] = ()) -
     """
     by_name = {point.name: point for point in points}
     problems: list[SpecProblem] = []
-    first_index: dict[str, int] = {}
+    first_place: dict[str, tuple[str, int]] = {}
     for index, edit in enumerate(edits):
+        section, place = ("edits", index) if places is None else places[index]
         if not isinstance(edit, Edit):
             problems.append(SpecProblem(f"expected an Edit, got {type(edit).__name__}",
-                                        point_index=index, section="edits"))
+                                        point_index=place, section=section))
             continue
-        problems += edit_problems(edit_to_dict(edit), index)
+        problems += [dataclasses.replace(problem, section=section)
+                     for problem in edit_problems(edit_to_dict(edit), place)]
         found: list[tuple[str, str]] = []
         if edit.name in by_name:
             found.append(("name", f"duplicate name {edit.name!r}: an extraction point has it "
                                   "too; names must be unique across extraction points and edits"))
-        elif edit.name in first_index:
+        elif edit.name in first_place:
+            first_section, first_index = first_place[edit.name]
             found.append(("name", f"duplicate name {edit.name!r}: already used by "
-                                  f"edits[{first_index[edit.name]}]; names must be unique"))
+                                  f"{first_section}[{first_index}]; names must be unique"))
         else:
-            first_index[edit.name] = index
+            first_place[edit.name] = (section, place)
         if edit.when is not None:
             found += [("when.point", message)
                       for message in trigger_problems(edit.when, by_name, by_name)]
-        problems += [SpecProblem(message, field, index, edit.name, "edits")
+        problems += [SpecProblem(message, field, place, edit.name, section)
                      for field, message in found]
     if problems:
         raise SpecValidationError(problems)

@@ -9,7 +9,8 @@ are reported at once, before any generation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from undercurrent.spec.check import check_edits
@@ -50,27 +51,44 @@ def layer_problems(edits: Sequence[Edit], capabilities: Any) -> list[SpecProblem
 
 
 def register_edits(edits: Sequence[Edit], points: Sequence[ExtractionPoint],
-                   capabilities: Any) -> list[ResolvedEdit]:
+                   capabilities: Any, places: Sequence[tuple[str, int]] | None = None
+                   ) -> list[ResolvedEdit]:
     """Check ``edits`` against ``points`` and the model, and resolve their vectors.
 
     Raises :class:`SpecValidationError` listing every problem (naming each edit
     and field): broken spec rules, a duplicate name, a ``when`` naming an unknown
     or async point, a layer out of range, a vector that is missing or whose size
-    is not the model's hidden size.
+    is not the model's hidden size. ``places`` (see
+    :func:`~undercurrent.spec.check.check_edits`) names each edit by the list the
+    user wrote it in, for edits gathered from several.
     """
     if not edits:
         return []
     problems: list[SpecProblem] = []
     try:
-        check_edits(edits, points)
+        check_edits(edits, points, places)
     except SpecValidationError as error:
         problems += error.problems
-    problems += layer_problems(edits, capabilities)
+    located = layer_problems(edits, capabilities)
     try:
         resolved = resolve_edits(edits, getattr(capabilities, "hidden_size", None))
     except SpecValidationError as error:
-        problems += error.problems
+        located += error.problems
         resolved = []
+    problems += located if places is None else placed(located, places.__getitem__)
     if problems:
         raise SpecValidationError(problems)
     return resolved
+
+
+def placed(problems: Sequence[SpecProblem], place: Callable[[int], tuple[str, int]]
+           ) -> list[SpecProblem]:
+    """``problems`` of edits indexed in one list (``edits[i]``), each moved to
+    ``place(i)``: the (list, index) where the user wrote that edit."""
+    moved: list[SpecProblem] = []
+    for problem in problems:
+        if problem.section == "edits" and problem.point_index is not None:
+            section, index = place(problem.point_index)
+            problem = dataclasses.replace(problem, section=section, point_index=index)
+        moved.append(problem)
+    return moved
