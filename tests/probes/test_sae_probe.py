@@ -104,6 +104,31 @@ def test_old_log_threshold_files_and_pre_6_topk_configs_are_read(tmp_path):
     assert (sae.architecture, sae.k, sae.hook_name) == ("topk", 3, "blocks.1.hook_mlp_out")
 
 
+@pytest.mark.parametrize("field", ["hook_point", "hook_name"])
+def test_a_pre_6_hook_z_config_is_refused_at_load_naming_the_file_and_field(tmp_path, field):
+    # SAELens < 6 reshapes z [n_heads, d_head] -> flat for any hook_z SAE (6.x reads
+    # such a config with reshape_activations "hook_z"); it loaded here as a plain
+    # SAE and was refused only by the hook check, or ran with check_hook: false.
+    write_sae(tmp_path, hook_name=None)
+    old = {"d_in": 4, "d_sae": 6, field: "blocks.2.attn.hook_z",
+           "activation_fn_str": "relu", "apply_b_dec_to_input": True}
+    (tmp_path / "cfg.json").write_text(json.dumps(old))
+    with pytest.raises(SaeFileError) as refused:
+        load_sae(tmp_path)
+    message = str(refused.value)
+    assert message.startswith(f"SAE folder {str(tmp_path)!r}: cfg.json field {field} is "
+                              "'blocks.2.attn.hook_z' and the file has no reshape_activations")
+    assert "per-head hook_z SAE" in message
+    with pytest.raises(SaeFileError, match="hook_z"):
+        SaeProbe(path=tmp_path, check_hook=False)
+    # a 6.x config says how it reshapes: reshape_activations "none" is a plain SAE
+    write_sae(tmp_path / "new", hook_name="blocks.2.attn.hook_z")
+    assert load_sae(tmp_path / "new").hook_name == "blocks.2.attn.hook_z"
+    # and an old config that declares none is read as declared
+    (tmp_path / "cfg.json").write_text(json.dumps({**old, "reshape_activations": "none"}))
+    assert load_sae(tmp_path).d_in == 4
+
+
 def test_pre_6_topk_architecture_takes_k_from_activation_fn_kwargs(tmp_path):
     # SAELens 5.x wrote TopK SAEs with architecture "topk" and k only in the kwargs
     w = write_sae(tmp_path, hook_name=None)

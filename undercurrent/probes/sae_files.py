@@ -25,7 +25,9 @@ product, following the config's own fields as SAELens's inference classes do:
 
 Pre-6.0 configs (``hook_point``, ``activation_fn: topk`` with
 ``activation_fn_kwargs.k``, ``architecture: topk`` with ``k`` only in
-``activation_fn_kwargs``) are read the way SAELens upgrades them.
+``activation_fn_kwargs``) are read the way SAELens upgrades them; one whose
+hook name holds ``hook_z`` is a per-head SAE to SAELens (as
+``reshape_activations: hook_z`` is) and is refused at load, like those.
 Arithmetic is float64 whatever the file's dtype.
 """
 
@@ -321,9 +323,44 @@ def _load_cached(folder: str, stamps: tuple[tuple[int, int], ...]) -> SparseAuto
         raise SaeFileError(f"{source}: {SAE_CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise SaeFileError(f"{source}: {SAE_CONFIG_FILE} must hold a JSON object")
+    _refuse_pre_6_hook_z(source, config)
     config = _upgraded_config(config)
     arrays = _read_weights(Path(folder) / SAE_WEIGHTS_FILE, source)
     return _build(source, Path(folder), config, arrays)
+
+
+def _written_before_6(config: dict[str, Any]) -> bool:
+    """Whether SAELens before 6.0 wrote ``config`` (no ``sae_lens_version``, at the
+    top level or in ``metadata``, or one below 6): SAELens then reads it with its
+    pre-6 defaults."""
+    metadata = config.get("metadata")
+    version = config.get("sae_lens_version") or (
+        metadata.get("sae_lens_version") if isinstance(metadata, dict) else None)
+    if not version:
+        return True
+    major = str(version).lstrip("v").split(".", 1)[0]
+    return not major.isdigit() or int(major) < 6
+
+
+def _refuse_pre_6_hook_z(source: str, config: dict[str, Any]) -> None:
+    """Refuse a pre-6.0 config whose hook is attention's ``hook_z`` and which has no
+    ``reshape_activations``: SAELens reads it as a per-head hook_z SAE (its
+    ``d_in`` is ``n_heads * d_head``, fed z flattened from ``[n_heads, d_head]``:
+    ``reshape_activations`` defaults to ``hook_z`` when the hook name holds
+    ``hook_z``), which sae_probe cannot feed, not as a plain SAE on ``attn_out``."""
+    if "reshape_activations" in config or not _written_before_6(config):
+        return
+    for field_name in ("hook_name", "hook_point"):
+        hook = config.get(field_name)
+        if isinstance(hook, str) and "hook_z" in hook:
+            raise SaeFileError(
+                f"{source}: {SAE_CONFIG_FILE} field {field_name} is {hook!r} and the file "
+                "has no reshape_activations (written before SAELens 6.0): SAELens reads it "
+                "as a per-head hook_z SAE (reshape_activations 'hook_z': attention's z, "
+                "[n_heads, d_head] flattened, before the output projection), which is not "
+                "supported; undercurrent captures attention after its output projection "
+                "(attn_out)"
+            )
 
 
 def _upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
