@@ -84,6 +84,31 @@ def test_outputs_and_results_are_stored(store, oracle):
         pytest.approx(v) if isinstance(v, float) else v for v in expected["verdict"]]
 
 
+def test_store_frames_equal_the_live_frames_of_the_same_outputs(store, oracle):
+    # pandas 3 read the store's strings back as its ``str`` dtype (NaN for a missing
+    # error), where the live frames hold ``object`` (None): the frames never compared
+    # equal. What differs by nature is left out: when each run happened (timestamps,
+    # probe latency), and the store's own prompt_index and matrix row numbers.
+    from undercurrent.notebook import records_frame, results_frame
+
+    def records(frame):
+        return frame.drop(columns=["timestamp", "row"]).sort_values(
+            ["request", "point", "layer", "token_index"], ignore_index=True)
+
+    def results(frame):
+        return frame.drop(columns=["mean_latency_s"]).sort_values(
+            ["request", "point"], ignore_index=True)
+
+    pd.testing.assert_frame_equal(
+        records(store.records_frame(tensors=False).drop(columns=["prompt_index"])),
+        records(records_frame(oracle, tensors=False)), check_dtype=True)
+    pd.testing.assert_frame_equal(results(store.results.drop(columns=["prompt_index"])),
+                                  results(results_frame(oracle)), check_dtype=True)
+    assert store.outputs["abort_point"].tolist() == [None] * len(oracle)  # (not NaN)
+    strings = ["request_id", "prompt", "text", "finish_reason", "abort_point"]
+    assert [str(dtype) for dtype in store.outputs[strings].dtypes] == ["object"] * len(strings)
+
+
 def test_vectors_memory_maps_a_block_and_gathers_any_subset(store, oracle):
     expected = oracle_vectors(oracle)
     index = store.index

@@ -157,7 +157,7 @@ class ActivationStore:
                   for shard in self._shards if (self.path / "shards" / shard / name).exists()]
         if not frames:
             return empty() if empty is not None else pd.DataFrame()
-        return pd.concat(frames, ignore_index=True)
+        return _object_strings(pd.concat(frames, ignore_index=True))
 
     # -- vectors -----------------------------------------------------------------------
     def vectors(self, rows: Any = None, *, dtype: Any = None) -> Any:
@@ -288,6 +288,7 @@ class ActivationStore:
         ``select_rows``, ``label_rows`` and ``fit_linear_probe`` take it as they take
         a records frame. ``tensors=False`` reads no vectors."""
         import numpy as np
+        import pandas as pd
 
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
@@ -297,9 +298,10 @@ class ActivationStore:
         # (the captured tensors' dtype, as in a live frame: the model's, which a
         # store records; a store written before it did says what it stores)
         computed = (self.manifest.get("generation") or {}).get("dtype")
-        out["dtype"] = [computed] * len(out) if computed else [
+        out["dtype"] = pd.Series([computed] * len(out) if computed else [
             self._point_meta(s, p)["dtype"] for s, p in
-            zip(frame["shard"].astype(str), frame["extraction_point_name"], strict=True)]
+            zip(frame["shard"].astype(str), frame["extraction_point_name"], strict=True)],
+            dtype=object)
         out["shape"] = [tuple(self._point_meta(s, p)["shape"]) for s, p in
                         zip(frame["shard"].astype(str), frame["extraction_point_name"],
                             strict=True)]
@@ -488,6 +490,22 @@ def _positions(index: Any, positions: str) -> Any:
     keys = ["request_id", "extraction_point_name", "layer"]
     last = index.groupby(keys, observed=True, sort=False)["token_index"].transform("max")
     return index[index["token_index"] == last]
+
+
+def _object_strings(frame: Any) -> Any:
+    """``frame`` with its string columns as the live frames hold them: ``object``,
+    None where a value is missing. pandas 3 reads parquet strings as its ``str``
+    dtype (NaN for missing), so a store's frame would not equal the live frame of
+    the same outputs (``records_frame``, ``results_frame``)."""
+    import pandas as pd
+
+    for column in frame.columns:
+        values = frame[column]
+        if isinstance(values.dtype, pd.StringDtype):
+            strings = values.astype(object)
+            strings[values.isna().to_numpy()] = None
+            frame[column] = strings
+    return frame
 
 
 def _empty_index() -> Any:
