@@ -141,6 +141,20 @@ def test_a_seed_past_torch_s_range_is_named(probed) -> None:
         probed.generate([words(3)], max_new_tokens=1, temperature=1.0, seed=2**70)
 
 
+def test_numpy_sampling_numbers_sample_as_the_plain_ones_do(probed) -> None:
+    # They passed undercurrent's check as they were, then transformers refused a
+    # numpy float32 temperature and a numpy int64 top_k.
+    import numpy as np
+
+    plain = {"temperature": 0.75, "top_p": 0.875, "top_k": 5, "seed": 3}
+    numpy = {"temperature": np.float32(0.75), "top_p": np.float32(0.875),
+             "top_k": np.int64(5), "seed": np.int64(3)}
+    expected = probed.generate([words(3)], max_new_tokens=6, **plain)[0].token_ids
+    assert probed.generate([words(3)], max_new_tokens=6, **numpy)[0].token_ids == expected
+    *_, last = probed.stream(words(3), max_new_tokens=6, **numpy)
+    assert last.output.token_ids == expected
+
+
 def test_a_seeded_call_samples_repeated_prompts_apart_and_reproducibly(probed) -> None:
     # Each batch was seeded with the same seed: 16 prompts in batches of 8 gave 8
     # samples, each twice. The batch starting at prompt i is seeded with seed + i.

@@ -63,13 +63,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", stop_strings(self.stop))
-        _check_number("max_new_tokens", self.max_new_tokens, integer=True)
-        _check_number("temperature", self.temperature)
-        _check_number("top_p", self.top_p)
-        if self.top_k is not None:
-            _check_number("top_k", self.top_k, integer=True)
-        if self.seed is not None:
-            _check_number("seed", self.seed, integer=True)
+        # (stored as plain Python numbers: transformers refuses a numpy float32
+        # temperature or a numpy int64 top_k)
+        for name, integer, optional in (("max_new_tokens", True, False),
+                                        ("temperature", False, False), ("top_p", False, False),
+                                        ("top_k", True, True), ("seed", True, True)):
+            value = getattr(self, name)
+            if not (optional and value is None):
+                object.__setattr__(self, name, _check_number(name, value, integer=integer))
         if self.seed is not None and not 0 <= int(self.seed) < 2**63:
             raise ValueError(f"seed must be in [0, 2**63) (torch.manual_seed's range), got "
                              f"{self.seed}")
@@ -149,12 +150,16 @@ def check_flag(name: str, value: Any, *, optional: bool = False) -> Any:
                     f"{type(value).__name__} ({value!r:.40})")
 
 
-def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
-    """A sampling parameter of the right type (``bool`` is refused: ``True`` is not 1 token)."""
-    allowed = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, allowed):
-        kind = "an integer" if integer else "a number"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
+def _check_number(name: str, value: Any, *, integer: bool = False) -> Any:
+    """A sampling parameter of the right type as a plain Python ``int`` or ``float``
+    (``bool`` is refused: ``True`` is not 1 token; a numpy number is converted)."""
+    if not isinstance(value, bool):
+        if integer and isinstance(value, numbers.Integral):
+            return int(value)
+        if not integer and isinstance(value, numbers.Real):
+            return float(value)
+    kind = "an integer" if integer else "a number"
+    raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
 
 
 @runtime_checkable
