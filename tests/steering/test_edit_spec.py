@@ -168,6 +168,18 @@ def test_check_edits_holds_hand_built_edits_to_the_spec_rules() -> None:
     assert (2, "name") in fields and not any(index == 1 for index, _ in fields)
 
 
+def test_a_point_name_as_when_is_refused_as_the_spec_form_is() -> None:
+    # Edit(when="guard") was built, then check_edits, generate() and stream() failed
+    # with "'str' object has no attribute 'point'" deep in the trigger rules.
+    with pytest.raises(SpecValidationError) as caught:
+        Edit(name="steer", layers=1, tensor_type="residual_stream", position="generated[*]",
+             op="add", vector=[1.0, 0.0, -2.0], when="guard")
+    assert [(p.point_name, p.field, p.message) for p in caught.value.problems] == [
+        (name, field, message) for _, _, name, field, message
+        in problems(spec_with(raw_edit(when="guard")))]
+    assert caught.value.problems[0].field == "when"
+
+
 jsonschema = pytest.importorskip("jsonschema")
 
 

@@ -388,6 +388,10 @@ class Edit:
             object.__setattr__(self, "vector", tuple(float(x) for x in self.vector))
         if isinstance(self.when, Mapping):
             object.__setattr__(self, "when", EditTrigger(**self.when))
+        elif self.when is not None and not isinstance(self.when, EditTrigger):
+            # (a bare point name would reach the trigger rules and fail there)
+            raise TypeError(f"when must be an EditTrigger or a mapping, got "
+                            f"{type(self.when).__name__}")
         object.__setattr__(self, "coefficient", float(self.coefficient))
 
     @property
