@@ -101,6 +101,24 @@ def test_tiny_name_loads_the_bundled_model_and_keeps_its_short_name(saved_model,
     pm.close()
 
 
+def test_from_pretrained_on_a_loaded_model_applies_its_name_and_refuses_loading_arguments():
+    # device=, dtype= and the loader's keywords were dropped without a word, and
+    # model_name= with them.
+    import torch
+
+    model = build_model("llama")
+    with ProbedModel.from_pretrained(model, tokenizer=build_tokenizer(),
+                                     model_name="mine") as pm:
+        assert pm.backend.model_name == "mine" and repr(pm).startswith("ProbedModel('mine'")
+    for given, named in (({"dtype": "bfloat16"}, "dtype='bfloat16'"),
+                         ({"device": "cuda:7"}, "device='cuda:7'"),
+                         ({"no_such_option": 1}, "no_such_option=1")):
+        with pytest.raises(TypeError, match=rf"^from_pretrained\(<a loaded LlamaForCausalLM>\) "
+                                            rf"cannot apply {named}: .*model.to\(device, dtype\)"):
+            ProbedModel.from_pretrained(model, tokenizer=build_tokenizer(), **given)
+    assert next(model.parameters()).dtype == torch.float32  # left as it was
+
+
 def test_a_router_you_bring_is_used_and_left_running():
     router = Router()
     pm = ProbedModel(build_model("llama"), build_tokenizer(), spec=SPEC, router=router)

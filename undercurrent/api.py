@@ -223,12 +223,28 @@ class ProbedModel:
         ``dtype`` (None or ``"auto"``: the dtype the model's ``config.json`` declares,
         on every backend) may be a torch dtype or its name (``"bfloat16"``). A path
         that does not exist, or a dtype torch does not know, is refused here with an
-        error naming the argument, before any engine loads."""
+        error naming the argument, before any engine loads.
+
+        An already-loaded model is taken as ``ProbedModel(model, tokenizer)`` takes it:
+        ``tokenizer=`` and ``model_name=`` apply; ``device=``, ``dtype=`` and loader
+        arguments are refused (a ``TypeError`` naming them), since they load a model
+        from a path: move or cast the model (``model.to(device, dtype)``) first."""
         if not isinstance(model_or_path, (str, os.PathLike)):
-            return cls(model_or_path, backend_kwargs.pop("tokenizer", None), spec=spec,
-                       backend=backend, probes=probes, probe_defaults=probe_defaults,
-                       router=router, on_result=on_result, batch_size=batch_size,
-                       capture_last_token=capture_last_token)
+            tokenizer = backend_kwargs.pop("tokenizer", None)
+            model_name = backend_kwargs.pop("model_name", None)
+            loading = {name: value for name, value in (("device", device), ("dtype", dtype))
+                       if value is not None}
+            loading.update(backend_kwargs)
+            if loading:
+                given = ", ".join(f"{name}={value!r:.40}" for name, value in loading.items())
+                raise TypeError(
+                    f"from_pretrained(<a loaded {type(model_or_path).__name__}>) cannot apply "
+                    f"{given}: these load a model from a path; move or cast the loaded model "
+                    "yourself (model.to(device, dtype)) before passing it")
+            return cls(model_or_path, tokenizer, spec=spec, backend=backend, probes=probes,
+                       probe_defaults=probe_defaults, router=router, on_result=on_result,
+                       batch_size=batch_size, capture_last_token=capture_last_token,
+                       model_name=model_name)
 
         name = os.fspath(model_or_path)
         check_batch_size(batch_size, optional=False)  # (before any engine loads)
