@@ -247,3 +247,19 @@ def test_projection_names_the_filter_and_what_the_frame_holds_when_nothing_is_le
     frame = records_frame(make_records(requests=2, layers=(0, 1)))
     with pytest.raises(ValueError, match=r"layer=9.*points \['resid'\] and layers \[0, 1\]"):
         projection_figure(frame, layer=9)
+
+
+def test_heatmap_refuses_a_frame_without_activations_instead_of_drawing_nan():
+    # A tensors=False frame, or one merged without its attrs, drew an all-NaN heatmap.
+    import pandas as pd
+
+    records = make_records(requests=2, layers=(0, 1))
+    frame = records_frame(records)
+    merged = frame.merge(pd.DataFrame({"request": ["req0", "req1"], "label": [0, 1]}),
+                         on="request")
+    for bare in (records_frame(records, tensors=False), merged):
+        with pytest.raises(ValueError, match=r"^heatmap_figure: this frame carries no "
+                                             r"activations \(built with tensors=False"):
+            heatmap_figure(bare)
+    merged.attrs.update(frame.attrs)  # the way the message gives
+    assert not np.isnan(np.asarray(heatmap_figure(merged).data[0].z, dtype=float)).any()

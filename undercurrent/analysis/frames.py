@@ -431,16 +431,24 @@ def activation_matrix(
             f"{sorted(frame['point'].unique().tolist())} and layers "
             f"{sorted(frame['layer'].unique().tolist())}"
         )
+    check_activations(frame, "activation_matrix")
     if "tensor" in selected.columns:
         return _stack_tensor_column(selected, dtype)
-    activations = frame.attrs.get(ACTIVATIONS_KEY)
-    if not isinstance(activations, Activations) or "row" not in selected.columns:
+    return _matrix_rows(frame.attrs[ACTIVATIONS_KEY], selected, dtype)
+
+
+def check_activations(frame: Any, caller: str) -> None:
+    """Refuse a records frame that carries no activations (built with
+    ``tensors=False``, or one that lost ``DataFrame.attrs`` in a merge), naming
+    ``caller`` and how to keep them."""
+    if "tensor" in frame.columns:
+        return
+    if not isinstance(frame.attrs.get(ACTIVATIONS_KEY), Activations) or "row" not in frame.columns:
         raise ValueError(
-            "activation_matrix: this frame carries no activations (built with "
+            f"{caller}: this frame carries no activations (built with "
             "tensors=False, or it lost DataFrame.attrs in a merge: merge onto the "
             "records frame's columns, then merged.attrs.update(frame.attrs))"
         )
-    return _matrix_rows(activations, selected, dtype)
 
 
 def _matrix_rows(activations: Activations, selected: Any, dtype: str | None) -> Any:

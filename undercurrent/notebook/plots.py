@@ -13,6 +13,7 @@ from typing import Any
 
 from undercurrent.analysis.frames import (
     activation_matrix,
+    check_activations,
     features_frame,
     label_rows,
     record_tensors,
@@ -238,6 +239,7 @@ def heatmap_figure(
             f"heatmap_figure: no records for request={request!r}, point={point!r}; "
             f"requests are {sorted(frame['request'].unique().tolist())[:10]}"
         )
+    check_activations(selected, "heatmap_figure")  # (not a heatmap of NaN)
     compute = _value_function(value)
     tokens = {token: i for i, token in enumerate(sorted(selected["token_index"].unique()))}
     sites = _heatmap_sites(selected)
