@@ -263,3 +263,24 @@ def test_heatmap_refuses_a_frame_without_activations_instead_of_drawing_nan():
             heatmap_figure(bare)
     merged.attrs.update(frame.attrs)  # the way the message gives
     assert not np.isnan(np.asarray(heatmap_figure(merged).data[0].z, dtype=float)).any()
+
+
+def test_projection_refuses_rows_of_several_layers_as_a_fit_does():
+    # One PCA ran over the rows of layers 0 and 1 together, without a word.
+    from undercurrent.notebook import fit_linear_probe
+
+    frame = records_frame(make_records(requests=4, layers=(0, 1), hidden=5))
+    labels = {"req0": 0, "req1": 1, "req2": 0, "req3": 1}
+    with pytest.raises(ValueError, match=r"^projection_figure: the frame mixes layers \[0, 1\], "
+                                         r"and projection_figure reads one; pass layer=\.\.\. "
+                                         r"\(e\.g\. layer=0\)$"):
+        projection_figure(frame, labels)
+    with pytest.raises(ValueError, match=r"^fit_linear_probe: the frame mixes layers \[0, 1\]"):
+        fit_linear_probe(frame, labels)
+    two_points = records_frame(make_records(requests=4, layers=(0, 1), hidden=5)
+                               + make_records(requests=4, layers=(0,), hidden=5, point="other"))
+    with pytest.raises(ValueError, match=r"mixes points \['other', 'resid'\].*point='other'"):
+        projection_figure(two_points, labels, layer=0)
+    figure = projection_figure(two_points, labels, layer=0, point="resid")
+    assert sum(len(trace.x) for trace in figure.data) == 4 * 7
+

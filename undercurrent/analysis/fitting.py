@@ -29,7 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.analysis._inputs import missing_labels, non_finite_rows
-from undercurrent.analysis.frames import activation_matrix, label_rows, records_frame, select_rows
+from undercurrent.analysis.frames import (
+    activation_matrix,
+    label_rows,
+    records_frame,
+    select_one_site,
+)
 from undercurrent.probes.weights import apply_link, save_linear_weights
 from undercurrent.records import ActivationRecord
 
@@ -268,24 +273,8 @@ def _design(
         _refuse_non_finite(caller, X, where)
         return X, np.asarray(y), groups, layer, tensor_type
 
-    selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
-    if selected.empty:
-        raise ValueError(
-            f"{caller}: no rows for point={point!r}, layer={layer!r}, "
-            f"tensor_type={tensor_type!r}; the frame has layers "
-            f"{sorted(frame['layer'].unique().tolist())}"
-        )
-    for column, chosen, argument in (
-        ("layer", layer, "layer"),
-        ("point", point, "point"),
-        ("tensor_type", tensor_type, "tensor_type"),
-    ):
-        values = selected[column].unique().tolist()
-        if chosen is None and len(values) > 1:
-            raise ValueError(
-                f"{caller}: the frame mixes {column}s {sorted(values)}; a probe reads "
-                f"one, so pass {argument}=... (e.g. {argument}={sorted(values)[0]!r})"
-            )
+    selected = select_one_site(frame, caller, point=point, layer=layer,
+                               tensor_type=tensor_type)
     layer = int(selected["layer"].iloc[0])
     tensor_type = str(selected["tensor_type"].iloc[0])
     X = activation_matrix(selected, dtype="float64")

@@ -423,14 +423,8 @@ def activation_matrix(
     pd = _pandas()
     if not isinstance(frame, pd.DataFrame):
         frame = records_frame(frame)
-    selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
-    if selected.empty:
-        raise ValueError(
-            f"activation_matrix: no records left after filtering (point={point!r}, "
-            f"layer={layer!r}, tensor_type={tensor_type!r}); the frame has points "
-            f"{sorted(frame['point'].unique().tolist())} and layers "
-            f"{sorted(frame['layer'].unique().tolist())}"
-        )
+    selected = _selected_rows(frame, "activation_matrix", point=point, layer=layer,
+                              tensor_type=tensor_type)
     check_activations(frame, "activation_matrix")
     if "tensor" in selected.columns:
         return _stack_tensor_column(selected, dtype)
@@ -449,6 +443,42 @@ def check_activations(frame: Any, caller: str) -> None:
             "tensors=False, or it lost DataFrame.attrs in a merge: merge onto the "
             "records frame's columns, then merged.attrs.update(frame.attrs))"
         )
+
+
+def select_one_site(
+    frame: Any,
+    caller: str,
+    *,
+    point: str | None = None,
+    layer: int | None = None,
+    tensor_type: str | None = None,
+) -> Any:
+    """The rows of a records frame matching the filters, refused (naming
+    ``caller``) when none match or when they still mix points, layers or tensor
+    types: a fit or a projection reads activations of one space, and rows of two
+    layers of the same size would be mixed without a word."""
+    selected = _selected_rows(frame, caller, point=point, layer=layer, tensor_type=tensor_type)
+    for column, chosen in (("layer", layer), ("point", point), ("tensor_type", tensor_type)):
+        values = sorted(selected[column].unique().tolist())
+        if chosen is None and len(values) > 1:
+            raise ValueError(
+                f"{caller}: the frame mixes {column}s {values}, and {caller} reads one; "
+                f"pass {column}=... (e.g. {column}={values[0]!r})"
+            )
+    return selected
+
+
+def _selected_rows(frame: Any, caller: str, *, point: str | None, layer: int | None,
+                   tensor_type: str | None) -> Any:
+    selected = select_rows(frame, point=point, layer=layer, tensor_type=tensor_type)
+    if selected.empty:
+        raise ValueError(
+            f"{caller}: no records left after filtering (point={point!r}, "
+            f"layer={layer!r}, tensor_type={tensor_type!r}); the frame has points "
+            f"{sorted(frame['point'].unique().tolist())} and layers "
+            f"{sorted(frame['layer'].unique().tolist())}"
+        )
+    return selected
 
 
 def _matrix_rows(activations: Activations, selected: Any, dtype: str | None) -> Any:

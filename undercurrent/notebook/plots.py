@@ -19,6 +19,7 @@ from undercurrent.analysis.frames import (
     record_tensors,
     records_frame,
     results_frame,
+    select_one_site,
     select_rows,
     signals_frame,
 )
@@ -336,16 +337,19 @@ def projection_figure(
     *,
     layer: int | None = None,
     point: str | None = None,
+    tensor_type: str | None = None,
     names: Mapping[str, str] | None = None,
     title: str | None = None,
 ) -> Any:
     """PCA of activations to 2-D, coloured by label.
 
-    ``data`` is a records frame (filtered by ``layer``/``point``), records, or an
-    ``(n, features)`` array; ``labels`` is one label per row, a frame column
-    name, or ``{request: label}``. ``names`` (``{request: name}``) names each
-    point's request on hover. Axis titles give each component's share of the
-    variance.
+    ``data`` is a records frame (filtered by ``layer``/``point``/``tensor_type``),
+    records, or an ``(n, features)`` array; ``labels`` is one label per row, a
+    frame column name, or ``{request: label}``. ``names`` (``{request: name}``)
+    names each point's request on hover. Axis titles give each component's share
+    of the variance. A frame whose rows (after the filters) mix points, layers or
+    tensor types is refused, as ``fit_linear_probe`` refuses it: one PCA over two
+    layers' activations mixes two spaces.
     """
     import numpy as np
     import pandas as pd
@@ -354,11 +358,9 @@ def projection_figure(
     go = _graph_objects()
     hover: list[str] | None = None
     if isinstance(data, pd.DataFrame) or hasattr(data, "records") or _is_record_list(data):
-        frame = _as_frame(data, records_frame)
-        # Filter inside activation_matrix, so a filter matching nothing is refused
-        # with the filter given and the points and layers the frame holds.
-        matrix = activation_matrix(frame, point=point, layer=layer, dtype="float64")
-        frame = select_rows(frame, point=point, layer=layer)
+        frame = select_one_site(_as_frame(data, records_frame), "projection_figure",
+                                point=point, layer=layer, tensor_type=tensor_type)
+        matrix = activation_matrix(frame, dtype="float64")
         if isinstance(labels, str):
             labels = frame[labels].tolist()
         elif isinstance(labels, Mapping):
