@@ -51,6 +51,22 @@ def test_difference_of_means_on_an_array_and_its_options() -> None:
         fit_steering_vector(X, [0, 1])
 
 
+def test_an_edit_takes_a_numpy_layer_and_names_a_wrong_op() -> None:
+    # edit() failed with "'numpy.int64' object is not iterable" on the layer
+    # np.argmax gives, and a misspelled op with a bare enum ValueError.
+    X = np.array([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    best = np.argmax([0.1, 0.5, 0.9, 0.2])
+    assert fit_steering_vector(X, [1, 1, 0, 0], layer=best).edit("e").layers == (2,)
+    sv = fit_steering_vector(X, [1, 1, 0, 0], layer=1)
+    assert sv.edit("e", layers=np.int64(3)).layers == (3,)
+    assert sv.edit("e", layers=range(2)).layers == (0, 1)
+    with pytest.raises(SpecValidationError, match=r"name 'e'\), field 'op': 'addd' is not "
+                                                  r"allowed; .*did you mean 'add'"):
+        sv.edit("e", op="addd")
+    with pytest.raises(SpecValidationError, match=r"field 'layers': must be a layer index"):
+        sv.edit("e", layers=2.5)
+
+
 @pytest.fixture(scope="module")
 def captured():
     probed = ProbedModel.from_pretrained("undercurrent/tiny",

@@ -10,7 +10,7 @@ can use directly.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +55,14 @@ class SteeringVector:
         layers = self.layer if layers is None else layers
         if layers is None:
             raise ValueError("this vector was fitted on a bare array: pass layers=...")
+        if isinstance(layers, Iterable) and not isinstance(layers, str):
+            layers = list(layers)  # (a range or a generator too)
+        # (layers and op go to the spec's checks as given: they take a numpy integer
+        # layer and name a wrong layer or op, with the accepted values)
         return parse_edit({
-            "name": name, "layers": layers if isinstance(layers, int) else list(layers),
+            "name": name, "layers": layers,
             "tensor_type": tensor_type or self.tensor_type or "residual_stream",
-            "position": position, "op": EditOp(op).value,
+            "position": position, "op": op.value if isinstance(op, EditOp) else op,
             "vector": [float(x) for x in self.vector], "coefficient": coefficient, **fields,
         })
 
