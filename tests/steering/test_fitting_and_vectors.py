@@ -167,6 +167,42 @@ def test_a_new_vector_source_plugs_in_before_the_built_in_ones() -> None:
         unregister_vector_source("features")
 
 
+def test_a_vector_source_is_checked_at_registration_and_named_when_it_fails(
+        tiny_guard) -> None:
+    # A string was registered, then every edit failed with "'str' object is not
+    # callable"; a source's own bug did not say which source it was.
+    with pytest.raises(TypeError, match=r"^register_vector_source\('mine', source\): source "
+                                        r"must be a function .*got str"):
+        register_vector_source("mine", "not a function")
+    with pytest.raises(TypeError, match="name must be a non-empty string, got int"):
+        register_vector_source(3, lambda edit: None)
+
+    def broken(edit):
+        return edit.vector["row"]  # a TypeError on a list
+
+    def refusing(edit):
+        raise ValueError("row 9 is not in the table")
+
+    register_vector_source("broken", broken)
+    try:
+        with pytest.raises(RuntimeError, match=r"^vector source 'broken' "
+                                               r"\(register_vector_source\) raised TypeError "
+                                               r"resolving edit 'v': ") as caught:
+            tiny_guard.generate(PROMPTS[:1], max_new_tokens=2,
+                                edits=[vector_edit([1.0] * 128)])
+        assert isinstance(caught.value.__cause__, TypeError)
+        register_vector_source("broken", refusing)
+        with pytest.raises(SpecValidationError, match=r"name 'v'\), field 'vector': row 9 is "
+                                                      r"not in the table \(vector source "
+                                                      r"'broken'\)"):
+            tiny_guard.generate(PROMPTS[:1], max_new_tokens=2,
+                                edits=[vector_edit([1.0] * 128)])
+    finally:
+        unregister_vector_source("broken")
+    assert tiny_guard.generate(PROMPTS[:1], max_new_tokens=2,
+                               edits=[vector_edit([1.0] * 128)])[0].edited_tokens
+
+
 def test_edits_frame_joins_signals_and_records(tiny_guard) -> None:
     outputs = tiny_guard.generate(PROMPTS[:2], max_new_tokens=8, records=True,
                                   prompt_edits=[[vector_edit(PROBE, coefficient=-1.0)], None])

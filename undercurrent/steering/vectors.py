@@ -45,9 +45,22 @@ _SOURCES: list[tuple[str, VectorSource]] = []
 def register_vector_source(name: str, source: VectorSource) -> None:
     """Add (or replace) a vector source, tried before the built-in ones.
 
+    ``name`` is a non-empty string and ``source`` a callable ``(edit) -> vector |
+    None``; anything else is refused here, not at every later edit. A ``ValueError``
+    the source raises is the edit's problem (a :class:`SpecValidationError` naming
+    the edit and the source); any other exception is a ``RuntimeError`` naming the
+    source and the edit, raised from it.
+
     >>> register_vector_source("ones", lambda edit: None)  # never claims a value
     >>> unregister_vector_source("ones")
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_vector_source: name must be a non-empty string, got "
+                        f"{type(name).__name__} ({name!r:.40})")
+    if not callable(source):
+        raise TypeError(f"register_vector_source({name!r}, source): source must be a "
+                        "function (edit) -> vector | None, got "
+                        f"{type(source).__name__} ({source!r:.40})")
     unregister_vector_source(name)
     _SOURCES.insert(0, (name, source))
 
@@ -149,14 +162,23 @@ def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> Resolve
 
     found: Any = None
     source_name = ""
-    try:
-        for name, source in (*_SOURCES, *_BUILTIN):
+    for name, source in (*_SOURCES, *_BUILTIN):
+        registered = (name, source) not in _BUILTIN
+        try:
             found = source(edit)
-            if found is not None:
-                source_name = name
-                break
-    except (ProbeFileError, ValueError, OSError) as error:
-        raise SpecValidationError([_problem(edit, index, str(error))]) from None
+        except (ProbeFileError, ValueError, OSError) as error:
+            by = f" (vector source {name!r})" if registered else ""
+            raise SpecValidationError([_problem(edit, index, f"{error}{by}")]) from None
+        except Exception as error:
+            if not registered:
+                raise
+            # (a bug in a user's source: name it, and keep its traceback)
+            raise RuntimeError(
+                f"vector source {name!r} (register_vector_source) raised "
+                f"{type(error).__name__} resolving edit {edit.name!r}: {error}") from error
+        if found is not None:
+            source_name = name
+            break
     if found is None:
         raise SpecValidationError([_problem(edit, index, "no vector source understands "
                                                          f"{edit.vector!r}")])
