@@ -97,6 +97,17 @@ def test_probe_args_override_probe_defaults_for_the_same_type(make_router):
     assert results["overridden"].verdict["threshold"] == 100.0
 
 
+def test_probe_defaults_for_a_probe_type_no_one_registered_are_refused(make_router):
+    # {"linear_probes": {...}} (a typo) was kept and never applied to any point.
+    with pytest.raises(ValueError, match=r"^probe_defaults names an unknown probe_type "
+                                         r"'linear_probes'; did you mean 'linear_probe'\? "
+                                         r"Known probe types: .*recorder"):
+        make_router(probe_defaults={"linear_probes": {"threshold": 0.1}})
+    # a probe type of your own counts once it is registered (here through probes=)
+    assert make_router(probe_defaults={"recorder": {"tag": "t"}}).probe_defaults == {
+        "recorder": {"tag": "t"}}
+
+
 def test_probe_constructor_errors_name_the_point(make_router):
     router = make_router()
     with pytest.raises(RouterError) as info:

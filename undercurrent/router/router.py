@@ -222,6 +222,13 @@ class Router:
                     f"probe_defaults[{probe_type!r}] must be a mapping of probe_args, "
                     f"got {type(kwargs).__name__}"
                 )
+            try:  # (a misspelled probe type would be ignored without a word)
+                self.registry.get(probe_type)
+            except UnknownProbeError as error:
+                raise ValueError(
+                    f"probe_defaults names an {error}; register a probe of your own "
+                    "before the router is built, or pass it in probes={name: class}"
+                ) from None
         self.probe_defaults = {name: dict(kwargs) for name, kwargs in defaults.items()}
         self.default_queue_depth: int = _positive_int("default_queue_depth", default_queue_depth)
         self.default_overflow = OverflowPolicy.parse(default_overflow)
