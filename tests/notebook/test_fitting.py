@@ -160,6 +160,21 @@ def test_probe_args_point_at_the_saved_file(tmp_path):
     assert not math.isnan(fit.metrics["test_auc"])
 
 
+@pytest.mark.parametrize(("threshold", "message"), [
+    (float("nan"), "must be a finite number, got nan"),
+    (float("inf"), "must be a finite number, got inf"),
+    (None, r"must be a number \(the score at which the saved probe acts; default 0\.5\), "
+           "got None"),
+])
+def test_a_threshold_the_probe_could_not_load_is_refused_before_fitting(
+        tmp_path, threshold, message):
+    # threshold=nan was fitted and saved to a file no linear_probe could load.
+    X, y = _blobs(n=80)
+    with pytest.raises(ValueError, match=rf"^fit_linear_probe: threshold {message}"):
+        fit_linear_probe(X, y, threshold=threshold, save_to=tmp_path / "p.safetensors")
+    assert not (tmp_path / "p.safetensors").exists()
+
+
 def _probe_scores(path, X, **args):
     """Scores of the registered ``linear_probe`` (loaded from ``path``) on each row of X."""
     from undercurrent.probes import get_probe

@@ -198,6 +198,30 @@ def test_save_then_load_round_trips_arrays_and_metadata(tmp_path):
         assert json.loads(loaded.metadata["label_names"]) == ["no", "yes"]
 
 
+@pytest.mark.parametrize("threshold", [float("nan"), float("inf"), "high", True])
+def test_a_threshold_no_probe_could_load_is_refused_at_save_and_no_file_written(
+        tmp_path, threshold):
+    # A NaN or infinite threshold was written, then every load of the file refused it.
+    target = tmp_path / "p.safetensors"
+    with pytest.raises(ValueError, match=rf"^threshold of the probe to save at "
+                                         rf"'{tmp_path}/p.safetensors' must be a"):
+        save_linear_weights(target, W, B, threshold=threshold)
+    assert not target.exists()
+    assert "threshold" not in load_linear_weights(save_linear_weights(target, W, B)).metadata
+
+
+def test_a_file_with_an_unusable_threshold_is_named_at_load(tmp_path):
+    # (a file written before the save-time check, or by hand)
+    path = tmp_path / "old.safetensors"
+    _write_safetensors(path, {"weight": W.astype(np.float32), "bias": np.array(B, np.float32)},
+                       {"format": LINEAR_PROBE_FORMAT, "threshold": "nan"})
+    with pytest.raises(ValueError, match=rf"^linear probe file '{path}': its threshold metadata "
+                                         r"is unusable \(threshold must be a finite number, "
+                                         r"got 'nan'.*pass threshold=\.\.\. in probe_args"):
+        LinearProbe(path=str(path))
+    assert LinearProbe(path=str(path), threshold=0.5).rule.threshold == 0.5
+
+
 def test_a_file_fitted_on_another_layer_fails_on_start_unless_told_otherwise(tmp_path):
     path = save_linear_weights(tmp_path / "p.safetensors", W, B, layer=3,
                                tensor_type="residual_stream")

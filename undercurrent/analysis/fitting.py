@@ -35,6 +35,7 @@ from undercurrent.analysis.frames import (
     records_frame,
     select_one_site,
 )
+from undercurrent.probes.scoring import parse_threshold
 from undercurrent.probes.weights import apply_link, save_linear_weights
 from undercurrent.records import ActivationRecord
 
@@ -158,6 +159,10 @@ def fit_linear_probe(
     """
     import numpy as np
 
+    checked_threshold = parse_threshold(threshold, option="fit_linear_probe: threshold")
+    if checked_threshold is None:
+        raise ValueError("fit_linear_probe: threshold must be a number (the score at which "
+                         "the saved probe acts; default 0.5), got None")
     if hasattr(data, "probe_design"):
         # An ActivationStore: read one point and layer from disk, split by request.
         data, y, group_by, layer, tensor_type = data.probe_design(
@@ -211,7 +216,7 @@ def fit_linear_probe(
         link="sigmoid" if binary else "softmax",
         classes=tuple(fitted_classes),
         label_names=tuple(str(c) for c in fitted_classes),
-        threshold=float(threshold),
+        threshold=checked_threshold,
         layer=layer,
         tensor_type=tensor_type,
         metrics={},

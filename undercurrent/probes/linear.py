@@ -34,6 +34,7 @@ from undercurrent.probes.scoring import (
     end_summaries,
     judge_summaries,
     never_signals,
+    parse_threshold,
     start_summaries,
     threshold_signal_test,
 )
@@ -350,7 +351,7 @@ class LinearProbe(TellsSignals):
             path=path, weight=weight, bias=bias, link=link, class_index=class_index
         )
         if threshold is None:
-            threshold = self.readout.weights.metadata.get("threshold")  # type: ignore[assignment]
+            threshold = _file_threshold(self.readout.weights)
         self.rule = ThresholdRule.from_options(threshold, action)
         self.check_metadata = check_metadata
         self.summary = ScoreSummary(self.rule.threshold)
@@ -487,6 +488,16 @@ class LinearProbe(TellsSignals):
             readout = probe.readout  # type: ignore[attr-defined]
             verdict["link"], verdict["source"] = readout.link, readout.source
         return verdicts
+
+
+def _file_threshold(weights: LinearWeights) -> float | None:
+    """The ``threshold`` metadata of a probe file (None: it has none), refused
+    naming the file when it is not a finite number."""
+    try:
+        return parse_threshold(weights.metadata.get("threshold"))
+    except ValueError as error:
+        raise ValueError(f"{weights.source}: its threshold metadata is unusable ({error}); "
+                         "pass threshold=... in probe_args, or save the probe again") from None
 
 
 def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.probes.arrays import numpy_module
+from undercurrent.probes.scoring import parse_threshold
 
 LINEAR_PROBE_FORMAT = "undercurrent.linear_probe/1"
 LINKS = ("sigmoid", "softmax", "identity")
@@ -299,8 +300,12 @@ def save_linear_weights(
     meta: dict[str, str] = {"format": LINEAR_PROBE_FORMAT}
     optional = {"link": link, "layer": layer, "tensor_type": tensor_type}
     meta.update({key: str(value) for key, value in optional.items() if value is not None})
+    # (checked as a probe reading the file checks it: a NaN or infinite threshold
+    # would be written, then refused at every load)
+    threshold = parse_threshold(threshold, option=f"threshold of the probe to save at "
+                                                  f"{str(path)!r}")
     if threshold is not None:
-        meta["threshold"] = repr(float(threshold))
+        meta["threshold"] = repr(threshold)
     if label_names is not None:
         meta["label_names"] = json.dumps([str(name) for name in label_names])
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
