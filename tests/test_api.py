@@ -178,6 +178,36 @@ def test_bad_arguments_are_named():
         pm.generate(["a", "b"], request_ids=["same", "same"])
 
 
+def test_a_bad_router_on_result_or_backend_name_is_refused_when_built():
+    # (a string on_result failed only after the whole batch was generated, a dict
+    # router deep inside the session, and backend="HF" was told to load itself)
+    model, tokenizer = build_model("llama"), build_tokenizer()
+    with pytest.raises(TypeError, match=r"on_result must be a function .* got str \('print'\)"):
+        ProbedModel(model, tokenizer, spec=SPEC, on_result="print")
+    with pytest.raises(TypeError, match="router must be an undercurrent Router .* got dict "
+                                        ".* lacks register_request, route_columns, end_request"):
+        ProbedModel(model, tokenizer, spec=SPEC, router={"workers": 2})
+    with pytest.raises(TypeError, match="on_result must be a function"):
+        ProbedModel.from_pretrained("undercurrent/tiny", on_result=1)
+    with pytest.raises(BackendError, match="unknown backend 'HF'; known backends: hf, vllm"):
+        ProbedModel(model, tokenizer, backend="HF")
+
+    class MinimalRouter:  # (the router protocol: any object with its three methods)
+        def __init__(self):
+            self.inner = Router()
+            self.register_request = self.inner.register_request
+            self.route_columns = self.inner.route_columns
+            self.end_request = self.inner.end_request
+
+    seen = []
+    custom = MinimalRouter()
+    pm = ProbedModel(model, tokenizer, spec=SPEC, router=custom, on_result=seen.append)
+    out = pm.generate([prompt(1)], max_new_tokens=2)[0]
+    assert set(out.results) == {"last_prompt", "trajectory"} and len(seen) == 2
+    pm.close()
+    custom.inner.shutdown()
+
+
 def test_outputs_with_records_pickle_and_deep_copy_whole():
     # (notebook caches, joblib and multiprocessing pickle what a call returns: its
     # lazily built records and signals come back as plain lists and tuples)

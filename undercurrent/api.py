@@ -27,6 +27,7 @@ from undercurrent.adapters.base import (
     backend_class,
     check_batch_size,
     check_flag,
+    known_backends,
     stop_strings,
 )
 from undercurrent.adapters.capabilities import Capabilities, check_points
@@ -127,6 +128,27 @@ def _router_check(router: Any, points: list[ExtractionPoint], hidden_size: int |
         size_check(points, hidden_size)
 
 
+# What a capture session calls on a router (router.protocol.SessionRouter).
+_ROUTER_METHODS = ("register_request", "route_columns", "end_request")
+
+
+def _check_construction(backend: str, router: Any, on_result: Any) -> None:
+    """Refuse, when a ``ProbedModel`` is built, what would otherwise fail at
+    generate(): an on_result only after the whole batch was generated."""
+    if backend not in known_backends():
+        raise BackendError(
+            f"unknown backend {backend!r}; known backends: {', '.join(known_backends())}")
+    if on_result is not None and not callable(on_result):
+        raise TypeError(f"on_result must be a function taking a ProbeResult, or None, got "
+                        f"{type(on_result).__name__} ({on_result!r:.40})")
+    missing = [name for name in _ROUTER_METHODS if not callable(getattr(router, name, None))]
+    if router is not None and missing:
+        raise TypeError(
+            f"router must be an undercurrent Router (or an object with the methods "
+            f"{', '.join(_ROUTER_METHODS)}), got {type(router).__name__} ({router!r:.40}), "
+            f"which lacks {', '.join(missing)}")
+
+
 class ProbedModel:
     """A model with probes attached: generate text and probe it live.
 
@@ -165,6 +187,7 @@ class ProbedModel:
             )
         check_batch_size(batch_size, optional=False)
         check_flag("capture_last_token", capture_last_token)
+        _check_construction(backend, router, on_result)
         self.backend: Backend
         if _is_backend(model):
             self.backend = model
@@ -249,6 +272,7 @@ class ProbedModel:
         name = os.fspath(model_or_path)
         check_batch_size(batch_size, optional=False)  # (before any engine loads)
         check_flag("capture_last_token", capture_last_token)
+        _check_construction(backend, router, on_result)
         loader = backend_class(backend)
         path = resolve_model_path(name)
         check_model_path(path)
