@@ -26,7 +26,6 @@ from undercurrent.adapters.base import (
     SamplingParams,
     backend_class,
     check_batch_size,
-    check_flag,
     known_backends,
     stop_strings,
 )
@@ -40,6 +39,7 @@ from undercurrent.adapters.outputs import (
 )
 from undercurrent.adapters.prompts import check_prompts, prompt_inputs
 from undercurrent.adapters.session import CaptureSession
+from undercurrent.arguments import check_flag
 from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
 from undercurrent.records import ProbeResult
 from undercurrent.router import Router

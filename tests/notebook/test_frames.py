@@ -173,6 +173,12 @@ def test_a_frame_without_tensors_is_refused_and_a_tensor_column_frame_still_read
                                   np.stack([r.tensor for r in records if r.layer == 1]))
 
 
+def test_tensors_takes_true_or_false_only(records):
+    with pytest.raises(TypeError, match=r"records_frame: tensors must be True or False, got "
+                                        r"str \('no'\)"):
+        records_frame(records, tensors="no")
+
+
 def test_activation_matrix_flattens_kv_tensors():
     record = make_records(requests=1, layers=(0,), prompt_len=1, generated=0)[0]
     kv = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)

@@ -204,6 +204,14 @@ def test_default_labels_number_the_prompts_and_preview_them():
     assert labels == ["prompt 1: user : how do i bake a…", "prompt 2: b"]
 
 
+def test_display_takes_true_or_false_only():
+    model = ScriptedModel({"a": [0.1]})
+    with pytest.raises(TypeError, match=r"LiveView.run: display must be True or False, got "
+                                        r"str \('no'\)"):
+        LiveView(model).run("a", display="no")
+    assert model.calls == []
+
+
 def test_one_label_per_prompt_is_required():
     view = LiveView(ScriptedModel({"a": [0.1], "b": [0.2]}))
     try:

@@ -68,6 +68,13 @@ def test_load_as_records_gives_activation_records(tmp_path, records):
     np.testing.assert_array_equal(loaded[-1].tensor, records[-1].tensor)
 
 
+def test_as_records_takes_true_or_false_only(tmp_path, records):
+    path = save_records(records, tmp_path / "r.parquet")
+    with pytest.raises(TypeError, match=r"load_records: as_records must be True or False, "
+                                        r"got int \(0\)"):
+        load_records(path, as_records=0)
+
+
 def test_load_refuses_a_foreign_parquet_file_and_a_missing_one(tmp_path):
     foreign = tmp_path / "foreign.parquet"
     pd.DataFrame({"a": [1]}).to_parquet(foreign)

@@ -232,6 +232,8 @@ def test_a_file_fitted_on_another_layer_fails_on_start_unless_told_otherwise(tmp
     with pytest.raises(ValueError, match="fitted on layer 3.*captures layers \\[5\\]"):
         LinearProbe(path=path).on_start(ctx)
     LinearProbe(path=path, check_metadata=False).on_start(ctx)
+    with pytest.raises(TypeError, match=r"check_metadata must be True or False, got str"):
+        LinearProbe(path=path, check_metadata="no")  # ("no" would check)
 
 
 def test_bad_arguments_say_what_is_wrong():

@@ -180,6 +180,13 @@ def test_watched_features_signal_scores_and_verdict_by_hand(tmp_path):
     assert verdict["architecture"] == "standard" and verdict["d_sae"] == 6
 
 
+def test_check_hook_takes_true_or_false_only(tmp_path):
+    write_sae(tmp_path)
+    assert SaeProbe(path=str(tmp_path), check_hook=False).check_hook is False
+    with pytest.raises(TypeError, match=r"check_hook must be True or False, got str \('no'\)"):
+        SaeProbe(path=str(tmp_path), check_hook="no")  # ("no" would check)
+
+
 def test_top_k_reports_the_most_active_features_in_order(tmp_path):
     write_sae(tmp_path, d_sae=12)
     sae = load_sae(tmp_path)

@@ -66,6 +66,17 @@ def test_batch_size_must_be_an_integer_of_at_least_one(tiny, tmp_path, batch_siz
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["resume", "progress"])
+def test_on_off_options_take_true_or_false_only(tiny, tmp_path, flag):
+    # ("no" is truthy: resume="no" resumed a capture the caller meant to refuse)
+    out = tmp_path / "store"
+    tiny.capture(PROMPTS, out, **GOOD)
+    before = _listing(out)
+    with pytest.raises(TypeError, match=f"{flag} must be True or False, got str \\('no'\\)"):
+        tiny.capture(PROMPTS, out, **{**GOOD, flag: "no"})
+    assert _listing(out) == before
+
+
 def test_numpy_integers_are_accepted_and_recorded_as_plain_numbers(tiny, tmp_path):
     out = tmp_path / "d1"
     summary = tiny.capture(PROMPTS, out, progress=False, max_new_tokens=np.int64(2),

@@ -33,6 +33,7 @@ from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput
 from undercurrent.adapters.session import CaptureSession
+from undercurrent.arguments import check_flag, check_number
 
 
 class BackendError(RuntimeError):
@@ -70,7 +71,7 @@ class SamplingParams:
                                         ("top_k", True, True), ("seed", True, True)):
             value = getattr(self, name)
             if not (optional and value is None):
-                object.__setattr__(self, name, _check_number(name, value, integer=integer))
+                object.__setattr__(self, name, check_number(name, value, integer=integer))
         if self.seed is not None and not 0 <= int(self.seed) < 2**63:
             raise ValueError(f"seed must be in [0, 2**63) (torch.manual_seed's range), got "
                              f"{self.seed}")
@@ -139,27 +140,6 @@ def check_batch_size(batch_size: Any, *, optional: bool = True) -> int | None:
     if batch_size < 1:
         raise ValueError(f"{accepted}, got {batch_size}")
     return int(batch_size)
-
-
-def check_flag(name: str, value: Any, *, optional: bool = False) -> Any:
-    """``value`` when it is a bool (or None where ``optional``); else a ``TypeError``
-    naming ``name`` ("no" is not False)."""
-    if isinstance(value, bool) or (optional and value is None):
-        return value
-    raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got "
-                    f"{type(value).__name__} ({value!r:.40})")
-
-
-def _check_number(name: str, value: Any, *, integer: bool = False) -> Any:
-    """A sampling parameter of the right type as a plain Python ``int`` or ``float``
-    (``bool`` is refused: ``True`` is not 1 token; a numpy number is converted)."""
-    if not isinstance(value, bool):
-        if integer and isinstance(value, numbers.Integral):
-            return int(value)
-        if not integer and isinstance(value, numbers.Real):
-            return float(value)
-    kind = "an integer" if integer else "a number"
-    raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
 
 
 @runtime_checkable

@@ -26,6 +26,7 @@ from undercurrent.analysis._inputs import (
     flatten_results,
     tensor_to_numpy,
 )
+from undercurrent.arguments import check_flag
 from undercurrent.records import ActivationRecord, ProbeResult, SignalAction
 
 RECORD_COLUMNS: tuple[str, ...] = (
@@ -175,6 +176,7 @@ def records_frame(records: Any, *, tokenizer: Any = None, tensors: bool = True) 
     """
     import numpy as np
 
+    check_flag("records_frame: tensors", tensors)
     pd = _pandas()
     flat = flatten_records(records)
     decode = _token_decoder(tokenizer)

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from undercurrent.arguments import check_flag
 from undercurrent.notebook import static
 from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace, known_score
@@ -262,6 +263,7 @@ class LiveView:
         so the updates can be watched, and adds a static snapshot of the finished
         run for readers of the stored notebook (hidden where widgets run).
         """
+        check_flag("LiveView.run: display", display)
         prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
         label_list = None if labels is None else [str(label) for label in (
             [labels] if isinstance(labels, str) else labels)]

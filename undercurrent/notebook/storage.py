@@ -25,6 +25,7 @@ from undercurrent.analysis.frames import (
     record_tensors,
     records_frame,
 )
+from undercurrent.arguments import check_flag
 from undercurrent.records import ActivationRecord
 
 FORMAT_NAME = "undercurrent.records/1"
@@ -103,6 +104,7 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
     """
     import numpy as np
 
+    check_flag("load_records: as_records", as_records)
     pa = _pyarrow()
     source = Path(path)
     if not source.exists():

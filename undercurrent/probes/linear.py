@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from undercurrent.arguments import check_flag
 from undercurrent.probes.arrays import (
     as_float_matrix,
     batch_matrix,
@@ -353,7 +354,7 @@ class LinearProbe(TellsSignals):
         if threshold is None:
             threshold = _file_threshold(self.readout.weights)
         self.rule = ThresholdRule.from_options(threshold, action)
-        self.check_metadata = check_metadata
+        self.check_metadata = check_flag("check_metadata", check_metadata)
         self.summary = ScoreSummary(self.rule.threshold)
 
     def check_point(self, point: ExtractionPoint) -> None:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
+from undercurrent.arguments import check_flag
 from undercurrent.probes.arrays import float64_rows, map_rows, numpy_module
 from undercurrent.probes.base import (
     Probe,
@@ -173,7 +174,7 @@ class SaeProbe(TellsSignals):
                 raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
             self.top_k = min(chosen, self.sae.d_sae)
         self.rule = ThresholdRule.from_options(threshold, action)
-        self.check_hook = bool(check_hook)
+        self.check_hook = check_flag("check_hook", check_hook)
         self._reset()
 
     def _reset(self) -> None:

@@ -31,6 +31,7 @@ from undercurrent.adapters.base import (
 )
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
+from undercurrent.arguments import check_flag
 from undercurrent.spec import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
@@ -128,6 +129,8 @@ def capture_activations(
     # Every argument is checked before the writer touches out_dir: a call refused
     # for a bad value leaves the directory as it found it, so the corrected call
     # is not refused as "a different capture".
+    check_flag("resume", resume)
+    check_flag("progress", progress)
     prompts = check_prompts(prompts)
     if not prompts:
         raise ValueError("capture needs at least one prompt; no prompts were given (the "

@@ -1,0 +1,33 @@
+"""Checks of plain arguments that every layer shares (an on/off option, a number).
+
+Errors are part of the interface: each check names the argument and says what it
+takes, instead of letting a bad value fail deep inside pandas or numpy, or run
+wrongly (``"no"`` is truthy). Like :mod:`undercurrent.errors`, this module sits
+at the bottom of the layers: it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+
+def check_flag(name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` when it is a bool (or None where ``optional``); else a ``TypeError``
+    naming ``name`` ("no" is not False)."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got "
+                    f"{type(value).__name__} ({value!r:.40})")
+
+
+def check_number(name: str, value: Any, *, integer: bool = False) -> Any:
+    """``value`` as a plain Python ``int`` (where ``integer``) or ``float`` when it
+    is a number, numpy scalars included (a library downstream may refuse a numpy
+    float32); else a ``TypeError`` naming ``name``. ``bool`` is refused: ``True``
+    is not 1 token, and ``"0.5"`` is not a number."""
+    allowed = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        kind = "an integer" if integer else "a number"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
+    return int(value) if integer else float(value)
