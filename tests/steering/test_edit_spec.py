@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,25 @@ def test_a_point_name_as_when_is_refused_as_the_spec_form_is() -> None:
         (name, field, message) for _, _, name, field, message
         in problems(spec_with(raw_edit(when="guard")))]
     assert caught.value.problems[0].field == "when"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("coefficient", "2", "must be a number, got a string ('2')"),
+    ("coefficient", True, "must be a number, got a boolean (true)"),
+    ("vector", ["1", "0", "2"], "item 0 is a string ('1')"),
+    ("vector", [True, False, True], "item 0 is a boolean (true)"),
+])
+def test_a_hand_built_edit_is_refused_what_its_spec_form_is(field: str, value: Any,
+                                                            message: str) -> None:
+    # (float() took "2" and True: the hand-built edit ran where the spec refused it)
+    for build in (lambda: Edit(**{**raw_edit(), field: value}),
+                  lambda: parse_dict(spec_with(raw_edit(**{field: value})))):
+        with pytest.raises(SpecValidationError, match=f"field '{field}': .*{re.escape(message)}"):
+            build()
+    numpy = pytest.importorskip("numpy")
+    edit = Edit(**raw_edit(vector=numpy.array([1, 0, 2], dtype=numpy.float32),
+                           coefficient=numpy.float64(0.5)))
+    assert edit.vector == (1.0, 0.0, 2.0) and edit.coefficient == 0.5
 
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -143,12 +143,13 @@ def given_spec_data(obj: Any) -> dict[str, Any]:
 
 def _is_default(value: Any, default: Any) -> bool:
     """Whether ``value`` is the field's default, and may be left out: equal to it,
-    and not a bool or a float standing in for an int default (``stride=True`` or
-    ``1.0`` is written, for the spec's check to refuse, as in YAML)."""
-    if value != default:
+    and not a bool standing in for a number default, nor a float for an int one
+    (``stride=True``, ``1.0`` or ``coefficient=True`` is written, for the spec's
+    check to refuse, as in YAML)."""
+    if value != default or isinstance(value, bool) != isinstance(default, bool):
         return False
     if isinstance(default, int) and not isinstance(default, bool):
-        return type(value) is not bool and not isinstance(value, float)
+        return not isinstance(value, float)
     return True
 
 

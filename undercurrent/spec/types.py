@@ -103,6 +103,14 @@ def _plain_int(value: Any) -> Any:
     return value
 
 
+def _number(value: Any) -> float:
+    """A number (numpy or torch scalars too) as a float; a string or a boolean, which
+    ``float()`` would take and the spec refuses, is a ``TypeError``."""
+    if isinstance(value, str | bytes | bool) or type(value).__name__ == "bool_":
+        raise TypeError(f"expected a number, got {type(value).__name__} ({value!r:.40})")
+    return float(value)
+
+
 def _layer_tuple(layers: Any) -> tuple[Any, ...]:
     """``layers`` as a tuple of plain ints: one layer (a numpy integer too, as
     ``np.argmax`` gives) or an iterable of them; anything else for the spec check
@@ -385,14 +393,14 @@ class Edit:
         if isinstance(vector, Mapping):
             object.__setattr__(self, "vector", SaeFeature(**vector))
         elif not isinstance(self.vector, str | SaeFeature):
-            object.__setattr__(self, "vector", tuple(float(x) for x in self.vector))
+            object.__setattr__(self, "vector", tuple(map(_number, self.vector)))
         if isinstance(self.when, Mapping):
             object.__setattr__(self, "when", EditTrigger(**self.when))
         elif self.when is not None and not isinstance(self.when, EditTrigger):
             # (a bare point name would reach the trigger rules and fail there)
             raise TypeError(f"when must be an EditTrigger or a mapping, got "
                             f"{type(self.when).__name__}")
-        object.__setattr__(self, "coefficient", float(self.coefficient))
+        object.__setattr__(self, "coefficient", _number(self.coefficient))
 
     @property
     def triggered(self) -> bool:
