@@ -162,6 +162,31 @@ def test_a_spec_file_is_read_as_a_file_whatever_its_name(tmp_path):
         load_spec(str(folder / "missing_extraction_points.yaml"))
 
 
+def test_a_spec_of_the_wrong_kind_is_refused_naming_what_a_spec_may_be():
+    # (each failed inside Python: "'int' object is not iterable", or read bytes as ints)
+    from undercurrent.api import load_spec
+    from undercurrent.spec import ExtractionPoint, ProbeSpec
+    point = ExtractionPoint(name="p", layers=1, tensor_type="residual_stream",
+                            position="generated[*]", probe_type="norm_probe",
+                            probe_kind="trajectory")
+    with pytest.raises(TypeError, match="spec is a single ExtractionPoint; wrap it in a list"):
+        ProbedModel(build_model("llama"), build_tokenizer(), spec=point)
+    with pytest.raises(TypeError, match=r"spec must be a spec: pass a YAML file path, YAML "
+                                        r"text, .* got int \(5\)"):
+        load_spec(5)
+    with pytest.raises(TypeError, match="spec is bytes; decode YAML text first"):
+        load_spec(b"version: '1'\nextraction_points: []\n")
+    with pytest.raises(TypeError, match="ProbeSpec extraction_points must be a list of "
+                                        "ExtractionPoint, got a single ExtractionPoint"):
+        ProbeSpec(point)
+    with pytest.raises(TypeError, match=r"ProbeSpec extraction_points\[1\] must be an "
+                                        r"ExtractionPoint, got str"):
+        ProbeSpec((point, "q"))
+    with pytest.raises(TypeError, match=r"ProbeSpec edits must be a list of Edit, got int"):
+        ProbeSpec((point,), edits=5)
+    assert load_spec([point]) == load_spec(ProbeSpec((point,))) == ProbeSpec([point])
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(BackendError, match="unknown backend 'nope'"):
         ProbedModel.from_pretrained("/nonexistent", backend="nope")

@@ -46,7 +46,7 @@ from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.errors import SpecValidationError
 from undercurrent.spec.loader import is_file, is_yaml_text
-from undercurrent.spec.types import ExtractionPoint, ProbeSpec
+from undercurrent.spec.types import Edit, ExtractionPoint, ProbeSpec
 from undercurrent.steering.registration import as_edits, placed, register_edits
 from undercurrent.store.capture import CaptureSummary, capture_activations
 
@@ -76,6 +76,15 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
                 f"spec {text!r} is not a file; pass a YAML file path, YAML text, a dict, "
                 "a ProbeSpec or a list of ExtractionPoint")
         return load_yaml_file(text)
+    accepted = ("pass a YAML file path, YAML text, a dict, a ProbeSpec or a list of "
+                "ExtractionPoint")
+    if isinstance(spec, ExtractionPoint):
+        raise TypeError(f"spec is a single ExtractionPoint; wrap it in a list ({accepted})")
+    if isinstance(spec, (bytes, bytearray)):
+        raise TypeError(f"spec is bytes; decode YAML text first ({accepted})")
+    if not isinstance(spec, Iterable):
+        raise TypeError(f"spec must be a spec: {accepted}; got {type(spec).__name__} "
+                        f"({spec!r:.40})")
     points = list(spec)
     bad = [type(p).__name__ for p in points if not isinstance(p, ExtractionPoint)]
     if bad:
@@ -346,10 +355,20 @@ class ProbedModel:
         shared = self._register_edits([spec_edits], "edits", edits or ())
         if prompt_edits is None:
             return shared, {}
-        if isinstance(prompt_edits, (str, Mapping)) or len(prompt_edits) != len(request_ids):
-            raise ValueError(
-                f"prompt_edits must be a list with one entry per prompt ({len(request_ids)}), "
-                "each a list of edits or None")
+        accepted = (f"prompt_edits must be a list with one entry per prompt "
+                    f"({len(request_ids)}), each a list of edits or None")
+        if isinstance(prompt_edits, (str, bytes, Mapping)) or not isinstance(prompt_edits,
+                                                                              Iterable):
+            raise TypeError(f"{accepted}, got {type(prompt_edits).__name__} "
+                            f"({prompt_edits!r:.40})")
+        prompt_edits = list(prompt_edits)  # (a generator is read once)
+        if len(prompt_edits) != len(request_ids):
+            raise ValueError(f"{accepted}, got {len(prompt_edits)} entries")
+        for index, extra in enumerate(prompt_edits):
+            if isinstance(extra, (str, bytes)) or not isinstance(
+                    extra, (Iterable, Mapping, Edit, type(None))):
+                raise TypeError(f"{accepted}; prompt_edits[{index}] is "
+                                f"{type(extra).__name__} ({extra!r:.40})")
         call_edits = ("edits", [resolved.edit for resolved in shared])
         per_request = {request_id: self._register_edits([spec_edits, call_edits],
                                                         f"prompt_edits[{index}]", extra)

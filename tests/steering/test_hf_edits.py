@@ -294,6 +294,26 @@ def test_registration_refuses_a_wrong_size_an_unknown_point_and_an_async_trigger
         tiny.generate(PROMPTS, prompt_edits=[None])
 
 
+def test_edits_and_prompt_edits_of_the_wrong_shape_are_refused_naming_the_argument(tiny):
+    # (edits="steer" was read one character per edit; prompt_edits=[5] failed inside
+    # Python, and a generator had no len())
+    with pytest.raises(TypeError, match=r"edits must be a list of edits .* got str \('steer'\)"):
+        tiny.generate(PROMPTS[0], edits="steer")
+    with pytest.raises(TypeError, match=r"one entry per prompt \(1\), each a list of edits "
+                                        r"or None; prompt_edits\[0\] is int \(5\)"):
+        tiny.generate(PROMPTS[0], prompt_edits=[5])
+    with pytest.raises(TypeError, match=r"prompt_edits must be a list .* got str"):
+        tiny.generate(PROMPTS[0], prompt_edits="steer")
+    with pytest.raises(TypeError, match="got a single Edit; wrap it in a list"):
+        tiny.generate(PROMPTS[0], prompt_edits=[edit()])
+    v = direction(seed=5)
+    listed = tiny.generate(PROMPTS[:2], max_new_tokens=NEW,
+                           prompt_edits=[[edit("add", v, 5.0)], None])
+    generated = tiny.generate(PROMPTS[:2], max_new_tokens=NEW,
+                              prompt_edits=(e for e in [[edit("add", v, 5.0)], None]))
+    assert [o.token_ids for o in generated] == [o.token_ids for o in listed]
+
+
 def test_capture_last_token_replays_the_edits_so_every_record_matches_a_full_forward(tiny):
     v = direction(seed=17)
     point = ExtractionPoint(name="after", layers=(2,), tensor_type="residual_stream",

@@ -77,6 +77,14 @@ def test_on_off_options_take_true_or_false_only(tiny, tmp_path, flag):
     assert _listing(out) == before
 
 
+def test_reduce_that_is_not_a_dict_is_refused_and_writes_nothing(tiny, tmp_path):
+    out = tmp_path / "d1"
+    with pytest.raises(TypeError, match=r"reduce must be a dict \{point name: reduction\} "
+                                        r"\(e.g. \{'resid': 'last_token'\}\), got list"):
+        tiny.capture(PROMPTS, out, **GOOD, reduce=["last_token"])
+    assert not out.exists()
+
+
 def test_numpy_integers_are_accepted_and_recorded_as_plain_numbers(tiny, tmp_path):
     out = tmp_path / "d1"
     summary = tiny.capture(PROMPTS, out, progress=False, max_new_tokens=np.int64(2),

@@ -13,7 +13,7 @@ import copy
 import enum
 import numbers
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -420,6 +420,23 @@ class Edit:
         )
 
 
+def _members(field: str, values: Any, kind: type) -> tuple[Any, ...]:
+    """``values`` (a list of ``kind``) as a tuple; a single one, or anything else, is
+    refused naming ``field`` (iterating a point would fail deep inside Python)."""
+    if isinstance(values, kind):
+        raise TypeError(f"ProbeSpec {field} must be a list of {kind.__name__}, got a single "
+                        f"{kind.__name__}; wrap it in a list")
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"ProbeSpec {field} must be a list of {kind.__name__}, got "
+                        f"{type(values).__name__} ({values!r:.40})")
+    members = tuple(values)
+    for index, member in enumerate(members):
+        if not isinstance(member, kind):
+            raise TypeError(f"ProbeSpec {field}[{index}] must be an {kind.__name__}, got "
+                            f"{type(member).__name__} ({member!r:.40})")
+    return members
+
+
 @dataclass(frozen=True)
 class ProbeSpec:
     """A named list of extraction points: iterable, ``len()``, ``.get(name)``, ``.names``.
@@ -433,8 +450,9 @@ class ProbeSpec:
     edits: tuple[Edit, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "extraction_points", tuple(self.extraction_points))
-        object.__setattr__(self, "edits", tuple(self.edits))
+        object.__setattr__(self, "extraction_points",
+                           _members("extraction_points", self.extraction_points, ExtractionPoint))
+        object.__setattr__(self, "edits", _members("edits", self.edits, Edit))
         if self.edits and self.version == "1":
             object.__setattr__(self, "version", "2")
 

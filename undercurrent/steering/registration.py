@@ -10,7 +10,7 @@ are reported at once, before any generation.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from undercurrent.spec.check import check_edits
@@ -24,9 +24,12 @@ def as_edits(edits: Iterable[Any] | None) -> list[Edit]:
     """``Edit`` objects from Edits or spec-form mappings (None gives none)."""
     if edits is None:
         return []
-    if isinstance(edits, Edit | dict):
+    if isinstance(edits, Edit | Mapping):
         raise TypeError("edits must be a list of edits (Edit objects or mappings), "
                         f"got a single {type(edits).__name__}; wrap it in a list")
+    if isinstance(edits, str | bytes) or not isinstance(edits, Iterable):
+        raise TypeError("edits must be a list of edits (Edit objects or mappings), got "
+                        f"{type(edits).__name__} ({edits!r:.40})")
     return [parse_edit(edit, index) for index, edit in enumerate(edits)]
 
 

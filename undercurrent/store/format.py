@@ -182,6 +182,9 @@ def parse_reductions(reduce: Mapping[str, Any] | None,
     ``point_names`` None checks only the reductions' form, before a spec is loaded,
     and gives the named points alone.
     """
+    if reduce is not None and not isinstance(reduce, Mapping):
+        raise TypeError(f"reduce must be a dict {{point name: reduction}} (e.g. "
+                        f"{{'resid': 'last_token'}}), got {type(reduce).__name__} ({reduce!r:.60})")
     chosen = dict(reduce or {})
     if point_names is None:
         return {name: _parse_reduction(name, value) for name, value in chosen.items()}
