@@ -151,6 +151,37 @@ def test_bad_inputs_say_what_is_wrong():
         fit_linear_probe(X[0], y)
 
 
+def test_labels_and_options_of_the_wrong_kind_are_refused_naming_the_argument():
+    # (each failed inside Python, numpy or pandas: len() of an int, a KeyError, ...)
+    X, y = _blobs(n=40)
+    frame = records_frame(make_records(requests=8, layers=(0,), hidden=4))
+    labels = {f"req{r}": r % 2 for r in range(8)}
+    with pytest.raises(TypeError, match=r"y must be one label per row .* got int \(5\)"):
+        fit_linear_probe(X, 5)
+    with pytest.raises(ValueError, match=r"got 2-D labels \(shape \(40, 1\)\); flatten"):
+        fit_linear_probe(X, y[:, None])
+    with pytest.raises(TypeError, match=r"test_size must be a number, got str \('0.2'\)"):
+        fit_linear_probe(X, y, test_size="0.2")
+    with pytest.raises(TypeError, match=r"seed must be an integer, got str \('a'\)"):
+        fit_linear_probe(X, y, seed="a")
+    with pytest.raises(ValueError, match=r"group_by='prompt' names no column of the frame; "
+                                         r"its columns are \['request', 'point'"):
+        fit_linear_probe(frame, labels, group_by="prompt")
+    # labels from a generator are read once, as the list they make
+    from_generator = fit_linear_probe(X, (label for label in y))
+    np.testing.assert_array_equal(from_generator.weight, fit_linear_probe(X, y).weight)
+
+
+def test_predict_takes_one_row_as_a_matrix_of_one_row():
+    X, y = _blobs(n=80)
+    fit = fit_linear_probe(X, y)
+    assert fit.predict(X[3]).tolist() == fit.predict(X[3:4]).tolist()
+    np.testing.assert_array_equal(fit.predict_proba(X[3]), fit.predict_proba(X[3:4]))
+    with pytest.raises(ValueError, match=r"X must be \(rows, 12\) activations, or one row of "
+                                         r"12, for this probe; got shape \(1, 5\)"):
+        fit.predict(X[3, :5])
+
+
 def test_probe_args_point_at_the_saved_file(tmp_path):
     X, y = _blobs(n=80)
     fit = fit_linear_probe(X, y, save_to=tmp_path / "p.safetensors", threshold=0.8)

@@ -179,6 +179,21 @@ def test_tensors_takes_true_or_false_only(records):
         records_frame(records, tensors="no")
 
 
+def test_select_rows_keeps_the_rows_of_any_value_a_list_gives(records):
+    frame = records_frame(records)
+    both = select_rows(frame, layer=[0, 1], request=("req0",))
+    assert both.index.tolist() == frame.index[frame.request == "req0"].tolist()
+    assert select_rows(frame, layer=np.array([1])).equals(select_rows(frame, layer=1))
+
+
+def test_label_rows_by_a_column_the_frame_lacks_names_its_columns(records):
+    from undercurrent.notebook import label_rows
+    frame = records_frame(records)
+    with pytest.raises(ValueError, match=r"label_rows: by='prompt' names no column of the "
+                                         r"frame; its columns are \['request', 'point'"):
+        label_rows(frame, {"req0": 1}, by="prompt")
+
+
 def test_activation_matrix_flattens_kv_tensors():
     record = make_records(requests=1, layers=(0,), prompt_len=1, generated=0)[0]
     kv = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)

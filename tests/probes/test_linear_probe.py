@@ -222,6 +222,20 @@ def test_a_file_with_an_unusable_threshold_is_named_at_load(tmp_path):
     assert LinearProbe(path=str(path), threshold=0.5).rule.threshold == 0.5
 
 
+def test_label_names_are_a_list_with_one_name_per_class(tmp_path):
+    # (label_names="ab" was stored as the two names 'a' and 'b')
+    with pytest.raises(TypeError, match=r"label_names must be a list of class names, got str"):
+        save_linear_weights(tmp_path / "p.safetensors", W, B, label_names="ab")
+    with pytest.raises(ValueError, match=r"label_names has 3 name\(s\) .* a binary probe "
+                                         r"\(one weight row\) has two"):
+        save_linear_weights(tmp_path / "p.safetensors", W, B, label_names=["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"label_names has 2 name\(s\) .* the weight has 3 "
+                                         r"class rows"):
+        save_linear_weights(tmp_path / "p.safetensors", np.ones((3, 8)), np.zeros(3),
+                            label_names=["a", "b"])
+    assert not (tmp_path / "p.safetensors").exists()
+
+
 def test_a_file_fitted_on_another_layer_fails_on_start_unless_told_otherwise(tmp_path):
     path = save_linear_weights(tmp_path / "p.safetensors", W, B, layer=3,
                                tensor_type="residual_stream")

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,12 @@ from typing import Any
 from undercurrent.analysis._inputs import missing_labels, non_finite_rows
 from undercurrent.analysis.frames import (
     activation_matrix,
+    frame_column,
     label_rows,
     records_frame,
     select_one_site,
 )
+from undercurrent.arguments import check_number
 from undercurrent.probes.scoring import parse_threshold
 from undercurrent.probes.weights import apply_link, save_linear_weights
 from undercurrent.records import ActivationRecord
@@ -64,10 +66,19 @@ class LinearProbeFit:
     path: Path | None = None
 
     def decision_function(self, X: Any) -> Any:
-        """The logits ``X @ weight.T + bias``: ``(n,)`` for two classes, else ``(n, classes)``."""
+        """The logits ``X @ weight.T + bias``: ``(n,)`` for two classes, else ``(n, classes)``.
+
+        ``X`` is an ``(n, features)`` matrix, or one row ``(features,)``, taken as a
+        matrix of one row (every method then returns results for one row)."""
         import numpy as np
 
         matrix = np.asarray(X, dtype=np.float64)
+        if matrix.ndim == 1:
+            matrix = matrix[None, :]
+        features = self.weight.shape[-1]
+        if matrix.ndim != 2 or matrix.shape[1] != features:
+            raise ValueError(f"X must be (rows, {features}) activations, or one row of "
+                             f"{features}, for this probe; got shape {matrix.shape}")
         return matrix @ np.asarray(self.weight, dtype=np.float64).T + np.asarray(
             self.bias, dtype=np.float64
         )
@@ -163,6 +174,9 @@ def fit_linear_probe(
     if checked_threshold is None:
         raise ValueError("fit_linear_probe: threshold must be a number (the score at which "
                          "the saved probe acts; default 0.5), got None")
+    check_number("fit_linear_probe: test_size", test_size)
+    if seed is not None:
+        check_number("fit_linear_probe: seed", seed, integer=True)
     if hasattr(data, "probe_design"):
         # An ActivationStore: read one point and layer from disk, split by request.
         data, y, group_by, layer, tensor_type = data.probe_design(
@@ -246,6 +260,7 @@ def _design(
     """
     import numpy as np
 
+    y = _label_values(caller, y)
     frame = _as_frame(data)
     if frame is None:
         X = np.asarray(data, dtype=np.float64)
@@ -297,10 +312,31 @@ def _design(
     elif group_by is None:
         groups = None
     elif isinstance(group_by, str):
-        groups = selected[group_by].to_numpy()
+        groups = frame_column(selected, group_by, f"{caller}: group_by").to_numpy()
     else:
         groups = _groups(caller, group_by, len(X))
     return X, labels, groups, layer, tensor_type
+
+
+def _label_values(caller: str, y: Any) -> Any:
+    """``y`` as given when it is None, a column name or a mapping; per-row labels as
+    a sequence (an iterator is read once), refused naming ``y`` when they are a
+    single value or not one label per row (a 2-D array)."""
+    import numpy as np
+
+    if y is None or isinstance(y, str | Mapping):
+        return y
+    accepted = ("y must be one label per row (a list or 1-D array), a column name or "
+                "{request: label}")
+    if isinstance(y, bytes) or not isinstance(y, Iterable):
+        raise TypeError(f"{caller}: {accepted}; got {type(y).__name__} ({y!r:.40})")
+    if not hasattr(y, "__len__"):
+        y = list(y)
+    shape = np.asarray(y, dtype=object).shape  # (ragged rows stay 1-D, refused later)
+    if len(shape) != 1:
+        raise ValueError(f"{caller}: {accepted}; got {len(shape)}-D labels (shape "
+                         f"{shape}); flatten a column of labels first (y.ravel())")
+    return y
 
 
 def _groups(caller: str, group_by: Any, rows: int) -> Any:

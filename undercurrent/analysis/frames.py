@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from undercurrent.analysis._inputs import (
@@ -549,11 +549,16 @@ def select_rows(
     frame: Any,
     *,
     point: str | None = None,
-    layer: int | None = None,
-    tensor_type: str | None = None,
-    request: str | None = None,
+    layer: int | Sequence[int] | None = None,
+    tensor_type: str | Sequence[str] | None = None,
+    request: str | Sequence[str] | None = None,
 ) -> Any:
-    """The rows of a frame matching every filter given (None means any)."""
+    """The rows of a frame matching every filter given (None means any); a list
+    (tuple, set or array) of values keeps the rows matching any of them
+    (``layer=[2, 3]`` keeps both layers).
+
+    >>> two_layers = select_rows(frame, point="resid", layer=[2, 3])  # doctest: +SKIP
+    """
     mask = None
     for column, wanted in (
         ("point", point),
@@ -565,9 +570,21 @@ def select_rows(
             continue
         if column not in frame.columns:
             raise ValueError(f"cannot filter on {column!r}: the frame has no such column")
-        condition = frame[column] == wanted
+        if isinstance(wanted, str | bytes) or not isinstance(wanted, Iterable):
+            condition = frame[column] == wanted
+        else:
+            condition = frame[column].isin(list(wanted))
         mask = condition if mask is None else mask & condition
     return frame if mask is None else frame[mask]
+
+
+def frame_column(frame: Any, name: Any, argument: str) -> Any:
+    """Column ``name`` of ``frame``; a ``ValueError`` naming ``argument`` and the
+    frame's columns when it has none (not pandas' bare ``KeyError``)."""
+    if not isinstance(name, str) or name not in frame.columns:
+        raise ValueError(f"{argument}={name!r} names no column of the frame; its columns "
+                         f"are {[str(column) for column in frame.columns]}")
+    return frame[name]
 
 
 def label_rows(frame: Any, labels: Mapping[str, Any] | Any, *, by: str = "request") -> Any:
@@ -578,7 +595,7 @@ def label_rows(frame: Any, labels: Mapping[str, Any] | Any, *, by: str = "reques
     """
     if not isinstance(labels, Mapping):
         return labels
-    keys = frame[by].tolist()
+    keys = frame_column(frame, by, "label_rows: by").tolist()
     missing = sorted({str(key) for key in keys if key not in labels})
     if missing:
         raise KeyError(

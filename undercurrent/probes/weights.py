@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -276,6 +276,22 @@ def _read_npz(path: str, source: str) -> tuple[dict[str, Any], dict[str, str]]:
     return arrays, metadata
 
 
+def _label_names(label_names: Any, classes: int | None) -> list[str]:
+    """``label_names`` as a list of strings, one per class (two for a binary probe:
+    the negative label, then the one it scores); a single string is refused, not
+    read one name per character."""
+    if isinstance(label_names, str | bytes) or not isinstance(label_names, Iterable):
+        raise TypeError(f"label_names must be a list of class names, got "
+                        f"{type(label_names).__name__} ({label_names!r:.40})")
+    names = [str(name) for name in label_names]
+    wanted = 2 if classes is None else classes
+    if len(names) != wanted:
+        kind = ("a binary probe (one weight row) has two: the negative label, then the one "
+                "it scores" if classes is None else f"the weight has {classes} class rows")
+        raise ValueError(f"label_names has {len(names)} name(s) {names[:5]}; {kind}")
+    return names
+
+
 def save_linear_weights(
     path: str | os.PathLike[str],
     weight: Any,
@@ -307,7 +323,7 @@ def save_linear_weights(
     if threshold is not None:
         meta["threshold"] = repr(threshold)
     if label_names is not None:
-        meta["label_names"] = json.dumps([str(name) for name in label_names])
+        meta["label_names"] = json.dumps(_label_names(label_names, checked.classes))
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
     if target.suffix not in SUFFIXES:
         raise ProbeFileError(
