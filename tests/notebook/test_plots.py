@@ -77,6 +77,35 @@ def test_heatmap_names_the_available_requests_when_one_is_missing():
         heatmap_figure(make_records(requests=1), request="nope")
 
 
+def test_trajectory_keeps_the_requests_named_and_refuses_one_it_has_no_signals_of():
+    # (requests=["typo"] drew an empty figure; requests="r0" failed inside pandas)
+    results = [{"p": make_result("r0", "p", [0.1, 0.4])}, {"p": make_result("r1", "p", [0.2])}]
+    (line,) = [t for t in trajectory_figure(results, requests="r0").data]
+    assert line.name.startswith("r0") and trajectory_figure(results, points="p").data
+    with pytest.raises(ValueError, match=r"requests: no signals of request 'r2'.*the requests "
+                                         r"with signals are \['r0', 'r1'\]"):
+        trajectory_figure(results, requests=["r0", "r2"])
+    with pytest.raises(ValueError, match=r"points: no signals of point 'q'"):
+        trajectory_figure(results, points=["q"])
+
+
+def test_plot_options_of_the_wrong_kind_are_refused_naming_the_argument():
+    results = {"p": make_result("r0", "p", [0.5])}
+    records = make_records(requests=2, layers=(0,), hidden=5)
+    with pytest.raises(TypeError, match=r"trajectory_figure: names must be a mapping "
+                                        r"\{request: name\}, got list"):
+        trajectory_figure(results, names=["a"])
+    with pytest.raises(TypeError, match=r"trajectory_figure: threshold must be a number, got "
+                                        r"str \('0.5'\)"):
+        trajectory_figure(results, threshold="0.5")
+    with pytest.raises(TypeError, match=r"heatmap_figure draws one request: request must be a "
+                                        r"request id \(a string\), got list"):
+        heatmap_figure(records, request=["req0"])
+    with pytest.raises(ValueError, match=r"projection_figure: labels='label' names no column "
+                                         r"of the frame; its columns are \['request'"):
+        projection_figure(records, "label", layer=0)
+
+
 def test_projection_separates_labelled_clusters_along_the_first_component():
     rng = np.random.default_rng(0)
     X = np.concatenate([rng.normal(-5, 1, (30, 8)), rng.normal(5, 1, (30, 8))])

@@ -8,13 +8,14 @@ PNG with kaleido. Nothing here reaches the network.
 from __future__ import annotations
 
 import html
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from undercurrent.analysis.frames import (
     activation_matrix,
     check_activations,
     features_frame,
+    frame_column,
     label_rows,
     record_tensors,
     records_frame,
@@ -23,7 +24,9 @@ from undercurrent.analysis.frames import (
     select_rows,
     signals_frame,
 )
+from undercurrent.arguments import check_number
 from undercurrent.records import ActivationRecord
+from undercurrent.spec.messages import did_you_mean
 
 ValueFunction = Callable[[Any], float]
 
@@ -49,8 +52,8 @@ def trajectory_figure(
     *,
     x: str = "generated_index",
     threshold: float | None = None,
-    requests: list[str] | None = None,
-    points: list[str] | None = None,
+    requests: str | list[str] | None = None,
+    points: str | list[str] | None = None,
     names: Mapping[str, str] | None = None,
     color_by: str | Mapping[str, Any] | None = None,
     title: str = "Probe score per token",
@@ -64,7 +67,9 @@ def trajectory_figure(
     ``"signal_index"``, ``"timestamp"`` or a numeric column of your own). Flags are
     drawn as open circles, aborts as red crosses; one without a score (the probe
     gave none) sits on the line's last score before it and says "no score" on
-    hover. ``threshold`` adds a dashed line.
+    hover. ``threshold`` adds a dashed line. ``requests`` and ``points`` (a list,
+    or one name) keep those requests and points only; a name the frame does not
+    hold is refused, naming the ones it does.
 
     ``names`` (``{request: name}``) names the lines in the legend and on hover.
     ``color_by`` (a frame column, or ``{request: label}``) gives every line of a
@@ -79,10 +84,12 @@ def trajectory_figure(
             f"of {', '.join(repr(axis) for axis in _TOKEN_AXES)} or a numeric column you "
             f"added (the frame has {list(frame.columns)})"
         )
-    if requests is not None:
-        frame = frame[frame["request"].isin(requests)]
-    if points is not None:
-        frame = frame[frame["point"].isin(points)]
+    _check_names("trajectory_figure", names)
+    if threshold is not None:
+        check_number("trajectory_figure: threshold", threshold)
+    for column, wanted in (("request", requests), ("point", points)):
+        if wanted is not None:
+            frame = frame[frame[column].isin(_known_values(frame, column, wanted))]
     # (row labels of one position each: frames joined with pd.concat repeat them)
     frame = frame.reset_index(drop=True)
     groups = _groups(frame, color_by)
@@ -168,6 +175,31 @@ class _Palette:
         self.shown: set[Any] = set()
 
 
+def _known_values(frame: Any, column: str, wanted: Any) -> list[Any]:
+    """``wanted`` (one value, or a list of them) as a list, every one of which the
+    frame's ``column`` holds: a typo would draw an empty figure without a word."""
+    argument = f"trajectory_figure: {column}s"
+    values = [wanted] if isinstance(wanted, str) else wanted
+    if not isinstance(values, Iterable) or isinstance(values, bytes | Mapping):
+        raise TypeError(f"{argument} must be a list of {column} names (or one name), got "
+                        f"{type(wanted).__name__} ({wanted!r:.40})")
+    values = list(values)
+    present = frame[column].unique().tolist()
+    unknown = [value for value in values if value not in present]
+    if unknown:
+        raise ValueError(f"{argument}: no signals of {column} {unknown[0]!r}"
+                         f"{did_you_mean(str(unknown[0]), [str(v) for v in present])}; the "
+                         f"{column}s with signals are {sorted(map(str, present))[:10]}")
+    return values
+
+
+def _check_names(caller: str, names: Any) -> None:
+    """``names`` is None or a mapping ``{request: name}`` (a list would fail on .get)."""
+    if names is not None and not isinstance(names, Mapping):
+        raise TypeError(f"{caller}: names must be a mapping {{request: name}}, got "
+                        f"{type(names).__name__} ({names!r:.40})")
+
+
 def _groups(frame: Any, color_by: str | Mapping[str, Any] | None) -> Any:
     """The group of each row (a Series aligned with ``frame``), or None."""
     if color_by is None:
@@ -229,6 +261,11 @@ def heatmap_figure(
     import numpy as np
 
     go = _graph_objects()
+    _check_names("heatmap_figure", names)
+    if request is not None and not isinstance(request, str):
+        raise TypeError(f"heatmap_figure draws one request: request must be a request id "
+                        f"(a string), got {type(request).__name__} ({request!r:.40}); draw "
+                        "each request in a figure of its own")
     frame = _as_frame(records, records_frame)
     if frame.empty:
         raise ValueError("heatmap_figure: no records to draw")
@@ -356,13 +393,14 @@ def projection_figure(
     from sklearn.decomposition import PCA
 
     go = _graph_objects()
+    _check_names("projection_figure", names)
     hover: list[str] | None = None
     if isinstance(data, pd.DataFrame) or hasattr(data, "records") or _is_record_list(data):
         frame = select_one_site(_as_frame(data, records_frame), "projection_figure",
                                 point=point, layer=layer, tensor_type=tensor_type)
         matrix = activation_matrix(frame, dtype="float64")
         if isinstance(labels, str):
-            labels = frame[labels].tolist()
+            labels = frame_column(frame, labels, "projection_figure: labels").tolist()
         elif isinstance(labels, Mapping):
             labels = label_rows(frame, labels)
         shown = names or {}
