@@ -212,6 +212,25 @@ def test_display_takes_true_or_false_only():
     assert model.calls == []
 
 
+def test_prompts_max_new_tokens_and_score_range_of_the_wrong_kind_are_refused():
+    # (each failed inside Python: None not iterable, "3" - 0.5, "01" read as two ends)
+    model = ScriptedModel({"a": [0.1]})
+    with pytest.raises(TypeError, match=r"prompts must be a string or a list of strings, got "
+                                        r"NoneType"):
+        LiveView(model).run(None, display=False)
+    with pytest.raises(TypeError, match=r"LiveView.run: max_new_tokens must be an integer, "
+                                        r"got str \('3'\)"):
+        LiveView(model).run("a", display=False, max_new_tokens="3")
+    assert model.calls == []
+    for bad, error in (("01", TypeError), ((0, "1"), TypeError), ((1, 0), ValueError),
+                       ((0, float("inf")), ValueError)):
+        with pytest.raises(error, match="LiveView: score_range must be"):
+            LiveView(model, score_range=bad)
+    with pytest.raises(TypeError, match=r"LiveView: threshold must be a number, got str"):
+        LiveView(model, threshold="0.5")
+    assert LiveView(model, score_range=[0, 2]).score_range == (0.0, 2.0)
+
+
 def test_one_label_per_prompt_is_required():
     view = LiveView(ScriptedModel({"a": [0.1], "b": [0.2]}))
     try:

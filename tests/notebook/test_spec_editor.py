@@ -299,6 +299,24 @@ def test_selecting_a_point_loads_its_values_into_the_form():
     assert editor.fields["position"].value == "generated[*]"
 
 
+def test_a_spec_or_a_selection_of_the_wrong_kind_is_refused_naming_what_it_takes():
+    # (SpecEditor(5) failed deep in the serialiser, select(99) with a bare IndexError)
+    with pytest.raises(TypeError, match=r"SpecEditor\(spec\) takes a ProbeSpec or None, got "
+                                        r"int \(5\); .* use SpecEditor.from_spec"):
+        SpecEditor(5)
+    editor = SpecEditor(model=4)
+    editor.add_point()
+    with pytest.raises(IndexError, match=r"no point at index 99; there are 2 points "
+                                         r"\(indices 0..1\)"):
+        editor.select(99)
+    with pytest.raises(IndexError, match="no edit at index 0; there are 0 edits"):
+        editor.select_edit(0)
+    with pytest.raises(TypeError, match=r"select takes a point index or name, got float"):
+        editor.select(1.0)
+    editor.select(0)
+    assert editor.point_list.value == 0
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in SPECS.glob("*.yaml")))
 def test_from_spec_round_trips_every_example_spec(name):
     original = load_yaml_file(SPECS / name)

@@ -11,6 +11,7 @@ dataclasses whose attribute names are the field names (``PointDraft``,
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -162,7 +163,14 @@ class DraftForm:
             if index_or_name not in names:
                 raise KeyError(f"no {self.noun} named {index_or_name!r}; {self.noun}s: {names}")
             index_or_name = names.index(index_or_name)
-        self._select(index_or_name)
+        elif isinstance(index_or_name, bool) or not isinstance(index_or_name, numbers.Integral):
+            raise TypeError(f"select takes a {self.noun} index or name, got "
+                            f"{type(index_or_name).__name__} ({index_or_name!r:.40})")
+        elif not 0 <= index_or_name < len(self.drafts):
+            raise IndexError(f"no {self.noun} at index {index_or_name}; there are "
+                             f"{len(self.drafts)} {self.noun}s (indices 0.."
+                             f"{len(self.drafts) - 1})")
+        self._select(int(index_or_name))
 
     def _select(self, index: int) -> None:
         self.current = max(index, 0)

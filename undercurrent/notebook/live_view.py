@@ -16,10 +16,11 @@ from __future__ import annotations
 import copy
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from undercurrent.arguments import check_flag
+from undercurrent.adapters.prompts import check_prompts
+from undercurrent.arguments import check_flag, check_number
 from undercurrent.notebook import static
 from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace, known_score
@@ -78,6 +79,21 @@ def _check_point(model: Any, point: str | None) -> None:
         f"LiveView(point={point!r}): the model's spec has no extraction point {point!r}"
         f"{did_you_mean(point, names)}; its points are: {known}"
     )
+
+
+def _score_range(score_range: Any) -> tuple[float, float] | None:
+    """``score_range`` as ``(low, high)`` floats with low < high, or None."""
+    if score_range is None:
+        return None
+    accepted = "LiveView: score_range must be (low, high), two numbers with low < high"
+    ends = () if isinstance(score_range, str | bytes) or not isinstance(
+        score_range, Iterable) else tuple(score_range)
+    if len(ends) != 2:
+        raise TypeError(f"{accepted}, got {type(score_range).__name__} ({score_range!r:.40})")
+    low, high = (check_number("LiveView: score_range", end) for end in ends)
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(f"{accepted}, got {ends!r}")
+    return float(low), float(high)
 
 
 def _request_ids(prompt_count: int, request_id: Any, request_ids: Sequence[str] | None,
@@ -146,6 +162,9 @@ class LiveView:
         title: str = "Probe score per generated token",
     ) -> None:
         _check_point(model, point)
+        score_range = _score_range(score_range)
+        if threshold is not None:
+            check_number("LiveView: threshold", threshold)
         w, go = _modules()
         self.model = model
         self.point = point
@@ -264,7 +283,10 @@ class LiveView:
         run for readers of the stored notebook (hidden where widgets run).
         """
         check_flag("LiveView.run: display", display)
-        prompt_list = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompt_list = check_prompts(prompts)
+        max_new_tokens = stream_kwargs.get("max_new_tokens")
+        if max_new_tokens is not None:  # (the token axis is drawn from it before any stream)
+            check_number("LiveView.run: max_new_tokens", max_new_tokens, integer=True)
         label_list = None if labels is None else [str(label) for label in (
             [labels] if isinstance(labels, str) else labels)]
         if label_list is not None and len(label_list) != len(prompt_list):

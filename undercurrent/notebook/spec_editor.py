@@ -104,6 +104,10 @@ class SpecEditor:
     """
 
     def __init__(self, spec: ProbeSpec | None = None, *, model: ModelArgument = None) -> None:
+        if spec is not None and not isinstance(spec, ProbeSpec):
+            raise TypeError(f"SpecEditor(spec) takes a ProbeSpec or None, got "
+                            f"{type(spec).__name__} ({spec!r:.40}); for a YAML file path or "
+                            "YAML text use SpecEditor.from_spec(...)")
         if spec is not None:
             # The form holds probe_args as YAML text: a spec to_yaml refuses (a numpy
             # scalar in probe_args) is refused here with its SpecValidationError.
