@@ -180,6 +180,21 @@ def test_watched_features_signal_scores_and_verdict_by_hand(tmp_path):
     assert verdict["architecture"] == "standard" and verdict["d_sae"] == 6
 
 
+def test_features_may_be_numpy_ids_as_argsort_and_argmax_give_them(tmp_path):
+    write_sae(tmp_path, d_sae=12)
+    path = str(tmp_path)
+    order = np.argsort(np.arange(12))[::-1][:3]  # (int64 ids, as a ranking gives them)
+    assert SaeProbe(path=path, features=order).features == (11, 10, 9)
+    assert SaeProbe(path=path, features=np.int64(3)).features == (3,)
+    assert SaeProbe(path=path, features=np.array(4)).features == (4,)
+    assert SaeProbe(path=path, features=torch.tensor([1, 2])).features == (1, 2)
+    with pytest.raises(ValueError, match="feature ids are ints, got 1.5"):
+        SaeProbe(path=path, features=np.array([1.5]))
+    with pytest.raises(ValueError, match=r"features must be a list of feature ids \(or one "
+                                         r"id\), got \{3\}"):
+        SaeProbe(path=path, features={3})
+
+
 def test_check_hook_takes_true_or_false_only(tmp_path):
     write_sae(tmp_path)
     assert SaeProbe(path=str(tmp_path), check_hook=False).check_hook is False

@@ -9,6 +9,7 @@ verdict summarises every reported feature over the request.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 import os
 import re
@@ -156,11 +157,16 @@ class SaeProbe(TellsSignals):
         self.sae = load_sae(path)
         if features is not None and top_k is not None:
             raise ValueError("give either features (ids to watch) or top_k, not both")
-        if isinstance(features, int) and not isinstance(features, bool):
-            features = [features]
+        if isinstance(features, numbers.Integral) and not isinstance(features, bool):
+            features = [features]  # (a numpy integer too, as np.argmax gives)
+        elif hasattr(features, "ndim") and hasattr(features, "tolist"):
+            # (a 1-D array of ids, as np.argsort gives; a 0-d one is one id)
+            array: Any = features
+            features = [array.tolist()] if array.ndim == 0 else array.tolist()
         if features is not None:
             if isinstance(features, (str, bytes)) or not isinstance(features, Sequence):
-                raise ValueError(f"features must be a list of feature ids, got {features!r}")
+                raise ValueError(f"features must be a list of feature ids (or one id), got "
+                                 f"{features!r}")
             if not features:
                 raise ValueError("features must name at least one feature id")
             self.features: tuple[int, ...] | None = tuple(
