@@ -12,7 +12,11 @@ pytest.importorskip("transformers")
 
 from hf_models import CONFIGS, build_model, build_tokenizer, prompt  # noqa: E402
 
-from undercurrent.adapters import CapabilityError, UnsupportedArchitectureError  # noqa: E402
+from undercurrent.adapters import (  # noqa: E402
+    BackendError,
+    CapabilityError,
+    UnsupportedArchitectureError,
+)
 from undercurrent.adapters.hf.architectures import (  # noqa: E402
     UnsupportedArchitectureError as HFArchitectureError,
 )
@@ -120,3 +124,62 @@ def test_every_architecture_in_the_table_passes_the_kv_check():
         backend = HFBackend(build_model(model_type), tokenizer)
         assert backend.hooks.kv_cache_problem() is None, model_type
         assert backend.capabilities().supports(TensorType.KV), model_type
+
+
+def _config(model_type, **fields):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, vocab_size=64, pad_token_id=0, **fields)
+
+
+@pytest.mark.parametrize("model_class", ["LlamaForSequenceClassification", "LlamaModel"])
+def test_a_model_that_cannot_generate_is_refused_naming_the_class_to_load(model_class):
+    # (a raw AttributeError on generation_config, or a table path it has no attribute for)
+    import transformers
+    model = getattr(transformers, model_class)(_config("llama", **CONFIGS["llama"])).eval()
+    with pytest.raises(BackendError, match=f"{model_class} cannot generate text: the hf backend "
+                                           r"needs a \*ForCausalLM model .* AutoModelForCausalLM"):
+        ProbedModel(model, build_tokenizer())
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(do_layer_norm_before=False),
+     r"post-LN OPT \(config.do_layer_norm_before=False, as facebook/opt-350m\) is not supported"),
+    (dict(_remove_final_layer_norm=True),
+     r"OPT without its final layer norm \(config._remove_final_layer_norm=True\)"),
+])
+def test_opt_without_the_pre_ln_layout_is_refused_saying_which_variant(fields, message):
+    from transformers import OPTForCausalLM
+    model = OPTForCausalLM(_config("opt", **{**CONFIGS["opt"], **fields})).eval()
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        ProbedModel(model, build_tokenizer())
+
+
+def test_a_multimodal_wrapper_is_refused_naming_the_text_model_to_load():
+    from transformers import AutoModelForCausalLM
+    config = _config("gemma3", text_config=dict(CONFIGS["gemma3_text"], vocab_size=64),
+                     vision_config=dict(hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        image_size=28, patch_size=14),
+                     mm_tokens_per_image=4)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedArchitectureError,
+                       match=r"Gemma3ForConditionalGeneration is a multimodal wrapper "
+                             r"\(config.model_type='gemma3'\) around a 'gemma3_text' language "
+                             r"model; .* load the text model with Gemma3ForCausalLM"):
+        ProbedModel(model, build_tokenizer())
+
+
+@pytest.mark.parametrize("model_type, fields, parallel", [
+    ("gpt_neox", {}, True),
+    ("gpt_neox", dict(use_parallel_residual=False), False),
+    ("falcon", {}, True),
+    ("falcon", dict(parallel_attn=False, alibi=True, multi_query=False), False),
+    ("gptj", {}, True),
+    ("llama", {}, False),
+])
+def test_the_parallel_block_note_follows_the_models_config(model_type, fields, parallel):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(
+        _config(model_type, **{**CONFIGS[model_type], **fields})).eval()
+    notes = HFBackend(model, build_tokenizer()).capabilities().notes
+    assert ("parallel attention and MLP" in notes.get("_table", "")) is parallel

@@ -35,6 +35,10 @@ class ArchitectureEntry:
     notes: str = ""
 
 
+PARALLEL_BLOCKS = "parallel attention and MLP"
+"""The note of a family whose layers run attention and MLP side by side."""
+
+
 _LLAMA_LIKE = dict(layers="model.layers", attention="self_attn", mlp="mlp",
                    final_norm="model.norm")
 
@@ -63,14 +67,14 @@ ARCHITECTURES: tuple[ArchitectureEntry, ...] = (
     ArchitectureEntry("OLMo2", ("olmo2",), **_LLAMA_LIKE),
     ArchitectureEntry("Phi", ("phi",), layers="model.layers", attention="self_attn", mlp="mlp",
                       final_norm="model.final_layernorm",
-                      notes="parallel attention and MLP"),
+                      notes=PARALLEL_BLOCKS),
     ArchitectureEntry("GPT-2", ("gpt2",), layers="transformer.h", attention="attn", mlp="mlp",
                       final_norm="transformer.ln_f"),
     ArchitectureEntry("GPT-NeoX", ("gpt_neox",), layers="gpt_neox.layers",
                       attention="attention", mlp="mlp",
                       final_norm="gpt_neox.final_layer_norm"),
     ArchitectureEntry("GPT-J", ("gptj",), layers="transformer.h", attention="attn", mlp="mlp",
-                      final_norm="transformer.ln_f", notes="parallel attention and MLP"),
+                      final_norm="transformer.ln_f", notes=PARALLEL_BLOCKS),
     ArchitectureEntry("OPT", ("opt",), layers="model.decoder.layers", attention="self_attn",
                       mlp="fc2", final_norm="model.decoder.final_layer_norm",
                       notes="no MLP module: mlp_out is the fc2 projection (before dropout "
@@ -115,6 +119,50 @@ def find_architecture(model_or_config: Any) -> ArchitectureEntry:
             "and final norm"
         )
     return entry
+
+
+_TEXT_MODEL_CLASSES = {"gemma3": "Gemma3ForCausalLM.from_pretrained(path)"}
+"""The text-only class to load, by a multimodal wrapper's ``model_type``."""
+
+
+def check_hookable_layout(model: Any, entry: ArchitectureEntry) -> None:
+    """Refuse, naming what is wrong, a model of a known family whose layout the
+    table's entry does not describe: a multimodal wrapper around a known language
+    model, and post-LN OPT (``do_layer_norm_before=False``, as ``opt-350m``), which
+    has no final norm to capture and puts each norm after its block."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in entry.model_types:  # (found through the text config)
+        text_type = getattr(text_config(config), "model_type", None)
+        text_class = _TEXT_MODEL_CLASSES.get(str(model_type), "its *ForCausalLM class")
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} is a multimodal wrapper (config.model_type="
+            f"{model_type!r}) around a {text_type!r} language model; the hf backend hooks "
+            f"a language model alone: load the text model with {text_class} "
+            "(AutoModelForCausalLM gives the wrapper for this checkpoint)")
+    if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}: post-LN OPT (config.do_layer_norm_before=False, as "
+            "facebook/opt-350m) is not supported: its layers normalise after each block and "
+            "it has no final norm, so the table's capture sites do not exist; the pre-LN OPT "
+            "checkpoints (opt-125m, opt-1.3b and larger) are")
+    if model_type == "opt" and getattr(config, "_remove_final_layer_norm", False):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__}: OPT without its final layer norm "
+            "(config._remove_final_layer_norm=True) is not supported: the table captures "
+            "the final norm at model.decoder.final_layer_norm")
+
+
+def runs_in_parallel(entry: ArchitectureEntry, config: Any) -> bool:
+    """Whether this model's layers run attention and MLP in parallel: fixed for a
+    family (GPT-J, Phi), read from the config where it is a setting (GPT-NeoX's
+    ``use_parallel_residual``, Falcon's ``parallel_attn`` or its new decoder)."""
+    if "gpt_neox" in entry.model_types:
+        return bool(getattr(config, "use_parallel_residual", True))
+    if "falcon" in entry.model_types:
+        return bool(getattr(config, "parallel_attn", True)
+                    or getattr(config, "new_decoder_architecture", False))
+    return PARALLEL_BLOCKS in entry.notes
 
 
 def resolve_path(root: Any, path: str, *, model: Any, what: str) -> Any:

@@ -507,6 +507,13 @@ class HFBackend:
                  batch_size: int = 8) -> None:
         if tokenizer is None:
             raise BackendError("the hf backend needs a tokenizer: ProbedModel(model, tokenizer)")
+        can_generate = getattr(model, "can_generate", None)  # (a transformers model's)
+        if callable(can_generate) and not can_generate():
+            raise BackendError(
+                f"{type(model).__name__} cannot generate text: the hf backend needs a "
+                "*ForCausalLM model (a language-model head and generate()); load the "
+                "checkpoint with AutoModelForCausalLM.from_pretrained(path), or pass the "
+                "path to ProbedModel.from_pretrained(path)")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size

@@ -28,10 +28,13 @@ import torch
 from undercurrent.adapters.base import BackendError
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import (
+    PARALLEL_BLOCKS,
     UnsupportedArchitectureError,
+    check_hookable_layout,
     config_dimensions,
     find_architecture,
     resolve_path,
+    runs_in_parallel,
 )
 from undercurrent.adapters.hf.offload import DeliveryThread, all_async
 from undercurrent.adapters.session import CaptureGroup, CaptureSession, PairKey, StepPlan
@@ -103,6 +106,7 @@ class ModelHooks:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.entry = find_architecture(model)
+        check_hookable_layout(model, self.entry)
         self.layers = list(resolve_path(model, self.entry.layers, model=model,
                                         what="decoder layer list"))
         self.num_layers = len(self.layers)
@@ -137,8 +141,11 @@ class ModelHooks:
     def capabilities(self) -> Capabilities:
         dims = config_dimensions(self.model.config)
         notes = {"_architecture": self.entry.family}
-        if self.entry.notes:
-            notes["_table"] = self.entry.notes
+        table = self.entry.notes
+        if PARALLEL_BLOCKS not in table and runs_in_parallel(self.entry, self.model.config):
+            table = "; ".join(filter(None, (table, PARALLEL_BLOCKS)))  # (a config setting)
+        if table:
+            notes["_table"] = table
         return Capabilities.standard(
             "hf", str(getattr(self.model.config, "model_type", type(self.model).__name__)),
             self.num_layers, hidden_size=dims["hidden_size"], num_kv_heads=dims["num_kv_heads"],
