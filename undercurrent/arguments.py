@@ -30,4 +30,5 @@ def check_number(name: str, value: Any, *, integer: bool = False) -> Any:
     if isinstance(value, bool) or not isinstance(value, allowed):
         kind = "an integer" if integer else "a number"
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
-    return int(value) if integer else float(value)
+    number: Any = value  # (numbers.Real declares no __int__)
+    return int(number) if integer else float(number)
