@@ -125,3 +125,49 @@ def test_seeded_sampling_in_parts_and_resumed_stores_what_generate_samples(tiny,
     assert len({output.text for output in live}) > 1  # (sampled: the texts differ)
     with pytest.raises(StoreError, match="different sampling.*batch size"):
         tiny.capture(prompts, tmp_path / "0of1", **{**settings, "batch_size": 3})
+
+
+def test_two_writers_creating_a_store_at_once_both_open_it(tmp_path, monkeypatch):
+    # Both find no store.json and write their temporary copy before either links
+    # it into place; the first then links and removes its copy, and only then does
+    # the second link its own. Each needs a temporary name of its own (threads, or
+    # processes of two machines with the same pid, share a pid).
+    import threading
+
+    from undercurrent.store import writer
+
+    identity = {"model": "m", "points": [{"name": "a"}], "reductions": {"a": None},
+                "storage_dtype": None, "sampling": {}, "prompts": {"count": 2}}
+    second_written, first_done = threading.Event(), threading.Event()
+    write_json = writer.write_json
+
+    def interleaved(path, data):
+        write_json(path, data)
+        if path.name.startswith(".tmp-store.json"):
+            if threading.current_thread().name == "first":
+                assert second_written.wait(timeout=60)
+            else:
+                second_written.set()
+                assert first_done.wait(timeout=60)
+
+    monkeypatch.setattr(writer, "write_json", interleaved)
+    failures = []
+
+    def run(part):
+        try:
+            StoreWriter(tmp_path, identity, part).close()
+        except BaseException as error:  # (reported below, from the test's thread)
+            failures.append(f"{part}: {type(error).__name__}: {error}")
+        finally:
+            if threading.current_thread().name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=run, args=(f"part000{i}of0002",), name=name)
+               for i, name in enumerate(("first", "second"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert json.loads((tmp_path / "store.json").read_text())["model"] == "m"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "store.json"]

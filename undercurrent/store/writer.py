@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -444,7 +445,9 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> bool:
     target = root / MANIFEST
     made = False
     if not target.exists():
-        tmp = root / f"{TMP_PREFIX}{MANIFEST}.{os.getpid()}"
+        # A name no other writer uses: a pid alone is shared by threads, and by
+        # processes of other machines or containers on a shared filesystem.
+        tmp = root / f"{TMP_PREFIX}{MANIFEST}.{os.getpid()}.{uuid.uuid4().hex}"
         write_json(tmp, dict(manifest))
         try:
             os.link(tmp, target)  # fails if another writer created it first
