@@ -232,3 +232,42 @@ def test_an_interrupt_commits_whole_batches_and_a_failed_write_commits_nothing(
     with pytest.raises(OSError, match="disk full"):  # (its first batch: nothing stored,
         tiny.capture(prompts, tmp_path / "c", progress=False, **OPTIONS)  # and no directory)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_commit_that_fails_leaves_no_temporary_shard_and_no_open_file(tiny, prompts,
+                                                                       tmp_path, monkeypatch):
+    # The disk fills while the shard's index footer is written: the capture fails,
+    # and the shard's temporary directory (the space it holds) goes with it, every
+    # file of it closed, its other parquet files included.
+    import errno
+
+    from undercurrent.store import writer
+
+    opened = []
+    write, close = writer._ParquetAppender.write, writer._ParquetAppender.close
+    open_shard = writer._OpenShard.append
+
+    def noted_write(self, data):
+        written = write(self, data)
+        opened.append(self.writer)
+        return written
+
+    def noted_append(self, *args):
+        open_shard(self, *args)
+        opened.extend(self.files.values())
+
+    def full_disk(self):
+        if self.path.name == "index.parquet":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        close(self)
+
+    monkeypatch.setattr(writer._ParquetAppender, "write", noted_write)
+    monkeypatch.setattr(writer._OpenShard, "append", noted_append)
+    monkeypatch.setattr(writer._ParquetAppender, "close", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        tiny.capture(prompts[:4], tmp_path, progress=False, **OPTIONS)
+    assert not list((tmp_path / "shards").glob(".tmp-*"))
+    assert opened
+    # (parquet writers say is_open; the vectors' files say closed)
+    assert not [f for f in opened if (f.is_open if hasattr(f, "is_open") else not f.closed)]
+    assert open_activations(tmp_path).n_prompts == 0

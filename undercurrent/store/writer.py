@@ -174,7 +174,13 @@ class StoreWriter:
         if self._open is None:
             return
         shard, self._open = self._open, None
-        shard.commit(self.storage_dtype)
+        try:
+            shard.commit(self.storage_dtype)
+        except BaseException:
+            # (a full disk, say: its temporary directory would hold the space
+            # until the next run of this part)
+            shard.discard()
+            raise
         self._seq += 1
 
     def close(self) -> None:
@@ -381,11 +387,8 @@ class _OpenShard:
         self.prompt_indices.extend(int(index) for index in prompt_indices)
 
     def commit(self, storage_dtype: str | None) -> None:
-        for handle in self.files.values():
-            handle.close()
-        self.files.clear()
-        for table in (self.index, self.outputs, self.results):
-            table.close()
+        self._close([handle.close for handle in self.files.values()]
+                    + [table.close for table in (self.index, self.outputs, self.results)])
         write_json(self.tmp / "meta.json", {
             "format": STORE_FORMAT, "shard": self.name, "points": self.points,
             "prompt_indices": self.prompt_indices, "vectors": self.vectors,
@@ -395,12 +398,27 @@ class _OpenShard:
         fsync_dir(self.root / SHARDS)
 
     def discard(self) -> None:
-        for handle in self.files.values():
-            handle.close()
+        """Close every file (errors ignored: the shard is dropped) and remove it."""
+        for close in [handle.close for handle in self.files.values()] + [
+                table.writer.close for table in (self.index, self.outputs, self.results)
+                if table.writer is not None]:
+            with contextlib.suppress(Exception):
+                close()
         for table in (self.index, self.outputs, self.results):
-            if table.writer is not None:
-                table.writer.close()
+            table.writer = None
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    @staticmethod
+    def _close(closers: list[Any]) -> None:
+        """Call every closer, even after one fails; then raise the first failure."""
+        failure: BaseException | None = None
+        for close in closers:
+            try:
+                close()
+            except BaseException as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
 
 def _plain(value: Any) -> Any:
