@@ -271,3 +271,39 @@ def test_a_commit_that_fails_leaves_no_temporary_shard_and_no_open_file(tiny, pr
     # (parquet writers say is_open; the vectors' files say closed)
     assert not [f for f in opened if (f.is_open if hasattr(f, "is_open") else not f.closed)]
     assert open_activations(tmp_path).n_prompts == 0
+
+
+def test_a_shard_missing_a_file_is_refused_by_the_reader_and_by_a_resume(tiny, prompts,
+                                                                        tmp_path):
+    # (a copy of shards/part* cut short, a file removed by hand): read as it was, the
+    # shard's vectors were counted but its rows or outputs were not, and a resume
+    # trusted its meta.json and never captured its prompts again.
+    import shutil
+
+    options = dict(OPTIONS, shard_prompts=2)
+    whole = tmp_path / "whole"
+    tiny.capture(prompts[:4], whole, progress=False, **options)
+    second = sorted(p.name for p in (whole / "shards").iterdir() if p.is_dir())[1]
+    damages = {"index.parquet": "index.parquet is missing",
+               "outputs.parquet": "outputs.parquet is missing",
+               "p0.bin": r"p0.bin \(the vectors of point 'resid'\) has \d+ bytes, its "
+                         r"meta.json says \d+"}
+    for name, message in damages.items():
+        store = tmp_path / name
+        shutil.copytree(whole, store)
+        damaged = store / "shards" / second / name
+        if name.endswith(".bin"):
+            damaged.write_bytes(damaged.read_bytes()[:-4])
+        else:
+            damaged.unlink()
+        expected = rf"shard '{second}' is damaged: {message}; .*remove .*recapture"
+        with pytest.raises(StoreError, match=expected):
+            open_activations(store)
+        with pytest.raises(StoreError, match=expected):
+            tiny.capture(prompts[:4], store, progress=False, **options)
+        shutil.rmtree(store / "shards" / second)  # (as the message says)
+        assert tiny.capture(prompts[:4], store, progress=False, **options).requests == 2
+        assert sorted(open_activations(store).outputs["prompt_index"]) == [0, 1, 2, 3]
+    (whole / "shards" / sorted(p.name for p in (whole / "shards").iterdir()
+                               if p.is_dir())[0] / "results.parquet").unlink()
+    assert len(open_activations(whole).results) == 2 * 3  # (early shards: no results)

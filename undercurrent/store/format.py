@@ -266,6 +266,41 @@ def committed_shards(root: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
+SHARD_TABLES = ("index.parquet", "outputs.parquet")
+"""The parquet files every committed shard holds (``results.parquet`` too, except in
+shards of early writers that had no results to store)."""
+
+
+def read_shard_meta(shard: Path) -> dict[str, Any]:
+    """A committed shard's ``meta.json``, checked against the files it describes.
+
+    A shard missing one of them, or whose vector file has another size than its
+    rows say (a copy cut short, a file removed by hand), is a ``StoreError`` naming
+    the shard and the file: read as it is, it would be half-present (its vectors
+    counted, its rows or outputs not) and a resume would never recapture it.
+    """
+    import numpy as np
+
+    meta: dict[str, Any] = read_json(shard / "meta.json")
+    advice = (f"copy the shard again, or remove {str(shard)!r} and run the capture "
+              "again (resume=True) to recapture its prompts")
+    for name in SHARD_TABLES:
+        if not (shard / name).is_file():
+            raise StoreError(f"shard {shard.name!r} is damaged: {name} is missing; {advice}")
+    for point, info in meta.get("points", {}).items():
+        path = shard / info["file"]
+        if not path.is_file():
+            raise StoreError(f"shard {shard.name!r} is damaged: {info['file']} (the vectors "
+                             f"of point {point!r}) is missing; {advice}")
+        expected = info["rows"] * disk_dtype(info["dtype"]).itemsize * int(
+            np.prod(info["shape"], dtype=np.int64))
+        if path.stat().st_size != expected:
+            raise StoreError(f"shard {shard.name!r} is damaged: {info['file']} (the vectors "
+                             f"of point {point!r}) has {path.stat().st_size} bytes, its "
+                             f"meta.json says {expected}; {advice}")
+    return meta
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename inside ``path`` durable (best effort where unsupported)."""
     try:

@@ -27,6 +27,7 @@ from undercurrent.store.format import (
     committed_shards,
     disk_dtype,
     read_json,
+    read_shard_meta,
 )
 
 POSITIONS = ("all", "prompt", "generated", "last", "last_prompt")
@@ -112,7 +113,7 @@ class ActivationStore:
         if self.manifest.get("format") != STORE_FORMAT:
             raise StoreError(f"{str(self.path / MANIFEST)!r} has format "
                              f"{self.manifest.get('format')!r}, expected {STORE_FORMAT!r}")
-        self._shards = {shard.name: read_json(shard / "meta.json")
+        self._shards = {shard.name: read_shard_meta(shard)
                         for shard in committed_shards(self.path)}
         self._maps = {}
         self._outputs = None
@@ -153,6 +154,8 @@ class ActivationStore:
     def _concat(self, name: str, empty: Any) -> Any:
         import pandas as pd
 
+        # (every shard has its index and outputs, checked at open; results.parquet
+        # is missing from shards of early writers that had no results)
         frames = [pd.read_parquet(self.path / "shards" / shard / name)
                   for shard in self._shards if (self.path / "shards" / shard / name).exists()]
         if not frames:
@@ -233,14 +236,10 @@ class ActivationStore:
 
         data = self._maps.get(key)
         if data is None:
-            meta = self._point_meta(*key)
-            path = self.path / "shards" / key[0] / meta["file"]
-            dtype = disk_dtype(meta["dtype"])
-            expected = meta["rows"] * dtype.itemsize * int(np.prod(meta["shape"], dtype=np.int64))
-            if path.stat().st_size != expected:
-                raise StoreError(f"{str(path)!r} has {path.stat().st_size} bytes, its shard "
-                                 f"says {expected}: the shard is damaged")
-            data = np.memmap(path, dtype=dtype, mode="r", shape=(meta["rows"], *meta["shape"]))
+            meta = self._point_meta(*key)  # (its file's size was checked at open)
+            data = np.memmap(self.path / "shards" / key[0] / meta["file"],
+                             dtype=disk_dtype(meta["dtype"]), mode="r",
+                             shape=(meta["rows"], *meta["shape"]))
             self._maps[key] = data
         return data
 

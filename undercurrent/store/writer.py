@@ -36,6 +36,7 @@ from undercurrent.store.format import (
     fsync_dir,
     overflowed_rows,
     read_json,
+    read_shard_meta,
     to_storage,
     write_json,
 )
@@ -495,7 +496,9 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> bool:
 
 
 def _completed_prompts(root: Path) -> set[int]:
+    """The prompts committed shards hold (a damaged shard is refused, naming it:
+    its prompts are neither readable nor to be captured twice)."""
     done: set[int] = set()
     for shard in committed_shards(root):
-        done.update(read_json(shard / "meta.json")["prompt_indices"])
+        done.update(read_shard_meta(shard)["prompt_indices"])
     return done
