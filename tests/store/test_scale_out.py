@@ -207,3 +207,45 @@ def test_vllm_seeds_each_prompt_its_own_seed_when_a_resume_skips_a_gap(tiny, tmp
     summary = capture_activations(model, prompts, tmp_path, **settings)
     assert (summary.requests, summary.skipped) == (6, 3)
     assert model.seeds == {index: 40 + index for index in range(9)}
+
+
+def test_a_writer_of_another_split_never_stores_a_prompt_twice(tiny, tmp_path, monkeypatch):
+    # --shard 0/1 runs to its end while --shard 0/2 generates its first batch: the
+    # 0/2 writer finds its prompts committed meanwhile and drops its shard.
+    prompts = corpus_prompts(4, seed=5)[0]
+    settings = dict(max_new_tokens=3, batch_size=2, progress=False)
+    generate = type(tiny).generate
+    nested = []
+
+    def meanwhile(self, *args, **kwargs):
+        if not nested:
+            nested.append("started")
+            nested.append(tiny.capture(prompts, tmp_path, shard="0/1", **settings))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny), "generate", meanwhile)
+    with pytest.raises(StoreError, match=r"prompt\(s\) \[0, 1\] of shard 'part0000of0002-"
+                                         r"000000' were committed meanwhile by shard\(s\) "
+                                         r"\['part0000of0001-000000'\]"):
+        tiny.capture(prompts, tmp_path, shard="0/2", **settings)
+    assert nested[1].requests == 4
+    store = open_activations(tmp_path)
+    assert sorted(store.outputs["prompt_index"]) == [0, 1, 2, 3]
+    assert not list((tmp_path / "shards").glob(".tmp-*"))
+
+
+def test_a_store_whose_shards_share_a_prompt_is_refused_naming_them(tiny, tmp_path):
+    # (two writers of different splits that both committed, e.g. on a filesystem
+    # where one did not yet see the other's shard)
+    import shutil
+
+    prompts = corpus_prompts(4, seed=5)[0]
+    settings = dict(max_new_tokens=3, batch_size=2, progress=False)
+    tiny.capture(prompts, tmp_path / "whole", **settings)
+    tiny.capture(prompts, tmp_path / "half", shard="1/2", **settings)
+    shutil.copytree(tmp_path / "half" / "shards" / "part0001of0002-000000",
+                    tmp_path / "whole" / "shards" / "part0001of0002-000000")
+    with pytest.raises(StoreError, match=r"shards 'part0000of0001-000000' and "
+                                         r"'part0001of0002-000000' both hold prompt\(s\) "
+                                         r"\[2, 3\]: two writers with different --shard"):
+        open_activations(tmp_path / "whole")

@@ -115,6 +115,7 @@ class ActivationStore:
                              f"{self.manifest.get('format')!r}, expected {STORE_FORMAT!r}")
         self._shards = {shard.name: read_shard_meta(shard)
                         for shard in committed_shards(self.path)}
+        _refuse_shared_prompts(self.path, self._shards)
         self._maps = {}
         self._outputs = None
         self._results = None
@@ -473,6 +474,26 @@ class ActivationStore:
                 f"prompts={self.n_prompts}/{self.manifest['prompts']['count']}, "
                 f"vectors={len(self)}, points={self.points}, shards={len(self._shards)}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+def _refuse_shared_prompts(path: Path, shards: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse a store in which two shards hold one prompt (two writers of different
+    ``--shard`` splits at once): its frames would hold the prompt twice."""
+    owner: dict[int, str] = {}
+    shared: dict[tuple[str, str], list[int]] = {}
+    for name, meta in shards.items():
+        for prompt in meta["prompt_indices"]:
+            first = owner.setdefault(prompt, name)
+            if first != name:
+                shared.setdefault((first, name), []).append(prompt)
+    if shared:
+        (first, second), prompts = next(iter(shared.items()))
+        raise StoreError(
+            f"{str(path)!r}: shards {first!r} and {second!r} both hold prompt(s) "
+            f"{sorted(prompts)[:5]}{' ...' if len(prompts) > 5 else ''}"
+            + (f" (and {len(shared) - 1} more pair(s) of shards)" if len(shared) > 1 else "")
+            + ": two writers with different --shard splits captured them twice; remove "
+            "one of the two shard directories (a resume captures what is then missing)")
 
 
 def _positions(index: Any, positions: str) -> Any:

@@ -82,7 +82,11 @@ class StoreWriter:
             for stale in (self.root / SHARDS).glob(f"{TMP_PREFIX}{part}-*"):
                 # A shard a killed run left half-written: never committed, so dropped.
                 shutil.rmtree(stale, ignore_errors=True)
-            self.completed = _completed_prompts(self.root)
+            # {prompt index: its committed shard}, of the shards read so far
+            self._committed: dict[int, str] = {}
+            self._read_shards: set[str] = set()
+            self._read_committed(check=True)
+            self.completed = set(self._committed)
             self._seq = 1 + max((int(p.name.rsplit("-", 1)[1]) for p in mine), default=-1)
         except BaseException:
             self._lock.close()
@@ -176,13 +180,41 @@ class StoreWriter:
             return
         shard, self._open = self._open, None
         try:
+            self._refuse_committed_meanwhile(shard)
             shard.commit(self.storage_dtype)
         except BaseException:
             # (a full disk, say: its temporary directory would hold the space
             # until the next run of this part)
             shard.discard()
             raise
+        self._read_shards.add(shard.name)
+        self._committed.update(dict.fromkeys(shard.prompt_indices, shard.name))
         self._seq += 1
+
+    def _read_committed(self, *, check: bool = False) -> None:
+        """Note the prompts of the committed shards not read yet (``check``: refuse
+        a damaged one, naming it: its prompts are neither readable nor to be
+        captured twice)."""
+        for path in committed_shards(self.root):
+            if path.name not in self._read_shards:
+                meta = read_shard_meta(path) if check else read_json(path / "meta.json")
+                self._committed.update(dict.fromkeys(meta["prompt_indices"], path.name))
+                self._read_shards.add(path.name)
+
+    def _refuse_committed_meanwhile(self, shard: _OpenShard) -> None:
+        """Refuse to commit prompts another writer committed since this one started:
+        a writer of another ``--shard`` split (``0/1`` while ``0/2`` runs) takes
+        prompts of this part, and the store would hold them twice."""
+        self._read_committed()
+        taken = sorted(k for k in shard.prompt_indices if k in self._committed)
+        if taken:
+            others = sorted({self._committed[k] for k in taken})
+            raise StoreError(
+                f"prompt(s) {taken[:5]}{' ...' if len(taken) > 5 else ''} of shard "
+                f"{shard.name!r} were committed meanwhile by shard(s) {others} of "
+                f"another writer of {str(self.root)!r} (another --shard split?); this "
+                "shard is dropped so that no prompt is stored twice. Give every writer "
+                "of a store the same split, and run the capture again to resume")
 
     def close(self) -> None:
         """Commit what is open and release this part's lock."""
@@ -494,11 +526,3 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> bool:
             "and prompt list. Use another directory.")
     return made
 
-
-def _completed_prompts(root: Path) -> set[int]:
-    """The prompts committed shards hold (a damaged shard is refused, naming it:
-    its prompts are neither readable nor to be captured twice)."""
-    done: set[int] = set()
-    for shard in committed_shards(root):
-        done.update(read_shard_meta(shard)["prompt_indices"])
-    return done
