@@ -174,6 +174,24 @@ def test_a_view_reports_its_own_rows(store):
     assert (len(empty), empty.points, empty.nbytes, empty.n_prompts) == (0, [], 0, 0)
 
 
+def test_a_store_with_no_shard_yet_has_every_column_with_its_dtype(tiny, prompts, store,
+                                                                    tmp_path):
+    # (a capture in progress, or a part with no prompts: here part 0 of 2 of one prompt)
+    from undercurrent.store import sweep_linear_probes
+
+    summary = tiny.capture(prompts[:1], tmp_path, shard="0/2", progress=False, **SAMPLING)
+    assert summary.requests == 0
+    empty = open_activations(tmp_path)
+    for frame, full in ((empty.index, store.index), (empty.outputs, store.outputs),
+                        (empty.results, store.results)):
+        assert len(frame) == 0
+        assert frame.dtypes.astype(str).to_dict() == full.dtypes.astype(str).to_dict()
+    for positions in ("all", "prompt", "generated", "last", "last_prompt"):
+        assert len(empty.select(positions=positions)) == 0
+    with pytest.raises(ValueError, match="no rows for point='resid', positions='last_prompt'"):
+        sweep_linear_probes(empty, [1], point="resid", positions="last_prompt")
+
+
 @pytest.mark.parametrize("storage_dtype", ["float16", "bfloat16"])
 def test_half_precision_storage_matches_to_its_precision(tiny, prompts, oracle, tmp_path,
                                                          storage_dtype):

@@ -80,6 +80,25 @@ OUTPUT_COLUMNS: tuple[str, ...] = (
 )
 """Columns of ``ActivationStore.outputs``: one row per prompt."""
 
+_INDEX_KINDS = {"request_id": "str", "extraction_point_name": "str", "tensor_type": "str",
+                "shard": "str", "is_generated": "bool", "edits": "strs"}
+INDEX_SCHEMA = tuple((name, _INDEX_KINDS.get(name, "int")) for name in INDEX_COLUMNS)
+"""``(column, kind)`` of ``index.parquet`` (kinds: see :func:`arrow_schema`)."""
+_OUTPUT_KINDS = {"prompt_index": "int", "token_ids": "ints", "prompt_token_ids": "ints",
+                 "aborted": "bool", "abort_layer": "int", "abort_token_index": "int",
+                 "abort_score": "float"}
+OUTPUT_SCHEMA = tuple((name, _OUTPUT_KINDS.get(name, "str")) for name in OUTPUT_COLUMNS)
+"""``(column, kind)`` of ``outputs.parquet``."""
+RESULT_SCHEMA = (
+    ("prompt_index", "int"), ("request", "str"), ("point", "str"), ("verdict", "str"),
+    ("flagged", "bool"), ("aborted", "bool"), ("n_signals", "int"), ("n_flags", "int"),
+    ("max_score", "float"), ("mean_score", "float"), ("last_score", "float"),
+    ("error", "str"), ("received", "int"), ("processed", "int"), ("dropped", "int"),
+    ("errors", "int"), ("timeouts", "int"), ("mean_latency_s", "float"),
+)
+"""``(column, kind)`` of ``results.parquet``: the results frame, plus ``prompt_index``
+(``verdict`` as JSON)."""
+
 STORAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -313,6 +332,22 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def arrow_schema(columns: Sequence[tuple[str, str]]) -> Any:
+    """The pyarrow schema of ``(column, kind)`` pairs (kinds ``str``, ``int``,
+    ``float``, ``bool``, ``ints``, ``strs``)."""
+    import pyarrow as pa
+
+    types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(),
+             "bool": pa.bool_(), "ints": pa.list_(pa.int64()), "strs": pa.list_(pa.string())}
+    return pa.schema([(name, types[kind]) for name, kind in columns])
+
+
+def empty_frame(columns: Sequence[tuple[str, str]]) -> Any:
+    """A pandas frame with no rows and the columns (and dtypes) a parquet file of
+    ``columns`` reads back as: what a store with no committed shard answers."""
+    return arrow_schema(columns).empty_table().to_pandas()
 
 
 # -- dtypes --------------------------------------------------------------------------------

@@ -17,15 +17,17 @@ from typing import Any
 from undercurrent.analysis._inputs import missing_labels
 from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
-    INDEX_COLUMNS,
+    INDEX_SCHEMA,
     MANIFEST,
-    OUTPUT_COLUMNS,
+    OUTPUT_SCHEMA,
+    RESULT_SCHEMA,
     STORE_FORMAT,
     Reduction,
     StoreError,
     bfloat16_bits_to_float32,
     committed_shards,
     disk_dtype,
+    empty_frame,
     read_json,
     read_shard_meta,
 )
@@ -126,7 +128,7 @@ class ActivationStore:
     def index(self) -> Any:
         """One row per vector; see ``undercurrent.store.INDEX_COLUMNS``."""
         if self._index is None:
-            index = self._concat("index.parquet", _empty_index)
+            index = self._concat("index.parquet", INDEX_SCHEMA)
             self._index = index.astype({"generated_index": "Int64", "token_id": "Int64"})
             self._index["shard"] = self._index["shard"].astype("category")
         return self._index
@@ -135,7 +137,7 @@ class ActivationStore:
     def outputs(self) -> Any:
         """One row per prompt (``OUTPUT_COLUMNS``), ordered by ``prompt_index``."""
         if self._outputs is None:
-            frame = self._concat("outputs.parquet", _empty_outputs)
+            frame = self._concat("outputs.parquet", OUTPUT_SCHEMA)
             # (nullable integers: NA for the requests that ran on, not float NaN)
             frame = frame.astype({"abort_layer": "Int64", "abort_token_index": "Int64"})
             self._outputs = frame.sort_values("prompt_index", ignore_index=True)
@@ -145,22 +147,24 @@ class ActivationStore:
     def results(self) -> Any:
         """The probes' results frame, one row per (prompt, point), with ``prompt_index``;
         ``verdict`` is decoded from the JSON it was stored as."""
+        import pandas as pd
+
         if self._results is None:
-            frame = self._concat("results.parquet", None)
-            if "verdict" in frame.columns:
-                frame["verdict"] = [json.loads(v) for v in frame["verdict"]]
+            frame = self._concat("results.parquet", RESULT_SCHEMA)
+            frame["verdict"] = pd.Series([json.loads(v) for v in frame["verdict"]],
+                                         index=frame.index, dtype=object)
             self._results = frame
         return self._results
 
-    def _concat(self, name: str, empty: Any) -> Any:
+    def _concat(self, name: str, schema: Sequence[tuple[str, str]]) -> Any:
         import pandas as pd
 
         # (every shard has its index and outputs, checked at open; results.parquet
         # is missing from shards of early writers that had no results)
         frames = [pd.read_parquet(self.path / "shards" / shard / name)
                   for shard in self._shards if (self.path / "shards" / shard / name).exists()]
-        if not frames:
-            return empty() if empty is not None else pd.DataFrame()
+        if not frames:  # (no committed shard yet: no rows, the same columns)
+            return _object_strings(empty_frame(schema))
         return _object_strings(pd.concat(frames, ignore_index=True))
 
     # -- vectors -----------------------------------------------------------------------
@@ -527,14 +531,3 @@ def _object_strings(frame: Any) -> Any:
             frame[column] = strings
     return frame
 
-
-def _empty_index() -> Any:
-    import pandas as pd
-
-    return pd.DataFrame({column: [] for column in INDEX_COLUMNS})
-
-
-def _empty_outputs() -> Any:
-    import pandas as pd
-
-    return pd.DataFrame({column: [] for column in OUTPUT_COLUMNS})

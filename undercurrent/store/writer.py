@@ -23,15 +23,17 @@ from typing import Any
 
 from undercurrent.analysis.frames import results_frame
 from undercurrent.store.format import (
-    INDEX_COLUMNS,
+    INDEX_SCHEMA,
     MANIFEST,
-    OUTPUT_COLUMNS,
+    OUTPUT_SCHEMA,
+    RESULT_SCHEMA,
     SHARDS,
     STORE_FORMAT,
     TMP_PREFIX,
     Reduction,
     StoreError,
     StoreOverflowWarning,
+    arrow_schema,
     committed_shards,
     fsync_dir,
     overflowed_rows,
@@ -307,7 +309,7 @@ class _ParquetAppender:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = _arrow_schema(pa, self.columns)
+        schema = arrow_schema(self.columns)
         table = pa.table({name: pa.array(data[name], type=schema.field(name).type)
                           for name, _ in self.columns}, schema=schema)
         if self.writer is None:
@@ -322,27 +324,6 @@ class _ParquetAppender:
         self.writer = None
 
 
-def _arrow_schema(pa: Any, columns: Sequence[tuple[str, str]]) -> Any:
-    types = {"str": pa.string(), "int": pa.int64(), "float": pa.float64(),
-             "bool": pa.bool_(), "ints": pa.list_(pa.int64()), "strs": pa.list_(pa.string())}
-    return pa.schema([(name, types[kind]) for name, kind in columns])
-
-
-_INDEX_TYPES = {"request_id": "str", "extraction_point_name": "str", "tensor_type": "str",
-                "shard": "str", "is_generated": "bool", "edits": "strs"}
-_INDEX_SCHEMA = [(name, _INDEX_TYPES.get(name, "int")) for name in INDEX_COLUMNS]
-_OUTPUT_TYPES = {"prompt_index": "int", "token_ids": "ints", "prompt_token_ids": "ints",
-                 "aborted": "bool", "abort_layer": "int", "abort_token_index": "int",
-                 "abort_score": "float"}
-_OUTPUT_SCHEMA = [(name, _OUTPUT_TYPES.get(name, "str")) for name in OUTPUT_COLUMNS]
-_RESULT_SCHEMA = [
-    ("prompt_index", "int"), ("request", "str"), ("point", "str"), ("verdict", "str"),
-    ("flagged", "bool"), ("aborted", "bool"), ("n_signals", "int"), ("n_flags", "int"),
-    ("max_score", "float"), ("mean_score", "float"), ("last_score", "float"),
-    ("error", "str"), ("received", "int"), ("processed", "int"), ("dropped", "int"),
-    ("errors", "int"), ("timeouts", "int"), ("mean_latency_s", "float"),
-]
-
 
 class _OpenShard:
     """A shard being written in its temporary directory."""
@@ -355,9 +336,9 @@ class _OpenShard:
         self.tmp.mkdir()
         self.files: dict[str, Any] = {}
         self.points: dict[str, dict[str, Any]] = {}
-        self.index = _ParquetAppender(self.tmp / "index.parquet", _INDEX_SCHEMA)
-        self.outputs = _ParquetAppender(self.tmp / "outputs.parquet", _OUTPUT_SCHEMA)
-        self.results = _ParquetAppender(self.tmp / "results.parquet", _RESULT_SCHEMA)
+        self.index = _ParquetAppender(self.tmp / "index.parquet", INDEX_SCHEMA)
+        self.outputs = _ParquetAppender(self.tmp / "outputs.parquet", OUTPUT_SCHEMA)
+        self.results = _ParquetAppender(self.tmp / "results.parquet", RESULT_SCHEMA)
         self.vectors = 0
         self.prompt_indices: list[int] = []
         self.whole = True
@@ -412,7 +393,7 @@ class _OpenShard:
         })
         frame = results_frame(list(outputs))
         prompt_of = dict(zip((o.request_id for o in outputs), prompt_indices, strict=True))
-        columns = {name: frame[name].tolist() for name, _ in _RESULT_SCHEMA[1:]}
+        columns = {name: frame[name].tolist() for name, _ in RESULT_SCHEMA[1:]}
         columns["prompt_index"] = [int(prompt_of[request]) for request in frame["request"]]
         columns["verdict"] = [json.dumps(v, default=_plain) for v in frame["verdict"]]
         columns["error"] = [None if e is None else str(e) for e in frame["error"]]
