@@ -308,3 +308,19 @@ def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, 
     shuffled = pd.Series(labels, index=index.index).iloc[[3, 0, 7, 1, 6, 2, 5, 4]]
     assert list(store.row_labels(shuffled, index)) == labels
     assert list(store.row_labels(shuffled, index.iloc[::-1])) == labels[::-1]
+    # Any other Series is read by its index: prompt indices or request ids (a
+    # shuffled per-prompt Series was read by position: wrong labels, a sweep at chance).
+    rows = index.iloc[2:]  # (prompts 5, 5, 6, 6, 7, 7: not as many rows as labels)
+    per_prompt = pd.Series(labels, index=range(8)).iloc[[5, 2, 7, 0, 3, 6, 1, 4]]
+    expected = ["a", "a", "b", "b", "b", "b"]
+    assert list(store.row_labels(per_prompt, rows)) == expected
+    by_request = pd.Series(labels, index=[f"p{k:06d}" for k in range(8)]).iloc[::-1]
+    assert list(store.row_labels(by_request, rows)) == expected
+    with pytest.raises(ValueError, match=r"labels Series' index \(\['x', 'y', 'z'\] ...; 8 "
+                                         r"values\) is neither .* \(no label for request_id "
+                                         r"value\(s\) \['p000005', 'p000006'"):
+        store.row_labels(pd.Series(labels, index=list("xyzwvuts")), rows)
+    with pytest.raises(ValueError, match=r"no label for prompt_index value\(s\) \[7\]"):
+        store.row_labels(per_prompt.drop(7), rows)
+    with pytest.raises(ValueError, match="repeats index value"):
+        store.row_labels(pd.Series(labels, index=[4, 4, 5, 5, 6, 6, 7, 7]), rows)

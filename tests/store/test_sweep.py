@@ -37,7 +37,11 @@ def test_fit_on_a_store_equals_the_fit_on_records(tiny, labelled):
     # The frame's rows follow the store's order (layer, prompt, token) for one point.
     frame = frame[frame["point"] == "resid"].sort_values(["layer", "request", "token_index"])
     oracle = fit_linear_probe(frame, by_request, layer=2, seed=0)
-    for y in (by_request, labels, dict(enumerate(labels))):  # per request, per prompt
+    import pandas as pd
+
+    # per request, per prompt; a Series by prompt index in any order is a mapping
+    shuffled = pd.Series(labels).sample(frac=1, random_state=0)
+    for y in (by_request, labels, dict(enumerate(labels)), shuffled):
         fit = fit_linear_probe(store, y, point="resid", layer=2, seed=0)
         assert fit.metrics == oracle.metrics
         np.testing.assert_allclose(fit.weight, oracle.weight, rtol=1e-4, atol=1e-6)

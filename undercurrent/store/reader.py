@@ -341,8 +341,10 @@ class ActivationStore:
 
         Reads only the vectors of one point and layer (float32). ``y`` maps request
         ids or prompt indices to labels, or gives one label per prompt (indexed by
-        ``prompt_index``) or one per selected row. Groups are request ids, so the
-        held-out split keeps each generation on one side.
+        ``prompt_index``) or one per selected row; a pandas Series is read by its
+        index (the rows' own, prompt indices or request ids; see
+        ``_series_labels``). Groups are request ids, so the held-out split keeps
+        each generation on one side.
         """
         import numpy as np
 
@@ -392,13 +394,10 @@ class ActivationStore:
             given = [y[v] for v in values]
             _refuse_missing(given, values, column)
             return np.asarray(given)
-        if (hasattr(y, "reindex") and hasattr(y.index, "equals") and len(y) == len(index)
-                and y.index.is_unique and index.index.isin(y.index).all()):
-            # (a pandas Series indexed like the rows: one label per row, whatever
-            # the counts, taken by the rows' labels, in whatever order it holds them)
-            given = y.reindex(index.index).tolist()
-            _refuse_missing(given, range(len(given)), "row")
-            return np.asarray(given)
+        if hasattr(y, "reindex") and hasattr(y.index, "equals"):  # a pandas Series
+            read = _series_labels(y, index)
+            if read is not None:
+                return read
         if not hasattr(y, "__len__"):
             y = list(y)
         n_prompts = self.manifest["prompts"]["count"]
@@ -478,6 +477,52 @@ class ActivationStore:
                 f"prompts={self.n_prompts}/{self.manifest['prompts']['count']}, "
                 f"vectors={len(self)}, points={self.points}, shards={len(self._shards)}, "
                 f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+def _series_labels(y: Any, index: Any) -> Any:
+    """The labels a pandas Series ``y`` gives the rows of ``index``, read by its
+    index, or None for a Series with a default index (0, 1, ...) that is not the
+    rows' own: that one is read by position, as a list.
+
+    A Series indexed like the rows (as many labels as rows, its index holding the
+    rows' index labels) gives one label per row, taken by label in whatever order
+    it holds them. Any other is a mapping by its index: prompt indices or request
+    ids (one label per prompt). An index that is neither is refused."""
+    import numpy as np
+    import pandas as pd
+
+    labels = y.index
+    if len(y) == len(index) and labels.is_unique and index.index.isin(labels).all():
+        given = y.reindex(index.index).tolist()
+        _refuse_missing(given, range(len(given)), "row")
+        return np.asarray(given)
+    if isinstance(labels, pd.RangeIndex) and labels.start == 0 and labels.step == 1:
+        return None
+    if not labels.is_unique:
+        repeated = labels[labels.duplicated()].unique().tolist()
+        raise ValueError(f"the labels Series repeats index value(s) {repeated[:5]}: its "
+                         "index says which prompt_index or request_id each label is for")
+    if pd.api.types.is_integer_dtype(labels):
+        column = "prompt_index"
+    elif pd.api.types.is_string_dtype(labels) or labels.dtype == object:
+        column = "request_id"
+    else:
+        column = ""
+    keys = index[column] if column else None
+    if keys is None or not keys.isin(labels).all():
+        missing = [] if keys is None else sorted(set(keys[~keys.isin(labels)].tolist()))
+        raise ValueError(
+            f"the labels Series' index ({labels[:3].tolist()}"
+            f"{' ...' if len(labels) > 3 else ''}; {len(labels)} values) is neither the "
+            f"rows' own ({len(index)} rows) nor prompt indices or request ids covering the "
+            "selected rows"
+            + (f" (no label for {column} value(s) {missing[:5]}"
+               f"{' ...' if len(missing) > 5 else ''})" if missing else "")
+            + "; index it by prompt_index or request_id, or pass a list to read the "
+            "labels by position")
+    given = y.reindex(keys).tolist()
+    _refuse_missing(given, keys, column)
+    return np.asarray(given)
 
 
 def _refuse_shared_prompts(path: Path, shards: Mapping[str, Mapping[str, Any]]) -> None:
