@@ -324,3 +324,31 @@ def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, 
         store.row_labels(per_prompt.drop(7), rows)
     with pytest.raises(ValueError, match="repeats index value"):
         store.row_labels(pd.Series(labels, index=[4, 4, 5, 5, 6, 6, 7, 7]), rows)
+
+
+def test_stored_verdicts_keep_their_integer_keys(tiny, tmp_path):
+    # The trajectory probe's final_by_layer is keyed by layer: JSON made {3: 0.41}
+    # {'3': 0.41}, and code written against the live results frame broke on the store's.
+    from pathlib import Path
+
+    from undercurrent import ProbedModel
+    from undercurrent.notebook import results_frame
+    from undercurrent.store.capture import request_id_for
+
+    spec = Path(__file__).parents[2] / "specs" / "demo.yaml"
+    model = ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=str(spec))
+    prompts = ["user : how do i bake bread ? assistant :"]
+    model.capture(prompts, tmp_path, max_new_tokens=6, progress=False)
+    live = model.generate(prompts, request_ids=[request_id_for(0)], records=True,
+                          max_new_tokens=6)
+    expected = results_frame(live).set_index("point")["verdict"]
+    found = open_activations(tmp_path).results.set_index("point")["verdict"]
+    final = found["harm_trajectory"]["final_by_layer"]
+    assert final and all(type(layer) is int for layer in final)
+    assert final == pytest.approx(expected["harm_trajectory"]["final_by_layer"])
+    # (nested, numpy keys; dicts of other keys as JSON has them)
+    from undercurrent.store.format import verdict_from_json, verdict_to_json
+
+    verdict = {"by_layer": {np.int64(2): {1: [0.5]}}, "names": {"a": 1}, "mixed": {1: 2, "b": 3}}
+    assert verdict_from_json(verdict_to_json(verdict)) == {
+        "by_layer": {2: {1: [0.5]}}, "names": {"a": 1}, "mixed": {"1": 2, "b": 3}}

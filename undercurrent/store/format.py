@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -318,6 +320,53 @@ def read_shard_meta(shard: Path) -> dict[str, Any]:
                              f"of point {point!r}) has {path.stat().st_size} bytes, its "
                              f"meta.json says {expected}; {advice}")
     return meta
+
+
+_INT_KEYS = "__int_keys__"
+"""The tag of a dict with integer keys in a stored verdict (JSON keys are strings)."""
+
+
+def verdict_to_json(verdict: Any) -> str:
+    """A probe's verdict as the JSON ``results.parquet`` stores: a dict whose keys
+    are all integers (the trajectory probe's ``final_by_layer``, keyed by layer) is
+    tagged, ``{"__int_keys__": {"3": ...}}``, so :func:`verdict_from_json` gives its
+    integer keys back; numpy values become plain ones, NaN null, other objects
+    their ``repr``."""
+    return json.dumps(_tag_int_keys(verdict), default=_plain)
+
+
+def verdict_from_json(text: str) -> Any:
+    """The verdict :func:`verdict_to_json` stored (tuples come back as lists)."""
+    return json.loads(text, object_hook=_untag_int_keys)
+
+
+def _tag_int_keys(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        items = {key: _tag_int_keys(item) for key, item in value.items()}
+        if items and all(isinstance(key, numbers.Integral) and not isinstance(key, bool)
+                         for key in items):
+            return {_INT_KEYS: {str(int(key)): item for key, item in items.items()}}
+        # (numpy integer keys among others: JSON writes them as strings, as it does ints)
+        return {int(key) if isinstance(key, numbers.Integral) and not isinstance(key, bool)
+                else key: item for key, item in items.items()}
+    if isinstance(value, list | tuple):
+        return [_tag_int_keys(item) for item in value]
+    return value
+
+
+def _untag_int_keys(value: dict[str, Any]) -> Any:
+    if len(value) == 1 and isinstance(value.get(_INT_KEYS), dict):
+        return {int(key): item for key, item in value[_INT_KEYS].items()}
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """JSON for verdict values that are not plain JSON (numpy scalars, arrays, objects)."""
+    if hasattr(value, "tolist"):
+        return _tag_int_keys(value.tolist())
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return repr(value)
 
 
 def fsync_dir(path: Path) -> None:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -30,6 +29,7 @@ from undercurrent.store.format import (
     empty_frame,
     read_json,
     read_shard_meta,
+    verdict_from_json,
 )
 
 POSITIONS = ("all", "prompt", "generated", "last", "last_prompt")
@@ -151,7 +151,7 @@ class ActivationStore:
 
         if self._results is None:
             frame = self._concat("results.parquet", RESULT_SCHEMA)
-            frame["verdict"] = pd.Series([json.loads(v) for v in frame["verdict"]],
+            frame["verdict"] = pd.Series([verdict_from_json(v) for v in frame["verdict"]],
                                          index=frame.index, dtype=object)
             self._results = frame
         return self._results

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import uuid
@@ -40,6 +39,7 @@ from undercurrent.store.format import (
     read_json,
     read_shard_meta,
     to_storage,
+    verdict_to_json,
     write_json,
 )
 
@@ -395,7 +395,7 @@ class _OpenShard:
         prompt_of = dict(zip((o.request_id for o in outputs), prompt_indices, strict=True))
         columns = {name: frame[name].tolist() for name, _ in RESULT_SCHEMA[1:]}
         columns["prompt_index"] = [int(prompt_of[request]) for request in frame["request"]]
-        columns["verdict"] = [json.dumps(v, default=_plain) for v in frame["verdict"]]
+        columns["verdict"] = [verdict_to_json(v) for v in frame["verdict"]]
         columns["error"] = [None if e is None else str(e) for e in frame["error"]]
         self.results.write(columns)
         self.prompt_indices.extend(int(index) for index in prompt_indices)
@@ -433,15 +433,6 @@ class _OpenShard:
                 failure = failure or error
         if failure is not None:
             raise failure
-
-
-def _plain(value: Any) -> Any:
-    """JSON for verdicts that are not plain JSON (numpy scalars, arrays, objects)."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return repr(value)
 
 
 class _PartLock:
