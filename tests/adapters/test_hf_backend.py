@@ -3,6 +3,9 @@ only where asked, and no hook left behind after close, errors or interrupts."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -287,3 +290,109 @@ def test_cuda_placement_is_honoured_and_records_land_on_the_cpu(tokenizer):
         for a, b in zip(on_gpu.records, on_cpu.records, strict=True):
             assert a.tensor.device.type == "cpu" and a.key() == b.key()
             torch.testing.assert_close(a.tensor, b.tensor, rtol=1e-3, atol=1e-4)
+
+
+# -- forwards that are not the generation's -----------------------------------------
+
+def _lens_spec(probe_type: str) -> list[ExtractionPoint]:
+    return [ExtractionPoint(name="lens", layers=(1,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type=probe_type,
+                            probe_kind="single_shot"),
+            ExtractionPoint(name="norm", layers=(3,), tensor_type="final_norm",
+                            position="generated[*]", probe_type="none", probe_kind="trajectory"),
+            ExtractionPoint(name="kv", layers=(0,), tensor_type="kv",
+                            position="generated[*]", probe_type="none", probe_kind="trajectory")]
+
+
+def _keys(output):
+    return [(r.extraction_point_name, r.layer, r.token_index, tuple(r.tensor.flatten().tolist()))
+            for r in output.records]
+
+
+class _Scores(Probe):
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def __init__(self, **args):
+        pass
+
+    def on_start(self, ctx):
+        pass
+
+    def on_activation(self, record):
+        return ProbeSignal(action=SignalAction.CONTINUE, score=float(record.tensor.flatten()[0]))
+
+    def on_end(self, ctx):
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_forwards_a_probe_runs_during_routing_are_not_captured(tokenizer):
+    # A logit lens calls the final norm (a hooked module) and the whole model from
+    # an inline probe: those forwards went through the generation's hooks, adding
+    # final_norm records (or failing in a hook). Only the generation's are captured.
+    model = build_model("llama")
+    ids = torch.tensor([[1, 5, 6]])
+
+    class Lens(_Scores):
+        def on_activation(self, record):
+            with torch.no_grad():
+                model.lm_head(model.model.norm(record.tensor[None]))
+                model(ids, use_cache=True)
+            return super().on_activation(record)
+
+    outputs = []
+    for probe in (_Scores, Lens):
+        with ProbedModel(model, tokenizer, spec=_lens_spec("lens"),
+                         probes={"lens": probe, "none": _Scores}) as pm:
+            outputs.append(pm.generate(PROMPTS, max_new_tokens=5, records=True))
+    for plain, lens in zip(*outputs, strict=True):
+        assert lens.token_ids == plain.token_ids
+        assert _keys(lens) == _keys(plain)
+        assert all(result.error is None for result in lens.results.values())
+
+
+@pytest.mark.timeout(120)
+def test_another_thread_using_the_model_during_a_generation_leaves_it_untouched(tokenizer):
+    # Building a second ProbedModel on the model (its kv check runs one forward) and
+    # a plain forward, from another thread while a steered generation waits in its
+    # probe: both went through the generation's hooks (steered, captured as an extra
+    # decode step, or failing with its internal error).
+    from undercurrent.spec.types import Edit
+
+    model = build_model("llama")
+    ids = torch.tensor([[1, 5, 6, 7]])
+    with torch.no_grad():
+        clean = model(ids).logits
+    reached, release = threading.Event(), threading.Event()
+
+    class Gate(_Scores):
+        def on_activation(self, record):
+            if record.generated_index == 2 and not release.is_set():
+                reached.set()
+                release.wait()
+            return super().on_activation(record)
+
+    edit = Edit(name="push", layers=(1,), tensor_type="residual_stream",
+                position="generated[*]", op="add", vector=[1.0] * 32, coefficient=4.0)
+    with ProbedModel(model, tokenizer, spec=_lens_spec("gate"),
+                     probes={"gate": Gate, "none": _Scores}) as pm:
+        release.set()
+        alone = pm.generate(PROMPTS, max_new_tokens=6, records=True, edits=[edit])
+        release.clear()
+        done: dict[str, Any] = {}
+        generating = threading.Thread(target=lambda: done.update(outputs=pm.generate(
+            PROMPTS, max_new_tokens=6, records=True, edits=[edit])))
+        generating.start()
+        reached.wait()
+        try:
+            with ProbedModel(model, tokenizer) as other:
+                assert other.capabilities().supports("kv")
+            with torch.no_grad():
+                torch.testing.assert_close(model(ids).logits, clean, rtol=0, atol=0)
+        finally:
+            release.set()
+            generating.join()
+    for undisturbed, disturbed in zip(alone, done["outputs"], strict=True):
+        assert disturbed.token_ids == undisturbed.token_ids
+        assert _keys(disturbed) == _keys(undisturbed)
+        assert list(disturbed.edits) == list(undisturbed.edits)

@@ -647,10 +647,13 @@ class HFBackend:
                                    "per model, whichever ProbedModel wraps it: hooks are "
                                    "per model)")
             self._generating = threading.get_ident()
+            # (the hooks act on this thread's forwards only: see ModelHooks.own)
+            self.hooks.own(self._generating)
         try:
             yield
         finally:
             with self._idle:
+                self.hooks.own(None)
                 self._generating = None
                 self._lock.release()
                 self._idle.notify_all()

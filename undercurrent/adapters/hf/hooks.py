@@ -15,12 +15,20 @@ A pair some live edit applies to is hooked the same way: the hook first
 rewrites the planned (row, column) entries of the module's output in place (so
 the next module receives the edited value), then captures, so a capture at the
 same site sees what the model saw.
+
+Only the generation's own forwards are acted on: the hooks belong to the thread
+that generates (:meth:`ModelHooks.own`) and, on it, to the model's outermost
+forward until its routing starts. A forward of the same model on another thread
+(a reference computation, another ProbedModel's capability check) or one a probe
+runs while the forward's records are routed (a logit lens calling the final norm)
+passes through them untouched: not captured, not steered, not planned.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Iterable
+from threading import get_ident
 from typing import Any, cast
 
 import torch
@@ -136,6 +144,24 @@ class ModelHooks:
         # cache layer writes this forward's tokens.
         self._columns_fed = 0
         self._columns_cached = 0
+        # The generating thread (None: none), the model forwards running on it, the
+        # thread while its outermost forward runs and is not routed yet (None
+        # otherwise: what every hook compares with), and whether that forward's
+        # records are being routed (see own()).
+        self._owner: int | None = None
+        self._depth = 0
+        self._active: int | None = None
+        self._routing = False
+
+    def own(self, thread: int | None) -> None:
+        """Act on the forwards of ``thread`` only (a thread id; None: on none). Set by
+        the backend for each call it runs: another thread's forward of the model, or
+        one a probe runs while a forward's records are routed, is not the
+        generation's, and the hooks let it through untouched."""
+        self._owner = thread
+        self._depth = 0
+        self._active = None
+        self._routing = False
 
     # -- capability ------------------------------------------------------
     def capabilities(self) -> Capabilities:
@@ -169,9 +195,11 @@ class ModelHooks:
 
     def _check_kv_cache(self) -> str | None:
         found: list[Any] = []
+        thread = get_ident()
 
         def look(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            found.append(_find_cache(args, kwargs))
+            if get_ident() == thread:  # (not a generation running on another thread)
+                found.append(_find_cache(args, kwargs))
 
         handle = self.layers[0].register_forward_hook(look, with_kwargs=True)
         try:
@@ -319,10 +347,33 @@ class ModelHooks:
     on_forward_done: Any = None
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
-        if self.on_forward_done is not None:
-            self.on_forward_done()
+        if get_ident() != self._owner:
+            return
+        self._active = None
+        if self._depth != 1:  # a nested forward ended
+            self._depth -= 1
+            if self._depth == 1 and not self._routing:
+                self._active = self._owner  # (back in the generation's forward)
+            return
+        # The generation's forward ended. Its records are routed now, at depth 1: a
+        # forward a probe runs meanwhile (or a hooked module it calls) is not the
+        # generation's.
+        self._routing = True
+        try:
+            if self.on_forward_done is not None:
+                self.on_forward_done()
+        finally:
+            self._routing = False
+            self._depth = 0
 
     def _before_forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if get_ident() != self._owner:
+            return  # another thread's forward of the model: not the generation's
+        self._depth += 1
+        if self._depth != 1:
+            self._active = None  # a forward inside the generation's own
+            return
+        self._active = self._owner
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             embeds = kwargs.get("inputs_embeds")
@@ -378,6 +429,8 @@ class ModelHooks:
     def _make_hook(self, layer: int, tensor_type: TensorType) -> Any:
         if tensor_type is TensorType.KV:
             def kv_hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+                if get_ident() != self._active:
+                    return
                 group = self.plan.get(layer, tensor_type) if self.plan else None
                 if group is not None:
                     self._capture_kv(layer, group, args, kwargs)
@@ -386,6 +439,8 @@ class ModelHooks:
         key = (layer, tensor_type)
 
         def hook(module: Any, args: Any, output: Any) -> None:
+            if get_ident() != self._active:
+                return  # not the generation's forward (see own())
             plan = self.plan
             if plan is None:
                 return
