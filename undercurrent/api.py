@@ -579,7 +579,8 @@ class ProbedModel:
         """Remove every hook (the model behaves exactly as before) and shut down the
         router this object built. Idempotent. A generation running in another thread
         ends first (the HF backend waits for it); from inside this model's own
-        generation (a probe or a callback) it is refused."""
+        generation (a probe or a callback, an async probe's worker included) it is
+        refused."""
         if self._closed:
             return
         check_closable = getattr(self.backend, "check_closable", None)

@@ -222,6 +222,41 @@ def test_close_from_inside_the_model_s_own_generation_is_refused(tiny) -> None:
     assert live_hooks(model) == 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", [
+    {"execution_mode": "async"},
+    {"intervention": {"mode": "block_until_signal", "timeout_ms": 60_000}}])
+def test_close_from_a_probe_on_the_router_s_threads_is_refused_while_generating(
+        tiny, where) -> None:
+    # An async probe (on a worker thread) or a blocking one (on its helper thread)
+    # that closed the model mid-generation was not refused: close() waited for the
+    # generation, which waited for that probe (the drain at the request's end, or
+    # the blocking timeout), and the probe's results were lost.
+    from reliability_support import Recorder
+
+    model, tokenizer = tiny
+    holder: dict[str, Any] = {}
+
+    class Closes(Recorder):
+        def on_activation(self, record: Any) -> Any:
+            if record.generated_index == 1:
+                holder["pm"].close()
+            return super().on_activation(record)
+
+    with ProbedModel(model, tokenizer, spec=[point("closes", probe_type="closes", **where)],
+                     probes={"closes": Closes}) as pm:
+        holder["pm"] = pm
+        (output,) = pm.generate(PROMPTS[:1], max_new_tokens=4)
+        result = output.results["closes"]
+        assert "close() was called from inside this model's own generation" in str(
+            result.error)
+        assert result.stats.received == result.stats.processed == 3  # (one per token fed)
+        assert not pm._closed  # (refused: the model still generates)
+        again = pm.generate(PROMPTS[:1], max_new_tokens=4)[0]
+        assert again.token_ids == output.token_ids
+    assert live_hooks(model) == 0
+
+
 @pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
                                                                        figures) -> None:

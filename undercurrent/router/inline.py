@@ -32,6 +32,7 @@ from undercurrent.records import (
     rows_of,
 )
 from undercurrent.router.binding import BatchOutcome, Binding, describe_error, logger
+from undercurrent.router.threads import mark_probe_thread
 from undercurrent.spec.types import InterventionMode, OnTimeout
 
 
@@ -331,6 +332,7 @@ def _submit_unwaited(binding: Binding, batch: ActivationBatch) -> None:
 
 
 def _helper_loop(binding: Binding) -> None:
+    mark_probe_thread()
     while True:
         with binding.cond:
             call: _Call | None = binding.next_pending()

@@ -38,6 +38,7 @@ from typing import Any
 
 from undercurrent.records import ActivationBatch, BatchSignals, join_values, rows_of
 from undercurrent.router.binding import Binding
+from undercurrent.router.threads import mark_probe_thread
 
 #: At most this many bindings are judged together in one worker call.
 GROUP_LIMIT = 256
@@ -140,6 +141,7 @@ class AsyncScheduler:
         )
 
     def _work(self, worker: _Worker) -> None:
+        mark_probe_thread()
         while True:
             with self._cond:
                 while not self._ready and not self._stopping:

@@ -153,6 +153,28 @@ def test_close_waits_for_a_call_in_another_thread_and_is_refused_inside_one(mode
         pm.generate(TEXTS[:1], max_new_tokens=NEW)
 
 
+def test_close_from_an_async_probe_is_refused_while_the_engine_generates(model_dir):
+    # (on a router worker: close() waited for the call, whose drain waited for it)
+    async_point = ExtractionPoint(name="async", layers=(0,), tensor_type="residual_stream",
+                                  position="generated[*]", probe_type="recorder",
+                                  probe_kind="trajectory", execution_mode="async")
+    with ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                     max_model_len=256, spec=[async_point],
+                                     probes={"recorder": Recorder}) as pm:
+        def closes(probe: Any, record: Any) -> None:
+            if record.generated_index == 1:
+                Recorder.hook = None
+                pm.close()
+
+        Recorder.hook = closes
+        (output,) = pm.generate(TEXTS[:1], max_new_tokens=NEW)
+        result = output.results["async"]
+        assert "close() was called from inside this engine's own generation" in str(
+            result.error)
+        assert result.stats.dropped == 0
+        assert len(pm.generate(TEXTS[:1], max_new_tokens=NEW)[0].token_ids) == NEW
+
+
 def test_close_ends_a_stream_left_open(model_dir):
     pm = _load(model_dir)
     stream = pm.stream(TEXTS[0], max_new_tokens=NEW)

@@ -60,6 +60,7 @@ from undercurrent.adapters.session import (
     stop_position,
 )
 from undercurrent.errors import one_line
+from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.types import TensorType
 
 EventSink = Callable[[StreamEvent], None]
@@ -871,8 +872,12 @@ class HFBackend:
 
     def check_closable(self) -> None:
         """Refuse a close() from inside this backend's own generation (a probe or a
-        callback on the generating thread): waiting there would wait for itself."""
-        if self._generating == threading.get_ident():
+        callback on the generating thread, or a probe on one of the router's threads
+        while the model generates: an async worker, a blocking probe's helper):
+        waiting there would wait for itself, or for a generation that waits for it."""
+        generating = self._generating
+        if generating is not None and (generating == threading.get_ident()
+                                       or on_probe_thread()):
             raise BackendError("close() was called from inside this model's own "
                                "generation (a probe or a callback); close it once the "
                                "call has returned")

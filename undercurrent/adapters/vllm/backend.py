@@ -46,6 +46,7 @@ from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
+from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
 
@@ -818,9 +819,16 @@ class VLLMBackend:
 
     def check_closable(self) -> None:
         """Refuse a close() from inside the engine's own call (a probe or a callback
-        on the thread generating): waiting there would wait for itself. A stream
+        on the thread generating, or a probe on one of the router's threads while
+        the engine generates: an async worker, a blocking probe's helper): waiting
+        there would wait for itself, or for a call that waits for it. A stream
         suspended on this thread is not running: close() ends it."""
-        if self._generating == threading.get_ident() and not any(
+        generating = self._generating
+        if generating is not None and on_probe_thread():
+            raise BackendError("close() was called from inside this engine's own "
+                               "generation (a probe on the router's threads); close it "
+                               "once the call has returned")
+        if generating == threading.get_ident() and not any(
                 inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED
                 for stream in list(self._streams)):
             raise BackendError("close() was called from inside this engine's own "
