@@ -323,6 +323,46 @@ def test_a_streaming_consumer_that_fails_or_stops_early_leaves_nothing_behind(
     assert events[-1].finished and events[-1].output.token_ids == baseline[0].token_ids
 
 
+@pytest.mark.timeout(120)
+def test_a_stream_collected_on_its_own_generation_thread_cleans_up(tiny, monkeypatch) -> None:
+    # A stream dropped inside a reference cycle is finalised by whichever thread the
+    # collector runs on: on its own worker (a probe allocating), its cleanup joined
+    # that very thread ("cannot join current thread") and left its entry behind.
+    from reliability_support import Recorder
+
+    from undercurrent.adapters.hf import backend
+
+    model, tokenizer = tiny
+    dropped = threading.Event()
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    class Collects(Recorder):
+        def on_activation(self, record: Any) -> Any:
+            if record.generated_index == 3:
+                dropped.wait()
+                gc.collect()  # (what an automatic collection on this thread does)
+            return super().on_activation(record)
+
+    with ProbedModel(model, tokenizer, spec=[point("collects", probe_type="collects")],
+                     probes={"collects": Collects}) as pm:
+        gc.disable()
+        try:
+            stream = pm.stream(PROMPTS[0], max_new_tokens=NEW)
+            next(stream)
+            ((_, worker),) = backend._LIVE_STREAMS
+            cycle: list[Any] = [stream]
+            cycle.append(cycle)
+            del stream, cycle
+            dropped.set()
+            worker.join()
+        finally:
+            gc.enable()
+        assert unraisable == []
+        assert backend._LIVE_STREAMS == set()
+        assert len(pm.generate(PROMPTS[:1], max_new_tokens=NEW)[0].token_ids) == NEW
+
+
 @pytest.mark.timeout(360)
 def test_ctrl_c_while_consuming_a_stream_leaves_nothing_behind(tiny, probed, baseline,
                                                                figures) -> None:

@@ -702,8 +702,13 @@ class HFBackend:
                 yield item
         finally:
             cancel.set()
-            worker.join()
-            _LIVE_STREAMS.discard(live)
+            try:
+                # (finalised on its own worker, by a garbage collection a probe set
+                # off there: the generation ends at its next token, unwaited)
+                if worker is not threading.current_thread():
+                    worker.join()
+            finally:
+                _LIVE_STREAMS.discard(live)
 
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[tuple[int, ...]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
