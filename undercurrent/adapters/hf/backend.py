@@ -636,17 +636,33 @@ class HFBackend:
                                                batch_params, session, None, None))
         return outputs
 
-    @contextlib.contextmanager
-    def _one_call(self) -> Iterator[None]:
-        """Hold the model for one call (every batch of it): refused when this backend
-        is closed or the model already generates; close() waits for it to end."""
+    def _take_model(self) -> None:
+        """Take the model's lock (caller holds ``_idle``): refused when this backend
+        is closed or the model already generates, or is held by an open stream."""
+        if self._closed:
+            raise BackendError("this HFBackend is closed; load the model again")
+        if not self._lock.acquire(blocking=False):
+            raise BackendError("this model is already generating (one call at a time "
+                               "per model, whichever ProbedModel wraps it: hooks are "
+                               "per model; a stream holds the model until it is "
+                               "exhausted or closed)")
+
+    def _let_go_of_model(self) -> None:
         with self._idle:
-            if self._closed:
-                raise BackendError("this HFBackend is closed; load the model again")
-            if not self._lock.acquire(blocking=False):
-                raise BackendError("this model is already generating (one call at a time "
-                                   "per model, whichever ProbedModel wraps it: hooks are "
-                                   "per model)")
+            self._lock.release()
+            self._idle.notify_all()
+
+    @contextlib.contextmanager
+    def _one_call(self, *, held: bool = False) -> Iterator[None]:
+        """Hold the model for one call (every batch of it): refused when this backend
+        is closed or the model already generates; close() waits for it to end.
+        ``held``: the model's lock is held already, and kept after (a stream's)."""
+        with self._idle:
+            if held:
+                if self._closed:
+                    raise BackendError("this HFBackend is closed; load the model again")
+            else:
+                self._take_model()
             self._generating = threading.get_ident()
             # (the hooks act on this thread's forwards only: see ModelHooks.own)
             self.hooks.own(self._generating)
@@ -656,7 +672,8 @@ class HFBackend:
             with self._idle:
                 self.hooks.own(None)
                 self._generating = None
-                self._lock.release()
+                if not held:
+                    self._lock.release()
                 self._idle.notify_all()
 
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
@@ -664,15 +681,33 @@ class HFBackend:
         """One prompt, one event per token, then a final event with the output.
 
         Generation runs in a worker thread; closing the iterator early (or an
-        interrupt in the consumer) cancels it and waits for its cleanup.
+        interrupt in the consumer) cancels it and waits for its cleanup. The stream
+        holds the model from its first ``next()`` until it is exhausted or closed
+        (as on vLLM): a call started meanwhile is refused, even once the
+        generation has ended; close() waits for the generation only.
         """
+        with self._idle:
+            self._take_model()
+        # The model is let go by the last of this generator and its worker to end:
+        # the generator, unless it is finalised on the worker itself (a garbage
+        # collection a probe set off there), while the worker still generates.
+        holders = [2]
+        holders_lock = threading.Lock()
+
+        def let_go() -> None:
+            with holders_lock:
+                holders[0] -= 1
+                last = holders[0] == 0
+            if last:
+                self._let_go_of_model()
+
         events: queue.Queue[Any] = queue.Queue()
         cancel = threading.Event()
         done = object()
 
         def work() -> None:
             try:
-                with self._one_call():
+                with self._one_call(held=True):
                     (output,) = self._run_batch([prompt], [request_id], params, session,
                                                 events.put, cancel)
                 state = session.requests[request_id]
@@ -686,12 +721,18 @@ class HFBackend:
                 events.put(error)
             finally:
                 events.put(done)
+                let_go()
 
         worker = threading.Thread(target=work, name=f"undercurrent-stream-{request_id}",
                                   daemon=True)
         live = (cancel, worker)
-        _LIVE_STREAMS.add(live)
-        worker.start()
+        try:
+            _LIVE_STREAMS.add(live)
+            worker.start()
+        except BaseException:
+            _LIVE_STREAMS.discard(live)
+            self._let_go_of_model()
+            raise
         try:
             while True:
                 item = events.get()
@@ -709,6 +750,7 @@ class HFBackend:
                     worker.join()
             finally:
                 _LIVE_STREAMS.discard(live)
+                let_go()
 
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[tuple[int, ...]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""
