@@ -251,3 +251,33 @@ def test_a_repeated_steps_token_columns_give_each_record_its_token_and_aborts_ar
     finally:
         server.close()
     assert server.take_error() is None
+
+
+def test_close_ends_the_server_s_thread_while_its_worker_is_connected_but_silent():
+    # (an engine core that died mid-step, or is still shutting down: its worker's
+    # connection stays open, and the thread reading it must still end)
+    server = StepServer(lambda ids: None)
+    worker = Client(server.address, family="AF_UNIX", authkey=server.authkey)
+    try:
+        worker.send_bytes(wire.encode(wire.StepBatch(step=1)))
+        assert wire.decode(worker.recv_bytes()).aborted == []  # (the thread reads again)
+        server.close()
+        assert not server._thread.is_alive()
+    finally:
+        worker.close()
+        server.close()
+
+
+def test_a_server_never_closed_leaves_no_socket_folder_at_exit(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = ("from undercurrent.adapters.vllm.channel import StepServer\n"
+              "server = StepServer(lambda ids: None)\n"
+              "print(server.address)\n")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               timeout=120, check=False, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().startswith(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []

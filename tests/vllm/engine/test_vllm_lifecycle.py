@@ -184,9 +184,10 @@ def test_close_ends_a_stream_left_open(model_dir):
     assert pm.router.live_requests() == ()
 
 
-def test_a_script_that_never_closes_leaves_no_staged_model_behind(tmp_path):
+def test_a_script_that_never_closes_leaves_no_staged_model_or_socket_behind(tmp_path):
     # The bundled model's directory holds a probe file, so vLLM loads a staged copy
-    # of it (links in a temporary directory): removed at exit without close() too.
+    # of it (links in a temporary directory), and the driver listens for the worker
+    # in a folder of its own: both removed at exit without close() too.
     import os
     import subprocess
     import sys
@@ -204,4 +205,4 @@ def test_a_script_that_never_closes_leaves_no_staged_model_behind(tmp_path):
                                env=dict(os.environ, TMPDIR=str(staging)))
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip().splitlines()[-1] == "2"
-    assert not list(staging.glob("undercurrent-vllm-model-*"))
+    assert not list(staging.glob("undercurrent-*"))

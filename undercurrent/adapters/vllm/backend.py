@@ -181,10 +181,15 @@ class VLLMBackend:
                 "last owns the final norm; see docs/vllm.md. Use tensor_parallel_size instead."
             )
         self.server = StepServer(self._abort_in_engine)
-        captures = engine.collective_rpc(
-            "undercurrent_attach", args=(self.server.address, self.server.authkey, os.getpid()))
-        if sum(bool(c) for c in captures) != 1:
-            raise BackendError(f"expected exactly one capturing vLLM worker, got {captures}")
+        try:
+            captures = engine.collective_rpc(
+                "undercurrent_attach", args=(self.server.address, self.server.authkey,
+                                             os.getpid()))
+            if sum(bool(c) for c in captures) != 1:
+                raise BackendError(f"expected exactly one capturing vLLM worker, got {captures}")
+        except BaseException:
+            self.server.close()
+            raise
         eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
         generation_eos = engine.model_config.get_diff_sampling_param().get("stop_token_ids")
         ids = list(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))

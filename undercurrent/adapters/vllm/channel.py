@@ -24,8 +24,11 @@ import logging
 import operator
 import os
 import secrets
+import shutil
+import socket
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
@@ -326,6 +329,15 @@ def local_server(address: str) -> StepServer | None:
     return found[1]
 
 
+def _remove_socket(listener: Listener, directory: str) -> None:
+    """Close ``listener`` (which unlinks its socket) and remove its folder."""
+    try:
+        listener.close()
+    except OSError:
+        pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 class StepServer:
     """Listens for the capturing worker and routes its step batches.
 
@@ -338,6 +350,9 @@ class StepServer:
         self.address = os.path.join(self._directory, "steps.sock")
         self.authkey = secrets.token_bytes(32)
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        # (removed by close(); else at exit, for a script that never closes its model)
+        self._remove_directory = weakref.finalize(self, _remove_socket, self._listener,
+                                                  self._directory)
         self._on_abort = on_abort
         self.lock = threading.RLock()
         self._session: CaptureSession | None = None
@@ -549,21 +564,18 @@ class StepServer:
                 Client(self.address, family="AF_UNIX", authkey=self.authkey).close()
             except (OSError, EOFError, AuthenticationError):
                 pass
-        try:
-            self._listener.close()
-        except OSError:
-            pass
         if self._connection is not None:
+            # Closing the connection does not wake the thread blocked reading it (a
+            # worker that stopped talking: its engine core died mid-step); shutting
+            # the socket down does.
+            try:
+                with socket.socket(fileno=os.dup(self._connection.fileno())) as wake:
+                    wake.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 self._connection.close()
             except OSError:
                 pass
+        self._remove_directory()  # (the listener, its socket and its folder)
         self._thread.join(timeout=5)
-        try:
-            os.unlink(self.address)
-        except OSError:
-            pass
-        try:
-            os.rmdir(self._directory)
-        except OSError:
-            pass
