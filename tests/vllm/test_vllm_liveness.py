@@ -1,5 +1,5 @@
-"""The vLLM backend when its engine fails, without an engine: a fake engine that
-refuses the capture, through the backend's own code."""
+"""The vLLM backend when its engine fails, without an engine: a fake engine whose
+workers died, or that refuses the capture, through the backend's own code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from undercurrent.adapters.base import BackendError
+from undercurrent.adapters.base import BackendError, SamplingParams
 from undercurrent.adapters.vllm import backend as backend_module
 from undercurrent.adapters.vllm.backend import VLLMBackend
 from undercurrent.adapters.vllm.channel import StepServer
@@ -52,6 +52,21 @@ def _no_vllm(monkeypatch):
 def _backend(engine: FakeEngine) -> VLLMBackend:
     return VLLMBackend(engine, SimpleNamespace(eos_token_id=None), model_name="fake",
                        multiprocess=False, prefix_caching=False)
+
+
+def test_a_dead_tensor_parallel_worker_is_named_and_every_later_call_refused():
+    engine = FakeEngine([True, False])
+    backend = _backend(engine)
+    engine.executor.is_failed = True
+    engine.executor.workers = [
+        SimpleNamespace(proc=SimpleNamespace(name="VllmWorker-0", pid=11, exitcode=None)),
+        SimpleNamespace(proc=SimpleNamespace(name="VllmWorker-1", pid=12, exitcode=-9))]
+    for _ in range(2):
+        with pytest.raises(BackendError, match=r"engine is dead \(its worker processes ended: "
+                           r"VllmWorker-1 \(pid 12\) killed by SIGKILL\).*load the model again"):
+            backend.generate(["hi"], ["r0"], SamplingParams(max_new_tokens=2), session=None)
+    backend.close()
+    assert "undercurrent_detach" not in engine.calls  # (a failed executor never answers)
 
 
 def test_a_backend_that_cannot_attach_closes_its_step_server(monkeypatch):

@@ -1,7 +1,8 @@
 """The vLLM backend's lifecycle under misuse: a Ctrl-C landing in the cleanup of an
 interrupted call (or of a stream left early) still ends every request and frees
 the engine; close() from another thread waits for the running call, ends a
-stream left open, and is refused from inside the engine's own call."""
+stream left open, and is refused from inside the engine's own call; an engine
+core process that dies mid-call ends the call with an error naming it."""
 
 from __future__ import annotations
 
@@ -182,6 +183,35 @@ def test_close_ends_a_stream_left_open(model_dir):
     pm.close()
     assert list(stream) == []  # (ended: its requests aborted, the engine freed)
     assert pm.router.live_requests() == ()
+
+
+@pytest.mark.timeout(300)  # (a hang guard: the call waited for good before)
+def test_an_engine_core_killed_mid_call_ends_the_call_with_an_error_naming_it(model_dir):
+    import os
+    import signal
+
+    pm = ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                     max_model_len=256, multiprocess=True,
+                                     spec=[_point("inline")], probes={"recorder": Recorder})
+    (core,) = pm.backend.engine.engine_core.resources.engine_manager.processes
+
+    def kills_the_core(probe: Any, record: Any) -> None:
+        if record.generated_index == 2:  # (the core waits for this step's answer)
+            Recorder.hook = None
+            os.kill(core.pid, signal.SIGKILL)
+
+    Recorder.hook = kills_the_core
+    with pytest.raises(BackendError, match=r"engine died during this call .*pid "
+                       rf"{core.pid}\) killed by SIGKILL.*load the model again"):
+        pm.generate(TEXTS, max_new_tokens=NEW)
+    assert pm.router.live_requests() == ()
+    with pytest.raises(BackendError, match="engine is dead .*killed by SIGKILL.*load the model"):
+        pm.generate(TEXTS[:1], max_new_tokens=NEW)
+    with pytest.raises(BackendError, match="engine is dead"):
+        next(pm.stream(TEXTS[0], max_new_tokens=NEW))
+    pm.close()
+    with pytest.raises(BackendError, match="closed"):
+        pm.generate(TEXTS[:1], max_new_tokens=NEW)
 
 
 def test_a_script_that_never_closes_leaves_no_staged_model_or_socket_behind(tmp_path):

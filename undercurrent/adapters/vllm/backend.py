@@ -45,6 +45,7 @@ from undercurrent.adapters.session import (
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
+from undercurrent.adapters.vllm.liveness import engine_death, watch_engine_core
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.position import PositionKind
@@ -153,6 +154,12 @@ class VLLMBackend:
         self.prefix_caching = prefix_caching
         self._model_name = model_name
         self._closed = False
+        # Set once close() shuts the engine down: a core process ending after that
+        # is no death (see _core_ended).
+        self._shutting_down = False
+        # What died, once the watcher saw the engine core process end (vLLM may not
+        # know yet; it never answers a call again).
+        self._core_death: str | None = None
         self._staging: str | None = None
         self._busy = threading.Lock()
         # The thread whose call holds the engine (None: idle), and the streams
@@ -190,6 +197,15 @@ class VLLMBackend:
         except BaseException:
             self.server.close()
             raise
+        if multiprocess:
+            backend = weakref.ref(self)
+
+            def core_ended() -> None:
+                alive = backend()
+                if alive is not None:
+                    alive._core_ended()
+
+            watch_engine_core(engine, core_ended)
         eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
         generation_eos = engine.model_config.get_diff_sampling_param().get("stop_token_ids")
         ids = list(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
@@ -422,6 +438,29 @@ class VLLMBackend:
 
             core.outputs_queue.put_nowait(EngineCoreOutputs())
 
+    # -- liveness ----------------------------------------------------------
+    def engine_death(self) -> str | None:
+        """What of the engine died (``"its engine core process EngineCore (pid 12)
+        killed by SIGKILL"``), or None while it lives. A dead engine generates no more."""
+        return self._core_death or engine_death(self.engine, self.multiprocess)
+
+    def _core_ended(self) -> None:
+        """The engine core process ended (on the watcher's thread). Unless close()
+        ended it, wake a driver waiting in ``engine.step()`` or in a
+        ``collective_rpc``: vLLM's client tells neither when its core dies."""
+        if self._shutting_down:
+            return
+        self._core_death = engine_death(self.engine, True) or "its engine core process ended"
+        error = BackendError(f"the vLLM engine died: {self._core_death}")
+        core = self.engine.engine_core
+        core.outputs_queue.put_nowait(error)
+        for future in list(getattr(core, "utility_results", {}).values()):
+            if not future.done():
+                try:
+                    future.set_exception(error)
+                except Exception:  # noqa: BLE001 - answered meanwhile
+                    pass
+
     def _take_aborted(self) -> list[str]:
         with self._input_lock:
             aborted, self._aborted = self._aborted, []
@@ -526,6 +565,10 @@ class VLLMBackend:
         with self._idle:
             if self._closed:
                 raise BackendError("this VLLMBackend is closed; load the model again")
+            death = self.engine_death()
+            if death is not None:
+                raise BackendError(f"this vLLM engine is dead ({death}); it cannot generate "
+                                   "any more: close it and load the model again")
             if not self._busy.acquire(blocking=False):
                 raise BackendError("this vLLM engine is already generating (one call at a "
                                    "time per ProbedModel)")
@@ -583,19 +626,25 @@ class VLLMBackend:
                                   final_only=final_only))
                 yield from self._drive(states, params, session, emit_tokens, ctrl_c,
                                        final_only=final_only, hold=hold)
-            except BaseException:
+            except BaseException as error:
+                death = self.engine_death()
                 with ctrl_c_deferred():  # (a second Ctrl-C waits for the cleanup)
                     try:
-                        self._abort_all(list(engine_ids))
+                        if death is None:  # (a dead engine has no request to abort)
+                            self._abort_all(list(engine_ids))
                     finally:
                         session.abandon()
+                if death is not None and isinstance(error, Exception):
+                    raise BackendError(
+                        f"the vLLM engine died during this call ({death}); it cannot generate "
+                        "any more: close it and load the model again") from error
                 raise
         finally:
             with ctrl_c_deferred():
                 try:
                     self.server.end()
                     session.release_plans()  # every request is closed: no plan is read now
-                    if engine_ids:
+                    if engine_ids and self.engine_death() is None:
                         try:
                             self.engine.collective_rpc("undercurrent_release",
                                                        args=(list(engine_ids),))
@@ -853,10 +902,12 @@ class VLLMBackend:
             self._closed = True
             while self._generating is not None:
                 self._idle.wait()
-        try:
-            self.engine.collective_rpc("undercurrent_detach")
-        except Exception:  # noqa: BLE001 - the engine may already be gone
-            pass
+        if self.engine_death() is None:  # (a dead core would never answer)
+            try:
+                self.engine.collective_rpc("undercurrent_detach")
+            except Exception:  # noqa: BLE001 - the engine may be going
+                pass
+        self._shutting_down = True
         self.server.close()
         try:
             self.engine.engine_core.shutdown()
