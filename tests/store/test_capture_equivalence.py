@@ -352,3 +352,19 @@ def test_stored_verdicts_keep_their_integer_keys(tiny, tmp_path):
     verdict = {"by_layer": {np.int64(2): {1: [0.5]}}, "names": {"a": 1}, "mixed": {1: 2, "b": 3}}
     assert verdict_from_json(verdict_to_json(verdict)) == {
         "by_layer": {2: {1: [0.5]}}, "names": {"a": 1}, "mixed": {"1": 2, "b": 3}}
+    # A shard written before the tag (no verdict_keys in its meta, every key a JSON
+    # string) reads alike: a store resumed by this version would mix both forms.
+    import json
+
+    import pandas as pd
+
+    [shard] = (tmp_path / "shards").glob("part*")
+    meta = json.loads((shard / "meta.json").read_text())
+    del meta["verdict_keys"]
+    (shard / "meta.json").write_text(json.dumps(meta))
+    results = pd.read_parquet(shard / "results.parquet")
+    results["verdict"] = [json.dumps(verdict_from_json(v)) for v in results["verdict"]]
+    assert '"final_by_layer": {"' in "".join(results["verdict"])
+    results.to_parquet(shard / "results.parquet")
+    untagged = open_activations(tmp_path).results.set_index("point")["verdict"]
+    assert untagged["harm_trajectory"]["final_by_layer"] == final

@@ -129,8 +129,8 @@ def capture_activations(
     # Every argument is checked before the writer touches out_dir: a call refused
     # for a bad value leaves the directory as it found it, so the corrected call
     # is not refused as "a different capture".
-    check_flag("resume", resume)
-    check_flag("progress", progress)
+    resume = check_flag("resume", resume)
+    progress = check_flag("progress", progress)
     prompts = check_prompts(prompts)
     if not prompts:
         raise ValueError("capture needs at least one prompt; no prompts were given (the "

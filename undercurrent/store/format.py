@@ -335,9 +335,19 @@ def verdict_to_json(verdict: Any) -> str:
     return json.dumps(_tag_int_keys(verdict), default=_plain)
 
 
-def verdict_from_json(text: str) -> Any:
-    """The verdict :func:`verdict_to_json` stored (tuples come back as lists)."""
-    return json.loads(text, object_hook=_untag_int_keys)
+VERDICT_KEYS = "tagged"
+"""A shard's ``meta.json`` ``verdict_keys``: its verdicts' integer-keyed dicts are
+tagged (see :func:`verdict_to_json`). Shards written before have no such entry."""
+
+
+def verdict_from_json(text: str, *, tagged: bool = True) -> Any:
+    """The verdict :func:`verdict_to_json` stored (tuples come back as lists).
+
+    ``tagged=False`` reads a shard written before the tag: JSON had made every
+    integer key a string, so a dict whose keys are all decimal digits gets
+    integer keys back, as the tag would give (a verdict keyed by such strings
+    of its own could not be told apart there)."""
+    return json.loads(text, object_hook=_untag_int_keys if tagged else _digit_keys)
 
 
 def _tag_int_keys(value: Any) -> Any:
@@ -357,6 +367,12 @@ def _tag_int_keys(value: Any) -> Any:
 def _untag_int_keys(value: dict[str, Any]) -> Any:
     if len(value) == 1 and isinstance(value.get(_INT_KEYS), dict):
         return {int(key): item for key, item in value[_INT_KEYS].items()}
+    return value
+
+
+def _digit_keys(value: dict[str, Any]) -> Any:
+    if value and all(key.isascii() and key.isdigit() for key in value):
+        return {int(key): item for key, item in value.items()}
     return value
 
 

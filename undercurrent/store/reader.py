@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from undercurrent.store.format import (
     OUTPUT_SCHEMA,
     RESULT_SCHEMA,
     STORE_FORMAT,
+    VERDICT_KEYS,
     Reduction,
     StoreError,
     bfloat16_bits_to_float32,
@@ -150,19 +151,32 @@ class ActivationStore:
         import pandas as pd
 
         if self._results is None:
-            frame = self._concat("results.parquet", RESULT_SCHEMA)
-            frame["verdict"] = pd.Series([verdict_from_json(v) for v in frame["verdict"]],
-                                         index=frame.index, dtype=object)
-            self._results = frame
+            def decoded(frame: Any, meta: dict[str, Any]) -> Any:
+                # (a shard written before verdicts tagged their integer keys: read
+                # as the tag would have, so every row of a mixed store reads alike)
+                tagged = meta.get("verdict_keys") == VERDICT_KEYS
+                frame["verdict"] = pd.Series(
+                    [verdict_from_json(v, tagged=tagged) for v in frame["verdict"]],
+                    index=frame.index, dtype=object)
+                return frame
+
+            self._results = self._concat("results.parquet", RESULT_SCHEMA, decoded)
         return self._results
 
-    def _concat(self, name: str, schema: Sequence[tuple[str, str]]) -> Any:
+    def _concat(self, name: str, schema: Sequence[tuple[str, str]],
+                each: Callable[[Any, dict[str, Any]], Any] | None = None) -> Any:
+        """The shards' ``name`` frames, one after another (``each``: applied to each
+        shard's frame with its meta first)."""
         import pandas as pd
 
         # (every shard has its index and outputs, checked at open; results.parquet
         # is missing from shards of early writers that had no results)
-        frames = [pd.read_parquet(self.path / "shards" / shard / name)
-                  for shard in self._shards if (self.path / "shards" / shard / name).exists()]
+        frames = []
+        for shard, meta in self._shards.items():
+            path = self.path / "shards" / shard / name
+            if path.exists():
+                frame = pd.read_parquet(path)
+                frames.append(frame if each is None else each(frame, meta))
         if not frames:  # (no committed shard yet: no rows, the same columns)
             return _object_strings(empty_frame(schema))
         return _object_strings(pd.concat(frames, ignore_index=True))

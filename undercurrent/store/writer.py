@@ -29,6 +29,7 @@ from undercurrent.store.format import (
     SHARDS,
     STORE_FORMAT,
     TMP_PREFIX,
+    VERDICT_KEYS,
     Reduction,
     StoreError,
     StoreOverflowWarning,
@@ -406,7 +407,7 @@ class _OpenShard:
         write_json(self.tmp / "meta.json", {
             "format": STORE_FORMAT, "shard": self.name, "points": self.points,
             "prompt_indices": self.prompt_indices, "vectors": self.vectors,
-            "storage_dtype": storage_dtype})
+            "storage_dtype": storage_dtype, "verdict_keys": VERDICT_KEYS})
         fsync_dir(self.tmp)
         os.rename(self.tmp, self.root / SHARDS / self.name)
         fsync_dir(self.root / SHARDS)
