@@ -195,7 +195,7 @@ class ProbedModel:
                 "load it with ProbedModel.from_pretrained(path, spec=...)"
             )
         check_batch_size(batch_size, optional=False)
-        check_flag("capture_last_token", capture_last_token)
+        capture_last_token = check_flag("capture_last_token", capture_last_token)
         _check_construction(backend, router, on_result)
         self.backend: Backend
         if _is_backend(model):

@@ -13,10 +13,14 @@ from typing import Any
 
 
 def check_flag(name: str, value: Any, *, optional: bool = False) -> Any:
-    """``value`` when it is a bool (or None where ``optional``); else a ``TypeError``
-    naming ``name`` ("no" is not False)."""
+    """``value`` as a bool when it is one, a numpy bool included (``mask.any()``), or
+    None where ``optional``; else a ``TypeError`` naming ``name`` ("no" is not
+    False, nor is 0)."""
     if isinstance(value, bool) or (optional and value is None):
         return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
     raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, got "
                     f"{type(value).__name__} ({value!r:.40})")
 

@@ -174,6 +174,12 @@ def test_a_frame_without_tensors_is_refused_and_a_tensor_column_frame_still_read
 
 
 def test_tensors_takes_true_or_false_only(records):
+    kept = records_frame(records, tensors=np.bool_(True))  # (mask.any() gives one)
+    np.testing.assert_array_equal(activation_matrix(kept),
+                                  activation_matrix(records_frame(records)))
+    with pytest.raises(TypeError, match=r"records_frame: tensors must be True or False, got "
+                                        r"int \(1\)"):
+        records_frame(records, tensors=1)
     with pytest.raises(TypeError, match=r"records_frame: tensors must be True or False, got "
                                         r"str \('no'\)"):
         records_frame(records, tensors="no")
@@ -184,6 +190,10 @@ def test_select_rows_keeps_the_rows_of_any_value_a_list_gives(records):
     both = select_rows(frame, layer=[0, 1], request=("req0",))
     assert both.index.tolist() == frame.index[frame.request == "req0"].tolist()
     assert select_rows(frame, layer=np.array([1])).equals(select_rows(frame, layer=1))
+    # a 0-d array or tensor is its one value (it raised "iteration over a 0-d array")
+    torch = pytest.importorskip("torch")
+    for one in (np.array(1), np.int64(1), torch.tensor(1)):
+        assert select_rows(frame, layer=one).equals(select_rows(frame, layer=1))
 
 
 def test_label_rows_by_a_column_the_frame_lacks_names_its_columns(records):

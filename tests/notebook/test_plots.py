@@ -306,6 +306,11 @@ def test_projection_refuses_rows_of_several_layers_as_a_fit_does():
         projection_figure(frame, labels)
     with pytest.raises(ValueError, match=r"^fit_linear_probe: the frame mixes layers \[0, 1\]"):
         fit_linear_probe(frame, labels)
+    # (a list of several layers, which select_rows reads as "any of": rows of both)
+    for read in (projection_figure, fit_linear_probe):
+        with pytest.raises(ValueError, match=rf"^{read.__name__}: layer=\[0, 1\] selects layers "
+                                             r"\[0, 1\], and \w+ reads one"):
+            read(frame, labels, layer=[0, 1])
     two_points = records_frame(make_records(requests=4, layers=(0, 1), hidden=5)
                                + make_records(requests=4, layers=(0,), hidden=5, point="other"))
     with pytest.raises(ValueError, match=r"mixes points \['other', 'resid'\].*point='other'"):

@@ -75,8 +75,8 @@ class SamplingParams:
         if self.seed is not None and not 0 <= int(self.seed) < 2**63:
             raise ValueError(f"seed must be in [0, 2**63) (torch.manual_seed's range), got "
                              f"{self.seed}")
-        check_flag("capture_last_token", self.capture_last_token)
-        check_flag("prompt_only", self.prompt_only)
+        for flag in ("capture_last_token", "prompt_only"):
+            object.__setattr__(self, flag, check_flag(flag, getattr(self, flag)))
         if self.prompt_only and (self.max_new_tokens != 1 or self.capture_last_token):
             raise ValueError("prompt_only runs the prompt's forward pass alone: it takes "
                              "max_new_tokens=1 and no capture_last_token")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from undercurrent.analysis._inputs import (
     flatten_records,
@@ -462,9 +462,11 @@ def select_one_site(
     selected = _selected_rows(frame, caller, point=point, layer=layer, tensor_type=tensor_type)
     for column, chosen in (("layer", layer), ("point", point), ("tensor_type", tensor_type)):
         values = sorted(selected[column].unique().tolist())
-        if chosen is None and len(values) > 1:
+        if len(values) > 1:
+            # (unasked, or asked for with a list of several: select_rows keeps any)
+            rows = "the frame mixes" if chosen is None else f"{column}={chosen!r} selects"
             raise ValueError(
-                f"{caller}: the frame mixes {column}s {values}, and {caller} reads one; "
+                f"{caller}: {rows} {column}s {values}, and {caller} reads one; "
                 f"pass {column}=... (e.g. {column}={values[0]!r})"
             )
     return selected
@@ -570,6 +572,8 @@ def select_rows(
             continue
         if column not in frame.columns:
             raise ValueError(f"cannot filter on {column!r}: the frame has no such column")
+        if getattr(wanted, "ndim", None) == 0:  # (a numpy or torch scalar: its value)
+            wanted = cast(Any, wanted).item()
         if isinstance(wanted, str | bytes) or not isinstance(wanted, Iterable):
             condition = frame[column] == wanted
         else:
