@@ -351,6 +351,38 @@ def test_forwards_a_probe_runs_during_routing_are_not_captured(tokenizer):
         assert all(result.error is None for result in lens.results.values())
 
 
+def test_a_probe_s_forward_while_the_last_token_replay_is_routed_is_not_steered(tokenizer):
+    # capture_last_token: the replay's records were routed after its forward, and a
+    # probe's model(...) then looked like the generation's own: steered by its
+    # edits, captured by its plan (or failing in a hook on another shape).
+    from undercurrent.spec.types import Edit
+
+    model = build_model("llama")
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10] * 2] * 3)
+    with torch.no_grad():
+        clean = model(ids).logits
+    steered: list[tuple[int, float]] = []
+
+    class Lens(_Scores):
+        def on_activation(self, record):
+            with torch.no_grad():
+                diff = float((model(ids).logits - clean).abs().max())
+            if diff:
+                steered.append((record.token_index, diff))
+            return super().on_activation(record)
+
+    edit = Edit(name="push", layers=(0,), tensor_type="residual_stream",
+                position="generated[*]", op="add", vector=[1.0] * 32, coefficient=4.0)
+    with ProbedModel(model, tokenizer, spec=_lens_spec("lens"),
+                     probes={"lens": Lens, "none": _Scores}) as pm:
+        outputs = pm.generate(PROMPTS, max_new_tokens=4, edits=[edit], capture_last_token=True)
+    assert steered == []
+    assert all(result.error is None for output in outputs for result in output.results.values())
+    # (the replay's records reached the probe: one per generated token, the last too)
+    assert all(output.results["lens"].stats.processed == len(output.token_ids)
+               for output in outputs)
+
+
 @pytest.mark.timeout(120)
 def test_another_thread_using_the_model_during_a_generation_leaves_it_untouched(tokenizer):
     # Building a second ProbedModel on the model (its kv check runs one forward) and

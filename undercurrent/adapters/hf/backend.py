@@ -833,7 +833,7 @@ class HFBackend:
                         input_ids=input_ids, attention_mask=attention_mask,
                         stopping_criteria=[driver.after_token],
                         use_cache=True, **self.sampling_kwargs(params))
-                    self.hooks.flush(session)
+                    self.hooks.flush_outside(session)
                     if params.capture_last_token:
                         self._capture_last_tokens(states, session)
                 # Every forward reaches the router before any request is closed.
@@ -915,7 +915,8 @@ class HFBackend:
         self.hooks.plan = plan
         self.hooks.new_cache()
         self.model(input_ids=input_ids, **kwargs)
-        self.hooks.flush(session)
+        self.hooks.flush_outside(session)
+        self.hooks.plan = None
 
     def check_closable(self) -> None:
         """Refuse a close() from inside this backend's own generation (a probe or a

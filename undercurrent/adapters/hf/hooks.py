@@ -543,6 +543,16 @@ class ModelHooks:
         gathered = torch.stack([keys[rows, :, pos], values[rows, :, pos]], dim=1)
         self._queue(TensorType.KV, targets, gathered)
 
+    def flush_outside(self, session: CaptureSession) -> None:
+        """:meth:`flush`, called after a forward rather than from it (the last rows
+        of ``generate()``, the last-token replay): routed as a forward's are, so a
+        forward a probe runs meanwhile is not taken for the generation's."""
+        self._routing, self._depth, self._active = True, 1, None
+        try:
+            self.flush(session)
+        finally:
+            self._routing, self._depth = False, 0
+
     def flush(self, session: CaptureSession) -> None:
         """Route everything captured in the forward that just ran."""
         if not self._pending:
