@@ -206,6 +206,18 @@ def test_two_probed_models_on_one_model_generate_one_at_a_time() -> None:
         assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
 
 
+def test_closing_a_probed_model_ends_its_open_stream_and_lets_the_model_go() -> None:
+    # close() waited for the generation only: the stream left open held the model,
+    # and every other ProbedModel of it was refused "already generating".
+    model = gpt2_with_short_context()
+    first = ProbedModel(model, build_tokenizer())
+    events = first.stream(words(3), max_new_tokens=4)
+    next(events)
+    first.close()
+    with ProbedModel(model, build_tokenizer()) as second:
+        assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
+
+
 # -- context length -------------------------------------------------------------
 
 @pytest.mark.parametrize(("prompt_len", "max_new_tokens"),

@@ -526,6 +526,7 @@ class HFBackend:
         # it, so a generation is never cut short by its hooks going away.
         self._generating: int | None = None
         self._idle = threading.Condition()
+        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()  # (see close())
         pad = getattr(tokenizer, "pad_token_id", None)
         eos = self._eos_ids()
         if pad is None:
@@ -678,13 +679,21 @@ class HFBackend:
 
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
+        """One prompt, one event per token, then a final event with the output
+        (see :meth:`_stream`); close() ends it if it is still open then."""
+        events = self._stream(prompt, request_id, params, session)
+        self._streams.add(events)
+        return events
+
+    def _stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
+                session: CaptureSession) -> Iterator[StreamEvent]:
         """One prompt, one event per token, then a final event with the output.
 
         Generation runs in a worker thread; closing the iterator early (or an
         interrupt in the consumer) cancels it and waits for its cleanup. The stream
         holds the model from its first ``next()`` until it is exhausted or closed
         (as on vLLM): a call started meanwhile is refused, even once the
-        generation has ended; close() waits for the generation only.
+        generation has ended; close() ends it.
         """
         with self._idle:
             self._take_model()
@@ -931,10 +940,17 @@ class HFBackend:
                                "call has returned")
 
     def close(self) -> None:
-        """Remove every hook; the model behaves exactly as before. A generation
-        running in another thread (or an open stream's) ends first: close() waits
-        for it, and no call starts after. Called from inside this backend's own
+        """Remove every hook; the model behaves exactly as before. A stream still
+        open is ended (as on vLLM); a generation running in another thread ends
+        first: close() waits for it, and no call starts after. Called from inside this backend's own
         generation (a probe or a callback), it is refused."""
+        self.check_closable()
+        for stream in list(self._streams):
+            if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:
+                # (its generation is cancelled and joined, and the model let go: a
+                # stream left open would hold it for every other ProbedModel)
+                with contextlib.suppress(ValueError):  # (being read in another thread)
+                    stream.close()
         with self._idle:
             self.check_closable()
             self._closed = True
