@@ -933,8 +933,13 @@ class HFBackend:
         while the model generates: an async worker, a blocking probe's helper):
         waiting there would wait for itself, or for a generation that waits for it."""
         generating = self._generating
-        if generating is not None and (generating == threading.get_ident()
-                                       or on_probe_thread()):
+        if generating is not None and on_probe_thread():
+            raise BackendError(
+                "close() was called from a probe's thread (an async worker or a blocking "
+                "probe's helper) while this model generates: the generation may wait for "
+                "that probe, so close() cannot wait for it; close it once the call has "
+                "returned")
+        if generating is not None and generating == threading.get_ident():
             raise BackendError("close() was called from inside this model's own "
                                "generation (a probe or a callback); close it once the "
                                "call has returned")

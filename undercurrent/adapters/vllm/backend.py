@@ -879,9 +879,10 @@ class VLLMBackend:
         suspended on this thread is not running: close() ends it."""
         generating = self._generating
         if generating is not None and on_probe_thread():
-            raise BackendError("close() was called from inside this engine's own "
-                               "generation (a probe on the router's threads); close it "
-                               "once the call has returned")
+            raise BackendError(
+                "close() was called from a probe's thread (an async worker or a blocking "
+                "probe's helper) while this engine generates: the call may wait for that "
+                "probe, so close() cannot wait for it; close it once the call has returned")
         if generating == threading.get_ident() and not any(
                 inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED
                 for stream in list(self._streams)):
