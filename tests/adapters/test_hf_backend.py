@@ -383,6 +383,31 @@ def test_a_probe_s_forward_while_the_last_token_replay_is_routed_is_not_steered(
                for output in outputs)
 
 
+def test_a_model_whose_weights_accelerate_offloads_is_probed_like_the_model(tokenizer):
+    # cpu_offload leaves the parameters on the meta device: the kv check's forward
+    # (and each call's inputs) went there, and ProbedModel(...) failed with "Cannot
+    # copy out of meta tensor". Inputs go to accelerate's execution device.
+    accelerate = pytest.importorskip("accelerate")
+    model = build_model("llama")
+    point = ExtractionPoint(name="resid", layers=(0, 1), tensor_type="residual_stream",
+                            position="prompt[-1]", probe_type="capture",
+                            probe_kind="single_shot")
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+        plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                               do_sample=False)[0, ids.shape[1]:].tolist()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    assert next(model.parameters()).device.type == "meta"
+    with ProbedModel(model, tokenizer, spec=[point]) as pm:
+        (prompt,) = pm.prompt_activations([PROMPTS[0]])
+        (output,) = pm.generate([PROMPTS[0]], max_new_tokens=4)
+    assert list(prompt.prompt_token_ids) == ids[0].tolist() and len(prompt.records) == 2
+    for record in prompt.records:
+        torch.testing.assert_close(record.tensor, hidden[record.layer + 1][0, record.token_index])
+    assert list(output.token_ids) == plain[:len(output.token_ids)]
+
+
 @pytest.mark.timeout(120)
 def test_another_thread_using_the_model_during_a_generation_leaves_it_untouched(tokenizer):
     # Building a second ProbedModel on the model (its kv check runs one forward) and

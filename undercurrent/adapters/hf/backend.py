@@ -45,7 +45,7 @@ from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.context import context_problem
 from undercurrent.adapters.hf.architectures import text_config
-from undercurrent.adapters.hf.hooks import ModelHooks
+from undercurrent.adapters.hf.hooks import ModelHooks, model_device
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import (
@@ -615,8 +615,7 @@ class HFBackend:
 
     @property
     def device(self) -> torch.device:
-        device: torch.device = next(self.model.parameters()).device
-        return device
+        return model_device(self.model)
 
     # -- generation --------------------------------------------------------
     def generate(self, prompts: Sequence[PromptInput], request_ids: Sequence[str],

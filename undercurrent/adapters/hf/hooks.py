@@ -70,6 +70,20 @@ except ImportError:  # pragma: no cover - older transformers: no per-layer class
     _UNREADABLE_CACHE_LAYERS = ()
 
 
+def model_device(model: Any) -> torch.device:
+    """The device ``model``'s forward runs on: for a model whose weights accelerate
+    offloads (``cpu_offload``, ``device_map`` with offload; its parameters then sit
+    on the meta device), accelerate's execution device; else its first parameter's."""
+    found: torch.device = next(model.parameters()).device
+    if found.type != "meta":
+        return found
+    for module in model.modules():  # (cpu_offload hooks each module, not the model)
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return found
+
+
 def _first_tensor(output: Any) -> torch.Tensor:
     """Modules return a tensor, a tuple (tensor first) or a ModelOutput."""
     if isinstance(output, torch.Tensor):
@@ -203,8 +217,7 @@ class ModelHooks:
 
         handle = self.layers[0].register_forward_hook(look, with_kwargs=True)
         try:
-            device = next(self.model.parameters()).device
-            ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+            ids = torch.zeros((1, 1), dtype=torch.long, device=model_device(self.model))
             with torch.no_grad():
                 self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
         finally:
@@ -308,7 +321,7 @@ class ModelHooks:
             raise ValueError(f"ModelHooks.offload must be 'auto', 'always' or 'never', "
                              f"got {self.offload!r}")
         self.finish_delivery(raise_errors=False)
-        on_cuda = next(self.model.parameters()).device.type == "cuda"
+        on_cuda = model_device(self.model).type == "cuda"
         wanted = self.offload == "always" or (self.offload == "auto" and on_cuda)
         if wanted and all_async(list(states)):
             self._delivery = DeliveryThread(session)
