@@ -946,8 +946,8 @@ class HFBackend:
     def close(self) -> None:
         """Remove every hook; the model behaves exactly as before. A stream still
         open is ended (as on vLLM); a generation running in another thread ends
-        first: close() waits for it, and no call starts after. Called from inside this backend's own
-        generation (a probe or a callback), it is refused."""
+        first: close() waits for it, and no call starts after. Called from inside
+        this backend's own generation (a probe or a callback), it is refused."""
         self.check_closable()
         for stream in list(self._streams):
             if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:
