@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from hf_models import build_tokenizer, prompt  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.spec.types import ExtractionPoint  # noqa: E402
 
 POSITIONS = 64
 
@@ -204,6 +205,30 @@ def test_two_probed_models_on_one_model_generate_one_at_a_time() -> None:
         exhausted = list(first.stream(words(3), max_new_tokens=2))
         assert exhausted[-1].finished
         assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("call", ["generate", "prompt_activations"])
+def test_a_prompt_past_the_context_in_a_later_batch_is_named_before_any_batch_runs(
+        call, tmp_path) -> None:
+    # Each batch checked its own prompts as it came: prompt 5 of 6 at batch_size=2
+    # was named "prompt 1", after the first two batches had run.
+    texts = [words(3)] * 5 + [words(65)]
+    ran: list[Any] = []
+    with ProbedModel(gpt2_with_short_context(), build_tokenizer(), batch_size=2,
+                     on_result=ran.append, spec=[ExtractionPoint(
+                         name="p", layers=(0,), tensor_type="residual_stream",
+                         position="prompt[-1]", probe_type="capture",
+                         probe_kind="single_shot")]) as pm:
+        run = getattr(pm, call)
+        with pytest.raises(ValueError, match=r"^prompt 5 has 65 tokens"):
+            run(texts, **({"max_new_tokens": 1} if call == "generate" else {}))
+        assert ran == []
+        # capture() calls generate() once per chunk: every prompt of the part is
+        # checked before the store is made
+        with pytest.raises(ValueError, match=r"^prompt 5 has 65 tokens"):
+            pm.capture(texts, tmp_path / "store", max_new_tokens=1, batch_size=2,
+                       progress=False)
+        assert ran == [] and not (tmp_path / "store").exists()
 
 
 def test_closing_a_probed_model_ends_its_open_stream_and_lets_the_model_go() -> None:

@@ -154,6 +154,7 @@ def capture_activations(
     grid = (batch_size if model.backend.name != "vllm" and seed is not None
             and settings.sampling["temperature"] > 0 else None)
     sampling = settings.sampling if grid is None else {**settings.sampling, "batch_size": grid}
+    generation = generation_identity(model)
     identity = {
         "model": model.backend.model_name,
         "points": [extraction_point_to_dict(point) for point in model.points],
@@ -161,12 +162,17 @@ def capture_activations(
         "storage_dtype": settings.storage_dtype,
         "sampling": sampling,
         "prompts": {"count": len(prompts), "sha256": prompts_digest(prompts)},
-        "generation": generation_identity(model),
+        "generation": generation,
     }
+    mine = part_range(index, count, len(prompts), grid or 1)
+    check_context = getattr(model.backend, "check_context", None)
+    if check_context is not None:  # (each chunk is a call of its own: all, before any)
+        fed = SamplingParams(max_new_tokens=max_new_tokens,
+                             capture_last_token=generation["capture_last_token"])
+        check_context([prompts[k] for k in mine], fed, list(mine))
     started = time.perf_counter()
     writer = StoreWriter(out_dir, identity, part_name(index, count), resume=resume,
                          shard_prompts=shard_prompts)
-    mine = part_range(index, count, len(prompts), grid or 1)
     todo = [k for k in mine if k not in writer.completed]
     bar = _progress(len(todo), len(mine) - len(todo), progress)
     try:

@@ -623,6 +623,8 @@ class HFBackend:
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """Batched generation (``batch_size`` prompts per ``generate()`` call)."""
         size = batch_size or self.batch_size
+        if len(prompts) > size:  # (one batch checks itself, in _run_batch)
+            self.check_context(prompts, params)  # (every batch's, before any runs)
         outputs: list[GenerationOutput] = []
         with self._one_call():
             for start in range(0, len(prompts), size):
@@ -871,7 +873,17 @@ class HFBackend:
         finally:
             session.release_plans()  # every request is closed: nothing reads the plans now
 
-    def _check_context(self, encoded: Sequence[Sequence[int]], params: SamplingParams) -> None:
+    def check_context(self, prompts: Sequence[PromptInput], params: SamplingParams,
+                      indices: Sequence[int] | None = None) -> None:
+        """Refuse, before anything runs, a prompt of ``prompts`` that cannot fit the
+        model's context with ``max_new_tokens`` after it, naming it by its place in
+        ``indices`` (default: in ``prompts``): a call of several batches, or a
+        capture of several calls, checks every prompt before the first runs."""
+        _, encoded = self._tokenize(list(prompts))
+        self._check_context(encoded, params, indices)
+
+    def _check_context(self, encoded: Sequence[Sequence[int]], params: SamplingParams,
+                       indices: Sequence[int] | None = None) -> None:
         """Refuse, before anything runs, a prompt that cannot fit the model's context
         with ``max_new_tokens`` after it (past it, learned position embeddings fail
         with an index error and rotary ones silently degrade)."""
@@ -881,7 +893,8 @@ class HFBackend:
         for index, ids in enumerate(encoded):
             problem = context_problem(len(ids), params, limit)
             if problem is not None:
-                raise ValueError(f"prompt {index} {problem}")
+                raise ValueError(f"prompt {index if indices is None else indices[index]} "
+                                 f"{problem}")
 
     def _final_text(self, state: RequestState, params: SamplingParams) -> str:
         text = self._decode(state.generated)  # (decode(), without its copy: a list already)

