@@ -365,16 +365,26 @@ class ProbedModel:
         if len(prompt_edits) != len(request_ids):
             raise ValueError(f"{accepted}, got {len(prompt_edits)} entries")
         for index, extra in enumerate(prompt_edits):
-            if isinstance(extra, (str, bytes)) or not isinstance(
-                    extra, (Iterable, Mapping, Edit, type(None))):
+            if isinstance(extra, (Mapping, Edit)):
+                raise TypeError(f"{accepted}; prompt_edits[{index}] is a single "
+                                f"{type(extra).__name__}: wrap it in a list")
+            if isinstance(extra, (str, bytes)) or not isinstance(extra, (Iterable, type(None))):
                 raise TypeError(f"{accepted}; prompt_edits[{index}] is "
                                 f"{type(extra).__name__} ({extra!r:.40})")
         call_edits = ("edits", [resolved.edit for resolved in shared])
-        per_request = {request_id: self._register_edits([spec_edits, call_edits],
-                                                        f"prompt_edits[{index}]", extra)
-                       for index, (request_id, extra) in enumerate(
-                           zip(request_ids, prompt_edits, strict=True))
-                       if extra}
+        per_request: dict[str, list[Any]] = {}
+        problems = []  # (every prompt's, reported at once)
+        for index, (request_id, extra) in enumerate(zip(request_ids, prompt_edits,
+                                                        strict=True)):
+            if not extra:
+                continue
+            try:
+                per_request[request_id] = self._register_edits(
+                    [spec_edits, call_edits], f"prompt_edits[{index}]", extra)
+            except SpecValidationError as error:
+                problems += error.problems
+        if problems:
+            raise SpecValidationError(problems)
         return shared, per_request
 
     def _session(self, records: bool, edits: Sequence[Any] = (),

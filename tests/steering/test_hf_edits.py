@@ -404,3 +404,14 @@ def test_a_call_time_edit_problem_names_the_list_and_position_the_user_wrote(tin
             with pytest.raises(SpecValidationError) as caught:
                 probed.generate(two, max_new_tokens=1, **arguments)
             assert message in str(caught.value), (arguments, str(caught.value))
+        # every prompt's problems at once (it stopped at the first prompt's)
+        with pytest.raises(SpecValidationError) as caught:
+            probed.generate(two, max_new_tokens=1, prompt_edits=[
+                [edit(name="x", vector=torch.ones(3))], [edit(name="y", vector=torch.ones(3))]])
+        assert "prompt_edits[0][0] (name 'x')" in str(caught.value)
+        assert "prompt_edits[1][0] (name 'y')" in str(caught.value)
+        # one edit where a prompt's list belongs: named as prompt_edits[i]
+        for single in (edit(name="z"), {"name": "z"}):
+            with pytest.raises(TypeError, match=r"prompt_edits\[1\] is a single \w+: wrap "
+                                                r"it in a list"):
+                probed.generate(two, max_new_tokens=1, prompt_edits=[None, single])
