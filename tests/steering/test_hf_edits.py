@@ -304,7 +304,7 @@ def test_edits_and_prompt_edits_of_the_wrong_shape_are_refused_naming_the_argume
         tiny.generate(PROMPTS[0], prompt_edits=[5])
     with pytest.raises(TypeError, match=r"prompt_edits must be a list .* got str"):
         tiny.generate(PROMPTS[0], prompt_edits="steer")
-    with pytest.raises(TypeError, match="got a single Edit; wrap it in a list"):
+    with pytest.raises(TypeError, match=r"prompt_edits\[0\] is a single Edit: wrap it in a list"):
         tiny.generate(PROMPTS[0], prompt_edits=[edit()])
     v = direction(seed=5)
     listed = tiny.generate(PROMPTS[:2], max_new_tokens=NEW,

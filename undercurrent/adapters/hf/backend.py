@@ -879,6 +879,8 @@ class HFBackend:
         model's context with ``max_new_tokens`` after it, naming it by its place in
         ``indices`` (default: in ``prompts``): a call of several batches, or a
         capture of several calls, checks every prompt before the first runs."""
+        if not prompts:  # (a capture part may have none)
+            return
         _, encoded = self._tokenize(list(prompts))
         self._check_context(encoded, params, indices)
 

@@ -393,6 +393,8 @@ class VLLMBackend:
         engine's ``max_model_len`` (see :meth:`_check_context`), naming it by its
         place in ``indices`` (default: in ``prompts``): a capture of several calls
         checks every prompt before the first runs."""
+        if not prompts:  # (a capture part may have none)
+            return
         _, encoded = tokenize_prompts(list(prompts), self.tokenizer, self.vocab_size)
         self._check_context(params, [len(ids) for ids in encoded], indices)
 
