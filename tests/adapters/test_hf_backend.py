@@ -387,8 +387,10 @@ def test_a_model_whose_weights_accelerate_offloads_is_probed_like_the_model(toke
     # cpu_offload leaves the parameters on the meta device: the kv check's forward
     # (and each call's inputs) went there, and ProbedModel(...) failed with "Cannot
     # copy out of meta tensor". Inputs go to accelerate's execution device.
+    import copy
+
     accelerate = pytest.importorskip("accelerate")
-    model = build_model("llama")
+    model = copy.deepcopy(build_model("llama"))  # (build_model's is shared: not offloaded)
     point = ExtractionPoint(name="resid", layers=(0, 1), tensor_type="residual_stream",
                             position="prompt[-1]", probe_type="capture",
                             probe_kind="single_shot")
