@@ -200,12 +200,9 @@ def test_close_from_another_thread_waits_for_the_running_generation(tiny, baseli
         {name: v[name] for name in kept} for v in _verdicts(baseline)]
 
 
-def test_close_from_inside_the_model_s_own_generation_is_refused(tiny) -> None:
-    # (waiting there would wait for itself)
+def _closing_probe(holder: dict[str, Any]) -> type:
+    """A probe that closes ``holder["pm"]`` at generated token 1."""
     from reliability_support import Recorder
-
-    model, tokenizer = tiny
-    holder: dict[str, Any] = {}
 
     class Closes(Recorder):
         def on_activation(self, record: Any) -> Any:
@@ -213,6 +210,14 @@ def test_close_from_inside_the_model_s_own_generation_is_refused(tiny) -> None:
                 holder["pm"].close()
             return super().on_activation(record)
 
+    return Closes
+
+
+def test_close_from_inside_the_model_s_own_generation_is_refused(tiny) -> None:
+    # (waiting there would wait for itself)
+    model, tokenizer = tiny
+    holder: dict[str, Any] = {}
+    Closes = _closing_probe(holder)
     with ProbedModel(model, tokenizer, spec=[point("closes", probe_type="closes")],
                      probes={"closes": Closes}) as pm:
         holder["pm"] = pm
@@ -232,17 +237,9 @@ def test_close_from_a_probe_on_the_router_s_threads_is_refused_while_generating(
     # that closed the model mid-generation was not refused: close() waited for the
     # generation, which waited for that probe (the drain at the request's end, or
     # the blocking timeout), and the probe's results were lost.
-    from reliability_support import Recorder
-
     model, tokenizer = tiny
     holder: dict[str, Any] = {}
-
-    class Closes(Recorder):
-        def on_activation(self, record: Any) -> Any:
-            if record.generated_index == 1:
-                holder["pm"].close()
-            return super().on_activation(record)
-
+    Closes = _closing_probe(holder)
     with ProbedModel(model, tokenizer, spec=[point("closes", probe_type="closes", **where)],
                      probes={"closes": Closes}) as pm:
         holder["pm"] = pm
