@@ -4,6 +4,7 @@ one plain transformers ``generate()`` actually has."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from functools import cache
 from typing import Any
@@ -183,25 +184,29 @@ def test_a_seeded_call_samples_repeated_prompts_apart_and_reproducibly(probed) -
 
 def test_two_probed_models_on_one_model_generate_one_at_a_time() -> None:
     # The lock was per ProbedModel: two on one model ran together and mixed their
-    # hooks' captures. A stream holds the model's lock until it is exhausted or
-    # closed (it was let go when the stream's generation ended, so whether a call
-    # started meanwhile ran depended on timing).
+    # hooks' captures. A stream holds the model's lock until its final event is
+    # read, or it is closed (it was let go when the stream's generation ended, so
+    # whether a call started meanwhile ran depended on timing; then it was held
+    # after the final event too, until the stream was collected).
     model = gpt2_with_short_context()
     with ProbedModel(model, build_tokenizer()) as first, \
             ProbedModel(model, build_tokenizer()) as second:
         events = first.stream(words(3), max_new_tokens=4)
         next(events)  # holds the model from here
-        with pytest.raises(Exception, match="this model is already generating"):
-            second.generate([words(3)], max_new_tokens=1)
-        for event in events:
-            if event.finished:  # (its generation is over: the worker sent the output)
-                break
-        with pytest.raises(Exception, match="a stream holds the model until it is exhausted"):
+        with pytest.raises(Exception, match="a stream holds the model until its final event"):
             second.generate([words(3)], max_new_tokens=1)
         with pytest.raises(Exception, match="this model is already generating"):
             next(first.stream(words(3), max_new_tokens=1))
         events.close()
         assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
+        events = first.stream(words(3), max_new_tokens=4)
+        for event in events:
+            if event.finished:
+                break
+        # read to its final event and left: the model is free, the stream not closed
+        assert inspect.getgeneratorstate(events) == inspect.GEN_SUSPENDED
+        assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
+        assert list(events) == []
         exhausted = list(first.stream(words(3), max_new_tokens=2))
         assert exhausted[-1].finished
         assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2

@@ -184,6 +184,23 @@ def test_close_ends_a_stream_left_open(model_dir):
     assert pm.router.live_requests() == ()
 
 
+def test_a_stream_read_to_its_final_event_lets_the_engine_go(model_dir):
+    # A stream left with ``break`` at its final event held the engine (its
+    # cleanup ran only at the next ``next()``): every call was refused until the
+    # stream was collected or closed.
+    with _load(model_dir) as pm:
+        before = _summary(pm.generate(TEXTS[:1], max_new_tokens=NEW))
+        stream = pm.stream(TEXTS[0], max_new_tokens=NEW)
+        next(stream)
+        with pytest.raises(BackendError, match="already generating"):
+            pm.generate(TEXTS[:1], max_new_tokens=1)
+        for event in stream:
+            if event.finished:
+                break
+        assert _summary(pm.generate(TEXTS[:1], max_new_tokens=NEW)) == before
+        assert list(stream) == []
+
+
 @pytest.mark.timeout(300)  # (a hang guard: the call waited for good before)
 def test_an_engine_core_killed_mid_call_ends_the_call_with_an_error_naming_it(model_dir):
     import os

@@ -646,8 +646,8 @@ class HFBackend:
         if not self._lock.acquire(blocking=False):
             raise BackendError("this model is already generating (one call at a time "
                                "per model, whichever ProbedModel wraps it: hooks are "
-                               "per model; a stream holds the model until it is "
-                               "exhausted or closed)")
+                               "per model; a stream holds the model until its "
+                               "final event is read, or it is closed)")
 
     def _let_go_of_model(self) -> None:
         with self._idle:
@@ -692,9 +692,9 @@ class HFBackend:
 
         Generation runs in a worker thread; closing the iterator early (or an
         interrupt in the consumer) cancels it and waits for its cleanup. The stream
-        holds the model from its first ``next()`` until it is exhausted or closed
-        (as on vLLM): a call started meanwhile is refused, even once the
-        generation has ended; close() ends it.
+        holds the model from its first ``next()`` until its final event is read, or
+        it is closed (as on vLLM): a call started meanwhile is refused, even once
+        the generation has ended; close() ends it.
         """
         with self._idle:
             self._take_model()
@@ -743,15 +743,13 @@ class HFBackend:
             _LIVE_STREAMS.discard(live)
             self._let_go_of_model()
             raise
-        try:
-            while True:
-                item = events.get()
-                if item is done:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
             cancel.set()
             try:
                 # (finalised on its own worker, by a garbage collection a probe set
@@ -761,6 +759,22 @@ class HFBackend:
             finally:
                 _LIVE_STREAMS.discard(live)
                 let_go()
+
+        try:
+            while True:
+                item = events.get()
+                if item is done:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    # The last event: nothing is left to generate, so the model is let
+                    # go before it is handed over (a stream read to its final event
+                    # and left with ``break`` holds nothing).
+                    end()
+                yield item
+        finally:
+            end()
 
     def _tokenize(self, prompts: list[PromptInput]) -> tuple[list[str], list[tuple[int, ...]]]:
         """Each prompt's text and token ids (token-id prompts are kept as given)."""

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
@@ -637,8 +637,8 @@ class VLLMBackend:
                               else self._sampling(dataclasses.replace(
                                   params, seed=call_seed(params.seed, index)),
                                   final_only=final_only))
-                yield from self._drive(states, params, session, emit_tokens, ctrl_c,
-                                       final_only=final_only, hold=hold)
+                finals = yield from self._drive(states, params, session, emit_tokens,
+                                                ctrl_c, final_only=final_only, hold=hold)
             except BaseException as error:
                 death = self.engine_death()
                 with ctrl_c_deferred():  # (a second Ctrl-C waits for the cleanup)
@@ -669,6 +669,9 @@ class VLLMBackend:
                         self._generating = None
                         self._busy.release()
                         self._idle.notify_all()
+        # The final events come once the engine is let go: nothing is left to run (a
+        # stream read to its final event and left with ``break`` holds nothing).
+        yield from finals
 
     def _abort_all(self, engine_ids: list[str]) -> None:
         try:
@@ -682,9 +685,10 @@ class VLLMBackend:
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool,
                ctrl_c: HeldCtrlC | None = None, *, final_only: bool = False,
-               hold: bool = False) -> Iterator[StreamEvent]:
-        """Step the engine until every request is done; yield a stream's events and
-        each request's final event.
+               hold: bool = False) -> Generator[StreamEvent, None, list[StreamEvent]]:
+        """Step the engine until every request is done; yield a stream's events, and
+        return each request's final event (:meth:`_run` yields them once the engine
+        is let go).
 
         ``final_only``: the engine reports each request only when it finishes
         (:meth:`_sampling`). A request a probe aborts anyway then takes its
@@ -788,10 +792,9 @@ class VLLMBackend:
                               [tokens[engine_id] for engine_id in states],
                               [reasons.get(engine_id, "length") for engine_id in states],
                               params, session)
-        for state, final in zip(states.values(), finals, strict=True):
-            if state.stream_text is not None and final.output is not None:
-                final = dataclasses.replace(final, text=state.stream_text.rest(final.output.text))
-            yield final
+        return [dataclasses.replace(final, text=state.stream_text.rest(final.output.text))
+                if state.stream_text is not None and final.output is not None else final
+                for state, final in zip(states.values(), finals, strict=True)]
 
     def _tokens_to_keep(self, state: RequestState) -> int:
         """How many generated tokens an aborted request's output holds: those up to and
