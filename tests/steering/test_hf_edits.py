@@ -363,7 +363,8 @@ def test_add_on_the_model_s_device_and_dtype_equals_a_hand_hook(device, dtype):
         outputs, recorded = probed_generate(probed, PROMPTS, NEW, edits=[edit("add", v, 4.0)])
         expected, oracle = hooked_generate(
             probed, PROMPTS, NEW, 1, "residual_stream",
-            decode_rows(None, lambda h: h + 4.0 * v.to(device=h.device, dtype=h.dtype)))
+            decode_rows(None, lambda h: h + (4.0 * v.double()).to(device=h.device,
+                                                                    dtype=h.dtype)))
         plain, _ = hooked_generate(probed, PROMPTS, NEW, 1, "residual_stream",
                                    lambda f, h: None)
         assert [list(o.token_ids) for o in outputs] == expected
@@ -374,6 +375,48 @@ def test_add_on_the_model_s_device_and_dtype_equals_a_hand_hook(device, dtype):
             assert torch.equal(recorded.row(row, count), oracle.row(row, count))
     finally:
         probed.close()
+
+
+def test_a_large_vector_times_a_small_coefficient_stays_finite_on_a_float16_model():
+    """``c*v`` is computed in float64 and cast once: a vector past float16's range
+    (a probe's raw weights, say) times a small coefficient adds a finite value, the
+    one a hand hook adding ``(c*v)`` cast to float16 adds (it was cast first: inf)."""
+    probed = ProbedModel.from_pretrained("undercurrent/tiny", dtype="float16")
+    try:
+        v = direction().double() * 1e5       # entries past 65504
+        c = 1e-3                             # c*v well inside float16
+        outputs, recorded = probed_generate(probed, PROMPTS, NEW,
+                                            edits=[edit("add", v, c)])
+        added = c * v
+        expected, oracle = hooked_generate(
+            probed, PROMPTS, NEW, 1, "residual_stream",
+            decode_rows(None, lambda h: h + added.to(dtype=h.dtype)))
+        assert [list(o.token_ids) for o in outputs] == expected
+        for row, output in enumerate(outputs):
+            count = len(output.token_ids)
+            assert torch.isfinite(recorded.row(row, count)).all()
+            assert torch.equal(recorded.row(row, count), oracle.row(row, count))
+    finally:
+        probed.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_norm_match_takes_the_norm_of_half_precision_rows_in_float32(dtype):
+    """A float16 row of finite elements may have a norm past 65504: ``norm_match``
+    rescales by the norm taken in float32, so the edited row is finite and equals
+    the change computed in float64, cast and added in the rows' dtype."""
+    from undercurrent.steering.kernels import EditKernels
+    from undercurrent.steering.vectors import resolve_edit
+
+    rows = torch.full((2, HIDDEN), 6000.0, dtype=getattr(torch, dtype))  # |h| ~ 67882
+    rows[1] *= 0.5
+    v = direction(seed=7)
+    resolved = resolve_edit(edit("add", v, 0.01, norm_match=True), hidden_size=HIDDEN)
+    edited = EditKernels().apply(resolved, rows)
+    exact = rows.double()
+    change = 0.01 * exact.norm(dim=-1, keepdim=True) * unit(v.double())
+    assert torch.isfinite(edited).all()
+    torch.testing.assert_close(edited, rows + change.to(rows.dtype))
 
 
 def test_a_call_time_edit_problem_names_the_list_and_position_the_user_wrote(tiny):

@@ -3,7 +3,12 @@
 ``rows`` is ``(n, hidden)``: the activations of the tokens an edit applies to in
 one forward. The arithmetic runs in the rows' own dtype on their device (the
 vector is converted once per device and dtype and cached), so an edit costs one
-small fused expression per (edit, site) and forward.
+small fused expression per (edit, site) and forward. Two steps are widened so a
+float16 or bfloat16 model neither overflows nor rounds twice: ``add``'s ``c*v`` is
+computed in float64 and cast once (a large vector times a small coefficient stays
+finite, and the added value is the nearest one in the rows' dtype), and
+``norm_match`` takes ``|h|`` in float32 at least (a float16 row's norm may pass
+65504 while every element is finite).
 
 - ``add``: ``h + c*v`` (``norm_match``: ``v`` rescaled to ``|h|`` per row first)
 - ``project_out``: ``h - c*(h.u)u``
@@ -23,7 +28,7 @@ the sum changes exactly once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,26 +36,49 @@ from undercurrent.spec.types import EditOp, SaeFeature
 from undercurrent.steering.vectors import ResolvedEdit
 
 
+class EditVectors(NamedTuple):
+    """One resolved edit's vectors on one device, for rows of one dtype."""
+
+    added: torch.Tensor
+    """``coefficient * vector``, computed in float64 and cast once to the rows' dtype."""
+    unit: torch.Tensor
+    """The vector normalised, in the rows' dtype."""
+    wide_unit: torch.Tensor
+    """The unit in the dtype ``norm_match`` takes norms in (float32 at least)."""
+
+    @classmethod
+    def of(cls, vector: Any, coefficient: float, device: Any, dtype: torch.dtype
+           ) -> EditVectors:
+        """The tensors for ``vector`` (float64 values) and ``coefficient`` on
+        ``device``, for rows of ``dtype``."""
+        exact = torch.tensor(vector, dtype=torch.float64)
+        unit = exact / exact.norm()
+        return cls(added=(coefficient * exact).to(device=device, dtype=dtype),
+                   unit=unit.to(device=device, dtype=dtype),
+                   wide_unit=unit.to(device=device, dtype=_norm_dtype(dtype)))
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype row norms are taken in: float32, or the rows' own when wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class EditKernels:
     """Device copies of resolved edits' vectors, and the op applied to rows."""
 
     def __init__(self) -> None:
-        # (id of the resolved edit, device, dtype) -> (the edit, vector, unit); the
+        # (id of the resolved edit, device, dtype) -> (the edit, its vectors); the
         # entry holds the edit itself, so its id cannot be reused while cached.
-        self._vectors: dict[tuple[int, Any, Any],
-                            tuple[ResolvedEdit, torch.Tensor, torch.Tensor]] = {}
+        self._vectors: dict[tuple[int, Any, Any], tuple[ResolvedEdit, EditVectors]] = {}
 
-    def _tensors(self, resolved: ResolvedEdit, rows: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensors(self, resolved: ResolvedEdit, rows: torch.Tensor) -> EditVectors:
         key = (id(resolved), rows.device, rows.dtype)
         cached = self._vectors.get(key)
         if cached is None:
-            vector = torch.tensor(resolved.vector, dtype=torch.float64)
-            unit = vector / vector.norm()
-            cached = (resolved, vector.to(device=rows.device, dtype=rows.dtype),
-                      unit.to(device=rows.device, dtype=rows.dtype))
+            cached = (resolved, EditVectors.of(resolved.vector, resolved.edit.coefficient,
+                                               rows.device, rows.dtype))
             self._vectors[key] = cached
-        return cached[1], cached[2]
+        return cached[1]
 
     def apply(self, resolved: ResolvedEdit, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` with the edit applied (a new tensor)."""
@@ -62,7 +90,7 @@ class EditKernels:
         if resolved.sae_clamp and isinstance(vector, SaeFeature):
             feature = vector.feature
             return sae_clamp_delta(resolved.sae, rows, feature, resolved.edit.coefficient)
-        return edit_delta(resolved.edit.op, rows, *self._tensors(resolved, rows),
+        return edit_delta(resolved.edit.op, rows, self._tensors(resolved, rows),
                           resolved.edit.coefficient, resolved.edit.norm_match)
 
     def clear(self) -> None:
@@ -70,15 +98,18 @@ class EditKernels:
         self._vectors.clear()
 
 
-def edit_delta(op: EditOp, rows: torch.Tensor, vector: torch.Tensor, unit: torch.Tensor,
+def edit_delta(op: EditOp, rows: torch.Tensor, vectors: EditVectors,
                coefficient: float, norm_match: bool = False) -> torch.Tensor:
     """The change one op makes to ``(n, hidden)`` rows (``rows + delta`` is the edited
-    value); ``unit`` is ``vector`` normalised."""
+    value); ``vectors`` are the edit's (:meth:`EditVectors.of`, for ``coefficient``)
+    on the rows' device and for their dtype."""
+    unit = vectors.unit
     if op is EditOp.ADD:
         if norm_match:
-            scaled: torch.Tensor = coefficient * rows.norm(dim=-1, keepdim=True) * unit
+            norms = rows.to(vectors.wide_unit.dtype).norm(dim=-1, keepdim=True)
+            scaled: torch.Tensor = (coefficient * norms * vectors.wide_unit).to(rows.dtype)
             return scaled
-        return (coefficient * vector).expand_as(rows)
+        return vectors.added.expand_as(rows)
     along = rows @ unit  # (n,)
     if op is EditOp.PROJECT_OUT:
         return -(coefficient * along).unsqueeze(-1) * unit
