@@ -222,6 +222,25 @@ def test_top_k_reports_the_most_active_features_in_order(tmp_path):
     assert verdict["features"][0]["first_crossing_token_index"] is None
 
 
+def test_top_k_scores_an_activation_holding_nan_as_nan_not_as_nothing_active():
+    """A NaN activation encodes to NaN features: under ``top_k`` the row scores NaN,
+    as under ``features`` (it scored 0.0 with no features, like a silent token)."""
+    rows = np.random.default_rng(5).normal(size=(3, 128)) * 4
+    rows[1, 7] = np.nan
+    records = [activation(torch.tensor(row, dtype=torch.float32), token=i, layer=3)
+               for i, row in enumerate(rows)]
+    folder = "undercurrent:models/tiny/sae"
+    top = SaeProbe(path=folder, top_k=3)
+    watched = SaeProbe(path=folder, features=[0, 1])
+    for probe in (top, watched):
+        start(probe)
+    top_signals, watched_signals = top.on_activations(records), watched.on_activations(records)
+    assert np.isnan(top_signals[1].score) and np.isnan(watched_signals[1].score)
+    assert top_signals[1].metadata["features"] == []  # (a NaN is not ranked)
+    for row in (0, 2):
+        assert top_signals[row].score > 0 and top_signals[row].metadata["features"]
+
+
 def test_sae_probe_scores_scores_records_at_once(tmp_path):
     write_sae(tmp_path)
     assert scores_records_at_once(SaeProbe(path=tmp_path))

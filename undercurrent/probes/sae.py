@@ -344,13 +344,14 @@ class SaeProbe(TellsSignals):
     def _scores(self, acts: SparseRows) -> Any:
         """Each row's score, a float64 array: its largest watched activation
         (NaN where one is), or under ``top_k`` its top activation (0.0 where
-        none is active)."""
+        none is active, NaN where any activation is NaN)."""
         np = numpy_module()
         if self.features is not None:
             return self._watched(acts).max(axis=1)
         best = np.zeros(len(acts))
         active = acts.values > 0
         np.maximum.at(best, acts.entry_rows()[active], acts.values[active])
+        best[_rows_with_nan(acts)] = np.nan
         return best
 
     @staticmethod
@@ -550,7 +551,8 @@ def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:
     first, equal values by column (each row's positive entries laid out in
     column order, then sorted, stably): the rows' boundaries (``indptr``),
     the entries' columns and values, row after row, and each row's largest
-    value (0.0 where none is positive)."""
+    value (0.0 where none is positive, NaN where any entry is NaN: a NaN is
+    not ranked, but the row is not "nothing active")."""
     np = numpy_module()
     rows = len(acts)
     active = acts.values > 0
@@ -560,6 +562,7 @@ def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:
     indptr = np.zeros(rows + 1, dtype=np.intp)
     np.cumsum(kept, out=indptr[1:])
     tops = np.zeros(rows)
+    tops[_rows_with_nan(acts)] = np.nan
     if not len(row_of):
         return indptr, np.zeros(0, dtype=np.intp), np.zeros(0), tops
     slot = np.arange(len(row_of)) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -570,9 +573,17 @@ def _ranked_positives(acts: SparseRows, k: int) -> tuple[Any, Any, Any, Any]:
     order = np.argsort(-values, axis=1, kind="stable")[:, :k]
     ranked = np.take_along_axis(values, order, axis=1)
     within = np.arange(order.shape[1]) < kept[:, None]  # (row by row: entries in order)
-    has = kept > 0
+    has = (kept > 0) & ~np.isnan(tops)
     tops[has] = ranked[has, 0]
     return indptr, np.take_along_axis(columns, order, axis=1)[within], ranked[within], tops
+
+
+def _rows_with_nan(acts: SparseRows) -> Any:
+    """A bool per row of ``acts``: whether any of its activations is NaN."""
+    np = numpy_module()
+    poisoned = np.zeros(len(acts), dtype=bool)
+    poisoned[acts.entry_rows()[np.isnan(acts.values)]] = True
+    return poisoned
 
 
 def as_ints(column: Any) -> list[int]:
