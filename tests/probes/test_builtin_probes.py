@@ -17,6 +17,7 @@ from undercurrent.probes import (
     get_probe,
     list_probes,
 )
+from undercurrent.probes.trajectory import _judge_lanes
 from undercurrent.records import SignalAction
 from undercurrent.spec.types import ProbeKind
 
@@ -75,6 +76,30 @@ def test_trajectory_aborts_from_the_first_crossing_and_respects_min_count():
     assert [s.action for s in signals] == [SignalAction.CONTINUE] * 2 + [SignalAction.ABORT] * 4
     verdict = probe.on_end(CTX)
     assert verdict["flagged"] and verdict["first_crossing_token_index"] == 12
+
+
+@pytest.mark.parametrize("statistic", ["mean", "max", "ewma"])
+@pytest.mark.parametrize("values", [[1.0, math.nan, 100.0], [math.nan, 1.0, 100.0]])
+def test_a_nan_value_makes_the_statistic_nan_from_then_on_wherever_it_comes(statistic, values):
+    """Every statistic, record by record and many instances at once (the lanes): from
+    the NaN on the statistic is NaN and never reaches the threshold (a max forgot a
+    NaN after a number, and ignored every value after a NaN first)."""
+    nan_from = next(i for i, value in enumerate(values) if math.isnan(value))
+    options = {"statistic": statistic, "threshold": 5.0, "action": "abort"}
+    alone = _run(TrajectoryProbe(**options), values)
+    probes = [TrajectoryProbe(**options) for _ in range(2)]
+    for probe in probes:
+        probe.on_start(CTX)
+    rows = np.array(values * 2)
+    together = _judge_lanes(probes, rows, [(0, 3), (3, 6)], [10, 11, 12] * 2, [0] * 6)
+    assert together is not None  # (the lanes ran: the array path)
+    runs = [([s.score for s in alone], [s.action for s in alone])]
+    runs += [(list(together.scores)[start:start + 3], list(together.actions)[start:start + 3])
+             for start in (0, 3)]
+    for scores, actions in runs:
+        assert all(math.isnan(score) for score in scores[nan_from:])
+        assert not any(math.isnan(score) for score in scores[:nan_from])
+        assert all(action in (0, SignalAction.CONTINUE) for action in actions)
 
 
 def test_trajectory_keeps_one_running_statistic_per_layer():

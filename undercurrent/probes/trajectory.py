@@ -111,6 +111,10 @@ class TrajectoryProbe(TellsSignals):
     - ``min_count``: the statistic only triggers once its layer has seen at least
       this many activations (default 1).
 
+    A NaN value makes its layer's statistic NaN from then on, whichever the
+    statistic (a NaN statistic never reaches the threshold): a max no more
+    forgets a NaN than a mean does, wherever it comes.
+
     Signals: score = the running statistic for that layer; metadata ``value`` (this
     token's own value), ``statistic``, ``layer``. Verdict: a
     :class:`~undercurrent.probes.scoring.ScoreSummary` dict over the running
@@ -296,8 +300,9 @@ class TrajectoryProbe(TellsSignals):
                 current = value
             elif statistic == "mean":
                 current = running[index] + (value - running[index]) / count
-            elif statistic == "max":
-                current = max(running[index], value)
+            elif statistic == "max":  # (a NaN poisons it from then on, as a mean's)
+                previous = running[index]
+                current = value if value > previous or value != value else previous
             else:
                 current = alpha * value + (1.0 - alpha) * running[index]
             running[index] = current
@@ -585,6 +590,7 @@ def _next(statistic: str, keep: float, previous: Any, value: Any, scaled: Any,
     :meth:`TrajectoryProbe._advance` computes for one row."""
     if statistic == "mean":
         return previous + (value - previous) / seen
-    if statistic == "max":  # max(previous, value): previous unless value > it
-        return numpy_module().where(value > previous, value, previous)
+    if statistic == "max":  # previous unless value > it, or value is NaN
+        np = numpy_module()
+        return np.where((value > previous) | np.isnan(value), value, previous)
     return scaled + keep * previous  # alpha * value + (1.0 - alpha) * previous
