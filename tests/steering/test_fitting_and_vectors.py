@@ -152,6 +152,18 @@ def test_vector_files_keys_and_errors(tmp_path) -> None:
         resolve_edit(vector_edit(str(tmp_path / "missing.npz")), 4)
 
 
+def test_a_bfloat16_vector_file_is_read_beside_float32_arrays(tmp_path) -> None:
+    """A vector saved from a bfloat16 model: numpy has no bfloat16, so the file is read
+    through torch and widened (it was refused as 'not a valid safetensors file')."""
+    from safetensors.torch import save_file
+
+    vector = torch.tensor([0.1, -2.5, 3.0, 1e-3]).to(torch.bfloat16)
+    path = tmp_path / "steer_bf16.safetensors"
+    save_file({"steer": vector, "other": torch.ones(4)}, str(path))
+    resolved = resolve_edit(vector_edit(str(path), vector_key="steer"), hidden_size=4)
+    assert resolved.vector.tolist() == vector.double().tolist()
+
+
 def test_a_new_vector_source_plugs_in_before_the_built_in_ones() -> None:
     def feature_rows(edit):
         if isinstance(edit.vector, str) and edit.vector.startswith("features:"):

@@ -44,7 +44,7 @@ from typing import Any
 
 from undercurrent.probes.arrays import numpy_module
 from undercurrent.probes.sparse import SparseRows, row_products, top_columns
-from undercurrent.probes.weights import ProbeFileError, resolve_probe_path
+from undercurrent.probes.weights import ProbeFileError, resolve_probe_path, safetensors_arrays
 
 SAE_CONFIG_FILE = "cfg.json"
 SAE_WEIGHTS_FILE = "sae_weights.safetensors"
@@ -391,26 +391,19 @@ def _upgraded_config(config: dict[str, Any]) -> dict[str, Any]:
 def _read_weights(path: Path, source: str) -> dict[str, Any]:
     np = numpy_module()
     try:
-        from safetensors import safe_open
+        import safetensors  # noqa: F401
     except ImportError as exc:  # pragma: no cover - safetensors ships with the hf extra
         raise ImportError(
             f"{source}: reading SAE weights needs the safetensors package; "
             "install it with `pip install undercurrent[hf]`"
         ) from exc
     try:
-        with safe_open(str(path), framework="numpy") as handle:
-            return {name: np.asarray(handle.get_tensor(name), dtype=np.float64)
-                    for name in handle.keys()}  # noqa: SIM118 - not a mapping
+        arrays = safetensors_arrays(str(path))
     except Exception as exc:  # safetensors raises its own error types
-        first_error = exc
-    try:  # numpy has no bfloat16: torch reads such files and widens them
-        with safe_open(str(path), framework="pt") as handle:
-            return {name: handle.get_tensor(name).double().numpy()
-                    for name in handle.keys()}  # noqa: SIM118 - not a mapping
-    except Exception:
         raise SaeFileError(
-            f"{source}: {path.name} is not a readable safetensors file ({first_error})"
+            f"{source}: {path.name} is not a readable safetensors file ({exc})"
         ) from None
+    return {name: np.asarray(array, dtype=np.float64) for name, array in arrays.items()}
 
 
 def _build(

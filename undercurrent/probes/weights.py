@@ -239,19 +239,48 @@ def read_array_file(path: str | os.PathLike[str],
 def _read_safetensors(path: str, source: str) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         from safetensors import safe_open
-        from safetensors.numpy import load_file
     except ImportError as exc:  # pragma: no cover - safetensors ships with the hf extra
         raise ImportError(
             f"{source}: reading .safetensors needs the safetensors package; "
             "install it with `pip install undercurrent[hf]`"
         ) from exc
     try:
-        arrays = load_file(path)
+        arrays = safetensors_arrays(path)
         with safe_open(path, framework="numpy") as handle:
             metadata = dict(handle.metadata() or {})
     except Exception as exc:  # safetensors raises its own error types
         raise ProbeFileError(f"{source} is not a valid safetensors file ({exc})") from None
     return arrays, metadata
+
+
+def safetensors_arrays(path: str) -> dict[str, Any]:
+    """Every tensor of a ``.safetensors`` file as a numpy array. A tensor of a dtype
+    numpy lacks (bfloat16, what a bfloat16 model's tensors are saved as) is read
+    through torch, imported only then, and widened to float64; the others keep
+    their dtype. Raises what safetensors raises on reading it with numpy (the
+    safetensors package, or torch where the fallback needs it, missing: ImportError)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="numpy") as handle:
+            return {name: handle.get_tensor(name)
+                    for name in handle.keys()}  # noqa: SIM118 - not a mapping
+    except Exception as exc:  # safetensors raises its own error types
+        first_error = exc
+    try:  # numpy has no bfloat16: torch reads such files
+        with safe_open(path, framework="pt") as handle:
+            return {name: _numpy_of(handle.get_tensor(name))
+                    for name in handle.keys()}  # noqa: SIM118 - not a mapping
+    except Exception:
+        raise first_error from None
+
+
+def _numpy_of(tensor: Any) -> Any:
+    """A CPU torch tensor as a numpy array; float64 where numpy lacks its dtype."""
+    try:
+        return tensor.numpy()
+    except TypeError:  # (bfloat16, float8: no numpy dtype)
+        return tensor.double().numpy()
 
 
 def _read_npz(path: str, source: str) -> tuple[dict[str, Any], dict[str, str]]:
