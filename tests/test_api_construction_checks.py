@@ -10,6 +10,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.probes import TrajectoryProbe  # noqa: E402
 from undercurrent.router import Router, RouterError  # noqa: E402
 
 BUNDLED_PROBE = "undercurrent:models/tiny/probe.safetensors"  # fitted on layer 3
@@ -49,6 +50,30 @@ def test_the_bundled_probe_runs_where_it_was_fitted_or_when_told_to_skip_the_che
         output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=3)[0]
         result = output.results["guard"]
         assert result.error is None and result.stats.processed == len(output.token_ids) - 1
+
+
+def test_a_trajectory_probe_checks_its_probe_file_s_layer_and_tensor_type_as_linear_does(tiny):
+    """trajectory_probe reads a probe file with the same readout as linear_probe, and
+    refuses a point the file was not fitted on the same way (it checked nothing)."""
+    def trajectory(**fields) -> dict:
+        return _spec(probe_type="trajectory_probe", probe_kind="trajectory",
+                     **{"probe_args": {"path": BUNDLED_PROBE, "statistic": "max"}, **fields})
+
+    with pytest.raises(RouterError) as refused:
+        ProbedModel(tiny.backend, spec=trajectory())
+    assert ("probe_type 'trajectory_probe' refuses it: linear probe file "
+            in str(refused.value))
+    assert ("was fitted on layer 3, but extraction point 'guard' captures layers [1]; fix the "
+            "spec or pass check_metadata: false") in str(refused.value)
+    with pytest.raises(RouterError, match="was fitted on residual_stream, but extraction point "
+                                          "'guard' captures mlp_out"):
+        ProbedModel(tiny.backend, spec=trajectory(layers=[3], tensor_type="mlp_out"))
+    unchecked = trajectory(probe_args={"path": BUNDLED_PROBE, "check_metadata": False})
+    for spec in (trajectory(layers=[3]), unchecked):
+        output = ProbedModel(tiny.backend, spec=spec).generate("the cat", max_new_tokens=3)[0]
+        assert output.results["guard"].error is None
+    with pytest.raises(TypeError, match=r"check_metadata must be True or False, got str"):
+        TrajectoryProbe(path=BUNDLED_PROBE, check_metadata="no")
 
 
 def test_an_unknown_probe_type_is_refused_at_construction_with_the_closest_name(tiny):

@@ -361,7 +361,7 @@ class LinearProbe(TellsSignals):
         """With ``check_metadata``, refuse a point whose layers or tensor type differ
         from the ``layer`` / ``tensor_type`` the probe file was fitted on."""
         if self.check_metadata:
-            _check_point_matches_file(self.readout.weights, point)
+            check_point_matches_file(self.readout.weights, point)
 
     def check_hidden_size(self, hidden_size: int) -> None:
         """Raise ValueError when the weight reads activations of another size than
@@ -501,7 +501,10 @@ def _file_threshold(weights: LinearWeights) -> float | None:
                          "pass threshold=... in probe_args, or save the probe again") from None
 
 
-def _check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:
+def check_point_matches_file(weights: LinearWeights, point: ExtractionPoint) -> None:
+    """Raise ValueError when ``point`` captures none of the layer, or another tensor
+    type than, the ``layer`` / ``tensor_type`` metadata the probe file was fitted on
+    (what ``check_metadata`` turns on, for every probe that reads a probe file)."""
     file_layer = weights.metadata.get("layer")
     if file_layer is not None and file_layer.isascii() and file_layer.lstrip("-").isdigit():
         if int(file_layer) not in point.layers:

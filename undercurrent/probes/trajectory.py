@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from undercurrent.arguments import check_flag
 from undercurrent.probes.arrays import float32_rows, map_rows, numpy_module
 from undercurrent.probes.base import (
     Probe,
@@ -18,7 +19,7 @@ from undercurrent.probes.base import (
     shallow_copy,
     shared_key,
 )
-from undercurrent.probes.linear import LinearReadout
+from undercurrent.probes.linear import LinearReadout, check_point_matches_file
 from undercurrent.probes.scoring import (
     ScoreSummary,
     ThresholdRule,
@@ -35,7 +36,7 @@ from undercurrent.records import (
     BatchSignals,
     SignalAction,
 )
-from undercurrent.spec.types import ProbeKind
+from undercurrent.spec.types import ExtractionPoint, ProbeKind
 
 STATISTICS = ("mean", "max", "ewma")
 SOURCES = ("linear", "norm")
@@ -110,6 +111,9 @@ class TrajectoryProbe(TellsSignals):
       the signal is ``action`` (``flag`` default, or ``abort``);
     - ``min_count``: the statistic only triggers once its layer has seen at least
       this many activations (default 1).
+    - ``check_metadata``: as for ``linear_probe``: when true (default) and the probe
+      file names a ``layer`` or ``tensor_type``, a point that does not match it is
+      refused.
 
     A NaN value makes its layer's statistic NaN from then on, whichever the
     statistic (a NaN statistic never reaches the threshold): a max no more
@@ -138,6 +142,7 @@ class TrajectoryProbe(TellsSignals):
         threshold: float | None = None,
         action: str = "flag",
         min_count: int = 1,
+        check_metadata: bool = True,
     ) -> None:
         if statistic not in STATISTICS:
             raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
@@ -161,6 +166,7 @@ class TrajectoryProbe(TellsSignals):
         self.alpha = float(alpha)
         self.source = source
         self.min_count = min_count
+        self.check_metadata = check_flag("check_metadata", check_metadata)
         self.rule = ThresholdRule.from_options(threshold, action)
         self._reset()
 
@@ -238,14 +244,23 @@ class TrajectoryProbe(TellsSignals):
         return {layer: _Running(count, value) for layer, count, value
                 in zip(self._layers, self._counts, self._values, strict=True)}
 
+    def check_point(self, point: ExtractionPoint) -> None:
+        """With ``check_metadata``, refuse a point whose layers or tensor type differ
+        from the ``layer`` / ``tensor_type`` the probe file was fitted on."""
+        if self.check_metadata and self.readout is not None:
+            check_point_matches_file(self.readout.weights, point)
+
     def on_start(self, ctx: RequestContext) -> None:
+        if ctx is not None and ctx.extraction_point is not None:  # (direct callers)
+            self.check_point(ctx.extraction_point)
         self._reset()
 
     @classmethod
     def start_many(cls, probes: Sequence[Probe], contexts: Sequence[RequestContext]) -> bool:
         """Every instance's :meth:`on_start` at once (this class's own only, on
-        instances sharing their statistic and source, as a call's copies do):
-        empty running statistics and a fresh summary each."""
+        instances sharing their statistic, source, readout and ``check_metadata``,
+        and one point, as a call's copies do): the point checked once, empty
+        running statistics and a fresh summary each."""
         if cls.on_start is not TrajectoryProbe.on_start or (
                 cls._reset is not TrajectoryProbe._reset):
             return False
@@ -255,6 +270,15 @@ class TrajectoryProbe(TellsSignals):
         if any(probe.statistic != statistic or probe.source != source  # type: ignore[attr-defined]
                for probe in probes):
             return False
+        point = contexts[0].extraction_point
+        if point is not None:
+            if cls.check_point is not TrajectoryProbe.check_point or any(
+                    ctx.extraction_point is not point for ctx in contexts) or any(
+                    probe.readout is not first.readout  # type: ignore[attr-defined]
+                    or probe.check_metadata is not first.check_metadata  # type: ignore[attr-defined]
+                    for probe in probes):
+                return False
+            first.check_point(point)  # (raises before any instance is changed)
         for probe in probes:
             probe._slot, probe._layers = {}, []  # type: ignore[attr-defined]
             probe._counts, probe._values = [], []  # type: ignore[attr-defined]
