@@ -147,9 +147,15 @@ def fit_steering_vector(
 
 
 def probe_direction(path: str | os.PathLike[str], *, normalize: bool = True) -> Any:
-    """The weight direction of a binary linear probe file (what an edit's ``vector:``
-    means when it names such a file), as a float64 numpy array; unit length unless
-    ``normalize=False``.
+    """The weight direction of a binary linear probe file, as a float64 numpy array;
+    unit length unless ``normalize=False``.
+
+    An edit whose ``vector:`` names such a file uses the raw weight, not the unit
+    direction: ``add`` adds ``coefficient`` times ``probe_direction(path,
+    normalize=False)`` (so the coefficient's scale depends on the weight's norm),
+    while ``project_out``, ``clamp`` and ``scale`` use its unit direction, this
+    function's default. To add ``coefficient`` times the unit direction, give the
+    edit ``probe_direction(path).tolist()``.
 
     >>> probe_direction("undercurrent:models/tiny/probe.safetensors").shape  # doctest: +SKIP
     (128,)

@@ -12,7 +12,7 @@ Sources are tried in order; the first that recognises the value answers:
 2. an inline list of numbers;
 3. a ``.safetensors`` / ``.npz`` file: the array ``vector_key`` names, else its
    only 1-D array, else (a linear probe file: ``weight`` and ``bias``) the
-   probe's weight direction;
+   probe's weight as it is (``add`` adds it unnormalised);
 4. an :class:`~undercurrent.spec.SaeFeature`: the feature's decoder direction
    (``W_dec[i]``). The resolved edit also holds the loaded SAE, which ``clamp``
    uses to clamp the feature's activation through the encoder.
