@@ -455,3 +455,31 @@ def test_another_thread_using_the_model_during_a_generation_leaves_it_untouched(
         assert disturbed.token_ids == undisturbed.token_ids
         assert _keys(disturbed) == _keys(undisturbed)
         assert list(disturbed.edits) == list(undisturbed.edits)
+
+
+def test_a_torch_compiled_model_is_probed_as_the_model_it_wraps(tokenizer):
+    # The hooks went on torch.compile's wrapper, whose generate() is the wrapped
+    # model's own: no probe ran, no record came, no guard fired, silently. The
+    # backend probes the wrapped model, whose (uncompiled) forward generate() runs.
+    model = build_model("llama")
+    points = [ExtractionPoint(name="resid", layers=(0, 2), tensor_type="residual_stream",
+                              position="generated[*]", probe_type="capture",
+                              probe_kind="trajectory"),
+              ExtractionPoint(name="last", layers=(1,), tensor_type="kv",
+                              position="prompt[-1]", probe_type="capture",
+                              probe_kind="single_shot")]
+    with ProbedModel(model, tokenizer, spec=points) as pm:
+        plain = pm.generate(PROMPTS, max_new_tokens=4, records=True)
+        (plain_prompt,) = pm.prompt_activations([PROMPTS[0]])
+    compiled = torch.compile(model)
+    with ProbedModel(compiled, tokenizer, spec=points) as pm:
+        probed = pm.generate(PROMPTS, max_new_tokens=4, records=True)
+        (probed_prompt,) = pm.prompt_activations([PROMPTS[0]])
+        probed_model = pm.backend.model
+    assert all_hooks(model) == all_hooks(compiled) == 0
+    for output, reference in zip([*probed, probed_prompt], [*plain, plain_prompt], strict=True):
+        assert output.token_ids == reference.token_ids and output.records
+        assert _keys(output) == _keys(reference)
+        assert {name: result.stats.processed for name, result in output.results.items()} == {
+            name: result.stats.processed for name, result in reference.results.items()}
+    assert probed_model is model

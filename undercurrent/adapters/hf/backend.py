@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from undercurrent.adapters.arguments import check_device, check_model_path, dtype_name
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
@@ -508,6 +509,7 @@ class HFBackend:
                  batch_size: int = 8) -> None:
         if tokenizer is None:
             raise BackendError("the hf backend needs a tokenizer: ProbedModel(model, tokenizer)")
+        model = _uncompiled(model)
         can_generate = getattr(model, "can_generate", None)  # (a transformers model's)
         if callable(can_generate) and not can_generate():
             raise BackendError(
@@ -990,6 +992,17 @@ class HFBackend:
             while self._generating is not None:
                 self._idle.wait()
         self.hooks.remove()
+
+
+def _uncompiled(model: Any) -> Any:
+    """The module ``torch.compile(model)`` wraps (``model`` itself otherwise). The
+    wrapper's ``generate()`` is the wrapped module's own, which runs the uncompiled
+    forward: hooks put on the wrapper would never run there, so every call
+    captured nothing. Probing the wrapped module records what that generation
+    computes."""
+    while isinstance(model, OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
