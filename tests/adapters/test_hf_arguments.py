@@ -354,11 +354,13 @@ def test_dtype_spellings_load_the_model_in_that_dtype(dtype) -> None:
 
 @pytest.mark.parametrize(("setting", "value"), [
     ("num_beams", 2), ("num_return_sequences", 2), ("prompt_lookup_num_tokens", 3),
-    ("prefill_chunk_size", 4)])
+    ("prefill_chunk_size", 4), ("guidance_scale", 1.5)])
 def test_a_generation_config_that_decodes_otherwise_is_refused_naming_it(setting, value):
     # Plain generate() would search beams, return several rows per prompt, accept
     # several tokens per step or prefill in chunks: records and stops would follow
-    # the wrong rows. Refused for any spec (an empty one too) and stream alike.
+    # the wrong rows. Classifier-free guidance runs a second, unconditional forward
+    # per token through the hooks: every generated token was recorded twice. Refused
+    # for any spec (an empty one too) and stream alike.
     from undercurrent.adapters.base import BackendError
 
     model = gpt2_with_short_context()
@@ -375,6 +377,17 @@ def test_a_generation_config_that_decodes_otherwise_is_refused_naming_it(setting
         finally:
             setattr(model.generation_config, setting, 1 if setting.startswith("num_") else None)
         assert pm.generate(words(6), max_new_tokens=3)[0].token_ids == before
+
+
+def test_a_guidance_scale_of_one_guides_nothing_and_is_run() -> None:
+    model = gpt2_with_short_context()
+    with ProbedModel(model, build_tokenizer(), spec=[]) as pm:
+        before = pm.generate(words(6), max_new_tokens=3)[0].token_ids
+        model.generation_config.guidance_scale = 1
+        try:
+            assert pm.generate(words(6), max_new_tokens=3)[0].token_ids == before
+        finally:
+            model.generation_config.guidance_scale = None
 
 
 def test_a_text_prompt_encoding_to_a_token_the_model_has_no_embedding_for_is_named():

@@ -486,13 +486,16 @@ def _end_live_streams() -> None:
 
 
 #: ``generation_config`` settings that decode otherwise than one row per prompt and
-#: one token per forward pass (``num_*``: above 1; the others: set at all).
+#: one token per forward pass (``num_*``: above 1; ``guidance_scale``: other than
+#: 1; the others: set at all).
 _OTHER_DECODING = {
     "num_beams": "beam search",
     "num_beam_groups": "group beam search",
     "num_return_sequences": "several sequences per prompt",
     "prompt_lookup_num_tokens": "prompt-lookup (assisted) decoding",
     "prefill_chunk_size": "a prompt prefilled in chunks",
+    "guidance_scale": "classifier-free guidance: a second, unconditional forward of the "
+                      "model per token",
 }
 
 
@@ -810,12 +813,14 @@ class HFBackend:
         for name, what in _OTHER_DECODING.items():
             value = getattr(config, name, None)
             counted = name.startswith("num_")
-            if value is not None and (not counted or value > 1):
-                raise BackendError(
-                    f"the model's generation_config sets {name}={value!r} ({what}), which "
-                    "undercurrent does not run: it decodes one sequence per prompt, one "
-                    "token per forward pass (greedy or sampling). Set "
-                    f"model.generation_config.{name} = {1 if counted else None}")
+            if value is None or (counted and value <= 1) or (
+                    name == "guidance_scale" and value == 1):  # (1: no guidance)
+                continue
+            raise BackendError(
+                f"the model's generation_config sets {name}={value!r} ({what}), which "
+                "undercurrent does not run: it decodes one sequence per prompt, one "
+                "token per forward pass (greedy or sampling). Set "
+                f"model.generation_config.{name} = {1 if counted else None}")
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
