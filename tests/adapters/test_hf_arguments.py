@@ -354,11 +354,12 @@ def test_dtype_spellings_load_the_model_in_that_dtype(dtype) -> None:
 
 @pytest.mark.parametrize(("setting", "value"), [
     ("num_beams", 2), ("num_return_sequences", 2), ("prompt_lookup_num_tokens", 3),
-    ("prefill_chunk_size", 4), ("guidance_scale", 1.5)])
+    ("prefill_chunk_size", 4), ("guidance_scale", 1.5), ("assistant_early_exit", 1)])
 def test_a_generation_config_that_decodes_otherwise_is_refused_naming_it(setting, value):
     # Plain generate() would search beams, return several rows per prompt, accept
-    # several tokens per step or prefill in chunks: records and stops would follow
-    # the wrong rows. Classifier-free guidance runs a second, unconditional forward
+    # several tokens per step (prompt lookup, early-exit drafts: this one failed with
+    # a misleading error) or prefill in chunks: records and stops would follow the
+    # wrong rows. Classifier-free guidance runs a second, unconditional forward
     # per token through the hooks: every generated token was recorded twice. Refused
     # for any spec (an empty one too) and stream alike.
     from undercurrent.adapters.base import BackendError

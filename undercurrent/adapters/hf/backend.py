@@ -493,6 +493,7 @@ _OTHER_DECODING = {
     "num_beam_groups": "group beam search",
     "num_return_sequences": "several sequences per prompt",
     "prompt_lookup_num_tokens": "prompt-lookup (assisted) decoding",
+    "assistant_early_exit": "self-speculative (assisted) decoding from an early layer",
     "prefill_chunk_size": "a prompt prefilled in chunks",
     "guidance_scale": "classifier-free guidance: a second, unconditional forward of the "
                       "model per token",
