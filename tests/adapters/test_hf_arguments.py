@@ -380,6 +380,47 @@ def test_a_generation_config_that_decodes_otherwise_is_refused_naming_it(setting
         assert pm.generate(words(6), max_new_tokens=3)[0].token_ids == before
 
 
+def test_gradient_checkpointing_in_train_mode_is_refused_naming_both_ways_out() -> None:
+    # Checkpointed layers in train mode run without the cache: a kv point failed
+    # with an internal error, others recorded from steps that fed the whole
+    # sequence again.
+    import copy
+
+    from hf_models import build_model
+
+    from undercurrent.adapters.base import BackendError
+
+    model = copy.deepcopy(build_model("llama"))
+    points = [ExtractionPoint(name="kv", layers=(0,), tensor_type="kv",
+                              position="generated[*]", probe_type="capture",
+                              probe_kind="trajectory"),
+              ExtractionPoint(name="resid", layers=(1,), tensor_type="residual_stream",
+                              position="prompt[-1]", probe_type="capture",
+                              probe_kind="single_shot")]
+    with ProbedModel(model, build_tokenizer(), spec=points) as pm:
+        before = pm.generate([words(6), words(3)], max_new_tokens=3, records=True)
+        model.gradient_checkpointing_enable()
+        model.train()
+        refusal = re.escape("gradient checkpointing in train mode turns the KV cache off, "
+                            "which undercurrent generates with: call model.eval() or "
+                            "model.gradient_checkpointing_disable()")
+        for call in (lambda: pm.generate([words(6), words(3)], max_new_tokens=3),
+                     lambda: list(pm.stream(words(6), max_new_tokens=3)),
+                     lambda: pm.prompt_activations([words(6)])):
+            with pytest.raises(BackendError, match=refusal):
+                call()
+        for way_out in (model.eval, model.gradient_checkpointing_disable):
+            way_out()
+            after = pm.generate([words(6), words(3)], max_new_tokens=3, records=True)
+            for output, reference in zip(after, before, strict=True):
+                assert output.token_ids == reference.token_ids
+                assert [(r.extraction_point_name, r.layer, r.token_index) for r in output.records
+                        ] == [(r.extraction_point_name, r.layer, r.token_index)
+                              for r in reference.records]
+            model.gradient_checkpointing_enable()
+            model.train()
+
+
 def test_a_guidance_scale_of_one_guides_nothing_and_is_run() -> None:
     model = gpt2_with_short_context()
     with ProbedModel(model, build_tokenizer(), spec=[]) as pm:

@@ -809,7 +809,16 @@ class HFBackend:
     def _check_decoding(self) -> None:
         """Refuse a ``generation_config`` that would make ``generate()`` decode
         otherwise than one row per prompt and one new token per forward pass,
-        which every record and stop rests on (the call itself has no such option)."""
+        which every record and stop rests on (the call itself has no such option),
+        or decoder layers that would run without the KV cache."""
+        if any(getattr(layer, "gradient_checkpointing", False) and layer.training
+               for layer in self.hooks.layers):
+            # (transformers then drops each layer's cache: every step recomputes the
+            # whole sequence, and kv has no cache to read from)
+            raise BackendError(
+                "gradient checkpointing in train mode turns the KV cache off, which "
+                "undercurrent generates with: call model.eval() or "
+                "model.gradient_checkpointing_disable() before generating")
         config = self.model.generation_config
         for name, what in _OTHER_DECODING.items():
             value = getattr(config, name, None)
