@@ -147,6 +147,37 @@ def test_eos_ends_a_row_and_stays_in_its_tokens(tokenizer):
             assert out.finish_reason == "length" and list(out.token_ids) == full[row]
 
 
+def test_an_eos_set_after_the_probed_model_was_built_ends_rows_as_plain_generate_does(
+        tokenizer):
+    # The eos ids were read once, when the backend was built: a generation_config
+    # changed afterwards was ignored (plain generate() obeys it). Read at each call,
+    # on the batched path, the per-row one (stop strings) and a stream alike.
+    import copy
+
+    model = copy.deepcopy(build_model("llama"))
+    params = SamplingParams(max_new_tokens=6)
+    with ProbedModel(model, tokenizer) as pm:
+        full = plain_tokens(pm.backend, PROMPTS, params)
+        # (a token of row 0 that first comes after its first token)
+        cut = next(i for i, token in enumerate(full[0]) if i and token not in full[0][:i])
+        eos = full[0][cut]
+        model.generation_config.eos_token_id = eos
+        expected = [tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+                    for tokens in full]
+        # (plain generate() ends row 0 there, then pads it)
+        assert plain_tokens(pm.backend, PROMPTS, params)[0][:cut + 1] == expected[0]
+        for stop in (None, ["zz"]):
+            outs = pm.generate(PROMPTS, max_new_tokens=6, stop=stop)
+            assert outs[0].finish_reason == "eos"
+            for out, tokens in zip(outs, expected, strict=True):
+                assert list(out.token_ids) == tokens
+                assert out.finish_reason == ("eos" if eos in tokens else "length")
+        streamed = list(pm.stream(PROMPTS[0], max_new_tokens=6))
+        assert [event.token_id for event in streamed[:-1]] == expected[0]
+        model.generation_config.eos_token_id = None
+        assert [list(out.token_ids) for out in pm.generate(PROMPTS, max_new_tokens=6)] == full
+
+
 def test_hooks_are_installed_only_for_wanted_pairs_and_do_work_only_when_matching(tokenizer):
     model = build_model("llama")
     backend = HFBackend(model, tokenizer)

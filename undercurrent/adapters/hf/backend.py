@@ -156,6 +156,7 @@ class _RowDriver:
         self._longest: int | None = None
         self.texts = [""] * len(states)
         self._generated = [state.generated for state in states]  # the lists themselves
+        self.eos = backend.eos_token_ids  # (read once per batch, not per step)
         # (stop strings or a stream: each row's token looked at on its own)
         self.per_row = bool(params.stop) or on_event is not None
         if on_event is not None:
@@ -163,8 +164,7 @@ class _RowDriver:
                 state.stream_text = StreamText(params.stop)
         if params.stop:
             for state in states:
-                state.stop_match = StopMatch(params.stop, backend.decode,
-                                             backend.eos_token_ids)
+                state.stop_match = StopMatch(params.stop, backend.decode, self.eos)
 
     # called by ModelHooks before every forward
     def plan_forward(self, width: int) -> StepPlan | None:
@@ -392,7 +392,7 @@ class _RowDriver:
                     **kwargs: Any) -> torch.Tensor:
         cancelled = self.cancel is not None and self.cancel.is_set()
         tokens = input_ids[:, -1].tolist()
-        eos = self.backend.eos_token_ids
+        eos = self.eos
         states = self.states
         if not cancelled and not self.per_row and self._all_live():
             # Every request live, no stop strings, nobody streaming: each takes
@@ -533,14 +533,6 @@ class HFBackend:
         self._generating: int | None = None
         self._idle = threading.Condition()
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()  # (see close())
-        pad = getattr(tokenizer, "pad_token_id", None)
-        eos = self._eos_ids()
-        if pad is None:
-            pad = getattr(model.generation_config, "pad_token_id", None)
-        if pad is None:
-            pad = eos[0] if eos else 0
-        self.pad_token_id = int(pad)
-        self.eos_token_ids = frozenset(eos)
         self.context_length = context_length(model.config)
         self._decode = text_decoder(tokenizer)
         self._lock = _generation_lock(model)
@@ -595,6 +587,27 @@ class HFBackend:
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    # (Read at each batch, as plain generate() reads them: a generation_config or
+    # tokenizer changed after this backend was built applies to the next call.)
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The token ids that end a row: the model's ``generation_config``'s, else
+        the tokenizer's."""
+        return frozenset(self._eos_ids())
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id left padding (and ``generate()``'s rows once done) are filled
+        with: the tokenizer's, else the ``generation_config``'s, else the first eos
+        id, else 0."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(self.model.generation_config, "pad_token_id", None)
+        if pad is None:
+            eos = self._eos_ids()
+            pad = eos[0] if eos else 0
+        return int(pad)
 
     def capabilities(self) -> Capabilities:
         """What this model captures; ``kv`` only when its decoder layers are passed
