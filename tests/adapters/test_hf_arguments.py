@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_tokenizer, prompt  # noqa: E402
+from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint  # noqa: E402
@@ -386,8 +386,6 @@ def test_gradient_checkpointing_in_train_mode_is_refused_naming_both_ways_out() 
     # sequence again.
     import copy
 
-    from hf_models import build_model
-
     from undercurrent.adapters.base import BackendError
 
     model = copy.deepcopy(build_model("llama"))
@@ -447,6 +445,47 @@ def test_a_text_prompt_encoding_to_a_token_the_model_has_no_embedding_for_is_nam
         with pytest.raises(ValueError, match=r"prompts\[0\] " + refused):
             pm.prompt_activations(["w1 <extra> w2"])
         assert len(pm.generate(words(3), max_new_tokens=2)[0].token_ids) == 2
+
+
+def _added_pad_token(model: Any, tokenizer: Any) -> None:
+    # (a Llama checkpoint has no pad: one is added, the embeddings not resized)
+    model.generation_config.pad_token_id = None
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    assert tokenizer.pad_token_id == 64
+
+
+def _no_pad_but_a_negative_one(model: Any, tokenizer: Any) -> None:
+    tokenizer.pad_token = None
+    model.generation_config.pad_token_id = -1  # (as some old Llama checkpoints ship)
+
+
+@pytest.mark.parametrize("unusable_pad", [_added_pad_token, _no_pad_but_a_negative_one])
+def test_a_pad_id_the_model_has_no_embedding_for_pads_with_one_it_has(unusable_pad) -> None:
+    # Uneven prompts are left-padded with the pad id: one outside the vocabulary
+    # failed with a bare IndexError from the embedding. The padding sits under a
+    # zero attention mask, so another id (the eos, here) serves, and the outputs
+    # are those of a usable pad.
+    import copy
+
+    model = copy.deepcopy(build_model("llama", eos=True))
+    point = ExtractionPoint(name="resid", layers=(0, 2), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="capture",
+                            probe_kind="trajectory")
+    prompts = [words(7), words(3), words(5)]
+    with ProbedModel(model, build_tokenizer(), spec=[point]) as pm:
+        expected = pm.generate(prompts, max_new_tokens=4, records=True)
+    tokenizer = build_tokenizer()
+    unusable_pad(model, tokenizer)
+    with ProbedModel(model, tokenizer, spec=[point]) as pm:
+        outputs = pm.generate(prompts, max_new_tokens=4, records=True)
+        assert pm.backend.pad_token_id == 2  # (the eos)
+    for output, reference in zip(outputs, expected, strict=True):
+        assert output.token_ids == reference.token_ids
+        assert len(output.records) == len(reference.records) > 0
+        for record, reference_record in zip(output.records, reference.records, strict=True):
+            assert (record.layer, record.token_index) == (reference_record.layer,
+                                                          reference_record.token_index)
+            torch.testing.assert_close(record.tensor, reference_record.tensor)
 
 
 def test_a_prompt_activations_refusal_names_no_max_new_tokens(probed) -> None:

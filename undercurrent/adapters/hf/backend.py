@@ -599,15 +599,17 @@ class HFBackend:
     @property
     def pad_token_id(self) -> int:
         """The id left padding (and ``generate()``'s rows once done) are filled
-        with: the tokenizer's, else the ``generation_config``'s, else the first eos
-        id, else 0."""
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(self.model.generation_config, "pad_token_id", None)
-        if pad is None:
-            eos = self._eos_ids()
-            pad = eos[0] if eos else 0
-        return int(pad)
+        with: the first of the tokenizer's, the ``generation_config``'s and the eos
+        ids that the model has an embedding for, else 0. Padding sits under a zero
+        attention mask and a done row's tokens are never recorded, so any such id
+        serves (a pad token added to the tokenizer alone, or a config's
+        ``pad_token_id=-1``, reached the embedding as an IndexError)."""
+        vocab = self.vocab_size
+        candidates = (getattr(self.tokenizer, "pad_token_id", None),
+                      getattr(self.model.generation_config, "pad_token_id", None),
+                      *self._eos_ids())
+        return next((int(pad) for pad in candidates
+                     if pad is not None and 0 <= int(pad) < vocab), 0)
 
     def capabilities(self) -> Capabilities:
         """What this model captures; ``kv`` only when its decoder layers are passed
