@@ -419,6 +419,31 @@ def test_gradient_checkpointing_in_train_mode_is_refused_naming_both_ways_out() 
             model.train()
 
 
+def test_stop_strings_in_the_generation_config_are_refused_pointing_to_stop() -> None:
+    # A checkpoint's generation_config may ship stop_strings: every call failed with
+    # transformers' "pass the tokenizer to generate()". undercurrent matches stop
+    # strings itself (stop=): the setting is refused, naming it and the way out.
+    from undercurrent.adapters.base import BackendError
+
+    model = gpt2_with_short_context()
+    with ProbedModel(model, build_tokenizer(), spec=[]) as pm:
+        tokens = pm.generate(words(6), max_new_tokens=4)[0].token_ids
+        stop = build_tokenizer().decode([tokens[0]])
+        model.generation_config.stop_strings = [stop]
+        try:
+            refusal = re.escape(f"generation_config sets stop_strings={[stop]!r}, which "
+                                "undercurrent does not read: pass them to the call as stop=")
+            with pytest.raises(BackendError, match=refusal) as refused:
+                pm.generate([words(6), words(7)], max_new_tokens=4)
+            assert "model.generation_config.stop_strings = None" in str(refused.value)
+            with pytest.raises(BackendError, match=refusal):
+                list(pm.stream(words(6), max_new_tokens=4))
+        finally:
+            model.generation_config.stop_strings = None
+        (output,) = pm.generate(words(6), max_new_tokens=4, stop=[stop])
+        assert output.finish_reason == "stop" and output.token_ids == tokens[:1]
+
+
 def test_a_guidance_scale_of_one_guides_nothing_and_is_run() -> None:
     model = gpt2_with_short_context()
     with ProbedModel(model, build_tokenizer(), spec=[]) as pm:

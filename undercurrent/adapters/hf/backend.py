@@ -846,6 +846,15 @@ class HFBackend:
                 "undercurrent does not run: it decodes one sequence per prompt, one "
                 "token per forward pass (greedy or sampling). Set "
                 f"model.generation_config.{name} = {1 if counted else None}")
+        stop_strings = getattr(config, "stop_strings", None)
+        if stop_strings is not None:
+            # (generate() would match them itself, given the tokenizer, and keep
+            # them in the text: stop= is undercurrent's own, on both backends)
+            raise BackendError(
+                f"the model's generation_config sets stop_strings={stop_strings!r}, which "
+                "undercurrent does not read: pass them to the call as stop= (matched "
+                "and cut from the text by undercurrent) and set "
+                "model.generation_config.stop_strings = None")
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
