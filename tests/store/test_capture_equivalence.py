@@ -250,6 +250,43 @@ def test_reductions_equal_the_reduced_oracle(tiny, prompts, oracle, tmp_path):
     assert store.reductions["resid"].tokens == "mean_generated"
 
 
+def test_a_float64_model_reduces_in_float64(prompts, tmp_path):
+    # A float64 model's vectors are stored as float64: their mean and projection
+    # are the float64 ones of its live records (float32 sums were off by ~1e-6).
+    from store_helpers import SPEC
+
+    from undercurrent import ProbedModel
+
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=SPEC, dtype="float64")
+    try:
+        chosen = prompts[:3]
+        live = model.generate(chosen, request_ids=request_ids(3), records=True,
+                              max_new_tokens=6)
+        model.capture(chosen, tmp_path, progress=False, max_new_tokens=6,
+                      reduce={"resid": "mean_generated", "kv_last_prompt": "project:16"})
+    finally:
+        model.close()
+    store = open_activations(tmp_path)
+    index = store.index
+    for output in live:
+        for point, layer in (("resid", 2), ("kv_last_prompt", 3)):
+            records = [r for r in output.records
+                       if (r.extraction_point_name, r.layer) == (point, layer)]
+            assert records and all(str(r.tensor.dtype) == "torch.float64" for r in records)
+            rows = index[(index["request_id"] == output.request_id)
+                         & (index["extraction_point_name"] == point) & (index["layer"] == layer)]
+            stored = store.vectors(rows)
+            assert stored.dtype == np.float64
+            tensors = np.stack([r.tensor.numpy() for r in records])
+            if point == "resid":
+                expected = tensors.mean(axis=0)[None]
+            else:
+                flat = tensors.reshape(len(records), -1)
+                expected = flat @ store.reductions[point].projection(flat.shape[1]).astype(
+                    np.float64)
+            np.testing.assert_allclose(stored, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_repr_and_len(store):
     text = repr(store)
     assert "prompts=10/10" in text and f"vectors={len(store)}" in text

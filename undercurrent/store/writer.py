@@ -154,14 +154,17 @@ class StoreWriter:
         if not found:
             return [], None
         array, dtype = _stack([entry[3].tensor for entry in found])
+        # Reductions compute in float32 at least, and in float64 for a float64
+        # model: its stored float64 vectors are then the float64 reduction.
+        compute = np.result_type(array.dtype, np.float32)
         if groups is not None:  # mean over each (layer, prompt) run of generated tokens
             starts = np.array([start for start, _ in groups], dtype=np.intp)
-            counts = np.array([stop - start for start, stop in groups], dtype=np.float32)
-            sums = np.add.reduceat(array.astype(np.float32), starts, axis=0)
+            counts = np.array([stop - start for start, stop in groups], dtype=compute)
+            sums = np.add.reduceat(array.astype(compute), starts, axis=0)
             array = sums / counts.reshape((-1,) + (1,) * (array.ndim - 1))
             found = [found[stop - 1] for _, stop in groups]
         if reduction.project is not None:
-            flat = np.asarray(array, dtype=np.float32).reshape(len(array), -1)
+            flat = np.asarray(array, dtype=compute).reshape(len(array), -1)
             key = (name, flat.shape[1])
             if key not in self._projections:
                 self._projections[key] = reduction.projection(flat.shape[1])
