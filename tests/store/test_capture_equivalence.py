@@ -10,6 +10,9 @@ import pytest
 from store_helpers import corpus_prompts, oracle_vectors, request_ids, store_vectors
 
 from undercurrent import open_activations
+from undercurrent.probes.base import Probe
+from undercurrent.spec.types import ProbeKind
+from undercurrent.store import StoreError
 
 pytest.importorskip("torch")
 pytest.importorskip("pyarrow")
@@ -383,17 +386,13 @@ def test_stored_verdicts_keep_their_integer_keys(tiny, tmp_path):
     final = found["harm_trajectory"]["final_by_layer"]
     assert final and all(type(layer) is int for layer in final)
     assert final == pytest.approx(expected["harm_trajectory"]["final_by_layer"])
-    # (nested, numpy keys; dicts of other keys as JSON has them)
-    from undercurrent.store.format import verdict_from_json, verdict_to_json
-
-    verdict = {"by_layer": {np.int64(2): {1: [0.5]}}, "names": {"a": 1}, "mixed": {1: 2, "b": 3}}
-    assert verdict_from_json(verdict_to_json(verdict)) == {
-        "by_layer": {2: {1: [0.5]}}, "names": {"a": 1}, "mixed": {"1": 2, "b": 3}}
     # A shard written before the tag (no verdict_keys in its meta, every key a JSON
     # string) reads alike: a store resumed by this version would mix both forms.
     import json
 
     import pandas as pd
+
+    from undercurrent.store.format import verdict_from_json
 
     [shard] = (tmp_path / "shards").glob("part*")
     meta = json.loads((shard / "meta.json").read_text())
@@ -405,3 +404,88 @@ def test_stored_verdicts_keep_their_integer_keys(tiny, tmp_path):
     results.to_parquet(shard / "results.parquet")
     untagged = open_activations(tmp_path).results.set_index("point")["verdict"]
     assert untagged["harm_trajectory"]["final_by_layer"] == final
+    # (a shard whose verdicts a later version stored in a way this one does not know)
+    meta["verdict_keys"] = "later"
+    (shard / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=rf"^shard {shard.name!r}: verdicts stored with "
+                                         "verdict_keys='later' are not known"):
+        open_activations(tmp_path).results  # noqa: B018 - reading it raises
+
+
+class _MixedKeysProbe(Probe):
+    """Says, per request, each layer's last norm keyed by layer, the same dict with
+    a string key among the layers (as a probe summarising its layers would), and a
+    dict of its own that looks like a stored tag."""
+
+    probe_kind = ProbeKind.TRAJECTORY
+
+    def __init__(self, **_: object) -> None:
+        self.norms: dict[int, float] = {}
+
+    def on_start(self, context: object) -> None:
+        self.norms = {}
+
+    def on_activation(self, record):
+        self.norms[record.layer] = float(record.tensor.float().norm())
+
+    def on_end(self, context: object) -> dict:
+        return {"by_layer": dict(self.norms),
+                "mixed": {**self.norms, "mean": sum(self.norms.values()) / len(self.norms)},
+                "__int_keys__": {"1": "a verdict's own key, not a tag"}}
+
+
+@pytest.mark.parametrize("verdict", [
+    {3: 0.41, -1: 2},
+    {1: "a", "x": "b"},
+    {"__int_keys__": {"1": 2}},
+    {"__items__": [[1, 2]]},
+    {"__int_keys__": {"1": 2}, "other": 3},
+    {True: 1, None: 2, 0.5: 3, "s": {2: {"t": [4, {5: 6, "u": 7}]}}},
+    [{1: {2: 3}}, {"a": {1: 2, "b": {"__int_keys__": {}}}}],
+    {},
+], ids=["all-int", "mixed", "int-keys-tag-lookalike", "items-tag-lookalike",
+        "tag-name-among-keys", "nested-other-keys", "nested-list", "empty"])
+def test_every_json_verdict_reads_back_equal(verdict):
+    # JSON keys are strings: a dict with a non-string key (mixed with strings too)
+    # must come back with its keys, and a verdict's own dict that looks like a tag
+    # must come back as itself, not as what the tag would mean.
+    from undercurrent.store.format import verdict_from_json, verdict_to_json
+
+    assert verdict_from_json(verdict_to_json(verdict)) == verdict
+    assert verdict_from_json(verdict_to_json(
+        {np.int64(2): np.float32(0.5), "k": np.array([1, 2])})) == {2: 0.5, "k": [1, 2]}
+    with pytest.raises(TypeError, match=r"key \(1, 2\) \(tuple\) cannot be stored"):
+        verdict_to_json({(1, 2): 3})
+
+
+def test_a_stored_verdict_with_mixed_keys_reads_back_as_the_live_one(tiny, tmp_path):
+    from undercurrent import ProbedModel
+    from undercurrent.store.capture import request_id_for
+
+    points = [{"name": "norms", "layers": [0, 2], "tensor_type": "residual_stream",
+               "position": "generated[*]", "probe_type": "mixed_keys",
+               "probe_kind": "trajectory"}]
+    model = ProbedModel(tiny.backend.model, tiny.backend.tokenizer,
+                        spec={"version": "1", "extraction_points": points},
+                        probes={"mixed_keys": _MixedKeysProbe})
+    prompts = ["user : how do i bake bread ? assistant :"]
+    live = model.generate(prompts, request_ids=[request_id_for(0)], max_new_tokens=4)
+    model.capture(prompts, tmp_path, max_new_tokens=4, progress=False)
+    expected = live[0].results["norms"].verdict
+    assert set(expected["mixed"]) == {0, 2, "mean"}
+    [found] = open_activations(tmp_path).results["verdict"]
+    assert found == expected
+
+
+def test_shards_of_earlier_versions_read_their_verdicts_as_they_did():
+    # "tagged" shards knew only the integer-key tag (mixed keys had become strings);
+    # shards before any tag had only strings (digit keys read back as integers).
+    from undercurrent.store.format import verdict_from_json
+
+    stored = '{"a": {"__int_keys__": {"3": 1}}, "m": {"1": 2, "b": 3}, "d": {"4": 5}}'
+    assert verdict_from_json(stored, written_as="tagged") == {
+        "a": {3: 1}, "m": {"1": 2, "b": 3}, "d": {"4": 5}}
+    assert verdict_from_json(stored, written_as=None) == {
+        "a": {"__int_keys__": {3: 1}}, "m": {"1": 2, "b": 3}, "d": {4: 5}}
+    with pytest.raises(StoreError, match="verdict_keys='later' are not known"):
+        verdict_from_json(stored, written_as="later")

@@ -325,43 +325,81 @@ def read_shard_meta(shard: Path) -> dict[str, Any]:
 _INT_KEYS = "__int_keys__"
 """The tag of a dict with integer keys in a stored verdict (JSON keys are strings)."""
 
+_ITEMS = "__items__"
+"""The tag of any other dict JSON would not give back: one with a key that is not a
+string (mixed with strings, a bool, a float, None), or a verdict's own dict whose
+one key is a tag's name; it is stored as its ``[key, value]`` pairs."""
+
 
 def verdict_to_json(verdict: Any) -> str:
-    """A probe's verdict as the JSON ``results.parquet`` stores: a dict whose keys
-    are all integers (the trajectory probe's ``final_by_layer``, keyed by layer) is
-    tagged, ``{"__int_keys__": {"3": ...}}``, so :func:`verdict_from_json` gives its
-    integer keys back; numpy values become plain ones, NaN null, other objects
-    their ``repr``."""
-    return json.dumps(_tag_int_keys(verdict), default=_plain)
+    """A probe's verdict as the JSON ``results.parquet`` stores, such that
+    :func:`verdict_from_json` gives it back equal: a dict whose keys are all
+    integers (the trajectory probe's ``final_by_layer``, keyed by layer) is tagged,
+    ``{"__int_keys__": {"3": ...}}``; any other dict with a key that is not a string
+    (``{3: 0.4, "mean": 0.5}``), and a dict of one key named like a tag, is stored
+    as its pairs, ``{"__items__": [[3, 0.4], ["mean", 0.5]]}``. numpy values become
+    plain ones, NaN null, other objects their ``repr``; a key JSON cannot hold (a
+    tuple) is refused."""
+    return json.dumps(_tag_keys(verdict), default=_plain)
 
 
-VERDICT_KEYS = "tagged"
-"""A shard's ``meta.json`` ``verdict_keys``: its verdicts' integer-keyed dicts are
-tagged (see :func:`verdict_to_json`). Shards written before have no such entry."""
+VERDICT_KEYS = "tagged+items"
+"""A shard's ``meta.json`` ``verdict_keys``: how its verdicts' dict keys are stored
+(see :func:`verdict_to_json`). Earlier shards say ``"tagged"`` (integer-keyed dicts
+tagged, other keys made strings by JSON) or nothing (every key a string)."""
 
 
-def verdict_from_json(text: str, *, tagged: bool = True) -> Any:
+def verdict_from_json(text: str, *, written_as: str | None = VERDICT_KEYS) -> Any:
     """The verdict :func:`verdict_to_json` stored (tuples come back as lists).
 
-    ``tagged=False`` reads a shard written before the tag: JSON had made every
-    integer key a string, so a dict whose keys are all decimal digits gets
-    integer keys back, as the tag would give (a verdict keyed by such strings
-    of its own could not be told apart there)."""
-    return json.loads(text, object_hook=_untag_int_keys if tagged else _digit_keys)
+    ``written_as`` is the shard's ``verdict_keys``: ``"tagged"`` reads a shard
+    whose only tag was ``__int_keys__``; None reads a shard written before any tag:
+    JSON had made every integer key a string, so a dict whose keys are all decimal
+    digits gets integer keys back, as the tag would give (a verdict keyed by such
+    strings of its own could not be told apart there)."""
+    if written_as is None:
+        return json.loads(text, object_hook=_digit_keys)
+    if written_as == "tagged":
+        return json.loads(text, object_hook=_untag_int_keys)
+    if written_as != VERDICT_KEYS:
+        raise StoreError(f"verdicts stored with verdict_keys={written_as!r} are not "
+                         f"known to this version (it reads {VERDICT_KEYS!r}, 'tagged' "
+                         "and none); read the store with the version that wrote it")
+    return json.loads(text, object_hook=_untag_keys)
 
 
-def _tag_int_keys(value: Any) -> Any:
+def _tag_keys(value: Any) -> Any:
     if isinstance(value, Mapping):
-        items = {key: _tag_int_keys(item) for key, item in value.items()}
-        if items and all(isinstance(key, numbers.Integral) and not isinstance(key, bool)
-                         for key in items):
-            return {_INT_KEYS: {str(int(key)): item for key, item in items.items()}}
-        # (numpy integer keys among others: JSON writes them as strings, as it does ints)
-        return {int(key) if isinstance(key, numbers.Integral) and not isinstance(key, bool)
-                else key: item for key, item in items.items()}
+        items = [(_json_key(key), _tag_keys(item)) for key, item in value.items()]
+        if items and all(type(key) is int for key, _ in items):
+            return {_INT_KEYS: {str(key): item for key, item in items}}
+        if (any(not isinstance(key, str) for key, _ in items)
+                or (len(items) == 1 and items[0][0] in (_INT_KEYS, _ITEMS))):
+            return {_ITEMS: [[key, item] for key, item in items]}
+        return dict(items)
     if isinstance(value, list | tuple):
-        return [_tag_int_keys(item) for item in value]
+        return [_tag_keys(item) for item in value]
     return value
+
+
+def _json_key(key: Any) -> Any:
+    """A verdict dict's key as the JSON value it is stored as (numpy scalars plain)."""
+    if isinstance(key, str | bool) or key is None:
+        return key
+    if isinstance(key, numbers.Integral):
+        return int(key)
+    if isinstance(key, numbers.Real):
+        return float(key)
+    if hasattr(key, "item") and getattr(key, "shape", None) == ():  # a numpy bool
+        return _json_key(key.item())
+    raise TypeError(f"a verdict's dict key {key!r} ({type(key).__name__}) cannot be "
+                    "stored: JSON holds keys that are strings, numbers, booleans or None")
+
+
+def _untag_keys(value: dict[str, Any]) -> Any:
+    if len(value) == 1 and isinstance(value.get(_ITEMS), list):
+        return {key: item for key, item in value[_ITEMS]}
+    return _untag_int_keys(value)
 
 
 def _untag_int_keys(value: dict[str, Any]) -> Any:
@@ -379,7 +417,7 @@ def _digit_keys(value: dict[str, Any]) -> Any:
 def _plain(value: Any) -> Any:
     """JSON for verdict values that are not plain JSON (numpy scalars, arrays, objects)."""
     if hasattr(value, "tolist"):
-        return _tag_int_keys(value.tolist())
+        return _tag_keys(value.tolist())
     if isinstance(value, float) and math.isnan(value):
         return None
     return repr(value)

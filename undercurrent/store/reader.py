@@ -21,7 +21,6 @@ from undercurrent.store.format import (
     OUTPUT_SCHEMA,
     RESULT_SCHEMA,
     STORE_FORMAT,
-    VERDICT_KEYS,
     Reduction,
     StoreError,
     bfloat16_bits_to_float32,
@@ -152,12 +151,15 @@ class ActivationStore:
 
         if self._results is None:
             def decoded(frame: Any, meta: dict[str, Any]) -> Any:
-                # (a shard written before verdicts tagged their integer keys: read
-                # as the tag would have, so every row of a mixed store reads alike)
-                tagged = meta.get("verdict_keys") == VERDICT_KEYS
-                frame["verdict"] = pd.Series(
-                    [verdict_from_json(v, tagged=tagged) for v in frame["verdict"]],
-                    index=frame.index, dtype=object)
+                # (a shard written before verdicts tagged their keys: read as the
+                # tags would have, so every row of a mixed store reads alike)
+                written_as = meta.get("verdict_keys")
+                try:
+                    verdicts = [verdict_from_json(v, written_as=written_as)
+                                for v in frame["verdict"]]
+                except StoreError as error:
+                    raise StoreError(f"shard {meta.get('shard')!r}: {error}") from None
+                frame["verdict"] = pd.Series(verdicts, index=frame.index, dtype=object)
                 return frame
 
             self._results = self._concat("results.parquet", RESULT_SCHEMA, decoded)
