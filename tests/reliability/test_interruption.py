@@ -253,6 +253,75 @@ def test_close_from_a_probe_on_the_router_s_threads_is_refused_while_generating(
     assert live_hooks(model) == 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", [
+    {"execution_mode": "async"},
+    {"intervention": {"mode": "block_until_signal", "timeout_ms": 60_000}}])
+def test_close_from_another_model_s_probe_thread_waits_for_the_generation(tiny, where) -> None:
+    # A probe of model A (on an async worker, or a blocking probe's helper) closing
+    # model B while B generates was refused as if B's generation could wait for it,
+    # but B never waits for A's probes: close() waits for B's call, as from any
+    # other thread, and B's outputs are whole.
+    import copy
+
+    from reliability_support import Recorder
+
+    model, tokenizer = tiny
+    other = copy.deepcopy(model)
+    reached, release, progress = threading.Event(), threading.Event(), threading.Event()
+    closed: dict[str, Any] = {}
+
+    class Gate(Recorder):
+        def on_activation(self, record: Any) -> Any:
+            if record.generated_index == 2 and not reached.is_set():
+                reached.set()
+                release.wait()
+            return super().on_activation(record)
+
+    class ClosesB(Recorder):
+        def on_activation(self, record: Any) -> Any:
+            if not closed:
+                closed["at"] = record.generated_index
+                try:
+                    pm_b.close()
+                except Exception as error:  # noqa: BLE001 - the test reads it
+                    closed["error"] = error
+                finally:
+                    progress.set()
+            return super().on_activation(record)
+
+    class TellsItWaits(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            progress.set()  # (close() is waiting for B's generation)
+            return super().wait(timeout)
+
+    pm_b = ProbedModel(other, tokenizer, spec=[*SPEC[:3], point("gate", probe_type="gate")],
+                       probes={**TEST_PROBES, "gate": Gate})
+    with ProbedModel(other, tokenizer, spec=SPEC[:3], probes=TEST_PROBES) as fresh:
+        baseline = fresh.generate(PROMPTS[:1], max_new_tokens=NEW)
+    pm_b.backend._idle = TellsItWaits()
+    pm_a = ProbedModel(model, tokenizer, probes={**TEST_PROBES, "closes_b": ClosesB},
+                       spec=[point("closes_b", probe_type="closes_b", **where)])
+    done: dict[str, Any] = {}
+    generating_b = threading.Thread(target=lambda: done.update(
+        b=pm_b.generate(PROMPTS[:1], max_new_tokens=NEW)))
+    generating_b.start()
+    reached.wait()
+    generating_a = threading.Thread(target=lambda: done.update(
+        a=pm_a.generate(PROMPTS[:1], max_new_tokens=3)))
+    generating_a.start()
+    progress.wait()  # (close() waits for B's call, or was refused)
+    release.set()
+    generating_b.join()
+    generating_a.join()
+    pm_a.close()
+    assert "error" not in closed, closed.get("error")
+    assert pm_b._closed and live_hooks(other) == 0
+    assert done["a"][0].results["closes_b"].error is None
+    assert [o.token_ids for o in done["b"]] == [o.token_ids for o in baseline]
+    assert done["b"][0].results["inline"].verdict == baseline[0].results["inline"].verdict
+
+
 @pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_always_leaves_a_clean_reusable_model(tiny, probed, baseline,
                                                                        figures) -> None:

@@ -176,7 +176,7 @@ def test_each_binding_holds_what_its_constructor_gives(make_router, tmp_path):
             made = Binding(point=item.point, probe=binding.probe, probe_type=item.point.probe_type,
                            ctx=binding._ctx, policy=item.policy,
                            queue_capacity=item.queue_capacity, overflow=router.default_overflow,
-                           breaker_threshold=router.breaker_threshold)
+                           breaker_threshold=router.breaker_threshold, owner=router)
             mine, theirs = vars(binding), vars(made)
             assert mine.keys() == theirs.keys()
             for key in mine:

@@ -192,8 +192,10 @@ class Binding:
         queue_capacity: int | None,
         overflow: OverflowPolicy,
         breaker_threshold: int | None,
+        owner: object | None = None,
     ) -> None:
         self._point = point
+        self._owner = owner  # the router that made it (its helper runs that router's probes)
         self._name = point.name
         self._probe = probe
         self._probe_type = probe_type
@@ -315,6 +317,11 @@ class Binding:
         return made_all
 
     # -- read-only views (every change goes through a transition method below) --------
+
+    @property
+    def owner(self) -> object | None:
+        """The router that made this binding (None for one made alone)."""
+        return self._owner
 
     @property
     def request_id(self) -> str:

@@ -332,7 +332,7 @@ def _submit_unwaited(binding: Binding, batch: ActivationBatch) -> None:
 
 
 def _helper_loop(binding: Binding) -> None:
-    mark_probe_thread()
+    mark_probe_thread(binding.owner)
     while True:
         with binding.cond:
             call: _Call | None = binding.next_pending()

@@ -250,7 +250,8 @@ class Router:
         if not drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s!r}")
         self.drain_timeout_s = float(drain_timeout_s)
-        self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s)
+        self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s,
+                                         owner=self)
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._version = 0  # bumped whenever _requests changes (cached routes then go)
@@ -353,7 +354,7 @@ class Router:
             Binding(point=item.point, probe=instance, probe_type=item.point.probe_type,
                     ctx=contexts[0].at_point(item.point), policy=item.policy,
                     queue_capacity=item.queue_capacity, overflow=self.default_overflow,
-                    breaker_threshold=self.breaker_threshold)
+                    breaker_threshold=self.breaker_threshold, owner=self)
             for item, instance in first
         ]
         names = [binding.name for binding in firsts]

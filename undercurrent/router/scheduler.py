@@ -62,7 +62,10 @@ class AsyncScheduler:
         batch_size: int = 16,
         stall_timeout_s: float = 1.0,
         max_workers: int | None = None,
+        owner: object | None = None,
     ) -> None:
+        # (the router whose probes the workers run, held weakly: see router.threads)
+        self._owner = None if owner is None else weakref.ref(owner)
         self.target = workers
         self.batch_size = batch_size
         self.stall_timeout_s = stall_timeout_s
@@ -141,7 +144,7 @@ class AsyncScheduler:
         )
 
     def _work(self, worker: _Worker) -> None:
-        mark_probe_thread()
+        mark_probe_thread(None if self._owner is None else self._owner())
         while True:
             with self._cond:
                 while not self._ready and not self._stopping:

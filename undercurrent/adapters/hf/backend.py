@@ -531,6 +531,9 @@ class HFBackend:
         # The thread generating with this backend (None: idle): close() waits for
         # it, so a generation is never cut short by its hooks going away.
         self._generating: int | None = None
+        # The router that generation's probes run on (a probe on its threads may
+        # not close() the model then: the generation may wait for that probe).
+        self._generating_router: object | None = None
         self._idle = threading.Condition()
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()  # (see close())
         self.context_length = context_length(model.config)
@@ -647,7 +650,7 @@ class HFBackend:
         if len(prompts) > size:  # (one batch checks itself, in _run_batch)
             self.check_context(prompts, params)  # (every batch's, before any runs)
         outputs: list[GenerationOutput] = []
-        with self._one_call():
+        with self._one_call(session):
             for start in range(0, len(prompts), size):
                 # A seeded call seeds the batch starting at prompt i with seed + i: the
                 # same call gives the same samples, and batches do not repeat each
@@ -676,7 +679,7 @@ class HFBackend:
             self._idle.notify_all()
 
     @contextlib.contextmanager
-    def _one_call(self, *, held: bool = False) -> Iterator[None]:
+    def _one_call(self, session: CaptureSession, *, held: bool = False) -> Iterator[None]:
         """Hold the model for one call (every batch of it): refused when this backend
         is closed or the model already generates; close() waits for it to end.
         ``held``: the model's lock is held already, and kept after (a stream's)."""
@@ -687,6 +690,7 @@ class HFBackend:
             else:
                 self._take_model()
             self._generating = threading.get_ident()
+            self._generating_router = session.router
             # (the hooks act on this thread's forwards only: see ModelHooks.own)
             self.hooks.own(self._generating)
         try:
@@ -694,7 +698,7 @@ class HFBackend:
         finally:
             with self._idle:
                 self.hooks.own(None)
-                self._generating = None
+                self._generating = self._generating_router = None
                 if not held:
                     self._lock.release()
                 self._idle.notify_all()
@@ -738,7 +742,7 @@ class HFBackend:
 
         def work() -> None:
             try:
-                with self._one_call(held=True):
+                with self._one_call(session, held=True):
                     (output,) = self._run_batch([prompt], [request_id], params, session,
                                                 events.put, cancel)
                 state = session.requests[request_id]
@@ -998,11 +1002,12 @@ class HFBackend:
 
     def check_closable(self) -> None:
         """Refuse a close() from inside this backend's own generation (a probe or a
-        callback on the generating thread, or a probe on one of the router's threads
-        while the model generates: an async worker, a blocking probe's helper):
-        waiting there would wait for itself, or for a generation that waits for it."""
-        generating = self._generating
-        if generating is not None and on_probe_thread():
+        callback on the generating thread, or, while the model generates, a probe on
+        a thread of the router that generation uses: an async worker, a blocking
+        probe's helper): waiting there would wait for itself, or for a generation
+        that waits for it. Another router's probe (another model's) waits."""
+        generating, router = self._generating, self._generating_router
+        if generating is not None and on_probe_thread(router):
             raise BackendError(
                 "close() was called from a probe's thread (an async worker or a blocking "
                 "probe's helper) while this model generates: the generation may wait for "

@@ -166,6 +166,7 @@ class VLLMBackend:
         # handed out: close() ends an open stream, waits for a call running in
         # another thread, and refuses one from inside the engine's own call.
         self._generating: int | None = None
+        self._generating_router: object | None = None  # (the call's router: see check_closable)
         self._idle = threading.Condition()
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
         self._input_lock = threading.Lock()
@@ -586,6 +587,7 @@ class VLLMBackend:
                 raise BackendError("this vLLM engine is already generating (one call at a "
                                    "time per ProbedModel)")
             self._generating = threading.get_ident()
+            self._generating_router = session.router
         engine_ids: dict[str, str] = {}
         self.engine_token_counts = {}
         try:
@@ -666,7 +668,7 @@ class VLLMBackend:
                 finally:
                     self._internal_ids.clear()
                     with self._idle:
-                        self._generating = None
+                        self._generating = self._generating_router = None
                         self._busy.release()
                         self._idle.notify_all()
         # The final events come once the engine is let go: nothing is left to run (a
@@ -889,12 +891,13 @@ class VLLMBackend:
 
     def check_closable(self) -> None:
         """Refuse a close() from inside the engine's own call (a probe or a callback
-        on the thread generating, or a probe on one of the router's threads while
-        the engine generates: an async worker, a blocking probe's helper): waiting
-        there would wait for itself, or for a call that waits for it. A stream
-        suspended on this thread is not running: close() ends it."""
-        generating = self._generating
-        if generating is not None and on_probe_thread():
+        on the thread generating, or, while the engine generates, a probe on a
+        thread of the router that call uses: an async worker, a blocking probe's
+        helper): waiting there would wait for itself, or for a call that waits for
+        it. Another router's probe (another model's) waits. A stream suspended on
+        this thread is not running: close() ends it."""
+        generating, router = self._generating, self._generating_router
+        if generating is not None and on_probe_thread(router):
             raise BackendError(
                 "close() was called from a probe's thread (an async worker or a blocking "
                 "probe's helper) while this engine generates: the call may wait for that "
