@@ -182,6 +182,18 @@ def test_predict_takes_one_row_as_a_matrix_of_one_row():
         fit.predict(X[3, :5])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_a_torch_tensor_of_any_float_dtype_fits_like_its_float64_values(dtype):
+    # a bfloat16 tensor failed in numpy ("Got unsupported ScalarType BFloat16")
+    torch = pytest.importorskip("torch")
+    X, y = _blobs(n=80)
+    tensor = torch.tensor(X).to(getattr(torch, dtype))
+    values = tensor.double().numpy()
+    fit = fit_linear_probe(tensor, y)
+    np.testing.assert_array_equal(fit.weight, fit_linear_probe(values, y).weight)
+    np.testing.assert_array_equal(fit.predict_proba(tensor), fit.predict_proba(values))
+
+
 def test_probe_args_point_at_the_saved_file(tmp_path):
     X, y = _blobs(n=80)
     fit = fit_linear_probe(X, y, save_to=tmp_path / "p.safetensors", threshold=0.8)

@@ -147,6 +147,18 @@ def test_torch_bfloat16_and_kv_shaped_tensors_are_accepted():
     assert probe.on_activation(activation(kv)).score == pytest.approx(oracle_sigmoid(kv.ravel()))
 
 
+def test_inline_bfloat16_tensor_weights_score_with_their_exact_values():
+    # the weights were refused: "weight and bias must be numeric arrays (Got unsupported
+    # ScalarType BFloat16)"
+    torch = pytest.importorskip("torch")
+    weight = torch.tensor(W).to(torch.bfloat16)
+    probe = get_probe("linear_probe")(weight=weight, bias=torch.tensor(B).to(torch.bfloat16))
+    exact = get_probe("linear_probe")(weight=weight.double().numpy(),
+                                      bias=float(torch.tensor(B).to(torch.bfloat16)))
+    for x in XS:
+        assert probe.on_activation(activation(x)).score == exact.on_activation(activation(x)).score
+
+
 def test_activation_of_the_wrong_size_is_an_error_naming_the_file(tmp_path):
     path = save_linear_weights(tmp_path / "p.npz", W, B)
     probe = LinearProbe(path=path)

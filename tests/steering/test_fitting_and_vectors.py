@@ -51,6 +51,13 @@ def test_difference_of_means_on_an_array_and_its_options() -> None:
         fit_steering_vector(X, [0, 1])
 
 
+def test_a_bfloat16_tensor_gives_the_difference_of_its_values_means() -> None:
+    # numpy refused the tensor ("Got unsupported ScalarType BFloat16")
+    X = torch.tensor([[1.0, 0.5], [3.0, 0.0], [0.0, 2.0], [0.25, 4.0]], dtype=torch.bfloat16)
+    sv = fit_steering_vector(X, [1, 1, 0, 0])
+    assert sv.vector.dtype == np.float64 and sv.vector.tolist() == [1.875, -2.75]
+
+
 def test_an_edit_takes_a_numpy_layer_and_names_a_wrong_op() -> None:
     # edit() failed with "'numpy.int64' object is not iterable" on the layer
     # np.argmax gives, and a misspelled op with a bare enum ValueError.

@@ -37,6 +37,7 @@ from undercurrent.analysis.frames import (
     select_one_site,
 )
 from undercurrent.arguments import check_number
+from undercurrent.probes.arrays import as_float_array
 from undercurrent.probes.scoring import parse_threshold
 from undercurrent.probes.weights import apply_link, save_linear_weights
 from undercurrent.records import ActivationRecord
@@ -72,7 +73,7 @@ class LinearProbeFit:
         matrix of one row (every method then returns results for one row)."""
         import numpy as np
 
-        matrix = np.asarray(X, dtype=np.float64)
+        matrix = as_float_array(X)
         if matrix.ndim == 1:
             matrix = matrix[None, :]
         features = self.weight.shape[-1]
@@ -263,7 +264,7 @@ def _design(
     y = _label_values(caller, y)
     frame = _as_frame(data)
     if frame is None:
-        X = np.asarray(data, dtype=np.float64)
+        X = as_float_array(data)
         if X.ndim != 2:
             raise ValueError(
                 f"{caller}: an activation array must be 2-D (rows, features), got "

@@ -30,17 +30,15 @@ def numpy_module() -> Any:
 def as_float_array(tensor: Any) -> Any:
     """A float64 numpy view or copy of ``tensor`` (numpy array, torch tensor, or list).
 
+    A torch tensor of any dtype (bfloat16 too, which numpy cannot hold) and on
+    any device is converted by :func:`host_float64`, so float64 values stay exact.
+
     >>> as_float_array([1, 2]).dtype.name
     'float64'
     """
-    np = numpy_module()
     if hasattr(tensor, "detach"):
-        tensor = tensor.detach()
-        if hasattr(tensor, "float"):
-            tensor = tensor.float()
-        if hasattr(tensor, "cpu"):
-            tensor = tensor.cpu()
-        tensor = tensor.numpy()
+        return host_float64(tensor)
+    np = numpy_module()
     return np.asarray(tensor, dtype=np.float64)
 
 

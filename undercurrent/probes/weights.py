@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.probes.arrays import numpy_module
+from undercurrent.probes.arrays import as_float_array, numpy_module
 from undercurrent.probes.scoring import parse_threshold
 
 LINEAR_PROBE_FORMAT = "undercurrent.linear_probe/1"
@@ -125,8 +125,9 @@ def linear_weights(weight: Any, bias: Any, *, source: str = "inline probe_args",
     """
     np = numpy_module()
     try:
-        w = np.array(weight, dtype=np.float64)
-        b = np.array(bias, dtype=np.float64)
+        # (copies: the arrays are made read-only below, the caller's must not be)
+        w = np.array(as_float_array(weight))
+        b = np.array(as_float_array(bias))
     except (TypeError, ValueError) as exc:
         raise ProbeFileError(f"{source}: weight and bias must be numeric arrays ({exc})") from None
     if w.ndim not in (1, 2) or w.shape[-1] == 0 or (w.ndim == 2 and w.shape[0] == 0):
