@@ -125,3 +125,22 @@ def fit_linear_probe_on(store, labels):
     from undercurrent.notebook import fit_linear_probe
 
     return fit_linear_probe(store, labels, point="resid", layer=2, seed=0)
+
+
+def test_a_steering_vector_fits_on_a_store_or_view_as_on_its_records_frame(labelled):
+    # fit_steering_vector took the store for an array ("float() argument must be ...
+    # not 'ActivationStore'")
+    from undercurrent.steering import fit_steering_vector
+
+    store, _, labels = labelled
+    view = store.select(point="resid", layer=2)
+    frame = store.records_frame(view.index)
+    oracle = fit_steering_vector(frame, dict(zip(frame["request"], (
+        labels[p] for p in frame["prompt_index"]), strict=True)))
+    for fitted in (fit_steering_vector(store, labels, point="resid", layer=2),
+                   fit_steering_vector(view, labels)):
+        np.testing.assert_allclose(fitted.vector, oracle.vector, rtol=1e-6, atol=1e-7)
+        assert (fitted.layer, fitted.tensor_type, fitted.counts) == (
+            2, "residual_stream", oracle.counts)
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: the store mixes layers"):
+        fit_steering_vector(store, labels, point="resid")

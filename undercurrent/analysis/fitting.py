@@ -178,11 +178,6 @@ def fit_linear_probe(
     check_number("fit_linear_probe: test_size", test_size)
     if seed is not None:
         check_number("fit_linear_probe: seed", seed, integer=True)
-    if hasattr(data, "probe_design"):
-        # An ActivationStore: read one point and layer from disk, split by request.
-        data, y, group_by, layer, tensor_type = data.probe_design(
-            y, point=point, layer=layer, tensor_type=tensor_type, group_by=group_by)
-        point = None
     X, labels, groups, layer, tensor_type = _design(data, y, layer, point, tensor_type, group_by)
     if len(X) != len(labels):
         raise ValueError(
@@ -261,6 +256,12 @@ def _design(
     """
     import numpy as np
 
+    if hasattr(data, "probe_design"):
+        # An ActivationStore: read one point and layer from disk, split by request.
+        data, y, group_by, layer, tensor_type = data.probe_design(
+            y, point=point, layer=layer, tensor_type=tensor_type, group_by=group_by,
+            caller=caller)
+        point = None
     y = _label_values(caller, y)
     frame = _as_frame(data)
     if frame is None:

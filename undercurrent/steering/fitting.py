@@ -103,13 +103,14 @@ def fit_steering_vector(
 
     ``data`` and ``labels`` are what :func:`~undercurrent.analysis.fitting.fit_linear_probe`
     takes (a records frame with per-row labels, a column name or a ``{request:
-    label}`` mapping; records; outputs; or an ``(n, hidden)`` array with one label
-    per row), filtered by ``point`` / ``layer`` / ``tensor_type`` the same way, and
-    refused the same way when a label is missing (None or NaN) or an activation is
-    NaN or infinite (a mean over it would be NaN). Exactly two distinct labels are
-    needed; ``positive`` picks the one the vector points towards (default: the
-    larger of the two when sorted, so ``1`` over ``0``, ``"harmful"`` over
-    ``"benign"``). ``normalize=True`` returns a unit vector.
+    label}`` mapping; records; outputs; an ``(n, hidden)`` array with one label
+    per row; or an activation store or ``select()`` view), filtered by ``point`` /
+    ``layer`` / ``tensor_type`` the same way, and refused the same way when a
+    label is missing (None or NaN) or an activation is NaN or infinite (a mean
+    over it would be NaN). Exactly two distinct labels are needed; ``positive``
+    picks the one the vector points towards (default: the larger of the two when
+    sorted, so ``1`` over ``0``, ``"harmful"`` over ``"benign"``).
+    ``normalize=True`` returns a unit vector.
 
     >>> import numpy as np
     >>> sv = fit_steering_vector(np.array([[1., 0.], [3., 0.], [0., 2.]]), [1, 1, 0])

@@ -351,9 +351,10 @@ class ActivationStore:
 
     # -- analysis ----------------------------------------------------------------------
     def probe_design(self, y: Any, *, point: str | None = None, layer: int | None = None,
-                     tensor_type: str | None = None, group_by: Any = "auto"
-                     ) -> tuple[Any, Any, Any, int, str]:
-        """``(X, labels, groups, layer, tensor_type)`` for ``fit_linear_probe``.
+                     tensor_type: str | None = None, group_by: Any = "auto",
+                     caller: str = "fit_linear_probe") -> tuple[Any, Any, Any, int, str]:
+        """``(X, labels, groups, layer, tensor_type)`` for ``fit_linear_probe`` (or
+        ``fit_steering_vector``; ``caller`` names it in messages).
 
         Reads only the vectors of one point and layer (float32). ``y`` maps request
         ids or prompt indices to labels, or gives one label per prompt (indexed by
@@ -366,15 +367,15 @@ class ActivationStore:
 
         index = self.select(point=point, layer=layer, tensor_type=tensor_type).index
         if index.empty:
-            raise ValueError(f"fit_linear_probe: the store has no rows for point={point!r}, "
+            raise ValueError(f"{caller}: the store has no rows for point={point!r}, "
                              f"layer={layer!r}, tensor_type={tensor_type!r}; it has points "
                              f"{self.points} and layers {self.layers}")
         for column, argument in (("extraction_point_name", "point"), ("layer", "layer"),
                                  ("tensor_type", "tensor_type")):
             values = sorted(index[column].unique().tolist())
             if len(values) > 1:
-                raise ValueError(f"fit_linear_probe: the store mixes {argument}s {values}; a "
-                                 f"probe reads one, so pass {argument}=... (e.g. "
+                raise ValueError(f"{caller}: the store mixes {argument}s {values}; a "
+                                 f"fit reads one, so pass {argument}=... (e.g. "
                                  f"{argument}={values[0]!r})")
         labels = self.row_labels(y, index)
         X = np.asarray(self.vectors(index), dtype=np.float32).reshape(len(index), -1)
