@@ -139,6 +139,39 @@ def test_labels_may_be_a_column_or_one_per_row_of_the_unfiltered_frame():
     np.testing.assert_array_equal(by_column.weight, by_array.weight)
 
 
+def test_a_labels_series_is_aligned_with_the_frames_rows_by_its_index():
+    # A Series built from the frame, then the frame re-sorted: its labels were read by
+    # position, giving half the rows another row's label, silently.
+    from undercurrent.steering import fit_steering_vector
+
+    frame = records_frame(make_records(requests=8, layers=(0, 1), hidden=4))
+    frame["label"] = frame["request"].map(lambda r: int(r[-1]) % 2)
+    series = frame["request"].map(lambda r: int(r[-1]) % 2)
+    resorted = frame.sort_values(["token_index", "request"], kind="stable")
+    by_column = fit_linear_probe(resorted, "label", layer=1)
+    np.testing.assert_array_equal(fit_linear_probe(resorted, series, layer=1).weight,
+                                  by_column.weight)
+    np.testing.assert_array_equal(fit_steering_vector(resorted, series, layer=1).vector,
+                                  fit_steering_vector(resorted, "label", layer=1).vector)
+    # group ids too; a Series with the default index that is not the rows' own, as a list
+    np.testing.assert_array_equal(fit_linear_probe(
+        resorted, "label", layer=1, group_by=frame["request"]).weight, by_column.weight)
+    layer_one = resorted[resorted["layer"] == 1]
+    default_index = layer_one["label"].reset_index(drop=True)
+    np.testing.assert_array_equal(fit_linear_probe(layer_one, default_index).weight,
+                                  by_column.weight)
+    with pytest.raises(ValueError, match=r"^fit_linear_probe: the labels Series \(index "
+                       r"\[1000, 1001, 1002\] \.\.\., 112 values\) has no value for 56 of the "
+                       r"56 selected rows .*pass a list or array \(series.to_numpy\(\)\)"):
+        fit_linear_probe(resorted, series.set_axis(series.index + 1000), layer=1)
+    with pytest.raises(ValueError, match=r"the labels Series .* has no value for 7 of the "
+                       r"56 selected rows"):
+        fit_linear_probe(resorted, series[series.index % 16 != 9], layer=1)
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: the labels Series .* repeats "
+                       r"index value\(s\) \[0\]"):
+        fit_steering_vector(resorted, series.rename(index={1: 0}), layer=1)
+
+
 def test_bad_inputs_say_what_is_wrong():
     X, y = _blobs(n=40)
     with pytest.raises(ValueError, match="40 activation rows but 39 labels"):

@@ -143,7 +143,10 @@ def fit_linear_probe(
     or ``GenerationOutput``s, or an ``(n, features)`` array. ``y`` gives the labels:
     an array-like (one per row, of the frame or of the rows left after filtering),
     the name of a frame column, or a mapping from request id to label (each row
-    takes its request's label).
+    takes its request's label). A pandas Series with a frame is aligned with its
+    rows by its index, as pandas aligns (one with the default index ``0, 1, ...``
+    that is not the rows' own is read by position); one whose index misses a
+    selected row is refused.
 
     ``data`` may also be an activation store (``undercurrent.open_activations``,
     or a ``store.select(...)`` view): only the chosen point and layer are read
@@ -316,7 +319,9 @@ def _design(
     elif isinstance(group_by, str):
         groups = frame_column(selected, group_by, f"{caller}: group_by").to_numpy()
     else:
-        groups = _groups(caller, group_by, len(X))
+        aligned = _series_rows(group_by, selected, caller, "group_by") if _is_series(
+            group_by) else None
+        groups = _groups(caller, group_by if aligned is None else aligned, len(X))
     return X, labels, groups, layer, tensor_type
 
 
@@ -423,6 +428,8 @@ def _frame_labels(frame: Any, selected: Any, y: Any, caller: str) -> Any:
     elif isinstance(y, Mapping):
         given = label_rows(selected, y)
         missing = missing_labels(given)
+    elif _is_series(y) and (aligned := _series_rows(y, selected, caller)) is not None:
+        given, missing = aligned, missing_labels(aligned)
     elif len(y) == len(selected):
         given, missing = y, missing_labels(y)
     elif len(y) == len(frame):
@@ -441,6 +448,51 @@ def _frame_labels(frame: Any, selected: Any, y: Any, caller: str) -> Any:
 
     _refuse_unlabelled(caller, missing, where)
     return np.asarray(given)
+
+
+def _is_series(values: Any) -> bool:
+    """Whether ``values`` is a pandas Series (pandas is not imported to ask)."""
+    return hasattr(values, "reindex") and hasattr(values, "index") and hasattr(values, "name")
+
+
+def _series_rows(y: Any, selected: Any, caller: str, what: str = "labels") -> Any:
+    """The values a pandas Series ``y`` (the ``what``) gives the ``selected`` rows,
+    aligned by its index as pandas aligns (so a frame sorted after the Series was
+    built from it still gets each row's own value), or None for a Series with the
+    default index (0, 1, ...) that is not the rows' own: that one is read by
+    position, as a list.
+
+    An index that does not cover every selected row, or that repeats a value, is
+    refused: read by position, it would give rows other rows' values, silently."""
+    import pandas as pd
+
+    labels, rows = y.index, selected.index
+    if labels.equals(rows):  # (the Series of this very frame: also with repeated labels)
+        return y.to_numpy()
+    if labels.is_unique and rows.is_unique and rows.isin(labels).all():
+        return y.reindex(rows).to_numpy()
+    if isinstance(labels, pd.RangeIndex) and labels.start == 0 and labels.step == 1:
+        return None
+
+    def shown(index: Any) -> str:
+        return f"{index[:3].tolist()}{' ...' if len(index) > 3 else ''}"
+
+    if not labels.is_unique:
+        problem = (f"repeats index value(s) "
+                   f"{labels[labels.duplicated()].unique()[:5].tolist()}")
+    elif not rows.is_unique:
+        problem = (f"cannot say which of the frame's rows it labels: the frame's index "
+                   f"repeats value(s) {rows[rows.duplicated()].unique()[:5].tolist()}")
+    else:
+        problem = (f"has no value for {int((~rows.isin(labels)).sum())} of the "
+                   f"{len(rows)} selected rows (their index: {shown(rows[~rows.isin(labels)])})")
+    raise ValueError(
+        f"{caller}: the {what} Series (index {shown(labels)}, {len(labels)} values) "
+        f"{problem}; a Series is aligned with the frame's rows by its index, as pandas "
+        "aligns: build it from the frame (a column, or e.g. frame['request'].map(...)), "
+        "give a column name (or for labels {request: label}), or pass a list or array "
+        "(series.to_numpy()) to read it by position"
+    )
 
 
 def _sorted_classes(labels: Any) -> list[Any]:
