@@ -163,6 +163,34 @@ def test_activations_travel_with_row_selections_but_not_merges(records):
                                   activation_matrix(frame, layer=0))
 
 
+def test_rows_of_two_records_frames_concatenated_are_refused_not_read_from_one(records):
+    # After pd.concat of two records frames (pandas drops their differing attrs) and
+    # attrs.update from one of them, as the message advised, the other frame's rows
+    # read the first one's activations, silently.
+    first, second = records_frame(records[:14]), records_frame(records[14:])
+    both = pd.concat([first, second], ignore_index=True)
+    with pytest.raises(ValueError, match=r"records_frame\(outputs_1 \+ outputs_2\)"):
+        activation_matrix(both, layer=0)
+    both.attrs.update(first.attrs)
+    for read in (lambda: activation_matrix(both, layer=0), lambda: record_tensors(both)):
+        with pytest.raises(ValueError, match=r"^(activation_matrix: 7 of the 14|record_tensors: "
+                           r"14 of the 28) rows come from another records frame than the "
+                           r"activations this frame carries .*records_frame\(outputs_1 \+ "
+                           r"outputs_2\)"):
+            read()
+    # the rows of the frame whose activations it carries still read; one frame of all
+    # the records reads every row
+    np.testing.assert_array_equal(activation_matrix(both.iloc[:14], layer=0),
+                                  activation_matrix(first, layer=0))
+    whole = records_frame(records)
+    np.testing.assert_array_equal(activation_matrix(whole, layer=0),
+                                  np.stack([r.tensor for r in records if r.layer == 0]))
+    # rows of one frame concatenated keep its activations
+    halves = pd.concat([whole[whole["layer"] == 1], whole[whole["layer"] == 0]])
+    np.testing.assert_array_equal(activation_matrix(halves, layer=0),
+                                  activation_matrix(whole, layer=0))
+
+
 def test_a_frame_without_tensors_is_refused_and_a_tensor_column_frame_still_read(records):
     light = records_frame(records, tensors=False)
     assert light.columns.tolist() == list(RECORD_COLUMNS)

@@ -91,11 +91,12 @@ def test_store_frames_equal_the_live_frames_of_the_same_outputs(store, oracle):
     # pandas 3 read the store's strings back as its ``str`` dtype (NaN for a missing
     # error), where the live frames hold ``object`` (None): the frames never compared
     # equal. What differs by nature is left out: when each run happened (timestamps,
-    # probe latency), and the store's own prompt_index and matrix row numbers.
+    # probe latency), and the store's own prompt_index, matrix row numbers and
+    # activations id.
     from undercurrent.notebook import records_frame, results_frame
 
     def records(frame):
-        return frame.drop(columns=["timestamp", "row"]).sort_values(
+        return frame.drop(columns=["timestamp", "row", "activations_id"]).sort_values(
             ["request", "point", "layer", "token_index"], ignore_index=True)
 
     def results(frame):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -44,6 +45,7 @@ RECORD_COLUMNS: tuple[str, ...] = (
     "shape",
     "edits",
     "row",
+    "activations_id",
 )
 """Columns of :func:`records_frame`, in order.
 
@@ -55,9 +57,13 @@ given, else None), ``timestamp`` (seconds since the epoch), ``dtype`` (the
 captured tensor's original dtype name, e.g. ``"bfloat16"``), ``shape`` (tuple),
 ``edits`` (tuple of the live edits applied at this site, empty when none),
 ``row`` (the record's row in the activation matrix of its size, see
-:class:`Activations`). The activations are no column: :func:`activation_matrix`
-gives them as one ``(rows, features)`` array (earlier versions had a ``tensor``
-column of arrays, which :func:`activation_matrix` still reads).
+:class:`Activations`), ``activations_id`` (the ``id`` of the :class:`Activations`
+holding that matrix: rows of several records frames joined with ``pd.concat``
+carry several, and the frame's activations hold only one frame's rows, so
+:func:`activation_matrix` refuses the others). The activations are no column:
+:func:`activation_matrix` gives them as one ``(rows, features)`` array (earlier
+versions had a ``tensor`` column of arrays, which :func:`activation_matrix` still
+reads).
 """
 
 ACTIVATIONS_KEY = "activations"
@@ -74,11 +80,15 @@ class Activations:
     It rides in ``frame.attrs["activations"]``, which pandas carries by reference
     through row selections, column selections, sorting, ``copy`` and ``concat`` of
     the same frame; ``merge`` drops ``attrs``: merge other frames onto a records
-    frame's columns, then ``merged.attrs.update(frame.attrs)``.
+    frame's columns, then ``merged.attrs.update(frame.attrs)``. ``id`` is the
+    frame's ``activations_id`` column: a row whose id is another one belongs to
+    another frame's activations (as after ``pd.concat`` of two records frames)
+    and is refused.
     """
 
     def __init__(self, matrices: Mapping[int, Any]) -> None:
         self.matrices: dict[int, Any] = dict(matrices)
+        self.id = new_activations_id()
 
     def matrix(self, features: int) -> Any:
         """The matrix of rows with ``features`` values."""
@@ -91,6 +101,12 @@ class Activations:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{m.shape[0]}x{m.shape[1]} {m.dtype}" for m in self.matrices.values())
         return f"Activations({shapes})"
+
+
+def new_activations_id() -> int:
+    """A fresh ``activations_id``: random, not counted, so a frame pickled in one
+    process never shares its id with one built in another."""
+    return secrets.randbits(63)
 
 
 SIGNAL_COLUMNS: tuple[str, ...] = (
@@ -201,7 +217,11 @@ def records_frame(records: Any, *, tokenizer: Any = None, tensors: bool = True) 
         positions[order] = np.arange(len(order))
     frame["row"] = positions
     if tensors:
-        frame.attrs[ACTIVATIONS_KEY] = Activations(matrices)
+        activations = Activations(matrices)
+        frame["activations_id"] = activations.id
+        frame.attrs[ACTIVATIONS_KEY] = activations
+    else:
+        frame["activations_id"] = new_activations_id()
     return frame
 
 
@@ -235,6 +255,7 @@ def _add_record(
     columns["shape"].append(tuple(shape))
     columns["edits"].append(tuple(record.edits))
     columns["row"].append(0)
+    columns["activations_id"].append(0)
 
 
 def _typed_record_frame(frame: Any) -> Any:
@@ -256,6 +277,7 @@ def _typed_record_frame(frame: Any) -> Any:
         "shape": "object",
         "edits": "object",
         "row": "int64",
+        "activations_id": "int64",
     }
     return frame.astype({k: v for k, v in types.items() if k in frame.columns})
 
@@ -430,7 +452,7 @@ def activation_matrix(
     check_activations(frame, "activation_matrix")
     if "tensor" in selected.columns:
         return _stack_tensor_column(selected, dtype)
-    return _matrix_rows(frame.attrs[ACTIVATIONS_KEY], selected, dtype)
+    return _matrix_rows(frame.attrs[ACTIVATIONS_KEY], selected, dtype, "activation_matrix")
 
 
 def check_activations(frame: Any, caller: str) -> None:
@@ -442,8 +464,33 @@ def check_activations(frame: Any, caller: str) -> None:
     if not isinstance(frame.attrs.get(ACTIVATIONS_KEY), Activations) or "row" not in frame.columns:
         raise ValueError(
             f"{caller}: this frame carries no activations (built with "
-            "tensors=False, or it lost DataFrame.attrs in a merge: merge onto the "
-            "records frame's columns, then merged.attrs.update(frame.attrs))"
+            "tensors=False, or it lost DataFrame.attrs: after a merge onto a records "
+            f"frame's columns, merged.attrs.update(frame.attrs); {_ONE_FRAME})"
+        )
+
+
+_ONE_FRAME = (
+    "rows of several records frames joined with pd.concat cannot share one frame's "
+    "activations: build one frame of all the records, records_frame(outputs_1 + "
+    "outputs_2) (for a store, store.records_frame(rows) with every row wanted), or "
+    "concatenate each frame's activation_matrix(...)")
+
+
+def _refuse_foreign_rows(activations: Activations, selected: Any, caller: str) -> None:
+    """Refuse rows whose ``activations_id`` is not ``activations``' own: their
+    ``row`` numbers point into another frame's matrices, so these would hand out
+    the wrong activations without a word."""
+    if "activations_id" not in selected.columns:  # (a frame of an earlier version)
+        return
+    ids = selected["activations_id"].to_numpy()
+    foreign = ids != activations.id
+    if foreign.any():
+        raise ValueError(
+            f"{caller}: {int(foreign.sum())} of the {len(ids)} rows come from another "
+            f"records frame than the activations this frame carries (the rows are of "
+            f"{len(set(ids.tolist()))} records frames, by their activations_id, as after "
+            f"pd.concat of records frames, whose attrs hold one frame's activations); "
+            f"{_ONE_FRAME}"
         )
 
 
@@ -485,11 +532,13 @@ def _selected_rows(frame: Any, caller: str, *, point: str | None, layer: int | N
     return selected
 
 
-def _matrix_rows(activations: Activations, selected: Any, dtype: str | None) -> Any:
+def _matrix_rows(activations: Activations, selected: Any, dtype: str | None,
+                 caller: str) -> Any:
     """The selected rows of the stored matrix: a read-only view when they are one
     contiguous block in order and no conversion is asked for, else a copy."""
     import numpy as np
 
+    _refuse_foreign_rows(activations, selected, caller)
     sizes = {math.prod(shape) for shape in set(selected["shape"].tolist())}
     if len(sizes) > 1:
         raise ValueError(
@@ -539,6 +588,7 @@ def record_tensors(frame: Any) -> list[Any]:
     activations = frame.attrs.get(ACTIVATIONS_KEY)
     if not isinstance(activations, Activations):
         return [None] * len(frame)
+    _refuse_foreign_rows(activations, frame, "record_tensors")
     found = []
     for row, shape in zip(frame["row"].tolist(), frame["shape"].tolist(), strict=True):
         view = activations.matrix(math.prod(shape))[row].reshape(shape)

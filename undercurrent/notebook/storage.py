@@ -22,6 +22,7 @@ from undercurrent.analysis.frames import (
     Activations,
     _site_order,
     _typed_record_frame,
+    new_activations_id,
     record_tensors,
     records_frame,
 )
@@ -29,9 +30,10 @@ from undercurrent.arguments import check_flag
 from undercurrent.records import ActivationRecord
 
 FORMAT_NAME = "undercurrent.records/1"
-# What a frame needs to be saved: the record columns but the matrix row (rewritten
-# on load) and edits (older frames have none).
-_SAVED_COLUMNS = tuple(c for c in RECORD_COLUMNS if c not in ("row", "edits"))
+# What a frame needs to be saved: the record columns but the matrix row and its
+# activations' id (both rewritten on load) and edits (older frames have none).
+_SAVED_COLUMNS = tuple(c for c in RECORD_COLUMNS
+                       if c not in ("row", "edits", "activations_id"))
 _FORMAT_KEY = b"undercurrent.format"
 
 
@@ -63,7 +65,7 @@ def save_records(records: Any, path: str | os.PathLike[str], *, tokenizer: Any =
     if missing:
         raise ValueError(f"save_records: the frame lacks record columns {missing}")
     tensors = record_tensors(frame)
-    plain = frame.drop(columns=[c for c in ("tensor", "shape", "row", "edits")
+    plain = frame.drop(columns=[c for c in ("tensor", "shape", "row", "edits", "activations_id")
                                 if c in frame.columns])
     plain.attrs = {}  # the activations are written as the tensor column below
     table = pa.Table.from_pandas(plain, preserve_index=False)
@@ -126,6 +128,7 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
     frame["shape"] = shapes
     frame["edits"] = edits
     frame["row"] = 0
+    frame["activations_id"] = new_activations_id()  # (_attach gives its Activations')
     frame = _typed_record_frame(frame)
     extra = [column for column in frame.columns if column not in RECORD_COLUMNS]
     frame = frame[list(RECORD_COLUMNS) + extra]
@@ -149,7 +152,9 @@ def _attach(np: Any, frame: Any, tensors: list[Any]) -> None:
         matrices[size] = np.stack([tensors[i].reshape(-1) for i in members])
         rows[members] = np.arange(len(members))
     frame["row"] = rows
-    frame.attrs[ACTIVATIONS_KEY] = Activations(matrices)
+    activations = Activations(matrices)
+    frame["activations_id"] = activations.id
+    frame.attrs[ACTIVATIONS_KEY] = activations
 
 
 def _read_tensors(np: Any, column: Any, shapes: list[tuple[int, ...]]) -> list[Any]:

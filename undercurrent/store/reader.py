@@ -342,11 +342,13 @@ class ActivationStore:
                 positions[where] = sum(len(part) for part in parts) + np.arange(len(where))
                 parts.append(flat)
         out["row"] = positions
+        activations = Activations({
+            size: parts[0] if len(parts) == 1 else np.concatenate(parts)
+            for size, parts in blocks.items()})
+        out["activations_id"] = activations.id
         out = out[list(RECORD_COLUMNS) + ["prompt_index"]]
         if tensors:
-            out.attrs[ACTIVATIONS_KEY] = Activations({
-                size: parts[0] if len(parts) == 1 else np.concatenate(parts)
-                for size, parts in blocks.items()})
+            out.attrs[ACTIVATIONS_KEY] = activations
         return out
 
     # -- analysis ----------------------------------------------------------------------
