@@ -252,6 +252,10 @@ def test_reductions_equal_the_reduced_oracle(tiny, prompts, oracle, tmp_path):
                 assert rows["token_index"].tolist() == [last.token_index]
                 np.testing.assert_array_equal(stored[0], last.tensor.float().numpy())
     assert store.reductions["resid"].tokens == "mean_generated"
+    # the store rebuilds the projection from the captured shape it records
+    np.testing.assert_array_equal(store.projection("kv_last_prompt"),
+                                  (matrix).astype(np.float32))
+    assert store.projection("resid") is None and store.projection("mlp") is None
 
 
 def test_a_float64_model_reduces_in_float64(prompts, tmp_path):

@@ -144,3 +144,53 @@ def test_a_steering_vector_fits_on_a_store_or_view_as_on_its_records_frame(label
             2, "residual_stream", oracle.counts)
     with pytest.raises(ValueError, match=r"^fit_steering_vector: the store mixes layers"):
         fit_steering_vector(store, labels, point="resid")
+
+
+def test_a_probe_fitted_on_projected_vectors_scores_live_activations_as_the_fit_did(
+        tiny, tmp_path):
+    # The saved probe held weights over the random features: run live on the
+    # captured activations it gave unrelated scores (no error when K was the hidden
+    # size, as here). The projection is folded into the saved weight.
+    import dataclasses
+
+    from undercurrent import ProbedModel
+    from undercurrent.notebook import fit_linear_probe, signals_frame
+    from undercurrent.probes.weights import load_linear_weights
+    from undercurrent.steering import fit_steering_vector
+
+    prompts, labels = corpus_prompts(16, seed=3)
+    tiny.capture(prompts, tmp_path / "acts", progress=False, reduce={"resid": "project:128"},
+                 storage_dtype="float32", **OPTIONS)
+    store = open_activations(tmp_path / "acts")
+    fit = fit_linear_probe(store, labels, point="resid", layer=2,
+                           save_to=tmp_path / "probe.safetensors")
+    view = store.select(point="resid", layer=2)
+    fitted = fit.predict_proba(view.vectors())[:, 1]
+    spec = {"extraction_points": [{
+        "name": "guard", "layers": [2], "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "linear_probe", "probe_kind": "trajectory",
+        "probe_args": {"path": str(tmp_path / "probe.safetensors")}}]}
+    live = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    try:
+        scores = signals_frame(live.generate(prompts, request_ids=request_ids(len(prompts)),
+                                             **OPTIONS))
+    finally:
+        live.close()
+    by_token = dict(zip(zip(scores["request"], scores["token_index"], strict=True),
+                        scores["score"], strict=True))
+    rows = view.index
+    live_scores = [by_token[key] for key in zip(rows["request_id"], rows["token_index"],
+                                                          strict=True)]
+    np.testing.assert_allclose(live_scores, fitted, rtol=0, atol=1e-5)
+    assert fit.weight.shape == (128,) and fit.projected == "project:128"
+    saved = load_linear_weights(tmp_path / "probe.safetensors")
+    assert saved.hidden == 128 and saved.metadata["folded_reduction"] == "project:128"
+    # inline weights fold it in too; a projection the store cannot rebuild is refused
+    inline = fit_linear_probe(store, labels, point="resid", layer=2).probe_args()
+    np.testing.assert_allclose(inline["weight"], fit.raw_weights()[0], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"'project:128', whose projection matrix the store "
+                       r"could not rebuild"):
+        dataclasses.replace(fit, projection=None, path=None).probe_args()
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: the store holds this "
+                       r"point's vectors projected \(project:128\)"):
+        fit_steering_vector(store, labels, point="resid", layer=2)

@@ -14,7 +14,9 @@ Saved format (``undercurrent.linear_probe/1``), ``.safetensors`` or ``.npz``:
   ``label_names``, the ``positive`` one;
   ``softmax`` for more), ``threshold``, ``layer`` and ``tensor_type`` (when
   known), ``label_names`` (a JSON list, in the model's class order) and
-  ``metrics`` (JSON of the fit's metrics).
+  ``metrics`` (JSON of the fit's metrics); ``folded_reduction`` (e.g.
+  ``project:64``) for a fit on a store's projected vectors, whose projection the
+  saved weight includes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from undercurrent.records import ActivationRecord
 
 @dataclass(frozen=True)
 class LinearProbeFit:
-    """A fitted linear probe, in raw activation space.
+    """A fitted linear probe, in raw activation space (or a store's projected one,
+    below).
 
     ``weight``/``bias`` already include the standardisation, so
     ``sigmoid(weight @ x + bias)`` (two classes) or ``softmax(weight @ x + bias)``
@@ -53,6 +56,13 @@ class LinearProbeFit:
     holds ``train_accuracy``, ``test_accuracy``, ``test_auc``, ``chance_accuracy``
     (majority-class rate on the held-out rows), ``n_train``, ``n_test``,
     ``n_features``, ``n_classes`` and ``split`` (``"request"`` or ``"row"``).
+
+    A fit on an activation store whose point was captured with a ``project:K``
+    reduction is over the K projected features (``weight``, ``predict`` and the
+    metrics read stored vectors); ``projected`` says so (e.g. ``"project:64"``)
+    and ``projection`` is the ``(captured features, K)`` matrix. The saved file
+    and ``probe_args`` fold it in (:meth:`raw_weights`), so the probe scores the
+    captured activations exactly as the fit scored their projections.
     """
 
     weight: Any
@@ -65,6 +75,29 @@ class LinearProbeFit:
     tensor_type: str | None
     metrics: Mapping[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    projected: str | None = None
+    projection: Any = None
+
+    def raw_weights(self) -> tuple[Any, Any]:
+        """``(weight, bias)`` over the captured activations (float32): the fit's own,
+        or for a fit on projected vectors, the projection folded in (``x @ P`` is
+        what the fit read, so ``w . (x @ P) = (P @ w) . x``; the bias is unchanged).
+        A projection that cannot be rebuilt (a store of an earlier version) is a
+        ``ValueError``: such a probe reads no captured activation."""
+        import numpy as np
+
+        if self.projected is None:
+            return self.weight, self.bias
+        if self.projection is None:
+            raise ValueError(
+                f"this probe was fitted on vectors stored with the reduction "
+                f"{self.projected!r}, whose projection matrix the store could not rebuild "
+                "(the store does not record the captured vectors' size: written by an "
+                "earlier version), so it cannot score captured activations; capture the "
+                "store again and refit")
+        matrix = np.asarray(self.projection, dtype=np.float64)
+        weight = np.asarray(self.weight, dtype=np.float64) @ matrix.T
+        return weight.astype(np.float32), self.bias
 
     def decision_function(self, X: Any) -> Any:
         """The logits ``X @ weight.T + bias``: ``(n,)`` for two classes, else ``(n, classes)``.
@@ -110,7 +143,8 @@ class LinearProbeFit:
         if self.path is not None:
             args = {"path": str(self.path)}
         else:
-            args = {"weight": self.weight.tolist(), "bias": self.bias.tolist(), "link": self.link}
+            weight, bias = self.raw_weights()
+            args = {"weight": weight.tolist(), "bias": bias.tolist(), "link": self.link}
         args["threshold"] = self.threshold
         args.update(overrides)
         return args
@@ -181,7 +215,8 @@ def fit_linear_probe(
     check_number("fit_linear_probe: test_size", test_size)
     if seed is not None:
         check_number("fit_linear_probe: seed", seed, integer=True)
-    X, labels, groups, layer, tensor_type = _design(data, y, layer, point, tensor_type, group_by)
+    X, labels, groups, layer, tensor_type, projected = _design(
+        data, y, layer, point, tensor_type, group_by)
     if len(X) != len(labels):
         raise ValueError(
             f"fit_linear_probe: {len(X)} activation rows but {len(labels)} labels; give one "
@@ -233,6 +268,8 @@ def fit_linear_probe(
         layer=layer,
         tensor_type=tensor_type,
         metrics={},
+        projected=None if projected is None else projected[0],
+        projection=None if projected is None else projected[1],
     )
     metrics = _metrics(fit, X, labels, train_rows, test_rows, groups is not None)
     fit = dataclasses.replace(fit, metrics=metrics)
@@ -250,8 +287,11 @@ def _design(
     tensor_type: str | None,
     group_by: Any,
     caller: str = "fit_linear_probe",
-) -> tuple[Any, Any, Any, int | None, str | None]:
-    """``(X, labels, groups, layer, tensor_type)`` from whatever the caller passed.
+) -> tuple[Any, Any, Any, int | None, str | None, tuple[str, Any] | None]:
+    """``(X, labels, groups, layer, tensor_type, projected)`` from whatever the
+    caller passed; ``projected`` is None, or for a store's point captured with a
+    ``project:K`` reduction ``(reduction, projection matrix or None when the
+    store cannot rebuild it)``.
 
     Refuses rows a fit cannot use, naming them: missing labels (None or NaN) and
     activations holding NaN or infinity. ``caller`` names the public function in
@@ -259,12 +299,21 @@ def _design(
     """
     import numpy as np
 
+    projected = None
     if hasattr(data, "probe_design"):
         # An ActivationStore: read one point and layer from disk, split by request.
-        data, y, group_by, layer, tensor_type = data.probe_design(
+        store = data
+        data, y, group_by, layer, tensor_type, stored_point = store.probe_design(
             y, point=point, layer=layer, tensor_type=tensor_type, group_by=group_by,
             caller=caller)
         point = None
+        reduction = store.reductions.get(stored_point)
+        if reduction is not None and reduction.project is not None:
+            try:
+                matrix = store.projection(stored_point)
+            except ValueError:  # (a store of an earlier version: no captured size)
+                matrix = None
+            projected = (f"project:{reduction.project}", matrix)
     y = _label_values(caller, y)
     frame = _as_frame(data)
     if frame is None:
@@ -296,7 +345,7 @@ def _design(
 
         _refuse_unlabelled(caller, missing_labels(y), where)
         _refuse_non_finite(caller, X, where)
-        return X, np.asarray(y), groups, layer, tensor_type
+        return X, np.asarray(y), groups, layer, tensor_type, projected
 
     selected = select_one_site(frame, caller, point=point, layer=layer,
                                tensor_type=tensor_type)
@@ -322,7 +371,7 @@ def _design(
         aligned = _series_rows(group_by, selected, caller, "group_by") if _is_series(
             group_by) else None
         groups = _groups(caller, group_by if aligned is None else aligned, len(X))
-    return X, labels, groups, layer, tensor_type
+    return X, labels, groups, layer, tensor_type, None
 
 
 def _label_values(caller: str, y: Any) -> Any:
@@ -600,17 +649,25 @@ def _metrics(
 
 
 def save_linear_probe(fit: LinearProbeFit, path: str | os.PathLike[str]) -> Path:
-    """Write ``fit`` in the ``undercurrent.linear_probe/1`` format; returns the path."""
+    """Write ``fit`` in the ``undercurrent.linear_probe/1`` format; returns the path.
+
+    A fit on projected vectors is saved over the captured activations (its
+    projection folded in, see :meth:`LinearProbeFit.raw_weights`), with the
+    folded reduction in the metadata (``folded_reduction``)."""
+    weight, bias = fit.raw_weights()
+    metadata = {"metrics": json.dumps(_json_safe(fit.metrics))}
+    if fit.projected is not None:
+        metadata["folded_reduction"] = fit.projected
     return save_linear_weights(
         path,
-        fit.weight,
-        fit.bias,
+        weight,
+        bias,
         link=fit.link,
         threshold=float(fit.threshold),
         layer=None if fit.layer is None else int(fit.layer),
         tensor_type=None if fit.tensor_type is None else str(fit.tensor_type),
         label_names=list(fit.label_names),
-        metadata={"metrics": json.dumps(_json_safe(fit.metrics))},
+        metadata=metadata,
     )
 
 

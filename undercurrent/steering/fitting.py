@@ -119,8 +119,14 @@ def fit_steering_vector(
     """
     import numpy as np
 
-    X, y, _, layer, tensor_type = _design(data, labels, layer, point, tensor_type, None,
-                                          caller="fit_steering_vector")
+    X, y, _, layer, tensor_type, projected = _design(data, labels, layer, point, tensor_type,
+                                                     None, caller="fit_steering_vector")
+    if projected is not None:
+        raise ValueError(
+            f"fit_steering_vector: the store holds this point's vectors projected "
+            f"({projected[0]}): a difference of their means is a direction among the "
+            "random features, not in the model's activations, and no edit could add it; "
+            "capture the point without project:K to fit a steering vector")
     if len(X) != len(y):
         raise ValueError(f"fit_steering_vector: {len(X)} activation rows but {len(y)} labels; "
                          "give one label per row (or a {request: label} mapping)")

@@ -5,6 +5,7 @@ A store is a directory::
     store.json                    what was captured: model, spec, sampling, prompts hash
     shards/<part>-<seq>/          one committed shard (written whole, then renamed)
         meta.json                 prompt indices, and per point: file, rows, shape, dtype
+                                  (and captured_shape, a project:K point's tensors')
         p<k>.bin                  point k's vectors: C-contiguous (rows, *shape), no header
         index.parquet             one row per vector (``INDEX_COLUMNS``)
         outputs.parquet           one row per prompt (``OUTPUT_COLUMNS``)

@@ -354,9 +354,10 @@ class ActivationStore:
     # -- analysis ----------------------------------------------------------------------
     def probe_design(self, y: Any, *, point: str | None = None, layer: int | None = None,
                      tensor_type: str | None = None, group_by: Any = "auto",
-                     caller: str = "fit_linear_probe") -> tuple[Any, Any, Any, int, str]:
-        """``(X, labels, groups, layer, tensor_type)`` for ``fit_linear_probe`` (or
-        ``fit_steering_vector``; ``caller`` names it in messages).
+                     caller: str = "fit_linear_probe"
+                     ) -> tuple[Any, Any, Any, int, str, str]:
+        """``(X, labels, groups, layer, tensor_type, point)`` for ``fit_linear_probe``
+        (or ``fit_steering_vector``; ``caller`` names it in messages).
 
         Reads only the vectors of one point and layer (float32). ``y`` maps request
         ids or prompt indices to labels, or gives one label per prompt (indexed by
@@ -387,7 +388,30 @@ class ActivationStore:
             groups = index[column].tolist()
         else:
             groups = None if group_by is None else list(group_by)
-        return X, labels, groups, int(index["layer"].iloc[0]), str(index["tensor_type"].iloc[0])
+        return (X, labels, groups, int(index["layer"].iloc[0]),
+                str(index["tensor_type"].iloc[0]), str(index["extraction_point_name"].iloc[0]))
+
+    def projection(self, point: str) -> Any:
+        """The ``(captured features, K)`` float32 matrix a ``project:K`` reduction
+        multiplied ``point``'s vectors by (stored vector = captured vector @ matrix),
+        or None when the point is not projected. A store written before shards
+        recorded the captured shape cannot rebuild it: a ``ValueError`` says so."""
+        import math
+
+        reduction = self.reductions.get(point)
+        if reduction is None or reduction.project is None:
+            return None
+        shapes = {tuple(meta["points"][point]["captured_shape"])
+                  for meta in self._shards.values()
+                  if "captured_shape" in meta["points"].get(point, {})}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"point {point!r} of {str(self.path)!r} is stored projected "
+                f"({reduction.project} random features), but the store does not record "
+                "the captured vectors' size (written by an earlier version), so the "
+                "projection cannot be rebuilt; capture again to fold it")
+        (shape,) = shapes
+        return reduction.projection(math.prod(shape))
 
     def row_labels(self, y: Any, index: Any = None) -> Any:
         """One label per row of ``index`` (default: this store's) from per-request,

@@ -120,11 +120,14 @@ class StoreWriter:
             found = entries.pop(name, None)
             if not found:
                 continue
+            captured = list(found[0][3].tensor.shape)
             rows, array = self._vectors(name, found)
             del found
             if not rows:
                 continue
-            shard.append(self.point_order.index(name), name, rows, array)
+            # (a projected point's captured shape rebuilds its projection matrix)
+            shard.append(self.point_order.index(name), name, rows, array,
+                         captured if self.reductions[name].project is not None else None)
             written += len(rows)
             self.bytes += array.nbytes
             del rows, array
@@ -348,13 +351,18 @@ class _OpenShard:
         self.whole = True
 
     def append(self, point_number: int, name: str, entries: list[tuple[Any, ...]],
-               array: Any) -> None:
+               array: Any, captured_shape: list[int] | None = None) -> None:
+        """Write one point's rows; ``captured_shape``: the shape of the tensors a
+        ``project:K`` reduction projected (recorded, so a fit on the projected
+        vectors can be folded back onto the captured ones)."""
         info = self.points.get(name)
         shape = list(array.shape[1:])
         dtype = "bfloat16" if array.dtype.name == "uint16" else array.dtype.name
         if info is None:
             info = self.points[name] = {"file": f"p{point_number}.bin", "rows": 0,
                                         "shape": shape, "dtype": dtype}
+            if captured_shape is not None:
+                info["captured_shape"] = captured_shape
             self.files[name] = open(self.tmp / info["file"], "wb")  # noqa: SIM115
         elif info["shape"] != shape or info["dtype"] != dtype:
             raise StoreError(f"point {name!r} captured vectors of shape {shape} ({dtype}) "
