@@ -9,7 +9,9 @@ first, so reading them after the release is covered too.
 
 from __future__ import annotations
 
+import copy
 import gc
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from cycles import undercurrent_types_in_cycles  # noqa: E402
+from hf_models import build_model, build_tokenizer  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import session as session_module  # noqa: E402
@@ -106,3 +109,30 @@ def test_no_object_of_undercurrent_is_left_in_a_reference_cycle(case: str,
         assert all(output.results for output in outputs)
         del outputs
         assert undercurrent_types_in_cycles() == []
+
+
+def test_a_model_dropped_without_close_stops_its_async_workers() -> None:
+    """A ProbedModel dropped without close() (a notebook cell that builds a new
+    one, run again) lets its router's async workers and their supervisor end,
+    and leaves no hook on the wrapped model: nothing of it runs on."""
+    model = copy.deepcopy(build_model("llama"))
+    spec = _spec(_point("norm", probe_kind="trajectory", execution_mode="async"))
+    threads: list[threading.Thread] = []
+    schedulers = []
+    for _ in range(3):
+        probed = ProbedModel(model, build_tokenizer(), spec=spec)
+        outputs = probed.generate(["w1 w2 w3"], max_new_tokens=3)
+        assert "norm" in outputs[0].results  # (the async point ran)
+        scheduler = probed.router._scheduler
+        threads += [worker.thread for worker in scheduler._workers]
+        threads.append(scheduler._supervisor)
+        schedulers.append(scheduler)
+        del probed, outputs
+    gc.collect()
+    assert len(threads) == 9
+    assert [scheduler._stopping for scheduler in schedulers] == [True] * 3
+    for thread in threads:  # (a stopping scheduler's threads end once its line is empty)
+        thread.join()
+    hooks = sum(len(module._forward_hooks) + len(module._forward_pre_hooks)
+                for module in model.modules())
+    assert hooks == 0

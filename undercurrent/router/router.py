@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -252,6 +253,13 @@ class Router:
         self.drain_timeout_s = float(drain_timeout_s)
         self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s,
                                          owner=self)
+        # A router dropped without shutdown() (a notebook cell that builds a new
+        # ProbedModel) stops its scheduler: the workers' threads hold the
+        # scheduler, not the router, and would wait for work for good. stop()
+        # without waiting joins no thread, so it is safe on whichever thread the
+        # collector runs it (a worker's own among them); at exit the scheduler's
+        # own hook stops and joins every running scheduler.
+        weakref.finalize(self, self._scheduler.stop, False).atexit = False
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._version = 0  # bumped whenever _requests changes (cached routes then go)
