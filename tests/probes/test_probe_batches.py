@@ -8,6 +8,8 @@ over (float32 and bfloat16 torch tensors, numpy arrays, ``kv``-shaped tensors).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -386,6 +388,38 @@ def test_whether_a_class_scores_batches_follows_a_patch_made_after_it_was_asked(
     assert scores_batches(probe) is True
     monkeypatch.undo()
     assert scores_batches(probe) is False
+
+
+def test_a_probe_class_defined_again_lets_its_old_definitions_go():
+    """A notebook cell that defines a probe class and runs it, run again: what is
+    kept per class (whether it scores batches or shares its values, the problems
+    of its probe_args) holds no class, so every old definition is freed, its
+    methods' ``super()`` cells included."""
+    from undercurrent.router import Router
+    from undercurrent.spec.types import ExtractionPoint
+
+    point = ExtractionPoint(name="p", layers=(0,), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="halved",
+                            probe_kind="single_shot", execution_mode="inline",
+                            probe_args={"threshold": 1.0e9})
+    defined = []
+    for _ in range(3):  # (the cell, run three times)
+        class Halved(NormProbe):
+            def row_values(self, batch):
+                return super().row_values(batch) / 2
+
+            def on_batch(self, batch):
+                return super().on_batch(batch)
+
+        with Router(probes={"halved": Halved}) as router:
+            router.register_request("r", [point])
+            router.route_batch([activation(VALUES[t], token=t) for t in range(3)])
+            result = router.end_request("r")["p"]
+            assert (result.stats.processed, result.error) == (3, None)
+        defined.append(weakref.ref(Halved))
+        del Halved, router, result
+    gc.collect()
+    assert [ref() for ref in defined] == [None, None, None]
 
 
 @pytest.mark.parametrize("base", [NormProbe, CaptureProbe])

@@ -15,10 +15,10 @@ then never handed per-record objects.
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import operator
 import types
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -377,7 +377,9 @@ def _owner(cls: type, name: str) -> type | None:
 
 #: What makes a :class:`ScoresRows` probe's values, or scores its batches its way.
 _VALUE_METHODS = ("row_values", "statistics", "on_batch")
-_OWN_VALUES: dict[type, bool] = {}
+#: _makes_own_values' answers, by class (held weakly: a class redefined in a
+#: notebook cell goes with its old definition).
+_OWN_VALUES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def shared_key(probe: Any) -> Any:
@@ -407,9 +409,11 @@ def _makes_own_values(cls: type) -> bool:
     return False
 
 
-#: scores_batches' answers, by class and the methods its answer depends on (a
-#: class patched since gets a key of its own).
-_SCORES_BATCHES: dict[tuple[Any, ...], bool] = {}
+#: scores_batches' answer for a class and the methods it depends on (a class
+#: patched since is answered again) is kept on the class itself, under this
+#: name: the methods may hold their class (``super()``'s cell), so a table of
+#: them would keep every class redefined in a notebook cell alive.
+_SCORES_BATCHES = "_undercurrent_scores_batches"
 
 
 def scores_batches(probe: Any) -> bool:
@@ -417,11 +421,16 @@ def scores_batches(probe: Any) -> bool:
     its class overrides ``on_batch``, and no subclass below that override
     redefines ``on_activation`` / ``on_activations``."""
     cls = type(probe)
-    key = (cls, getattr(cls, "on_batch", None), getattr(cls, "on_activation", None),
-           getattr(cls, "on_activations", None))
-    found = _SCORES_BATCHES.get(key)
-    if found is None:
-        found = _SCORES_BATCHES[key] = _class_scores_batches(cls)
+    methods = (getattr(cls, "on_batch", None), getattr(cls, "on_activation", None),
+               getattr(cls, "on_activations", None))
+    kept = vars(cls).get(_SCORES_BATCHES)
+    if kept is not None and kept[0] == methods:
+        return bool(kept[1])
+    found = _class_scores_batches(cls)
+    try:
+        setattr(cls, _SCORES_BATCHES, (methods, found))
+    except (AttributeError, TypeError):  # (a class that takes no attributes: asked each time)
+        pass
     return found
 
 
@@ -489,13 +498,29 @@ def probe_args_problem(cls: type, args: Mapping[str, Any]) -> str | None:
     >>> probe_args_problem(Scaled, {})
     "missing required probe_arg 'scale'"
     """
-    return _args_problem(cls, tuple(sorted(args, key=str)))
-
-
-@functools.lru_cache(maxsize=512)
-def _args_problem(cls: type, names: tuple[Any, ...]) -> str | None:
     # Only the names matter, so the answer is kept per (class, names): a request
     # registered per prompt does not read the constructor's signature again.
+    names = tuple(sorted(args, key=str))
+    answers = _ARGS_PROBLEMS.get(cls)
+    if answers is None:
+        answers = _ARGS_PROBLEMS[cls] = {}
+    elif names in answers:
+        return answers[names]
+    if len(answers) >= _ARGS_PROBLEMS_PER_CLASS:
+        answers.clear()
+    found = answers[names] = _args_problem(cls, names)
+    return found
+
+
+#: probe_args_problem's answers, by class (held weakly: a class redefined in a
+#: notebook cell goes with its old definition), then by argument names.
+_ARGS_PROBLEMS: weakref.WeakKeyDictionary[type, dict[tuple[Any, ...], str | None]] = (
+    weakref.WeakKeyDictionary())
+#: At most this many sets of names are kept per class.
+_ARGS_PROBLEMS_PER_CLASS = 512
+
+
+def _args_problem(cls: type, names: tuple[Any, ...]) -> str | None:
     args = dict.fromkeys(names)
     try:
         parameters = list(inspect.signature(cls).parameters.values())
