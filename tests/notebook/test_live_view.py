@@ -125,6 +125,27 @@ def test_clear_empties_everything():
     assert view.text.value == "" and len(view.figure.data) == 0 and view.outputs == []
 
 
+def test_close_lets_every_widget_of_the_view_go_and_keeps_its_snapshot():
+    """ipywidgets keeps each widget until it is closed: a view dropped without
+    close() (a cell that builds a new one, run again) stayed for the kernel's life."""
+    from ipywidgets.widgets.widget import _instances
+
+    before = set(_instances)
+    view = LiveView(ScriptedModel({"a": [0.1, 0.9]}), threshold=0.5)
+    view.run("a", labels=["harmful"], display=False)
+    made = set(_instances) - before
+    assert len(made) == 12  # text, plot, box, and the texts' and box's layouts and styles
+    view.close()
+    view.close()
+    assert made & set(_instances) == set()
+    bundle = view._repr_mimebundle_()  # (no widget: the snapshot alone)
+    assert sorted(bundle) == ["text/html", "text/plain"] and "harmful" in bundle["text/plain"]
+    assert view.snapshot_html(picture=False).count('class="uc-token"') == 2
+    assert [output.request_id for output in view.outputs] == ["req-a"]
+    with pytest.raises(RuntimeError, match=r"LiveView.run: this view is closed"):
+        view.run("a", display=False)
+
+
 def test_text_is_coloured_by_one_point_on_that_points_own_scale():
     class TwoPoints(ScriptedModel):
         def stream(self, prompt, **kwargs):

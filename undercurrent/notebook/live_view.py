@@ -131,6 +131,17 @@ def _request_ids(prompt_count: int, request_id: Any, request_ids: Sequence[str] 
     return ids
 
 
+def _close_widgets(widget: Any) -> None:
+    """Close ``widget`` and every widget it holds (its children, layout and style)."""
+    w, _ = _modules()
+    for name in widget.keys:
+        held = getattr(widget, name, None)
+        for part in held if isinstance(held, tuple) else (held,):
+            if isinstance(part, w.Widget) and part is not widget:
+                _close_widgets(part)
+    widget.close()
+
+
 class LiveView:
     """Runs ``ProbedModel.stream`` and updates a text view and a score plot as tokens arrive.
 
@@ -150,6 +161,10 @@ class LiveView:
     Displayed, the view is a widget; stored notebooks and readers without a
     kernel get an HTML snapshot (progress, coloured tokens, messages and a PNG
     of the plot) from the same display.
+
+    ipywidgets keeps every widget until it is closed, so a view that is done
+    with (before a cell that builds a new one runs again) is let go with
+    :meth:`close`; what it shows then is its snapshot.
     """
 
     def __init__(
@@ -201,12 +216,15 @@ class LiveView:
         self._max_new_tokens: int | None = None
         self._token_axis_end = DEFAULT_TOKEN_AXIS_END
         self._running = False
+        self._closed = False
         self._set_axes()
         self._render_header()
 
     # -- display ------------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        if self._closed:  # (no widget left to show: the snapshot alone)
+            return {"text/html": self.snapshot_html(), "text/plain": self.summary()}
         self._displayed = True
         bundle = dict(self.widget._repr_mimebundle_(**kwargs))
         bundle["text/html"] = self.snapshot_html()
@@ -240,6 +258,17 @@ class LiveView:
             "text/html": self.snapshot_html(),
             "text/plain": self.summary(),
         }, raw=True)
+
+    def close(self) -> None:
+        """Close the view's widgets (the text, the plot and their layouts and
+        styles): ipywidgets keeps every widget it made until it is closed, so a
+        view dropped without this stays in memory for the kernel's life. Where
+        the view is displayed, its live widget leaves the page. The view keeps
+        its outputs and can still give its :meth:`summary` and
+        :meth:`snapshot_html` (what displaying it shows now), but runs no more.
+        Closing twice does nothing more."""
+        self._closed = True
+        _close_widgets(self.widget)
 
     def summary(self) -> str:
         """Plain text: progress, then one line per request (label, text, abort)."""
@@ -282,6 +311,9 @@ class LiveView:
         so the updates can be watched, and adds a static snapshot of the finished
         run for readers of the stored notebook (hidden where widgets run).
         """
+        if self._closed:
+            raise RuntimeError("LiveView.run: this view is closed (close() let its widgets "
+                               "go); build a new LiveView to run more prompts")
         check_flag("LiveView.run: display", display)
         prompt_list = check_prompts(prompts)
         max_new_tokens = stream_kwargs.get("max_new_tokens")
