@@ -335,6 +335,36 @@ def test_steered_requests_match_hf_tokens_records_and_edits(model_dir, reference
 
 
 
+def test_the_worker_keeps_no_device_copy_of_a_call_s_edits_once_it_ends(model_dir,
+                                                                       monkeypatch):
+    """The worker resolves each call's edits anew and caches their vectors on the
+    device by edit: once the call's requests are released, those copies go (they
+    piled up, one set per call, until close())."""
+    from undercurrent.adapters.vllm import worker
+
+    before, after = [], []
+    release = worker._Capture.release
+
+    def recording(self, engine_ids):
+        before.append(len(self.kernels._vectors))
+        release(self, engine_ids)
+        after.append(len(self.kernels._vectors))
+
+    monkeypatch.setattr(worker._Capture, "release", recording)
+    backend = _engine(model_dir, 1)
+    try:
+        model = ProbedModel(backend)
+        for _ in range(3):
+            outputs = model.generate(texts()[:2], max_new_tokens=4, edits=edits_for(0))
+            assert all(output.edits for output in outputs)
+            assert after[-1] == 0
+        events = list(model.stream(texts()[0], max_new_tokens=4, edits=edits_for(0)))
+        assert events[-1].output.edits and after[-1] == 0
+        assert max(before) > 0  # (the edits were cached while their requests ran)
+    finally:
+        backend.close()
+
+
 def test_always_on_edits_of_every_request_repeat_their_plans_and_match_hf(
         model_dir, reference, monkeypatch):
     """Every request steered by always-on edits: from the third generated token

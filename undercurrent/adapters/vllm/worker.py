@@ -989,6 +989,10 @@ class _Capture:
             self.states.pop(engine_id, None)
             self.steered.pop(engine_id, None)
         self.version += 1
+        if not self.steered:
+            # Each open() resolves its edits anew, so their device copies, cached
+            # by edit, would pile up (one set per call) until close().
+            self.kernels.clear()
         if not self.states:
             self._rehook(set())
             # (and nothing of the steps of these requests is repeated for the next
