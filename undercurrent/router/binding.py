@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -195,7 +196,9 @@ class Binding:
         owner: object | None = None,
     ) -> None:
         self._point = point
-        self._owner = owner  # the router that made it (its helper runs that router's probes)
+        # the router that made it (its helper runs that router's probes), held weakly:
+        # a binding kept past its call (by a scheduler's line) keeps no router alive
+        self._owner = None if owner is None else weakref.ref(owner)
         self._name = point.name
         self._probe = probe
         self._probe_type = probe_type
@@ -321,7 +324,7 @@ class Binding:
     @property
     def owner(self) -> object | None:
         """The router that made this binding (None for one made alone)."""
-        return self._owner
+        return None if self._owner is None else self._owner()
 
     @property
     def request_id(self) -> str:
