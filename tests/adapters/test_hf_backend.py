@@ -3,6 +3,7 @@ only where asked, and no hook left behind after close, errors or interrupts."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -492,7 +493,7 @@ def test_a_torch_compiled_model_is_probed_as_the_model_it_wraps(tokenizer):
     # The hooks went on torch.compile's wrapper, whose generate() is the wrapped
     # model's own: no probe ran, no record came, no guard fired, silently. The
     # backend probes the wrapped model, whose (uncompiled) forward generate() runs.
-    model = build_model("llama")
+    model = copy.deepcopy(build_model("llama"))  # (the file's tests share build_model's)
     points = [ExtractionPoint(name="resid", layers=(0, 2), tensor_type="residual_stream",
                               position="generated[*]", probe_type="capture",
                               probe_kind="trajectory"),
