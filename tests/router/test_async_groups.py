@@ -19,7 +19,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from undercurrent.records import ActivationBatch  # noqa: E402
+from undercurrent.probes.base import ScoresRows  # noqa: E402
+from undercurrent.records import ActivationBatch, BatchSignals  # noqa: E402
 from undercurrent.router import Router, scheduler  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint  # noqa: E402
 
@@ -166,6 +167,81 @@ def test_a_probe_without_judge_many_is_served_alone_with_its_own_errors(monkeypa
         assert results[request_id].stats.processed == 2
         assert results[request_id].verdict["max_score"] == pytest.approx(
             0.5 * math.sqrt(HIDDEN))
+
+
+class Misjudging(ScoresRows):
+    """Judges rows by their sum (request "b"'s rows abort); ``where`` (its class's
+    ``judge_many``, or each instance's ``judge_rows``) returns what ``fault`` says
+    instead: its rows but the first, or a list of signals."""
+
+    probe_kind = "trajectory"
+
+    def __init__(self, *, where: str, fault: str) -> None:
+        self.where, self.fault = where, fault
+
+    def on_start(self, ctx: Any) -> None:
+        self.aborts = ctx.request_id == "b"
+
+    def group_key(self) -> Any:
+        return ("misjudging",)
+
+    def row_values(self, batch: Any) -> Any:
+        return np.asarray(batch.tensor).sum(axis=1)
+
+    def judge_rows(self, values: Any, token_indices: Any, layers: Any) -> Any:
+        signals = BatchSignals([2 if self.aborts else 1] * len(token_indices),
+                               [float(value) for value in values])
+        return self.wrong(signals) if self.where == "judge_rows" else signals
+
+    def wrong(self, signals: BatchSignals) -> Any:
+        return signals[1:len(signals)] if self.fault == "short" else signals.signals()
+
+    @classmethod
+    def judge_many(cls, probes: Any, values: Any, spans: Any, token_indices: Any,
+                   layers: Any) -> Any:
+        if probes[0].where != "judge_many":
+            return None
+        return probes[0].wrong(BatchSignals.concat([
+            probe.judge_rows(values[start:stop], token_indices[start:stop],
+                             layers[start:stop])
+            for probe, (start, stop) in zip(probes, spans, strict=True)]))
+
+
+@pytest.mark.parametrize("mode, where", [("inline", "judge_many"), ("async", "judge_many"),
+                                         ("inline", "judge_rows")])
+@pytest.mark.parametrize("fault", ["short", "list"])
+def test_a_judge_many_or_judge_rows_without_a_signal_per_row_is_an_error_on_every_row(
+        mode, where, fault):
+    # Unchecked, a row short shifted the signals (request b's abort onto a's row),
+    # and a list stopped generation (inline) or killed the async worker.
+    point = ExtractionPoint(name="p", layers=(0, 1), tensor_type="residual_stream",
+                            position="generated[*]", probe_type="misjudging",
+                            probe_kind="trajectory", execution_mode=mode,
+                            queue_depth=8 if mode == "async" else None,
+                            probe_args={"where": where, "fault": fault})
+    ids = ["a", "b", "c"]
+    batch = ActivationBatch(np.arange(6 * HIDDEN, dtype=np.float32).reshape(6, HIDDEN),
+                            request_ids=[r for r in ids for _ in range(2)],
+                            point_names=["p"] * 6, layers=[0, 1] * 3,
+                            tensor_type="residual_stream", token_indices=[4] * 6,
+                            is_generated=[True] * 6, generated_indices=[0] * 6,
+                            token_ids=[1] * 6)
+    with Router(probes={"misjudging": Misjudging}, workers=2) as router:
+        for request_id in ids:
+            router.register_request(request_id, [point])
+        with router.step():
+            router.route_columns(batch)
+        results = [router.end_request(request_id)["p"] for request_id in ids]
+    rows = 2 if where == "judge_rows" else 6  # (inline: each request's, or all at once)
+    returned = {"short": f"returned BatchSignals with {rows - 1} action codes for {rows} rows",
+                "list": f"returned list for {rows} rows"}[fault]
+    if mode == "async":  # (as many rows as the worker's turn took)
+        returned = {"short": "returned BatchSignals with", "list": "returned list for"}[fault]
+    for result in results:
+        stats = result.stats
+        assert (stats.received, stats.processed, stats.dropped, stats.errors) == (2, 2, 0, 2)
+        assert not result.signals
+        assert f"Misjudging.{where} at point 'p' {returned}" in result.error
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["taken together", "each alone"])

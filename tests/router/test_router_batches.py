@@ -11,11 +11,12 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from router_helpers import Recorder, binding_of, block, event, point, record
 
 from undercurrent.probes import Probe
-from undercurrent.records import ProbeSignal, SignalAction
+from undercurrent.records import BatchSignals, ProbeSignal, SignalAction
 from undercurrent.router import RouterError
 from undercurrent.spec.types import ProbeKind
 
@@ -102,8 +103,41 @@ class HeldAtLayer(Probe):
         return {"seen": list(self.seen)}
 
 
+#: What :class:`Columns` returns for ``n`` rows, each wrong in one way, and what the
+#: error says of it.
+WRONG_COLUMNS: dict[str, tuple[Any, str]] = {
+    "float codes": (lambda n: BatchSignals([2.0] * n, [0.5] * n),
+                    "BatchSignals with action codes of type float"),
+    "float code array": (lambda n: BatchSignals(np.full(n, 2.0), np.full(n, 0.5)),
+                         "BatchSignals with action codes of dtype float64"),
+    "code 7": (lambda n: BatchSignals([7] * n),
+               "BatchSignals with action codes outside ACTION_CODES / NO_SIGNAL"),
+    "code -2 array": (lambda n: BatchSignals(np.full(n, -2), [0.5] * n),
+                      "BatchSignals with action codes outside ACTION_CODES / NO_SIGNAL"),
+    "code -3": (lambda n: BatchSignals([-3] * n, [0.5] * n),
+                "BatchSignals with action codes outside ACTION_CODES / NO_SIGNAL"),
+    "scores short": (lambda n: BatchSignals([1] * n, [0.5]), "BatchSignals with 1 scores"),
+    "metadata short": (lambda n: BatchSignals([1] * n, [0.5] * n, {"k": [1]}),
+                       "BatchSignals with 1 metadata column 'k'"),
+    "a list": (lambda n: [ProbeSignal("flag")] * n, "list"),
+}
+
+
+class Columns(Probe):
+    """Scores batches with ``on_batch`` and returns what ``WRONG_COLUMNS[case]``
+    makes of the batch's row count."""
+
+    probe_kind = (ProbeKind.TRAJECTORY, ProbeKind.SINGLE_SHOT)
+
+    def __init__(self, *, case: str) -> None:
+        self.case = case
+
+    def on_batch(self, batch: Any) -> Any:
+        return WRONG_COLUMNS[self.case][0](len(batch))
+
+
 PROBES = {"recorder": Recorder, "batcher": Batcher, "interrupting": Interrupting,
-          "held_at_layer": HeldAtLayer}
+          "held_at_layer": HeldAtLayer, "columns": Columns}
 
 
 @pytest.fixture(autouse=True)
@@ -269,6 +303,26 @@ def test_a_batching_probe_returning_something_other_than_signals_is_an_error_per
     result = router.end_request("r")["p"]
     assert _stats(result) == (3, 3, 0, 3, 0)
     assert "on_activations returned dict; expected ProbeSignal or None" in result.error
+
+
+@pytest.mark.parametrize("mode", ["inline", "async"])
+@pytest.mark.parametrize("case", list(WRONG_COLUMNS))
+def test_an_on_batch_returning_columns_that_are_not_a_signal_per_row_is_an_error_per_row(
+        router_for, mode, case):
+    # Refused at the call: read later, a code outside the table or a short column
+    # would raise (or, for -2 and -3, read as another action) where nobody asked.
+    router = router_for(workers=1)
+    router.register_request("r", [point("p", probe_type="columns", layers=LAYERS, mode=mode,
+                                        queue_depth=8 if mode == "async" else None,
+                                        probe_args={"case": case})])
+    with router.step():
+        router.route_batch(token_batch("r", "p", 0))
+    result = router.end_request("r")["p"]
+    assert _stats(result) == (3, 3, 0, 3, 0)
+    assert not result.signals
+    error = "TypeError" if case == "a list" else "ValueError"
+    assert (f"{error}: Columns.on_batch at point 'p' returned {WRONG_COLUMNS[case][1]} "
+            "for 3 rows") in result.error
 
 
 def test_a_keyboard_interrupt_mid_batch_reaches_the_caller_and_every_record_is_accounted(

@@ -34,7 +34,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from undercurrent.probes.base import (
@@ -44,6 +44,9 @@ from undercurrent.probes.base import (
     shared_key,
 )
 from undercurrent.records import (
+    ABORT_CODE,
+    ACTION_CODES,
+    NO_SIGNAL,
     ActivationBatch,
     ActivationRecord,
     BatchSignals,
@@ -107,6 +110,63 @@ def _check_signal(signal: Any, method: str) -> None:
         raise TypeError(
             f"{method} returned {type(signal).__name__}; expected ProbeSignal or None"
         )
+
+
+_ACTION_CODE_SET = frozenset((NO_SIGNAL, *ACTION_CODES.values()))
+
+
+def check_batch_signals(signals: Any, count: int, method: str) -> None:
+    """Raise unless ``signals`` is what a probe call on ``count`` rows must
+    return: a ``BatchSignals`` whose action codes are integers of
+    ``ACTION_CODES`` (or ``NO_SIGNAL``), one per row, and whose scores,
+    metadata columns and signal objects (those given) have a value per row.
+    ``method`` names the call in the message (``"Probe.on_batch at point
+    'p'"``). A few passes in C over the columns, none per row in Python."""
+    if type(signals) is not BatchSignals:
+        raise TypeError(f"{method} returned {type(signals).__name__} for {count} rows; "
+                        "it must return a BatchSignals with one row per row")
+    actions: Any = signals.actions
+    kind = getattr(getattr(actions, "dtype", None), "kind", None)
+    problem: str | None
+    if kind is not None and getattr(actions, "ndim", 1) != 1:
+        problem = f"a {actions.ndim}-dimensional action column"
+    elif not hasattr(actions, "__len__"):
+        problem = f"actions of type {type(actions).__name__}"
+    elif len(actions) != count:
+        problem = f"{len(actions)} action codes"
+    elif kind is not None:  # an array: its dtype and range, each checked at once
+        problem = (f"action codes of dtype {actions.dtype}" if kind not in "iu" else
+                   None if count == 0 or (actions.min() >= NO_SIGNAL
+                                          and actions.max() <= ABORT_CODE)
+                   else "action codes outside ACTION_CODES / NO_SIGNAL")
+    else:  # Python values: their types and distinct values, each found in C
+        if not isinstance(actions, (list, tuple)) and hasattr(actions, "tolist"):
+            actions = actions.tolist()  # (a tensor, an IntColumn)
+        kinds = set(map(type, actions))
+        problem = (None if kinds == {int} or all(
+            hasattr(found, "__index__") and found is not bool for found in kinds)
+            else "action codes of type " + "/".join(sorted(found.__name__ for found in kinds)))
+        if problem is None and not _ACTION_CODE_SET.issuperset(actions):
+            problem = "action codes outside ACTION_CODES / NO_SIGNAL"
+    if problem is None:
+        columns = {"scores": signals.scores, "objects": signals.objects}
+        metadata = signals.metadata
+        if metadata is not None and not isinstance(metadata, Mapping):
+            problem = f"metadata of type {type(metadata).__name__}"
+            columns.clear()
+        elif metadata is not None:
+            columns.update((f"metadata column {key!r}", column)
+                           for key, column in metadata.items())
+        for name, column in columns.items():
+            if column is not None and (not hasattr(column, "__len__") or len(column) != count):
+                problem = (f"{len(column)} {name}" if hasattr(column, "__len__")
+                           else f"{name} of type {type(column).__name__}")
+                break
+    if problem is not None:
+        raise ValueError(f"{method} returned BatchSignals with {problem} for {count} rows; "
+                         "it must give each row an action code (ACTION_CODES or NO_SIGNAL, "
+                         "an integer) and, where given, a score, a value of each metadata "
+                         "column and a signal")
 
 
 def describe_error(exc: BaseException) -> str:
@@ -335,6 +395,11 @@ class Binding:
     def name(self) -> str:
         """The extraction point's name."""
         return self._name
+
+    def method(self, name: str) -> str:
+        """The probe's method ``name`` as an error message names it: its class,
+        the method and the point (``"MyProbe.on_batch at point 'p'"``)."""
+        return f"{type(self._probe).__name__}.{name} at point {self._name!r}"
 
     @property
     def point(self) -> ExtractionPoint:
@@ -607,12 +672,7 @@ class Binding:
         started = time.perf_counter()
         try:
             signals = self._probe.on_batch(batch)
-            if type(signals) is not BatchSignals or len(signals) != count:
-                raise TypeError(
-                    f"on_batch returned {type(signals).__name__}"
-                    + (f" with {len(signals)} rows" if isinstance(signals, BatchSignals) else "")
-                    + f" for {count} rows; it must return one BatchSignals row per batch row"
-                )
+            check_batch_signals(signals, count, self.method("on_batch"))
             errors: list[str | None] | None = None
         except catch as exc:
             signals = BatchSignals.none(count)
@@ -1313,18 +1373,21 @@ class Binding:
             return True
 
     def finish_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
-                      signals: BatchSignals | None, latency: float, longest: float) -> bool:
+                      signals: BatchSignals | None, latency: float, longest: float,
+                      error: str | None = None) -> bool:
         """The group call that judged this async binding's rows taken by
         :meth:`take_queued_rows` returned: settle them in one update (nothing when
         the result was frozen meanwhile), then :meth:`keep_scheduled`, in one
         hold of the lock. ``pieces`` are (index batch, start, stop, offset) per
         row range, row ``r`` of the batch being row ``r - offset`` of ``signals``
-        (kept as observations). Returns what :meth:`keep_scheduled` returns."""
+        (kept as observations), or ``error`` for every row. Returns what
+        :meth:`keep_scheduled` returns."""
         with self._mutex:
-            return self._settle_ranges(pieces, signals, latency, longest)
+            return self._settle_ranges(pieces, signals, latency, longest, error)
 
     def _settle_ranges(self, pieces: Sequence[tuple[ActivationBatch, int, int, int]],
-                       signals: BatchSignals | None, latency: float, longest: float) -> bool:
+                       signals: BatchSignals | None, latency: float, longest: float,
+                       error: str | None = None) -> bool:
         """:meth:`finish_ranges` with the lock held: the probe free again
         (:meth:`end_call`), the rows settled unless the result was frozen, then
         :meth:`keep_scheduled` (threads waiting on the binding woken once)."""
@@ -1335,7 +1398,10 @@ class Binding:
             self._latency_total += latency
             if longest > self._latency_max:
                 self._latency_max = longest
-            if signals is not None:
+            if error is not None:
+                for batch, start, stop, _ in pieces:
+                    self._count_errors(batch[start:stop], [error] * (stop - start))
+            elif signals is not None:
                 unread = self._unread_list()
                 for batch, start, stop, offset in pieces:
                     unread.extend((signals, batch, start, stop, True, offset))

@@ -31,7 +31,13 @@ from undercurrent.records import (
     as_list,
     rows_of,
 )
-from undercurrent.router.binding import BatchOutcome, Binding, describe_error, logger
+from undercurrent.router.binding import (
+    BatchOutcome,
+    Binding,
+    check_batch_signals,
+    describe_error,
+    logger,
+)
 from undercurrent.router.threads import mark_probe_thread
 from undercurrent.spec.types import InterventionMode, OnTimeout
 
@@ -147,14 +153,21 @@ def judge_group(batch: ActivationBatch, key: Any,
     tokens, layers = batch.token_indices, batch.layers
     together = _judge_together(values, tokens, layers, admitted,
                                members if admitted is members else None)
-    if together is not None:
+    if isinstance(together, BatchSignals):
         return _settle_together(batch, admitted, together, started)
     judged: list[tuple[Any, Binding, int, int, BatchSignals | None, str | None]] = []
+    if together is not None:  # judge_many's result is refused: an error on every row
+        for request, binding, start, stop in admitted:
+            binding.log_error(f"judge_many (token {tokens[start]}, {stop - start} records)",
+                              together)
+            judged.append((request, binding, start, stop, None, describe_error(together)))
+        return _settle_group(batch, judged, started)
     try:
         for request, binding, start, stop in admitted:
             try:
                 signals = binding.probe.judge_rows(rows_of(values, start, stop),
                                                    tokens[start:stop], layers[start:stop])
+                check_batch_signals(signals, stop - start, binding.method("judge_rows"))
                 judged.append((request, binding, start, stop, signals, None))
             except Exception as exc:
                 binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)",
@@ -174,14 +187,15 @@ def judge_group(batch: ActivationBatch, key: Any,
 def _judge_together(values: Any, tokens: Sequence[int], layers: Sequence[int],
                     admitted: Sequence[tuple[Any, Binding, int, int]],
                     members: Sequence[tuple[Any, Binding, int, int]] | None = None
-                    ) -> BatchSignals | None:
+                    ) -> BatchSignals | Exception | None:
     """Every admitted binding's rows judged by one call of its probe class's
     :meth:`~undercurrent.probes.base.ScoresRows.judge_many` (rows of one
     contiguous range, bindings in row order); None when the class judges
     instance by instance, or when that call fails (then each instance judges
-    its own rows, so an error is counted where it belongs). ``members``: the
-    group, when every member was admitted (its :meth:`GroupMembers.together`
-    is then used)."""
+    its own rows, so an error is counted where it belongs); the error
+    (:func:`~undercurrent.router.binding.check_batch_signals`) when it returned
+    something other than a signal per row. ``members``: the group, when every
+    member was admitted (its :meth:`GroupMembers.together` is then used)."""
     found = (members.together() if isinstance(members, GroupMembers)
              else _together_of(admitted))
     if found is None:
@@ -191,6 +205,12 @@ def _judge_together(values: Any, tokens: Sequence[int], layers: Sequence[int],
         signals: BatchSignals | None = judge_many(probes, values, spans, tokens, layers)
     except Exception:  # noqa: BLE001 - the per-instance path counts the error
         return None
+    if signals is not None:
+        try:
+            check_batch_signals(signals, admitted[-1][3] - admitted[0][2],
+                                admitted[0][1].method("judge_many"))
+        except (TypeError, ValueError) as exc:
+            return exc
     return signals
 
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from undercurrent.records import ActivationBatch, BatchSignals, join_values, rows_of
-from undercurrent.router.binding import Binding
+from undercurrent.router.binding import Binding, check_batch_signals, describe_error
 from undercurrent.router.threads import mark_probe_thread
 
 #: At most this many bindings are judged together in one worker call.
@@ -316,6 +316,17 @@ def _judge_taken(taken: Sequence[tuple[Binding, list[tuple[ActivationBatch, int,
     if signals is None:
         return None
     share = (time.perf_counter() - started) / len(tokens)
+    try:
+        check_batch_signals(signals, len(tokens), taken[0][0].method("judge_many"))
+    except (TypeError, ValueError) as exc:  # refused: an error on every row judged
+        error = describe_error(exc)
+        refused = []
+        for (binding, _), (first, last), where in zip(taken, spans, placed, strict=True):
+            binding.log_error(f"judge_many (token {tokens[first]}, {last - first} records)",
+                              exc)
+            refused.append(binding.finish_ranges(where, None, share * (last - first), share,
+                                                 error))
+        return refused
     kept = signals if signals.any_signal() else None
     shares = [share * (last - first) for first, last in spans]
     finished = Binding.finish_ranges_together(
