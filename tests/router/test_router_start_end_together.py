@@ -485,3 +485,32 @@ def test_capture_points_start_and_end_together_with_no_verdict(make_router, call
     together = _together_against_one_by_one(
         make_router, calls, [point("keep", probe_type="capture")], [True])
     assert [(r["keep"].verdict, r["keep"].stats.processed) for r in together] == [(None, 3)] * 4
+
+
+@pytest.mark.parametrize("answer, problem", [
+    (lambda verdicts: verdicts[:-1], "returned 3 verdicts for 4 probes"),
+    (lambda verdicts: [*verdicts, "extra"], "returned 5 verdicts for 4 probes"),
+    (lambda verdicts: 42, "returned int: TypeError"),
+], ids=["one short", "one over", "not a sequence"])
+def test_an_end_many_with_a_verdict_per_probe_wrong_leaves_each_to_its_on_end_and_says_so(
+        make_router, monkeypatch, calls, answer, problem):
+    own = LinearProbe.end_many.__func__
+
+    monkeypatch.setattr(LinearProbe, "end_many", classmethod(
+        lambda cls, probes, contexts: answer(own(cls, probes, contexts))))
+    points = [_points()[0]]
+    router = make_router()
+    router.register_requests(_contexts(), points)
+    _route(router, IDS, ["lin"])
+    together = router.end_requests(IDS)
+    assert calls["end"][-1] is not None
+    alone = _one_by_one(make_router, points)
+    assert [r["lin"].verdict for r in together] == [r["lin"].verdict for r in alone]
+    assert all(r["lin"].verdict["count"] == 3 for r in together)
+    for by_point in together:
+        result = by_point["lin"]
+        assert result.stats.errors == 1
+        assert result.stats.received == result.stats.processed == 3
+        assert result.error.startswith(
+            f"end_many: LinearProbe.end_many at point 'lin' {problem}")
+        assert "it must return one verdict per probe (on_end gave each)" in result.error

@@ -193,7 +193,9 @@ class Probe:
         ``contexts[i]``), computed at once, or None, with nothing done, when this
         class ends each alone (the default). The router asks when it ends a
         call's requests together and none has work left. When it raises, it
-        must have changed nothing: the router then calls :meth:`on_end` of each."""
+        must have changed nothing: the router then calls :meth:`on_end` of each.
+        It does so too when the answer is not one verdict per probe, and each
+        result's error says so."""
         return None
 
     def copy_for_request(self) -> Probe | None:

@@ -849,7 +849,26 @@ class Binding:
             verdicts = end_many(probes, [binding._ctx for binding in bindings])
         except Exception:  # (noted per binding by _verdict, which meets it again)
             return None
-        return None if verdicts is None else list(verdicts)
+        if verdicts is None:
+            return None
+        try:
+            found = list(verdicts)
+        except Exception as exc:
+            problem = f"returned {type(verdicts).__name__}: {describe_error(exc)}"
+        else:
+            if len(found) == len(bindings):
+                return found
+            problem = f"returned {len(found)} verdicts for {len(bindings)} probes"
+        # Refused: each probe's on_end gives its verdict, as when end_many
+        # raises, and every result says why.
+        note = (f"end_many: {kind.__name__}.end_many at point {bindings[0]._name!r} "
+                f"{problem}; it must return one verdict per probe (on_end gave each)")
+        logger.warning("%s", note)
+        for binding in bindings:
+            with binding._mutex:
+                binding._errors += 1
+                binding._note(note)
+        return None
 
     @staticmethod
     def _results(bindings: Sequence[Binding], verdicts: Sequence[Any]) -> list[ProbeResult]:
