@@ -74,3 +74,4 @@ def test_every_tensor_type_at_every_layer(model_type):
         hidden = model(ids[:1], output_hidden_states=True).hidden_states
     torch.testing.assert_close(first[("residual_stream", 0)], hidden[1][0, -1])
     torch.testing.assert_close(first[("final_norm", n)], hidden[n][0, -1])
+    backend.close()  # (build_model's model is shared: leave no hook on it)
