@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from router_helpers import point, record
+
+from undercurrent.probes import Probe
+from undercurrent.spec import ProbeKind
 
 
 def test_each_failing_binding_logs_one_line_and_keeps_its_traceback(make_router, caplog):
@@ -43,3 +47,40 @@ def test_a_probe_that_never_raises_has_no_traceback(make_router):
     router.route(record("r", "p", 0))
     result = router.end_request("r")["p"]
     assert result.error is None and "traceback" not in result.metadata
+
+
+class _RaisesInBatch(Probe):
+    probe_kind = ProbeKind.TRAJECTORY
+
+    def on_batch(self, batch):
+        raise RuntimeError("boom in on_batch")
+
+
+class _RaisesInMany(Probe):
+    probe_kind = ProbeKind.TRAJECTORY
+
+    def on_activations(self, records):
+        raise RuntimeError("boom in on_activations")
+
+
+class _RaisesInOne(Probe):
+    probe_kind = ProbeKind.TRAJECTORY
+
+    def on_activation(self, record):
+        raise RuntimeError("boom in on_activation")
+
+
+@pytest.mark.parametrize("mode", ["inline", "async"])
+@pytest.mark.parametrize(("probe_class", "where"), [
+    (_RaisesInBatch, "on_batch (token 3, 2 records)"),
+    (_RaisesInMany, "on_activations (token 3, 2 records)"),
+    (_RaisesInOne, "on_activation (token 3, layer 0)"),
+])
+def test_the_error_note_names_the_method_that_raised(make_router, probe_class, where, mode):
+    router = make_router(probes={"x": probe_class})
+    router.register_request("r", [point("p", probe_type="x", mode=mode, layers=(0, 1))])
+    router.route_batch([record("r", "p", 3, layer=0), record("r", "p", 3, layer=1)])
+    result = router.end_request("r")["p"]
+    method = where.split(" ")[0]
+    assert result.error == f"{where}: RuntimeError: boom in {method}"
+    assert result.stats.errors == 2 and result.stats.processed == 2

@@ -74,16 +74,20 @@ Outcome = tuple[ProbeSignal | None, str | None, float]
 class BatchOutcome:
     """What one probe call on a batch came to: a signal (or none) per row, the
     error description per row (None when no row failed), the seconds the rows
-    took in all, and the longest any one row took."""
+    took in all, the longest any one row took, and the probe's method that
+    judged them (``on_batch``, ``on_activations`` for all the rows at once, or
+    ``on_activation`` per row), which an error note names."""
 
     signals: BatchSignals
     errors: list[str | None] | None
     latency: float
     longest: float
+    method: str = "on_activation"
 
     @classmethod
-    def of(cls, outcomes: Sequence[Outcome]) -> BatchOutcome:
-        """From per-record outcomes (a probe called per record)."""
+    def of(cls, outcomes: Sequence[Outcome], method: str = "on_activation") -> BatchOutcome:
+        """From per-record outcomes (a probe called per record, or, ``method``
+        ``on_activations``, on all of them at once)."""
         total = longest = 0.0
         for _, _, latency in outcomes:
             total += latency
@@ -92,7 +96,7 @@ class BatchOutcome:
         errors = [error for _, error, _ in outcomes]
         return cls(BatchSignals.from_signals([signal for signal, _, _ in outcomes]),
                    errors if any(error is not None for error in errors) else None,
-                   total, longest)
+                   total, longest, method)
 
 
 class _Where:
@@ -213,6 +217,8 @@ class _Rows:
 _NO_QUEUE: Any = ()
 _NO_NOTES: Any = ()
 _NONE_KEPT: Any = ()  # a binding's signals before it keeps one
+#: The methods that judge rows, as an error note begins with them.
+_CALL_METHODS = ("on_activation", "on_batch")
 
 # (the C lock threading.RLock() returns, made without that Python call: one per binding)
 _RLock = threading.RLock().__class__
@@ -651,10 +657,15 @@ class Binding:
             with self._mutex:
                 self.end_call()
                 if not self._finalised:
-                    self.settle(records[: len(outcomes)], outcomes)
+                    self.settle(records[: len(outcomes)], outcomes,
+                                method=self._records_method(len(records)))
                     self._dropped += len(records) - len(outcomes)
             raise
         return outcomes
+
+    def _records_method(self, count: int) -> str:
+        """The method :meth:`invoke_many` calls on ``count`` records."""
+        return "on_activations" if self._batched and count > 1 else "on_activation"
 
     def invoke_batch(
         self, batch: ActivationBatch, *, propagate_interrupts: bool = False
@@ -666,7 +677,8 @@ class Binding:
         if not self._native:
             records = batch.records()
             return BatchOutcome.of(self.invoke_many(
-                records, propagate_interrupts=propagate_interrupts))
+                records, propagate_interrupts=propagate_interrupts),
+                self._records_method(len(records)))
         catch: type[BaseException] = Exception if propagate_interrupts else BaseException
         count = len(batch)
         started = time.perf_counter()
@@ -683,14 +695,14 @@ class Binding:
             self._log_first_error(
                 f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
             failed = BatchOutcome(BatchSignals.none(count), [describe_error(exc)] * count,
-                                  0.0, 0.0)
+                                  0.0, 0.0, "on_batch")
             with self._mutex:
                 self.end_call()
                 if not self._finalised:
                     self.settle_batch(batch, failed)
             raise
         elapsed = time.perf_counter() - started
-        return BatchOutcome(signals, errors, elapsed, elapsed / count)
+        return BatchOutcome(signals, errors, elapsed, elapsed / count, "on_batch")
 
     def _call_one(self, record: ActivationRecord, catch: type[BaseException]) -> Outcome:
         started = time.perf_counter()
@@ -920,17 +932,22 @@ class Binding:
             self._error_notes = []
         self._error_notes.append(note)
 
-    def _count_error(self, error: str, record: ActivationRecord | _Where) -> None:
+    def _count_error(self, error: str, record: ActivationRecord | _Where,
+                     method: str = "on_activation", rows: int = 1) -> None:
+        """Count one row the probe failed on; the first is noted, naming the
+        ``method`` that raised and where: the row's token and layer
+        (``on_activation``), or the first row's token and the ``rows`` the call
+        judged (``on_activations``, ``on_batch``)."""
         self._errors += 1
-        if not any(note.startswith("on_activation") for note in self._error_notes):
-            self._note(
-                f"on_activation (token {record.token_index}, layer {record.layer}): {error}"
-            )
+        if not any(note.startswith(_CALL_METHODS) for note in self._error_notes):
+            where = f"layer {record.layer}" if method == "on_activation" else f"{rows} records"
+            self._note(f"{method} (token {record.token_index}, {where}): {error}")
 
     def settle(self, records: Sequence[ActivationRecord], outcomes: Sequence[Outcome], *,
-               observed: bool = False) -> None:
+               observed: bool = False, method: str = "on_activation") -> None:
         """Count finished records and keep their signals (``observed``: async or
-        unwaited calls, whose ``abort`` is recorded as ``flag``)."""
+        unwaited calls, whose ``abort`` is recorded as ``flag``; ``method``:
+        the probe's method that judged them, which an error note names)."""
         # account() for each record, in one pass: the same counts, latency sum (added
         # in the same order) and maximum, error notes and signals.
         total, longest = self._latency_total, self._latency_max
@@ -940,7 +957,7 @@ class Binding:
             if latency > longest:  # max(a, b) keeps a unless b > a
                 longest = latency
             if error is not None:
-                self._count_error(error, record)
+                self._count_error(error, record, method, len(records))
             if signal is not None:
                 signal = signal.at(record.request_id, record.extraction_point_name,
                                    record.layer, record.token_index, record.generated_index)
@@ -957,11 +974,12 @@ class Binding:
         if outcome.longest > self._latency_max:
             self._latency_max = outcome.longest
         if outcome.errors is not None:
-            self._count_errors(batch, outcome.errors)
+            self._count_errors(batch, outcome.errors, outcome.method)
         if keep:
             self.keep_signals(outcome.signals, batch, observed=observed)
 
-    def _count_errors(self, batch: ActivationBatch, errors: Sequence[str | None]) -> None:
+    def _count_errors(self, batch: ActivationBatch, errors: Sequence[str | None],
+                      method: str = "on_activation") -> None:
         failed = [index for index, error in enumerate(errors) if error is not None]
         if not failed:
             return
@@ -969,7 +987,8 @@ class Binding:
         first = failed[0]
         error = errors[first]
         assert error is not None
-        self._count_error(error, _Where(batch.token_indices[first], batch.layers[first]))
+        self._count_error(error, _Where(batch.token_indices[first], batch.layers[first]),
+                          method, len(batch))
 
     def enqueue_batch(self, batch: ActivationBatch, start: int = 0,
                       stop: int | None = None) -> bool:
@@ -1384,8 +1403,8 @@ class Binding:
             self._latency_total += latency
             if longest > self._latency_max:
                 self._latency_max = longest
-            if error is not None:
-                self._count_errors(batch[start:stop], [error] * count)
+            if error is not None:  # (judge_rows / judge_many: on_batch's two halves)
+                self._count_errors(batch[start:stop], [error] * count, "on_batch")
             elif signals is not None and (offset is not None or signals.any_signal()):
                 self._unread_list().extend((signals, batch, start, stop, False,
                                             start if offset is None else offset))
