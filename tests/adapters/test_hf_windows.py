@@ -28,12 +28,13 @@ from undercurrent.adapters import CaptureSession, SamplingParams, delivery  # no
 from undercurrent.adapters.hf.backend import HFBackend  # noqa: E402
 from undercurrent.adapters.hf.backend import _RowDriver as HF_DRIVER  # noqa: E402
 from undercurrent.probes import Probe  # noqa: E402
+from undercurrent.probes.base import ScoresRows  # noqa: E402
 from undercurrent.probes.linear import LinearProbe  # noqa: E402
 from undercurrent.probes.sae import SaeScreen  # noqa: E402
 from undercurrent.probes.sae_files import SparseAutoencoder  # noqa: E402
 from undercurrent.probes.statistics import NormProbe  # noqa: E402
 from undercurrent.probes.trajectory import TrajectoryProbe  # noqa: E402
-from undercurrent.records import ActivationRecord, ProbeSignal  # noqa: E402
+from undercurrent.records import ActivationRecord, BatchSignals, ProbeSignal  # noqa: E402
 from undercurrent.router import Router  # noqa: E402
 from undercurrent.spec.types import (  # noqa: E402
     ExtractionPoint,
@@ -1035,3 +1036,89 @@ def test_points_of_several_strides_repeat_each_plan_of_their_period(monkeypatch,
     for mine, theirs in zip(windowed, stepped, strict=True):
         assert [_record_view(r) for r in mine.records] == [
             _record_view(r) for r in theirs.records]
+
+
+class FirstValues(ScoresRows):
+    """A user's ScoresRows probe that flags nothing: each row's first value as
+    its score, judged in a group; it may not abort."""
+
+    probe_kind = (ProbeKind.SINGLE_SHOT, ProbeKind.TRAJECTORY)
+
+    def group_key(self) -> Any:
+        return ("first values",)
+
+    def may_abort(self) -> bool:
+        return False
+
+    def row_values(self, batch: Any) -> Any:
+        return batch.tensor[:, 0].double().tolist()
+
+    def judge_rows(self, values: Any, token_indices: Any, layers: Any) -> BatchSignals:
+        return BatchSignals.from_signals([ProbeSignal(score=value) for value in values])
+
+
+def _broken(*args: Any) -> Any:
+    raise RuntimeError("broken hook")
+
+
+class MayAbortRaises(FirstValues):
+    may_abort = _broken  # type: ignore[assignment]
+
+
+class MayAbortAbortTestRaises(FirstValues):
+    """May abort, and tells from the values whether it would: by raising."""
+
+    def may_abort(self) -> bool:
+        return True
+
+    abort_test = classmethod(_broken)  # type: ignore[assignment]
+
+
+class GroupKeyRaises(FirstValues):
+    group_key = _broken  # type: ignore[assignment]
+
+
+class GroupKeyUnhashable(FirstValues):
+    def group_key(self) -> Any:
+        return ["not", "hashable"]
+
+
+@pytest.mark.parametrize("probe_class, mode, note", [
+    (MayAbortRaises, "inline",
+     "may_abort: RuntimeError: broken hook (taken as True: it may abort)"),
+    (MayAbortAbortTestRaises, "inline",
+     "abort_test: RuntimeError: broken hook (every decode step is routed as it comes)"),
+    (GroupKeyRaises, "inline", "group_key: RuntimeError: broken hook (the probe is judged on "
+     "its own)"),
+    (GroupKeyRaises, "async", "group_key: RuntimeError: broken hook (the probe is judged on "
+     "its own)"),
+    (GroupKeyUnhashable, "inline", "group_key: TypeError: it returned ['not', 'hashable'], "
+     "which is not hashable (the probe is judged on its own)"),
+    (GroupKeyUnhashable, "async", "group_key: TypeError: it returned ['not', 'hashable'], "
+     "which is not hashable (the probe is judged on its own)"),
+], ids=["may_abort", "abort_test", "group_key-inline", "group_key-async", "unhashable-inline",
+        "unhashable-async"])
+def test_a_user_probe_s_planning_hook_that_raises_is_noted_on_its_result(
+        monkeypatch, probe_class, mode, note):
+    """``may_abort``, ``abort_test`` or ``group_key`` raising (or giving a key
+    that is not hashable): generation goes on; each request's result notes the
+    hook and the error, counted, and the router does what is safe without it
+    (every step routed as it comes, the probe judged on its own). Where only
+    the hook is broken, the tokens and signals are those of the same probe
+    with the hook working."""
+    counted = Windows(monkeypatch)
+    point = _point("user", mode=mode)
+    outputs = _generate(point, windows=True, probes={"user": probe_class})
+    if probe_class in (MayAbortRaises, MayAbortAbortTestRaises):
+        assert counted.steps == []  # (no window: it may abort)
+    oracle = _generate(point, windows=False, probes={"user": FirstValues})
+    for output, expected in zip(outputs, oracle, strict=True):
+        result = output.results["watch"]
+        assert result.error is not None and result.error.startswith(note), result.error
+        assert result.stats.received == result.stats.processed + result.stats.dropped
+        assert list(output.token_ids) == list(expected.token_ids)
+        if probe_class is not GroupKeyRaises:  # (its on_batch asks group_key too)
+            assert result.error == note
+            assert result.stats.errors == 1
+            assert [(s.token_index, s.layer, s.score) for s in output.signals] == [
+                (s.token_index, s.layer, s.score) for s in expected.signals]

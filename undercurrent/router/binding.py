@@ -317,6 +317,7 @@ class Binding:
         self._batched = False
         self._group: Any = None
         self._async_group: Any = None
+        self._may_abort: bool | None = None  # the probe's answer, asked once (may_abort)
         self._take_probe(probe)
         self._waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
         self._closed = False
@@ -336,6 +337,7 @@ class Binding:
         """How the router serves ``probe`` (this binding's): whole batches or not,
         and in which group, if any."""
         self._probe = probe
+        self._may_abort = None
         self._native = native = scores_batches(probe)
         self._batched = native or scores_records_at_once(probe)
         if native:
@@ -347,11 +349,55 @@ class Binding:
         # for every request (ScoresRows.group_key): judged in a group by the router.
         # Async, with such a probe: a worker judges it with the other bindings of
         # the same key it finds ready (router/scheduler.py).
-        key = None if getattr(probe, "group_key", None) is None else shared_key(probe)
+        key = None if getattr(probe, "group_key", None) is None else self._group_key(probe)
         if self._is_async:
             self._async_group = key
         elif self._policy.mode is InterventionMode.REJECT:
             self._group = key
+
+    def _group_key(self, probe: Any) -> Any:
+        """:func:`shared_key` of ``probe``, or None (judged on its own) where its
+        ``group_key`` raises or gives a key that is not hashable: noted on the
+        result, as a failure of the probe's."""
+        try:
+            key = shared_key(probe)
+            try:
+                hash(key)
+            except TypeError:
+                raise TypeError(f"it returned {key!r}, which is not hashable") from None
+        except Exception as exc:
+            self.hook_failed("group_key", exc, "the probe is judged on its own")
+            return None
+        return key
+
+    def hook_failed(self, hook: str, exc: BaseException, consequence: str) -> None:
+        """A method the router asks of the probe to plan its work (``group_key``,
+        ``may_abort``, ``abort_test``...) raised: counted as an error and noted on
+        the result once, with what the router did instead (``consequence``)."""
+        self._log_first_error(hook, exc)
+        with self._mutex:
+            if any(note.startswith(f"{hook}: ") for note in self._error_notes):
+                return
+            self._errors += 1
+            self._note(f"{hook}: {describe_error(exc)} ({consequence})")
+
+    def may_abort(self) -> bool:
+        """Whether the probe's signals may ever abort its request: its
+        :meth:`~undercurrent.probes.base.ScoresRows.may_abort`, asked once;
+        True for a probe that does not say, or whose ``may_abort`` raised (noted
+        on the result)."""
+        answer = self._may_abort
+        if answer is None:
+            check = getattr(self._probe, "may_abort", None)
+            answer = True
+            if check is not None:
+                try:
+                    answer = bool(check())
+                except Exception as exc:
+                    self.hook_failed("may_abort", exc, "taken as True: it may abort")
+                    answer = True
+            self._may_abort = answer
+        return answer
 
     def siblings(self, probes: Sequence[Any], contexts: Sequence[RequestContext]
                  ) -> list[Binding]:
@@ -360,12 +406,14 @@ class Binding:
         arguments, the settings not worked out again (a whole call's requests
         are bound at once, :meth:`Router.register_requests`). Only on a binding
         that is not started yet (its state is still the constructor's)."""
-        assert not self._received and not self._closed and not self._error_notes
+        assert not self._received and not self._closed and not self._processed
         assert self._signals is _NONE_KEPT and self._unread is _NONE_KEPT
         cls = type(self)
         new = object.__new__
         template = dict(self.__dict__)
-        template["_group"] = template["_async_group"] = None
+        template["_group"] = template["_async_group"] = template["_may_abort"] = None
+        # (this one's failures are its own: a group_key that raised, say)
+        template.update(_errors=0, _error_notes=_NO_NOTES, _logged_error=False, _traceback=None)
         kind, native, is_async = type(self._probe), self._native, self._is_async
         made_all = []
         for probe, ctx in zip(probes, contexts, strict=True):
@@ -445,8 +493,7 @@ class Binding:
         that cannot abort; 0 (none) for any other."""
         if self._is_async:
             return (self._queue_capacity or 1) // 2
-        may_abort = getattr(self._probe, "may_abort", None)
-        return 0 if self._group is None or may_abort is None or may_abort() else sys.maxsize
+        return 0 if self._group is None or self.may_abort() else sys.maxsize
 
     @property
     def queue_capacity(self) -> int:
@@ -524,7 +571,8 @@ class Binding:
 
     @property
     def errors(self) -> int:
-        """Records (and ``on_start`` / ``on_end`` calls) on which the probe raised."""
+        """Records (and ``on_start`` / ``on_end`` calls, and planning hooks: see
+        :meth:`hook_failed`) on which the probe raised."""
         return self._errors
 
     @property

@@ -624,11 +624,20 @@ class Router:
         if (key is None or signal_test is None
                 or any(binding.is_async or binding.group != key for binding in bindings)):
             return None
-        test = signal_test(probes, actions)
-        if test is None:
-            return None
         signal_screen = getattr(type(probes[0]), "signal_screen", None)
-        screen = None if signal_screen is None else signal_screen(probes, actions)
+        # (named as the user's class defines them: the defaults answer for abort alone)
+        asked, screen_name = (("abort_test", "abort_screen") if actions == ABORT_ONLY
+                              else ("signal_test", "signal_screen"))
+        try:
+            test = signal_test(probes, actions)
+            if test is None:
+                return None
+            asked = screen_name
+            screen = None if signal_screen is None else signal_screen(probes, actions)
+        except Exception as exc:
+            for binding in bindings:
+                binding.hook_failed(asked, exc, "every decode step is routed as it comes")
+            return None
         if screen is None:  # (a test that keeps state may screen with it: RunningBound)
             screen = never_signals if test is never_signals else getattr(test, "screen", None)
         return AbortGuard(key, probes[0].row_values, test, screen)
@@ -670,16 +679,13 @@ class Router:
         or whose policy falls back to ``abort`` on a timeout or an error. Async
         bindings only observe. A request that is not live has no binding."""
         with self._lock:
-            for request_id in request_ids:
-                request = self._requests.get(request_id)
-                for binding in () if request is None else request.bindings.values():
-                    if binding.is_async:
-                        continue
-                    if binding.policy.on_timeout is OnTimeout.ABORT:
-                        return True
-                    check = getattr(binding.probe, "may_abort", None)
-                    if check is None or check():
-                        return True
+            requests = [self._requests.get(request_id) for request_id in request_ids]
+        for request in requests:  # (the probes are asked without the router's lock)
+            for binding in () if request is None else request.bindings.values():
+                if binding.is_async:
+                    continue
+                if binding.policy.on_timeout is OnTimeout.ABORT or binding.may_abort():
+                    return True
         return False
 
     # -- the hot path -------------------------------------------------------------
