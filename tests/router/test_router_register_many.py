@@ -220,6 +220,66 @@ def test_a_probe_built_again_that_fails_for_a_later_request_refuses_them_all(mak
     assert router.live_requests() == () and started == []
 
 
+class _Counts(Probe):
+    probe_kind = "single_shot"
+
+    def on_start(self, ctx):
+        self.seen = 0
+
+    def on_activation(self, record):
+        self.seen += 1
+
+
+class _CopiesItself(_Counts):
+    def copy_for_request(self):
+        return self
+
+
+class _CopiesToJunk(_Counts):
+    def copy_for_request(self):
+        return 42
+
+
+class _CopyRaises(_Counts):
+    def copy_for_request(self):
+        raise RuntimeError("no copy today")
+
+
+@pytest.mark.parametrize("probe_class, wrong", [
+    (_CopiesItself, "it returned the instance itself, so every request would share one probe"),
+    (_CopiesToJunk, "it returned int 42; it must return a new _CopiesToJunk, or None"),
+    (_CopyRaises, "it raised RuntimeError: no copy today"),
+], ids=["itself", "not-a-probe", "raises"])
+def test_a_copy_for_request_that_gives_no_new_instance_refuses_the_call(make_router,
+                                                                        probe_class, wrong):
+    """Requests that would share one probe instance (and its state), or get
+    something that is no probe, are refused, naming the point, the probe type
+    and copy_for_request; nothing is registered or started."""
+    router = make_router(probes={"copies": probe_class})
+    message = f"name 't'.*copy_for_request of probe_type 'copies' \\({probe_class.__name__}\\)"
+    with pytest.raises(RouterError, match=message) as refused:
+        router.register_requests(_contexts(), [point("t", probe_type="copies",
+                                                     kind="single_shot")])
+    assert wrong in str(refused.value)
+    assert router.live_requests() == ()
+
+
+def test_copies_for_request_that_are_one_instance_are_refused(make_router):
+    """Copies that are new but the same one for two requests share its state."""
+    shared: list[_Counts] = []
+
+    class OneCopy(_Counts):
+        def copy_for_request(self):
+            if not shared:
+                shared.append(OneCopy())
+            return shared[0]
+
+    router = make_router(probes={"one": OneCopy})
+    with pytest.raises(RouterError, match="it returned one instance for several requests"):
+        router.register_requests(_contexts(), [point("t", probe_type="one",
+                                                     kind="single_shot")])
+
+
 @pytest.mark.parametrize("name", ["lin", "traj", "rec", "later"],
                          ids=["grouped", "grouped-trajectory", "each-inline", "async"])
 def test_routes_found_at_once_are_the_routes_found_request_by_request(

@@ -176,6 +176,26 @@ class AbortGuard:
             return True
 
 
+def _copies_problem(instance: Any, copies: Sequence[Any]) -> str | None:
+    """What is wrong with ``copies`` (``copy_for_request``'s answers for other
+    requests), or None: each must be None or a new instance of ``instance``'s
+    class, none given twice, so that each request's probe keeps its own state."""
+    kind = type(instance).__name__
+    made = [copy for copy in copies if copy is not None]
+    for copy in made:
+        if copy is instance:
+            return ("it returned the instance itself, so every request would share one "
+                    f"probe and its state; return a new {kind}, or None to have the "
+                    "constructor build one")
+        if not isinstance(copy, type(instance)):
+            return (f"it returned {type(copy).__name__} {copy!r:.60}; it must return a new "
+                    f"{kind}, or None to have the constructor build one")
+    if len(set(map(id, made))) != len(made):
+        return ("it returned one instance for several requests, so they would share its "
+                f"state; return a new {kind} each time, or None")
+    return None
+
+
 class Router:
     """Dispatches :class:`~undercurrent.records.ActivationRecord` s to probes.
 
@@ -407,14 +427,28 @@ class Router:
                ) -> tuple[list[list[Any]], list[SpecProblem]]:
         """``count`` probes like each of ``built`` 's, for other requests: copied
         when its class copies (:meth:`~undercurrent.probes.base.Probe.copy_for_request`),
-        else built again. Returns them per point, and the problems of those
-        built again, the first of each point (then no probe is returned)."""
+        else built again. Returns them per point, and the problems, the first of
+        each point (then no probe is returned): a ``copy_for_request`` that raised
+        or gave anything but new instances of the class, a probe built again
+        that was refused."""
         fresh: list[list[Any]] = []
         problems: list[SpecProblem] = []
         for item, instance in built:
             copy_for_request = getattr(instance, "copy_for_request", None)
-            made = ([copy_for_request() for _ in range(count)] if copy_for_request is not None
-                    else [None] * count)
+            if copy_for_request is None:
+                made = [None] * count
+            else:
+                try:
+                    made = [copy_for_request() for _ in range(count)]
+                    wrong = _copies_problem(instance, made)
+                except Exception as exc:
+                    wrong = f"it raised {describe_error(exc)}"
+                if wrong is not None:
+                    problems.append(point_problem(
+                        item.index, item.point,
+                        f"copy_for_request of probe_type {item.point.probe_type!r} "
+                        f"({type(instance).__name__}): {wrong}", "probe_type"))
+                    continue
             if None in made:  # (a class that builds anew, or declined to copy)
                 for index, probe in enumerate(made):
                     if probe is None:
