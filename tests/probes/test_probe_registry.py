@@ -120,6 +120,20 @@ def test_decorated_probe_options_are_checked_by_name():
         wrong_type().on_activation(activation(np.zeros(1)))
 
 
+@pytest.mark.parametrize("text", ["0.9", b"0.9", bytearray(b"1"), np.str_("0.9")],
+                         ids=["str", "bytes", "bytearray", "numpy-str"])
+def test_a_decorated_probe_that_returns_a_number_as_text_is_refused(text):
+    """A string that reads as a number is not a score (only bool, a number,
+    ProbeSignal or None are)."""
+    @probe(register=False)
+    def textual(record):
+        return text
+
+    with pytest.raises(TypeError, match=f"returned {type(text).__name__}; expected bool, a "
+                                        "number, ProbeSignal or None"):
+        textual().on_activation(activation(np.zeros(1)))
+
+
 def test_redefining_a_decorated_function_replaces_its_registration():
     registry = ProbeRegistry()
     source = "def again(record):\n    return 1.0\n"

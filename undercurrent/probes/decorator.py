@@ -128,6 +128,8 @@ def _build_class(function: Callable[..., Any], probe_name: str) -> type[Probe]:
                 action = self.rule.action if hit else SignalAction.CONTINUE
                 return ProbeSignal(action=action, score=1.0 if hit else 0.0)
             try:
+                if isinstance(value, (str, bytes, bytearray)):  # (float() would parse it)
+                    raise TypeError
                 score = float(value)
             except (TypeError, ValueError):
                 raise TypeError(
