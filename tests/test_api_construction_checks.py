@@ -130,6 +130,23 @@ def test_a_linear_probe_of_another_size_than_the_hidden_size_is_refused_at_const
             "weight": [0.1] * 5, "bias": 0.0, "check_metadata": False}))
 
 
+def test_a_trajectory_probe_of_another_size_than_the_hidden_size_is_refused_at_construction(
+        tiny):
+    # (it was accepted, then failed on every batch: "expects activations of size 5")
+    spec = _spec(probe_type="trajectory_probe", probe_kind="trajectory", probe_args={
+        "weight": [0.1] * 5, "bias": 0.0, "threshold": 0.5, "action": "abort"})
+    with pytest.raises(RouterError, match=r"extraction_points\[0\] \(name 'guard'\): probe_type "
+                                          r"'trajectory_probe' refuses it: inline probe_args: "
+                                          r"the weight has 5 numbers per activation but the "
+                                          r"model's hidden size is 128"):
+        ProbedModel(tiny.backend, spec=spec)
+    # A trajectory of norms reads activations of any size.
+    norms = _spec(probe_type="trajectory_probe", probe_kind="trajectory",
+                  probe_args={"source": "norm"})
+    output = ProbedModel(tiny.backend, spec=norms).generate("the cat", max_new_tokens=3)[0]
+    assert output.results["guard"].error is None
+
+
 def test_a_kv_point_is_not_held_to_the_hidden_size(tiny):
     # a kv activation is (2, kv heads, head dim): 2 * 2 * 64 = 256 values on the tiny model
     capabilities = tiny.capabilities()

@@ -101,6 +101,16 @@ class LinearReadout:
         self.class_index = self._resolve_class_index(class_index)
         self._key: tuple[Any, ...] | None = None
 
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """Raise ValueError when the weight reads activations of another size than
+        the model's hidden size."""
+        if self.weights.hidden != hidden_size:
+            raise ValueError(
+                f"{self.source}: the weight has {self.weights.hidden} numbers "
+                f"per activation but the model's hidden size is {hidden_size}; it must have "
+                "one number per hidden unit"
+            )
+
     @property
     def source(self) -> str:
         """Where the weights came from (for messages and verdicts)."""
@@ -366,12 +376,7 @@ class LinearProbe(TellsSignals):
     def check_hidden_size(self, hidden_size: int) -> None:
         """Raise ValueError when the weight reads activations of another size than
         the model's hidden size (whatever ``check_metadata`` says)."""
-        if self.readout.weights.hidden != hidden_size:
-            raise ValueError(
-                f"{self.readout.source}: the weight has {self.readout.weights.hidden} numbers "
-                f"per activation but the model's hidden size is {hidden_size}; it must have "
-                "one number per hidden unit"
-            )
+        self.readout.check_hidden_size(hidden_size)
 
     def on_start(self, ctx: RequestContext) -> None:
         self.summary = ScoreSummary(self.rule.threshold)

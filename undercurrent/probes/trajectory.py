@@ -250,6 +250,13 @@ class TrajectoryProbe(TellsSignals):
         if self.check_metadata and self.readout is not None:
             check_point_matches_file(self.readout.weights, point)
 
+    def check_hidden_size(self, hidden_size: int) -> None:
+        """With ``source: linear``, raise ValueError when the weight reads
+        activations of another size than the model's hidden size (as
+        ``linear_probe`` does)."""
+        if self.readout is not None:
+            self.readout.check_hidden_size(hidden_size)
+
     def on_start(self, ctx: RequestContext) -> None:
         if ctx is not None and ctx.extraction_point is not None:  # (direct callers)
             self.check_point(ctx.extraction_point)
