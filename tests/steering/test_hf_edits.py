@@ -419,6 +419,38 @@ def test_norm_match_takes_the_norm_of_half_precision_rows_in_float32(dtype):
     torch.testing.assert_close(edited, rows + change.to(rows.dtype))
 
 
+@pytest.mark.parametrize(("op", "coefficient"), [
+    ("project_out", 0.001), ("clamp", 5e4), ("scale", 1.001)])
+def test_a_float16_row_s_component_past_65504_is_projected_in_float32(op, coefficient):
+    """A float16 row of finite elements may have a component along ``u`` past
+    65504 (here: a large vector added just before, at the same site):
+    ``project_out``, ``clamp`` and ``scale`` take ``h.u`` in float32 and cast the
+    change once, so the rows stay finite and match a hand hook that computes the
+    change in float64 and casts it once (``h.u`` in float16 was inf)."""
+    probed = ProbedModel.from_pretrained("undercurrent/tiny", dtype="float16")
+    try:
+        v = direction(seed=19)
+        large = unit(v.double()) * 1e5  # every element below 65504, h.u past it
+        edits = [edit("add", large, 1.0), edit(op, v, coefficient, name="then")]
+        outputs, recorded = probed_generate(probed, PROMPTS, NEW, edits=edits)
+
+        def by_hand(h: torch.Tensor) -> torch.Tensor:
+            added = h + large.to(h.dtype)
+            exact = op_reference(op, added.double(), v.double(), coefficient)
+            return added + (exact - added.double()).to(h.dtype)
+
+        expected, oracle = hooked_generate(probed, PROMPTS, NEW, 1, "residual_stream",
+                                           decode_rows(None, by_hand))
+        assert [list(o.token_ids) for o in outputs] == expected
+        for row, output in enumerate(outputs):
+            count = len(output.token_ids)
+            assert torch.isfinite(recorded.row(row, count)).all()
+            torch.testing.assert_close(recorded.row(row, count), oracle.row(row, count),
+                                       rtol=1e-2, atol=1e-2)
+    finally:
+        probed.close()
+
+
 def test_a_call_time_edit_problem_names_the_list_and_position_the_user_wrote(tiny):
     # The edits of a call were checked merged (spec, then edits=, then one prompt's
     # list), and a problem was named by its place in that merged list.

@@ -3,12 +3,13 @@
 ``rows`` is ``(n, hidden)``: the activations of the tokens an edit applies to in
 one forward. The arithmetic runs in the rows' own dtype on their device (the
 vector is converted once per device and dtype and cached), so an edit costs one
-small fused expression per (edit, site) and forward. Two steps are widened so a
+small fused expression per (edit, site) and forward. Some steps are widened so a
 float16 or bfloat16 model neither overflows nor rounds twice: ``add``'s ``c*v`` is
 computed in float64 and cast once (a large vector times a small coefficient stays
 finite, and the added value is the nearest one in the rows' dtype), and
-``norm_match`` takes ``|h|`` in float32 at least (a float16 row's norm may pass
-65504 while every element is finite).
+``norm_match``'s ``|h|`` and the other ops' change along ``u`` (``h.u`` and what
+multiplies ``u``) are computed in float32 at least and cast once (a float16 row's
+norm, or its component along ``u``, may pass 65504 while every element is finite).
 
 - ``add``: ``h + c*v`` (``norm_match``: ``v`` rescaled to ``|h|`` per row first)
 - ``project_out``: ``h - c*(h.u)u``
@@ -41,10 +42,9 @@ class EditVectors(NamedTuple):
 
     added: torch.Tensor
     """``coefficient * vector``, computed in float64 and cast once to the rows' dtype."""
-    unit: torch.Tensor
-    """The vector normalised, in the rows' dtype."""
     wide_unit: torch.Tensor
-    """The unit in the dtype ``norm_match`` takes norms in (float32 at least)."""
+    """The unit in the dtype norms and components along it are taken in (float32
+    at least)."""
 
     @classmethod
     def of(cls, vector: Any, coefficient: float, device: Any, dtype: torch.dtype
@@ -54,7 +54,6 @@ class EditVectors(NamedTuple):
         exact = torch.tensor(vector, dtype=torch.float64)
         unit = exact / exact.norm()
         return cls(added=(coefficient * exact).to(device=device, dtype=dtype),
-                   unit=unit.to(device=device, dtype=dtype),
                    wide_unit=unit.to(device=device, dtype=_norm_dtype(dtype)))
 
 
@@ -103,21 +102,23 @@ def edit_delta(op: EditOp, rows: torch.Tensor, vectors: EditVectors,
     """The change one op makes to ``(n, hidden)`` rows (``rows + delta`` is the edited
     value); ``vectors`` are the edit's (:meth:`EditVectors.of`, for ``coefficient``)
     on the rows' device and for their dtype."""
-    unit = vectors.unit
     if op is EditOp.ADD:
         if norm_match:
             norms = rows.to(vectors.wide_unit.dtype).norm(dim=-1, keepdim=True)
             scaled: torch.Tensor = (coefficient * norms * vectors.wide_unit).to(rows.dtype)
             return scaled
         return vectors.added.expand_as(rows)
-    along = rows @ unit  # (n,)
+    wide = vectors.wide_unit
+    along = rows.to(wide.dtype) @ wide  # (n,), in float32 at least
     if op is EditOp.PROJECT_OUT:
-        return -(coefficient * along).unsqueeze(-1) * unit
-    if op is EditOp.CLAMP:
-        return (coefficient - along).unsqueeze(-1) * unit
-    if op is EditOp.SCALE:
-        return ((coefficient - 1.0) * along).unsqueeze(-1) * unit
-    raise ValueError(f"unknown edit op {op!r}")
+        change = -(coefficient * along).unsqueeze(-1) * wide
+    elif op is EditOp.CLAMP:
+        change = (coefficient - along).unsqueeze(-1) * wide
+    elif op is EditOp.SCALE:
+        change = ((coefficient - 1.0) * along).unsqueeze(-1) * wide
+    else:
+        raise ValueError(f"unknown edit op {op!r}")
+    return change.to(rows.dtype)
 
 
 def sae_clamp_delta(sae: Any, rows: torch.Tensor, feature: int, value: float) -> torch.Tensor:
