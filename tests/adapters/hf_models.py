@@ -80,6 +80,13 @@ def build_model(model_type: str, eos: bool = False) -> Any:
     return model
 
 
+def own_model(model_type: str, eos: bool = False) -> Any:
+    """:func:`build_model`'s model, built anew: one a test may change, or count the
+    hooks of (the cached one is shared by a process's tests, and some leave a
+    backend open on it; a deep copy would copy its hooks too)."""
+    return build_model.__wrapped__(model_type, eos)
+
+
 def prompt(*indices: int) -> str:
     return " ".join(WORDS[i] for i in indices)
 

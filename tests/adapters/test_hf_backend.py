@@ -12,7 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model, build_tokenizer, prompt, transformers_generate  # noqa: E402
+from hf_models import (  # noqa: E402
+    build_model,
+    build_tokenizer,
+    own_model,
+    prompt,
+    transformers_generate,
+)
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import CaptureSession, SamplingParams  # noqa: E402
@@ -153,7 +159,6 @@ def test_an_eos_set_after_the_probed_model_was_built_ends_rows_as_plain_generate
     # The eos ids were read once, when the backend was built: a generation_config
     # changed afterwards was ignored (plain generate() obeys it). Read at each call,
     # on the batched path, the per-row one (stop strings) and a stream alike.
-    import copy
 
     model = copy.deepcopy(build_model("llama"))
     params = SamplingParams(max_new_tokens=6)
@@ -307,7 +312,6 @@ def test_stream_yields_tokens_with_signals_then_the_output(tokenizer):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_placement_is_honoured_and_records_land_on_the_cpu(tokenizer):
-    import copy
 
     model = copy.deepcopy(build_model("llama")).to("cuda")
     point = ExtractionPoint(name="p", layers=(0, 2), tensor_type="kv", position="generated[*]",
@@ -419,7 +423,6 @@ def test_a_model_whose_weights_accelerate_offloads_is_probed_like_the_model(toke
     # cpu_offload leaves the parameters on the meta device: the kv check's forward
     # (and each call's inputs) went there, and ProbedModel(...) failed with "Cannot
     # copy out of meta tensor". Inputs go to accelerate's execution device.
-    import copy
 
     accelerate = pytest.importorskip("accelerate")
     model = copy.deepcopy(build_model("llama"))  # (build_model's is shared: not offloaded)
@@ -493,7 +496,7 @@ def test_a_torch_compiled_model_is_probed_as_the_model_it_wraps(tokenizer):
     # The hooks went on torch.compile's wrapper, whose generate() is the wrapped
     # model's own: no probe ran, no record came, no guard fired, silently. The
     # backend probes the wrapped model, whose (uncompiled) forward generate() runs.
-    model = copy.deepcopy(build_model("llama"))  # (the file's tests share build_model's)
+    model = own_model("llama")
     points = [ExtractionPoint(name="resid", layers=(0, 2), tensor_type="residual_stream",
                               position="generated[*]", probe_type="capture",
                               probe_kind="trajectory"),

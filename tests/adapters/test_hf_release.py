@@ -9,7 +9,6 @@ first, so reading them after the release is covered too.
 
 from __future__ import annotations
 
-import copy
 import gc
 import threading
 import weakref
@@ -22,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from cycles import undercurrent_types_in_cycles  # noqa: E402
-from hf_models import build_model, build_tokenizer  # noqa: E402
+from hf_models import build_tokenizer, own_model  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
 from undercurrent.adapters import session as session_module  # noqa: E402
@@ -115,7 +114,7 @@ def test_a_model_dropped_without_close_stops_its_async_workers() -> None:
     """A ProbedModel dropped without close() (a notebook cell that builds a new
     one, run again) lets its router's async workers and their supervisor end,
     and leaves no hook on the wrapped model: nothing of it runs on."""
-    model = copy.deepcopy(build_model("llama"))
+    model = own_model("llama")
     spec = _spec(_point("norm", probe_kind="trajectory", execution_mode="async"))
     threads: list[threading.Thread] = []
     schedulers = []
