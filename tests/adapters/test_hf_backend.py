@@ -159,7 +159,6 @@ def test_an_eos_set_after_the_probed_model_was_built_ends_rows_as_plain_generate
     # The eos ids were read once, when the backend was built: a generation_config
     # changed afterwards was ignored (plain generate() obeys it). Read at each call,
     # on the batched path, the per-row one (stop strings) and a stream alike.
-
     model = copy.deepcopy(build_model("llama"))
     params = SamplingParams(max_new_tokens=6)
     with ProbedModel(model, tokenizer) as pm:
