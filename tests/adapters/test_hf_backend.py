@@ -311,7 +311,6 @@ def test_stream_yields_tokens_with_signals_then_the_output(tokenizer):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_placement_is_honoured_and_records_land_on_the_cpu(tokenizer):
-
     model = copy.deepcopy(build_model("llama")).to("cuda")
     point = ExtractionPoint(name="p", layers=(0, 2), tensor_type="kv", position="generated[*]",
                             probe_type="none", probe_kind="trajectory")
