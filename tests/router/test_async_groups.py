@@ -242,6 +242,7 @@ def test_a_judge_many_or_judge_rows_without_a_signal_per_row_is_an_error_on_ever
         assert (stats.received, stats.processed, stats.dropped, stats.errors) == (2, 2, 0, 2)
         assert not result.signals
         assert f"Misjudging.{where} at point 'p' {returned}" in result.error
+        assert result.error.startswith("on_batch (token 4, ")  # (the call that judged them)
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["taken together", "each alone"])

@@ -1486,7 +1486,7 @@ class Binding:
                 self._latency_max = longest
             if error is not None:
                 for batch, start, stop, _ in pieces:
-                    self._count_errors(batch[start:stop], [error] * (stop - start))
+                    self._count_errors(batch[start:stop], [error] * (stop - start), "on_batch")
             elif signals is not None:
                 unread = self._unread_list()
                 for batch, start, stop, offset in pieces:
