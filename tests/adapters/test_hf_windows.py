@@ -1074,6 +1074,29 @@ class MayAbortAbortTestRaises(FirstValues):
     abort_test = classmethod(_broken)  # type: ignore[assignment]
 
 
+class AbortTestFunctionRaises(FirstValues):
+    """May abort; its ``abort_test`` gives a test that raises when asked."""
+
+    def may_abort(self) -> bool:
+        return True
+
+    @classmethod
+    def abort_test(cls, probes: Any) -> Any:
+        return _broken
+
+
+class AbortScreenFunctionRaises(AbortTestFunctionRaises):
+    """Its test works; the screen its ``abort_screen`` gives raises when asked."""
+
+    @classmethod
+    def abort_test(cls, probes: Any) -> Any:
+        return lambda values: False
+
+    @classmethod
+    def abort_screen(cls, probes: Any) -> Any:
+        return _broken
+
+
 class GroupKeyRaises(FirstValues):
     group_key = _broken  # type: ignore[assignment]
 
@@ -1088,6 +1111,10 @@ class GroupKeyUnhashable(FirstValues):
      "may_abort: RuntimeError: broken hook (taken as True: it may abort)"),
     (MayAbortAbortTestRaises, "inline",
      "abort_test: RuntimeError: broken hook (every decode step is routed as it comes)"),
+    (AbortTestFunctionRaises, "inline", "abort_test's function: RuntimeError: broken hook "
+     "(the steps it was asked of are routed as they come)"),
+    (AbortScreenFunctionRaises, "inline", "abort_screen's function: RuntimeError: broken hook "
+     "(the steps it was asked of are routed as they come)"),
     (GroupKeyRaises, "inline", "group_key: RuntimeError: broken hook (the probe is judged on "
      "its own)"),
     (GroupKeyRaises, "async", "group_key: RuntimeError: broken hook (the probe is judged on "
@@ -1096,12 +1123,14 @@ class GroupKeyUnhashable(FirstValues):
      "which is not hashable (the probe is judged on its own)"),
     (GroupKeyUnhashable, "async", "group_key: TypeError: it returned ['not', 'hashable'], "
      "which is not hashable (the probe is judged on its own)"),
-], ids=["may_abort", "abort_test", "group_key-inline", "group_key-async", "unhashable-inline",
-        "unhashable-async"])
+], ids=["may_abort", "abort_test", "abort_test-function", "abort_screen-function",
+        "group_key-inline", "group_key-async", "unhashable-inline", "unhashable-async"])
 def test_a_user_probe_s_planning_hook_that_raises_is_noted_on_its_result(
         monkeypatch, probe_class, mode, note):
     """``may_abort``, ``abort_test`` or ``group_key`` raising (or giving a key
-    that is not hashable): generation goes on; each request's result notes the
+    that is not hashable), or the test or screen ``abort_test`` /
+    ``abort_screen`` gave raising when asked (the screen escaped generate(),
+    the test's error went unnoted): generation goes on; each request's result notes the
     hook and the error, counted, and the router does what is safe without it
     (every step routed as it comes, the probe judged on its own). Where only
     the hook is broken, the tokens and signals are those of the same probe

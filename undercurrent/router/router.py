@@ -157,22 +157,43 @@ class AbortGuard:
     computing them fails (routing the batch then counts the error).
     :attr:`screen`, where the class has one (``signal_screen``), tells from a
     step's captured pieces, before any batch is made, that it cannot give
-    such a signal (False), or that the guard must be asked (True)."""
+    such a signal (False), or that the guard must be asked (True). A test or
+    screen that raises answers True (the step is routed as it comes), and
+    ``failed(hook, exc)`` notes it on the bindings."""
 
-    __slots__ = ("key", "values_of", "test", "screen")
+    __slots__ = ("key", "values_of", "test", "screen", "failed")
 
     def __init__(self, key: Any, values_of: Callable[[ActivationBatch], Any],
                  test: Callable[[Any], bool],
-                 screen: Callable[[Sequence[Any]], bool] | None = None) -> None:
+                 screen: Callable[[Sequence[Any]], bool] | None = None,
+                 failed: Callable[[str, Exception], None] | None = None) -> None:
         self.key = key
         self.values_of = values_of
         self.test = test
-        self.screen = screen
+        self.failed = failed
+        self.screen = screen if screen is None else self._screened(screen)
+
+    def _screened(self, screen: Callable[[Sequence[Any]], bool]
+                  ) -> Callable[[Sequence[Any]], bool]:
+        def screened(pieces: Sequence[Any]) -> bool:
+            try:
+                return bool(screen(pieces))
+            except Exception as exc:  # noqa: BLE001 - noted; the step is routed as it comes
+                if self.failed is not None:
+                    self.failed("screen", exc)
+                return True
+        return screened
 
     def __call__(self, batch: ActivationBatch) -> bool:
         try:
-            return bool(self.test(batch.shared(self.key, self.values_of)))
+            values = batch.shared(self.key, self.values_of)
         except Exception:  # noqa: BLE001 - routed now: judging it counts the error
+            return True
+        try:
+            return bool(self.test(values))
+        except Exception as exc:  # noqa: BLE001 - noted; the step is routed as it comes
+            if self.failed is not None:
+                self.failed("test", exc)
             return True
 
 
@@ -674,7 +695,16 @@ class Router:
             return None
         if screen is None:  # (a test that keeps state may screen with it: RunningBound)
             screen = never_signals if test is never_signals else getattr(test, "screen", None)
-        return AbortGuard(key, probes[0].row_values, test, screen)
+        test_name = "abort_test" if actions == ABORT_ONLY else "signal_test"
+
+        def failed(part: str, exc: Exception) -> None:
+            # (the function the probe's abort_test / abort_screen returned raised)
+            hook = test_name if part == "test" else screen_name
+            for binding in bindings:
+                binding.hook_failed(f"{hook}'s function", exc,
+                                    "the steps it was asked of are routed as they come")
+
+        return AbortGuard(key, probes[0].row_values, test, screen, failed)
 
     def _requests_changed(self) -> None:
         """A request was registered or ended (lock held): the routes and bindings
