@@ -194,3 +194,60 @@ def test_a_probe_fitted_on_projected_vectors_scores_live_activations_as_the_fit_
     with pytest.raises(ValueError, match=r"^fit_steering_vector: the store holds this "
                        r"point's vectors projected \(project:128\)"):
         fit_steering_vector(store, labels, point="resid", layer=2)
+
+
+def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the_projection(
+        tiny, tmp_path):
+    # store.records_frame gave a plain frame: a probe fitted on it was saved over
+    # the random features (run live, scores off by up to 0.99 with no error) and
+    # fit_steering_vector took it. Its activations now carry the point's reduction,
+    # through the frame operations that keep attrs (filter, sort).
+    from undercurrent import ProbedModel
+    from undercurrent.notebook import fit_linear_probe, signals_frame
+    from undercurrent.probes.weights import load_linear_weights
+    from undercurrent.steering import fit_steering_vector
+
+    prompts, labels = corpus_prompts(16, seed=3)
+    ids = request_ids(len(prompts))
+    by_request = dict(zip(ids, labels, strict=True))
+    tiny.capture(prompts, tmp_path / "acts", progress=False, reduce={"resid": "project:128"},
+                 storage_dtype="float32", **OPTIONS)
+    store = open_activations(tmp_path / "acts")
+    frame = store.records_frame()
+    frame = frame[frame["layer"] >= 1].sort_values(["request", "token_index"], ascending=False)
+    fit = fit_linear_probe(frame, by_request, point="resid", layer=2, seed=0,
+                           save_to=tmp_path / "probe.safetensors")
+    assert fit.weight.shape == (128,) and fit.projected == "project:128"
+    np.testing.assert_array_equal(fit.projection, store.projection("resid"))
+    saved = load_linear_weights(tmp_path / "probe.safetensors")
+    assert saved.metadata["folded_reduction"] == "project:128"
+    view = store.select(point="resid", layer=2)
+    fitted = fit.predict_proba(view.vectors())[:, 1]
+    spec = {"extraction_points": [{
+        "name": "guard", "layers": [2], "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "linear_probe", "probe_kind": "trajectory",
+        "probe_args": {"path": str(tmp_path / "probe.safetensors")}}]}
+    live = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    try:
+        scores = signals_frame(live.generate(prompts, request_ids=ids, **OPTIONS))
+    finally:
+        live.close()
+    by_token = dict(zip(zip(scores["request"], scores["token_index"], strict=True),
+                        scores["score"], strict=True))
+    rows = view.index
+    live_scores = [by_token[key] for key in zip(rows["request_id"], rows["token_index"],
+                                                strict=True)]
+    np.testing.assert_allclose(live_scores, fitted, rtol=0, atol=1e-5)
+    # inline weights fold it in too; a point stored raw in the same frame is fitted raw
+    inline = fit_linear_probe(frame, by_request, point="resid", layer=2, seed=0).probe_args()
+    np.testing.assert_allclose(inline["weight"], fit.raw_weights()[0], rtol=1e-6, atol=1e-7)
+    raw = fit_linear_probe(frame, by_request, point="kv_last_prompt", layer=1, seed=0)
+    assert raw.projected is None
+    with pytest.raises(ValueError, match=r"^fit_steering_vector: the store holds this "
+                       r"point's vectors projected \(project:128\)"):
+        fit_steering_vector(frame, by_request, point="resid", layer=2)
+    # a frame that lost its attrs lost the mark with the activations: refused, not raw
+    bare = frame.copy()
+    bare.attrs = {}
+    with pytest.raises(ValueError, match=r"this frame carries no activations"):
+        fit_linear_probe(bare, by_request, point="resid", layer=2)

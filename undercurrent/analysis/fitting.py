@@ -32,6 +32,8 @@ from typing import Any
 
 from undercurrent.analysis._inputs import missing_labels, non_finite_rows
 from undercurrent.analysis.frames import (
+    ACTIVATIONS_KEY,
+    Activations,
     activation_matrix,
     frame_column,
     label_rows,
@@ -57,12 +59,13 @@ class LinearProbeFit:
     (majority-class rate on the held-out rows), ``n_train``, ``n_test``,
     ``n_features``, ``n_classes`` and ``split`` (``"request"`` or ``"row"``).
 
-    A fit on an activation store whose point was captured with a ``project:K``
-    reduction is over the K projected features (``weight``, ``predict`` and the
-    metrics read stored vectors); ``projected`` says so (e.g. ``"project:64"``)
-    and ``projection`` is the ``(captured features, K)`` matrix. The saved file
-    and ``probe_args`` fold it in (:meth:`raw_weights`), so the probe scores the
-    captured activations exactly as the fit scored their projections.
+    A fit on an activation store (a view, or its ``records_frame``) whose point
+    was captured with a ``project:K`` reduction is over the K projected features
+    (``weight``, ``predict`` and the metrics read stored vectors); ``projected``
+    says so (e.g. ``"project:64"``) and ``projection`` is the ``(captured
+    features, K)`` matrix. The saved file and ``probe_args`` fold it in
+    (:meth:`raw_weights`), so the probe scores the captured activations exactly
+    as the fit scored their projections.
     """
 
     weight: Any
@@ -289,9 +292,10 @@ def _design(
     caller: str = "fit_linear_probe",
 ) -> tuple[Any, Any, Any, int | None, str | None, tuple[str, Any] | None]:
     """``(X, labels, groups, layer, tensor_type, projected)`` from whatever the
-    caller passed; ``projected`` is None, or for a store's point captured with a
-    ``project:K`` reduction ``(reduction, projection matrix or None when the
-    store cannot rebuild it)``.
+    caller passed; ``projected`` is None, or for a point a store captured with a
+    ``project:K`` reduction (read from the store, a view or its ``records_frame``,
+    whose activations carry the mark) ``(reduction, projection matrix or None
+    when the store cannot rebuild it)``.
 
     Refuses rows a fit cannot use, naming them: missing labels (None or NaN) and
     activations holding NaN or infinity. ``caller`` names the public function in
@@ -299,7 +303,7 @@ def _design(
     """
     import numpy as np
 
-    projected = None
+    projected: tuple[str, Any] | None = None
     if hasattr(data, "probe_design"):
         # An ActivationStore: read one point and layer from disk, split by request.
         store = data
@@ -307,13 +311,7 @@ def _design(
             y, point=point, layer=layer, tensor_type=tensor_type, group_by=group_by,
             caller=caller)
         point = None
-        reduction = store.reductions.get(stored_point)
-        if reduction is not None and reduction.project is not None:
-            try:
-                matrix = store.projection(stored_point)
-            except ValueError:  # (a store of an earlier version: no captured size)
-                matrix = None
-            projected = (f"project:{reduction.project}", matrix)
+        projected = store.projected(stored_point)
     y = _label_values(caller, y)
     frame = _as_frame(data)
     if frame is None:
@@ -352,6 +350,10 @@ def _design(
     layer = int(selected["layer"].iloc[0])
     tensor_type = str(selected["tensor_type"].iloc[0])
     X = activation_matrix(selected, dtype="float64")
+    # (a store's records_frame marks a project:K point on its activations)
+    activations = selected.attrs.get(ACTIVATIONS_KEY)
+    if isinstance(activations, Activations):
+        projected = activations.projected.get(str(selected["point"].iloc[0]))
     labels = _frame_labels(frame, selected, y, caller)
     _refuse_non_finite(caller, X, lambda rows: _first_few([
         f"request {request!r} token_index {token} layer {row_layer}"
@@ -371,7 +373,7 @@ def _design(
         aligned = _series_rows(group_by, selected, caller, "group_by") if _is_series(
             group_by) else None
         groups = _groups(caller, group_by if aligned is None else aligned, len(X))
-    return X, labels, groups, layer, tensor_type, None
+    return X, labels, groups, layer, tensor_type, projected
 
 
 def _label_values(caller: str, y: Any) -> Any:

@@ -84,10 +84,18 @@ class Activations:
     frame's ``activations_id`` column: a row whose id is another one belongs to
     another frame's activations (as after ``pd.concat`` of two records frames)
     and is refused.
+
+    ``projected`` maps each point whose rows are projections of the captured
+    activations (an activation store's ``project:K`` reduction) to ``(reduction,
+    (captured features, K) matrix, or None when the store cannot rebuild it)``:
+    the mark rides with the matrices, so a fit on the frame folds the projection
+    as a fit on the store does, and a frame that lost it has no activations to fit.
     """
 
-    def __init__(self, matrices: Mapping[int, Any]) -> None:
+    def __init__(self, matrices: Mapping[int, Any],
+                 projected: Mapping[str, tuple[str, Any]] | None = None) -> None:
         self.matrices: dict[int, Any] = dict(matrices)
+        self.projected: dict[str, tuple[str, Any]] = dict(projected or {})
         self.id = new_activations_id()
 
     def matrix(self, features: int) -> Any:

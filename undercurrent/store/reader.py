@@ -306,7 +306,9 @@ class ActivationStore:
         activation matrices, read once per point (a point's vectors that are one
         block of its shard file stay a memory-mapped view); ``activation_matrix``,
         ``select_rows``, ``label_rows`` and ``fit_linear_probe`` take it as they take
-        a records frame. ``tensors=False`` reads no vectors."""
+        a records frame (a ``project:K`` point's reduction rides on the activations,
+        ``Activations.projected``, so a probe fitted on it folds the projection as
+        one fitted on the store). ``tensors=False`` reads no vectors."""
         import numpy as np
         import pandas as pd
 
@@ -342,9 +344,14 @@ class ActivationStore:
                 positions[where] = sum(len(part) for part in parts) + np.arange(len(where))
                 parts.append(flat)
         out["row"] = positions
+        # (a project:K point's rows are marked so a fit on the frame folds the
+        # projection as a fit on the store does)
+        marks = {name: self.projected(name) for name in
+                 dict.fromkeys(out["point"].tolist())} if tensors else {}
         activations = Activations({
             size: parts[0] if len(parts) == 1 else np.concatenate(parts)
-            for size, parts in blocks.items()})
+            for size, parts in blocks.items()},
+            projected={name: mark for name, mark in marks.items() if mark is not None})
         out["activations_id"] = activations.id
         out = out[list(RECORD_COLUMNS) + ["prompt_index"]]
         if tensors:
@@ -412,6 +419,19 @@ class ActivationStore:
                 "projection cannot be rebuilt; capture again to fold it")
         (shape,) = shapes
         return reduction.projection(math.prod(shape))
+
+    def projected(self, point: str) -> tuple[str, Any] | None:
+        """``(reduction, matrix)`` for a point stored with a ``project:K`` reduction
+        (``("project:K", store.projection(point))``, the matrix None when this store
+        cannot rebuild it: written by an earlier version), else None."""
+        reduction = self.reductions.get(point)
+        if reduction is None or reduction.project is None:
+            return None
+        try:
+            matrix = self.projection(point)
+        except ValueError:  # (a store of an earlier version: no captured size)
+            matrix = None
+        return f"project:{reduction.project}", matrix
 
     def row_labels(self, y: Any, index: Any = None) -> Any:
         """One label per row of ``index`` (default: this store's) from per-request,
