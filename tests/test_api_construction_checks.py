@@ -116,35 +116,29 @@ def test_a_threshold_yaml_reads_as_text_still_acts(tiny):
     assert output.aborted and output.abort.generated_index == 0
 
 
-def test_a_linear_probe_of_another_size_than_the_hidden_size_is_refused_at_construction(tiny):
-    # (it raised on every token, into ProbeResult.error, and an abort guard never fired)
-    spec = _spec(probe_type="linear_probe", probe_args={
+@pytest.mark.parametrize("probe_type, probe_kind", [("linear_probe", "single_shot"),
+                                                     ("trajectory_probe", "trajectory")])
+def test_a_linear_readout_of_another_size_than_the_hidden_size_is_refused_at_construction(
+        tiny, probe_type, probe_kind):
+    # (it raised on every token, into ProbeResult.error, and an abort guard never
+    # fired; a trajectory_probe was accepted, then failed on every batch: "expects
+    # activations of size 5")
+    spec = _spec(probe_type=probe_type, probe_kind=probe_kind, probe_args={
         "weight": [0.1] * 5, "bias": 0.0, "threshold": 0.5, "action": "abort"})
-    with pytest.raises(RouterError, match=r"extraction_points\[0\] \(name 'guard'\): probe_type "
-                                          r"'linear_probe' refuses it: inline probe_args: the "
-                                          r"weight has 5 numbers per activation but the "
-                                          r"model's hidden size is 128"):
+    with pytest.raises(RouterError, match=rf"extraction_points\[0\] \(name 'guard'\): "
+                                          rf"probe_type '{probe_type}' refuses it: inline "
+                                          r"probe_args: the weight has 5 numbers per "
+                                          r"activation but the model's hidden size is 128"):
         ProbedModel(tiny.backend, spec=spec)
-    with pytest.raises(RouterError, match="weight has 5 numbers"):  # (whatever check_metadata)
-        ProbedModel(tiny.backend, spec=_spec(probe_type="linear_probe", probe_args={
-            "weight": [0.1] * 5, "bias": 0.0, "check_metadata": False}))
-
-
-def test_a_trajectory_probe_of_another_size_than_the_hidden_size_is_refused_at_construction(
-        tiny):
-    # (it was accepted, then failed on every batch: "expects activations of size 5")
-    spec = _spec(probe_type="trajectory_probe", probe_kind="trajectory", probe_args={
-        "weight": [0.1] * 5, "bias": 0.0, "threshold": 0.5, "action": "abort"})
-    with pytest.raises(RouterError, match=r"extraction_points\[0\] \(name 'guard'\): probe_type "
-                                          r"'trajectory_probe' refuses it: inline probe_args: "
-                                          r"the weight has 5 numbers per activation but the "
-                                          r"model's hidden size is 128"):
-        ProbedModel(tiny.backend, spec=spec)
-    # A trajectory of norms reads activations of any size.
-    norms = _spec(probe_type="trajectory_probe", probe_kind="trajectory",
-                  probe_args={"source": "norm"})
-    output = ProbedModel(tiny.backend, spec=norms).generate("the cat", max_new_tokens=3)[0]
-    assert output.results["guard"].error is None
+    if probe_type == "linear_probe":
+        with pytest.raises(RouterError, match="weight has 5 numbers"):  # (whatever check_metadata)
+            ProbedModel(tiny.backend, spec=_spec(probe_type="linear_probe", probe_args={
+                "weight": [0.1] * 5, "bias": 0.0, "check_metadata": False}))
+    else:  # A trajectory of norms reads activations of any size.
+        norms = _spec(probe_type="trajectory_probe", probe_kind="trajectory",
+                      probe_args={"source": "norm"})
+        output = ProbedModel(tiny.backend, spec=norms).generate("the cat", max_new_tokens=3)[0]
+        assert output.results["guard"].error is None
 
 
 def test_a_kv_point_is_not_held_to_the_hidden_size(tiny):

@@ -162,9 +162,33 @@ def test_close_from_another_thread_waits_for_the_running_generation(tiny, baseli
     # close() while generate() runs in another thread removed the hooks mid-way:
     # the call returned normally with every probe's records cut short. It now
     # waits for the call to end; the outputs equal a fresh model's.
+    model, tokenizer = tiny
+    pm, reached, release, progress = _gated(model, tokenizer)
+    done: dict[str, Any] = {}
+    generating = threading.Thread(target=lambda: done.update(
+        outputs=pm.generate(PROMPTS, max_new_tokens=NEW, batch_size=1)))  # (every batch)
+    generating.start()
+    reached.wait()
+    closing = threading.Thread(target=lambda: (pm.close(), progress.set()))
+    closing.start()
+    progress.wait()  # (close() returned, or waits for the call)
+    release.set()
+    generating.join()
+    closing.join()
+    assert live_hooks(model) == 0
+    assert [o.token_ids for o in done["outputs"]] == [o.token_ids for o in baseline]
+    kept = ("inline", "async", "blocking")
+    assert [{name: v[name] for name in kept} for v in _verdicts(done["outputs"])] == [
+        {name: v[name] for name in kept} for v in _verdicts(baseline)]
+
+
+def _gated(model: Any, tokenizer: Any) -> tuple[ProbedModel, threading.Event,
+                                                 threading.Event, threading.Event]:
+    """A ProbedModel of ``SPEC[:3]`` and a ``gate`` point whose probe, at generated
+    token 2, sets ``reached`` and waits for ``release``; ``progress`` is set once
+    close() waits for its generation."""
     from reliability_support import Recorder
 
-    model, tokenizer = tiny
     reached, release, progress = threading.Event(), threading.Event(), threading.Event()
 
     class Gate(Recorder):
@@ -182,22 +206,7 @@ def test_close_from_another_thread_waits_for_the_running_generation(tiny, baseli
     pm = ProbedModel(model, tokenizer, spec=[*SPEC[:3], point("gate", probe_type="gate")],
                      probes={**TEST_PROBES, "gate": Gate})
     pm.backend._idle = TellsItWaits()
-    done: dict[str, Any] = {}
-    generating = threading.Thread(target=lambda: done.update(
-        outputs=pm.generate(PROMPTS, max_new_tokens=NEW, batch_size=1)))  # (every batch)
-    generating.start()
-    reached.wait()
-    closing = threading.Thread(target=lambda: (pm.close(), progress.set()))
-    closing.start()
-    progress.wait()  # (close() returned, or waits for the call)
-    release.set()
-    generating.join()
-    closing.join()
-    assert live_hooks(model) == 0
-    assert [o.token_ids for o in done["outputs"]] == [o.token_ids for o in baseline]
-    kept = ("inline", "async", "blocking")
-    assert [{name: v[name] for name in kept} for v in _verdicts(done["outputs"])] == [
-        {name: v[name] for name in kept} for v in _verdicts(baseline)]
+    return pm, reached, release, progress
 
 
 def _closing_probe(holder: dict[str, Any]) -> type:
@@ -268,15 +277,8 @@ def test_close_from_another_model_s_probe_thread_waits_for_the_generation(tiny, 
 
     model, tokenizer = tiny
     other = copy.deepcopy(model)
-    reached, release, progress = threading.Event(), threading.Event(), threading.Event()
+    pm_b, reached, release, progress = _gated(other, tokenizer)
     closed: dict[str, Any] = {}
-
-    class Gate(Recorder):
-        def on_activation(self, record: Any) -> Any:
-            if record.generated_index == 2 and not reached.is_set():
-                reached.set()
-                release.wait()
-            return super().on_activation(record)
 
     class ClosesB(Recorder):
         def on_activation(self, record: Any) -> Any:
@@ -290,16 +292,8 @@ def test_close_from_another_model_s_probe_thread_waits_for_the_generation(tiny, 
                     progress.set()
             return super().on_activation(record)
 
-    class TellsItWaits(threading.Condition):
-        def wait(self, timeout: float | None = None) -> bool:
-            progress.set()  # (close() is waiting for B's generation)
-            return super().wait(timeout)
-
-    pm_b = ProbedModel(other, tokenizer, spec=[*SPEC[:3], point("gate", probe_type="gate")],
-                       probes={**TEST_PROBES, "gate": Gate})
     with ProbedModel(other, tokenizer, spec=SPEC[:3], probes=TEST_PROBES) as fresh:
         baseline = fresh.generate(PROMPTS[:1], max_new_tokens=NEW)
-    pm_b.backend._idle = TellsItWaits()
     pm_a = ProbedModel(model, tokenizer, probes={**TEST_PROBES, "closes_b": ClosesB},
                        spec=[point("closes_b", probe_type="closes_b", **where)])
     done: dict[str, Any] = {}

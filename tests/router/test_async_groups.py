@@ -150,17 +150,7 @@ def test_a_probe_without_judge_many_is_served_alone_with_its_own_errors(monkeypa
     scale = {"a": 0.5, "b": 2.0, "c": 0.5}
     rows = np.concatenate([np.full((2, HIDDEN), value, dtype=np.float32)
                            for value in scale.values()])
-    batch = ActivationBatch(rows, request_ids=[r for r in scale for _ in range(2)],
-                            point_names=["p"] * 6, layers=[0, 1] * 3,
-                            tensor_type="residual_stream", token_indices=[4] * 6,
-                            is_generated=[True] * 6, generated_indices=[0] * 6,
-                            token_ids=[1] * 6)
-    with Router(probes={"fussy": Fussy}, workers=2) as router:
-        for request_id in scale:
-            router.register_request(request_id, [point])
-        with router.step():
-            router.route_columns(batch)
-        results = {request_id: router.end_request(request_id)["p"] for request_id in scale}
+    results = _routed_two_rows_each({"fussy": Fussy}, point, rows, list(scale))
     assert results["b"].stats.errors == 2 and "too large" in results["b"].error
     for request_id in ("a", "c"):
         assert results[request_id].error is None
@@ -220,18 +210,9 @@ def test_a_judge_many_or_judge_rows_without_a_signal_per_row_is_an_error_on_ever
                             queue_depth=8 if mode == "async" else None,
                             probe_args={"where": where, "fault": fault})
     ids = ["a", "b", "c"]
-    batch = ActivationBatch(np.arange(6 * HIDDEN, dtype=np.float32).reshape(6, HIDDEN),
-                            request_ids=[r for r in ids for _ in range(2)],
-                            point_names=["p"] * 6, layers=[0, 1] * 3,
-                            tensor_type="residual_stream", token_indices=[4] * 6,
-                            is_generated=[True] * 6, generated_indices=[0] * 6,
-                            token_ids=[1] * 6)
-    with Router(probes={"misjudging": Misjudging}, workers=2) as router:
-        for request_id in ids:
-            router.register_request(request_id, [point])
-        with router.step():
-            router.route_columns(batch)
-        results = [router.end_request(request_id)["p"] for request_id in ids]
+    results = list(_routed_two_rows_each(
+        {"misjudging": Misjudging}, point,
+        np.arange(6 * HIDDEN, dtype=np.float32).reshape(6, HIDDEN), ids).values())
     rows = 2 if where == "judge_rows" else 6  # (inline: each request's, or all at once)
     returned = {"short": f"returned BatchSignals with {rows - 1} action codes for {rows} rows",
                 "list": f"returned list for {rows} rows"}[fault]
@@ -435,3 +416,20 @@ def test_one_worker_is_woken_for_a_call_s_bindings_judged_together():
         results = [router.end_request(request_id)["p"] for request_id in ids]
     assert woken == [1]
     assert [result.stats.processed for result in results] == [2] * 8
+
+
+def _routed_two_rows_each(probes: dict[str, Any], point: ExtractionPoint, rows: Any,
+                          ids: list[str]) -> dict[str, Any]:
+    """Point ``p``'s results for requests ``ids``, each given two of ``rows`` (layers
+    0 and 1 of token 4) in one routed step, by a router of two workers."""
+    batch = ActivationBatch(rows, request_ids=[r for r in ids for _ in range(2)],
+                            point_names=["p"] * len(rows), layers=[0, 1] * len(ids),
+                            tensor_type="residual_stream", token_indices=[4] * len(rows),
+                            is_generated=[True] * len(rows),
+                            generated_indices=[0] * len(rows), token_ids=[1] * len(rows))
+    with Router(probes=probes, workers=2) as router:
+        for request_id in ids:
+            router.register_request(request_id, [point])
+        with router.step():
+            router.route_columns(batch)
+        return {request_id: router.end_request(request_id)["p"] for request_id in ids}

@@ -4,6 +4,8 @@ gives one row per layer with held-out metrics split by request; the figure."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from store_helpers import corpus_prompts, request_ids
@@ -153,35 +155,17 @@ def test_a_probe_fitted_on_projected_vectors_scores_live_activations_as_the_fit_
     # size, as here). The projection is folded into the saved weight.
     import dataclasses
 
-    from undercurrent import ProbedModel
-    from undercurrent.notebook import fit_linear_probe, signals_frame
+    from undercurrent.notebook import fit_linear_probe
     from undercurrent.probes.weights import load_linear_weights
     from undercurrent.steering import fit_steering_vector
 
-    prompts, labels = corpus_prompts(16, seed=3)
-    tiny.capture(prompts, tmp_path / "acts", progress=False, reduce={"resid": "project:128"},
-                 storage_dtype="float32", **OPTIONS)
-    store = open_activations(tmp_path / "acts")
+    prompts, labels, store = _projected_store(tiny, tmp_path)
     fit = fit_linear_probe(store, labels, point="resid", layer=2,
                            save_to=tmp_path / "probe.safetensors")
     view = store.select(point="resid", layer=2)
     fitted = fit.predict_proba(view.vectors())[:, 1]
-    spec = {"extraction_points": [{
-        "name": "guard", "layers": [2], "tensor_type": "residual_stream",
-        "position": "generated[*]", "probe_type": "linear_probe", "probe_kind": "trajectory",
-        "probe_args": {"path": str(tmp_path / "probe.safetensors")}}]}
-    live = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
-    try:
-        scores = signals_frame(live.generate(prompts, request_ids=request_ids(len(prompts)),
-                                             **OPTIONS))
-    finally:
-        live.close()
-    by_token = dict(zip(zip(scores["request"], scores["token_index"], strict=True),
-                        scores["score"], strict=True))
-    rows = view.index
-    live_scores = [by_token[key] for key in zip(rows["request_id"], rows["token_index"],
-                                                          strict=True)]
-    np.testing.assert_allclose(live_scores, fitted, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_live_scores(tmp_path / "probe.safetensors", prompts, view),
+                               fitted, rtol=0, atol=1e-5)
     assert fit.weight.shape == (128,) and fit.projected == "project:128"
     saved = load_linear_weights(tmp_path / "probe.safetensors")
     assert saved.hidden == 128 and saved.metadata["folded_reduction"] == "project:128"
@@ -202,17 +186,12 @@ def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the
     # the random features (run live, scores off by up to 0.99 with no error) and
     # fit_steering_vector took it. Its activations now carry the point's reduction,
     # through the frame operations that keep attrs (filter, sort).
-    from undercurrent import ProbedModel
-    from undercurrent.notebook import fit_linear_probe, signals_frame
+    from undercurrent.notebook import fit_linear_probe
     from undercurrent.probes.weights import load_linear_weights
     from undercurrent.steering import fit_steering_vector
 
-    prompts, labels = corpus_prompts(16, seed=3)
-    ids = request_ids(len(prompts))
-    by_request = dict(zip(ids, labels, strict=True))
-    tiny.capture(prompts, tmp_path / "acts", progress=False, reduce={"resid": "project:128"},
-                 storage_dtype="float32", **OPTIONS)
-    store = open_activations(tmp_path / "acts")
+    prompts, labels, store = _projected_store(tiny, tmp_path)
+    by_request = dict(zip(request_ids(len(prompts)), labels, strict=True))
     frame = store.records_frame()
     frame = frame[frame["layer"] >= 1].sort_values(["request", "token_index"], ascending=False)
     fit = fit_linear_probe(frame, by_request, point="resid", layer=2, seed=0,
@@ -223,21 +202,8 @@ def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the
     assert saved.metadata["folded_reduction"] == "project:128"
     view = store.select(point="resid", layer=2)
     fitted = fit.predict_proba(view.vectors())[:, 1]
-    spec = {"extraction_points": [{
-        "name": "guard", "layers": [2], "tensor_type": "residual_stream",
-        "position": "generated[*]", "probe_type": "linear_probe", "probe_kind": "trajectory",
-        "probe_args": {"path": str(tmp_path / "probe.safetensors")}}]}
-    live = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
-    try:
-        scores = signals_frame(live.generate(prompts, request_ids=ids, **OPTIONS))
-    finally:
-        live.close()
-    by_token = dict(zip(zip(scores["request"], scores["token_index"], strict=True),
-                        scores["score"], strict=True))
-    rows = view.index
-    live_scores = [by_token[key] for key in zip(rows["request_id"], rows["token_index"],
-                                                strict=True)]
-    np.testing.assert_allclose(live_scores, fitted, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_live_scores(tmp_path / "probe.safetensors", prompts, view),
+                               fitted, rtol=0, atol=1e-5)
     # inline weights fold it in too; a point stored raw in the same frame is fitted raw
     inline = fit_linear_probe(frame, by_request, point="resid", layer=2, seed=0).probe_args()
     np.testing.assert_allclose(inline["weight"], fit.raw_weights()[0], rtol=1e-6, atol=1e-7)
@@ -251,3 +217,33 @@ def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the
     bare.attrs = {}
     with pytest.raises(ValueError, match=r"this frame carries no activations"):
         fit_linear_probe(bare, by_request, point="resid", layer=2)
+
+
+def _projected_store(tiny: Any, tmp_path: Any) -> tuple[list[str], list[int], Any]:
+    """16 labelled prompts and their store, the residual stream kept as project:128."""
+    prompts, labels = corpus_prompts(16, seed=3)
+    tiny.capture(prompts, tmp_path / "acts", progress=False, reduce={"resid": "project:128"},
+                 storage_dtype="float32", **OPTIONS)
+    return prompts, labels, open_activations(tmp_path / "acts")
+
+
+def _live_scores(probe_path: Any, prompts: list[str], view: Any) -> list[float]:
+    """The saved probe's scores, run live at layer 2 of the bundled model, at the
+    store view's rows (request and token), in the view's order."""
+    from undercurrent import ProbedModel
+    from undercurrent.notebook import signals_frame
+
+    spec = {"extraction_points": [{
+        "name": "guard", "layers": [2], "tensor_type": "residual_stream",
+        "position": "generated[*]", "probe_type": "linear_probe", "probe_kind": "trajectory",
+        "probe_args": {"path": str(probe_path)}}]}
+    live = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    try:
+        scores = signals_frame(live.generate(prompts, request_ids=request_ids(len(prompts)),
+                                             **OPTIONS))
+    finally:
+        live.close()
+    by_token = dict(zip(zip(scores["request"], scores["token_index"], strict=True),
+                        scores["score"], strict=True))
+    rows = view.index
+    return [by_token[key] for key in zip(rows["request_id"], rows["token_index"], strict=True)]
