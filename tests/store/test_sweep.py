@@ -186,7 +186,7 @@ def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the
     # the random features (run live, scores off by up to 0.99 with no error) and
     # fit_steering_vector took it. Its activations now carry the point's reduction,
     # through the frame operations that keep attrs (filter, sort).
-    from undercurrent.notebook import fit_linear_probe
+    from undercurrent.notebook import fit_linear_probe, load_records, save_records
     from undercurrent.probes.weights import load_linear_weights
     from undercurrent.steering import fit_steering_vector
 
@@ -209,6 +209,15 @@ def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the
     np.testing.assert_allclose(inline["weight"], fit.raw_weights()[0], rtol=1e-6, atol=1e-7)
     raw = fit_linear_probe(frame, by_request, point="kv_last_prompt", layer=1, seed=0)
     assert raw.projected is None
+    # saved with save_records and loaded back, the frame keeps the mark (it lost it)
+    loaded = load_records(save_records(frame, tmp_path / "frame.parquet"))
+    again = fit_linear_probe(loaded, by_request, point="resid", layer=2, seed=0)
+    assert again.projected == "project:128"
+    np.testing.assert_array_equal(again.projection, fit.projection)
+    np.testing.assert_allclose(again.raw_weights()[0], fit.raw_weights()[0], rtol=1e-6,
+                               atol=1e-7)
+    assert fit_linear_probe(loaded, by_request, point="kv_last_prompt", layer=1,
+                            seed=0).projected is None
     with pytest.raises(ValueError, match=r"^fit_steering_vector: the store holds this "
                        r"point's vectors projected \(project:128\)"):
         fit_steering_vector(frame, by_request, point="resid", layer=2)

@@ -4,7 +4,10 @@ The file is a plain parquet table with the index columns of ``RECORD_COLUMNS``
 (``row`` aside): ``shape`` is a list of ints, ``edits`` a list of strings,
 ``tensor`` the flattened values (a fixed-size list when every row has the same
 size, which is the usual case, else a list) in the array's own numpy dtype, and
-``dtype`` the original dtype name. Loading gives a records frame again (index
+``dtype`` the original dtype name. A frame whose activations are an activation
+store's ``project:K`` projections keeps that mark (the reduction and its matrix,
+in the file's metadata), so a probe fitted on the loaded frame folds the
+projection as one fitted on the store does. Loading gives a records frame again (index
 columns, activations in matrices beside it), so ``load_records(save_records(...))``
 round-trips values, dtypes and shapes (dtypes numpy lacks, such as bfloat16, come
 back as float32 with ``dtype`` still saying ``"bfloat16"``).
@@ -35,6 +38,8 @@ FORMAT_NAME = "undercurrent.records/1"
 _SAVED_COLUMNS = tuple(c for c in RECORD_COLUMNS
                        if c not in ("row", "edits", "activations_id"))
 _FORMAT_KEY = b"undercurrent.format"
+# {point: [reduction, base64 .npy of its (captured features, K) matrix or None]}
+_PROJECTED_KEY = b"undercurrent.projected"
 
 
 def _pyarrow() -> Any:
@@ -76,10 +81,50 @@ def save_records(records: Any, path: str | os.PathLike[str], *, tokenizer: Any =
     table = table.append_column("tensor", _tensor_column(pa, np, tensors))
     metadata = dict(table.schema.metadata or {})
     metadata[_FORMAT_KEY] = FORMAT_NAME.encode()
+    projected = _projected_points(frame)
+    if projected:
+        metadata[_PROJECTED_KEY] = _encode_projected(np, projected)
     table = table.replace_schema_metadata(metadata)
     target = Path(path)
     pa.parquet.write_table(table, target)
     return target
+
+
+def _projected_points(frame: Any) -> dict[str, tuple[str, Any]]:
+    """The ``Activations.projected`` marks of the points the frame's rows hold."""
+    activations = frame.attrs.get(ACTIVATIONS_KEY)
+    if not isinstance(activations, Activations) or not activations.projected:
+        return {}
+    present = set(frame["point"].astype(str))
+    return {point: mark for point, mark in activations.projected.items() if point in present}
+
+
+def _encode_projected(np: Any, projected: dict[str, tuple[str, Any]]) -> bytes:
+    import base64
+    import io
+    import json
+
+    def encoded(matrix: Any) -> str | None:
+        if matrix is None:
+            return None
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(matrix), allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+    return json.dumps({point: [reduction, encoded(matrix)]
+                       for point, (reduction, matrix) in projected.items()}).encode()
+
+
+def _decode_projected(np: Any, raw: bytes | None) -> dict[str, tuple[str, Any]]:
+    import base64
+    import io
+    import json
+
+    if raw is None:
+        return {}
+    return {point: (reduction, None if data is None else np.load(
+        io.BytesIO(base64.b64decode(data)), allow_pickle=False))
+        for point, (reduction, data) in json.loads(raw).items()}
 
 
 def _tensor_column(pa: Any, np: Any, tensors: list[Any]) -> Any:
@@ -132,15 +177,17 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
     frame = _typed_record_frame(frame)
     extra = [column for column in frame.columns if column not in RECORD_COLUMNS]
     frame = frame[list(RECORD_COLUMNS) + extra]
-    _attach(np, frame, tensors)
+    _attach(np, frame, tensors, _decode_projected(np, metadata.get(_PROJECTED_KEY)))
     if as_records:
         return frame_to_records(frame)
     return frame
 
 
-def _attach(np: Any, frame: Any, tensors: list[Any]) -> None:
+def _attach(np: Any, frame: Any, tensors: list[Any],
+            projected: dict[str, tuple[str, Any]]) -> None:
     """Stack the loaded tensors into the frame's activation matrices (laid out as
-    :func:`records_frame` lays them out) and point its ``row`` column at them."""
+    :func:`records_frame` lays them out), marked with the saved frame's
+    ``projected`` points, and point its ``row`` column at them."""
     if any(tensor is None for tensor in tensors):
         return  # saved from a frame built with tensors=False
     by_size: dict[int, list[int]] = {}
@@ -152,7 +199,7 @@ def _attach(np: Any, frame: Any, tensors: list[Any]) -> None:
         matrices[size] = np.stack([tensors[i].reshape(-1) for i in members])
         rows[members] = np.arange(len(members))
     frame["row"] = rows
-    activations = Activations(matrices)
+    activations = Activations(matrices, projected)
     frame["activations_id"] = activations.id
     frame.attrs[ACTIVATIONS_KEY] = activations
 
