@@ -136,3 +136,25 @@ def test_clamp_delta_matches_sae_lens_decode_and_keeps_the_error_term(generated,
     h_new = h.numpy() + delta
     # error term (h - reconstruction) untouched; the reconstruction carries the clamp
     np.testing.assert_allclose(h_new - clamped_recon.numpy(), (h - recon).numpy(), atol=1e-9)
+
+
+@pytest.mark.parametrize("case", [case[0] for case in CASES])
+def test_an_activation_holding_nan_encodes_to_nan_features_as_in_sae_lens(generated, case):
+    # A jumprelu SAE encoded a NaN activation as no feature active (0 everywhere,
+    # a silent token); SAELens gives NaN. (topk: k NaN features, as SAELens, at
+    # columns either may pick among the tied NaN.)
+    folders, outputs = generated
+    _, tensors = probe_and_records(outputs, case)
+    h = tensors[:3].double().clone()
+    h[1, 5] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = sae_lens.SAE.load_from_disk(folders[case], dtype="float64")
+    with torch.no_grad():
+        expected = reference.encode(h).numpy()
+    sae = load_sae(folders[case])
+    for acts in (sae.encode(h.numpy()), sae.encode_sparse(h.numpy()).dense()):
+        assert np.isnan(expected[1]).sum() == np.isnan(acts[1]).sum() > 0
+        np.testing.assert_allclose(acts[[0, 2]], expected[[0, 2]], rtol=0, atol=1e-9)
+        if not case.startswith("topk"):
+            assert np.array_equal(np.isnan(acts), np.isnan(expected))

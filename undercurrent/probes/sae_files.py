@@ -176,7 +176,9 @@ class SparseAutoencoder:
         if self.architecture == "standard":
             return np.maximum(pre, 0.0), out_scale
         if self.architecture == "jumprelu":
-            return np.where(pre > self.threshold, np.maximum(pre, 0.0), 0.0), out_scale
+            # (NaN stays NaN, as in SAELens: a NaN activation is not a silent one)
+            return np.where((pre > self.threshold) | np.isnan(pre), np.maximum(pre, 0.0),
+                            0.0), out_scale
         top, values = self._top(pre)
         acts = np.zeros_like(pre)
         np.put_along_axis(acts, top, values, 1)
