@@ -264,6 +264,24 @@ def test_a_copy_for_request_that_gives_no_new_instance_refuses_the_call(make_rou
     assert router.live_requests() == ()
 
 
+def test_a_copy_of_the_probe_class_defined_again_is_a_copy(make_router):
+    """A notebook cell re-run defines the probe class again after the model was
+    built: a ``copy_for_request`` naming its class globally builds the new
+    class's instance. That is a copy (every multi-request call was refused)."""
+    cell = ("class Scaled(_Counts):\n"
+            "    def copy_for_request(self):\n"
+            "        return Scaled()\n")
+    namespace = {"_Counts": _Counts, "__name__": __name__}
+    exec(cell, namespace)
+    router = make_router(probes={"scaled": namespace["Scaled"]})
+    exec(cell, namespace)  # the cell, run again
+    router.register_requests(_contexts(), [point("t", probe_type="scaled",
+                                                 kind="single_shot")])
+    assert sorted(router.live_requests()) == IDS
+    results = [router.end_request(rid)["t"] for rid in IDS]
+    assert [(result.error, result.stats.errors) for result in results] == [(None, 0)] * 4
+
+
 def test_copies_for_request_that_are_one_instance_are_refused(make_router):
     """Copies that are new but the same one for two requests share its state."""
     shared: list[_Counts] = []

@@ -491,7 +491,9 @@ def test_capture_points_start_and_end_together_with_no_verdict(make_router, call
     (lambda verdicts: verdicts[:-1], "returned 3 verdicts for 4 probes"),
     (lambda verdicts: [*verdicts, "extra"], "returned 5 verdicts for 4 probes"),
     (lambda verdicts: 42, "returned int: TypeError"),
-], ids=["one short", "one over", "not a sequence"])
+    # (a dict of the right length was read as its keys: every verdict a request id)
+    (lambda verdicts: dict(zip(IDS, verdicts, strict=True)), "returned dict: TypeError"),
+], ids=["one short", "one over", "not a sequence", "a mapping"])
 def test_an_end_many_with_a_verdict_per_probe_wrong_leaves_each_to_its_on_end_and_says_so(
         make_router, monkeypatch, calls, answer, problem):
     own = LinearProbe.end_many.__func__

@@ -912,6 +912,8 @@ class Binding:
         if verdicts is None:
             return None
         try:
+            if isinstance(verdicts, (Mapping, str, bytes)):  # (its keys, or characters)
+                raise TypeError("a sequence of verdicts in the probes' order is expected")
             found = list(verdicts)
         except Exception as exc:
             problem = f"returned {type(verdicts).__name__}: {describe_error(exc)}"

@@ -208,13 +208,22 @@ def _copies_problem(instance: Any, copies: Sequence[Any]) -> str | None:
             return ("it returned the instance itself, so every request would share one "
                     f"probe and its state; return a new {kind}, or None to have the "
                     "constructor build one")
-        if not isinstance(copy, type(instance)):
+        if not isinstance(copy, type(instance)) and not _same_class_defined_again(
+                type(copy), type(instance)):
             return (f"it returned {type(copy).__name__} {copy!r:.60}; it must return a new "
                     f"{kind}, or None to have the constructor build one")
     if len(set(map(id, made))) != len(made):
         return ("it returned one instance for several requests, so they would share its "
                 f"state; return a new {kind} each time, or None")
     return None
+
+
+def _same_class_defined_again(made: type, kind: type) -> bool:
+    """Whether ``made`` is ``kind``'s class statement run again (a notebook cell
+    re-run, a module reloaded after the model was built): same module, same
+    qualified name. A ``copy_for_request`` naming its class globally then
+    builds the new class's instance, a copy all the same."""
+    return (made.__module__, made.__qualname__) == (kind.__module__, kind.__qualname__)
 
 
 class Router:
