@@ -379,6 +379,12 @@ def test_seeded_sampling_is_reproducible_with_probes_attached(backend, reference
         backend.generate(texts, [f"s{i}" for i in range(len(texts))], params,
                          CaptureSession(None, []))
     assert not backend.engine.has_unfinished_requests()
+    # More prompts than the engine seats at once: the refusal names that limit (it
+    # named the token budget, which short prompts fit, and advised raising it).
+    seats = backend.engine.vllm_config.scheduler_config.max_num_seqs
+    with pytest.raises(BackendError, match=f"{seats + 1} prompts, max_num_seqs={seats}\\).*"
+                       "a larger max_num_seqs"):
+        backend._check_seeded_batch(params, [1] * (seats + 1))
 
 
 def test_registration_errors_name_the_problem(backend, num_layers):

