@@ -217,3 +217,17 @@ def test_check_rejects_bad_values_and_duplicate_names() -> None:
 def test_check_rejects_things_that_are_not_points() -> None:
     with pytest.raises(SpecValidationError, match="expected an ExtractionPoint"):
         check_extraction_points(["generation_trajectory"])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("position", [
+    "prompt[-1]", "prompt[-1]+1", "prompt[-2]+1", "prompt[-2]+2", "prompt[-1]+3", "prompt[-3]-2",
+    "prompt[0]", "prompt[0]+2", "prompt[2]-1", "prompt[1]-3", "generated[0]", "generated[0]-1",
+    "generated[2]-5", "generated[1]-1", "generated[*]", "generated[2:5]", "7"])
+def test_can_select_prompt_is_whether_some_prompt_length_selects_a_prompt_token(position):
+    # The oracle: the token the selector picks, over prompt lengths long enough for
+    # every offset above (a prompt[-1]+1 point is generated[0] for every prompt).
+    selector = parse_position(position)
+    picks = [selector.target_index(length) for length in range(1, 40)]
+    reads_prompt = any(pick is not None and pick < length
+                       for length, pick in zip(range(1, 40), picks, strict=True))
+    assert selector.can_select_prompt == reads_prompt

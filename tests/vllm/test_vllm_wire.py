@@ -17,7 +17,7 @@ from undercurrent.spec.position import parse_position
 from undercurrent.spec.types import ExtractionPoint
 
 POSITIONS = ["prompt[-1]", "prompt[0]+2", "generated[3]", "generated[*]", "generated[2:]",
-             "generated[1:9]", 5, "generated[0]-1"]
+             "generated[1:9]", 5, "generated[0]-1", "prompt[-1]+1", "prompt[-3]+1"]
 
 
 def _point(position, stride=1, name="p", tensor_type="residual_stream", layers=(0, 2)):
@@ -44,7 +44,9 @@ def test_prompt_reading_points_are_the_ones_prefix_caching_would_break():
     reads = {str(p): reads_prompt_tokens(_point(p)) for p in POSITIONS}
     assert reads == {"prompt[-1]": True, "prompt[0]+2": True, "generated[3]": False,
                      "generated[*]": False, "generated[2:]": False, "generated[1:9]": False,
-                     "5": True, "generated[0]-1": True}
+                     "5": True, "generated[0]-1": True,
+                     # (prompt[-1]+1 is generated[0], whatever the prompt)
+                     "prompt[-1]+1": False, "prompt[-3]+1": True}
 
 
 def test_batch_round_trips_and_slices_rows_per_group():

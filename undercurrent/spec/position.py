@@ -76,6 +76,24 @@ class PositionSelector:
             return self.index + self.offset < 0
         return False
 
+    @property
+    def can_select_prompt(self) -> bool:
+        """True where some prompt length makes it select a prompt token: an absolute
+        index, ``prompt[i]`` whose offset stays in the prompt of a long enough one
+        (``prompt[-1]``, ``prompt[0]+2``, ``prompt[-3]+1``; not ``prompt[-1]+1``,
+        which is always ``generated[0]``), ``generated[i]`` reaching back into it
+        (``generated[0]-1``). Continuous selectors select generated tokens only."""
+        if self.kind is PositionKind.ABSOLUTE:
+            return True
+        if self.kind is PositionKind.PROMPT:
+            # (from the start: index + offset must not fall before token 0; from the
+            # end: it must stay before the prompt's end)
+            return self.index + self.offset >= 0 if self.index >= 0 else (
+                self.index + self.offset < 0)
+        if self.kind is PositionKind.GENERATED:
+            return self.index + self.offset < 0
+        return False
+
     def target_index(self, prompt_len: int) -> int | None:
         """The one absolute token index a single-token selector picks, or None when
         the selector is continuous or points outside the sequence."""

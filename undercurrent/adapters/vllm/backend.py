@@ -48,7 +48,6 @@ from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
 from undercurrent.adapters.vllm.liveness import engine_death, watch_engine_core
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.router.threads import on_probe_thread
-from undercurrent.spec.position import PositionKind
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
 
 logger = logging.getLogger("undercurrent.vllm")
@@ -83,12 +82,7 @@ def check_vllm_version() -> None:
 
 def reads_prompt_tokens(point: ExtractionPoint) -> bool:
     """Whether ``point`` can select a prompt token (which prefix caching may skip)."""
-    position = point.position
-    if position.is_continuous:
-        return False
-    if position.kind is PositionKind.GENERATED:
-        return position.index + position.offset < 0
-    return True
+    return point.position.can_select_prompt
 
 
 def cpu_thread_binding(ranks: int, cpus: Sequence[int]) -> str:
