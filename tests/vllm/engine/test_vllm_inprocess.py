@@ -404,13 +404,22 @@ def test_registration_errors_name_the_problem(backend, num_layers):
     assert backend.capabilities().valid_layers("final_norm") == (num_layers,)
 
 
-def test_eager_mode_and_pipeline_parallelism_are_refused_before_any_engine_starts(model_dir):
+def test_settings_the_backend_cannot_run_are_refused_before_any_engine_starts(model_dir):
     from undercurrent.adapters.vllm.backend import VLLMBackend
 
     with pytest.raises(BackendError, match="enforce_eager=True"):
         VLLMBackend.from_pretrained(model_dir, enforce_eager=False)
     with pytest.raises(BackendError, match="pipeline_parallel_size > 1"):
         VLLMBackend.from_pretrained(model_dir, pipeline_parallel_size=2)
+    # The engine arguments the backend sets itself (they reached EngineArgs twice:
+    # "got multiple values for keyword argument").
+    with pytest.raises(BackendError, match="needs async_scheduling=False, got True: a step "
+                                           "must finish"):
+        VLLMBackend.from_pretrained(model_dir, async_scheduling=True)
+    with pytest.raises(BackendError, match="needs worker_extension_cls="):
+        VLLMBackend.from_pretrained(model_dir, worker_extension_cls="my.Extension")
+    with pytest.raises(BackendError, match="sets the engine argument model itself"):
+        VLLMBackend.from_pretrained(model_dir, model="other")
 
 
 def test_block_overflow_with_more_layers_than_queue_depth_finishes_and_loses_nothing(

@@ -118,6 +118,33 @@ def _bind_cpu_threads(ranks: int) -> None:
             ranks, sorted(os.sched_getaffinity(0)))
 
 
+#: Engine arguments the backend sets itself: the one value it accepts (None: none),
+#: and why it needs it.
+_OWN_ENGINE_ARGUMENTS: dict[str, tuple[Any, str]] = {
+    "model": (None, "the engine's model is the path given to from_pretrained"),
+    "async_scheduling": (False, "a step must finish before the next is scheduled, or an "
+                                "abort could not stop the next token"),
+    "worker_extension_cls": (WORKER_EXTENSION, "undercurrent's worker extension installs "
+                                               "the hooks that capture"),
+}
+
+
+def _take_own_engine_arguments(engine_kwargs: dict[str, Any]) -> None:
+    """Drop from ``engine_kwargs`` the arguments the backend sets itself where they
+    hold the value it sets; refuse any other value (it reached ``EngineArgs`` as
+    "got multiple values for keyword argument")."""
+    for name, (needed, why) in _OWN_ENGINE_ARGUMENTS.items():
+        if name not in engine_kwargs:
+            continue
+        value = engine_kwargs.pop(name)
+        if needed is None:
+            raise BackendError(f"the vllm backend sets the engine argument {name} itself "
+                               f"({why}); drop {name}={value!r}")
+        if value != needed or type(value) is not type(needed):
+            raise BackendError(f"the vllm backend needs {name}={needed!r}, got {value!r}: "
+                               f"{why}")
+
+
 def _finish_reason(completion: Any, eos_ids: frozenset[int]) -> str:
     reason = completion.finish_reason
     if reason == "length":
@@ -249,6 +276,7 @@ class VLLMBackend:
                 "pipeline_parallel_size > 1 is not supported by the vllm backend yet (see "
                 "docs/vllm.md, 'Scaling out'); use tensor_parallel_size"
             )
+        _take_own_engine_arguments(engine_kwargs)
         check_vllm_version()
         if kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
