@@ -77,3 +77,18 @@ def test_an_explicit_dtype_wins_and_a_wrong_one_names_the_argument(tmp_path):
     assert engine_dtype(directory, torch.float16) == "float16"
     with pytest.raises(ValueError, match=r"dtype='float33' is not a torch dtype; use 'auto'"):
         engine_dtype(directory, "float33")
+
+
+@pytest.mark.parametrize(("gib", "space"), [(2, "2"), (2.0, "2"), (1, "1")])
+def test_kv_cache_gib_is_a_whole_number_of_gib(gib, space):
+    from undercurrent.adapters.vllm.backend import kv_cache_space
+
+    assert kv_cache_space(gib) == space
+
+
+@pytest.mark.parametrize("gib", [0.5, 2.5, 0, float("nan")])
+def test_a_fraction_of_a_gib_or_none_at_all_is_refused_naming_kv_cache_gib(gib):
+    from undercurrent.adapters.vllm.backend import kv_cache_space
+
+    with pytest.raises(ValueError, match="kv_cache_gib must be a whole number of GiB"):
+        kv_cache_space(gib)

@@ -47,6 +47,7 @@ from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
 from undercurrent.adapters.vllm.liveness import engine_death, watch_engine_core
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
+from undercurrent.arguments import check_number
 from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
 
@@ -143,6 +144,22 @@ def _take_own_engine_arguments(engine_kwargs: dict[str, Any]) -> None:
         if value != needed or type(value) is not type(needed):
             raise BackendError(f"the vllm backend needs {name}={needed!r}, got {value!r}: "
                                f"{why}")
+
+
+def kv_cache_space(kv_cache_gib: Any) -> str:
+    """``VLLM_CPU_KVCACHE_SPACE`` for ``kv_cache_gib``: vLLM's CPU build reads it with
+    ``int()``, so a whole number of GiB, at least 1 (``2`` or ``2.0``; ``0.5`` is a
+    ``ValueError`` naming ``kv_cache_gib``).
+
+    >>> kv_cache_space(2.0)
+    '2'
+    """
+    gib = check_number("kv_cache_gib", kv_cache_gib)
+    if not gib.is_integer() or gib < 1:
+        raise ValueError(f"kv_cache_gib must be a whole number of GiB, at least 1 (vLLM's "
+                         f"CPU build reads VLLM_CPU_KVCACHE_SPACE as an integer), got "
+                         f"{kv_cache_gib!r}")
+    return str(int(gib))
 
 
 def _finish_reason(completion: Any, eos_ids: frozenset[int]) -> str:
@@ -249,7 +266,7 @@ class VLLMBackend:
         pipeline_parallel_size: int = 1,
         enable_prefix_caching: bool = False,
         enforce_eager: bool = True,
-        kv_cache_gib: float | None = None,
+        kv_cache_gib: int | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         batch_size: int | None = None,
@@ -259,9 +276,11 @@ class VLLMBackend:
         """Start a vLLM engine on ``path`` with undercurrent's worker extension.
 
         ``multiprocess`` puts the engine core in its own process. ``kv_cache_gib``
-        sizes the CPU KV cache (``VLLM_CPU_KVCACHE_SPACE``, default 1 GiB here when
-        unset, instead of vLLM's ~10 GiB). ``enable_prefix_caching=True`` is accepted
-        only for specs whose points select generated tokens alone. Other keyword
+        sizes the CPU KV cache in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which vLLM
+        reads as an integer: ``2.0`` is taken as 2, ``0.5`` is a ``ValueError``;
+        default 1 GiB here when unset, instead of vLLM's ~10 GiB).
+        ``enable_prefix_caching=True`` is accepted only for specs whose points select
+        generated tokens alone. Other keyword
         arguments go to ``vllm.EngineArgs``. ``batch_size`` caps concurrent requests
         (vLLM's ``max_num_seqs``). ``model_name`` (default: the path) is what reprs
         and probe contexts show.
@@ -277,9 +296,10 @@ class VLLMBackend:
                 "docs/vllm.md, 'Scaling out'); use tensor_parallel_size"
             )
         _take_own_engine_arguments(engine_kwargs)
+        kv_space = None if kv_cache_gib is None else kv_cache_space(kv_cache_gib)
         check_vllm_version()
-        if kv_cache_gib is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        if kv_space is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_space
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # On CPU, vLLM moves a single worker into a process of its own when this is "1";
