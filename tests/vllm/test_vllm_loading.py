@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,19 @@ def test_a_fraction_of_a_gib_or_none_at_all_is_refused_naming_kv_cache_gib(gib):
 
     with pytest.raises(ValueError, match="kv_cache_gib must be a whole number of GiB"):
         kv_cache_space(gib)
+
+
+def test_the_kv_cache_size_is_set_while_an_engine_is_built_then_restored(monkeypatch):
+    from undercurrent.adapters.vllm.backend import kv_cache_environment
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with kv_cache_environment(None):  # (unset: 1 GiB, not vLLM's ~10)
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    with pytest.raises(RuntimeError), kv_cache_environment("2"):
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+        raise RuntimeError("the engine failed to start")
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    with kv_cache_environment(None):  # (the process's own size)
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from undercurrent.api import ProbedModel
@@ -12,8 +14,13 @@ GIB = 1 << 30
 
 @pytest.fixture(scope="module")
 def model(model_dir):
+    before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     with ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
                                      max_model_len=128, kv_cache_gib=2.0) as loaded:
+        # kv_cache_gib sized this engine only: an engine loaded later in the process
+        # without it gets the process's size (it got 2 GiB, and after a refused
+        # kv_cache_gib every later load failed the same way).
+        assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == before
         yield loaded
 
 

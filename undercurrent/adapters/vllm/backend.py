@@ -20,6 +20,7 @@ would silently be missing).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -162,6 +163,24 @@ def kv_cache_space(kv_cache_gib: Any) -> str:
     return str(int(gib))
 
 
+@contextlib.contextmanager
+def kv_cache_environment(kv_space: str | None) -> Iterator[None]:
+    """``VLLM_CPU_KVCACHE_SPACE`` while an engine is built: ``kv_space`` (from
+    :func:`kv_cache_space`), else the process's own value, else 1 GiB; then as it was
+    (unset if it was), so an engine built later in the process gets its own size."""
+    name = "VLLM_CPU_KVCACHE_SPACE"
+    previous = os.environ.get(name)
+    os.environ[name] = kv_space if kv_space is not None else (
+        previous if previous is not None else "1")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def _finish_reason(completion: Any, eos_ids: frozenset[int]) -> str:
     reason = completion.finish_reason
     if reason == "length":
@@ -298,10 +317,6 @@ class VLLMBackend:
         _take_own_engine_arguments(engine_kwargs)
         kv_space = None if kv_cache_gib is None else kv_cache_space(kv_cache_gib)
         check_vllm_version()
-        if kv_space is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_space
-        else:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # On CPU, vLLM moves a single worker into a process of its own when this is "1";
         # "0" keeps it with the engine core (in this process, or in the core's own
         # process when ``multiprocess``), which saves a process start.
@@ -319,21 +334,24 @@ class VLLMBackend:
         if max_model_len is not None:  # else vLLM takes the model's own limit
             engine_kwargs["max_model_len"] = max_model_len
         model_directory, staging = loadable_directory(str(path))
-        try:  # (a misspelt engine argument must not leave the staging folder behind)
-            args = EngineArgs(
-                model=model_directory,
-                dtype=dtype,
-                enforce_eager=True,
-                enable_prefix_caching=enable_prefix_caching,
-                async_scheduling=False,
-                worker_extension_cls=WORKER_EXTENSION,
-                tensor_parallel_size=tensor_parallel_size,
-                seed=seed,
-                **engine_kwargs,
-            )
-            config = args.create_engine_config()
-            engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
-                               log_stats=False, multiprocess_mode=multiprocess)
+        # (a misspelt engine argument must not leave the staging folder behind; vLLM
+        # reads the KV cache size from the environment while it builds the engine)
+        try:
+            with kv_cache_environment(kv_space):
+                args = EngineArgs(
+                    model=model_directory,
+                    dtype=dtype,
+                    enforce_eager=True,
+                    enable_prefix_caching=enable_prefix_caching,
+                    async_scheduling=False,
+                    worker_extension_cls=WORKER_EXTENSION,
+                    tensor_parallel_size=tensor_parallel_size,
+                    seed=seed,
+                    **engine_kwargs,
+                )
+                config = args.create_engine_config()
+                engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
+                                   log_stats=False, multiprocess_mode=multiprocess)
         except BaseException:
             remove_staging(staging)
             raise
