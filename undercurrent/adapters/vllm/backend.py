@@ -283,7 +283,7 @@ class VLLMBackend:
         multiprocess: bool = False,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = False,
         enforce_eager: bool = True,
         kv_cache_gib: int | None = None,
         max_model_len: int | None = None,
@@ -298,8 +298,8 @@ class VLLMBackend:
         sizes the CPU KV cache in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which vLLM
         reads as an integer: ``2.0`` is taken as 2, ``0.5`` is a ``ValueError``;
         default 1 GiB here when unset, instead of vLLM's ~10 GiB).
-        ``enable_prefix_caching=True`` is accepted only for specs whose points select
-        generated tokens alone. Other keyword
+        ``enable_prefix_caching=True`` (or None, vLLM's own default: on) is accepted
+        only for specs whose points select generated tokens alone. Other keyword
         arguments go to ``vllm.EngineArgs``. ``batch_size`` caps concurrent requests
         (vLLM's ``max_num_seqs``). ``model_name`` (default: the path) is what reprs
         and probe contexts show.
@@ -358,7 +358,9 @@ class VLLMBackend:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         try:
             backend = cls(engine, tokenizer, model_name=model_name or str(path),
-                          multiprocess=multiprocess, prefix_caching=enable_prefix_caching)
+                          multiprocess=multiprocess,
+                          # (as the engine resolved it: None is vLLM's default, on)
+                          prefix_caching=bool(config.cache_config.enable_prefix_caching))
         except BaseException:
             engine.engine_core.shutdown()
             remove_staging(staging)
