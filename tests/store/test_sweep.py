@@ -53,6 +53,28 @@ def test_fit_on_a_store_equals_the_fit_on_records(tiny, labelled):
         fit_linear_probe(store, labels, point="resid")
 
 
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_a_fit_on_a_view_holds_out_the_rows_a_fit_on_its_records_frame_does(labelled,
+                                                                             positions):
+    """One split rule for both routes: with one row per request (``last``) both
+    split rows, with several (``all``) both split by request; same seed, same
+    held-out rows, same weights (the sweep's too)."""
+    from undercurrent.notebook import fit_linear_probe
+
+    store, prompts, labels = labelled
+    by_request = dict(zip(request_ids(len(prompts)), labels, strict=True))
+    view = store.select(point="resid", layer=2, positions=positions)
+    on_view = fit_linear_probe(view, labels, layer=2, seed=1)
+    on_frame = fit_linear_probe(view.records_frame(), by_request, layer=2, seed=1)
+    assert on_view.metrics == on_frame.metrics
+    assert on_view.metrics["split"] == ("row" if positions == "last" else "request")
+    np.testing.assert_allclose(on_view.weight, on_frame.weight, rtol=1e-5, atol=1e-7)
+    swept = sweep_linear_probes(store, labels, point="resid", layers=[2],
+                                positions=positions, seed=1).iloc[0]
+    assert (swept["accuracy"], swept["n_test"]) == (on_frame.metrics["test_accuracy"],
+                                                    on_frame.metrics["n_test"])
+
+
 def test_sweep_has_one_row_per_layer_with_held_out_metrics(labelled):
     store, _, labels = labelled
     frame = sweep_linear_probes(store, labels, point="resid", positions="generated", seed=0)

@@ -147,6 +147,20 @@ def is_missing_label(value: Any) -> bool:
     return pandas is not None and value is pandas.NA
 
 
+def request_groups(requests: Any) -> Any:
+    """The groups ``group_by="auto"`` splits by: ``requests`` (one request id per
+    row) as an array when some request has several rows, else None (one row per
+    request: a split by row already keeps each request on one side).
+
+    The one rule for every route into a fit (a records frame, an activation
+    store or one of its views), so the same rows with the same seed give the
+    same held-out split whichever way they came."""
+    import numpy as np
+
+    ids = np.asarray(requests, dtype=object)
+    return ids if len(np.unique(ids)) < len(ids) else None
+
+
 def non_finite_rows(matrix: Any) -> Any:
     """Positions of the rows of a 2-D array holding a NaN or an infinity."""
     import numpy as np

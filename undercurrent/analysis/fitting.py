@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.analysis._inputs import missing_labels, non_finite_rows
+from undercurrent.analysis._inputs import missing_labels, non_finite_rows, request_groups
 from undercurrent.analysis.frames import (
     ACTIVATIONS_KEY,
     Activations,
@@ -192,9 +192,10 @@ def fit_linear_probe(
 
     Frames are filtered by ``point``/``layer``/``tensor_type``; a frame with several
     layers needs ``layer``. The held-out split keeps every request on one side
-    (``group_by="auto"`` groups rows by request when a frame has several rows per
-    request), so held-out accuracy measures unseen generations, not neighbouring
-    tokens of seen ones; pass ``group_by=None`` to split rows, or a column name or
+    (``group_by="auto"`` groups rows by request when some request has several rows,
+    and splits rows when each has one; a store and its ``records_frame`` alike),
+    so held-out accuracy measures unseen generations, not neighbouring tokens of
+    seen ones; pass ``group_by=None`` to split rows, or a column name or
     a sequence of group ids. ``C`` is the inverse L2 strength; ``test_size=0``
     trains on everything (held-out metrics are then NaN).
 
@@ -363,8 +364,7 @@ def _design(
     # (a sequence of group ids is compared with no string: an array would compare
     # element by element)
     if isinstance(group_by, str) and group_by == "auto":
-        counts = selected["request"].value_counts()
-        groups = selected["request"].to_numpy() if (counts > 1).any() else None
+        groups = request_groups(selected["request"].to_numpy())
     elif group_by is None:
         groups = None
     elif isinstance(group_by, str):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from undercurrent.analysis._inputs import missing_labels
+from undercurrent.analysis._inputs import missing_labels, request_groups
 from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
     INDEX_SCHEMA,
@@ -370,8 +370,11 @@ class ActivationStore:
         ids or prompt indices to labels, or gives one label per prompt (indexed by
         ``prompt_index``) or one per selected row; a pandas Series is read by its
         index (the rows' own, prompt indices or request ids; see
-        ``_series_labels``). Groups are request ids, so the held-out split keeps
-        each generation on one side.
+        ``_series_labels``). ``group_by="auto"`` groups by request id, as a fit on a
+        records frame does (see ``request_groups``): where some request has several
+        rows the held-out split keeps each generation on one side; with one row
+        per request (``positions="last"``) it splits rows, so this view and its
+        ``records_frame()`` hold out the same rows.
         """
         import numpy as np
 
@@ -390,9 +393,13 @@ class ActivationStore:
         labels = self.row_labels(y, index)
         X = np.asarray(self.vectors(index), dtype=np.float32).reshape(len(index), -1)
         # A list, not an array: fit_linear_probe compares group_by with None/"auto".
-        if isinstance(group_by, str):
-            column = "request_id" if group_by == "auto" else group_by
-            groups = index[column].tolist()
+        # ("auto" is the frames' rule, so a fit on this view and one on its
+        # records_frame() hold out the same rows)
+        if isinstance(group_by, str) and group_by == "auto":
+            requests = request_groups(index["request_id"].to_numpy())
+            groups = None if requests is None else requests.tolist()
+        elif isinstance(group_by, str):
+            groups = index[group_by].tolist()
         else:
             groups = None if group_by is None else list(group_by)
         return (X, labels, groups, int(index["layer"].iloc[0]),
