@@ -53,7 +53,7 @@ def add_capture_command(subparsers: Any) -> None:
                         choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--reduce", action="append", default=[], metavar="POINT=REDUCTION",
                         help="e.g. resid=last_token, resid=mean_generated, resid=project:64 "
-                             "(repeat per point)")
+                             "(once per point; combine with '+': resid=mean_generated+project:64)")
     parser.add_argument("--no-resume", action="store_true",
                         help="refuse a directory that already holds this part's shards")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -119,11 +119,18 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def _reductions(items: list[str]) -> dict[str, str]:
-    found = {}
+    """``{point: reduction}`` from the ``--reduce POINT=REDUCTION`` items; a point
+    given twice is refused (the last would win silently)."""
+    found: dict[str, str] = {}
     for item in items:
         point, sep, reduction = item.partition("=")
         if not sep or not point or not reduction:
             raise ValueError(f"--reduce {item!r}: use POINT=REDUCTION, e.g. resid=last_token")
+        if point in found:
+            raise ValueError(
+                f"--reduce gives point {point!r} twice ({point}={found[point]} and "
+                f"{item}); give each point once, combining reductions with '+' (e.g. "
+                f"{point}=mean_generated+project:64)")
         found[point] = reduction
     return found
 

@@ -77,6 +77,21 @@ def test_on_off_options_take_true_or_false_only(tiny, tmp_path, flag):
     assert _listing(out) == before
 
 
+@pytest.mark.parametrize("text, message", [
+    ("last_token+mean_generated", "two token reductions, 'last_token' and 'mean_generated'"),
+    ("mean_generated+all", "two token reductions, 'mean_generated' and 'all'"),
+    ("project:64+project:8", "two projections, 'project:64' and 'project:8'"),
+    ("project:4+last_token+project:16", "two projections, 'project:4' and 'project:16'"),
+    ("last_token+last_token", "two token reductions"),
+])
+def test_a_reduction_with_two_parts_of_one_kind_is_refused_naming_them(text, message):
+    from undercurrent.store.format import Reduction
+
+    with pytest.raises(ValueError, match=message):
+        Reduction.parse(text)
+    assert Reduction.parse("project:8+mean_generated") == Reduction("mean_generated", 8)
+
+
 def test_reduce_that_is_not_a_dict_is_refused_and_writes_nothing(tiny, tmp_path):
     out = tmp_path / "d1"
     with pytest.raises(TypeError, match=r"reduce must be a dict \{point name: reduction\} "
@@ -123,6 +138,10 @@ def _cli_base(tmp_path, out):
     (["--reduce", "resid=foo"], "'resid'"),
     (["--reduce", "nope=last_token"], "'nope'"),
     (["--reduce", "kv_last_prompt=mean_generated"], "prompt tokens only"),
+    (["--reduce", "resid=last_token+mean_generated"],
+     "two token reductions, 'last_token' and 'mean_generated'"),
+    (["--reduce", "resid=last_token", "--reduce", "resid=project:8"],
+     "point 'resid' twice (resid=last_token and resid=project:8)"),
 ])
 def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
         tmp_path, capsys, bad, named):

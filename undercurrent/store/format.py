@@ -138,7 +138,8 @@ class Reduction:
     :meth:`projection` rebuilds the matrix).
 
     As a string: ``"last_token"``, ``"mean_generated"``, ``"project:64"`` or a
-    combination joined by ``+`` (``"mean_generated+project:64"``).
+    combination joined by ``+`` (``"mean_generated+project:64"``): at most one
+    token reduction and one projection (two of a kind are refused).
     """
 
     tokens: str = "all"
@@ -167,17 +168,28 @@ class Reduction:
         if not isinstance(value, str):
             raise TypeError(f"a reduction is a string such as 'last_token' or "
                             f"'project:64', got {type(value).__name__}")
-        tokens, project = "all", None
+        # (at most one part of each kind: a second would contradict the first,
+        # or repeat it, and the last one would win silently)
+        chosen: dict[str, str] = {}
         for part in (p.strip() for p in value.split("+")):
             if part in _TOKEN_REDUCTIONS:
-                tokens = part
+                kind = "token reduction"
             elif part.startswith("project:") and _ascii_digits(part[len("project:"):]):
-                project = int(part[len("project:"):])
+                kind = "projection"
             else:
                 raise ValueError(
                     f"unknown reduction {part!r} in {value!r}; use 'last_token', "
                     "'mean_generated', 'project:K' or several joined by '+'")
-        return cls(tokens=tokens, project=project)
+            if kind in chosen:
+                raise ValueError(
+                    f"reduction {value!r} gives two {kind}s, {chosen[kind]!r} and "
+                    f"{part!r}; keep one (at most one of 'all', 'last_token', "
+                    "'mean_generated', and one 'project:K', e.g. "
+                    "'mean_generated+project:64')")
+            chosen[kind] = part
+        project = chosen.get("projection")
+        return cls(tokens=chosen.get("token reduction", "all"),
+                   project=None if project is None else int(project[len("project:"):]))
 
     @property
     def is_identity(self) -> bool:
