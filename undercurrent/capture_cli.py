@@ -18,7 +18,7 @@ from undercurrent.api import ProbedModel
 from undercurrent.errors import one_line
 from undercurrent.spec import SpecDeprecationWarning
 from undercurrent.store.capture import capture_settings, check_point_reductions
-from undercurrent.store.format import StoreError
+from undercurrent.store.format import StoreError, StoreExistsError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -175,6 +175,9 @@ def run_capture(args: argparse.Namespace) -> int:
                 storage_dtype=args.storage_dtype, resume=not args.no_resume,
                 progress=not args.no_progress, reduce=reductions, shard=args.shard)
         except user_errors as error:
+            if isinstance(error, StoreExistsError):  # (in the CLI's terms)
+                error = error.advised("drop --no-resume",
+                                      "give --out an empty or new directory")
             print(f"capture: {one_line(error)}", file=sys.stderr)
             return EXIT_FAILURE
     print(f"{summary.requests} prompts ({summary.skipped} already done), {summary.vectors} "

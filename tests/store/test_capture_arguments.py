@@ -154,6 +154,19 @@ def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
     assert not out.exists()
 
 
+def test_cli_no_resume_on_a_written_store_names_the_flag_to_drop(tmp_path, capsys):
+    out = tmp_path / "o"
+    main, base, prompts = _cli_base(tmp_path, out)
+    assert main([*base, "--prompts", str(prompts), "--no-resume"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--prompts", str(prompts), "--no-resume"]) == 1
+    err = capsys.readouterr().err
+    line = [text for text in err.splitlines() if text.startswith("capture:")]
+    assert len(line) == 1 and "drop --no-resume to continue" in line[0], err
+    assert "resume=True" not in err and "give --out an empty or new directory" in line[0]
+    assert main([*base, "--prompts", str(prompts)]) == 0  # (as the message says)
+
+
 def test_cli_a_spec_whose_probe_file_is_missing_is_one_line_and_exit_1(tmp_path, capsys):
     out = tmp_path / "o"
     main, base, prompts = _cli_base(tmp_path, out)

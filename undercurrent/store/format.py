@@ -110,6 +110,26 @@ class StoreError(RuntimeError):
     capture's directory, a second writer on the same part)."""
 
 
+class StoreExistsError(StoreError):
+    """A capture with ``resume=False`` found shards of its part already committed in
+    its directory. ``path``, ``part`` and ``shards`` (how many) say where; the
+    message's advice is in the caller's terms (:meth:`advised`: the CLI names its
+    ``--no-resume`` flag, not the Python argument)."""
+
+    def __init__(self, path: str, part: str, shards: int, *,
+                 resume: str = "pass resume=True",
+                 elsewhere: str = "use an empty directory") -> None:
+        self.path, self.part, self.shards = path, part, shards
+        super().__init__(f"{path!r} already holds {shards} shard(s) of {part}; {resume} "
+                         f"to continue that capture, or {elsewhere}")
+
+    def advised(self, resume: str, elsewhere: str) -> StoreExistsError:
+        """The same refusal, advising ``resume`` to continue and ``elsewhere`` to start
+        afresh."""
+        return StoreExistsError(self.path, self.part, self.shards, resume=resume,
+                                elsewhere=elsewhere)
+
+
 def _ascii_digits(text: str) -> bool:
     """Whether ``text`` is digits 0-9 only (``str.isdigit`` also takes "²", "٣")."""
     return text.isascii() and text.isdigit()

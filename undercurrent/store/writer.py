@@ -32,6 +32,7 @@ from undercurrent.store.format import (
     VERDICT_KEYS,
     Reduction,
     StoreError,
+    StoreExistsError,
     StoreOverflowWarning,
     arrow_schema,
     committed_shards,
@@ -79,9 +80,7 @@ class StoreWriter:
                 self._made.append(self.root / MANIFEST)
             mine = [p for p in committed_shards(self.root) if p.name.startswith(part + "-")]
             if mine and not resume:
-                raise StoreError(
-                    f"{str(self.root)!r} already holds {len(mine)} shard(s) of {part}; pass "
-                    "resume=True to continue that capture, or use an empty directory")
+                raise StoreExistsError(str(self.root), part, len(mine))
             for stale in (self.root / SHARDS).glob(f"{TMP_PREFIX}{part}-*"):
                 # A shard a killed run left half-written: never committed, so dropped.
                 shutil.rmtree(stale, ignore_errors=True)
