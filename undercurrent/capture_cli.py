@@ -18,9 +18,10 @@ from undercurrent.api import ProbedModel
 from undercurrent.errors import one_line
 from undercurrent.spec import SpecDeprecationWarning
 from undercurrent.store.capture import capture_settings, check_point_reductions
-from undercurrent.store.format import StoreError, StoreExistsError
+from undercurrent.store.format import MANIFEST, StoreError, StoreExistsError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # (128 + SIGINT, as a shell reports a command stopped by Ctrl-C)
 
 
 def add_capture_command(subparsers: Any) -> None:
@@ -136,6 +137,32 @@ def _reductions(items: list[str]) -> dict[str, str]:
 
 
 def run_capture(args: argparse.Namespace) -> int:
+    """The ``capture`` command: its exit code. Ctrl-C is one line and exit 130:
+    every shard committed before it stays (the capture's own guarantee), and the
+    same command resumes."""
+    try:
+        return _capture(args)
+    except KeyboardInterrupt:
+        print(f"capture: interrupted after {_stored_prompts(Path(args.out))}; run the "
+              "same command again to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _stored_prompts(out: Path) -> str:
+    """How many prompts the store at ``out`` holds, in words (``"12 of 300 prompts
+    stored"``; none when the capture left no store)."""
+    from undercurrent.store.reader import open_activations
+
+    if not (out / MANIFEST).is_file():
+        return "0 prompts stored"
+    try:
+        store = open_activations(out)
+    except (StoreError, OSError, ValueError) as error:
+        return f"an unreadable store ({one_line(error)})"
+    return f"{store.n_prompts} of {store.manifest['prompts']['count']} prompts stored"
+
+
+def _capture(args: argparse.Namespace) -> int:
     # Bad argument values are exit 2 and are caught before the model loads; what is
     # left for model.capture to refuse is the spec, the model or the store (exit 1).
     try:

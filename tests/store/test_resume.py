@@ -61,6 +61,66 @@ CHILD = textwrap.dedent("""
 """)
 
 
+# `undercurrent capture` run by the CLI's own main() in a child, with shards of two
+# prompts; after the first commit its next generate() parks and says so, and the
+# parent sends SIGINT there (a Ctrl-C mid-capture; the line is the event).
+CLI_CHILD = textwrap.dedent("""
+    import os, sys
+    from undercurrent import ProbedModel
+    from undercurrent.cli import main
+
+    capture, generate, rename = ProbedModel.capture, ProbedModel.generate, os.rename
+    committed = []
+
+    def small_shards(self, *args, **kwargs):
+        return capture(self, *args, **{**kwargs, "shard_prompts": 2})
+
+    def parked_generate(self, *args, **kwargs):
+        if committed:
+            print("committed", flush=True)
+            sys.stdin.readline()  # parked until interrupted
+        return generate(self, *args, **kwargs)
+
+    def noted_rename(source, target):
+        rename(source, target)
+        committed.append(target)
+
+    ProbedModel.capture, ProbedModel.generate = small_shards, parked_generate
+    os.rename = noted_rename
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_ctrl_c_during_cli_capture_is_one_line_and_exit_130_and_the_rerun_resumes(
+        prompts, tmp_path):
+    from undercurrent.cli import main
+
+    spec, prompt_file, out = tmp_path / "spec.yaml", tmp_path / "prompts.txt", tmp_path / "o"
+    spec.write_text(SPEC)
+    prompt_file.write_text("\n".join(prompts[:6]) + "\n")
+    command = ["capture", "--spec", str(spec), "--prompts", str(prompt_file), "--out",
+               str(out), "--max-new-tokens", "2", "--batch-size", "2", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    child = subprocess.Popen([sys.executable, "-c", CLI_CHILD, *command], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == "committed", child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 130, err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("capture:")]
+    assert lines == ["capture: interrupted after 2 of 6 prompts stored; run the same "
+                     "command again to resume"], err[-2000:]
+    assert sorted(open_activations(out).outputs["prompt_index"]) == [0, 1]
+    assert main(command) == 0
+    assert sorted(open_activations(out).outputs["prompt_index"]) == list(range(6))
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return corpus_prompts(N_PROMPTS, seed=11)[0]
