@@ -307,6 +307,13 @@ class ProbedModel:
         return tuple(self.spec)
 
     @property
+    def spec_edits(self) -> tuple[Any, ...]:
+        """The spec's steering edits as this model applies them
+        (:class:`~undercurrent.steering.vectors.ResolvedEdit`: each vector read,
+        when the model was built, from its list, file or SAE)."""
+        return tuple(self._spec_edits)
+
+    @property
     def router(self) -> Router:
         """The router (built on first use when none was given)."""
         if self._router is None:

@@ -253,6 +253,43 @@ def test_a_part_generated_otherwise_is_refused_as_another_capture(tiny, prompts,
     assert len(open_activations(tmp_path).outputs) == 4
 
 
+def test_a_part_steered_by_a_vector_file_saved_again_is_refused_as_another_capture(
+        tiny, prompts, tmp_path):
+    # The edits were compared as written: a steering vector refitted and saved to
+    # the same file passed, and the store mixed generations of two vectors.
+    import json
+
+    import yaml
+
+    from undercurrent import ProbedModel
+    from undercurrent.steering import SteeringVector
+
+    vector = tmp_path / "push.safetensors"
+    spec = {"version": "2", "extraction_points": yaml.safe_load(SPEC)["extraction_points"],
+            "edits": [dict(STEER, vector=str(vector), coefficient=8.0)]}
+    rng = np.random.default_rng(0)
+
+    def steered_by(values):
+        SteeringVector(vector=values, positive=1, negative=0, layer=1,
+                       tensor_type="residual_stream").save(vector)
+        return ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=spec)
+
+    first_vector = rng.normal(size=tiny.capabilities().hidden_size)
+    first = steered_by(first_vector)
+    first.capture(prompts[:4], tmp_path / "acts", progress=False, shard="0/2", **OPTIONS)
+    with pytest.raises(StoreError, match=r"a different generation"):
+        steered_by(first_vector + 1.0).capture(prompts[:4], tmp_path / "acts",
+                                               progress=False, shard="1/2", **OPTIONS)
+    # a store written before the vectors' digest was recorded compares the edits as
+    # written (as it did)
+    manifest = tmp_path / "acts" / "store.json"
+    written = json.loads(manifest.read_text())
+    del written["generation"]["edits"]["vectors_sha256"]
+    manifest.write_text(json.dumps(written))
+    first.capture(prompts[:4], tmp_path / "acts", progress=False, shard="1/2", **OPTIONS)
+    assert len(open_activations(tmp_path / "acts").outputs) == 4
+
+
 def test_an_interrupt_commits_whole_batches_and_a_failed_write_commits_nothing(
         tiny, prompts, tmp_path, monkeypatch):
     from undercurrent.store import writer

@@ -95,15 +95,45 @@ def request_id_for(prompt_index: int) -> str:
 def generation_identity(model: CapturingModel) -> dict[str, Any]:
     """What else makes a capture's vectors what they are: the dtype the model
     computes in, ``capture_last_token`` and the spec's steering edits (their
-    names, and a digest of them whole, vectors included: a store would
-    otherwise take steered and plain generations as parts of one capture)."""
+    names, a digest of them as written, and one of the vectors the model
+    applies: a store would otherwise take steered and plain generations, or
+    generations steered by two versions of one vector file, as parts of one
+    capture)."""
     spec = getattr(model, "spec", None)
     edits = [edit_to_dict(edit) for edit in getattr(spec, "edits", ())]
+    if not edits:
+        return {"dtype": getattr(model.backend, "dtype", None),  # (a backend may not say)
+                "capture_last_token": bool(getattr(model, "capture_last_token", False)),
+                "edits": None}
     digest = hashlib.sha256(json.dumps(edits, sort_keys=True, default=str).encode())
-    return {"dtype": getattr(model.backend, "dtype", None),  # (a backend may not say)
+    described = {"names": [edit["name"] for edit in edits], "sha256": digest.hexdigest()}
+    resolved = getattr(model, "spec_edits", None)
+    if resolved is not None:
+        described["vectors_sha256"] = vectors_digest(resolved)
+    return {"dtype": getattr(model.backend, "dtype", None),
             "capture_last_token": bool(getattr(model, "capture_last_token", False)),
-            "edits": {"names": [edit["name"] for edit in edits],
-                      "sha256": digest.hexdigest()} if edits else None}
+            "edits": described}
+
+
+def vectors_digest(resolved: Sequence[Any]) -> str:
+    """A digest of what resolved edits apply: each vector's float64 values and,
+    for an SAE feature's edit, the SAE's encoder (a clamp goes through it), so a
+    vector file or SAE saved again at the same path reads as a different edit."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for edit in resolved:
+        digest.update(np.ascontiguousarray(edit.vector, dtype=np.float64).tobytes())
+        sae = edit.sae
+        if sae is not None:  # (its arrays as loaded, hashed in place: no copy)
+            digest.update(json.dumps(sae.config, sort_keys=True, default=str).encode())
+            for array in (sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec, sae.threshold):
+                if array is not None:
+                    array = np.ascontiguousarray(array)
+                    digest.update(str(array.dtype).encode())
+                    digest.update(array.data.cast("B"))
+        digest.update(b"\x00")
+    return digest.hexdigest()
 
 
 def capture_activations(

@@ -50,6 +50,15 @@ IDENTITY_KEYS = ("model", "points", "reductions", "storage_dtype", "sampling", "
                  "generation")
 
 
+def _as_older_edits(existing: Mapping[str, Any], wanted: dict[str, Any]) -> None:
+    """Drop the digest of the edits' vectors from ``wanted`` when the store was
+    written before it was recorded (its edits are then compared as written)."""
+    old, new = ((manifest.get("generation") or {}).get("edits") for manifest in (existing,
+                                                                                  wanted))
+    if isinstance(old, dict) and isinstance(new, dict) and "vectors_sha256" not in old:
+        new.pop("vectors_sha256", None)
+
+
 class StoreWriter:
     """One writer (one part of the prompt list) of a store directory.
 
@@ -496,6 +505,7 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> bool:
         raise StoreError(f"{str(target)!r} is not an activation store manifest "
                          f"(format {existing.get('format')!r}, expected {STORE_FORMAT!r})")
     wanted = json.loads(json.dumps(dict(manifest)))
+    _as_older_edits(existing, wanted)
     differ = [key for key in IDENTITY_KEYS if existing.get(key) != wanted.get(key)]
     if differ:
         older = ("; it was written before undercurrent recorded the generation settings "
