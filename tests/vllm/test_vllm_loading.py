@@ -109,3 +109,25 @@ def test_the_kv_cache_size_is_set_while_an_engine_is_built_then_restored(monkeyp
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
     with kv_cache_environment(None):  # (the process's own size)
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda", "meta", "cpu:2", "nonsense"])
+def test_a_device_the_engine_does_not_run_on_is_refused_before_it_starts(device):
+    # device= was ignored: a model asked on cuda:1 ran on the CPU, without a word
+    from undercurrent.adapters.base import BackendError
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    if device == "nonsense":
+        with pytest.raises(ValueError, match=r"device 'nonsense' is not a device torch knows"):
+            VLLMBackend.from_pretrained("undercurrent/tiny", device=device)
+        return
+    with pytest.raises(BackendError, match=rf"device {device!r}: the vllm backend runs where "
+                                           r"the installed vLLM build targets \('cpu' here\)"):
+        VLLMBackend.from_pretrained("undercurrent/tiny", device=device)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cpu:0"])
+def test_the_engines_own_device_is_accepted(device):
+    from undercurrent.adapters.vllm.backend import check_engine_device
+
+    check_engine_device(device)

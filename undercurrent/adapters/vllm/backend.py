@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
+from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.context import context_problem
@@ -145,6 +146,28 @@ def _take_own_engine_arguments(engine_kwargs: dict[str, Any]) -> None:
         if value != needed or type(value) is not type(needed):
             raise BackendError(f"the vllm backend needs {name}={needed!r}, got {value!r}: "
                                f"{why}")
+
+
+def check_engine_device(device: Any) -> None:
+    """Refuse a ``device`` other than the one the installed vLLM runs on (its
+    platform's device type, index 0 at most): the engine places itself, so the
+    argument would be ignored (a model asked on ``cuda:1`` ran on ``cpu``)."""
+    if device is None:
+        return
+    import torch
+    from vllm.platforms import current_platform
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        check_device(device)  # (its message: not a device torch knows)
+        raise
+    engine_type = current_platform.device_type
+    if parsed.type != engine_type or parsed.index not in (None, 0):
+        raise BackendError(
+            f"device {device!r}: the vllm backend runs where the installed vLLM build "
+            f"targets ({engine_type!r} here) and cannot be moved; leave device out, or give "
+            f"{engine_type!r} (to pick GPUs, set CUDA_VISIBLE_DEVICES before starting)")
 
 
 def kv_cache_space(kv_cache_gib: Any) -> str:
@@ -317,6 +340,7 @@ class VLLMBackend:
         _take_own_engine_arguments(engine_kwargs)
         kv_space = None if kv_cache_gib is None else kv_cache_space(kv_cache_gib)
         check_vllm_version()
+        check_engine_device(device)
         # On CPU, vLLM moves a single worker into a process of its own when this is "1";
         # "0" keeps it with the engine core (in this process, or in the core's own
         # process when ``multiprocess``), which saves a process start.
