@@ -9,6 +9,7 @@ score), and ``test_end_to_end.py`` runs a fitted probe in the view.
 from __future__ import annotations
 
 import html
+import json
 import re
 
 import pytest
@@ -59,7 +60,7 @@ class ScriptedModel:
 
 
 def _token_scores(view: LiveView) -> list[str]:
-    return re.findall(r'data-score="([^"]*)"', view.text.value)
+    return re.findall(r'data-score="([^"]*)"', view.text_html())
 
 
 def test_every_token_is_coloured_by_its_score_with_the_score_on_hover():
@@ -69,7 +70,7 @@ def test_every_token_is_coloured_by_its_score_with_the_score_on_hover():
     assert model.calls == [("a", {"max_new_tokens": 3})]
     assert len(outputs) == 1 and outputs[0].request_id == "req-a"
     assert _token_scores(view) == ["0.100000", "0.500000", "0.900000"]
-    text = html.unescape(view.text.value)
+    text = html.unescape(view.text_html())
     assert 'title="token 2: score 0.900"' in text
     assert "rgba(214,39,40,0.80)" in text  # 0.9 on the default 0..1 scale
     assert "prompt 1: a" in text and ">a<" in text  # default label and prompt
@@ -92,15 +93,15 @@ def test_the_view_updates_while_tokens_arrive():
     seen = []
     for event in model.stream("a"):
         view.update(event)
-        seen.append(len(re.findall('class="uc-token"', view.text.value)))
+        seen.append(len(re.findall('class="uc-token"', view.text_html())))
     assert seen == [1, 2, 3, 3]
-    assert "…" not in view.text.value  # finished requests lose the "still running" mark
+    assert "…" not in view.text_html()  # finished requests lose the "still running" mark
 
 
 def test_an_abort_is_marked_in_the_text_the_plot_and_a_message():
     view = LiveView(ScriptedModel({"a": [0.1, 0.95, 0.2], "b": [0.1, 0.2]}, abort_at={"a": 1}))
     view.run(["a", "b"], display=False)
-    text = html.unescape(view.text.value)
+    text = html.unescape(view.text_html())
     assert text.count("✖\xa0aborted") == 1
     assert "outline:2px solid #b00020" in text and "token 1: score 0.950 (abort)" in text
     message = html.unescape(view.message.value)
@@ -114,7 +115,7 @@ def test_an_abort_is_marked_in_the_text_the_plot_and_a_message():
 def test_scores_outside_zero_one_use_the_range_seen():
     view = LiveView(ScriptedModel({"a": [2.0, 4.0, 6.0]}))
     view.run("a", display=False)
-    text = view.text.value
+    text = view.text_html()
     assert "rgba(214,39,40,0.08)" in text and "rgba(214,39,40,0.88)" in text
 
 
@@ -122,7 +123,7 @@ def test_clear_empties_everything():
     view = LiveView(ScriptedModel({"a": [0.3]}))
     view.run("a", display=False)
     view.clear()
-    assert view.text.value == "" and len(view.figure.data) == 0 and view.outputs == []
+    assert view.text_html() == "" and len(view.figure.data) == 0 and view.outputs == []
 
 
 def test_close_lets_every_widget_of_the_view_go_and_keeps_its_snapshot():
@@ -134,7 +135,8 @@ def test_close_lets_every_widget_of_the_view_go_and_keeps_its_snapshot():
     view = LiveView(ScriptedModel({"a": [0.1, 0.9]}), threshold=0.5)
     view.run("a", labels=["harmful"], display=False)
     made = set(_instances) - before
-    assert len(made) == 12  # text, plot, box, and the texts' and box's layouts and styles
+    # texts, plot, boxes, their layouts and styles, and the request's line
+    assert len(made) == 14
     view.close()
     view.close()
     assert made & set(_instances) == set()
@@ -144,6 +146,32 @@ def test_close_lets_every_widget_of_the_view_go_and_keeps_its_snapshot():
     assert [output.request_id for output in view.outputs] == ["req-a"]
     with pytest.raises(RuntimeError, match=r"LiveView.run: this view is closed"):
         view.run("a", display=False)
+
+
+def test_a_token_sends_the_page_as_much_after_many_prompts_as_after_a_few(monkeypatch):
+    """Every token re-sent the text of every request shown (40 kB a token after 16
+    prompts of 32 tokens): the traffic grew with the square of the run, and a
+    browser fell minutes behind the kernel. A token now re-draws its own line."""
+    import comm
+
+    sent: list[int] = []
+
+    class Page(comm.DummyComm):  # the browser's end of every widget's comm
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+            sent.append(len(json.dumps(data, default=str)) + sum(map(len, buffers or ())))
+
+    monkeypatch.setattr(comm, "create_comm", Page)
+    per_token = {}
+    for prompts in (3, 12):
+        scores = {f"p{i}": [(i + g) % 10 / 10 for g in range(24)] for i in range(prompts)}
+        view = LiveView(ScriptedModel(scores))
+        sent.clear()
+        view.run(list(scores), display=False)
+        per_token[prompts] = sum(sent) / (24 * prompts)
+        shown = view.snapshot_html(picture=False)
+        assert len(re.findall('class="uc-token"', shown)) == 24 * prompts
+        view.close()
+    assert per_token[12] < 1.1 * per_token[3], per_token
 
 
 def test_text_is_coloured_by_one_point_on_that_points_own_scale():
@@ -163,7 +191,7 @@ def test_text_is_coloured_by_one_point_on_that_points_own_scale():
     view = LiveView(TwoPoints({"a": [0.1, 0.9]}), point="watch")
     view.run("a", display=False)
     assert _token_scores(view) == ["0.100000", "0.900000"]
-    assert "rgba(214,39,40,0.16)" in view.text.value  # 0.1 on the 0..1 scale, not 0..101
+    assert "rgba(214,39,40,0.16)" in view.text_html()  # 0.1 on the 0..1 scale, not 0..101
     names = {t.name for t in view.figure.data}
     assert names == {"prompt 1: a · watch · L2", "prompt 1: a · norm · L0"}
 
@@ -182,7 +210,7 @@ def test_labels_name_the_requests_in_the_text_the_legend_and_the_messages():
     view = LiveView(model)
     view.run(["a", "b"], labels=["harmful", "benign"], display=False)
     assert [t.name for t in view.figure.data if t.showlegend is not False] == ["harmful", "benign"]
-    text = view.text.value
+    text = view.text_html()
     assert "<b>harmful</b>" in text and "<b>benign</b>" in text and "req-a" not in text
     assert "<b>harmful</b>: aborted by" in view.message.value
 
@@ -197,7 +225,7 @@ def test_labels_are_shown_as_written_in_the_legend_not_read_as_markup():
     assert [t.hovertemplate.split("<br>")[0] for t in lines] == [t.name for t in lines]
     (marker,) = [t for t in view.figure.data if t.showlegend is False]
     assert marker.name == "&lt;i&gt;L1&lt;/i&gt;: abort"
-    assert "<b>&lt;i&gt;L1&lt;/i&gt;</b>" in view.text.value
+    assert "<b>&lt;i&gt;L1&lt;/i&gt;</b>" in view.text_html()
 
 
 def test_line_ends_in_a_token_are_drawn_as_symbols_not_line_breaks():
@@ -211,9 +239,9 @@ def test_line_ends_in_a_token_are_drawn_as_symbols_not_line_breaks():
 
     view = LiveView(LineEnds({"a": [0.1, 0.5]}))
     view.run("a", display=False)
-    tokens = re.findall(r'<span class="uc-token"[^>]*>([^<]*)</span>', view.text.value)
+    tokens = re.findall(r'<span class="uc-token"[^>]*>([^<]*)</span>', view.text_html())
     assert tokens == ["␍↵", " w1"]
-    assert "\r" not in view.text.value and "\n" not in view.text.value
+    assert "\r" not in view.text_html() and "\n" not in view.text_html()
 
 
 def test_default_labels_number_the_prompts_and_preview_them():
@@ -317,7 +345,7 @@ def test_abort_mark_does_not_wrap_and_the_reply_is_spaced_from_the_prompt():
 
     view = LiveView(NoSpace({"assistant :": [0.9, 0.9]}, abort_at={"assistant :": 1}))
     view.run("assistant :", display=False)
-    text = view.text.value
+    text = view.text_html()
     assert 'assistant :</span> <span class="uc-token"' in text
     assert "white-space:nowrap\">✖&nbsp;aborted" in text
 
@@ -406,7 +434,7 @@ def tiny_with():
 def test_a_nan_score_counts_as_no_score_and_the_others_keep_the_zero_one_scale(tiny_with):
     view = LiveView(tiny_with("generated[*]", "nan_first"))
     view.run(["hello there"], display=False, max_new_tokens=6)
-    text = html.unescape(view.text.value)
+    text = html.unescape(view.text_html())
     assert _token_scores(view)[:5] == ["", "0.200000", "0.900000", "0.400000", "0.700000"]
     assert 'title="token 0: no score"' in text and "nan" not in text.lower()
     assert "rgba(214,39,40,0.80)" in text  # 0.9 on the 0..1 scale, as without the NaN
@@ -449,7 +477,7 @@ def test_text_held_back_for_a_stop_string_that_never_came_is_shown(tiny_with):
     assert shown.text == output.text and shown.finish_reason == "length"
     pieces = view.state.requests[shown.request_id].pieces
     assert len(pieces) == len(shown.token_ids) and "".join(pieces) == output.text
-    assert html.unescape(re.sub(r"<[^>]+>", "", view.text.value)).endswith(output.text.rstrip())
+    assert html.unescape(re.sub(r"<[^>]+>", "", view.text_html())).endswith(output.text.rstrip())
 
 
 def test_a_point_the_spec_does_not_have_is_refused_naming_the_spec_points(tiny_with):

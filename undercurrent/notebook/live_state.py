@@ -88,10 +88,48 @@ class RequestTrace:
 
 
 class LiveState:
-    """Accumulates stream events for any number of interleaved requests."""
+    """Accumulates stream events for any number of interleaved requests.
+
+    Besides each request's trace it keeps what the view asks of all of them at
+    every token (each point's score range, whether every score is a
+    probability, the lowest token with a score, the aborted requests) up to
+    date as signals arrive, so a token costs the same however many were shown.
+    """
 
     def __init__(self) -> None:
         self.requests: dict[str, RequestTrace] = {}
+        self.aborted: list[RequestTrace] = []
+        """The requests a probe aborted, in the order they finished."""
+        self.first_x = 0
+        """The lowest token ``x`` with a score, 0 when none is negative (a prompt token)."""
+        self._ranges: dict[str, tuple[float, float]] = {}
+        self._outside_unit = False
+        self._stale = False  # a score was replaced by another: count again from the traces
+
+    def score_range(self, point: str | None) -> tuple[float, float] | None:
+        """The lowest and highest finite score of ``point`` (any layer), or None."""
+        self._refresh()
+        return None if point is None else self._ranges.get(point)
+
+    def probabilities(self) -> bool:
+        """Whether every score kept (of any point) lies in [0, 1]."""
+        self._refresh()
+        return not self._outside_unit
+
+    def _refresh(self) -> None:
+        if not self._stale:
+            return
+        self._stale, self._ranges, self._outside_unit = False, {}, False
+        for trace in self.requests.values():
+            for (point, _layer), by_token in trace.scores.items():
+                for score in by_token.values():
+                    self._count(point, score)
+
+    def _count(self, point: str, score: float) -> None:
+        self._outside_unit = self._outside_unit or not 0.0 <= score <= 1.0
+        if math.isfinite(score):
+            low, high = self._ranges.get(point, (score, score))
+            self._ranges[point] = (min(low, score), max(high, score))
 
     def trace(self, request_id: str) -> RequestTrace:
         """The trace of ``request_id`` (created on first sight)."""
@@ -115,6 +153,8 @@ class LiveState:
             trace.output = event.output
             if event.output is not None:
                 trace.prompt = event.output.prompt
+                if trace.abort is None and event.output.abort is not None:
+                    self.aborted.append(trace)
                 trace.abort = event.output.abort
                 # Signals the stream may not have delivered one by one (e.g. the last token's).
                 inline = set()
@@ -136,8 +176,7 @@ class LiveState:
                 trace.pieces.append(event.text)
         return trace
 
-    @classmethod
-    def _add_async_signals(cls, trace: RequestTrace, results: Any, inline: set[str]) -> None:
+    def _add_async_signals(self, trace: RequestTrace, results: Any, inline: set[str]) -> None:
         """The signals of the points the stream did not carry (async points), from
         their ``ProbeResult``s; each signal says where it was emitted, as in
         ``signals_frame``."""
@@ -147,10 +186,9 @@ class LiveState:
             for signal in result.signals:
                 if signal.layer is None or signal.token_index is None:
                     continue  # not located (a router always locates those it keeps)
-                cls._add_signal(trace, name, signal, signal)
+                self._add_signal(trace, name, signal, signal)
 
-    @staticmethod
-    def _add_signal(trace: RequestTrace, point: str, located: Any, signal: Any) -> None:
+    def _add_signal(self, trace: RequestTrace, point: str, located: Any, signal: Any) -> None:
         """Keep ``signal``'s score and action at the token ``located`` names (a
         ``TokenSignal``, or a ``ProbeSignal`` located by the router)."""
         key = (point, located.layer)
@@ -162,7 +200,12 @@ class LiveState:
             return  # a prompt token's signal: placed from the final output, which knows prompt_len
         score = known_score(signal.score)
         if score is not None:
-            trace.scores.setdefault(key, {})[x] = score
+            by_token = trace.scores.setdefault(key, {})
+            if by_token.get(x, score) != score:
+                self._stale = True  # (the score it replaces may have been an end of a range)
+            by_token[x] = score
+            self._count(point, score)
+            self.first_x = min(self.first_x, x)
         action = getattr(signal.action, "value", signal.action)
         if action != "continue":
             trace.actions.setdefault(key, {})[x] = action

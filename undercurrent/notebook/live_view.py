@@ -189,8 +189,14 @@ class LiveView:
         self.outputs: list[Any] = []
         self.header = w.HTML()
         self.header.add_class("undercurrent-live-progress")
-        self.text = w.HTML(layout=w.Layout(width="100%"))
+        # One HTML widget per request: a token re-sends its own request's line, never
+        # the lines already shown (they are re-drawn only when the colour scale moves).
+        self.text = w.VBox(layout=w.Layout(width="100%"))
         self.text.add_class("undercurrent-live-text")
+        self._line_layout = w.Layout(width="100%", margin="0")
+        self._line_style = w.widgets.widget_string.HTMLStyle()
+        self._lines: dict[str, Any] = {}
+        self._lines_drawn_with: tuple[tuple[float, float], str | None] | None = None
         self.message = w.HTML()
         self.figure = go.FigureWidget()
         self.figure.update_layout(
@@ -285,7 +291,7 @@ class LiveView:
         if picture and self.figure.data:
             image = static.png_html(static.figure_png(self.figure, width=900),
                                    alt="probe scores per token")
-        parts: list[str] = [self.header.value, self.text.value, self.message.value, image]
+        parts: list[str] = [self.header.value, self.text_html(), self.message.value, image]
         return '<div class="undercurrent-live-snapshot">' + "".join(parts) + "</div>"
 
     # -- running ----------------------------------------------------------------------
@@ -369,10 +375,10 @@ class LiveView:
             self.outputs.append(event.output)
         self._fit_width()
         self._render_header()
-        self._render_text()
+        self._render_line(trace)
         self._render_plot(trace)
-        self._render_message()
         if event.finished:
+            self._render_message()
             self._store_figure_state()
 
     def _fit_width(self) -> None:
@@ -408,7 +414,11 @@ class LiveView:
         self.figure.data = ()
         self._traces.clear()
         self._abort_traces.clear()
-        self.text.value = ""
+        lines, self.text.children = self.text.children, ()
+        for line in lines:
+            line.close()
+        self._lines.clear()
+        self._lines_drawn_with = None
         self.message.value = ""
         self._run_total = self._run_index = 0
         self._set_axes()
@@ -428,20 +438,12 @@ class LiveView:
     def _scale(self) -> tuple[float, float]:
         if self.score_range is not None:
             return self.score_range
-        point = self.colour_point()
         # An infinite score would make the range infinite; it shades as the end it lies past.
-        seen = [score for trace in self.state.requests.values()
-                for (name, _layer), by_token in trace.scores.items() if name == point
-                for score in by_token.values() if math.isfinite(score)]
-        if not seen or (min(seen) >= 0.0 and max(seen) <= 1.0):
+        seen = self.state.score_range(self.colour_point())
+        if seen is None or (seen[0] >= 0.0 and seen[1] <= 1.0):
             return (0.0, 1.0)
-        low, high = min(seen), max(seen)
+        low, high = seen
         return (low, high if high > low else low + 1.0)
-
-    def _probabilities(self) -> bool:
-        """Whether every score seen so far (on any point) lies in [0, 1]."""
-        return all(0.0 <= score <= 1.0 for trace in self.state.requests.values()
-                   for by_token in trace.scores.values() for score in by_token.values())
 
     def _set_axes(self) -> None:
         """Fixed axes for an empty view and for probabilities; autorange otherwise."""
@@ -449,7 +451,7 @@ class LiveView:
             low, high = self.score_range
             pad = 0.03 * (high - low)
             wanted: dict[str, Any] = {"range": [low - pad, high + pad], "autorange": False}
-        elif self._probabilities():
+        elif self.state.probabilities():
             wanted = {"range": [-0.03, 1.03], "autorange": False}
         else:
             wanted = {"range": None, "autorange": True}
@@ -462,10 +464,8 @@ class LiveView:
     def _set_token_axis(self) -> None:
         """A fixed token axis from the first prompt token that has a score or an abort
         (negative x: ``prompt[-1]`` is -1) or else token 0, to ``max_new_tokens``."""
-        first = min([0, *(x for trace in self.state.requests.values()
-                          for by_token in trace.scores.values() for x in by_token),
-                     *(x for trace in self.state.requests.values()
-                       if (x := trace.abort_position()) is not None)])
+        first = min([self.state.first_x, *(x for trace in self.state.aborted
+                                            if (x := trace.abort_position()) is not None)])
         wanted = (first - 0.5, self._token_axis_end)
         title = "generated token" if first == 0 else "token (negative: prompt, -1 its last)"
         xaxis = self.figure.layout.xaxis
@@ -474,7 +474,7 @@ class LiveView:
 
     def progress_text(self) -> str:
         """``prompt 2/6 · token 17/32 · 1 aborted`` while running; a summary when done."""
-        aborted = sum(1 for trace in self.state.requests.values() if trace.abort is not None)
+        aborted = len(self.state.aborted)
         tail = f" · {aborted} aborted" if aborted else ""
         if self._running and self._run_total:
             current = self._current_trace()
@@ -488,9 +488,7 @@ class LiveView:
         return f"done: {requests} prompt{'s' if requests != 1 else ''} · {tokens} tokens{tail}"
 
     def _current_trace(self) -> RequestTrace | None:
-        if not self.state.requests:
-            return None
-        return list(self.state.requests.values())[-1]
+        return next(reversed(self.state.requests.values()), None)
 
     def _render_header(self) -> None:
         self.header.value = header_html(self.progress_text(), self._scale(), self.colour_point())
@@ -499,8 +497,24 @@ class LiveView:
         """The request's line: label, prompt, generated tokens coloured by score, abort mark."""
         return request_line_html(trace, self._scale(), self.colour_point())
 
-    def _render_text(self) -> None:
-        self.text.value = "".join(self.token_html(t) for t in self.state.requests.values())
+    def text_html(self) -> str:
+        """Every request's line (see :meth:`token_html`) as one HTML text, in order."""
+        return "".join(line.value for line in self.text.children)
+
+    def _render_line(self, trace: RequestTrace) -> None:
+        """Draw ``trace``'s line, or every line when the colour scale or point changed."""
+        drawn_with = (self._scale(), self.colour_point())
+        if trace.request_id not in self._lines:
+            w, _ = _modules()
+            line = w.HTML(layout=self._line_layout, style=self._line_style)
+            self._lines[trace.request_id] = line
+            self.text.children = (*self.text.children, line)
+        redraw = [trace]
+        if drawn_with != self._lines_drawn_with:
+            self._lines_drawn_with = drawn_with
+            redraw = [t for t in self.state.requests.values() if t.request_id in self._lines]
+        for each in redraw:
+            self._lines[each.request_id].value = request_line_html(each, *drawn_with)
 
     def _render_message(self) -> None:
         self.message.value = abort_messages_html(self.state.requests.values())
