@@ -415,3 +415,30 @@ def test_editor_displays_as_a_widget_with_a_static_snapshot_of_form_and_yaml():
     assert "<code>(router default)</code>" in snapshot  # a dropdown's label, not its value
     assert "(empty)" in snapshot  # probe_args
     assert "✔ valid spec" in snapshot
+
+
+def test_close_lets_every_widget_of_the_editor_go_and_keeps_its_spec_and_snapshot(tmp_path):
+    """ipywidgets keeps each widget until it is closed: an editor (a few hundred
+    widgets) that a cell built again stayed for the kernel's life, with no close()."""
+    import gc
+    import weakref
+
+    from ipywidgets.widgets.widget import _instances
+
+    before = set(_instances)
+    editor = SpecEditor(model=4)
+    editor.add_point()
+    editor.fields["name"].value = "harm_watch"
+    assert len(set(_instances) - before) > 200
+    text, snapshot = editor.to_yaml(), editor.snapshot_html()
+    editor.close()
+    editor.close()
+    assert set(_instances) - before == set()  # none left open, none orphaned
+    assert editor.to_yaml() == text and editor.snapshot_html() == snapshot
+    assert editor.save(tmp_path / "spec.yaml").read_text() == text
+    bundle = editor._repr_mimebundle_()  # (no widget: the snapshot alone)
+    assert bundle == {"text/html": snapshot, "text/plain": editor.to_yaml()}
+    released = weakref.ref(editor)
+    del editor
+    gc.collect()
+    assert released() is None

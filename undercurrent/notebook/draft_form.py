@@ -80,9 +80,11 @@ class DraftForm:
         self.fields: dict[str, Any] = {}
         self.errors: dict[str, Any] = {}
         self.rows: dict[str, Any] = {}
-        style = {"description_width": "150px"}
+        # Styles and layouts are set in place: one assigned anew would leave the
+        # widget's first one open (ipywidgets keeps it until closed) and out of the
+        # tree that close() walks.
         for field, control in controls.items():
-            control.style = style
+            control.style.description_width = "150px"
             error = w.HTML(value="", layout=w.Layout(width="auto", max_width="520px"))
             error.add_class("undercurrent-field-error")
             control.add_class(f"undercurrent-{noun}-field-{field}")
@@ -99,7 +101,7 @@ class DraftForm:
                                             w.VBox([hint, self.errors["layers"]]))
 
         self.list = w.Select(description=f"{noun}s", rows=6, layout=w.Layout(width="260px"))
-        self.list.style = {"description_width": "50px"}
+        self.list.style.description_width = "50px"
         self.list.add_class(f"undercurrent-{noun}-list")
         self.list.observe(self._on_select, names="value")
         self.add_button = w.Button(description="Add", icon="plus", tooltip=f"add a new {noun}")
@@ -112,7 +114,7 @@ class DraftForm:
             (self.duplicate_button, self.duplicate),
             (self.remove_button, self.remove),
         ):
-            button.layout = w.Layout(width="110px")
+            button.layout.width = "110px"
             button.add_class(f"undercurrent-{noun}-{button.description.lower()}")
             button.on_click(_ignore_argument(action))
         self.sidebar = w.VBox([

@@ -24,6 +24,7 @@ from undercurrent.arguments import check_flag, check_number
 from undercurrent.notebook import static
 from undercurrent.notebook.live_html import abort_messages_html, header_html, request_line_html
 from undercurrent.notebook.live_state import LiveState, RequestTrace, known_score
+from undercurrent.notebook.widget_closing import close_widgets
 from undercurrent.spec.messages import did_you_mean
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -129,17 +130,6 @@ def _request_ids(prompt_count: int, request_id: Any, request_ids: Sequence[str] 
         raise ValueError(f"LiveView.run: the view already shows a request {again[0]!r} "
                          "(from an earlier run); give a new id, or call clear() first")
     return ids
-
-
-def _close_widgets(widget: Any) -> None:
-    """Close ``widget`` and every widget it holds (its children, layout and style)."""
-    w, _ = _modules()
-    for name in widget.keys:
-        held = getattr(widget, name, None)
-        for part in held if isinstance(held, tuple) else (held,):
-            if isinstance(part, w.Widget) and part is not widget:
-                _close_widgets(part)
-    widget.close()
 
 
 class LiveView:
@@ -274,7 +264,7 @@ class LiveView:
         :meth:`snapshot_html` (what displaying it shows now), but runs no more.
         Closing twice does nothing more."""
         self._closed = True
-        _close_widgets(self.widget)
+        close_widgets(self.widget)
 
     def summary(self) -> str:
         """Plain text: progress, then one line per request (label, text, abort)."""

@@ -41,6 +41,7 @@ from undercurrent.notebook.spec_editor_text import (
     status_html,
     yaml_html,
 )
+from undercurrent.notebook.widget_closing import close_widgets
 from undercurrent.probes import list_probes
 from undercurrent.spec import (
     ExecutionMode,
@@ -101,6 +102,10 @@ class SpecEditor:
     model's hidden size) is shown like any other problem. The points' form is
     ``fields``; the edits' form, below it, is ``edit_fields``. Display the editor
     (or ``editor.widget``) in a notebook to use it.
+
+    ipywidgets keeps every widget until it is closed (an editor has a few hundred),
+    so an editor that is done with (before a cell that builds a new one runs
+    again) is let go with :meth:`close`; what it shows then is its snapshot.
     """
 
     def __init__(self, spec: ProbeSpec | None = None, *, model: ModelArgument = None) -> None:
@@ -117,6 +122,7 @@ class SpecEditor:
         self._spec: ProbeSpec | None = None
         self._problems: list[SpecProblem] = []
         self._saved: tuple[Path, ProbeSpec] | None = None
+        self._closed = False
         points = [draft_from_point(point) for point in spec or ()]
         edits = [draft_from_edit(edit) for edit in spec.edits] if spec is not None else []
         if not points and not edits:
@@ -265,10 +271,23 @@ class SpecEditor:
     # -- display --------------------------------------------------------------------
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        if self._closed:  # (no widget left to show: the snapshot alone)
+            return {"text/html": self.snapshot_html(), "text/plain": self._yaml_text()}
         bundle = dict(self.widget._repr_mimebundle_(**kwargs))
         bundle["text/html"] = self.snapshot_html()
         bundle["text/plain"] = self._yaml_text()
         return bundle
+
+    def close(self) -> None:
+        """Close the editor's widgets (both forms, the YAML view, their layouts and
+        styles): ipywidgets keeps every widget it made until it is closed, so an
+        editor dropped without this stays in memory for the kernel's life. Where
+        the editor is displayed, its form leaves the page. The editor keeps its
+        drafts, and its :attr:`spec`, :meth:`to_yaml`, :meth:`save` and
+        :meth:`snapshot_html` (what displaying it shows now) still work. Closing
+        twice does nothing more."""
+        self._closed = True
+        close_widgets(self.widget)
 
     def snapshot_html(self) -> str:
         """The editor as static HTML: the selected point's and edit's forms, the

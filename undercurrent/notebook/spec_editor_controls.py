@@ -69,6 +69,9 @@ def build_controls(w: Any, table: tuple[SpecField, ...], capabilities: Any,
 
 
 def _control(w: Any, field: SpecField, name: str, capabilities: Any) -> Any:
+    if field.kind == "mapping":
+        return w.Textarea(placeholder=_PLACEHOLDERS.get(name, ""),
+                          layout=w.Layout(width="380px", height="70px"))
     wide = w.Layout(width="380px")
     if field.kind == "layers" and capabilities is not None:
         return w.SelectMultiple(rows=5, layout=wide)
@@ -85,7 +88,4 @@ def _control(w: Any, field: SpecField, name: str, capabilities: Any) -> Any:
         return w.Checkbox(indent=True, layout=wide)
     if field.kind == "integer" and not field.optional:
         return w.IntText(value=1, layout=wide)
-    if field.kind == "mapping":
-        return w.Textarea(placeholder=_PLACEHOLDERS.get(name, ""),
-                          layout=w.Layout(width="380px", height="70px"))
     return w.Text(placeholder=_PLACEHOLDERS.get(name, ""), layout=wide)
