@@ -310,6 +310,45 @@ def test_the_header_counts_prompts_tokens_and_aborts_while_running():
     assert "token colour = score of <code>watch</code>" in view.header.value  # the key
 
 
+class StoppedAt(ScriptedModel):
+    """Raises ``error`` in place of the event of generated token ``at`` of prompt ``prompt``."""
+
+    def __init__(self, scores, prompt: str, at: int, error: BaseException):
+        super().__init__(scores)
+        self.stop = (prompt, at, error)
+
+    def stream(self, prompt, **kwargs):
+        for event in super().stream(prompt, **kwargs):
+            if (prompt, event.generated_index) == self.stop[:2]:
+                raise self.stop[2]
+            yield event
+
+
+@pytest.mark.parametrize(("error", "said"), [
+    (KeyboardInterrupt(), "interrupted"),  # what Kernel > Interrupt raises
+    (ValueError("the stream broke"), "stopped by ValueError"),
+])
+def test_an_interrupted_run_says_where_it_stopped_and_the_exception_goes_on(error, said):
+    # It read "done: 1 prompt · 5 tokens", a finished run, for a 3-prompt run stopped early.
+    scores = {"a": [0.1] * 8, "b": [0.2] * 8, "c": [0.3] * 8}
+    view = LiveView(StoppedAt(scores, "b", 5, error))
+    with pytest.raises(type(error)):
+        view.run(["a", "b", "c"], display=False, max_new_tokens=8)
+    assert view.progress_text() == f"{said} at prompt 2/3 · token 5/8"
+    assert view.summary().startswith(f"{said} at prompt 2/3 · token 5/8\n")
+    assert f"{said} at prompt 2/3 · token 5/8" in view.snapshot_html(picture=False)
+    assert f"{said} at prompt 2/3" in view.header.value
+    view.run("c", display=False, max_new_tokens=8)  # a run to its end is done again
+    assert view.progress_text() == "done: 3 prompts · 21 tokens"
+
+
+def test_a_run_interrupted_before_a_prompts_first_token_counts_none_of_its_tokens():
+    view = LiveView(StoppedAt({"a": [0.1] * 3, "b": [0.2] * 3}, "b", 0, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        view.run(["a", "b"], display=False)
+    assert view.progress_text() == "interrupted at prompt 2/2 · token 0"
+
+
 def test_probabilities_fix_the_score_axis_and_other_scores_autoscale():
     empty = LiveView(ScriptedModel({}))
     assert tuple(empty.figure.layout.yaxis.range) == (-0.03, 1.03)

@@ -212,6 +212,8 @@ class LiveView:
         self._max_new_tokens: int | None = None
         self._token_axis_end = DEFAULT_TOKEN_AXIS_END
         self._running = False
+        self._requests_before = 0  # requests shown when the prompt now streaming began
+        self._stopped_by: str | None = None  # why the last run ended early, if it did
         self._closed = False
         self._set_axes()
         self._render_header()
@@ -305,7 +307,9 @@ class LiveView:
         ``model.stream`` (``max_new_tokens``, sampling options). With
         ``display=True`` the view shows itself first when it is not on screen yet,
         so the updates can be watched, and adds a static snapshot of the finished
-        run for readers of the stored notebook (hidden where widgets run).
+        run for readers of the stored notebook (hidden where widgets run). A run
+        that an exception ends (Kernel > Interrupt raises ``KeyboardInterrupt``)
+        shows where it stopped (see :meth:`progress_text`) and lets it go on.
         """
         if self._closed:
             raise RuntimeError("LiveView.run: this view is closed (close() let its widgets "
@@ -331,7 +335,7 @@ class LiveView:
             self._token_axis_end = self._max_new_tokens - 0.5
             self._set_token_axis()
         first_output = len(self.outputs)
-        self._running = True
+        self._running, self._stopped_by = True, None
         if display and not self._displayed:
             self._show()
         try:
@@ -342,8 +346,13 @@ class LiveView:
                 kwargs = dict(stream_kwargs)
                 if id_list[index] is not None:
                     kwargs["request_id"] = id_list[index]
+                self._requests_before = len(self.state.requests)
                 for event in self.model.stream(prompt, **kwargs):
                     self.update(event)
+        except BaseException as error:  # the header says where the run stopped; it goes on
+            self._stopped_by = ("interrupted" if isinstance(error, KeyboardInterrupt)
+                                else f"stopped by {type(error).__name__}")
+            raise
         finally:
             self._running = False
             self._prompt, self._label = "", None
@@ -410,7 +419,8 @@ class LiveView:
         self._lines.clear()
         self._lines_drawn_with = None
         self.message.value = ""
-        self._run_total = self._run_index = 0
+        self._run_total = self._run_index = self._requests_before = 0
+        self._stopped_by = None
         self._set_axes()
         self._render_header()
 
@@ -463,14 +473,17 @@ class LiveView:
             self.figure.update_xaxes(range=list(wanted), autorange=False, title_text=title)
 
     def progress_text(self) -> str:
-        """``prompt 2/6 · token 17/32 · 1 aborted`` while running; a summary when done."""
+        """``prompt 2/6 · token 17/32 · 1 aborted`` while running; a summary when done;
+        ``interrupted at prompt 2/6 · token 17/32`` (or ``stopped by ValueError at ...``)
+        when the last run ended with an exception (Kernel > Interrupt, a stream error)."""
         aborted = len(self.state.aborted)
         tail = f" · {aborted} aborted" if aborted else ""
-        if self._running and self._run_total:
+        if self._run_total and (self._running or self._stopped_by):
             current = self._current_trace()
             tokens = 0 if current is None else len(current.pieces)
             limit = "" if self._max_new_tokens is None else f"/{self._max_new_tokens}"
-            return f"prompt {self._run_index}/{self._run_total} · token {tokens}{limit}{tail}"
+            where = f"prompt {self._run_index}/{self._run_total} · token {tokens}{limit}{tail}"
+            return where if self._running else f"{self._stopped_by} at {where}"
         requests = len(self.state.requests)
         if not requests:
             return "no prompts run yet"
@@ -478,6 +491,9 @@ class LiveView:
         return f"done: {requests} prompt{'s' if requests != 1 else ''} · {tokens} tokens{tail}"
 
     def _current_trace(self) -> RequestTrace | None:
+        """The request of the prompt now streaming (None before its first event)."""
+        if len(self.state.requests) <= self._requests_before:
+            return None
         return next(reversed(self.state.requests.values()), None)
 
     def _render_header(self) -> None:
