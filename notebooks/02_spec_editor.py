@@ -34,8 +34,12 @@ print(caps.num_layers, "decoder layers; tensor types:", [t.value for t in caps.t
 # `async` (queue depth appears), choose an `intervention.mode`. **Add**,
 # **Duplicate** and **Remove** manage the points (and, below them, the edits);
 # the YAML below the form follows every change, and **Save YAML** writes it.
+# Running the cell again starts a new editor and closes the one it built before
+# (ipywidgets keeps every widget until it is closed).
 
 # %%
+if isinstance(previous := globals().get("editor"), SpecEditor):
+    previous.close()  # this cell run again: the editor it built before lets its widgets go
 editor = SpecEditor(model=model)
 editor
 
@@ -47,6 +51,8 @@ editor
 
 # %%
 # NBVAL_CHECK_OUTPUT
+if isinstance(previous := globals().get("scripted"), SpecEditor):
+    previous.close()  # (Run All again)
 scripted = SpecEditor(model=model)
 f = scripted.fields
 f["name"].value = "harm_watch"
@@ -124,4 +130,7 @@ path = scripted.save(Path(tempfile.mkdtemp()) / "probes.yaml")
 print(path.is_absolute(), load_yaml_file(path) == scripted.spec)
 
 # %%
-SpecEditor.from_spec(path, model=model)
+if isinstance(previous := globals().get("loaded"), SpecEditor):
+    previous.close()
+loaded = SpecEditor.from_spec(path, model=model)
+loaded

@@ -131,6 +131,8 @@ test_rng = random.Random(2024)                 # prompts the probe has never see
 test_labels = [1, 0, 1, 0]
 test_prompts = [make_prompt(test_rng, label) for label in test_labels]
 names = [f"{LABEL_NAMES[label]} {i + 1}" for i, label in enumerate(test_labels)]
+if isinstance(previous := globals().get("view"), LiveView):
+    previous.close()  # this cell run again: the view it built before lets its widgets go
 view = LiveView(live, threshold=0.8)
 live_outputs = view.run(test_prompts, labels=names, max_new_tokens=32)
 
@@ -161,5 +163,6 @@ trajectory_figure(
 )
 
 # %% [markdown]
-# The model stays loaded, so the live cell can be run again (try other prompts).
-# `capture.close()` removes every hook when you are done.
+# The model stays loaded, so the live cell can be run again (try other prompts);
+# it first closes the view it built before, as ipywidgets keeps every widget
+# until it is closed. `capture.close()` removes every hook when you are done.

@@ -138,6 +138,18 @@ CELL_OUTPUTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
                    type: o.output_type, name: o.ename || o.name || '',
                    mimes: Object.keys(o.data || {})}))}))"""
 
+# Runs in the page: run code in the notebook's kernel, outside any cell; returns its stdout.
+KERNEL_STDOUT = """async (code) => {
+  const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  const future = kernel.requestExecute({code, silent: false, store_history: false});
+  let out = '';
+  future.onIOPub = (msg) => {
+    if (msg.header.msg_type === 'stream' && msg.content.name === 'stdout') out += msg.content.text;
+  };
+  await future.done;
+  return out;
+}"""
+
 # Runs in the page: run the first code cell whose source contains the text again.
 RERUN_CELL = """async (text) => {
   const app = window.jupyterapp;

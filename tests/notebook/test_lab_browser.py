@@ -26,11 +26,19 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from build_notebooks import sources  # noqa: E402
-from lab_page import CELL_OUTPUTS, RERUN_CELL, RUN_ALL, WATCH_PROGRESS, serve_lab  # noqa: E402
+from lab_page import (  # noqa: E402
+    CELL_OUTPUTS,
+    KERNEL_STDOUT,
+    RERUN_CELL,
+    RUN_ALL,
+    WATCH_PROGRESS,
+    serve_lab,
+)
 from voila_page import CHROMIUM, launch_chromium  # noqa: E402
 
 TUTORIALS = [path.with_suffix(".ipynb") for path in sources()]
 OPEN_TIMEOUT_MS = 120_000
+OPEN_WIDGETS = "from ipywidgets.widgets.widget import _instances; print(len(_instances))"
 
 # What a tutorial must render live (counts of editors, live views and figures, the live
 # views' plots included), the element its screenshot shows, and a cell to run again after
@@ -39,7 +47,7 @@ EXPECTED: dict[str, dict] = {
     "01_quickstart": {"editors": 0, "live_views": 0, "figures": 0,
                       "screenshot": ".jp-OutputArea-output table"},
     "02_spec_editor": {"editors": 2, "live_views": 0, "figures": 0,
-                       "screenshot": ".undercurrent-spec-editor"},
+                       "screenshot": ".undercurrent-spec-editor", "rerun": "editor = SpecEditor"},
     "03_capture_fit_live": {"editors": 0, "live_views": 1, "figures": 2,
                             "screenshot": ".undercurrent-live-view", "rerun": "LiveView(live"},
     "04_trajectories_and_frames": {"editors": 0, "live_views": 0, "figures": 4,
@@ -112,12 +120,17 @@ def test_tutorial_runs_in_jupyterlab_with_live_widgets_and_figures(lab, notebook
 
         if live_views:
             _check_live_view(page)
-        if "rerun" in expected:  # after Run All, the cell still runs (nothing was closed)
+        if "rerun" in expected:
+            # After Run All, the cell still runs (its model was not closed), and lets
+            # the widgets it built before go (ipywidgets keeps them until closed).
+            widgets = int(page.evaluate(KERNEL_STDOUT, OPEN_WIDGETS))
             index = page.evaluate(RERUN_CELL, expected["rerun"])
             rerun = page.evaluate(CELL_OUTPUTS)
             errors = [out["name"] for cell in rerun for out in cell["outputs"]
                       if out["type"] == "error"]
             assert errors == [], f"running cell {index} again failed: {errors}"
+            again = int(page.evaluate(KERNEL_STDOUT, OPEN_WIDGETS))
+            assert again == widgets, f"running cell {index} again left {again - widgets} widgets"
         shot = scratch / f"tutorial_{notebook.stem}.png"
         target = page.locator(expected.get("screenshot", ".jp-OutputArea-output")).first
         target.scroll_into_view_if_needed()
