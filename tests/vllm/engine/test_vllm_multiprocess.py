@@ -255,3 +255,25 @@ def test_a_stream_s_events_carry_the_edits_of_the_steps_that_sampled_their_token
     # machine one run in a few did, and waited for good: hence the timeout.)
     check_streamed_edits(list(ProbedModel(backend, spec=steered_guard_spec(
         backend, num_layers)).stream(prompts()[4], max_new_tokens=MAX_NEW_TOKENS)))
+
+
+def test_a_script_loading_outside_its_main_guard_is_told_to_add_one(tmp_path, model_dir):
+    # vLLM's CPU build spawns the engine core, which imports the script again: an
+    # unguarded load ran there too and failed, and the script got only "Engine core
+    # initialization failed". Refused before any process starts, naming the line
+    # (a guarded script: tests/vllm/test_vllm_spawning.py).
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from undercurrent.adapters.vllm.backend import VLLMBackend\n"
+                      f"pm = VLLMBackend.from_pretrained({model_dir!r}, multiprocess=True, "
+                      "max_model_len=128)\n")
+    completed = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                               timeout=600, check=False)
+    assert completed.returncode == 1
+    last = completed.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"undercurrent.adapters.base.BackendError: {script}, line 2, "
+                           "loads a vLLM engine with multiprocess=True outside an `if "
+                           "__name__ == \"__main__\":` block"), completed.stderr[-3000:]
+    assert "EngineCore" not in completed.stderr  # (no process was started)

@@ -9,6 +9,8 @@
 - :mod:`.worker` is the worker extension (``worker_extension_cls``) that installs the
   hooks and gathers each step's matching rows;
 - :mod:`.backend` drives the engine and routes records on the driver;
+- :mod:`.spawning` refuses an engine whose processes would import an unguarded
+  script again;
 - :mod:`.config_capabilities` says what an engine would capture, from a config alone
   (``undercurrent inspect-model``).
 

@@ -49,6 +49,7 @@ from undercurrent.adapters.vllm.channel import StepServer
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
 from undercurrent.adapters.vllm.liveness import engine_death, watch_engine_core
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
+from undercurrent.adapters.vllm.spawning import check_spawnable
 from undercurrent.arguments import check_number
 from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
@@ -374,6 +375,10 @@ class VLLMBackend:
                     **engine_kwargs,
                 )
                 config = args.create_engine_config()
+                if multiprocess or tensor_parallel_size > 1:
+                    # (the CPU platform chose how processes start just now)
+                    check_spawnable("multiprocess=True" if multiprocess
+                                    else f"tensor_parallel_size={tensor_parallel_size}")
                 engine = LLMEngine(vllm_config=config, executor_class=Executor.get_class(config),
                                    log_stats=False, multiprocess_mode=multiprocess)
         except BaseException:
