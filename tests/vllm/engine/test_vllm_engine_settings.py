@@ -1,23 +1,58 @@
-"""Settings of the engine the vLLM backend sets or reads: the CPU KV cache size
-(``kv_cache_gib``), prefix caching as the engine resolved it. One engine for the
-whole file."""
+"""Settings of the engine and the model the vLLM backend sets or reads: the CPU KV
+cache size (``kv_cache_gib``), prefix caching as the engine resolved it, the
+model's generation config (applied as the HF backend's generate() applies it). One
+engine for the whole file, on a copy of the test model with its own generation
+config."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
+from vllm_engine_helpers import prompts
 
+from undercurrent.adapters.base import BackendError
 from undercurrent.adapters.capabilities import CapabilityError
 from undercurrent.api import ProbedModel
 
 GIB = 1 << 30
 
+NEW_TOKENS = 16
+
+#: Settings generate() applies that vLLM's own defaults leave out (min_new_tokens)
+#: or that the backend's requests replaced (repetition_penalty): each changes the
+#: test model's greedy tokens.
+GENERATION_SETTINGS = {"repetition_penalty": 3.0, "min_new_tokens": 9}
+
+
+def model_with_generation_config(model_dir, folder, **settings):
+    """A copy of the test model in ``folder`` whose generation config adds ``settings``."""
+    shutil.copytree(model_dir, folder)
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, **settings}))
+    return str(folder)
+
 
 @pytest.fixture(scope="module")
-def model(model_dir):
+def settings_model(model_dir, tmp_path_factory):
+    return model_with_generation_config(model_dir, tmp_path_factory.mktemp("m") / "model",
+                                        **GENERATION_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(settings_model):
+    # The oracle runs before vLLM is imported in this process.
+    with ProbedModel.from_pretrained(settings_model, dtype="float32") as hf:
+        return hf.generate(prompts(), max_new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model(settings_model, hf_outputs):
     before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    with ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+    with ProbedModel.from_pretrained(settings_model, backend="vllm", dtype="float32",
                                      max_model_len=128, kv_cache_gib=2.0,
                                      enable_prefix_caching=None) as loaded:
         # kv_cache_gib sized this engine only: an engine loaded later in the process
@@ -48,3 +83,25 @@ def test_prefix_caching_is_read_from_the_engine(model):
             "name": "first", "layers": [0], "tensor_type": "residual_stream",
             "position": "prompt[0]", "probe_type": "norm_probe",
             "probe_kind": "single_shot"}]})
+
+
+def test_the_models_generation_config_applies_as_on_the_hf_backend(model, hf_outputs):
+    # (the backend's requests dropped it: other tokens than the hf backend's, silently)
+    outputs = model.generate(prompts(), max_new_tokens=NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in hf_outputs]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in hf_outputs]
+    assert min(len(o.token_ids) for o in outputs) >= GENERATION_SETTINGS["min_new_tokens"]
+
+
+def test_a_generation_setting_vllm_cannot_apply_is_refused_before_the_engine_starts(
+        model_dir, tmp_path):
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    path = model_with_generation_config(model_dir, tmp_path / "model", no_repeat_ngram_size=3)
+    with pytest.raises(BackendError, match="generation_config sets no_repeat_ngram_size=3 "
+                                           ".*override_generation_config="):
+        VLLMBackend.from_pretrained(path, max_model_len=128)
+    # (the engine argument that turns it off)
+    with pytest.raises(BackendError, match="generation_config sets no_repeat_ngram_size=2"):
+        VLLMBackend.from_pretrained(path, max_model_len=128,
+                                    override_generation_config={"no_repeat_ngram_size": 2})

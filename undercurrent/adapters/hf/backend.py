@@ -45,6 +45,7 @@ from undercurrent.adapters.arguments import check_device, check_model_path, dtyp
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.context import context_problem
+from undercurrent.adapters.generation_config import other_decoding
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks, model_device
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
@@ -485,21 +486,6 @@ def _end_live_streams() -> None:
         worker.join()
 
 
-#: ``generation_config`` settings that decode otherwise than one row per prompt and
-#: one token per forward pass (``num_*``: above 1; ``guidance_scale``: other than
-#: 1; the others: set at all).
-_OTHER_DECODING = {
-    "num_beams": "beam search",
-    "num_beam_groups": "group beam search",
-    "num_return_sequences": "several sequences per prompt",
-    "prompt_lookup_num_tokens": "prompt-lookup (assisted) decoding",
-    "assistant_early_exit": "self-speculative (assisted) decoding from an early layer",
-    "prefill_chunk_size": "a prompt prefilled in chunks",
-    "guidance_scale": "classifier-free guidance: a second, unconditional forward of the "
-                      "model per token",
-}
-
-
 class HFBackend:
     """Live capture on a transformers ``*ForCausalLM`` model and its tokenizer.
 
@@ -839,17 +825,14 @@ class HFBackend:
                 "undercurrent generates with: call model.eval() or "
                 "model.gradient_checkpointing_disable() before generating")
         config = self.model.generation_config
-        for name, what in _OTHER_DECODING.items():
-            value = getattr(config, name, None)
-            counted = name.startswith("num_")
-            if value is None or (counted and value <= 1) or (
-                    name == "guidance_scale" and value == 1):  # (1: no guidance)
-                continue
+        other = other_decoding(lambda name: getattr(config, name, None))
+        if other is not None:
+            name, value, what, off = other
             raise BackendError(
                 f"the model's generation_config sets {name}={value!r} ({what}), which "
                 "undercurrent does not run: it decodes one sequence per prompt, one "
                 "token per forward pass (greedy or sampling). Set "
-                f"model.generation_config.{name} = {1 if counted else None}")
+                f"model.generation_config.{name} = {off}")
         stop_strings = getattr(config, "stop_strings", None)
         if stop_strings is not None:
             # (generate() would match them itself, given the tokenizer, and keep

@@ -46,6 +46,11 @@ from undercurrent.adapters.session import (
 )
 from undercurrent.adapters.vllm import SUPPORTED_VLLM, WORKER_EXTENSION, wire
 from undercurrent.adapters.vllm.channel import StepServer
+from undercurrent.adapters.vllm.generation import (
+    GenerationSettings,
+    engine_generation_config,
+    generation_settings,
+)
 from undercurrent.adapters.vllm.interrupts import HeldCtrlC, ctrl_c_deferred
 from undercurrent.adapters.vllm.liveness import engine_death, watch_engine_core
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
@@ -227,8 +232,11 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, multiprocess: bool,
-                 prefix_caching: bool) -> None:
+                 prefix_caching: bool, generation: GenerationSettings | None = None) -> None:
         self.engine = engine
+        self.generation = generation if generation is not None else GenerationSettings()
+        """What of the model's generation config each request applies (read when
+        the engine loads: :func:`generation_settings`)."""
         self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer)
         self.multiprocess = multiprocess
@@ -375,6 +383,8 @@ class VLLMBackend:
                     **engine_kwargs,
                 )
                 config = args.create_engine_config()
+                # (refused before the engine starts where vLLM cannot apply a setting)
+                generation = generation_settings(engine_generation_config(config.model_config))
                 if multiprocess or tensor_parallel_size > 1:
                     # (the CPU platform chose how processes start just now)
                     check_spawnable("multiprocess=True" if multiprocess
@@ -387,7 +397,7 @@ class VLLMBackend:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         try:
             backend = cls(engine, tokenizer, model_name=model_name or str(path),
-                          multiprocess=multiprocess,
+                          multiprocess=multiprocess, generation=generation,
                           # (as the engine resolved it: None is vLLM's default, on)
                           prefix_caching=bool(config.cache_config.enable_prefix_caching))
         except BaseException:
@@ -611,7 +621,9 @@ class VLLMBackend:
         strings on them (:class:`StopMatch`), as the HF backend does. vLLM's
         own text reads the first generated token in the prompt's context (a
         stop string that begins with a space would end a request at its first
-        token where the HF backend runs on). ``final_only``: vLLM reports each
+        token where the HF backend runs on). The model's generation config adds
+        what the HF backend's ``generate()`` applies (:attr:`generation`).
+        ``final_only``: vLLM reports each
         request once, when it finishes, instead of at every step (:meth:`_drive`
         then reads an aborted request's tokens from the worker's; see there)."""
         from vllm import SamplingParams as VllmSampling
@@ -620,7 +632,9 @@ class VLLMBackend:
         shared: dict[str, Any] = {
             "max_tokens": params.max_new_tokens, "seed": params.seed, "detokenize": False,
             "output_kind": RequestOutputKind.FINAL_ONLY if final_only
-            else RequestOutputKind.CUMULATIVE}
+            else RequestOutputKind.CUMULATIVE,
+            # (the model's generation config, as generate() applies it on the hf backend)
+            **self.generation.sampling_kwargs(params)}
         if params.greedy:
             return VllmSampling(temperature=0.0, **shared)
         return VllmSampling(temperature=params.temperature, top_p=params.top_p,
@@ -693,6 +707,7 @@ class VLLMBackend:
         try:
             self.check(session.points)
             self._check_edits(session, params)
+            self.generation.sampling_kwargs(params)  # (refuses what a call cannot apply)
             self.server.begin(session)
             states: dict[str, RequestState] = {}
             try:
