@@ -2,7 +2,7 @@
 cache size (``kv_cache_gib``), prefix caching as the engine resolved it, the
 model's generation config (applied as the HF backend's generate() applies it). One
 engine for the whole file, on a copy of the test model with its own generation
-config."""
+config, and one on a copy whose tokenizer's eos is not its generation config's."""
 
 from __future__ import annotations
 
@@ -50,7 +50,28 @@ def hf_outputs(settings_model):
 
 
 @pytest.fixture(scope="module")
-def model(settings_model, hf_outputs):
+def eos_model(model_dir, tmp_path_factory):
+    """``(copy of the test model whose tokenizer's eos is the first token it generates
+    after prompts()[0], outside its generation config's eos_token_id, the hf
+    backend's outputs on it)``."""
+    from transformers import AutoTokenizer
+
+    with ProbedModel.from_pretrained(model_dir, dtype="float32") as hf:
+        first = hf.generate(prompts()[0], max_new_tokens=1)[0].token_ids[0]
+        assert first not in hf.backend.eos_token_ids
+    folder = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(model_dir, folder)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token"] = AutoTokenizer.from_pretrained(model_dir).convert_ids_to_tokens(first)
+    path.write_text(json.dumps(config))
+    with ProbedModel.from_pretrained(str(folder), dtype="float32") as hf:
+        assert hf.backend.tokenizer.eos_token_id == first
+        return str(folder), hf.generate(prompts(), max_new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model(settings_model, hf_outputs, eos_model):
     before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     with ProbedModel.from_pretrained(settings_model, backend="vllm", dtype="float32",
                                      max_model_len=128, kv_cache_gib=2.0,
@@ -105,3 +126,17 @@ def test_a_generation_setting_vllm_cannot_apply_is_refused_before_the_engine_sta
     with pytest.raises(BackendError, match="generation_config sets no_repeat_ngram_size=2"):
         VLLMBackend.from_pretrained(path, max_model_len=128,
                                     override_generation_config={"no_repeat_ngram_size": 2})
+
+
+def test_a_request_ends_on_the_hf_backends_eos_ids_alone(model, eos_model):
+    # The tokenizer's eos is not among the generation config's eos_token_id: the hf
+    # backend (as generate()) stops on the latter alone, the engine stopped on the
+    # tokenizer's as well (at prompt 0's first token here).
+    path, hf_outputs = eos_model
+    with ProbedModel.from_pretrained(path, backend="vllm", dtype="float32",
+                                     max_model_len=128) as loaded:
+        assert loaded.backend.eos_token_ids == model.backend.eos_token_ids
+        outputs = loaded.generate(prompts(), max_new_tokens=NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in hf_outputs]
+    assert [o.finish_reason for o in outputs] == [o.finish_reason for o in hf_outputs]
+    assert "eos" in {o.finish_reason for o in outputs}  # (the config's eos ends some)

@@ -234,7 +234,8 @@ class VLLMBackend:
     def __init__(self, engine: Any, tokenizer: Any, *, model_name: str, multiprocess: bool,
                  prefix_caching: bool, generation: GenerationSettings | None = None) -> None:
         self.engine = engine
-        self.generation = generation if generation is not None else GenerationSettings()
+        self.generation = generation if generation is not None else generation_settings(
+            {}, getattr(tokenizer, "eos_token_id", None))
         """What of the model's generation config each request applies (read when
         the engine loads: :func:`generation_settings`)."""
         self.tokenizer = tokenizer
@@ -296,13 +297,9 @@ class VLLMBackend:
                     alive._core_ended()
 
             watch_engine_core(engine, core_ended)
-        eos = getattr(engine.model_config.hf_config, "eos_token_id", None)
-        generation_eos = engine.model_config.get_diff_sampling_param().get("stop_token_ids")
-        ids = list(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
-        ids += list(generation_eos or [])
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            ids.append(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(int(i) for i in ids)
+        # (the hf backend's: the generation config's, else the tokenizer's; the
+        # engine stops on these alone, see GenerationSettings.sampling_kwargs)
+        self.eos_token_ids = self.generation.eos_token_ids
 
     # -- construction ------------------------------------------------------
     @classmethod
@@ -366,6 +363,7 @@ class VLLMBackend:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
         if max_model_len is not None:  # else vLLM takes the model's own limit
             engine_kwargs["max_model_len"] = max_model_len
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
         model_directory, staging = loadable_directory(str(path))
         # (a misspelt engine argument must not leave the staging folder behind; vLLM
         # reads the KV cache size from the environment while it builds the engine)
@@ -384,7 +382,8 @@ class VLLMBackend:
                 )
                 config = args.create_engine_config()
                 # (refused before the engine starts where vLLM cannot apply a setting)
-                generation = generation_settings(engine_generation_config(config.model_config))
+                generation = generation_settings(engine_generation_config(config.model_config),
+                                                 tokenizer.eos_token_id)
                 if multiprocess or tensor_parallel_size > 1:
                     # (the CPU platform chose how processes start just now)
                     check_spawnable("multiprocess=True" if multiprocess
@@ -394,7 +393,6 @@ class VLLMBackend:
         except BaseException:
             remove_staging(staging)
             raise
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
         try:
             backend = cls(engine, tokenizer, model_name=model_name or str(path),
                           multiprocess=multiprocess, generation=generation,

@@ -95,10 +95,17 @@ class GenerationSettings:
     """Arguments for a sampling request only (``min_p``)."""
     sampling_refusals: tuple[str, ...] = ()
     """Why a sampling call is refused (settings that apply only when sampling)."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """The ids that end a request: the generation config's ``eos_token_id``, else the
+    tokenizer's eos (the HF backend's, as ``generate()`` reads them)."""
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """vLLM ``SamplingParams`` arguments for a request of a call with ``params``."""
-        kwargs = dict(self.always)
+        # vLLM would stop on the tokenizer's eos too, where generate() stops on the
+        # generation config's ids alone: the request stops on these ids only
+        # (finish_reason "stop", stop_reason the id; min_tokens holds them back).
+        kwargs: dict[str, Any] = {**self.always, "ignore_eos": True,
+                                  "stop_token_ids": sorted(self.eos_token_ids)}
         if self.min_new_tokens:
             kwargs["min_tokens"] = min(self.min_new_tokens, params.max_new_tokens)
         if params.greedy:
@@ -119,11 +126,12 @@ class GenerationSettings:
         return kwargs
 
 
-def generation_settings(fields: Mapping[str, Any]) -> GenerationSettings:
+def generation_settings(fields: Mapping[str, Any],
+                        tokenizer_eos: int | None = None) -> GenerationSettings:
     """The :class:`GenerationSettings` of a generation config's settings ``fields``
-    (:func:`engine_generation_config`); a setting vLLM cannot apply at all is a
-    ``BackendError`` naming it, one that applies only when sampling refuses sampling
-    calls."""
+    (:func:`engine_generation_config`) for a model whose tokenizer's eos id is
+    ``tokenizer_eos``; a setting vLLM cannot apply at all is a ``BackendError``
+    naming it, one that applies only when sampling refuses sampling calls."""
     other = other_decoding(fields.get)
     if other is not None:
         name, value, what, off = other
@@ -145,12 +153,27 @@ def generation_settings(fields: Mapping[str, Any]) -> GenerationSettings:
         _refusal(name, fields[name], what, off, "vLLM's sampling has no such setting")
         + " (greedy calls are unaffected)"
         for name, (on, off, what) in _UNSUPPORTED_WHEN_SAMPLING.items() if on(fields.get(name)))
+    eos = fields.get("eos_token_id")
+    if eos is None:
+        eos = tokenizer_eos
+    eos_ids = frozenset(int(i) for i in (eos if isinstance(eos, (list, tuple)) else
+                                         ([] if eos is None else [eos])))
+    min_new_tokens = int(fields.get("min_new_tokens") or 0)
+    if min_new_tokens and tokenizer_eos is not None and tokenizer_eos not in eos_ids:
+        # (vLLM's min_tokens holds back the tokenizer's eos whatever the request says)
+        raise BackendError(
+            f"the model's generation_config sets min_new_tokens={min_new_tokens}, and its "
+            f"tokenizer's eos id {tokenizer_eos} is not among its eos_token_id "
+            f"{sorted(eos_ids)}: generate() holds back only those for the first "
+            f"{min_new_tokens} tokens, vLLM the tokenizer's eos as well, so the vllm "
+            "backend's tokens could differ from the hf backend's; use backend='hf', or "
+            "load the engine with override_generation_config={'min_new_tokens': 0}")
     always = {}
     penalty = fields.get("repetition_penalty")
     if penalty is not None and penalty != 1.0:
         always["repetition_penalty"] = float(penalty)
     min_p = fields.get("min_p")
     return GenerationSettings(
-        always=always, min_new_tokens=int(fields.get("min_new_tokens") or 0),
+        always=always, min_new_tokens=min_new_tokens,
         when_sampling={} if min_p is None else {"min_p": float(min_p)},
-        sampling_refusals=refusals)
+        sampling_refusals=refusals, eos_token_ids=eos_ids)
