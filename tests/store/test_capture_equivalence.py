@@ -178,6 +178,57 @@ def test_a_view_reports_its_own_rows(store):
     assert (len(empty), empty.points, empty.nbytes, empty.n_prompts) == (0, [], 0, 0)
 
 
+def test_select_builds_only_the_rows_it_asks_for(store, monkeypatch):
+    # A point and layer are filtered shard by shard before the rows reach pandas:
+    # the whole index is never built, and the view equals that filter of it.
+    from undercurrent.store import reader
+
+    built: list[int] = []
+    read_index = reader.read_index
+
+    def counted(paths, keep=None):
+        frame = read_index(paths, keep)
+        built.append(len(frame))
+        return frame
+
+    monkeypatch.setattr(reader, "read_index", counted)
+    fresh = open_activations(store.path)
+    view = fresh.select(point="resid", layer=1)
+    last = fresh.select(point="resid", layer=[1, 3], tensor_type="residual_stream",
+                        positions="last")
+    assert fresh.held_points == ["resid", "kv_last_prompt", "mlp"]  # (one column read)
+    assert built == [len(view), 2 * len(view)] and len(view) < len(store) / 4
+    index = store.index
+    resid = index["extraction_point_name"] == "resid"
+    # (the same rows, labels and values; a categorical's categories are those read)
+    pd.testing.assert_frame_equal(view.index, index[resid & (index["layer"] == 1)],
+                                  check_categorical=False)
+    pd.testing.assert_frame_equal(
+        last.index, store.select(point="resid", layer=[1, 3], positions="last").index,
+        check_categorical=False)
+
+
+def test_the_index_holds_repeated_strings_once_and_reads_an_older_store(store, tmp_path):
+    # (a store written before the edits column: every row without edits)
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    index = store.index
+    for column in ("request_id", "extraction_point_name", "tensor_type", "shard", "edits"):
+        assert isinstance(index[column].dtype, pd.CategoricalDtype), column
+    assert set(index["edits"]) == {()} and index["request_id"].iloc[0] == "p000000"
+    older = tmp_path / "older"
+    shutil.copytree(store.path, older)
+    first = next(iter(sorted((older / "shards").glob("part*")))) / "index.parquet"
+    pq.write_table(pq.read_table(first).drop_columns(["edits"]), first)
+    reopened = open_activations(older)
+    pd.testing.assert_frame_equal(reopened.index, index)
+    pd.testing.assert_frame_equal(
+        reopened.records_frame(tensors=False).drop(columns="activations_id"),
+        store.records_frame(tensors=False).drop(columns="activations_id"))
+
+
 def test_a_store_with_no_shard_yet_has_every_column_with_its_dtype(tiny, prompts, store,
                                                                     tmp_path):
     # (a capture in progress, or a part with no prompts: here part 0 of 2 of one prompt)

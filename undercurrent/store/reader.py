@@ -16,7 +16,6 @@ from typing import Any
 from undercurrent.analysis._inputs import missing_labels, request_groups
 from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
-    INDEX_SCHEMA,
     MANIFEST,
     OUTPUT_SCHEMA,
     RESULT_SCHEMA,
@@ -31,6 +30,7 @@ from undercurrent.store.format import (
     read_shard_meta,
     verdict_from_json,
 )
+from undercurrent.store.index_frame import index_filter, read_index, stored_values
 
 POSITIONS = ("all", "prompt", "generated", "last", "last_prompt")
 """Row filters of :meth:`ActivationStore.select`: every row, prompt or generated tokens
@@ -126,12 +126,18 @@ class ActivationStore:
     # -- frames ------------------------------------------------------------------------
     @property
     def index(self) -> Any:
-        """One row per vector; see ``undercurrent.store.INDEX_COLUMNS``."""
+        """One row per vector; see ``undercurrent.store.INDEX_COLUMNS``.
+
+        ``request_id``, ``extraction_point_name``, ``tensor_type``, ``shard`` and
+        ``edits`` (tuples of names) are categoricals, so the index of a large store
+        costs tens of bytes a row; :meth:`records_frame` gives them as the live
+        frames hold them (``object``)."""
         if self._index is None:
-            index = self._concat("index.parquet", INDEX_SCHEMA)
-            self._index = index.astype({"generated_index": "Int64", "token_id": "Int64"})
-            self._index["shard"] = self._index["shard"].astype("category")
+            self._index = read_index(self._index_files())
         return self._index
+
+    def _index_files(self) -> list[Path]:
+        return [self.path / "shards" / shard / "index.parquet" for shard in self._shards]
 
     @property
     def outputs(self) -> Any:
@@ -290,7 +296,13 @@ class ActivationStore:
         ``positions`` is one of ``POSITIONS``; ``"last"``/``"last_prompt"`` keep each
         request's last captured (prompt) token per point and layer.
         """
-        index = self._rows_frame(rows)
+        keep = index_filter(point, None if layer is None else layer_indices(layer),
+                            tensor_type)
+        if rows is None and self._index is None and keep is not None:
+            # (only the asked rows reach pandas: the whole index is never built)
+            index = read_index(self._index_files(), keep)
+        else:
+            index = self._rows_frame(rows)
         if point is not None:
             index = index[index["extraction_point_name"] == point]
         if layer is not None:
@@ -314,6 +326,9 @@ class ActivationStore:
 
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
+        for column in ("request", "point", "tensor_type"):  # (the index's categoricals)
+            if isinstance(out[column].dtype, pd.CategoricalDtype):
+                out[column] = out[column].astype(object)
         out = out.drop(columns=["row"]).reset_index(drop=True)
         out["token_text"] = None
         out["timestamp"] = float("nan")
@@ -330,7 +345,7 @@ class ActivationStore:
         # (a list per row as parquet reads it back; a store written before the
         # column was stored says none)
         stored = frame["edits"] if "edits" in frame else [None] * len(frame)
-        out["edits"] = [tuple(names) if isinstance(names, list | np.ndarray) else ()
+        out["edits"] = [tuple(names) if isinstance(names, list | tuple | np.ndarray) else ()
                         for names in stored]
         positions = np.arange(len(frame), dtype=np.int64)
         blocks: dict[int, list[Any]] = {}
@@ -497,10 +512,18 @@ class ActivationStore:
     def points(self) -> list[str]:
         """Point names in the spec's order (a view: those it holds rows of)."""
         names = [point["name"] for point in self.manifest["points"]]
-        if not self._view:
-            return names
-        held = set(self.index["extraction_point_name"].unique().tolist())
-        return [name for name in names if name in held]
+        return self.held_points if self._view else names
+
+    @property
+    def held_points(self) -> list[str]:
+        """The points this store (or view) holds rows of, in the spec's order (a
+        store whose index is not loaded reads that one column to answer)."""
+        if self._index is None:
+            held = set(stored_values(self._index_files(), "extraction_point_name"))
+        else:
+            held = set(self._index["extraction_point_name"].unique().tolist())
+        return [point["name"] for point in self.manifest["points"]
+                if point["name"] in held]
 
     @property
     def layers(self) -> list[int]:
@@ -524,7 +547,7 @@ class ActivationStore:
             return sum(meta["rows"] * size(meta) for shard in self._shards.values()
                        for meta in shard["points"].values())
         counts = self.index.groupby([self.index["shard"].astype(str),
-                                     "extraction_point_name"]).size()
+                                     "extraction_point_name"], observed=True).size()
         return sum(int(n) * size(self._point_meta(shard, point))
                    for (shard, point), n in counts.items())
 

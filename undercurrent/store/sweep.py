@@ -57,7 +57,7 @@ def sweep_linear_probes(
     import pandas as pd
 
     if point is None:
-        present = sorted(store.index["extraction_point_name"].unique().tolist())
+        present = sorted(store.held_points)
         if len(present) != 1:
             raise ValueError(f"sweep_linear_probes: the store has points {present}; "
                              "pick one with point=...")
