@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,18 @@ def read_prompts(path: str | Path) -> list[str]:
         raise ValueError(f"{source}: no prompts in this file (it is empty or blank); a "
                          f"{source.suffix} prompts file needs at least one prompt")
     return prompts
+
+
+def attach_dash_values(argv: Sequence[str]) -> list[str]:
+    """``argv`` with ``--shard -1/3`` written ``--shard=-1/3``: argparse takes a
+    value that starts with '-' and is not a plain negative number for the next
+    option ("expected one argument"); attached, it reaches the check that says
+    what a part must be."""
+    out = list(argv)
+    for at in range(len(out) - 2, -1, -1):
+        if out[at] == "--shard" and out[at + 1][:2] != "--" and out[at + 1].startswith("-"):
+            out[at:at + 2] = [f"--shard={out[at + 1]}"]
+    return out
 
 
 def _reductions(items: list[str]) -> dict[str, str]:

@@ -32,7 +32,11 @@ from undercurrent.adapters.base import BackendError, SamplingParams, stop_string
 from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.api import ProbedModel
-from undercurrent.capture_cli import add_capture_command, spec_deprecations_told
+from undercurrent.capture_cli import (
+    add_capture_command,
+    attach_dash_values,
+    spec_deprecations_told,
+)
 from undercurrent.demo import add_demo_command
 from undercurrent.errors import one_line
 from undercurrent.notebook.storage import save_records
@@ -516,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failure, 2 usage error)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_request:  # argparse exits on --help, --version and errors
         code = exit_request.code
         return code if isinstance(code, int) else EXIT_USAGE

@@ -142,6 +142,8 @@ def _cli_base(tmp_path, out):
      "two token reductions, 'last_token' and 'mean_generated'"),
     (["--reduce", "resid=last_token", "--reduce", "resid=project:8"],
      "point 'resid' twice (resid=last_token and resid=project:8)"),
+    # (argparse took '-1/3' for an option: "expected one argument")
+    (["--shard", "-1/3"], "shard '-1/3' must look like 'i/N' (e.g. '0/4'), with 0 <= i < N"),
 ])
 def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
         tmp_path, capsys, bad, named):
