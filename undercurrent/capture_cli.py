@@ -17,7 +17,11 @@ from undercurrent.adapters.prompts import refuse_lone_surrogates
 from undercurrent.api import ProbedModel
 from undercurrent.errors import one_line
 from undercurrent.spec import SpecDeprecationWarning
-from undercurrent.store.capture import capture_settings, check_point_reductions
+from undercurrent.store.capture import (
+    capture_settings,
+    check_out_dir,
+    check_point_reductions,
+)
 from undercurrent.store.format import MANIFEST, StoreError, StoreExistsError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -180,6 +184,7 @@ def _capture(args: argparse.Namespace) -> int:
     try:
         prompts = read_prompts(args.prompts)
         reductions = _reductions(args.reduce)
+        check_out_dir(args.out, "--out")
         capture_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          seed=args.seed, batch_size=args.batch_size,
                          storage_dtype=args.storage_dtype, reduce=reductions, shard=args.shard)

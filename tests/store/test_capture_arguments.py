@@ -156,6 +156,24 @@ def test_cli_bad_argument_values_exit_2_with_one_line_and_write_nothing(
     assert not out.exists()
 
 
+def test_an_out_dir_that_is_a_file_is_refused_naming_it(tiny, tmp_path, capsys):
+    # (the system said "[Errno 20] Not a directory: 'afile/shards'")
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    for out, where in ((afile, "is a file"), (afile / "sub", f"is inside {str(afile)!r}")):
+        with pytest.raises(NotADirectoryError, match=f"out_dir {str(out)!r} {where}"):
+            tiny.capture(PROMPTS, out, **GOOD)
+        main, base, prompts = _cli_base(tmp_path, out)
+        assert main([*base, "--prompts", str(prompts)]) == 2
+        line = [text for text in capsys.readouterr().err.splitlines()
+                if text.startswith("capture:")]
+        assert line == [f"capture: --out {str(out)!r} {where}"
+                        + (", which is a file" if out != afile else "")
+                        + ": a store is a directory; give a new directory or an existing "
+                          "store's"]
+    assert afile.read_text() == "kept"
+
+
 def test_cli_no_resume_on_a_written_store_names_the_flag_to_drop(tmp_path, capsys):
     out = tmp_path / "o"
     main, base, prompts = _cli_base(tmp_path, out)

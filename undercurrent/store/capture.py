@@ -136,6 +136,23 @@ def vectors_digest(resolved: Sequence[Any]) -> str:
     return digest.hexdigest()
 
 
+def check_out_dir(out_dir: str | os.PathLike[str], argument: str = "out_dir") -> Path:
+    """``out_dir`` as a ``Path``; a ``NotADirectoryError`` naming ``argument`` and the
+    file in the way when it, or a folder above it, is a file (a store is a
+    directory; the system's own "[Errno 20] Not a directory" names neither)."""
+    path = Path(out_dir)
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = ("is a file" if place == path
+                         else f"is inside {str(place)!r}, which is a file")
+                raise NotADirectoryError(
+                    f"{argument} {str(path)!r} {where}: a store is a directory; give a "
+                    "new directory or an existing store's")
+            break
+    return path
+
+
 def capture_activations(
     model: CapturingModel,
     prompts: Sequence[str],
@@ -167,6 +184,7 @@ def capture_activations(
                          "prompt list is empty)")
     if not model.points:
         raise ValueError("capture needs a spec with at least one extraction point")
+    check_out_dir(out_dir)
     names = [point.name for point in model.points]
     settings = capture_settings(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
