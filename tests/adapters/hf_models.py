@@ -58,11 +58,12 @@ def build_tokenizer() -> Any:
 
 
 @cache
-def build_model(model_type: str, eos: bool = False) -> Any:
+def build_model(model_type: str, eos: bool = False, vocab: int = VOCAB) -> Any:
     """A tiny random ``*ForCausalLM`` in eval mode, seeded so it is the same every time.
 
     ``eos=False`` gives the model no eos token, so generations always run to
-    ``max_new_tokens`` (what the equivalence tests want).
+    ``max_new_tokens`` (what the equivalence tests want). ``vocab``: its
+    vocabulary's size (another tokenizer's, such as :func:`subword_tokenizer` 's).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -70,7 +71,7 @@ def build_model(model_type: str, eos: bool = False) -> Any:
     special = dict(SPECIAL)
     if not eos:
         special["eos_token_id"] = None
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **special,
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, **special,
                                   **CONFIGS[model_type])
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -147,3 +148,48 @@ def kv_point(mode: str = "async") -> Any:
 
     return ExtractionPoint(name="kv", layers=(0, 2), tensor_type="kv", position="generated[*]",
                            probe_type="capture", probe_kind="trajectory", execution_mode=mode)
+
+
+CORPUS = ["the cat sat on the mat, then the cat ran.", "un café crème à l'élève, déjà vu",
+          "日本語のテキストです。東京へ行きます", "emoji 😀 and 🎉 party 👩‍💻 at noon",
+          "naïve coöperation über straße", "x = f(y) + 2; print(x)  # done",
+          "Привет мир, как дела?", "don't stop: it's 3.14 or 2,718!"]
+"""Text with characters of one to four bytes, for :func:`subword_tokenizer`."""
+
+
+@cache
+def subword_tokenizer(kind: str) -> Any:
+    """A subword ``PreTrainedTokenizerFast`` trained here on :data:`CORPUS`, the
+    specials <pad>=0, <bos>=1, <eos>=2, <unk>=3 first. ``"byte-level"``: GPT-2's
+    byte-level BPE (a character's bytes may span tokens); ``"sentencepiece"``:
+    llama's BPE of words that begin with "▁" for the space before them (dropped
+    at the start of the text), with byte fallback (<0x..> tokens: a character
+    not in the vocabulary, byte by byte)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    if kind == "byte-level":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tokenizer.decoder = decoders.Sequence([
+            decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+            decoders.Strip(" ", 1, 0)])
+        tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
+            vocab_size=300, limit_alphabet=60, special_tokens=specials))
+        saved = json.loads(tokenizer.to_str())
+        vocab = saved["model"]["vocab"]
+        vocab.update({f"<0x{byte:02X}>": len(vocab) + byte for byte in range(256)})
+        saved["model"]["byte_fallback"] = True
+        tokenizer = Tokenizer.from_str(json.dumps(saved))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>",
+                                   eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")

@@ -182,3 +182,104 @@ def test_a_stop_match_reads_a_window_of_tokens_and_finds_what_the_whole_text_hol
         assert match.window == 4 * max(map(len, stops)) + 8
     # (most checks read a window, not the text so far; some read more, to confirm)
     assert max(lengths) > 28 and sorted(lengths)[len(lengths) // 2] <= 28
+
+
+from hf_models import CORPUS, subword_tokenizer  # noqa: E402
+
+from undercurrent.adapters.prompts import text_decoder  # noqa: E402
+
+
+class _Counted:
+    """A decode that counts the tokens it is given."""
+
+    def __init__(self, decode) -> None:
+        self.decode, self.tokens = decode, 0
+
+    def __call__(self, ids) -> str:
+        self.tokens += len(ids)
+        return self.decode(ids)
+
+
+def _tokenizer(kind: str):
+    return build_tokenizer() if kind == "word-level" else subword_tokenizer(kind)
+
+
+def _token_lists(tokenizer, rng: random.Random) -> list[tuple[bool, list[int]]]:
+    """(encoded, ids): the corpus encoded (a character's bytes split across
+    tokens, words beginning with a space), with special tokens strewn in, then
+    ids at random (not encoded: byte tokens that no character's bytes complete,
+    whose text a later byte may change)."""
+    specials = list(tokenizer.all_special_ids)
+    lists = []
+    for text in [*CORPUS, " ".join(CORPUS)]:
+        ids = tokenizer(text)["input_ids"]
+        strewn = list(ids)
+        for _ in range(len(ids) // 3):
+            strewn.insert(rng.randrange(len(strewn) + 1), rng.choice(specials))
+        lists += [(True, ids), (True, strewn)]
+    lists += [(False, [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))])
+              for _ in range(100)]
+    return lists
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
+def test_pieces_of_tokens_decoded_as_they_come_are_those_of_the_whole_text(kind) -> None:
+    # next_piece decodes each token with a few before it; piece is given the whole
+    # text decoded at each token: the same pieces, on texts whose characters span
+    # tokens, whose words begin with a space dropped at the start, with special
+    # tokens (skipped) between.
+    tokenizer = _tokenizer(kind)
+    decode = text_decoder(tokenizer)
+    rng = random.Random(3)
+    for encoded, ids in _token_lists(tokenizer, rng):
+        text = decode(ids)
+        stops = [[], [text[-3:]] if text else [], ["\u00e9", "\U0001F600"],
+                 [text[start:start + rng.randint(1, 4)]
+                  for start in (rng.randrange(len(text) + 1), len(text) // 2)]][rng.randrange(4)]
+        whole, incremental = StreamText(stops), StreamText(stops, decode)
+        expected = [whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
+        pieces = [incremental.next_piece(ids[:count]) for count in range(1, len(ids) + 1)]
+        assert pieces == expected, (ids, stops)
+        cut = stop_position(text, stops)
+        final = text if cut is None else text[:cut]
+        assert whole.rest(final) == incremental.rest(final)
+        if encoded:
+            assert "".join(pieces) + incremental.rest(final) == final
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
+def test_a_stream_decodes_each_token_with_a_few_before_it(kind) -> None:
+    # The tokens given to decode grow with the text, not with its square.
+    tokenizer = _tokenizer(kind)
+    ids = tokenizer(" ".join(CORPUS * 40))["input_ids"]
+    for length in (len(ids) // 4, len(ids)):
+        decode = _Counted(text_decoder(tokenizer))
+        stream = StreamText(["zz"], decode)
+        for count in range(1, length + 1):
+            stream.next_piece(ids[:count])
+        assert decode.tokens <= 4 * length, (length, decode.tokens)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind, stop) -> None:
+    # A random model's tokens: characters split across byte tokens, words that
+    # begin with a space; each token decoded with a few before it. (Its bytes at
+    # random need not make characters: a later byte may change the text before,
+    # so pieces sent need not join into the output's text, here as before.)
+    tokenizer = subword_tokenizer(kind)
+    with ProbedModel(build_model("llama", vocab=len(tokenizer)), tokenizer) as pm:
+        decode = pm.backend.decode
+        text = pm.generate([CORPUS[3]], max_new_tokens=300)[0].text
+        stops = [text[len(text) // 2:len(text) // 2 + 3]] if stop else []
+        counted = pm.backend.decode = _Counted(decode)
+        events = list(pm.stream(CORPUS[3], max_new_tokens=300, stop=stops))
+    output = events[-1].output
+    ids = output.token_ids
+    whole = StreamText(stops)
+    assert [event.text for event in events[:-1]] == [
+        whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
+    assert events[-1].text == whole.rest(output.text)
+    assert output.finish_reason == "stop" if stop else len(ids) > 50
+    if not stop:  # (the stop strings' own checks decode too)
+        assert counted.tokens <= 8 * len(ids), (len(ids), counted.tokens)

@@ -46,6 +46,7 @@ from undercurrent.adapters.delivery import (
     flush_window,
 )
 from undercurrent.adapters.edit_log import EditLog
+from undercurrent.adapters.incremental_text import REPLACEMENT, IncrementalText
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
 from undercurrent.adapters.prompts import plain_ids
 from undercurrent.probes.base import RequestContext
@@ -363,11 +364,23 @@ _EDIT_MARKS = operator.attrgetter("_edit_marks")
 class StreamText:
     """The text pieces of one request's stream, so that the pieces joined (the final
     event's included) equal ``GenerationOutput.text``: a stop string, and a partial
-    one before it, are never sent (vLLM and OpenAI streams behave the same way)."""
+    one before it, are never sent (vLLM and OpenAI streams behave the same way).
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    Given ``decode``, :meth:`next_piece` decodes the tokens as they come
+    (:class:`~undercurrent.adapters.incremental_text.IncrementalText`: a few
+    tokens a step, and only the end of the text is read), with the pieces
+    :meth:`piece` gives for the whole text decoded at each token."""
+
+    def __init__(self, stops: Sequence[str],
+                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
         self.stops = tuple(stops)
-        self.sent = ""
+        self.longest = max(map(len, self.stops), default=0)
+        self.sent = 0
+        """The length of the text sent so far."""
+        self.stopped = False  # (a stop string was found: nothing more is sent)
+        # (a stop string may begin `longest` - 1 characters before the text a step
+        # changes, and a piece held back reaches as far back before what was sent)
+        self.text = None if decode is None else IncrementalText(decode, 2 * self.longest)
 
     def piece(self, text: str) -> str:
         """The new piece for the decoded generated text so far. A character whose
@@ -375,24 +388,49 @@ class StreamText:
         to U+FFFD until its last byte comes: what ends in it is held back, so the
         character is sent whole once complete (as transformers' TextStreamer and
         vLLM's detokenizer do)."""
-        cut = stop_position(text, self.stops) if self.stops else None
-        if cut is not None:
-            text = text[:cut]
-        else:
-            text = text.rstrip("\ufffd")
-            if self.stops:
-                text = text[:len(text) - held_back(text, self.stops)]
-        return self._advance(text)
+        return self._piece(text, 0, 0)
+
+    def next_piece(self, tokens: Sequence[int]) -> str:
+        """The new piece once the generated tokens are ``tokens`` (those not read
+        yet are decoded, one at a time): what :meth:`piece` gives for their whole
+        text."""
+        text = self.text
+        if text is None:
+            raise ValueError("this StreamText was made without a decode: give piece() "
+                             "the text so far")
+        pieces = []
+        while text.count < len(tokens):
+            start = text.step(tokens)
+            pieces.append(self._piece(text.tail, text.tail_start, start))
+        return "".join(pieces)
+
+    def _piece(self, text: str, offset: int, start: int) -> str:
+        """:meth:`piece` for ``text``, the text from index ``offset`` on, of which
+        the part before index ``start`` is as it was at the last piece (so a stop
+        string it holds ends past ``start``)."""
+        if self.stopped:
+            return ""
+        if self.stops:
+            begin = max(start - self.longest + 1, 0) - offset
+            cut = stop_position(text[begin:], self.stops)
+            if cut is not None:
+                self.stopped = True
+                return self._advance(text[:begin + cut], offset)
+        text = text.rstrip(REPLACEMENT)
+        if self.stops:
+            text = text[:len(text) - held_back(text, self.stops)]
+        return self._advance(text, offset)
 
     def rest(self, final_text: str) -> str:
         """What the final event carries: the part of the output's text not sent yet
         (a held-back partial stop string that never completed)."""
-        return self._advance(final_text)
+        return self._advance(final_text, 0)
 
-    def _advance(self, text: str) -> str:
-        if len(text) <= len(self.sent):
+    def _advance(self, text: str, offset: int) -> str:
+        end = offset + len(text)
+        if end <= self.sent:
             return ""
-        piece, self.sent = text[len(self.sent):], text
+        piece, self.sent = text[self.sent - offset:], end
         return piece
 
 

@@ -155,14 +155,13 @@ class _RowDriver:
         # The longest request's generated tokens, while every request takes one a
         # step (after_token's first path); None: not counted.
         self._longest: int | None = None
-        self.texts = [""] * len(states)
         self._generated = [state.generated for state in states]  # the lists themselves
         self.eos = backend.eos_token_ids  # (read once per batch, not per step)
         # (stop strings or a stream: each row's token looked at on its own)
         self.per_row = bool(params.stop) or on_event is not None
         if on_event is not None:
             for state in states:
-                state.stream_text = StreamText(params.stop)
+                state.stream_text = StreamText(params.stop, backend.decode)
         if params.stop:
             for state in states:
                 state.stop_match = StopMatch(params.stop, backend.decode, self.eos)
@@ -436,8 +435,6 @@ class _RowDriver:
                 continue
             token = int(tokens[row])
             self.session.add_token(state, token)
-            if self.on_event is not None:
-                self.texts[row] = self.backend.decode(state.generated)
             match = state.stop_match
             if token in eos:
                 state.finish_reason = "eos"
@@ -449,7 +446,7 @@ class _RowDriver:
                 generated_index = len(state.generated) - 1
                 self.on_event(StreamEvent(
                     request_id=state.request_id, token_id=token,
-                    text=state.stream_text.piece(self.texts[row]),
+                    text=state.stream_text.next_piece(state.generated),
                     token_index=state.prompt_len + generated_index,
                     generated_index=generated_index, signals=state.unread_signals(),
                     edits=state.unread_edits()))

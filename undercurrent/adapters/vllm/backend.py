@@ -814,7 +814,8 @@ class VLLMBackend:
         the engine is done."""
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
-            state.stream_text = StreamText(params.stop) if emit_tokens else None
+            state.stream_text = (StreamText(params.stop, self.decode) if emit_tokens
+                                 else None)
         reasons: dict[str, str] = {}
         done: set[str] = set()
         # Requests an inline probe aborted, with how many tokens their output keeps.
@@ -866,7 +867,7 @@ class VLLMBackend:
                             stopping[engine_id] = index + 1
                             stopped.add(engine_id)
                     if state.stream_text is not None:
-                        piece = state.stream_text.piece(self.decode(tokens[engine_id]))
+                        piece = state.stream_text.next_piece(tokens[engine_id])
                         generated_index = len(tokens[engine_id]) - 1
                         with self.server.lock:
                             signals = state.unread_signals()

@@ -1,0 +1,142 @@
+"""A request's generated text, decoded as its tokens come, at a cost per token
+that does not grow with the text (what a stream's pieces and the stop strings
+are read from; decoding the whole text at every token costs the square of its
+length)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT = "\ufffd"
+"""What a decode gives for the bytes of a character not complete yet (a byte-level
+tokenizer splits an emoji or a CJK character across tokens)."""
+
+
+MARKS = 16
+"""How many of the last steps that took text :class:`IncrementalText` can go
+back to, where a token changed the text before it."""
+
+
+class IncrementalText:
+    """``decode(tokens)`` as the tokens come, one :meth:`step` per token, each
+    decoding a few tokens only (as transformers' ``TextStreamer`` and vLLM's
+    incremental detokenizer do).
+
+    A step decodes the *window*: the *overlap* (the last tokens that gave
+    text: a decode that drops the space its first token begins with, as
+    sentencepiece's does, drops it from their text, not from the new token's)
+    and the tokens after it; the text the window decodes to past the
+    overlap's own is the new end of the text. Tokens that add no text (special
+    tokens, skipped) leave the window; text that ends in U+FFFD (a character
+    whose bytes are not all in yet) stays open until a later token completes
+    it.
+
+    Where the window's text does not begin with the overlap's own, the new
+    token changed the text before it. Where the window's text ends in U+FFFD
+    (sentencepiece's byte fallback gives U+FFFD for every byte of a run of
+    byte tokens, complete characters included, until the last character is
+    complete), the text ends in U+FFFD until a later token completes it. Else
+    the step goes back over the tokens of the last steps that took text (up
+    to :data:`MARKS` of them, then to the first token) until the text of
+    those before them is how their window's begins: it reports the text from
+    there on.
+
+    :attr:`tail` holds the text from :attr:`tail_start` on: at least ``keep``
+    characters before the part a later step may change (what a stop string
+    ending in the next token, or a piece held back, can reach)."""
+
+    __slots__ = ("decode", "keep", "count", "ids", "overlap", "overlap_text", "stable",
+                 "solid", "marks", "tail", "tail_start")
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], keep: int = 0) -> None:
+        self.decode = decode
+        self.keep = keep
+        self.count = 0
+        """How many tokens the steps have taken."""
+        self.ids: list[int] = []  # the window: the overlap's ids, then those after it
+        self.overlap = 0  # (how many of ids)
+        self.overlap_text = ""  # decode(ids[:overlap])
+        self.stable = 0
+        """The length of the text up to the overlap's end: no later step changes it
+        (but one whose token changes the text before it)."""
+        self.solid = 0  # (stable, less any U+FFFD it ends with)
+        # (token count, text length) after each of the last steps that took text
+        self.marks: list[tuple[int, int]] = [(0, 0)]
+        self.tail = ""
+        self.tail_start = 0
+
+    def step(self, tokens: Sequence[int]) -> int:
+        """Take ``tokens[count]`` (``tokens``: the request's tokens so far, or more):
+        returns the index from which the text changed (the text before it is as it
+        was; :attr:`tail` holds the new text past it, and ``keep`` characters
+        before the text the last step left unchanged for good)."""
+        reach = min(self.solid, self.marks[0][1]) - self.keep
+        if reach > self.tail_start:  # (what no later step can reach)
+            self.tail, self.tail_start = self.tail[reach - self.tail_start:], reach
+        ids = self.ids
+        ids.append(int(tokens[self.count]))
+        self.count += 1
+        window = self.decode(ids)
+        start = self.stable
+        if window.startswith(self.overlap_text):
+            self._take(window, window[len(self.overlap_text):], start, ids[self.overlap:])
+        elif window.endswith(REPLACEMENT):
+            # (the text ends in U+FFFD either way, and is read again once the
+            # character completes)
+            self.tail = self.tail[:start - self.tail_start] + REPLACEMENT
+        else:
+            start = self._go_back(tokens)
+        return start
+
+    def _take(self, window: str, new: str, start: int, after: list[int]) -> None:
+        """Take ``new``, the text past ``start`` of the tokens ``after`` the
+        overlap (``window``: their text with the overlap's)."""
+        self.tail = self.tail[:start - self.tail_start] + new
+        if not new:  # (they add no text: special tokens, skipped)
+            self.ids = self.ids[:self.overlap]
+        elif not new.endswith(REPLACEMENT):
+            # (their own text: the overlap of the next step, where it is the end of
+            # the window's; else the window stays the overlap)
+            text = self.decode(after) if self.overlap_text else new
+            if text and window.endswith(text):
+                self.ids, self.overlap_text = after, text
+            else:
+                self.overlap_text = window
+            self.overlap = len(self.ids)
+            self.stable = self.solid = start + len(new)
+            self.marks.append((self.count, self.stable))
+            del self.marks[:-MARKS]
+
+    def _go_back(self, tokens: Sequence[int]) -> int:
+        """The new token changed the text before it: decode again from the
+        latest mark whose text the tokens since the mark before it begin with
+        (from the first token, where none does); returns where the text changed."""
+        marks = self.marks
+        for index in range(len(marks) - 2, 0, -1):
+            (before, _), (first, start) = marks[index - 1], marks[index]
+            overlap = list(tokens[before:first])
+            text = self.decode(overlap)
+            window = self.decode([*overlap, *tokens[first:self.count]])
+            if text and window.startswith(text):
+                del marks[index + 1:]
+                return self._restart(tokens, overlap, text, window, first, start)
+        return self.resync(tokens[:self.count])
+
+    def resync(self, tokens: Sequence[int]) -> int:
+        """Decode ``tokens`` (the request's tokens so far) whole, and step on from
+        their text; returns 0 (the index from which the text changed)."""
+        self.count = len(tokens)
+        self.marks[:] = [(0, 0)]
+        self.tail, self.tail_start = "", 0
+        return self._restart(tokens, [], "", self.decode(tokens), 0, 0)
+
+    def _restart(self, tokens: Sequence[int], overlap: list[int], text: str, window: str,
+                 first: int, start: int) -> int:
+        """Step on from the mark of ``first`` tokens and ``start`` characters, with
+        ``overlap`` (whose text is ``text``) before it, whose ``window`` with the
+        tokens since is read."""
+        after = list(tokens[first:self.count])
+        self.ids, self.overlap, self.overlap_text = [*overlap, *after], len(overlap), text
+        self.stable = self.solid = start
+        self._take(window, window[len(text):], start, after)
+        return start
