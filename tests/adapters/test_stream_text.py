@@ -71,7 +71,7 @@ def test_a_character_split_across_byte_tokens_is_sent_whole(stops) -> None:
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+from hf_models import build_model, build_tokenizer, own_model, prompt  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
 
@@ -132,7 +132,9 @@ def test_a_stop_match_finds_the_token_that_first_completes_a_stop_string() -> No
     match = StopMatch(["you"], decode, eos={9})
     assert match.scan([1, 2]) is None
     assert match.scan([1, 2, 3, 4, 5]) == 2  # ("say you": the third token, once)
-    assert match.scan([1, 2, 3, 4, 5, 5]) == 2 and decoded == [1, 2, 3]
+    # (each token decoded with the one before it, then alone: the overlap of the
+    # next; the whole text once, to confirm)
+    assert match.scan([1, 2, 3, 4, 5, 5]) == 2 and decoded == [1, 2, 1, 2, 1, 3]
     # An end-of-sequence token ends the request as such: it completes no stop
     # string, whatever its text (a decode that skips it gives the same text).
     assert StopMatch(["say"], lambda ids: "say" if ids[-1] == 9 else "", {9}).scan([9, 9]) is None
@@ -155,16 +157,17 @@ def test_a_stop_match_reads_past_tokens_that_decode_to_nothing() -> None:
 
 
 @pytest.mark.parametrize("strip_first_space", [False, True])
-def test_a_stop_match_reads_a_window_of_tokens_and_finds_what_the_whole_text_holds(
+def test_a_stop_match_reads_the_end_of_the_text_and_finds_what_the_whole_text_holds(
         strip_first_space) -> None:
-    # Each check decodes the last tokens only (a window long enough for the
-    # longest stop string), then the whole text where the window holds one: the
-    # same token as decoding the whole text at every token, on random texts. A
-    # decode that drops the space its first token begins with (as sentencepiece
-    # decodes do) reads a window's first token unlike the whole text's.
+    # Each check decodes a token with the few before it and reads the end of the
+    # text, then the whole text where that holds a stop string: the same token
+    # as decoding the whole text at every token, on random texts with tokens
+    # that decode to nothing (special tokens, skipped) among them. A decode that
+    # drops the space its first token begins with (as sentencepiece decodes do)
+    # reads a window's first token unlike the whole text's.
     rng = random.Random(11)
     pieces = {i: piece for i, piece in enumerate(
-        ["a", "b", " a", " b", "ab", " ", "ba ", "\u00e9", "b\u00e9a"])}
+        ["a", "b", " a", " b", "ab", " ", "ba ", "\u00e9", "b\u00e9a", ""])}
 
     def decode(ids) -> str:
         text = "".join(pieces[i] for i in ids)
@@ -174,14 +177,13 @@ def test_a_stop_match_reads_a_window_of_tokens_and_finds_what_the_whole_text_hol
     for _ in range(300):
         stops = ["".join(rng.choice("ab \u00e9") for _ in range(rng.randint(2, 5)))
                  for _ in range(rng.randint(1, 2))]
-        tokens = [rng.randrange(len(pieces)) for _ in range(rng.randint(1, 80))]
+        tokens = [rng.choice([rng.randrange(len(pieces)), 9]) for _ in range(rng.randint(1, 80))]
         expected = next((k for k in range(len(tokens))
                          if stop_position(decode(tokens[:k + 1]), stops) is not None), None)
         match = StopMatch(stops, lambda ids: lengths.append(len(ids)) or decode(ids))
         assert match.scan(tokens) == expected, (stops, tokens)
-        assert match.window == 4 * max(map(len, stops)) + 8
-    # (most checks read a window, not the text so far; some read more, to confirm)
-    assert max(lengths) > 28 and sorted(lengths)[len(lengths) // 2] <= 28
+    # (most checks read two tokens, not the text so far; some read it all, to confirm)
+    assert max(lengths) > 28 and sorted(lengths)[len(lengths) * 9 // 10] <= 2
 
 
 from hf_models import CORPUS, subword_tokenizer  # noqa: E402
@@ -283,3 +285,37 @@ def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind
     assert output.finish_reason == "stop" if stop else len(ids) > 50
     if not stop:  # (the stop strings' own checks decode too)
         assert counted.tokens <= 8 * len(ids), (len(ids), counted.tokens)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
+def test_a_stop_match_finds_what_the_whole_text_holds_on_subword_tokenizers(kind) -> None:
+    # The first token after which the whole text decoded holds a stop string (an
+    # eos token completes none), with special tokens strewn in and ids at random.
+    # (No stop string holds U+FFFD: one may be found later while a byte fallback
+    # run is open, see IncrementalText.)
+    tokenizer = _tokenizer(kind)
+    decode, eos = text_decoder(tokenizer), {tokenizer.eos_token_id}
+    rng = random.Random(4)
+    for _, ids in _token_lists(tokenizer, rng):
+        text = decode(ids).replace("\ufffd", "")
+        stops = [text[start:start + rng.randint(1, 4)]
+                 for start in (rng.randrange(len(text) + 1), len(text) // 2)]
+        expected = next((k for k in range(len(ids)) if ids[k] not in eos
+                         and stop_position(decode(ids[:k + 1]), stops) is not None), None)
+        assert StopMatch(stops, decode, eos).scan(ids) == expected, (ids, stops)
+
+
+def test_a_stop_match_reads_a_run_of_special_tokens_at_the_same_cost_per_token() -> None:
+    # Tokens that decode to nothing (<unk>, skipped) leave the window: the tokens
+    # given to decode grow with the generation, not with its cube.
+    model, tokenizer = own_model("llama"), build_tokenizer()
+    unk = tokenizer.unk_token_id
+    model.lm_head.register_forward_hook(lambda module, args, out: out + torch.nn.functional.one_hot(
+        torch.tensor(unk), out.shape[-1]).to(out.dtype) * 1e4)
+    with ProbedModel(model, tokenizer) as pm:
+        decode = pm.backend.decode
+        for length in (100, 400):
+            counted = pm.backend.decode = _Counted(decode)
+            output = pm.generate([prompt(1, 2)], max_new_tokens=length, stop=["w5 w6"])[0]
+            assert set(output.token_ids) == {unk} and len(output.token_ids) == length
+            assert counted.tokens <= 4 * length, (length, counted.tokens)

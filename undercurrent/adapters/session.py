@@ -271,15 +271,19 @@ class StopMatch:
     prompt) first holds one (an end-of-sequence token ends a request as such,
     so it completes no stop string). Both backends end a request there.
 
-    :meth:`scan` reads the tokens as they come, each checked once, on the text
-    of the last tokens only (:attr:`window` of them: enough for the longest
-    stop string, at four bytes a character, whatever the window's first token
-    decodes to on its own; more where tokens decode to nothing, as special
-    tokens do, until the text read is that long), then, where that holds one,
-    on the whole text: a check costs the same at the thousandth token as at the
-    tenth."""
+    :meth:`scan` reads the tokens as they come, each checked once, on the end
+    of the text only: each token is decoded with the few before it
+    (:class:`~undercurrent.adapters.incremental_text.IncrementalText`; tokens
+    that decode to nothing, as special tokens do, leave its window), and a
+    stop string the token completes ends past where it changed the text, so
+    the ``longest - 1`` characters before that are read besides. Where that
+    holds one, the whole text is decoded to confirm it: a check costs the same
+    at the thousandth token as at the tenth. (A stop string that holds U+FFFD
+    may be found later than in the whole text: while a run of byte fallback
+    tokens is open, the whole text's U+FFFD for each of its bytes is read as
+    one.)"""
 
-    __slots__ = ("stops", "decode", "eos", "window", "longest", "checked", "index")
+    __slots__ = ("stops", "decode", "eos", "longest", "text", "index")
 
     def __init__(self, stops: Sequence[str], decode: Callable[[Sequence[int]], str],
                  eos: Collection[int] = ()) -> None:
@@ -287,30 +291,25 @@ class StopMatch:
         self.decode = decode
         self.eos = eos
         self.longest = max(map(len, self.stops), default=0)
-        self.window = 4 * self.longest + 8
-        self.checked = 0
+        self.text = IncrementalText(decode, self.longest)
         self.index: int | None = None
         """The generated index of the token that completed a stop string (None: none yet)."""
 
     def scan(self, generated: Sequence[int]) -> int | None:
         """:attr:`index`, once the tokens of ``generated`` not checked yet are
         (``generated``: the request's generated tokens so far, or more)."""
-        while self.index is None and self.checked < len(generated):
-            last = self.checked
-            self.checked += 1
-            if generated[last] in self.eos:
+        text = self.text
+        while self.index is None and text.count < len(generated):
+            start = text.step(generated)
+            if generated[text.count - 1] in self.eos:
                 continue
-            first = max(0, self.checked - self.window)
-            text = self.decode(generated[first:self.checked])
-            # (a stop string ending here lies in the text's last `longest`
-            # characters; a few more cover a first token that decodes alone
-            # unlike in the whole text)
-            while first > 0 and len(text) < self.longest + 4:
-                first = max(0, first - self.window)
-                text = self.decode(generated[first:self.checked])
-            if stop_position(text, self.stops) is not None and (
-                    first == 0 or self._holds(generated[:self.checked])):
-                self.index = last
+            begin = max(start - self.longest + 1, text.tail_start) - text.tail_start
+            if stop_position(text.tail[begin:], self.stops) is None:
+                continue
+            if self._holds(generated[:text.count]):
+                self.index = text.count - 1
+            else:  # (the end read is not the whole text's: read on from the whole text)
+                text.resync(generated[:text.count])
         return self.index
 
     def _holds(self, tokens: Sequence[int]) -> bool:
