@@ -141,6 +141,27 @@ def test_deferred_rows_are_made_once_when_first_read_and_slices_share_them():
     assert batch[1:2].tensor.tolist() == rows[1:2].tolist() and made == [1]
 
 
+def test_own_rows_copy_the_rows_of_some_spans_into_a_batch_of_their_own():
+    made: list[int] = []
+    batch, rows = _deferred_batch(made)
+    batch.records()  # (records built already are not shared: they view the batch)
+    own = batch.own_rows([(1, 3), (4, 6)])
+    assert made == [1] and own.layers == [1, 2, 1, 2] and own.request_ids == ["a", "a", "b", "b"]
+    assert own.tensor.tolist() == rows[[1, 2, 4, 5]].tolist()
+    assert own.tensor.base is None and own.root is None and own.parts is None
+    assert [r.tensor.tolist() for r in own.records()] == rows[[1, 2, 4, 5]].tolist()
+    assert [r.tensor.base is own.tensor for r in own.records()] == [True] * 4
+    alone = batch.own_rows([(3, 6)])
+    assert alone.tensor.tolist() == rows[3:6].tolist() and alone.tensor.base is None
+    assert alone.own_rows([(0, 3)]) is None  # (its own rows already)
+    assert batch[0:2].without_cache().own_rows([(0, 2)]) is not None  # (a view of more)
+    listed = ActivationBatch([[1.0], [2.0]], request_ids=["a", "b"], point_names=["p"] * 2,
+                             layers=[0, 0], tensor_type="mlp_out", token_indices=[4, 4],
+                             is_generated=[True] * 2, generated_indices=[0, 0],
+                             token_ids=[7, 7])
+    assert listed.own_rows([(0, 1)]) is None  # (a list's rows are their own)
+
+
 def test_deferred_rows_read_by_many_threads_at_once_are_made_once():
     import threading
 

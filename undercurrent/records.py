@@ -757,6 +757,28 @@ class ActivationBatch:
             self.cache[key] = found
         return found
 
+    def own_rows(self, spans: Sequence[tuple[int, int]]) -> ActivationBatch | None:
+        """The rows of ``spans`` (ascending, disjoint ``(start, stop)`` ranges) as a
+        batch of their own: its tensor a copy (one per call), not a view of this
+        batch's, with no records, cache or root, so that it keeps alive its own
+        rows only. None where there is nothing to gain: the spans are every row
+        of a tensor that holds no more, or the batch holds no tensor or rows of
+        another kind (a list's rows are its own already)."""
+        if self._tensor is None:
+            return None
+        whole = self._rows()
+        if not hasattr(whole, "detach") and not hasattr(whole, "__array__"):
+            return None
+        if list(spans) == [(0, len(self))] and not _holds_more(whole):
+            return None
+        pieces = [self[start:stop] for start, stop in spans]
+        if len(pieces) > 1:
+            own = ActivationBatch.concat(pieces)  # (one copy of the rows)
+            own._records, own.parts = None, None
+            return own
+        rows = pieces[0]._rows()
+        return pieces[0]._like(rows.clone() if hasattr(rows, "detach") else rows.copy())
+
     def records(self) -> list[ActivationRecord]:
         """One :class:`ActivationRecord` per row, built on the first call and kept
         (each record's tensor is a view of the batch's row)."""
@@ -795,6 +817,13 @@ class ActivationBatch:
         generated = self.generated_indices[index]
         return (self.request_ids[index], self.point_names[index], int(self.layers[index]),
                 int(self.token_indices[index]), None if generated is None else int(generated))
+
+
+def _holds_more(tensor: Any) -> bool:
+    """Whether ``tensor`` (torch or numpy) is a view of more memory than its own."""
+    if hasattr(tensor, "detach"):
+        return bool(tensor.untyped_storage().nbytes() > tensor.nelement() * tensor.element_size())
+    return getattr(tensor, "base", None) is not None
 
 
 def rows_of(value: Any, start: int, stop: int) -> Any:

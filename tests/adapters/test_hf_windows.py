@@ -11,6 +11,7 @@ in (the linear readout sums each row on its own, not by a threaded BLAS product)
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import time
 from typing import Any
@@ -342,6 +343,26 @@ def test_records_are_kept_with_their_window_and_their_own_step_s_time(monkeypatc
             if fed_by + 1 < len(forwards):
                 assert record.timestamp <= forwards[fed_by + 1]
     assert [_view(output) for output in windowed] == [_view(output) for output in stepped]
+
+
+@pytest.mark.parametrize("windows", [True, False])
+@pytest.mark.parametrize("points", ["one", "several", "capture"])
+def test_the_records_of_one_output_keep_its_own_rows_alive_not_its_batch_s(windows, points):
+    """records=True: the records of one output kept (the others dropped) keep
+    alive its own activations, not every request's of its batch: its rows are
+    copied out of the batches it shares with the others (a window's steps of
+    every request are one tensor) when it ends."""
+    point = {"one": _point(), "capture": _point("capture"),
+             "several": [_point(), _named("mlp", _point(), tensor_type="mlp_out")]}[points]
+    outputs = _generate(point, windows=windows, records=True)
+    kept = outputs[0].records
+    del outputs
+    gc.collect()
+    own = sum(record.tensor.nelement() * record.tensor.element_size() for record in kept)
+    storages = {record.tensor.untyped_storage().data_ptr(): record.tensor.untyped_storage()
+                for record in kept}
+    assert len(kept) == 3 * (MAX_NEW - 1) * (2 if points == "several" else 1)
+    assert sum(storage.nbytes() for storage in storages.values()) == own
 
 
 def _named(name: str, point: ExtractionPoint, **fields: Any) -> ExtractionPoint:

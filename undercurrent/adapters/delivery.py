@@ -23,6 +23,7 @@ records are built only for ``records=True`` (:class:`RecordLog`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import operator
@@ -172,6 +173,58 @@ class _WindowRuns:
         """How many rows it holds."""
         return sum(part[2] * (self.steps if len(part) == 4 else len(part[4]))
                    for part in self.parts)
+
+
+def _extents(entry: tuple[ActivationBatch, int, int] | _WindowRuns
+             ) -> list[tuple[ActivationBatch, int, int]]:
+    """(batch, start, stop): the rows of each captured batch a :class:`RecordLog`
+    entry reads (a window's part: from its first step's to its last's)."""
+    if not isinstance(entry, _WindowRuns):
+        return [entry]
+    found = []
+    for part in entry.parts:
+        source, start, count = part[:3]
+        steps = entry.steps if len(part) == 4 else max(part[4].values(), default=-1) + 1
+        if steps:
+            found.append((source, start, start + steps * count))
+    return found
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` sorted, those that overlap or touch joined."""
+    spans: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+        else:
+            spans.append((start, stop))
+    return spans
+
+
+def _moved_entry(entry: tuple[ActivationBatch, int, int] | _WindowRuns,
+                 moved: dict[int, tuple[ActivationBatch, list[int], list[int]]]
+                 ) -> tuple[ActivationBatch, int, int] | _WindowRuns:
+    """A :class:`RecordLog` entry reading the batches of its own rows instead (by
+    ``id`` of the batch they were copied from: the copy, each span's first row
+    there, and where each span begins in the copy)."""
+
+    def place(source: Any, row: int) -> tuple[Any, int]:
+        found = moved.get(id(source))
+        if found is None:
+            return source, row
+        own, starts, bases = found
+        span = bisect.bisect_right(starts, row) - 1
+        return own, bases[span] + row - starts[span]
+
+    if not isinstance(entry, _WindowRuns):
+        batch, start, stop = entry
+        own, first = place(batch, start)
+        return own, first, first + stop - start
+    parts = []
+    for part in entry.parts:
+        own, first = place(part[0], part[1])
+        parts.append((own, first, *part[2:]))
+    return _WindowRuns(parts, entry.steps)
 
 
 class SignalLog(Sequence[TokenSignal]):
@@ -355,6 +408,29 @@ class RecordLog(Sequence[ActivationRecord]):
                     batch, start, stop = entry
                     built += batch.records()[start:stop]
         return self._built
+
+    def own_rows(self) -> None:
+        """Copy this request's rows out of the captured batches it shares with the
+        other requests of its batch (a window's steps of every request are one
+        tensor) into batches of its own, one copy per captured batch: its
+        records, still built when read, then keep alive their own activations,
+        not the whole batch's. Called when the request ends."""
+        if self.following is not None:
+            self._catch_up(stop=False)
+        used: dict[int, tuple[ActivationBatch, list[tuple[int, int]]]] = {}
+        for entry in self._pending:
+            for source, start, stop in _extents(entry):
+                used.setdefault(id(source), (source, []))[1].append((start, stop))
+        moved: dict[int, tuple[ActivationBatch, list[int], list[int]]] = {}
+        for key, (source, ranges) in used.items():
+            spans = _merged(ranges)
+            own = source.own_rows(spans)
+            if own is not None:
+                bases = list(itertools.accumulate((stop - start for start, stop in spans),
+                                                  initial=0))
+                moved[key] = (own, [start for start, _ in spans], bases)
+        if moved:
+            self._pending = [_moved_entry(entry, moved) for entry in self._pending]
 
     def clear(self) -> None:
         """Forget every record (as ``list.clear``: a consumer frees the memory)."""

@@ -1689,6 +1689,8 @@ class CaptureSession:
         state.closed = True
         self.closes += 1
         state.applied.freeze()
+        if state.records is not None:  # (its own rows: not the batch's, kept with them)
+            state.records.own_rows()
         # (every field given: built without the frozen __init__, one per request)
         return built(GenerationOutput, {
             "request_id": state.request_id,
