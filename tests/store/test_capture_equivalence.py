@@ -174,7 +174,7 @@ def test_a_view_reports_its_own_rows(store):
     assert view.nbytes == view.vectors().nbytes < store.nbytes
     assert view.n_prompts == view.index["prompt_index"].nunique()
     assert repr(view).startswith("ActivationStore view(")
-    empty = store.select(point="resid", layer=99)
+    empty = store.select(point="mlp", positions="generated")  # (it reads a prompt token)
     assert (len(empty), empty.points, empty.nbytes, empty.n_prompts) == (0, [], 0, 0)
 
 

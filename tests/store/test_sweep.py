@@ -4,6 +4,7 @@ gives one row per layer with held-out metrics split by request; the figure."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,29 @@ def test_sweep_has_one_row_per_layer_with_held_out_metrics(labelled):
     assert last["n"].tolist() == [40]
     with pytest.raises(ValueError, match="pick one"):
         sweep_linear_probes(store, labels)
+    # a layer the point lacks was refused as "no rows for point=None"
+    with pytest.raises(ValueError, match=r"^sweep_linear_probes: no rows of point 'resid' at "
+                                         r"layer 9 \(positions='all'\); it has layers "
+                                         r"\[0, 1, 2, 3\]"):
+        sweep_linear_probes(store, labels, point="resid", layers=[1, 9])
+
+
+@pytest.mark.parametrize("narrowing, problem", [
+    (dict(point="resid_typo"), "this store has no point 'resid_typo'; it holds 'resid', "
+                               "'kv_last_prompt', 'mlp'"),
+    (dict(point="mlp", layer=[2, 3]), "no layer 3 in the store of point 'mlp': it holds "
+                                      "layers [2]"),
+    (dict(layer=7), "no layer 7 in the store: it holds layers [0, 1, 2, 3]"),
+    (dict(point="resid", tensor_type="kv"), "no 'kv' rows of point 'resid': the store "
+                                            "holds 'residual_stream'"),
+])
+def test_select_refuses_a_point_layer_or_tensor_type_the_store_has_none_of(labelled,
+                                                                          narrowing, problem):
+    # a typo selected nothing: an empty view, without a word
+    store, _, _ = labelled
+    with pytest.raises(ValueError, match="^select: " + re.escape(problem)):
+        store.select(**narrowing)
+    assert len(store.select(point="mlp", layer=2, tensor_type="mlp_out")) > 0
 
 
 def test_sweep_figure_draws_accuracy_auc_and_chance(labelled):

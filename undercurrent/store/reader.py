@@ -296,6 +296,7 @@ class ActivationStore:
         ``positions`` is one of ``POSITIONS``; ``"last"``/``"last_prompt"`` keep each
         request's last captured (prompt) token per point and layer.
         """
+        self._check_held(point, layer, tensor_type)
         keep = index_filter(point, None if layer is None else layer_indices(layer),
                             tensor_type)
         if rows is None and self._index is None and keep is not None:
@@ -311,6 +312,28 @@ class ActivationStore:
             index = index[index["tensor_type"] == tensor_type]
         index = _positions(index, positions)
         return ActivationStore(self.path, _index=index, _parent=self)
+
+    def _check_held(self, point: str | None, layer: int | Sequence[int] | None,
+                    tensor_type: str | None) -> None:
+        """Refuse a point, layer or tensor type the capture has none of (a typo
+        would otherwise select nothing, silently), naming what it holds."""
+        points = [p for p in self.manifest["points"] if point is None or p["name"] == point]
+        if not points:
+            raise ValueError(f"select: this store has no point {point!r}; it holds "
+                             + ", ".join(repr(p["name"]) for p in self.manifest["points"]))
+        where = "" if point is None else f" of point {point!r}"
+        types = sorted({p["tensor_type"] for p in points})
+        if tensor_type is not None and tensor_type not in types:
+            raise ValueError(f"select: no {tensor_type!r} rows{where}: the store holds "
+                             + ", ".join(map(repr, types)))
+        if layer is None:
+            return
+        held = sorted({int(found) for p in points for found in (
+            p["layers"] if isinstance(p["layers"], list) else [p["layers"]])})
+        missing = [found for found in layer_indices(layer) if found not in held]
+        if missing:
+            raise ValueError(f"select: no layer {', '.join(map(str, missing))} in the "
+                             f"store{where}: it holds layers {held}")
 
     def records_frame(self, rows: Any = None, *, tensors: bool = True) -> Any:
         """The rows in ``records_frame`` form (index columns ``request``, ``point``,

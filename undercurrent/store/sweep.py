@@ -66,8 +66,13 @@ def sweep_linear_probes(
     if not len(view):
         raise ValueError(f"sweep_linear_probes: no rows for point={point!r}, "
                          f"positions={positions!r} (the store has points {store.points})")
-    chosen = sorted(int(v) for v in view.index["layer"].unique()) if layers is None \
-        else layer_indices(layers, "layers")
+    held = sorted(int(v) for v in view.index["layer"].unique())
+    chosen = held if layers is None else layer_indices(layers, "layers")
+    missing = [layer for layer in chosen if layer not in held]
+    if missing:
+        raise ValueError(f"sweep_linear_probes: no rows of point {point!r} at layer "
+                         f"{', '.join(map(str, missing))} (positions={positions!r}); it has "
+                         f"layers {held}")
     rows = []
     for layer in chosen:
         fit = fit_linear_probe(view, labels, layer=layer, test_size=test_size, C=C,
