@@ -200,24 +200,30 @@ def test_select_builds_only_the_rows_it_asks_for(store, monkeypatch):
     assert built == [len(view), 2 * len(view)] and len(view) < len(store) / 4
     index = store.index
     resid = index["extraction_point_name"] == "resid"
-    # (the same rows, labels and values; a categorical's categories are those read)
-    pd.testing.assert_frame_equal(view.index, index[resid & (index["layer"] == 1)],
-                                  check_categorical=False)
+    # (the same rows, labels and values)
+    pd.testing.assert_frame_equal(view.index, index[resid & (index["layer"] == 1)])
     pd.testing.assert_frame_equal(
-        last.index, store.select(point="resid", layer=[1, 3], positions="last").index,
-        check_categorical=False)
+        last.index, store.select(point="resid", layer=[1, 3], positions="last").index)
 
 
-def test_the_index_holds_repeated_strings_once_and_reads_an_older_store(store, tmp_path):
+def test_the_index_holds_no_object_per_row_and_reads_an_older_store(store, tmp_path):
     # (a store written before the edits column: every row without edits)
     import shutil
 
     import pyarrow.parquet as pq
 
     index = store.index
-    for column in ("request_id", "extraction_point_name", "tensor_type", "shard", "edits"):
-        assert isinstance(index[column].dtype, pd.CategoricalDtype), column
+    for column in ("request_id", "extraction_point_name", "tensor_type", "shard"):
+        assert index[column].dtype == "str", column  # (Arrow-backed: no object per row)
+    assert len({id(names) for names in index["edits"]}) == 1  # (one () shared)
     assert set(index["edits"]) == {()} and index["request_id"].iloc[0] == "p000000"
+    # they behave as strings (as categoricals they sorted in spec order, and max,
+    # comparisons and concatenation raised)
+    assert index["request_id"].max() == index["request_id"].astype(object).max()
+    assert (index["extraction_point_name"] + "@").iloc[0] == "resid@"
+    assert index.sort_values("extraction_point_name", kind="stable")[
+        "extraction_point_name"].unique().tolist() == ["kv_last_prompt", "mlp", "resid"]
+    assert int(index["edits"].map(len).sum()) == 0
     older = tmp_path / "older"
     shutil.copytree(store.path, older)
     first = next(iter(sorted((older / "shards").glob("part*")))) / "index.parquet"

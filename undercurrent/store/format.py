@@ -62,8 +62,8 @@ INDEX_COLUMNS: tuple[str, ...] = (
 and ``token_id`` are nullable (``<NA>`` for prompt tokens / unknown ids);
 ``edits`` lists the names of the live edits applied at the vector's very site
 (its record's ``edits``, a tuple; empty when none, and in stores written before
-undercurrent stored it). The string columns and ``edits`` read back as pandas
-categoricals (see ``undercurrent.store.index_frame``). For a
+undercurrent stored it). The string columns read back as pandas' Arrow-backed
+``str`` (see ``undercurrent.store.index_frame``). For a
 point stored with a token reduction (``last_token`` or ``mean_generated``) the
 token columns describe the last token the row covers.
 """

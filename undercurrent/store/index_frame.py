@@ -5,8 +5,10 @@ opening a large store costs. Read naively (``pd.read_parquet`` and object
 strings) it took about 1 KB of RAM per row, several times the vectors of a
 float16 store: a Python string per row for ``request_id``,
 ``extraction_point_name`` and ``tensor_type``, and a numpy array per row for
-``edits``. Here those columns are categoricals (one small code per row; the
-strings and the edit tuples are held once), and a filter on point, layer and
+``edits``. Here the strings are pandas' Arrow-backed ``str`` columns (the
+characters in one buffer, no Python object per row; they sort, compare and
+concatenate as strings do) and ``edits`` an object column whose rows share one
+tuple per distinct set of names, and a filter on point, layer and
 tensor type is applied in Arrow, shard by shard, before anything reaches
 pandas, so ``store.select(point=..., layer=...)`` never builds the rows it
 drops.
@@ -20,8 +22,8 @@ from typing import Any
 
 from undercurrent.store.format import INDEX_COLUMNS, INDEX_SCHEMA, arrow_schema
 
-CATEGORY_COLUMNS = ("request_id", "extraction_point_name", "tensor_type", "shard")
-"""String columns of the index read as pandas categoricals."""
+STRING_COLUMNS = ("request_id", "extraction_point_name", "tensor_type", "shard")
+"""String columns of the index, read as pandas' Arrow-backed ``str``."""
 
 NULLABLE_COLUMNS = ("generated_index", "token_id")
 """Integer columns of the index read as pandas' nullable ``Int64``."""
@@ -109,8 +111,8 @@ def _frame(table: Any, labels: Any) -> Any:
         column = table.column(name)
         if name == "edits":
             columns[name] = _edit_names(column)
-        elif name in CATEGORY_COLUMNS:
-            columns[name] = _categorical(column)
+        elif name in STRING_COLUMNS:
+            columns[name] = pd.array(column.combine_chunks(), dtype="str")
         elif name in NULLABLE_COLUMNS:
             columns[name] = column.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get).array
         else:
@@ -119,31 +121,19 @@ def _frame(table: Any, labels: Any) -> Any:
     return pd.DataFrame(columns, index=index)
 
 
-def _categorical(column: Any) -> Any:
-    """A string column as a pandas ``Categorical`` of plain strings, built from
-    Arrow's dictionary encoding (no Python string per row)."""
-    import pandas as pd
-
-    encoded = column.combine_chunks().dictionary_encode()
-    categories = pd.Index(encoded.dictionary.to_pylist(), dtype=object)
-    return pd.Categorical.from_codes(encoded.indices.to_numpy(zero_copy_only=False),
-                                     categories=categories)
-
-
 def _edit_names(column: Any) -> Any:
-    """The ``edits`` column (a list of names per row) as a ``Categorical`` of
-    tuples, ``()`` where none (or not recorded): each distinct set of names is
-    held once."""
-    import pandas as pd
+    """The ``edits`` column (a list of names per row) as an object array of
+    tuples, ``()`` where none (or not recorded): rows with the same names share
+    one tuple (no object made per row)."""
+    import numpy as np
     import pyarrow.compute as pc
 
     joined = pc.fill_null(pc.binary_join(column, _EDIT_SEPARATOR), "")
     encoded = joined.combine_chunks().dictionary_encode()
-    names = [tuple(key.split(_EDIT_SEPARATOR)) if key else ()
-             for key in encoded.dictionary.to_pylist()]
-    return pd.Categorical.from_codes(
-        encoded.indices.to_numpy(zero_copy_only=False),
-        categories=pd.Index(names, dtype=object, tupleize_cols=False))
+    names = np.empty(len(encoded.dictionary), dtype=object)
+    names[:] = [tuple(key.split(_EDIT_SEPARATOR)) if key else ()
+                for key in encoded.dictionary.to_pylist()]
+    return names[encoded.indices.to_numpy(zero_copy_only=False)]
 
 
 def stored_values(paths: Sequence[Path], column: str) -> list[Any]:

@@ -128,10 +128,11 @@ class ActivationStore:
     def index(self) -> Any:
         """One row per vector; see ``undercurrent.store.INDEX_COLUMNS``.
 
-        ``request_id``, ``extraction_point_name``, ``tensor_type``, ``shard`` and
-        ``edits`` (tuples of names) are categoricals, so the index of a large store
-        costs tens of bytes a row; :meth:`records_frame` gives them as the live
-        frames hold them (``object``)."""
+        ``request_id``, ``extraction_point_name``, ``tensor_type`` and ``shard``
+        are pandas' Arrow-backed ``str`` and ``edits`` tuples of names shared
+        between rows, so the index of a large store holds no Python object per
+        row; :meth:`records_frame` gives them as the live frames hold them
+        (``object``)."""
         if self._index is None:
             self._index = read_index(self._index_files())
         return self._index
@@ -349,8 +350,8 @@ class ActivationStore:
 
         frame = self._rows_frame(rows)
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
-        for column in ("request", "point", "tensor_type"):  # (the index's categoricals)
-            if isinstance(out[column].dtype, pd.CategoricalDtype):
+        for column in ("request", "point", "tensor_type"):  # (the index's str columns)
+            if out[column].dtype != object:
                 out[column] = out[column].astype(object)
         out = out.drop(columns=["row"]).reset_index(drop=True)
         out["token_text"] = None
