@@ -46,10 +46,14 @@ def test_a_setting_vllm_cannot_apply_is_refused_naming_it(setting, value):
 
 @pytest.mark.parametrize(("setting", "off"), [
     ("no_repeat_ngram_size", 0), ("min_length", 0), ("num_beams", 1), ("guidance_scale", 1),
-    ("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("bad_words_ids", None)])
+    ("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("bad_words_ids", None),
+    # (empty lists and min_p 0 act on nothing: they were refused)
+    ("bad_words_ids", []), ("suppress_tokens", []), ("begin_suppress_tokens", []),
+    ("min_p", 0.0)])
 def test_a_setting_at_its_off_value_is_no_refusal(setting, off):
-    assert generation_settings({setting: off}, 2).sampling_kwargs(SAMPLING) == {
-        "ignore_eos": True, "stop_token_ids": [2]}
+    for params in (SAMPLING, SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9)):
+        assert generation_settings({setting: off}, 2).sampling_kwargs(params) == {
+            "ignore_eos": True, "stop_token_ids": [2]}
 
 
 def test_stop_strings_in_the_config_are_refused_pointing_at_stop():

@@ -24,6 +24,16 @@ if "__main__" == __name__:
     main()
 with open(__file__):
     print("with", load())
+import sys
+if __name__ == "__main__" and "--dry-run" not in sys.argv:
+    print("and", load())
+if __name__ != "__main__":
+    pass
+else:
+    print("else", load())
+import multiprocessing
+if multiprocessing.current_process().name == "MainProcess":
+    print("process", load())
 '''
 
 
@@ -34,7 +44,9 @@ def test_only_a_load_outside_every_main_guard_is_unguarded(tmp_path):
                                timeout=120, check=True)
     assert completed.stdout.splitlines() == [
         f"top ({str(script)!r}, 6)", "guarded None", "in main None",
-        f"with ({str(script)!r}, 17)"]
+        f"with ({str(script)!r}, 17)",
+        # (guards that keep a spawned process out too: they were refused)
+        "and None", "else None", "process None"]
 
 
 def test_code_not_run_as_a_script_is_never_unguarded():

@@ -26,7 +26,8 @@ from undercurrent.adapters.generation_config import other_decoding
 
 
 def _set(value: Any) -> bool:
-    return value is not None
+    """Set to something that acts (an empty list bans or biases nothing)."""
+    return value is not None and not (isinstance(value, list | tuple | dict) and not value)
 
 
 def _positive(value: Any) -> bool:
@@ -175,5 +176,5 @@ def generation_settings(fields: Mapping[str, Any],
     min_p = fields.get("min_p")
     return GenerationSettings(
         always=always, min_new_tokens=min_new_tokens,
-        when_sampling={} if min_p is None else {"min_p": float(min_p)},
+        when_sampling={"min_p": float(min_p)} if min_p else {},  # (0: keeps every token)
         sampling_refusals=refusals, eos_token_ids=eos_ids)

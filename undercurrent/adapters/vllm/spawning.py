@@ -21,16 +21,18 @@ from undercurrent.adapters.base import BackendError
 
 
 def _is_main_guard(node: ast.If) -> bool:
-    """``if __name__ == "__main__":`` (either way round)."""
-    if not isinstance(node.test, ast.Compare):
-        return False
-    test = node.test
-    if len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
-        return False
-    sides = [test.left, test.comparators[0]]
-    return (any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides)
-            and any(isinstance(side, ast.Constant) and side.value == "__main__"
-                    for side in sides))
+    """Whether the test of ``node`` reads ``__name__`` (``if __name__ ==
+    "__main__":``, combined with other conditions, or negated with the code in its
+    ``else``) or the process's name (``current_process().name ==
+    "MainProcess"``): either keeps a spawned process from running the block, so
+    its whole span (body and ``else``) counts as guarded. Lenient on purpose: a
+    guard this misses would refuse a script that runs."""
+    for found in ast.walk(node.test):
+        if isinstance(found, ast.Name) and found.id == "__name__":
+            return True
+        if isinstance(found, ast.Constant) and found.value in ("__main__", "MainProcess"):
+            return True
+    return False
 
 
 def _main_script_frame(frame: FrameType | None) -> FrameType | None:
