@@ -505,6 +505,16 @@ def test_each_run_returns_its_own_outputs_and_the_view_keeps_them_all(tiny_with)
     assert len(view.state.requests) == 3  # the view still shows every run
 
 
+def test_a_seeded_run_samples_prompt_i_with_seed_plus_i_as_generate_does(tiny_with):
+    # Repeated prompts give different samples, each the one generate() gives it.
+    model = tiny_with("generated[*]", "nan_first")
+    prompts, sampling = ["hello there"] * 4, dict(max_new_tokens=8, temperature=1.0, seed=3)
+    shown = LiveView(model).run(prompts, display=False, **sampling)
+    expected = model.generate(prompts, batch_size=1, **sampling)
+    assert [o.token_ids for o in shown] == [o.token_ids for o in expected]
+    assert len({o.token_ids for o in shown}) > 1
+
+
 def test_text_held_back_for_a_stop_string_that_never_came_is_shown(tiny_with):
     # The stream holds back text that could begin a stop string; what never became
     # one comes with the last event: the view's text is the output's, in full.

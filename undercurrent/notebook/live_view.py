@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from undercurrent.adapters.base import call_seed
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.arguments import check_flag, check_number
 from undercurrent.notebook import static
@@ -304,7 +305,9 @@ class LiveView:
         ``prompt N: <start of the prompt>``). ``request_ids`` gives each prompt's
         request its id (one per prompt, unique, none the view already shows);
         ``request_id=`` is for a run of one prompt. ``stream_kwargs`` go to
-        ``model.stream`` (``max_new_tokens``, sampling options). With
+        ``model.stream`` (``max_new_tokens``, sampling options; with ``seed=s`` prompt
+        i is seeded ``s + i``, as ``generate(prompts, seed=s, batch_size=1)`` seeds
+        it, so each prompt's output is that call's). With
         ``display=True`` the view shows itself first when it is not on screen yet,
         so the updates can be watched, and adds a static snapshot of the finished
         run for readers of the stored notebook (hidden where widgets run). A run
@@ -344,6 +347,11 @@ class LiveView:
                 self._prompt = prompt
                 self._label = None if label_list is None else label_list[index]
                 kwargs = dict(stream_kwargs)
+                if index and kwargs.get("seed") is not None:
+                    # Seeded as generate() seeds prompt i of a call (seed + i), so
+                    # repeated prompts give different samples; prompt 0's stream has
+                    # already checked the seed given.
+                    kwargs["seed"] = call_seed(kwargs["seed"], index)
                 if id_list[index] is not None:
                     kwargs["request_id"] = id_list[index]
                 self._requests_before = len(self.state.requests)
