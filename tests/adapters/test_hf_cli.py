@@ -166,6 +166,7 @@ def _one_line_error(capsys) -> str:
 @pytest.mark.parametrize(("option", "fragment"), [
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1, got 0"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "1e-39"], "temperature must be 0 (greedy) or >= 0.01, got 1e-39"),
     (["--temperature", "nan"], "temperature must be a finite number, got nan"),
     (["--temperature", "0.7", "--seed", "-1"], "seed must be in [0, 2**63)"),
     (["--stop", ""], "stop strings must not be empty"),

@@ -68,6 +68,8 @@ CALL_ERRORS = [
     ("max_new_tokens=None", {"max_new_tokens": None}, TypeError, "max_new_tokens must be an"),
     ("max_new_tokens=True", {"max_new_tokens": True}, TypeError, "got bool"),
     ("temperature<0", {"temperature": -1.0}, ValueError, "temperature must be >= 0"),
+    ("temperature=1e-39", {"temperature": 1e-39}, ValueError,
+     "temperature must be 0 (greedy) or >= 0.01, got 1e-39"),
     ("temperature str", {"temperature": "hot"}, TypeError, "temperature must be a number"),
     ("top_p=0", {"top_p": 0.0}, ValueError, "top_p must be in (0, 1]"),
     ("top_k=0", {"top_k": 0}, ValueError, "top_k must be >= 1"),

@@ -40,11 +40,16 @@ class BackendError(RuntimeError):
     """A backend cannot be loaded or used (missing extra, unknown name, closed)."""
 
 
+MIN_TEMPERATURE = 0.01
+"""The smallest sampling temperature (above 0, greedy) that ``SamplingParams`` takes."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample, shared by every backend.
 
-    ``temperature == 0`` is greedy decoding; ``seed`` makes sampling reproducible;
+    ``temperature == 0`` is greedy decoding, a sampling one is at least
+    :data:`MIN_TEMPERATURE`; ``seed`` makes sampling reproducible;
     ``stop`` strings end a request (its text ends before the stop string);
     ``capture_last_token`` runs one extra forward step so the last sampled token,
     which generation never feeds back to the model, gets activations too.
@@ -87,6 +92,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # (the logits divided by it overflow to inf and sampling to NaN; vLLM
+            # quietly raises it to 0.01, so both backends refuse it alike)
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got "
+                             f"{self.temperature}: a smaller one can overflow the logits")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
