@@ -119,6 +119,32 @@ def test_from_pretrained_on_a_loaded_model_applies_its_name_and_refuses_loading_
     assert next(model.parameters()).dtype == torch.float32  # left as it was
 
 
+def test_from_pretrained_on_a_path_uses_the_tokenizer_given(saved_model):
+    # tokenizer= reached AutoModelForCausalLM.from_pretrained, a TypeError inside
+    # transformers.
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    loaded = ProbedModel(AutoModelForCausalLM.from_pretrained(saved_model), build_tokenizer())
+    with loaded, ProbedModel.from_pretrained(saved_model) as saved, \
+            ProbedModel.from_pretrained(saved_model, tokenizer=tokenizer) as given, \
+            ProbedModel.from_pretrained(saved_model, tokenizer=str(saved_model)) as by_path:
+        assert given.backend.tokenizer is tokenizer
+        for pm, oracle in ((given, loaded), (by_path, saved)):
+            assert (pm.generate([prompt(1, 2)], max_new_tokens=3)[0].token_ids
+                    == oracle.generate([prompt(1, 2)], max_new_tokens=3)[0].token_ids)
+    with pytest.raises(ValueError, match=r"^tokenizer '/nonexistent' is not a tokenizer"):
+        ProbedModel.from_pretrained(saved_model, tokenizer="/nonexistent")
+
+
+def test_from_pretrained_with_vllm_refuses_a_loaded_tokenizer_before_the_engine_starts(
+        saved_model):
+    pytest.importorskip("vllm")
+    with pytest.raises(TypeError, match=r"^from_pretrained\(path, backend='vllm'\) cannot "
+                                        r"apply a loaded tokenizer \(.*\): .* the path or hub id"):
+        ProbedModel.from_pretrained(saved_model, backend="vllm", tokenizer=build_tokenizer())
+
+
 def test_a_router_you_bring_is_used_and_left_running():
     router = Router()
     pm = ProbedModel(build_model("llama"), build_tokenizer(), spec=SPEC, router=router)

@@ -257,6 +257,9 @@ class ProbedModel:
         that does not exist, or a dtype torch does not know, is refused here with an
         error naming the argument, before any engine loads.
 
+        ``tokenizer=`` (default: the one saved with the model) is a loaded tokenizer
+        (the hf backend only) or the path or hub id of one.
+
         An already-loaded model is taken as ``ProbedModel(model, tokenizer)`` takes it:
         ``tokenizer=`` and ``model_name=`` apply; ``device=``, ``dtype=`` and loader
         arguments are refused (a ``TypeError`` naming them), since they load a model
@@ -290,6 +293,11 @@ class ProbedModel:
         dtype = dtype_name(dtype)
         if backend == "hf":
             backend_kwargs.setdefault("batch_size", batch_size)
+        elif not isinstance(backend_kwargs.get("tokenizer", ""), (str, os.PathLike)):
+            raise TypeError(
+                f"from_pretrained(path, backend={backend!r}) cannot apply a loaded tokenizer "
+                f"({type(backend_kwargs['tokenizer']).__name__}): the {backend} engine loads "
+                "its own; pass tokenizer= the path or hub id of one, or leave it out")
         # The bundled model keeps its short name (reprs, results), not this machine's path.
         backend_kwargs.setdefault("model_name", TINY_MODEL_NAME if path != name else path)
         loaded = loader.from_pretrained(path, device=device, dtype=dtype, **backend_kwargs)

@@ -227,3 +227,17 @@ def test_a_misspelt_engine_argument_leaves_no_staging_folder(model_dir):
     with pytest.raises(TypeError, match="max_num_seq"):
         ProbedModel.from_pretrained(model_dir, backend="vllm", max_num_seq=4)
     assert staged() == before
+
+
+def test_a_tokenizer_path_is_the_engines_tokenizer_and_ours(model_dir, reference, tmp_path):
+    # tokenizer= went to the engine alone: the backend tokenized and decoded with
+    # the model directory's tokenizer all the same.
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(tmp_path)
+    texts, expected = reference
+    with ProbedModel.from_pretrained(model_dir, backend="vllm", tokenizer=tmp_path,
+                                     max_model_len=256) as loaded:
+        assert loaded.backend.tokenizer.name_or_path == str(tmp_path)
+        (output,) = loaded.generate(texts[:1], max_new_tokens=MAX_NEW_TOKENS)
+    assert output.token_ids == expected[0].token_ids

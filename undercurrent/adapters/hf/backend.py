@@ -526,9 +526,11 @@ class HFBackend:
     @classmethod
     def from_pretrained(cls, path: str, *, device: str | None = None, dtype: Any = None,
                         batch_size: int = 8, model_name: str | None = None,
-                        **model_kwargs: Any) -> HFBackend:
+                        tokenizer: Any = None, **model_kwargs: Any) -> HFBackend:
         """Load a model and tokenizer from a local path (or a reachable hub id);
-        ``model_name`` (default: the path) is what reprs and probe contexts show."""
+        ``model_name`` (default: the path) is what reprs and probe contexts show.
+        ``tokenizer`` (default: the one saved at ``path``) is a loaded tokenizer, or
+        the path or hub id of one."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         check_model_path(path)
@@ -548,14 +550,23 @@ class HFBackend:
         if device is not None:
             model = model.to(device)
         model.eval()
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, TypeError) as error:
-            raise ValueError(
-                f"model path {str(path)!r} has no tokenizer transformers can load "
-                f"({one_line(error)}); save one beside the weights "
-                "(tokenizer.save_pretrained(path)), or pass the model and its tokenizer: "
-                "ProbedModel(model, tokenizer)") from error
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError, TypeError) as error:
+                raise ValueError(
+                    f"model path {str(path)!r} has no tokenizer transformers can load "
+                    f"({one_line(error)}); save one beside the weights "
+                    "(tokenizer.save_pretrained(path)), or pass the model and its "
+                    "tokenizer: ProbedModel(model, tokenizer)") from error
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            except (OSError, ValueError, TypeError) as error:
+                raise ValueError(
+                    f"tokenizer {os.fspath(tokenizer)!r} is not a tokenizer transformers can "
+                    f"load ({one_line(error)}); pass a loaded tokenizer or the directory "
+                    "holding one") from error
         return cls(model, tokenizer, model_name=model_name or str(path), batch_size=batch_size)
 
     @property

@@ -363,7 +363,9 @@ class VLLMBackend:
             engine_kwargs.setdefault("max_num_seqs", batch_size)
         if max_model_len is not None:  # else vLLM takes the model's own limit
             engine_kwargs["max_model_len"] = max_model_len
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if engine_kwargs.get("tokenizer") is not None:  # (the engine's, so ours too)
+            engine_kwargs["tokenizer"] = os.fspath(engine_kwargs["tokenizer"])
+        tokenizer = AutoTokenizer.from_pretrained(engine_kwargs.get("tokenizer") or str(path))
         model_directory, staging = loadable_directory(str(path))
         # (a misspelt engine argument must not leave the staging folder behind; vLLM
         # reads the KV cache size from the environment while it builds the engine)
