@@ -174,6 +174,11 @@ def test_plain_ids_keep_a_tuple_of_plain_ints_and_convert_anything_else():
     ({"input_ids": [[1, 5.0]]}, TypeError, "input_ids[0][1] is float"),
     ({"input_ids": [[1, 5], (1, True)]}, TypeError, "input_ids[1][1] is bool"),
     ({"input_ids": [[1, 5], [np.int64(7), 3.5]]}, TypeError, "input_ids[1][1] is float"),
+    # One prompt's flat row (or 1-D tensor) with a bad id: that id is named, not
+    # the good first one as a prompt that should have been a list.
+    ({"input_ids": [1, 5, 2.5]}, TypeError, "input_ids[0][2] is float (2.5)"),
+    ({"input_ids": [1, 5, None]}, TypeError, "input_ids[0][2] is NoneType (None)"),
+    ({"input_ids": torch.tensor([1, 5, 6]).float()}, TypeError, "input_ids[0][0] is float"),
     ({"input_ids": [[1, -2]]}, ValueError, "input_ids[0][1] is -2"),
     ({"input_ids": [[1, 64]]}, ValueError, "input_ids[0][1] is 64; token ids of this model "
                                            "are [0, 64)"),
@@ -196,3 +201,5 @@ def test_stream_takes_one_prompt_or_one_row_of_input_ids(probed):
         list(probed.stream())
     with pytest.raises(ValueError, match="stream\\(\\) takes one prompt, got 2 rows"):
         list(probed.stream(input_ids=[[1, 5], [1, 6]]))
+    with pytest.raises(TypeError, match=r"^input_ids\[0\]\[2\] is float \(2.5\)"):
+        list(probed.stream(input_ids=[1, 5, 2.5]))

@@ -58,21 +58,32 @@ def refuse_lone_surrogates(text: str, where: str) -> None:
 
 def _token_rows(input_ids: Any) -> list[Any]:
     """Rows of ``input_ids``: a list of token-id lists, one flat list (one prompt),
-    or a 1-D/2-D tensor or array (each row one prompt, taken as it is)."""
+    or a 1-D/2-D tensor or array (each row one prompt, taken as it is).
+
+    A 1-D tensor, or a list whose first item is no row (a number, None), is one
+    prompt whatever its items are, so a bad one is named ``input_ids[0][j]``."""
     tolist = getattr(input_ids, "tolist", None)
     if callable(tolist) and not isinstance(input_ids, (list, tuple)):
         ndim = getattr(input_ids, "ndim", None)
         if ndim not in (1, 2):
             raise ValueError(f"input_ids must be 1-D (one prompt) or 2-D (one row per "
                              f"prompt), got {ndim}-D")
-        input_ids = tolist()
+        return [tolist()] if ndim == 1 else tolist()
     if isinstance(input_ids, (str, bytes, bytearray, Mapping)) or not isinstance(
             input_ids, (list, tuple)):
         raise TypeError(f"input_ids must be a list of token-id lists (or one list of token "
                         f"ids, or a tensor), got {type(input_ids).__name__}")
-    if input_ids and all(_is_token(item) for item in input_ids):
+    if input_ids and not _is_row(input_ids[0]):
         return [input_ids]
     return list(input_ids)
+
+
+def _is_row(value: Any) -> bool:
+    """Whether ``value`` reads as a prompt's row (a sequence, a tensor of 1-D or
+    more) rather than one token."""
+    if isinstance(value, (list, tuple, str, bytes, bytearray)):
+        return True
+    return bool(getattr(value, "ndim", 0))
 
 
 def _is_token(value: Any) -> bool:
