@@ -46,6 +46,7 @@ from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.errors import SpecValidationError
 from undercurrent.spec.loader import is_file, is_yaml_text
+from undercurrent.spec.messages import did_you_mean
 from undercurrent.spec.types import Edit, ExtractionPoint, ProbeSpec
 from undercurrent.steering.registration import as_edits, placed, register_edits
 from undercurrent.store.capture import CaptureSummary, capture_activations
@@ -156,6 +157,32 @@ def _check_construction(backend: str, router: Any, on_result: Any) -> None:
             f"router must be an undercurrent Router (or an object with the methods "
             f"{', '.join(_ROUTER_METHODS)}), got {type(router).__name__} ({router!r:.40}), "
             f"which lacks {', '.join(missing)}")
+
+
+# Per-call options of generate() that a capture takes elsewhere, and where.
+_CAPTURE_OPTIONS_ELSEWHERE = {
+    "edits": "steering edits belong in the spec (its edits: list, spec version \"2\"), "
+             "which the store records",
+    "capture_last_token": "set it on the model, ProbedModel(..., capture_last_token=True), "
+                          "which the store records",
+    "records": "a capture writes every record to the store; read them with "
+               "undercurrent.open_activations",
+    "request_ids": "a capture names each prompt's request itself, by its index",
+}
+
+
+def _check_capture_options(options: Mapping[str, Any]) -> None:
+    """Refuse an option ``ProbedModel.capture`` does not take, saying where it
+    belongs if it belongs elsewhere and listing the options it takes."""
+    accepted = [name for name, parameter in inspect.signature(capture_activations).parameters
+                .items() if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    for name in options:
+        if name not in accepted:
+            where = _CAPTURE_OPTIONS_ELSEWHERE.get(name)
+            raise TypeError(
+                f"capture() takes no {name}= option" + (f": {where}" if where else
+                                                       did_you_mean(name, accepted))
+                + f"; it takes: {', '.join(accepted)}")
 
 
 class ProbedModel:
@@ -592,8 +619,12 @@ class ProbedModel:
         ``top_p``, ``top_k`` and ``stop``. Every argument is checked before anything
         is written: a call refused for a bad value (an empty prompt list included)
         leaves ``out_dir`` as it found it. Read it with
-        :func:`undercurrent.open_activations`; see ``docs/store.md``.
+        :func:`undercurrent.open_activations`; see ``docs/store.md``. An option it
+        does not take is a ``TypeError`` listing those it does (``edits`` belong in
+        the spec and ``capture_last_token`` on the ``ProbedModel``: both are part
+        of what the store was captured with).
         """
+        _check_capture_options(options)
         return capture_activations(
             self, prompts, out_dir, max_new_tokens=max_new_tokens, temperature=temperature,
             seed=seed, batch_size=batch_size, storage_dtype=storage_dtype, resume=resume,

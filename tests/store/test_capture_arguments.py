@@ -77,6 +77,23 @@ def test_on_off_options_take_true_or_false_only(tiny, tmp_path, flag):
     assert _listing(out) == before
 
 
+@pytest.mark.parametrize("option, said", [
+    (dict(edits=[]), "edits belong in the spec"),
+    (dict(capture_last_token=True), "ProbedModel(..., capture_last_token=True)"),
+    (dict(records=True), "writes every record to the store"),
+    (dict(sharrd="0/2"), "(did you mean 'shard'?)"),
+])
+def test_an_option_capture_does_not_take_says_where_it_belongs_and_writes_nothing(
+        tiny, tmp_path, option, said):
+    # These were "capture_activations() got an unexpected keyword argument", naming
+    # an internal function and no way on.
+    out = tmp_path / "d1"
+    with pytest.raises(TypeError, match=rf"^capture\(\) takes no {next(iter(option))}= option"
+                                        r".*; it takes: max_new_tokens, .*shard, ") as caught:
+        tiny.capture(PROMPTS, out, **{**GOOD, **option})
+    assert said in str(caught.value) and not out.exists()
+
+
 @pytest.mark.parametrize("text, message", [
     ("last_token+mean_generated", "two token reductions, 'last_token' and 'mean_generated'"),
     ("mean_generated+all", "two token reductions, 'mean_generated' and 'all'"),
