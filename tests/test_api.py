@@ -96,9 +96,11 @@ def test_tiny_name_loads_the_bundled_model_and_keeps_its_short_name(saved_model,
         assert pm.backend.model_name == "undercurrent/tiny"  # shown by its short name
         assert repr(pm).startswith("ProbedModel('undercurrent/tiny', backend='hf'")
         pm.close()
-    pm = ProbedModel.from_pretrained(str(saved_model))
-    assert pm.backend.model_name == str(saved_model)  # any other path names itself
-    pm.close()
+    with ProbedModel.from_pretrained(str(saved_model) + "/") as pm:  # its path, too
+        assert pm.backend.model_name == "undercurrent/tiny"
+    monkeypatch.undo()
+    with ProbedModel.from_pretrained(str(saved_model)) as pm:
+        assert pm.backend.model_name == str(saved_model)  # any other path names itself
 
 
 def test_from_pretrained_on_a_loaded_model_applies_its_name_and_refuses_loading_arguments():

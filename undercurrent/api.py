@@ -40,7 +40,7 @@ from undercurrent.adapters.outputs import (
 from undercurrent.adapters.prompts import check_prompts, prompt_inputs
 from undercurrent.adapters.session import CaptureSession
 from undercurrent.arguments import check_flag
-from undercurrent.models import TINY_MODEL_NAME, resolve_model_path
+from undercurrent.models import model_name_for, resolve_model_path
 from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
@@ -325,8 +325,9 @@ class ProbedModel:
                 f"from_pretrained(path, backend={backend!r}) cannot apply a loaded tokenizer "
                 f"({type(backend_kwargs['tokenizer']).__name__}): the {backend} engine loads "
                 "its own; pass tokenizer= the path or hub id of one, or leave it out")
-        # The bundled model keeps its short name (reprs, results), not this machine's path.
-        backend_kwargs.setdefault("model_name", TINY_MODEL_NAME if path != name else path)
+        # The bundled model keeps its short name (reprs, results, stores), not this
+        # machine's path, however it was named.
+        backend_kwargs.setdefault("model_name", model_name_for(path))
         loaded = loader.from_pretrained(path, device=device, dtype=dtype, **backend_kwargs)
         try:
             return cls(loaded, spec=spec, backend=backend, probes=probes,

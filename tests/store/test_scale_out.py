@@ -127,6 +127,32 @@ def test_seeded_sampling_in_parts_and_resumed_stores_what_generate_samples(tiny,
         tiny.capture(prompts, tmp_path / "0of1", **{**settings, "batch_size": 3})
 
 
+def test_parts_of_the_bundled_model_loaded_by_name_by_path_or_as_a_model_form_one_store(
+        tiny, tmp_path):
+    # By path or as a loaded model it was named by its absolute path, so a part
+    # after one captured by name was refused as "a different model".
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from undercurrent import ProbedModel
+    from undercurrent.models import tiny_model_path
+
+    path = tiny_model_path()
+    prompts = corpus_prompts(6, seed=8)[0]
+    settings = dict(max_new_tokens=3, batch_size=2, progress=False)
+    with ProbedModel.from_pretrained(str(path), spec=SPEC) as by_path, \
+            ProbedModel(AutoModelForCausalLM.from_pretrained(path),
+                        AutoTokenizer.from_pretrained(path), spec=SPEC) as loaded:
+        for part, model in enumerate((tiny, by_path, loaded)):
+            assert model.backend.model_name == "undercurrent/tiny"
+            model.capture(prompts, tmp_path, shard=f"{part}/3", **settings)
+    oracle = tiny.generate(prompts, request_ids=request_ids(6), records=True,
+                           max_new_tokens=3, batch_size=2)
+    found, expected = store_vectors(open_activations(tmp_path)), oracle_vectors(oracle)
+    assert found.keys() == expected.keys()
+    for key, vector in expected.items():
+        np.testing.assert_array_equal(found[key], vector, err_msg=str(key))
+
+
 def test_two_writers_creating_a_store_at_once_both_open_it(tmp_path, monkeypatch):
     # Both find no store.json and write their temporary copy before either links
     # it into place; the first then links and removes its copy, and only then does

@@ -7,6 +7,7 @@ does not import torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 TINY_MODEL_NAME = "undercurrent/tiny"
@@ -28,6 +29,19 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path in (TINY_MODEL_NAME, "tiny", "undercurrent-tiny"):
         return str(tiny_model_path())
     return name_or_path
+
+
+def model_name_for(path: str) -> str:
+    """The name a model loaded from ``path`` goes by: ``"undercurrent/tiny"`` for
+    the bundled model's directory however it is spelt (so a store captured from
+    it by name, by path or as a loaded model is one model's), else ``path``.
+
+    >>> model_name_for(str(tiny_model_path())), model_name_for("org/model")
+    ('undercurrent/tiny', 'org/model')
+    """
+    if path and os.path.realpath(path) == str(tiny_model_path()):
+        return TINY_MODEL_NAME
+    return path
 
 
 def tiny_probe_path() -> Path:

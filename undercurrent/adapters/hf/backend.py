@@ -62,6 +62,7 @@ from undercurrent.adapters.session import (
     stop_position,
 )
 from undercurrent.errors import one_line
+from undercurrent.models import model_name_for
 from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.types import TensorType
 
@@ -507,8 +508,8 @@ class HFBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-        self._model_name = model_name or str(
-            getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self._model_name = model_name or model_name_for(str(
+            getattr(model.config, "_name_or_path", "") or type(model).__name__))
         self.hooks = ModelHooks(model)
         self._closed = False
         # The thread generating with this backend (None: idle): close() waits for
@@ -567,7 +568,8 @@ class HFBackend:
                     f"tokenizer {os.fspath(tokenizer)!r} is not a tokenizer transformers can "
                     f"load ({one_line(error)}); pass a loaded tokenizer or the directory "
                     "holding one") from error
-        return cls(model, tokenizer, model_name=model_name or str(path), batch_size=batch_size)
+        return cls(model, tokenizer, model_name=model_name or model_name_for(str(path)),
+                   batch_size=batch_size)
 
     @property
     def model_name(self) -> str:

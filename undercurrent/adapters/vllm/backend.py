@@ -56,6 +56,7 @@ from undercurrent.adapters.vllm.liveness import engine_death, watch_engine_core
 from undercurrent.adapters.vllm.loading import engine_dtype, loadable_directory, remove_staging
 from undercurrent.adapters.vllm.spawning import check_spawnable
 from undercurrent.arguments import check_number
+from undercurrent.models import model_name_for
 from undercurrent.router.threads import on_probe_thread
 from undercurrent.spec.types import ExecutionMode, ExtractionPoint, TensorType
 
@@ -396,7 +397,7 @@ class VLLMBackend:
             remove_staging(staging)
             raise
         try:
-            backend = cls(engine, tokenizer, model_name=model_name or str(path),
+            backend = cls(engine, tokenizer, model_name=model_name or model_name_for(str(path)),
                           multiprocess=multiprocess, generation=generation,
                           # (as the engine resolved it: None is vLLM's default, on)
                           prefix_caching=bool(config.cache_config.enable_prefix_caching))
