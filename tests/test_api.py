@@ -147,6 +147,23 @@ def test_from_pretrained_with_vllm_refuses_a_loaded_tokenizer_before_the_engine_
         ProbedModel.from_pretrained(saved_model, backend="vllm", tokenizer=build_tokenizer())
 
 
+def test_a_misspelt_from_pretrained_keyword_is_named_with_the_one_meant(saved_model):
+    # It reached the model's class: "LlamaForCausalLM.__init__() got an unexpected
+    # keyword argument 'batchsize'", naming neither from_pretrained nor batch_size.
+    import inspect
+
+    from undercurrent.adapters.hf import backend as hf_backend
+    from undercurrent.adapters.hf.backend import HFBackend
+
+    with pytest.raises(TypeError, match=r"^from_pretrained got an unexpected keyword argument "
+                                        r"'batchsize': .*; did you mean batch_size=\?$"):
+        ProbedModel.from_pretrained(saved_model, batchsize=4)
+    own = set(inspect.signature(ProbedModel.from_pretrained).parameters) | set(
+        inspect.signature(HFBackend.from_pretrained).parameters)
+    assert set(hf_backend._FROM_PRETRAINED_ARGUMENTS) == own - {
+        "cls", "model_or_path", "path", "backend_kwargs", "model_kwargs"}
+
+
 def test_a_router_you_bring_is_used_and_left_running():
     router = Router()
     pm = ProbedModel(build_model("llama"), build_tokenizer(), spec=SPEC, router=router)

@@ -484,6 +484,25 @@ def _end_live_streams() -> None:
         worker.join()
 
 
+#: ProbedModel.from_pretrained's own keywords and those the hf backend takes
+#: (tests/test_api.py checks this against the signatures).
+_FROM_PRETRAINED_ARGUMENTS = ("spec", "backend", "device", "dtype", "probes", "probe_defaults",
+                              "router", "on_result", "batch_size", "capture_last_token",
+                              "model_name", "tokenizer")
+
+
+def _unknown_loader_argument(key: str) -> str:
+    """What to say of a keyword ``from_pretrained`` passed on to transformers'
+    loader, which the model's class did not take (a misspelt argument)."""
+    import difflib
+
+    close = difflib.get_close_matches(key, _FROM_PRETRAINED_ARGUMENTS, n=1)
+    hint = f"; did you mean {close[0]}=?" if close else ""
+    return (f"from_pretrained got an unexpected keyword argument {key!r}: neither "
+            "from_pretrained nor transformers' AutoModelForCausalLM.from_pretrained (which "
+            f"the hf backend passes other keywords to) nor the model takes it{hint}")
+
+
 class HFBackend:
     """Live capture on a transformers ``*ForCausalLM`` model and its tokenizer.
 
@@ -541,6 +560,11 @@ class HFBackend:
             model: Any = AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, name) if name not in (None, "auto") else "auto",
                 **model_kwargs)
+        except TypeError as error:
+            unknown = [key for key in model_kwargs if f"argument '{key}'" in str(error)]
+            if not unknown:
+                raise
+            raise TypeError(_unknown_loader_argument(unknown[0])) from error
         except OSError as error:
             if os.path.exists(path):
                 raise
