@@ -174,10 +174,14 @@ def test_a_stop_match_reads_the_end_of_the_text_and_finds_what_the_whole_text_ho
         return text[1:] if strip_first_space and text.startswith(" ") else text
 
     lengths: list[int] = []
+    # (first, a space the decode drops at the start, before a word's own space)
+    cases = [([" a"], [5, 2]), ([" a", "  a"], [9, 5, 9, 2]), (["  a"], [5, 9, 5, 2])]
     for _ in range(300):
-        stops = ["".join(rng.choice("ab \u00e9") for _ in range(rng.randint(2, 5)))
-                 for _ in range(rng.randint(1, 2))]
-        tokens = [rng.choice([rng.randrange(len(pieces)), 9]) for _ in range(rng.randint(1, 80))]
+        cases.append((["".join(rng.choice("ab \u00e9") for _ in range(rng.randint(2, 5)))
+                       for _ in range(rng.randint(1, 2))],
+                      [rng.choice([rng.randrange(len(pieces)), 9])
+                       for _ in range(rng.randint(1, 80))]))
+    for stops, tokens in cases:
         expected = next((k for k in range(len(tokens))
                          if stop_position(decode(tokens[:k + 1]), stops) is not None), None)
         match = StopMatch(stops, lambda ids: lengths.append(len(ids)) or decode(ids))
@@ -229,15 +233,16 @@ def test_pieces_of_tokens_decoded_as_they_come_are_those_of_the_whole_text(kind)
     # next_piece decodes each token with a few before it; piece is given the whole
     # text decoded at each token: the same pieces, on texts whose characters span
     # tokens, whose words begin with a space dropped at the start, with special
-    # tokens (skipped) between.
+    # tokens (skipped) between. (No stop string holds U+FFFD: see IncrementalText.)
     tokenizer = _tokenizer(kind)
     decode = text_decoder(tokenizer)
     rng = random.Random(3)
     for encoded, ids in _token_lists(tokenizer, rng):
         text = decode(ids)
-        stops = [[], [text[-3:]] if text else [], ["\u00e9", "\U0001F600"],
-                 [text[start:start + rng.randint(1, 4)]
-                  for start in (rng.randrange(len(text) + 1), len(text) // 2)]][rng.randrange(4)]
+        some = text.replace("\ufffd", "")
+        stops = [[], [some[-3:]] if some else [], ["\u00e9", "\U0001F600"],
+                 [some[start:start + rng.randint(1, 4)]
+                  for start in (rng.randrange(len(some) + 1), len(some) // 2)]][rng.randrange(4)]
         whole, incremental = StreamText(stops), StreamText(stops, decode)
         expected = [whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
         pieces = [incremental.next_piece(ids[:count]) for count in range(1, len(ids) + 1)]
@@ -259,7 +264,7 @@ def test_a_stream_decodes_each_token_with_a_few_before_it(kind) -> None:
         stream = StreamText(["zz"], decode)
         for count in range(1, length + 1):
             stream.next_piece(ids[:count])
-        assert decode.tokens <= 4 * length, (length, decode.tokens)
+        assert decode.tokens <= 8 * length, (length, decode.tokens)
 
 
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])

@@ -12,6 +12,11 @@ REPLACEMENT = "\ufffd"
 tokenizer splits an emoji or a CJK character across tokens)."""
 
 
+OPEN = 8
+"""How many tokens whose text ends in U+FFFD :class:`IncrementalText` keeps
+open (a character's bytes span four tokens at most: past that, the bytes are
+not a character, as a byte fallback run with an invalid byte stays U+FFFD)."""
+
 MARKS = 16
 """How many of the last steps that took text :class:`IncrementalText` can go
 back to, where a token changed the text before it."""
@@ -27,9 +32,11 @@ class IncrementalText:
     sentencepiece's does, drops it from their text, not from the new token's)
     and the tokens after it; the text the window decodes to past the
     overlap's own is the new end of the text. Tokens that add no text (special
-    tokens, skipped) leave the window; text that ends in U+FFFD (a character
+    tokens, skipped; before any text, those that add none twice over either)
+    leave the window; text that ends in U+FFFD (a character
     whose bytes are not all in yet) stays open until a later token completes
-    it.
+    it, or for :data:`OPEN` tokens (a token that changes it after is found as
+    below).
 
     Where the window's text does not begin with the overlap's own, the new
     token changed the text before it. Where the window's text ends in U+FFFD
@@ -40,6 +47,11 @@ class IncrementalText:
     to :data:`MARKS` of them, then to the first token) until the text of
     those before them is how their window's begins: it reports the text from
     there on.
+
+    What a token's text depends on is decoded with it, however far back: a
+    run of byte fallback tokens that holds a byte no character has is U+FFFD
+    for each of its bytes, so its tokens are decoded with the whole run (the
+    run's cost grows with its square; the text's elsewhere does not).
 
     :attr:`tail` holds the text from :attr:`tail_start` on: at least ``keep``
     characters before the part a later step may change (what a stop string
@@ -92,9 +104,13 @@ class IncrementalText:
         """Take ``new``, the text past ``start`` of the tokens ``after`` the
         overlap (``window``: their text with the overlap's)."""
         self.tail = self.tail[:start - self.tail_start] + new
-        if not new:  # (they add no text: special tokens, skipped)
-            self.ids = self.ids[:self.overlap]
-        elif not new.endswith(REPLACEMENT):
+        if not new:
+            # (they add no text: special tokens, skipped; before any text, tokens
+            # whose text is a space the decode drops at the start, as
+            # sentencepiece's does, give text after another: they stay)
+            if self.overlap_text or not self.decode(after + after):
+                self.ids = self.ids[:self.overlap]
+        elif not new.endswith(REPLACEMENT) or len(after) > OPEN:
             # (their own text: the overlap of the next step, where it is the end of
             # the window's; else the window stays the overlap)
             text = self.decode(after) if self.overlap_text else new
@@ -103,7 +119,8 @@ class IncrementalText:
             else:
                 self.overlap_text = window
             self.overlap = len(self.ids)
-            self.stable = self.solid = start + len(new)
+            self.stable = start + len(new)
+            self.solid = start + len(new.rstrip(REPLACEMENT))
             self.marks.append((self.count, self.stable))
             del self.marks[:-MARKS]
 

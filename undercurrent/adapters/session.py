@@ -368,7 +368,9 @@ class StreamText:
     Given ``decode``, :meth:`next_piece` decodes the tokens as they come
     (:class:`~undercurrent.adapters.incremental_text.IncrementalText`: a few
     tokens a step, and only the end of the text is read), with the pieces
-    :meth:`piece` gives for the whole text decoded at each token."""
+    :meth:`piece` gives for the whole text decoded at each token (but for a
+    stop string that holds U+FFFD, while a run of byte fallback tokens is
+    open: the whole text's U+FFFD for each of its bytes is read as one)."""
 
     def __init__(self, stops: Sequence[str],
                  decode: Callable[[Sequence[int]], str] | None = None) -> None:
