@@ -575,22 +575,18 @@ class HFBackend:
         if device is not None:
             model = model.to(device)
         model.eval()
-        if tokenizer is None:
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            source = path if tokenizer is None else os.fspath(tokenizer)
             try:
-                tokenizer = AutoTokenizer.from_pretrained(path)
+                tokenizer = AutoTokenizer.from_pretrained(source)
             except (OSError, ValueError, TypeError) as error:
                 raise ValueError(
                     f"model path {str(path)!r} has no tokenizer transformers can load "
                     f"({one_line(error)}); save one beside the weights "
                     "(tokenizer.save_pretrained(path)), or pass the model and its "
-                    "tokenizer: ProbedModel(model, tokenizer)") from error
-        elif isinstance(tokenizer, (str, os.PathLike)):
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-            except (OSError, ValueError, TypeError) as error:
-                raise ValueError(
-                    f"tokenizer {os.fspath(tokenizer)!r} is not a tokenizer transformers can "
-                    f"load ({one_line(error)}); pass a loaded tokenizer or the directory "
+                    "tokenizer: ProbedModel(model, tokenizer)" if tokenizer is None else
+                    f"tokenizer {source!r} is not a tokenizer transformers can load "
+                    f"({one_line(error)}); pass a loaded tokenizer or the directory "
                     "holding one") from error
         return cls(model, tokenizer, model_name=model_name or model_name_for(str(path)),
                    batch_size=batch_size)
