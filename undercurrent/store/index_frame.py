@@ -112,13 +112,23 @@ def _frame(table: Any, labels: Any) -> Any:
         if name == "edits":
             columns[name] = _edit_names(column)
         elif name in STRING_COLUMNS:
-            columns[name] = pd.array(column.combine_chunks(), dtype="str")
+            columns[name] = _strings(pd, column.combine_chunks())
         elif name in NULLABLE_COLUMNS:
             columns[name] = column.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype()}.get).array
         else:
             columns[name] = column.to_numpy()
     index = pd.RangeIndex(table.num_rows) if labels is None else pd.Index(labels)
     return pd.DataFrame(columns, index=index)
+
+
+def _strings(pd: Any, array: Any) -> Any:
+    """An Arrow string column as a pandas array that keeps the strings in Arrow
+    (no object per row): pandas' ``str`` (Arrow-backed from pandas 3; before,
+    numpy's, an object column in a frame: ``string[pyarrow]`` there)."""
+    strings = pd.array(array, dtype="str")
+    if not isinstance(strings.dtype, pd.StringDtype):  # (pandas 2: numpy's str)
+        strings = pd.array(array, dtype="string[pyarrow]")
+    return strings
 
 
 def _edit_names(column: Any) -> Any:
