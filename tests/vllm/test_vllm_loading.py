@@ -111,6 +111,35 @@ def test_the_kv_cache_size_is_set_while_an_engine_is_built_then_restored(monkeyp
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
 
 
+def test_kv_cache_memory_bytes_sizes_the_cache_over_the_variable(monkeypatch):
+    # the CPU build took VLLM_CPU_KVCACHE_SPACE (set to 1 GiB by the backend) over
+    # the engine argument, which was ignored
+    from vllm import EngineArgs
+
+    from undercurrent.adapters.vllm.backend import kv_cache_environment
+    from undercurrent.models import tiny_model_path
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    sizes = {}
+    for sized in (False, True):
+        with kv_cache_environment(None, sized=sized):
+            config = EngineArgs(model=str(tiny_model_path()), enforce_eager=True,
+                                kv_cache_memory_bytes=5 << 20).create_engine_config()
+        sizes[sized] = config.cache_config.kv_cache_memory_bytes
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert sizes == {False: 3 << 30, True: 5 << 20}
+
+
+def test_kv_cache_gib_and_kv_cache_memory_bytes_together_are_refused():
+    from undercurrent.adapters.base import BackendError
+    from undercurrent.adapters.vllm.backend import VLLMBackend
+
+    with pytest.raises(BackendError, match=r"kv_cache_gib=2 and kv_cache_memory_bytes=1024 "
+                                           r"both size the KV cache; give one"):
+        VLLMBackend.from_pretrained("undercurrent/tiny", kv_cache_gib=2,
+                                    kv_cache_memory_bytes=1024)
+
+
 @pytest.mark.parametrize("device", ["cuda:1", "cuda", "meta", "cpu:2", "nonsense"])
 def test_a_device_the_engine_does_not_run_on_is_refused_before_it_starts(device):
     # device= was ignored: a model asked on cuda:1 ran on the CPU, without a word

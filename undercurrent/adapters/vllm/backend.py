@@ -194,14 +194,19 @@ def kv_cache_space(kv_cache_gib: Any) -> str:
 
 
 @contextlib.contextmanager
-def kv_cache_environment(kv_space: str | None) -> Iterator[None]:
+def kv_cache_environment(kv_space: str | None, *, sized: bool = False) -> Iterator[None]:
     """``VLLM_CPU_KVCACHE_SPACE`` while an engine is built: ``kv_space`` (from
     :func:`kv_cache_space`), else the process's own value, else 1 GiB; then as it was
-    (unset if it was), so an engine built later in the process gets its own size."""
+    (unset if it was), so an engine built later in the process gets its own size.
+    ``sized``: the engine arguments size the cache (``kv_cache_memory_bytes``), so it
+    is unset meanwhile (vLLM's CPU build takes the variable over the argument)."""
     name = "VLLM_CPU_KVCACHE_SPACE"
     previous = os.environ.get(name)
-    os.environ[name] = kv_space if kv_space is not None else (
-        previous if previous is not None else "1")
+    if sized:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = kv_space if kv_space is not None else (
+            previous if previous is not None else "1")
     try:
         yield
     finally:
@@ -327,7 +332,8 @@ class VLLMBackend:
         ``multiprocess`` puts the engine core in its own process. ``kv_cache_gib``
         sizes the CPU KV cache in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, which vLLM
         reads as an integer: ``2.0`` is taken as 2, ``0.5`` is a ``ValueError``;
-        default 1 GiB here when unset, instead of vLLM's ~10 GiB).
+        default 1 GiB here when unset, instead of vLLM's ~10 GiB; or give vLLM's
+        ``kv_cache_memory_bytes``, not both).
         ``enable_prefix_caching=True`` (or None, vLLM's own default: on) is accepted
         only for specs whose points select generated tokens alone. Other keyword
         arguments go to ``vllm.EngineArgs``. ``batch_size`` caps concurrent requests
@@ -346,6 +352,11 @@ class VLLMBackend:
             )
         _take_own_engine_arguments(engine_kwargs)
         kv_space = None if kv_cache_gib is None else kv_cache_space(kv_cache_gib)
+        sized = engine_kwargs.get("kv_cache_memory_bytes") is not None
+        if sized and kv_space is not None:
+            raise BackendError(
+                f"kv_cache_gib={kv_cache_gib!r} and kv_cache_memory_bytes="
+                f"{engine_kwargs['kv_cache_memory_bytes']!r} both size the KV cache; give one")
         check_vllm_version()
         check_engine_device(device)
         # On CPU, vLLM moves a single worker into a process of its own when this is "1";
@@ -371,7 +382,7 @@ class VLLMBackend:
         # (a misspelt engine argument must not leave the staging folder behind; vLLM
         # reads the KV cache size from the environment while it builds the engine)
         try:
-            with kv_cache_environment(kv_space):
+            with kv_cache_environment(kv_space, sized=sized):
                 args = EngineArgs(
                     model=model_directory,
                     dtype=dtype,
