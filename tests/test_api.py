@@ -164,6 +164,15 @@ def test_a_misspelt_from_pretrained_keyword_is_named_with_the_one_meant(saved_mo
         "cls", "model_or_path", "path", "backend_kwargs", "model_kwargs"}
 
 
+def test_output_loading_info_is_refused_naming_the_way_to_get_it(saved_model):
+    # transformers returned (model, info): "'tuple' object has no attribute 'eval'"
+    with pytest.raises(TypeError, match=r"^from_pretrained cannot take output_loading_info="
+                                        r"True .* ProbedModel\(model, tokenizer\)$"):
+        ProbedModel.from_pretrained(saved_model, output_loading_info=True)
+    pm = ProbedModel.from_pretrained(saved_model, output_loading_info=False)
+    pm.close()
+
+
 def test_a_router_you_bring_is_used_and_left_running():
     router = Router()
     pm = ProbedModel(build_model("llama"), build_tokenizer(), spec=SPEC, router=router)

@@ -555,6 +555,12 @@ class HFBackend:
 
         check_model_path(path)
         check_device(device)
+        if model_kwargs.get("output_loading_info"):
+            raise TypeError(
+                "from_pretrained cannot take output_loading_info=True (transformers' loader "
+                "would return the model and the loading info, not a model); load with "
+                "AutoModelForCausalLM.from_pretrained(path, output_loading_info=True) and "
+                "pass the model and its tokenizer: ProbedModel(model, tokenizer)")
         name = dtype_name(dtype)
         try:
             model: Any = AutoModelForCausalLM.from_pretrained(
