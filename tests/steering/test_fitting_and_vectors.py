@@ -159,6 +159,26 @@ def test_vector_files_keys_and_errors(tmp_path) -> None:
         resolve_edit(vector_edit(str(tmp_path / "missing.npz")), 4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_a_linear_probe_file_with_a_weight_row_per_class_is_read_as_a_probe(tmp_path, rows):
+    # The bias was the file's one 1-D array, so it was taken for the vector: a binary
+    # probe saved with sklearn's shapes ((1, H) and (1,)) was refused for its bias's
+    # size, and a 4-class probe on a hidden-4 model steered along its bias silently.
+    from undercurrent.probes.weights import save_linear_weights
+
+    path = tmp_path / "probe.safetensors"
+    weight = np.arange(1.0, 4.0 * rows + 1).reshape(rows, 4)
+    save_linear_weights(path, weight, np.full(rows, 0.5))
+    if rows == 1:
+        resolved = resolve_edit(vector_edit(str(path)), hidden_size=4)
+        assert resolved.vector.tolist() == probe_direction(path, normalize=False).tolist()
+        assert resolved.vector.tolist() == [1.0, 2.0, 3.0, 4.0]
+        return
+    with pytest.raises(SpecValidationError, match=rf"is a {rows}-class linear probe; its "
+                                                  "weight has one row per class"):
+        resolve_edit(vector_edit(str(path)), hidden_size=4)
+
+
 def test_a_bfloat16_vector_file_is_read_beside_float32_arrays(tmp_path) -> None:
     """A vector saved from a bfloat16 model: numpy has no bfloat16, so the file is read
     through torch and widened (it was refused as 'not a valid safetensors file')."""

@@ -122,9 +122,8 @@ def _from_file(edit: Edit) -> Any:
             raise ValueError(f"vector_key {edit.vector_key!r} is not in {edit.vector!r}; "
                              f"it holds: {', '.join(sorted(arrays)) or 'no arrays'}")
         return arrays[edit.vector_key]
-    vectors = [name for name, array in arrays.items() if array.ndim == 1]
-    if len(vectors) == 1:
-        return arrays[vectors[0]]
+    # (a linear probe file before the one-1-D-array rule: a weight of shape (1, H)
+    # or (K, H) left its 1-D bias as the file's one vector)
     if "weight" in arrays and "bias" in arrays:
         weight = arrays["weight"]
         if weight.ndim == 2 and weight.shape[0] == 1:
@@ -134,6 +133,9 @@ def _from_file(edit: Edit) -> Any:
         raise ValueError(f"{edit.vector!r} is a {weight.shape[0]}-class linear probe; its "
                          "weight has one row per class, so name the row to use in a file "
                          "of its own (or pass vector as a list)")
+    vectors = [name for name, array in arrays.items() if array.ndim == 1]
+    if len(vectors) == 1:
+        return arrays[vectors[0]]
     raise ValueError(f"{edit.vector!r} holds {len(vectors)} 1-D arrays "
                      f"({', '.join(sorted(arrays)) or 'none'}); name one with vector_key")
 
