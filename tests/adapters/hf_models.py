@@ -158,20 +158,31 @@ CORPUS = ["the cat sat on the mat, then the cat ran.", "un café crème à l'él
 
 
 @cache
-def subword_tokenizer(kind: str) -> Any:
+def subword_tokenizer(kind: str, clean_up: bool = False) -> Any:
     """A subword ``PreTrainedTokenizerFast`` trained here on :data:`CORPUS`, the
     specials <pad>=0, <bos>=1, <eos>=2, <unk>=3 first. ``"byte-level"``: GPT-2's
     byte-level BPE (a character's bytes may span tokens); ``"sentencepiece"``:
     llama's BPE of words that begin with "▁" for the space before them (dropped
     at the start of the text), with byte fallback (<0x..> tokens: a character
-    not in the vocabulary, byte by byte)."""
+    not in the vocabulary, byte by byte); ``"wordpiece"``: BERT's WordPiece
+    (words split at punctuation, a word's later pieces marked "##").
+    ``clean_up``: the decode cleans up tokenization spaces, as BERT's tokenizers
+    ship (``clean_up_tokenization_spaces``: ``"don ' t ."`` is ``"don't."``; on
+    a BPE tokenizer too, which transformers otherwise declines)."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    if kind == "byte-level":
+    if kind == "wordpiece":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tokenizer.decoder = decoders.WordPiece()
+        tokenizer.train_from_iterator(CORPUS, trainers.WordPieceTrainer(
+            vocab_size=300, special_tokens=specials))
+    elif kind == "byte-level":
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
@@ -192,5 +203,7 @@ def subword_tokenizer(kind: str) -> Any:
         vocab.update({f"<0x{byte:02X}>": len(vocab) + byte for byte in range(256)})
         saved["model"]["byte_fallback"] = True
         tokenizer = Tokenizer.from_str(json.dumps(saved))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>",
-                                   eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>", clean_up_tokenization_spaces=clean_up,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=clean_up)

@@ -3,6 +3,7 @@ a stop string is never streamed, a partial one is held back until settled."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -192,7 +193,7 @@ def test_a_stop_match_reads_the_end_of_the_text_and_finds_what_the_whole_text_ho
 
 from hf_models import CORPUS, subword_tokenizer  # noqa: E402
 
-from undercurrent.adapters.prompts import text_decoder  # noqa: E402
+from undercurrent.adapters.prompts import decode_reach, text_decoder  # noqa: E402
 
 
 class _Counted:
@@ -206,8 +207,17 @@ class _Counted:
         return self.decode(ids)
 
 
+KINDS = ["byte-level", "sentencepiece", "word-level", "wordpiece", "wordpiece, cleaned up",
+         "byte-level, cleaned up"]
+"""Tokenizers whose decodes differ at a window's start, and two that clean up
+tokenization spaces ("don ' t" is "don't": a token changes the text before it)."""
+
+
 def _tokenizer(kind: str):
-    return build_tokenizer() if kind == "word-level" else subword_tokenizer(kind)
+    if kind == "word-level":
+        return build_tokenizer()
+    name, _, clean_up = kind.partition(", ")
+    return subword_tokenizer(name, clean_up=bool(clean_up))
 
 
 def _token_lists(tokenizer, rng: random.Random) -> list[tuple[bool, list[int]]]:
@@ -228,12 +238,13 @@ def _token_lists(tokenizer, rng: random.Random) -> list[tuple[bool, list[int]]]:
     return lists
 
 
-@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_pieces_of_tokens_decoded_as_they_come_are_those_of_the_whole_text(kind) -> None:
     # next_piece decodes each token with a few before it; piece is given the whole
     # text decoded at each token: the same pieces, on texts whose characters span
-    # tokens, whose words begin with a space dropped at the start, with special
-    # tokens (skipped) between. (No stop string holds U+FFFD: see IncrementalText.)
+    # tokens, whose words begin with a space dropped at the start, whose spaces
+    # before punctuation a later token cleans up, with special tokens (skipped)
+    # between. (No stop string holds U+FFFD: see IncrementalText.)
     tokenizer = _tokenizer(kind)
     decode = text_decoder(tokenizer)
     rng = random.Random(3)
@@ -243,38 +254,40 @@ def test_pieces_of_tokens_decoded_as_they_come_are_those_of_the_whole_text(kind)
         stops = [[], [some[-3:]] if some else [], ["\u00e9", "\U0001F600"],
                  [some[start:start + rng.randint(1, 4)]
                   for start in (rng.randrange(len(some) + 1), len(some) // 2)]][rng.randrange(4)]
-        whole, incremental = StreamText(stops), StreamText(stops, decode)
+        reach = decode_reach(tokenizer)
+        whole, incremental = StreamText(stops, reach=reach), StreamText(stops, decode, reach)
         expected = [whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
         pieces = [incremental.next_piece(ids[:count]) for count in range(1, len(ids) + 1)]
         assert pieces == expected, (ids, stops)
         cut = stop_position(text, stops)
         final = text if cut is None else text[:cut]
-        assert whole.rest(final) == incremental.rest(final)
+        rest = incremental.rest(final)
+        assert whole.rest(final) == rest
         if encoded:
-            assert "".join(pieces) + incremental.rest(final) == final
+            assert "".join(pieces) + rest == final
 
 
-@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_stream_decodes_each_token_with_a_few_before_it(kind) -> None:
     # The tokens given to decode grow with the text, not with its square.
     tokenizer = _tokenizer(kind)
     ids = tokenizer(" ".join(CORPUS * 40))["input_ids"]
     for length in (len(ids) // 4, len(ids)):
         decode = _Counted(text_decoder(tokenizer))
-        stream = StreamText(["zz"], decode)
+        stream = StreamText(["zz"], decode, decode_reach(tokenizer))
         for count in range(1, length + 1):
             stream.next_piece(ids[:count])
         assert decode.tokens <= 8 * length, (length, decode.tokens)
 
 
-@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece, cleaned up"])
 @pytest.mark.parametrize("stop", [False, True])
 def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind, stop) -> None:
     # A random model's tokens: characters split across byte tokens, words that
     # begin with a space; each token decoded with a few before it. (Its bytes at
     # random need not make characters: a later byte may change the text before,
     # so pieces sent need not join into the output's text, here as before.)
-    tokenizer = subword_tokenizer(kind)
+    tokenizer = _tokenizer(kind)
     with ProbedModel(build_model("llama", vocab=len(tokenizer)), tokenizer) as pm:
         decode = pm.backend.decode
         text = pm.generate([CORPUS[3]], max_new_tokens=300)[0].text
@@ -283,7 +296,7 @@ def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind
         events = list(pm.stream(CORPUS[3], max_new_tokens=300, stop=stops))
     output = events[-1].output
     ids = output.token_ids
-    whole = StreamText(stops)
+    whole = StreamText(stops, reach=decode_reach(tokenizer))
     assert [event.text for event in events[:-1]] == [
         whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
     assert events[-1].text == whole.rest(output.text)
@@ -292,7 +305,7 @@ def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind
         assert counted.tokens <= 8 * len(ids), (len(ids), counted.tokens)
 
 
-@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "word-level"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_stop_match_finds_what_the_whole_text_holds_on_subword_tokenizers(kind) -> None:
     # The first token after which the whole text decoded holds a stop string (an
     # eos token completes none), with special tokens strewn in and ids at random.
@@ -307,7 +320,8 @@ def test_a_stop_match_finds_what_the_whole_text_holds_on_subword_tokenizers(kind
                  for start in (rng.randrange(len(text) + 1), len(text) // 2)]
         expected = next((k for k in range(len(ids)) if ids[k] not in eos
                          and stop_position(decode(ids[:k + 1]), stops) is not None), None)
-        assert StopMatch(stops, decode, eos).scan(ids) == expected, (ids, stops)
+        assert StopMatch(stops, decode, eos, decode_reach(tokenizer)).scan(ids) == expected, (
+            ids, stops)
 
 
 def test_a_stop_match_reads_a_run_of_special_tokens_at_the_same_cost_per_token() -> None:
@@ -324,3 +338,34 @@ def test_a_stop_match_reads_a_run_of_special_tokens_at_the_same_cost_per_token()
             output = pm.generate([prompt(1, 2)], max_new_tokens=length, stop=["w5 w6"])[0]
             assert set(output.token_ids) == {unk} and len(output.token_ids) == length
             assert counted.tokens <= 4 * length, (length, counted.tokens)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece, cleaned up", "byte-level, cleaned up"])
+def test_a_stop_string_that_a_clean_up_of_spaces_completes_ends_the_generation(kind) -> None:
+    # "don ' t" decodes to "don't": its last token joins the two tokens before
+    # it. A model made to generate the tokens of "the cat ran. don't stop" stops
+    # at the stop strings its whole text holds, and streams that text.
+    tokenizer = _tokenizer(kind)
+    decode = text_decoder(tokenizer)
+    forced = tokenizer("the cat ran . don ' t stop", add_special_tokens=False)["input_ids"]
+    assert decode(forced) == "the cat ran. don't stop"
+    model = copy.deepcopy(build_model("llama", vocab=len(tokenizer)))
+    steps = []
+
+    def force(module, args, out):  # (the n-th forward's logits pick forced[n])
+        steps.append(len(steps))
+        pick = torch.tensor(forced[min(len(steps) - 1, len(forced) - 1)])
+        return out + torch.nn.functional.one_hot(pick, out.shape[-1]).to(out.dtype) * 1e4
+
+    model.lm_head.register_forward_hook(force)
+    with ProbedModel(model, tokenizer) as pm:
+        for stop, before in [("don't", "the cat ran. "), ("ran.", "the cat "),
+                             ("n't s", "the cat ran. do")]:
+            steps.clear()
+            output = pm.generate([CORPUS[0]], max_new_tokens=len(forced), stop=[stop])[0]
+            assert (output.finish_reason, output.text) == ("stop", before), stop
+            assert decode(output.token_ids).startswith(before + stop)
+            assert stop not in decode(output.token_ids[:-1])
+        steps.clear()
+        events = list(pm.stream(CORPUS[0], max_new_tokens=len(forced)))
+    assert "".join(event.text for event in events) == events[-1].output.text == decode(forced)

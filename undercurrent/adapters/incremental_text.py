@@ -53,21 +53,35 @@ class IncrementalText:
     for each of its bytes, so its tokens are decoded with the whole run (the
     run's cost grows with its square; the text's elsewhere does not).
 
+    A decode that cleans up tokenization spaces (transformers'
+    ``clean_up_tokenization_spaces``: ``"do n ' t"`` is ``"don't"``) drops
+    spaces before a token's own text, up to ``reach`` characters back: the
+    overlap then holds the last tokens that gave text whose text past the
+    first of them (whose own may differ at the window's start) holds the
+    first space among the text's last ``reach`` characters, and a step going
+    back decodes ``reach`` characters past the first before the mark it goes
+    back to.
+
     :attr:`tail` holds the text from :attr:`tail_start` on: at least ``keep``
     characters before the part a later step may change (what a stop string
     ending in the next token, or a piece held back, can reach)."""
 
-    __slots__ = ("decode", "keep", "count", "ids", "overlap", "overlap_text", "stable",
-                 "solid", "marks", "tail", "tail_start")
+    __slots__ = ("decode", "keep", "reach", "count", "ids", "overlap", "overlap_text",
+                 "groups", "stable", "solid", "marks", "tail", "tail_start")
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], keep: int = 0) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], keep: int = 0,
+                 reach: int = 0) -> None:
         self.decode = decode
         self.keep = keep
+        self.reach = reach
         self.count = 0
         """How many tokens the steps have taken."""
         self.ids: list[int] = []  # the window: the overlap's ids, then those after it
         self.overlap = 0  # (how many of ids)
         self.overlap_text = ""  # decode(ids[:overlap])
+        # (token count, text length) of each step that took text whose tokens end
+        # the overlap, the earliest first
+        self.groups: list[tuple[int, int]] = []
         self.stable = 0
         """The length of the text up to the overlap's end: no later step changes it
         (but one whose token changes the text before it)."""
@@ -82,9 +96,9 @@ class IncrementalText:
         returns the index from which the text changed (the text before it is as it
         was; :attr:`tail` holds the new text past it, and ``keep`` characters
         before the text the last step left unchanged for good)."""
-        reach = min(self.solid, self.marks[0][1]) - self.keep
-        if reach > self.tail_start:  # (what no later step can reach)
-            self.tail, self.tail_start = self.tail[reach - self.tail_start:], reach
+        settled = min(self.solid, self.marks[0][1]) - self.keep
+        if settled > self.tail_start:  # (what no later step can reach)
+            self.tail, self.tail_start = self.tail[settled - self.tail_start:], settled
         ids = self.ids
         ids.append(int(tokens[self.count]))
         self.count += 1
@@ -111,11 +125,23 @@ class IncrementalText:
             if self.overlap_text or not self.decode(after + after):
                 self.ids = self.ids[:self.overlap]
         elif not new.endswith(REPLACEMENT) or len(after) > OPEN:
-            # (their own text: the overlap of the next step, where it is the end of
-            # the window's; else the window stays the overlap)
-            text = self.decode(after) if self.overlap_text else new
-            if text and window.endswith(text):
-                self.ids, self.overlap_text = after, text
+            # (their own text, with those of the last steps before that hold a
+            # space among the last `reach` characters, past the first step's:
+            # the overlap of the next step, where it is the end of the window's;
+            # else the window stays the overlap)
+            groups = self.groups
+            groups.append((len(after), len(new)))
+            space = window.find(" ", max(len(window) - self.reach, 0)) if self.reach else -1
+            held = len(window) - space if space >= 0 else 0
+            while len(groups) > 1 and sum(length for _, length in groups[2:]) >= held:
+                del groups[0]
+            kept = self.ids[len(self.ids) - sum(count for count, _ in groups):]
+            text = self.decode(kept) if len(groups) > 1 or self.overlap_text else new
+            # (past the first step's text, which may differ at the window's start)
+            later = sum(length for _, length in groups[1:])
+            if text and later <= len(text) and window.endswith(text[len(text) - later:]
+                                                              if later else text):
+                self.ids, self.overlap_text = kept, text
             else:
                 self.overlap_text = window
             self.overlap = len(self.ids)
@@ -130,8 +156,13 @@ class IncrementalText:
         (from the first token, where none does); returns where the text changed."""
         marks = self.marks
         for index in range(len(marks) - 2, 0, -1):
-            (before, _), (first, start) = marks[index - 1], marks[index]
-            overlap = list(tokens[before:first])
+            first, start = marks[index]
+            # (the tokens of the step before the mark, and of those before it
+            # until the text after the first of them holds `reach` characters)
+            earliest = index - 1
+            while earliest > 0 and start - marks[earliest + 1][1] < self.reach:
+                earliest -= 1
+            overlap = list(tokens[marks[earliest][0]:first])
             text = self.decode(overlap)
             window = self.decode([*overlap, *tokens[first:self.count]])
             if text and window.startswith(text):
@@ -154,6 +185,7 @@ class IncrementalText:
         tokens since is read."""
         after = list(tokens[first:self.count])
         self.ids, self.overlap, self.overlap_text = [*overlap, *after], len(overlap), text
+        self.groups = [(len(overlap), len(text))] if overlap else []
         self.stable = self.solid = start
         self._take(window, window[len(text):], start, after)
         return start

@@ -222,6 +222,22 @@ def text_decoder(tokenizer: Any, *, skip_special_tokens: bool = True
     return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
+CLEAN_UP_REACH = 4
+"""How many characters before a token's text transformers' clean-up of
+tokenization spaces may change once the token comes: ``" n't"`` past a
+``" ' "`` joined first (``"do n ' t"`` is ``"don't"``: the token ``t`` drops
+the space four characters before its own text)."""
+
+
+def decode_reach(tokenizer: Any) -> int:
+    """How many characters of the text before a token :func:`text_decoder`'s
+    decode may change once the token comes (what a decode of a few tokens at a
+    time must hold before the new one): :data:`CLEAN_UP_REACH` where the
+    tokenizer cleans up tokenization spaces (``clean_up_tokenization_spaces``,
+    as BERT's WordPiece tokenizers ship), else 0."""
+    return CLEAN_UP_REACH if getattr(tokenizer, "clean_up_tokenization_spaces", True) else 0
+
+
 def _decodes_with_backend(tokenizer: Any) -> bool:
     """True when ``tokenizer.decode(ids, skip_special_tokens=True)`` is its
     backend's ``decode`` of the same ids (transformers 5's ``TokenizersBackend``)."""

@@ -281,17 +281,18 @@ class StopMatch:
     at the thousandth token as at the tenth. (A stop string that holds U+FFFD
     may be found later than in the whole text: while a run of byte fallback
     tokens is open, the whole text's U+FFFD for each of its bytes is read as
-    one.)"""
+    one.) ``reach``: how many characters before a token's text its decode may
+    change (:func:`~undercurrent.adapters.prompts.decode_reach`)."""
 
     __slots__ = ("stops", "decode", "eos", "longest", "text", "index")
 
     def __init__(self, stops: Sequence[str], decode: Callable[[Sequence[int]], str],
-                 eos: Collection[int] = ()) -> None:
+                 eos: Collection[int] = (), reach: int = 0) -> None:
         self.stops = tuple(stops)
         self.decode = decode
         self.eos = eos
         self.longest = max(map(len, self.stops), default=0)
-        self.text = IncrementalText(decode, self.longest)
+        self.text = IncrementalText(decode, self.longest, reach)
         self.index: int | None = None
         """The generated index of the token that completed a stop string (None: none yet)."""
 
@@ -370,18 +371,27 @@ class StreamText:
     tokens a step, and only the end of the text is read), with the pieces
     :meth:`piece` gives for the whole text decoded at each token (but for a
     stop string that holds U+FFFD, while a run of byte fallback tokens is
-    open: the whole text's U+FFFD for each of its bytes is read as one)."""
+    open: the whole text's U+FFFD for each of its bytes is read as one).
+
+    ``reach``: how many characters before a token's text its decode may change
+    (:func:`~undercurrent.adapters.prompts.decode_reach`: a decode that cleans
+    up tokenization spaces drops the space before a later ``"."`` or ``"'"``).
+    Text from a space among the last ``reach`` characters on is held back until
+    later tokens settle it."""
 
     def __init__(self, stops: Sequence[str],
-                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
+                 decode: Callable[[Sequence[int]], str] | None = None, reach: int = 0) -> None:
         self.stops = tuple(stops)
         self.longest = max(map(len, self.stops), default=0)
+        self.reach = reach
         self.sent = 0
         """The length of the text sent so far."""
         self.stopped = False  # (a stop string was found: nothing more is sent)
         # (a stop string may begin `longest` - 1 characters before the text a step
-        # changes, and a piece held back reaches as far back before what was sent)
-        self.text = None if decode is None else IncrementalText(decode, 2 * self.longest)
+        # changes, and a piece held back reaches as far back before what was sent,
+        # or `reach` characters back)
+        self.text = (None if decode is None
+                     else IncrementalText(decode, 2 * self.longest + reach, reach))
 
     def piece(self, text: str) -> str:
         """The new piece for the decoded generated text so far. A character whose
@@ -418,9 +428,14 @@ class StreamText:
                 self.stopped = True
                 return self._advance(text[:begin + cut], offset)
         text = text.rstrip(REPLACEMENT)
+        end = len(text)
         if self.stops:
-            text = text[:len(text) - held_back(text, self.stops)]
-        return self._advance(text, offset)
+            end -= held_back(text, self.stops)
+        if self.reach:  # (a space a later token's text may clean up)
+            space = text.find(" ", max(len(text) - self.reach, 0))
+            if space >= 0:
+                end = min(end, space)
+        return self._advance(text[:end], offset)
 
     def rest(self, final_text: str) -> str:
         """What the final event carries: the part of the output's text not sent yet

@@ -49,7 +49,7 @@ from undercurrent.adapters.generation_config import other_decoding
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks, model_device
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
+from undercurrent.adapters.prompts import PromptInput, decode_reach, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import (
     NEVER,
     CaptureSession,
@@ -162,10 +162,11 @@ class _RowDriver:
         self.per_row = bool(params.stop) or on_event is not None
         if on_event is not None:
             for state in states:
-                state.stream_text = StreamText(params.stop, backend.decode)
+                state.stream_text = StreamText(params.stop, backend.decode, backend.decode_reach)
         if params.stop:
             for state in states:
-                state.stop_match = StopMatch(params.stop, backend.decode, self.eos)
+                state.stop_match = StopMatch(params.stop, backend.decode, self.eos,
+                                             backend.decode_reach)
 
     # called by ModelHooks before every forward
     def plan_forward(self, width: int) -> StepPlan | None:
@@ -541,6 +542,8 @@ class HFBackend:
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()  # (see close())
         self.context_length = context_length(model.config)
         self._decode = text_decoder(tokenizer)
+        self.decode_reach = decode_reach(tokenizer)
+        """How many characters before a token's text :meth:`decode` may change."""
         self._lock = _generation_lock(model)
 
     @classmethod

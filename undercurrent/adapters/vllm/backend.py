@@ -36,7 +36,7 @@ from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.context import context_problem
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, text_decoder, tokenize_prompts
+from undercurrent.adapters.prompts import PromptInput, decode_reach, text_decoder, tokenize_prompts
 from undercurrent.adapters.session import (
     CaptureSession,
     RequestState,
@@ -246,6 +246,8 @@ class VLLMBackend:
         the engine loads: :func:`generation_settings`)."""
         self.tokenizer = tokenizer
         self._decode = text_decoder(tokenizer)
+        self.decode_reach = decode_reach(tokenizer)
+        """How many characters before a token's text :meth:`decode` may change."""
         self.multiprocess = multiprocess
         self.prefix_caching = prefix_caching
         self._model_name = model_name
@@ -736,7 +738,7 @@ class VLLMBackend:
                     states[engine_id] = state
                     if params.stop:
                         state.stop_match = StopMatch(params.stop, self.decode,
-                                                     self.eos_token_ids)
+                                                     self.eos_token_ids, self.decode_reach)
                     self.server.track(engine_id, state)
                     entries.append((engine_id, state, 0))
                 self._check_context(params, [s.prompt_len for _, s, _ in entries])
@@ -828,8 +830,8 @@ class VLLMBackend:
         the engine is done."""
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
-            state.stream_text = (StreamText(params.stop, self.decode) if emit_tokens
-                                 else None)
+            state.stream_text = (StreamText(params.stop, self.decode, self.decode_reach)
+                                 if emit_tokens else None)
         reasons: dict[str, str] = {}
         done: set[str] = set()
         # Requests an inline probe aborted, with how many tokens their output keeps.
