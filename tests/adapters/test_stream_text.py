@@ -4,6 +4,7 @@ a stop string is never streamed, a partial one is held back until settled."""
 from __future__ import annotations
 
 import copy
+import functools
 import random
 
 import pytest
@@ -369,3 +370,21 @@ def test_a_stop_string_that_a_clean_up_of_spaces_completes_ends_the_generation(k
         steps.clear()
         events = list(pm.stream(CORPUS[0], max_new_tokens=len(forced)))
     assert "".join(event.text for event in events) == events[-1].output.text == decode(forced)
+
+
+def test_the_decode_reaches_back_only_where_it_cleans_up_spaces() -> None:
+    # GPT-2's configs set clean_up_tokenization_spaces, which transformers 5 ignores
+    # for a BPE model: such a tokenizer is read a token at a time, and decoded by its
+    # backend, as one that does not set it (a stream held back a short word's text)
+    from transformers import PreTrainedTokenizerFast
+
+    plain = subword_tokenizer("byte-level")
+    declined = PreTrainedTokenizerFast(tokenizer_object=plain.backend_tokenizer,
+                                       clean_up_tokenization_spaces=True)
+    ids = declined.encode("don't stop: it's 3.14")
+    assert declined.decode(ids) == plain.decode(ids)  # (no clean-up applied)
+    assert decode_reach(declined) == decode_reach(plain) == 0
+    assert isinstance(text_decoder(declined), functools.partial)  # (the backend's own)
+    assert decode_reach(subword_tokenizer("byte-level", clean_up=True)) == 4
+    assert decode_reach(subword_tokenizer("wordpiece", clean_up=True)) == 4
+    assert decode_reach(subword_tokenizer("wordpiece")) == 0

@@ -234,8 +234,26 @@ def decode_reach(tokenizer: Any) -> int:
     decode may change once the token comes (what a decode of a few tokens at a
     time must hold before the new one): :data:`CLEAN_UP_REACH` where the
     tokenizer cleans up tokenization spaces (``clean_up_tokenization_spaces``,
-    as BERT's WordPiece tokenizers ship), else 0."""
-    return CLEAN_UP_REACH if getattr(tokenizer, "clean_up_tokenization_spaces", True) else 0
+    as BERT's WordPiece tokenizers ship), else 0 (transformers 5 ignores the
+    setting for a BPE model, as GPT-2's configs set it, unless forced)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", True) or _skips_clean_up(tokenizer):
+        return 0
+    return CLEAN_UP_REACH
+
+
+def _skips_clean_up(tokenizer: Any) -> bool:
+    """True where transformers' ``_decode`` ignores ``clean_up_tokenization_spaces``:
+    a ``tokenizers`` BPE model, unless ``..._for_bpe_even_though_it_will_corrupt_output``."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and backend is not None and type(backend.model).__name__ == "BPE"
+            and not getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_"
+                                       "will_corrupt_output", False))
 
 
 def _decodes_with_backend(tokenizer: Any) -> bool:
@@ -250,4 +268,5 @@ def _decodes_with_backend(tokenizer: Any) -> bool:
     return (isinstance(tokenizer, TokenizersBackend)
             and kind.decode is PreTrainedTokenizerBase.decode
             and kind._decode is TokenizersBackend._decode
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+            and (not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+                 or _skips_clean_up(tokenizer)))
