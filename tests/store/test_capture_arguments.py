@@ -66,6 +66,27 @@ def test_batch_size_must_be_an_integer_of_at_least_one(tiny, tmp_path, batch_siz
     assert not out.exists()
 
 
+@pytest.mark.parametrize("shard_prompts, error, got", [
+    (None, TypeError, r"an integer, got NoneType \(None\)"),
+    ("8", TypeError, r"an integer, got str \('8'\)"),
+    (2.5, TypeError, r"an integer, got float \(2\.5\)"),
+    (True, TypeError, r"an integer, got bool \(True\)"),
+    (0, ValueError, r"an integer >= 1, got 0"),
+])
+def test_shard_prompts_must_be_an_integer_of_at_least_one(tiny, tmp_path, shard_prompts,
+                                                          error, got):
+    # (None and "8" failed in a bare "'<' not supported" naming nothing; 2.5 and
+    # True were taken as counts)
+    out = tmp_path / "d1"
+    with pytest.raises(error, match=r"^shard_prompts \(prompts per committed shard\) must "
+                                    r"be " + got):
+        tiny.capture(PROMPTS, out, **{**GOOD, "shard_prompts": shard_prompts})
+    assert not out.exists()
+    summary = tiny.capture(PROMPTS, out, **{**GOOD, "shard_prompts": np.int64(2)})
+    assert summary.requests == len(PROMPTS)
+    assert open_activations(out).index["shard"].nunique() == 2  # (3 prompts, 2 a shard)
+
+
 @pytest.mark.parametrize("flag", ["resume", "progress"])
 def test_on_off_options_take_true_or_false_only(tiny, tmp_path, flag):
     # ("no" is truthy: resume="no" resumed a capture the caller meant to refuse)

@@ -43,7 +43,7 @@ from undercurrent.store.format import (
     part_range,
     prompts_digest,
 )
-from undercurrent.store.writer import StoreWriter
+from undercurrent.store.writer import StoreWriter, check_shard_prompts
 
 VLLM_CHUNK = 256
 """Prompts per ``generate()`` call under vLLM (all concurrent in the engine)."""
@@ -189,7 +189,7 @@ def capture_activations(
     settings = capture_settings(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=stop, batch_size=batch_size, storage_dtype=storage_dtype,
-        reduce=reduce, shard=shard, point_names=names)
+        reduce=reduce, shard=shard, shard_prompts=shard_prompts, point_names=names)
     check_point_reductions(model.points, settings.reductions)
     index, count = settings.part
     batch_size = settings.batch_size
@@ -220,7 +220,7 @@ def capture_activations(
         check_context([prompts[k] for k in mine], fed, list(mine))
     started = time.perf_counter()
     writer = StoreWriter(out_dir, identity, part_name(index, count), resume=resume,
-                         shard_prompts=shard_prompts)
+                         shard_prompts=settings.shard_prompts)
     todo = [k for k in mine if k not in writer.completed]
     bar = _progress(len(todo), len(mine) - len(todo), progress)
     try:
@@ -294,7 +294,8 @@ class CaptureSettings:
     ``sampling`` is what ``store.json`` records of the sampling settings (plain
     JSON values); ``batch_size`` None means the backend's default; ``part`` is
     ``(i, N)`` of ``shard="i/N"``; ``reductions`` maps each point (or, when no
-    point names were given, each point ``reduce`` names) to its reduction.
+    point names were given, each point ``reduce`` names) to its reduction;
+    ``shard_prompts`` is how many prompts each committed shard holds.
     """
 
     sampling: dict[str, Any]
@@ -302,6 +303,7 @@ class CaptureSettings:
     storage_dtype: str | None
     part: tuple[int, int]
     reductions: dict[str, Reduction]
+    shard_prompts: int = 256
 
 
 def capture_settings(
@@ -316,6 +318,7 @@ def capture_settings(
     storage_dtype: str | None = None,
     reduce: Mapping[str, Any] | None = None,
     shard: str | tuple[int, int] | None = None,
+    shard_prompts: int = 256,
     point_names: Sequence[str] | None = None,
 ) -> CaptureSettings:
     """Check the arguments of a capture without touching the disk or the model.
@@ -340,7 +343,8 @@ def capture_settings(
                              f"{list(STORAGE_DTYPES)} or None (the model's dtype)")
     return CaptureSettings(sampling=sampling, batch_size=batch_size,
                            storage_dtype=storage_dtype, part=parse_part(shard),
-                           reductions=parse_reductions(reduce, point_names))
+                           reductions=parse_reductions(reduce, point_names),
+                           shard_prompts=check_shard_prompts(shard_prompts))
 
 
 def release_freed_memory() -> None:

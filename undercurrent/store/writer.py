@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.analysis.frames import results_frame
+from undercurrent.arguments import check_number
 from undercurrent.store.format import (
     INDEX_SCHEMA,
     MANIFEST,
@@ -59,6 +60,17 @@ def _as_older_edits(existing: Mapping[str, Any], wanted: dict[str, Any]) -> None
         new.pop("vectors_sha256", None)
 
 
+def check_shard_prompts(shard_prompts: Any) -> int:
+    """``shard_prompts`` as a plain int >= 1: a ``TypeError`` naming it for None, a
+    bool, a float or a string (``True`` is not 1 prompt; ``2.5`` is no count), a
+    ``ValueError`` for a value below 1."""
+    name = "shard_prompts (prompts per committed shard)"
+    count: int = check_number(name, shard_prompts, integer=True)
+    if count < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {count}")
+    return count
+
+
 class StoreWriter:
     """One writer (one part of the prompt list) of a store directory.
 
@@ -71,11 +83,9 @@ class StoreWriter:
 
     def __init__(self, root: str | os.PathLike[str], identity: Mapping[str, Any], part: str,
                  *, resume: bool = True, shard_prompts: int = 256) -> None:
-        if shard_prompts < 1:
-            raise ValueError(f"shard_prompts must be >= 1, got {shard_prompts}")
+        self.shard_prompts = check_shard_prompts(shard_prompts)
         self.root = Path(root)
         self.part = part
-        self.shard_prompts = shard_prompts
         self.reductions = {name: Reduction.parse(value)
                            for name, value in identity["reductions"].items()}
         self.storage_dtype: str | None = identity["storage_dtype"]
