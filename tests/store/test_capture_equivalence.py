@@ -416,7 +416,15 @@ def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, 
     rows = index.iloc[2:]  # (prompts 5, 5, 6, 6, 7, 7: not as many rows as labels)
     per_prompt = pd.Series(labels, index=range(8)).iloc[[5, 2, 7, 0, 3, 6, 1, 4]]
     expected = ["a", "a", "b", "b", "b", "b"]
-    assert list(store.row_labels(per_prompt, rows)) == expected
+    assert list(store.row_labels(per_prompt.loc[[7, 5, 6]], rows)) == expected
+    # One whose index holds both these rows' labels (2..7) and their prompts could be
+    # per row (built over more rows than selected) or per prompt: the readings
+    # differ, so it is refused, naming both ways to say which.
+    with pytest.raises(ValueError, match=r"labels Series' index \(\[5, 2, 7\] ...; 8 "
+                                         r"values\) holds both the labels of the 6 selected "
+                                         r"rows and their prompt indices .*series\.to_dict"):
+        store.row_labels(per_prompt, rows)
+    assert list(store.row_labels(per_prompt.to_dict(), rows)) == expected
     by_request = pd.Series(labels, index=[f"p{k:06d}" for k in range(8)]).iloc[::-1]
     assert list(store.row_labels(by_request, rows)) == expected
     with pytest.raises(ValueError, match=r"labels Series' index \(\['x', 'y', 'z'\] ...; 8 "

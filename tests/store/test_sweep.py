@@ -100,6 +100,47 @@ def test_sweep_has_one_row_per_layer_with_held_out_metrics(labelled):
         sweep_linear_probes(store, labels, point="resid", layers=[1, 9])
 
 
+def test_per_row_labels_of_more_rows_than_a_fit_selects_are_read_by_row(labelled):
+    """A Series of labels for every row of a point (built from its view's index),
+    fit one layer at a time, is read per row by label, as pandas aligns (and as a
+    records frame reads it). It was read as {prompt_index: label}, silently: most
+    rows got another row's label. The oracle: scikit-learn on the layer's vectors
+    with ``y.reindex(rows)``."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    from undercurrent.notebook import fit_linear_probe
+
+    store, _, labels = labelled
+    view = store.select(point="resid")
+    rows = view.index
+    # a per-token label: the request's, flipped on odd tokens
+    y = rows["prompt_index"].map(dict(enumerate(labels))) ^ (rows["token_index"] % 2)
+    # (the same labels over every row of the store, other points included)
+    everywhere = y.reindex(store.index.index, fill_value=0)
+    swept = sweep_linear_probes(store, y, point="resid", layers=[1, 2], test_size=0)
+    for layer in (1, 2):
+        selected = view.select(layer=layer).index
+        expected = y.reindex(selected.index).to_numpy()
+        assert len(y) != len(selected) and not (
+            expected == y.reindex(selected["prompt_index"]).to_numpy()).all()
+        for given in (y, everywhere):
+            assert (view.row_labels(given, selected) == expected).all()
+            assert (store.row_labels(given, selected) == expected).all()
+        X = np.asarray(store.vectors(selected), dtype=np.float64).reshape(len(selected), -1)
+        scaler = StandardScaler().fit(X)
+        oracle = LogisticRegression(max_iter=2000).fit(scaler.transform(X), expected)
+        oracle_accuracy = float((oracle.predict(scaler.transform(X)) == expected).mean())
+        for fit in (fit_linear_probe(view, y, layer=layer, test_size=0),
+                    fit_linear_probe(store, everywhere, point="resid", layer=layer,
+                                     test_size=0)):
+            np.testing.assert_allclose(fit.weight, oracle.coef_[0] / scaler.scale_,
+                                       rtol=1e-4, atol=1e-6)
+            assert fit.metrics["n_train"] == len(selected)
+        row = swept[swept["layer"] == layer].iloc[0]
+        assert (row["n_train"], row["train_accuracy"]) == (len(selected), oracle_accuracy)
+
+
 @pytest.mark.parametrize("narrowing, problem", [
     (dict(point="resid_typo"), "this store has no point 'resid_typo'; it holds 'resid', "
                                "'kv_last_prompt', 'mlp'"),

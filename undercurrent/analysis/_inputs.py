@@ -147,6 +147,30 @@ def is_missing_label(value: Any) -> bool:
     return pandas is not None and value is pandas.NA
 
 
+def series_by_row(values: Any, rows: Any) -> Any:
+    """What a pandas Series ``values`` gives the rows labelled ``rows`` (their
+    pandas index), aligned by label as pandas aligns (``values.reindex(rows)``), in
+    whatever order either holds them; None when its index does not hold each row's
+    label exactly once: it then says something else (a position, a prompt).
+
+    The one reading of a Series as per-row labels (or group ids) for every route
+    into a fit: a records frame and an activation store or its views."""
+    labels = values.index
+    if labels.equals(rows):  # (the Series of this very frame: also with repeated labels)
+        return values.to_numpy()
+    if labels.is_unique and rows.is_unique and rows.isin(labels).all():
+        return values.reindex(rows).to_numpy()
+    return None
+
+
+def is_default_index(labels: Any) -> bool:
+    """Whether a pandas index is the default ``0, 1, ...`` of a Series built from a
+    list: one that, unless it is the rows' own, says only positions."""
+    import pandas as pd
+
+    return isinstance(labels, pd.RangeIndex) and labels.start == 0 and labels.step == 1
+
+
 def request_groups(requests: Any) -> Any:
     """The groups ``group_by="auto"`` splits by: ``requests`` (one request id per
     row) as an array when some request has several rows, else None (one row per

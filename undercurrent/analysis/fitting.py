@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.analysis._inputs import missing_labels, non_finite_rows, request_groups
+from undercurrent.analysis._inputs import (
+    is_default_index,
+    missing_labels,
+    non_finite_rows,
+    request_groups,
+    series_by_row,
+)
 from undercurrent.analysis.frames import (
     ACTIVATIONS_KEY,
     Activations,
@@ -515,15 +521,10 @@ def _series_rows(y: Any, selected: Any, caller: str, what: str = "labels") -> An
 
     An index that does not cover every selected row, or that repeats a value, is
     refused: read by position, it would give rows other rows' values, silently."""
-    import pandas as pd
-
     labels, rows = y.index, selected.index
-    if labels.equals(rows):  # (the Series of this very frame: also with repeated labels)
-        return y.to_numpy()
-    if labels.is_unique and rows.is_unique and rows.isin(labels).all():
-        return y.reindex(rows).to_numpy()
-    if isinstance(labels, pd.RangeIndex) and labels.start == 0 and labels.step == 1:
-        return None
+    aligned = series_by_row(y, rows)
+    if aligned is not None or is_default_index(labels):
+        return aligned
 
     def shown(index: Any) -> str:
         return f"{index[:3].tolist()}{' ...' if len(index) > 3 else ''}"

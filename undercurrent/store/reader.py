@@ -13,7 +13,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from undercurrent.analysis._inputs import missing_labels, request_groups
+from undercurrent.analysis._inputs import (
+    is_default_index,
+    missing_labels,
+    request_groups,
+    series_by_row,
+)
 from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
 from undercurrent.store.format import (
     MANIFEST,
@@ -408,11 +413,12 @@ class ActivationStore:
         Reads only the vectors of one point and layer (float32). ``y`` maps request
         ids or prompt indices to labels, or gives one label per prompt (indexed by
         ``prompt_index``) or one per selected row; a pandas Series is read by its
-        index (the rows' own, prompt indices or request ids; see
-        ``_series_labels``). ``group_by="auto"`` groups by request id, as a fit on a
-        records frame does (see ``request_groups``): where some request has several
-        rows the held-out split keeps each generation on one side; with one row
-        per request (``positions="last"``) it splits rows, so this view and its
+        index (the rows' own labels, even of more rows than are selected; else
+        prompt indices or request ids; see ``_series_labels``). ``group_by="auto"``
+        groups by request id, as a fit on a records frame does (see
+        ``request_groups``): where some request has several rows the held-out split
+        keeps each generation on one side; with one row per request
+        (``positions="last"``) it splits rows, so this view and its
         ``records_frame()`` hold out the same rows.
         """
         import numpy as np
@@ -504,7 +510,7 @@ class ActivationStore:
             _refuse_missing(given, values, column)
             return np.asarray(given)
         if hasattr(y, "reindex") and hasattr(y.index, "equals"):  # a pandas Series
-            read = _series_labels(y, index)
+            read = _series_labels(y, index, self.manifest["prompts"]["count"])
             if read is not None:
                 return read
         if not hasattr(y, "__len__"):
@@ -596,24 +602,41 @@ class ActivationStore:
                 f"{self.nbytes / 2**20:.1f} MiB)")
 
 
-def _series_labels(y: Any, index: Any) -> Any:
-    """The labels a pandas Series ``y`` gives the rows of ``index``, read by its
-    index, or None for a Series with a default index (0, 1, ...) that is not the
-    rows' own: that one is read by position, as a list.
+def _series_labels(y: Any, index: Any, n_prompts: int) -> Any:
+    """The labels a pandas Series ``y`` gives the rows of ``index`` (of a store of
+    ``n_prompts`` prompts), read by its index, or None for a Series with a default
+    index (0, 1, ...) that is not the rows' own: that one is read by position, as a
+    list.
 
-    A Series indexed like the rows (as many labels as rows, its index holding the
-    rows' index labels) gives one label per row, taken by label in whatever order
-    it holds them. Any other is a mapping by its index: prompt indices or request
-    ids (one label per prompt). An index that is neither is refused."""
+    A Series whose index holds each selected row's label once is read per row, by
+    label (``y.reindex(index.index)``), as a records frame reads it: also one built
+    over more rows than are selected (every layer of a point, fit one at a time).
+    Any other is a mapping by its index: prompt indices or request ids (one label
+    per prompt). An index that is neither is refused, and so is one that is both,
+    not exactly the rows', whose two readings differ: on a store with few rows the
+    rows' labels can be prompt indices too, and guessing would be silent."""
     import numpy as np
     import pandas as pd
 
     labels = y.index
-    if len(y) == len(index) and labels.is_unique and index.index.isin(labels).all():
-        given = y.reindex(index.index).tolist()
-        _refuse_missing(given, range(len(given)), "row")
-        return np.asarray(given)
-    if isinstance(labels, pd.RangeIndex) and labels.start == 0 and labels.step == 1:
+    by_row = series_by_row(y, index.index)
+    if by_row is not None:
+        _refuse_missing(by_row, range(len(by_row)), "row")
+        prompts = index["prompt_index"]
+        if (len(y) != len(index) and pd.api.types.is_integer_dtype(labels)
+                and labels.isin(range(n_prompts)).all() and prompts.isin(labels).all()
+                and by_row.tolist() != y.reindex(prompts).tolist()):
+            raise ValueError(
+                f"the labels Series' index ({labels[:3].tolist()}"
+                f"{' ...' if len(labels) > 3 else ''}; {len(labels)} values) holds both "
+                f"the labels of the {len(index)} selected rows and their prompt indices "
+                f"(this store has {n_prompts} prompts), and the two readings give "
+                "different labels: give one label per prompt as {prompt_index: label} "
+                "(series.to_dict()), or one per selected row as a list or array "
+                "(series.reindex(view.index.index).to_numpy(), view being the rows "
+                "fitted: store.select(point=..., layer=...))")
+        return np.asarray(by_row.tolist())
+    if is_default_index(labels):
         return None
     if not labels.is_unique:
         repeated = labels[labels.duplicated()].unique().tolist()

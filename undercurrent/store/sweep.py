@@ -47,7 +47,9 @@ def sweep_linear_probes(
     """Fit one logistic-regression probe per layer and report held-out metrics.
 
     ``store`` is an :class:`~undercurrent.store.ActivationStore`; ``labels`` maps
-    request ids or prompt indices to labels, or gives one label per prompt.
+    request ids or prompt indices to labels, or gives one label per prompt, or
+    one per row as a pandas Series indexed like the point's rows
+    (``store.select(point=...).index``), read layer by layer by the rows' labels.
     ``point`` may be omitted when the store has one; ``layers`` defaults to every
     stored layer; ``positions`` is one of ``undercurrent.store.POSITIONS``. Each
     layer's vectors are read from disk on their own (one layer in memory at a
