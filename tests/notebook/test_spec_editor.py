@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import pytest
@@ -268,9 +269,42 @@ def test_probe_args_are_yaml_and_bad_yaml_is_shown():
     editor.fields["probe_args"].value = "threshold: 3.5\naction: flag"
     assert dict(editor.spec[0].probe_args) == {"threshold": 3.5, "action": "flag"}
     editor.fields["probe_args"].value = "threshold: [1"
-    assert "not valid YAML" in editor.errors["probe_args"].value
+    assert "YAML error at line 1" in editor.errors["probe_args"].value
     editor.fields["probe_args"].value = "- 1"
     assert "must be a mapping" in editor.errors["probe_args"].value
+
+
+def _file_message(probe_args: str) -> str:
+    """What the spec loader says of ``probe_args`` written into a spec file."""
+    text = ('version: "1"\nextraction_points:\n  - name: p\n    layers: 0\n'
+            '    tensor_type: residual_stream\n    position: "generated[*]"\n'
+            "    probe_type: capture\n    probe_kind: trajectory\n    probe_args:\n"
+            + "".join(f"      {line}\n" for line in probe_args.splitlines()))
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml(text)
+    (problem,) = caught.value.problems
+    return problem.message
+
+
+@pytest.mark.parametrize(
+    ("probe_args", "refused"),
+    [
+        ("threshold: 0.5\nthreshold: 0.9", "found duplicate key 'threshold'"),
+        ("features: [010]", "leading zero, which YAML 1.1 reads as the octal number 8"),
+        ("every: 1:30", "base-60 number in YAML 1.1 (it reads as 90)"),
+    ],
+)
+def test_probe_args_the_loader_refuses_in_a_file_are_refused_with_its_message(
+        probe_args, refused):
+    editor = SpecEditor(model=2)
+    editor.fields["probe_type"].value = "capture"
+    editor.fields["probe_kind"].value = "trajectory"
+    editor.fields["probe_args"].value = probe_args
+    assert not editor.valid
+    assert refused in _file_message(probe_args)
+    assert refused in html.unescape(editor.errors["probe_args"].value)
+    with pytest.raises(SpecValidationError, match="field 'probe_args'"):
+        _ = editor.spec
 
 
 def test_add_duplicate_remove_and_duplicate_names():

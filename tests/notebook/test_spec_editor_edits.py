@@ -104,6 +104,27 @@ def test_vector_text_is_a_file_path_or_an_sae_feature_and_vector_key_only_for_fi
     assert edit.vector_key is None  # hidden, so not written
 
 
+@pytest.mark.parametrize(
+    ("vector", "refused"),
+    [
+        ("{sae: x, feature: 010}", "leading zero, which YAML 1.1 reads as the octal number 8"),
+        ("{sae: x, sae: y, feature: 1}", "found duplicate key 'sae'"),
+    ],
+)
+def test_an_sae_feature_the_loader_refuses_in_a_file_is_refused_with_its_message(
+        vector, refused):
+    editor = _with_guard()
+    editor.edit_fields["vector"].value = vector
+    assert not editor.valid
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml('version: "2"\nextraction_points: []\nedits:\n  - {name: e, layers: 1, '
+                   f"tensor_type: residual_stream, position: 'generated[*]', vector: {vector}}}\n")
+    (problem,) = caught.value.problems
+    # (the same words; the line and column differ: the form's text is a one-line document)
+    assert refused in problem.message
+    assert refused in _edit_error(editor, "vector")
+
+
 def test_fields_appear_only_when_they_apply():
     editor = _with_guard()
     shown = {field: row.layout.display != "none" for field, row in editor.edit_rows.items()}
@@ -128,6 +149,13 @@ def test_fields_appear_only_when_they_apply():
                              " position: 'generated[*]', op: add, vector: [1, .nan]}\n"),
         ("vector", "steer.pt", "  - {name: e, layers: 1, tensor_type: residual_stream,"
                                " position: 'generated[*]', op: add, vector: steer.pt}\n"),
+        # Arabic-Indic digits: float() reads "١" as 1.0, the loader reads text
+        ("coefficient", "\u0661", "  - {name: e, layers: 1, tensor_type: residual_stream,"
+                                   " position: 'generated[*]', op: add, vector: [1.0],"
+                                   " coefficient: \u0661}\n"),
+        ("vector", "\u0661, \u0662", "  - {name: e, layers: 1, tensor_type: residual_stream,"
+                                      " position: 'generated[*]', op: add,"
+                                      " vector: '\u0661, \u0662'}\n"),
         ("position", "generated[-1]",
          "  - {name: e, layers: 1, tensor_type: residual_stream, position: 'generated[-1]',"
          " op: add, vector: [1.0]}\n"),

@@ -18,12 +18,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from undercurrent.notebook.spec_draft import (
     PositionedDraft,
+    ascii_float,
     position_value,
     raw_layers,
+    read_field_yaml,
 )
 from undercurrent.spec import Edit, SaeFeature, edit_to_dict
 
@@ -92,15 +92,14 @@ def parse_vector_text(text: str) -> tuple[Any, str | None]:
     """
     stripped = text.strip()
     if stripped.startswith("{"):
-        try:
-            return yaml.safe_load(stripped), None
-        except yaml.YAMLError as error:
-            first = str(error).splitlines()[0] if str(error) else type(error).__name__
-            return None, (f"vector {stripped!r} is not readable ({first}); write an SAE "
+        data, message = read_field_yaml(stripped)
+        if message:
+            return None, (f"vector {stripped!r} is not readable ({message}); write an SAE "
                           'feature as {sae: "FOLDER", feature: INDEX}')
+        return data, None
     inner = stripped[1:-1] if stripped.startswith("[") and stripped.endswith("]") else stripped
     try:
-        return [float(item) for item in inner.split(",")], None
+        return [ascii_float(item.strip()) for item in inner.split(",")], None
     except ValueError:
         return stripped, None
 
@@ -112,7 +111,7 @@ def parse_coefficient_text(text: str) -> Any:
     if not stripped:
         return None
     try:
-        return float(stripped)
+        return ascii_float(stripped)
     except ValueError:
         return stripped
 

@@ -19,8 +19,14 @@ from typing import Any, TypeVar
 
 import yaml
 
-from undercurrent.spec import ExtractionPoint, extraction_point_to_dict, parse_position
+from undercurrent.spec import (
+    ExtractionPoint,
+    SpecValidationError,
+    extraction_point_to_dict,
+    parse_position,
+)
 from undercurrent.spec.position import PositionError
+from undercurrent.spec.yaml_source import load_yaml_data
 
 DEFAULT_INTERVENTION = ""
 """The intervention choice meaning "no policy in the spec: the router's default"."""
@@ -236,12 +242,28 @@ def parse_layers_text(text: str) -> tuple[list[int], str | None]:
     return layers, None
 
 
-def _parse_args(text: str) -> tuple[dict[str, Any] | None, str | None]:
+def read_field_yaml(text: str) -> tuple[Any, str | None]:
+    """A field's YAML text read as the spec loader reads a spec file (duplicate
+    keys, octal and base-60 numbers refused), so the editor accepts exactly what
+    the loader would. Returns the data, or ``None`` and the loader's message."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return None, f"not valid YAML ({first}); write one 'key: value' per line"
+        return load_yaml_data(text), None
+    except SpecValidationError as error:
+        return None, "; ".join(problem.message for problem in error.problems)
+
+
+def ascii_float(text: str) -> float:
+    """``float(text)`` for a number written in ASCII digits only; raises ``ValueError``
+    otherwise (``float`` reads "١" as 1.0; the spec loader does not)."""
+    if not text.isascii():
+        raise ValueError(text)
+    return float(text)
+
+
+def _parse_args(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    data, message = read_field_yaml(text)
+    if message:
+        return None, f"{message}; write one 'key: value' per line"
     if data is None:
         return None, None
     if not isinstance(data, dict):
