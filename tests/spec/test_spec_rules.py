@@ -323,6 +323,26 @@ def test_version_must_be_a_string() -> None:
     assert field == "version" and 'version: "1"' in message
 
 
+@pytest.mark.parametrize("with_edit", [True, False])
+def test_an_unquoted_version_2_is_one_problem_saying_to_quote_that_2(with_edit: bool) -> None:
+    edits = ("edits:\n  - {name: e, layers: 1, tensor_type: residual_stream,"
+             " position: 'generated[*]', op: add, vector: [1.0, 0.0]}\n")
+    text = "version: 2\nextraction_points: []\n" + (edits if with_edit else "")
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml(text)
+    assert [(p.field, p.message) for p in caught.value.problems] == [
+        ("version", 'must be a string, got an integer (2); write version: "2" (quoted)')]
+
+
+def test_an_unquoted_version_2_still_has_its_edits_checked() -> None:
+    text = ("version: 2\nextraction_points: []\nedits:\n  - {name: e, layers: 1,"
+            " tensor_type: residual_stream, position: 'generated[*]', op: shift, vector: [1.0]}\n")
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml(text)
+    assert [(p.section, p.field) for p in caught.value.problems] == [
+        ("extraction_points", "version"), ("edits", "op")]
+
+
 # --- all problems at once ---------------------------------------------------------------
 
 

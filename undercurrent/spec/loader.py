@@ -289,6 +289,15 @@ def _is_list(value: object) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str | bytes | bytearray)
 
 
+def _unquoted_version(version: object) -> str | None:
+    """The known spec version a plain YAML number stands for (``2`` -> ``"2"``), or
+    ``None`` (YAML reads ``version: 2`` as an integer; a version is a string)."""
+    if isinstance(version, int) and not isinstance(version, bool) and str(version) in (
+            SPEC_VERSIONS):
+        return str(version)
+    return None
+
+
 def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], list[SpecProblem]]:
     problems: list[SpecProblem] = []
     if not isinstance(data, Mapping):
@@ -301,7 +310,10 @@ def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], lis
         )
         return None, problems, []
     version = data.get("version", "1")
-    with_edits = isinstance(version, str) and version.strip() in EDIT_VERSIONS
+    # An unquoted known version (``version: 2``) is reported once, as that version
+    # quoted, and read as that version meanwhile (so its edits are checked).
+    meant = version.strip() if isinstance(version, str) else _unquoted_version(version)
+    with_edits = meant in EDIT_VERSIONS
     allowed = _TOP_LEVEL_KEYS if with_edits else _VERSION_1_KEYS
     for key in data:
         if key not in allowed:
@@ -312,8 +324,8 @@ def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], lis
     if not isinstance(version, str):
         problems.append(
             SpecProblem(
-                f"must be a string, got {describe_value(version)}; write version: \"1\" "
-                "(quoted)",
+                f"must be a string, got {describe_value(version)}; write version: "
+                f"\"{meant or '1'}\" (quoted)",
                 "version",
             )
         )
