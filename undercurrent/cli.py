@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,9 +40,8 @@ from undercurrent.demo import add_demo_command
 from undercurrent.errors import one_line
 from undercurrent.notebook.storage import save_records
 from undercurrent.probes.registry import default_registry
-from undercurrent.router.validation import probe_problems
+from undercurrent.router.validation import probe_problems, raw_probe_problems
 from undercurrent.spec import (
-    ProbeKind,
     SpecDeprecationWarning,
     SpecProblem,
     SpecValidationError,
@@ -209,21 +207,11 @@ def _raw_probe_problems(path: str, found: Sequence[SpecProblem]) -> list[dict[st
     for index, raw in enumerate(points if isinstance(points, list) else []):
         faulted = {problem.field for problem in found if problem.point_index == index
                    and problem.section == "extraction_points"}
-        probe_type = raw.get("probe_type") if isinstance(raw, dict) else None
-        if not isinstance(probe_type, str) or not probe_type.strip() or (
-                "probe_type" in faulted):
+        if not isinstance(raw, dict):
             continue
-        kinds = [kind for kind in ProbeKind if kind.value == raw.get("probe_kind")]
-        args = raw.get("probe_args")
-        if "probe_args" in faulted or not isinstance(args, dict):
-            args = {}
-        stand_in = types.SimpleNamespace(probe_type=probe_type,
-                                         probe_kind=(kinds or [ProbeKind.SINGLE_SHOT])[0])
-        _, faults = probe_problems(stand_in, default_registry, args)  # type: ignore[arg-type]
         name = raw.get("name") if isinstance(raw.get("name"), str) else None
         problems += [_problem_dict(SpecProblem(message, field, index, name))
-                     for field, message in faults
-                     if field != "probe_kind" or (kinds and "probe_kind" not in faulted)]
+                     for field, message in raw_probe_problems(raw, default_registry, faulted)]
     return problems
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 
 import pytest
@@ -236,7 +237,9 @@ def test_labels_are_the_yaml_keys_and_layers_have_a_multi_select_hint():
 
 def test_yaml_keeps_its_style_when_the_spec_becomes_invalid():
     editor = SpecEditor(model=4)
-    editor.fields["probe_args"].value = "path: probe.safetensors\nlabels: [a, b]"
+    editor.fields["probe_type"].value = "linear_probe"
+    editor.fields["probe_args"].value = "path: probe.safetensors\nweight: [0.5, 1.5]"
+    assert editor.valid, editor.problems
     valid = yaml_lines(editor)
     editor.fields["position"].value = "generated[oops]"
     invalid = yaml_lines(editor)
@@ -259,9 +262,42 @@ def test_probe_types_come_from_the_registry_and_kinds_are_checked_against_the_pr
     editor = SpecEditor(model=2)
     assert tuple(editor.fields["probe_type"].options) == list_probes()
     editor.fields["probe_type"].value = "trajectory_probe"
-    assert "does not run as 'single_shot'" in editor.errors["probe_kind"].value
+    assert ("probe_kind single_shot does not match probe_type 'trajectory_probe'"
+            in editor.errors["probe_kind"].value)
     editor.fields["probe_kind"].value = "trajectory"
     assert editor.valid
+
+
+def _validate_problems(path: Path, capsys: pytest.CaptureFixture[str]) -> list[tuple]:
+    from undercurrent.cli import main
+
+    assert main(["validate", "--format", "json", str(path)]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    return [(p["field"], p["message"]) for p in report["problems"]]
+
+
+@pytest.mark.parametrize("model", [None, 4])
+def test_a_probe_arg_the_probe_does_not_take_gets_the_message_undercurrent_validate_gives(
+        model, tmp_path, capsys):
+    editor = SpecEditor(model=model)
+    editor.fields["name"].value = "guard"
+    editor.fields["probe_type"].value = "norm_probe"
+    editor.fields["probe_args"].value = "threshold: 30.0"
+    assert editor.valid, editor.problems
+    path = tmp_path / "typo.yaml"
+    path.write_text(editor.to_yaml().replace("threshold:", "threshhold:"), encoding="utf-8")
+    expected = _validate_problems(path, capsys)
+    assert expected == [("probe_args", "probe_args for probe_type 'norm_probe': unknown "
+                         "probe_arg 'threshhold' (did you mean 'threshold'?); NormProbe takes "
+                         "action, threshold")]
+    editor.fields["probe_args"].value = "threshhold: 30.0"
+    assert not editor.valid
+    assert [(p.field, p.message) for p in editor.problems] == expected
+    assert expected[0][1] in html.unescape(editor.errors["probe_args"].value)
+    loaded = SpecEditor.from_spec(path, model=model)
+    assert [(p.field, p.message) for p in loaded.problems] == expected
+    with pytest.raises(SpecValidationError, match="unknown probe_arg 'threshhold'"):
+        _ = loaded.spec
 
 
 def test_probe_args_are_yaml_and_bad_yaml_is_shown():

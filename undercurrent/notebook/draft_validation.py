@@ -17,7 +17,8 @@ from typing import Any
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.notebook.edit_draft import EditDraft, edit_draft_to_raw
 from undercurrent.notebook.spec_draft import PointDraft, draft_to_raw
-from undercurrent.probes import get_probe, list_probes, supported_kinds
+from undercurrent.probes import default_registry
+from undercurrent.router.validation import raw_probe_problems
 from undercurrent.spec import ProbeSpec, SpecProblem, SpecValidationError, parse_dict
 from undercurrent.steering.registration import register_edits
 
@@ -95,7 +96,8 @@ def validate_drafts(
     """``(spec, problems)``: the spec when every draft is valid, and every problem found.
 
     Problems come from the drafts' text, the spec loader, the probe registry (an
-    unknown ``probe_type``, or a ``probe_kind`` the probe does not support) and,
+    unknown ``probe_type``, a ``probe_kind`` the probe does not support, or a
+    ``probe_args`` name its constructor does not take) and,
     with ``model_check``, the loaded model. Deprecation warnings from the loader
     are swallowed: the editor writes new keys.
     """
@@ -112,27 +114,20 @@ def validate_drafts(
             problems += [problem for problem in error.problems
                          if (problem.section, problem.point_index, problem.field)
                          not in unreadable]
-    problems += _registry_problems(drafts)
+    problems += _registry_problems(raw_spec, problems)
     if spec is not None and model_check is not None:
         problems += model_check(spec)
     return (spec if not problems else None), problems
 
 
-def _registry_problems(drafts: Sequence[PointDraft]) -> list[SpecProblem]:
-    known = list_probes()
+def _registry_problems(raw_spec: dict[str, Any],
+                       problems: Sequence[SpecProblem]) -> list[SpecProblem]:
+    """Each point's probe against the probe registry, as ``undercurrent validate``
+    checks it: ``probe_type``, ``probe_kind`` and the names of ``probe_args``."""
     found: list[SpecProblem] = []
-    for index, draft in enumerate(drafts):
-        if not draft.probe_type or draft.probe_type not in known:
-            if draft.probe_type:
-                found.append(SpecProblem(
-                    f"no probe registered as {draft.probe_type!r}; registered: "
-                    f"{', '.join(known)}", "probe_type", index, draft.name,
-                ))
-            continue
-        kinds = [kind.value for kind in supported_kinds(get_probe(draft.probe_type))]
-        if draft.probe_kind in ("single_shot", "trajectory") and draft.probe_kind not in kinds:
-            found.append(SpecProblem(
-                f"{draft.probe_type!r} does not run as {draft.probe_kind!r}; it supports "
-                f"{', '.join(kinds)}", "probe_kind", index, draft.name,
-            ))
+    for index, raw in enumerate(raw_spec[POINTS]):
+        faulted = {problem.field for problem in problems
+                   if problem.section == POINTS and problem.point_index == index}
+        found += [SpecProblem(message, field, index, raw["name"])
+                  for field, message in raw_probe_problems(raw, default_registry, faulted)]
     return found

@@ -8,7 +8,8 @@ problem at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from undercurrent.spec.types import (
     InterventionMode,
     InterventionPolicy,
     OnTimeout,
+    ProbeKind,
 )
 
 
@@ -162,6 +164,30 @@ def probe_problems(
             "probe_args", f"probe_args for probe_type {point.probe_type!r}: {mismatch}"
         ))
     return cls, problems
+
+
+def raw_probe_problems(
+    raw: Mapping[str, Any], registry: ProbeRegistry, faulted: Collection[str | None] = ()
+) -> list[tuple[str, str]]:
+    """:func:`probe_problems` of a point given as spec data, which the spec check may
+    have refused elsewhere (``faulted`` names the fields it faulted): nothing unless
+    ``probe_type`` is a string it did not fault; ``probe_kind`` is checked where it
+    is a valid kind it did not fault, ``probe_args`` where they are a mapping it did
+    not fault. ``undercurrent validate`` and the spec editor both report a spec's
+    probe problems with it, so they say what the router would.
+    """
+    probe_type = raw.get("probe_type")
+    if not isinstance(probe_type, str) or not probe_type.strip() or "probe_type" in faulted:
+        return []
+    kinds = [kind for kind in ProbeKind if kind.value == raw.get("probe_kind")]
+    args = raw.get("probe_args")
+    if "probe_args" in faulted or not isinstance(args, Mapping):
+        args = {}
+    stand_in = types.SimpleNamespace(probe_type=probe_type,
+                                     probe_kind=(kinds or [ProbeKind.SINGLE_SHOT])[0])
+    _, faults = probe_problems(stand_in, registry, args)  # type: ignore[arg-type]
+    return [(field, message) for field, message in faults
+            if field != "probe_kind" or (kinds and "probe_kind" not in faulted)]
 
 
 def queue_capacity(point: ExtractionPoint, default_queue_depth: int) -> int:
