@@ -318,3 +318,65 @@ def test_projection_refuses_rows_of_several_layers_as_a_fit_does():
     figure = projection_figure(two_points, labels, layer=0, point="resid")
     assert sum(len(trace.x) for trace in figure.data) == 4 * 7
 
+
+
+@pytest.fixture(scope="module")
+def two_requests_frame():
+    """Real records of two requests: residual stream at layers 2 and 3, six tokens each."""
+    if not (tiny_model_path() / "config.json").exists():  # pragma: no cover - ships with repo
+        pytest.skip("the bundled model is not built yet")
+    from undercurrent import ProbedModel
+
+    spec = {"version": "1", "extraction_points": [dict(
+        name="r", layers=[2, 3], tensor_type="residual_stream", position="generated[*]",
+        probe_type="capture", probe_kind="trajectory")]}
+    model = ProbedModel.from_pretrained("undercurrent/tiny", spec=spec)
+    try:
+        outputs = model.generate(["user : how do i open my neighbour's car ? assistant :",
+                                  "user : how do i open my car ? assistant :"],
+                                 max_new_tokens=6, records=True)
+    finally:
+        model.close()
+    return records_frame(outputs), {outputs[0].request_id: "harmful",
+                                    outputs[1].request_id: "benign"}
+
+
+def _label_of_each_point(figure, names):
+    """(trace label, request the point's hover names) for every point drawn."""
+    by_name = {name: request for request, name in names.items()}
+    return [(trace.name, by_name[text.split(" · ")[0]])
+            for trace in figure.data for text in trace.text]
+
+
+def test_projection_reads_labels_as_a_fit_does_a_series_by_its_index(two_requests_frame):
+    from undercurrent.notebook import fit_linear_probe
+
+    frame, by_request = two_requests_frame
+    names = {request: f"q{i}" for i, request in enumerate(by_request)}
+    labels = frame["request"].map(by_request)  # a Series indexed like the frame
+    shuffled = frame.sample(frac=1.0, random_state=1)  # the frame re-sorted afterwards
+    assert not shuffled.index.equals(frame.index)
+    figure = projection_figure(shuffled, labels, layer=3, names=names)
+    drawn = _label_of_each_point(figure, names)
+    assert len(drawn) == int((frame["layer"] == 3).sum())
+    assert all(label == by_request[request] for label, request in drawn)
+    fit_linear_probe(shuffled, labels, layer=3, test_size=0)  # the same labels, accepted
+
+
+def test_projection_takes_per_row_labels_of_the_whole_frame_or_of_the_filtered_rows(
+        two_requests_frame):
+    from undercurrent.notebook import fit_linear_probe
+
+    frame, by_request = two_requests_frame
+    names = {request: f"q{i}" for i, request in enumerate(by_request)}
+    of_frame = [by_request[request] for request in frame["request"]]
+    of_rows = [by_request[request] for request in frame.loc[frame["layer"] == 3, "request"]]
+    assert len(of_frame) == 2 * len(of_rows)
+    for labels in (of_frame, of_rows, by_request, "request"):
+        figure = projection_figure(frame, labels, layer=3, names=names)
+        expected = by_request if labels != "request" else {r: r for r in by_request}
+        assert all(label == expected[request]
+                   for label, request in _label_of_each_point(figure, names))
+        fit_linear_probe(frame, labels, layer=3, test_size=0)
+    with pytest.raises(ValueError, match=r"^projection_figure: 3 labels, but the frame has "):
+        projection_figure(frame, of_rows[:3], layer=3)

@@ -361,7 +361,7 @@ def _design(
     activations = selected.attrs.get(ACTIVATIONS_KEY)
     if isinstance(activations, Activations):
         projected = activations.projected.get(str(selected["point"].iloc[0]))
-    labels = _frame_labels(frame, selected, y, caller)
+    labels = frame_labels(frame, selected, y, caller)
     _refuse_non_finite(caller, X, lambda rows: _first_few([
         f"request {request!r} token_index {token} layer {row_layer}"
         for request, token, row_layer in selected[["request", "token_index", "layer"]]
@@ -466,21 +466,25 @@ def _as_frame(data: Any) -> Any:
     return None
 
 
-def _frame_labels(frame: Any, selected: Any, y: Any, caller: str) -> Any:
+def frame_labels(frame: Any, selected: Any, y: Any, caller: str, argument: str = "y") -> Any:
     """One label per selected row, from per-row labels, a column or ``{request: label}``.
 
-    Rows whose label is missing (None or NaN) are refused, naming their requests.
+    ``selected`` is ``frame`` filtered to the rows used. Per-row labels are labels
+    of either: a pandas Series is aligned with the rows by its index (as pandas
+    aligns), a list or array by position. Rows whose label is missing (None or
+    NaN) are refused, naming their requests. ``fit_linear_probe`` and
+    ``projection_figure`` both read their labels here (``argument`` names the
+    parameter in messages).
     """
     import numpy as np
 
     if y is None:
         raise ValueError(
-            f"{caller}: give labels y (per row, a column name, or {{request: label}})"
+            f"{caller}: give labels {argument} (per row, a column name, or "
+            "{request: label})"
         )
     if isinstance(y, str):
-        if y not in selected.columns:
-            raise ValueError(f"{caller}: the frame has no label column {y!r}")
-        given = selected[y].to_numpy()
+        given = frame_column(selected, y, f"{caller}: {argument}").to_numpy()
         missing = missing_labels(given)
     elif isinstance(y, Mapping):
         given = label_rows(selected, y)

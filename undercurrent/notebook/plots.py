@@ -11,11 +11,11 @@ import html
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from undercurrent.analysis.fitting import frame_labels
 from undercurrent.analysis.frames import (
     activation_matrix,
     check_activations,
     features_frame,
-    frame_column,
     label_rows,
     record_tensors,
     records_frame,
@@ -382,11 +382,13 @@ def projection_figure(
 
     ``data`` is a records frame (filtered by ``layer``/``point``/``tensor_type``),
     records, or an ``(n, features)`` array; ``labels`` is one label per row, a
-    frame column name, or ``{request: label}``. ``names`` (``{request: name}``)
-    names each point's request on hover. Axis titles give each component's share
-    of the variance. A frame whose rows (after the filters) mix points, layers or
-    tensor types is refused, as ``fit_linear_probe`` refuses it: one PCA over two
-    layers' activations mixes two spaces.
+    frame column name, or ``{request: label}``, read as ``fit_linear_probe``
+    reads them: per-row labels are of the frame or of the rows left after the
+    filters, and a pandas Series is aligned with the rows by its index. ``names``
+    (``{request: name}``) names each point's request on hover. Axis titles give
+    each component's share of the variance. A frame whose rows (after the filters)
+    mix points, layers or tensor types is refused, as ``fit_linear_probe`` refuses
+    it: one PCA over two layers' activations mixes two spaces.
     """
     import numpy as np
     import pandas as pd
@@ -396,13 +398,12 @@ def projection_figure(
     _check_names("projection_figure", names)
     hover: list[str] | None = None
     if isinstance(data, pd.DataFrame) or hasattr(data, "records") or _is_record_list(data):
-        frame = select_one_site(_as_frame(data, records_frame), "projection_figure",
+        whole = _as_frame(data, records_frame)
+        frame = select_one_site(whole, "projection_figure",
                                 point=point, layer=layer, tensor_type=tensor_type)
         matrix = activation_matrix(frame, dtype="float64")
-        if isinstance(labels, str):
-            labels = frame_column(frame, labels, "projection_figure: labels").tolist()
-        elif isinstance(labels, Mapping):
-            labels = label_rows(frame, labels)
+        if labels is not None:  # (read as fit_linear_probe reads them: one rule for both)
+            labels = frame_labels(whole, frame, labels, "projection_figure", "labels")
         shown = names or {}
         hover = [f"{shown.get(r.request, r.request)} · token {r.token_index}"
                  for r in frame.itertuples(index=False)]
