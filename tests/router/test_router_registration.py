@@ -168,6 +168,25 @@ def test_router_arguments_are_validated():
         Router(probes=["norm_probe"])
 
 
+@pytest.mark.parametrize("stall_timeout_s", [None, "1", 0, -1.0, float("nan"), float("inf"), True])
+def test_a_stall_timeout_that_is_not_a_finite_positive_number_is_refused_at_construction(
+        stall_timeout_s):
+    # Accepted, it killed the stall supervisor's thread at the first async record
+    # (TypeError in its interval), and hung workers were never replaced.
+    from undercurrent.router import Router
+
+    with pytest.raises(ValueError, match=r"stall_timeout_s must be a finite number of seconds > 0"):
+        Router(stall_timeout_s=stall_timeout_s)
+
+
+def test_an_int_stall_timeout_is_taken_as_seconds(make_router):
+    router = make_router(workers=1, stall_timeout_s=2)
+    assert router._scheduler.stall_timeout_s == 2.0
+    router.register_request("r", [point("a", mode="async")])
+    router.route(record("r", "a", 0))
+    assert router.end_request("r")["a"].stats.processed == 1
+
+
 def test_the_same_points_are_checked_again_when_the_registry_changes(make_router):
     # Registration remembers point lists that passed (by identity); a probe type
     # mapped to another class since then must be checked and built anew.

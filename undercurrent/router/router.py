@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import operator
 import os
 import sys
@@ -108,6 +109,15 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    # A bad value would otherwise surface only in the scheduler's supervisor
+    # thread, which would die at the first async record (stall protection off).
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 #: How many spans lists' routes :meth:`Router.route_columns` keeps.
@@ -301,6 +311,7 @@ class Router:
         if not drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s!r}")
         self.drain_timeout_s = float(drain_timeout_s)
+        stall_timeout_s = _positive_seconds("stall_timeout_s", stall_timeout_s)
         self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s,
                                          owner=self)
         # A router dropped without shutdown() (a notebook cell that builds a new
