@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 from router_helpers import point, record
 
 from undercurrent.probes import Probe
+from undercurrent.probes.base import ScoresRows
+from undercurrent.records import ActivationBatch
 from undercurrent.spec import ProbeKind
 
 
@@ -84,3 +87,104 @@ def test_the_error_note_names_the_method_that_raised(make_router, probe_class, w
     method = where.split(" ")[0]
     assert result.error == f"{where}: RuntimeError: boom in {method}"
     assert result.stats.errors == 2 and result.stats.processed == 2
+
+
+
+
+_INTERRUPTS = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}
+
+
+class _InterruptsInOne(Probe):
+    """Raises ``interrupt`` (``KeyboardInterrupt`` or ``SystemExit``, by name)."""
+
+    probe_kind = ProbeKind.TRAJECTORY
+
+    def __init__(self, *, interrupt: str) -> None:
+        self.interrupt = _INTERRUPTS[interrupt]
+
+    def on_activation(self, record):
+        raise self.interrupt
+
+
+class _InterruptsInMany(_InterruptsInOne):
+    def on_activations(self, records):
+        raise self.interrupt
+
+
+class _InterruptsInBatch(_InterruptsInOne):
+    def on_batch(self, batch):
+        raise self.interrupt
+
+
+class _InterruptsInJudgeRows(ScoresRows):
+    """A probe judged in a group (one per request, values computed once)."""
+
+    probe_kind = ProbeKind.TRAJECTORY
+
+    def __init__(self, *, interrupt: str) -> None:
+        self.interrupt = _INTERRUPTS[interrupt]
+
+    def group_key(self):
+        return ("interrupts",)
+
+    def row_values(self, batch):
+        return np.asarray(batch.tensor).sum(axis=1)
+
+    def judge_rows(self, values, token_indices, layers):
+        raise self.interrupt
+
+
+def _route_to_interrupting_probes(router, interrupt, mode, requests):
+    """Each request's rows of token 3 at layers 0 and 1, routed as one batch."""
+    for request_id in requests:
+        router.register_request(request_id, [point(
+            "p", probe_type="x", mode=mode, layers=(0, 1), probe_args={"interrupt": interrupt})])
+    rows = 2 * len(requests)
+    router.route_columns(ActivationBatch(
+        np.ones((rows, 4), dtype=np.float32),
+        request_ids=[request_id for request_id in requests for _ in (0, 1)],
+        point_names=["p"] * rows, layers=[0, 1] * len(requests),
+        tensor_type="residual_stream", token_indices=[3] * rows,
+        is_generated=[True] * rows, generated_indices=[0] * rows, token_ids=[9] * rows))
+
+
+def _warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("interrupt", ["KeyboardInterrupt", "SystemExit"])
+@pytest.mark.parametrize(("probe_class", "where", "requests"), [
+    (_InterruptsInOne, "on_activation (token 3, layer 0)", ("r",)),
+    (_InterruptsInMany, "on_activations (token 3, 2 records)", ("r",)),
+    (_InterruptsInBatch, "on_batch (token 3, 2 records)", ("r",)),
+    (_InterruptsInJudgeRows, "on_batch (token 3, 2 records)", ("r", "s")),  # as one group
+])
+def test_an_interrupt_an_inline_probe_raises_is_logged_as_stopping_generation(
+        make_router, caplog, probe_class, where, requests, interrupt):
+    # The interrupt goes on up from the route (Ctrl-C must stop the generation);
+    # the warning said "generation continues".
+    router = make_router(probes={"x": probe_class})
+    with caplog.at_level(logging.WARNING, logger="undercurrent.router"), \
+            pytest.raises(_INTERRUPTS[interrupt]):
+        _route_to_interrupting_probes(router, interrupt, "inline", requests)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1  # the binding that raised; the group's others never ran
+    assert f"raised in {where}: {interrupt}; it is re-raised and generation stops" in warnings[0]
+    assert "generation continues" not in warnings[0]
+    for request_id in requests:
+        stats = router.end_request(request_id)["p"].stats
+        assert stats.received == stats.processed + stats.dropped
+
+
+def test_an_interrupt_an_async_probe_raises_is_recorded_and_generation_continues(
+        make_router, caplog):
+    router = make_router(probes={"x": _InterruptsInOne}, workers=1)
+    with caplog.at_level(logging.WARNING, logger="undercurrent.router"):
+        _route_to_interrupting_probes(router, "KeyboardInterrupt", "async", ("r",))
+        result = router.end_request("r")["p"]
+    assert result.error == "on_activation (token 3, layer 0): KeyboardInterrupt"
+    assert result.stats.errors == 2
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1
+    assert "raised in on_activation (token 3, layer 0): KeyboardInterrupt; generation continues" \
+        in warnings[0]

@@ -698,7 +698,10 @@ class Binding:
         except BaseException as exc:  # an interrupt on the generation thread
             failing = records[len(outcomes)]
             self._log_first_error(
-                f"on_activation (token {failing.token_index}, layer {failing.layer})", exc
+                f"on_activations (token {failing.token_index}, {len(records)} records)"
+                if batched else
+                f"on_activation (token {failing.token_index}, layer {failing.layer})", exc,
+                reraised=True,
             )
             failed = len(records) if batched else 1
             outcomes.extend([(None, describe_error(exc), 0.0)] * failed)
@@ -741,7 +744,8 @@ class Binding:
                 f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
         except BaseException as exc:  # an interrupt on the generation thread
             self._log_first_error(
-                f"on_batch (token {batch.token_indices[0]}, {count} records)", exc)
+                f"on_batch (token {batch.token_indices[0]}, {count} records)", exc,
+                reraised=True)
             failed = BatchOutcome(BatchSignals.none(count), [describe_error(exc)] * count,
                                   0.0, 0.0, "on_batch")
             with self._mutex:
@@ -791,21 +795,25 @@ class Binding:
         share = (time.perf_counter() - started) / len(records)
         return [(signal, error, share) for signal in signals]
 
-    def log_error(self, where: str, exc: BaseException) -> None:
+    def log_error(self, where: str, exc: BaseException, *, reraised: bool = False) -> None:
         """Log the binding's first exception (see :meth:`_log_first_error`)."""
-        self._log_first_error(where, exc)
+        self._log_first_error(where, exc, reraised=reraised)
 
-    def _log_first_error(self, where: str, exc: BaseException) -> None:
+    def _log_first_error(self, where: str, exc: BaseException, *,
+                         reraised: bool = False) -> None:
         """Log a binding's first exception: one warning line, the traceback at DEBUG
-        level (and kept for ``ProbeResult.metadata["traceback"]``)."""
+        level (and kept for ``ProbeResult.metadata["traceback"]``). ``reraised``:
+        the exception (an interrupt on the generation thread) goes on up, and
+        stops the generation, rather than being recorded as the call's error."""
         if self._logged_error:
             return
         self._logged_error = True
         self._traceback = "".join(traceback.format_exception(exc))
         logger.warning(
-            "probe %r (%s) on request %r raised in %s: %s; generation continues "
+            "probe %r (%s) on request %r raised in %s: %s; %s "
             "(traceback: ProbeResult.metadata['traceback'], or DEBUG logging)",
             self._name, self._probe_type, self.request_id, where, describe_error(exc),
+            "it is re-raised and generation stops" if reraised else "generation continues",
         )
         logger.debug("traceback of probe %r on request %r", self._name, self.request_id,
                      exc_info=exc)

@@ -175,7 +175,8 @@ def judge_group(batch: ActivationBatch, key: Any,
                 judged.append((request, binding, start, stop, None, describe_error(exc)))
     except BaseException as exc:  # an interrupt: settle what ran, drop what did not
         _, binding, start, stop = admitted[len(judged)]
-        binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)", exc)
+        binding.log_error(f"on_batch (token {tokens[start]}, {stop - start} records)", exc,
+                          reraised=True)
         judged.append((None, binding, start, stop, None, describe_error(exc)))
         _settle_group(batch, judged, started)
         for _, binding, start, stop in admitted[len(judged):]:
