@@ -320,6 +320,9 @@ class Binding:
         self._may_abort: bool | None = None  # the probe's answer, asked once (may_abort)
         self._take_probe(probe)
         self._waiting = 0  # callers counted as received, waiting on ``cond`` for their turn
+        # _dropped when close() came: what the request's end dropped is counted from it
+        # (a producer that close() woke, waiting for room, drops its rows itself).
+        self._dropped_at_close: int | None = None
         self._closed = False
         self._start_failed = False  # on_start raised: the binding never opened
         self._finalised = False
@@ -1532,6 +1535,8 @@ class Binding:
         """Accept no more records; wake producers blocked on a full queue."""
         with self._mutex:
             self._closed = True
+            if self._dropped_at_close is None:
+                self._dropped_at_close = self._dropped
             self._wake()
 
     def wait_idle(self, deadline: float) -> bool:
@@ -1560,9 +1565,13 @@ class Binding:
                 self._queue.clear()
             self._queued = 0
             in_flight = self._in_flight if self._busy else 0
+            # (rows dropped since close() by producers it woke count as unprocessed
+            # too, as they do when finalise comes first: the note and stats agree)
+            dropped_since_close = (0 if self._dropped_at_close is None
+                                   else self._dropped - self._dropped_at_close)
             self._dropped += queued + in_flight
             if queued or in_flight:
-                what = f"{queued} unprocessed record(s)"
+                what = f"{queued + dropped_since_close} unprocessed record(s)"
                 if in_flight:
                     what += f" and {'one' if in_flight == 1 else in_flight} in flight"
                 self._note(
