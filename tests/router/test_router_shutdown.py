@@ -101,3 +101,51 @@ def test_request_context_manager_registers_and_collects_results(make_router):
     assert router.live_requests() == ()
     assert handle.results["p"].verdict == {"seen": [0, 1]}
     assert handle.results["p"].flagged
+
+
+@pytest.mark.parametrize("given", ["timeout_s", "drain_timeout_s"])
+def test_shutdown_shares_one_timeout_among_the_drains_and_the_join_of_a_stuck_worker(
+        make_router, monkeypatch, given):
+    # Each drain, then the join of the workers, had timeout_s to itself: with a probe
+    # stuck in a call, shutdown took about twice its timeout (N + 1 times, with N
+    # requests). drain_timeout_s: the default that ProbedModel.close() shuts down with.
+    router = make_router(workers=1, stall_timeout_s=3600,  # (no replacement worker)
+                         drain_timeout_s=0.2 if given == "drain_timeout_s" else 60)
+    for request_id in ("r", "s"):
+        router.register_request(request_id, [point("a", mode="async", probe_args={
+            "gate": "gate", "entered": "entered"})])
+    router.route(record("r", "a", 0))
+    assert event("entered").wait(60)  # the one worker is stuck in r's call
+    router.route(record("s", "a", 0))  # queued behind it
+    joins: list[float | None] = []
+    stop = router._scheduler.stop
+
+    def recorded_stop(wait: bool = True, timeout_s: float | None = None) -> None:
+        joins.append(timeout_s)
+        stop(wait=wait, timeout_s=timeout_s)
+
+    monkeypatch.setattr(router._scheduler, "stop", recorded_stop)
+    results = router.shutdown(timeout_s=0.2) if given == "timeout_s" else router.shutdown()
+    assert ("drain timed out after 0.2s with 0 unprocessed record(s) and one in flight"
+            in results["r"]["a"].error)
+    # r's drain spent it all: s's drain and the join get nothing left
+    assert ("the request ended without waiting for its queue (no drain time) with 1 "
+            "unprocessed record(s)" in results["s"]["a"].error)
+    assert joins == [0.0]
+
+
+def test_shutdown_joins_the_workers_with_what_the_drains_left(make_router, monkeypatch):
+    router = make_router(workers=1)
+    router.register_request("r", [point("a", mode="async")])
+    router.route(record("r", "a", 0))
+    joins: list[float | None] = []
+    stop = router._scheduler.stop
+
+    def recorded_stop(wait: bool = True, timeout_s: float | None = None) -> None:
+        joins.append(timeout_s)
+        stop(wait=wait, timeout_s=timeout_s)
+
+    monkeypatch.setattr(router._scheduler, "stop", recorded_stop)
+    results = router.shutdown(timeout_s=3600)
+    assert results["r"]["a"].stats.processed == 1
+    assert len(joins) == 1 and 0 < joins[0] <= 3600

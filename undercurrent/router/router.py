@@ -1048,17 +1048,18 @@ class Router:
         self._requests_changed()
         return requests, stored
 
-    def _finish_all(self, requests: Sequence[_Request], timeout: float
-                    ) -> list[dict[str, ProbeResult]]:
+    def _finish_all(self, requests: Sequence[_Request], timeout: float,
+                    shared: bool = False) -> list[dict[str, ProbeResult]]:
         """End each request's bindings in turn (drain, ``on_end``, result) and add
-        their counts to the totals. The requests not ended yet are ended together
-        where all their bindings are idle (:meth:`_end_together`: what ending
-        each in turn gives them), tried at the start, after each request that
-        had to wait for its bindings (the others' workers went on meanwhile) and
-        after 1, 2, 4... requests ended in turn since the last try; where some
-        are not idle yet (a worker's turn still settles them), the requests
-        before the first of them are ended together. An
-        interrupt part-way ends every binding not ended yet without waiting
+        their counts to the totals. Each request's drain lasts at most ``timeout``
+        (``shared``: at most what the drains before it left of ``timeout``). The
+        requests not ended yet are ended together where all their bindings are
+        idle (:meth:`_end_together`: what ending each in turn gives them), tried
+        at the start, after each request that had to wait for its bindings (the
+        others' workers went on meanwhile) and after 1, 2, 4... requests ended in
+        turn since the last try; where some are not idle yet (a worker's turn
+        still settles them), the requests before the first of them are ended
+        together. An interrupt part-way ends every binding not ended yet without waiting
         (their queued rows count as dropped), so none stays open, then
         propagates."""
         finished: list[dict[str, ProbeResult]] = []
@@ -1076,7 +1077,10 @@ class Router:
                         continue
                     # (tried again after 1, 2, 4... requests ended in turn, or one that waited)
                     countdown, backoff = backoff, backoff * 2
+                started = time.monotonic() if shared else 0.0
                 ended, waited = self._end_bindings(rest[0], timeout)
+                if shared and waited:
+                    timeout = max(0.0, timeout - (time.monotonic() - started))
                 finished.append(ended)
                 countdown -= 1
         except BaseException:
@@ -1174,8 +1178,11 @@ class Router:
     ) -> dict[str, dict[str, ProbeResult]]:
         """Stop the router; end every live request and return their results by id.
 
-        ``wait=True`` drains async queues first (within ``timeout_s``, default the
-        router's ``drain_timeout_s``); ``wait=False`` discards queued records
+        ``wait=True`` drains async queues first, then joins the workers, all within
+        ``timeout_s`` (default the router's ``drain_timeout_s``): each request's
+        drain, and then the join, gets what the ones before left of it (a worker
+        still stuck in a probe call at the deadline is left to finish on its own,
+        its thread a daemon); ``wait=False`` discards queued records
         (counted as dropped). Later ``route`` calls for those requests are ignored,
         and ``end_request`` on them returns the results computed here. Idempotent.
         """
@@ -1188,14 +1195,18 @@ class Router:
             self._requests_changed()
             for request in live:
                 self._ended[request.request_id] = None
-        timeout = (self.drain_timeout_s if timeout_s is None else timeout_s) if wait else 0.0
+        timeout = 0.0 if not wait else (
+            self.drain_timeout_s if timeout_s is None else float(timeout_s))
+        # One deadline for all of it: each request's drain, then joining the
+        # workers (one stuck in a probe call), get what is left of timeout_s.
+        deadline = time.monotonic() + timeout
         results = dict(zip((request.request_id for request in live),
-                           self._finish_all(live, timeout), strict=True))
+                           self._finish_all(live, timeout, shared=True), strict=True))
         if live:
             logger.info("router shut down with %d live request(s) ended", len(live))
         with self._lock:
             self._results_after_shutdown.update(results)
-        self._scheduler.stop(wait=wait, timeout_s=timeout)
+        self._scheduler.stop(wait=wait, timeout_s=max(0.0, deadline - time.monotonic()))
         return results
 
     def __enter__(self) -> Router:
