@@ -223,7 +223,8 @@ def _by_point(problem: dict[str, Any]) -> tuple[int, int]:
 
 def check_output_file(path: str, option: str, suffixes: Sequence[str]) -> None:
     """Refuse, before any work, an output file the command could not write: a
-    directory, a missing folder, or a suffix other than ``suffixes``."""
+    directory, a missing folder, a suffix other than ``suffixes``, or a place
+    the file cannot be created or written (a read-only folder or file)."""
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{option} {path!r} is a directory; give a file path")
@@ -231,6 +232,17 @@ def check_output_file(path: str, option: str, suffixes: Sequence[str]) -> None:
         raise ValueError(f"{option} {path!r}: the folder {str(target.parent)!r} does not exist")
     if target.suffix.lower() not in suffixes:
         raise ValueError(f"{option} {path!r} must end in {' or '.join(suffixes)}")
+    existed = target.exists()
+    try:
+        # Opened for append, an existing file keeps its contents; one made here
+        # is removed again, so a later failure leaves nothing behind.
+        with open(target, "ab"):
+            pass
+        if not existed:
+            target.unlink()
+    except OSError as error:
+        raise ValueError(f"{option} {path!r} cannot be written: "
+                         f"{error.strerror or error}") from None
 
 
 def _problem_dict(problem: Any) -> dict[str, Any]:
@@ -468,8 +480,13 @@ def _run_run(args: argparse.Namespace) -> int:
                 note = f"  error: {result.error}" if result.error else ""
                 print(f"  {name}: {result.verdict!r}{note}")
     if args.records:
-        path = save_records(outputs, args.records,
-                            tokenizer=getattr(model.backend, "tokenizer", None))
+        try:
+            path = save_records(outputs, args.records,
+                                tokenizer=getattr(model.backend, "tokenizer", None))
+        except OSError as error:  # (checked before the model loaded, but it may change)
+            print(f"run: cannot write --records {args.records!r}: "
+                  f"{error.strerror or one_line(error)}", file=sys.stderr)
+            return EXIT_FAILURE
         count = sum(len(output.records or ()) for output in outputs)
         print(f"{count} records saved to {path}", file=sys.stderr)
     return EXIT_OK

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
 
-from undercurrent.cli import main  # noqa: E402
+from undercurrent.cli import check_output_file, main  # noqa: E402
 from undercurrent.spec import load_yaml_file  # noqa: E402
 
 SPEC_FILE = Path(__file__).resolve().parents[2] / "specs" / "classic_single_token.yaml"
@@ -192,6 +192,32 @@ def test_run_refuses_a_records_path_that_is_a_folder_or_in_a_missing_one(tmp_pat
         assert fragment in _one_line_error(capsys)
 
 
+# /sys refuses new files even to root, where a chmod-ed folder would not.
+READ_ONLY = Path("/sys")
+needs_read_only = pytest.mark.skipif(not READ_ONLY.is_dir(), reason="no /sys to write into")
+
+
+@needs_read_only
+def test_run_refuses_a_records_path_it_cannot_create_before_loading_the_model(tmp_path,
+                                                                              capsys):
+    # It was a pyarrow traceback after the model loaded and generated (exit 1).
+    code = main(["run", str(SPEC_FILE), "--model", str(tmp_path / "never-loaded"),
+                 "--prompt", "hi", "--records", str(READ_ONLY / "records.parquet")])
+    captured_line = _one_line_error(capsys)
+    assert code == 2
+    assert captured_line.startswith("run: --records '/sys/records.parquet' cannot be written")
+
+
+def test_an_existing_records_file_passes_the_check_untouched_and_a_new_one_is_not_left(
+        tmp_path):
+    existing = tmp_path / "old.parquet"
+    existing.write_bytes(b"kept")
+    check_output_file(str(existing), "--records", (".parquet",))
+    assert existing.read_bytes() == b"kept"
+    check_output_file(str(tmp_path / "new.parquet"), "--records", (".parquet",))
+    assert not (tmp_path / "new.parquet").exists()
+
+
 def test_run_prints_several_problems_on_one_line(saved_model, tmp_path, capsys):
     spec_path = tmp_path / "far.yaml"
     spec_path.write_text(NORM_SPEC.replace("layers: [1]", "layers: [10]"))
@@ -204,6 +230,15 @@ def test_inspect_model_refuses_an_emit_spec_path_it_cannot_write(saved_model, tm
     for path in (tmp_path, tmp_path / "missing" / "s.yaml", tmp_path / "s.txt"):
         assert main(["inspect-model", str(saved_model), "--emit-spec", str(path)]) == 2
         assert _one_line_error(capsys).startswith("inspect-model: --emit-spec ")
+
+
+@needs_read_only
+def test_inspect_model_refuses_an_emit_spec_path_it_cannot_create(saved_model, capsys):
+    # It was found only after reading the model, as exit 1.
+    code = main(["inspect-model", str(saved_model), "--emit-spec", str(READ_ONLY / "s.yaml")])
+    line = _one_line_error(capsys)
+    assert code == 2
+    assert line.startswith("inspect-model: --emit-spec '/sys/s.yaml' cannot be written")
 
 
 @pytest.mark.parametrize("indent", ["-1", "9", "1000000"])
