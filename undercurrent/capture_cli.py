@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -82,6 +83,16 @@ def spec_deprecations_told(command: str) -> Iterator[None]:
     for warning in others:
         warnings.warn_explicit(warning.message, warning.category, warning.filename,
                                warning.lineno)
+
+
+def engine_logs_to_stderr(backend: str) -> None:
+    """Send vLLM's own log lines to stderr, for a command about to load the vllm
+    backend: vLLM logs to stdout unless told otherwise, which mixes its INFO
+    lines into the command's output (``--format json`` then does not parse).
+    vLLM reads ``VLLM_LOGGING_STREAM`` once, when it is first imported, so this
+    runs before anything imports it; a stream the user set is kept."""
+    if backend == "vllm":
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -179,6 +190,7 @@ def _stored_prompts(out: Path) -> str:
 
 
 def _capture(args: argparse.Namespace) -> int:
+    engine_logs_to_stderr(args.backend)
     # Bad argument values are exit 2 and are caught before the model loads; what is
     # left for model.capture to refuse is the spec, the model or the store (exit 1).
     try:

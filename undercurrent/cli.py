@@ -34,6 +34,7 @@ from undercurrent.api import ProbedModel
 from undercurrent.capture_cli import (
     add_capture_command,
     attach_dash_values,
+    engine_logs_to_stderr,
     spec_deprecations_told,
 )
 from undercurrent.demo import add_demo_command
@@ -423,6 +424,7 @@ def _json_ready(value: Any) -> Any:
 
 
 def _run_run(args: argparse.Namespace) -> int:
+    engine_logs_to_stderr(args.backend)  # (before a --probes module could import vLLM)
     failed_import = _import_probe_modules("run", args.probes)
     if failed_import is not None:
         return failed_import
