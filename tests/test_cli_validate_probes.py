@@ -152,6 +152,20 @@ def test_a_probes_module_that_exits_when_imported_is_a_usage_error(tmp_path):
     assert done.stderr.strip() == "validate: cannot import --probes 'exits.py': SystemExit: 0"
 
 
+@pytest.mark.parametrize("stem", ["signal", "queue"])
+def test_a_probes_file_named_like_a_standard_module_leaves_that_module_alone(tmp_path, stem):
+    # It was stored as sys.modules[stem]: run then died in torch or multiprocessing.
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (tmp_path / "pdir").mkdir()
+    (tmp_path / "pdir" / f"{stem}.py").write_text(CUSTOM_PROBES, encoding="utf-8")
+    spec = _spec(tmp_path, probe_type="custom_probe", probe_args="{scale: 2}")
+    done = _cli(tmp_path, "run", str(spec), "--probes", f"pdir/{stem}.py", "--model", "tiny",
+                "--prompt", "the cat", "--max-new-tokens", "2", "--format", "json")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert '"guard"' in done.stdout
+
+
 # -- run --------------------------------------------------------------------------------
 
 

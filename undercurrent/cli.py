@@ -14,6 +14,7 @@ Exit codes: 0 success, 1 the command ran and found a failure (an invalid spec),
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -124,10 +125,11 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                 path = Path(module)
                 if not path.is_file():
                     raise FileNotFoundError(f"no such file: {module}")
-                spec = importlib.util.spec_from_file_location(path.stem, path)
+                name = _probe_file_module_name(path)
+                spec = importlib.util.spec_from_file_location(name, path)
                 assert spec is not None and spec.loader is not None
                 loaded = importlib.util.module_from_spec(spec)
-                sys.modules[path.stem] = loaded
+                sys.modules[name] = loaded  # (as an import would: pickle and dataclasses look)
                 spec.loader.exec_module(loaded)
             else:
                 importlib.import_module(module)
@@ -139,6 +141,14 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                   f"{type(error).__name__}: {one_line(str(error))}", file=sys.stderr)
             return EXIT_USAGE
     return None
+
+
+def _probe_file_module_name(path: Path) -> str:
+    """The module name a ``--probes`` ``.py`` file is loaded under: its stem and a
+    hash of its full path, so that a file named like another module (``signal.py``,
+    ``queue.py``) does not take that module's place in ``sys.modules``."""
+    digest = hashlib.sha1(str(path.resolve()).encode(), usedforsecurity=False).hexdigest()
+    return f"undercurrent_probes_{path.stem}_{digest[:8]}"
 
 
 def _validate_one(path: str, strict: bool) -> dict[str, Any]:
