@@ -214,6 +214,33 @@ def test_a_finished_store_resumes_to_nothing_and_refuses_other_captures(tiny, pr
     assert len(open_activations(tmp_path).outputs) == 4
 
 
+def test_the_model_s_own_storage_dtype_named_or_not_and_a_greedy_seed_resume_one_capture(
+        tiny, prompts, tmp_path):
+    # store.json recorded the argument (null), so naming the model's dtype (float32
+    # here), the default, was refused as "a different storage_dtype"; a seed, which
+    # greedy decoding does not use, was "a different sampling".
+    import json
+
+    tiny.capture(prompts[:2], tmp_path, progress=False, **OPTIONS)
+    manifest = json.loads((tmp_path / "store.json").read_text())
+    assert manifest["storage_dtype"] == manifest["generation"]["dtype"] == "float32"
+    for same in ({"storage_dtype": "float32"}, {"seed": 5}, {}):
+        again = tiny.capture(prompts[:2], tmp_path, progress=False, **OPTIONS, **same)
+        assert (again.requests, again.skipped) == (0, 2)
+    with pytest.raises(StoreError, match=r'a different storage_dtype "float32" in the '
+                                         r'store, "float16" now; a store'):
+        tiny.capture(prompts[:2], tmp_path, progress=False, storage_dtype="float16", **OPTIONS)
+    with pytest.raises(StoreError, match=r"a different sampling \(temperature 0.0 in the "
+                                         r"store, 0.7 now\); a store"):
+        tiny.capture(prompts[:2], tmp_path, progress=False, temperature=0.7, **OPTIONS)
+    # a store written when the argument was recorded (null) resumes either way
+    manifest["storage_dtype"] = None
+    (tmp_path / "store.json").write_text(json.dumps(manifest))
+    for same in ({"storage_dtype": "float32"}, {}):
+        again = tiny.capture(prompts[:2], tmp_path, progress=False, **OPTIONS, **same)
+        assert (again.requests, again.skipped) == (0, 2)
+
+
 STEER = {"name": "push", "layers": 1, "tensor_type": "residual_stream",
          "position": "generated[*]", "op": "add",
          "vector": "undercurrent:models/tiny/probe.safetensors", "coefficient": -30.0}
@@ -242,7 +269,8 @@ def test_a_part_generated_otherwise_is_refused_as_another_capture(tiny, prompts,
               "edits": [dict(STEER, coefficient=-20.0)]} if other.startswith("steered")
         else SPEC, capture_last_token=other == "capture_last_token")
     try:
-        with pytest.raises(StoreError, match=r"a different generation; a store .* model "
+        with pytest.raises(StoreError, match=r"a different (storage_dtype .*)?generation "
+                                             r"\(.*\); a store .* model "
                                              r"dtype, spec \(its edits included\), "
                                              r"capture_last_token"):
             second.capture(prompts[:4], tmp_path, progress=False, shard="1/2", **OPTIONS)

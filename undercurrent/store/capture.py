@@ -207,7 +207,9 @@ def capture_activations(
         "model": model.backend.model_name,
         "points": [extraction_point_to_dict(point) for point in model.points],
         "reductions": {name: r.as_dict() for name, r in settings.reductions.items()},
-        "storage_dtype": settings.storage_dtype,
+        # The dtype stored, not the argument: None and the model's own dtype are
+        # one capture (a resume naming it was refused as a different one).
+        "storage_dtype": settings.storage_dtype or generation["dtype"],
         "sampling": sampling,
         "prompts": {"count": len(prompts), "sha256": prompts_digest(prompts)},
         "generation": generation,

@@ -71,6 +71,36 @@ def check_shard_prompts(shard_prompts: Any) -> int:
     return count
 
 
+def _as_older_storage_dtype(existing: Mapping[str, Any], wanted: dict[str, Any]) -> None:
+    """Compare a store written when ``store.json`` recorded the ``storage_dtype``
+    argument (null: the model's dtype) with the dtype it resolves to now."""
+    model_dtype = (existing.get("generation") or {}).get("dtype")
+    if existing.get("storage_dtype") is None and wanted.get("storage_dtype") == model_dtype:
+        wanted["storage_dtype"] = None
+
+
+def _without_greedy_seed(sampling: Any) -> Any:
+    """``sampling`` as compared between captures: a seed does not change greedy
+    decoding (temperature 0), so there it is left out."""
+    if isinstance(sampling, dict) and sampling.get("temperature") == 0:
+        return {key: value for key, value in sampling.items() if key != "seed"}
+    return sampling
+
+
+def _difference(key: str, stored: Any, wanted: Any) -> str:
+    """``key`` and how it differs, for the refusal: the differing fields of a
+    mapping, both values of a short one, the name alone for a long one."""
+    if isinstance(stored, dict) and isinstance(wanted, dict):
+        fields = sorted(name for name in stored.keys() | wanted.keys()
+                        if stored.get(name) != wanted.get(name))
+        parts = [_difference(name, stored.get(name), wanted.get(name)) for name in fields]
+        return f"{key} ({', '.join(parts)})"
+    shown = (json.dumps(stored, default=str), json.dumps(wanted, default=str))
+    if max(map(len, shown)) > 80:
+        return key
+    return f"{key} {shown[0]} in the store, {shown[1]} now"
+
+
 class StoreWriter:
     """One writer (one part of the prompt list) of a store directory.
 
@@ -516,13 +546,18 @@ def _ensure_manifest(root: Path, manifest: Mapping[str, Any]) -> bool:
                          f"(format {existing.get('format')!r}, expected {STORE_FORMAT!r})")
     wanted = json.loads(json.dumps(dict(manifest)))
     _as_older_edits(existing, wanted)
-    differ = [key for key in IDENTITY_KEYS if existing.get(key) != wanted.get(key)]
+    _as_older_storage_dtype(existing, wanted)
+    compared = dict(existing, sampling=_without_greedy_seed(existing.get("sampling")))
+    wanted["sampling"] = _without_greedy_seed(wanted.get("sampling"))
+    differ = [key for key in IDENTITY_KEYS if compared.get(key) != wanted.get(key)]
     if differ:
         older = ("; it was written before undercurrent recorded the generation settings "
                  "(model dtype, capture_last_token, steering edits)"
                  if "generation" in differ and "generation" not in existing else "")
         raise StoreError(
-            f"{str(root)!r} holds a capture with a different {', '.join(differ)}{older}; a "
+            f"{str(root)!r} holds a capture with a different "
+            f"{'; '.join(_difference(key, compared.get(key), wanted.get(key)) for key in differ)}"
+            f"{older}; a "
             "store (every --shard part, every resume) needs the same model, model dtype, "
             "spec (its edits included), capture_last_token, reductions, storage dtype, "
             "sampling settings (and, for seeded sampling on the HF backend, batch size) "
