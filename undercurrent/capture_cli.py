@@ -95,6 +95,17 @@ def engine_logs_to_stderr(backend: str) -> None:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
+def check_backend_device(backend: str, device: str | None) -> None:
+    """Refuse, before the model loads, a ``--device`` the backend cannot run on: one
+    torch does not know (without importing vLLM) or, for vllm, one other than the
+    device the installed vLLM build targets (a ``BackendError``)."""
+    check_device(device)
+    if backend == "vllm" and device is not None:
+        from undercurrent.adapters.vllm.backend import check_engine_device
+
+        check_engine_device(device)
+
+
 def read_prompts(path: str | Path) -> list[str]:
     """Prompts from a ``.txt`` (one per non-empty line) or ``.jsonl`` file. Lines
     end at a newline alone (``\n``, ``\r\n`` or ``\r``): other characters Python
@@ -200,9 +211,8 @@ def _capture(args: argparse.Namespace) -> int:
         capture_settings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          seed=args.seed, batch_size=args.batch_size,
                          storage_dtype=args.storage_dtype, reduce=reductions, shard=args.shard)
-        if args.backend == "hf":
-            check_device(args.device)
-    except (OSError, ValueError, TypeError) as error:
+        check_backend_device(args.backend, args.device)
+    except (OSError, ValueError, TypeError, BackendError) as error:
         print(f"capture: {one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     # What a user can get wrong in the spec, its probes, the model or the store is

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent import __version__
-from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError, SamplingParams, stop_strings
 from undercurrent.adapters.model_inspection import format_report, inspect_model, starter_spec
 from undercurrent.adapters.prompts import check_prompts
@@ -35,6 +34,7 @@ from undercurrent.api import ProbedModel
 from undercurrent.capture_cli import (
     add_capture_command,
     attach_dash_values,
+    check_backend_device,
     engine_logs_to_stderr,
     spec_deprecations_told,
 )
@@ -451,11 +451,10 @@ def _run_run(args: argparse.Namespace) -> int:
         SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                        seed=args.seed, stop=stop_strings(args.stop))
         check_prompts(args.prompts)
-        if args.backend == "hf":
-            check_device(args.device)
+        check_backend_device(args.backend, args.device)
         if args.records:
             check_output_file(args.records, "--records", (".parquet",))
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, BackendError) as error:
         print(f"run: {one_line(error)}", file=sys.stderr)
         return EXIT_USAGE
     # What a user can get wrong (the spec, its probes, the model, the options) is

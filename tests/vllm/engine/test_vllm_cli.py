@@ -61,3 +61,27 @@ def test_capture_prints_only_its_summary_line_on_stdout(model_dir, spec, tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = done.stdout.splitlines()
     assert line.startswith("1 prompts (0 already done)"), done.stdout
+
+
+@pytest.mark.parametrize(("device", "fragment"), [
+    ("bogus", "device 'bogus' is not a device torch knows"),
+    ("meta", "device 'meta': the vllm backend runs where the installed vLLM build targets"),
+])
+def test_a_device_the_engine_cannot_run_on_is_a_usage_error_before_the_model_loads(
+        spec, tmp_path, capsys, monkeypatch, device, fragment):
+    # The CLI checked --device for the hf backend only: with vllm it was exit 1,
+    # after starting to load the model.
+    from undercurrent.cli import main
+
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    (tmp_path / "prompts.txt").write_text("the quick brown fox\n")
+    never_loaded = str(tmp_path / "never-loaded")
+    for command, argv in (("run", ["run", str(spec), "--prompt", "hi"]),
+                          ("capture", ["capture", "--spec", str(spec), "--prompts",
+                                       str(tmp_path / "prompts.txt"), "--out",
+                                       str(tmp_path / "store")])):
+        code = main([*argv, "--model", never_loaded, "--backend", "vllm", "--device", device])
+        captured = capsys.readouterr()
+        assert code == 2, captured.err
+        (line,) = captured.err.strip().splitlines()
+        assert line.startswith(f"{command}: ") and fragment in line
