@@ -490,6 +490,10 @@ def _run_run(args: argparse.Namespace) -> int:
             for name, result in output.results.items():
                 note = f"  error: {result.error}" if result.error else ""
                 print(f"  {name}: {result.verdict!r}{note}")
+                if result.stats.dropped:
+                    print(f"  {name}: dropped {result.stats.dropped} of "
+                          f"{result.stats.received} records (its async queue was full); "
+                          f"the verdict saw the {result.stats.processed} processed")
     if args.records:
         try:
             path = save_records(outputs, args.records,

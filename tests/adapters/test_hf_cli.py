@@ -145,6 +145,67 @@ def test_run_json_is_strict_json_with_plain_values_and_each_probe_error(saved_mo
     assert summary["errors"]["broken"].startswith("on_start: RuntimeError: boom at start")
 
 
+GATED_PROBES = """\
+import threading
+from undercurrent.probes import Probe, register_probe
+from undercurrent.records import ProbeSignal
+from undercurrent.spec import ProbeKind
+
+gate = threading.Event()
+
+class Held(Probe):
+    # Holds its worker at its first record until the opener has seen four: by
+    # then three records came to a queue of one, so at least one was dropped.
+    probe_kind = ProbeKind.TRAJECTORY
+    def __init__(self):
+        self.seen = 0
+    def on_activation(self, record):
+        gate.wait(120)
+        self.seen += 1
+    def on_end(self, ctx):
+        return {"seen": self.seen}
+
+class Opener(Probe):
+    probe_kind = ProbeKind.TRAJECTORY
+    def __init__(self):
+        self.seen = 0
+    def on_activation(self, record):
+        self.seen += 1
+        if self.seen == 4:
+            gate.set()
+
+register_probe("held_async", Held, replace=True)  # (loaded once per run below)
+register_probe("gate_opener", Opener, replace=True)
+"""
+
+
+def test_run_says_how_many_records_an_async_probe_dropped(tmp_path, capsys):
+    # The verdict of an async probe whose queue overflowed covered a few of the
+    # tokens, and neither the text nor the JSON output said records were dropped.
+    (tmp_path / "gated_probes.py").write_text(GATED_PROBES)
+    spec = tmp_path / "gated.yaml"
+    spec.write_text("extraction_points:\n"
+                    "  - {name: held, layers: [1], tensor_type: residual_stream, position: "
+                    "'generated[*]', probe_type: held_async, probe_kind: trajectory, "
+                    "execution_mode: async, queue_depth: 1}\n"
+                    "  - {name: opener, layers: [1], tensor_type: residual_stream, position: "
+                    "'generated[*]', probe_type: gate_opener, probe_kind: trajectory}\n")
+    base = ["run", str(spec), "--model", "tiny", "--probes", str(tmp_path / "gated_probes.py"),
+            "--prompt", "how do i open my car ?", "--max-new-tokens", "8"]
+    assert main([*base, "--format", "json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    counts = summary["stats"]["held"]
+    assert counts["dropped"] >= 1
+    assert counts["received"] == counts["processed"] + counts["dropped"] == 7
+    assert summary["verdicts"]["held"] == {"seen": counts["processed"]}
+    assert summary["stats"]["opener"] == {"received": 7, "processed": 7, "dropped": 0}
+    assert main(base) == 0
+    lines = capsys.readouterr().out.splitlines()
+    dropped = [line for line in lines if "dropped" in line]
+    assert len(dropped) == 1 and dropped[0].startswith("  held: dropped "), lines
+    assert "records (its async queue was full); the verdict saw the" in dropped[0]
+
+
 def test_run_refuses_a_prompt_that_is_not_text_with_exit_2(saved_model, capsys):
     # Bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape).
     code = main(["run", str(SPEC_FILE), "--model", str(saved_model), "--prompt",

@@ -123,8 +123,10 @@ class GenerationOutput:
         return steered_indices(self.edits, len(self.token_ids))
 
     def summary(self) -> dict[str, Any]:
-        """A compact, printable view: text, abort, each point's verdict, and the
-        error of each point whose probe raised."""
+        """A compact, printable view: text, abort, each point's verdict, the
+        error of each point whose probe raised, and each point's record counts
+        (``received``, ``processed``, ``dropped``: an async probe whose queue was
+        full dropped records, and its verdict saw only the processed ones)."""
         return {
             "request_id": self.request_id,
             "text": self.text,
@@ -139,6 +141,10 @@ class GenerationOutput:
             "verdicts": {name: result.verdict for name, result in self.results.items()},
             "errors": {name: str(result.error) for name, result in self.results.items()
                        if result.error is not None},
+            "stats": {name: {"received": result.stats.received,
+                             "processed": result.stats.processed,
+                             "dropped": result.stats.dropped}
+                      for name, result in self.results.items()},
         }
 
 
