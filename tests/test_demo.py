@@ -55,6 +55,9 @@ def test_demo_exits_zero_and_prints_plain_text_when_not_a_terminal(demo) -> None
     assert not ANSI.search(printed)
     for request, _ in DEMO_REQUESTS:
         assert request in printed
+    # one token, tokens otherwise ("1 tokens later" was printed)
+    leads = re.findall(r"\((\d+) (tokens?) later\)", printed)
+    assert leads and all((count == "1") == (word == "token") for count, word in leads), leads
 
 
 def test_every_harmful_request_is_aborted_before_its_words_and_no_benign_one(demo) -> None:

@@ -112,7 +112,8 @@ def read_prompts(path: str | Path) -> list[str]:
     counts as line breaks (U+2028, form feed, ...) stay in their prompt, as in a
     JSON string; a UTF-8 byte order mark before the first line is dropped."""
     source = Path(path)
-    if source.suffix not in (".txt", ".jsonl"):
+    suffix = source.suffix.lower()  # (as --records and --emit-spec take any case)
+    if suffix not in (".txt", ".jsonl"):
         raise ValueError(f"{str(source)!r}: prompts must be a .txt or .jsonl file")
     try:
         text = source.read_text(encoding="utf-8-sig")
@@ -125,7 +126,7 @@ def read_prompts(path: str | Path) -> list[str]:
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
-        if source.suffix == ".txt":
+        if suffix == ".txt":
             prompts.append(line)
             continue
         try:
@@ -141,7 +142,7 @@ def read_prompts(path: str | Path) -> list[str]:
         prompts.append(item)
     if not prompts:
         raise ValueError(f"{source}: no prompts in this file (it is empty or blank); a "
-                         f"{source.suffix} prompts file needs at least one prompt")
+                         f"{suffix} prompts file needs at least one prompt")
     return prompts
 
 

@@ -163,8 +163,9 @@ def _describe_abort(run: DemoRun, painter: _Painter, threshold: float) -> str:
     if run.unguarded_reveal is not None:
         shown = " ".join(run.unguarded_words[: run.unguarded_reveal + 1])
         lead = run.unguarded_reveal - index if index is not None else None
+        later = f"{lead} token{'' if lead == 1 else 's'} later"
         lines.append(f"  unguarded, the words show the intent only at token "
-                     f"{run.unguarded_reveal} ({lead} tokens later): ... {shown}")
+                     f"{run.unguarded_reveal} ({later}): ... {shown}")
     return "\n".join(lines)
 
 

@@ -323,6 +323,16 @@ def test_prompts_files_break_lines_at_newlines_only_and_drop_a_byte_order_mark(t
     assert read_prompts(jsonl) == prompts
 
 
+def test_a_prompts_file_suffix_is_read_in_any_case(tmp_path):
+    # P.TXT was refused, while --records and --emit-spec take any case.
+    from undercurrent.capture_cli import read_prompts
+
+    (tmp_path / "P.TXT").write_text("a b\n")
+    (tmp_path / "P.JSONL").write_text('"a b"\n{"prompt": "c"}\n')
+    assert read_prompts(tmp_path / "P.TXT") == ["a b"]
+    assert read_prompts(tmp_path / "P.JSONL") == ["a b", "c"]
+
+
 def test_values_past_float16_s_range_are_stored_as_infinity_with_a_warning_naming_them(
         tmp_path):
     # A large steering edit at layer 1 drives layer 2's residual stream past 65504:
