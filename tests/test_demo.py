@@ -65,7 +65,7 @@ def test_every_harmful_request_is_aborted_before_its_words_and_no_benign_one(dem
     aborts = re.findall(r"ABORTED by harm_guard .* at generated token (\d+)", printed)
     harmful = sum(intent == "harmful" for _, intent in DEMO_REQUESTS)
     assert len(aborts) == harmful
-    leads = [int(n) for n in re.findall(r"\((\d+) tokens later\)", printed)]
+    leads = [int(n) for n in re.findall(r"\((\d+) tokens? later\)", printed)]
     assert len(leads) == harmful and min(leads) > 0
     assert f"{len(DEMO_REQUESTS)}/{len(DEMO_REQUESTS)} requests handled" in printed
 
