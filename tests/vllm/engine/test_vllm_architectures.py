@@ -1,7 +1,8 @@
 """Decoder families other than Llama on the vLLM backend, each a random tiny model
 (float32) with the bundled tokenizer: every tensor type at prompt and generated
 positions gives the HF backend's tokens and records. OPT has no MLP module: its
-``mlp_out`` is the ``fc2`` projection on both backends. Falcon uses its new decoder
+``mlp_out`` is the ``fc2`` projection on both backends; Mixtral's is its sparse
+mixture-of-experts block. Falcon uses its new decoder
 architecture (grouped kv heads, as Falcon-40B/180B)."""
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ CONFIGS = {
     # transformers caches once per query head (the HF backend keeps one copy)
     "falcon": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                    new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=256),
+    # vLLM names the sparse mixture-of-experts block block_sparse_moe, transformers mlp
+    "mixtral": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    num_local_experts=4, num_experts_per_tok=2),
     "qwen2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                   tie_word_embeddings=False),

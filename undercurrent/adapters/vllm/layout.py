@@ -16,8 +16,9 @@ from undercurrent.adapters.capabilities import UnsupportedArchitectureError
 _LAYER_LISTS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "transformer.layers", "model.language_model.layers")
 _ATTENTION = ("self_attn", "attn", "attention", "self_attention")
-# (OPT has no MLP module: its mlp_out is the fc2 projection, as on the HF backend)
-_MLP = ("mlp", "feed_forward", "ffn", "fc2")
+# (OPT has no MLP module: its mlp_out is the fc2 projection, as on the HF backend;
+# Mixtral's is its sparse mixture-of-experts block, the HF backend's ``mlp``)
+_MLP = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "fc2")
 #: The module of vLLM's Transformers modeling backend (its fallback model classes).
 _TRANSFORMERS_BACKEND = "vllm.model_executor.models.transformers"
 _FINAL_NORMS = ("model.norm", "model.decoder.final_layer_norm", "transformer.ln_f",
