@@ -74,7 +74,10 @@ def build_model(model_type: str, eos: bool = False, vocab: int = VOCAB) -> Any:
     config = AutoConfig.for_model(model_type, vocab_size=vocab, **special,
                                   **CONFIGS[model_type])
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    # (Gemma2 caps its attention logits, which transformers' default sdpa ignores)
+    eager = getattr(config, "attn_logit_softcapping", None) is not None
+    model = AutoModelForCausalLM.from_config(
+        config, **({"attn_implementation": "eager"} if eager else {})).eval()
     model.generation_config.eos_token_id = special["eos_token_id"]
     model.generation_config.pad_token_id = 0
     model.generation_config.bos_token_id = 1

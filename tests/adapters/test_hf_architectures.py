@@ -75,3 +75,71 @@ def test_every_tensor_type_at_every_layer(model_type):
     torch.testing.assert_close(first[("residual_stream", 0)], hidden[1][0, -1])
     torch.testing.assert_close(first[("final_norm", n)], hidden[n][0, -1])
     backend.close()  # (build_model's model is shared: leave no hook on it)
+
+
+def _gemma2_directory(directory):
+    """A tiny Gemma2 saved with a tokenizer, its weights large enough that the
+    attention logits reach the config's softcap (50)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma2", vocab_size=64, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2, **CONFIGS["gemma2"])
+    assert config.attn_logit_softcapping == 50.0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0, 0.8)
+    model.save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+def test_gemma2_from_a_path_gives_the_reference_eager_forward_s_activations(tmp_path):
+    # transformers loads Gemma2 with sdpa attention by default, which drops its
+    # attention softcap: records were a percent or so away from the model's own
+    # (eager) forward and from the vllm backend's.
+    from transformers import AutoModelForCausalLM
+
+    from undercurrent.api import ProbedModel
+
+    path = _gemma2_directory(tmp_path)
+    spec = [ExtractionPoint(name=f"resid_{position}", layers=(0, 1),
+                            tensor_type="residual_stream", position=position,
+                            probe_type="capture", probe_kind="single_shot")
+            for position in ("prompt[0]", "prompt[-5]", "prompt[-1]")]
+    with ProbedModel.from_pretrained(path, spec=spec, dtype="float32") as pm:
+        out = pm.generate([prompt(*range(4, 30))], max_new_tokens=1, records=True)[0]
+    assert len(out.records) == 2 * 3
+    ids = torch.tensor([list(out.prompt_token_ids)])
+
+    def hidden_states(attention):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation=attention).eval()
+        with torch.no_grad():
+            return model(ids, output_hidden_states=True).hidden_states
+
+    eager, sdpa = hidden_states("eager"), hidden_states("sdpa")
+    for record in out.records:
+        want = eager[record.layer + 1][0, record.token_index]
+        torch.testing.assert_close(record.tensor, want, rtol=1e-5, atol=1e-5)
+    # (the cap is reached: without it the activations are not the same)
+    assert max(float((eager[i] - sdpa[i]).abs().max()) for i in (1, 2)) > 1e-2
+
+
+def test_a_gemma2_model_on_sdpa_attention_is_warned_about_naming_eager():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from undercurrent.api import ProbedModel
+
+    config = AutoConfig.for_model("gemma2", vocab_size=64, pad_token_id=0, **CONFIGS["gemma2"])
+    sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with pytest.warns(UserWarning, match=r"Gemma2ForCausalLM runs attn_implementation='sdpa', "
+                                         r"which ignores its config.attn_logit_softcapping=50"
+                                         r".*attn_implementation='eager'"):
+        ProbedModel(sdpa, build_tokenizer()).close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ProbedModel(build_model("gemma2"), build_tokenizer()).close()

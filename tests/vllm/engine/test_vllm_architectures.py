@@ -26,6 +26,11 @@ CONFIGS = {
     # transformers caches once per query head (the HF backend keeps one copy)
     "falcon": dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
                    new_decoder_architecture=True, num_kv_heads=2, max_position_embeddings=256),
+    # Gemma2 caps its attention logits (attn_logit_softcapping 50): the HF backend
+    # loads it with eager attention, which applies the cap as vLLM does
+    "gemma2": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   max_position_embeddings=256),
     # vLLM names the sparse mixture-of-experts block block_sparse_moe, transformers mlp
     "mixtral": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

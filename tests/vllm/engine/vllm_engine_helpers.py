@@ -101,15 +101,12 @@ def spec_points(num_layers: int, kv: bool = True) -> list[Any]:
 
 def hf_reference(model_dir: str, texts: list[str], points: list[Any],
                  params: Any) -> list[Any]:
-    """The HF backend's outputs (with records) for the same prompts: the oracle."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """The HF backend's outputs (with records) for the same prompts: the oracle
+    (loaded as ``ProbedModel.from_pretrained`` loads it: Gemma2 on eager attention)."""
     from undercurrent.adapters.hf.backend import HFBackend
     from undercurrent.adapters.session import CaptureSession
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    backend = HFBackend(model, AutoTokenizer.from_pretrained(model_dir), batch_size=32)
+    backend = HFBackend.from_pretrained(model_dir, dtype="float32", batch_size=32)
     try:
         session = CaptureSession(None, points, keep_records=True)
         return backend.generate(texts, [f"r{i}" for i in range(len(texts))], params, session)

@@ -33,6 +33,7 @@ import operator
 import os
 import queue
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
@@ -492,6 +493,51 @@ _FROM_PRETRAINED_ARGUMENTS = ("spec", "backend", "device", "dtype", "probes", "p
                               "model_name", "tokenizer")
 
 
+#: Loader keywords that say where a checkpoint's config is read from.
+_CONFIG_SOURCE_ARGUMENTS = ("revision", "subfolder", "cache_dir", "token", "local_files_only",
+                            "trust_remote_code")
+
+
+def _config_for(path: str, model_kwargs: dict[str, Any]) -> Any:
+    """The config ``from_pretrained`` will load the model with (None where it cannot
+    be read: loading the model then says why)."""
+    config = model_kwargs.get("config")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        return config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            os.fspath(config) if config is not None else path,
+            **{key: model_kwargs[key] for key in _CONFIG_SOURCE_ARGUMENTS if key in model_kwargs})
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _softcaps_attention(config: Any) -> bool:
+    """Whether the model caps its attention logits (Gemma2's
+    ``attn_logit_softcapping``): transformers' eager, flash and flex attention apply
+    the cap, its sdpa attention silently does not."""
+    return config is not None and getattr(
+        text_config(config), "attn_logit_softcapping", None) is not None
+
+
+def _warn_if_softcap_is_ignored(model: Any) -> None:
+    """Warn where a model that caps its attention logits runs sdpa attention: its
+    records are then not the model's own activations."""
+    config = model.config
+    implementation = str(getattr(text_config(config), "_attn_implementation", None)
+                         or getattr(config, "_attn_implementation", None))
+    if _softcaps_attention(config) and "sdpa" in implementation:
+        warnings.warn(
+            f"{type(model).__name__} runs attn_implementation={implementation!r}, which "
+            "ignores its config.attn_logit_softcapping="
+            f"{text_config(config).attn_logit_softcapping}: generations and records are not "
+            "the model's reference forward (nor the vllm backend's); load it with "
+            "attn_implementation='eager' (ProbedModel.from_pretrained(path) does)",
+            UserWarning, stacklevel=4)
+
+
 def _unknown_loader_argument(key: str) -> str:
     """What to say of a keyword ``from_pretrained`` passed on to transformers'
     loader, which the model's class did not take (a misspelt argument)."""
@@ -531,6 +577,7 @@ class HFBackend:
         self._model_name = model_name or model_name_for(str(
             getattr(model.config, "_name_or_path", "") or type(model).__name__))
         self.hooks = ModelHooks(model)
+        _warn_if_softcap_is_ignored(model)
         self._closed = False
         # The thread generating with this backend (None: idle): close() waits for
         # it, so a generation is never cut short by its hooks going away.
@@ -565,6 +612,10 @@ class HFBackend:
                 "AutoModelForCausalLM.from_pretrained(path, output_loading_info=True) and "
                 "pass the model and its tokenizer: ProbedModel(model, tokenizer)")
         name = dtype_name(dtype)
+        if model_kwargs.get("attn_implementation") is None and _softcaps_attention(
+                _config_for(path, model_kwargs)):
+            # (transformers' default, sdpa, drops the softcap: not the model's forward)
+            model_kwargs["attn_implementation"] = "eager"
         try:
             model: Any = AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, name) if name not in (None, "auto") else "auto",
