@@ -194,7 +194,8 @@ def test_a_stop_match_reads_the_end_of_the_text_and_finds_what_the_whole_text_ho
 
 from hf_models import CORPUS, subword_tokenizer  # noqa: E402
 
-from undercurrent.adapters.prompts import decode_reach, text_decoder  # noqa: E402
+from undercurrent.adapters.incremental_text import NO_RUN  # noqa: E402
+from undercurrent.adapters.prompts import byte_runs, decode_reach, text_decoder  # noqa: E402
 
 
 class _Counted:
@@ -212,6 +213,18 @@ KINDS = ["byte-level", "sentencepiece", "word-level", "wordpiece", "wordpiece, c
          "byte-level, cleaned up"]
 """Tokenizers whose decodes differ at a window's start, and two that clean up
 tokenization spaces ("don ' t" is "don't": a token changes the text before it)."""
+
+
+def _run_start(ids, runs, decode) -> int:
+    """Where the text of the run of byte fallback tokens open at the end of
+    ``ids`` begins (NO_RUN: none is open), read from the whole text."""
+    first = None
+    for index, token in enumerate(ids):
+        if runs is not None and token in runs.bytes:
+            first = index if first is None else first
+        elif runs is None or token not in runs.skipped:
+            first = None
+    return NO_RUN if first is None else len(decode(ids[:first]))
 
 
 def _tokenizer(kind: str):
@@ -255,16 +268,17 @@ def test_pieces_of_tokens_decoded_as_they_come_are_those_of_the_whole_text(kind)
         stops = [[], [some[-3:]] if some else [], ["\u00e9", "\U0001F600"],
                  [some[start:start + rng.randint(1, 4)]
                   for start in (rng.randrange(len(some) + 1), len(some) // 2)]][rng.randrange(4)]
-        reach = decode_reach(tokenizer)
-        whole, incremental = StreamText(stops, reach=reach), StreamText(stops, decode, reach)
-        expected = [whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
+        reach, runs = decode_reach(tokenizer), byte_runs(tokenizer)
+        whole, incremental = StreamText(stops, reach=reach), StreamText(stops, decode, reach, runs)
+        expected = [whole.piece(decode(ids[:count]), _run_start(ids[:count], runs, decode))
+                    for count in range(1, len(ids) + 1)]
         pieces = [incremental.next_piece(ids[:count]) for count in range(1, len(ids) + 1)]
         assert pieces == expected, (ids, stops)
         cut = stop_position(text, stops)
         final = text if cut is None else text[:cut]
         rest = incremental.rest(final)
         assert whole.rest(final) == rest
-        if encoded:
+        if encoded or not stops:
             assert "".join(pieces) + rest == final
 
 
@@ -285,9 +299,10 @@ def test_a_stream_decodes_each_token_with_a_few_before_it(kind) -> None:
 @pytest.mark.parametrize("stop", [False, True])
 def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind, stop) -> None:
     # A random model's tokens: characters split across byte tokens, words that
-    # begin with a space; each token decoded with a few before it. (Its bytes at
-    # random need not make characters: a later byte may change the text before,
-    # so pieces sent need not join into the output's text, here as before.)
+    # begin with a space; each token decoded with a few before it. Its bytes at
+    # random need not make characters: a later byte may turn a byte fallback
+    # run's characters into U+FFFD, so the run's text is held back until the
+    # run closes, and the pieces join into the output's text.
     tokenizer = _tokenizer(kind)
     with ProbedModel(build_model("llama", vocab=len(tokenizer)), tokenizer) as pm:
         decode = pm.backend.decode
@@ -297,10 +312,12 @@ def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind
         events = list(pm.stream(CORPUS[3], max_new_tokens=300, stop=stops))
     output = events[-1].output
     ids = output.token_ids
-    whole = StreamText(stops, reach=decode_reach(tokenizer))
+    whole, runs = StreamText(stops, reach=decode_reach(tokenizer)), byte_runs(tokenizer)
     assert [event.text for event in events[:-1]] == [
-        whole.piece(decode(ids[:count])) for count in range(1, len(ids) + 1)]
+        whole.piece(decode(ids[:count]), _run_start(ids[:count], runs, decode))
+        for count in range(1, len(ids) + 1)]
     assert events[-1].text == whole.rest(output.text)
+    assert "".join(event.text for event in events) == output.text
     assert output.finish_reason == "stop" if stop else len(ids) > 50
     if not stop:  # (the stop strings' own checks decode too)
         assert counted.tokens <= 8 * len(ids), (len(ids), counted.tokens)
@@ -388,3 +405,108 @@ def test_the_decode_reaches_back_only_where_it_cleans_up_spaces() -> None:
     assert decode_reach(subword_tokenizer("byte-level", clean_up=True)) == 4
     assert decode_reach(subword_tokenizer("wordpiece", clean_up=True)) == 4
     assert decode_reach(subword_tokenizer("wordpiece")) == 0
+
+
+def test_byte_runs_are_found_where_the_decode_reads_a_run_of_byte_tokens_as_one() -> None:
+    # Llama 2's and Mistral's decode (ByteFallback): "<0xE6> <0x97> <0xA5>" is
+    # "日", and with "<0xE6>" after it, U+FFFD for each of the four bytes.
+    tokenizer = subword_tokenizer("sentencepiece")
+    runs = byte_runs(tokenizer)
+    assert runs is not None and len(runs.bytes) == 256
+    assert runs.skipped == set(tokenizer.all_special_ids)
+    ids = tokenizer.convert_tokens_to_ids(["<0xE6>", "<0x97>", "<0xA5>", "<0xE6>"])
+    assert set(ids) <= runs.bytes
+    assert (text_decoder(tokenizer)(ids[:3]), text_decoder(tokenizer)(ids)) == ("日", "\ufffd" * 4)
+    # (byte-level BPE: a byte's token is its own text; none at all elsewhere)
+    for kind in ["byte-level", "wordpiece", "word-level"]:
+        assert byte_runs(_tokenizer(kind)) is None, kind
+
+
+def _byte_heavy_lists(tokenizer, rng: random.Random) -> list[list[int]]:
+    """Token ids mostly byte fallback tokens: runs of characters' bytes, cut
+    anywhere (a character's bytes incomplete at the run's end or at the end of
+    the ids), invalid bytes, special tokens (skipped) inside runs, words between."""
+    runs = byte_runs(tokenizer)
+    assert runs is not None
+    byte = dict(zip(range(256), tokenizer.convert_tokens_to_ids(
+        [f"<0x{value:02X}>" for value in range(256)]), strict=True))
+    words = tokenizer("the cat ran", add_special_tokens=False)["input_ids"]
+    lists = [tokenizer("the 日本語", add_special_tokens=False)["input_ids"][:7],
+             [byte[0x57], byte[0x84]], [byte[0x84], byte[0x57]], [byte[0xE6], words[0]]]
+    for _ in range(300):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 6)):
+            choice = rng.random()
+            if choice < 0.5:
+                text = "".join(rng.choice("a日é😀本 ") for _ in range(rng.randint(1, 3)))
+                ids += [byte[value] for value in text.encode()]
+            elif choice < 0.65:
+                ids.append(byte[rng.randrange(256)])  # (a byte no character may complete)
+            elif choice < 0.75:
+                ids.append(rng.choice(sorted(runs.skipped)))
+            else:
+                ids.append(rng.choice(words))
+        lists.append(ids[:rng.randint(1, len(ids))])  # (cut anywhere)
+    return lists
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_stream_holds_back_an_open_byte_fallback_run_so_its_pieces_join_into_the_output(
+        stop) -> None:
+    # A later byte of a run of byte fallback tokens may turn the characters
+    # before it into U+FFFD ("the 日" then 本's first two bytes: "the �����"):
+    # the pieces streamed as the backends stream them (to the token after which
+    # the whole text first holds a stop string) joined, with the final event's
+    # rest of the output's text, are the output's text, on random byte-heavy ids.
+    tokenizer = subword_tokenizer("sentencepiece")
+    decode, runs, reach = text_decoder(tokenizer), byte_runs(tokenizer), decode_reach(tokenizer)
+    rng = random.Random(7)
+    for ids in _byte_heavy_lists(tokenizer, rng):
+        text = decode(ids)
+        some = text.replace("\ufffd", "")
+        stops = ([some[start:start + rng.randint(1, 3)] for start in (
+            rng.randrange(len(some) + 1), len(some) // 2)] if stop and some else [])
+        end = StopMatch(stops, decode, reach=reach).scan(ids)
+        generated = ids if end is None else ids[:end + 1]
+        stream = StreamText(stops, decode, reach, runs)
+        pieces = [stream.next_piece(generated[:count]) for count in range(1, len(generated) + 1)]
+        whole = decode(generated)
+        cut = stop_position(whole, stops)
+        final = whole if cut is None else whole[:cut]
+        assert "".join(pieces) + stream.rest(final) == final, (ids, stops, pieces)
+        # (a piece held back while its run is open, then sent: no U+FFFD sent
+        # that the output's text does not hold)
+        assert "".join(pieces) == final[:len("".join(pieces))], (ids, stops, pieces)
+
+
+def test_a_stream_that_ends_inside_a_byte_fallback_run_joins_into_the_output_text() -> None:
+    # A model made to generate "the 日本語" stops (max_new_tokens) after 本's
+    # first two bytes: the output's text is "the " and U+FFFD for each of the
+    # run's bytes, 日's included; the stream sent "the ", never "日".
+    tokenizer = subword_tokenizer("sentencepiece")
+    decode = text_decoder(tokenizer)
+    byte = tokenizer.convert_tokens_to_ids
+    cases = [tokenizer("the 日本語", add_special_tokens=False)["input_ids"][:7],
+             [byte("<0x57>"), byte("<0x84>")],
+             tokenizer("the 日本語 cat", add_special_tokens=False)["input_ids"]]
+    assert decode(cases[0]) == "the " + "\ufffd" * 5 and decode(cases[1]) == "\ufffd" * 2
+    model = copy.deepcopy(build_model("llama", vocab=len(tokenizer)))
+    forced: list[int] = []
+    steps = []
+
+    def force(module, args, out):  # (the n-th forward's logits pick forced[n])
+        steps.append(len(steps))
+        if not forced:  # (a forward before any generation)
+            return out
+        pick = torch.tensor(forced[min(len(steps) - 1, len(forced) - 1)])
+        return out + torch.nn.functional.one_hot(pick, out.shape[-1]).to(out.dtype) * 1e4
+
+    model.lm_head.register_forward_hook(force)
+    with ProbedModel(model, tokenizer) as pm:
+        for ids in cases:
+            forced[:], steps[:] = ids, []
+            events = list(pm.stream(CORPUS[0], max_new_tokens=len(ids)))
+            output = events[-1].output
+            assert list(output.token_ids) == ids
+            assert "".join(event.text for event in events) == output.text == decode(ids), ids
+    assert "".join(event.text for event in events[:-1]) == "the 日本語 cat"

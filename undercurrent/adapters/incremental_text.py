@@ -6,6 +6,10 @@ length)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from undercurrent.adapters.prompts import ByteRuns
 
 REPLACEMENT = "\ufffd"
 """What a decode gives for the bytes of a character not complete yet (a byte-level
@@ -16,6 +20,9 @@ OPEN = 8
 """How many tokens whose text ends in U+FFFD :class:`IncrementalText` keeps
 open (a character's bytes span four tokens at most: past that, the bytes are
 not a character, as a byte fallback run with an invalid byte stays U+FFFD)."""
+
+NO_RUN = 2**62
+""":attr:`IncrementalText.run_start` while no run of byte fallback tokens is open."""
 
 MARKS = 16
 """How many of the last steps that took text :class:`IncrementalText` can go
@@ -62,18 +69,30 @@ class IncrementalText:
     back decodes ``reach`` characters past the first before the mark it goes
     back to.
 
+    Given ``runs`` (:func:`~undercurrent.adapters.prompts.byte_runs`: the
+    decode reads a run of byte fallback tokens as one), :attr:`run_start` is
+    where the text of the run still open begins: a later byte of the run may
+    turn all of its text into U+FFFD, the characters that were complete
+    included, so what reads the text holds that part back until a token that
+    is no byte token (nor a special token the decode skips) closes the run.
+
     :attr:`tail` holds the text from :attr:`tail_start` on: at least ``keep``
     characters before the part a later step may change (what a stop string
-    ending in the next token, or a piece held back, can reach)."""
+    ending in the next token, or a piece held back, can reach), and the text
+    of the open run of byte fallback tokens."""
 
-    __slots__ = ("decode", "keep", "reach", "count", "ids", "overlap", "overlap_text",
-                 "groups", "stable", "solid", "marks", "tail", "tail_start")
+    __slots__ = ("decode", "keep", "reach", "runs", "run_start", "count", "ids", "overlap",
+                 "overlap_text", "groups", "stable", "solid", "marks", "tail", "tail_start")
 
     def __init__(self, decode: Callable[[Sequence[int]], str], keep: int = 0,
-                 reach: int = 0) -> None:
+                 reach: int = 0, runs: ByteRuns | None = None) -> None:
         self.decode = decode
         self.keep = keep
         self.reach = reach
+        self.runs = runs
+        self.run_start = NO_RUN
+        """Where the text of the open run of byte fallback tokens begins
+        (:data:`NO_RUN`: none is open)."""
         self.count = 0
         """How many tokens the steps have taken."""
         self.ids: list[int] = []  # the window: the overlap's ids, then those after it
@@ -96,12 +115,20 @@ class IncrementalText:
         returns the index from which the text changed (the text before it is as it
         was; :attr:`tail` holds the new text past it, and ``keep`` characters
         before the text the last step left unchanged for good)."""
-        settled = min(self.solid, self.marks[0][1]) - self.keep
+        settled = min(self.solid, self.marks[0][1], self.run_start) - self.keep
         if settled > self.tail_start:  # (what no later step can reach)
             self.tail, self.tail_start = self.tail[settled - self.tail_start:], settled
         ids = self.ids
-        ids.append(int(tokens[self.count]))
+        token = int(tokens[self.count])
+        ids.append(token)
         self.count += 1
+        runs = self.runs
+        if runs is not None:
+            if token in runs.bytes:
+                if self.run_start == NO_RUN:  # (the run's text begins where the text ends)
+                    self.run_start = self.tail_start + len(self.tail)
+            elif token not in runs.skipped:
+                self.run_start = NO_RUN
         window = self.decode(ids)
         start = self.stable
         if window.startswith(self.overlap_text):

@@ -12,7 +12,7 @@ import functools
 import itertools
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 PromptInput = str | tuple[int, ...]
 """One prompt: its text (tokenized by the backend) or its token ids."""
@@ -270,3 +270,52 @@ def _decodes_with_backend(tokenizer: Any) -> bool:
             and kind._decode is TokenizersBackend._decode
             and (not getattr(tokenizer, "clean_up_tokenization_spaces", True)
                  or _skips_clean_up(tokenizer)))
+
+
+class ByteRuns(NamedTuple):
+    """The tokens of a tokenizer whose decode reads a run of byte fallback
+    tokens as one (:func:`byte_runs`)."""
+
+    bytes: frozenset[int]
+    """The byte tokens (``<0xE6>``): a run of them decodes to its characters where
+    its bytes are valid UTF-8, else to U+FFFD for each of its bytes (the
+    characters complete before an invalid or incomplete one included)."""
+    skipped: frozenset[int]
+    """Special tokens the decode skips: they leave a run open (the decode drops
+    them before reading runs)."""
+
+
+def byte_runs(tokenizer: Any) -> ByteRuns | None:
+    """The byte tokens of ``tokenizer`` where :func:`text_decoder`'s decode reads
+    a run of them as one (a ``tokenizers`` ``ByteFallback`` decoder, as Llama 2's
+    and Mistral's tokenizers ship: ``<0xE6> <0x97> <0xA5>`` is ``"日"``, but with
+    ``<0xE6>`` after it, ``"����"``), else None: a later byte token may then
+    change the text of those before it, back to where the run began.
+
+    Found once per tokenizer by looking up the 256 byte tokens and decoding one
+    such run, so a decode of any kind is read as it behaves."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    back = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is None or back is None:
+        return None
+    names = [f"<0x{byte:02X}>" for byte in range(256)]
+    # (ByteFallback reads lowercase hex digits too)
+    names += [name.lower() for name in names if name != name.lower()]
+    # (an unknown name gives the unknown token's id, or None: kept where its id
+    # is its own)
+    known = [(name, token) for name, token in zip(names, convert(names), strict=True)
+             if isinstance(token, int)]
+    found = {name: token for (name, token), kept in zip(
+        known, back([token for _, token in known]), strict=True) if kept == name}
+    spelled = [f"<0x{byte:02X}>" for byte in "日".encode()]
+    if not all(name in found for name in spelled):
+        return None
+    character = [found[name] for name in spelled]
+    decode = text_decoder(tokenizer)
+    if decode(character) != "日" or decode([*character, character[0]]).startswith("日"):
+        return None  # (each byte token's text its own, or no byte fallback at all)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special.update(token for token, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                   if getattr(added, "special", False))
+    return ByteRuns(frozenset(found.values()),
+                    frozenset(token for token in special if not decode([token])))

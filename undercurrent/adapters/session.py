@@ -46,9 +46,9 @@ from undercurrent.adapters.delivery import (
     flush_window,
 )
 from undercurrent.adapters.edit_log import EditLog
-from undercurrent.adapters.incremental_text import REPLACEMENT, IncrementalText
+from undercurrent.adapters.incremental_text import NO_RUN, REPLACEMENT, IncrementalText
 from undercurrent.adapters.outputs import AbortInfo, AppliedEdit, GenerationOutput, TokenSignal
-from undercurrent.adapters.prompts import plain_ids
+from undercurrent.adapters.prompts import ByteRuns, plain_ids
 from undercurrent.probes.base import RequestContext
 from undercurrent.records import LazySequence, ProbeResult, SignalAction, built
 from undercurrent.spec.types import Edit, ExtractionPoint, TensorType
@@ -377,10 +377,17 @@ class StreamText:
     (:func:`~undercurrent.adapters.prompts.decode_reach`: a decode that cleans
     up tokenization spaces drops the space before a later ``"."`` or ``"'"``).
     Text from a space among the last ``reach`` characters on is held back until
-    later tokens settle it."""
+    later tokens settle it.
+
+    ``runs``: the byte fallback tokens of a decode that reads a run of them as
+    one (:func:`~undercurrent.adapters.prompts.byte_runs`: a later byte of the
+    run may turn the characters before it into U+FFFD). The text of an open
+    run is held back until a token that is no byte token closes it, or until
+    the final event."""
 
     def __init__(self, stops: Sequence[str],
-                 decode: Callable[[Sequence[int]], str] | None = None, reach: int = 0) -> None:
+                 decode: Callable[[Sequence[int]], str] | None = None, reach: int = 0,
+                 runs: ByteRuns | None = None) -> None:
         self.stops = tuple(stops)
         self.longest = max(map(len, self.stops), default=0)
         self.reach = reach
@@ -391,15 +398,16 @@ class StreamText:
         # changes, and a piece held back reaches as far back before what was sent,
         # or `reach` characters back)
         self.text = (None if decode is None
-                     else IncrementalText(decode, 2 * self.longest + reach, reach))
+                     else IncrementalText(decode, 2 * self.longest + reach, reach, runs))
 
-    def piece(self, text: str) -> str:
+    def piece(self, text: str, run_start: int = NO_RUN) -> str:
         """The new piece for the decoded generated text so far. A character whose
         bytes are split across tokens (byte-level tokenizers: an emoji, CJK) decodes
         to U+FFFD until its last byte comes: what ends in it is held back, so the
         character is sent whole once complete (as transformers' TextStreamer and
-        vLLM's detokenizer do)."""
-        return self._piece(text, 0, 0)
+        vLLM's detokenizer do). ``run_start``: where the text of an open run of
+        byte fallback tokens begins (held back from there on)."""
+        return self._piece(text, 0, 0, run_start)
 
     def next_piece(self, tokens: Sequence[int]) -> str:
         """The new piece once the generated tokens are ``tokens`` (those not read
@@ -412,10 +420,10 @@ class StreamText:
         pieces = []
         while text.count < len(tokens):
             start = text.step(tokens)
-            pieces.append(self._piece(text.tail, text.tail_start, start))
+            pieces.append(self._piece(text.tail, text.tail_start, start, text.run_start))
         return "".join(pieces)
 
-    def _piece(self, text: str, offset: int, start: int) -> str:
+    def _piece(self, text: str, offset: int, start: int, run_start: int) -> str:
         """:meth:`piece` for ``text``, the text from index ``offset`` on, of which
         the part before index ``start`` is as it was at the last piece (so a stop
         string it holds ends past ``start``)."""
@@ -435,7 +443,7 @@ class StreamText:
             space = text.find(" ", max(len(text) - self.reach, 0))
             if space >= 0:
                 end = min(end, space)
-        return self._advance(text[:end], offset)
+        return self._advance(text[:min(end, run_start - offset)], offset)
 
     def rest(self, final_text: str) -> str:
         """What the final event carries: the part of the output's text not sent yet

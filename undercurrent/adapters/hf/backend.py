@@ -50,7 +50,13 @@ from undercurrent.adapters.generation_config import other_decoding
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks, model_device
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, decode_reach, text_decoder, tokenize_prompts
+from undercurrent.adapters.prompts import (
+    PromptInput,
+    byte_runs,
+    decode_reach,
+    text_decoder,
+    tokenize_prompts,
+)
 from undercurrent.adapters.session import (
     NEVER,
     CaptureSession,
@@ -163,7 +169,8 @@ class _RowDriver:
         self.per_row = bool(params.stop) or on_event is not None
         if on_event is not None:
             for state in states:
-                state.stream_text = StreamText(params.stop, backend.decode, backend.decode_reach)
+                state.stream_text = StreamText(params.stop, backend.decode,
+                                               backend.decode_reach, backend.byte_runs)
         if params.stop:
             for state in states:
                 state.stop_match = StopMatch(params.stop, backend.decode, self.eos,
@@ -591,6 +598,8 @@ class HFBackend:
         self._decode = text_decoder(tokenizer)
         self.decode_reach = decode_reach(tokenizer)
         """How many characters before a token's text :meth:`decode` may change."""
+        self.byte_runs = byte_runs(tokenizer)
+        """The byte fallback tokens where :meth:`decode` reads a run of them as one."""
         self._lock = _generation_lock(model)
 
     @classmethod

@@ -36,7 +36,13 @@ from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.context import context_problem
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
-from undercurrent.adapters.prompts import PromptInput, decode_reach, text_decoder, tokenize_prompts
+from undercurrent.adapters.prompts import (
+    PromptInput,
+    byte_runs,
+    decode_reach,
+    text_decoder,
+    tokenize_prompts,
+)
 from undercurrent.adapters.session import (
     CaptureSession,
     RequestState,
@@ -248,6 +254,8 @@ class VLLMBackend:
         self._decode = text_decoder(tokenizer)
         self.decode_reach = decode_reach(tokenizer)
         """How many characters before a token's text :meth:`decode` may change."""
+        self.byte_runs = byte_runs(tokenizer)
+        """The byte fallback tokens where :meth:`decode` reads a run of them as one."""
         self.multiprocess = multiprocess
         self.prefix_caching = prefix_caching
         self._model_name = model_name
@@ -830,7 +838,8 @@ class VLLMBackend:
         the engine is done."""
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
-            state.stream_text = (StreamText(params.stop, self.decode, self.decode_reach)
+            state.stream_text = (StreamText(params.stop, self.decode, self.decode_reach,
+                                            self.byte_runs)
                                  if emit_tokens else None)
         reasons: dict[str, str] = {}
         done: set[str] = set()
