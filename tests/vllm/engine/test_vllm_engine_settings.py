@@ -38,15 +38,47 @@ def model_with_generation_config(model_dir, folder, **settings):
 
 @pytest.fixture(scope="module")
 def settings_model(model_dir, tmp_path_factory):
-    return model_with_generation_config(model_dir, tmp_path_factory.mktemp("m") / "model",
-                                        **GENERATION_SETTINGS)
+    """A copy of the test model with :data:`GENERATION_SETTINGS` and no pad token, as
+    Llama's and Mistral's checkpoints: the hf backend left-pads with the eos id."""
+    folder = model_with_generation_config(model_dir, tmp_path_factory.mktemp("m") / "model",
+                                          **GENERATION_SETTINGS)
+    for name, key in (("tokenizer_config.json", "pad_token"),
+                      ("generation_config.json", "pad_token_id")):
+        path = os.path.join(folder, name)
+        with open(path) as file:
+            config = json.load(file)
+        config.pop(key, None)
+        with open(path, "w") as file:
+            json.dump(config, file)
+    return folder
 
 
 @pytest.fixture(scope="module")
 def hf_outputs(settings_model):
     # The oracle runs before vLLM is imported in this process.
     with ProbedModel.from_pretrained(settings_model, dtype="float32") as hf:
+        assert hf.backend.pad_token_id in hf.backend.eos_token_ids
         return hf.generate(prompts(), max_new_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def alone_tokens(settings_model):
+    """Each prompt's new tokens (to its eos) from plain generate() on it alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings_model)
+    model = AutoModelForCausalLM.from_pretrained(settings_model, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    tokens = []
+    for prompt in prompts():
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=NEW_TOKENS, pad_token_id=eos)[0, ids.shape[1]:]
+        new = out.tolist()
+        tokens.append(tuple(new[:new.index(eos) + 1] if eos in new else new))
+    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +103,7 @@ def eos_model(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(settings_model, hf_outputs, eos_model):
+def model(settings_model, hf_outputs, alone_tokens, eos_model):
     before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     with ProbedModel.from_pretrained(settings_model, backend="vllm", dtype="float32",
                                      max_model_len=128, kv_cache_gib=2.0,
@@ -112,6 +144,15 @@ def test_the_models_generation_config_applies_as_on_the_hf_backend(model, hf_out
     assert [o.token_ids for o in outputs] == [o.token_ids for o in hf_outputs]
     assert [o.finish_reason for o in outputs] == [o.finish_reason for o in hf_outputs]
     assert min(len(o.token_ids) for o in outputs) >= GENERATION_SETTINGS["min_new_tokens"]
+
+
+def test_each_prompt_gets_its_tokens_alone_on_both_backends(model, hf_outputs, alone_tokens):
+    # The hf backend left-pads the batch with the eos id: generate()'s
+    # repetition_penalty penalised it in the padded rows, which ran past the eos
+    # they end on alone (and on vLLM, which pads nothing).
+    assert [o.token_ids for o in hf_outputs] == alone_tokens
+    outputs = model.generate(prompts(), max_new_tokens=NEW_TOKENS)
+    assert [o.token_ids for o in outputs] == alone_tokens
 
 
 def test_a_generation_setting_vllm_cannot_apply_is_refused_before_the_engine_starts(

@@ -49,6 +49,7 @@ from undercurrent.adapters.context import context_problem
 from undercurrent.adapters.generation_config import other_decoding
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks, model_device
+from undercurrent.adapters.hf.unpadded import unpadded_settings
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import (
     PromptInput,
@@ -979,11 +980,17 @@ class HFBackend:
                 if params.seed is not None:
                     torch.manual_seed(params.seed)
                 self.hooks.new_cache()
+                kwargs = self.sampling_kwargs(params)
+                # (settings that read the earlier tokens: each row without its padding)
+                off, unpadded = unpadded_settings(self.model.generation_config, input_ids,
+                                                  attention_mask, kwargs["eos_token_id"] or [])
+                kwargs.update(off)
                 with torch.no_grad():
                     self.model.generate(
                         input_ids=input_ids, attention_mask=attention_mask,
                         stopping_criteria=[driver.after_token],
-                        use_cache=True, **self.sampling_kwargs(params))
+                        logits_processor=[] if unpadded is None else [unpadded],
+                        use_cache=True, **kwargs)
                     self.hooks.flush_outside(session)
                     if params.capture_last_token:
                         self._capture_last_tokens(states, session)

@@ -45,8 +45,7 @@ _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], Any, str]] = {
     "no_repeat_ngram_size": (_positive, 0, "bans repeated n-grams"),
     "bad_words_ids": (_set, None, "bans token sequences"),
     "sequence_bias": (_set, None, "biases token sequences"),
-    "min_length": (_positive, 0, "bars the eos below a length counted with the prompt "
-                                 "and its padding"),
+    "min_length": (_positive, 0, "bars the eos below a length counted with the prompt"),
     "forced_bos_token_id": (_set, None, "forces the first token"),
     "forced_eos_token_id": (_set, None, "forces the eos as the last token"),
     "exponential_decay_length_penalty": (_set, None, "raises the eos with the length"),
