@@ -444,6 +444,39 @@ def test_stop_strings_in_the_generation_config_are_refused_pointing_to_stop() ->
         assert output.finish_reason == "stop" and output.token_ids == tokens[:1]
 
 
+@pytest.mark.parametrize(("setting", "value"), [
+    ("num_beams", 4), ("num_return_sequences", 2), ("prompt_lookup_num_tokens", 3),
+    ("prefill_chunk_size", 2), ("guidance_scale", 1.5), ("assistant_early_exit", 1),
+    ("stop_strings", ["w5"])])
+def test_prompt_activations_runs_whatever_the_generation_config_decodes(setting, value):
+    # A prompt-only call is the prefill forward alone, its token dropped: it was
+    # refused for settings of decoding ("undercurrent does not run beam search").
+    # Its records are the ones it gives with the setting off.
+    import copy
+
+    model = copy.deepcopy(build_model("llama"))
+    # (transformers takes several sequences per prompt only when sampling)
+    model.generation_config.do_sample = setting == "num_return_sequences"
+    points = [ExtractionPoint(name=f"resid{at}", layers=(0, 2), tensor_type="residual_stream",
+                              position=f"prompt[{at}]", probe_type="capture",
+                              probe_kind="single_shot") for at in (0, -1)]
+    prompts = [words(6), words(3)]
+    with ProbedModel(model, build_tokenizer(), spec=points) as pm:
+        before = pm.prompt_activations(prompts)
+        setattr(model.generation_config, setting, value)
+        try:
+            after = pm.prompt_activations(prompts)
+        finally:
+            setattr(model.generation_config, setting, 1 if setting.startswith("num_") else None)
+    for output, reference in zip(after, before, strict=True):
+        assert output.finish_reason == "forward"
+        assert len(output.records) == 4
+        assert [(r.layer, r.token_index) for r in output.records] == [
+            (r.layer, r.token_index) for r in reference.records]
+        for record, expected in zip(output.records, reference.records, strict=True):
+            torch.testing.assert_close(record.tensor, expected.tensor)
+
+
 def test_a_guidance_scale_of_one_guides_nothing_and_is_run() -> None:
     model = gpt2_with_short_context()
     with ProbedModel(model, build_tokenizer(), spec=[]) as pm:

@@ -46,7 +46,7 @@ from undercurrent.adapters.arguments import check_device, check_model_path, dtyp
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.context import context_problem
-from undercurrent.adapters.generation_config import other_decoding
+from undercurrent.adapters.generation_config import OTHER_DECODING, other_decoding
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks, model_device
 from undercurrent.adapters.hf.unpadded import unpadded_settings
@@ -86,6 +86,13 @@ def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
     """The one token a row feeds in a forward sits at ``(row, column)``."""
     return lambda token_index: (row, column)
 
+
+#: ``generate()`` keyword arguments that turn off every generation_config setting
+#: :meth:`HFBackend._check_decoding` refuses: a prompt-only call (one forward, its
+#: token dropped) decodes nothing, so it runs whatever the config sets.
+_FORWARD_ONLY: dict[str, Any] = {
+    **{name: 1 if name.startswith("num_") else None for name in OTHER_DECODING},
+    "stop_strings": None}
 
 _GENERATED = operator.attrgetter("generated")
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -911,11 +918,13 @@ class HFBackend:
         _, encoded = self._tokenize(prompts)
         return (encoded, *self._left_padded(encoded))
 
-    def _check_decoding(self) -> None:
+    def _check_decoding(self, decodes: bool = True) -> None:
         """Refuse a ``generation_config`` that would make ``generate()`` decode
         otherwise than one row per prompt and one new token per forward pass,
         which every record and stop rests on (the call itself has no such option),
-        or decoder layers that would run without the KV cache."""
+        or decoder layers that would run without the KV cache. ``decodes=False``: a
+        prompt-only call, which decodes nothing and turns those settings off
+        (:data:`_FORWARD_ONLY`), is refused only the latter."""
         if any(getattr(layer, "gradient_checkpointing", False) and layer.training
                for layer in self.hooks.layers):
             # (transformers then drops each layer's cache: every step recomputes the
@@ -924,6 +933,8 @@ class HFBackend:
                 "gradient checkpointing in train mode turns the KV cache off, which "
                 "undercurrent generates with: call model.eval() or "
                 "model.gradient_checkpointing_disable() before generating")
+        if not decodes:
+            return
         config = self.model.generation_config
         other = other_decoding(lambda name: getattr(config, name, None))
         if other is not None:
@@ -962,7 +973,7 @@ class HFBackend:
                    cancel: threading.Event | None) -> list[GenerationOutput]:
         """One batch, generated; the caller holds the model (:meth:`_one_call`)."""
         try:
-            self._check_decoding()
+            self._check_decoding(decodes=not params.prompt_only)
             texts, encoded = self._tokenize(prompts)
             input_ids, attention_mask = self._left_padded(encoded)
             self._check_context(encoded, params)
@@ -985,6 +996,8 @@ class HFBackend:
                 off, unpadded = unpadded_settings(self.model.generation_config, input_ids,
                                                   attention_mask, kwargs["eos_token_id"] or [])
                 kwargs.update(off)
+                if params.prompt_only:
+                    kwargs.update(_FORWARD_ONLY)
                 with torch.no_grad():
                     self.model.generate(
                         input_ids=input_ids, attention_mask=attention_mask,
