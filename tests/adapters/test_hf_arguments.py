@@ -447,7 +447,7 @@ def test_stop_strings_in_the_generation_config_are_refused_pointing_to_stop() ->
 @pytest.mark.parametrize(("setting", "value"), [
     ("num_beams", 4), ("num_return_sequences", 2), ("prompt_lookup_num_tokens", 3),
     ("prefill_chunk_size", 2), ("guidance_scale", 1.5), ("assistant_early_exit", 1),
-    ("stop_strings", ["w5"])])
+    ("stop_strings", ["w5"]), ("max_time", 1e-9)])
 def test_prompt_activations_runs_whatever_the_generation_config_decodes(setting, value):
     # A prompt-only call is the prefill forward alone, its token dropped: it was
     # refused for settings of decoding ("undercurrent does not run beam search").
@@ -475,6 +475,30 @@ def test_prompt_activations_runs_whatever_the_generation_config_decodes(setting,
             (r.layer, r.token_index) for r in reference.records]
         for record, expected in zip(output.records, reference.records, strict=True):
             torch.testing.assert_close(record.tensor, expected.tensor)
+
+
+def test_max_time_in_the_generation_config_is_refused_naming_it() -> None:
+    # generate() cut every row off after max_time seconds, and the outputs said
+    # finish_reason="length" with fewer than max_new_tokens tokens (their tokens
+    # depending on the machine's speed); the vllm backend refuses it too.
+    from undercurrent.adapters.base import BackendError
+
+    model = gpt2_with_short_context()
+    with ProbedModel(model, build_tokenizer(), spec=[]) as pm:
+        before = pm.generate(words(6), max_new_tokens=4)[0]
+        model.generation_config.max_time = 1e-9
+        try:
+            refusal = re.escape("generation_config sets max_time=1e-09 (ends generation "
+                                "after a time), which undercurrent does not apply")
+            with pytest.raises(BackendError, match=refusal) as refused:
+                pm.generate([words(6), words(7)], max_new_tokens=4)
+            assert "model.generation_config.max_time = None" in str(refused.value)
+            with pytest.raises(BackendError, match=refusal):
+                list(pm.stream(words(6), max_new_tokens=4))
+        finally:
+            model.generation_config.max_time = None
+        after = pm.generate(words(6), max_new_tokens=4)[0]
+    assert (after.token_ids, after.finish_reason) == (before.token_ids, "length")
 
 
 def test_a_guidance_scale_of_one_guides_nothing_and_is_run() -> None:

@@ -92,7 +92,7 @@ def _fixed_slot(row: int, column: int) -> Callable[[int], Hashable]:
 #: token dropped) decodes nothing, so it runs whatever the config sets.
 _FORWARD_ONLY: dict[str, Any] = {
     **{name: 1 if name.startswith("num_") else None for name in OTHER_DECODING},
-    "stop_strings": None}
+    "stop_strings": None, "max_time": None}
 
 _GENERATED = operator.attrgetter("generated")
 _REQUEST_ID = operator.attrgetter("request_id")
@@ -953,6 +953,16 @@ class HFBackend:
                 "undercurrent does not read: pass them to the call as stop= (matched "
                 "and cut from the text by undercurrent) and set "
                 "model.generation_config.stop_strings = None")
+        max_time = getattr(config, "max_time", None)
+        if max_time is not None:
+            # (generate() would end every row at once, mid-generation, with no finish
+            # reason of its own: the outputs said "length")
+            raise BackendError(
+                f"the model's generation_config sets max_time={max_time!r} (ends generation "
+                "after a time), which undercurrent does not apply: the tokens would depend "
+                "on the machine's speed, and the rows it cuts off have no finish reason of "
+                "their own (the vllm backend refuses it too); bound the generation with "
+                "max_new_tokens and set model.generation_config.max_time = None")
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
         """The ``generate()`` keyword arguments for ``params`` (tests reuse them
