@@ -133,8 +133,10 @@ def _ratio(stat: dict[str, Any] | None) -> str:
 
 
 def _match(row: dict[str, Any]) -> str:
-    value = row.get("tokens_match")
-    return {True: "yes", False: "**NO**", None: "—"}[value]
+    """The timing job's token check, and the memory job's where it disagrees."""
+    if row.get("memory_run_tokens_match") is False:
+        return "**NO**" if row.get("tokens_match") is False else "**NO** (memory job)"
+    return {True: "yes", False: "**NO**", None: "—"}[row.get("tokens_match")]
 
 
 def results_table(rows: Iterable[dict[str, Any]]) -> list[str]:

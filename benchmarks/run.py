@@ -203,9 +203,13 @@ def run_hf(args: argparse.Namespace, runner: ChildRunner) -> tuple[list[dict[str
                                for r in model_rows):
                         continue
                     log(f"memory {model} batch {batch} {scenario}")
-                    memory[(model, batch, scenario)] = runner.run(
+                    outcome = memory[(model, batch, scenario)] = runner.run(
                         "memory", model_key=model, batch_size=batch, scenario=scenario,
                         max_new_tokens=args.max_new_tokens, threads=args.threads)
+                    if not outcome["ok"]:
+                        errors.append(f"memory job for {model} batch {batch} {scenario} "
+                                      f"failed: {outcome['error']}")
+                        log(errors[-1])
             attach_memory(model_rows, memory)
         rows += model_rows
     return rows, errors
@@ -483,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {', '.join(f'{args.out}/{name}' for name in written)}")
     for error in errors:
         log(error)
-    mismatched = [f"{r['scenario']} ({r.get('layer_set', '3')} layers, batch {r['batch_size']})"
-                  for r in (*rows, *scaling_rows) if r.get("tokens_match") is False]
+    mismatched = [f"{r['scenario']} ({r.get('layer_set', '3')} layers, batch {r['batch_size']}"
+                  f"{', memory job' if r.get('memory_run_tokens_match') is False else ''})"
+                  for r in (*rows, *scaling_rows)
+                  if r.get("tokens_match") is False or r.get("memory_run_tokens_match") is False]
     if mismatched:
         log(f"token check FAILED for: {', '.join(mismatched)}")
     return 1 if mismatched or errors else 0
