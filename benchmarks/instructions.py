@@ -35,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.measure import per_vector
 from benchmarks.models import MODEL_KEYS_HELP, model_key
 
 #: Functions whose count is a helper thread waiting, not work (see the docstring).
@@ -88,37 +89,49 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode:
             print(done.stdout, done.stderr[-4000:], file=sys.stderr)
             return done.returncode
-        vectors = dict(line.split()[1:3] for line in done.stdout.splitlines()
-                       if line.startswith("vectors "))
+        vectors = {name: int(count) for name, count in (
+            line.split()[1:3] for line in done.stdout.splitlines()
+            if line.startswith("vectors "))}
         found = {name: _instructions(path) for name, path in _dumps(Path(folder)).items()}
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
             for name, path in _dumps(Path(folder)).items():
                 shutil.copyfile(path, args.keep / f"callgrind.{name}")
-    counts = {name: total for name, (total, _) in found.items()}
-    base = counts[BASELINE]
     print(f"{args.model}, batch {args.batch}, {args.layers} layers, "
           f"{args.max_new_tokens} new tokens: instructions of one generation "
           "(BLAS helper threads' busy-wait not counted)")
-    print("| scenario | instructions (M) | captured vectors | over raw hooks per vector |")
-    print("|---|---|---|---|")
-    print(f"| {BASELINE} | {base / 1e6:.1f} | — | — |")
+    print("\n".join(instruction_tables(found, vectors, scenarios, args.by_function)))
+    return 0
+
+
+def instruction_tables(found: dict[str, tuple[int, collections.Counter[str]]],
+                       vectors: dict[str, int], scenarios: list[str],
+                       by_function: int = 0) -> list[str]:
+    """Markdown lines: each scenario's instructions (``found``: :func:`_instructions`
+    of each dump, the baseline's included), its captured ``vectors`` and its
+    instructions over the baseline's per vector ("—" for a scenario that captured
+    none); with ``by_function``, the functions that grew most per scenario."""
+    base = found[BASELINE][0]
+    lines = ["| scenario | instructions (M) | captured vectors | over raw hooks per vector |",
+             "|---|---|---|---|",
+             f"| {BASELINE} | {base / 1e6:.1f} | — | — |"]
     for name in scenarios:
-        count = int(vectors.get(name, 0)) or 1
-        print(f"| {name} | {counts[name] / 1e6:.1f} | {count} | "
-              f"{(counts[name] - base) / count:,.0f} |")
-    for name in scenarios if args.by_function else ():
-        count = int(vectors.get(name, 0)) or 1
+        count = vectors.get(name, 0)
+        lines.append(f"| {name} | {found[name][0] / 1e6:.1f} | {count} | "
+                     f"{per_vector(found[name][0] - base, count, ',.0f')} |")
+    for name in scenarios if by_function else ():
+        count = vectors.get(name, 0)
         ours, theirs = found[name][1], found[BASELINE][1]
         grown = sorted(ours.keys() | theirs.keys(),
                        key=lambda function: theirs[function] - ours[function])
-        print(f"\n{name}: the {args.by_function} functions that grew most over {BASELINE}")
-        print("| function | instructions over the baseline (M) | per captured vector |")
-        print("|---|---|---|")
-        for function in grown[:args.by_function]:
+        lines += [f"\n{name}: the {by_function} functions that grew most over {BASELINE}",
+                  "| function | instructions over the baseline (M) | per captured vector |",
+                  "|---|---|---|"]
+        for function in grown[:by_function]:
             extra = ours[function] - theirs[function]
-            print(f"| {function} | {extra / 1e6:.2f} | {extra / count:,.0f} |")
-    return 0
+            lines.append(f"| {function} | {extra / 1e6:.2f} | "
+                         f"{per_vector(extra, count, ',.0f')} |")
+    return lines
 
 
 def _dumps(folder: Path) -> dict[str, Path]:

@@ -161,6 +161,13 @@ def spread(values: Sequence[float]) -> dict[str, float | None]:
             "ci_low": ci_low, "ci_high": ci_high, "ci_level": level}
 
 
+def per_vector(amount: float, vectors: int, number_format: str) -> str:
+    """``amount / vectors`` written with ``number_format`` (``format``'s spec),
+    or "—" where no vector was captured: a scenario that captures nothing
+    (``uc_empty_spec``, the machinery alone) has no cost per vector."""
+    return "—" if not vectors else format(amount / vectors, number_format)
+
+
 def tensor_bytes(tensors: Sequence[Any]) -> int:
     """Total bytes of a sequence of torch tensors."""
     return sum(t.numel() * t.element_size() for t in tensors)

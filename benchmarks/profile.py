@@ -19,6 +19,7 @@ import pstats
 from typing import Any
 
 import undercurrent
+from benchmarks.measure import per_vector
 from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.scenarios import ON_REQUEST, SCALING_ONLY, SCENARIOS, scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -123,15 +124,16 @@ def main(argv: list[str] | None = None) -> int:
     for label, seconds in list(share["by_callback"].items())[:8]:
         print(f"    {seconds:8.4f} s  {label}")
     counts, base = call_counts(stats), call_counts(base_stats)
-    vectors = run.records or 1
-    print(f"  captured vectors: {run.records}; Python function calls per captured vector "
-          f"(main thread): {(counts['total'] - base['total']) / vectors:.1f} over "
-          f"{args.baseline}, {counts['undercurrent_functions'] / vectors:.1f} of undercurrent's "
-          f"own functions, {counts['from_undercurrent'] / vectors:.1f} made from undercurrent "
+    vectors = run.records or 0
+    print(f"  captured vectors: {vectors}; Python function calls per captured vector "
+          f"(main thread): {per_vector(counts['total'] - base['total'], vectors, '.1f')} over "
+          f"{args.baseline}, {per_vector(counts['undercurrent_functions'], vectors, '.1f')} of "
+          f"undercurrent's own functions, "
+          f"{per_vector(counts['from_undercurrent'], vectors, '.1f')} made from undercurrent "
           "code")
     print("  undercurrent functions by cumulative time (s, calls, calls per vector):")
     for seconds, calls, label in top_cumulative(stats, args.top):
-        print(f"    {seconds:8.4f} s {calls:8d} {calls / vectors:7.2f}  {label}")
+        print(f"    {seconds:8.4f} s {calls:8d} {per_vector(calls, vectors, '7.2f'):>7}  {label}")
     stats.sort_stats("tottime").print_stats(args.top)
     return 0
 

@@ -20,6 +20,7 @@ import argparse
 import time
 
 from benchmarks.allocator import steady_allocator
+from benchmarks.measure import per_vector
 from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -80,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         plain, raw = best["plain_generate"], best["raw_forward_hooks"]
         for name, label in PROBED.items():
             wall, cpu, vectors = best[name]
-            vectors = max(vectors, 1)
             print(f"| {size} | {label} | {wall / plain[0]:.2f} | {cpu / plain[1]:.2f} | "
-                  f"{(wall - raw[0]) / vectors * 1e6:.1f} | {(cpu - raw[1]) / vectors * 1e6:.1f} |")
+                  f"{per_vector((wall - raw[0]) * 1e6, vectors, '.1f')} | "
+                  f"{per_vector((cpu - raw[1]) * 1e6, vectors, '.1f')} |")
     return 0
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from benchmarks.allocator import steady_allocator
+from benchmarks.measure import per_vector
 from benchmarks.models import MODEL_KEYS_HELP, load_model, model_key
 from benchmarks.scenarios import scenario_by_name
 from benchmarks.scenarios.base import make_batch
@@ -227,7 +228,7 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
     for _ in range(2):
         probed.generate(batch, args.max_new_tokens)
         plain.generate(batch, args.max_new_tokens)
-    walls, plains, runs, vectors = [], [], [], 1
+    walls, plains, runs, vectors = [], [], [], 0
     forwards: list[tuple[float, float]] = []  # (probed, plain) inner forwards' seconds
     gc_label = "garbage collection"
     with timed_forwards(bundle.model) as inner:  # (wall time, as the generations')
@@ -239,7 +240,7 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
             wall = time.perf_counter()
             run = probed.generate(batch, args.max_new_tokens)
             walls.append(time.perf_counter() - wall)
-            vectors = max(run.records or 0, 1)
+            vectors = run.records or 0
             kept = {label: (seconds, calls[label]) for label, seconds in totals.items()}
             kept[gc_label] = (collected[0], collected[1])
             inside = totals.get(STAGES[0][3])
@@ -260,7 +261,8 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
              else f", on {args.device} in {args.dtype or 'float32'}")
     print(f"{args.scenario}{where}, batch {args.batch}, {args.layers} layers, medians of "
           f"{args.repeats} runs: {best * 1e3:.1f} ms, plain generate() {best_plain * 1e3:.1f} ms, "
-          f"{vectors} vectors, {(best - best_plain) / vectors * 1e6:.1f} µs per vector over plain")
+          f"{vectors} vectors, {per_vector((best - best_plain) * 1e6, vectors, '.1f')} "
+          "µs per vector over plain")
     print("| ms per generation | µs per vector | calls | µs per call | stage |")
     print("|---|---|---|---|---|")
     labels = list(dict.fromkeys(label for *_, label in STAGES))
@@ -269,8 +271,8 @@ def _run(args: argparse.Namespace, totals: collections.Counter[str],
         seconds = statistics.median(run.get(label, (0.0, 0))[0] for run in runs)
         count = statistics.median(run.get(label, (0.0, 0))[1] for run in runs)
         if seconds:
-            print(f"| {seconds * 1e3:.2f} | {seconds / vectors * 1e6:.2f} | {count:g} | "
-                  f"{seconds / max(count, 1) * 1e6:.1f} | {label} |")
+            print(f"| {seconds * 1e3:.2f} | {per_vector(seconds * 1e6, vectors, '.2f')} "
+                  f"| {count:g} | {seconds / max(count, 1) * 1e6:.1f} | {label} |")
     probed_in = statistics.median(probed for probed, _ in forwards)
     plain_in = statistics.median(plain for _, plain in forwards)
     probed_out = statistics.median(wall - probed for wall, (probed, _) in zip(walls, forwards,

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.measure import per_vector
 from benchmarks.stage_timers import collector_time, timed_stages
 from benchmarks.worker import prompts_for, set_threads
 
@@ -118,7 +119,7 @@ def _run(args: argparse.Namespace, root: Path) -> int:
     totals: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
     runs: dict[str, list[dict[str, tuple[float, int]]]] = {"probed": [], "plain": []}
-    vectors = 1
+    vectors = 0
     with timed_stages(totals, calls=calls, stages=STAGES), \
             timed_site_hooks(totals, calls), collector_time() as collected, \
             ProbedModel.from_pretrained(path, spec=spec, backend="vllm",
@@ -129,7 +130,7 @@ def _run(args: argparse.Namespace, root: Path) -> int:
             nonlocal vectors
             outputs = probed.generate(prompts, max_new_tokens=args.max_new_tokens,
                                       temperature=0.0)
-            vectors = max(probed_records(outputs, keep), 1)
+            vectors = probed_records(outputs, keep)
 
         def run_plain() -> None:
             _plain_generate(engine, tokenizer, prompts, args.max_new_tokens, lean=True)
@@ -163,7 +164,7 @@ def _report(args: argparse.Namespace, runs: dict[str, list[dict[str, tuple[float
           f"{args.mode}, medians of {args.repeats} generations each: probed "
           f"{probed * 1e3:.1f} ms, plain (same output handling) {plain * 1e3:.1f} ms, "
           f"{probed / plain:.3f}x; {vectors} vectors, "
-          f"{(probed - plain) / vectors * 1e6:.2f} µs per vector over plain")
+          f"{per_vector((probed - plain) * 1e6, vectors, '.2f')} µs per vector over plain")
     print("| probed, ms per generation | plain, ms | calls (probed) | stage |")
     print("|---|---|---|---|")
     labels = [label for *_, label in STAGES]
