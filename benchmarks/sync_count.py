@@ -56,10 +56,11 @@ def count_syncs() -> Iterator[Counter[tuple[str, str, str, str]]]:
     """Count syncing tensor calls made under undercurrent code, keyed by (thread kind,
     who made it, method, undercurrent frame); restores the methods on exit.
 
-    ``.to()`` counts only with an explicit host target (``"cpu"``): a ``.to(device)``
-    to the model's device is a host-to-device copy on a GPU, not a sync. ``.copy_()``
-    counts when it copies into a host tensor and is not ``non_blocking`` (the hooks'
-    copies into pinned memory are, and do not sync)."""
+    ``.to()`` counts only with a host target and not ``non_blocking`` (see
+    :func:`_to_host`): a ``.to(device)`` to the model's device is a host-to-device
+    copy on a GPU, not a sync. ``.copy_()`` counts when it copies into a host tensor
+    and is not ``non_blocking``: the hooks' non-blocking copies into pinned memory
+    (``.to("cpu", non_blocking=True)`` on CUDA) do not sync."""
     import torch
 
     counts: Counter[tuple[str, str, str, str]] = Counter()
@@ -69,7 +70,7 @@ def count_syncs() -> Iterator[Counter[tuple[str, str, str, str]]]:
 
     def wrap(name: str, original: Any) -> Any:
         def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if (_to_host(args, kwargs) if name == "to" else
+            if (_to_host(self, args, kwargs) if name == "to" else
                     _blocking_copy_to_host(self, args, kwargs) if name == "copy_" else True):
                 caller = _caller_in_undercurrent()
                 if caller is not None:
@@ -130,9 +131,25 @@ def _blocking_copy_to_host(target: Any, args: tuple[Any, ...], kwargs: dict[str,
     return blocking and target.device.type == "cpu"
 
 
-def _to_host(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _to_host(tensor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``tensor.to(*args, **kwargs)`` is a blocking copy to the host: not
+    ``non_blocking`` (by keyword, or the first positional bool: ``to(device,
+    dtype, non_blocking)``), to ``"cpu"`` named in the code, or to a
+    ``torch.device("cpu")`` from a tensor off the host. (On a CPU run the model's
+    own device is ``torch.device("cpu")`` too, and a ``.to(self.device)`` there is
+    a host-to-device copy on a GPU: a device object counts only when the copy
+    really leaves a device.)"""
+    import torch
+
     target = kwargs.get("device", args[0] if args else None)
-    return isinstance(target, str) and target.startswith("cpu")
+    positional = next((arg for arg in args[1:] if isinstance(arg, bool)), False)
+    if kwargs.get("non_blocking", positional):
+        return False
+    if isinstance(target, str):
+        return target.startswith("cpu")
+    if isinstance(target, torch.device):
+        return target.type == "cpu" and tensor.device.type != "cpu"
+    return False
 
 
 def measure(model: str = "tiny", batch_size: int = 8, layer_set: str = "all",

@@ -127,3 +127,31 @@ def test_a_copy_counts_when_it_blocks_into_host_memory():
     assert not _blocking_copy_to_host(host, (source, True), {})
     meta = torch.empty(3, device="meta")  # a target off the host: a copy to a device
     assert not _blocking_copy_to_host(meta, (source,), {})
+
+
+def test_a_to_host_counts_unless_non_blocking_and_a_host_device_object_counts_off_a_device():
+    from benchmarks.profile import OURS
+    from benchmarks.sync_count import _to_host
+
+    # a function whose frame lies in undercurrent's package, copying as the hooks do
+    # on CUDA (adapters/hf/hooks.py: non-blocking into pinned memory)
+    source = ("def copies(t):\n"
+              "    t.to('cpu', non_blocking=True)\n"
+              "    t.to('cpu', torch.float64, True)\n"
+              "    t.to(device='cpu', non_blocking=True, dtype=torch.float64)\n"
+              "    t.to(torch.device('cpu'))\n"  # (already on the host: no copy off a device)
+              "    t.to('cpu')\n"
+              "    t.to('cpu', torch.float64, False)\n")
+    namespace = {"torch": torch}
+    exec(compile(source, OURS + "adapters/hf/hooks.py", "exec"), namespace)
+    with count_syncs() as counts:
+        namespace["copies"](torch.zeros(2))
+    assert {(call, where) for (_, _, call, where) in counts} == {
+        ("to('cpu')", "adapters/hf/hooks.py:6(copies)"),
+        ("to('cpu')", "adapters/hf/hooks.py:7(copies)")}
+    meta = torch.empty(2, device="meta")  # a tensor off the host
+    assert _to_host(meta, (torch.device("cpu"),), {})
+    assert _to_host(meta, (), {"device": torch.device("cpu"), "dtype": torch.float64})
+    assert not _to_host(meta, (torch.device("cpu"),), {"non_blocking": True})
+    assert not _to_host(meta, (torch.device("meta"),), {})
+    assert not _to_host(meta, (torch.float64,), {})
