@@ -83,26 +83,31 @@ def time_interleaved(scenario: str, *, batch: int, layers: str, tokens: int,
             "package": str(Path(undercurrent.__file__).resolve().parent)}
 
 
-def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+def summarise(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     """One version's processes (:func:`time_interleaved` results) in a few
     numbers: ``extra_us`` (the median paired extra µs per vector over raw
     hooks, over every repeat), ``low_us`` / ``high_us`` (the least and most of
     the processes' own medians), ``x_plain`` (fastest scenario run over fastest
-    plain run) and ``processes``."""
+    plain run) and ``processes``. A process whose scenario captured no vector
+    (``uc_empty_spec``) has no cost per vector: with none that captured,
+    ``extra_us``, ``low_us`` and ``high_us`` are None, ``x_plain`` still
+    compares."""
     paired: list[float] = []
     medians: list[float] = []
     fastest = {PLAIN: float("inf"), "scenario": float("inf")}
     for run in runs:
         times, vectors = run["times"], run["vectors"]
+        fastest[PLAIN] = min(fastest[PLAIN], *times[PLAIN])
+        fastest["scenario"] = min(fastest["scenario"], *times[run["scenario"]])
+        if not vectors:
+            continue
         mine = [(probed - raw) / vectors * 1e6
                 for probed, raw in zip(times[run["scenario"]], times[RAW], strict=True)]
         paired += mine
         medians.append(statistics.median(mine))
-        fastest[PLAIN] = min(fastest[PLAIN], *times[PLAIN])
-        fastest["scenario"] = min(fastest["scenario"], *times[run["scenario"]])
-    return {"extra_us": statistics.median(paired), "low_us": min(medians),
-            "high_us": max(medians), "x_plain": fastest["scenario"] / fastest[PLAIN],
-            "processes": len(runs)}
+    return {"extra_us": statistics.median(paired) if paired else None,
+            "low_us": min(medians, default=None), "high_us": max(medians, default=None),
+            "x_plain": fastest["scenario"] / fastest[PLAIN], "processes": len(runs)}
 
 
 def _run_process(package_root: Path, args: argparse.Namespace, scenario: str,
@@ -135,7 +140,7 @@ def _run_process(package_root: Path, args: argparse.Namespace, scenario: str,
     return result
 
 
-def compare(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+def compare(args: argparse.Namespace) -> dict[str, dict[str, float | None]]:
     """Time both versions in alternating processes; returns :func:`summarise` of
     each (``base`` and ``working tree``)."""
     scenario = (args.scenario or ["uc_inline_linear"])[0]
@@ -177,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for label, summary in summaries.items():
         name = f"`{args.base}`" if label == "base" else label
-        print(f"| {name} | {summary['extra_us']:.2f} | {summary['low_us']:.2f}–"
-              f"{summary['high_us']:.2f} | {summary['x_plain']:.3f} |")
+        spread = ("—" if summary["low_us"] is None
+                  else f"{summary['low_us']:.2f}–{summary['high_us']:.2f}")
+        extra = "—" if summary["extra_us"] is None else f"{summary['extra_us']:.2f}"
+        print(f"| {name} | {extra} | {spread} | {summary['x_plain']:.3f} |")
     return 0
 
 

@@ -54,3 +54,17 @@ def test_the_command_times_a_base_revision_against_the_working_tree(capsys, tmp_
     assert "| `HEAD` |" in printed and "| working tree |" in printed
     assert len(imported) == 2 and imported[1] == str((ROOT / "undercurrent").resolve())
     assert imported[0] != imported[1] and "undercurrent-ab-" in imported[0]
+
+
+def test_a_scenario_that_captures_no_vector_has_no_cost_per_vector(capsys, monkeypatch):
+    monkeypatch.setattr("benchmarks.allocator.steady_allocator", lambda: True)
+    found = time_interleaved("uc_empty_spec", batch=1, layers="3", tokens=2, repeats=2,
+                             threads=None)
+    assert found["vectors"] == 0
+    summary = summarise([found, found])
+    assert (summary["extra_us"], summary["low_us"], summary["high_us"]) == (None, None, None)
+    assert summary["x_plain"] > 0 and summary["processes"] == 2
+    monkeypatch.setattr(ab, "compare", lambda args: {"base": summary, "working tree": summary})
+    assert main(["--base", "HEAD", "--scenario", "uc_empty_spec"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `HEAD`")]
+    assert rows == [f"| `HEAD` | — | — | {summary['x_plain']:.3f} |"]
