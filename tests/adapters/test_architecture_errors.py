@@ -69,6 +69,13 @@ def test_both_backends_raise_the_one_architecture_error():
         layout.locate(stablelm)
     stablelm.config.model_type = "llama"
     assert layout.locate(stablelm).num_layers == 1
+    # vLLM reads a Mistral checkpoint's params.json (as mistralai's repos ship it)
+    # with model_type "transformer" and runs it with its Mistral class, whose layers
+    # are the table's: it was refused
+    mistral = type("MistralForCausalLM", (), {})()
+    mistral.config = types.SimpleNamespace(model_type="transformer")
+    mistral.model = wrapped.model
+    assert layout.locate(mistral).num_layers == 1
 
 
 class _OpaqueCache:

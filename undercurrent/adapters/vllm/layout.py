@@ -11,6 +11,7 @@ their layer outputs are known to read this way, where some other vLLM layers
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +72,31 @@ def _kv_module(attention: Any) -> Any | None:
     return None
 
 
-def check_family(config: Any, what: str) -> None:
+@functools.cache
+def _family_classes() -> frozenset[str]:
+    """The causal-LM class names of the architecture table's families
+    (``MistralForCausalLM``, ...), as transformers names them and vLLM's native
+    classes for them are named."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+                     for model_type in supported_model_types()
+                     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def check_family(config: Any, what: str, class_name: str | None = None) -> None:
     """Refuse a model whose ``config.model_type`` the architecture table does not
-    know (``what`` names the model in the message): its layers may return their
-    output in a form the residual stream would be misread from."""
+    know (``what`` names the model in the message), unless its class
+    (``class_name``: vLLM's, or the config's architecture) is a table family's:
+    its layers may return their output in a form the residual stream would be
+    misread from. (vLLM reads a Mistral checkpoint's ``params.json`` with
+    ``model_type`` "transformer", and runs Ministral 3 or InternLM3 with its
+    Mistral or Llama class, whose layers are the table's.)"""
     try:
         find_architecture(config)
     except UnsupportedArchitectureError:
+        if class_name is not None and class_name in _family_classes():
+            return
         raise UnsupportedArchitectureError(
             f"{what} (config.model_type={getattr(config, 'model_type', None)!r}) is not a "
             "family in undercurrent's architecture table, so the vllm backend cannot tell "
@@ -105,7 +124,7 @@ def locate(model: Any, config: Any = None) -> ModelLayout:
             "backend='hf' for this model")
     config = getattr(model, "config", None) if config is None else config
     if config is not None:
-        check_family(config, f"vLLM model class {class_name!r}")
+        check_family(config, f"vLLM model class {class_name!r}", class_name)
     layers = next((found for path in _LAYER_LISTS
                    if (found := _resolve(model, path)) is not None), None)
     if layers is None or len(layers) == 0:
