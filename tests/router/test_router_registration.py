@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from router_helpers import Recorder, block, point, record
 
@@ -179,9 +180,11 @@ def test_a_stall_timeout_that_is_not_a_finite_positive_number_is_refused_at_cons
         Router(stall_timeout_s=stall_timeout_s)
 
 
-def test_an_int_stall_timeout_is_taken_as_seconds(make_router):
-    router = make_router(workers=1, stall_timeout_s=2)
+@pytest.mark.parametrize("seconds", [2, np.int64(2), np.float32(2.0)])
+def test_an_int_or_numpy_stall_timeout_is_taken_as_seconds(make_router, seconds):
+    router = make_router(workers=1, stall_timeout_s=seconds)
     assert router._scheduler.stall_timeout_s == 2.0
+    assert type(router._scheduler.stall_timeout_s) is float
     router.register_request("r", [point("a", mode="async")])
     router.route(record("r", "a", 0))
     assert router.end_request("r")["a"].stats.processed == 1

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import numbers
 import operator
 import os
 import sys
@@ -114,7 +115,7 @@ def _positive_int(name: str, value: Any) -> int:
 def _positive_seconds(name: str, value: Any) -> float:
     # A bad value would otherwise surface only in the scheduler's supervisor
     # thread, which would die at the first async record (stall protection off).
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)  # (numpy's too)
             or not math.isfinite(value) or value <= 0):
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
