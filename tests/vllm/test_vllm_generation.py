@@ -37,7 +37,10 @@ def test_settings_generate_applies_reach_each_request():
 @pytest.mark.parametrize(("setting", "value"), [
     ("no_repeat_ngram_size", 3), ("bad_words_ids", [[5]]), ("min_length", 10),
     ("suppress_tokens", [4]), ("forced_eos_token_id", 2), ("sequence_bias", {(5,): 1.0}),
-    ("num_beams", 4), ("guidance_scale", 1.5)])
+    ("num_beams", 4), ("guidance_scale", 1.5),
+    # (transformers applies these to a decoder-only model's prompt: they were carried
+    # into no request, so the tokens differed from the hf backend's)
+    ("encoder_repetition_penalty", 5.0), ("encoder_no_repeat_ngram_size", 1)])
 def test_a_setting_vllm_cannot_apply_is_refused_naming_it(setting, value):
     with pytest.raises(BackendError, match=f"generation_config sets {setting}="
                                            ".*override_generation_config="):
@@ -46,6 +49,7 @@ def test_a_setting_vllm_cannot_apply_is_refused_naming_it(setting, value):
 
 @pytest.mark.parametrize(("setting", "off"), [
     ("no_repeat_ngram_size", 0), ("min_length", 0), ("num_beams", 1), ("guidance_scale", 1),
+    ("encoder_repetition_penalty", 1.0), ("encoder_no_repeat_ngram_size", 0),
     ("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("bad_words_ids", None),
     # (empty lists and min_p 0 act on nothing: they were refused)
     ("bad_words_ids", []), ("suppress_tokens", []), ("begin_suppress_tokens", []),

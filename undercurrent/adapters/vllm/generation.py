@@ -43,6 +43,10 @@ def _cutoff(value: Any) -> bool:
 #: what it does).
 _UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], Any, str]] = {
     "no_repeat_ngram_size": (_positive, 0, "bans repeated n-grams"),
+    "encoder_repetition_penalty": (lambda value: value is not None and value != 1, 1.0,
+                                   "penalises the prompt's tokens, a decoder-only model's "
+                                   "input"),
+    "encoder_no_repeat_ngram_size": (_positive, 0, "bans the prompt's n-grams"),
     "bad_words_ids": (_set, None, "bans token sequences"),
     "sequence_bias": (_set, None, "biases token sequences"),
     "min_length": (_positive, 0, "bars the eos below a length counted with the prompt"),
