@@ -143,3 +143,18 @@ def test_a_gemma2_model_on_sdpa_attention_is_warned_about_naming_eager():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ProbedModel(build_model("gemma2"), build_tokenizer()).close()
+
+
+def test_gemma2_keeps_the_attention_a_config_given_to_from_pretrained_chooses(tmp_path):
+    # it was switched to eager silently, where the same choice as a keyword is kept
+    from transformers import AutoConfig
+
+    from undercurrent.api import ProbedModel
+
+    path = _gemma2_directory(tmp_path)
+    config = AutoConfig.from_pretrained(path, attn_implementation="sdpa")
+    with pytest.warns(UserWarning, match="runs attn_implementation='sdpa'"), \
+            ProbedModel.from_pretrained(path, config=config) as pm:
+        assert pm.backend.model.config._attn_implementation == "sdpa"
+    with ProbedModel.from_pretrained(path, config=AutoConfig.from_pretrained(path)) as pm:
+        assert pm.backend.model.config._attn_implementation == "eager"

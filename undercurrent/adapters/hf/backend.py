@@ -629,8 +629,10 @@ class HFBackend:
                 "AutoModelForCausalLM.from_pretrained(path, output_loading_info=True) and "
                 "pass the model and its tokenizer: ProbedModel(model, tokenizer)")
         name = dtype_name(dtype)
-        if model_kwargs.get("attn_implementation") is None and _softcaps_attention(
-                _config_for(path, model_kwargs)):
+        config = _config_for(path, model_kwargs)
+        if (model_kwargs.get("attn_implementation") is None and _softcaps_attention(config)
+                # (one chosen in a config= given: kept, and warned of as a keyword is)
+                and getattr(config, "_attn_implementation_internal", None) is None):
             # (transformers' default, sdpa, drops the softcap: not the model's forward)
             model_kwargs["attn_implementation"] = "eager"
         try:
