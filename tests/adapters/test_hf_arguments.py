@@ -4,7 +4,6 @@ one plain transformers ``generate()`` actually has."""
 
 from __future__ import annotations
 
-import inspect
 import re
 from functools import cache
 from typing import Any
@@ -204,7 +203,7 @@ def test_two_probed_models_on_one_model_generate_one_at_a_time() -> None:
             if event.finished:
                 break
         # read to its final event and left: the model is free, the stream not closed
-        assert inspect.getgeneratorstate(events) == inspect.GEN_SUSPENDED
+        assert events.suspended
         assert len(second.generate([words(3)], max_new_tokens=2)[0].token_ids) == 2
         assert list(events) == []
         exhausted = list(first.stream(words(3), max_new_tokens=2))

@@ -73,7 +73,8 @@ class GenerationOutput:
 
     ``token_ids`` are the generated tokens only (the prompt's are
     ``prompt_token_ids``); ``finish_reason`` is ``"length"``, ``"eos"``,
-    ``"stop"`` (a stop string; ``text`` ends before it), ``"abort"``, or
+    ``"stop"`` (a stop string; ``text`` ends before it), ``"abort"``,
+    ``"cancelled"`` (a stream that ``ProbedModel.close()`` ended), or
     ``"forward"`` for ``ProbedModel.prompt_activations`` (nothing generated).
     ``prompt`` is the prompt's text (decoded from the token ids when the call
     was given ``input_ids``).

@@ -178,10 +178,62 @@ def test_close_from_an_async_probe_is_refused_while_the_engine_generates(model_d
 def test_close_ends_a_stream_left_open(model_dir):
     pm = _load(model_dir)
     stream = pm.stream(TEXTS[0], max_new_tokens=NEW)
-    next(stream)
+    first = next(stream)
     pm.close()
-    assert list(stream) == []  # (ended: its requests aborted, the engine freed)
+    # (ended: its requests aborted, the engine freed; its reader gets the events left)
+    _check_cancelled(first, list(stream))
     assert pm.router.live_requests() == ()
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def _check_cancelled(first: Any, rest: list[Any]) -> None:
+    events = [first, *rest]
+    final = events[-1]
+    assert final.finished and not any(event.finished for event in events[:-1])
+    assert final.output.finish_reason == "cancelled"
+    assert final.output.token_ids == tuple(event.token_id for event in events[:-1])
+    assert len(final.output.token_ids) < NEW
+    assert "".join(event.text for event in events) == final.output.text
+
+
+def test_close_on_another_thread_cancels_the_stream_its_reader_waits_on(model_dir):
+    # close() skipped a stream being read in another thread, and waited for its
+    # whole generation; a reader between two events got ValueError('generator
+    # already executing') from the stream close() ended on its own thread.
+    for reader_waits in (True, False):
+        pm = _load(model_dir)
+        stream = pm.stream(TEXTS[0], max_new_tokens=NEW)
+
+        def hold(probe: Any, record: Any, stream: Any = stream) -> None:
+            # (the generation waits here until close() has cancelled the stream)
+            if record.generated_index == 0:
+                stream._cancel.wait()
+
+        Recorder.hook = hold
+        try:
+            first = next(stream)
+            errors: list[BaseException] = []
+
+            def close(pm: ProbedModel = pm, errors: list[BaseException] = errors) -> None:
+                try:
+                    pm.close()
+                except BaseException as error:  # noqa: BLE001 - the test reads it
+                    errors.append(error)
+
+            closer = threading.Thread(target=close)
+            closer.start()
+            if not reader_waits:  # (between two events while close() ends the stream)
+                stream._cancel.wait()
+            rest = list(stream)  # (else waits in next() while close() cancels it)
+            closer.join()
+        finally:
+            Recorder.hook = None
+        assert errors == []
+        _check_cancelled(first, rest)
+        assert pm.router.live_requests() == ()
+        with pytest.raises(StopIteration):
+            next(stream)
 
 
 def test_a_stream_read_to_its_final_event_lets_the_engine_go(model_dir):

@@ -35,7 +35,7 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from undercurrent.adapters.generation_config import OTHER_DECODING, other_decodi
 from undercurrent.adapters.hf.architectures import text_config
 from undercurrent.adapters.hf.hooks import ModelHooks, model_device
 from undercurrent.adapters.hf.unpadded import unpadded_settings
+from undercurrent.adapters.open_streams import OpenStream
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import (
     PromptInput,
@@ -601,7 +602,7 @@ class HFBackend:
         # not close() the model then: the generation may wait for that probe).
         self._generating_router: object | None = None
         self._idle = threading.Condition()
-        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()  # (see close())
+        self._streams: weakref.WeakSet[OpenStream] = weakref.WeakSet()  # (see close())
         self.context_length = context_length(model.config)
         self._decode = text_decoder(tokenizer)
         self.decode_reach = decode_reach(tokenizer)
@@ -801,13 +802,16 @@ class HFBackend:
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
         """One prompt, one event per token, then a final event with the output
-        (see :meth:`_stream`); close() ends it if it is still open then."""
-        events = self._stream(prompt, request_id, params, session)
+        (see :meth:`_stream`); close(), on any thread, ends it if it is still open
+        then (see :class:`OpenStream`)."""
+        cancel = threading.Event()
+        events = OpenStream(self._stream(prompt, request_id, params, session, cancel), cancel)
         self._streams.add(events)
         return events
 
     def _stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
-                session: CaptureSession) -> Iterator[StreamEvent]:
+                session: CaptureSession, cancel: threading.Event
+                ) -> Generator[StreamEvent, None, None]:
         """One prompt, one event per token, then a final event with the output.
 
         Generation runs in a worker thread; closing the iterator early (or an
@@ -832,7 +836,6 @@ class HFBackend:
                 self._let_go_of_model()
 
         events: queue.Queue[Any] = queue.Queue()
-        cancel = threading.Event()
         done = object()
 
         def work() -> None:
@@ -1134,16 +1137,17 @@ class HFBackend:
 
     def close(self) -> None:
         """Remove every hook; the model behaves exactly as before. A stream still
-        open is ended (as on vLLM); a generation running in another thread ends
-        first: close() waits for it, and no call starts after. Called from inside
-        this backend's own generation (a probe or a callback), it is refused."""
+        open is ended (as on vLLM: :meth:`OpenStream.end`, its reader given the
+        events left, the last ``finish_reason="cancelled"``); a generation running
+        in another thread ends first: close() waits for it, and no call starts
+        after. Called from inside this backend's own generation (a probe or a
+        callback), it is refused."""
         self.check_closable()
         for stream in list(self._streams):
-            if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:
-                # (its generation is cancelled and joined, and the model let go: a
-                # stream left open would hold it for every other ProbedModel)
-                with contextlib.suppress(ValueError):  # (being read in another thread)
-                    stream.close()
+            # (its generation is cancelled and joined, and the model let go: a stream
+            # left open would hold it for every other ProbedModel; its reader, on any
+            # thread, gets the events left, the last with finish_reason="cancelled")
+            stream.end()
         with self._idle:
             self.check_closable()
             self._closed = True

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import logging
 import os
@@ -35,6 +34,7 @@ from undercurrent.adapters.arguments import check_device
 from undercurrent.adapters.base import BackendError, SamplingParams, call_seed
 from undercurrent.adapters.capabilities import Capabilities, CapabilityError
 from undercurrent.adapters.context import context_problem
+from undercurrent.adapters.open_streams import OpenStream
 from undercurrent.adapters.outputs import GenerationOutput, StreamEvent
 from undercurrent.adapters.prompts import (
     PromptInput,
@@ -274,7 +274,7 @@ class VLLMBackend:
         self._generating: int | None = None
         self._generating_router: object | None = None  # (the call's router: see check_closable)
         self._idle = threading.Condition()
-        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._streams: weakref.WeakSet[OpenStream] = weakref.WeakSet()
         self._input_lock = threading.Lock()
         self._aborted: list[str] = []
         self._internal_ids: dict[str, str] = {}
@@ -630,9 +630,12 @@ class VLLMBackend:
 
     def stream(self, prompt: PromptInput, request_id: str, params: SamplingParams,
                session: CaptureSession) -> Iterator[StreamEvent]:
-        """One event per generated token, then a final one with the output."""
-        events = self._run([prompt], [request_id], params, session, emit_tokens=True)
-        self._streams.add(events)  # (close() ends it, if it is still open then)
+        """One event per generated token, then a final one with the output; close(),
+        on any thread, ends it if it is still open then (see :class:`OpenStream`)."""
+        cancel = threading.Event()
+        events = OpenStream(self._run([prompt], [request_id], params, session,
+                                      emit_tokens=True, cancel=cancel), cancel)
+        self._streams.add(events)
         return events
 
     def _sampling(self, params: SamplingParams, *, final_only: bool = False) -> Any:
@@ -711,7 +714,8 @@ class VLLMBackend:
 
     def _run(self, prompts: list[PromptInput], request_ids: list[str], params: SamplingParams,
              session: CaptureSession, *, emit_tokens: bool,
-             ctrl_c: HeldCtrlC | None = None) -> Iterator[StreamEvent]:
+             ctrl_c: HeldCtrlC | None = None,
+             cancel: threading.Event | None = None) -> Generator[StreamEvent, None, None]:
         with self._idle:
             if self._closed:
                 raise BackendError("this VLLMBackend is closed; load the model again")
@@ -777,7 +781,8 @@ class VLLMBackend:
                                   params, seed=call_seed(params.seed, index)),
                                   final_only=final_only))
                 finals = yield from self._drive(states, params, session, emit_tokens,
-                                                ctrl_c, final_only=final_only, hold=hold)
+                                                ctrl_c, final_only=final_only, hold=hold,
+                                                cancel=cancel)
             except BaseException as error:
                 death = self.engine_death()
                 with ctrl_c_deferred():  # (a second Ctrl-C waits for the cleanup)
@@ -824,7 +829,8 @@ class VLLMBackend:
     def _drive(self, states: dict[str, RequestState], params: SamplingParams,
                session: CaptureSession, emit_tokens: bool,
                ctrl_c: HeldCtrlC | None = None, *, final_only: bool = False,
-               hold: bool = False) -> Generator[StreamEvent, None, list[StreamEvent]]:
+               hold: bool = False, cancel: threading.Event | None = None
+               ) -> Generator[StreamEvent, None, list[StreamEvent]]:
         """Step the engine until every request is done; yield a stream's events, and
         return each request's final event (:meth:`_run` yields them once the engine
         is let go).
@@ -835,7 +841,9 @@ class VLLMBackend:
         generated token up to the one whose record fired; the engine itself
         reports nothing for it, so it has no :attr:`engine_token_counts`.
         ``hold``: the worker held step batches back; they are asked for once
-        the engine is done."""
+        the engine is done. ``cancel`` (a stream's, set by close()): once set, the
+        requests still running are aborted in the engine and end with the tokens
+        read so far, ``finish_reason="cancelled"``."""
         tokens: dict[str, list[int]] = {engine_id: [] for engine_id in states}
         for state in states.values():
             state.stream_text = (StreamText(params.stop, self.decode, self.decode_reach,
@@ -920,6 +928,15 @@ class VLLMBackend:
                     done.add(engine_id)
                     # (an abort as well is said by _finish, which keeps fewer tokens)
                     reasons[engine_id] = "stop" if engine_id in stopped else "abort"
+            if cancel is not None and cancel.is_set():
+                running = [engine_id for engine_id in states if engine_id not in done]
+                if running:
+                    with self._input_lock:
+                        engine.abort_request(running)
+                    for engine_id in running:
+                        stopping.pop(engine_id, None)
+                        done.add(engine_id)
+                        reasons[engine_id] = "cancelled"
         if hold:
             self._flush()
             # A probe that aborts though the router said none may (see may_abort)
@@ -1042,8 +1059,7 @@ class VLLMBackend:
                 "probe's helper) while this engine generates: the call may wait for that "
                 "probe, so close() cannot wait for it; close it once the call has returned")
         if generating == threading.get_ident() and not any(
-                inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED
-                for stream in list(self._streams)):
+                stream.suspended for stream in list(self._streams)):
             raise BackendError("close() was called from inside this engine's own "
                                "generation (a probe or a callback); close it once the "
                                "call has returned")
@@ -1055,8 +1071,10 @@ class VLLMBackend:
             return
         self.check_closable()
         for stream in list(self._streams):
-            if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:
-                stream.close()  # (its cleanup ends its requests and frees the engine)
+            # (its requests are aborted and ended with the router, the engine freed;
+            # its reader, on any thread, gets the events left, the last with
+            # finish_reason="cancelled")
+            stream.end()
         with self._idle:
             self._closed = True
             while self._generating is not None:
