@@ -168,7 +168,10 @@ def subword_tokenizer(kind: str, clean_up: bool = False) -> Any:
     llama's BPE of words that begin with "▁" for the space before them (dropped
     at the start of the text), with byte fallback (<0x..> tokens: a character
     not in the vocabulary, byte by byte); ``"wordpiece"``: BERT's WordPiece
-    (words split at punctuation, a word's later pieces marked "##").
+    (words split at punctuation, a word's later pieces marked "##");
+    ``"unigram"``: sentencepiece's Unigram of words that begin with "▁" (which
+    transformers cleans up tokenization spaces for, when asked, as it does
+    not for a BPE model).
     ``clean_up``: the decode cleans up tokenization spaces, as BERT's tokenizers
     ship (``clean_up_tokenization_spaces``: ``"don ' t ."`` is ``"don't."``; on
     a BPE tokenizer too, which transformers otherwise declines)."""
@@ -185,6 +188,12 @@ def subword_tokenizer(kind: str, clean_up: bool = False) -> Any:
         tokenizer.decoder = decoders.WordPiece()
         tokenizer.train_from_iterator(CORPUS, trainers.WordPieceTrainer(
             vocab_size=300, special_tokens=specials))
+    elif kind == "unigram":
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Metaspace()
+        tokenizer.train_from_iterator(CORPUS, trainers.UnigramTrainer(
+            vocab_size=200, special_tokens=specials, unk_token="<unk>"))
     elif kind == "byte-level":
         tokenizer = Tokenizer(models.BPE())
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -210,8 +210,8 @@ class _Counted:
 
 
 KINDS = ["byte-level", "sentencepiece", "word-level", "wordpiece", "wordpiece, cleaned up",
-         "byte-level, cleaned up"]
-"""Tokenizers whose decodes differ at a window's start, and two that clean up
+         "byte-level, cleaned up", "unigram, cleaned up"]
+"""Tokenizers whose decodes differ at a window's start, and three that clean up
 tokenization spaces ("don ' t" is "don't": a token changes the text before it)."""
 
 
@@ -378,15 +378,78 @@ def test_a_stop_string_that_a_clean_up_of_spaces_completes_ends_the_generation(k
     model.lm_head.register_forward_hook(force)
     with ProbedModel(model, tokenizer) as pm:
         for stop, before in [("don't", "the cat ran. "), ("ran.", "the cat "),
-                             ("n't s", "the cat ran. do")]:
+                             ("n't s", "the cat ran. do"), ("ran. d", "the cat ")]:
             steps.clear()
             output = pm.generate([CORPUS[0]], max_new_tokens=len(forced), stop=[stop])[0]
             assert (output.finish_reason, output.text) == ("stop", before), stop
             assert decode(output.token_ids).startswith(before + stop)
             assert stop not in decode(output.token_ids[:-1])
+            # (the stream sends none of the stop string the clean-up completes:
+            # "the cat ran. don '" sends no " don" before "t" makes it "don't")
+            steps.clear()
+            events = list(pm.stream(CORPUS[0], max_new_tokens=len(forced), stop=[stop]))
+            assert "".join(event.text for event in events) == events[-1].output.text == before, (
+                stop, [event.text for event in events])
         steps.clear()
         events = list(pm.stream(CORPUS[0], max_new_tokens=len(forced)))
     assert "".join(event.text for event in events) == events[-1].output.text == decode(forced)
+
+
+def test_a_stream_holds_back_an_apostrophe_a_later_token_puts_a_space_before() -> None:
+    # A Unigram decode cleaned up: "the cat ' " is "the cat'" (" ' " is "'"), but
+    # with "," after it, " ," is cleaned first and " ' " no longer matches: "the
+    # cat ',". The "'" is held back, so what was sent begins the text at each token.
+    tokenizer = subword_tokenizer("unigram", clean_up=True)
+    decode, vocab = text_decoder(tokenizer), tokenizer.get_vocab()
+    ids = tokenizer("the cat", add_special_tokens=False)["input_ids"] + [
+        vocab["\u2581"], vocab["'"], vocab["\u2581"], vocab[","]]
+    assert [decode(ids[:count]) for count in (len(ids) - 1, len(ids))] == ["the cat'", "the cat ',"]
+    stream = StreamText([], decode, decode_reach(tokenizer), byte_runs(tokenizer))
+    sent = ""
+    for count in range(1, len(ids) + 1):
+        sent += stream.next_piece(ids[:count])
+        assert decode(ids[:count]).startswith(sent), (count, sent)
+    assert sent + stream.rest(decode(ids)) == "the cat ',"
+
+
+CLEAN_UP_KINDS = ["wordpiece, cleaned up", "byte-level, cleaned up", "unigram, cleaned up"]
+"""Tokenizers whose decode cleans up tokenization spaces."""
+
+
+@pytest.mark.parametrize("kind", CLEAN_UP_KINDS)
+def test_streams_and_stop_strings_on_punctuation_a_clean_up_rewrites_match_the_whole_text(
+        kind) -> None:
+    # Ids drawn at random from the tokens the clean-up reads (apostrophes,
+    # punctuation, "n", "t", "s", spaces of their own, special tokens): the
+    # stop match finds the first token after which the whole text holds a stop
+    # string, and the stream's pieces (to that token) each begin the text of
+    # the tokens so far and join into the output's text.
+    tokenizer = _tokenizer(kind)
+    decode, reach, runs = text_decoder(tokenizer), decode_reach(tokenizer), byte_runs(tokenizer)
+    eos, vocab = {tokenizer.eos_token_id}, tokenizer.get_vocab()
+    pool = [vocab[token] for token in [
+        "'", "n", "t", "s", "ve", "re", "m", ".", ",", "!", "?", "do", "a", "\u2581'", "\u2581n",
+        "\u2581t", "\u2581.", "\u2581", "\u0120'", "\u0120n", "\u0120.", "\u0120", "##n",
+        "##t", "##s", "'t", "##'"] if token in vocab]
+    pool += list(tokenizer.all_special_ids)
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [rng.choice(pool) for _ in range(rng.randint(20, 70))]
+        some = decode(ids)
+        stops = ([some[start:start + rng.randint(1, 4)] for start in (rng.randrange(len(some)),)]
+                 if some and rng.random() < 0.6 else [])
+        end = next((k for k in range(len(ids)) if ids[k] not in eos
+                    and stop_position(decode(ids[:k + 1]), stops) is not None), None)
+        assert StopMatch(stops, decode, eos, reach).scan(ids) == end, (ids, stops)
+        generated = ids if end is None else ids[:end + 1]
+        stream, sent = StreamText(stops, decode, reach, runs), ""
+        for count in range(1, len(generated) + 1):
+            sent += stream.next_piece(generated[:count])
+            assert decode(generated[:count]).startswith(sent), (generated[:count], stops, sent)
+        whole = decode(generated)
+        cut = stop_position(whole, stops)
+        final = whole if cut is None else whole[:cut]
+        assert sent + stream.rest(final) == final, (generated, stops, sent)
 
 
 def test_the_decode_reaches_back_only_where_it_cleans_up_spaces() -> None:
@@ -405,6 +468,7 @@ def test_the_decode_reaches_back_only_where_it_cleans_up_spaces() -> None:
     assert decode_reach(subword_tokenizer("byte-level", clean_up=True)) == 4
     assert decode_reach(subword_tokenizer("wordpiece", clean_up=True)) == 4
     assert decode_reach(subword_tokenizer("wordpiece")) == 0
+    assert decode_reach(subword_tokenizer("unigram", clean_up=True)) == 4
 
 
 def test_byte_runs_are_found_where_the_decode_reads_a_run_of_byte_tokens_as_one() -> None:

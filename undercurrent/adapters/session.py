@@ -376,8 +376,11 @@ class StreamText:
     ``reach``: how many characters before a token's text its decode may change
     (:func:`~undercurrent.adapters.prompts.decode_reach`: a decode that cleans
     up tokenization spaces drops the space before a later ``"."`` or ``"'"``).
-    Text from a space among the last ``reach`` characters on is held back until
-    later tokens settle it.
+    Text from a space or an apostrophe among the last ``reach`` characters on
+    (a later token's text may drop the space, or put one back before the
+    apostrophe: ``"x ' "`` is ``"x'"``, ``"x ' ,"`` is ``"x ',"``), and a
+    partial stop string just before it (which the space dropped may complete),
+    is held back until later tokens settle it.
 
     ``runs``: the byte fallback tokens of a decode that reads a run of them as
     one (:func:`~undercurrent.adapters.prompts.byte_runs`: a later byte of the
@@ -439,10 +442,16 @@ class StreamText:
         end = len(text)
         if self.stops:
             end -= held_back(text, self.stops)
-        if self.reach:  # (a space a later token's text may clean up)
-            space = text.find(" ", max(len(text) - self.reach, 0))
-            if space >= 0:
-                end = min(end, space)
+        if self.reach:
+            # (a space a later token's text may clean up, or an apostrophe a clean-up
+            # of " ' " gave, before which a later token's text puts the space back:
+            # "x ' " is "x'", and "x ' ," is "x ',")
+            last = text[max(len(text) - self.reach, 0):]
+            marks = [index for index in (last.find(" "), last.find("'")) if index >= 0]
+            if marks:
+                mark = len(text) - len(last) + min(marks)
+                # (what precedes it may begin a stop string that the clean-up completes)
+                end = min(end, mark - held_back(text[:mark], self.stops))
         return self._advance(text[:min(end, run_start - offset)], offset)
 
     def rest(self, final_text: str) -> str:
