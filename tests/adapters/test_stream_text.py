@@ -295,6 +295,26 @@ def test_a_stream_decodes_each_token_with_a_few_before_it(kind) -> None:
         assert decode.tokens <= 8 * length, (length, decode.tokens)
 
 
+@pytest.mark.parametrize("stops", [[], ["zz"]])
+def test_a_run_of_apostrophes_a_clean_up_pairs_is_decoded_at_the_same_cost_per_token(
+        stops) -> None:
+    # " ' " is "'": in "' ' ' '" the clean-up pairs the apostrophes from the first,
+    # so the text of a window of the last few differs from the whole text's at
+    # every other token. Each token is still decoded with a few before it (the
+    # whole text was decoded at every token), and the pieces are the whole text's.
+    tokenizer = subword_tokenizer("wordpiece", clean_up=True)
+    quote, decode = tokenizer.convert_tokens_to_ids("'"), text_decoder(tokenizer)
+    for length in (200, 1600):
+        ids = [quote] * length
+        counted = _Counted(decode)
+        stream = StreamText(stops, counted, decode_reach(tokenizer))
+        pieces = [stream.next_piece(ids[:count]) for count in range(1, length + 1)]
+        assert counted.tokens <= 32 * length, (length, counted.tokens)
+        assert "".join(pieces) + stream.rest(decode(ids)) == decode(ids)
+    whole = StreamText(stops, reach=decode_reach(tokenizer))
+    assert pieces[:300] == [whole.piece(decode(ids[:count])) for count in range(1, 301)]
+
+
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "wordpiece, cleaned up"])
 @pytest.mark.parametrize("stop", [False, True])
 def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind, stop) -> None:

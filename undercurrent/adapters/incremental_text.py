@@ -67,7 +67,8 @@ class IncrementalText:
     first of them (whose own may differ at the window's start) holds the
     first space among the text's last ``reach`` characters, and a step going
     back decodes ``reach`` characters past the first before the mark it goes
-    back to.
+    back to (or from one token earlier, where those do not read as the window
+    does: a run of ``" ' "`` is cleaned up in pairs from its first token).
 
     Given ``runs`` (:func:`~undercurrent.adapters.prompts.byte_runs`: the
     decode reads a run of byte fallback tokens as one), :attr:`run_start` is
@@ -189,12 +190,18 @@ class IncrementalText:
             earliest = index - 1
             while earliest > 0 and start - marks[earliest + 1][1] < self.reach:
                 earliest -= 1
-            overlap = list(tokens[marks[earliest][0]:first])
-            text = self.decode(overlap)
-            window = self.decode([*overlap, *tokens[first:self.count]])
-            if text and window.startswith(text):
-                del marks[index + 1:]
-                return self._restart(tokens, overlap, text, window, first, start)
+            mark = marks[earliest][0]
+            # (and, where the decode cleans up spaces, from the token before: in a
+            # run of " ' " the clean-up pairs its tokens from the first, so a window
+            # of an even number of them never reads as it does after one more;
+            # marks one token apart are gone once a step went back over two)
+            for begin in (mark, mark - 1) if self.reach and mark else (mark,):
+                overlap = list(tokens[begin:first])
+                text = self.decode(overlap)
+                window = self.decode([*overlap, *tokens[first:self.count]])
+                if text and window.startswith(text):
+                    del marks[index + 1:]
+                    return self._restart(tokens, overlap, text, window, first, start)
         return self.resync(tokens[:self.count])
 
     def resync(self, tokens: Sequence[int]) -> int:
