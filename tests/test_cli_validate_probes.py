@@ -166,6 +166,32 @@ def test_a_probes_file_named_like_a_standard_module_leaves_that_module_alone(tmp
     assert '"guard"' in done.stdout
 
 
+EXTRA_PROBES = '''\
+from undercurrent.probes import register_probe
+from base_probes import CustomProbe
+
+
+@register_probe("custom_probe2")
+class CustomProbe2(CustomProbe):
+    pass
+'''
+
+
+@pytest.mark.parametrize("folder", ["", "pdir/"])
+def test_a_probes_file_can_import_an_earlier_one_by_its_name(tmp_path, folder):
+    # The first file was loaded under a private name only: the second's import ran it
+    # again from the cwd ("probe type 'custom_probe' is already registered"), or found
+    # nothing where the files sit in a folder not on sys.path (ModuleNotFoundError).
+    (tmp_path / "pdir").mkdir()
+    (tmp_path / folder / "base_probes.py").write_text(CUSTOM_PROBES, encoding="utf-8")
+    (tmp_path / folder / "extra_probes.py").write_text(EXTRA_PROBES, encoding="utf-8")
+    spec = _spec(tmp_path, probe_type="custom_probe2", probe_args="{scale: 2}")
+    done = _cli(tmp_path, "validate", str(spec), "--probes", f"{folder}base_probes.py",
+                "--probes", f"{folder}extra_probes.py")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{spec}: OK (1 extraction point)"
+
+
 # -- run --------------------------------------------------------------------------------
 
 

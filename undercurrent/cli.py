@@ -129,8 +129,15 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                 spec = importlib.util.spec_from_file_location(name, path)
                 assert spec is not None and spec.loader is not None
                 loaded = importlib.util.module_from_spec(spec)
-                sys.modules[name] = loaded  # (as an import would: pickle and dataclasses look)
-                spec.loader.exec_module(loaded)
+                names = [name, *_probe_file_plain_name(path)]
+                for each in names:  # (as an import would: pickle and dataclasses look)
+                    sys.modules[each] = loaded
+                try:
+                    spec.loader.exec_module(loaded)
+                except BaseException:
+                    for each in names:  # (as a failed import leaves none behind)
+                        sys.modules.pop(each, None)
+                    raise
             else:
                 importlib.import_module(module)
         # Any failure of user code is reported, not raised; so is a module that
@@ -149,6 +156,19 @@ def _probe_file_module_name(path: Path) -> str:
     ``queue.py``) does not take that module's place in ``sys.modules``."""
     digest = hashlib.sha1(str(path.resolve()).encode(), usedforsecurity=False).hexdigest()
     return f"undercurrent_probes_{path.stem}_{digest[:8]}"
+
+
+def _probe_file_plain_name(path: Path) -> list[str]:
+    """The plain name (its stem) a ``--probes`` ``.py`` file is also registered
+    under, so that a later ``--probes`` file can import it (``from base_probes
+    import CustomProbe``) as it could when both sat on ``sys.path``: none where the
+    stem is not a module name, names a standard-library module (``signal.py``,
+    ``queue.py``) or is already imported."""
+    stem = path.stem
+    if (not stem.isidentifier() or stem in sys.stdlib_module_names
+            or stem in sys.modules):
+        return []
+    return [stem]
 
 
 def _validate_one(path: str, strict: bool) -> dict[str, Any]:
