@@ -263,14 +263,17 @@ def check_output_file(path: str, option: str, suffixes: Sequence[str]) -> None:
         raise ValueError(f"{option} {path!r}: the folder {str(target.parent)!r} does not exist")
     if target.suffix.lower() not in suffixes:
         raise ValueError(f"{option} {path!r} must end in {' or '.join(suffixes)}")
-    existed = target.exists()
+    # (a symlink, dangling too, is written through: the file probed and removed
+    # again is its target, and the link stays)
+    written = Path(os.path.realpath(target))
+    existed = written.exists()
     try:
         # Opened for append, an existing file keeps its contents; one made here
         # is removed again, so a later failure leaves nothing behind.
-        with open(target, "ab"):
+        with open(written, "ab"):
             pass
         if not existed:
-            target.unlink()
+            written.unlink()
     except OSError as error:
         raise ValueError(f"{option} {path!r} cannot be written: "
                          f"{error.strerror or error}") from None

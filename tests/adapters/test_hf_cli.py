@@ -279,6 +279,27 @@ def test_an_existing_records_file_passes_the_check_untouched_and_a_new_one_is_no
     assert not (tmp_path / "new.parquet").exists()
 
 
+def test_run_writes_records_through_a_symlink_to_a_file_not_yet_written(saved_model,
+                                                                          tmp_path, capsys):
+    # The check opened the path (creating the link's target), then unlinked the path:
+    # the user's link was removed, the records went to a new regular file in its
+    # place, and the target was left empty.
+    spec_path = tmp_path / "spec.yaml"
+    assert main(["inspect-model", str(saved_model), "--emit-spec", str(spec_path)]) == 0
+    (tmp_path / "results").mkdir()
+    target = tmp_path / "results" / "run1.parquet"
+    link = tmp_path / "latest.parquet"
+    link.symlink_to(target)
+    check_output_file(str(link), "--records", (".parquet",))
+    assert link.is_symlink() and not target.exists()
+    code = main(["run", str(spec_path), "--model", str(saved_model), "--prompt", prompt(4),
+                 "--max-new-tokens", "2", "--records", str(link)])
+    assert code == 0, capsys.readouterr().err
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    pandas = pytest.importorskip("pandas")
+    assert len(pandas.read_parquet(target)) == 1 + 1  # prompt[-1] + 1 fed generated token
+
+
 def test_run_prints_several_problems_on_one_line(saved_model, tmp_path, capsys):
     spec_path = tmp_path / "far.yaml"
     spec_path.write_text(NORM_SPEC.replace("layers: [1]", "layers: [10]"))
