@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.adapters.arguments import check_device
-from undercurrent.adapters.base import BackendError
+from undercurrent.adapters.base import BackendError, backend_class
 from undercurrent.adapters.prompts import refuse_lone_surrogates
 from undercurrent.api import ProbedModel
 from undercurrent.errors import one_line
@@ -101,6 +101,9 @@ def check_backend_device(backend: str, device: str | None) -> None:
     device the installed vLLM build targets (a ``BackendError``)."""
     check_device(device)
     if backend == "vllm" and device is not None:
+        # (vLLM installed first: the device check imports it, and a missing vLLM is
+        # the one line naming the extra, as without --device)
+        backend_class(backend)
         from undercurrent.adapters.vllm.backend import check_engine_device
 
         check_engine_device(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,24 @@ def test_run_refuses_a_records_path_that_is_a_folder_or_in_a_missing_one(tmp_pat
         assert main(["run", str(SPEC_FILE), "--model", "tiny", "--prompt", "hi",
                      "--records", str(path)]) == 2
         assert fragment in _one_line_error(capsys)
+
+
+def test_run_and_capture_with_vllm_device_say_vllm_is_not_installed(tmp_path, capsys,
+                                                                     monkeypatch):
+    # The --device check imported vLLM first: a ModuleNotFoundError traceback, where
+    # without --device it is the one line naming the extra.
+    monkeypatch.setitem(sys.modules, "vllm", None)  # (find_spec and import: not installed)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hi\n")
+    never_loaded = str(tmp_path / "never-loaded")
+    for argv in (["run", str(SPEC_FILE), "--prompt", "hi"],
+                 ["capture", "--spec", str(SPEC_FILE), "--prompts", str(prompts),
+                  "--out", str(tmp_path / "store")]):
+        code = main([*argv, "--model", never_loaded, "--backend", "vllm", "--device", "cpu"])
+        assert code == 2
+        assert _one_line_error(capsys) == (
+            f"{argv[0]}: the 'vllm' backend needs 'vllm', which is not installed; install it "
+            "with: pip install 'undercurrent[vllm]'")
 
 
 # /sys refuses new files even to root, where a chmod-ed folder would not.
