@@ -123,6 +123,29 @@ def test_projection_takes_request_labels_for_a_records_frame():
     assert sum(len(t.x) for t in figure.data) == 4 * 7
 
 
+def test_projection_draws_unlabelled_rows_as_a_group_of_their_own():
+    # They were refused with the fit's message ("label every row that is fitted"):
+    # a plot fits nothing, and before they were drawn.
+    from undercurrent.notebook import fit_linear_probe
+
+    frame = records_frame(make_records(requests=4, layers=(0, 1), hidden=5))
+    frame["label"] = frame["request"].map({"req0": "a", "req1": "b", "req2": None,
+                                           "req3": "a"})
+    figure = projection_figure(frame, "label", layer=0)
+    assert [trace.name for trace in figure.data] == ["a", "b", "(no label)"]
+    # (the same PCA as with every row labelled: the unlabelled rows are req2's)
+    labelled = projection_figure(frame.fillna({"label": "c"}), "label", layer=0)
+    unlabelled, req2 = figure.data[2], labelled.data[2]
+    assert req2.name == "c" and len(req2.x) == 7
+    np.testing.assert_array_equal(unlabelled.x, req2.x)
+    np.testing.assert_array_equal(unlabelled.y, req2.y)
+    as_list = frame.loc[frame["layer"] == 0, "label"].tolist()  # (None, per row)
+    assert [t.name for t in projection_figure(frame, as_list, layer=0).data] == [
+        "a", "b", "(no label)"]
+    with pytest.raises(ValueError, match="1 row has no label|rows have no label"):
+        fit_linear_probe(frame, "label", layer=0)
+
+
 def test_verdict_counts_each_request_once_per_point_by_outcome():
     results = [
         {"p": make_result("r0", "p", [0.9], ["abort"]), "q": make_result("r0", "q", [0.1])},

@@ -466,15 +466,17 @@ def _as_frame(data: Any) -> Any:
     return None
 
 
-def frame_labels(frame: Any, selected: Any, y: Any, caller: str, argument: str = "y") -> Any:
+def frame_labels(frame: Any, selected: Any, y: Any, caller: str, argument: str = "y", *,
+                 unlabelled: str = "refuse") -> Any:
     """One label per selected row, from per-row labels, a column or ``{request: label}``.
 
     ``selected`` is ``frame`` filtered to the rows used. Per-row labels are labels
     of either: a pandas Series is aligned with the rows by its index (as pandas
     aligns), a list or array by position. Rows whose label is missing (None or
-    NaN) are refused, naming their requests. ``fit_linear_probe`` and
-    ``projection_figure`` both read their labels here (``argument`` names the
-    parameter in messages).
+    NaN) are refused, naming their requests; ``unlabelled="keep"`` gives them
+    None instead (an object array: a plot draws them, a fit could not).
+    ``fit_linear_probe`` and ``projection_figure`` both read their labels here
+    (``argument`` names the parameter in messages).
     """
     import numpy as np
 
@@ -507,6 +509,10 @@ def frame_labels(frame: Any, selected: Any, y: Any, caller: str, argument: str =
         more = " ..." if len(requests) > _NAMED_ROWS else ""
         return f"request(s) {requests[:_NAMED_ROWS]}{more}"
 
+    if unlabelled == "keep":
+        kept = np.array(given, dtype=object)  # (a copy: given may be a read-only view)
+        kept[np.asarray(missing, dtype=bool)] = None
+        return kept
     _refuse_unlabelled(caller, missing, where)
     return np.asarray(given)
 

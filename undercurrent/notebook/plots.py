@@ -11,6 +11,7 @@ import html
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from undercurrent.analysis._inputs import is_missing_label
 from undercurrent.analysis.fitting import frame_labels
 from undercurrent.analysis.frames import (
     activation_matrix,
@@ -27,6 +28,9 @@ from undercurrent.analysis.frames import (
 from undercurrent.arguments import check_number
 from undercurrent.records import ActivationRecord
 from undercurrent.spec.messages import did_you_mean
+
+NO_LABEL = "(no label)"
+"""The group ``projection_figure`` draws rows without a label (None or NaN) in."""
 
 ValueFunction = Callable[[Any], float]
 
@@ -384,7 +388,9 @@ def projection_figure(
     records, or an ``(n, features)`` array; ``labels`` is one label per row, a
     frame column name, or ``{request: label}``, read as ``fit_linear_probe``
     reads them: per-row labels are of the frame or of the rows left after the
-    filters, and a pandas Series is aligned with the rows by its index. ``names``
+    filters, and a pandas Series is aligned with the rows by its index. Rows
+    without a label (None or NaN), which a fit refuses, are drawn as a group of
+    their own, ``"(no label)"``. ``names``
     (``{request: name}``) names each point's request on hover. Axis titles give
     each component's share of the variance. A frame whose rows (after the filters)
     mix points, layers or tensor types is refused, as ``fit_linear_probe`` refuses
@@ -403,7 +409,8 @@ def projection_figure(
                                 point=point, layer=layer, tensor_type=tensor_type)
         matrix = activation_matrix(frame, dtype="float64")
         if labels is not None:  # (read as fit_linear_probe reads them: one rule for both)
-            labels = frame_labels(whole, frame, labels, "projection_figure", "labels")
+            labels = frame_labels(whole, frame, labels, "projection_figure", "labels",
+                                  unlabelled="keep")
         shown = names or {}
         hover = [f"{shown.get(r.request, r.request)} · token {r.token_index}"
                  for r in frame.itertuples(index=False)]
@@ -415,13 +422,15 @@ def projection_figure(
         )
     pca = PCA(n_components=2, random_state=0)
     coords = pca.fit_transform(matrix)
-    labels_list = ["all"] * len(coords) if labels is None else [str(v) for v in labels]
+    labels_list = ["all"] * len(coords) if labels is None else [
+        NO_LABEL if is_missing_label(value) else str(value) for value in labels]
     if len(labels_list) != len(coords):
         raise ValueError(
             f"projection_figure: {len(coords)} rows but {len(labels_list)} labels"
         )
     figure = go.Figure()
-    for label in sorted(set(labels_list)):
+    # (unlabelled rows are drawn too, as a group of their own, last)
+    for label in sorted(set(labels_list), key=lambda name: (name == NO_LABEL, name)):
         rows = [i for i, value in enumerate(labels_list) if value == label]
         figure.add_trace(
             go.Scatter(
