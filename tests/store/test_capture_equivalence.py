@@ -425,6 +425,20 @@ def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, 
                                          r"rows and their prompt indices .*series\.to_dict"):
         store.row_labels(per_prompt, rows)
     assert list(store.row_labels(per_prompt.to_dict(), rows)) == expected
+    # A Series with the default index, one per prompt, is read by position, as a list:
+    # these rows' labels (2..7) lying within its index (0..7) made it refused as both.
+    assert list(store.row_labels(pd.Series(labels), rows)) == expected
+    assert list(store.row_labels(pd.Series(labels), index)) == labels  # (the rows' own)
+    # Labels of a dataset of more prompts than were captured (0..99) hold these rows'
+    # labels and their prompts too: they were read per row, silently, as the rows'.
+    dataset = labels + ["b"] * 92
+    for counted in (pd.Series(dataset), pd.Series(dataset, index=np.arange(100))):
+        counted.index.name = "prompt_index"
+        with pytest.raises(ValueError, match=r"labels Series' index \(\[0, 1, 2\] ...; 100 "
+                                             r"values\) holds both the labels of the 6 "
+                                             r"selected rows and their prompt indices"):
+            store.row_labels(counted, rows)
+    assert list(store.row_labels(pd.Series(dataset).to_dict(), rows)) == expected
     by_request = pd.Series(labels, index=[f"p{k:06d}" for k in range(8)]).iloc[::-1]
     assert list(store.row_labels(by_request, rows)) == expected
     with pytest.raises(ValueError, match=r"labels Series' index \(\['x', 'y', 'z'\] ...; 8 "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from undercurrent.records import ActivationRecord, ProbeResult
@@ -161,6 +161,23 @@ def series_by_row(values: Any, rows: Any) -> Any:
     if labels.is_unique and rows.is_unique and rows.isin(labels).all():
         return values.reindex(rows).to_numpy()
     return None
+
+
+def reads_by_position(values: Any, own: Any, lengths: Sequence[int]) -> bool:
+    """Whether a pandas Series ``values`` is read by position, as a list: its index
+    is the default ``0, 1, ...`` of a Series built from a list, it is not the rows'
+    own (``own``: the index of the frame, or of the store's selected rows, in any
+    order) and it has as many values as a list may (``lengths``: one per selected
+    row, or per frame row, or per prompt of a store). Asked before
+    ``series_by_row``: that a default index happens to hold the rows' labels says
+    nothing (on a part of a store, the rows' labels 0..7 lie within one label per
+    prompt's 0..11).
+
+    The one rule for every route into a fit: a records frame and an activation
+    store or its views."""
+    labels = values.index
+    return (is_default_index(labels) and len(values) in lengths
+            and not (len(labels) == len(own) and own.isin(labels).all()))
 
 
 def is_default_index(labels: Any) -> bool:

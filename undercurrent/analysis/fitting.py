@@ -34,6 +34,7 @@ from undercurrent.analysis._inputs import (
     is_default_index,
     missing_labels,
     non_finite_rows,
+    reads_by_position,
     request_groups,
     series_by_row,
 )
@@ -376,7 +377,7 @@ def _design(
     elif isinstance(group_by, str):
         groups = frame_column(selected, group_by, f"{caller}: group_by").to_numpy()
     else:
-        aligned = _series_rows(group_by, selected, caller, "group_by") if _is_series(
+        aligned = _series_rows(group_by, frame, selected, caller, "group_by") if _is_series(
             group_by) else None
         groups = _groups(caller, group_by if aligned is None else aligned, len(X))
     return X, labels, groups, layer, tensor_type, projected
@@ -491,7 +492,7 @@ def frame_labels(frame: Any, selected: Any, y: Any, caller: str, argument: str =
     elif isinstance(y, Mapping):
         given = label_rows(selected, y)
         missing = missing_labels(given)
-    elif _is_series(y) and (aligned := _series_rows(y, selected, caller)) is not None:
+    elif _is_series(y) and (aligned := _series_rows(y, frame, selected, caller)) is not None:
         given, missing = aligned, missing_labels(aligned)
     elif len(y) == len(selected):
         given, missing = y, missing_labels(y)
@@ -522,16 +523,19 @@ def _is_series(values: Any) -> bool:
     return hasattr(values, "reindex") and hasattr(values, "index") and hasattr(values, "name")
 
 
-def _series_rows(y: Any, selected: Any, caller: str, what: str = "labels") -> Any:
-    """The values a pandas Series ``y`` (the ``what``) gives the ``selected`` rows,
-    aligned by its index as pandas aligns (so a frame sorted after the Series was
-    built from it still gets each row's own value), or None for a Series with the
-    default index (0, 1, ...) that is not the rows' own: that one is read by
-    position, as a list.
+def _series_rows(y: Any, frame: Any, selected: Any, caller: str,
+                 what: str = "labels") -> Any:
+    """The values a pandas Series ``y`` (the ``what``) gives the ``selected`` rows
+    of ``frame``, aligned by its index as pandas aligns (so a frame sorted after the
+    Series was built from it still gets each row's own value), or None for a Series
+    with the default index (0, 1, ...) that is not the frame's own: that one is
+    read by position, as a list (see ``reads_by_position``).
 
     An index that does not cover every selected row, or that repeats a value, is
     refused: read by position, it would give rows other rows' values, silently."""
     labels, rows = y.index, selected.index
+    if reads_by_position(y, frame.index, (len(frame), len(selected))):
+        return None
     aligned = series_by_row(y, rows)
     if aligned is not None or is_default_index(labels):
         return aligned

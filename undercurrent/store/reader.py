@@ -16,6 +16,7 @@ from typing import Any
 from undercurrent.analysis._inputs import (
     is_default_index,
     missing_labels,
+    reads_by_position,
     request_groups,
     series_by_row,
 )
@@ -510,7 +511,8 @@ class ActivationStore:
             _refuse_missing(given, values, column)
             return np.asarray(given)
         if hasattr(y, "reindex") and hasattr(y.index, "equals"):  # a pandas Series
-            read = _series_labels(y, index, self.manifest["prompts"]["count"])
+            stored = sum(int(shard["vectors"]) for shard in self._shards.values())
+            read = _series_labels(y, index, self.manifest["prompts"]["count"], stored)
             if read is not None:
                 return read
         if not hasattr(y, "__len__"):
@@ -602,35 +604,46 @@ class ActivationStore:
                 f"{self.nbytes / 2**20:.1f} MiB)")
 
 
-def _series_labels(y: Any, index: Any, n_prompts: int) -> Any:
+def _series_labels(y: Any, index: Any, n_prompts: int, n_stored: int) -> Any:
     """The labels a pandas Series ``y`` gives the rows of ``index`` (of a store of
-    ``n_prompts`` prompts), read by its index, or None for a Series with a default
-    index (0, 1, ...) that is not the rows' own: that one is read by position, as a
-    list.
+    ``n_prompts`` prompts and ``n_stored`` rows, labelled ``0 .. n_stored - 1``),
+    read by its index, or None for a Series with a default index (0, 1, ...) that
+    is not the rows' own and is as long as a list of labels may be (one per
+    selected row or per prompt): that one is read by position, as a list, first
+    (see ``reads_by_position``).
 
     A Series whose index holds each selected row's label once is read per row, by
     label (``y.reindex(index.index)``), as a records frame reads it: also one built
     over more rows than are selected (every layer of a point, fit one at a time).
     Any other is a mapping by its index: prompt indices or request ids (one label
     per prompt). An index that is neither is refused, and so is one that is both,
-    not exactly the rows', whose two readings differ: on a store with few rows the
+    not exactly the selected rows', whose two readings differ, where it may well be
+    per prompt: it holds only prompt indices, or it counts 0, 1, ... (a dataset of
+    more prompts than were captured) without being every row of the store. The
     rows' labels can be prompt indices too, and guessing would be silent."""
     import numpy as np
     import pandas as pd
 
     labels = y.index
+    if reads_by_position(y, index.index, (len(index), n_prompts)):
+        return None
     by_row = series_by_row(y, index.index)
     if by_row is not None:
         _refuse_missing(by_row, range(len(by_row)), "row")
         prompts = index["prompt_index"]
+        # (0, 1, ... k-1, not every row of the store: a list's positions or a
+        # dataset's rows, read per prompt as well as per row)
+        counted = labels.isin(range(len(labels))).all() and len(labels) != n_stored
         if (len(y) != len(index) and pd.api.types.is_integer_dtype(labels)
-                and labels.isin(range(n_prompts)).all() and prompts.isin(labels).all()
+                and (counted or labels.isin(range(n_prompts)).all())
+                and prompts.isin(labels).all()
                 and by_row.tolist() != y.reindex(prompts).tolist()):
             raise ValueError(
                 f"the labels Series' index ({labels[:3].tolist()}"
                 f"{' ...' if len(labels) > 3 else ''}; {len(labels)} values) holds both "
                 f"the labels of the {len(index)} selected rows and their prompt indices "
-                f"(this store has {n_prompts} prompts), and the two readings give "
+                f"(this store has {n_prompts} prompts and {n_stored} rows), and the two "
+                "readings give "
                 "different labels: give one label per prompt as {prompt_index: label} "
                 "(series.to_dict()), or one per selected row as a list or array "
                 "(series.reindex(view.index.index).to_numpy(), view being the rows "
