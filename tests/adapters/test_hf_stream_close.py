@@ -104,3 +104,48 @@ def test_a_reader_between_two_events_gets_the_rest_of_a_stream_close_ended() -> 
     closer.join()
     assert errors == []
     _check_cancelled(pm, first, rest, stream)
+
+
+class CloseTheStream(Probe):
+    """Closes its own stream at the first generated token (a probe's or a callback's
+    stream.close() inside the generation)."""
+
+    probe_kind = "single_shot"
+    stream: Any = None
+
+    def on_activation(self, record: Any) -> ProbeSignal:
+        if record.generated_index == 1:
+            type(self).stream.close()
+        return ProbeSignal("continue")
+
+
+def test_a_stream_closed_from_inside_its_own_generation_ends_cancelled() -> None:
+    # The reader's next() held the stream's lock while the probe's close() waited
+    # for it: a hang (before the lock: "generator already executing").
+    with ProbedModel(build_model("gpt2"), build_tokenizer(), probes={"closer": CloseTheStream},
+                     spec=[ExtractionPoint(name="p", layers=(1,), tensor_type="residual_stream",
+                                           position="generated[*]", probe_type="closer",
+                                           probe_kind="single_shot")]) as pm:
+        stream = CloseTheStream.stream = pm.stream(prompt(3, 1, 4), max_new_tokens=NEW)
+        events = list(stream)
+        assert events[-1].finished and events[-1].output.finish_reason == "cancelled"
+        assert len(events[-1].output.token_ids) < NEW
+        assert len(pm.generate([prompt(3, 1, 4)], max_new_tokens=2)[0].token_ids) == 2
+
+
+def test_a_stream_closed_on_the_thread_advancing_it_only_cancels() -> None:
+    # (vLLM runs its generation, probes and callbacks, on the reader's thread: the
+    # lock the reader's next() held was taken again by close() on that thread)
+    from undercurrent.adapters.open_streams import OpenStream
+
+    cancel = threading.Event()
+
+    def events() -> Any:
+        yield 1
+        stream.close()
+        yield 2 if cancel.is_set() else 0
+
+    stream = OpenStream(events(), cancel)
+    assert list(stream) == [1, 2]
+    with pytest.raises(StopIteration):
+        next(stream)

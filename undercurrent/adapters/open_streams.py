@@ -62,11 +62,21 @@ class OpenStream(Iterator[StreamEvent]):
 
     def close(self) -> None:
         """The reader's close(): cancel the generation and clean it up; no event
-        comes after."""
-        with self._reading:
+        comes after. Called while the stream is being advanced (by a probe or a
+        callback of its own generation, on the reader's thread or the one it waits
+        on), it only cancels: the ``next()`` under way ends the stream with its
+        final event (it waited on that ``next()``, which waited on it: a hang)."""
+        self._cancel.set()
+        if not self._reading.acquire(blocking=False):
+            if self._reader is not None:
+                return
+            self._reading.acquire()  # (end() reading the rest: it ends soon)
+        try:
             self._events.close()
             self._left = collections.deque()
             self._error = None
+        finally:
+            self._reading.release()
 
     def end(self) -> None:
         """Cancel the generation and wait for it to end, keeping what is left of
