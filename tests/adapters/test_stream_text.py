@@ -338,7 +338,10 @@ def test_a_stream_on_a_subword_tokenizer_sends_the_pieces_of_its_whole_text(kind
         for count in range(1, len(ids) + 1)]
     assert events[-1].text == whole.rest(output.text)
     assert "".join(event.text for event in events) == output.text
-    assert output.finish_reason == "stop" if stop else len(ids) > 50
+    # (the cleaned-up WordPiece tokenizer is trained anew in each process, its ties
+    # broken in hash order: the random model may then sample its eos early)
+    assert output.finish_reason == "stop" if stop else (
+        len(ids) > 50 or output.finish_reason == "eos")
     if not stop:  # (the stop strings' own checks decode too)
         assert counted.tokens <= 8 * len(ids), (len(ids), counted.tokens)
 
