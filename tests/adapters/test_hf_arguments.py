@@ -418,27 +418,35 @@ def test_gradient_checkpointing_in_train_mode_is_refused_naming_both_ways_out() 
             model.train()
 
 
+def _refused_for_its_generation_config(pm: ProbedModel, name: str, value: Any,
+                                      message: str) -> None:
+    """With the model's generation_config setting ``name`` to ``value``, generate()
+    and stream() are refused with ``message`` and the way to unset it; then unset."""
+    from undercurrent.adapters.base import BackendError
+
+    config = pm.backend.model.generation_config
+    setattr(config, name, value)
+    try:
+        with pytest.raises(BackendError, match=re.escape(message)) as refused:
+            pm.generate([words(6), words(7)], max_new_tokens=4)
+        assert f"model.generation_config.{name} = None" in str(refused.value)
+        with pytest.raises(BackendError, match=re.escape(message)):
+            list(pm.stream(words(6), max_new_tokens=4))
+    finally:
+        setattr(config, name, None)
+
+
 def test_stop_strings_in_the_generation_config_are_refused_pointing_to_stop() -> None:
     # A checkpoint's generation_config may ship stop_strings: every call failed with
     # transformers' "pass the tokenizer to generate()". undercurrent matches stop
     # strings itself (stop=): the setting is refused, naming it and the way out.
-    from undercurrent.adapters.base import BackendError
-
     model = gpt2_with_short_context()
     with ProbedModel(model, build_tokenizer(), spec=[]) as pm:
         tokens = pm.generate(words(6), max_new_tokens=4)[0].token_ids
         stop = build_tokenizer().decode([tokens[0]])
-        model.generation_config.stop_strings = [stop]
-        try:
-            refusal = re.escape(f"generation_config sets stop_strings={[stop]!r}, which "
-                                "undercurrent does not read: pass them to the call as stop=")
-            with pytest.raises(BackendError, match=refusal) as refused:
-                pm.generate([words(6), words(7)], max_new_tokens=4)
-            assert "model.generation_config.stop_strings = None" in str(refused.value)
-            with pytest.raises(BackendError, match=refusal):
-                list(pm.stream(words(6), max_new_tokens=4))
-        finally:
-            model.generation_config.stop_strings = None
+        _refused_for_its_generation_config(
+            pm, "stop_strings", [stop], f"generation_config sets stop_strings={[stop]!r}, "
+            "which undercurrent does not read: pass them to the call as stop=")
         (output,) = pm.generate(words(6), max_new_tokens=4, stop=[stop])
         assert output.finish_reason == "stop" and output.token_ids == tokens[:1]
 
@@ -480,22 +488,12 @@ def test_max_time_in_the_generation_config_is_refused_naming_it() -> None:
     # generate() cut every row off after max_time seconds, and the outputs said
     # finish_reason="length" with fewer than max_new_tokens tokens (their tokens
     # depending on the machine's speed); the vllm backend refuses it too.
-    from undercurrent.adapters.base import BackendError
-
     model = gpt2_with_short_context()
     with ProbedModel(model, build_tokenizer(), spec=[]) as pm:
         before = pm.generate(words(6), max_new_tokens=4)[0]
-        model.generation_config.max_time = 1e-9
-        try:
-            refusal = re.escape("generation_config sets max_time=1e-09 (ends generation "
-                                "after a time), which undercurrent does not apply")
-            with pytest.raises(BackendError, match=refusal) as refused:
-                pm.generate([words(6), words(7)], max_new_tokens=4)
-            assert "model.generation_config.max_time = None" in str(refused.value)
-            with pytest.raises(BackendError, match=refusal):
-                list(pm.stream(words(6), max_new_tokens=4))
-        finally:
-            model.generation_config.max_time = None
+        _refused_for_its_generation_config(
+            pm, "max_time", 1e-9, "generation_config sets max_time=1e-09 (ends generation "
+            "after a time), which undercurrent does not apply")
         after = pm.generate(words(6), max_new_tokens=4)[0]
     assert (after.token_ids, after.finish_reason) == (before.token_ids, "length")
 

@@ -103,6 +103,19 @@ def test_request_context_manager_registers_and_collects_results(make_router):
     assert handle.results["p"].flagged
 
 
+def _recorded_joins(router, monkeypatch) -> list[float | None]:
+    """The timeouts the router's workers will be joined with, as shutdown gives them."""
+    joins: list[float | None] = []
+    stop = router._scheduler.stop
+
+    def recorded_stop(wait: bool = True, timeout_s: float | None = None) -> None:
+        joins.append(timeout_s)
+        stop(wait=wait, timeout_s=timeout_s)
+
+    monkeypatch.setattr(router._scheduler, "stop", recorded_stop)
+    return joins
+
+
 @pytest.mark.parametrize("given", ["timeout_s", "drain_timeout_s"])
 def test_shutdown_shares_one_timeout_among_the_drains_and_the_join_of_a_stuck_worker(
         make_router, monkeypatch, given):
@@ -117,14 +130,7 @@ def test_shutdown_shares_one_timeout_among_the_drains_and_the_join_of_a_stuck_wo
     router.route(record("r", "a", 0))
     assert event("entered").wait(60)  # the one worker is stuck in r's call
     router.route(record("s", "a", 0))  # queued behind it
-    joins: list[float | None] = []
-    stop = router._scheduler.stop
-
-    def recorded_stop(wait: bool = True, timeout_s: float | None = None) -> None:
-        joins.append(timeout_s)
-        stop(wait=wait, timeout_s=timeout_s)
-
-    monkeypatch.setattr(router._scheduler, "stop", recorded_stop)
+    joins = _recorded_joins(router, monkeypatch)
     results = router.shutdown(timeout_s=0.2) if given == "timeout_s" else router.shutdown()
     assert ("drain timed out after 0.2s with 0 unprocessed record(s) and one in flight"
             in results["r"]["a"].error)
@@ -138,14 +144,7 @@ def test_shutdown_joins_the_workers_with_what_the_drains_left(make_router, monke
     router = make_router(workers=1)
     router.register_request("r", [point("a", mode="async")])
     router.route(record("r", "a", 0))
-    joins: list[float | None] = []
-    stop = router._scheduler.stop
-
-    def recorded_stop(wait: bool = True, timeout_s: float | None = None) -> None:
-        joins.append(timeout_s)
-        stop(wait=wait, timeout_s=timeout_s)
-
-    monkeypatch.setattr(router._scheduler, "stop", recorded_stop)
+    joins = _recorded_joins(router, monkeypatch)
     results = router.shutdown(timeout_s=3600)
     assert results["r"]["a"].stats.processed == 1
     assert len(joins) == 1 and 0 < joins[0] <= 3600
