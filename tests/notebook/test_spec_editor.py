@@ -512,3 +512,34 @@ def test_close_lets_every_widget_of_the_editor_go_and_keeps_its_spec_and_snapsho
     del editor
     gc.collect()
     assert released() is None
+
+
+def test_with_a_probed_model_probe_types_are_checked_against_the_registry_its_router_uses():
+    from undercurrent.api import ProbedModel
+    from undercurrent.probes import NormProbe, ProbeRegistry
+    from undercurrent.router import RouterError
+
+    spec_text = ('version: "1"\nextraction_points:\n  - name: guard\n    layers: [1]\n'
+                 '    tensor_type: residual_stream\n    position: "generated[*]"\n'
+                 '    probe_type: {probe}\n    probe_kind: single_shot\n')
+    custom = spec_text.format(probe="custom_norm")
+    # probes={...} adds to the default registry: a probe only this model knows is offered
+    # and accepted, as registering the spec on the model accepts it.
+    with ProbedModel.from_pretrained("undercurrent/tiny", spec=custom,
+                                     probes={"custom_norm": NormProbe}) as added:
+        editor = SpecEditor.from_spec(custom, model=added)
+        assert "custom_norm" in editor.fields["probe_type"].options
+        assert editor.valid, editor.problems
+    # A registry of its own: a default-registry probe it lacks is refused, with the
+    # registry's message, as ProbedModel refuses it.
+    registry = ProbeRegistry({"custom_norm": NormProbe})
+    with ProbedModel.from_pretrained("undercurrent/tiny", probes=registry) as own:
+        editor = SpecEditor(model=own)
+        assert tuple(editor.fields["probe_type"].options) == ("custom_norm",)
+        assert editor.fields["probe_type"].value == "custom_norm" and editor.valid
+        refused = SpecEditor.from_spec(spec_text.format(probe="norm_probe"), model=own)
+        assert [p.field for p in refused.problems] == ["probe_type"]
+        assert "unknown probe_type 'norm_probe'" in refused.problems[0].message
+    with pytest.raises(RouterError, match="unknown probe_type 'norm_probe'"):
+        ProbedModel.from_pretrained("undercurrent/tiny", probes=registry,
+                                    spec=spec_text.format(probe="norm_probe"))

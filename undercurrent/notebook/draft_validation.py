@@ -17,7 +17,7 @@ from typing import Any
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.notebook.edit_draft import EditDraft, edit_draft_to_raw
 from undercurrent.notebook.spec_draft import PointDraft, draft_to_raw
-from undercurrent.probes import default_registry
+from undercurrent.probes import ProbeRegistry, default_registry
 from undercurrent.router.validation import raw_probe_problems
 from undercurrent.spec import ProbeSpec, SpecProblem, SpecValidationError, parse_dict
 from undercurrent.steering.registration import register_edits
@@ -92,14 +92,15 @@ def validate_drafts(
     drafts: Sequence[PointDraft],
     edits: Sequence[EditDraft] = (),
     model_check: ModelCheck | None = None,
+    registry: ProbeRegistry = default_registry,
 ) -> tuple[ProbeSpec | None, list[SpecProblem]]:
     """``(spec, problems)``: the spec when every draft is valid, and every problem found.
 
-    Problems come from the drafts' text, the spec loader, the probe registry (an
-    unknown ``probe_type``, a ``probe_kind`` the probe does not support, or a
-    ``probe_args`` name its constructor does not take) and,
-    with ``model_check``, the loaded model. Deprecation warnings from the loader
-    are swallowed: the editor writes new keys.
+    Problems come from the drafts' text, the spec loader, ``registry`` (the probe
+    registry the model's router uses: an unknown ``probe_type``, a ``probe_kind``
+    the probe does not support, or a ``probe_args`` name its constructor does not
+    take) and, with ``model_check``, the loaded model. Deprecation warnings from
+    the loader are swallowed: the editor writes new keys.
     """
     raw_spec, problems = drafts_to_raw_spec(drafts, edits)
     # A field whose text never became data has its own message; the loader's view of
@@ -114,20 +115,20 @@ def validate_drafts(
             problems += [problem for problem in error.problems
                          if (problem.section, problem.point_index, problem.field)
                          not in unreadable]
-    problems += _registry_problems(raw_spec, problems)
+    problems += _registry_problems(raw_spec, problems, registry)
     if spec is not None and model_check is not None:
         problems += model_check(spec)
     return (spec if not problems else None), problems
 
 
-def _registry_problems(raw_spec: dict[str, Any],
-                       problems: Sequence[SpecProblem]) -> list[SpecProblem]:
-    """Each point's probe against the probe registry, as ``undercurrent validate``
+def _registry_problems(raw_spec: dict[str, Any], problems: Sequence[SpecProblem],
+                       registry: ProbeRegistry) -> list[SpecProblem]:
+    """Each point's probe against ``registry``, as ``undercurrent validate``
     checks it: ``probe_type``, ``probe_kind`` and the names of ``probe_args``."""
     found: list[SpecProblem] = []
     for index, raw in enumerate(raw_spec[POINTS]):
         faulted = {problem.field for problem in problems
                    if problem.section == POINTS and problem.point_index == index}
         found += [SpecProblem(message, field, index, raw["name"])
-                  for field, message in raw_probe_problems(raw, default_registry, faulted)]
+                  for field, message in raw_probe_problems(raw, registry, faulted)]
     return found

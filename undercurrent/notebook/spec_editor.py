@@ -42,7 +42,7 @@ from undercurrent.notebook.spec_editor_text import (
     yaml_html,
 )
 from undercurrent.notebook.widget_closing import close_widgets
-from undercurrent.probes import list_probes
+from undercurrent.probes import ProbeRegistry, default_registry
 from undercurrent.spec import (
     ExecutionMode,
     InterventionMode,
@@ -92,6 +92,14 @@ def resolve_capabilities(model: ModelArgument) -> Capabilities | None:
     )
 
 
+def resolve_registry(model: ModelArgument) -> ProbeRegistry:
+    """The probe registry a spec registered on ``model`` is checked against: a
+    ``ProbedModel``'s router's (the default registry with its ``probes=`` added, or
+    the registry given), else the default registry (as ``undercurrent validate``)."""
+    registry = getattr(getattr(model, "router", None), "registry", None)
+    return registry if isinstance(registry, ProbeRegistry) else default_registry
+
+
 class SpecEditor:
     """An ipywidgets form for a probe spec, with live validation and a live YAML view.
 
@@ -99,7 +107,9 @@ class SpecEditor:
     ``model`` (a ``ProbedModel``, its ``Capabilities`` or a number of layers)
     bounds the layer pickers and the tensor types, and what registering the spec
     on it would refuse (a layer out of range, an edit vector that is not the
-    model's hidden size) is shown like any other problem. The points' form is
+    model's hidden size) is shown like any other problem; a ``ProbedModel``'s
+    probe registry (its ``probes=``) gives the probe types offered and checked
+    (without one, the default registry). The points' form is
     ``fields``; the edits' form, below it, is ``edit_fields``. Display the editor
     (or ``editor.widget``) in a notebook to use it.
 
@@ -118,6 +128,7 @@ class SpecEditor:
             # scalar in probe_args) is refused here with its SpecValidationError.
             yaml_data(spec)
         self.capabilities = resolve_capabilities(model)
+        self.registry = resolve_registry(model)
         self._model_check = None if self.capabilities is None else ModelCheck(self.capabilities)
         self._spec: ProbeSpec | None = None
         self._problems: list[SpecProblem] = []
@@ -170,7 +181,7 @@ class SpecEditor:
     def _new_point(self, taken: set[str], count: int) -> PointDraft:
         """A new point: the model's last layer, ``norm_probe`` when registered."""
         layer = self._default_layer(middle=False)
-        probes = list_probes()
+        probes = self.registry.names()
         probe_type = "norm_probe" if "norm_probe" in probes else (probes[0] if probes else "")
         return PointDraft(
             name=self._free_name("point", taken, count),
@@ -195,7 +206,7 @@ class SpecEditor:
     def _point_controls(self, w: Any) -> dict[str, Any]:
         wide = w.Layout(width="380px")
         return build_controls(w, point_fields(), self.capabilities, {
-            "probe_type": w.Dropdown(options=list(list_probes()), layout=wide),
+            "probe_type": w.Dropdown(options=list(self.registry.names()), layout=wide),
             "intervention_mode": w.Dropdown(
                 options=[("(router default)", DEFAULT_INTERVENTION)]
                 + [(m.value, m.value) for m in InterventionMode],
@@ -357,7 +368,7 @@ class SpecEditor:
         """Re-validate the whole spec and update errors, visibility, the lists and the
         YAML (called by every change; call it after changing drafts from code)."""
         self._spec, self._problems = validate_drafts(
-            self.drafts, self.edit_drafts, self._model_check)
+            self.drafts, self.edit_drafts, self._model_check, self.registry)
         self._offer_trigger_points()
         for form in (self.point_form, self.edit_form):
             form.update_list(form.flagged(self._problems))
