@@ -334,6 +334,18 @@ def test_an_unquoted_version_2_is_one_problem_saying_to_quote_that_2(with_edit: 
         ("version", 'must be a string, got an integer (2); write version: "2" (quoted)')]
 
 
+@pytest.mark.parametrize(("text", "shown"), [
+    ("3", "an integer (3)"), ("0", "an integer (0)"), ("1.5", "a number (1.5)"),
+    ("", "null")])
+def test_an_unquoted_unknown_version_is_unsupported_naming_the_known_ones_quoted(
+        text: str, shown: str) -> None:
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml(f"version: {text}\nextraction_points: []\n")
+    assert [(p.field, p.message) for p in caught.value.problems] == [
+        ("version", f"unsupported spec version, got {shown}; this release of undercurrent "
+                    'reads version "1" or "2", a quoted string (version: "2")')]
+
+
 def test_an_unquoted_version_2_still_has_its_edits_checked() -> None:
     text = ("version: 2\nextraction_points: []\nedits:\n  - {name: e, layers: 1,"
             " tensor_type: residual_stream, position: 'generated[*]', op: shift, vector: [1.0]}\n")

@@ -321,11 +321,22 @@ def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], lis
             if key == "edits":
                 message += ' (edits need version: "2")'
             problems.append(SpecProblem(message, key if isinstance(key, str) else None))
-    if not isinstance(version, str):
+    if not isinstance(version, str) and meant is not None:
         problems.append(
             SpecProblem(
                 f"must be a string, got {describe_value(version)}; write version: "
-                f"\"{meant or '1'}\" (quoted)",
+                f"\"{meant}\" (quoted)",
+                "version",
+            )
+        )
+    elif not isinstance(version, str):
+        # Not a known version unquoted (``version: 3``): quoting it would not help.
+        known = " or ".join(f'"{known}"' for known in SPEC_VERSIONS)
+        problems.append(
+            SpecProblem(
+                f"unsupported spec version, got {describe_value(version)}; this release of "
+                f"undercurrent reads version {known}, a quoted string "
+                f"(version: \"{SPEC_VERSIONS[-1]}\")",
                 "version",
             )
         )
