@@ -282,6 +282,30 @@ def test_a_copy_of_the_probe_class_defined_again_is_a_copy(make_router):
     assert [(result.error, result.stats.errors) for result in results] == [(None, 0)] * 4
 
 
+def test_a_copy_of_a_class_of_the_same_name_from_another_module_is_refused_naming_both(
+        make_router):
+    """Only the probe class defined again (same module, same qualified name) counts
+    as its class: one of the same name from another module is refused, and the
+    message names each class with its module, not 'it returned P; it must return
+    a new P'."""
+    cell = "class Scaled(_Counts):\n    pass\n"
+    elsewhere = {"_Counts": _Counts, "__name__": "other_probes"}
+    exec(cell, elsewhere)
+
+    class Scaled(_Counts):
+        def copy_for_request(self):
+            return elsewhere["Scaled"]()
+
+    router = make_router(probes={"scaled": Scaled})
+    with pytest.raises(RouterError) as refused:
+        router.register_requests(_contexts(), [point("t", probe_type="scaled",
+                                                     kind="single_shot")])
+    assert "it returned other_probes.Scaled <other_probes.Scaled object" in str(refused.value)
+    assert (f"it must return a new {__name__}.{Scaled.__qualname__}, or None"
+            in str(refused.value))
+    assert router.live_requests() == ()
+
+
 def test_copies_for_request_that_are_one_instance_are_refused(make_router):
     """Copies that are new but the same one for two requests share its state."""
     shared: list[_Counts] = []

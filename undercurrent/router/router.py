@@ -219,14 +219,21 @@ def _copies_problem(instance: Any, copies: Sequence[Any]) -> str | None:
             return ("it returned the instance itself, so every request would share one "
                     f"probe and its state; return a new {kind}, or None to have the "
                     "constructor build one")
+        made_kind = type(copy).__name__
         if not isinstance(copy, type(instance)) and not _same_class_defined_again(
                 type(copy), type(instance)):
-            return (f"it returned {type(copy).__name__} {copy!r:.60}; it must return a new "
+            if made_kind == kind:  # (a class of the same name from another module)
+                made_kind, kind = _full_name(type(copy)), _full_name(type(instance))
+            return (f"it returned {made_kind} {copy!r:.60}; it must return a new "
                     f"{kind}, or None to have the constructor build one")
     if len(set(map(id, made))) != len(made):
         return ("it returned one instance for several requests, so they would share its "
                 f"state; return a new {kind} each time, or None")
     return None
+
+
+def _full_name(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _same_class_defined_again(made: type, kind: type) -> bool:
