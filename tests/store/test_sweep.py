@@ -315,6 +315,35 @@ def test_a_probe_fitted_on_a_stores_records_frame_of_projected_vectors_folds_the
         fit_linear_probe(bare, by_request, point="resid", layer=2)
 
 
+def test_records_of_a_projected_frame_are_refused_as_the_mark_would_be_lost(tiny, tmp_path):
+    # frame_to_records gave records of the projections with no mark: a probe fitted
+    # on their records_frame (or on a file saved from them) took them for activations.
+    from undercurrent.notebook import (
+        fit_linear_probe,
+        frame_to_records,
+        load_records,
+        records_frame,
+        save_records,
+    )
+
+    prompts, labels, store = _projected_store(tiny, tmp_path)
+    frame = store.records_frame()
+    projected = (r"point 'resid' holds projections of its activations \(project:128\), not "
+                 r"activations; .*keep the rows in a records frame")
+    with pytest.raises(ValueError, match=rf"^frame_to_records: {projected}"):
+        frame_to_records(frame[frame["layer"] == 2])
+    path = save_records(frame, tmp_path / "frame.parquet")
+    with pytest.raises(ValueError, match=rf"^load_records\(as_records=True\): {projected}"):
+        load_records(path, as_records=True)
+    # the point stored raw converts, and its records fit as its frame does
+    raw = frame[frame["point"] == "kv_last_prompt"]
+    by_request = dict(zip(request_ids(len(prompts)), labels, strict=True))
+    remade = fit_linear_probe(records_frame(frame_to_records(raw)), by_request,
+                              point="kv_last_prompt", layer=1, seed=0)
+    np.testing.assert_allclose(remade.weight, fit_linear_probe(
+        raw, by_request, point="kv_last_prompt", layer=1, seed=0).weight, rtol=1e-6)
+
+
 def _projected_store(tiny: Any, tmp_path: Any) -> tuple[list[str], list[int], Any]:
     """16 labelled prompts and their store, the residual stream kept as project:128."""
     prompts, labels = corpus_prompts(16, seed=3)

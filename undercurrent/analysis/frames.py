@@ -448,6 +448,12 @@ def activation_matrix(
     models): the result is then a read-only view of the frame's matrix. Other
     selections are gathered (one copy).
 
+    The rows of an activation store's ``project:K`` point are its K projected
+    features, as the frame holds them; the array carries no mark of the
+    projection (the frame's activations do, ``Activations.projected``), so a
+    probe fitted on the array is over the projections: fit on the frame or the
+    store, which fold the projection.
+
     ``frame`` may also be anything :func:`records_frame` takes, or a frame with a
     ``tensor`` column of arrays (earlier versions, the activation store).
     Raises ``ValueError`` when nothing is left or the rows' sizes differ.

@@ -147,7 +147,8 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
 
     Returns a records frame (columns ``RECORD_COLUMNS``, activations in
     ``activation_matrix(frame)``), or with ``as_records=True`` a list of
-    ``ActivationRecord`` (numpy tensors of their saved shape).
+    ``ActivationRecord`` (numpy tensors of their saved shape; a file of a store's
+    ``project:K`` point is refused as records, as :func:`frame_to_records` refuses it).
     """
     import numpy as np
 
@@ -179,7 +180,7 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
     frame = frame[list(RECORD_COLUMNS) + extra]
     _attach(np, frame, tensors, _decode_projected(np, metadata.get(_PROJECTED_KEY)))
     if as_records:
-        return frame_to_records(frame)
+        return _frame_records(frame, "load_records(as_records=True)")
     return frame
 
 
@@ -222,7 +223,33 @@ def _read_tensors(np: Any, column: Any, shapes: list[tuple[int, ...]]) -> list[A
 
 
 def frame_to_records(frame: Any) -> list[ActivationRecord]:
-    """``ActivationRecord``s (numpy tensors) from a records frame's rows."""
+    """``ActivationRecord``s (numpy tensors) from a records frame's rows.
+
+    Rows of an activation store's ``project:K`` point are refused: a record holds
+    a captured activation, and records carry no projection mark, so what takes
+    them (``records_frame``, ``save_records``, a fit) would read the projections
+    as activations. Keep such rows in a frame (``save_records`` keeps the mark).
+    """
+    return _frame_records(frame, "frame_to_records")
+
+
+def _refuse_projected(frame: Any, caller: str) -> None:
+    """Refuse a frame holding rows of a ``project:K`` point, naming ``caller``."""
+    projected = _projected_points(frame)
+    if projected:
+        point, (reduction, _) = next(iter(projected.items()))
+        raise ValueError(
+            f"{caller}: point {point!r} holds projections of its activations "
+            f"({reduction}), not activations; an ActivationRecord holds a captured "
+            "activation and carries no projection mark, so a fit or a store of these "
+            "records would read the projections as activations: keep the rows in a "
+            "records frame (save_records and load_records keep the mark), or leave "
+            f"that point's rows out (frame[frame['point'] != {point!r}])"
+        )
+
+
+def _frame_records(frame: Any, caller: str) -> list[ActivationRecord]:
+    _refuse_projected(frame, caller)
 
     def optional_int(value: Any) -> int | None:
         import pandas as pd
