@@ -309,7 +309,10 @@ def test_a_run_of_apostrophes_a_clean_up_pairs_is_decoded_at_the_same_cost_per_t
         counted = _Counted(decode)
         stream = StreamText(stops, counted, decode_reach(tokenizer))
         pieces = [stream.next_piece(ids[:count]) for count in range(1, length + 1)]
-        assert counted.tokens <= 32 * length, (length, counted.tokens)
+        # (28 tokens a token while an overlap or a step going back began on the
+        # wrong one of a pair: the overlap was the whole window, and half the
+        # steps decoded both overlaps; now 17)
+        assert counted.tokens <= 20 * length, (length, counted.tokens)
         assert "".join(pieces) + stream.rest(decode(ids)) == decode(ids)
     whole = StreamText(stops, reach=decode_reach(tokenizer))
     assert pieces[:300] == [whole.piece(decode(ids[:count])) for count in range(1, 301)]

@@ -68,7 +68,10 @@ class IncrementalText:
     first space among the text's last ``reach`` characters, and a step going
     back decodes ``reach`` characters past the first before the mark it goes
     back to (or from one token earlier, where those do not read as the window
-    does: a run of ``" ' "`` is cleaned up in pairs from its first token).
+    does: a run of ``" ' "`` is cleaned up in pairs from its first token; the
+    one that read as the window the last time is tried first). The overlap
+    likewise begins a token earlier where its text from the first of those
+    steps does not end as the window's.
 
     Given ``runs`` (:func:`~undercurrent.adapters.prompts.byte_runs`: the
     decode reads a run of byte fallback tokens as one), :attr:`run_start` is
@@ -83,7 +86,8 @@ class IncrementalText:
     of the open run of byte fallback tokens."""
 
     __slots__ = ("decode", "keep", "reach", "runs", "run_start", "count", "ids", "overlap",
-                 "overlap_text", "groups", "stable", "solid", "marks", "tail", "tail_start")
+                 "overlap_text", "groups", "stable", "solid", "marks", "earlier", "tail",
+                 "tail_start")
 
     def __init__(self, decode: Callable[[Sequence[int]], str], keep: int = 0,
                  reach: int = 0, runs: ByteRuns | None = None) -> None:
@@ -108,6 +112,7 @@ class IncrementalText:
         self.solid = 0  # (stable, less any U+FFFD it ends with)
         # (token count, text length) after each of the last steps that took text
         self.marks: list[tuple[int, int]] = [(0, 0)]
+        self.earlier = 0  # (whether the last step going back began a token before its mark)
         self.tail = ""
         self.tail_start = 0
 
@@ -163,15 +168,21 @@ class IncrementalText:
             held = len(window) - space if space >= 0 else 0
             while len(groups) > 1 and sum(length for _, length in groups[2:]) >= held:
                 del groups[0]
-            kept = self.ids[len(self.ids) - sum(count for count, _ in groups):]
-            text = self.decode(kept) if len(groups) > 1 or self.overlap_text else new
+            size = sum(count for count, _ in groups)
             # (past the first step's text, which may differ at the window's start)
             later = sum(length for _, length in groups[1:])
-            if text and later <= len(text) and window.endswith(text[len(text) - later:]
-                                                              if later else text):
-                self.ids, self.overlap_text = kept, text
-            else:
-                self.overlap_text = window
+            decoded = len(groups) > 1 or bool(self.overlap_text)
+            self.overlap_text = window
+            # (and, where the decode cleans up spaces, from the token before: a run
+            # of " ' " is cleaned up in pairs from its first token)
+            for extra in (0, 1) if self.reach and size < len(self.ids) else (0,):
+                kept = self.ids[len(self.ids) - size - extra:]
+                text = self.decode(kept) if decoded or extra else new
+                if text and later <= len(text) and window.endswith(text[len(text) - later:]
+                                                                  if later else text):
+                    self.ids, self.overlap_text = kept, text
+                    groups[0] = (groups[0][0] + extra, groups[0][1])
+                    break
             self.overlap = len(self.ids)
             self.stable = start + len(new)
             self.solid = start + len(new.rstrip(REPLACEMENT))
@@ -195,12 +206,15 @@ class IncrementalText:
             # run of " ' " the clean-up pairs its tokens from the first, so a window
             # of an even number of them never reads as it does after one more;
             # marks one token apart are gone once a step went back over two)
-            for begin in (mark, mark - 1) if self.reach and mark else (mark,):
-                overlap = list(tokens[begin:first])
+            # (the one that read as the window last time first: in such a run the
+            # marks keep the same parity)
+            for earlier in (self.earlier, 1 - self.earlier) if self.reach and mark else (0,):
+                overlap = list(tokens[mark - earlier:first])
                 text = self.decode(overlap)
                 window = self.decode([*overlap, *tokens[first:self.count]])
                 if text and window.startswith(text):
                     del marks[index + 1:]
+                    self.earlier = earlier
                     return self._restart(tokens, overlap, text, window, first, start)
         return self.resync(tokens[:self.count])
 
