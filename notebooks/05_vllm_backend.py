@@ -19,9 +19,10 @@
 # here; on a GPU machine the plain `vllm` package), and compares: same tokens,
 # same probe scores up to float noise. The vLLM backend runs the model eagerly
 # (hooks do not run inside captured CUDA graphs) and sizes the CPU KV cache to
-# 1 GiB unless told otherwise; `dtype="float32"` keeps the engine in the model's
-# own precision (vLLM on CPU would otherwise pick bfloat16), so the comparison is
-# exact up to float noise.
+# 1 GiB unless told otherwise. It runs in the model's own precision, the dtype
+# its `config.json` declares (float32 here; vLLM's own "auto" would pick
+# bfloat16 on CPU); `dtype="float32"` below only says so explicitly, so the
+# comparison is exact up to float noise.
 
 # %%
 import os
@@ -87,9 +88,9 @@ table.insert(0, "prompt", range(len(vllm_outputs)))
 table
 
 # %% [markdown]
-# The engine runs in its own process and holds its KV cache; close it to free
-# that memory (the cells above can be run again afterwards: the vLLM cell starts
-# a new engine).
+# The engine (in this process here; in its own with `multiprocess=True`) holds
+# its KV cache; close it to free that memory (the cells above can be run again
+# afterwards: the vLLM cell starts a new engine).
 
 # %%
 vllm_model.close()

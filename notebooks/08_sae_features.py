@@ -100,10 +100,11 @@ print(table.sort_values("gap", ascending=False).head(5).round(1))
 
 # %% [markdown]
 # Several features are (nearly) silent on benign requests and strong on harmful
-# ones. Where do they fire? All at the same place: the token just before the
-# reply's harmful step ("the first step is *to*" → "grab…", "*then*" → "wait…").
-# They say "the next words are the harmful ones", one token before the text shows
-# it; the SAE has split that one signal over several features.
+# ones. Where do they fire? Above 3, all five at the same place: the token just
+# before the reply's harmful step ("the first step is *to*" → "grab…", "*then*" →
+# "wait…"); besides that, one fires once at a "." and one at a "best" (the only
+# benign hit). They say "the next words are the harmful ones", one token before
+# the text shows it; the SAE has split that one signal over several features.
 
 # %%
 # NBVAL_CHECK_OUTPUT
