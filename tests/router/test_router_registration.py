@@ -169,6 +169,31 @@ def test_router_arguments_are_validated():
         Router(probes=["norm_probe"])
 
 
+@pytest.mark.parametrize(("policy", "error", "message"), [
+    ("reject", TypeError, r"must be an InterventionPolicy, a mapping of its fields .* got str "
+                          r"'reject'; for a mode alone pass \{'mode': 'reject'\}"),
+    (5, TypeError, r"must be an InterventionPolicy, .* or None \(reject\), got int 5$"),
+    ({"mode": "reject", "bogus": 1}, TypeError,
+     r"has unknown field\(s\) 'bogus'; a mapping takes mode, timeout_ms, on_timeout"),
+    ({"mode": "bogus"}, ValueError, r"'bogus' is not a valid .*mode is one of reject, "),
+    ({"mode": "block_until_signal"}, ValueError, r"block_until_signal needs timeout_ms"),
+])
+def test_a_default_intervention_policy_that_is_not_a_policy_is_refused_naming_the_argument(
+        policy, error, message):
+    # A mode string or a number escaped as AttributeError ('str' object has no
+    # attribute 'mode'), an unknown key as InterventionPolicy.__init__'s TypeError.
+    from undercurrent.router import Router
+
+    with pytest.raises(error, match=r"^default_intervention_policy.*" + message):
+        Router(default_intervention_policy=policy)
+
+
+def test_a_default_intervention_policy_mapping_is_taken_as_its_fields(make_router):
+    router = make_router(default_intervention_policy={"mode": "block_until_signal",
+                                                      "timeout_ms": 20})
+    assert router.default_intervention_policy == block(20)
+
+
 @pytest.mark.parametrize("stall_timeout_s", [None, "1", 0, -1.0, float("nan"), float("inf"), True])
 def test_a_stall_timeout_that_is_not_a_finite_positive_number_is_refused_at_construction(
         stall_timeout_s):

@@ -42,7 +42,7 @@ from undercurrent.router.validation import (
     point_problem,
 )
 from undercurrent.spec.errors import SpecProblem
-from undercurrent.spec.types import InterventionPolicy, OnTimeout, TensorType
+from undercurrent.spec.types import InterventionMode, InterventionPolicy, OnTimeout, TensorType
 
 _RECENTLY_ENDED = 4096
 _CHECKED_KEPT = 16  # point lists remembered as checked (see Router._check_points)
@@ -244,6 +244,51 @@ def _same_class_defined_again(made: type, kind: type) -> bool:
     return (made.__module__, made.__qualname__) == (kind.__module__, kind.__qualname__)
 
 
+def _default_policy(value: Any) -> InterventionPolicy:
+    """``default_intervention_policy`` as a checked policy: None (``reject``), an
+    :class:`InterventionPolicy`, or a mapping of its fields. Anything else, an
+    unknown field or a value the spec refuses is an error naming the argument."""
+    accepted = ("an InterventionPolicy, a mapping of its fields (mode, timeout_ms, "
+                "on_timeout), or None (reject)")
+    if value is None:
+        policy = InterventionPolicy()
+    elif isinstance(value, InterventionPolicy):
+        policy = value
+    elif isinstance(value, Mapping):
+        fields = [field.name for field in dataclasses.fields(InterventionPolicy)]
+        unknown = [key for key in value if key not in fields]
+        if unknown:
+            raise TypeError(
+                f"default_intervention_policy has unknown field(s) "
+                f"{', '.join(map(repr, unknown))}; a mapping takes {', '.join(fields)}"
+            )
+        try:
+            policy = InterventionPolicy(**value)
+        except ValueError as error:
+            modes = ", ".join(mode.value for mode in InterventionMode)
+            on_timeouts = ", ".join(choice.value for choice in OnTimeout)
+            raise ValueError(
+                f"default_intervention_policy: {error} (mode is one of {modes}; "
+                f"on_timeout one of {on_timeouts})"
+            ) from None
+    else:
+        hint = ""
+        if isinstance(value, str):
+            hint = f"; for a mode alone pass {{'mode': {value!r:.40}}}"
+        raise TypeError(
+            f"default_intervention_policy must be {accepted}, got "
+            f"{type(value).__name__} {value!r:.60}{hint}"
+        )
+    try:
+        policy = normalise_policy(policy)
+    except ValueError as error:
+        raise ValueError(f"default_intervention_policy: {error}") from None
+    problems = default_policy_problems(policy)
+    if problems:
+        raise ValueError("default_intervention_policy: " + "; ".join(problems))
+    return policy
+
+
 class Router:
     """Dispatches :class:`~undercurrent.records.ActivationRecord` s to probes.
 
@@ -301,14 +346,7 @@ class Router:
         self.probe_defaults = {name: dict(kwargs) for name, kwargs in defaults.items()}
         self.default_queue_depth: int = _positive_int("default_queue_depth", default_queue_depth)
         self.default_overflow = OverflowPolicy.parse(default_overflow)
-        if isinstance(default_intervention_policy, Mapping):
-            default_intervention_policy = InterventionPolicy(**default_intervention_policy)
-        self.default_intervention_policy = normalise_policy(
-            default_intervention_policy or InterventionPolicy()
-        )
-        policy_problems = default_policy_problems(self.default_intervention_policy)
-        if policy_problems:
-            raise ValueError("default_intervention_policy: " + "; ".join(policy_problems))
+        self.default_intervention_policy = _default_policy(default_intervention_policy)
         self.breaker_threshold = (
             None if breaker_threshold is None
             else _positive_int("breaker_threshold", breaker_threshold)
