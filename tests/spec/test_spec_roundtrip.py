@@ -127,3 +127,25 @@ def test_probe_args_yaml_cannot_represent_give_a_spec_error() -> None:
 def test_tuples_in_probe_args_are_written_as_lists() -> None:
     point = dataclasses.replace(parse_point()[0], probe_args={"shape": (2, 3)})
     assert parse_yaml(to_yaml(ProbeSpec((point,))))[0].probe_args["shape"] == [2, 3]
+
+
+@pytest.mark.parametrize("array", ["numpy", "torch"])
+def test_a_spec_with_an_array_in_probe_args_round_trips_and_compares(array: str) -> None:
+    # A fitted linear probe's weight passed as an array made == raise ("truth value
+    # of an array is ambiguous", or torch's RuntimeError): dict == asked it for one.
+    import numpy as np
+    import torch
+
+    make = np.arange if array == "numpy" else torch.arange
+    spec = parse_dict(raw_spec(raw_point(
+        probe_type="linear_probe", probe_args={"weight": make(4.0), "bias": 0.0,
+                                               "nested": {"w": [make(2.0)]}})))
+    assert parse_dict(probe_spec_to_dict(spec)) == spec
+    (point,) = spec
+    assert dataclasses.replace(point) == point
+    assert dataclasses.replace(point, probe_args={**point.probe_args, "weight": make(4.0)}) == point
+    for other in (make(4.0) + 1, make(5.0), make(4.0).reshape(2, 2), list(range(4))):
+        changed = dataclasses.replace(point, probe_args={**point.probe_args, "weight": other})
+        assert changed != point
+        assert ProbeSpec((changed,)) != spec
+        assert hash(changed) == hash(point)  # (probe_args are not hashed)

@@ -10,6 +10,7 @@ These are plain frozen dataclasses and enums; they never import torch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import numbers
 import types
@@ -146,6 +147,36 @@ def _frozen_mapping(data: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return types.MappingProxyType(copy.deepcopy(dict(data or {})))
 
 
+def _fields_but_probe_args(point: ExtractionPoint) -> tuple[Any, ...]:
+    return tuple(getattr(point, name) for name in _POINT_FIELDS if name != "probe_args")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two ``probe_args`` values are equal as ``==`` would say, looking into
+    mappings, lists and tuples, where an array (numpy, torch: anything with a
+    ``shape`` and ``tolist()``) equals an array of the same shape and values. Values
+    whose ``==`` has no truth value (an array and a list) are not equal."""
+    if a is b:
+        return True
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return len(a) == len(b) and all(
+            key in b and _same_value(value, b[key]) for key, value in a.items())
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return (isinstance(a, tuple) == isinstance(b, tuple) and len(a) == len(b)
+                and all(map(_same_value, a, b)))
+    if _is_array(a) and _is_array(b):
+        return tuple(a.shape) == tuple(b.shape) and a.tolist() == b.tolist()
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an == without a truth value: not known equal
+        return False
+
+
+def _is_array(value: Any) -> bool:
+    return (not isinstance(value, numbers.Number | str | bytes)
+            and hasattr(value, "shape") and callable(getattr(value, "tolist", None)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExtractionPoint:
     """What to capture, where, and which probe receives it.
@@ -235,6 +266,14 @@ class ExtractionPoint:
         if isinstance(self.intervention, Mapping):  # as YAML gives it
             object.__setattr__(self, "intervention", InterventionPolicy(**self.intervention))
 
+    def __eq__(self, other: object) -> bool:
+        # (written out: probe_args may hold an array, a linear probe's fitted weight,
+        # whose == answers per element and whose truth value dict == then asked for)
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (_fields_but_probe_args(self) == _fields_but_probe_args(other)
+                and _same_value(self.probe_args, other.probe_args))
+
     def __hash__(self) -> int:
         return hash((self.name, self.layers, self.tensor_type, self.position, self.probe_type))
 
@@ -257,6 +296,9 @@ class ExtractionPoint:
         return self.position.matches(
             token_index, is_generated, prompt_len, generated_index, stride=self.stride
         )
+
+
+_POINT_FIELDS = tuple(field.name for field in dataclasses.fields(ExtractionPoint))
 
 
 class EditOp(str, enum.Enum):
