@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import itertools
 import operator
 import sys
@@ -703,6 +704,33 @@ def _wave_points(current: list[tuple[Any, list[Any]]]
     return live, by_point
 
 
+def _own_tensors(points: Sequence[tuple[ActivationBatch, Any, Any]]) -> None:
+    """Give each point's batch a tensor of its own where an earlier point's batch
+    of the wave holds the very same one (points capturing the same rows: the
+    gather hands each the captured tensor as it is), before any is routed: a
+    probe that changes its record's tensor in place then changes neither what
+    another point's probes receive nor the records kept for it."""
+    seen: set[int] = set()
+    for batch, _, _ in points:
+        rows = batch._tensor
+        if rows is None or isinstance(rows, DeferredRows):
+            continue  # (built from records, or stacked for this batch alone when read)
+        if id(rows) in seen:
+            batch._tensor = _copied(rows)
+        else:
+            seen.add(id(rows))
+
+
+def _copied(rows: Any) -> Any:
+    """A copy of a batch's rows: a torch tensor's or a numpy array's (a list of
+    rows, as tests give, copied deeply)."""
+    if hasattr(rows, "detach"):
+        return rows.clone()
+    if hasattr(rows, "__array__") and hasattr(rows, "copy"):
+        return rows.copy()
+    return copy.deepcopy(rows)
+
+
 def _route_wave(session: Any, live: list[Any],
                 points: Sequence[tuple[ActivationBatch, list[tuple[Any, int, int, Any]],
                                        list[tuple[str, int, int]]]],
@@ -714,6 +742,8 @@ def _route_wave(session: Any, live: list[Any],
     point, whose requests follow these journals (the routed batch and the
     captured one are appended once, not handed to each request); ``edits``:
     whether any request may have live edits to arm."""
+    if len(points) > 1:
+        _own_tensors(points)
     router = session.router
     kept_rows: dict[str, list[tuple[ActivationBatch, int, int, Any]]] = {}
     # A request's runs of one token, by point; with one point, each is added at once.
