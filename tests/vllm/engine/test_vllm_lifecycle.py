@@ -253,15 +253,21 @@ def test_a_stream_read_to_its_final_event_lets_the_engine_go(model_dir):
         assert list(stream) == []
 
 
+def _load_multiprocess(model_dir: str) -> tuple[ProbedModel, Any]:
+    """A model whose engine core runs in its own process, and that process."""
+    pm = ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                     max_model_len=256, multiprocess=True,
+                                     spec=[_point("inline")], probes={"recorder": Recorder})
+    (core,) = pm.backend.engine.engine_core.resources.engine_manager.processes
+    return pm, core
+
+
 @pytest.mark.timeout(300)  # (a hang guard: the call waited for good before)
 def test_an_engine_core_killed_mid_call_ends_the_call_with_an_error_naming_it(model_dir):
     import os
     import signal
 
-    pm = ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
-                                     max_model_len=256, multiprocess=True,
-                                     spec=[_point("inline")], probes={"recorder": Recorder})
-    (core,) = pm.backend.engine.engine_core.resources.engine_manager.processes
+    pm, core = _load_multiprocess(model_dir)
 
     def kills_the_core(probe: Any, record: Any) -> None:
         if record.generated_index == 2:  # (the core waits for this step's answer)
@@ -277,6 +283,37 @@ def test_an_engine_core_killed_mid_call_ends_the_call_with_an_error_naming_it(mo
         pm.generate(TEXTS[:1], max_new_tokens=NEW)
     with pytest.raises(BackendError, match="engine is dead"):
         next(pm.stream(TEXTS[0], max_new_tokens=NEW))
+    pm.close()
+    with pytest.raises(BackendError, match="closed"):
+        pm.generate(TEXTS[:1], max_new_tokens=NEW)
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_core_stopped_by_sigterm_mid_call_ends_the_call_with_an_error(model_dir):
+    # vLLM's engine core, sent SIGTERM, aborts every running request and exits: the
+    # call returned the outputs cut short as finished (finish_reason "abort", not
+    # aborted), with no error.
+    import os
+    import signal
+    from multiprocessing import connection
+
+    pm, core = _load_multiprocess(model_dir)
+
+    def stops_the_core(probe: Any, record: Any) -> None:
+        # (sent while the core waits for this step's answer: it aborts its requests
+        # as soon as the step is done)
+        if record.generated_index == 2:
+            Recorder.hook = None
+            os.kill(core.pid, signal.SIGTERM)
+
+    Recorder.hook = stops_the_core
+    with pytest.raises(BackendError, match=r"engine died during this call \(its engine core "
+                       r"(stopped on its own|process EngineCore \(pid \d+\) exited)"):
+        pm.generate(TEXTS, max_new_tokens=NEW)
+    assert pm.router.live_requests() == ()
+    with pytest.raises(BackendError, match="engine is dead .*load the model again"):
+        pm.generate(TEXTS[:1], max_new_tokens=NEW)
+    assert connection.wait([core.sentinel], timeout=240) == [core.sentinel]
     pm.close()
     with pytest.raises(BackendError, match="closed"):
         pm.generate(TEXTS[:1], max_new_tokens=NEW)

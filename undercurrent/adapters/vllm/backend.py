@@ -596,7 +596,9 @@ class VLLMBackend:
         ``collective_rpc``: vLLM's client tells neither when its core dies."""
         if self._shutting_down:
             return
-        self._core_death = engine_death(self.engine, True) or "its engine core process ended"
+        # (an engine core seen stopping on its own keeps that reading: see _core_stopped)
+        self._core_death = (self._core_death or engine_death(self.engine, True)
+                            or "its engine core process ended")
         error = BackendError(f"the vLLM engine died: {self._core_death}")
         core = self.engine.engine_core
         core.outputs_queue.put_nowait(error)
@@ -606,6 +608,21 @@ class VLLMBackend:
                     future.set_exception(error)
                 except Exception:  # noqa: BLE001 - answered meanwhile
                     pass
+
+    def _core_stopped(self, running: int) -> None:
+        """The engine core aborted a request this driver did not abort: it is shutting
+        down (vLLM's engine core, sent SIGTERM or SIGINT, aborts every running request
+        and exits), and would end the call with outputs cut short, reported as
+        finished. It is dead from now on (a call waiting for it would wait for good):
+        raise an error naming it."""
+        if self._core_death is None:
+            self._core_death = ("its engine core stopped on its own, aborting the requests "
+                                "it ran (vLLM's shutdown, as when its process is sent "
+                                "SIGTERM)")
+        raise BackendError(f"the vLLM engine core stopped with {running} request(s) of this "
+                           "call unfinished: it aborted them itself, as vLLM does when its "
+                           "process is told to shut down (SIGTERM); their outputs would be "
+                           "cut short")
 
     def _take_aborted(self) -> list[str]:
         with self._input_lock:
@@ -916,6 +933,9 @@ class VLLMBackend:
                     if engine_id in stopping and len(tokens[engine_id]) >= stopping[engine_id]:
                         break  # (the stop string's token: none after it is the output's)
                 if output.finished:
+                    if (self.multiprocess and completion.finish_reason == "abort"
+                            and engine_id not in stopping):
+                        self._core_stopped(len(states) - len(done))
                     done.add(engine_id)
                     reasons[engine_id] = _finish_reason(completion, self.eos_token_ids)
             complete = [engine_id for engine_id, keep in stopping.items()
