@@ -55,6 +55,12 @@ class OpenStream(Iterator[StreamEvent]):
             raise StopIteration
 
     @property
+    def cancel(self) -> threading.Event:
+        """The event that cancels its generation (its backend tells by it which
+        stream a call is)."""
+        return self._cancel
+
+    @property
     def suspended(self) -> bool:
         """Started, not ended, and not being advanced (between two events)."""
         return (self._reader is None

@@ -111,6 +111,7 @@ def test_an_interrupt_in_the_cleanup_still_ends_every_request_and_frees_the_engi
         assert _summary(pm.generate(TEXTS, max_new_tokens=NEW)) == baseline
 
 
+@pytest.mark.timeout(300)  # (a hang guard: close() inside the call waited for good)
 def test_close_waits_for_a_call_in_another_thread_and_is_refused_inside_one(model_dir):
     pm = _load(model_dir)
     baseline = _summary(pm.generate(TEXTS, max_new_tokens=NEW))
@@ -120,10 +121,17 @@ def test_close_waits_for_a_call_in_another_thread_and_is_refused_inside_one(mode
             Recorder.hook = None
             pm.close()
 
-    Recorder.hook = closes  # (raises into the probe's result: the call goes on)
-    (inside,) = pm.generate(TEXTS[:1], max_new_tokens=NEW)
-    assert "close() was called from inside this engine's own generation" in str(
-        inside.results["inline"].error)
+    # (with a finished stream held, not read to its end, too: close() counted it as
+    # a stream suspended on this thread, not as a call running there, and waited
+    # for the call it was called from, for good)
+    held = pm.stream(TEXTS[0], max_new_tokens=NEW)
+    for held_stream in (None, held):
+        if held_stream is not None:
+            assert next(event for event in held_stream if event.finished).output.token_ids
+        Recorder.hook = closes  # (raises into the probe's result: the call goes on)
+        (inside,) = pm.generate(TEXTS[:1], max_new_tokens=NEW)
+        assert "close() was called from inside this engine's own generation" in str(
+            inside.results["inline"].error)
     reached, release, progress = threading.Event(), threading.Event(), threading.Event()
 
     def gate(probe: Any, record: Any) -> None:

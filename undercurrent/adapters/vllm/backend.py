@@ -273,6 +273,7 @@ class VLLMBackend:
         # another thread, and refuses one from inside the engine's own call.
         self._generating: int | None = None
         self._generating_router: object | None = None  # (the call's router: see check_closable)
+        self._generating_cancel: threading.Event | None = None  # (a stream's: see check_closable)
         self._idle = threading.Condition()
         self._streams: weakref.WeakSet[OpenStream] = weakref.WeakSet()
         self._input_lock = threading.Lock()
@@ -745,6 +746,7 @@ class VLLMBackend:
                                    "time per ProbedModel)")
             self._generating = threading.get_ident()
             self._generating_router = session.router
+            self._generating_cancel = cancel
         engine_ids: dict[str, str] = {}
         self.engine_token_counts = {}
         try:
@@ -828,6 +830,7 @@ class VLLMBackend:
                     self._internal_ids.clear()
                     with self._idle:
                         self._generating = self._generating_router = None
+                        self._generating_cancel = None
                         self._busy.release()
                         self._idle.notify_all()
         # The final events come once the engine is let go: nothing is left to run (a
@@ -1070,16 +1073,20 @@ class VLLMBackend:
         on the thread generating, or, while the engine generates, a probe on a
         thread of the router that call uses: an async worker, a blocking probe's
         helper): waiting there would wait for itself, or for a call that waits for
-        it. Another router's probe (another model's) waits. A stream suspended on
-        this thread is not running: close() ends it."""
+        it. Another router's probe (another model's) waits. The stream whose call
+        holds the engine, suspended on this thread, is not running: close() ends
+        it."""
         generating, router = self._generating, self._generating_router
         if generating is not None and on_probe_thread(router):
             raise BackendError(
                 "close() was called from a probe's thread (an async worker or a blocking "
                 "probe's helper) while this engine generates: the call may wait for that "
                 "probe, so close() cannot wait for it; close it once the call has returned")
+        # (only the stream whose call holds the engine: another one held, finished
+        # or not started, says nothing of the call running on this thread)
+        holder = self._generating_cancel
         if generating == threading.get_ident() and not any(
-                stream.suspended for stream in list(self._streams)):
+                stream.suspended and stream.cancel is holder for stream in list(self._streams)):
             raise BackendError("close() was called from inside this engine's own "
                                "generation (a probe or a callback); close it once the "
                                "call has returned")
