@@ -327,6 +327,43 @@ def test_an_engine_core_stopped_by_sigterm_mid_call_ends_the_call_with_an_error(
         pm.generate(TEXTS[:1], max_new_tokens=NEW)
 
 
+def test_a_model_dropped_without_close_is_collected_and_its_engine_core_ends(tmp_path, model_dir):
+    # A model dropped without close() (a notebook cell run again) was never collected:
+    # the step server's thread held its backend, and so did the frames of the first
+    # load, which vLLM's first import kept (with the error of an optional import):
+    # the engine core process and its KV cache lived until the interpreter exited.
+    # (A script of its own: the first load of its process.)
+    import subprocess
+    import sys
+
+    script = tmp_path / "dropped.py"
+    script.write_text(
+        "import gc\n"
+        "import sys\n"
+        "import weakref\n"
+        "from multiprocessing import connection\n"
+        "from undercurrent import ProbedModel\n"
+        "if __name__ == '__main__':\n"
+        "    pm = ProbedModel.from_pretrained(sys.argv[1], backend='vllm', dtype='float32',\n"
+        "                                     max_model_len=128, multiprocess=True)\n"
+        "    (core,) = pm.backend.engine.engine_core.resources.engine_manager.processes\n"
+        "    generated = len(pm.generate('the cat', max_new_tokens=2)[0].token_ids)\n"
+        "    dropped = weakref.ref(pm.backend)  # (the engine's holder)\n"
+        "    del pm\n"
+        "    gc.collect()\n"
+        "    collected = dropped() is None\n"
+        "    # (the engine core is shut down on a thread of its own: waited for)\n"
+        "    ended = collected and connection.wait([core.sentinel], timeout=300) == [\n"
+        "        core.sentinel]\n"
+        "    with open(sys.argv[2], 'w') as out:\n"
+        "        out.write(f'{generated} {collected} {ended}')\n")
+    result = tmp_path / "result.txt"
+    completed = subprocess.run([sys.executable, str(script), model_dir, str(result)],
+                               capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert result.read_text() == "2 True True", completed.stderr[-3000:]
+
+
 def test_a_script_that_never_closes_leaves_no_staged_model_or_socket_behind(tmp_path):
     # The bundled model's directory holds a probe file, so vLLM loads a staged copy
     # of it (links in a temporary directory), and the driver listens for the worker

@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Generator, Iterator, Sequence
@@ -79,6 +80,33 @@ def _vllm_version() -> tuple[int, int]:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         return (0, 0)
+
+
+def import_vllm_apart() -> None:
+    """Import vLLM's engine modules, the first time, on a thread of its own (raising
+    here what the import raised there). vLLM keeps the error of an optional import it
+    tries (torchcodec's, in ``vllm.multimodal.media.audio``) with its traceback, whose
+    frames reach back through every caller of the first import: their locals, the
+    first backend loaded among them, lived until the interpreter exited (a model
+    dropped without close() was never collected, its engine never let go)."""
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            import vllm  # noqa: F401
+            from vllm import EngineArgs  # noqa: F401
+            from vllm.v1.engine.llm_engine import LLMEngine  # noqa: F401
+            from vllm.v1.executor import Executor  # noqa: F401
+        except BaseException as error:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(error)
+
+    if "vllm.v1.executor" in sys.modules:
+        return
+    importer = threading.Thread(target=load, name="undercurrent-vllm-import")
+    importer.start()
+    importer.join()
+    if failed:
+        raise failed[0]
 
 
 def check_vllm_version() -> None:
@@ -234,6 +262,21 @@ def _finish_reason(completion: Any, eos_ids: frozenset[int]) -> str:
     return "eos" if stop_reason is None or stop_reason in eos_ids else "stop"
 
 
+def _release_engine(engine: Any, server: StepServer) -> None:
+    """Shut down the engine of a backend collected without close(), on a thread of its
+    own: the collection may run on any thread, vLLM's or the step server's among
+    them, which the shutdown joins. Not a daemon thread: an exit waits for it."""
+
+    def release() -> None:
+        server.close()
+        try:
+            engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - nothing is left to tell
+            logger.debug("undercurrent: vLLM engine shutdown failed", exc_info=True)
+
+    threading.Thread(target=release, name="undercurrent-vllm-release").start()
+
+
 class VLLMBackend:
     """Live capture inside a vLLM engine (continuous batching, many requests).
 
@@ -295,7 +338,16 @@ class VLLMBackend:
                 "(pipeline_parallel_size > 1): each stage owns a slice of the layers and only the "
                 "last owns the final norm; see docs/vllm.md. Use tensor_parallel_size instead."
             )
-        self.server = StepServer(self._abort_in_engine)
+        # (a weak reference: the server's thread lives until the server closes, and a
+        # model dropped without close() must be collected, its engine let go)
+        abort_in_engine = weakref.WeakMethod(self._abort_in_engine)
+
+        def on_abort(engine_ids: list[str]) -> None:
+            method = abort_in_engine()
+            if method is not None:
+                method(engine_ids)
+
+        self.server = StepServer(on_abort)
         try:
             captures = engine.collective_rpc(
                 "undercurrent_attach", args=(self.server.address, self.server.authkey,
@@ -314,6 +366,11 @@ class VLLMBackend:
                     alive._core_ended()
 
             watch_engine_core(engine, core_ended)
+        # A backend collected without close() (a notebook cell run again) lets its
+        # engine go: else the engine core, its KV cache and its process lived until
+        # the interpreter exited. Not at exit: vLLM shuts its own engines down then.
+        self._release = weakref.finalize(self, _release_engine, engine, self.server)
+        self._release.atexit = False
         # (the hf backend's: the generation config's, else the tokenizer's; the
         # engine stops on these alone, see GenerationSettings.sampling_kwargs)
         self.eos_token_ids = self.generation.eos_token_ids
@@ -368,6 +425,7 @@ class VLLMBackend:
             raise BackendError(
                 f"kv_cache_gib={kv_cache_gib!r} and kv_cache_memory_bytes="
                 f"{engine_kwargs['kv_cache_memory_bytes']!r} both size the KV cache; give one")
+        import_vllm_apart()
         check_vllm_version()
         check_engine_device(device)
         # On CPU, vLLM moves a single worker into a process of its own when this is "1";
@@ -1112,6 +1170,7 @@ class VLLMBackend:
             except Exception:  # noqa: BLE001 - the engine may be going
                 pass
         self._shutting_down = True
+        self._release.detach()  # (done here)
         self.server.close()
         try:
             self.engine.engine_core.shutdown()
