@@ -443,6 +443,28 @@ CLEAN_UP_KINDS = ["wordpiece, cleaned up", "byte-level, cleaned up", "unigram, c
 
 
 @pytest.mark.parametrize("kind", CLEAN_UP_KINDS)
+def test_a_run_of_apostrophes_is_paired_from_its_first_as_in_the_whole_text(kind) -> None:
+    # " ' " is "'", replaced from the left: "' ' ' ' " is "'''' " from its first
+    # space and "''''" from the next, so a window beginning inside the run (a
+    # Unigram decode reads "\u2581" and "'" as tokens of their own) can read its
+    # text consistently and wrongly. Each token's pieces are those of the whole
+    # text, and the stop match finds the first token whose whole text holds the
+    # stop string.
+    tokenizer = _tokenizer(kind)
+    decode, reach, eos = text_decoder(tokenizer), decode_reach(tokenizer), {tokenizer.eos_token_id}
+    for text in ["she ' s" + " '" * 30 + " hi", "x" + " '" * 41 + " ,", "do n ' t" + " '" * 12]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        texts = [decode(ids[:count]) for count in range(1, len(ids) + 1)]
+        for stops in [[], ["'' h"], ["''' ,"], [texts[-1][-5:]]]:
+            whole, stream = StreamText(stops, reach=reach), StreamText(stops, decode, reach)
+            pieces = [stream.next_piece(ids[:count]) for count in range(1, len(ids) + 1)]
+            assert pieces == [whole.piece(texts[count]) for count in range(len(ids))], (text, stops)
+            end = next((count for count in range(len(ids))
+                        if stop_position(texts[count], stops) is not None), None)
+            assert StopMatch(stops, decode, eos, reach).scan(ids) == end, (text, stops)
+
+
+@pytest.mark.parametrize("kind", CLEAN_UP_KINDS)
 def test_streams_and_stop_strings_on_punctuation_a_clean_up_rewrites_match_the_whole_text(
         kind) -> None:
     # Ids drawn at random from the tokens the clean-up reads (apostrophes,

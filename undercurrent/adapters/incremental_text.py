@@ -71,7 +71,14 @@ class IncrementalText:
     does: a run of ``" ' "`` is cleaned up in pairs from its first token; the
     one that read as the window the last time is tried first). The overlap
     likewise begins a token earlier where its text from the first of those
-    steps does not end as the window's.
+    steps does not end as the window's. Either begins only where its own text
+    holds a character other than a space or ``'``, or ends as the text does at
+    its end (a window beginning inside a run of ``" '"`` pairs it as the whole
+    text does only an even number of pairs past the run's first space, and else
+    reads the tokens after it wrongly, yet consistently: see
+    :meth:`_pairs_as_whole`);
+    else the overlap stays the window, and a step going back tries the marks
+    before.
 
     Given ``runs`` (:func:`~undercurrent.adapters.prompts.byte_runs`: the
     decode reads a run of byte fallback tokens as one), :attr:`run_start` is
@@ -175,11 +182,13 @@ class IncrementalText:
             self.overlap_text = window
             # (and, where the decode cleans up spaces, from the token before: a run
             # of " ' " is cleaned up in pairs from its first token)
+            end = start + len(new)
             for extra in (0, 1) if self.reach and size < len(self.ids) else (0,):
                 kept = self.ids[len(self.ids) - size - extra:]
                 text = self.decode(kept) if decoded or extra else new
                 if text and later <= len(text) and window.endswith(text[len(text) - later:]
-                                                                  if later else text):
+                                                                  if later else text) \
+                        and self._pairs_as_whole(text, end):
                     self.ids, self.overlap_text = kept, text
                     groups[0] = (groups[0][0] + extra, groups[0][1])
                     break
@@ -212,11 +221,32 @@ class IncrementalText:
                 overlap = list(tokens[mark - earlier:first])
                 text = self.decode(overlap)
                 window = self.decode([*overlap, *tokens[first:self.count]])
-                if text and window.startswith(text):
+                if text and window.startswith(text) and self._pairs_as_whole(text, start):
                     del marks[index + 1:]
                     self.earlier = earlier
                     return self._restart(tokens, overlap, text, window, first, start)
         return self.resync(tokens[:self.count])
+
+    def _pairs_as_whole(self, text: str, end: int) -> bool:
+        """Whether a window that begins with tokens whose own text is ``text``
+        (the text's first ``end`` characters end with theirs) cleans up the
+        ``" ' "`` of a run past them as the whole text does.
+
+        The clean-up replaces ``" ' "`` from the left, so in a run of ``" '"`` it
+        joins the pairs from the run's first space: a window that begins inside
+        the run joins the same pairs, and reads the tokens after it as the whole
+        text does, only where it begins an even number of pairs past that space
+        (``"' ' ' ' "`` is ``"'''' "`` from its first space, ``"''''"`` from
+        the next). Their text tells which: a character other than a space or
+        ``'`` is read alike from any start; in a run, both join all its spaces
+        but the last, which one of them leaves where they began an odd number of
+        pairs apart (``" '"`` or ``"' "`` against ``"''"`` or ``"'"`` at the
+        end). Where neither shows (a text of one ``'``, or the text before it
+        not held), the window is taken to pair otherwise."""
+        if not self.reach or text.strip("' "):
+            return True
+        held = end - self.tail_start
+        return len(text) >= 2 and held >= 2 and self.tail[held - 2:held] == text[-2:]
 
     def resync(self, tokens: Sequence[int]) -> int:
         """Decode ``tokens`` (the request's tokens so far) whole, and step on from
