@@ -447,12 +447,15 @@ def test_a_run_of_apostrophes_is_paired_from_its_first_as_in_the_whole_text(kind
     # " ' " is "'", replaced from the left: "' ' ' ' " is "'''' " from its first
     # space and "''''" from the next, so a window beginning inside the run (a
     # Unigram decode reads "\u2581" and "'" as tokens of their own) can read its
-    # text consistently and wrongly. Each token's pieces are those of the whole
-    # text, and the stop match finds the first token whose whole text holds the
-    # stop string.
+    # text consistently and wrongly; after such a run, " n ' t" drops the space
+    # before "n" that the run's last pair left or took, three characters before
+    # the "t" (a window read "''''n" there, the text "''''' n"). Each token's
+    # pieces are those of the whole text, and the stop match finds the first
+    # token whose whole text holds the stop string.
     tokenizer = _tokenizer(kind)
     decode, reach, eos = text_decoder(tokenizer), decode_reach(tokenizer), {tokenizer.eos_token_id}
-    for text in ["she ' s" + " '" * 30 + " hi", "x" + " '" * 41 + " ,", "do n ' t" + " '" * 12]:
+    for text in ["she ' s" + " '" * 30 + " hi", "x" + " '" * 41 + " ,", "do n ' t" + " '" * 12,
+                 *("'" + " '" * count + " n ' t" for count in (6, 8, 10))]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         texts = [decode(ids[:count]) for count in range(1, len(ids) + 1)]
         for stops in [[], ["'' h"], ["''' ,"], [texts[-1][-5:]]]:

@@ -72,13 +72,12 @@ class IncrementalText:
     one that read as the window the last time is tried first). The overlap
     likewise begins a token earlier where its text from the first of those
     steps does not end as the window's. Either begins only where its own text
-    holds a character other than a space or ``'``, or ends as the text does at
-    its end (a window beginning inside a run of ``" '"`` pairs it as the whole
-    text does only an even number of pairs past the run's first space, and else
-    reads the tokens after it wrongly, yet consistently: see
-    :meth:`_pairs_as_whole`);
-    else the overlap stays the window, and a step going back tries the marks
-    before.
+    ends as the text does at its end (its last ``reach`` characters, or two
+    where it holds only spaces and ``'``: a window beginning inside a run of
+    ``" '"`` pairs it as the whole text does only an even number of pairs past
+    the run's first space, and else reads the tokens after it wrongly, yet
+    consistently; see :meth:`_pairs_as_whole`); else the overlap stays the
+    window, and a step going back tries the marks before.
 
     Given ``runs`` (:func:`~undercurrent.adapters.prompts.byte_runs`: the
     decode reads a run of byte fallback tokens as one), :attr:`run_start` is
@@ -237,16 +236,22 @@ class IncrementalText:
         the run joins the same pairs, and reads the tokens after it as the whole
         text does, only where it begins an even number of pairs past that space
         (``"' ' ' ' "`` is ``"'''' "`` from its first space, ``"''''"`` from
-        the next). Their text tells which: a character other than a space or
-        ``'`` is read alike from any start; in a run, both join all its spaces
-        but the last, which one of them leaves where they began an odd number of
-        pairs apart (``" '"`` or ``"' "`` against ``"''"`` or ``"'"`` at the
-        end). Where neither shows (a text of one ``'``, or the text before it
-        not held), the window is taken to pair otherwise."""
-        if not self.reach or text.strip("' "):
+        the next). Their text tells which: past a character other than a space
+        or ``'`` the window reads as the whole text does from any start, but the
+        space just before it is the run's last, which the window may have taken
+        where the text kept it (``"' ' ' ' n"`` is ``"''''n"``, in the text
+        ``"''''' n"``, and a ``"'t"`` after it drops that space), so their last
+        ``reach`` characters must be the text's; in a run, both join all its
+        spaces but the last, which one of them leaves where they began an odd
+        number of pairs apart (``" '"`` or ``"' "`` against ``"''"`` or
+        ``"'"`` at the end), so their last two must be. Where neither shows (a
+        text of one ``'``, or the text before it not held), the window is taken
+        to pair otherwise."""
+        if not self.reach:
             return True
+        size = min(len(text), self.reach) if text.strip("' ") else 2
         held = end - self.tail_start
-        return len(text) >= 2 and held >= 2 and self.tail[held - 2:held] == text[-2:]
+        return len(text) >= size and held >= size and self.tail[held - size:held] == text[-size:]
 
     def resync(self, tokens: Sequence[int]) -> int:
         """Decode ``tokens`` (the request's tokens so far) whole, and step on from
