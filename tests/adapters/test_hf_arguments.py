@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
+from undercurrent.models import tiny_model_path  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint  # noqa: E402
 
 POSITIONS = 64
@@ -318,6 +319,19 @@ def test_a_missing_model_path_is_named(tmp_path, path, backend) -> None:
     message = str(caught.value)
     assert message.startswith(f"model path {path!r} does not exist"), message
     assert "config.json" in message and "undercurrent/tiny" in message
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_model_path_that_is_a_file_is_refused(backend) -> None:
+    """The model's own config.json or weights file is not a model path: transformers
+    read it as a checkpoint (torch's UnpicklingError, or "not a valid JSON file")."""
+    directory = tiny_model_path()
+    for path in (directory / "config.json", directory / "model.safetensors"):
+        with pytest.raises(NotADirectoryError) as caught:
+            ProbedModel.from_pretrained(str(path), backend=backend)
+        message = str(caught.value)
+        assert message.startswith(f"model path {str(path)!r} is a file, not a directory")
+        assert "pass the directory holding config.json" in message, message
 
 
 def test_the_hf_backend_names_a_missing_model_path_too() -> None:

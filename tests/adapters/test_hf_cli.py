@@ -66,6 +66,16 @@ def test_inspect_model_on_a_missing_path_fails_clearly(tmp_path, capsys, monkeyp
         assert "model path 'models/nope' does not exist" in _one_line_error(capsys)
 
 
+def test_a_model_path_that_is_a_file_fails_clearly(saved_model, capsys):
+    """run --model <config.json> died with a traceback (torch's UnpicklingError)."""
+    config = saved_model / "config.json"
+    for command in (["inspect-model", str(config)],
+                    ["run", str(SPEC_FILE), "--model", str(config), "--prompt", "w1"]):
+        assert main(command) == 1
+        line = _one_line_error(capsys)
+        assert f"model path {str(config)!r} is a file, not a directory" in line, line
+
+
 def test_run_prints_text_and_verdicts_and_saves_records(saved_model, tmp_path, capsys):
     spec_path = tmp_path / "spec.yaml"
     assert main(["inspect-model", str(saved_model), "--emit-spec", str(spec_path)]) == 0

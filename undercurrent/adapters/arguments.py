@@ -67,8 +67,14 @@ def check_device(device: Any) -> None:
 
 
 def check_model_path(name: str) -> None:
-    """Refuse a model path that does not exist and cannot be a hub id, naming it
-    (transformers would answer "Repo id must be in the form ...")."""
+    """Refuse a model path that does not exist and cannot be a hub id (transformers
+    would answer "Repo id must be in the form ..."), or that is a file, not a
+    directory (the model's config.json or weights: transformers would read it as a
+    checkpoint and fail in torch's unpickler), naming it."""
+    if os.path.exists(name) and not os.path.isdir(name):
+        raise NotADirectoryError(
+            f"model path {name!r} is a file, not a directory; pass the directory holding "
+            "config.json and the weights")
     if not os.path.exists(name) and looks_like_local_path(name):
         raise FileNotFoundError(
             f"model path {name!r} does not exist; pass a directory holding config.json and "
