@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,3 +61,16 @@ def no_gc_callbacks() -> Iterator[None]:
     finally:
         added = [callback for callback in gc.callbacks if callback not in saved]
         gc.callbacks[:] = saved + added
+
+
+@pytest.fixture
+def home(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """$HOME in one folder, the working directory in another (a path written to
+    ``./~/...`` shows up there)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    yield home
+    assert os.listdir(work) == [], "something was written under the working directory"

@@ -136,6 +136,32 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "option"), [
+    (["run", str(SPECS / "demo.yaml"), "--model", "tiny", "--prompt", "hi", "--records", ""],
+     "--records"),
+    (["run", str(SPECS / "demo.yaml"), "--model", "", "--prompt", "hi"], "--model"),
+    (["run", "", "--model", "tiny", "--prompt", "hi"], "SPEC"),
+    (["inspect-model", "tiny", "--emit-spec", ""], "--emit-spec"),
+    (["inspect-model", ""], "MODEL"),
+    (["validate", str(SPECS / "demo.yaml"), ""], "SPEC"),
+    (["demo", "--out", ""], "--out"),
+    (["demo", "--spec", ""], "--spec"),
+    (["capture", "--spec", str(SPECS / "demo.yaml"), "--prompts", "", "--out", "o"],
+     "--prompts"),
+    (["capture", "--spec", "", "--prompts", "p.txt", "--out", "o"], "--spec"),
+])
+def test_an_empty_path_argument_is_a_usage_error_naming_it(
+        argv: list[str], option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`run --records ''` and `inspect-model --emit-spec ''` ran and wrote nothing,
+    without a word; `validate ''` and `demo --out ''` said "'' is a directory" and
+    `capture --prompts ''` named '.'."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert f"argument {option}: an empty path; give a path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_lists_the_commands_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

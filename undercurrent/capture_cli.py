@@ -17,6 +17,7 @@ from undercurrent.adapters.base import BackendError, backend_class
 from undercurrent.adapters.prompts import refuse_lone_surrogates
 from undercurrent.api import ProbedModel
 from undercurrent.errors import one_line
+from undercurrent.paths import path_argument
 from undercurrent.spec import SpecDeprecationWarning
 from undercurrent.store.capture import (
     capture_settings,
@@ -41,12 +42,14 @@ def add_capture_command(subparsers: Any) -> None:
             "--shard i/N, N processes (or machines sharing a filesystem) each capture a "
             "disjoint part of the prompts into the same OUT."),
     )
-    parser.add_argument("--spec", required=True, help="YAML spec file")
-    parser.add_argument("--prompts", required=True, metavar="FILE",
+    parser.add_argument("--spec", required=True, type=path_argument, help="YAML spec file")
+    parser.add_argument("--prompts", required=True, metavar="FILE", type=path_argument,
                         help="prompts: .txt (one per line) or .jsonl (a string, or an object "
                              "with a 'prompt' key, per line)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="store directory")
-    parser.add_argument("--model", default="tiny", help="local path, hub id, or 'tiny'")
+    parser.add_argument("--out", required=True, metavar="DIR", type=path_argument,
+                        help="store directory")
+    parser.add_argument("--model", default="tiny", type=path_argument,
+                        help="local path, hub id, or 'tiny'")
     parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda, cuda:1")
     parser.add_argument("--shard", default=None, metavar="i/N",

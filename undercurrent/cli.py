@@ -41,6 +41,7 @@ from undercurrent.capture_cli import (
 from undercurrent.demo import add_demo_command
 from undercurrent.errors import one_line
 from undercurrent.notebook.storage import save_records
+from undercurrent.paths import path_argument
 from undercurrent.probes.registry import default_registry
 from undercurrent.router.validation import probe_problems, raw_probe_problems
 from undercurrent.spec import (
@@ -87,7 +88,8 @@ def _add_validate_command(subparsers: Any) -> None:
             "(including a --probes module that cannot be imported)."
         ),
     )
-    parser.add_argument("specs", nargs="+", metavar="SPEC", help="YAML spec file(s)")
+    parser.add_argument("specs", nargs="+", metavar="SPEC", type=path_argument,
+                        help="YAML spec file(s)")
     parser.add_argument(
         "--strict",
         action="store_true",
@@ -371,9 +373,11 @@ def _add_inspect_model_command(subparsers: Any) -> None:
             "is built on the meta device, without weights."
         ),
     )
-    parser.add_argument("model", metavar="MODEL", help="local path, hub id, or 'tiny'")
+    parser.add_argument("model", metavar="MODEL", type=path_argument,
+                        help="local path, hub id, or 'tiny'")
     parser.add_argument("--format", choices=("text", "json"), default="text")
-    parser.add_argument("--emit-spec", metavar="FILE", help="write a starter spec to FILE")
+    parser.add_argument("--emit-spec", metavar="FILE", type=path_argument,
+                        help="write a starter spec to FILE")
     parser.set_defaults(handler=_run_inspect_model)
 
 
@@ -422,8 +426,9 @@ def _add_run_command(subparsers: Any) -> None:
         help="generate with probes and print each prompt's text and verdicts",
         description="Load MODEL, attach the probes of SPEC, generate for each --prompt.",
     )
-    parser.add_argument("spec", metavar="SPEC", help="YAML spec file")
-    parser.add_argument("--model", required=True, help="local path, hub id, or 'tiny'")
+    parser.add_argument("spec", metavar="SPEC", type=path_argument, help="YAML spec file")
+    parser.add_argument("--model", required=True, type=path_argument,
+                        help="local path, hub id, or 'tiny'")
     parser.add_argument("--prompt", action="append", required=True, dest="prompts",
                         metavar="TEXT", help="a prompt (repeat for several)")
     parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
@@ -432,7 +437,7 @@ def _add_run_command(subparsers: Any) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string")
-    parser.add_argument("--records", metavar="FILE.parquet",
+    parser.add_argument("--records", metavar="FILE.parquet", type=path_argument,
                         help="save the captured records (needs the notebook extra)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     _add_probes_option(parser)

@@ -33,6 +33,7 @@ from undercurrent.errors import one_line
 from undercurrent.models import tiny_model_path, tiny_probe_path
 from undercurrent.models.corpus import LABEL_NAMES, chat_prompt, first_revealing_index
 from undercurrent.notebook.plots import trajectory_figure
+from undercurrent.paths import path_argument
 from undercurrent.probes.weights import load_linear_weights
 
 DEFAULT_REPORT = "undercurrent-demo.html"
@@ -329,9 +330,10 @@ def add_demo_command(subparsers: Any) -> None:
                      "specs/demo.yaml: live per-token probe scores, a real abort, a verdict "
                      "table and an offline HTML report."),
     )
-    parser.add_argument("--out", default=DEFAULT_REPORT,
+    parser.add_argument("--out", default=DEFAULT_REPORT, type=path_argument,
                         help=f"where to write the HTML report (default: ./{DEFAULT_REPORT})")
-    parser.add_argument("--spec", default=None, help="spec file (default: specs/demo.yaml)")
+    parser.add_argument("--spec", default=None, type=path_argument,
+                        help="spec file (default: specs/demo.yaml)")
     parser.add_argument("--max-new-tokens", type=int, default=60)
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour tokens by score (default: only on a terminal)")

@@ -543,3 +543,19 @@ def test_with_a_probed_model_probe_types_are_checked_against_the_registry_its_ro
     with pytest.raises(RouterError, match="unknown probe_type 'norm_probe'"):
         ProbedModel.from_pretrained("undercurrent/tiny", probes=registry,
                                     spec=spec_text.format(probe="norm_probe"))
+
+
+def test_a_spec_saved_under_home_loads_from_the_same_string(home):
+    """SpecEditor.save expanded "~"; load_spec and SpecEditor.from_spec did not ("is
+    not a file", "cannot read spec file '~/s.yaml': no such file")."""
+    from undercurrent.api import load_spec
+
+    editor = SpecEditor()
+    editor.add_point()
+    try:
+        assert editor.save("~/s.yaml") == home / "s.yaml"
+    finally:
+        editor.close()
+    spec = load_yaml_file(home / "s.yaml")
+    assert load_spec("~/s.yaml") == spec and load_yaml_file("~/s.yaml") == spec
+    assert SpecEditor.from_spec("~/s.yaml").spec == spec

@@ -85,3 +85,15 @@ def test_load_refuses_a_foreign_parquet_file_and_a_missing_one(tmp_path):
         load_records(foreign)
     with pytest.raises(FileNotFoundError, match="nope.parquet"):
         load_records(tmp_path / "nope.parquet")
+
+
+def test_records_saved_under_home_load_from_the_path_returned(home, records):
+    """save_records(.., "~/r.parquet") wrote $HOME/r.parquet (pyarrow expands "~")
+    and returned "~/r.parquet", which load_records refused as no such file."""
+    path = save_records(records, "~/r.parquet")
+    assert path == home / "r.parquet" and path.is_file()
+    assert len(load_records(path)) == len(load_records("~/r.parquet")) == len(records)
+    with pytest.raises(ValueError, match="save_records: path is an empty path; give"):
+        save_records(records, "")
+    with pytest.raises(ValueError, match="load_records: path is an empty path; give"):
+        load_records("")

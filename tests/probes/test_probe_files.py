@@ -43,3 +43,21 @@ def test_a_bfloat16_probe_file_is_read_and_widened_to_float64(tmp_path: Path):
     assert read.weight.tolist() == tensors["weight"].double().tolist()
     assert float(read.bias) == float(tensors["bias"])
     assert read.metadata == bundled.metadata
+
+
+def test_a_probe_saved_under_home_loads_from_the_same_string(home):
+    """save_linear_weights (and so fit_linear_probe(save_to=)) wrote "~/p.safetensors"
+    to ./~/p.safetensors, while loading expanded "~" and looked in $HOME."""
+    import numpy as np
+
+    from undercurrent.notebook import fit_linear_probe
+    from undercurrent.probes import save_linear_weights
+
+    X = np.random.default_rng(0).normal(size=(20, 4))
+    fit = fit_linear_probe(X, [0, 1] * 10, save_to="~/fit.safetensors")
+    assert fit.path == home / "fit.safetensors"
+    assert load_linear_weights("~/fit.safetensors").weight.shape[-1] == 4
+    assert save_linear_weights("~/p.npz", np.ones(4), 0.0) == home / "p.npz"
+    assert load_linear_weights("~/p.npz").weight.shape[-1] == 4
+    with pytest.raises(ValueError, match="save_linear_weights: path is an empty path; give"):
+        save_linear_weights("", np.ones(4), 0.0)

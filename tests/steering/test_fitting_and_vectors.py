@@ -305,3 +305,18 @@ def test_non_finite_activations_and_missing_labels_are_refused_not_averaged() ->
     with pytest.raises(ValueError, match=r"^fit_steering_vector: 2 rows have no label .*"
                        r"request\(s\) \['r1'\]"):
         fit_steering_vector(records_frame(records), labels)
+
+
+def test_a_vector_saved_under_home_is_written_there(home):
+    """SteeringVector.save("~/v.safetensors") wrote ./~/v.safetensors, which an
+    edit's vector: "~/v.safetensors" (read with "~" expanded) does not name."""
+    from undercurrent.probes.weights import read_array_file
+    from undercurrent.steering import SteeringVector
+
+    vector = SteeringVector(vector=np.ones(4), positive=None, negative=None, layer=1,
+                            tensor_type="residual_stream")
+    assert vector.save("~/v.safetensors") == home / "v.safetensors"
+    arrays, _ = read_array_file("~/v.safetensors")
+    np.testing.assert_array_equal(arrays["vector"], np.ones(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="SteeringVector.save: path is an empty path; give"):
+        vector.save("")

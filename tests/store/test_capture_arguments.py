@@ -212,6 +212,30 @@ def test_an_out_dir_that_is_a_file_is_refused_naming_it(tiny, tmp_path, capsys):
     assert afile.read_text() == "kept"
 
 
+def test_an_empty_out_dir_is_refused_and_nothing_is_written(tiny, tmp_path, capsys,
+                                                             monkeypatch):
+    # ('' is the working directory: store.json and shards/ were written there)
+    monkeypatch.chdir(tmp_path)
+    main, base, prompts = _cli_base(tmp_path, "")
+    written = sorted(path.name for path in tmp_path.iterdir())
+    with pytest.raises(ValueError, match="^out_dir is an empty path; give the store's"):
+        tiny.capture(PROMPTS, "", **GOOD)
+    assert main([*base, "--prompts", str(prompts)]) == 2
+    assert "argument --out: an empty path; give a path" in capsys.readouterr().err
+    assert sorted(path.name for path in tmp_path.iterdir()) == written
+
+
+def test_a_store_under_home_is_written_and_opened_there(tiny, home):
+    # (pyarrow expanded "~" and the store's own code did not: the capture failed
+    # on a half-expanded path)
+    summary = tiny.capture(PROMPTS, "~/st", **GOOD)
+    assert summary.path == home / "st" and (home / "st" / "store.json").is_file()
+    store = open_activations("~/st")
+    assert store.path == home / "st" and len(store.index) == summary.vectors
+    with pytest.raises(ValueError, match="open_activations: path is an empty path"):
+        open_activations("")
+
+
 def test_cli_no_resume_on_a_written_store_names_the_flag_to_drop(tmp_path, capsys):
     out = tmp_path / "o"
     main, base, prompts = _cli_base(tmp_path, out)

@@ -30,6 +30,7 @@ from undercurrent.analysis.frames import (
     records_frame,
 )
 from undercurrent.arguments import check_flag
+from undercurrent.paths import user_path
 from undercurrent.records import ActivationRecord
 
 FORMAT_NAME = "undercurrent.records/1"
@@ -61,6 +62,7 @@ def save_records(records: Any, path: str | os.PathLike[str], *, tokenizer: Any =
     """
     import numpy as np
 
+    target = user_path(path, "save_records: path", what="a .parquet file")
     pa = _pyarrow()
     import pandas as pd
 
@@ -85,7 +87,6 @@ def save_records(records: Any, path: str | os.PathLike[str], *, tokenizer: Any =
     if projected:
         metadata[_PROJECTED_KEY] = _encode_projected(np, projected)
     table = table.replace_schema_metadata(metadata)
-    target = Path(path)
     pa.parquet.write_table(table, target)
     return target
 
@@ -153,8 +154,8 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
     import numpy as np
 
     check_flag("load_records: as_records", as_records)
+    source = user_path(path, "load_records: path", what="a file save_records wrote")
     pa = _pyarrow()
-    source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"load_records: no such file {str(source)!r}")
     table = pa.parquet.read_table(source)

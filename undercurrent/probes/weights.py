@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from undercurrent.paths import user_path
 from undercurrent.probes.arrays import as_float_array, numpy_module
 from undercurrent.probes.scoring import parse_threshold
 
@@ -339,7 +340,7 @@ def save_linear_weights(
     Returns the path written. Use it from fitting code so the format lives in one place.
     """
     np = numpy_module()
-    target = Path(path)
+    target = user_path(path, "save_linear_weights: path", what="a .safetensors or .npz file")
     checked = linear_weights(weight, bias, source=f"probe to save at {str(path)!r}")
     if link is not None and link not in LINKS:
         raise ValueError(f"link must be one of {', '.join(LINKS)}, got {link!r}")

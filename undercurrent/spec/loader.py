@@ -502,9 +502,10 @@ def is_yaml_text(value: str | os.PathLike[str]) -> TypeGuard[str]:
 
 
 def is_file(text: str) -> bool:
-    """Whether ``text`` names a file (False for a name the OS refuses outright)."""
+    """Whether ``text`` names a file, ``~`` expanded (False for a name the OS refuses
+    outright)."""
     try:
-        return Path(text).is_file()
+        return Path(text).expanduser().is_file()
     except (OSError, ValueError):
         return False
 

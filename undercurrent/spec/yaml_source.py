@@ -262,8 +262,8 @@ def load_yaml_data(text: str | bytes, source: str | None = None) -> Any:
 
 
 def read_spec_file(path: str | Path) -> str:
-    """Read a spec file's text, turning every I/O or decoding failure into an error
-    that names the path."""
+    """Read a spec file's text (``~`` expanded), turning every I/O or decoding failure
+    into an error that names the path as given."""
     source = str(path)
     if not isinstance(path, str | Path):
         raise SpecValidationError(
@@ -271,7 +271,9 @@ def read_spec_file(path: str | Path) -> str:
             source=source,
         )
     try:
-        with Path(path).open("rb") as handle:
+        if not str(path):  # (Path("") is the working directory: "a directory")
+            raise ValueError("an empty path; give a YAML file")
+        with Path(path).expanduser().open("rb") as handle:
             data = handle.read(MAX_SPEC_BYTES + 1)  # never read a huge file whole
     except FileNotFoundError:
         reason = "no such file"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.analysis.fitting import _design, _sorted_classes
+from undercurrent.paths import user_path
 from undercurrent.probes.weights import load_linear_weights
 from undercurrent.spec.loader import parse_edit
 from undercurrent.spec.types import Edit, EditOp
@@ -71,7 +72,7 @@ class SteeringVector:
         ``vector`` (an edit's ``vector:`` can name the file)."""
         import numpy as np
 
-        target = Path(path)
+        target = user_path(path, "SteeringVector.save: path", what="a .safetensors or .npz file")
         array = np.ascontiguousarray(self.vector, dtype=np.float32)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.suffix == ".safetensors":

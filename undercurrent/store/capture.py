@@ -32,6 +32,7 @@ from undercurrent.adapters.base import (
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.arguments import check_flag
+from undercurrent.paths import user_path
 from undercurrent.spec import edit_to_dict, extraction_point_to_dict
 from undercurrent.spec.types import ExtractionPoint
 from undercurrent.store.format import (
@@ -137,10 +138,12 @@ def vectors_digest(resolved: Sequence[Any]) -> str:
 
 
 def check_out_dir(out_dir: str | os.PathLike[str], argument: str = "out_dir") -> Path:
-    """``out_dir`` as a ``Path``; a ``NotADirectoryError`` naming ``argument`` and the
-    file in the way when it, or a folder above it, is a file (a store is a
-    directory; the system's own "[Errno 20] Not a directory" names neither)."""
-    path = Path(out_dir)
+    """``out_dir`` as a ``Path``, ``~`` expanded; a ``ValueError`` naming ``argument``
+    when it is empty (the store would be written into the working directory), a
+    ``NotADirectoryError`` naming it and the file in the way when it, or a folder
+    above it, is a file (a store is a directory; the system's own "[Errno 20] Not a
+    directory" names neither)."""
+    path = user_path(out_dir, argument, what="the store's directory")
     for place in (path, *path.parents):
         if place.exists():
             if not place.is_dir():
@@ -184,7 +187,7 @@ def capture_activations(
                          "prompt list is empty)")
     if not model.points:
         raise ValueError("capture needs a spec with at least one extraction point")
-    check_out_dir(out_dir)
+    out_dir = check_out_dir(out_dir)
     names = [point.name for point in model.points]
     settings = capture_settings(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -250,7 +253,7 @@ def capture_activations(
     finally:
         if bar is not None:
             bar.close()
-    return CaptureSummary(path=Path(out_dir), requests=writer.requests, vectors=writer.vectors,
+    return CaptureSummary(path=out_dir, requests=writer.requests, vectors=writer.vectors,
                           bytes=writer.bytes, skipped=len(mine) - len(todo),
                           seconds=time.perf_counter() - started)
 

@@ -21,6 +21,7 @@ from undercurrent.analysis._inputs import (
     series_by_row,
 )
 from undercurrent.analysis.frames import ACTIVATIONS_KEY, RECORD_COLUMNS, Activations
+from undercurrent.paths import user_path
 from undercurrent.store.format import (
     MANIFEST,
     OUTPUT_SCHEMA,
@@ -99,7 +100,7 @@ class ActivationStore:
 
     def __init__(self, path: str | os.PathLike[str], *, _index: Any = None,
                  _parent: ActivationStore | None = None) -> None:
-        self.path = Path(path)
+        self.path = user_path(path, "open_activations: path", what="a store's directory")
         self.manifest: dict[str, Any]
         self._shards: dict[str, dict[str, Any]]
         self._maps: dict[tuple[str, str], Any]
