@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -97,3 +98,20 @@ def test_records_saved_under_home_load_from_the_path_returned(home, records):
         save_records(records, "")
     with pytest.raises(ValueError, match="load_records: path is an empty path; give"):
         load_records("")
+
+
+def test_load_refuses_a_directory_naming_it(tmp_path, records):
+    """A folder was read as a pyarrow dataset of every file under it, recursively:
+    one holding a records file and a note failed on the note (ArrowInvalid)."""
+    save_records(records, tmp_path / "r.parquet")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hello")
+    for folder in (tmp_path, tmp_path / "notes"):
+        with pytest.raises(IsADirectoryError,
+                           match=f"load_records: {str(folder)!r} is a directory; give the "
+                                 "file save_records wrote"):
+            load_records(folder)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        load_records(fifo)  # (pyarrow would wait for a writer)

@@ -158,6 +158,14 @@ def load_records(path: str | os.PathLike[str], *, as_records: bool = False) -> A
     pa = _pyarrow()
     if not source.exists():
         raise FileNotFoundError(f"load_records: no such file {str(source)!r}")
+    # (pyarrow reads a folder as one dataset of every file under it, recursively)
+    if source.is_dir():
+        raise IsADirectoryError(
+            f"load_records: {str(source)!r} is a directory; give the file save_records "
+            "wrote (a store's directory opens with open_activations)")
+    if not source.is_file():
+        raise ValueError(f"load_records: {str(source)!r} is not a regular file; give the "
+                         "file save_records wrote")
     table = pa.parquet.read_table(source)
     metadata = table.schema.metadata or {}
     if metadata.get(_FORMAT_KEY) != FORMAT_NAME.encode():
