@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from store_helpers import corpus_prompts, request_ids
 
@@ -149,6 +150,9 @@ def test_per_row_labels_of_more_rows_than_a_fit_selects_are_read_by_row(labelled
     (dict(layer=7), "no layer 7 in the store: it holds layers [0, 1, 2, 3]"),
     (dict(point="resid", tensor_type="kv"), "no 'kv' rows of point 'resid': the store "
                                             "holds 'residual_stream'"),
+    (dict(point="mlp", layer=[]), "layer=[] names no layer, which would select nothing; "
+                                  "give a layer or a list of them (the store of point 'mlp' "
+                                  "holds layers [2]), or leave layer out for all"),
 ])
 def test_select_refuses_a_point_layer_or_tensor_type_the_store_has_none_of(labelled,
                                                                           narrowing, problem):
@@ -157,6 +161,50 @@ def test_select_refuses_a_point_layer_or_tensor_type_the_store_has_none_of(label
     with pytest.raises(ValueError, match="^select: " + re.escape(problem)):
         store.select(**narrowing)
     assert len(store.select(point="mlp", layer=2, tensor_type="mlp_out")) > 0
+
+
+def test_row_selections_are_checked_against_the_index(labelled):
+    # pandas answered "positional indexers are out-of-bounds" or "Item wrong length",
+    # vectors(5) failed on a missing 'shard' column and a position 1.5 read row 1
+    store, _, _ = labelled
+    view = store.select(point="mlp")
+    count = len(view.index)
+    calls = {"select(rows=)": lambda rows: view.select(rows=rows),
+             "vectors()": view.vectors,
+             "records_frame()": lambda rows: view.records_frame(rows, tensors=False)}
+    for caller, call in calls.items():
+        for rows, error, problem in [
+                ([count], ValueError, f"row position {count} is out of range; the store "
+                                      f"view has {count} rows (positions 0 to {count - 1})"),
+                ([0, -count - 1], ValueError, f"row position {-count - 1} is out of range"),
+                ([True], ValueError, f"a boolean mask of 1 values for {count} rows"),
+                ([1.5], TypeError, "rows holds float64 values ([1.5]); row positions are "
+                                   "integers"),
+                (["a"], TypeError, "rows holds <U1 values"),
+                ("abc", TypeError, "rows is str ('abc'); pass rows of store.index"),
+                (5, TypeError, "rows is int (5); pass rows of store.index (a frame), a "
+                               "boolean mask over it or a list of row positions; for one "
+                               "row pass [5]"),
+                ([[0, 1]], TypeError, "rows is list ([[0, 1]])")]:
+            with pytest.raises(error, match="^" + re.escape(f"{caller}: {problem}")):
+                call(rows)
+    expected = view.index.iloc[[1, -1]]
+    mask = np.zeros(count, dtype=bool)
+    mask[[1, -1]] = True
+    for rows in ([1, -1], np.array([1, count - 1], dtype=np.int16), pd.Series(mask)):
+        assert view.select(rows=rows).index.equals(expected), rows
+        np.testing.assert_array_equal(view.vectors(rows), view.vectors(expected))
+    assert view.select(rows=[]).index.empty
+
+
+def test_projection_refuses_a_point_the_store_has_none_of(labelled):
+    # None read as "not projected" for a typo
+    store, _, _ = labelled
+    assert store.projection("mlp") is None and store.projected("mlp") is None
+    for method in (store.projection, store.projected):
+        with pytest.raises(ValueError, match=f"^{method.__name__}: this store has no point "
+                                             "'mlp_typo'; it holds 'resid', "):
+            method("mlp_typo")
 
 
 def test_sweep_figure_draws_accuracy_auc_and_chance(labelled):

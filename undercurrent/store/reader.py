@@ -211,7 +211,7 @@ class ActivationStore:
         """
         import numpy as np
 
-        frame = self._rows_frame(rows)
+        frame = self._rows_frame(rows, "vectors()")
         if frame.empty:
             raise ValueError("vectors(): no rows selected")
         # Positions of the rows of each (shard, point) file, grouped in C by pandas.
@@ -278,7 +278,12 @@ class ActivationStore:
             self._maps[key] = data
         return data
 
-    def _rows_frame(self, rows: Any) -> Any:
+    def _rows_frame(self, rows: Any, caller: str) -> Any:
+        """The rows of :attr:`index` that ``rows`` names: a frame of its rows as it
+        is, a boolean mask of its length, or positions in it; anything else is
+        refused naming ``caller`` (pandas said "positional indexers are
+        out-of-bounds" or "Item wrong length", a scalar failed on a missing
+        'shard' column, and a float position was read as its integer part)."""
         import numpy as np
         import pandas as pd
 
@@ -287,12 +292,34 @@ class ActivationStore:
         if isinstance(rows, pd.DataFrame):
             missing = [c for c in ("shard", "extraction_point_name", "row") if c not in rows]
             if missing:
-                raise ValueError(f"vectors(): the frame lacks index columns {missing}; pass "
+                raise ValueError(f"{caller}: the frame lacks index columns {missing}; pass "
                                  "rows of store.index (filtered, sorted or joined)")
             return rows
+        accepted = ("pass rows of store.index (a frame), a boolean mask over it or a list "
+                    "of row positions")
+        if isinstance(rows, str | bytes | Mapping) or np.ndim(rows) != 1:
+            hint = f"; for one row pass [{rows!r}]" if np.ndim(rows) == 0 and isinstance(
+                rows, numbers.Integral) and not isinstance(rows, bool) else ""
+            raise TypeError(f"{caller}: rows is {type(rows).__name__} ({rows!r:.40}); "
+                            f"{accepted}{hint}")
         selector = np.asarray(rows)
+        count = len(self.index)
+        if selector.size == 0:
+            return self.index.iloc[:0]
         if selector.dtype == bool:
+            if len(selector) != count:
+                raise ValueError(f"{caller}: a boolean mask of {len(selector)} values for "
+                                 f"{count} rows; a mask has one value per row of store.index")
             return self.index[selector]
+        if not np.issubdtype(selector.dtype, np.integer):
+            raise TypeError(f"{caller}: rows holds {selector.dtype} values "
+                            f"({selector[:3].tolist()!r:.60}); row positions are integers "
+                            f"({accepted})")
+        outside = selector[(selector < -count) | (selector >= count)]
+        if outside.size:
+            raise ValueError(f"{caller}: row position {int(outside[0])} is out of range; "
+                             f"the store{' view' if self._view else ''} has {count} rows "
+                             f"(positions 0 to {count - 1})")
         return self.index.iloc[selector]
 
     # -- narrowing ---------------------------------------------------------------------
@@ -311,7 +338,7 @@ class ActivationStore:
             # (only the asked rows reach pandas: the whole index is never built)
             index = read_index(self._index_files(), keep)
         else:
-            index = self._rows_frame(rows)
+            index = self._rows_frame(rows, "select(rows=)")
         if point is not None:
             index = index[index["extraction_point_name"] == point]
         if layer is not None:
@@ -325,10 +352,9 @@ class ActivationStore:
                     tensor_type: str | None) -> None:
         """Refuse a point, layer or tensor type the capture has none of (a typo
         would otherwise select nothing, silently), naming what it holds."""
+        if point is not None:
+            self._check_point(point, "select")
         points = [p for p in self.manifest["points"] if point is None or p["name"] == point]
-        if not points:
-            raise ValueError(f"select: this store has no point {point!r}; it holds "
-                             + ", ".join(repr(p["name"]) for p in self.manifest["points"]))
         where = "" if point is None else f" of point {point!r}"
         types = sorted({p["tensor_type"] for p in points})
         if tensor_type is not None and tensor_type not in types:
@@ -338,10 +364,22 @@ class ActivationStore:
             return
         held = sorted({int(found) for p in points for found in (
             p["layers"] if isinstance(p["layers"], list) else [p["layers"]])})
-        missing = [found for found in layer_indices(layer) if found not in held]
+        wanted = layer_indices(layer)
+        if not wanted:
+            raise ValueError(f"select: layer={layer!r} names no layer, which would select "
+                             f"nothing; give a layer or a list of them (the store{where} "
+                             f"holds layers {held}), or leave layer out for all")
+        missing = [found for found in wanted if found not in held]
         if missing:
             raise ValueError(f"select: no layer {', '.join(map(str, missing))} in the "
                              f"store{where}: it holds layers {held}")
+
+    def _check_point(self, point: str, caller: str) -> None:
+        """Refuse a point name the capture has none of, naming what it holds."""
+        names = [p["name"] for p in self.manifest["points"]]
+        if point not in names:
+            raise ValueError(f"{caller}: this store has no point {point!r}; it holds "
+                             + ", ".join(map(repr, names)))
 
     def records_frame(self, rows: Any = None, *, tensors: bool = True) -> Any:
         """The rows in ``records_frame`` form (index columns ``request``, ``point``,
@@ -355,7 +393,7 @@ class ActivationStore:
         import numpy as np
         import pandas as pd
 
-        frame = self._rows_frame(rows)
+        frame = self._rows_frame(rows, "records_frame()")
         out = frame.rename(columns={"request_id": "request", "extraction_point_name": "point"})
         for column in ("request", "point", "tensor_type"):  # (the index's str columns)
             if out[column].dtype != object:
@@ -459,6 +497,7 @@ class ActivationStore:
         recorded the captured shape cannot rebuild it: a ``ValueError`` says so."""
         import math
 
+        self._check_point(point, "projection")  # (None would read as "not projected")
         reduction = self.reductions.get(point)
         if reduction is None or reduction.project is None:
             return None
@@ -478,6 +517,7 @@ class ActivationStore:
         """``(reduction, matrix)`` for a point stored with a ``project:K`` reduction
         (``("project:K", store.projection(point))``, the matrix None when this store
         cannot rebuild it: written by an earlier version), else None."""
+        self._check_point(point, "projected")
         reduction = self.reductions.get(point)
         if reduction is None or reduction.project is None:
             return None
