@@ -237,7 +237,7 @@ def _capture(args: argparse.Namespace) -> int:
         try:
             # Only the spec knows its point names and positions: --reduce naming
             # another, or asking what would store nothing, is still a bad argument.
-            check_point_reductions(model.points, reductions)
+            check_point_reductions(model.points, reductions, model.backend.capabilities())
         except ValueError as error:
             print(f"capture: {one_line(error)}", file=sys.stderr)
             return EXIT_USAGE

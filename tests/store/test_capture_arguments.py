@@ -5,6 +5,8 @@ different capture"; the CLI answers bad values with exit 2 and one line."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -54,6 +56,36 @@ def test_a_refused_call_leaves_an_existing_store_unchanged(tiny, tmp_path):
         assert _listing(out) == before, bad
     assert (out / "store.json").read_text() == manifest
     assert tiny.capture(PROMPTS, out, **GOOD).skipped == len(PROMPTS)
+
+
+@pytest.mark.parametrize("point, features, kind", [
+    ("resid", 128, "residual_stream"), ("kv_last_prompt", 2 * 2 * 64, "kv")])
+def test_a_projection_onto_more_dimensions_than_a_point_has_is_refused(
+        tiny, tmp_path, capsys, point, features, kind):
+    # project:K took any K: K above the features stored more than the vectors, and
+    # project:99999999999 failed in the writer with numpy's MemoryError
+    from undercurrent.store import Reduction
+
+    out = tmp_path / "d1"
+    for k in (features + 1, 99999999999):
+        with pytest.raises(ValueError, match=re.escape(
+                f"reduce[{point!r}]='project:{k}' asks for more dimensions than point "
+                f"{point!r} captures ({features} features of {kind}); give K <= "
+                f"{features}")):
+            tiny.capture(PROMPTS, out, **GOOD, reduce={point: f"project:{k}"})
+        assert not out.exists()
+    main, base, prompts = _cli_base(tmp_path, out)
+    assert main([*base, "--prompts", str(prompts), "--reduce",
+                 f"{point}=project:{features + 1}"]) == 2
+    assert f"asks for more dimensions than point {point!r}" in capsys.readouterr().err
+    assert not out.exists()
+    tiny.capture(PROMPTS, out, **GOOD, reduce={point: f"project:{features}"})
+    store = open_activations(out).select(point=point)
+    assert store.vectors().shape[1:] == (features,)
+    assert store.projection(point).shape == (features, features)
+    with pytest.raises(ValueError, match=f"project:{features + 1} asks for more dimensions "
+                                         f"than the {features} features projected"):
+        Reduction(project=features + 1).projection(features)
 
 
 @pytest.mark.parametrize("batch_size, error", [

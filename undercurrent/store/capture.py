@@ -29,12 +29,13 @@ from undercurrent.adapters.base import (
     check_batch_size,
     stop_strings,
 )
+from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.adapters.outputs import GenerationOutput
 from undercurrent.adapters.prompts import check_prompts
 from undercurrent.arguments import check_flag
 from undercurrent.paths import user_path
 from undercurrent.spec import edit_to_dict, extraction_point_to_dict
-from undercurrent.spec.types import ExtractionPoint
+from undercurrent.spec.types import ExtractionPoint, TensorType
 from undercurrent.store.format import (
     STORAGE_DTYPES,
     Reduction,
@@ -193,7 +194,7 @@ def capture_activations(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=stop, batch_size=batch_size, storage_dtype=storage_dtype,
         reduce=reduce, shard=shard, shard_prompts=shard_prompts, point_names=names)
-    check_point_reductions(model.points, settings.reductions)
+    check_point_reductions(model.points, settings.reductions, model.backend.capabilities())
     index, count = settings.part
     batch_size = settings.batch_size
     if batch_size is None:
@@ -258,20 +259,41 @@ def capture_activations(
                           seconds=time.perf_counter() - started)
 
 
-def check_point_reductions(points: Sequence[ExtractionPoint], reduce: Mapping[str, Any]
-                           ) -> dict[str, Reduction]:
+def check_point_reductions(points: Sequence[ExtractionPoint], reduce: Mapping[str, Any],
+                           capabilities: Capabilities | None = None) -> dict[str, Reduction]:
     """The reductions ``reduce`` asks of the spec's ``points`` (see
     :func:`parse_reductions`), refusing what would store nothing: a mean of the
-    generated tokens of a point on prompt tokens only."""
+    generated tokens of a point on prompt tokens only; and, where the model's
+    ``capabilities`` give its sizes, a ``project:K`` onto more dimensions than
+    the point's vectors have (it would store more than the vectors themselves,
+    and a huge K failed allocating the matrix, inside the writer)."""
     reductions = parse_reductions(reduce, [point.name for point in points])
     for point in points:
-        if reductions[point.name].tokens == "mean_generated" and point.position.prompt_only:
+        reduction = reductions[point.name]
+        if reduction.tokens == "mean_generated" and point.position.prompt_only:
             raise ValueError(
                 f"reduce[{point.name!r}]='mean_generated' averages a request's generated "
                 f"tokens, but point {point.name!r} (position {str(point.position)!r}) "
                 "selects prompt tokens only: nothing would be stored; use 'last_token' "
                 "or no reduction")
+        features = None if capabilities is None else point_features(point, capabilities)
+        if reduction.project is not None and features is not None and (
+                reduction.project > features):
+            raise ValueError(
+                f"reduce[{point.name!r}]='project:{reduction.project}' asks for more "
+                f"dimensions than point {point.name!r} captures ({features} features "
+                f"of {point.tensor_type.value}); give K <= {features}")
     return reductions
+
+
+def point_features(point: ExtractionPoint, capabilities: Capabilities) -> int | None:
+    """How many values one captured vector of ``point`` holds (``kv``: keys and
+    values, ``2 * num_kv_heads * head_dim``; the others: the hidden size), or None
+    where the capabilities do not say."""
+    if point.tensor_type is TensorType.KV:
+        heads, size = capabilities.num_kv_heads, capabilities.head_dim
+        return None if heads is None or size is None else 2 * heads * size
+    return capabilities.hidden_size
 
 
 def _chunks(todo: list[int], batch_size: int, grid: int | None) -> Iterator[list[int]]:

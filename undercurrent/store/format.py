@@ -225,6 +225,9 @@ class Reduction:
 
         if self.project is None:
             raise ValueError("this reduction has no projection")
+        if self.project > features:  # (it would store more than the vectors hold)
+            raise ValueError(f"project:{self.project} asks for more dimensions than the "
+                             f"{features} features projected; give K <= {features}")
         rng = np.random.default_rng(self.seed)
         matrix = rng.standard_normal((features, self.project), dtype=np.float64)
         return (matrix / np.sqrt(self.project)).astype(np.float32)
