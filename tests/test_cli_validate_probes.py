@@ -144,6 +144,31 @@ def test_a_probes_module_that_cannot_be_imported_is_a_usage_error(tmp_path):
                                    "ModuleNotFoundError: No module named 'no_such_module_here'")
 
 
+def test_a_probes_path_that_is_no_module_is_a_usage_error_saying_what_is_taken(tmp_path):
+    # probes.txt was imported as the dotted name "probes.txt" ("No module named
+    # 'probes'"); an empty folder was imported as a namespace package, and validate
+    # said OK having loaded nothing
+    spec = _spec(tmp_path, "good.yaml", probe_type="custom_probe", probe_args="{scale: 2}")
+    (tmp_path / "probes.txt").write_text(CUSTOM_PROBES, encoding="utf-8")
+    (tmp_path / "empty_folder").mkdir()
+    package = tmp_path / "probe_package"
+    package.mkdir()
+    (package / "__init__.py").write_text(CUSTOM_PROBES, encoding="utf-8")
+    for module, problem in [
+            ("probes.txt", "is a file but not a .py file; a --probes file must end in .py "
+                           "(or give a module name)"),
+            ("empty_folder", "is a folder without __init__.py (a namespace package: nothing "
+                             "in it is imported, so no probe type is registered); name a "
+                             "module, a package or a .py file"),
+            ("", "is empty; give a module name or a .py file")]:
+        done = _cli(tmp_path, "validate", "--probes", module, str(spec))
+        assert done.returncode == 2 and done.stdout == "", done
+        assert done.stderr.strip() == f"validate: --probes {module!r} {problem}"
+    # (a package, with its __init__.py, is a module name like any other)
+    done = _cli(tmp_path, "validate", "--probes", "probe_package", str(spec))
+    assert done.returncode == 0 and done.stdout == f"{spec}: OK (1 extraction point)\n", done
+
+
 def test_a_probes_module_that_exits_when_imported_is_a_usage_error(tmp_path):
     # (a script's sys.exit(0) would end validate with exit 0 and no word on the spec)
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n", encoding="utf-8")

@@ -111,9 +111,21 @@ def _add_probes_option(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE",
-        help="import MODULE first (a module name, or a .py file) so that the probe types it "
-        "registers are known; repeat for several",
+        help="import MODULE first (a module or package name, or a .py file) so that the "
+        "probe types it registers are known; repeat for several",
     )
+
+
+def _probes_argument_problem(module: str) -> str | None:
+    """What is wrong with a ``--probes`` argument that names a file that is not a
+    ``.py`` file (it was imported as the dotted name ``probes.txt``: "No module
+    named 'probes'"), or nothing at all, else None."""
+    if not module:
+        return "is empty; give a module name or a .py file"
+    if not module.endswith(".py") and os.path.isfile(module):
+        return ("is a file but not a .py file; a --probes file must end in .py (or give "
+                "a module name)")
+    return None
 
 
 def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
@@ -122,6 +134,10 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
     if modules and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module next to the spec, as python -m would
     for module in modules:
+        problem = _probes_argument_problem(module)
+        if problem is not None:
+            print(f"{command}: --probes {module!r} {problem}", file=sys.stderr)
+            return EXIT_USAGE
         try:
             if module.endswith(".py"):
                 path = Path(module)
@@ -141,7 +157,16 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                         sys.modules.pop(each, None)
                     raise
             else:
-                importlib.import_module(module)
+                imported = importlib.import_module(module)
+                spec = getattr(imported, "__spec__", None)
+                if spec is not None and spec.submodule_search_locations is not None and (
+                        spec.origin in (None, "namespace")):
+                    sys.modules.pop(module, None)
+                    print(f"{command}: --probes {module!r} is a folder without __init__.py "
+                          "(a namespace package: nothing in it is imported, so no probe "
+                          "type is registered); name a module, a package or a .py file",
+                          file=sys.stderr)
+                    return EXIT_USAGE
         # Any failure of user code is reported, not raised; so is a module that
         # exits when imported (a script's sys.exit or argparse), which would end
         # this command with its own code and no word on the specs.
