@@ -116,9 +116,12 @@ def test_validate_reports_probe_problems_with_the_spec_s_own_in_one_pass(tmp_pat
     assert "did you mean 'linear_probe'?" in line and "did you mean 'threshold'?" in line
 
 
-def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    # A process of its own: --probes registers probe types process-wide.
-    return subprocess.run([sys.executable, "-m", "undercurrent", *argv], cwd=cwd,
+def _cli(cwd: Path, *argv: str, script: bool = False) -> subprocess.CompletedProcess[str]:
+    # A process of its own: --probes registers probe types process-wide. ``script``:
+    # started as the `undercurrent` command is, without the current directory on
+    # sys.path (python -P -m), as `python -m` puts it first for every import.
+    python = [sys.executable, "-P"] if script else [sys.executable]
+    return subprocess.run([*python, "-m", "undercurrent", *argv], cwd=cwd,
                           capture_output=True, text=True, check=False, env=dict(os.environ))
 
 
@@ -177,16 +180,39 @@ def test_a_probes_module_that_exits_when_imported_is_a_usage_error(tmp_path):
     assert done.stderr.strip() == "validate: cannot import --probes 'exits.py': SystemExit: 0"
 
 
+@pytest.mark.parametrize("folder", ["pdir/", ""])
 @pytest.mark.parametrize("stem", ["signal", "queue"])
-def test_a_probes_file_named_like_a_standard_module_leaves_that_module_alone(tmp_path, stem):
+def test_a_probes_file_named_like_a_standard_module_leaves_that_module_alone(tmp_path, stem,
+                                                                            folder):
     # It was stored as sys.modules[stem]: run then died in torch or multiprocessing.
+    # In the current directory, which --probes put first on sys.path for good, torch's
+    # own `import signal` found the file ("module 'signal' has no attribute 'SIGINT'",
+    # or the file ran again: "probe type 'custom_probe' is already registered").
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     (tmp_path / "pdir").mkdir()
-    (tmp_path / "pdir" / f"{stem}.py").write_text(CUSTOM_PROBES, encoding="utf-8")
+    (tmp_path / folder / f"{stem}.py").write_text(CUSTOM_PROBES, encoding="utf-8")
     spec = _spec(tmp_path, probe_type="custom_probe", probe_args="{scale: 2}")
-    done = _cli(tmp_path, "run", str(spec), "--probes", f"pdir/{stem}.py", "--model", "tiny",
-                "--prompt", "the cat", "--max-new-tokens", "2", "--format", "json")
+    done = _cli(tmp_path, "run", str(spec), "--probes", f"{folder}{stem}.py", "--model", "tiny",
+                "--prompt", "the cat", "--max-new-tokens", "2", "--format", "json", script=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert '"guard"' in done.stdout
+
+
+@pytest.mark.parametrize("stem", ["signal", "queue"])
+def test_a_file_named_like_a_standard_module_beside_a_probes_module_is_not_imported(
+        tmp_path, stem):
+    # --probes base_probes (a module name) put the current directory first on
+    # sys.path for the rest of the run: torch's `import signal` / `import queue`
+    # then found the unrelated file there.
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (tmp_path / f"{stem}.py").write_text("raise RuntimeError('not the standard module')\n",
+                                         encoding="utf-8")
+    (tmp_path / "base_probes.py").write_text(CUSTOM_PROBES, encoding="utf-8")
+    spec = _spec(tmp_path, probe_type="custom_probe", probe_args="{scale: 2}")
+    done = _cli(tmp_path, "run", str(spec), "--probes", "base_probes", "--model", "tiny",
+                "--prompt", "the cat", "--max-new-tokens", "2", "--format", "json", script=True)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert '"guard"' in done.stdout
 

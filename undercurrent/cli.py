@@ -130,9 +130,14 @@ def _probes_argument_problem(module: str) -> str | None:
 
 def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
     """Import each ``--probes`` module (a name, or a path to a .py file); print one
-    line and return the usage exit code for the first that fails, else None."""
+    line and return the usage exit code for the first that fails, else None.
+
+    A module name is looked up first in the current directory, as ``python -m``
+    would; the directory is first on ``sys.path`` only for that import and then
+    stays on it last (for the modules' later imports), so that a ``signal.py`` or
+    ``queue.py`` there never stands in for the standard module torch imports."""
     if modules and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a module next to the spec, as python -m would
+        sys.path.append(os.getcwd())
     for module in modules:
         problem = _probes_argument_problem(module)
         if problem is not None:
@@ -157,7 +162,7 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                         sys.modules.pop(each, None)
                     raise
             else:
-                imported = importlib.import_module(module)
+                imported = _import_from_cwd_first(module)
                 spec = getattr(imported, "__spec__", None)
                 if spec is not None and spec.submodule_search_locations is not None and (
                         spec.origin in (None, "namespace")):
@@ -175,6 +180,16 @@ def _import_probe_modules(command: str, modules: Sequence[str]) -> int | None:
                   f"{type(error).__name__}: {one_line(str(error))}", file=sys.stderr)
             return EXIT_USAGE
     return None
+
+
+def _import_from_cwd_first(module: str) -> Any:
+    """``import module`` with the current directory first on ``sys.path``."""
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(cwd)  # (the first occurrence: the one inserted)
 
 
 def _probe_file_module_name(path: Path) -> str:
