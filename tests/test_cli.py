@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spec_files import SHIPPED, SPEC_FILES
 
 from undercurrent.cli import main
 from undercurrent.spec import json_schema
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
+DEMO = str(SHIPPED / "demo.yaml")
 
 OLD_KEYS = """\
 extraction_points:
@@ -53,7 +55,7 @@ def invalid_spec(tmp_path: Path) -> Path:
 def test_validate_valid_specs_prints_one_ok_line_each_and_exits_0(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    paths = sorted(SPECS.glob("*.yaml"))
+    paths = SPEC_FILES
     assert len(paths) >= 4
     assert main(["validate", *map(str, paths)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -137,16 +139,16 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize(("argv", "option"), [
-    (["run", str(SPECS / "demo.yaml"), "--model", "tiny", "--prompt", "hi", "--records", ""],
+    (["run", DEMO, "--model", "tiny", "--prompt", "hi", "--records", ""],
      "--records"),
-    (["run", str(SPECS / "demo.yaml"), "--model", "", "--prompt", "hi"], "--model"),
+    (["run", DEMO, "--model", "", "--prompt", "hi"], "--model"),
     (["run", "", "--model", "tiny", "--prompt", "hi"], "SPEC"),
     (["inspect-model", "tiny", "--emit-spec", ""], "--emit-spec"),
     (["inspect-model", ""], "MODEL"),
-    (["validate", str(SPECS / "demo.yaml"), ""], "SPEC"),
+    (["validate", DEMO, ""], "SPEC"),
     (["demo", "--out", ""], "--out"),
     (["demo", "--spec", ""], "--spec"),
-    (["capture", "--spec", str(SPECS / "demo.yaml"), "--prompts", "", "--out", "o"],
+    (["capture", "--spec", DEMO, "--prompts", "", "--out", "o"],
      "--prompts"),
     (["capture", "--spec", "", "--prompts", "p.txt", "--out", "o"], "--spec"),
 ])

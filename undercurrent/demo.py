@@ -1,21 +1,23 @@
 """``undercurrent demo``: live probing on the bundled model, end to end.
 
-Loads the bundled tiny model and ``specs/demo.yaml`` (an inline ``linear_probe``
-that aborts, an async ``trajectory_probe`` that observes), streams a handful of
-requests token by token with each token's probe score (coloured on a terminal),
-says where and why a generation was aborted and what the unguarded model would
-have written, prints a verdict table and writes a self-contained HTML report of
-the score trajectories (plotly with its JavaScript embedded, so it opens offline).
+Loads the bundled tiny model and its spec ``undercurrent:models/demo.yaml`` (an
+inline ``linear_probe`` that aborts, an async ``trajectory_probe`` that
+observes), streams a handful of requests token by token with each token's probe
+score (coloured on a terminal), says where and why a generation was aborted and
+what the unguarded model would have written, prints a verdict table and writes a
+self-contained HTML report of the score trajectories (plotly with its JavaScript
+embedded, so it opens offline).
 
 The requests come in minimal pairs: the same ask with one cue changed (whose
 thing it is, or whether it is done covertly), so what differs is the intent the
 model has to infer: harmful only when someone else's thing is taken covertly.
 
-``undercurrent demo --steer`` runs the closed loop instead (``specs/demo_steer.yaml``):
-the guard flags rather than aborts, and its flag switches on, for that request
-only, an edit that pushes the residual stream against the probe's direction.
-Tokens sampled under the edit are marked, and each steered reply is shown next
-to what the unguarded model wrote.
+``undercurrent demo --steer`` runs the closed loop instead
+(``undercurrent:models/demo_steer.yaml``): the guard flags rather than aborts,
+and its flag switches on, for that request only, an edit that pushes the
+residual stream against the probe's direction. Tokens sampled under the edit
+are marked, and each steered reply is shown next to what the unguarded model
+wrote.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from undercurrent.errors import one_line
 from undercurrent.models import tiny_model_path, tiny_probe_path
 from undercurrent.models.corpus import LABEL_NAMES, chat_prompt, first_revealing_index
 from undercurrent.notebook.plots import trajectory_figure
-from undercurrent.paths import path_argument
+from undercurrent.paths import package_file, path_argument, shipped_or_user_path
 from undercurrent.probes.weights import load_linear_weights
 
 DEFAULT_REPORT = "undercurrent-demo.html"
@@ -55,10 +57,9 @@ DEMO_REQUESTS: tuple[tuple[str, str], ...] = (
 
 
 def default_spec_path(steer: bool = False) -> Path:
-    """``specs/demo.yaml`` (or ``specs/demo_steer.yaml``) of the source tree this
-    package was loaded from."""
-    name = "demo_steer.yaml" if steer else "demo.yaml"
-    return Path(__file__).resolve().parent.parent / "specs" / name
+    """The demo's spec, shipped in the package: ``undercurrent:models/demo.yaml``
+    (or ``undercurrent:models/demo_steer.yaml``)."""
+    return package_file("models/demo_steer.yaml" if steer else "models/demo.yaml")
 
 
 @dataclass
@@ -258,17 +259,17 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
              max_new_tokens: int = 60, requests: Sequence[tuple[str, str]] = DEMO_REQUESTS,
              steer: bool = False) -> list[DemoRun]:
     """Run the demo, printing to ``stream`` (default stdout); returns each request's run.
-    ``steer=True`` runs the closed loop of ``specs/demo_steer.yaml``."""
+    ``steer=True`` runs the closed loop of ``undercurrent:models/demo_steer.yaml``."""
 
     out_stream = stream if stream is not None else sys.stdout
     if color is None:
         color = out_stream.isatty() and os.environ.get("NO_COLOR") is None
     check_demo_arguments(out, max_new_tokens)
-    spec_path = Path(spec) if spec is not None else default_spec_path(steer)
+    spec_path = shipped_or_user_path(spec) if spec is not None else default_spec_path(steer)
     if not spec_path.is_file():
         raise FileNotFoundError(
-            f"demo spec {str(spec_path)!r} not found; pass --spec PATH (the repository ships "
-            "specs/demo.yaml)")
+            f"demo spec {str(spec_path)!r} not found; pass --spec PATH (the package ships "
+            "undercurrent:models/demo.yaml)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = str(tiny_model_path())
@@ -285,7 +286,7 @@ def run_demo(*, spec: str | os.PathLike[str] | None = None, out: str | os.PathLi
             raise ValueError(
                 f"demo spec {str(spec_path)!r} has no point {GUARD_POINT!r} (its points: "
                 f"{', '.join(probed.spec.names) or 'none'}): the demo reads its guard's scores "
-                "there; start from specs/demo.yaml")
+                "there; start from undercurrent:models/demo.yaml")
         steering = bool(probed.spec.edits)
         threshold = _guard_threshold(probed)
         painter = _Painter(color, threshold)
@@ -327,20 +328,20 @@ def add_demo_command(subparsers: Any) -> None:
         "demo",
         help="live probing on the bundled tiny model",
         description=("Generate for a handful of requests with the bundled model and "
-                     "specs/demo.yaml: live per-token probe scores, a real abort, a verdict "
-                     "table and an offline HTML report."),
+                     "undercurrent:models/demo.yaml: live per-token probe scores, a real "
+                     "abort, a verdict table and an offline HTML report."),
     )
     parser.add_argument("--out", default=DEFAULT_REPORT, type=path_argument,
                         help=f"where to write the HTML report (default: ./{DEFAULT_REPORT})")
     parser.add_argument("--spec", default=None, type=path_argument,
-                        help="spec file (default: specs/demo.yaml)")
+                        help="spec file (default: undercurrent:models/demo.yaml)")
     parser.add_argument("--max-new-tokens", type=int, default=60)
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="colour tokens by score (default: only on a terminal)")
     parser.add_argument("--steer", action="store_true",
                         help="the closed loop: the guard flags and switches on, for that "
                              "request only, an edit against the harm direction "
-                             "(specs/demo_steer.yaml) instead of aborting")
+                             "(undercurrent:models/demo_steer.yaml) instead of aborting")
     parser.set_defaults(handler=_run_demo_command)
 
 

@@ -11,9 +11,15 @@ this module sits at the bottom of the layers: it imports nothing of the package.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 from typing import Any
+
+PACKAGE_PREFIX = "undercurrent:"
+"""A path starting so names a file shipped inside the package, wherever it is
+installed: ``undercurrent:models/tiny/probe.safetensors`` (the bundled probe),
+``undercurrent:models/demo.yaml`` (the demo's spec)."""
 
 
 def user_path(value: Any, argument: str, *, what: str = "a path") -> Path:
@@ -43,3 +49,19 @@ def path_argument(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("an empty path; give a path")
     return os.path.expanduser(text)
+
+
+def shipped_or_user_path(value: str | os.PathLike[str]) -> Path:
+    """A file a spec or a call names: ``undercurrent:REL`` is ``REL`` inside the
+    package (see :data:`PACKAGE_PREFIX`); anything else an ordinary path, ``~``
+    expanded (not resolved)."""
+    text = os.fspath(value)
+    if isinstance(text, str) and text.startswith(PACKAGE_PREFIX):
+        return package_file(text[len(PACKAGE_PREFIX):])
+    return Path(text).expanduser()
+
+
+@functools.lru_cache(maxsize=64)
+def package_file(relative: str) -> Path:
+    """A file shipped inside the package, resolved once (the package does not move)."""
+    return (Path(__file__).resolve().parent / relative).resolve()

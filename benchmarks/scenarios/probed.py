@@ -235,7 +235,7 @@ class ProbedInlineLinearGuard(ProbedInlineLinear):
 
 
 class ProbedGuardAndObserver(ProbedInlineLinearGuard):
-    """The demo spec's shape (``specs/demo.yaml``) on the chosen layers: the
+    """The demo spec's shape (``undercurrent:models/demo.yaml``) on the chosen layers: the
     guard of :class:`ProbedInlineLinearGuard` and, on the same rows, an async
     ``trajectory_probe`` that only flags. Two points of one capture: what a
     spec of several points costs."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spec_files import SPEC_FILES
 
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.notebook import SpecEditor
@@ -387,10 +388,10 @@ def test_a_spec_or_a_selection_of_the_wrong_kind_is_refused_naming_what_it_takes
     assert editor.point_list.value == 0
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in SPECS.glob("*.yaml")))
-def test_from_spec_round_trips_every_example_spec(name):
-    original = load_yaml_file(SPECS / name)
-    editor = SpecEditor.from_spec(SPECS / name)
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.name)
+def test_from_spec_round_trips_every_example_spec(path):
+    original = load_yaml_file(path)
+    editor = SpecEditor.from_spec(path)
     assert editor.valid, editor.problems
     assert editor.spec == original
     assert SpecEditor.from_spec(original).spec == original

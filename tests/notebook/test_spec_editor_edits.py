@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spec_files import SHIPPED, SPEC_FILES
 
 from undercurrent import ProbedModel
 from undercurrent.adapters.capabilities import Capabilities
@@ -298,7 +299,7 @@ def test_names_are_unique_across_points_and_edits():
 
 
 def test_with_a_model_layers_are_bounded_and_out_of_range_layers_are_reported():
-    spec = load_yaml_file(SPECS / "demo_steer.yaml")
+    spec = load_yaml_file(SHIPPED / "demo_steer.yaml")
     editor = SpecEditor.from_spec(spec, model=Capabilities.standard("hf", "llama", 2))
     assert not editor.valid
     assert "out of range" in _edit_error(editor, "layers")
@@ -315,11 +316,11 @@ def tiny_model():
 
 def test_with_the_bundled_model_a_vector_of_the_wrong_size_gets_registrations_message(
         tiny_model):
-    editor = SpecEditor.from_spec(SPECS / "demo_steer.yaml", model=tiny_model)
+    editor = SpecEditor.from_spec(SHIPPED / "demo_steer.yaml", model=tiny_model)
     assert editor.valid, editor.problems  # the probe file's direction has the hidden size
     editor.edit_fields["vector"].value = "1, 2, 3"
     assert not editor.valid
-    data = yaml.safe_load((SPECS / "demo_steer.yaml").read_text())
+    data = yaml.safe_load((SHIPPED / "demo_steer.yaml").read_text())
     data["edits"][0]["vector"] = [1, 2, 3]
     with pytest.raises(SpecValidationError) as caught:
         ProbedModel.from_pretrained("undercurrent/tiny", spec=data)
@@ -330,14 +331,15 @@ def test_with_the_bundled_model_a_vector_of_the_wrong_size_gets_registrations_me
     assert editor.valid, editor.problems
 
 
-def _example_specs_with_edits() -> list[str]:
-    return sorted(p.name for p in SPECS.glob("*.yaml") if load_yaml_file(p).edits)
+def _example_specs_with_edits() -> list[Path]:
+    return [path for path in SPEC_FILES if load_yaml_file(path).edits]
 
 
-@pytest.mark.parametrize("name", _example_specs_with_edits())
-def test_example_specs_with_edits_round_trip_exactly(name, tmp_path):
-    original = load_yaml_file(SPECS / name)
-    editor = SpecEditor.from_spec(SPECS / name)
+@pytest.mark.parametrize("path", _example_specs_with_edits(), ids=lambda p: p.name)
+def test_example_specs_with_edits_round_trip_exactly(path, tmp_path):
+    name = path.name
+    original = load_yaml_file(path)
+    editor = SpecEditor.from_spec(path)
     assert editor.valid, editor.problems
     assert editor.spec == original
     assert parse_yaml(editor.to_yaml()) == original
@@ -398,7 +400,7 @@ edits:
 
 
 def test_the_static_snapshot_shows_the_selected_edit():
-    editor = SpecEditor.from_spec(SPECS / "demo_steer.yaml")
+    editor = SpecEditor.from_spec(SHIPPED / "demo_steer.yaml")
     snapshot = editor._repr_mimebundle_()["text/html"]
     assert "<b>edits:</b> away_from_harm" in snapshot
     assert "<code>when.point</code>" not in snapshot and ">when.point</td>" in snapshot

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from spec_builders import TRAJECTORY, parse_point, raw_point, raw_spec
+from spec_files import SPEC_FILES
 
 from undercurrent.spec import (
     ExecutionMode,
@@ -28,10 +29,8 @@ from undercurrent.spec import (
     to_yaml,
 )
 
-SPECS = Path(__file__).resolve().parents[2] / "specs"
 
-
-@pytest.mark.parametrize("path", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.name)
 def test_every_example_spec_round_trips(path: Path) -> None:
     spec = load_yaml_file(path)
     assert parse_dict(probe_spec_to_dict(spec)) == spec

@@ -9,13 +9,11 @@ from typing import Any
 import pytest
 import yaml
 from spec_builders import TRAJECTORY, raw_point, raw_spec
+from spec_files import SPEC_FILES
 
 from undercurrent.spec import json_schema
 
 jsonschema = pytest.importorskip("jsonschema")
-
-SPECS = Path(__file__).resolve().parents[2] / "specs"
-
 
 def schema_errors(data: Any) -> list[str]:
     validator = jsonschema.Draft202012Validator(json_schema())
@@ -59,7 +57,7 @@ def test_older_spellings_are_marked_deprecated() -> None:
     assert not point["layers"].get("deprecated")
 
 
-@pytest.mark.parametrize("path", sorted(SPECS.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.name)
 def test_example_specs_satisfy_the_schema(path: Path) -> None:
     assert schema_errors(yaml.safe_load(path.read_text(encoding="utf-8"))) == []
 

@@ -454,13 +454,11 @@ def test_labels_one_per_prompt_or_one_per_row_are_never_mistaken(tiny, prompts, 
 def test_stored_verdicts_keep_their_integer_keys(tiny, tmp_path):
     # The trajectory probe's final_by_layer is keyed by layer: JSON made {3: 0.41}
     # {'3': 0.41}, and code written against the live results frame broke on the store's.
-    from pathlib import Path
-
     from undercurrent import ProbedModel
     from undercurrent.notebook import results_frame
     from undercurrent.store.capture import request_id_for
 
-    spec = Path(__file__).parents[2] / "specs" / "demo.yaml"
+    spec = "undercurrent:models/demo.yaml"  # (the demo's spec, shipped in the package)
     model = ProbedModel(tiny.backend.model, tiny.backend.tokenizer, spec=str(spec))
     prompts = ["user : how do i bake bread ? assistant :"]
     model.capture(prompts, tmp_path, max_new_tokens=6, progress=False)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from undercurrent.paths import user_path
+from undercurrent.paths import shipped_or_user_path, user_path
 from undercurrent.probes.arrays import as_float_array, numpy_module
 from undercurrent.probes.scoring import parse_threshold
 
@@ -158,24 +158,12 @@ def linear_weights(weight: Any, bias: Any, *, source: str = "inline probe_args",
     return LinearWeights(weight=w, bias=b, source=source, metadata=meta)
 
 
-PACKAGE_PREFIX = "undercurrent:"
-
-
 def resolve_probe_path(path: str | os.PathLike[str]) -> Path:
     """Where a probe file lives. ``undercurrent:REL`` names a file shipped inside the
     package (``undercurrent:models/tiny/probe.safetensors`` is the bundled probe), so
     a spec can point at it wherever the package is installed; anything else is an
     ordinary path (``~`` expanded)."""
-    text = os.fspath(path)
-    if isinstance(text, str) and text.startswith(PACKAGE_PREFIX):
-        return _package_file(text[len(PACKAGE_PREFIX):])
-    return Path(text).expanduser().resolve()
-
-
-@functools.lru_cache(maxsize=64)
-def _package_file(relative: str) -> Path:
-    """A file shipped inside the package, resolved once (the package does not move)."""
-    return (Path(__file__).resolve().parent.parent / relative).resolve()
+    return shipped_or_user_path(path).resolve()
 
 
 def load_linear_weights(path: str | os.PathLike[str]) -> LinearWeights:

@@ -23,6 +23,7 @@ from typing import Any, TypeGuard
 
 from pydantic import TypeAdapter, ValidationError
 
+from undercurrent.paths import shipped_or_user_path
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 from undercurrent.spec.messages import describe_value, did_you_mean, pydantic_problem
 from undercurrent.spec.rules import edit_rule_problems, point_rule_problems, trigger_problems
@@ -502,10 +503,10 @@ def is_yaml_text(value: str | os.PathLike[str]) -> TypeGuard[str]:
 
 
 def is_file(text: str) -> bool:
-    """Whether ``text`` names a file, ``~`` expanded (False for a name the OS refuses
-    outright)."""
+    """Whether ``text`` names a file, ``~`` expanded, ``undercurrent:REL`` inside the
+    package (False for a name the OS refuses outright)."""
     try:
-        return Path(text).expanduser().is_file()
+        return shipped_or_user_path(text).is_file()
     except (OSError, ValueError):
         return False
 

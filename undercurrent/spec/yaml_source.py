@@ -20,6 +20,7 @@ from yaml.constructor import ConstructorError
 from yaml.error import Mark, MarkedYAMLError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from undercurrent.paths import shipped_or_user_path
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
 
 MAX_DEPTH = 100
@@ -262,8 +263,9 @@ def load_yaml_data(text: str | bytes, source: str | None = None) -> Any:
 
 
 def read_spec_file(path: str | Path) -> str:
-    """Read a spec file's text (``~`` expanded), turning every I/O or decoding failure
-    into an error that names the path as given."""
+    """Read a spec file's text (``~`` expanded; ``undercurrent:REL`` a spec shipped
+    inside the package, as ``undercurrent:models/demo.yaml``), turning every I/O or
+    decoding failure into an error that names the path as given."""
     source = str(path)
     if not isinstance(path, str | Path):
         raise SpecValidationError(
@@ -273,7 +275,7 @@ def read_spec_file(path: str | Path) -> str:
     try:
         if not str(path):  # (Path("") is the working directory: "a directory")
             raise ValueError("an empty path; give a YAML file")
-        with Path(path).expanduser().open("rb") as handle:
+        with shipped_or_user_path(path).open("rb") as handle:
             data = handle.read(MAX_SPEC_BYTES + 1)  # never read a huge file whole
     except FileNotFoundError:
         reason = "no such file"
