@@ -221,7 +221,7 @@ def test_check_rejects_things_that_are_not_points() -> None:
 
 @pytest.mark.parametrize("position", [
     "prompt[-1]", "prompt[-1]+1", "prompt[-2]+1", "prompt[-2]+2", "prompt[-1]+3", "prompt[-3]-2",
-    "prompt[0]", "prompt[0]+2", "prompt[2]-1", "prompt[1]-3", "generated[0]", "generated[0]-1",
+    "prompt[0]", "prompt[0]+2", "prompt[2]-1", "prompt[2]-2", "generated[0]", "generated[0]-1",
     "generated[2]-5", "generated[1]-1", "generated[*]", "generated[2:5]", "7"])
 def test_can_select_prompt_is_whether_some_prompt_length_selects_a_prompt_token(position):
     # The oracle: the token the selector picks, over prompt lengths long enough for

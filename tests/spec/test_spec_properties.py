@@ -140,9 +140,12 @@ def positions(draw: st.DrawFn, continuous: bool) -> Any:
         suffix = f"{offset:+d}" if offset and draw(st.booleans()) else ""
         if form == "int":
             return draw(small)
+        prompt_index = draw(st.integers(-20, 20))
+        if suffix and 0 <= prompt_index < -offset:
+            prompt_index = -offset  # (prompt[i]-k with i < k is before token 0: refused)
         text = {
             "str": str(draw(small)),
-            "prompt": f"prompt[{draw(st.integers(-20, 20))}]{suffix}",
+            "prompt": f"prompt[{prompt_index}]{suffix}",
             "generated": f"generated[{draw(small)}]{suffix}",
         }[form]
     return draw(PADDING) + text + draw(PADDING)

@@ -251,6 +251,16 @@ def test_positions_outside_the_grammar_list_the_accepted_forms(position: object)
     assert "generated[a:b]" in message and "prompt[i]" in message
 
 
+@pytest.mark.parametrize("position", ["prompt[0]-1", "prompt[2]-3", "prompt[1]-9"])
+def test_a_prompt_position_shifted_before_token_0_is_rejected(position: str) -> None:
+    # prompt[i]-k with 0 <= i < k is before token 0 for every prompt length: a point
+    # there would capture nothing, an edit change nothing.
+    _, field, message = only_problem(position=position)
+    assert field == "position" and "before token 0 for every prompt" in message
+    assert parse_point(position="prompt[2]-2").extraction_points[0].position.target_index(5) == 0
+    assert parse_point(position="prompt[-1]-3").extraction_points[0].position.target_index(5) == 1
+
+
 @pytest.mark.parametrize("word", ["yes", "no", "true", "off"])
 def test_yaml_booleans_are_not_positions(word: str) -> None:
     text = "extraction_points:\n  - {name: p, layers: 1, tensor_type: kv, probe_type: x,\n"

@@ -6,7 +6,8 @@ Accepted forms (whitespace around the whole string is stripped, none allowed ins
 - ``prompt[i]``: prompt token i; negative i counts from the end of the prompt
 - ``generated[i]``: generated token i, i >= 0
 - either of the two above followed by a signed offset ``+k`` / ``-k``
-  (``prompt[-1]+1`` is the same token as ``generated[0]``)
+  (``prompt[-1]+1`` is the same token as ``generated[0]``); ``prompt[i]-k`` with
+  ``0 <= i < k`` is refused, since it is before token 0 for every prompt
 - ``generated[*]``: every generated token
 - ``generated[a:]``: generated tokens a, a+1, ... (a >= 0)
 - ``generated[a:b]``: generated tokens a .. b-1 (0 <= a < b)
@@ -196,6 +197,14 @@ def parse_position(value: object) -> PositionSelector:
                     f"(accepted: {ACCEPTED_POSITION_FORMS})"
                 )
             return PositionSelector(PositionKind.GENERATED, index=index, offset=offset)
+        if 0 <= index < -offset:
+            # (counted from the start, the offset goes back past token 0 for every
+            # prompt: the point would capture nothing and the edit change nothing)
+            raise PositionError(
+                f"position {value!r} is before token 0 for every prompt (prompt token "
+                f"{index} shifted back by {-offset}); prompt[i]-k needs k <= i when i >= 0 "
+                f"(accepted: {ACCEPTED_POSITION_FORMS})"
+            )
         return PositionSelector(PositionKind.PROMPT, index=index, offset=offset)
     sliced = _SLICE.match(text)
     if sliced:
