@@ -388,7 +388,7 @@ class ProbedModel:
         places += [(section, index) for index in range(len(added))]
         combined = [*(edit for _, _, edit in earlier), *added]
         resolved = register_edits(combined, list(self.spec), self.backend.capabilities(),
-                                  places)
+                                  places, self.backend.dtype)
         return resolved[len(earlier):]
 
     def _call_edits(self, edits: Sequence[Any] | None, prompt_edits: Sequence[Any] | None,

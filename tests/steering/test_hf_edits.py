@@ -294,6 +294,28 @@ def test_registration_refuses_a_wrong_size_an_unknown_point_and_an_async_trigger
         tiny.generate(PROMPTS, prompt_edits=[None])
 
 
+def test_a_coefficient_times_vector_past_the_model_s_dtype_is_refused(tiny):
+    # (coefficient=1e300 is finite, but c*v is inf in float32: every later
+    # activation was NaN and the model emitted token 0, silently)
+    with pytest.raises(SpecValidationError, match=r"edits\[0\] \(name 'steer'\), field "
+                                                  r"'coefficient': coefficient 1e\+300 times "
+                                                  r"the vector .* largest finite float32"):
+        tiny.generate(PROMPTS[0], edits=[edit(coefficient=1e300)])
+    with pytest.raises(SpecValidationError, match="unit direction .* float32"):
+        tiny.generate(PROMPTS[0], edits=[edit("clamp", coefficient=-1e40)])
+    from undercurrent.steering.vectors import resolve_edit
+
+    # c*v is what counts: a vector past float16's range times a small c is fine,
+    # a unit vector times a c past it is not (and float64 reaches further)
+    assert resolve_edit(edit(vector=direction(scale=1e6), coefficient=1e-3), HIDDEN,
+                        dtype="float16").name == "steer"
+    for dtype in ("float16", "bfloat16"):
+        with pytest.raises(SpecValidationError, match=f"largest finite {dtype}"):
+            resolve_edit(edit("scale", coefficient=1e40 if dtype == "bfloat16" else 1e6),
+                         HIDDEN, dtype=dtype)
+    assert resolve_edit(edit(coefficient=1e300), HIDDEN, dtype="float64").name == "steer"
+
+
 def test_edits_and_prompt_edits_of_the_wrong_shape_are_refused_naming_the_argument(tiny):
     # (edits="steer" was read one character per edit; prompt_edits=[5] failed inside
     # Python, and a generator had no len())

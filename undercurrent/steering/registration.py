@@ -54,14 +54,15 @@ def layer_problems(edits: Sequence[Edit], capabilities: Any) -> list[SpecProblem
 
 
 def register_edits(edits: Sequence[Edit], points: Sequence[ExtractionPoint],
-                   capabilities: Any, places: Sequence[tuple[str, int]] | None = None
-                   ) -> list[ResolvedEdit]:
+                   capabilities: Any, places: Sequence[tuple[str, int]] | None = None,
+                   dtype: str | None = None) -> list[ResolvedEdit]:
     """Check ``edits`` against ``points`` and the model, and resolve their vectors.
 
     Raises :class:`SpecValidationError` listing every problem (naming each edit
     and field): broken spec rules, a duplicate name, a ``when`` naming an unknown
     or async point, a layer out of range, a vector that is missing or whose size
-    is not the model's hidden size. ``places`` (see
+    is not the model's hidden size, a coefficient times the vector past the largest
+    finite number of ``dtype`` (the model's, when given). ``places`` (see
     :func:`~undercurrent.spec.check.check_edits`) names each edit by the list the
     user wrote it in, for edits gathered from several.
     """
@@ -74,7 +75,7 @@ def register_edits(edits: Sequence[Edit], points: Sequence[ExtractionPoint],
         problems += error.problems
     located = layer_problems(edits, capabilities)
     try:
-        resolved = resolve_edits(edits, getattr(capabilities, "hidden_size", None))
+        resolved = resolve_edits(edits, getattr(capabilities, "hidden_size", None), dtype)
     except SpecValidationError as error:
         located += error.problems
         resolved = []

@@ -148,8 +148,18 @@ def _problem(edit: Edit, index: int, message: str, field: str = "vector") -> Spe
     return SpecProblem(message, field, index, edit.name, "edits")
 
 
-def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> ResolvedEdit:
-    """The edit's vector, checked: 1-D, finite, not all zeros, ``hidden_size`` long.
+# The largest finite number of the dtypes a model computes in, by name (torch's
+# finfo, without importing torch); a dtype not listed is taken as float64.
+_LARGEST_FINITE = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+                   "float32": 3.4028234663852886e38}
+
+
+def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0,
+                 dtype: str | None = None) -> ResolvedEdit:
+    """The edit's vector, checked: 1-D, finite, not all zeros, ``hidden_size`` long,
+    and (given the model's ``dtype``, like ``"float32"``) the coefficient times the
+    vector finite in that dtype (an infinity added would turn every later
+    activation NaN).
 
     Raises :class:`SpecValidationError` naming the edit (``edits[index]``) and the
     field ``vector`` (a missing file, a wrong size, ...).
@@ -201,8 +211,31 @@ def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0) -> Resolve
                        f"{vector.shape[0]} but the model's hidden size is {hidden_size}")
     if message is not None:
         raise SpecValidationError([_problem(edit, index, message)])
+    overflow = None if dtype is None else _overflow(edit, vector, dtype)
+    if overflow is not None:
+        raise SpecValidationError([_problem(edit, index, overflow, "coefficient")])
     vector.setflags(write=False)
     return ResolvedEdit(edit, vector, source_name, _loaded_sae(edit, source_name))
+
+
+def _overflow(edit: Edit, vector: Any, dtype: str) -> str | None:
+    """Why ``coefficient`` times the vector ``edit`` adds (``add``: the vector; the
+    other ops and ``norm_match``: its unit, along which they set or scale)
+    overflows ``dtype``, or None."""
+    import numpy as np
+
+    largest = _LARGEST_FINITE.get(dtype, float(np.finfo(np.float64).max))
+    whole = edit.op is EditOp.ADD and not edit.norm_match
+    along = vector if whole else vector / np.linalg.norm(vector)
+    with np.errstate(over="ignore"):
+        peak = float(np.max(np.abs(edit.coefficient * along)))
+    if peak <= largest:
+        return None
+    what = "the vector" if whole else "the vector's unit direction"
+    return (f"coefficient {edit.coefficient:g} times {what} reaches {peak:.3g}, past the "
+            f"largest finite {dtype} number ({largest:.3g}) the model computes in: the "
+            "edit would add infinity and turn every later activation NaN; use a smaller "
+            "coefficient")
 
 
 def _describe(vector: Any) -> str:
@@ -222,13 +255,14 @@ def _loaded_sae(edit: Edit, source_name: str) -> Any:
     return load_sae(edit.vector.sae)
 
 
-def resolve_edits(edits: Sequence[Edit], hidden_size: int | None) -> list[ResolvedEdit]:
+def resolve_edits(edits: Sequence[Edit], hidden_size: int | None,
+                  dtype: str | None = None) -> list[ResolvedEdit]:
     """:func:`resolve_edit` for each edit, every problem reported at once."""
     resolved: list[ResolvedEdit] = []
     problems: list[SpecProblem] = []
     for index, edit in enumerate(edits):
         try:
-            resolved.append(resolve_edit(edit, hidden_size, index))
+            resolved.append(resolve_edit(edit, hidden_size, index, dtype))
         except SpecValidationError as error:
             problems += error.problems
     if problems:
