@@ -205,6 +205,30 @@ def test_labels_and_options_of_the_wrong_kind_are_refused_naming_the_argument():
     np.testing.assert_array_equal(from_generator.weight, fit_linear_probe(X, y).weight)
 
 
+def test_a_seed_or_class_weight_scikit_learn_cannot_use_is_refused_naming_it():
+    # (seed=-1 was refused in scikit-learn's words about train_test_split's
+    # random_state; class_weight={0: -1.0} a bare ZeroDivisionError; a NaN weight
+    # fitted a meaningless probe)
+    X, y = _blobs(n=40)
+    for seed in (-1, 2**32, np.int64(-5)):
+        with pytest.raises(ValueError, match=r"fit_linear_probe: seed must be an integer "
+                                             r"from 0 to 2\*\*32 - 1 \(or None\), got -?\d+$"):
+            fit_linear_probe(X, y, seed=seed)
+    for weight in (-1.0, 0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"fit_linear_probe: class_weight\[0\] must be "
+                                             r"a finite number > 0, got"):
+            fit_linear_probe(X, y, class_weight={0: weight, 1: 1.0})
+    with pytest.raises(TypeError, match=r"class_weight\[1\] must be a number, got str"):
+        fit_linear_probe(X, y, class_weight={0: 1.0, 1: "2"})
+    with pytest.raises(TypeError, match=r"class_weight must be None, 'balanced' or a "
+                                        r"\{label: weight\} mapping, got list"):
+        fit_linear_probe(X, y, class_weight=[1.0, 2.0])
+    weighted = fit_linear_probe(X, y, seed=np.int64(2**32 - 1), class_weight={0: np.float32(2)})
+    assert weighted.weight.tolist() == fit_linear_probe(
+        X, y, seed=2**32 - 1, class_weight={0: 2.0}).weight.tolist()
+    assert fit_linear_probe(X, y, seed=None, class_weight="balanced").classes == (0, 1)
+
+
 def test_predict_takes_one_row_as_a_matrix_of_one_row():
     X, y = _blobs(n=80)
     fit = fit_linear_probe(X, y)

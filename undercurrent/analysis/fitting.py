@@ -204,7 +204,9 @@ def fit_linear_probe(
     so held-out accuracy measures unseen generations, not neighbouring tokens of
     seen ones; pass ``group_by=None`` to split rows, or a column name or
     a sequence of group ids. ``C`` is the inverse L2 strength; ``test_size=0``
-    trains on everything (held-out metrics are then NaN).
+    trains on everything (held-out metrics are then NaN). ``seed`` (0 to
+    2**32 - 1, or None) seeds the split and the solver; ``class_weight`` is None,
+    ``"balanced"`` or ``{label: weight}`` with finite weights > 0.
 
     With two labels the probe's score is the probability of ``positive`` (default:
     the second label in sorted order, e.g. ``"harmful"`` of
@@ -225,7 +227,11 @@ def fit_linear_probe(
                          "the saved probe acts; default 0.5), got None")
     check_number("fit_linear_probe: test_size", test_size)
     if seed is not None:
-        check_number("fit_linear_probe: seed", seed, integer=True)
+        seed = check_number("fit_linear_probe: seed", seed, integer=True)
+        if not 0 <= seed < 2**32:
+            raise ValueError("fit_linear_probe: seed must be an integer from 0 to 2**32 - 1 "
+                             f"(or None), got {seed}")
+    class_weight = _checked_class_weight(class_weight)
     X, labels, groups, layer, tensor_type, projected = _design(
         data, y, layer, point, tensor_type, group_by)
     if len(X) != len(labels):
@@ -288,6 +294,26 @@ def fit_linear_probe(
         path = save_linear_probe(fit, save_to)
         fit = dataclasses.replace(fit, path=path)
     return fit
+
+
+def _checked_class_weight(class_weight: Any) -> Any:
+    """``class_weight`` as scikit-learn takes it: None, ``"balanced"``, or a
+    ``{label: weight}`` dict of finite weights > 0 (a weight of 0 or less was a
+    ZeroDivisionError from inside scikit-learn, a NaN fitted a meaningless probe)."""
+    if class_weight is None or (isinstance(class_weight, str) and class_weight == "balanced"):
+        return class_weight
+    if not isinstance(class_weight, Mapping):
+        raise TypeError("fit_linear_probe: class_weight must be None, 'balanced' or a "
+                        f"{{label: weight}} mapping, got {type(class_weight).__name__} "
+                        f"({class_weight!r:.40})")
+    weights = {}
+    for label, weight in class_weight.items():
+        name = f"fit_linear_probe: class_weight[{label!r}]"
+        number = check_number(name, weight)
+        if not (math.isfinite(number) and number > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {weight!r}")
+        weights[label] = number
+    return weights
 
 
 def _design(
