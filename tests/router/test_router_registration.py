@@ -205,6 +205,60 @@ def test_a_stall_timeout_that_is_not_a_finite_positive_number_is_refused_at_cons
         Router(stall_timeout_s=stall_timeout_s)
 
 
+@pytest.mark.parametrize("drain_timeout_s", [None, "5", [1], -1.0, float("nan"), float("inf"),
+                                             True])
+def test_a_drain_timeout_that_is_not_a_finite_number_of_seconds_is_refused_naming_it(
+        drain_timeout_s):
+    # ("5", None, [1] were a bare "'>=' not supported" TypeError, True was 1 s, inf
+    # failed in the workers' join at shutdown)
+    from undercurrent.router import Router
+
+    with pytest.raises(ValueError, match=r"drain_timeout_s must be a finite number of "
+                                         r"seconds >= 0, got"):
+        Router(drain_timeout_s=drain_timeout_s)
+
+
+def test_numpy_integers_and_seconds_are_taken_for_the_router_s_counts_and_drain_timeout(
+        make_router):
+    # (workers, default_queue_depth and breaker_threshold refused np.int64(2) as
+    # "not an int >= 1", though stall_timeout_s and the spec take numpy numbers)
+    router = make_router(workers=np.int64(2), default_queue_depth=np.int32(3),
+                         breaker_threshold=np.int64(4), drain_timeout_s=np.float32(0.0))
+    assert (router.workers, router.default_queue_depth, router.breaker_threshold) == (2, 3, 4)
+    assert type(router.workers) is int and type(router.default_queue_depth) is int
+    assert router.drain_timeout_s == 0.0 and type(router.drain_timeout_s) is float
+    with pytest.raises(ValueError, match=r"workers must be an int >= 1, got 2\.0"):
+        make_router(workers=2.0)
+
+
+@pytest.mark.parametrize(("probe_defaults", "kind"), [(5, "int"), ("x", "str"), (["x"], "list")])
+def test_probe_defaults_that_are_not_a_mapping_are_refused_naming_it(probe_defaults, kind):
+    # (5 was "'int' object is not iterable", 'x' "dictionary update sequence ...")
+    from undercurrent.router import Router
+
+    with pytest.raises(TypeError, match=r"probe_defaults must be a mapping \{probe_type: "
+                                        rf"\{{argument: value\}}\}} or None, got {kind}"):
+        Router(probe_defaults=probe_defaults)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"mode": "bogus"}, "intervention mode must be one of reject, block_until_signal, "
+                        "got 'bogus'"),
+    ({"mode": "block_until_signal", "timeout_ms": 5, "on_timeout": "x"},
+     "intervention on_timeout must be one of continue, abort, got 'x'"),
+])
+def test_an_unknown_intervention_mode_or_on_timeout_names_the_field_and_allowed_values(
+        fields, message):
+    # (a hand-built policy, and the router's default, gave the enum's own
+    # "'bogus' is not a valid InterventionMode")
+    from undercurrent.router import Router
+
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        InterventionPolicy(**fields)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        Router(default_intervention_policy=fields)
+
+
 @pytest.mark.parametrize("seconds", [2, np.int64(2), np.float32(2.0)])
 def test_an_int_or_numpy_stall_timeout_is_taken_as_seconds(make_router, seconds):
     router = make_router(workers=1, stall_timeout_s=seconds)

@@ -107,17 +107,19 @@ def _resolve_registry(probes: Any) -> ProbeRegistry:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)  # (numpy's too)
+            or value < 1):
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
-def _positive_seconds(name: str, value: Any) -> float:
+def _positive_seconds(name: str, value: Any, *, zero: bool = False) -> float:
     # A bad value would otherwise surface only in the scheduler's supervisor
     # thread, which would die at the first async record (stall protection off).
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)  # (numpy's too)
-            or not math.isfinite(value) or value <= 0):
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+            or not math.isfinite(value) or value < 0 or (value == 0 and not zero)):
+        raise ValueError(f"{name} must be a finite number of seconds "
+                         f"{'>=' if zero else '>'} 0, got {value!r}")
     return float(value)
 
 
@@ -329,6 +331,10 @@ class Router:
         stall_timeout_s: float = 1.0,
     ) -> None:
         self.registry = _resolve_registry(probes)
+        if probe_defaults is not None and not isinstance(probe_defaults, Mapping):
+            raise TypeError("probe_defaults must be a mapping {probe_type: {argument: value}}"
+                            f" or None, got {type(probe_defaults).__name__} "
+                            f"({probe_defaults!r:.40})")
         defaults = dict(probe_defaults or {})
         for probe_type, kwargs in defaults.items():
             if not isinstance(kwargs, Mapping):
@@ -354,9 +360,7 @@ class Router:
         if workers is None:
             workers = max(1, min(4, os.cpu_count() or 1))
         self.workers: int = _positive_int("workers", workers)
-        if not drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {drain_timeout_s!r}")
-        self.drain_timeout_s = float(drain_timeout_s)
+        self.drain_timeout_s = _positive_seconds("drain_timeout_s", drain_timeout_s, zero=True)
         stall_timeout_s = _positive_seconds("stall_timeout_s", stall_timeout_s)
         self._scheduler = AsyncScheduler(self.workers, stall_timeout_s=stall_timeout_s,
                                          owner=self)

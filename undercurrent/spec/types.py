@@ -16,7 +16,7 @@ import numbers
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from undercurrent.spec.declarations import spec_field
 from undercurrent.spec.position import PositionSelector, parse_position
@@ -91,9 +91,24 @@ class InterventionPolicy:
 
     def __post_init__(self) -> None:
         # Hand-built policies often pass plain strings; normalise at the source.
-        object.__setattr__(self, "mode", InterventionMode(self.mode))
-        object.__setattr__(self, "on_timeout", OnTimeout(self.on_timeout))
+        object.__setattr__(self, "mode", _member(InterventionMode, self.mode, "mode"))
+        object.__setattr__(self, "on_timeout",
+                           _member(OnTimeout, self.on_timeout, "on_timeout"))
         object.__setattr__(self, "timeout_ms", _plain_int(self.timeout_ms))
+
+
+_Member = TypeVar("_Member", bound=enum.Enum)
+
+
+def _member(kind: type[_Member], value: Any, field: str) -> _Member:
+    """``value`` as a member of ``kind``; else a ``ValueError`` naming the policy's
+    ``field`` and the values it takes (the enum's own message names neither)."""
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(str(member.value) for member in kind)
+        raise ValueError(
+            f"intervention {field} must be one of {allowed}, got {value!r}") from None
 
 
 def _plain_int(value: Any) -> Any:
