@@ -309,6 +309,11 @@ def test_clear_errors_for_bad_folders_and_arguments(tmp_path):
         SaeProbe(path=tmp_path / "ok", features="3")
     with pytest.raises(ValueError, match="top_k must be an int >= 1"):
         SaeProbe(path=tmp_path / "ok", top_k=0)
+    with pytest.raises(ValueError, match=r"top_k must be an int >= 1, got 2\.0"):
+        SaeProbe(path=tmp_path / "ok", top_k=2.0)
+    # a numpy integer, as features= takes (it was refused as not an int)
+    top = SaeProbe(path=tmp_path / "ok", top_k=np.int64(3)).top_k
+    assert top == 3 and type(top) is int
     probe = SaeProbe(path=tmp_path / "ok")
     with pytest.raises(ValueError, match="expects activations of size d_in=4, got 5"):
         probe.on_activations([activation(torch.zeros(5))])

@@ -176,9 +176,10 @@ class SaeProbe(TellsSignals):
         else:
             self.features = None
             chosen = DEFAULT_TOP_K if top_k is None else top_k
-            if isinstance(chosen, bool) or not isinstance(chosen, int) or chosen < 1:
+            if (isinstance(chosen, bool) or not isinstance(chosen, numbers.Integral)
+                    or chosen < 1):  # (a numpy integer too, as features= takes)
                 raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
-            self.top_k = min(chosen, self.sae.d_sae)
+            self.top_k = min(int(chosen), self.sae.d_sae)
         self.rule = ThresholdRule.from_options(threshold, action)
         self.check_hook = check_flag("check_hook", check_hook)
         self._reset()
