@@ -51,6 +51,23 @@ def test_difference_of_means_on_an_array_and_its_options() -> None:
         fit_steering_vector(X, [0, 1])
 
 
+def test_normalize_must_be_a_bool_and_a_refused_save_makes_no_folder(tmp_path) -> None:
+    # (normalize="no" was taken as True; save("newdir/x.txt") made newdir first)
+    X = np.array([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    with pytest.raises(TypeError, match=r"fit_steering_vector: normalize must be True or "
+                                        r"False, got str \('no'\)"):
+        fit_steering_vector(X, [1, 1, 0, 0], normalize="no")
+    with pytest.raises(TypeError, match=r"probe_direction: normalize must be True or False"):
+        probe_direction(PROBE, normalize="no")
+    assert np.linalg.norm(probe_direction(PROBE, normalize=np.bool_(False))) > 1.0 + 1e-6
+    target = tmp_path / "newdir" / "x.txt"
+    with pytest.raises(ValueError, match="use a .safetensors or .npz suffix"):
+        fit_steering_vector(X, [1, 1, 0, 0]).save(target)
+    assert not target.parent.exists()
+    saved = fit_steering_vector(X, [1, 1, 0, 0]).save(tmp_path / "newdir" / "x.npz")
+    assert np.load(saved)["vector"].tolist() == [2.0, -3.0]
+
+
 def test_a_bfloat16_tensor_gives_the_difference_of_its_values_means() -> None:
     # numpy refused the tensor ("Got unsupported ScalarType BFloat16")
     X = torch.tensor([[1.0, 0.5], [3.0, 0.0], [0.0, 2.0], [0.25, 4.0]], dtype=torch.bfloat16)

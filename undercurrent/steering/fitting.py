@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from undercurrent.analysis.fitting import _design, _sorted_classes
+from undercurrent.arguments import check_flag
 from undercurrent.paths import user_path
 from undercurrent.probes.weights import load_linear_weights
 from undercurrent.spec.loader import parse_edit
@@ -73,6 +74,10 @@ class SteeringVector:
         import numpy as np
 
         target = user_path(path, "SteeringVector.save: path", what="a .safetensors or .npz file")
+        if target.suffix not in (".safetensors", ".npz"):
+            # (checked before the folder is made: a refused save leaves nothing behind)
+            raise ValueError(f"cannot save a steering vector to {str(path)!r}: use a "
+                             ".safetensors or .npz suffix")
         array = np.ascontiguousarray(self.vector, dtype=np.float32)
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.suffix == ".safetensors":
@@ -81,12 +86,9 @@ class SteeringVector:
             save_file({"vector": array}, str(target),
                       metadata={"format": "undercurrent.steering_vector/1",
                                 "layer": str(self.layer), "tensor_type": str(self.tensor_type)})
-        elif target.suffix == ".npz":
+        else:
             with open(target, "wb") as handle:
                 np.savez(handle, vector=array)
-        else:
-            raise ValueError(f"cannot save a steering vector to {str(path)!r}: use a "
-                             ".safetensors or .npz suffix")
         return target
 
 
@@ -120,6 +122,7 @@ def fit_steering_vector(
     """
     import numpy as np
 
+    normalize = check_flag("fit_steering_vector: normalize", normalize)
     X, y, _, layer, tensor_type, projected = _design(data, labels, layer, point, tensor_type,
                                                      None, caller="fit_steering_vector")
     if projected is not None:
@@ -170,6 +173,7 @@ def probe_direction(path: str | os.PathLike[str], *, normalize: bool = True) -> 
     """
     import numpy as np
 
+    normalize = check_flag("probe_direction: normalize", normalize)
     weights = load_linear_weights(path)
     if weights.classes not in (None, 1):
         raise ValueError(f"{weights.source} has {weights.classes} classes; a direction needs a "
