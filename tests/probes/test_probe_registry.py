@@ -144,6 +144,31 @@ def test_redefining_a_decorated_function_replaces_its_registration():
     assert registry.get("again").function is namespace["again"]
 
 
+def test_probe_decorator_arguments_are_checked_naming_them():
+    # (name="" fell back to the function's name, probe(5) and registry={} were
+    # AttributeErrors, name=["x"] an unhashable-type TypeError, register="no" registered)
+    def scored(record, *, scale=1.0):
+        return 0.0
+
+    registry = ProbeRegistry()
+    for name in ("", "  ", ["x"], 5):
+        with pytest.raises(ValueError, match=r"@probe: name must be a non-empty string or "
+                                             r"None \(the function's name\), got"):
+            probe(scored, name=name, registry=registry)
+    with pytest.raises(ValueError, match="@probe: name must be a non-empty string"):
+        probe("")
+    with pytest.raises(TypeError, match=r"@probe must decorate a function .* got int \(5\)"):
+        probe(5)
+    with pytest.raises(TypeError, match=r"@probe: registry must be a ProbeRegistry or None "
+                                        r"\(the default one\), got dict"):
+        probe(scored, name="g", registry={})
+    with pytest.raises(TypeError, match=r"@probe: register must be True or False, got str"):
+        probe(scored, name="h", registry=registry, register="no")
+    assert registry.names() == ()
+    probe(scored, name="kept", registry=registry, register=np.bool_(True))
+    assert registry.names() == ("kept",)
+
+
 def test_third_party_probes_load_from_the_entry_point_group(tmp_path, monkeypatch):
     (tmp_path / "acme_probes.py").write_text(textwrap.dedent("""
         from undercurrent.probes import Probe

@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from undercurrent.arguments import check_flag
 from undercurrent.probes.base import Probe, RequestContext
 from undercurrent.probes.registry import ProbeRegistry, default_registry
 from undercurrent.probes.scoring import ScoreSummary, ThresholdRule
@@ -41,12 +42,26 @@ def probe(
     """
     if isinstance(function, str):
         return probe(name=function, registry=registry, register=register)
+    # (checked before the function is wrapped: a bad argument is named here, not
+    # met as an AttributeError or an unhashable key inside the registry)
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"@probe: name must be a non-empty string or None (the "
+                         f"function's name), got {name!r:.40}")
+    if registry is not None and not isinstance(registry, ProbeRegistry):
+        raise TypeError(f"@probe: registry must be a ProbeRegistry or None (the default "
+                        f"one), got {type(registry).__name__} ({registry!r:.40})")
+    register = check_flag("@probe: register", register)
     if function is None:
         return lambda fn: probe(fn, name=name, registry=registry, register=register)
-    cls = _build_class(function, name or function.__name__)
+    if not callable(function):
+        raise TypeError("@probe must decorate a function (record, *, options...) -> "
+                        f"verdict, got {type(function).__name__} ({function!r:.40})")
+    probe_name = getattr(function, "__name__", None) if name is None else name
+    if probe_name is None:
+        raise TypeError(f"@probe: {function!r:.40} has no __name__; give the probe a name=")
+    cls = _build_class(function, probe_name)
     if register:
         target = registry if registry is not None else default_registry
-        probe_name = name or function.__name__
         replace = _is_redefinition(target, probe_name, function)
         target.register(probe_name, cls, replace=replace)
     return cls
