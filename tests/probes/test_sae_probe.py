@@ -329,6 +329,13 @@ def test_clear_errors_for_bad_folders_and_arguments(tmp_path):
     ({"apply_b_dec_to_input": "false"}, "apply_b_dec_to_input must be true or false, got 'false'"),
     ({"rescale_acts_by_decoder_norm": 1}, "rescale_acts_by_decoder_norm must be true or false"),
     ({"architecture": "topk", "k": 7}, r"k=7 is more than the SAE's d_sae=6 features"),
+    # (a list or object was an unhashable-type TypeError; "4" read "says d_in=4 but
+    # the weights have 4")
+    ({"normalize_activations": []}, r"normalize_activations \[\] is not one SAELens defines"),
+    ({"normalize_activations": {"x": 1}}, r"normalize_activations \{'x': 1\} is not one"),
+    ({"d_in": "4"}, r"field d_in must be an integer, got str \('4'\)"),
+    ({"d_sae": 6.0}, r"field d_sae must be an integer, got float \(6\.0\)"),
+    ({"d_sae": True}, r"field d_sae must be an integer, got bool"),
 ])
 def test_config_fields_the_encoder_would_not_follow_are_refused(tmp_path, config, message):
     # (each was read as a plain ReLU SAE, or as apply_b_dec_to_input true)

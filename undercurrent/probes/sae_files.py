@@ -426,7 +426,7 @@ def _build(
                 f"{config[name]!r}"
             )
     normalisation = config.get("normalize_activations", "none")
-    if normalisation not in _INPUT_NORMALISATIONS:
+    if not isinstance(normalisation, str) or normalisation not in _INPUT_NORMALISATIONS:
         raise SaeFileError(
             f"{source}: normalize_activations {normalisation!r} is not one SAELens defines "
             f"({', '.join(_INPUT_NORMALISATIONS)})"
@@ -471,6 +471,12 @@ def _build(
             )
     declared = {"d_in": d_in, "d_sae": d_sae}
     for name, actual in declared.items():
+        if name in config and (isinstance(config[name], bool)
+                               or not isinstance(config[name], int)):
+            raise SaeFileError(
+                f"{source}: {SAE_CONFIG_FILE} field {name} must be an integer, got "
+                f"{type(config[name]).__name__} ({config[name]!r:.40})"
+            )
         if name in config and config[name] != actual:
             raise SaeFileError(
                 f"{source}: {SAE_CONFIG_FILE} says {name}={config[name]} but the weights "
