@@ -176,6 +176,23 @@ def test_vector_files_keys_and_errors(tmp_path) -> None:
         resolve_edit(vector_edit(str(tmp_path / "missing.npz")), 4)
 
 
+def test_a_vector_file_of_strings_or_without_a_1d_array_is_refused_saying_so(tmp_path) -> None:
+    # (strings were a bare numpy "could not convert string to float"; a 2-D array
+    # alone read "holds 0 1-D arrays (v); name one with vector_key", and vector_key='v'
+    # was then refused for its shape)
+    np.savez(tmp_path / "text.npz", v=np.array(["a"] * 4))
+    with pytest.raises(SpecValidationError, match=r"edits\[0\] \(name 'v'\), field 'vector': "
+                                                  r".*text\.npz gives values that are not "
+                                                  r"numbers \(str32: could not convert"):
+        resolve_edit(vector_edit(str(tmp_path / "text.npz")), 4)
+    np.savez(tmp_path / "flat.npz", m=np.ones((2, 4)), t=np.ones((1, 2, 4)))
+    with pytest.raises(SpecValidationError, match=r"flat\.npz' holds no 1-D array \(m \(2, "
+                                                  r"4\), t \(1, 2, 4\)\); an edit's vector "
+                                                  r"file holds a 1-D array of the model's "
+                                                  r"hidden size"):
+        resolve_edit(vector_edit(str(tmp_path / "flat.npz")), 4)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_a_linear_probe_file_with_a_weight_row_per_class_is_read_as_a_probe(tmp_path, rows):
     # The bias was the file's one 1-D array, so it was taken for the vector: a binary

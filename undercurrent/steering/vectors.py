@@ -136,8 +136,13 @@ def _from_file(edit: Edit) -> Any:
     vectors = [name for name, array in arrays.items() if array.ndim == 1]
     if len(vectors) == 1:
         return arrays[vectors[0]]
+    if not vectors:
+        shapes = ", ".join(f"{name} {arrays[name].shape}" for name in sorted(arrays))
+        raise ValueError(f"{edit.vector!r} holds no 1-D array ({shapes or 'no arrays'}); an "
+                         "edit's vector file holds a 1-D array of the model's hidden size "
+                         "(or a linear probe's weight of shape (H,) or (1, H) beside its bias)")
     raise ValueError(f"{edit.vector!r} holds {len(vectors)} 1-D arrays "
-                     f"({', '.join(sorted(arrays)) or 'none'}); name one with vector_key")
+                     f"({', '.join(sorted(vectors))}); name one with vector_key")
 
 
 _BUILTIN: tuple[tuple[str, VectorSource], ...] = (
@@ -194,8 +199,15 @@ def resolve_edit(edit: Edit, hidden_size: int | None, index: int = 0,
     if found is None:
         raise SpecValidationError([_problem(edit, index, "no vector source understands "
                                                          f"{edit.vector!r}")])
-    vector = np.array(found, dtype=np.float64)
     where = _describe(edit.vector)
+    try:
+        vector = np.array(found, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        # (an .npz of strings, say: numpy's message named neither the edit nor the file)
+        kind = getattr(getattr(found, "dtype", None), "name", type(found).__name__)
+        raise SpecValidationError([_problem(
+            edit, index, f"{where} gives values that are not numbers ({kind}: {error})")]
+        ) from None
     message = None
     if vector.ndim != 1:
         message = f"{where} gives an array of shape {vector.shape}; an edit needs a 1-D vector"
