@@ -45,7 +45,7 @@ from undercurrent.records import ProbeResult
 from undercurrent.router import Router
 from undercurrent.spec import check_extraction_points, load_yaml_file, parse_dict, parse_yaml
 from undercurrent.spec.errors import SpecValidationError
-from undercurrent.spec.loader import is_file, is_yaml_text
+from undercurrent.spec.loader import is_file, is_yaml_text, version_problems
 from undercurrent.spec.messages import did_you_mean
 from undercurrent.spec.types import Edit, ExtractionPoint, ProbeSpec
 from undercurrent.steering.registration import as_edits, placed, register_edits
@@ -64,6 +64,9 @@ def load_spec(spec: SpecLike | None) -> ProbeSpec:
     if spec is None:
         return ProbeSpec(())
     if isinstance(spec, ProbeSpec):
+        problems = version_problems(spec.version)
+        if problems:  # (ProbeSpec(version="9"): what the loader refuses)
+            raise SpecValidationError(problems)
         check_extraction_points(spec)
         return spec
     if isinstance(spec, Mapping):

@@ -123,6 +123,22 @@ def test_probe_args_yaml_cannot_represent_give_a_spec_error() -> None:
         to_yaml(ProbeSpec((point,)))
 
 
+def test_to_yaml_refuses_a_hand_built_spec_its_loader_would_refuse() -> None:
+    # (two points of one name, or version "9", were written; parse_yaml then
+    # refused the saved text)
+    point = parse_point().extraction_points[0]
+    with pytest.raises(SpecValidationError, match=r"extraction_points\[1\] .*duplicate name"):
+        to_yaml(ProbeSpec((point, point)))
+    with pytest.raises(SpecValidationError, match=r"field 'version': unsupported spec "
+                                                  r"version '9'; this release"):
+        to_yaml(ProbeSpec((point,), version="9"))
+    from undercurrent.api import load_spec
+
+    with pytest.raises(SpecValidationError, match="unsupported spec version '9'"):
+        load_spec(ProbeSpec((point,), version="9"))
+    assert load_spec(ProbeSpec((point,), version="1")) == ProbeSpec((point,))
+
+
 def test_tuples_in_probe_args_are_written_as_lists() -> None:
     point = dataclasses.replace(parse_point()[0], probe_args={"shape": (2, 3)})
     assert parse_yaml(to_yaml(ProbeSpec((point,))))[0].probe_args["shape"] == [2, 3]

@@ -299,29 +299,11 @@ def _unquoted_version(version: object) -> str | None:
     return None
 
 
-def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], list[SpecProblem]]:
+def version_problems(version: Any) -> list[SpecProblem]:
+    """What is wrong with a spec's ``version`` (empty when this release reads it):
+    what the loader refuses, for a hand-built ``ProbeSpec`` too."""
     problems: list[SpecProblem] = []
-    if not isinstance(data, Mapping):
-        empty = " (the document is empty)" if data is None else ""
-        problems.append(
-            SpecProblem(
-                "a spec must be a mapping with the keys 'version' and 'extraction_points', "
-                f"got {describe_value(data)}{empty}"
-            )
-        )
-        return None, problems, []
-    version = data.get("version", "1")
-    # An unquoted known version (``version: 2``) is reported once, as that version
-    # quoted, and read as that version meanwhile (so its edits are checked).
     meant = version.strip() if isinstance(version, str) else _unquoted_version(version)
-    with_edits = meant in EDIT_VERSIONS
-    allowed = _TOP_LEVEL_KEYS if with_edits else _VERSION_1_KEYS
-    for key in data:
-        if key not in allowed:
-            message = _unknown_key_message(key, allowed, "top-level")
-            if key == "edits":
-                message += ' (edits need version: "2")'
-            problems.append(SpecProblem(message, key if isinstance(key, str) else None))
     if not isinstance(version, str) and meant is not None:
         problems.append(
             SpecProblem(
@@ -349,6 +331,33 @@ def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], lis
                 "version",
             )
         )
+    return problems
+
+
+def _parse_document(data: Any) -> tuple[ProbeSpec | None, list[SpecProblem], list[SpecProblem]]:
+    problems: list[SpecProblem] = []
+    if not isinstance(data, Mapping):
+        empty = " (the document is empty)" if data is None else ""
+        problems.append(
+            SpecProblem(
+                "a spec must be a mapping with the keys 'version' and 'extraction_points', "
+                f"got {describe_value(data)}{empty}"
+            )
+        )
+        return None, problems, []
+    version = data.get("version", "1")
+    # An unquoted known version (``version: 2``) is reported once, as that version
+    # quoted, and read as that version meanwhile (so its edits are checked).
+    meant = version.strip() if isinstance(version, str) else _unquoted_version(version)
+    with_edits = meant in EDIT_VERSIONS
+    allowed = _TOP_LEVEL_KEYS if with_edits else _VERSION_1_KEYS
+    for key in data:
+        if key not in allowed:
+            message = _unknown_key_message(key, allowed, "top-level")
+            if key == "edits":
+                message += ' (edits need version: "2")'
+            problems.append(SpecProblem(message, key if isinstance(key, str) else None))
+    problems += version_problems(version)
     raw_points: Any = data.get("extraction_points")
     if "extraction_points" not in data:
         problems.append(SpecProblem("is required but missing", "extraction_points"))

@@ -14,6 +14,7 @@ import yaml
 
 from undercurrent.spec.declarations import to_spec_data
 from undercurrent.spec.errors import SpecProblem, SpecValidationError
+from undercurrent.spec.loader import parse_dict
 from undercurrent.spec.types import Edit, ExtractionPoint, ProbeSpec
 
 
@@ -112,9 +113,13 @@ def to_yaml(spec: ProbeSpec) -> str:
     kind of sequence).
 
     Raises :class:`SpecValidationError` naming the point when its ``probe_args``
-    hold a value YAML cannot represent (see :func:`yaml_data`).
+    hold a value YAML cannot represent (see :func:`yaml_data`), and with the
+    loader's problems for a hand-built spec it would refuse (two points of one
+    name, a version this release does not read): the text is never one that
+    :func:`parse_yaml` refuses.
     """
     data = yaml_data(spec)
+    parse_dict(data)  # (the loader's own checks, not a copy of them)
     text = _dump(data, allow_unicode=True)
     # PyYAML writes a few code points (NEL, line and paragraph separators) unescaped
     # that its reader then folds into line breaks; escape everything when that bites.
