@@ -246,6 +246,11 @@ def test_bad_arguments_are_named():
         ProbedModel.from_pretrained("/nonexistent", backend="nope")
     with pytest.raises(BackendError, match="needs a tokenizer"):
         ProbedModel(build_model("llama"))
+    # (accepted; the first generate() failed with "'int' object is not callable")
+    for tokenizer in (5, "gpt2-tokenizer-name", print):
+        with pytest.raises(TypeError, match=r"the hf backend's tokenizer must be a tokenizer "
+                                            r"\(callable on text, with decode\(\).*got "):
+            ProbedModel(build_model("llama"), tokenizer)
     with pytest.raises(BackendError, match="from_pretrained"):
         ProbedModel(build_model("llama"), build_tokenizer(), backend="vllm")
     with pytest.raises(FileNotFoundError, match="not a file"):

@@ -579,6 +579,13 @@ class HFBackend:
                  batch_size: int = 8) -> None:
         if tokenizer is None:
             raise BackendError("the hf backend needs a tokenizer: ProbedModel(model, tokenizer)")
+        if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
+            # (refused here: it failed at the first generate(), "'int' object is not
+            # callable" from inside prompt encoding)
+            raise TypeError(
+                "the hf backend's tokenizer must be a tokenizer (callable on text, with "
+                "decode(), as transformers' AutoTokenizer.from_pretrained(path) gives), got "
+                f"{type(tokenizer).__name__} ({tokenizer!r:.40})")
         model = _uncompiled(model)
         can_generate = getattr(model, "can_generate", None)  # (a transformers model's)
         if callable(can_generate) and not can_generate():
