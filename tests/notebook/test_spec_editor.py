@@ -12,7 +12,7 @@ from spec_files import SPEC_FILES
 
 from undercurrent.adapters.capabilities import Capabilities
 from undercurrent.notebook import SpecEditor
-from undercurrent.spec import SpecValidationError, load_yaml_file, parse_yaml
+from undercurrent.spec import SpecValidationError, load_yaml_file, parse_dict, parse_yaml
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 
@@ -386,6 +386,26 @@ def test_a_spec_or_a_selection_of_the_wrong_kind_is_refused_naming_what_it_takes
         editor.select(1.0)
     editor.select(0)
     assert editor.point_list.value == 0
+    # field_problems of an index with no point or edit is refused as select() refuses
+    # it (it returned {}, "no problems")
+    with pytest.raises(IndexError, match=r"no point at index 99; there are 2 points"):
+        editor.field_problems(99)
+    with pytest.raises(IndexError, match="no edit at index 0; there are 0 edits"):
+        editor.edit_field_problems(0)
+    with pytest.raises(TypeError, match=r"field_problems takes a point index or name, got "
+                                        r"float"):
+        editor.field_problems(1.0)
+    assert editor.field_problems(1) == {} and editor.edit_field_problems() == {}
+    # from_spec takes a spec dict as load_spec does; None is refused naming what it takes
+    # (both were pathlib's "expected str, bytes or os.PathLike object")
+    data = {"version": "1", "extraction_points": [{
+        "name": "p", "layers": 1, "tensor_type": "residual_stream", "position": "prompt[-1]",
+        "probe_type": "norm_probe", "probe_kind": "single_shot"}]}
+    assert SpecEditor.from_spec(data).spec == parse_dict(data)
+    with pytest.raises(TypeError, match=r"from_spec takes a ProbeSpec, a spec dict, a YAML "
+                                        r"file path or YAML text, got NoneType"):
+        SpecEditor.from_spec(None)
+    editor.close()
 
 
 @pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.name)

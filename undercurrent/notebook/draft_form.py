@@ -160,19 +160,24 @@ class DraftForm:
 
     def select(self, index_or_name: int | str) -> None:
         """Show the draft at ``index_or_name`` (an index or a name) in the form."""
+        self._select(self.index_of(index_or_name))
+
+    def index_of(self, index_or_name: int | str, caller: str = "select") -> int:
+        """The index of the draft at ``index_or_name`` (an index or a name); a
+        ``KeyError``, ``TypeError`` or ``IndexError`` naming what is wrong."""
         if isinstance(index_or_name, str):
             names = [draft.name for draft in self.drafts]
             if index_or_name not in names:
                 raise KeyError(f"no {self.noun} named {index_or_name!r}; {self.noun}s: {names}")
             index_or_name = names.index(index_or_name)
         elif isinstance(index_or_name, bool) or not isinstance(index_or_name, numbers.Integral):
-            raise TypeError(f"select takes a {self.noun} index or name, got "
+            raise TypeError(f"{caller} takes a {self.noun} index or name, got "
                             f"{type(index_or_name).__name__} ({index_or_name!r:.40})")
         elif not 0 <= index_or_name < len(self.drafts):
             raise IndexError(f"no {self.noun} at index {index_or_name}; there are "
                              f"{len(self.drafts)} {self.noun}s (indices 0.."
                              f"{len(self.drafts) - 1})")
-        self._select(int(index_or_name))
+        return int(index_or_name)
 
     def _select(self, index: int) -> None:
         self.current = max(index, 0)
@@ -305,8 +310,10 @@ class DraftForm:
 
     def field_problems(self, problems: Sequence[SpecProblem],
                        index: int | None = None) -> dict[str, list[str]]:
-        """``{field: [messages]}`` for the draft at ``index`` (default: selected)."""
-        index = self.current if index is None else index
+        """``{field: [messages]}`` for the draft at ``index`` (default: selected); an
+        index with no draft is refused as :meth:`select` refuses it (an empty dict
+        would read as "no problems")."""
+        index = self.current if index is None else self.index_of(index, "field_problems")
         found: dict[str, list[str]] = {}
         for problem in problems:
             if (problem.section != self.section or problem.point_index != index

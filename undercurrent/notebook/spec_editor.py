@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -50,6 +51,7 @@ from undercurrent.spec import (
     SpecProblem,
     SpecValidationError,
     load_yaml_file,
+    parse_dict,
     parse_yaml,
     to_yaml,
 )
@@ -146,10 +148,10 @@ class SpecEditor:
     # -- construction -------------------------------------------------------------
 
     @classmethod
-    def from_spec(cls, spec_or_path: ProbeSpec | str | os.PathLike[str], *,
-                  model: ModelArgument = None) -> SpecEditor:
-        """An editor loaded with a ``ProbeSpec``, a YAML file path, or YAML text
-        (version "1" or "2": the edits come with it).
+    def from_spec(cls, spec_or_path: ProbeSpec | Mapping[str, Any] | str | os.PathLike[str],
+                  *, model: ModelArgument = None) -> SpecEditor:
+        """An editor loaded with a ``ProbeSpec``, a spec dict, a YAML file path, or
+        YAML text (version "1" or "2": the edits come with it).
 
         Loading goes through the spec loader, so an invalid file raises
         ``SpecValidationError`` naming the problems (there is nothing to edit yet);
@@ -158,6 +160,12 @@ class SpecEditor:
         """
         if isinstance(spec_or_path, ProbeSpec):
             spec = spec_or_path
+        elif isinstance(spec_or_path, Mapping):  # (as load_spec takes one)
+            spec = parse_dict(spec_or_path)
+        elif not isinstance(spec_or_path, str | os.PathLike):
+            raise TypeError("from_spec takes a ProbeSpec, a spec dict, a YAML file path or "
+                            f"YAML text, got {type(spec_or_path).__name__} "
+                            f"({spec_or_path!r:.40})")
         elif is_yaml_text(spec_or_path):
             spec = parse_yaml(spec_or_path)
         else:
