@@ -8,6 +8,7 @@ at the bottom of the layers: it imports nothing of the package.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -25,14 +26,19 @@ def check_flag(name: str, value: Any, *, optional: bool = False) -> Any:
                     f"{type(value).__name__} ({value!r:.40})")
 
 
-def check_number(name: str, value: Any, *, integer: bool = False) -> Any:
+def check_number(name: str, value: Any, *, integer: bool = False, finite: bool = False) -> Any:
     """``value`` as a plain Python ``int`` (where ``integer``) or ``float`` when it
     is a number, numpy scalars included (a library downstream may refuse a numpy
     float32); else a ``TypeError`` naming ``name``. ``bool`` is refused: ``True``
-    is not 1 token, and ``"0.5"`` is not a number."""
+    is not 1 token, and ``"0.5"`` is not a number. Where ``finite``, a NaN or an
+    infinity is a ``ValueError`` naming ``name``."""
     allowed = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, allowed):
         kind = "an integer" if integer else "a number"
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__} ({value!r:.40})")
     number: Any = value  # (numbers.Real declares no __int__)
-    return int(number) if integer else float(number)
+    if integer:
+        return int(number)
+    if finite and not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(number)

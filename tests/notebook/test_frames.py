@@ -15,6 +15,7 @@ from undercurrent.notebook import (
     RESULT_COLUMNS,
     SIGNAL_COLUMNS,
     activation_matrix,
+    frame_to_records,
     record_tensors,
     records_frame,
     results_frame,
@@ -189,6 +190,22 @@ def test_rows_of_two_records_frames_concatenated_are_refused_not_read_from_one(r
     halves = pd.concat([whole[whole["layer"] == 1], whole[whole["layer"] == 0]])
     np.testing.assert_array_equal(activation_matrix(halves, layer=0),
                                   activation_matrix(whole, layer=0))
+
+
+def test_a_tokenizer_without_decode_and_a_frame_that_is_not_one_are_refused_naming_them(
+        records):
+    # (records_frame(tokenizer=5) was "'int' object has no attribute 'decode'",
+    # frame_to_records(5) another AttributeError, a frame without 'row' a KeyError)
+    with pytest.raises(TypeError, match=r"records_frame: tokenizer must have a "
+                                        r"decode\(list_of_ids\) method .* got int \(5\)"):
+        records_frame(records, tokenizer=5)
+    with pytest.raises(TypeError, match=r"frame_to_records takes a records frame .* got int"):
+        frame_to_records(5)
+    frame = records_frame(records)
+    with pytest.raises(ValueError, match=r"frame_to_records: the frame lacks the column\(s\) "
+                                         r"\['layer', .*'shape', 'row'\]"):
+        frame_to_records(frame[["request", "point"]])
+    assert len(frame_to_records(frame.iloc[:2])) == 2
 
 
 def test_a_frame_without_tensors_is_refused_and_a_tensor_column_frame_still_read(records):

@@ -277,6 +277,14 @@ def test_prompts_max_new_tokens_and_score_range_of_the_wrong_kind_are_refused():
             LiveView(model, score_range=bad)
     with pytest.raises(TypeError, match=r"LiveView: threshold must be a number, got str"):
         LiveView(model, threshold="0.5")
+    # (threshold=nan was accepted; labels=5 was "'int' object is not iterable")
+    with pytest.raises(ValueError, match=r"LiveView: threshold must be a finite number, "
+                                         r"got nan"):
+        LiveView(model, threshold=float("nan"))
+    with pytest.raises(TypeError, match=r"LiveView.run: labels must be a label per prompt .* "
+                                        r"or None, got int \(5\)"):
+        LiveView(model).run("a", labels=5, display=False)
+    assert model.calls == []
     assert LiveView(model, score_range=[0, 2]).score_range == (0.0, 2.0)
 
 

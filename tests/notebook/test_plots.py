@@ -98,6 +98,13 @@ def test_plot_options_of_the_wrong_kind_are_refused_naming_the_argument():
     with pytest.raises(TypeError, match=r"trajectory_figure: threshold must be a number, got "
                                         r"str \('0.5'\)"):
         trajectory_figure(results, threshold="0.5")
+    # (threshold=nan drew no line; color_by=5 was "'int' object is not iterable")
+    with pytest.raises(ValueError, match=r"trajectory_figure: threshold must be a finite "
+                                         r"number, got nan"):
+        trajectory_figure(results, threshold=float("nan"))
+    with pytest.raises(TypeError, match=r"trajectory_figure: color_by must be a frame column, "
+                                        r"a \{request: label\} mapping or None, got int"):
+        trajectory_figure(results, color_by=5)
     with pytest.raises(TypeError, match=r"heatmap_figure draws one request: request must be a "
                                         r"request id \(a string\), got list"):
         heatmap_figure(records, request=["req0"])

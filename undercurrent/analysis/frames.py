@@ -203,7 +203,7 @@ def records_frame(records: Any, *, tokenizer: Any = None, tensors: bool = True) 
     check_flag("records_frame: tensors", tensors)
     pd = _pandas()
     flat = flatten_records(records)
-    decode = _token_decoder(tokenizer)
+    decode = _token_decoder(tokenizer, "records_frame")
     arrays: list[Any] = []
     columns: dict[str, list[Any]] = {name: [] for name in RECORD_COLUMNS}
     for record in flat:
@@ -290,9 +290,13 @@ def _typed_record_frame(frame: Any) -> Any:
     return frame.astype({k: v for k, v in types.items() if k in frame.columns})
 
 
-def _token_decoder(tokenizer: Any) -> Any:
+def _token_decoder(tokenizer: Any, caller: str) -> Any:
     if tokenizer is None:
         return lambda token_id: None
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"{caller}: tokenizer must have a decode(list_of_ids) method (a "
+                        f"model's backend.tokenizer), or be None; got "
+                        f"{type(tokenizer).__name__} ({tokenizer!r:.40})")
     cache: dict[int, str] = {}
 
     def decode(token_id: int | None) -> str | None:
@@ -707,7 +711,7 @@ def features_frame(results: Any, *, tokenizer: Any = None) -> Any:
     pd = _pandas()
     signals = signals_frame(results)
     token_ids = _token_ids_by_request(results)
-    decode = _token_decoder(tokenizer)
+    decode = _token_decoder(tokenizer, "features_frame")
     rows: list[dict[str, Any]] = []
     for signal in signals.itertuples(index=False):
         metadata = signal.metadata

@@ -170,7 +170,7 @@ class LiveView:
         _check_point(model, point)
         score_range = _score_range(score_range)
         if threshold is not None:
-            check_number("LiveView: threshold", threshold)
+            check_number("LiveView: threshold", threshold, finite=True)
         w, go = _modules()
         self.model = model
         self.point = point
@@ -322,6 +322,10 @@ class LiveView:
         max_new_tokens = stream_kwargs.get("max_new_tokens")
         if max_new_tokens is not None:  # (the token axis is drawn from it before any stream)
             check_number("LiveView.run: max_new_tokens", max_new_tokens, integer=True)
+        if labels is not None and not isinstance(labels, str | Iterable):
+            raise TypeError("LiveView.run: labels must be a label per prompt (a list, or "
+                            f"one string for one prompt) or None, got "
+                            f"{type(labels).__name__} ({labels!r:.40})")
         label_list = None if labels is None else [str(label) for label in (
             [labels] if isinstance(labels, str) else labels)]
         if label_list is not None and len(label_list) != len(prompt_list):

@@ -90,7 +90,7 @@ def trajectory_figure(
         )
     _check_names("trajectory_figure", names)
     if threshold is not None:
-        check_number("trajectory_figure: threshold", threshold)
+        check_number("trajectory_figure: threshold", threshold, finite=True)
     for column, wanted in (("request", requests), ("point", points)):
         if wanted is not None:
             frame = frame[frame[column].isin(_known_values(frame, column, wanted))]
@@ -215,6 +215,10 @@ def _groups(frame: Any, color_by: str | Mapping[str, Any] | None) -> Any:
                 f"{list(frame.columns)}"
             )
         return frame[color_by]
+    if not isinstance(color_by, Mapping):
+        raise TypeError("trajectory_figure: color_by must be a frame column, a "
+                        "{request: label} mapping or None, got "
+                        f"{type(color_by).__name__} ({color_by!r:.40})")
     missing = sorted(set(frame["request"]) - set(color_by))
     if missing:
         raise ValueError(f"trajectory_figure: color_by has no group for requests {missing[:5]}")

@@ -239,7 +239,24 @@ def frame_to_records(frame: Any) -> list[ActivationRecord]:
     them (``records_frame``, ``save_records``, a fit) would read the projections
     as activations. Keep such rows in a frame (``save_records`` keeps the mark).
     """
+    if not hasattr(frame, "columns") or not hasattr(frame, "itertuples"):
+        raise TypeError("frame_to_records takes a records frame (from records_frame or "
+                        f"load_records), got {type(frame).__name__} ({frame!r:.40})")
+    needed = [column for column in RECORD_COLUMNS if column in _RECORD_FIELDS]
+    if "tensor" not in frame.columns and isinstance(frame.attrs.get(ACTIVATIONS_KEY),
+                                                    Activations):
+        needed += ["shape", "row"]  # (where each row's activation is)
+    missing = [column for column in needed if column not in frame.columns]
+    if missing:
+        raise ValueError(f"frame_to_records: the frame lacks the column(s) {missing} a "
+                         "record is built from; select rows of a records frame, keeping "
+                         "its columns")
     return _frame_records(frame, "frame_to_records")
+
+
+# The columns each ActivationRecord field is read from (``edits`` may be absent).
+_RECORD_FIELDS = ("request", "point", "layer", "tensor_type", "token_index", "is_generated",
+                  "generated_index", "token_id", "timestamp")
 
 
 def _refuse_projected(frame: Any, caller: str) -> None:
