@@ -167,3 +167,17 @@ def residual_stream(output: Any) -> Any:
 def first_tensor(output: Any) -> Any:
     """A block's output tensor (vLLM norms called with a residual return a pair)."""
     return output[0] if isinstance(output, tuple) else output
+
+
+def output_bias(output: Any) -> Any | None:
+    """The bias an attention or MLP block returns beside its output, not yet added
+    (its output projection built with ``skip_bias_add=True``, as Falcon's: the block
+    returns ``(out, bias)`` and the decoder layer adds the bias later), or None.
+    The block's output, as the Hugging Face backend captures it, is ``out + bias``."""
+    if not (isinstance(output, tuple) and len(output) == 2):
+        return None
+    out, bias = output
+    if bias is None or not hasattr(bias, "shape") or not hasattr(out, "shape"):
+        return None
+    return bias if tuple(bias.shape) == tuple(out.shape[-1:]) else None
+

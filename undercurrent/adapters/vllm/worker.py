@@ -18,7 +18,9 @@ the batches wait in the worker and go several steps at a time, the rest when the
 driver asks once the engine is done.
 
 Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
-are the full, all-reduced ones, identical on every rank. Live edits run on every
+are the full, all-reduced ones, identical on every rank. An attention or MLP block
+that returns its bias beside its output (``skip_bias_add``) is captured and edited
+as ``out + bias``, the output the Hugging Face backend sees. Live edits run on every
 rank (each rank's copy of the residual stream must change the same way): every
 rank hooks the model and plans the same edits from the same runner state; rank 0
 reports the edits it applied with the step's batch, and learns from the reply which
@@ -372,15 +374,20 @@ class _Capture:
     def _apply_edits(self, tensor_type: TensorType, output: Any, edits: Any) -> None:
         """Change the planned rows of a module's output in place. A split residual
         stream (hidden, residual) gets each edit's change added to ``hidden`` only, so
-        the sum the next layer reads changes exactly once."""
+        the sum the next layer reads changes exactly once; so does a block's output
+        whose bias comes beside it (see :func:`layouts.output_bias`): the edit reads
+        ``out + bias`` and its change goes to ``out``."""
         split = (tensor_type is TensorType.RESIDUAL_STREAM and isinstance(output, tuple)
                  and len(output) > 1 and output[1] is not None)
+        bias = _block_bias(tensor_type, output)
         target = layouts.first_tensor(output)
         for entry in edits:
             index = torch.tensor(entry.slots, dtype=torch.long, device=target.device)
             rows = target.index_select(0, index)
             if split:
                 rows = rows + output[1].index_select(0, index)
+            elif bias is not None:
+                rows = rows + bias
             target.index_add_(0, index, self.kernels.delta(entry.resolved, rows))
 
     def _output_hook(self, layer: int, tensor_type: TensorType) -> Any:
@@ -398,12 +405,17 @@ class _Capture:
                 return
             source = layouts.first_tensor(output)
             out = self._bank_slice(key, source, tuple(source.shape[1:]))
-            if tensor_type is TensorType.RESIDUAL_STREAM and isinstance(output, tuple) \
-                    and len(output) > 1 and output[1] is not None:
-                # Select first, then add: the next layer's fused add-norm rewrites
-                # both tensors in place, and only a few rows are wanted.
-                torch.add(_gather(output[0], rows), _gather(output[1], rows), out=out)
-            elif isinstance(rows, slice):
+            if tensor_type is TensorType.RESIDUAL_STREAM:
+                if isinstance(output, tuple) and len(output) > 1 and output[1] is not None:
+                    # Select first, then add: the next layer's fused add-norm rewrites
+                    # both tensors in place, and only a few rows are wanted.
+                    torch.add(_gather(output[0], rows), _gather(output[1], rows), out=out)
+                    return
+            elif (bias := _block_bias(tensor_type, output)) is not None:
+                # (the block's output is out + bias: the decoder layer adds it later)
+                torch.add(_gather(source, rows), bias, out=out)
+                return
+            if isinstance(rows, slice):
                 out.copy_(source[rows])
             else:
                 torch.index_select(source, 0, rows, out=out)
@@ -1070,6 +1082,14 @@ def _wire_bank(rows: Any) -> Any:
     dtype (it pickles several times faster than a tensor; the driver makes it a
     tensor again without a copy), else the tensor itself (bfloat16)."""
     return rows.numpy() if rows.dtype in _NUMPY_DTYPES else rows
+
+
+def _block_bias(tensor_type: TensorType, output: Any) -> Any | None:
+    """The bias an attention or MLP block's ``output`` carries beside it, not yet
+    added (see :func:`layouts.output_bias`); None for other sites."""
+    if tensor_type is TensorType.ATTN_OUT or tensor_type is TensorType.MLP_OUT:
+        return layouts.output_bias(output)
+    return None
 
 
 def _gather(tensor: Any, rows: Any) -> Any:
