@@ -39,9 +39,11 @@ def layer_problems(edits: Sequence[Edit], capabilities: Any) -> list[SpecProblem
     for index, edit in enumerate(edits):
         valid = capabilities.valid_layers(edit.tensor_type)
         if not valid:
+            note = getattr(capabilities, "notes", {}).get(edit.tensor_type.value)
             problems.append(SpecProblem(
                 f"{edit.tensor_type.value!r} is not available on the {capabilities.backend} "
-                f"backend for {capabilities.model_type!r}", "tensor_type", index, edit.name,
+                f"backend for {capabilities.model_type!r}" + (f"; {note}" if note else ""),
+                "tensor_type", index, edit.name,
                 "edits"))
             continue
         bad = [layer for layer in edit.layers if layer not in valid]

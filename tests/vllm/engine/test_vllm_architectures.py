@@ -6,7 +6,9 @@ mixture-of-experts block. Falcon uses its new decoder
 architecture (grouped kv heads, as Falcon-40B/180B), and falcon-rw's layout
 (sequential attention and MLP, biased projections: vLLM's output projections
 return their bias beside the output, which the decoder layer adds later; the
-records and edits of ``attn_out``/``mlp_out`` include it, as the HF backend's do)."""
+records and edits of ``attn_out``/``mlp_out`` include it, as the HF backend's do).
+Under tensor parallelism Falcon's new decoder architecture leaves those outputs
+unreduced: they are refused, the residual stream still matches."""
 
 from __future__ import annotations
 
@@ -132,3 +134,38 @@ def test_falcon_rw_edits_read_the_biased_attention_and_mlp_outputs(tmp_path):
     spec = {"version": "2", "extraction_points": [RESIDUAL], "edits": edits}
     _agree(model_dir, spec, [" ".join(text.split()[:20]) for text in prompts(3)])
 
+
+def test_falcon_unreduced_outputs_are_refused_under_tensor_parallelism(tmp_path):
+    """Falcon's new decoder architecture under tensor_parallel_size=2: each rank's
+    attention and MLP outputs are partial sums (the decoder layer all-reduces their
+    sum), so attn_out and mlp_out points and edits are refused, naming why; the
+    residual stream still equals the HF backend's."""
+    from undercurrent.adapters.capabilities import CapabilityError
+    from undercurrent.spec import SpecValidationError
+
+    model_dir = build("falcon", tmp_path)
+    texts = [" ".join(text.split()[:20]) for text in prompts(3)]
+    hf_tokens, hf = _residual_records(model_dir, {"extraction_points": [RESIDUAL]}, texts)
+    with ProbedModel.from_pretrained(model_dir, backend="vllm", dtype="float32",
+                                     max_model_len=256, tensor_parallel_size=2) as loaded:
+        caps = loaded.capabilities()
+        assert {"attn_out", "mlp_out"}.isdisjoint(t.value for t in caps.tensor_types)
+        assert "unreduced" in caps.notes["attn_out"]
+        for tensor_type in ("attn_out", "mlp_out"):
+            point = {**RESIDUAL, "name": "block", "tensor_type": tensor_type}
+            with pytest.raises(CapabilityError, match="tensor parallelism"):
+                ProbedModel(loaded.backend, spec={"extraction_points": [point]})
+            push = {"name": "push", "layers": 1, "tensor_type": tensor_type,
+                    "position": "generated[*]", "op": "add", "coefficient": 1.0,
+                    "vector": [0.5] * 128}
+            with pytest.raises(SpecValidationError, match="tensor parallelism"):
+                ProbedModel(loaded.backend, spec={"version": "2", "extraction_points": [RESIDUAL],
+                                                  "edits": [push]})
+        model = ProbedModel(loaded.backend, spec={"extraction_points": [RESIDUAL]})
+        outputs = model.generate(texts, max_new_tokens=5, records=True,
+                                 request_ids=[f"r{i}" for i in range(len(texts))])
+    assert [output.token_ids for output in outputs] == hf_tokens
+    records = {(record.request_id, record.layer, record.token_index): record.tensor.float()
+               for output in outputs for record in output.records}
+    assert records.keys() == hf.keys()
+    assert max(float((records[key] - hf[key]).abs().max()) for key in hf) < 1e-3

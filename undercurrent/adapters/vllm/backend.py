@@ -501,14 +501,28 @@ class VLLMBackend:
 
     def capabilities(self) -> Capabilities:
         """Every tensor type at single-worker scale; ``kv`` is refused under tensor
-        parallelism (each rank holds a shard of the heads)."""
+        parallelism (each rank holds a shard of the heads), and so are ``attn_out``
+        and ``mlp_out`` where the model leaves those blocks' outputs unreduced
+        (each rank holds a partial sum: Falcon with ``new_decoder_architecture`` or
+        ``parallel_attn``)."""
         shape = self.shape
         config = self.engine.model_config.hf_config
-        types = [TensorType.RESIDUAL_STREAM, TensorType.ATTN_OUT, TensorType.MLP_OUT]
+        tensor_parallel = shape["tensor_parallel_size"]
+        unreduced = set(shape.get("unreduced", ())) if tensor_parallel > 1 else set()
+        types = [TensorType.RESIDUAL_STREAM]
         notes: dict[str, str] = {}
+        for tensor_type in (TensorType.ATTN_OUT, TensorType.MLP_OUT):
+            if tensor_type.value in unreduced:
+                notes[tensor_type.value] = (
+                    f"under tensor parallelism ({tensor_parallel} ranks) vLLM's "
+                    f"{shape['model_class']} leaves each layer's attention and MLP outputs "
+                    "unreduced (each rank holds a partial sum; the decoder layer all-reduces "
+                    "their sum), so they can be neither captured nor edited; run with "
+                    f"tensor_parallel_size=1, or capture or edit residual_stream")
+            else:
+                types.append(tensor_type)
         if shape["has_final_norm"]:
             types.append(TensorType.FINAL_NORM)
-        tensor_parallel = shape["tensor_parallel_size"]
         if shape["kv_heads_per_rank"] is None:
             notes["kv"] = f"no vLLM Attention layer found on {shape['model_class']}"
         elif tensor_parallel > 1:

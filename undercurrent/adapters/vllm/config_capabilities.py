@@ -15,8 +15,10 @@ from undercurrent.adapters.hf.architectures import config_dimensions
 from undercurrent.adapters.vllm.layout import check_family
 from undercurrent.spec.types import TensorType
 
-SCOPE_NOTE = ("at tensor_parallel_size=1 (kv is refused under tensor parallelism); vLLM checks "
-              "that it serves the architecture when the engine loads")
+SCOPE_NOTE = ("at tensor_parallel_size=1 (kv is refused under tensor parallelism, and so are "
+              "attn_out and mlp_out on Falcon with new_decoder_architecture or parallel_attn, "
+              "whose ranks hold partial sums of them); vLLM checks that it serves the "
+              "architecture when the engine loads")
 
 
 def capabilities_from_config(config: Any) -> Capabilities:

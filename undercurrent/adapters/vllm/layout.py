@@ -181,3 +181,15 @@ def output_bias(output: Any) -> Any | None:
         return None
     return bias if tuple(bias.shape) == tuple(out.shape[-1:]) else None
 
+
+def leaves_unreduced(block: Any) -> bool:
+    """Whether an attention or MLP block's output projection (the block itself or
+    a child of it) is a ``RowParallelLinear`` built with ``reduce_results=False``:
+    under tensor parallelism its output is then each rank's partial sum, which
+    the decoder layer all-reduces later (vLLM's Falcon with
+    ``new_decoder_architecture`` or ``parallel_attn`` reduces the sum of attention
+    and MLP outputs at once). A mixture-of-experts block's shared expert, a
+    grandchild, is reduced inside the block and does not count."""
+    return any(any(cls.__name__ == "RowParallelLinear" for cls in type(module).__mro__)
+               and getattr(module, "reduce_results", True) is False
+               for module in (block, *block.children()))

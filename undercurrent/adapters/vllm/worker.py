@@ -18,9 +18,11 @@ the batches wait in the worker and go several steps at a time, the rest when the
 driver asks once the engine is done.
 
 Only the capturing rank (tensor-parallel rank 0) captures; the tensors it captures
-are the full, all-reduced ones, identical on every rank. An attention or MLP block
-that returns its bias beside its output (``skip_bias_add``) is captured and edited
-as ``out + bias``, the output the Hugging Face backend sees. Live edits run on every
+are the full, all-reduced ones, identical on every rank (the driver refuses a site
+whose block leaves its output unreduced, Falcon's parallel attention and MLP: see
+``undercurrent_describe``'s ``unreduced``). An attention or MLP block that returns
+its bias beside its output (``skip_bias_add``) is captured and edited as
+``out + bias``, the output the Hugging Face backend sees. Live edits run on every
 rank (each rank's copy of the residual stream must change the same way): every
 rank hooks the model and plans the same edits from the same runner state; rank 0
 reports the edits it applied with the step's batch, and learns from the reply which
@@ -1144,6 +1146,11 @@ class UndercurrentWorkerExtension:
             "tensor_parallel_size": int(parallel.tensor_parallel_size),
             "pipeline_parallel_size": int(parallel.pipeline_parallel_size),
             "tensor_parallel_rank": _tensor_parallel_rank(),
+            # (tensor types whose blocks leave their output unreduced: under tensor
+            # parallelism each rank holds only its partial sum)
+            "unreduced": [tensor_type.value for tensor_type, blocks in
+                          ((TensorType.ATTN_OUT, lay.attention), (TensorType.MLP_OUT, lay.mlp))
+                          if any(layouts.leaves_unreduced(block) for block in blocks)],
         }
 
     def undercurrent_attach(self, address: str, authkey: bytes, driver_pid: int = 0) -> bool:
