@@ -44,28 +44,6 @@ def point_problem(index: int, point: Any, message: str, field: str | None = None
     return SpecProblem(message, field, index, name if isinstance(name, str) else None)
 
 
-def normalise_policy(policy: InterventionPolicy) -> InterventionPolicy:
-    """The same policy with enum fields (hand-built ones may hold plain strings).
-
-    Raises ValueError naming the allowed values for an unknown mode or on_timeout.
-    """
-    try:
-        mode = InterventionMode(policy.mode)
-    except ValueError:
-        allowed = ", ".join(m.value for m in InterventionMode)
-        raise ValueError(
-            f"intervention mode must be one of {allowed}, got {policy.mode!r}"
-        ) from None
-    try:
-        on_timeout = OnTimeout(policy.on_timeout)
-    except ValueError:
-        allowed = ", ".join(o.value for o in OnTimeout)
-        raise ValueError(
-            f"intervention on_timeout must be one of {allowed}, got {policy.on_timeout!r}"
-        ) from None
-    return InterventionPolicy(mode=mode, timeout_ms=policy.timeout_ms, on_timeout=on_timeout)
-
-
 def default_policy_problems(policy: InterventionPolicy) -> list[str]:
     """What is wrong with a router's ``default_intervention_policy`` (the spec's own
     rules, which points that set ``intervention`` are held to)."""
@@ -130,7 +108,7 @@ def check_request_points(
         problems += [point_problem(index, point, message, key) for key, message in probe_faults]
         if len(problems) == before and cls is not None and index not in refused:
             capacity = queue_capacity(point, default_queue_depth) if is_async else None
-            checked.append(CheckedPoint(index, point, cls, normalise_policy(policy), capacity))
+            checked.append(CheckedPoint(index, point, cls, policy, capacity))
     # point by point (a stable sort: the spec's problems of a point come first)
     problems.sort(key=lambda problem: -1 if problem.point_index is None else problem.point_index)
     return checked, problems
