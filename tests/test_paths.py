@@ -28,3 +28,24 @@ def test_path_argument_expands_home_and_refuses_an_empty_argument(home):
     assert path_argument("tiny") == "tiny"
     with pytest.raises(argparse.ArgumentTypeError, match="an empty path"):
         path_argument("")
+
+
+def test_a_tilde_naming_no_user_is_left_as_written(home, tmp_path, monkeypatch):
+    # Path.expanduser() raises a bare RuntimeError ("Could not determine home
+    # directory") for "~nosuchuser/..."; a folder so named in the working directory
+    # was read before "~" was expanded, and a missing one was named in the message.
+    from undercurrent.api import load_spec
+    from undercurrent.paths import shipped_or_user_path
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "~undercurrent_no_such_user"
+    folder.mkdir()
+    (folder / "spec.yaml").write_text("extraction_points: []\n", encoding="utf-8")
+    assert user_path("~undercurrent_no_such_user/x", "path") == Path(
+        "~undercurrent_no_such_user/x")
+    assert shipped_or_user_path("~undercurrent_no_such_user/x") == Path(
+        "~undercurrent_no_such_user/x")
+    assert len(load_spec("~undercurrent_no_such_user/spec.yaml")) == 0
+    with pytest.raises(FileNotFoundError, match="'~undercurrent_no_such_user/missing.yaml' is "
+                                                "not a file"):
+        load_spec("~undercurrent_no_such_user/missing.yaml")

@@ -39,7 +39,7 @@ def user_path(value: Any, argument: str, *, what: str = "a path") -> Path:
                         f"({text!r:.40})")
     if not text:
         raise ValueError(f"{argument} is an empty path; give {what}")
-    return Path(text).expanduser()
+    return Path(os.path.expanduser(text))
 
 
 def path_argument(text: str) -> str:
@@ -58,7 +58,7 @@ def shipped_or_user_path(value: str | os.PathLike[str]) -> Path:
     text = os.fspath(value)
     if isinstance(text, str) and text.startswith(PACKAGE_PREFIX):
         return package_file(text[len(PACKAGE_PREFIX):])
-    return Path(text).expanduser()
+    return Path(os.path.expanduser(text))
 
 
 @functools.lru_cache(maxsize=64)

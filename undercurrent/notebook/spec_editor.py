@@ -451,7 +451,7 @@ class SpecEditor:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the spec's YAML to ``path`` and return its absolute path (raises if the
         spec is invalid)."""
-        target = Path(path).expanduser().resolve()
+        target = Path(os.path.expanduser(path)).resolve()
         spec = self.spec
         target.write_text(to_yaml(spec), encoding="utf-8")
         self._saved = (target, spec)
