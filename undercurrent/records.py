@@ -466,7 +466,7 @@ class DeferredRows:
 
     __slots__ = ("make", "value", "lock", "pieces")
 
-    def __init__(self, make: Callable[[], Any], pieces: Sequence[Any] | None = None) -> None:
+    def __init__(self, make: Callable[[], Any], pieces: list[Any] | None = None) -> None:
         self.make: Callable[[], Any] | None = make
         self.value: Any = None
         self.lock = threading.Lock()  # async workers may read slices of one batch at once

@@ -59,8 +59,9 @@ class Received(Probe):
         return self.seen
 
 
-def _point(name: str, probe_type: str, position: str, mode: str = "inline") -> ExtractionPoint:
-    return ExtractionPoint(name=name, layers=(1,), tensor_type="residual_stream",
+def _point(name: str, probe_type: str, position: str, mode: str = "inline",
+           layers: tuple[int, ...] = (1,)) -> ExtractionPoint:
+    return ExtractionPoint(name=name, layers=layers, tensor_type="residual_stream",
                            position=position, probe_type=probe_type,
                            probe_kind="trajectory", execution_mode=mode)
 
@@ -81,17 +82,21 @@ def _kept(output: Any, name: str) -> dict[tuple[int, int], Any]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["generate", "stream"])
+@pytest.mark.parametrize("layers", [(1,), (0, 1)], ids=["same layer", "and another"])
 @pytest.mark.parametrize("mode", ["inline", "async", "every_point_async"])
 @pytest.mark.parametrize("position", ["generated[*]", "prompt[-1]", "generated[2:6]"])
-def test_a_probe_changing_its_tensor_in_place_changes_no_other_point_s(position, mode, stream):
-    # (every point async: generate() routes the decode steps in windows)
+def test_a_probe_changing_its_tensor_in_place_changes_no_other_point_s(position, mode, stream,
+                                                                       layers):
+    # (every point async: generate() routes the decode steps in windows). Points on
+    # layers (0, 1) beside the changing ones on layer 1 stack their layers' rows when
+    # first read, after the changing probes ran: they read the changed rows.
     others = "async" if mode == "every_point_async" else "inline"
     mode = "async" if mode == "every_point_async" else mode
-    alone = _run([_point("keep", "capture", position, others),
-                  _point("seen", "received", position, others)], stream)
+    alone = _run([_point("keep", "capture", position, others, layers),
+                  _point("seen", "received", position, others, layers)], stream)
     both = _run([_point("center", "center", position, mode),
-                 _point("keep", "capture", position, others),
-                 _point("seen", "received", position, others),
+                 _point("keep", "capture", position, others, layers),
+                 _point("seen", "received", position, others, layers),
                  _point("add_one", "add_one", position, mode)], stream)
     for before, after in zip(alone, both, strict=True):
         assert after.token_ids == before.token_ids

@@ -713,9 +713,19 @@ def _own_tensors(points: Sequence[tuple[ActivationBatch, Any, Any]]) -> None:
     seen: set[int] = set()
     for batch, _, _ in points:
         rows = batch._tensor
-        if rows is None or isinstance(rows, DeferredRows):
-            continue  # (built from records, or stacked for this batch alone when read)
-        if id(rows) in seen:
+        if rows is None:
+            continue  # (built from records)
+        if isinstance(rows, DeferredRows):
+            # Stacked when first read, from its layers' tensors: the very ones a point
+            # of one of those layers holds (the stack, a copy, is made only later).
+            # Its pieces are the list its make() stacks: a shared one is replaced there.
+            pieces = rows.pieces or []
+            for index, piece in enumerate(pieces):
+                if id(piece) in seen:
+                    pieces[index] = _copied(piece)
+                else:
+                    seen.add(id(piece))
+        elif id(rows) in seen:
             batch._tensor = _copied(rows)
         else:
             seen.add(id(rows))
