@@ -333,6 +333,14 @@ def test_version_must_be_a_string() -> None:
     assert field == "version" and 'version: "1"' in message
 
 
+def test_an_unquoted_version_1_0_is_told_to_quote_the_1_it_means() -> None:
+    # (it was called unsupported, and pointed at version "2", the edits format)
+    with pytest.raises(SpecValidationError) as caught:
+        parse_yaml("version: 1.0\nextraction_points: []\n")
+    assert [(p.field, p.message) for p in caught.value.problems] == [
+        ("version", 'must be a string, got a number (1.0); write version: "1" (quoted)')]
+
+
 @pytest.mark.parametrize("with_edit", [True, False])
 def test_an_unquoted_version_2_is_one_problem_saying_to_quote_that_2(with_edit: bool) -> None:
     edits = ("edits:\n  - {name: e, layers: 1, tensor_type: residual_stream,"

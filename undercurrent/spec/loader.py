@@ -291,8 +291,11 @@ def _is_list(value: object) -> bool:
 
 
 def _unquoted_version(version: object) -> str | None:
-    """The known spec version a plain YAML number stands for (``2`` -> ``"2"``), or
-    ``None`` (YAML reads ``version: 2`` as an integer; a version is a string)."""
+    """The known spec version a plain YAML number stands for (``2`` or ``2.0`` ->
+    ``"2"``), or ``None`` (YAML reads ``version: 2`` as an integer; a version is a
+    string)."""
+    if isinstance(version, float) and version.is_integer():
+        version = int(version)
     if isinstance(version, int) and not isinstance(version, bool) and str(version) in (
             SPEC_VERSIONS):
         return str(version)
