@@ -226,6 +226,9 @@ def test_a_seed_or_class_weight_scikit_learn_cannot_use_is_refused_naming_it():
     weighted = fit_linear_probe(X, y, seed=np.int64(2**32 - 1), class_weight={0: np.float32(2)})
     assert weighted.weight.tolist() == fit_linear_probe(
         X, y, seed=2**32 - 1, class_weight={0: 2.0}).weight.tolist()
+    # (a 0-d array, a ratio of counts, is a number too, as scikit-learn takes it)
+    assert weighted.weight.tolist() == fit_linear_probe(
+        X, y, seed=2**32 - 1, class_weight={0: np.array(2.0)}).weight.tolist()
     assert fit_linear_probe(X, y, seed=None, class_weight="balanced").classes == (0, 1)
 
 

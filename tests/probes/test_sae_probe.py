@@ -334,7 +334,7 @@ def test_clear_errors_for_bad_folders_and_arguments(tmp_path):
     ({"normalize_activations": []}, r"normalize_activations \[\] is not one SAELens defines"),
     ({"normalize_activations": {"x": 1}}, r"normalize_activations \{'x': 1\} is not one"),
     ({"d_in": "4"}, r"field d_in must be an integer, got str \('4'\)"),
-    ({"d_sae": 6.0}, r"field d_sae must be an integer, got float \(6\.0\)"),
+    ({"d_sae": 6.5}, r"field d_sae must be an integer, got float \(6\.5\)"),
     ({"d_sae": True}, r"field d_sae must be an integer, got bool"),
 ])
 def test_config_fields_the_encoder_would_not_follow_are_refused(tmp_path, config, message):
@@ -342,6 +342,12 @@ def test_config_fields_the_encoder_would_not_follow_are_refused(tmp_path, config
     write_sae(tmp_path, config=config)
     with pytest.raises(SaeFileError, match=f"SAE folder '{re.escape(str(tmp_path))}'.*{message}"):
         load_sae(tmp_path)
+
+
+def test_whole_float_sizes_in_the_config_are_read_as_integers(tmp_path):
+    # (d_in: 4.0 and d_sae: 6.0, as some writers give them, were refused as floats)
+    write_sae(tmp_path, config={"d_in": 4.0, "d_sae": 6.0})
+    np.testing.assert_array_equal(load_sae(tmp_path).encode(X).shape, (len(X), 6))
 
 
 @pytest.mark.parametrize(("architecture", "activation_fn"), [

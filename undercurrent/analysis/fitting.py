@@ -309,6 +309,8 @@ def _checked_class_weight(class_weight: Any) -> Any:
     weights = {}
     for label, weight in class_weight.items():
         name = f"fit_linear_probe: class_weight[{label!r}]"
+        if hasattr(weight, "item") and getattr(weight, "ndim", None) == 0:
+            weight = weight.item()  # (a 0-d array or tensor: a ratio of counts, say)
         number = check_number(name, weight)
         if not (math.isfinite(number) and number > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {weight!r}")

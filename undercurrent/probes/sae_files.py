@@ -471,8 +471,9 @@ def _build(
             )
     declared = {"d_in": d_in, "d_sae": d_sae}
     for name, actual in declared.items():
-        if name in config and (isinstance(config[name], bool)
-                               or not isinstance(config[name], int)):
+        value = config.get(name)  # (a whole float, 128.0, as some writers give, is 128)
+        if name in config and (isinstance(value, bool) or not (
+                isinstance(value, int) or (isinstance(value, float) and value.is_integer()))):
             raise SaeFileError(
                 f"{source}: {SAE_CONFIG_FILE} field {name} must be an integer, got "
                 f"{type(config[name]).__name__} ({config[name]!r:.40})"
