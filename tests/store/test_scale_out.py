@@ -208,7 +208,8 @@ class _SeedsAsVllm:
 
         self.model = model
         self.backend = SimpleNamespace(name="vllm", model_name=model.backend.model_name,
-                                       dtype=model.backend.dtype)
+                                       dtype=model.backend.dtype,
+                                       capabilities=model.backend.capabilities)
         self.batch_size, self.points, self.spec = model.batch_size, model.points, model.spec
         self.seeds = {}
 
