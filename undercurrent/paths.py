@@ -51,14 +51,15 @@ def path_argument(text: str) -> str:
     return os.path.expanduser(text)
 
 
-def shipped_or_user_path(value: str | os.PathLike[str]) -> Path:
+def shipped_or_user_path(value: str | os.PathLike[str], *, resolve: bool = False) -> Path:
     """A file a spec or a call names: ``undercurrent:REL`` is ``REL`` inside the
-    package (see :data:`PACKAGE_PREFIX`); anything else an ordinary path, ``~``
-    expanded (not resolved)."""
+    package (see :data:`PACKAGE_PREFIX`; resolved once); anything else an ordinary
+    path, ``~`` expanded (and resolved when ``resolve``)."""
     text = os.fspath(value)
     if isinstance(text, str) and text.startswith(PACKAGE_PREFIX):
         return package_file(text[len(PACKAGE_PREFIX):])
-    return Path(os.path.expanduser(text))
+    path = Path(os.path.expanduser(text))
+    return path.resolve() if resolve else path
 
 
 @functools.lru_cache(maxsize=64)

@@ -163,7 +163,7 @@ def resolve_probe_path(path: str | os.PathLike[str]) -> Path:
     package (``undercurrent:models/tiny/probe.safetensors`` is the bundled probe), so
     a spec can point at it wherever the package is installed; anything else is an
     ordinary path (``~`` expanded)."""
-    return shipped_or_user_path(path).resolve()
+    return shipped_or_user_path(path, resolve=True)
 
 
 def load_linear_weights(path: str | os.PathLike[str]) -> LinearWeights:

@@ -220,9 +220,9 @@ def _copies_problem(instance: Any, copies: Sequence[Any]) -> str | None:
             return ("it returned the instance itself, so every request would share one "
                     f"probe and its state; return a new {kind}, or None to have the "
                     "constructor build one")
-        made_kind = type(copy).__name__
         if not isinstance(copy, type(instance)) and not _same_class_defined_again(
                 type(copy), type(instance)):
+            made_kind = type(copy).__name__
             if made_kind == kind:  # (a class of the same name from another module)
                 made_kind, kind = _full_name(type(copy)), _full_name(type(instance))
             return (f"it returned {made_kind} {copy!r:.60}; it must return a new "
