@@ -168,6 +168,53 @@ def test_capture_last_token_adds_the_last_tokens_records_like_hf(backend, model_
             assert any(r.token_index == last for r in output.records), output.request_id
 
 
+@pytest.mark.timeout(300)  # (a hang guard: the call waited for good before)
+def test_an_abort_on_the_last_token_ends_only_that_request_of_capture_last_token(
+        backend, reference, baseline):
+    # (the last token is fed only by the replay that captures it: a probe aborting
+    # one replay there, while the others run to the end, ends it as HF does)
+    texts, _ = reference
+    ids = [f"r{i}" for i in range(6)]
+    assert len(baseline[2].token_ids) >= 4
+    model, router = _stopping_model(backend, {"r2"}, 3)
+    try:
+        outputs = model.generate(texts[:6], request_ids=ids, max_new_tokens=4,
+                                 capture_last_token=True, records=True)
+    finally:
+        router.shutdown()
+    for output, plain in zip(outputs, baseline, strict=False):
+        assert output.token_ids == plain.token_ids[:4], output.request_id
+        if output.request_id == "r2":
+            assert output.aborted and output.finish_reason == "abort"
+            assert output.abort.generated_index == 3 and output.results["guard"].flagged
+            assert max(r.generated_index for r in output.records) == 3
+        else:
+            assert not output.aborted, output.request_id
+    assert not backend.engine.has_unfinished_requests()
+
+
+@pytest.mark.timeout(300)  # (a hang guard)
+def test_a_replay_the_engine_never_finishes_is_an_error_naming_it(backend, reference, baseline,
+                                                                  monkeypatch):
+    # (the abort of a replay never reaches the engine's output processor, as before
+    # the fix above: the replay of r2 would be waited for with no step to run)
+    texts, _ = reference
+    take = backend._take_aborted
+    monkeypatch.setattr(backend, "_take_aborted", lambda: take() and [])
+    model, router = _stopping_model(backend, {"r2"}, 3)
+    try:
+        with pytest.raises(BackendError, match=r"capture_last_token.*still unfinished: 'r2'"):
+            model.generate(texts[:3], request_ids=["r0", "r1", "r2"], max_new_tokens=4,
+                           capture_last_token=True)
+    finally:
+        router.shutdown()
+    monkeypatch.undo()
+    assert not backend.engine.has_unfinished_requests()
+    session = CaptureSession(None, [])
+    again = backend.generate(texts[:3], ["r0", "r1", "r2"], GREEDY, session)
+    assert [o.token_ids for o in again] == [o.token_ids for o in baseline[:3]]
+
+
 def _stopping_model(backend, marked, generated_index, records=True):
     router = Router(probes={"stop_at": stop_at})
     spec = {"version": "1", "extraction_points": [{

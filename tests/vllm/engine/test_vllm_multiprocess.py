@@ -134,6 +134,27 @@ def test_inline_abort_stops_the_request_within_one_engine_step(backend, referenc
     assert stopped >= 3
 
 
+@pytest.mark.timeout(300)  # (a hang guard: the call waited for good before)
+def test_an_abort_on_the_last_token_ends_only_that_request_of_capture_last_token(
+        backend, reference):
+    # (the last token is fed only by the replay that captures it: the engine core
+    # drops the replay the probe aborts, and the driver ends it as well)
+    texts, hf_outputs = reference
+    assert len(hf_outputs[2].token_ids) >= 4
+    router = Router(probes={"stop_at": stop_at})
+    model = guarded(backend, router, {"r2"}, generated_index=3)
+    try:
+        outputs = model.generate(texts[:6], request_ids=[f"r{i}" for i in range(6)],
+                                 max_new_tokens=4, capture_last_token=True)
+    finally:
+        router.shutdown()
+    for output, plain in zip(outputs, hf_outputs, strict=False):
+        assert output.token_ids == plain.token_ids[:4], output.request_id
+        assert output.aborted == (output.request_id == "r2"), output.request_id
+    assert outputs[2].abort.generated_index == 3
+    assert not backend.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("call", ["generate", "stream"])
 @pytest.mark.parametrize("held_after", [2, 3])
 def test_an_abort_that_overtakes_the_outputs_keeps_every_token_up_to_the_aborting_one(

@@ -1092,14 +1092,42 @@ class VLLMBackend:
         single = VllmSampling(max_tokens=1, temperature=0.0, detokenize=False)
         for replay_id, _, _ in entries:
             self._add(replay_id, sequences[replay_id], single)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        # An inline probe may abort a replay (on the last token, fed only now): the
+        # engine core drops it without telling the engine's output processor, which
+        # would wait for it for good. Aborted here as _drive does, it ends.
+        running = {replay_id: state for replay_id, state, _ in entries}
+        # Each step feeds each running replay one token at least: more steps than
+        # the tokens replayed means one is stuck (a guard, never reached).
+        limit = sum(len(sequence) for sequence in sequences.values()) + len(entries) + 1
+        steps_left = limit
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            if steps_left == 0:
+                stuck = ", ".join(f"{running[e].request_id!r} (engine request {e})"
+                                  for e in running) or "none of them (the engine holds another)"
+                # (let go of them: the engine stays usable, and the call's cleanup,
+                # which aborts its own requests, steps until none is left)
+                with self._input_lock:
+                    engine.abort_request(list(running))
+                engine.collective_rpc("undercurrent_release", args=([e for e, _, _ in entries],))
+                raise BackendError(
+                    f"capture_last_token: the vLLM engine did not finish the {len(entries)} "
+                    f"request(s) replayed to capture their last token in {limit} steps (one "
+                    f"per token they feed, and more); still unfinished: {stuck}")
+            steps_left -= 1
+            for output in engine.step():
+                if output.finished:
+                    running.pop(output.request_id, None)
             if ctrl_c is not None:
                 ctrl_c.raise_held()
             error = self.server.take_error()
             if error is not None:
                 raise error
-        self.engine.collective_rpc("undercurrent_release", args=([e for e, _, _ in entries],))
+            aborted = [e for e in self._take_aborted() if running.pop(e, None) is not None]
+            if aborted:
+                with self._input_lock:
+                    engine.abort_request(aborted)
+        engine.collective_rpc("undercurrent_release", args=([e for e, _, _ in entries],))
 
     def _finish(self, states: list[RequestState], generated: list[list[int]],
                 reasons: list[str], params: SamplingParams, session: CaptureSession
