@@ -587,6 +587,17 @@ def test_an_edit_log_cut_at_a_token_keeps_the_entries_before_it_and_follows_no_f
     assert list(log) == []
 
 
+def test_an_edit_log_s_journal_entries_on_prompt_tokens_have_no_generated_index():
+    # (vLLM feeds a prompt in chunks: a later chunk's steady step edits prompt
+    # tokens, which have no generated index, as the HF backend reports them)
+    journal = [0, 1, 2]
+    log = EditLog()
+    log.follow(journal, 3, 4, [("a", 1, "residual_stream")])
+    assert list(log) == [AppliedEdit("a", 1, 3, None, "residual_stream"),
+                         AppliedEdit("a", 1, 4, 0, "residual_stream"),
+                         AppliedEdit("a", 1, 5, 1, "residual_stream")]
+
+
 def test_journals_stopped_at_a_change_of_edits_are_built_when_read_each_in_its_place(
         monkeypatch):
     """(a journal stopped when its request follows another, or logs an entry of

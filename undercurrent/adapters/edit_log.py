@@ -92,7 +92,9 @@ class EditLog(Sequence[AppliedEdit]):
                sites: Sequence[EditSite]) -> None:
         """From now on, each shift ``d`` appended to ``journal`` (the first of them
         included, if there) means ``sites`` were edited at token ``token_index +
-        d`` (a generated token of a prompt of ``prompt_len`` tokens)."""
+        d`` (a token of a sequence whose prompt has ``prompt_len`` tokens: a
+        generated one, or a prompt token that a later chunk of a chunked prefill
+        fed, which has no generated index)."""
         if self._following is not None:
             self._stop()
         self._following = [journal, 0, token_index, prompt_len, tuple(sites), 0]
@@ -238,7 +240,8 @@ def _entries(shifts: list[int], token_index: int, prompt_len: int,
     (a prompt of ``prompt_len`` tokens): ``sites`` at each shifted token, each
     made as :class:`AppliedEdit` 's own ``__init__`` makes it."""
     return [built(AppliedEdit, {"edit_name": name, "layer": layer, "token_index": token,
-                                "generated_index": token - prompt_len,
+                                "generated_index": (token - prompt_len
+                                                    if token >= prompt_len else None),
                                 "tensor_type": tensor_type})
             for token in [token_index + shift for shift in shifts]
             for name, layer, tensor_type in sites]
