@@ -15,48 +15,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
+from point_tensor_probes import PROBES  # noqa: E402
 
 from undercurrent.api import ProbedModel  # noqa: E402
-from undercurrent.probes import Probe  # noqa: E402
-from undercurrent.spec import ProbeKind  # noqa: E402
 from undercurrent.spec.types import ExtractionPoint  # noqa: E402
 
 PROMPTS = [prompt(1, 2, 3), prompt(4, 5, 6, 7, 8)]
-
-
-class CenterInPlace(Probe):
-    """A plausible user probe: centres each activation in place (then judges it)."""
-
-    probe_kind = ProbeKind.TRAJECTORY
-
-    def on_start(self, ctx: Any) -> None:
-        pass
-
-    def on_activation(self, record: Any) -> None:
-        record.tensor.sub_(record.tensor.mean())
-
-    def on_end(self, ctx: Any) -> None:
-        return None
-
-
-class AddOne(CenterInPlace):
-    def on_activation(self, record: Any) -> None:
-        record.tensor.add_(1.0)
-
-
-class Received(Probe):
-    """Keeps a copy of every tensor it is handed, by (token, layer): its verdict."""
-
-    probe_kind = ProbeKind.TRAJECTORY
-
-    def on_start(self, ctx: Any) -> None:
-        self.seen: dict[tuple[int, int], Any] = {}
-
-    def on_activation(self, record: Any) -> None:
-        self.seen[(record.token_index, record.layer)] = record.tensor.clone()
-
-    def on_end(self, ctx: Any) -> dict[tuple[int, int], Any]:
-        return self.seen
 
 
 def _point(name: str, probe_type: str, position: str, mode: str = "inline",
@@ -68,7 +32,7 @@ def _point(name: str, probe_type: str, position: str, mode: str = "inline",
 
 def _run(points: list[ExtractionPoint], stream: bool) -> list[Any]:
     model, tokenizer = build_model("llama"), build_tokenizer()
-    probes = {"center": CenterInPlace, "add_one": AddOne, "received": Received}
+    probes = PROBES
     with ProbedModel(model, tokenizer, spec=points, probes=probes) as probed:
         if stream:  # (each step routed as it comes: no window)
             return [list(probed.stream(text, max_new_tokens=12, records=True))[-1].output

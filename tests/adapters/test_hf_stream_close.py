@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from closing import close_in_thread  # noqa: E402
 from hf_models import build_model, build_tokenizer, prompt  # noqa: E402
 
 from undercurrent import ProbedModel  # noqa: E402
@@ -54,20 +55,6 @@ def _streaming() -> tuple[ProbedModel, Any, Any]:
     return pm, stream, next(stream)
 
 
-def _closing(pm: ProbedModel) -> tuple[threading.Thread, list[BaseException]]:
-    errors: list[BaseException] = []
-
-    def close() -> None:
-        try:
-            pm.close()
-        except BaseException as error:  # noqa: BLE001 - the test reads it
-            errors.append(error)
-
-    closer = threading.Thread(target=close)
-    closer.start()
-    return closer, errors
-
-
 def _check_cancelled(pm: ProbedModel, first: Any, rest: list[Any], stream: Any) -> None:
     events = [first, *rest]
     final = events[-1]
@@ -86,7 +73,7 @@ def _check_cancelled(pm: ProbedModel, first: Any, rest: list[Any], stream: Any) 
 
 def test_close_on_another_thread_cancels_the_stream_its_reader_waits_on() -> None:
     pm, stream, first = _streaming()
-    closer, errors = _closing(pm)
+    closer, errors = close_in_thread(pm)
     rest = list(stream)  # (waits in next() while close() cancels the generation)
     closer.join()
     assert errors == []
@@ -95,7 +82,7 @@ def test_close_on_another_thread_cancels_the_stream_its_reader_waits_on() -> Non
 
 def test_a_reader_between_two_events_gets_the_rest_of_a_stream_close_ended() -> None:
     pm, stream, first = _streaming()
-    closer, errors = _closing(pm)
+    closer, errors = close_in_thread(pm)
     # The reader handles its event while close() cancels the generation and ends
     # the stream on its own thread; the reader's next() then comes (while close()
     # ends it, or after).

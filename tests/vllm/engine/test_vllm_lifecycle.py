@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import pytest
+from closing import close_in_thread
 from vllm_engine_helpers import prompts
 
 from undercurrent.adapters.base import BackendError
@@ -221,16 +222,7 @@ def test_close_on_another_thread_cancels_the_stream_its_reader_waits_on(model_di
         Recorder.hook = hold
         try:
             first = next(stream)
-            errors: list[BaseException] = []
-
-            def close(pm: ProbedModel = pm, errors: list[BaseException] = errors) -> None:
-                try:
-                    pm.close()
-                except BaseException as error:  # noqa: BLE001 - the test reads it
-                    errors.append(error)
-
-            closer = threading.Thread(target=close)
-            closer.start()
+            closer, errors = close_in_thread(pm)
             if not reader_waits:  # (between two events while close() ends the stream)
                 stream._cancel.wait()
             rest = list(stream)  # (else waits in next() while close() cancels it)

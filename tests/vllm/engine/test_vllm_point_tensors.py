@@ -9,47 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from point_tensor_probes import PROBES
 from vllm_engine_helpers import CHUNK_BUDGET, MAX_NEW_TOKENS, hf_reference, prompts
 
 from undercurrent.adapters.base import SamplingParams
 from undercurrent.api import ProbedModel
-from undercurrent.probes import Probe
-from undercurrent.spec.types import ExtractionPoint, ProbeKind
+from undercurrent.spec.types import ExtractionPoint
 
 POSITIONS = {"g": "generated[*]", "p": "prompt[-1]"}
-
-
-class CenterInPlace(Probe):
-    probe_kind = ProbeKind.TRAJECTORY
-
-    def on_start(self, ctx: Any) -> None:
-        pass
-
-    def on_activation(self, record: Any) -> None:
-        record.tensor.sub_(record.tensor.mean())
-
-    def on_end(self, ctx: Any) -> None:
-        return None
-
-
-class AddOne(CenterInPlace):
-    def on_activation(self, record: Any) -> None:
-        record.tensor.add_(1.0)
-
-
-class Received(Probe):
-    """Keeps a copy of every tensor it is handed, by (token, layer): its verdict."""
-
-    probe_kind = ProbeKind.TRAJECTORY
-
-    def on_start(self, ctx: Any) -> None:
-        self.seen: dict[tuple[int, int], Any] = {}
-
-    def on_activation(self, record: Any) -> None:
-        self.seen[(record.token_index, record.layer)] = record.tensor.clone()
-
-    def on_end(self, ctx: Any) -> dict[tuple[int, int], Any]:
-        return self.seen
 
 
 def _points(changing: bool) -> list[ExtractionPoint]:
@@ -85,7 +52,7 @@ def expected(model_dir, reference):
 def probed(model_dir, expected):
     loaded = ProbedModel.from_pretrained(
         model_dir, backend="vllm", dtype="float32", spec=_points(True),
-        probes={"center": CenterInPlace, "add_one": AddOne, "received": Received},
+        probes=PROBES,
         max_model_len=256, max_num_batched_tokens=CHUNK_BUDGET, max_num_seqs=32)
     yield loaded
     loaded.close()
